@@ -1,0 +1,335 @@
+"""The tape: define-by-run, reverse-mode automatic differentiation over torch tensors.
+
+A ``Var`` wraps a ``torch.Tensor`` (``.data``). An op computes its output with plain tensor maths (a kernel),
+then records one node with ``Var.from_op(value, parents, backward_fn, name)``: the parents it read and a
+closure that maps the upstream gradient dL/d(out) to one gradient (or ``None``) per parent. The closure
+captures whatever the op saved for its backward (inputs, ``inv_rms``, the softmax output, ...).
+
+``loss.backward()`` orders the graph topologically (iteratively: a chain of 100,000 ops must not hit
+Python's recursion limit), seeds dL/dL = 1, and walks the order in reverse. Gradients that reach one Var
+from several consumers are summed (fan-out; ``mul(x, x)`` passes x twice and gets both halves). Leaf Vars
+created with ``requires_grad=True`` keep their gradient in ``.grad`` and accumulate across backward calls
+until ``zero_grad()``; intermediate gradients live only while backward needs them.
+
+Memory: when a node's backward has run, its gradient, closure (and with it every saved tensor) and its
+parent links are dropped, so activations are freed as backward walks down the graph, as in a production
+engine. A second backward through a freed graph raises an error unless the first used ``retain_graph=True``.
+
+torch.autograd is never used here: tensors never have ``requires_grad`` set; all derivatives are ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+BackwardFn = Callable[[torch.Tensor], Sequence[torch.Tensor | None]]
+
+_grad_enabled = True
+
+
+def is_grad_enabled() -> bool:
+    return _grad_enabled
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Within this block ops record nothing on the tape (inference, optimizer updates, recompute)."""
+    global _grad_enabled
+    prev = _grad_enabled
+    _grad_enabled = False
+    try:
+        yield
+    finally:
+        _grad_enabled = prev
+
+
+@contextlib.contextmanager
+def enable_grad():
+    global _grad_enabled
+    prev = _grad_enabled
+    _grad_enabled = True
+    try:
+        yield
+    finally:
+        _grad_enabled = prev
+
+
+class Var:
+    """A tensor on the tape. Leaves are made by the user; every other Var comes from ``Var.from_op``."""
+
+    __slots__ = ("data", "grad", "requires_grad", "name", "_parents", "_backward", "_freed", "__weakref__")
+
+    # make ``tensor + var`` etc. defer to Var's reflected operators
+    __array_priority__ = 1000
+
+    def __init__(self, data: torch.Tensor, requires_grad: bool = False, name: str = "leaf"):
+        if isinstance(data, Var):
+            raise TypeError("Var(...) expects a torch.Tensor, got a Var (use .detach() to cut the tape)")
+        if not isinstance(data, torch.Tensor):
+            data = torch.as_tensor(data)
+        if requires_grad and not (data.is_floating_point() or data.is_complex()):
+            raise ValueError(f"Var: only floating-point tensors can require grad, got {data.dtype}")
+        self.data = data
+        self.grad: torch.Tensor | None = None
+        self.requires_grad = bool(requires_grad)
+        self.name = name
+        self._parents: tuple[Var, ...] = ()
+        self._backward: BackwardFn | None = None
+        self._freed = False
+
+    # -- construction of op nodes ------------------------------------------------------------------
+    @staticmethod
+    def from_op(value: torch.Tensor, parents: Sequence[Var], backward_fn: BackwardFn, name: str) -> Var:
+        """Record an op: ``value`` computed from ``parents``; ``backward_fn(dout)`` returns one gradient
+        (or None) per parent, in order. Under ``no_grad`` or when no parent requires grad, no node is
+        recorded and the closure (with its saved tensors) is dropped at once."""
+        out = Var.__new__(Var)
+        out.data = value
+        out.grad = None
+        out.name = name
+        out._freed = False
+        if _grad_enabled and any(p.requires_grad for p in parents):
+            out.requires_grad = True
+            out._parents = tuple(parents)
+            out._backward = backward_fn
+        else:
+            out.requires_grad = False
+            out._parents = ()
+            out._backward = None
+        return out
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._backward is None and not self._freed
+
+    # -- tensor-like accessors -------------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def ndim(self) -> int:
+        return self.data.dim()
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    def numel(self) -> int:
+        return self.data.numel()
+
+    def size(self, dim: int | None = None):
+        return self.data.shape if dim is None else self.data.shape[dim]
+
+    def item(self) -> float:
+        return self.data.item()
+
+    def detach(self) -> Var:
+        """A new leaf sharing the same tensor, cut from the tape."""
+        return Var(self.data, requires_grad=False, name=self.name)
+
+    def zero_grad(self) -> None:
+        self.grad = None
+
+    def __repr__(self) -> str:
+        g = ", requires_grad=True" if self.requires_grad else ""
+        return f"Var({self.name}, shape={tuple(self.data.shape)}, dtype={self.data.dtype}{g})"
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    # -- backward ------------------------------------------------------------------------------------
+    def backward(self, grad: torch.Tensor | None = None, retain_graph: bool = False) -> None:
+        """Reverse-mode sweep from this Var. ``grad`` is dL/d(self); it may be omitted for a scalar."""
+        if not self.requires_grad:
+            raise RuntimeError(f"backward: {self!r} does not require grad (no leaf with requires_grad=True "
+                               "reaches it, or it was computed under no_grad)")
+        if grad is None:
+            if self.data.numel() != 1:
+                raise RuntimeError(f"backward: an explicit grad is needed for a non-scalar output of shape "
+                                   f"{tuple(self.data.shape)}; pass grad= with that shape")
+            grad = torch.ones_like(self.data)
+        else:
+            if isinstance(grad, Var):
+                grad = grad.data
+            if grad.shape != self.data.shape:
+                raise ValueError(f"backward: grad shape {tuple(grad.shape)} != output shape "
+                                 f"{tuple(self.data.shape)}")
+        run_backward(self, grad, retain_graph)
+
+    # -- operators map to xtrain.ops (imported lazily: ops imports this module) -----------------
+    def __add__(self, other):
+        from xtrain.ops import add
+        return add(self, other)
+
+    def __radd__(self, other):
+        from xtrain.ops import add
+        return add(other, self)
+
+    def __sub__(self, other):
+        from xtrain.ops import sub
+        return sub(self, other)
+
+    def __rsub__(self, other):
+        from xtrain.ops import sub
+        return sub(other, self)
+
+    def __mul__(self, other):
+        from xtrain.ops import mul
+        return mul(self, other)
+
+    def __rmul__(self, other):
+        from xtrain.ops import mul
+        return mul(other, self)
+
+    def __truediv__(self, other):
+        from xtrain.ops import div
+        return div(self, other)
+
+    def __rtruediv__(self, other):
+        from xtrain.ops import div
+        return div(other, self)
+
+    def __matmul__(self, other):
+        from xtrain.ops import matmul
+        return matmul(self, other)
+
+    def __rmatmul__(self, other):
+        from xtrain.ops import matmul
+        return matmul(other, self)
+
+    def __neg__(self):
+        from xtrain.ops import neg
+        return neg(self)
+
+    # Vars are graph nodes, hashed by identity (the engine keys on id()).
+    __hash__ = object.__hash__
+
+
+def _accumulate(node: Var, g: torch.Tensor, is_leaf: bool) -> None:
+    if node.grad is None:
+        # A leaf keeps the tensor it was handed, so it must own it: the op that produced g may hand the
+        # same tensor to another parent (add returns dout for both), and a later += would alias.
+        node.grad = g.clone() if is_leaf else g
+    elif is_leaf:
+        node.grad += g
+    else:
+        # Intermediate: a fresh sum, never in place (g may be a tensor the producing op still holds).
+        node.grad = node.grad + g
+
+
+def _topological_order(root: Var) -> list[Var]:
+    """Nodes reachable from root that need a gradient, parents before children (iterative DFS)."""
+    order: list[Var] = []
+    visited: set[int] = set()
+    stack: list[tuple[Var, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in visited:
+            continue
+        if node._freed:
+            raise RuntimeError(
+                f"backward: the graph through '{node.name}' was already freed by an earlier backward; "
+                "pass retain_graph=True to the first backward() to go through it twice")
+        visited.add(id(node))
+        stack.append((node, True))
+        for p in node._parents:
+            if p.requires_grad and id(p) not in visited:
+                stack.append((p, False))
+    return order
+
+
+def run_backward(root: Var, grad: torch.Tensor, retain_graph: bool = False) -> None:
+    order = _topological_order(root)
+    root_is_leaf = root._backward is None
+    _accumulate(root, grad, root_is_leaf)
+    for i in range(len(order) - 1, -1, -1):
+        node = order[i]
+        order[i] = None  # type: ignore[call-overload]  # let freed activations go
+        fn = node._backward
+        if fn is None:  # a leaf: its .grad is the result
+            continue
+        g = node.grad
+        parents = node._parents
+        if not retain_graph:
+            node.grad = None
+            node._backward = None
+            node._parents = ()
+            node._freed = True
+        else:
+            node.grad = None
+        if g is None:  # nothing flowed here (e.g. every consumer returned None)
+            continue
+        grads = fn(g)
+        if len(grads) != len(parents):
+            raise RuntimeError(f"backward of '{node.name}' returned {len(grads)} gradients for "
+                               f"{len(parents)} parents")
+        for p, pg in zip(parents, grads):
+            if pg is None or not p.requires_grad:
+                continue
+            if pg.shape != p.data.shape:
+                raise RuntimeError(f"backward of '{node.name}' returned a gradient of shape "
+                                   f"{tuple(pg.shape)} for a parent of shape {tuple(p.data.shape)}")
+            _accumulate(p, pg, p._backward is None)
+
+
+# -- activation recompute ---------------------------------------------------------------------------
+
+def checkpoint(fn: Callable[..., Var], *inputs):
+    """Run ``fn(*inputs)`` keeping only its inputs; re-run its forward during backward.
+
+    The forward runs under ``no_grad``, so none of the segment's activations are kept. During backward
+    the segment is run again with the tape on, from fresh leaves holding the same input tensors, and the
+    upstream gradient is pushed through that inner graph. Parameters that ``fn`` reads directly (not via
+    ``inputs``) are leaves, so the inner backward accumulates straight into their ``.grad``, as the
+    outer one would. ``fn`` must be deterministic (dropout is: its mask is a pure function of the seed),
+    so the recomputed forward equals the first one bit for bit. Non-Var inputs are passed through as is.
+    """
+    if not _grad_enabled:
+        return fn(*inputs)
+    var_inputs = [x for x in inputs if isinstance(x, Var)]
+    with no_grad():
+        out = fn(*inputs)
+    if not isinstance(out, Var):
+        raise TypeError("checkpoint: fn must return a single Var")
+
+    def backward(dout: torch.Tensor):
+        fresh = {id(x): Var(x.data, requires_grad=x.requires_grad, name=x.name) for x in var_inputs}
+        replay = [fresh[id(x)] if isinstance(x, Var) else x for x in inputs]
+        with enable_grad():
+            inner = fn(*replay)
+        if inner.requires_grad:
+            run_backward(inner, dout)
+        return tuple(fresh[id(x)].grad for x in var_inputs)
+
+    # Parameters reached only inside fn make the output need a gradient even when no input does.
+    return Var.from_op(out.data, var_inputs, backward, "checkpoint") if any(
+        x.requires_grad for x in var_inputs) else _checkpoint_params_only(out, fn, inputs)
+
+
+def _checkpoint_params_only(out: Var, fn, inputs) -> Var:
+    """Segment whose inputs need no grad but whose parameters might: keep a sentinel parent."""
+    sentinel = Var(torch.zeros((), dtype=out.data.dtype, device=out.data.device), requires_grad=True,
+                   name="checkpoint-sentinel")
+
+    def backward(dout: torch.Tensor):
+        with enable_grad():
+            inner = fn(*inputs)
+        if inner.requires_grad:
+            run_backward(inner, dout)
+        return (None,)
+
+    return Var.from_op(out.data, (sentinel,), backward, "checkpoint")

@@ -1,0 +1,60 @@
+"""The ``xtrain`` command. Each subcommand lives in the module that owns its logic; this file only wires
+them up (lazily, so ``xtrain micro`` never imports the tensor stack's heavier pieces).
+
+Every owning module exposes ``add_parser(subparsers)`` which registers its subcommand and sets
+``func=run`` (a function taking the parsed args and returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module that defines add_parser(subparsers)
+SUBCOMMANDS = {
+    "check": "xtrain.check",
+    "micro": "xtrain.micro.cli",
+    "data": "xtrain.data.cli",
+    "train": "xtrain.train.cli",
+    "sample": "xtrain.train.sample_cli",
+    "plot": "xtrain.train.plot",
+    "bench": "xtrain.bench.cli",
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xtrain",
+        description="xtrain: a readable, verified LLM training stack (our own autograd, Triton kernels).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=f"(see: xtrain {name} --help)")
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name is not None and e.name.startswith("xtrain"):
+                continue  # subcommand not built in this checkout
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # import only the chosen subcommand's module, so start-up stays fast
+    only = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    rc = args.func(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""One rule decides whether a kernel call runs Triton or the plain-torch reference.
+
+Triton runs when every tensor is on CUDA, Triton imports, and the backend is not forced to "reference"
+(``XTRAIN_KERNELS=reference`` in the environment, or ``set_backend("reference")``). Everything else —
+CPU tensors, no Triton, the reference forced — runs the reference, which is the oracle for the Triton path.
+
+Tests call the private ``*_triton`` launchers directly to check a kernel on CPU through the Triton
+interpreter (``TRITON_INTERPRET=1`` must be set before Triton is imported; ``tests/conftest.py`` does it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+_BACKENDS = ("auto", "triton", "reference")
+_backend = os.environ.get("XTRAIN_KERNELS", "auto")
+if _backend not in _BACKENDS:
+    raise ValueError(f"XTRAIN_KERNELS must be one of {_BACKENDS}, got {_backend!r}")
+
+try:  # Triton is optional: CPU-only installs run the references.
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    HAVE_TRITON = False
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def set_backend(name: str) -> None:
+    """Force "reference" or "triton" kernels, or let "auto" pick Triton on CUDA."""
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"kernel backend must be one of {_BACKENDS}, got {name!r}")
+    _backend = name
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Context manager form of set_backend: ``with backend("reference"): ...``."""
+    old = _backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(old)
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """The dispatch rule: Triton on CUDA tensors unless the reference is forced."""
+    if _backend == "reference" or not HAVE_TRITON:
+        return False
+    return all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor))

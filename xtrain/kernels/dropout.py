@@ -1,0 +1,68 @@
+"""Inverted dropout whose keep mask is a pure function of (seed, element index).
+
+No RNG state: element i of a tensor is kept when hash32(i, seed) >> 8 (a uniform 24-bit integer u) is
+at least threshold = round(p * 2^24). Kept elements are scaled by 1/(1-p). Because the decision is an
+integer comparison on a hash, the reference, the Triton kernel, fp32 and bf16 all keep exactly the same
+elements, and a recomputed forward (activation recompute) or a resumed run draws the same mask.
+
+hash32 (our own mix of the well-known xorshift-multiply finalizer): with M = 2^32 - 1,
+    mix(h) = h ^ h>>16; h = h * 0x7FEB352D mod 2^32; h ^= h>>15; h = h * 0x2C1B3C6D mod 2^32; h ^= h>>16
+    hash32(i, seed) = mix(mix((i mod 2^32) ^ seed_lo) ^ seed_hi),  seed_lo/hi = low/high 32 bits of seed
+Both multipliers are below 2^31, so the int64 products in the reference never overflow.
+Index i is the flat (row-major, contiguous) element index; tensors must have fewer than 2^32 elements.
+
+Contract: dropout_fwd(x, p, seed) -> y;  dropout_bwd(dy, p, seed) -> dx (the same mask, regenerated from
+the seed rather than stored: one bit of state per element saved for free).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+MUL1 = 0x7FEB352D
+MUL2 = 0x2C1B3C6D
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = (h * MUL1) & _M32
+    h = h ^ (h >> 15)
+    h = (h * MUL2) & _M32
+    h = h ^ (h >> 16)
+    return h
+
+
+def keep_threshold(p: float) -> int:
+    return int(round(p * (1 << 24)))
+
+
+def dropout_mask_ref(numel: int, p: float, seed: int, device) -> torch.Tensor:
+    """Boolean keep mask of ``numel`` elements (True = kept)."""
+    if numel >= 1 << 32:
+        raise ValueError(f"dropout: tensors must have fewer than 2^32 elements, got {numel}")
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    lo, hi = seed & _M32, seed >> 32
+    i = torch.arange(numel, device=device, dtype=torch.int64)
+    h = _mix32(_mix32(i ^ lo) ^ hi)
+    return (h >> 8) >= keep_threshold(p)
+
+
+def dropout_fwd_ref(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    keep = dropout_mask_ref(x.numel(), p, seed, x.device).reshape(x.shape)
+    scale = 1.0 / (1.0 - p)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.where(keep, x.to(acc) * scale, torch.zeros((), dtype=acc, device=x.device)).to(x.dtype)
+
+
+def dropout_bwd_ref(dy: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    # dropout with a fixed mask is the elementwise linear map y_i = c_i x_i, so dx_i = c_i dy_i
+    return dropout_fwd_ref(dy, p, seed)
+
+
+def dropout_fwd(x, p, seed):
+    return dropout_fwd_ref(x, p, seed)
+
+
+def dropout_bwd(dy, p, seed):
+    return dropout_bwd_ref(dy, p, seed)
