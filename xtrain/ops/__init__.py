@@ -1,0 +1,46 @@
+"""Differentiable ops on ``Var``. Public signatures here are relied on by outside code.
+
+basic: add, sub, mul, div, scale, neg, matmul, linear, add_bias, sum, mean, reshape, transpose,
+       contiguous, cast
+nn:    embedding, rms_norm, silu, swiglu, softmax, cross_entropy, rope, dropout
+attention: attention (composed), repeat_kv, causal_mask; flash_attention (fused, xtrain.ops.flash)
+fused: linear_cross_entropy (xtrain.ops.fused)
+"""
+
+from xtrain.ops.attention import attention, causal_mask, repeat_kv
+from xtrain.ops.basic import (
+    add,
+    add_bias,
+    cast,
+    contiguous,
+    div,
+    linear,
+    matmul,
+    mean,
+    mul,
+    neg,
+    reshape,
+    scale,
+    sub,
+    sum,
+    transpose,
+)
+from xtrain.ops.nn import cross_entropy, dropout, embedding, rms_norm, rope, silu, softmax, swiglu
+
+__all__ = [
+    "add", "add_bias", "attention", "cast", "causal_mask", "contiguous", "cross_entropy", "div", "dropout",
+    "embedding", "flash_attention", "linear", "linear_cross_entropy", "matmul", "mean", "mul", "neg",
+    "repeat_kv", "reshape", "rms_norm", "rope", "scale", "silu", "softmax", "sub", "sum", "swiglu",
+    "transpose",
+]
+
+
+def __getattr__(name):
+    # fused ops live in their own modules (owned by the kernel work) and are imported on first use
+    if name == "flash_attention":
+        from xtrain.ops.flash import flash_attention
+        return flash_attention
+    if name == "linear_cross_entropy":
+        from xtrain.ops.fused import linear_cross_entropy
+        return linear_cross_entropy
+    raise AttributeError(f"module 'xtrain.ops' has no attribute {name!r}")

@@ -1,0 +1,69 @@
+"""Composed attention: matmul -> scale -> causal mask -> softmax -> matmul.
+
+Every step is an op on the tape, so the backward (dQ, dK, dV) comes from the parts. This path
+materialises the [B, H, T, T] scores and probabilities; ``xtrain.ops.flash_attention`` computes the same
+function without them.
+
+Shapes: q [B, H, T, D]; k, v [B, Hkv, T, D] with Hkv dividing H (grouped-query attention: query head h
+reads key/value head h // (H // Hkv)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from xtrain.autograd import Var
+from xtrain.ops.basic import _check_same, check, matmul, transpose
+from xtrain.ops.basic import scale as scale_op
+from xtrain.ops.nn import softmax
+
+
+def check_attention_inputs(op: str, q: Var, k: Var, v: Var) -> None:
+    _check_same(op, q, k)
+    _check_same(op, q, v)
+    check(q.ndim == 4 and k.ndim == 4 and v.ndim == 4, op, "q, k, v must be [B, H, T, D]", q, k, v)
+    B, H, T, D = q.shape
+    check(k.shape == v.shape, op, "k and v must have the same shape", q, k, v)
+    check(k.shape[0] == B and k.shape[2] == T and k.shape[3] == D, op,
+          "k/v must be [B, Hkv, T, D] with q's B, T and D", q, k, v)
+    Hkv = k.shape[1]
+    check(Hkv > 0 and H % Hkv == 0, op, f"Hkv={Hkv} must divide H={H}", q, k, v)
+
+
+def repeat_kv(x: Var, groups: int) -> Var:
+    """[B, Hkv, T, D] -> [B, Hkv*groups, T, D], each K/V head repeated for its group of query heads.
+    Backward sums the gradient over the group."""
+    if groups == 1:
+        return x
+    B, Hkv, T, D = x.shape
+    y = x.data[:, :, None].expand(B, Hkv, groups, T, D).reshape(B, Hkv * groups, T, D)
+
+    def backward(d):
+        return (d.reshape(B, Hkv, groups, T, D).sum(dim=2),)
+
+    return Var.from_op(y, (x,), backward, "repeat_kv")
+
+
+def causal_mask(scores: Var) -> Var:
+    """Set scores[..., i, j] = -inf for j > i; those positions get zero gradient."""
+    T, S = scores.shape[-2], scores.shape[-1]
+    masked = torch.ones(T, S, dtype=torch.bool, device=scores.device).triu(1)  # [T, S], True above diag
+    y = scores.data.masked_fill(masked, float("-inf"))
+    return Var.from_op(y, (scores,), lambda d: (d.masked_fill(masked, 0.0),), "causal_mask")
+
+
+def attention(q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None) -> Var:
+    """softmax(q kᵀ · scale [+ causal mask]) v, composed from tape ops. Returns [B, H, T, D]."""
+    check_attention_inputs("attention", q, k, v)
+    B, H, T, D = q.shape
+    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    groups = H // k.shape[1]
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    scores = scale_op(matmul(q, transpose(k, -1, -2)), s)  # [B, H, T, T]
+    if causal:
+        scores = causal_mask(scores)
+    probs = softmax(scores, dim=-1)  # [B, H, T, T]
+    return matmul(probs, v)  # [B, H, T, D]
+

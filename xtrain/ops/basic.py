@@ -1,0 +1,292 @@
+"""Differentiable tensor ops: arithmetic with broadcasting, matmul/linear, reductions, shape ops, casts.
+
+Each op computes its value with plain tensor maths and records one tape node whose closure, written next
+to the forward, maps dL/d(out) to one gradient per input. These ops are thin enough that torch (the array
+layer) is the kernel; the nontrivial maths (norms, rope, softmax, losses) lives in ``xtrain.kernels``.
+
+Shape letters: B batch, T time, C width, N rows, V vocab.
+"""
+
+from __future__ import annotations
+
+import builtins
+import numbers
+
+import torch
+
+from xtrain.autograd import Var
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shapes(*xs) -> str:
+    return ", ".join(str(tuple(x.shape)) if hasattr(x, "shape") else repr(x) for x in xs)
+
+
+def check(cond: bool, op: str, msg: str, *xs) -> None:
+    """Raise ValueError naming the op, what is wrong and the shapes involved."""
+    if not cond:
+        raise ValueError(f"{op}: {msg} (shapes: {_shapes(*xs)})")
+
+
+def as_var(x, like: Var | None = None, op: str = "op") -> Var:
+    """Wrap a tensor or Python number as a constant Var (no grad) of like's dtype/device."""
+    if isinstance(x, Var):
+        return x
+    if isinstance(x, torch.Tensor):
+        return Var(x)
+    if isinstance(x, numbers.Number) and like is not None:
+        return Var(torch.tensor(x, dtype=like.dtype, device=like.device))
+    raise TypeError(f"{op}: expected a Var, tensor or number, got {type(x).__name__}")
+
+
+def _check_float(op: str, *xs: Var) -> None:
+    for x in xs:
+        check(x.dtype in _FLOAT, op, f"expected a floating-point tensor, got {x.dtype}", *xs)
+
+
+def _check_same(op: str, a: Var, b: Var) -> None:
+    _check_float(op, a, b)
+    check(a.dtype == b.dtype, op, f"dtypes differ: {a.dtype} vs {b.dtype}", a, b)
+    check(a.device == b.device, op, f"devices differ: {a.device} vs {b.device}", a, b)
+
+
+def unbroadcast(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Sum a broadcast gradient back to ``shape`` (the inverse of torch broadcasting)."""
+    if g.shape == shape:
+        return g
+    lead = g.dim() - len(shape)
+    if lead:
+        g = g.sum(dim=tuple(range(lead)))
+    dims = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if dims:
+        g = g.sum(dim=dims, keepdim=True)
+    return g
+
+
+def _binary_prep(op: str, a, b) -> tuple[Var, Var]:
+    if not isinstance(a, Var):
+        a = as_var(a, b, op)
+    if not isinstance(b, Var):
+        b = as_var(b, a, op)
+    _check_same(op, a, b)
+    try:
+        torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError:
+        raise ValueError(f"{op}: shapes do not broadcast (shapes: {_shapes(a, b)})") from None
+    return a, b
+
+
+# -- arithmetic ------------------------------------------------------------------------------------
+
+def add(a, b) -> Var:
+    a, b = _binary_prep("add", a, b)
+    sa, sb = a.shape, b.shape
+
+    def backward(d):
+        return unbroadcast(d, sa), unbroadcast(d, sb)
+
+    return Var.from_op(a.data + b.data, (a, b), backward, "add")
+
+
+def sub(a, b) -> Var:
+    a, b = _binary_prep("sub", a, b)
+    sa, sb = a.shape, b.shape
+
+    def backward(d):
+        return unbroadcast(d, sa), unbroadcast(-d, sb)
+
+    return Var.from_op(a.data - b.data, (a, b), backward, "sub")
+
+
+def mul(a, b) -> Var:
+    if isinstance(b, numbers.Number) and isinstance(a, Var):
+        return scale(a, b)
+    if isinstance(a, numbers.Number) and isinstance(b, Var):
+        return scale(b, a)
+    a, b = _binary_prep("mul", a, b)
+    ad, bd = a.data, b.data
+
+    def backward(d):
+        return (unbroadcast(d * bd, ad.shape) if a.requires_grad else None,
+                unbroadcast(d * ad, bd.shape) if b.requires_grad else None)
+
+    return Var.from_op(ad * bd, (a, b), backward, "mul")
+
+
+def div(a, b) -> Var:
+    if isinstance(b, numbers.Number) and isinstance(a, Var):
+        check(b != 0, "div", "division by the number 0", a)
+        return scale(a, 1.0 / b)
+    a, b = _binary_prep("div", a, b)
+    ad, bd = a.data, b.data
+    out = ad / bd
+
+    def backward(d):
+        da = unbroadcast(d / bd, ad.shape) if a.requires_grad else None
+        db = unbroadcast(-d * out / bd, bd.shape) if b.requires_grad else None
+        return da, db
+
+    return Var.from_op(out, (a, b), backward, "div")
+
+
+def scale(x: Var, alpha: float) -> Var:
+    check(isinstance(x, Var), "scale", "x must be a Var", x)
+    check(isinstance(alpha, numbers.Number), "scale", f"alpha must be a number, got {type(alpha).__name__}", x)
+    _check_float("scale", x)
+    alpha = float(alpha)
+    return Var.from_op(x.data * alpha, (x,), lambda d: (d * alpha,), "scale")
+
+
+def neg(x: Var) -> Var:
+    _check_float("neg", x)
+    return Var.from_op(-x.data, (x,), lambda d: (-d,), "neg")
+
+
+# -- matrix products -------------------------------------------------------------------------------
+
+def matmul(a: Var, b: Var) -> Var:
+    """torch.matmul semantics for 2-D and batched (broadcast) operands; 1-D operands are rejected."""
+    a, b = _binary_prep_mm("matmul", a, b)
+    ad, bd = a.data, b.data
+    check(ad.dim() >= 2 and bd.dim() >= 2, "matmul", "operands must be at least 2-D", a, b)
+    check(ad.shape[-1] == bd.shape[-2], "matmul", "inner dimensions differ", a, b)
+    try:
+        torch.broadcast_shapes(ad.shape[:-2], bd.shape[:-2])
+    except RuntimeError:
+        raise ValueError(f"matmul: batch dimensions do not broadcast (shapes: {_shapes(a, b)})") from None
+
+    def backward(d):
+        da = unbroadcast(d @ bd.transpose(-1, -2), ad.shape) if a.requires_grad else None
+        db = unbroadcast(ad.transpose(-1, -2) @ d, bd.shape) if b.requires_grad else None
+        return da, db
+
+    return Var.from_op(ad @ bd, (a, b), backward, "matmul")
+
+
+def _binary_prep_mm(op, a, b):
+    check(isinstance(a, Var) or isinstance(a, torch.Tensor), op, "a must be a Var or tensor", a)
+    check(isinstance(b, Var) or isinstance(b, torch.Tensor), op, "b must be a Var or tensor", b)
+    a, b = as_var(a, op=op), as_var(b, op=op)
+    _check_same(op, a, b)
+    return a, b
+
+
+def linear(x: Var, w: Var, b: Var | None = None) -> Var:
+    """y[..., out] = x[..., in] @ w[out, in]^T (+ b[out])."""
+    x, w = _binary_prep_mm("linear", x, w)
+    check(w.ndim == 2, "linear", "weight must be 2-D [out, in]", x, w)
+    check(x.ndim >= 1 and x.shape[-1] == w.shape[1], "linear", "x's last dim must equal weight's in-dim",
+          x, w)
+    if b is not None:
+        b = as_var(b, op="linear")
+        _check_same("linear", x, b)
+        check(b.shape == (w.shape[0],), "linear", "bias must be [out]", x, w, b)
+    xd, wd = x.data, w.data
+    x2 = xd.reshape(-1, xd.shape[-1])  # [N, in]
+    y = x2 @ wd.t()  # [N, out]
+    if b is not None:
+        y = y + b.data
+    y = y.reshape(*xd.shape[:-1], wd.shape[0])
+
+    def backward(d):
+        d2 = d.reshape(-1, d.shape[-1])  # [N, out]
+        dx = (d2 @ wd).reshape(xd.shape) if x.requires_grad else None
+        dw = d2.t() @ x2 if w.requires_grad else None
+        if b is None:
+            return dx, dw
+        db = d2.sum(dim=0) if b.requires_grad else None
+        return dx, dw, db
+
+    parents = (x, w) if b is None else (x, w, b)
+    return Var.from_op(y, parents, backward, "linear")
+
+
+def add_bias(x: Var, b: Var) -> Var:
+    """x[..., C] + b[C], broadcasting the bias over every leading dim."""
+    _check_same("add_bias", x, b)
+    check(b.ndim == 1 and x.ndim >= 1 and x.shape[-1] == b.shape[0], "add_bias",
+          "bias must be 1-D and match x's last dim", x, b)
+    C = b.shape[0]
+    return Var.from_op(x.data + b.data, (x, b), lambda d: (d, d.reshape(-1, C).sum(dim=0)), "add_bias")
+
+
+# -- reductions ------------------------------------------------------------------------------------
+
+def _norm_dims(op: str, x: Var, dim) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(range(x.ndim))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    out = []
+    for d in dims:
+        check(-x.ndim <= d < builtins.max(x.ndim, 1), op, f"dim {d} out of range", x)
+        out.append(d % builtins.max(x.ndim, 1))
+    return tuple(out)
+
+
+def sum(x: Var, dim=None, keepdim: bool = False) -> Var:  # noqa: A001 - the op is called sum
+    _check_float("sum", x)
+    dims = _norm_dims("sum", x, dim)
+    shape = x.shape
+    y = x.data.sum(dim=dims, keepdim=keepdim) if dims else x.data.clone()
+
+    def backward(d):
+        if not keepdim:
+            for i in sorted(dims):
+                d = d.unsqueeze(i)
+        return (d.expand(shape),)
+
+    return Var.from_op(y, (x,), backward, "sum")
+
+
+def mean(x: Var, dim=None, keepdim: bool = False) -> Var:
+    _check_float("mean", x)
+    dims = _norm_dims("mean", x, dim)
+    n = 1
+    for i in dims:
+        n *= x.shape[i]
+    shape = x.shape
+    y = x.data.mean(dim=dims, keepdim=keepdim) if dims else x.data.clone()
+
+    def backward(d):
+        if not keepdim:
+            for i in sorted(dims):
+                d = d.unsqueeze(i)
+        return (d.expand(shape) / n,)
+
+    return Var.from_op(y, (x,), backward, "mean")
+
+
+# -- shape ops -------------------------------------------------------------------------------------
+
+def reshape(x: Var, shape) -> Var:
+    shape = tuple(shape)
+    try:
+        y = x.data.reshape(shape)
+    except RuntimeError:
+        raise ValueError(f"reshape: cannot reshape {tuple(x.shape)} to {shape}") from None
+    in_shape = x.shape
+    return Var.from_op(y, (x,), lambda d: (d.reshape(in_shape),), "reshape")
+
+
+def transpose(x: Var, dim0: int, dim1: int) -> Var:
+    n = x.ndim
+    check(-n <= dim0 < n and -n <= dim1 < n, "transpose", f"dims ({dim0}, {dim1}) out of range", x)
+    return Var.from_op(x.data.transpose(dim0, dim1), (x,), lambda d: (d.transpose(dim0, dim1),), "transpose")
+
+
+def contiguous(x: Var) -> Var:
+    """Copy into contiguous memory (a no-op node when already contiguous)."""
+    if x.data.is_contiguous():
+        return x
+    return Var.from_op(x.data.contiguous(), (x,), lambda d: (d,), "contiguous")
+
+
+def cast(x: Var, dtype: torch.dtype) -> Var:
+    """Change dtype; the gradient is cast back to the input's dtype (bf16 compute copies of fp32
+    master weights get fp32 gradients this way)."""
+    check(dtype in _FLOAT, "cast", f"target dtype must be floating point, got {dtype}", x)
+    if x.dtype == dtype:
+        return x
+    src = x.dtype
+    return Var.from_op(x.data.to(dtype), (x,), lambda d: (d.to(src),), "cast")

@@ -1,0 +1,133 @@
+"""Neural-network ops: each forward calls a kernel, each backward closure calls its kernel pair.
+
+The pattern (see DESIGN.md, "One op, end to end"): validate, run ``K.<op>_fwd``, keep what the contract
+says backward needs, and record a node whose closure runs ``K.<op>_bwd``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xtrain.autograd import Var
+from xtrain.kernels import cross_entropy as K_ce
+from xtrain.kernels import dropout as K_dropout
+from xtrain.kernels import embedding as K_emb
+from xtrain.kernels import rms_norm as K_rms
+from xtrain.kernels import rope as K_rope
+from xtrain.kernels import softmax as K_softmax
+from xtrain.kernels import swiglu as K_swiglu
+from xtrain.ops.basic import _check_float, _check_same, check
+
+_INT = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def embedding(ids: torch.Tensor, table: Var) -> Var:
+    """out[..., C] = table[ids]; ids is an integer tensor (not a Var), table [V, C]."""
+    check(isinstance(ids, torch.Tensor) and ids.dtype in _INT, "embedding",
+          "ids must be an integer torch tensor", ids, table)
+    check(table.ndim == 2, "embedding", "table must be 2-D [V, C]", ids, table)
+    check(ids.device == table.device, "embedding", f"ids on {ids.device}, table on {table.device}", ids, table)
+    V = table.shape[0]
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        check(lo >= 0 and hi < V, "embedding", f"ids must lie in [0, {V}), got range [{lo}, {hi}]", ids, table)
+
+    return Var.from_op(K_emb.embedding_fwd(ids, table.data), (table,),
+                       lambda d: (K_emb.embedding_bwd(d, ids, V).to(table.dtype),), "embedding")
+
+
+def rms_norm(x: Var, weight: Var, eps: float = 1e-6) -> Var:
+    """RMSNorm over the last dim, statistics in fp32, inverse RMS saved for backward."""
+    _check_same("rms_norm", x, weight)
+    check(weight.ndim == 1 and x.ndim >= 1 and x.shape[-1] == weight.shape[0], "rms_norm",
+          "weight must be 1-D and match x's last dim", x, weight)
+    check(eps > 0, "rms_norm", f"eps must be > 0, got {eps}", x)
+    xd, wd = x.data, weight.data
+    y, inv_rms = K_rms.rms_norm_fwd(xd, wd, eps)
+
+    def backward(d):
+        return K_rms.rms_norm_bwd(d, xd, wd, inv_rms)
+
+    return Var.from_op(y, (x, weight), backward, "rms_norm")
+
+
+def silu(x: Var) -> Var:
+    _check_float("silu", x)
+    xd = x.data
+    return Var.from_op(K_swiglu.silu_fwd(xd), (x,), lambda d: (K_swiglu.silu_bwd(d, xd),), "silu")
+
+
+def swiglu(gate: Var, up: Var) -> Var:
+    """silu(gate) * up, one kernel each way (the sigmoid is recomputed in backward, not stored)."""
+    _check_same("swiglu", gate, up)
+    check(gate.shape == up.shape, "swiglu", "gate and up must have the same shape", gate, up)
+    gd, ud = gate.data, up.data
+    return Var.from_op(K_swiglu.swiglu_fwd(gd, ud), (gate, up), lambda d: K_swiglu.swiglu_bwd(d, gd, ud),
+                       "swiglu")
+
+
+def softmax(x: Var, dim: int = -1) -> Var:
+    _check_float("softmax", x)
+    check(x.ndim >= 1 and -x.ndim <= dim < x.ndim, "softmax", f"dim {dim} out of range", x)
+    y = K_softmax.softmax_fwd(x.data, dim)
+    return Var.from_op(y, (x,), lambda d: (K_softmax.softmax_bwd(d, y, dim),), "softmax")
+
+
+def cross_entropy(logits: Var, targets: torch.Tensor, ignore_index: int = -100,
+                  reduction: str = "mean") -> Var:
+    """Mean (or sum) negative log-likelihood of ``targets`` under softmax(logits), in fp32.
+
+    logits [N, V], targets [N] integer; rows whose target is ``ignore_index`` count for nothing, and the
+    mean divides by the number of counted rows. Backward: (softmax - onehot) / count.
+    """
+    _check_float("cross_entropy", logits)
+    check(logits.ndim == 2, "cross_entropy", "logits must be [N, V]", logits, targets)
+    check(isinstance(targets, torch.Tensor) and targets.dtype in _INT, "cross_entropy",
+          "targets must be an integer torch tensor", logits, targets)
+    check(targets.shape == (logits.shape[0],), "cross_entropy", "targets must be [N]", logits, targets)
+    check(reduction in ("mean", "sum"), "cross_entropy", f"reduction must be mean or sum, got {reduction!r}",
+          logits)
+    V = logits.shape[1]
+    valid = targets[targets != ignore_index]
+    if valid.numel():
+        lo, hi = int(valid.min()), int(valid.max())
+        check(lo >= 0 and hi < V, "cross_entropy", f"targets must lie in [0, {V}) or equal ignore_index "
+              f"{ignore_index}, got range [{lo}, {hi}]", logits, targets)
+    ld = logits.data
+    loss, lse, denom = K_ce.cross_entropy_fwd(ld, targets, ignore_index, reduction)
+
+    def backward(d):
+        return (K_ce.cross_entropy_bwd(d, ld, targets, lse, ignore_index, denom),)
+
+    return Var.from_op(loss, (logits,), backward, "cross_entropy")
+
+
+def rope(x: Var, positions: torch.Tensor, theta: float = 10000.0) -> Var:
+    """Rotary embedding on x[..., T, D] (D even), positions [T] or [B, T] (then x is [B, ..., T, D])."""
+    _check_float("rope", x)
+    check(x.ndim >= 2 and x.shape[-1] % 2 == 0, "rope", "x must be [..., T, D] with D even", x, positions)
+    check(isinstance(positions, torch.Tensor) and positions.dtype in _INT, "rope",
+          "positions must be an integer torch tensor", x, positions)
+    T = x.shape[-2]
+    if positions.ndim == 1:
+        check(positions.shape[0] == T, "rope", "positions [T] must match x's T", x, positions)
+    else:
+        check(positions.ndim == 2 and x.ndim >= 3 and positions.shape == (x.shape[0], T), "rope",
+              "positions [B, T] needs x [B, ..., T, D]", x, positions)
+    check(positions.device == x.device, "rope", "positions and x are on different devices", x, positions)
+    check(theta > 0, "rope", f"theta must be > 0, got {theta}", x)
+    y = K_rope.rope_fwd(x.data, positions, theta)
+    return Var.from_op(y, (x,), lambda d: (K_rope.rope_bwd(d, positions, theta),), "rope")
+
+
+def dropout(x: Var, p: float, seed: int, training: bool = True) -> Var:
+    """Inverted dropout; the keep mask is a pure function of (seed, element index) — see
+    ``xtrain.kernels.dropout``. ``p == 0`` or ``training=False`` returns x itself (no node)."""
+    check(0.0 <= p < 1.0, "dropout", f"p must lie in [0, 1), got {p}", x)
+    if p == 0.0 or not training:
+        return x
+    _check_float("dropout", x)
+    check(x.data.is_contiguous(), "dropout", "x must be contiguous (the mask indexes flat elements)", x)
+    seed = int(seed)
+    y = K_dropout.dropout_fwd(x.data, p, seed)
+    return Var.from_op(y, (x,), lambda d: (K_dropout.dropout_bwd(d.contiguous(), p, seed),), "dropout")
