@@ -264,7 +264,7 @@ def reshape(x: Var, shape) -> Var:
     try:
         y = x.data.reshape(shape)
     except RuntimeError:
-        raise ValueError(f"reshape: cannot reshape {tuple(x.shape)} to {shape}") from None
+        raise ValueError(f"reshape: cannot reshape to {shape} (shapes: {_shapes(x)})") from None
     in_shape = x.shape
     return Var.from_op(y, (x,), lambda d: (d.reshape(in_shape),), "reshape")
 

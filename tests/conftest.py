@@ -1,0 +1,33 @@
+"""Test set-up shared by every test file.
+
+Without CUDA, Triton kernels are checked through the Triton interpreter (fp32 only: the interpreter's
+bf16 is not trustworthy). TRITON_INTERPRET must be set before Triton is first imported, so it is set
+here, before any test module imports xtrain.
+"""
+
+import os
+
+import pytest
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+HAS_CUDA = _has_cuda()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
