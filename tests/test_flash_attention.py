@@ -1,0 +1,273 @@
+"""Flash attention: tiled reference vs composed attention (fp64), finite differences, Triton vs reference.
+
+Ladder (DESIGN.md): 1. the op's backward against float64 central differences; 2. the tiled reference
+against an independent composed formula with torch.autograd as the oracle, and against xtrain's composed
+``ops.attention``; 3. the Triton kernels against the reference — on CPU through the interpreter in fp32 at
+tiny shapes, on the GPU (``-m gpu``) in fp32 and bf16 up to T = 16k.
+
+GPU tolerances, as relative norm error ‖out − ref‖ / ‖ref‖ against the fp64 reference computed from the
+same (already rounded) inputs:
+  * fp32: 2e-5. The kernels use exact fp32 dots (no TF32); what is left is fp32 rounding of sums over up to
+    16k terms (~1e-7 · sqrt(T) relative) and exp2 vs exp: measured errors sit near 1e-6.
+  * bf16: forward 1e-2, gradients 2e-2. o is rounded to bf16 (2^-9 ≈ 2e-3 relative per element) and P is
+    rounded to bf16 before P·V as in every flash implementation; in the backward dS = P∘(dP − D) is rounded
+    to bf16 too, after a cancellation that loses a few more bits. METHOD.md's band for bf16 operands is
+    1e-3..1e-2; gradients get twice the forward's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from xtrain.kernels import flash_attention as FA
+from xtrain.kernels._dispatch import HAVE_TRITON
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+
+
+def composed(q, k, v, causal=True, scale=None):
+    """Independent oracle: materialise the scores, softmax, matmul (GQA by repeating k/v heads)."""
+    B, H, T, D = q.shape
+    g = H // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D) if scale is None else scale)  # [B, H, T, T]
+    if causal:
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def rand_qkv(B, H, Hkv, T, D, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda h: torch.randn(B, h, T, D, generator=g, device=device, dtype=torch.float32).to(dtype)
+    return mk(H), mk(Hkv), mk(Hkv), mk(H)  # q, k, v, do
+
+
+def rel(a, b) -> float:
+    """‖a − b‖ / ‖b‖; where the exact result is zero (T = 1: one key, P = 1, so dS = 0 and dq = dk = 0) the
+    kernels return the rounding of dP − D ≈ 0, so the error is reported as the max absolute error instead."""
+    a, b = a.double(), b.double()
+    if b.norm() <= 1e-9 * math.sqrt(b.numel()):
+        return float((a - b).abs().max())
+    return float((a - b).norm() / b.norm())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1-2. the tiled reference
+# ---------------------------------------------------------------------------------------------------------
+REF_SHAPES = [  # B, H, Hkv, T, D, tile
+    (2, 4, 4, 40, 8, 16),  # MHA, T not a multiple of the tile
+    (2, 4, 2, 37, 16, 8),  # GQA, group 2
+    (1, 6, 1, 33, 8, 32),  # MQA, ragged
+    (1, 2, 1, 1, 8, 16),  # T = 1
+    (1, 2, 2, 64, 8, 16),  # T a multiple of the tile
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("B,H,Hkv,T,D,tile", REF_SHAPES)
+def test_reference_matches_composed_fp64(B, H, Hkv, T, D, tile, causal):
+    q, k, v, do = rand_qkv(B, H, Hkv, T, D)
+    scale = 0.3 if T == 37 else None
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    o_ref = composed(qq, kk, vv, causal, scale)
+    dq_ref, dk_ref, dv_ref = torch.autograd.grad(o_ref, (qq, kk, vv), do)
+    o, lse = FA.flash_attention_fwd_ref(q, k, v, causal, scale, tile=tile)
+    assert o.dtype == torch.float64 and lse.shape == (B, H, T)
+    assert (o - o_ref).abs().max() < 1e-10
+    s = (1.0 / math.sqrt(D) if scale is None else scale)
+    g = H // Hkv
+    sc = (q @ k.repeat_interleave(g, 1).transpose(-1, -2)) * s
+    if causal:
+        sc = sc.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    assert (lse - torch.logsumexp(sc, dim=-1)).abs().max() < 1e-10  # natural log
+    dq, dk, dv = FA.flash_attention_bwd_ref(do, q, k, v, o, lse, causal, scale, tile=tile)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    for got, want in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        assert (got - want).abs().max() < 1e-10
+
+
+def test_reference_matches_xtrain_composed_attention():
+    ops = pytest.importorskip("xtrain.ops")
+    if not hasattr(ops, "attention"):
+        pytest.skip("xtrain.ops.attention not there yet")
+    from xtrain.autograd import Var
+    from xtrain.ops.flash import flash_attention
+
+    for causal in (True, False):
+        q, k, v, do = rand_qkv(2, 4, 2, 19, 8, seed=3)
+        outs = []
+        for fn in (ops.attention, flash_attention):
+            vs = [Var(t.clone(), requires_grad=True) for t in (q, k, v)]
+            out = fn(*vs, causal=causal)
+            out.backward(do)
+            outs.append([out.data] + [x.grad for x in vs])
+        for a, b in zip(*outs):
+            assert (a - b).abs().max() < 1e-10
+
+
+def test_gradcheck_finite_differences():
+    from xtrain.gradcheck import TOL_SMOOTH, gradcheck
+    from xtrain.ops.flash import flash_attention
+
+    q, k, v, _ = rand_qkv(1, 4, 2, 6, 4, seed=5)
+    for causal in (True, False):
+        errs = gradcheck(lambda a, b, c: flash_attention(a, b, c, causal=causal, scale=0.7), [q, k, v])
+        assert max(errs) < TOL_SMOOTH, errs
+
+
+def test_reference_memory_is_not_quadratic():
+    """The reference's largest temporary is [B, H, T, tile], never [B, H, T, T]: run T = 8192 on CPU,
+    where a T×T fp32 score matrix per head would be 256 MiB; a [T, tile] one is 4 MiB."""
+    q, k, v, do = rand_qkv(1, 1, 1, 8192, 8, dtype=torch.float32)
+    o, lse = FA.flash_attention_fwd_ref(q, k, v, True)
+    dq, dk, dv = FA.flash_attention_bwd_ref(do, q, k, v, o, lse, True)
+    assert torch.isfinite(o).all() and torch.isfinite(dq).all() and torch.isfinite(dk).all()
+    # spot check the last row against a direct softmax over its 8192 keys
+    s = (q[0, 0, -1] @ k[0, 0].T) / math.sqrt(8)
+    assert torch.allclose(o[0, 0, -1], torch.softmax(s, -1) @ v[0, 0], atol=1e-5)
+
+
+def test_validation_errors():
+    q, k, v, do = rand_qkv(1, 4, 2, 8, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="flash_attention_fwd"):
+        FA.flash_attention_fwd(q[0], k, v)  # rank
+    with pytest.raises(ValueError, match="must divide"):
+        FA.flash_attention_fwd(q, k[:, :1].expand(1, 3, 8, 8), v[:, :1].expand(1, 3, 8, 8))
+    with pytest.raises(ValueError, match="dtype"):
+        FA.flash_attention_fwd(q, k.double(), v)
+    with pytest.raises(ValueError, match="scale"):
+        FA.flash_attention_fwd(q, k, v, scale=-1.0)
+    with pytest.raises(ValueError, match=r"\(1, 4, 8, 8\)"):
+        FA.flash_attention_fwd(q, k[:, :, :5], v)
+    o, lse = FA.flash_attention_fwd(q, k, v)
+    with pytest.raises(ValueError, match="flash_attention_bwd"):
+        FA.flash_attention_bwd(do, q, k, v, o, lse[..., :3])
+    if HAVE_TRITON:
+        q2, k2, v2, _ = rand_qkv(1, 2, 2, 8, 48, dtype=torch.float32)
+        with pytest.raises(ValueError, match="head dim D=48"):
+            FA.flash_attention_fwd_triton(q2, k2, v2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. Triton kernels vs the reference (CPU: interpreter, fp32, tiny; with CUDA the same cases on the GPU)
+# ---------------------------------------------------------------------------------------------------------
+TINY = [  # B, H, Hkv, T, D, fwd config, bwd config (small blocks: several tiles, ragged tails)
+    (1, 2, 1, 1, 32, (32, 16, 4, 1), (16, 32, 32, 16, 4, 1)),
+    (2, 4, 2, 17, 32, (16, 16, 4, 1), (16, 16, 16, 16, 4, 1)),
+    (1, 4, 1, 40, 32, (32, 16, 4, 1), (16, 32, 32, 16, 4, 1)),
+    (2, 2, 2, 40, 64, (32, 16, 4, 1), (16, 32, 32, 16, 4, 1)),
+    (1, 2, 1, 32, 64, None, None),  # the default configs (T even for the 16-wide tiles only)
+]
+
+
+def _poisoned(*shape_dtype_dev):
+    return [torch.full(s, float("nan"), dtype=d, device=dev) for s, d, dev in shape_dtype_dev]
+
+
+def _run_triton(q, k, v, do, causal, scale, fcfg, bcfg):
+    B, H, T, D = q.shape
+    o, lse = _poisoned(((B, H, T, D), q.dtype, q.device), ((B, H, T), torch.float32, q.device))
+    FA.flash_attention_fwd_triton(q, k, v, causal, scale, o=o, lse=lse, config=fcfg)
+    dq, dk, dv = _poisoned((q.shape, q.dtype, q.device), (k.shape, k.dtype, q.device),
+                           (v.shape, v.dtype, q.device))
+    FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, scale, dq=dq, dk=dk, dv=dv, config=bcfg)
+    return o, lse, dq, dk, dv
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("B,H,Hkv,T,D,fcfg,bcfg", TINY)
+def test_triton_matches_reference_fp32_tiny(B, H, Hkv, T, D, fcfg, bcfg, causal):
+    q, k, v, do = rand_qkv(B, H, Hkv, T, D, dtype=torch.float32, device=DEV, seed=T + D)
+    scale = 0.2 if T == 17 else None
+    got = _run_triton(q, k, v, do, causal, scale, fcfg, bcfg)
+    qd, kd, vd, dod = (t.double() for t in (q, k, v, do))
+    o_ref, lse_ref = FA.flash_attention_fwd_ref(qd, kd, vd, causal, scale)
+    want = (o_ref, lse_ref, *FA.flash_attention_bwd_ref(dod, qd, kd, vd, o_ref, lse_ref, causal, scale))
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
+        assert rel(a, b) < 1e-5, (name, rel(a, b))
+
+
+@needs_triton
+def test_public_dispatch_runs_the_reference_on_cpu():
+    if HAS_CUDA:
+        pytest.skip("on CUDA the public functions run Triton (covered by the GPU tests)")
+    q, k, v, do = rand_qkv(1, 2, 1, 9, 32, dtype=torch.float32)
+    o, lse = FA.flash_attention_fwd(q, k, v)
+    o2, lse2 = FA.flash_attention_fwd_ref(q, k, v)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: fp32 and bf16, head dims 32/64/128, T from 1 to 16k, causal and not, GQA
+# ---------------------------------------------------------------------------------------------------------
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1e-2, 2e-2)}  # (forward, gradients)
+GPU_SHAPES = [  # B, H, Hkv, T
+    (2, 4, 4, 1),
+    (2, 4, 2, 77),
+    (1, 4, 1, 1000),
+    (1, 2, 2, 2048),
+    (1, 4, 2, 4099),
+]
+
+
+def _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=0):
+    q, k, v, do = rand_qkv(B, H, Hkv, T, D, dtype=dtype, device="cuda", seed=seed)
+    got = _run_triton(q, k, v, do, causal, None, None, None)
+    qd, kd, vd, dod = (t.double() for t in (q, k, v, do))
+    o_ref, lse_ref = FA.flash_attention_fwd_ref(qd, kd, vd, causal)
+    want = (o_ref, lse_ref, *FA.flash_attention_bwd_ref(dod, qd, kd, vd, o_ref, lse_ref, causal))
+    tol_f, tol_b = TOL[dtype]
+    errs = {}
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
+        errs[name] = rel(a, b)
+        assert errs[name] < (tol_f if name in ("o", "lse") else tol_b), (name, errs)
+    again = _run_triton(q, k, v, do, causal, None, None, None)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, again):
+        assert torch.equal(a, b), f"{name}: repeated runs differ (race?)"
+    return errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("B,H,Hkv,T", GPU_SHAPES)
+def test_gpu_matches_reference(B, H, Hkv, T, D, dtype, causal):
+    errs = _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=T)
+    print(f"\nGPUERR {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} T={T} "
+          + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_long_16k(D, dtype, causal):
+    errs = _check_gpu(1, 2, 1, 16384, D, dtype, causal, seed=7)
+    print(f"\nGPUERR {str(dtype)[6:]} D={D} causal={causal} B=1 H=2 Hkv=1 T=16384 "
+          + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+
+
+@pytest.mark.gpu
+def test_gpu_public_op_and_dispatch():
+    from xtrain.autograd import Var
+    from xtrain.ops.flash import flash_attention
+
+    q, k, v, do = rand_qkv(2, 4, 2, 300, 64, dtype=torch.bfloat16, device="cuda", seed=11)
+    vs = [Var(t.clone(), requires_grad=True) for t in (q, k, v)]
+    out = flash_attention(*vs)
+    out.backward(do)
+    qd, kd, vd, dod = (t.double() for t in (q, k, v, do))
+    o_ref, lse_ref = FA.flash_attention_fwd_ref(qd, kd, vd, True)
+    grads = FA.flash_attention_bwd_ref(dod, qd, kd, vd, o_ref, lse_ref, True)
+    assert rel(out.data, o_ref) < 1e-2
+    for x, g in zip(vs, grads):
+        assert x.grad.dtype == torch.bfloat16 and rel(x.grad, g) < 2e-2

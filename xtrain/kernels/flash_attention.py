@@ -1,0 +1,650 @@
+"""Flash attention: softmax(q kᵀ · scale [+ causal mask]) v without ever holding the T×T scores.
+
+Shapes (legend): B batch, H query heads, Hkv key/value heads (Hkv divides H; query head h reads K/V head
+h // (H // Hkv), grouped-query attention), T sequence, D head dim.
+
+Contract (shared by the plain-torch reference and the Triton kernels):
+    flash_attention_fwd(q[B,H,T,D], k[B,Hkv,T,D], v[B,Hkv,T,D], causal=True, scale=None)
+        -> (o[B,H,T,D] in q.dtype, lse[B,H,T])
+    flash_attention_bwd(do, q, k, v, o, lse, causal=True, scale=None)
+        -> (dq like q, dk like k, dv like v)      dk, dv summed over each group of query heads
+``scale`` defaults to 1/sqrt(D) and must be > 0. ``lse`` is the row logsumexp of the scaled, masked
+scores in the NATURAL log (lse_i = log sum_j exp(s_ij)); it is fp32 (fp64 for fp64 inputs). It is all the
+forward saves for the backward besides q, k, v, o: O(T) per head instead of the O(T²) probabilities.
+
+Forward (online softmax; Milakov & Gimelshein 2018, FlashAttention, Dao et al. 2022). For one block of
+query rows, walk the K/V tiles j keeping a running max m, running sum l and an unnormalised accumulator:
+    s     = q k_jᵀ · scale                    (masked entries -inf)
+    m_new = max(m, rowmax(s))
+    p     = exp(s - m_new)
+    l     = l · exp(m - m_new) + rowsum(p)     old sum rescaled to the new max, then this tile added
+    acc   = acc · exp(m - m_new) + p v_j
+    m     = m_new
+and at the end o = acc / l, lse = m + log l.
+
+Backward by recomputation (FlashAttention-2, Dao 2023). With D_i = rowsum(dO_i ∘ O_i) (a preprocess pass;
+it equals sum_j P_ij dP_ij, which removes the softmax Jacobian):
+    P_ij  = exp(s_ij - lse_i)          dP_ij = dO_i · v_j        dS_ij = P_ij (dP_ij - D_i)
+    dV_j  = sum_i P_ij dO_i            dK_j  = scale · sum_i dS_ij q_i        dQ_i = scale · sum_j dS_ij k_j
+The Triton backward computes dK/dV in one kernel whose program keeps a K/V tile resident and walks the
+query tiles of every head of its group (so GQA sums need no atomics), and dQ in a second kernel whose
+program keeps a Q tile resident and walks the K/V tiles: no atomics, no T×T, deterministic.
+
+Ideas used in the Triton kernels, with their record on Hopper:
+  * FlashAttention-2 work partitioning (Dao 2023): one program per (query tile, head) in the forward, the
+    softmax normalisation deferred to the end, and the separate dK/dV and dQ passes above.
+  * exp2 with log2(e) folded into the scale (as in the Triton fused-attention tutorial): the kernels work in
+    the base-2 domain, m and the exponents are scaled by log2(e) once, and exp2 maps to one MUFU.EX2.
+  * Causal split: the K/V tiles strictly below the diagonal run a loop with no mask arithmetic at all; only
+    the diagonal tiles (one BLOCK_M-wide band) pay for the mask. Query tiles run heaviest-first so the short
+    diagonal programs fill the tail of the grid.
+  * Per-head-dim fixed configs (BLOCK_M/BLOCK_N/num_warps/num_stages) chosen by a sweep on an H200 rather
+    than autotuning at run time (compile time is not free): see ``_FWD_CONFIGS``/``_BWD_CONFIGS`` and
+    bench/RESULTS.md.
+fp32 inputs use exact fp32 dots (``input_precision="ieee"``, matching torch's default of no TF32); bf16/fp16
+inputs feed the tensor cores with 16-bit operands and accumulate in fp32 (P and dS are rounded to the
+input dtype before their matrix products, as in FlashAttention).
+
+The reference (``*_ref``) runs the same tiled algorithm in plain torch, on any device and in fp64: memory
+O(T · tile) per head, never O(T²).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from xtrain.kernels._dispatch import HAVE_TRITON, use_triton
+
+LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln 2: natural log = log2 * LN2
+SUPPORTED_HEAD_DIMS = (32, 64, 128)  # Triton kernels; the reference takes any D
+REF_TILE = 128  # K/V tile of the reference
+
+
+# ---------------------------------------------------------------------------------------------------------
+# input checks
+# ---------------------------------------------------------------------------------------------------------
+def _shapes(*ts) -> str:
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} {t.device}" for t in ts)
+
+
+def _check_qkv(op: str, q, k, v) -> None:
+    ts = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in ts):
+        raise ValueError(f"{op}: q, k, v must be torch tensors")
+    if not (q.ndim == 4 and k.ndim == 4 and v.ndim == 4):
+        raise ValueError(f"{op}: q, k, v must be [B, H, T, D] / [B, Hkv, T, D], got {_shapes(*ts)}")
+    B, H, T, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2] != T or k.shape[3] != D:
+        raise ValueError(f"{op}: k and v must be [B, Hkv, T, D] with q's B, T, D, got {_shapes(*ts)}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"{op}: Hkv={Hkv} must divide H={H}, got {_shapes(*ts)}")
+    if T == 0 or D == 0 or B == 0:
+        raise ValueError(f"{op}: empty input, got {_shapes(*ts)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"{op}: q, k, v must share one floating dtype, got {_shapes(*ts)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{op}: q, k, v must be on one device, got {_shapes(*ts)}")
+
+
+def _check_bwd(op: str, do, q, k, v, o, lse) -> None:
+    _check_qkv(op, q, k, v)
+    B, H, T, D = q.shape
+    if do.shape != q.shape or o.shape != q.shape or lse.shape != (B, H, T):
+        raise ValueError(f"{op}: need do, o [B, H, T, D] and lse [B, H, T] matching q, got "
+                         f"do/o/lse/q {_shapes(do, o, lse, q)}")
+    if do.device != q.device or o.device != q.device or lse.device != q.device:
+        raise ValueError(f"{op}: all inputs must be on one device, got {_shapes(do, o, lse, q)}")
+    if not (do.is_floating_point() and o.is_floating_point() and lse.is_floating_point()):
+        raise ValueError(f"{op}: do, o, lse must be floating, got {_shapes(do, o, lse)}")
+
+
+def _scale(op: str, scale, D: int) -> float:
+    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    # the kernels take the row max of the unscaled scores and multiply after: that is only the max of the
+    # scaled scores when scale > 0
+    if not (s > 0.0 and math.isfinite(s)):
+        raise ValueError(f"{op}: scale must be a finite number > 0, got {scale!r}")
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# plain-torch tiled reference (the oracle): same recurrences as the kernels, O(T · tile) memory
+# ---------------------------------------------------------------------------------------------------------
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, T, D] -> [B, Hkv*groups, T, D] view-then-copy: head h reads K/V head h // groups."""
+    if groups == 1:
+        return x
+    B, Hkv, T, D = x.shape
+    return x[:, :, None].expand(B, Hkv, groups, T, D).reshape(B, Hkv * groups, T, D)
+
+
+def flash_attention_fwd_ref(q, k, v, causal: bool = True, scale: float | None = None, tile: int = REF_TILE):
+    """Online-softmax forward over K/V tiles of width ``tile``. Returns (o in q.dtype, lse natural log)."""
+    op = "flash_attention_fwd_ref"
+    _check_qkv(op, q, k, v)
+    B, H, T, D = q.shape
+    s = _scale(op, scale, D)
+    acc_t = _acc_dtype(q.dtype)
+    groups = H // k.shape[1]
+    qf = q.to(acc_t)
+    kf, vf = _expand_kv(k.to(acc_t), groups), _expand_kv(v.to(acc_t), groups)  # [B, H, T, D]
+    rows = torch.arange(T, device=q.device)
+    m = torch.full((B, H, T), float("-inf"), dtype=acc_t, device=q.device)  # running max
+    l = torch.zeros((B, H, T), dtype=acc_t, device=q.device)  # running sum
+    acc = torch.zeros((B, H, T, D), dtype=acc_t, device=q.device)  # unnormalised output
+    for j0 in range(0, T, tile):
+        j1 = min(j0 + tile, T)
+        sc = (qf @ kf[:, :, j0:j1].transpose(-1, -2)) * s  # [B, H, T, tile]
+        if causal:
+            cols = torch.arange(j0, j1, device=q.device)
+            sc = sc.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+        m_new = torch.maximum(m, sc.amax(dim=-1))
+        # a row with every score so far masked keeps m = -inf; subtract 0 there instead so exp gives 0, not NaN
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(sc - m_safe[..., None])  # [B, H, T, tile]
+        alpha = torch.exp(m - m_safe)  # rescales what was accumulated under the old max
+        l = l * alpha + p.sum(dim=-1)
+        acc = acc * alpha[..., None] + p @ vf[:, :, j0:j1]
+        m = m_new
+    o = acc / l[..., None]
+    lse = m + torch.log(l)
+    return o.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def flash_attention_bwd_ref(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None,
+                            tile: int = REF_TILE):
+    """Backward by recomputing P one K/V tile at a time from lse. Returns (dq, dk, dv)."""
+    op = "flash_attention_bwd_ref"
+    _check_bwd(op, do, q, k, v, o, lse)
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    groups = H // Hkv
+    s = _scale(op, scale, D)
+    acc_t = _acc_dtype(q.dtype)
+    qf, dof, lsef = q.to(acc_t), do.to(acc_t), lse.to(acc_t)
+    kf, vf = _expand_kv(k.to(acc_t), groups), _expand_kv(v.to(acc_t), groups)  # [B, H, T, D]
+    delta = (dof * o.to(acc_t)).sum(dim=-1)  # D_i = rowsum(dO ∘ O), [B, H, T]
+    rows = torch.arange(T, device=q.device)
+    dq = torch.zeros_like(qf)
+    dk = torch.empty_like(kf)  # per query head; summed over groups at the end
+    dv = torch.empty_like(vf)
+    for j0 in range(0, T, tile):
+        j1 = min(j0 + tile, T)
+        kj, vj = kf[:, :, j0:j1], vf[:, :, j0:j1]  # [B, H, tile, D]
+        p = torch.exp((qf @ kj.transpose(-1, -2)) * s - lsef[..., None])  # [B, H, T, tile]
+        if causal:
+            cols = torch.arange(j0, j1, device=q.device)
+            p = p.masked_fill(cols[None, :] > rows[:, None], 0.0)
+        dv[:, :, j0:j1] = p.transpose(-1, -2) @ dof
+        dp = dof @ vj.transpose(-1, -2)  # [B, H, T, tile]
+        ds = p * (dp - delta[..., None])
+        dq += (ds @ kj) * s
+        dk[:, :, j0:j1] = (ds.transpose(-1, -2) @ qf) * s
+    dk = dk.reshape(B, Hkv, groups, T, D).sum(dim=2)  # GQA: a K/V head's gradient sums over its group
+    dv = dv.reshape(B, Hkv, groups, T, D).sum(dim=2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# public entry points: one dispatch rule
+# ---------------------------------------------------------------------------------------------------------
+def flash_attention_fwd(q, k, v, causal: bool = True, scale: float | None = None):
+    """Triton on CUDA (fp32/bf16/fp16, D in 32/64/128), else the tiled reference. See the module doc."""
+    _check_qkv("flash_attention_fwd", q, k, v)
+    if use_triton(q, k, v) and q.dtype != torch.float64:
+        return flash_attention_fwd_triton(q, k, v, causal, scale)
+    return flash_attention_fwd_ref(q, k, v, causal, scale)
+
+
+def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None):
+    """Triton on CUDA (fp32/bf16/fp16, D in 32/64/128), else the tiled reference. See the module doc."""
+    _check_bwd("flash_attention_bwd", do, q, k, v, o, lse)
+    if use_triton(do, q, k, v, o, lse) and q.dtype != torch.float64:
+        return flash_attention_bwd_triton(do, q, k, v, o, lse, causal, scale)
+    return flash_attention_bwd_ref(do, q, k, v, o, lse, causal, scale)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------
+# Fixed configs per head dim, chosen by the sweep in xtrain/bench/attention.py on an H200 (bench/RESULTS.md).
+# fwd: (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M must be a multiple of BLOCK_N (causal split).
+# bwd: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages); dK/dV kernel tiles are
+#      BLOCK_M1 query rows x BLOCK_N1 keys (BLOCK_N1 % BLOCK_M1 == 0), dQ kernel tiles BLOCK_M2 x BLOCK_N2
+#      (BLOCK_M2 % BLOCK_N2 == 0).
+_FWD_CONFIGS = {
+    (32, "16bit"): (128, 64, 4, 3),
+    (64, "16bit"): (128, 64, 4, 3),
+    (128, "16bit"): (128, 64, 8, 3),
+    (32, "fp32"): (64, 32, 4, 2),
+    (64, "fp32"): (64, 32, 4, 2),
+    (128, "fp32"): (32, 32, 4, 2),
+}
+_BWD_CONFIGS = {
+    (32, "16bit"): (32, 128, 128, 32, 4, 3),
+    (64, "16bit"): (32, 128, 128, 32, 4, 3),
+    (128, "16bit"): (32, 128, 128, 32, 4, 3),
+    (32, "fp32"): (32, 64, 64, 32, 4, 2),
+    (64, "fp32"): (32, 64, 64, 32, 4, 2),
+    (128, "fp32"): (16, 32, 32, 16, 4, 2),
+}
+
+
+def _dtype_class(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, T, qk_scale, lo, hi,
+                   MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Online-softmax update of (acc, l_i, m_i) over the K/V tiles starting at lo, lo+BLOCK_N, .. < hi.
+        m_i is kept in the log2 domain (scores times qk_scale = scale·log2 e). MASK=False is the hot loop:
+        no mask arithmetic, every key valid."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+            v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+            if MASK and not EVEN_T:
+                k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32, unscaled
+            if MASK:
+                if CAUSAL:
+                    keep = offs_m[:, None] >= offs_n[None, :]  # also drops keys >= T: every query row < T
+                else:
+                    keep = (offs_n < T)[None, :]
+                s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if MASK and not EVEN_T:
+                v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _flash_fwd_kernel(Q, K, V, O, LSE,
+                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                          stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+                          H, T, qk_scale,
+                          GROUP: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H)."""
+        pid_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        if CAUSAL:  # heaviest query tiles first: the short ones fill the tail of the grid
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        off_b = off_bh // H
+        off_h = off_bh % H
+        off_kvh = off_h // GROUP
+        start_m = pid_m * BLOCK_M
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        k_base = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
+        v_base = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
+        o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
+        if EVEN_T:
+            q = tl.load(q_ptrs)
+        else:
+            q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if CAUSAL:
+            # keys strictly left of this query tile: never masked
+            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, T,
+                                       qk_scale, 0, start_m, False, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM,
+                                       DOT_PRECISION)
+            # the diagonal band: causal mask
+            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, T,
+                                       qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T), True, CAUSAL,
+                                       EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+        else:
+            t_full = (T // BLOCK_N) * BLOCK_N
+            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, T,
+                                       qk_scale, 0, t_full, False, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM,
+                                       DOT_PRECISION)
+            if not EVEN_T:  # the ragged last K/V tile: keys >= T masked
+                acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m,
+                                           T, qk_scale, t_full, T, True, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM,
+                                           DOT_PRECISION)
+        acc = acc / l_i[:, None]
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log (x ln 2)
+        o_ptrs = o_base + offs_m[:, None] * stride_ot + offs_d[None, :]
+        lse_ptrs = LSE + off_bh.to(tl.int64) * T + offs_m
+        if EVEN_T:
+            tl.store(o_ptrs, acc.to(O.dtype.element_ty))
+            tl.store(lse_ptrs, lse)
+        else:
+            tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < T)
+            tl.store(lse_ptrs, lse, mask=offs_m < T)
+
+    @triton.jit
+    def _flash_bwd_preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot,
+                                     stride_dob, stride_doh, stride_dot, H, T,
+                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+        """DELTA[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] in fp32."""
+        pid_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = off_bh // H
+        off_h = off_bh % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m[:, None] < T
+        o = tl.load(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+                    + offs_m[:, None] * stride_ot + offs_d[None, :], mask=row_ok, other=0.0)
+        do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+                     + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(DELTA + off_bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+
+    @triton.jit
+    def _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                        offs_n, T, qk_scale, lo, hi,
+                        MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Accumulate dK, dV of one resident K/V tile over the query tiles lo, lo+BLOCK_M, .. < hi, working
+        transposed ([keys, queries]) so the products with q and dO need no transposes of the results.
+        Query rows >= T load as zeros (q, dO, lse, delta) and so contribute exactly zero."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for start_m in range(lo, hi, BLOCK_M):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
+            do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+            if EVEN_T:
+                q = tl.load(q_ptrs)
+                lse = tl.load(lse_base + offs_m)
+            else:
+                q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+                lse = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0)
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])  # lse to log2 domain
+            if MASK:
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            if EVEN_T:
+                do = tl.load(do_ptrs)
+                delta = tl.load(delta_base + offs_m)
+            else:
+                do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
+                delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        return dk, dv
+
+    @triton.jit
+    def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                               stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                               stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+                               H, Hkv, T, qk_scale, sm_scale,
+                               GROUP: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               DOT_PRECISION: tl.constexpr):
+        """One program: BLOCK_N keys of one (batch, K/V head), over all query heads of its group.
+        grid = (cdiv(T, BLOCK_N), B*Hkv). Causal programs at small pid_n have the most work and start first."""
+        pid_n = tl.program_id(0)
+        off_bkv = tl.program_id(1)
+        off_b = off_bkv // Hkv
+        off_kvh = off_bkv % Hkv
+        start_n = pid_n * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        k_ptrs = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh \
+            + offs_n[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh \
+            + offs_n[:, None] * stride_vt + offs_d[None, :]
+        if EVEN_T:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        for g in range(GROUP):
+            off_h = off_kvh * GROUP + g
+            q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+            do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+            lse_base = LSE + (off_b * H + off_h).to(tl.int64) * T
+            delta_base = DELTA + (off_b * H + off_h).to(tl.int64) * T
+            if CAUSAL:
+                # query rows in this key tile's diagonal band see only part of it: masked
+                dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                                         stride_dot, offs_n, T, qk_scale, start_n,
+                                         tl.minimum(start_n + BLOCK_N, T), True, EVEN_T, BLOCK_M, HEAD_DIM,
+                                         DOT_PRECISION)
+                # query rows below the band see all of it
+                dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                                         stride_dot, offs_n, T, qk_scale, start_n + BLOCK_N, T, False,
+                                         EVEN_T, BLOCK_M, HEAD_DIM, DOT_PRECISION)
+            else:
+                dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                                         stride_dot, offs_n, T, qk_scale, 0, T, False, EVEN_T, BLOCK_M,
+                                         HEAD_DIM, DOT_PRECISION)
+        dk = dk * sm_scale
+        dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh \
+            + offs_n[:, None] * stride_dkt + offs_d[None, :]
+        dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + off_kvh.to(tl.int64) * stride_dvh \
+            + offs_n[:, None] * stride_dvt + offs_d[None, :]
+        if EVEN_T:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+        else:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
+
+    @triton.jit
+    def _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, T, qk_scale,
+                      lo, hi, MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """Accumulate dQ of one resident query tile over the K/V tiles lo, lo+BLOCK_N, .. < hi.
+        Keys >= T load as zero rows of K, so their dS (whatever it is) times k adds exactly zero."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+            v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+            if EVEN_T:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+                v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            p = tl.exp2(s * qk_scale - lse2[:, None])
+            if MASK:
+                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        return dq
+
+    @triton.jit
+    def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                             stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                             stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                             stride_dqb, stride_dqh, stride_dqt,
+                             H, T, qk_scale, sm_scale,
+                             GROUP: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr):
+        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H)."""
+        pid_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        if CAUSAL:
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        off_b = off_bh // H
+        off_h = off_bh % H
+        off_kvh = off_h // GROUP
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_ptrs = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
+            + offs_m[:, None] * stride_qt + offs_d[None, :]
+        do_ptrs = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh \
+            + offs_m[:, None] * stride_dot + offs_d[None, :]
+        row = off_bh.to(tl.int64) * T + offs_m
+        if EVEN_T:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(LSE + row)
+            delta = tl.load(DELTA + row)
+        else:
+            q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+            do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
+            lse = tl.load(LSE + row, mask=offs_m < T, other=0.0)
+            delta = tl.load(DELTA + row, mask=offs_m < T, other=0.0)
+        lse2 = lse * 1.4426950408889634  # natural log -> log2 domain (x 1/ln 2)
+        k_base = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
+        v_base = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if CAUSAL:
+            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, T,
+                               qk_scale, 0, start_m, False, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, T,
+                               qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T), True, EVEN_T, BLOCK_N,
+                               HEAD_DIM, DOT_PRECISION)
+        else:
+            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, T,
+                               qk_scale, 0, T, False, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+        dq = dq * sm_scale
+        dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
+            + offs_m[:, None] * stride_dqt + offs_d[None, :]
+        if EVEN_T:
+            tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
+        else:
+            tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
+
+
+def _check_triton(op: str, *ts) -> None:
+    if not HAVE_TRITON:
+        raise RuntimeError(f"{op}: triton is not importable")
+    q = ts[0]
+    D = q.shape[-1]
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{op}: head dim D={D} not supported by the Triton kernels (only "
+                         f"{SUPPORTED_HEAD_DIMS}), got q {tuple(q.shape)}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: dtype must be float32, bfloat16 or float16, got {_shapes(*ts)}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index [B, H, T] by strides but need unit stride along D (16-byte vector loads)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _out(buf, shape, dtype, device, name, op):
+    """A caller-given output buffer (tests pass NaN-poisoned ones) or a fresh one."""
+    if buf is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or buf.device != device or buf.stride(-1) != 1:
+        raise ValueError(f"{op}: {name} buffer must be {tuple(shape)} {dtype} on {device} with unit last "
+                         f"stride, got {_shapes(buf)}")
+    return buf
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit operands
+
+
+def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None = None, *,
+                               o=None, lse=None, config=None):
+    """Launch the forward kernel. ``o``/``lse``: optional output buffers; ``config``: (BLOCK_M, BLOCK_N,
+    num_warps, num_stages) overriding the per-head-dim default (the bench sweeps it)."""
+    op = "flash_attention_fwd"
+    _check_qkv(op, q, k, v)
+    _check_triton(op, q, k, v)
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    s = _scale(op, scale, D)
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    BLOCK_M, BLOCK_N, num_warps, num_stages = config or _FWD_CONFIGS[(D, _dtype_class(q.dtype))]
+    if BLOCK_M % BLOCK_N:
+        raise ValueError(f"{op}: BLOCK_M={BLOCK_M} must be a multiple of BLOCK_N={BLOCK_N}")
+    o = _out(o, (B, H, T, D), q.dtype, q.device, "o", op)
+    lse = _out(lse, (B, H, T), torch.float32, q.device, "lse", op)
+    if not lse.is_contiguous():
+        raise ValueError(f"{op}: lse buffer must be contiguous")
+    grid = (triton.cdiv(T, BLOCK_M), B * H)
+    _flash_fwd_kernel[grid](
+        q, k, v, o, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        H, T, s * LOG2E,
+        GROUP=H // Hkv, CAUSAL=bool(causal), EVEN_T=(T % BLOCK_M == 0 and T % BLOCK_N == 0), HEAD_DIM=D,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages)
+    return o, lse
+
+
+def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
+                               dq=None, dk=None, dv=None, config=None):
+    """Launch preprocess (delta), dK/dV and dQ kernels. ``dq``/``dk``/``dv``: optional output buffers;
+    ``config``: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)."""
+    op = "flash_attention_bwd"
+    _check_bwd(op, do, q, k, v, o, lse)
+    _check_triton(op, q, k, v)
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    s = _scale(op, scale, D)
+    do = do.to(q.dtype)
+    do, q, k, v, o = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o)
+    lse = lse.to(torch.float32).contiguous()
+    BM1, BN1, BM2, BN2, num_warps, num_stages = config or _BWD_CONFIGS[(D, _dtype_class(q.dtype))]
+    if BN1 % BM1 or BM2 % BN2:
+        raise ValueError(f"{op}: need BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0, got {config}")
+    dq = _out(dq, (B, H, T, D), q.dtype, q.device, "dq", op)
+    dk = _out(dk, (B, Hkv, T, D), k.dtype, q.device, "dk", op)
+    dv = _out(dv, (B, Hkv, T, D), v.dtype, q.device, "dv", op)
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    PRE_M = 64
+    _flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
+        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
+    prec = _precision(q.dtype)
+    even = all(T % b == 0 for b in (BM1, BN1, BM2, BN2))
+    _flash_bwd_dkdv_kernel[(triton.cdiv(T, BN1), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        H, Hkv, T, s * LOG2E, s,
+        GROUP=H // Hkv, CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1,
+        DOT_PRECISION=prec, num_warps=num_warps, num_stages=num_stages)
+    _flash_bwd_dq_kernel[(triton.cdiv(T, BM2), B * H)](
+        q, k, v, do, lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        H, T, s * LOG2E, s,
+        GROUP=H // Hkv, CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
+        DOT_PRECISION=prec, num_warps=num_warps, num_stages=num_stages)
+    return dq, dk, dv
