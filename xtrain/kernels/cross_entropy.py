@@ -9,21 +9,54 @@ Contract:
         denom: float). lse is saved so the backward needs no second reduction.
     cross_entropy_bwd(dloss, logits, targets, lse, ignore_index, denom, inplace=False) -> dlogits
         (logits.dtype; written into ``logits`` itself when inplace=True and the caller no longer needs it).
+    cross_entropy_fwd_bwd(logits, targets, ignore_index, scale) -> (nll[N] fp32, lse[N] fp32), and
+        logits overwritten in place by scale * (softmax - onehot) (0 on ignored rows): forward and
+        backward in one call for a caller that knows dloss up front (fused linear + cross-entropy).
 A batch where every target is ignored has loss 0 and zero gradient under "mean" (not nan), so an
 all-padding micro-batch cannot poison an accumulated step.
+
+Triton kernels, one program per row, walking the vocabulary in BLOCK_V blocks with an online
+log-sum-exp in fp32 (never materialising an fp32 copy of the logits):
+    m_new = max(m, max_b x);   s = s * exp(m - m_new) + sum_b exp(x - m_new);   lse = m + log(s)
+    _cross_entropy_fwd_kernel      one read of the row -> lse[n], nll[n]
+    _cross_entropy_bwd_kernel      one read + one write: (exp(x - lse) - [v == t]) * dloss / denom
+    _cross_entropy_fwd_bwd_kernel  both: two reads + one write, gradient in place
 """
 
 from __future__ import annotations
 
 import torch
 
+from xtrain.kernels._dispatch import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+else:  # CPU-only install: the kernels below are never launched
+    triton = tl = None
+
+    def _jit(fn=None, **kw):
+        return fn if fn is not None else (lambda f: f)
+
 
 def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                      reduction: str = "mean"):
+def _check(name: str, logits: torch.Tensor, targets: torch.Tensor, reduction: str | None = None):
+    if logits.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
+        raise ValueError(f"{name}: expected logits [N, V] and targets [N], got {tuple(logits.shape)} and "
+                         f"{tuple(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"{name}: targets must be integer class ids, got {targets.dtype}")
+    if reduction is not None and reduction not in ("mean", "sum"):
+        raise ValueError(f"{name}: reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def cross_entropy_fwd_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                          reduction: str = "mean"):
     lf = logits.to(_acc(logits))
     lse = torch.logsumexp(lf, dim=-1)  # [N]
     valid = targets != ignore_index
@@ -36,16 +69,189 @@ def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
     return loss, lse, denom
 
 
-def cross_entropy_bwd(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                      ignore_index: int = -100, denom: float = 1.0, inplace: bool = False) -> torch.Tensor:
+def cross_entropy_bwd_ref(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
+                          lse: torch.Tensor, ignore_index: int = -100, denom: float = 1.0,
+                          inplace: bool = False) -> torch.Tensor:
     acc = _acc(logits)
     valid = targets != ignore_index
-    scale = dloss.to(acc) / denom
+    scale = torch.as_tensor(dloss, device=logits.device).to(acc) / denom
     probs = torch.exp(logits.to(acc) - lse.to(acc)[:, None])  # [N, V]
     safe_t = torch.where(valid, targets, torch.zeros_like(targets))
-    probs.scatter_add_(1, safe_t[:, None], -torch.ones_like(lse)[:, None])
+    probs.scatter_add_(1, safe_t[:, None], -torch.ones_like(probs[:, :1]))
     probs *= (valid.to(acc) * scale)[:, None]
     if inplace:
         logits.copy_(probs)
         return logits
     return probs.to(logits.dtype)
+
+
+def cross_entropy_fwd_bwd_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                              scale: float = 1.0):
+    acc = _acc(logits)
+    lf = logits.to(acc)
+    lse = torch.logsumexp(lf, dim=-1)  # [N]
+    valid = targets != ignore_index
+    safe_t = torch.where(valid, targets, torch.zeros_like(targets))
+    nll = torch.where(valid, lse - lf.gather(1, safe_t[:, None]).squeeze(1), torch.zeros_like(lse))
+    logits.copy_(cross_entropy_bwd_ref(torch.tensor(scale, dtype=acc, device=logits.device), logits, targets,
+                                       lse, ignore_index, 1.0))
+    return nll, lse
+
+
+# ------------------------------------------------------------------------------------------------ Triton
+
+@_jit
+def _row_lse(ROW, V, BLOCK_V: tl.constexpr):
+    """Online log-sum-exp of one row of V logits, in fp32."""
+    cols = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    s = 0.0
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(ROW + start + cols, mask=start + cols < V, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        # exp(-inf - m_new) = 0 for masked lanes; on the first block m = -inf gives s * 0 = 0
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    return m + tl.log(s)
+
+
+@_jit
+def _cross_entropy_fwd_kernel(LOGITS, TARGETS, LSE, NLL, V, stride, ignore_index, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ROW = LOGITS + row * stride
+    lse = _row_lse(ROW, V, BLOCK_V)
+    t = tl.load(TARGETS + row)
+    valid = t != ignore_index
+    picked = tl.load(ROW + tl.where(valid, t, 0)).to(tl.float32)
+    tl.store(LSE + row, lse)
+    tl.store(NLL + row, tl.where(valid, lse - picked, 0.0))
+
+
+@_jit
+def _cross_entropy_bwd_kernel(DLOSS, LOGITS, TARGETS, LSE, OUT, V, stride, out_stride, ignore_index, denom,
+                              BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ROW = LOGITS + row * stride
+    OUT_ROW = OUT + row * out_stride
+    t = tl.load(TARGETS + row)
+    valid = t != ignore_index
+    scale = tl.where(valid, tl.load(DLOSS).to(tl.float32) / denom, 0.0)
+    lse = tl.load(LSE + row)
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        c = start + cols
+        mask = c < V
+        x = tl.load(ROW + c, mask=mask, other=0.0).to(tl.float32)
+        g = (tl.exp(x - lse) - tl.where(c == t, 1.0, 0.0)) * scale
+        tl.store(OUT_ROW + c, g.to(OUT.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _cross_entropy_fwd_bwd_kernel(LOGITS, TARGETS, LSE, NLL, V, stride, ignore_index, scale,
+                                  BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ROW = LOGITS + row * stride
+    lse = _row_lse(ROW, V, BLOCK_V)
+    t = tl.load(TARGETS + row)
+    valid = t != ignore_index
+    picked = tl.load(ROW + tl.where(valid, t, 0)).to(tl.float32)  # read before the row is overwritten
+    tl.store(LSE + row, lse)
+    tl.store(NLL + row, tl.where(valid, lse - picked, 0.0))
+    row_scale = tl.where(valid, scale, 0.0)
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        c = start + cols
+        mask = c < V
+        x = tl.load(ROW + c, mask=mask, other=0.0).to(tl.float32)
+        g = (tl.exp(x - lse) - tl.where(c == t, 1.0, 0.0)) * row_scale
+        tl.store(ROW + c, g.to(LOGITS.dtype.element_ty), mask=mask)
+
+
+def _config(V: int):
+    BLOCK_V = min(8192, triton.next_power_of_2(V))
+    num_warps = 16 if BLOCK_V >= 8192 else (8 if BLOCK_V >= 2048 else 4)
+    return BLOCK_V, num_warps
+
+
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    # rows may be a slice of a wider buffer, but each row must be contiguous
+    return logits if logits.stride(1) == 1 else logits.contiguous()
+
+
+def cross_entropy_fwd_triton(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                             reduction: str = "mean"):
+    _check("cross_entropy_fwd", logits, targets, reduction)
+    logits = _rows(logits)
+    N, V = logits.shape
+    targets = targets.contiguous()
+    lse = torch.empty(N, dtype=torch.float32, device=logits.device)
+    nll = torch.empty(N, dtype=torch.float32, device=logits.device)
+    if N > 0:
+        BLOCK_V, num_warps = _config(V)
+        _cross_entropy_fwd_kernel[(N,)](logits, targets, lse, nll, V, logits.stride(0), ignore_index,
+                                        BLOCK_V=BLOCK_V, num_warps=num_warps)
+    count = int((targets != ignore_index).sum().item())  # the contract returns denom as a float
+    denom = float(max(count, 1)) if reduction == "mean" else 1.0
+    return nll.sum() / denom, lse, denom
+
+
+def cross_entropy_bwd_triton(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
+                             lse: torch.Tensor, ignore_index: int = -100, denom: float = 1.0,
+                             inplace: bool = False) -> torch.Tensor:
+    _check("cross_entropy_bwd", logits, targets)
+    if inplace and logits.stride(1) != 1:
+        raise ValueError(f"cross_entropy_bwd: inplace needs rows of contiguous logits, got strides "
+                         f"{logits.stride()}")
+    src = _rows(logits)
+    N, V = src.shape
+    out = src if inplace else torch.empty_like(src)
+    dloss = torch.as_tensor(dloss, dtype=torch.float32, device=logits.device).reshape(())
+    if N > 0:
+        BLOCK_V, num_warps = _config(V)
+        _cross_entropy_bwd_kernel[(N,)](dloss, src, targets.contiguous(), lse.contiguous(), out, V,
+                                        src.stride(0), out.stride(0), ignore_index, float(denom),
+                                        BLOCK_V=BLOCK_V, num_warps=num_warps)
+    return out
+
+
+def cross_entropy_fwd_bwd_triton(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                                 scale: float = 1.0):
+    _check("cross_entropy_fwd_bwd", logits, targets)
+    if logits.stride(1) != 1:
+        raise ValueError(f"cross_entropy_fwd_bwd: needs rows of contiguous logits, got strides "
+                         f"{logits.stride()}")
+    N, V = logits.shape
+    lse = torch.empty(N, dtype=torch.float32, device=logits.device)
+    nll = torch.empty(N, dtype=torch.float32, device=logits.device)
+    if N > 0:
+        BLOCK_V, num_warps = _config(V)
+        _cross_entropy_fwd_bwd_kernel[(N,)](logits, targets.contiguous(), lse, nll, V, logits.stride(0),
+                                            ignore_index, float(scale), BLOCK_V=BLOCK_V,
+                                            num_warps=num_warps)
+    return nll, lse
+
+
+def _fast(logits: torch.Tensor, *ts) -> bool:
+    return logits.dtype != torch.float64 and use_triton(logits, *ts)
+
+
+def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                      reduction: str = "mean"):
+    if _fast(logits, targets):
+        return cross_entropy_fwd_triton(logits, targets, ignore_index, reduction)
+    _check("cross_entropy_fwd", logits, targets, reduction)
+    return cross_entropy_fwd_ref(logits, targets, ignore_index, reduction)
+
+
+def cross_entropy_bwd(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                      ignore_index: int = -100, denom: float = 1.0, inplace: bool = False) -> torch.Tensor:
+    if _fast(logits, targets, lse):
+        return cross_entropy_bwd_triton(dloss, logits, targets, lse, ignore_index, denom, inplace)
+    return cross_entropy_bwd_ref(dloss, logits, targets, lse, ignore_index, denom, inplace)
+
+
+def cross_entropy_fwd_bwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                          scale: float = 1.0):
+    if _fast(logits, targets):
+        return cross_entropy_fwd_bwd_triton(logits, targets, ignore_index, scale)
+    return cross_entropy_fwd_bwd_ref(logits, targets, ignore_index, scale)

@@ -13,11 +13,28 @@ Index i is the flat (row-major, contiguous) element index; tensors must have few
 
 Contract: dropout_fwd(x, p, seed) -> y;  dropout_bwd(dy, p, seed) -> dx (the same mask, regenerated from
 the seed rather than stored: one bit of state per element saved for free).
+
+Triton kernel ``_dropout_kernel``: the same hash in uint32 registers, where multiplication wraps mod 2^32
+exactly as the reference's ``& 0xFFFFFFFF`` and ``>>`` is a logical shift, so the mask is bit-for-bit
+the reference's; the scale is the fp32-rounded 1/(1-p) the reference multiplies by. One read, one write.
 """
 
 from __future__ import annotations
 
 import torch
+
+from xtrain.kernels._dispatch import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+else:  # CPU-only install: the kernels below are never launched
+    triton = tl = None
+
+    def _jit(fn=None, **kw):
+        return fn if fn is not None else (lambda f: f)
 
 _M32 = 0xFFFFFFFF
 MUL1 = 0x7FEB352D
@@ -60,9 +77,63 @@ def dropout_bwd_ref(dy: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     return dropout_fwd_ref(dy, p, seed)
 
 
+# ------------------------------------------------------------------------------------------------ Triton
+
+BLOCK = 2048
+
+
+@_jit
+def _mix32_tl(h):
+    # h is uint32: '*' wraps mod 2^32 and '>>' is a logical shift, as in the reference
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x2C1B3C6D
+    h = h ^ (h >> 16)
+    return h
+
+
+@_jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])  # no recompile per seed value
+def _dropout_kernel(X, Y, n, seed_lo, seed_hi, threshold, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    i = offs.to(tl.uint32)  # n < 2^32: the index itself
+    h = _mix32_tl(_mix32_tl(i ^ seed_lo.to(tl.uint32)) ^ seed_hi.to(tl.uint32))
+    keep = (h >> 8) >= threshold.to(tl.uint32)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.where(keep, x * scale, 0.0)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _dropout_triton(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    n = x.numel()
+    if n >= 1 << 32:
+        raise ValueError(f"dropout: tensors must have fewer than 2^32 elements, got {n}")
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    # the reference multiplies fp32 by the Python float 1/(1-p), i.e. by its fp32 rounding: pass that
+    scale = float(torch.tensor(1.0 / (1.0 - p), dtype=torch.float32))
+    _dropout_kernel[(max(1, triton.cdiv(n, BLOCK)),)](
+        x, y, n, seed & _M32, seed >> 32, keep_threshold(p), scale, BLOCK=BLOCK, num_warps=8)
+    return y
+
+
+def dropout_fwd_triton(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    return _dropout_triton(x, p, seed)
+
+
+def dropout_bwd_triton(dy: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    return _dropout_triton(dy, p, seed)
+
+
 def dropout_fwd(x, p, seed):
+    if x.dtype != torch.float64 and use_triton(x):
+        return dropout_fwd_triton(x, p, seed)
     return dropout_fwd_ref(x, p, seed)
 
 
 def dropout_bwd(dy, p, seed):
+    if dy.dtype != torch.float64 and use_triton(dy):
+        return dropout_bwd_triton(dy, p, seed)
     return dropout_bwd_ref(dy, p, seed)

@@ -7,11 +7,32 @@ Statistics are computed in fp32 whatever the input dtype; inv_rms is saved so ba
 reduction. With g = dy * w and n = C:
     dx = inv_rms * g - x * inv_rms^3 / n * sum_c(g * x)
     dw = sum_rows(dy * x * inv_rms)
+
+Triton kernels (CUDA; CPU through the interpreter for tests):
+    _rms_norm_fwd_kernel   BLOCK_R rows x the whole row (BLOCK_C >= C) per program: one read of x, one
+                           write of y, inv_rms saved in fp32.
+    _rms_norm_bwd_kernel   a persistent grid of P programs; program p walks rows p, p + P, ... computing
+                           dx row by row and accumulating its share of dw in an fp32 register row, stored to
+                           partial[p, :]. No atomics: the P partial rows are summed in a second small pass
+                           (``partial.sum(0)``, P x C floats), so dw is deterministic run to run.
 """
 
 from __future__ import annotations
 
 import torch
+
+from xtrain.kernels._dispatch import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+else:  # CPU-only install: the kernels below are never launched
+    triton = tl = None
+
+    def _jit(fn=None, **kw):
+        return fn if fn is not None else (lambda f: f)
 
 
 def rms_norm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
@@ -34,9 +55,102 @@ def rms_norm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms
     return dx.to(x.dtype).reshape(x.shape), dw.to(w.dtype)
 
 
+# ------------------------------------------------------------------------------------------------ Triton
+
+@_jit
+def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    cols = tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    rmask = rows < N
+    cmask = cols < C
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]  # int64: N * C may pass 2^31
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / C + eps)  # [BLOCK_R]
+    y = (x * inv_rms[:, None]) * w[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(INV_RMS + rows, inv_rms, mask=rmask)
+
+
+@_jit
+def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
+                         BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    row_start = pid.to(tl.int64) * rows_per_program  # int64 so row * C cannot overflow
+    row_end = tl.minimum(row_start + rows_per_program, N)
+    for row in range(row_start, row_end):
+        offs = row * C + cols
+        x = tl.load(X + offs, mask=cmask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=cmask, other=0.0).to(tl.float32)
+        r = tl.load(INV_RMS + row)
+        g = dy * w
+        # dx = r * g - x * r^3 / C * sum(g * x)
+        dx = r * g - x * (r * r * r / C) * tl.sum(g * x, axis=0)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=cmask)
+        dw_acc += dy * x * r
+    tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, dw_acc, mask=cmask)
+
+
+def _fwd_config(C: int):
+    BLOCK_C = triton.next_power_of_2(C)
+    BLOCK_R = max(1, min(16, 4096 // BLOCK_C))  # ~4k elements per program for short rows
+    num_warps = 4 if BLOCK_C * BLOCK_R <= 4096 else (8 if BLOCK_C <= 8192 else 16)
+    return BLOCK_R, BLOCK_C, num_warps
+
+
+def _num_programs(x: torch.Tensor, N: int) -> int:
+    if x.is_cuda:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        return max(1, min(N, 4 * sms))
+    return max(1, min(N, 4))  # the interpreter: few programs, each several rows
+
+
+def rms_norm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float):
+    C = x.shape[-1]
+    x2 = x.reshape(-1, C).contiguous()  # [N, C]
+    N = x2.shape[0]
+    y = torch.empty_like(x2)
+    inv_rms = torch.empty(N, dtype=torch.float32, device=x.device)
+    if N > 0:
+        BLOCK_R, BLOCK_C, num_warps = _fwd_config(C)
+        _rms_norm_fwd_kernel[(triton.cdiv(N, BLOCK_R),)](
+            x2, w.contiguous(), y, inv_rms, N, C, eps, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=num_warps)
+    return y.reshape(x.shape), inv_rms
+
+
+def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms: torch.Tensor):
+    C = x.shape[-1]
+    x2 = x.reshape(-1, C).contiguous()  # [N, C]
+    dy2 = dy.reshape(-1, C).contiguous()
+    N = x2.shape[0]
+    dx = torch.empty_like(x2)
+    if N == 0:
+        return dx.reshape(x.shape), torch.zeros_like(w)
+    P = _num_programs(x2, N)
+    rows_per_program = triton.cdiv(N, P)
+    P = triton.cdiv(N, rows_per_program)
+    dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
+    BLOCK_C = triton.next_power_of_2(C)
+    num_warps = 4 if BLOCK_C <= 1024 else (8 if BLOCK_C <= 8192 else 16)
+    _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
+                               rows_per_program, BLOCK_C=BLOCK_C, num_warps=num_warps)
+    dw = dw_partial.sum(dim=0)  # the second pass: P x C -> C, fixed order
+    return dx.reshape(x.shape), dw.to(w.dtype)
+
+
 def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
+    if x.dtype != torch.float64 and use_triton(x, w):
+        return rms_norm_fwd_triton(x, w, eps)
     return rms_norm_fwd_ref(x, w, eps)
 
 
 def rms_norm_bwd(dy, x, w, inv_rms):
+    if x.dtype != torch.float64 and use_triton(dy, x, w, inv_rms):
+        return rms_norm_bwd_triton(dy, x, w, inv_rms)
     return rms_norm_bwd_ref(dy, x, w, inv_rms)

@@ -11,16 +11,44 @@ inverse rotation (by -angle): dx = dy * cos - rotate_half(dy) * sin.
 Contract: rope_fwd(x[..., T, D], positions[T] or [B, T], theta) -> y (x.dtype);
           rope_bwd(dy, positions, theta) -> dx. Angles are computed in fp32 (fp64 for fp64 inputs).
 With positions [B, T], x must be [B, ..., T, D] (e.g. [B, H, T, D]).
+
+Triton kernel ``_rope_kernel``: x is viewed as rows [R, D]; row r has position index
+pidx = (r // rows_per_batch) * T + r % T into the flattened positions. Each program rotates BLOCK_R rows,
+reading the two halves x1 = x[:, :D/2], x2 = x[:, D/2:] once and writing
+    y1 = x1 * cos - x2 * sin,   y2 = x2 * cos + x1 * sin       (backward: the same with sin -> -sin)
+cos/sin come either from a table [(B or 1) * T, D/2] built once per call with the reference's own maths
+(so the table is bit-identical to the reference's cos/sin), or are computed in the kernel (angle as the
+fp64 product pos * inv_freq rounded to fp32, exactly the reference's angle, then fp32 cos/sin).
+``TABLE_DEFAULT`` says which the public path uses (chosen by measurement, see bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import torch
 
+from xtrain.kernels._dispatch import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+else:  # CPU-only install: the kernels below are never launched
+    triton = tl = None
+
+    def _jit(fn=None, **kw):
+        return fn if fn is not None else (lambda f: f)
+
+TABLE_DEFAULT = True
+
+
+def _inv_freq(D: int, theta: float, device) -> torch.Tensor:
+    return theta ** (-torch.arange(0, D, 2, device=device, dtype=torch.float64) / D)  # [D/2] fp64
+
 
 def rope_cos_sin(positions: torch.Tensor, D: int, theta: float, dtype=torch.float32):
     """cos, sin of shape positions.shape + [D] (the D/2 angles repeated over both halves)."""
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=positions.device, dtype=torch.float64) / D)
+    inv_freq = _inv_freq(D, theta, positions.device)
     ang = positions.to(torch.float64)[..., None] * inv_freq  # [..., T, D/2]
     ang = ang.to(dtype)
     ang = torch.cat([ang, ang], dim=-1)  # [..., T, D]
@@ -55,9 +83,97 @@ def rope_bwd_ref(dy: torch.Tensor, positions: torch.Tensor, theta: float = 10000
     return (df * cos - _rotate_half(df) * sin).to(dy.dtype)
 
 
+# ------------------------------------------------------------------------------------------------ Triton
+
+@_jit
+def _rope_kernel(X, Y, POS, INV_FREQ, COS, SIN, R, T, rows_per_batch,
+                 HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                 TABLE: tl.constexpr, INVERSE: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    h = tl.arange(0, BLOCK_H)  # [BLOCK_H] index of the pair (h, h + HALF)
+    rmask = rows < R
+    hmask = h < HALF
+    mask = rmask[:, None] & hmask[None, :]
+    pidx = (rows // rows_per_batch) * T + rows % T  # [BLOCK_R] into the flattened positions
+    if TABLE:
+        toffs = pidx[:, None] * HALF + h[None, :]
+        c = tl.load(COS + toffs, mask=mask, other=0.0)
+        s = tl.load(SIN + toffs, mask=mask, other=0.0)
+    else:
+        pos = tl.load(POS + pidx, mask=rmask, other=0).to(tl.float64)
+        inv_freq = tl.load(INV_FREQ + h, mask=hmask, other=0.0)  # fp64
+        # the fp64 product rounded once to fp32 is exactly the reference's fp32 angle
+        ang = (pos[:, None] * inv_freq[None, :]).to(tl.float32)
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    if INVERSE:
+        s = -s
+    offs = rows[:, None] * (2 * HALF) + h[None, :]
+    x1 = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s
+    tl.store(Y + offs, y1.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs + HALF, y2.to(Y.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, positions: torch.Tensor, name: str):
+    if x.dim() < 2 or x.shape[-1] % 2 != 0:
+        raise ValueError(f"{name}: x must be [..., T, D] with even D, got {tuple(x.shape)}")
+    T = x.shape[-2]
+    if positions.dim() not in (1, 2) or positions.shape[-1] != T or (
+            positions.dim() == 2 and (x.dim() < 3 or x.shape[0] != positions.shape[0])):
+        raise ValueError(f"{name}: positions {tuple(positions.shape)} must be [T] or [B, T] for x "
+                         f"{tuple(x.shape)}")
+
+
+def _rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float, inverse: bool,
+                 table: bool | None) -> torch.Tensor:
+    _check(x, positions, "rope_bwd" if inverse else "rope_fwd")
+    table = TABLE_DEFAULT if table is None else table
+    D = x.shape[-1]
+    T = x.shape[-2]
+    HALF = D // 2
+    x2 = x.contiguous()
+    y = torch.empty_like(x2)
+    R = x2.numel() // D  # rows of D
+    if R == 0:
+        return y
+    B = positions.shape[0] if positions.dim() == 2 else 1
+    rows_per_batch = R // B
+    pos = positions.reshape(-1).contiguous()  # [(B or 1) * T]
+    if table:
+        inv_freq = _inv_freq(D, theta, x.device)
+        ang = (pos.to(torch.float64)[:, None] * inv_freq).to(torch.float32)  # [(B or 1) * T, D/2]
+        cos, sin = ang.cos(), ang.sin()
+    else:
+        inv_freq = _inv_freq(D, theta, x.device)
+        cos = sin = inv_freq  # unused
+    BLOCK_H = triton.next_power_of_2(HALF)
+    BLOCK_R = max(1, 2048 // BLOCK_H)
+    _rope_kernel[(triton.cdiv(R, BLOCK_R),)](
+        x2, y, pos, inv_freq, cos, sin, R, T, rows_per_batch,
+        HALF=HALF, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, TABLE=table, INVERSE=inverse, num_warps=4)
+    return y
+
+
+def rope_fwd_triton(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0,
+                    table: bool | None = None) -> torch.Tensor:
+    return _rope_triton(x, positions, theta, False, table)
+
+
+def rope_bwd_triton(dy: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0,
+                    table: bool | None = None) -> torch.Tensor:
+    return _rope_triton(dy, positions, theta, True, table)
+
+
 def rope_fwd(x, positions, theta=10000.0):
+    if x.dtype != torch.float64 and use_triton(x, positions):
+        return rope_fwd_triton(x, positions, theta)
     return rope_fwd_ref(x, positions, theta)
 
 
 def rope_bwd(dy, positions, theta=10000.0):
+    if dy.dtype != torch.float64 and use_triton(dy, positions):
+        return rope_bwd_triton(dy, positions, theta)
     return rope_bwd_ref(dy, positions, theta)

@@ -6,11 +6,27 @@ Contract:
         dg = dy * u * s * (1 + g * (1 - s)),  du = dy * silu(g)
 Backward recomputes the sigmoid from the saved input instead of storing it (one tensor less per layer).
 Maths in fp32 (fp64 for fp64 inputs); outputs in the input dtype.
+
+Triton kernels: flat elementwise passes of BLOCK elements per program, one read of every input and one
+write of every output (swiglu_bwd: read dy, g, u; write dg, du), the sigmoid recomputed in registers.
 """
 
 from __future__ import annotations
 
 import torch
+
+from xtrain.kernels._dispatch import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+else:  # CPU-only install: the kernels below are never launched
+    triton = tl = None
+
+    def _jit(fn=None, **kw):
+        return fn if fn is not None else (lambda f: f)
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -43,17 +59,108 @@ def swiglu_bwd_ref(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     return dg.to(g.dtype), du.to(u.dtype)
 
 
+# ------------------------------------------------------------------------------------------------ Triton
+
+BLOCK = 2048
+
+
+@_jit
+def _silu_fwd_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs, (x * tl.sigmoid(x)).to(Y.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _silu_bwd_kernel(DY, X, DX, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(x)
+    tl.store(DX + offs, (dy * s * (1 + x * (1 - s))).to(DX.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _swiglu_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _swiglu_bwd_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    dg = dy * u * s * (1 + g * (1 - s))
+    du = dy * g * s
+    tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
+
+
+def _same_shape(name: str, *ts: torch.Tensor):
+    if any(t.shape != ts[0].shape for t in ts):
+        raise ValueError(f"{name}: shapes must match, got {[tuple(t.shape) for t in ts]}")
+
+
+def _grid(n: int):
+    return (max(1, triton.cdiv(n, BLOCK)),)
+
+
+def silu_fwd_triton(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _silu_fwd_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=BLOCK, num_warps=8)
+    return y
+
+
+def silu_bwd_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    _same_shape("silu_bwd", dy, x)
+    x, dy = x.contiguous(), dy.contiguous()
+    dx = torch.empty_like(x)
+    _silu_bwd_kernel[_grid(x.numel())](dy, x, dx, x.numel(), BLOCK=BLOCK, num_warps=8)
+    return dx
+
+
+def swiglu_fwd_triton(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    _same_shape("swiglu_fwd", g, u)
+    g, u = g.contiguous(), u.contiguous()
+    y = torch.empty_like(g)
+    _swiglu_fwd_kernel[_grid(g.numel())](g, u, y, g.numel(), BLOCK=BLOCK, num_warps=8)
+    return y
+
+
+def swiglu_bwd_triton(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
+    _same_shape("swiglu_bwd", dy, g, u)
+    dy, g, u = dy.contiguous(), g.contiguous(), u.contiguous()
+    dg = torch.empty_like(g)
+    du = torch.empty_like(u)
+    _swiglu_bwd_kernel[_grid(g.numel())](dy, g, u, dg, du, g.numel(), BLOCK=BLOCK, num_warps=8)
+    return dg, du
+
+
+def _fast(*ts: torch.Tensor) -> bool:
+    return ts[0].dtype != torch.float64 and all(t.dtype == ts[0].dtype for t in ts) and use_triton(*ts)
+
+
 def silu_fwd(x):
-    return silu_fwd_ref(x)
+    return silu_fwd_triton(x) if _fast(x) else silu_fwd_ref(x)
 
 
 def silu_bwd(dy, x):
-    return silu_bwd_ref(dy, x)
+    return silu_bwd_triton(dy, x) if _fast(dy, x) else silu_bwd_ref(dy, x)
 
 
 def swiglu_fwd(g, u):
-    return swiglu_fwd_ref(g, u)
+    return swiglu_fwd_triton(g, u) if _fast(g, u) else swiglu_fwd_ref(g, u)
 
 
 def swiglu_bwd(dy, g, u):
-    return swiglu_bwd_ref(dy, g, u)
+    return swiglu_bwd_triton(dy, g, u) if _fast(dy, g, u) else swiglu_bwd_ref(dy, g, u)
