@@ -91,14 +91,16 @@ class Var:
         out.grad = None
         out.name = name
         out._freed = False
-        if _grad_enabled and any(p.requires_grad for p in parents):
-            out.requires_grad = True
-            out._parents = tuple(parents)
-            out._backward = backward_fn
-        else:
-            out.requires_grad = False
-            out._parents = ()
-            out._backward = None
+        out.requires_grad = False
+        out._parents = ()
+        out._backward = None
+        if _grad_enabled:
+            for p in parents:  # a plain loop: any(genexpr) costs more than the check itself
+                if p.requires_grad:
+                    out.requires_grad = True
+                    out._parents = tuple(parents)
+                    out._backward = backward_fn
+                    break
         return out
 
     @property

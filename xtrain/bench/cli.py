@@ -1,30 +1,44 @@
-"""``xtrain bench NAME [args]``: runs ``xtrain.bench.NAME.main(args)``.
+"""``xtrain bench NAME [args]``: runs the benchmark module ``bench/NAME.py`` of the checkout.
 
-Each benchmark module measures xtrain and its baseline side by side in one process and prints a table with
-a ratio column. Results that matter are recorded in ``bench/RESULTS.md``.
+Benchmarks live in the repository's top-level ``bench/`` folder, beside the package rather than inside it:
+they import their baselines (torch.autograd, torch SDPA, an eager PyTorch model), which library code
+must never use. Each measures xtrain and its baseline side by side in one process and prints a table
+with a ratio column. Results that matter are recorded in ``bench/RESULTS.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
+import importlib.util
+import pathlib
+import sys
 
-import xtrain.bench as _pkg
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
 def available() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(_pkg.__path__) if m.name not in ("cli", "common"))
+    if not BENCH_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_") and p.stem != "common")
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="run a benchmark: " + ", ".join(available()),
-                              description="Run a benchmark module of xtrain.bench.")
-    p.add_argument("name", choices=available(), help="which benchmark")
+    names = available()
+    p = subparsers.add_parser("bench", help="run a benchmark: " + (", ".join(names) or "(needs a source checkout)"),
+                              description="Run a benchmark from the checkout's bench/ folder.")
+    p.add_argument("name", choices=names or None, help="which benchmark")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    mod = importlib.import_module(f"xtrain.bench.{args.name}")
+    path = BENCH_DIR / f"{args.name}.py"
+    if not path.is_file():
+        print(f"xtrain bench: no benchmark {path} (benchmarks need a source checkout)", file=sys.stderr)
+        return 2
+    if str(BENCH_DIR.parent) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR.parent))
+    spec = importlib.util.spec_from_file_location(f"bench.{args.name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     return int(mod.main(args.args) or 0)

@@ -69,12 +69,19 @@ def _binary_prep(op: str, a, b) -> tuple[Var, Var]:
         a = as_var(a, b, op)
     if not isinstance(b, Var):
         b = as_var(b, a, op)
-    _check_same(op, a, b)
+    ad, bd = a.data, b.data
+    if ad.dtype is not bd.dtype or ad.dtype not in _FLOAT or ad.device != bd.device:
+        _check_same(op, a, b)  # raises with the precise reason
+    return a, b
+
+
+def _apply(op: str, f, a: Var, b: Var) -> torch.Tensor:
+    """Run a broadcasting torch function, turning a shape mismatch into our ValueError (checking the
+    shapes up front with torch.broadcast_shapes costs more than the op itself on small tensors)."""
     try:
-        torch.broadcast_shapes(a.shape, b.shape)
+        return f(a.data, b.data)
     except RuntimeError:
         raise ValueError(f"{op}: shapes do not broadcast (shapes: {_shapes(a, b)})") from None
-    return a, b
 
 
 # -- arithmetic ------------------------------------------------------------------------------------
@@ -86,7 +93,7 @@ def add(a, b) -> Var:
     def backward(d):
         return unbroadcast(d, sa), unbroadcast(d, sb)
 
-    return Var.from_op(a.data + b.data, (a, b), backward, "add")
+    return Var.from_op(_apply("add", torch.add, a, b), (a, b), backward, "add")
 
 
 def sub(a, b) -> Var:
@@ -96,7 +103,7 @@ def sub(a, b) -> Var:
     def backward(d):
         return unbroadcast(d, sa), unbroadcast(-d, sb)
 
-    return Var.from_op(a.data - b.data, (a, b), backward, "sub")
+    return Var.from_op(_apply("sub", torch.sub, a, b), (a, b), backward, "sub")
 
 
 def mul(a, b) -> Var:
@@ -111,7 +118,7 @@ def mul(a, b) -> Var:
         return (unbroadcast(d * bd, ad.shape) if a.requires_grad else None,
                 unbroadcast(d * ad, bd.shape) if b.requires_grad else None)
 
-    return Var.from_op(ad * bd, (a, b), backward, "mul")
+    return Var.from_op(_apply("mul", torch.mul, a, b), (a, b), backward, "mul")
 
 
 def div(a, b) -> Var:
@@ -120,7 +127,7 @@ def div(a, b) -> Var:
         return scale(a, 1.0 / b)
     a, b = _binary_prep("div", a, b)
     ad, bd = a.data, b.data
-    out = ad / bd
+    out = _apply("div", torch.div, a, b)
 
     def backward(d):
         da = unbroadcast(d / bd, ad.shape) if a.requires_grad else None
@@ -131,10 +138,10 @@ def div(a, b) -> Var:
 
 
 def scale(x: Var, alpha: float) -> Var:
-    check(isinstance(x, Var), "scale", "x must be a Var", x)
-    check(isinstance(alpha, numbers.Number), "scale", f"alpha must be a number, got {type(alpha).__name__}", x)
-    _check_float("scale", x)
-    alpha = float(alpha)
+    if not isinstance(alpha, numbers.Number) or isinstance(alpha, bool):
+        raise ValueError(f"scale: alpha must be a number, got {type(alpha).__name__} (shapes: {_shapes(x)})")
+    if x.data.dtype not in _FLOAT:
+        _check_float("scale", x)
     return Var.from_op(x.data * alpha, (x,), lambda d: (d * alpha,), "scale")
 
 
