@@ -1,0 +1,346 @@
+"""A decoder-only transformer in the Qwen3 layout, written only with ``xtrain.ops``.
+
+Legend: B batch, T time, C width (n_embd), H query heads, Hkv key/value heads, D head dim, F ffn width,
+V vocab, L layers.
+
+    x = embed_tokens[ids]                                              [B, T, C]
+    L times:
+        h = rms_norm(x)                                                 input_layernorm
+        q, k, v = h Wqᵀ, h Wkᵀ, h Wvᵀ (no bias)                         [B, T, H*D], [B, T, Hkv*D] x2
+        q, k = rms_norm over D per head (q_norm, k_norm), then RoPE     [B, H, T, D], [B, Hkv, T, D]
+        a = causal attention (query head h reads kv head h // (H/Hkv))  [B, H, T, D]
+        x = x + dropout(a Woᵀ)                                          o_proj
+        x = x + dropout(down(silu(gate(h')) * up(h'))), h' = rms_norm(x)   post_attention_layernorm, mlp
+    logits = rms_norm(x) W_headᵀ                                        norm, lm_head (or tied embedding)
+
+Parameters are fp32 leaf ``Var``s (fp64 when compute_dtype is "float64", for exact tests) in an ordered
+dict keyed by the Hugging Face Qwen3 names, so export is a checked one-to-one map. With tied embeddings
+there is no ``lm_head.weight``: the head reads ``model.embed_tokens.weight``.
+
+Initialisation (``init_weights``; deterministic from ``seed``, drawn on the CPU in the key order below, so
+the same seed gives the same weights on every device):
+  * embed_tokens, q/k/v_proj, gate/up_proj, lm_head:   N(0, init_std²)           (init_std = 0.02)
+  * o_proj, down_proj (the two writes into the residual stream): N(0, (init_std / sqrt(2L))²), the GPT-2
+    scaling that keeps the residual stream's variance independent of depth at init
+  * every RMSNorm weight (input/post_attention_layernorm, q_norm, k_norm, norm): ones.
+
+Precision: weights are read through ``ops.cast`` to the compute dtype inside the forward (inside each
+block, so activation recompute re-casts and the gradient lands in fp32 on the master). The residual
+stream ``x`` stays in the master dtype (as under torch autocast): RMSNorm statistics, the residual adds,
+softmax (inside the kernel) and the loss are fp32 whatever the compute dtype; the matmuls and the
+elementwise MLP run in the compute dtype. In fp32 every cast is the identity and records nothing.
+
+Dropout (residual path only, at the attention and MLP outputs; never on attention probabilities): the mask
+of each site is a pure function of ``site_seed(dropout_seed, layer, site)``. The trainer sets
+``model.dropout_seed`` once per micro-batch from (run seed, step, micro index), so a recomputed block and
+a resumed run draw the same masks. ``model.eval()`` (and p == 0) builds no dropout node at all.
+
+Activation recompute (``config.recompute``): each block runs under ``xtrain.autograd.checkpoint``: only
+its input is kept; its forward is re-run during backward. Same ops in the same order, so loss and
+gradients are bit-identical to the plain path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from xtrain import ops
+from xtrain.autograd import Var, checkpoint, is_grad_enabled, no_grad
+from xtrain.config import ConfigError, ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_MASK64 = (1 << 64) - 1
+
+SITE_ATTN = 0xA77  # dropout site constants, mixed into the per-site seed
+SITE_MLP = 0xF77
+
+BLOCK_KEYS = (  # per-layer parameter names, in init order, after "model.layers.{i}."
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def splitmix64(x: int) -> int:
+    """The splitmix64 finalizer on a Python int (a bijection of 64-bit integers with good avalanche)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(*parts: int) -> int:
+    """Hash a tuple of integers to one 64-bit seed (order matters)."""
+    h = 0
+    for p in parts:
+        h = splitmix64(h ^ (int(p) & _MASK64))
+    return h
+
+
+def site_seed(dropout_seed: int, layer: int, site: int) -> int:
+    """The dropout seed of one site: a pure function of the step's seed, the layer index and the site."""
+    return mix_seed(dropout_seed, layer, site)
+
+
+def param_shapes(cfg: ModelConfig) -> OrderedDict[str, tuple[int, ...]]:
+    """Every parameter's Hugging Face Qwen3 name and shape ([out, in] for linear weights), in init order."""
+    C, D, F, V = cfg.n_embd, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
+    H, Hkv = cfg.n_head, cfg.n_kv_head
+    per_block = {
+        "input_layernorm.weight": (C,),
+        "self_attn.q_proj.weight": (H * D, C),
+        "self_attn.k_proj.weight": (Hkv * D, C),
+        "self_attn.v_proj.weight": (Hkv * D, C),
+        "self_attn.q_norm.weight": (D,),
+        "self_attn.k_norm.weight": (D,),
+        "self_attn.o_proj.weight": (C, H * D),
+        "post_attention_layernorm.weight": (C,),
+        "mlp.gate_proj.weight": (F, C),
+        "mlp.up_proj.weight": (F, C),
+        "mlp.down_proj.weight": (C, F),
+    }
+    shapes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+    shapes["model.embed_tokens.weight"] = (V, C)
+    for i in range(cfg.n_layer):
+        for k in BLOCK_KEYS:
+            shapes[f"model.layers.{i}.{k}"] = per_block[k]
+    shapes["model.norm.weight"] = (C,)
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (V, C)
+    return shapes
+
+
+def _resolve_attention(impl: str, device: torch.device):
+    if impl == "composed":
+        return ops.attention
+    try:
+        flash = ops.flash_attention
+    except (ImportError, AttributeError):
+        flash = None
+    if impl == "flash":
+        if flash is None:
+            raise ConfigError("attention='flash' but xtrain.ops.flash_attention is not available in this build")
+        return flash
+    return flash if (flash is not None and device.type == "cuda") else ops.attention  # "auto"
+
+
+def _resolve_loss(impl: str, device: torch.device):
+    if impl == "composed":
+        return None
+    try:
+        fused = ops.linear_cross_entropy
+    except (ImportError, AttributeError):
+        fused = None
+    if impl == "fused":
+        if fused is None:
+            raise ConfigError("loss='fused' but xtrain.ops.linear_cross_entropy is not available in this build")
+        return fused
+    return fused if (fused is not None and device.type == "cuda") else None  # "auto"
+
+
+class Model:
+    """The Qwen3-style decoder. ``Model(config, device, seed)``; parameters in ``model.params``."""
+
+    def __init__(self, config: ModelConfig, device: str | torch.device = "cpu", seed: int = 0):
+        self.config = config.validate()
+        self.device = torch.device(device)
+        self.compute_dtype = _DTYPES[config.compute_dtype]
+        self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
+        self.training = True
+        self.dropout_seed = 0
+        self._attention = _resolve_attention(config.attention, self.device)
+        self._fused_loss = _resolve_loss(config.loss, self.device)
+        self.params: OrderedDict[str, Var] = OrderedDict(
+            (name, Var(torch.empty(shape, dtype=self.master_dtype, device=self.device), requires_grad=True,
+                       name=name))
+            for name, shape in param_shapes(config).items())
+        self._layers = [{k: self.params[f"model.layers.{i}.{k}"] for k in BLOCK_KEYS}
+                        for i in range(config.n_layer)]
+        self.init_weights(seed)
+
+    # -- parameters -----------------------------------------------------------------------------------
+    def init_weights(self, seed: int) -> None:
+        """The documented initialisation (module docstring), drawn on the CPU in key order."""
+        cfg = self.config
+        g = torch.Generator(device="cpu").manual_seed(int(seed))
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        with no_grad():
+            for name, p in self.params.items():
+                if name.endswith("norm.weight"):
+                    t = torch.ones(p.shape, dtype=self.master_dtype)
+                else:
+                    std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else cfg.init_std
+                    t = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g)
+                p.data.copy_(t.to(self.master_dtype))
+
+    def named_parameters(self):
+        return self.params.items()
+
+    def parameters(self) -> list[Var]:
+        return list(self.params.values())
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.params.values())
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    def state_dict(self) -> OrderedDict[str, torch.Tensor]:
+        """Name -> the master tensor itself (not a copy)."""
+        return OrderedDict((k, v.data) for k, v in self.params.items())
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor], source: str = "state dict") -> None:
+        """Copy tensors into the parameters in place. Everything is checked first (key set, shapes,
+        finite floating values); on any problem nothing is written and a ValueError names ``source``."""
+        want = param_shapes(self.config)
+        missing = [k for k in want if k not in sd]
+        extra = [k for k in sd if k not in want]
+        if missing or extra:
+            raise ValueError(f"{source}: parameter names do not match the model config (missing {missing[:5]}"
+                             f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+                             f"{'...' if len(extra) > 5 else ''})")
+        for k, shape in want.items():
+            t = sd[k]
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise ValueError(f"{source}: {k} is not a floating-point tensor")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{source}: {k} has shape {tuple(t.shape)}, the model expects {shape}")
+        for k in want:
+            self.params[k].data.copy_(sd[k])
+
+    # -- modes -----------------------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> Model:
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> Model:
+        return self.train(False)
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def _w(self, p: Var) -> Var:
+        return ops.cast(p, self.compute_dtype)  # identity (no node) when the dtypes agree
+
+    def _dropout(self, x: Var, seed: int | None, layer: int, site: int) -> Var:
+        if seed is None:
+            return x  # no node: p == 0 (or eval) builds exactly the graph of a model without dropout
+        return ops.dropout(x, self.config.dropout, site_seed(seed, layer, site))
+
+    def _block(self, x: Var, i: int, positions: torch.Tensor, seed: int | None) -> Var:
+        """One transformer block on the residual stream x [B, T, C] (master dtype). ``seed`` is the
+        dropout seed captured at forward time (None: no dropout), so a recompute in backward reuses it."""
+        cfg, P, w, dt, m = self.config, self._layers[i], self._w, self.compute_dtype, self.master_dtype
+        B, T, C = x.shape
+        H, Hkv, D, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
+
+        h = ops.cast(ops.rms_norm(x, P["input_layernorm.weight"], eps), dt)  # [B, T, C]
+        q = ops.linear(h, w(P["self_attn.q_proj.weight"]))  # [B, T, H*D]
+        k = ops.linear(h, w(P["self_attn.k_proj.weight"]))  # [B, T, Hkv*D]
+        v = ops.linear(h, w(P["self_attn.v_proj.weight"]))  # [B, T, Hkv*D]
+        q = ops.rms_norm(ops.reshape(q, (B, T, H, D)), w(P["self_attn.q_norm.weight"]), eps)  # [B, T, H, D]
+        k = ops.rms_norm(ops.reshape(k, (B, T, Hkv, D)), w(P["self_attn.k_norm.weight"]), eps)
+        q = ops.rope(ops.transpose(q, 1, 2), positions, cfg.rope_theta)  # [B, H, T, D]
+        k = ops.rope(ops.transpose(k, 1, 2), positions, cfg.rope_theta)  # [B, Hkv, T, D]
+        v = ops.transpose(ops.reshape(v, (B, T, Hkv, D)), 1, 2)  # [B, Hkv, T, D]
+        a = self._attention(q, k, v, causal=True)  # [B, H, T, D]
+        a = ops.reshape(ops.contiguous(ops.transpose(a, 1, 2)), (B, T, H * D))  # [B, T, H*D]
+        a = ops.linear(a, w(P["self_attn.o_proj.weight"]))  # [B, T, C]
+        x = ops.add(x, ops.cast(self._dropout(a, seed, i, SITE_ATTN), m))
+
+        h = ops.cast(ops.rms_norm(x, P["post_attention_layernorm.weight"], eps), dt)  # [B, T, C]
+        g = ops.linear(h, w(P["mlp.gate_proj.weight"]))  # [B, T, F]
+        u = ops.linear(h, w(P["mlp.up_proj.weight"]))  # [B, T, F]
+        y = ops.linear(ops.swiglu(g, u), w(P["mlp.down_proj.weight"]))  # [B, T, C]
+        return ops.add(x, ops.cast(self._dropout(y, seed, i, SITE_MLP), m))
+
+    def _check_ids(self, ids: torch.Tensor, what: str = "ids") -> None:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"Model: {what} must be an int32/int64 tensor [B, T], got "
+                             f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+        if ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"Model: sequence length {ids.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
+
+    def hidden(self, ids: torch.Tensor) -> Var:
+        """The final-normed hidden states [B, T, C] in the compute dtype."""
+        self._check_ids(ids)
+        cfg = self.config
+        B, T = ids.shape
+        positions = torch.arange(T, device=ids.device)
+        x = ops.embedding(ids, self.params["model.embed_tokens.weight"])  # [B, T, C] master dtype
+        recompute = cfg.recompute and is_grad_enabled()
+        seed = self.dropout_seed if (self.training and cfg.dropout > 0.0) else None
+        for i in range(cfg.n_layer):
+            if recompute:
+                x = checkpoint(self._block, x, i, positions, seed)
+            else:
+                x = self._block(x, i, positions, seed)
+        return ops.cast(ops.rms_norm(x, self.params["model.norm.weight"], cfg.norm_eps), self.compute_dtype)
+
+    @property
+    def head_weight(self) -> Var:
+        return self.params["model.embed_tokens.weight" if self.config.tie_embeddings else "lm_head.weight"]
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, *, reduction: str = "mean",
+                ignore_index: int = -100) -> Var:
+        """ids [B, T] -> logits [B, T, V] (compute dtype), or, with targets [B, T], the scalar fp32 loss
+        (cross-entropy, "mean" over counted targets or "sum"; targets equal to ignore_index count for
+        nothing)."""
+        x = self.hidden(ids)  # [B, T, C]
+        B, T, C = x.shape
+        w = self._w(self.head_weight)  # [V, C]
+        if targets is None:
+            return ops.linear(x, w)  # [B, T, V]
+        if not isinstance(targets, torch.Tensor) or targets.shape != ids.shape:
+            raise ValueError(f"Model: targets must be a tensor of the ids' shape {tuple(ids.shape)}, got "
+                             f"{tuple(getattr(targets, 'shape', ()))}")
+        x2 = ops.reshape(x, (B * T, C))  # [N, C]
+        t = targets.reshape(B * T)  # [N]
+        if self._fused_loss is not None:
+            return self._fused_loss(x2, w, t, ignore_index=ignore_index, reduction=reduction)
+        return ops.cross_entropy(ops.linear(x2, w), t, ignore_index=ignore_index, reduction=reduction)
+
+    __call__ = forward
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
+             ignore_index: int = -100) -> Var:
+        return self.forward(ids, targets, reduction=reduction, ignore_index=ignore_index)
+
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, seed: int = 0, eos_id: int | None = None) -> torch.Tensor:
+        """Sample continuations of ids [B, T0] (no KV cache: the whole window is re-run each token; the
+        serving engine has the cached path). temperature 0 is greedy. Never applies dropout."""
+        self._check_ids(ids)
+        was_training = self.training
+        self.eval()
+        g = torch.Generator(device="cpu").manual_seed(int(seed))
+        out = ids
+        try:
+            with no_grad():
+                for _ in range(int(max_new_tokens)):
+                    window = out[:, -self.config.max_seq_len:]
+                    logits = self.forward(window).data[:, -1, :].float().cpu()  # [B, V]
+                    if temperature <= 0:
+                        nxt = logits.argmax(dim=-1)
+                    else:
+                        logits = logits / temperature
+                        if top_k is not None and 0 < top_k < logits.shape[-1]:
+                            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                            logits = logits.masked_fill(logits < kth, float("-inf"))
+                        nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(1)
+                    out = torch.cat([out, nxt.to(out.device, out.dtype)[:, None]], dim=1)
+                    if eos_id is not None and bool((nxt == eos_id).all()):
+                        break
+        finally:
+            self.train(was_training)
+        return out

@@ -1,0 +1,126 @@
+"""AdamW over the model's master weights, the global gradient norm, and norm clipping.
+
+Which parameters decay (``decays``): every 2-D weight matrix of a linear map (q/k/v/o, gate/up/down and an
+untied lm_head) decays; 1-D RMSNorm weights and the token embedding do not (decaying a norm gain pulls it
+to 0, not to the identity; decaying embeddings shrinks rare tokens' rows that get almost no gradient).
+A tied embedding is the embedding, so it does not decay either.
+
+The update is ``xtrain.kernels.adamw.adamw_step`` (decoupled weight decay, torch's exact operation
+order), so in fp32 on the CPU it matches ``torch.optim.AdamW(foreach=False)`` with the same two groups
+bit for bit (tests/test_train.py). Moments are kept in the master dtype (fp32). Every parameter is updated
+on every step; a parameter that received no gradient is updated with a zero gradient (its moments decay,
+weight decay applies), so the step count is one per optimizer, not per parameter.
+
+``grad_norm`` / ``clip_grads_`` compute exactly what ``torch.nn.utils.clip_grad_norm_`` computes
+(norm of the per-tensor 2-norms; coefficient max_norm / (norm + 1e-6), clamped to 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from xtrain.autograd import Var
+from xtrain.kernels.adamw import adamw_step
+
+
+def decays(name: str, shape) -> bool:
+    """The weight-decay rule: 2-D matrices decay except the token embedding; norms (1-D) never do."""
+    return len(shape) == 2 and name != "model.embed_tokens.weight"
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global 2-norm of a list of gradients (a 0-dim tensor in the grads' dtype, as torch computes it)."""
+    if not grads:
+        return torch.zeros(())
+    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> float:
+    """Scale grads in place so their global norm is at most max_norm; returns the coefficient used.
+    The coefficient is computed as torch does, as a tensor in the norm's dtype (a Python-float coefficient
+    could differ from torch's in the last bit)."""
+    coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    c = float(coef)
+    if c < 1.0:  # multiplying by exactly 1.0 changes nothing, so skip the pass
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return c
+
+
+class AdamW:
+    """AdamW on named leaf Vars (``model.params``). ``step(lr)`` reads each ``.grad`` and updates
+    ``.data`` in place (never through the tape). State: ``step`` and two moment tensors per parameter."""
+
+    def __init__(self, params: Mapping[str, Var], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.1, decay_rule=decays):
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"AdamW: lr must be a finite number > 0, got {lr}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"AdamW: betas must lie in [0, 1), got {betas}")
+        if not (eps > 0 and weight_decay >= 0):
+            raise ValueError(f"AdamW: need eps > 0 and weight_decay >= 0, got eps={eps}, wd={weight_decay}")
+        self.names = list(params.keys())
+        self.params = [params[n] for n in self.names]
+        self.lr, self.betas, self.eps, self.weight_decay = float(lr), tuple(betas), float(eps), float(weight_decay)
+        self.weight_decays = [self.weight_decay if decay_rule(n, p.shape) else 0.0
+                              for n, p in zip(self.names, self.params)]
+        self.exp_avgs = [torch.zeros_like(p.data) for p in self.params]
+        self.exp_avg_sqs = [torch.zeros_like(p.data) for p in self.params]
+        self.step_count = 0
+
+    def grads(self) -> list[torch.Tensor]:
+        """The parameters' gradients, zeros for any parameter that received none."""
+        return [p.grad if p.grad is not None else torch.zeros_like(p.data) for p in self.params]
+
+    def step(self, lr: float | None = None) -> None:
+        lr = self.lr if lr is None else float(lr)
+        grads = self.grads()
+        self.step_count += 1
+        adamw_step([p.data for p in self.params], grads, self.exp_avgs, self.exp_avg_sqs, step=self.step_count,
+                   lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                   weight_decays=self.weight_decays)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    # -- state (saved as safetensors + JSON by xtrain.train.checkpoint) -----------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for n, m, v in zip(self.names, self.exp_avgs, self.exp_avg_sqs):
+            out[f"exp_avg.{n}"] = m
+            out[f"exp_avg_sq.{n}"] = v
+        return out
+
+    def state_meta(self) -> dict:
+        return {"step": self.step_count, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay,
+                "no_decay": [n for n, wd in zip(self.names, self.weight_decays) if wd == 0.0]}
+
+    def check_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping, source: str = "optimizer state"):
+        """Raise ValueError naming ``source`` if the state does not fit these parameters."""
+        want = set(self.state_tensors())
+        have = set(tensors)
+        if want != have:
+            missing, extra = sorted(want - have)[:5], sorted(have - want)[:5]
+            raise ValueError(f"{source}: tensor names do not match the model's parameters "
+                             f"(missing {missing}, unexpected {extra})")
+        for n, p in zip(self.names, self.params):
+            for k in (f"exp_avg.{n}", f"exp_avg_sq.{n}"):
+                if tuple(tensors[k].shape) != tuple(p.shape):
+                    raise ValueError(f"{source}: {k} has shape {tuple(tensors[k].shape)}, parameter has "
+                                     f"{tuple(p.shape)}")
+        step = meta.get("step")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"{source}: 'step' must be an integer >= 0, got {step!r}")
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping, source: str = "optimizer state"):
+        self.check_state(tensors, meta, source)
+        for n, m, v in zip(self.names, self.exp_avgs, self.exp_avg_sqs):
+            m.copy_(tensors[f"exp_avg.{n}"])
+            v.copy_(tensors[f"exp_avg_sq.{n}"])
+        self.step_count = int(meta["step"])

@@ -1,0 +1,299 @@
+"""The training loop: micro-batches -> loss -> backward -> (grad sync) -> clip -> AdamW -> metrics.
+
+No CLI code here: the command line (progress bar, metrics JSONL, plots) lives in ``xtrain.train.cli`` and
+talks to this module through ``Trainer`` and its ``on_metrics`` callback.
+
+One optimizer step (``Trainer.train_step``):
+  1. fetch one batch of ``batch_size`` sequences: ``ids [B, T+1]`` (inputs ids[:, :-1], targets ids[:, 1:])
+     or a pair ``(inputs [B, T], targets [B, T])`` whose targets may hold ``ignore_index`` (-100);
+  2. split it into ``grad_accum`` = k micro-batches of B/k rows and count the targets that count, N;
+  3. per micro-batch j: set the dropout seed from (run seed, step, j); loss_j = sum-reduced cross-entropy;
+     backward of loss_j / N. The leaf grads accumulate to d(sum_j loss_j / N), which is exactly the
+     gradient of the mean loss over the whole batch however the rows are split and however many targets
+     each micro-batch ignores (a per-micro-batch mean divided by k would weight tokens unequally);
+  4. ``all_reduce`` hook (data parallel, later): sums tensors across ranks in place; called on the token
+     count before the micro-batches and on [grads..., loss sum] after them. None on one process;
+  5. global grad norm; a nan/inf loss or norm stops the run (``NonFiniteError`` naming the step) before any
+     weight changes, or with ``skip_nonfinite`` drops the step's gradients and counts a skip;
+  6. clip to ``grad_clip``; AdamW with the scheduled lr; zero grads; metrics.
+
+Metrics (one dict per step, handed to ``on_metrics`` and returned): kind="train", step (1-based count of
+optimizer steps done), loss (mean over counted targets), lr, grad_norm (before clipping), tokens (counted
+targets this step), tokens_total, time (seconds this step), tokens_per_s, skipped, skips.
+Eval rows: kind="eval", step, plus whatever ``eval_fn(model)`` returns (run under eval mode and no_grad).
+
+Reproducibility: the only randomness in a step is dropout, whose masks are pure functions of
+(seed, step, micro index, layer, site). A checkpoint stores the step, the data loader's position and the
+optimizer moments, so training N steps straight and k steps + resume + N-k steps give identical weights.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from xtrain import ops
+from xtrain.autograd import no_grad
+from xtrain.config import ConfigError, TrainConfig, check_compatible
+from xtrain.model import Model, mix_seed
+from xtrain.train import checkpoint as ckpt_io
+from xtrain.train.optim import AdamW, clip_grads_, grad_norm
+from xtrain.train.schedule import Schedule
+
+IGNORE_INDEX = -100
+
+# fields of TrainConfig that may differ on resume (they do not change the maths of the steps already taken;
+# ``steps`` extends or shortens the run and so moves the cosine tail, which is the point of changing it)
+RESUMABLE_CHANGES = ("steps", "ckpt_every", "eval_every", "skip_nonfinite", "max_skips", "extra")
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm of a step was nan or inf."""
+
+
+def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch source's item -> (inputs [B, T], targets [B, T])."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        x, y = batch
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() == 2 and x.shape == y.shape):
+            raise ValueError("batch: a (inputs, targets) pair must be two tensors of the same shape [B, T]")
+        return x, y
+    if isinstance(batch, torch.Tensor) and batch.dim() == 2 and batch.shape[1] >= 2:
+        return batch[:, :-1], batch[:, 1:]  # [B, T] each
+    raise ValueError(f"batch: expected ids [B, T+1] or a pair (inputs [B, T], targets [B, T]), got "
+                     f"{type(batch).__name__} {tuple(getattr(batch, 'shape', ()))}")
+
+
+@no_grad()
+def evaluate(model: Model, batches: Iterable, ignore_index: int = IGNORE_INDEX) -> dict:
+    """Mean cross-entropy over every counted target of ``batches`` (eval mode, no dropout, no tape)."""
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for b in batches:
+            x, y = split_batch(b)
+            x, y = x.to(model.device), y.to(model.device)
+            total += float(model.loss(x, y, reduction="sum", ignore_index=ignore_index).data)
+            count += int((y != ignore_index).sum())
+    finally:
+        model.train(was)
+    loss = total / max(count, 1)
+    return {"eval_loss": loss, "eval_tokens": count, "eval_ppl": math.exp(min(loss, 50.0))}
+
+
+class Trainer:
+    """Trains ``model`` with ``config`` on batches from ``data``.
+
+    data: a callable returning a batch, or an object with ``next_batch()`` (and optionally
+        ``state_dict()`` / ``load_state_dict(d)``, saved in trainer_state.json for exact resume), e.g.
+        ``xtrain.data.loader.TokenLoader``. Each call yields one optimizer step's batch of
+        ``config.batch_size`` sequences.
+    run_dir: where checkpoints go (every ``ckpt_every`` steps and at the end of ``fit``); None: none.
+    eval_fn: ``eval_fn(model) -> dict`` every ``eval_every`` steps (see ``evaluate``).
+    on_metrics: called with each metrics dict (train and eval rows).
+    all_reduce: ``all_reduce(list[Tensor])`` summing in place across data-parallel ranks (None: one rank).
+    """
+
+    def __init__(self, model: Model, config: TrainConfig, data, *, run_dir: str | Path | None = None,
+                 eval_fn: Callable[[Model], dict] | None = None,
+                 on_metrics: Callable[[dict], None] | None = None,
+                 all_reduce: Callable[[list[torch.Tensor]], None] | None = None,
+                 ignore_index: int = IGNORE_INDEX):
+        check_compatible(model.config, config)  # before any work
+        if not (callable(data) or hasattr(data, "next_batch")):
+            raise TypeError("Trainer: data must be a callable or have next_batch()")
+        self.model = model
+        self.config = config
+        self.data = data
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.eval_fn = eval_fn
+        self.on_metrics = on_metrics
+        self.all_reduce = all_reduce
+        self.ignore_index = ignore_index
+        self.schedule = Schedule.from_train_config(config)
+        self.optimizer = AdamW(model.params, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                               weight_decay=config.weight_decay)
+        self.step = 0  # optimizer steps done (skipped steps included)
+        self.skips = 0
+        self.tokens_total = 0
+        self.history: list[dict] = []
+
+    # -- one step ------------------------------------------------------------------------------------
+    def _next_batch(self):
+        return self.data.next_batch() if hasattr(self.data, "next_batch") else self.data()
+
+    def _fail(self, what: str, micro: int | None) -> None:
+        where = "" if micro is None else f" (micro-batch {micro + 1} of {self.config.grad_accum})"
+        msg = (f"step {self.step + 1}: {what}{where}; the weights were not updated")
+        if not self.config.skip_nonfinite:
+            raise NonFiniteError(msg + " (set skip_nonfinite to skip such steps instead of stopping)")
+        if self.skips + 1 > self.config.max_skips:
+            raise NonFiniteError(msg + f"; {self.skips + 1} non-finite steps exceed max_skips="
+                                 f"{self.config.max_skips}")
+
+    def train_step(self) -> dict:
+        cfg, model = self.config, self.model
+        t0 = time.perf_counter()
+        inputs, targets = split_batch(self._next_batch())
+        B, T = inputs.shape
+        if B != cfg.batch_size:
+            raise ValueError(f"step {self.step + 1}: batch has {B} sequences, config.batch_size is "
+                             f"{cfg.batch_size}")
+        if T > model.config.max_seq_len:
+            raise ValueError(f"step {self.step + 1}: sequence length {T} exceeds max_seq_len "
+                             f"{model.config.max_seq_len}")
+        inputs, targets = inputs.to(model.device), targets.to(model.device)
+        k, mb = cfg.grad_accum, cfg.micro_batch_size
+        counted = (targets != self.ignore_index).sum()
+        if self.all_reduce is not None:
+            self.all_reduce([counted])
+        n_tok = int(counted)
+        inv_n = 1.0 / max(n_tok, 1)
+
+        model.train()
+        self.optimizer.zero_grad()
+        loss_sum = 0.0
+        bad: tuple[str, int | None] | None = None
+        for j in range(k):
+            model.dropout_seed = mix_seed(cfg.seed, self.step, j)
+            x, y = inputs[j * mb:(j + 1) * mb], targets[j * mb:(j + 1) * mb]  # [B/k, T]
+            loss = model.loss(x, y, reduction="sum", ignore_index=self.ignore_index)  # fp32 scalar
+            lv = float(loss.data)
+            if not math.isfinite(lv):
+                bad = (f"loss is {lv}", j)
+                break
+            loss_sum += lv
+            ops.scale(loss, inv_n).backward()  # grads accumulate d(sum loss / N)
+
+        grads = self.optimizer.grads()
+        if bad is None and self.all_reduce is not None:
+            loss_t = torch.tensor([loss_sum], dtype=torch.float64, device=model.device)
+            self.all_reduce(grads + [loss_t])
+            loss_sum = float(loss_t[0])
+        norm, norm_t = float("nan"), None
+        if bad is None:
+            norm_t = grad_norm(grads)
+            norm = float(norm_t)
+            if not math.isfinite(norm):
+                bad = (f"gradient norm is {norm} (loss {loss_sum * inv_n:.6g})", None)
+        lr = self.schedule(self.step)
+        if bad is not None:
+            self._fail(*bad)
+            self.optimizer.zero_grad()  # drop the poisoned gradients; weights and moments untouched
+            self.skips += 1
+            skipped = True
+        else:
+            if cfg.grad_clip > 0:
+                clip_grads_(grads, cfg.grad_clip, norm_t)
+            self.optimizer.step(lr)
+            self.optimizer.zero_grad()
+            skipped = False
+        self.step += 1
+        self.tokens_total += n_tok
+        dt = time.perf_counter() - t0
+        m = {"kind": "train", "step": self.step, "loss": loss_sum * inv_n if not skipped else float("nan"),
+             "lr": lr, "grad_norm": norm, "tokens": n_tok, "tokens_total": self.tokens_total, "time": dt,
+             "tokens_per_s": n_tok / dt if dt > 0 else float("inf"), "skipped": skipped, "skips": self.skips}
+        self._emit(m)
+        return m
+
+    def _emit(self, m: dict) -> None:
+        self.history.append(m)
+        if self.on_metrics is not None:
+            self.on_metrics(m)
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def run_eval(self) -> dict | None:
+        if self.eval_fn is None:
+            return None
+        was = self.model.training
+        self.model.eval()
+        try:
+            with no_grad():
+                res = dict(self.eval_fn(self.model))
+        finally:
+            self.model.train(was)
+        m = {"kind": "eval", "step": self.step, **res}
+        self._emit(m)
+        return m
+
+    def fit(self, steps: int | None = None) -> list[dict]:
+        """Run until ``config.steps`` optimizer steps are done (or ``steps`` more); checkpoint and eval on
+        their schedules and save at the end (when there is a run directory). Returns this call's metrics."""
+        cfg = self.config
+        end = cfg.steps if steps is None else min(cfg.steps, self.step + int(steps))
+        start = len(self.history)
+        while self.step < end:
+            self.train_step()
+            if cfg.eval_every and self.step % cfg.eval_every == 0:
+                self.run_eval()
+            if self.run_dir is not None and cfg.ckpt_every and self.step % cfg.ckpt_every == 0:
+                self.save()
+        if self.run_dir is not None and (not cfg.ckpt_every or self.step % cfg.ckpt_every != 0):
+            self.save()
+        return self.history[start:]
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        data_state = self.data.state_dict() if hasattr(self.data, "state_dict") else None
+        return {"step": self.step, "skips": self.skips, "tokens_total": self.tokens_total,
+                "seeds": {"run": self.config.seed, "dropout": "mix_seed(run, step, micro)"},
+                "schedule": self.schedule.to_dict(), "data": data_state,
+                "optimizer_step": self.optimizer.step_count}
+
+    def save(self, run_dir: str | Path | None = None) -> Path:
+        run_dir = Path(run_dir) if run_dir is not None else self.run_dir
+        if run_dir is None:
+            raise ValueError("Trainer.save: no run directory")
+        return ckpt_io.save_checkpoint(run_dir, model=self.model, optimizer=self.optimizer,
+                                       trainer_state=self.state_dict(), train_config=self.config)
+
+    def resume(self, run_dir: str | Path | None = None) -> int:
+        """Load a checkpoint written by ``save`` into this trainer (model, optimizer, step, data position).
+        Everything is read and checked first; a bad or mismatched file raises CheckpointError naming it and
+        nothing is changed. Returns the step to continue from."""
+        run_dir = Path(run_dir) if run_dir is not None else self.run_dir
+        if run_dir is None:
+            raise ValueError("Trainer.resume: no run directory")
+        ck = ckpt_io.read_checkpoint(run_dir)
+        if ck.train_config is not None:
+            diff = [k for k, v in ck.train_config.to_dict().items()
+                    if k not in RESUMABLE_CHANGES and getattr(self.config, k) != v]
+            if diff:
+                raise ckpt_io.CheckpointError(
+                    f"{run_dir / ckpt_io.CONFIG}: train config differs from this run in {diff}; resuming would "
+                    f"not continue the same run (only {list(RESUMABLE_CHANGES)} may change)")
+        st = ck.trainer_state
+        data_state = st.get("data")
+        if data_state is not None and not hasattr(self.data, "load_state_dict"):
+            raise ckpt_io.CheckpointError(f"{run_dir / ckpt_io.STATE}: holds a data-loader position but this "
+                                          "trainer's data source has no load_state_dict()")
+        if st.get("optimizer_step", ck.optim_meta.get("step")) != ck.optim_meta.get("step"):
+            raise ckpt_io.CheckpointError(f"{run_dir / ckpt_io.OPTIMIZER}: optimizer step "
+                                          f"{ck.optim_meta.get('step')} != {st.get('optimizer_step')} in "
+                                          f"{ckpt_io.STATE}")
+        ckpt_io.restore(ck, self.model, self.optimizer)
+        if data_state is not None:
+            self.data.load_state_dict(data_state)
+        self.step = ck.step
+        self.skips = int(st.get("skips", 0))
+        self.tokens_total = int(st.get("tokens_total", 0))
+        return self.step
+
+
+def build_trainer(run_dir: str | Path, data, *, device: str | torch.device = "cpu",
+                  train_config: TrainConfig | None = None, **kwargs) -> Trainer:
+    """A Trainer for an existing run directory: the model is rebuilt from its config.json and everything
+    is resumed. ``train_config`` (optional) replaces the stored one (subject to RESUMABLE_CHANGES)."""
+    model_cfg, stored = ckpt_io.read_config(run_dir)
+    cfg = train_config or stored
+    if cfg is None:
+        raise ConfigError(f"{Path(run_dir) / ckpt_io.CONFIG}: holds no train config; pass train_config")
+    trainer = Trainer(Model(model_cfg, device=device), cfg, data, run_dir=run_dir, **kwargs)
+    trainer.resume(run_dir)
+    return trainer
