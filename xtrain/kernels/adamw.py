@@ -11,9 +11,44 @@ order, so on CPU in fp32 it matches torch bit for bit (a test checks this).
 Contract: adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decays,
           copies=None) -> None. ``weight_decays`` is one float per parameter. ``copies`` (optional) is a list
           of low-precision compute copies (e.g. bf16) to refresh from the updated masters in the same pass.
+
+Triton: ``_adamw_kernel`` updates every parameter in ONE launch. The work is cut into blocks of BLOCK
+elements; a block table (int64 [n_blocks, 8]: element offsets of the block in p, g, m, v and the copy,
+its length, the length to copy (0: no copy), its tensor index) says where each block lives. Offsets are
+taken relative to one base tensor per state (the first parameter, the first gradient, ...), so a block's address is
+``base + offset`` in the one flat device address space: no copying into a flat buffer and back. The
+table depends only on the tensors' addresses and sizes and is cached. Each element moves once: read
+p, g, m, v (16 B), write p, m, v and the bf16 copy (14 B).
+
+Bit-exactness: the kernel repeats the rounding steps of the CUDA reference (torch's own kernels), with
+Triton's fp contraction switched off and every fused multiply-add written out where torch has one:
+    p = p * fl(1 - lr*wd)                               mul_
+    m = fma(1 - b1, g - m, m)                           lerp_ (weight < 0.5; nvcc contracts)
+    v = fma(1 - b2, g * g, v * b2)                      mul_, then addcmul_ = fma(value, t1 * t2, self)
+    d = sqrt_rn(v) * fl(1 / fl(sqrt(bc2))) + eps        CUDA divides by a CPU scalar as * its reciprocal
+    p = fma(-lr / bc1, div_rn(m, d), p)                 addcdiv_ = fma(value, t1 / t2, self)
+On CUDA this matches the reference bit for bit (checked by the GPU test). On CPU, torch's own kernels
+round differently (true division by the scalar, no fma in addcmul/addcdiv), so the interpreter run
+agrees with the CPU reference to a few ulp, not bit for bit.
 """
 
 from __future__ import annotations
+
+import numpy as np
+import torch
+
+from xtrain.kernels._dispatch import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+else:  # CPU-only install: the kernels below are never launched
+    triton = tl = None
+
+    def _jit(fn=None, **kw):
+        return fn if fn is not None else (lambda f: f)
 
 
 def adamw_step_ref(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float,
@@ -34,5 +69,150 @@ def adamw_step_ref(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float
             copies[i].copy_(p)
 
 
+# ------------------------------------------------------------------------------------------------ Triton
+
+BLOCK = 4096
+
+
+@_jit
+def _adamw_kernel(P, G, M, VS, COPY, TABLE, DECAY,
+                  lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps,
+                  HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr, LERP_SMALL: tl.constexpr,
+                  RECIP_DIV: tl.constexpr, BLOCK: tl.constexpr):
+    row = TABLE + tl.program_id(0).to(tl.int64) * 8
+    p_off = tl.load(row + 0)
+    g_off = tl.load(row + 1)
+    m_off = tl.load(row + 2)
+    v_off = tl.load(row + 3)
+    c_off = tl.load(row + 4)
+    n = tl.load(row + 5)
+    n_copy = tl.load(row + 6)  # n, or 0 when this parameter has no copy of this dtype
+    decay = tl.load(DECAY + tl.load(row + 7))
+    if ALIGNED:  # every block starts on 16 elements: lets the compiler use 16-byte accesses
+        p_off = tl.multiple_of(p_off, 16)
+        g_off = tl.multiple_of(g_off, 16)
+        m_off = tl.multiple_of(m_off, 16)
+        v_off = tl.multiple_of(v_off, 16)
+        c_off = tl.multiple_of(c_off, 16)
+    i = tl.arange(0, BLOCK)
+    mask = i < n
+    p = tl.load(P + p_off + i, mask=mask, other=0.0)
+    g = tl.load(G + g_off + i, mask=mask, other=0.0)
+    m = tl.load(M + m_off + i, mask=mask, other=0.0)
+    v = tl.load(VS + v_off + i, mask=mask, other=0.0)
+    p = p * decay  # decay = 1 exactly when wd = 0, where the reference skips the multiply
+    if LERP_SMALL:
+        m = tl.fma(lerp_w, g - m, m)
+    else:
+        m = tl.fma(-(g - m), 1.0 - lerp_w, g)
+    v = tl.fma(one_minus_beta2, g * g, v * beta2)
+    if RECIP_DIV:
+        denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
+    else:
+        denom = tl.div_rn(tl.sqrt_rn(v), 1.0 / inv_bc2_sqrt) + eps
+    p = tl.fma(neg_step_size, tl.div_rn(m, denom), p)
+    tl.store(P + p_off + i, p, mask=mask)
+    tl.store(M + m_off + i, m, mask=mask)
+    tl.store(VS + v_off + i, v, mask=mask)
+    if HAS_COPY:
+        tl.store(COPY + c_off + i, p.to(COPY.dtype.element_ty), mask=i < n_copy)
+
+
+_table_cache: dict = {}
+
+
+def _offsets(ts, base: torch.Tensor) -> np.ndarray:
+    es = base.element_size()
+    d = np.array([t.data_ptr() - base.data_ptr() for t in ts], dtype=np.int64)
+    if np.any(d % es):
+        raise ValueError("adamw_step: tensors are not aligned to their element size")
+    return d // es
+
+
+def _block_table(params, grads, exp_avgs, exp_avg_sqs, copies, copy_base, device):
+    key = (tuple(t.data_ptr() for t in params), tuple(t.data_ptr() for t in grads),
+           tuple(t.data_ptr() for t in exp_avgs), tuple(t.data_ptr() for t in exp_avg_sqs),
+           tuple(0 if c is None else c.data_ptr() for c in copies) if copies is not None else None,
+           tuple(t.numel() for t in params), str(device))
+    hit = _table_cache.get(key)
+    if hit is not None:
+        return hit
+    n = np.array([t.numel() for t in params], dtype=np.int64)
+    nb = (n + BLOCK - 1) // BLOCK  # blocks per tensor
+    tid = np.repeat(np.arange(len(params), dtype=np.int64), nb)
+    start = (np.arange(int(nb.sum()), dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)) * BLOCK
+    cols = [_offsets(ts, ts[0])[tid] + start for ts in (params, grads, exp_avgs, exp_avg_sqs)]
+    have = np.zeros(len(params), dtype=bool)
+    c = np.zeros(len(params), dtype=np.int64)  # offsets may be negative: tensors lie either side of the base
+    if copy_base is not None:
+        have = np.array([x is not None for x in copies])
+        c[have] = _offsets([x for x in copies if x is not None], copy_base)
+    cols.append(c[tid] + start)
+    length = np.minimum(BLOCK, n[tid] - start)
+    cols += [length, np.where(have[tid], length, 0), tid]
+    table_np = np.stack(cols, axis=1)  # [n_blocks, 8]
+    aligned = bool(np.all(table_np[:, :5] % 16 == 0))
+    table = torch.from_numpy(np.ascontiguousarray(table_np)).to(device)
+    if len(_table_cache) > 8:
+        _table_cache.clear()
+    _table_cache[key] = (table, aligned)
+    return table, aligned
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def adamw_step_triton(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float,
+                      beta2: float, eps: float, weight_decays, copies=None) -> None:
+    if not params:
+        return
+    n_lists = {len(params), len(grads), len(exp_avgs), len(exp_avg_sqs), len(weight_decays)}
+    if copies is not None:
+        n_lists.add(len(copies))
+    if len(n_lists) != 1:
+        raise ValueError(f"adamw_step: lists differ in length: params {len(params)}, grads {len(grads)}, "
+                         f"exp_avgs {len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}, weight_decays "
+                         f"{len(weight_decays)}" + ("" if copies is None else f", copies {len(copies)}"))
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        if not (p.shape == g.shape == m.shape == v.shape):
+            raise ValueError(f"adamw_step: tensor {i} shapes differ: param {tuple(p.shape)}, grad "
+                             f"{tuple(g.shape)}, exp_avg {tuple(m.shape)}, exp_avg_sq {tuple(v.shape)}")
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in (p, g, m, v)):
+            raise ValueError(f"adamw_step: tensor {i} must be contiguous fp32 (param, grad and both moments)")
+        if copies is not None and copies[i] is not None and (
+                copies[i].shape != p.shape or not copies[i].is_contiguous()):
+            raise ValueError(f"adamw_step: copy {i} must be contiguous of shape {tuple(p.shape)}, got "
+                             f"{tuple(copies[i].shape)}")
+    device = params[0].device
+    # one launch writes copies of one dtype; copies of any other dtype are refreshed after it
+    live = [c for c in copies if c is not None] if copies is not None else []
+    copy_base = live[0] if live else None
+    kernel_copies = None
+    if copy_base is not None:
+        kernel_copies = [c if c is not None and c.dtype == copy_base.dtype else None for c in copies]
+    table, aligned = _block_table(params, grads, exp_avgs, exp_avg_sqs, kernel_copies, copy_base, device)
+    decay = torch.tensor([_f32(1 - lr * wd) if wd != 0 else 1.0 for wd in weight_decays],
+                         dtype=torch.float32).to(device, non_blocking=True)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    inv_bc2 = float(np.float32(1.0) / np.float32(bias_correction2_sqrt))
+    lerp_w = 1 - beta1
+    _adamw_kernel[(table.shape[0],)](
+        params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], params[0] if copy_base is None else copy_base,
+        table, decay,
+        _f32(lerp_w), _f32(beta2), _f32(1 - beta2), _f32(-(lr / bias_correction1)), inv_bc2, _f32(eps),
+        HAS_COPY=copy_base is not None, ALIGNED=aligned, LERP_SMALL=abs(lerp_w) < 0.5,
+        RECIP_DIV=params[0].is_cuda, BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
+    if copies is not None:
+        for c, kc, p in zip(copies, kernel_copies, params):
+            if c is not None and kc is None:
+                c.copy_(p)
+
+
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, **kw) -> None:
-    adamw_step_ref(params, grads, exp_avgs, exp_avg_sqs, **kw)
+    tensors = [*params, *grads, *exp_avgs, *exp_avg_sqs]
+    if params and use_triton(*tensors) and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        adamw_step_triton(params, grads, exp_avgs, exp_avg_sqs, **kw)
+    else:
+        adamw_step_ref(params, grads, exp_avgs, exp_avg_sqs, **kw)
