@@ -102,14 +102,15 @@ def cross_entropy_fwd_bwd_ref(logits: torch.Tensor, targets: torch.Tensor, ignor
 
 @_jit
 def _row_lse(ROW, V, BLOCK_V: tl.constexpr):
-    """Online log-sum-exp of one row of V logits, in fp32."""
+    """Online log-sum-exp of one row of V logits, in fp32 (one exp per logit)."""
     cols = tl.arange(0, BLOCK_V)
-    m = -float("inf")
-    s = 0.0
-    for start in range(0, V, BLOCK_V):
+    # the first block outside the loop, so m and s are fp32 scalars from the start
+    x = tl.load(ROW + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    s = tl.sum(tl.exp(x - m), axis=0)  # masked lanes: exp(-inf) = 0
+    for start in range(BLOCK_V, V, BLOCK_V):
         x = tl.load(ROW + start + cols, mask=start + cols < V, other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        # exp(-inf - m_new) = 0 for masked lanes; on the first block m = -inf gives s * 0 = 0
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
     return m + tl.log(s)
