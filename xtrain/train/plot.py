@@ -1,7 +1,7 @@
 """Loss curves from run directories: ``xtrain plot RUN [RUN ...] [--out FILE]``.
 
 A run directory's ``metrics.jsonl`` holds one JSON object per line: training steps carry ``step``,
-``loss``, ``lr``, ``grad_norm``, ``tokens``, ``time``; evaluations carry ``step`` and ``val_loss``. The
+``loss``, ``lr``, ``grad_norm``, ``tokens``, ``time``; evaluations carry ``step`` and ``eval_loss``. The
 chart shows each run's training loss (light) with its validation loss (dark markers) on one axis.
 """
 
@@ -42,7 +42,7 @@ def plot_runs(run_dirs, out: str | os.PathLike, title: str | None = None) -> pat
         color = f"C{i % 10}"
         label = pathlib.Path(run).name or str(run)
         train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        val = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
         if train:
             ax.plot(*zip(*train), color=color, alpha=0.45, linewidth=1, label=f"{label} train")
         if val:

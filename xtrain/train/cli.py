@@ -1,0 +1,237 @@
+"""``xtrain train``: the main job. Prepare data (cached), build the model, train with a progress bar,
+evaluate, checkpoint, plot, and print a sample.
+
+With no arguments it trains the ``tiny`` preset on the default corpus (this Python's standard library
+source, tokenized into ``$XTRAIN_CACHE/data`` on first use) and writes a run directory under ``runs/``:
+
+    config.json            model + train config (and the data dir in train.extra)
+    model.safetensors      fp32 master weights, Hugging Face Qwen3 names
+    optimizer.safetensors  AdamW moments
+    trainer_state.json     step, seeds, data-loader position, schedule
+    metrics.jsonl          one JSON object per step (loss, lr, grad_norm, tokens/s) and per evaluation
+    loss.png               training and validation loss
+    tokenizer.json         copy of the tokenizer, so the run directory is self-contained for sampling
+
+``xtrain train --resume RUN [--steps N]`` continues RUN bit-exactly (weights, optimizer, data position).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+# Defaults of the main job, sized so `xtrain train` (data preparation included) finishes in under 5 minutes
+# on 2 CPU cores; see README "The main job".
+DEFAULTS = dict(preset="tiny", steps=400, batch_size=16, seq_len=128, lr=3e-3, warmup=40, eval_every=100,
+                eval_batches=16, seed=1337)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train a model (default: tiny preset on the Python stdlib corpus, ~4 min on 2 CPU cores)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = DEFAULTS
+    p.add_argument("--preset", default=d["preset"],
+                   help=f"model preset: tiny, seed, gpt2-small (default {d['preset']})")
+    p.add_argument("--data", default=None,
+                   help="a prepared data dir (with meta.json), or a corpus to prepare: pystdlib, tinystories, "
+                        "or a .txt/.jsonl/.parquet file or directory (default: pystdlib, cached)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocab when preparing data (default 4096)")
+    p.add_argument("--out", default=None, help="run directory (default runs/<preset>-<date>-<time>)")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d['steps']})")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"sequences per optimizer step, all micro-batches together (default {d['batch_size']})")
+    p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence T (default {d['seq_len']})")
+    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d['lr']})")
+    p.add_argument("--warmup", type=int, default=None, help=f"linear warmup steps (default {d['warmup']})")
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="split each step's batch into this many micro-batches (same update, less memory)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype (master weights and optimizer state stay fp32; default float32)")
+    p.add_argument("--recompute", action="store_true", default=None,
+                   help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
+    p.add_argument("--dropout", type=float, default=None, help="residual dropout p (default 0)")
+    p.add_argument("--attention", choices=["auto", "composed", "flash"], default=None,
+                   help="attention implementation (auto: flash on CUDA)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this directory")
+    p.add_argument("--seed", type=int, default=None, help=f"run seed: init, data order, dropout (default {d['seed']})")
+    p.add_argument("--eval-every", type=int, default=None, help=f"validate every N steps (default {d['eval_every']})")
+    p.add_argument("--eval-batches", type=int, default=d["eval_batches"], help="validation batches per evaluation")
+    p.add_argument("--ckpt-every", type=int, default=0, help="also checkpoint every N steps (default: end only)")
+    p.add_argument("--skip-nonfinite", action="store_true", help="skip (and count) steps with nan/inf loss")
+    p.add_argument("--sample-tokens", type=int, default=120, help="tokens to sample at the end (0: none)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per eval instead)")
+    p.set_defaults(func=run)
+
+
+def _pick(v, default):
+    return default if v is None else v
+
+
+def resolve_data(spec: str | None, vocab_size: int, log=print) -> dict:
+    """A prepared data dir's meta (preparing and caching a corpus first when needed)."""
+    from xtrain.data.prepare import load_meta, prepare
+
+    if spec and (Path(spec) / "meta.json").is_file():
+        meta = load_meta(spec)
+        meta.setdefault("dir", str(Path(spec)))
+        return meta
+    return prepare(spec or "pystdlib", None, vocab_size, progress=True, log=log)
+
+
+def _loaders(meta: dict, batch_size: int, seq_len: int, seed: int):
+    from xtrain.data.loader import TokenLoader
+
+    root = Path(meta["dir"])
+    train = TokenLoader([root / f for f, _ in meta["train"]["files"]], batch_size, seq_len, seed=seed,
+                        vocab_size=meta["vocab_size"])
+    val = TokenLoader([root / f for f, _ in meta["val"]["files"]], batch_size, seq_len, seed=seed,
+                      vocab_size=meta["vocab_size"])
+    return train, val
+
+
+class MetricsLog:
+    """Appends one JSON line per metrics row, flushed at once (a crash loses at most the current line)."""
+
+    def __init__(self, path: Path):
+        self.f = open(path, "a")
+
+    def __call__(self, m: dict) -> None:
+        self.f.write(json.dumps(m) + "\n")
+        self.f.flush()
+
+    def close(self):
+        self.f.close()
+
+
+def run(args) -> int:
+    import torch
+
+    from xtrain.config import ConfigError, ModelConfig, TrainConfig, preset
+    from xtrain.model import Model
+    from xtrain.train import checkpoint as ckpt_io
+    from xtrain.train.trainer import NonFiniteError, Trainer, evaluate
+
+    t_start = time.perf_counter()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        if args.resume:
+            run_dir = Path(args.resume)
+            model_cfg, stored = ckpt_io.read_config(run_dir)
+            if stored is None:
+                raise ConfigError(f"{run_dir / 'config.json'}: holds no train config")
+            tcfg = TrainConfig.from_dict({**stored.to_dict(), "steps": _pick(args.steps, stored.steps)}).validate()
+            meta = resolve_data(stored.extra.get("data_dir"), args.vocab_size)
+        else:
+            meta = resolve_data(args.data, args.vocab_size)
+            d = DEFAULTS
+            seq_len = _pick(args.seq_len, d["seq_len"])
+            base = preset(args.preset)
+            model_cfg = ModelConfig.from_dict({
+                **base.to_dict(), "vocab_size": meta["vocab_size"],
+                "max_seq_len": max(base.max_seq_len, seq_len),
+                "dropout": _pick(args.dropout, base.dropout), "recompute": _pick(args.recompute, base.recompute),
+                "compute_dtype": _pick(args.dtype, base.compute_dtype),
+                "attention": _pick(args.attention, base.attention)}).validate()
+            steps = _pick(args.steps, d["steps"])
+            tcfg = TrainConfig(
+                steps=steps, batch_size=_pick(args.batch_size, d["batch_size"]), seq_len=seq_len,
+                grad_accum=_pick(args.grad_accum, 1), lr=_pick(args.lr, d["lr"]),
+                min_lr=_pick(args.lr, d["lr"]) / 10, warmup_steps=min(_pick(args.warmup, d["warmup"]), steps),
+                seed=_pick(args.seed, d["seed"]), eval_every=_pick(args.eval_every, d["eval_every"]),
+                ckpt_every=args.ckpt_every, skip_nonfinite=args.skip_nonfinite,
+                extra={"data_dir": str(meta["dir"])}).validate()
+            run_dir = Path(args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+            if (run_dir / "config.json").exists():
+                raise ConfigError(f"{run_dir}: already holds a run; pass --resume {run_dir} or another --out")
+        train_data, val_data = _loaders(meta, tcfg.batch_size, tcfg.seq_len, tcfg.seed)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"xtrain train: {e}", file=sys.stderr)
+        return 2
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tok_src = Path(meta["dir"]) / meta.get("tokenizer", "tokenizer.json")
+    if tok_src.is_file() and not (run_dir / "tokenizer.json").exists():
+        shutil.copyfile(tok_src, run_dir / "tokenizer.json")
+
+    def eval_fn(model):
+        return evaluate(model, val_data.val_batches(args.eval_batches))
+
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=tcfg.steps, unit="step", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
+    last_val = {}
+
+    def on_metrics(m: dict) -> None:
+        log(m)
+        if m.get("kind") == "eval":
+            last_val.update(m)
+            msg = f"step {m['step']}: val loss {m.get('eval_loss', float('nan')):.4f}"
+            (bar.write if bar else print)(msg)
+        elif bar is not None:
+            bar.n = m["step"]
+            bar.set_postfix_str(f"loss {m['loss']:.3f} lr {m['lr']:.2e} {m['tokens_per_s']:.0f} tok/s", refresh=False)
+            bar.refresh()
+
+    model = Model(model_cfg, device=device, seed=tcfg.seed)
+    trainer = Trainer(model, tcfg, train_data, run_dir=run_dir, eval_fn=eval_fn, on_metrics=on_metrics)
+    if args.resume:
+        try:
+            trainer.resume(run_dir)
+        except ValueError as e:
+            print(f"xtrain train: {e}", file=sys.stderr)
+            return 2
+    if bar is not None:
+        bar.n = trainer.step
+        bar.refresh()
+    print(f"run {run_dir}: {args.preset if not args.resume else 'resumed'} model, "
+          f"{model.num_params() / 1e6:.2f}M params, {device}, {model_cfg.compute_dtype}; "
+          f"data {meta['dir']} ({meta['train']['tokens']:,} train tokens, vocab {meta['vocab_size']}); "
+          f"{tcfg.steps} steps x {tcfg.tokens_per_step} tokens from step {trainer.step}")
+    try:
+        trainer.fit()
+        if not trainer.history or trainer.history[-1].get("kind") != "eval":
+            trainer.run_eval()
+    except NonFiniteError as e:
+        if bar:
+            bar.close()
+        print(f"xtrain train: stopped: {e}", file=sys.stderr)
+        log.close()
+        return 3
+    except KeyboardInterrupt:
+        if bar:
+            bar.close()
+        trainer.save()
+        log.close()
+        print(f"\ninterrupted at step {trainer.step}; checkpoint saved, continue with: "
+              f"xtrain train --resume {run_dir}")
+        return 130
+    finally:
+        if bar:
+            bar.close()
+    log.close()
+
+    from xtrain.train.plot import plot_runs
+    plot_runs([run_dir], run_dir / "loss.png")
+
+    val = last_val.get("eval_loss", float("nan"))
+    uni = meta.get("unigram_val_loss", float("nan"))
+    print(f"val loss {val:.4f} nats/token  vs  unigram baseline {uni:.4f}  vs  uniform ln V "
+          f"{math.log(meta['vocab_size']):.4f}")
+    print(f"wrote {run_dir}/ (config.json, model.safetensors, optimizer.safetensors, trainer_state.json, "
+          f"metrics.jsonl, loss.png) in {time.perf_counter() - t_start:.0f}s")
+    if args.sample_tokens > 0:
+        from xtrain.train.sample_cli import sample_text
+        text = sample_text(model, run_dir, prompt="def ", max_new_tokens=args.sample_tokens, temperature=0.8,
+                           top_k=50, top_p=0.95, seed=tcfg.seed)
+        print("--- sample (prompt 'def ', temperature 0.8, top-k 50, top-p 0.95) ---")
+        print(text)
+    return 0

@@ -1,0 +1,125 @@
+"""``xtrain sample RUN``: text from a trained run.
+
+Loads the run's config and weights (model.safetensors) and its tokenizer (the run's tokenizer.json, or the
+data directory's), encodes the prompt, and samples token by token: logits of the last position divided by
+the temperature, cut to the top-k tokens and then to the smallest set whose probability reaches top-p
+(nucleus sampling), drawn with a seeded generator. Temperature 0 is greedy (argmax), with no randomness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """logits [B, V] (fp32) with everything outside the top-k / top-p nucleus set to -inf."""
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first is always kept)
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_ids(model, ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+               eos_id: int | None = None) -> torch.Tensor:
+    """Continue ids [B, T0] by max_new_tokens tokens (re-running the window each token; no KV cache)."""
+    from xtrain.autograd import no_grad
+
+    if temperature < 0:
+        raise ValueError(f"sample: temperature must be >= 0, got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"sample: top_p must lie in (0, 1], got {top_p}")
+    was = model.training
+    model.eval()
+    g = torch.Generator().manual_seed(int(seed))
+    out = ids
+    try:
+        with no_grad():
+            for _ in range(int(max_new_tokens)):
+                window = out[:, -model.config.max_seq_len:]
+                logits = model.forward(window).data[:, -1, :].float().cpu()  # [B, V]
+                if temperature == 0:
+                    nxt = logits.argmax(dim=-1)
+                else:
+                    logits = filter_logits(logits / temperature, top_k, top_p)
+                    nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(1)
+                out = torch.cat([out, nxt.to(out.device, out.dtype)[:, None]], dim=1)
+                if eos_id is not None and bool((nxt == eos_id).all()):
+                    break
+    finally:
+        model.train(was)
+    return out
+
+
+def load_run_tokenizer(run_dir: Path):
+    from xtrain.data.tokenizer import load_tokenizer
+    from xtrain.train import checkpoint as ckpt_io
+
+    if (run_dir / "tokenizer.json").is_file():
+        return load_tokenizer(run_dir / "tokenizer.json")
+    _, tcfg = ckpt_io.read_config(run_dir)
+    data_dir = (tcfg.extra.get("data_dir") if tcfg else None)
+    if data_dir and Path(data_dir).is_dir():
+        return load_tokenizer(data_dir)
+    raise FileNotFoundError(f"{run_dir}: no tokenizer.json in the run directory or its data directory")
+
+
+def sample_text(model, run_dir, prompt: str = "", max_new_tokens: int = 200, temperature: float = 1.0,
+                top_k: int | None = None, top_p: float | None = None, seed: int = 0) -> str:
+    tok = load_run_tokenizer(Path(run_dir))
+    ids = [tok.eot_id] + tok.encode(prompt)  # documents start after an end-of-text token in training
+    x = torch.tensor([ids], dtype=torch.long, device=model.device)
+    out = sample_ids(model, x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                     eos_id=tok.eot_id)
+    new = out[0, len(ids):].tolist()
+    if tok.eot_id in new:
+        new = new[: new.index(tok.eot_id)]
+    return prompt + tok.decode(new)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("sample", help="sample text from a trained run", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="run directory (written by xtrain train)")
+    p.add_argument("--prompt", default="", help="text to continue (default: empty)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="keep the k most likely tokens (0: off; default 50)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus probability mass (1: off; default 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--num-samples", type=int, default=1, help="how many samples (seeds seed, seed+1, ...)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from xtrain.model import Model
+    from xtrain.train import checkpoint as ckpt_io
+
+    run_dir = Path(args.run)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
+        model = Model(ck.model_config, device=device)
+        ckpt_io.restore(ck, model)
+        for i in range(args.num_samples):
+            text = sample_text(model, run_dir, args.prompt, args.max_new_tokens, args.temperature,
+                               args.top_k or None, args.top_p, args.seed + i)
+            if args.num_samples > 1:
+                print(f"--- sample {i + 1} (seed {args.seed + i}) ---")
+            print(text)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"xtrain sample: {e}", file=sys.stderr)
+        return 2
+    return 0
