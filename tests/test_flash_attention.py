@@ -8,11 +8,11 @@ tiny shapes, on the GPU (``-m gpu``) in fp32 and bf16 up to T = 16k.
 GPU tolerances, as relative norm error ‖out − ref‖ / ‖ref‖ against the fp64 reference computed from the
 same (already rounded) inputs:
   * fp32: 2e-5. The kernels use exact fp32 dots (no TF32); what is left is fp32 rounding of sums over up to
-    16k terms (~1e-7 · sqrt(T) relative) and exp2 vs exp: measured errors sit near 1e-6.
-  * bf16: forward 1e-2, gradients 2e-2. o is rounded to bf16 (2^-9 ≈ 2e-3 relative per element) and P is
+    16k terms (~1e-7 · sqrt(T) relative) and exp2 vs exp: measured at most 3.8e-6 (H200, 2026-11-29).
+  * bf16: 1e-2 (forward and gradients). o is rounded to bf16 (2^-9 ≈ 2e-3 relative per element) and P is
     rounded to bf16 before P·V as in every flash implementation; in the backward dS = P∘(dP − D) is rounded
-    to bf16 too, after a cancellation that loses a few more bits. METHOD.md's band for bf16 operands is
-    1e-3..1e-2; gradients get twice the forward's.
+    to bf16 too. METHOD.md's band for bf16 operands is 1e-3..1e-2; measured on an H200 (2026-11-29): at most
+    2.1e-3 forward and 2.6e-3 gradients over every GPU case here, T up to 16k.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def test_gradcheck_finite_differences():
 
     q, k, v, _ = rand_qkv(1, 4, 2, 6, 4, seed=5)
     for causal in (True, False):
-        errs = gradcheck(lambda a, b, c: flash_attention(a, b, c, causal=causal, scale=0.7), [q, k, v])
+        errs = gradcheck(lambda a, b, c, causal=causal: flash_attention(a, b, c, causal=causal, scale=0.7),
+                         [q, k, v])
         assert max(errs) < TOL_SMOOTH, errs
 
 
@@ -157,11 +158,14 @@ def test_validation_errors():
 # 3. Triton kernels vs the reference (CPU: interpreter, fp32, tiny; with CUDA the same cases on the GPU)
 # ---------------------------------------------------------------------------------------------------------
 TINY = [  # B, H, Hkv, T, D, fwd config, bwd config (small blocks: several tiles, ragged tails)
-    (1, 2, 1, 1, 32, (32, 16, 4, 1), (16, 32, 32, 16, 4, 1)),
-    (2, 4, 2, 17, 32, (16, 16, 4, 1), (16, 16, 16, 16, 4, 1)),
-    (1, 4, 1, 40, 32, (32, 16, 4, 1), (16, 32, 32, 16, 4, 1)),
-    (2, 2, 2, 40, 64, (32, 16, 4, 1), (16, 32, 32, 16, 4, 1)),
-    (1, 2, 1, 32, 64, None, None),  # the default configs (T even for the 16-wide tiles only)
+    (1, 2, 1, 1, 32, (32, 16, 4, 1, False), ((16, 32, 4, 1, False), (32, 16, 4, 1, False))),
+    (2, 4, 2, 17, 32, (16, 16, 4, 1, False), ((16, 16, 4, 1, False), (16, 16, 4, 1, False))),
+    (1, 4, 1, 40, 32, (32, 16, 4, 1, False), ((16, 32, 4, 1, False), (32, 16, 4, 1, False))),
+    (2, 2, 2, 40, 64, (32, 16, 4, 1, False), ((16, 32, 4, 1, False), (32, 16, 4, 1, False))),
+    # tensor-descriptor (TMA) loads: T a multiple of every tile, GQA and MHA
+    (2, 4, 2, 64, 32, (32, 16, 4, 1, True), ((16, 32, 4, 1, True), (32, 16, 4, 1, True))),
+    (1, 2, 2, 32, 64, (32, 32, 4, 1, True), ((32, 32, 4, 1, True), (32, 32, 4, 1, True))),
+    (1, 2, 1, 32, 64, None, None),  # the default configs
 ]
 
 
@@ -207,7 +211,7 @@ def test_public_dispatch_runs_the_reference_on_cpu():
 # ---------------------------------------------------------------------------------------------------------
 # GPU: fp32 and bf16, head dims 32/64/128, T from 1 to 16k, causal and not, GQA
 # ---------------------------------------------------------------------------------------------------------
-TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1e-2, 2e-2)}  # (forward, gradients)
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1e-2, 1e-2)}  # (forward, gradients)
 GPU_SHAPES = [  # B, H, Hkv, T
     (2, 4, 4, 1),
     (2, 4, 2, 77),
@@ -217,9 +221,9 @@ GPU_SHAPES = [  # B, H, Hkv, T
 ]
 
 
-def _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=0):
+def _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=0, fcfg=None, bcfg=None):
     q, k, v, do = rand_qkv(B, H, Hkv, T, D, dtype=dtype, device="cuda", seed=seed)
-    got = _run_triton(q, k, v, do, causal, None, None, None)
+    got = _run_triton(q, k, v, do, causal, None, fcfg, bcfg)
     qd, kd, vd, dod = (t.double() for t in (q, k, v, do))
     o_ref, lse_ref = FA.flash_attention_fwd_ref(qd, kd, vd, causal)
     want = (o_ref, lse_ref, *FA.flash_attention_bwd_ref(dod, qd, kd, vd, o_ref, lse_ref, causal))
@@ -229,7 +233,7 @@ def _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=0):
         assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
         errs[name] = rel(a, b)
         assert errs[name] < (tol_f if name in ("o", "lse") else tol_b), (name, errs)
-    again = _run_triton(q, k, v, do, causal, None, None, None)
+    again = _run_triton(q, k, v, do, causal, None, fcfg, bcfg)
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, again):
         assert torch.equal(a, b), f"{name}: repeated runs differ (race?)"
     return errs
@@ -256,6 +260,28 @@ def test_gpu_long_16k(D, dtype, causal):
           + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
 
 
+TMA_CONFIGS = {  # both load paths must stay correct whichever the defaults pick
+    torch.bfloat16: ((128, 64, 4, 3, True), ((64, 64, 4, 2, True), (64, 64, 4, 2, True))),
+    torch.float32: ((64, 32, 4, 2, True), ((32, 64, 4, 2, True), (64, 32, 4, 2, True))),
+}
+PTR_CONFIGS = {
+    torch.bfloat16: ((128, 64, 4, 3, False), ((64, 64, 4, 2, False), (64, 64, 4, 2, False))),
+    torch.float32: ((64, 32, 4, 2, False), ((32, 64, 4, 2, False), (64, 32, 4, 2, False))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("path", ["tma", "pointer"])
+def test_gpu_load_paths(path, causal, D, dtype):
+    fcfg, bcfg = (TMA_CONFIGS if path == "tma" else PTR_CONFIGS)[dtype]
+    errs = _check_gpu(2, 4, 2, 1024, D, dtype, causal, seed=D, fcfg=fcfg, bcfg=bcfg)
+    print(f"\nGPUERR {path} {str(dtype)[6:]} D={D} causal={causal} B=2 H=4 Hkv=2 T=1024 "
+          + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+
+
 @pytest.mark.gpu
 def test_gpu_public_op_and_dispatch():
     from xtrain.autograd import Var
@@ -270,4 +296,4 @@ def test_gpu_public_op_and_dispatch():
     grads = FA.flash_attention_bwd_ref(dod, qd, kd, vd, o_ref, lse_ref, True)
     assert rel(out.data, o_ref) < 1e-2
     for x, g in zip(vs, grads):
-        assert x.grad.dtype == torch.bfloat16 and rel(x.grad, g) < 2e-2
+        assert x.grad.dtype == torch.bfloat16 and rel(x.grad, g) < 1e-2

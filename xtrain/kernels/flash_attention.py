@@ -61,6 +61,7 @@ LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln 2: natural log = log2 * LN2
 SUPPORTED_HEAD_DIMS = (32, 64, 128)  # Triton kernels; the reference takes any D
 REF_TILE = 128  # K/V tile of the reference
+_HAVE_DESC = False  # set below when Triton's host-side tensor descriptors import
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,25 +217,28 @@ def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float |
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------
 # Fixed configs per head dim, chosen by the sweep in xtrain/bench/attention.py on an H200 (bench/RESULTS.md).
-# fwd: (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M must be a multiple of BLOCK_N (causal split).
-# bwd: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages); dK/dV kernel tiles are
-#      BLOCK_M1 query rows x BLOCK_N1 keys (BLOCK_N1 % BLOCK_M1 == 0), dQ kernel tiles BLOCK_M2 x BLOCK_N2
-#      (BLOCK_M2 % BLOCK_N2 == 0).
+# fwd:  (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA); BLOCK_M must be a multiple of BLOCK_N (causal split).
+# bwd:  ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA),  the dK/dV kernel: BLOCK_N1 resident keys,
+#                                                            BLOCK_M1 query rows a step; BLOCK_N1 % BLOCK_M1 == 0
+#        (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA))  the dQ kernel: BLOCK_M2 resident query rows,
+#                                                            BLOCK_N2 keys a step; BLOCK_M2 % BLOCK_N2 == 0
+# TMA=True loads the streamed tiles through tensor descriptors (Hopper's bulk copy engine) when T is a
+# multiple of every tile and the tensors are contiguous; otherwise the kernels use masked pointer loads.
 _FWD_CONFIGS = {
-    (32, "16bit"): (128, 64, 4, 3),
-    (64, "16bit"): (128, 64, 4, 3),
-    (128, "16bit"): (128, 64, 8, 3),
-    (32, "fp32"): (64, 32, 4, 2),
-    (64, "fp32"): (64, 32, 4, 2),
-    (128, "fp32"): (32, 32, 4, 2),
+    (32, "16bit"): (128, 64, 4, 3, False),
+    (64, "16bit"): (128, 64, 4, 3, False),
+    (128, "16bit"): (128, 128, 8, 3, False),
+    (32, "fp32"): (64, 32, 4, 2, False),
+    (64, "fp32"): (64, 32, 4, 2, False),
+    (128, "fp32"): (32, 32, 4, 2, False),
 }
 _BWD_CONFIGS = {
-    (32, "16bit"): (32, 128, 128, 32, 4, 3),
-    (64, "16bit"): (32, 128, 128, 32, 4, 3),
-    (128, "16bit"): (32, 128, 128, 32, 4, 3),
-    (32, "fp32"): (32, 64, 64, 32, 4, 2),
-    (64, "fp32"): (32, 64, 64, 32, 4, 2),
-    (128, "fp32"): (16, 32, 32, 16, 4, 2),
+    (32, "16bit"): ((64, 64, 4, 3, False), (64, 64, 4, 3, False)),
+    (64, "16bit"): ((64, 64, 4, 3, False), (64, 64, 4, 3, False)),
+    (128, "16bit"): ((64, 64, 4, 2, False), (64, 64, 4, 2, False)),
+    (32, "fp32"): ((32, 64, 4, 2, False), (64, 32, 4, 2, False)),
+    (64, "fp32"): ((32, 64, 4, 2, False), (64, 32, 4, 2, False)),
+    (128, "fp32"): ((16, 32, 4, 2, False), (32, 16, 4, 2, False)),
 }
 
 
@@ -246,10 +250,18 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    try:  # host-side tensor descriptors (Triton >= 3.4); without them the kernels use pointer loads
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _HAVE_DESC = True
+    except ImportError:  # pragma: no cover
+        _HAVE_DESC = False
+
     @triton.jit
-    def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, T, qk_scale, lo, hi,
+    def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m,
+                   T, qk_scale, lo, hi,
                    MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
         """Online-softmax update of (acc, l_i, m_i) over the K/V tiles starting at lo, lo+BLOCK_N, .. < hi.
         m_i is kept in the log2 domain (scores times qk_scale = scale·log2 e). MASK=False is the hot loop:
         no mask arithmetic, every key valid."""
@@ -259,7 +271,9 @@ if HAVE_TRITON:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
             v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
-            if MASK and not EVEN_T:
+            if USE_TMA:  # bulk tensor copy (Hopper TMA); only used when T is a multiple of the tiles
+                k = desc_k.load([kv_row0 + start_n, 0])
+            elif MASK and not EVEN_T:
                 k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
             else:
                 k = tl.load(k_ptrs)
@@ -274,7 +288,9 @@ if HAVE_TRITON:
             p = tl.exp2(s * qk_scale - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
             l_i = l_i * alpha + tl.sum(p, 1)
-            if MASK and not EVEN_T:
+            if USE_TMA:
+                v = desc_v.load([kv_row0 + start_n, 0])
+            elif MASK and not EVEN_T:
                 v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
             else:
                 v = tl.load(v_ptrs)
@@ -284,14 +300,15 @@ if HAVE_TRITON:
         return acc, l_i, m_i
 
     @triton.jit
-    def _flash_fwd_kernel(Q, K, V, O, LSE,
+    def _flash_fwd_kernel(Q, K, V, O, LSE, desc_k, desc_v,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                           stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
-                          H, T, qk_scale,
-                          GROUP: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
+                          H, T, GROUP, qk_scale,
+                          CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
-        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H)."""
+                          DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H).
+        With USE_TMA, K/V tiles come through host-built tensor descriptors over the [B*Hkv*T, D] rows."""
         pid_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         if CAUSAL:  # heaviest query tiles first: the short ones fill the tail of the grid
@@ -300,6 +317,7 @@ if HAVE_TRITON:
         off_h = off_bh % H
         off_kvh = off_h // GROUP
         start_m = pid_m * BLOCK_M
+        kv_row0 = (off_b * (H // GROUP) + off_kvh) * T  # first row of this K/V head in [B*Hkv*T, D]
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         k_base = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
         v_base = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
@@ -316,22 +334,22 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
             # keys strictly left of this query tile: never masked
-            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, T,
-                                       qk_scale, 0, start_m, False, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM,
-                                       DOT_PRECISION)
+            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
+                                       kv_row0, offs_m, T, qk_scale, 0, start_m, False, CAUSAL, EVEN_T,
+                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
             # the diagonal band: causal mask
-            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, T,
-                                       qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T), True, CAUSAL,
-                                       EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
+                                       kv_row0, offs_m, T, qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T),
+                                       True, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
         else:
             t_full = (T // BLOCK_N) * BLOCK_N
-            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, T,
-                                       qk_scale, 0, t_full, False, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM,
-                                       DOT_PRECISION)
+            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
+                                       kv_row0, offs_m, T, qk_scale, 0, t_full, False, CAUSAL, EVEN_T,
+                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
             if not EVEN_T:  # the ragged last K/V tile: keys >= T masked
-                acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m,
-                                           T, qk_scale, t_full, T, True, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM,
-                                           DOT_PRECISION)
+                acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k,
+                                           desc_v, kv_row0, offs_m, T, qk_scale, t_full, T, True, CAUSAL,
+                                           EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
         acc = acc / l_i[:, None]
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log (x ln 2)
         o_ptrs = o_base + offs_m[:, None] * stride_ot + offs_d[None, :]
@@ -364,9 +382,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                        offs_n, T, qk_scale, lo, hi,
+                        desc_q, desc_do, q_row0, offs_n, T, qk_scale, lo, hi,
                         MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_M: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
         """Accumulate dK, dV of one resident K/V tile over the query tiles lo, lo+BLOCK_M, .. < hi, working
         transposed ([keys, queries]) so the products with q and dO need no transposes of the results.
         Query rows >= T load as zeros (q, dO, lse, delta) and so contribute exactly zero."""
@@ -376,7 +394,10 @@ if HAVE_TRITON:
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
             do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
-            if EVEN_T:
+            if USE_TMA:
+                q = desc_q.load([q_row0 + start_m, 0])
+                lse = tl.load(lse_base + offs_m)
+            elif EVEN_T:
                 q = tl.load(q_ptrs)
                 lse = tl.load(lse_base + offs_m)
             else:
@@ -386,7 +407,10 @@ if HAVE_TRITON:
             p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])  # lse to log2 domain
             if MASK:
                 p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-            if EVEN_T:
+            if USE_TMA:
+                do = desc_do.load([q_row0 + start_m, 0])
+                delta = tl.load(delta_base + offs_m)
+            elif EVEN_T:
                 do = tl.load(do_ptrs)
                 delta = tl.load(delta_base + offs_m)
             else:
@@ -399,14 +423,14 @@ if HAVE_TRITON:
         return dk, dv
 
     @triton.jit
-    def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+    def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do,
                                stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                                stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                                stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
-                               H, Hkv, T, qk_scale, sm_scale,
-                               GROUP: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
+                               H, Hkv, T, GROUP, qk_scale, sm_scale,
+                               CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               DOT_PRECISION: tl.constexpr):
+                               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
         """One program: BLOCK_N keys of one (batch, K/V head), over all query heads of its group.
         grid = (cdiv(T, BLOCK_N), B*Hkv). Causal programs at small pid_n have the most work and start first."""
         pid_n = tl.program_id(0)
@@ -434,20 +458,22 @@ if HAVE_TRITON:
             do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
             lse_base = LSE + (off_b * H + off_h).to(tl.int64) * T
             delta_base = DELTA + (off_b * H + off_h).to(tl.int64) * T
+            q_row0 = (off_b * H + off_h) * T  # first row of this head in [B*H*T, D] (TMA coordinates)
             if CAUSAL:
                 # query rows in this key tile's diagonal band see only part of it: masked
                 dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                         stride_dot, offs_n, T, qk_scale, start_n,
+                                         stride_dot, desc_q, desc_do, q_row0, offs_n, T, qk_scale, start_n,
                                          tl.minimum(start_n + BLOCK_N, T), True, EVEN_T, BLOCK_M, HEAD_DIM,
-                                         DOT_PRECISION)
+                                         DOT_PRECISION, USE_TMA)
                 # query rows below the band see all of it
                 dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                         stride_dot, offs_n, T, qk_scale, start_n + BLOCK_N, T, False,
-                                         EVEN_T, BLOCK_M, HEAD_DIM, DOT_PRECISION)
+                                         stride_dot, desc_q, desc_do, q_row0, offs_n, T, qk_scale,
+                                         start_n + BLOCK_N, T, False, EVEN_T, BLOCK_M, HEAD_DIM,
+                                         DOT_PRECISION, USE_TMA)
             else:
                 dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                         stride_dot, offs_n, T, qk_scale, 0, T, False, EVEN_T, BLOCK_M,
-                                         HEAD_DIM, DOT_PRECISION)
+                                         stride_dot, desc_q, desc_do, q_row0, offs_n, T, qk_scale, 0, T,
+                                         False, EVEN_T, BLOCK_M, HEAD_DIM, DOT_PRECISION, USE_TMA)
         dk = dk * sm_scale
         dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh \
             + offs_n[:, None] * stride_dkt + offs_d[None, :]
@@ -461,9 +487,10 @@ if HAVE_TRITON:
             tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
 
     @triton.jit
-    def _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, T, qk_scale,
-                      lo, hi, MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0,
+                      offs_m, T, qk_scale, lo, hi, MASK: tl.constexpr, EVEN_T: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      USE_TMA: tl.constexpr):
         """Accumulate dQ of one resident query tile over the K/V tiles lo, lo+BLOCK_N, .. < hi.
         Keys >= T load as zero rows of K, so their dS (whatever it is) times k adds exactly zero."""
         offs_d = tl.arange(0, HEAD_DIM)
@@ -472,7 +499,10 @@ if HAVE_TRITON:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
             v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
-            if EVEN_T:
+            if USE_TMA:
+                k = desc_k.load([kv_row0 + start_n, 0])
+                v = desc_v.load([kv_row0 + start_n, 0])
+            elif EVEN_T:
                 k = tl.load(k_ptrs)
                 v = tl.load(v_ptrs)
             else:
@@ -488,14 +518,14 @@ if HAVE_TRITON:
         return dq
 
     @triton.jit
-    def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+    def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v,
                              stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                              stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                              stride_dqb, stride_dqh, stride_dqt,
-                             H, T, qk_scale, sm_scale,
-                             GROUP: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
+                             H, T, GROUP, qk_scale, sm_scale,
+                             CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr):
+                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
         """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H)."""
         pid_m = tl.program_id(0)
         off_bh = tl.program_id(1)
@@ -525,16 +555,19 @@ if HAVE_TRITON:
         lse2 = lse * 1.4426950408889634  # natural log -> log2 domain (x 1/ln 2)
         k_base = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
         v_base = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
+        kv_row0 = (off_b * (H // GROUP) + off_kvh) * T
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
-            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, T,
-                               qk_scale, 0, start_m, False, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION)
-            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, T,
-                               qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T), True, EVEN_T, BLOCK_N,
-                               HEAD_DIM, DOT_PRECISION)
+            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
+                               kv_row0, offs_m, T, qk_scale, 0, start_m, False, EVEN_T, BLOCK_N, HEAD_DIM,
+                               DOT_PRECISION, USE_TMA)
+            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
+                               kv_row0, offs_m, T, qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T), True,
+                               EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
         else:
-            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, T,
-                               qk_scale, 0, T, False, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
+                               kv_row0, offs_m, T, qk_scale, 0, T, False, EVEN_T, BLOCK_N, HEAD_DIM,
+                               DOT_PRECISION, USE_TMA)
         dq = dq * sm_scale
         dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
             + offs_m[:, None] * stride_dqt + offs_d[None, :]
@@ -575,10 +608,20 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit operands
 
 
+def _descriptor(x: torch.Tensor, block_rows: int):
+    """Tensor descriptor over x [B, h, T, D] seen as its [B*h*T, D] rows, one tile = block_rows rows."""
+    D = x.shape[-1]
+    return TensorDescriptor(x.view(-1, D), [x.numel() // D, D], [D, 1], [block_rows, D])
+
+
+def _tma_ok(tma: bool, even: bool, *ts) -> bool:
+    return bool(tma) and _HAVE_DESC and even and all(t.is_contiguous() for t in ts)
+
+
 def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None = None, *,
                                o=None, lse=None, config=None):
     """Launch the forward kernel. ``o``/``lse``: optional output buffers; ``config``: (BLOCK_M, BLOCK_N,
-    num_warps, num_stages) overriding the per-head-dim default (the bench sweeps it)."""
+    num_warps, num_stages, TMA) overriding the per-head-dim default (the bench sweeps it)."""
     op = "flash_attention_fwd"
     _check_qkv(op, q, k, v)
     _check_triton(op, q, k, v)
@@ -586,29 +629,32 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     Hkv = k.shape[1]
     s = _scale(op, scale, D)
     q, k, v = _rows(q), _rows(k), _rows(v)
-    BLOCK_M, BLOCK_N, num_warps, num_stages = config or _FWD_CONFIGS[(D, _dtype_class(q.dtype))]
+    BLOCK_M, BLOCK_N, num_warps, num_stages, tma = config or _FWD_CONFIGS[(D, _dtype_class(q.dtype))]
     if BLOCK_M % BLOCK_N:
         raise ValueError(f"{op}: BLOCK_M={BLOCK_M} must be a multiple of BLOCK_N={BLOCK_N}")
     o = _out(o, (B, H, T, D), q.dtype, q.device, "o", op)
     lse = _out(lse, (B, H, T), torch.float32, q.device, "lse", op)
     if not lse.is_contiguous():
         raise ValueError(f"{op}: lse buffer must be contiguous")
+    even = T % BLOCK_M == 0 and T % BLOCK_N == 0
+    use_tma = _tma_ok(tma, even, k, v)
+    desc_k, desc_v = (_descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N)) if use_tma else (None, None)
     grid = (triton.cdiv(T, BLOCK_M), B * H)
     _flash_fwd_kernel[grid](
-        q, k, v, o, lse,
+        q, k, v, o, lse, desc_k, desc_v,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        H, T, s * LOG2E,
-        GROUP=H // Hkv, CAUSAL=bool(causal), EVEN_T=(T % BLOCK_M == 0 and T % BLOCK_N == 0), HEAD_DIM=D,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+        H, T, H // Hkv, s * LOG2E,
+        CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages)
     return o, lse
 
 
 def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
                                dq=None, dk=None, dv=None, config=None):
     """Launch preprocess (delta), dK/dV and dQ kernels. ``dq``/``dk``/``dv``: optional output buffers;
-    ``config``: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages)."""
+    ``config``: ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA), (BLOCK_M2, BLOCK_N2, num_warps,
+    num_stages, TMA)) for the dK/dV and dQ kernels."""
     op = "flash_attention_bwd"
     _check_bwd(op, do, q, k, v, o, lse)
     _check_triton(op, q, k, v)
@@ -618,7 +664,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     do = do.to(q.dtype)
     do, q, k, v, o = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o)
     lse = lse.to(torch.float32).contiguous()
-    BM1, BN1, BM2, BN2, num_warps, num_stages = config or _BWD_CONFIGS[(D, _dtype_class(q.dtype))]
+    (BM1, BN1, W1, S1, tma1), (BM2, BN2, W2, S2, tma2) = config or _BWD_CONFIGS[(D, _dtype_class(q.dtype))]
     if BN1 % BM1 or BM2 % BN2:
         raise ValueError(f"{op}: need BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0, got {config}")
     dq = _out(dq, (B, H, T, D), q.dtype, q.device, "dq", op)
@@ -630,21 +676,26 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
     prec = _precision(q.dtype)
-    even = all(T % b == 0 for b in (BM1, BN1, BM2, BN2))
+    even1 = T % BM1 == 0 and T % BN1 == 0
+    use_tma1 = _tma_ok(tma1, even1, q, do)
+    desc_q, desc_do = (_descriptor(q, BM1), _descriptor(do, BM1)) if use_tma1 else (None, None)
     _flash_bwd_dkdv_kernel[(triton.cdiv(T, BN1), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv,
+        q, k, v, do, lse, delta, dk, dv, desc_q, desc_do,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        H, Hkv, T, s * LOG2E, s,
-        GROUP=H // Hkv, CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1,
-        DOT_PRECISION=prec, num_warps=num_warps, num_stages=num_stages)
+        H, Hkv, T, H // Hkv, s * LOG2E, s,
+        CAUSAL=bool(causal), EVEN_T=even1, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1,
+        DOT_PRECISION=prec, USE_TMA=use_tma1, num_warps=W1, num_stages=S1)
+    even2 = T % BM2 == 0 and T % BN2 == 0
+    use_tma2 = _tma_ok(tma2, even2, k, v)
+    desc_k, desc_v = (_descriptor(k, BN2), _descriptor(v, BN2)) if use_tma2 else (None, None)
     _flash_bwd_dq_kernel[(triton.cdiv(T, BM2), B * H)](
-        q, k, v, do, lse, delta, dq,
+        q, k, v, do, lse, delta, dq, desc_k, desc_v,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        H, T, s * LOG2E, s,
-        GROUP=H // Hkv, CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
-        DOT_PRECISION=prec, num_warps=num_warps, num_stages=num_stages)
+        H, T, H // Hkv, s * LOG2E, s,
+        CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
+        DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2)
     return dq, dk, dv

@@ -1,0 +1,279 @@
+"""``xtrain bench attention``: xtrain flash attention vs torch SDPA backends vs the composed path.
+
+Causal bf16 attention at B·T = tokens (16k) and H·D = width (2048), head dims 64 and 128, T = 1k .. 16k.
+For every size: forward and backward TFLOP/s of xtrain's Triton kernels, of every torch
+``scaled_dot_product_attention`` backend that runs (flash, cuDNN, efficient, chosen with
+``torch.nn.attention.sdpa_kernel``; their backward through torch.autograd), and of xtrain's composed
+``ops.attention`` where its T×T tensors fit; the ratio of xtrain to the fastest SDPA backend; and the peak
+memory of one forward + backward (beyond the inputs) for xtrain and for the composed path.
+
+FLOPs (the convention of the FlashAttention papers and the Triton tutorial):
+    forward  = 4 · B · H · T² · D      (two matmuls of 2·T²·D each), halved when causal
+    backward = 2.5 · forward           (five matmuls instead of two)
+Timing: triton.testing.do_bench (CUDA events, warm-up, median), random normal data.
+
+``--sweep`` first times a few kernel configs per head dim at one T and uses the fastest in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from xtrain.kernels import flash_attention as FA
+
+F, TM = False, True  # pointer loads / tensor-descriptor (TMA) loads
+FWD_SWEEP = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
+    64: [(128, 64, 4, 3, F), (128, 64, 4, 3, TM), (128, 64, 4, 4, TM), (128, 128, 8, 3, TM),
+         (128, 32, 4, 4, TM), (64, 64, 4, 3, TM), (256, 64, 8, 3, TM)],
+    128: [(128, 128, 8, 3, F), (128, 128, 8, 3, TM), (128, 64, 8, 3, TM), (128, 64, 8, 4, TM),
+          (64, 64, 4, 3, TM), (256, 64, 8, 2, TM)],
+}
+DKDV_SWEEP = {  # (BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA), timed with the default dQ kernel
+    64: [(64, 64, 4, 3, F), (64, 64, 4, 3, TM), (32, 64, 4, 3, TM), (64, 128, 8, 3, TM), (32, 128, 4, 3, TM),
+         (64, 128, 4, 3, TM), (128, 128, 8, 2, TM)],
+    128: [(64, 64, 4, 2, F), (64, 64, 4, 2, TM), (64, 64, 4, 3, TM), (32, 64, 4, 3, TM), (64, 128, 8, 2, TM),
+          (32, 128, 8, 3, TM)],
+}
+DQ_SWEEP = {  # (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA), timed with the best dK/dV kernel
+    64: [(64, 64, 4, 3, F), (64, 64, 4, 3, TM), (128, 64, 8, 3, TM), (128, 32, 4, 3, TM), (64, 32, 4, 3, TM),
+         (128, 128, 8, 2, TM)],
+    128: [(64, 64, 4, 2, F), (64, 64, 4, 2, TM), (64, 64, 4, 3, TM), (128, 64, 8, 2, TM), (128, 32, 8, 3, TM),
+          (64, 32, 4, 3, TM)],
+}
+
+
+def attn_flops(B, H, T, D, causal=True) -> float:
+    f = 4.0 * B * H * T * T * D
+    return f / 2 if causal else f
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # ms
+
+
+def _inputs(B, H, T, D, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(B, H, T, D, generator=g, device="cuda", dtype=dtype) for _ in range(4)]  # q k v do
+
+
+def time_xtrain(q, k, v, do, causal, fcfg=None, bcfg=None):
+    fwd_ms = _bench(lambda: FA.flash_attention_fwd_triton(q, k, v, causal, config=fcfg))
+    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal, config=fcfg)
+    bwd_ms = _bench(lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=bcfg))
+    return fwd_ms, bwd_ms
+
+
+def sdpa_backends():
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def time_sdpa(backend, q, k, v, do, causal):
+    """(fwd_ms, bwd_ms) of one SDPA backend, or None if it refuses these inputs."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    try:
+        with sdpa_kernel(backend):
+            fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            fwd()
+            fwd_ms = _bench(fwd)
+            out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+            bwd = lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)
+            bwd()
+            bwd_ms = _bench(bwd)
+        return fwd_ms, bwd_ms
+    except RuntimeError as e:  # backend not available for these inputs
+        print(f"  sdpa {backend}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
+        return None
+
+
+def time_composed(q, k, v, do, causal):
+    """xtrain's composed ops.attention on the tape: (fwd_ms, bwd_ms, peak_bytes); bwd = (fwd+bwd) − fwd."""
+    from xtrain.autograd import Var, no_grad
+    from xtrain.ops import attention
+
+    def fwd():
+        with no_grad():
+            attention(Var(q), Var(k), Var(v), causal=causal)
+
+    def fwd_bwd():
+        vs = [Var(t, requires_grad=True) for t in (q, k, v)]
+        attention(*vs, causal=causal).backward(do)
+
+    fwd_ms = _bench(fwd)
+    total_ms = _bench(fwd_bwd)
+    return fwd_ms, max(total_ms - fwd_ms, 0.0), peak_bytes(fwd_bwd)
+
+
+def peak_bytes(fn) -> int:
+    """Peak memory allocated during fn() above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def xtrain_peak(q, k, v, do, causal, fcfg=None, bcfg=None) -> int:
+    def fn():
+        o, lse = FA.flash_attention_fwd_triton(q, k, v, causal, config=fcfg)
+        FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=bcfg)
+
+    return peak_bytes(fn)
+
+
+def sweep(D, T, tokens, width, dtype, causal, log):
+    """Time each candidate config at one size; return (best fwd config, best bwd config)."""
+    B, H = tokens // T, width // D
+    q, k, v, do = _inputs(B, H, T, D, dtype)
+    fl = attn_flops(B, H, T, D, causal)
+    best_f = (None, 0.0)
+    for cfg in FWD_SWEEP[D]:
+        try:
+            ms = _bench(lambda cfg=cfg: FA.flash_attention_fwd_triton(q, k, v, causal, config=cfg))
+        except Exception as e:  # a config that does not compile (shared memory) is skipped
+            print(f"sweep D={D} T={T} fwd {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
+            continue
+        tf = fl / ms * 1e-9
+        print(f"sweep D={D} T={T} fwd {cfg}: {ms:.3f} ms {tf:.0f} TFLOP/s", flush=True)
+        log.append({"kind": "sweep_fwd", "D": D, "T": T, "config": cfg, "ms": ms, "tflops": tf})
+        if tf > best_f[1]:
+            best_f = (cfg, tf)
+    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal, config=best_f[0])
+    default_dq = FA._BWD_CONFIGS[(D, "16bit")][1]
+    best_dkdv, best_dq = (None, 0.0), (None, 0.0)
+    for part, cands in (("dkdv", DKDV_SWEEP[D]), ("dq", DQ_SWEEP[D])):
+        for c in cands:
+            cfg = (c, default_dq) if part == "dkdv" else (best_dkdv[0], c)
+            try:
+                ms = _bench(lambda cfg=cfg: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal,
+                                                                          config=cfg))
+            except Exception as e:
+                print(f"sweep D={D} T={T} bwd {part} {c}: failed {type(e).__name__}: {str(e)[:120]}")
+                continue
+            tf = 2.5 * fl / ms * 1e-9
+            print(f"sweep D={D} T={T} bwd {part} {c}: {ms:.3f} ms {tf:.0f} TFLOP/s (whole bwd)", flush=True)
+            log.append({"kind": f"sweep_bwd_{part}", "D": D, "T": T, "config": cfg, "ms": ms, "tflops": tf})
+            if part == "dkdv" and tf > best_dkdv[1]:
+                best_dkdv = (c, tf)
+            if part == "dq" and tf > best_dq[1]:
+                best_dq = (c, tf)
+    best_b = ((best_dkdv[0], best_dq[0]), best_dq[1])
+    return best_f[0], best_b[0]
+
+
+def verify(D, fcfg, bcfg, causal, T=4096, B=1, H=4, Hkv=2):
+    """Check chosen configs against the fp64 reference (NaN-poisoned outputs): max rel norm error."""
+    q, k, v, do = _inputs(B, H, T, D, torch.bfloat16, seed=99)
+    k, v = k[:, :Hkv].contiguous(), v[:, :Hkv].contiguous()
+    nan = lambda t: torch.full_like(t, float("nan"))
+    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal, config=fcfg, o=nan(q),
+                                           lse=torch.full((B, H, T), float("nan"), device="cuda"))
+    got = (o, *FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=bcfg, dq=nan(q), dk=nan(k),
+                                             dv=nan(v)))
+    qd, kd, vd, dod = (t.double() for t in (q, k, v, do))
+    o_ref, lse_ref = FA.flash_attention_fwd_ref(qd, kd, vd, causal)
+    want = (o_ref, *FA.flash_attention_bwd_ref(dod, qd, kd, vd, o_ref, lse_ref, causal))
+    return max(float((a.double() - b).norm() / b.norm()) for a, b in zip(got, want))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="xtrain bench attention", description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--tokens", type=int, default=16384, help="B·T")
+    ap.add_argument("--width", type=int, default=2048, help="H·D")
+    ap.add_argument("--non-causal", action="store_true")
+    ap.add_argument("--no-composed", action="store_true", help="skip xtrain's composed path")
+    ap.add_argument("--composed-max-gib", type=float, default=40.0,
+                    help="skip the composed path when one [B, H, T, T] bf16 tensor exceeds this / 4")
+    ap.add_argument("--sweep", action="store_true", help="sweep kernel configs first and use the fastest")
+    ap.add_argument("--sweep-T", type=int, default=4096)
+    ap.add_argument("--json", default=None, help="write every measurement to this JSON file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("xtrain bench attention: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    import triton
+
+    dtype, causal = torch.bfloat16, not args.non_causal
+    log: list[dict] = []
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"{'causal' if causal else 'non-causal'} bf16, B·T={args.tokens}, H·D={args.width}", flush=True)
+    cfgs = {}
+    for D in args.head_dims:
+        cfgs[D] = sweep(D, args.sweep_T, args.tokens, args.width, dtype, causal, log) if args.sweep \
+            else (None, None)
+        print(f"# D={D}: fwd config {cfgs[D][0] or 'default'}, bwd config {cfgs[D][1] or 'default'}")
+        if args.sweep:
+            err = verify(D, *cfgs[D], causal)
+            print(f"# D={D}: chosen configs vs fp64 reference (T=4096, GQA 4/2): max rel error {err:.2e}"
+                  f" {'OK' if err < 1e-2 else 'FAILED'}", flush=True)
+    rows = []
+    for D in args.head_dims:
+        for T in args.seqs:
+            B, H = args.tokens // T, args.width // D
+            q, k, v, do = _inputs(B, H, T, D, dtype, seed=T + D)
+            fl = attn_flops(B, H, T, D, causal)
+            tf = lambda ms, mult=1.0, fl=fl: mult * fl / ms * 1e-9
+            r = {"D": D, "T": T, "B": B, "H": H}
+            fwd_ms, bwd_ms = time_xtrain(q, k, v, do, causal, *cfgs[D])
+            r["xtrain"] = (tf(fwd_ms), tf(bwd_ms, 2.5))
+            r["xtrain_peak_mib"] = xtrain_peak(q, k, v, do, causal, *cfgs[D]) / 2**20
+            for name, be in sdpa_backends().items():
+                t = time_sdpa(be, q, k, v, do, causal)
+                r[name] = None if t is None else (tf(t[0]), tf(t[1], 2.5))
+            scores_gib = B * H * T * T * 2 / 2**30
+            r["composed"], r["composed_peak_mib"] = None, None
+            if not args.no_composed and 4 * scores_gib <= args.composed_max_gib:
+                try:
+                    cf, cb, cp = time_composed(q, k, v, do, causal)
+                    r["composed"], r["composed_peak_mib"] = (tf(cf), tf(cb, 2.5)), cp / 2**20
+                except torch.OutOfMemoryError:
+                    r["composed"] = "oom"
+                torch.cuda.empty_cache()
+            best = [max((r[n][i] for n in sdpa_backends() if r[n]), default=float("nan")) for i in (0, 1)]
+            r["ratio"] = (r["xtrain"][0] / best[0], r["xtrain"][1] / best[1])
+            rows.append(r)
+            log.append({"kind": "row", **{k2: v2 for k2, v2 in r.items()}})
+            print(f"  D={D} T={T} done: xtrain fwd {r['xtrain'][0]:.0f} bwd {r['xtrain'][1]:.0f} TFLOP/s",
+                  flush=True)
+            del q, k, v, do
+            torch.cuda.empty_cache()
+
+    def cell(x, i):
+        return "-" if x is None else ("oom" if x == "oom" else f"{x[i]:.0f}")
+
+    print("\nTFLOP/s fwd / bwd (causal bf16; ratio = xtrain / fastest SDPA backend); peak MiB of fwd+bwd")
+    hdr = (f"{'D':>4} {'T':>6} | {'xtrain':>9} | {'flash':>9} | {'cudnn':>9} | {'efficient':>9} | "
+           f"{'composed':>9} | {'ratio':>11} | {'peak xt':>8} {'peak comp':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        cells = [f"{cell(r[n], 0)}/{cell(r[n], 1)}" for n in ("xtrain", "flash", "cudnn", "efficient",
+                                                              "composed")]
+        cp = "-" if r["composed_peak_mib"] is None else f"{r['composed_peak_mib']:.0f}"
+        print(f"{r['D']:>4} {r['T']:>6} | " + " | ".join(f"{c:>9}" for c in cells)
+              + f" | {r['ratio'][0]:.2f}/{r['ratio'][1]:.2f} | {r['xtrain_peak_mib']:>8.0f} {cp:>9}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "configs": {str(k): v for k, v in cfgs.items()},
+                       "log": log}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
