@@ -82,7 +82,7 @@ def _rope(shape, batched, dt):
         tag = "table" if table else "in-kernel"
         yield (f"rope fwd ({tag}) {lbl}", nbytes,
                lambda table=table: K.rope_fwd_triton(x, pos, 1e6, table=table), lambda: K.rope_fwd_ref(x, pos, 1e6))
-    yield (f"rope bwd (table) {lbl}", nbytes, lambda: K.rope_bwd_triton(x, pos, 1e6, table=True),
+    yield (f"rope bwd (in-kernel) {lbl}", nbytes, lambda: K.rope_bwd_triton(x, pos, 1e6, table=False),
            lambda: K.rope_bwd_ref(x, pos, 1e6))
 
 

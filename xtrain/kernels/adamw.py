@@ -118,7 +118,7 @@ def _adamw_kernel(P, G, M, VS, COPY, TABLE, DECAY,
         tl.store(COPY + c_off + i, p.to(COPY.dtype.element_ty), mask=i < n_copy)
 
 
-_table_cache: dict = {}
+_plan_cache: dict = {}
 
 
 def _offsets(ts, base: torch.Tensor) -> np.ndarray:
@@ -129,14 +129,65 @@ def _offsets(ts, base: torch.Tensor) -> np.ndarray:
     return d // es
 
 
-def _block_table(params, grads, exp_avgs, exp_avg_sqs, copies, copy_base, device):
+def _validate(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies) -> bool:
+    """Raise on inconsistent lists or shapes; return False where only the reference can run (not all
+    contiguous fp32 on one device)."""
+    n_lists = {len(params), len(grads), len(exp_avgs), len(exp_avg_sqs), len(weight_decays)}
+    if copies is not None:
+        n_lists.add(len(copies))
+    if len(n_lists) != 1:
+        raise ValueError(f"adamw_step: lists differ in length: params {len(params)}, grads {len(grads)}, "
+                         f"exp_avgs {len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}, weight_decays "
+                         f"{len(weight_decays)}" + ("" if copies is None else f", copies {len(copies)}"))
+    ok = True
+    device = params[0].device
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        if not (p.shape == g.shape == m.shape == v.shape):
+            raise ValueError(f"adamw_step: tensor {i} shapes differ: param {tuple(p.shape)}, grad "
+                             f"{tuple(g.shape)}, exp_avg {tuple(m.shape)}, exp_avg_sq {tuple(v.shape)}")
+        c = None if copies is None else copies[i]
+        if c is not None and c.shape != p.shape:
+            raise ValueError(f"adamw_step: copy {i} has shape {tuple(c.shape)}, param {tuple(p.shape)}")
+        for t in (p, g, m, v) + (() if c is None else (c,)):
+            if t.device != device or not t.is_contiguous():
+                ok = False
+        if any(t.dtype != torch.float32 for t in (p, g, m, v)):
+            ok = False
+    return ok
+
+
+def _plan(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies):
+    """Everything about a step that depends only on the tensors' identities (addresses, sizes, dtypes):
+    validation, the block table, the copy base. Cached, so a training step pays only a dictionary lookup
+    on a key of addresses (the host time matters: it sits between the launches)."""
     key = (tuple(t.data_ptr() for t in params), tuple(t.data_ptr() for t in grads),
            tuple(t.data_ptr() for t in exp_avgs), tuple(t.data_ptr() for t in exp_avg_sqs),
-           tuple(0 if c is None else c.data_ptr() for c in copies) if copies is not None else None,
-           tuple(t.numel() for t in params), str(device))
-    hit = _table_cache.get(key)
-    if hit is not None:
-        return hit
+           None if copies is None else tuple((0, None) if c is None else (c.data_ptr(), c.dtype) for c in copies),
+           tuple(t.numel() for t in params), len(weight_decays), params[0].device)
+    plan = _plan_cache.get(key)
+    if plan is not None:
+        return plan
+    if not _validate(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies):
+        plan = None
+    else:
+        # one launch writes copies of one dtype; copies of any other dtype are refreshed after it
+        live = [c for c in copies if c is not None] if copies is not None else []
+        copy_base = live[0] if live else None
+        kernel_copies = None
+        if copy_base is not None:
+            kernel_copies = [c if c is not None and c.dtype == copy_base.dtype else None for c in copies]
+        table, aligned = _block_table(params, grads, exp_avgs, exp_avg_sqs, kernel_copies, copy_base,
+                                      params[0].device)
+        leftover = [] if copies is None else [
+            i for i, c in enumerate(copies) if c is not None and kernel_copies[i] is None]
+        plan = (table, aligned, copy_base, leftover)
+    if len(_plan_cache) > 8:
+        _plan_cache.clear()
+    _plan_cache[key] = plan
+    return plan
+
+
+def _block_table(params, grads, exp_avgs, exp_avg_sqs, copies, copy_base, device):
     n = np.array([t.numel() for t in params], dtype=np.int64)
     nb = (n + BLOCK - 1) // BLOCK  # blocks per tensor
     tid = np.repeat(np.arange(len(params), dtype=np.int64), nb)
@@ -153,9 +204,6 @@ def _block_table(params, grads, exp_avgs, exp_avg_sqs, copies, copy_base, device
     table_np = np.stack(cols, axis=1)  # [n_blocks, 8]
     aligned = bool(np.all(table_np[:, :5] % 16 == 0))
     table = torch.from_numpy(np.ascontiguousarray(table_np)).to(device)
-    if len(_table_cache) > 8:
-        _table_cache.clear()
-    _table_cache[key] = (table, aligned)
     return table, aligned
 
 
@@ -167,33 +215,13 @@ def adamw_step_triton(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: fl
                       beta2: float, eps: float, weight_decays, copies=None) -> None:
     if not params:
         return
-    n_lists = {len(params), len(grads), len(exp_avgs), len(exp_avg_sqs), len(weight_decays)}
-    if copies is not None:
-        n_lists.add(len(copies))
-    if len(n_lists) != 1:
-        raise ValueError(f"adamw_step: lists differ in length: params {len(params)}, grads {len(grads)}, "
-                         f"exp_avgs {len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}, weight_decays "
-                         f"{len(weight_decays)}" + ("" if copies is None else f", copies {len(copies)}"))
-    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        if not (p.shape == g.shape == m.shape == v.shape):
-            raise ValueError(f"adamw_step: tensor {i} shapes differ: param {tuple(p.shape)}, grad "
-                             f"{tuple(g.shape)}, exp_avg {tuple(m.shape)}, exp_avg_sq {tuple(v.shape)}")
-        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in (p, g, m, v)):
-            raise ValueError(f"adamw_step: tensor {i} must be contiguous fp32 (param, grad and both moments)")
-        if copies is not None and copies[i] is not None and (
-                copies[i].shape != p.shape or not copies[i].is_contiguous()):
-            raise ValueError(f"adamw_step: copy {i} must be contiguous of shape {tuple(p.shape)}, got "
-                             f"{tuple(copies[i].shape)}")
-    device = params[0].device
-    # one launch writes copies of one dtype; copies of any other dtype are refreshed after it
-    live = [c for c in copies if c is not None] if copies is not None else []
-    copy_base = live[0] if live else None
-    kernel_copies = None
-    if copy_base is not None:
-        kernel_copies = [c if c is not None and c.dtype == copy_base.dtype else None for c in copies]
-    table, aligned = _block_table(params, grads, exp_avgs, exp_avg_sqs, kernel_copies, copy_base, device)
+    plan = _plan(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies)
+    if plan is None:
+        raise ValueError("adamw_step: the Triton path needs contiguous fp32 params, grads and moments on one "
+                         "device (adamw_step falls back to the reference for anything else)")
+    table, aligned, copy_base, leftover = plan
     decay = torch.tensor([_f32(1 - lr * wd) if wd != 0 else 1.0 for wd in weight_decays],
-                         dtype=torch.float32).to(device, non_blocking=True)
+                         dtype=torch.float32).to(params[0].device, non_blocking=True)
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     inv_bc2 = float(np.float32(1.0) / np.float32(bias_correction2_sqrt))
@@ -204,15 +232,14 @@ def adamw_step_triton(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: fl
         _f32(lerp_w), _f32(beta2), _f32(1 - beta2), _f32(-(lr / bias_correction1)), inv_bc2, _f32(eps),
         HAS_COPY=copy_base is not None, ALIGNED=aligned, LERP_SMALL=abs(lerp_w) < 0.5,
         RECIP_DIV=params[0].is_cuda, BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
-    if copies is not None:
-        for c, kc, p in zip(copies, kernel_copies, params):
-            if c is not None and kc is None:
-                c.copy_(p)
+    for i in leftover:
+        copies[i].copy_(params[i])
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, **kw) -> None:
-    tensors = [*params, *grads, *exp_avgs, *exp_avg_sqs]
-    if params and use_triton(*tensors) and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+    # the first tensor decides the device; _plan checks (once per set of tensors) that all of them qualify
+    if params and use_triton(params[0]) and _plan(params, grads, exp_avgs, exp_avg_sqs, kw["weight_decays"],
+                                                  kw.get("copies")) is not None:
         adamw_step_triton(params, grads, exp_avgs, exp_avg_sqs, **kw)
     else:
         adamw_step_ref(params, grads, exp_avgs, exp_avg_sqs, **kw)

@@ -12,9 +12,10 @@ Contract: rope_fwd(x[..., T, D], positions[T] or [B, T], theta) -> y (x.dtype);
           rope_bwd(dy, positions, theta) -> dx. Angles are computed in fp32 (fp64 for fp64 inputs).
 With positions [B, T], x must be [B, ..., T, D] (e.g. [B, H, T, D]).
 
-Triton kernel ``_rope_kernel``: x is viewed as rows [R, D]; row r has position index
-pidx = (r // rows_per_batch) * T + r % T into the flattened positions. Each program rotates BLOCK_R rows,
-reading the two halves x1 = x[:, :D/2], x2 = x[:, D/2:] once and writing
+Triton kernel ``_rope_kernel``: x is viewed as [B', G, T, D] (B' = B for positions [B, T], else 1; G the
+remaining leading dims, e.g. heads). A program takes BLOCK_T positions of one b, computes their cos/sin
+once and applies them to a run of groups (heads), reading the two halves x1 = x[..., :D/2],
+x2 = x[..., D/2:] once and writing
     y1 = x1 * cos - x2 * sin,   y2 = x2 * cos + x1 * sin       (backward: the same with sin -> -sin)
 cos/sin come either from a table [(B or 1) * T, D/2] built once per call with the reference's own maths
 (so the table is bit-identical to the reference's cos/sin), or are computed in the kernel (angle as the
@@ -39,7 +40,7 @@ else:  # CPU-only install: the kernels below are never launched
     def _jit(fn=None, **kw):
         return fn if fn is not None else (lambda f: f)
 
-TABLE_DEFAULT = True
+TABLE_DEFAULT = False  # in-kernel cos/sin measured faster on the H200 (bench/RESULTS.md)
 
 
 def _inv_freq(D: int, theta: float, device) -> torch.Tensor:
@@ -86,21 +87,24 @@ def rope_bwd_ref(dy: torch.Tensor, positions: torch.Tensor, theta: float = 10000
 # ------------------------------------------------------------------------------------------------ Triton
 
 @_jit
-def _rope_kernel(X, Y, POS, INV_FREQ, COS, SIN, R, T, rows_per_batch,
-                 HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+def _rope_kernel(X, Y, POS, INV_FREQ, COS, SIN, T, G, groups_per_program,
+                 HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                  TABLE: tl.constexpr, INVERSE: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    # x is [B', G, T, D]: B' = B for positions [B, T] (else 1), G = every other leading dim (e.g. heads)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    b = tl.program_id(1).to(tl.int64)
     h = tl.arange(0, BLOCK_H)  # [BLOCK_H] index of the pair (h, h + HALF)
-    rmask = rows < R
+    tmask = t < T
     hmask = h < HALF
-    mask = rmask[:, None] & hmask[None, :]
-    pidx = (rows // rows_per_batch) * T + rows % T  # [BLOCK_R] into the flattened positions
+    mask = tmask[:, None] & hmask[None, :]
+    pidx = b * T + t  # into the flattened positions
+    # cos/sin once per program, reused for all of its groups (heads): the trig is amortised over G
     if TABLE:
         toffs = pidx[:, None] * HALF + h[None, :]
         c = tl.load(COS + toffs, mask=mask, other=0.0)
         s = tl.load(SIN + toffs, mask=mask, other=0.0)
     else:
-        pos = tl.load(POS + pidx, mask=rmask, other=0).to(tl.float64)
+        pos = tl.load(POS + pidx, mask=tmask, other=0).to(tl.float64)
         inv_freq = tl.load(INV_FREQ + h, mask=hmask, other=0.0)  # fp64
         # the fp64 product rounded once to fp32 is exactly the reference's fp32 angle
         ang = (pos[:, None] * inv_freq[None, :]).to(tl.float32)
@@ -108,13 +112,17 @@ def _rope_kernel(X, Y, POS, INV_FREQ, COS, SIN, R, T, rows_per_batch,
         s = tl.sin(ang)
     if INVERSE:
         s = -s
-    offs = rows[:, None] * (2 * HALF) + h[None, :]
-    x1 = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    y1 = x1 * c - x2 * s
-    y2 = x2 * c + x1 * s
-    tl.store(Y + offs, y1.to(Y.dtype.element_ty), mask=mask)
-    tl.store(Y + offs + HALF, y2.to(Y.dtype.element_ty), mask=mask)
+    g0 = tl.program_id(2) * groups_per_program
+    g1 = tl.minimum(g0 + groups_per_program, G)
+    for g in range(g0, g1):
+        rows = (b * G + g) * T + t  # int64 rows of D
+        offs = rows[:, None] * (2 * HALF) + h[None, :]
+        x1 = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+        y1 = x1 * c - x2 * s
+        y2 = x2 * c + x1 * s
+        tl.store(Y + offs, y1.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offs + HALF, y2.to(Y.dtype.element_ty), mask=mask)
 
 
 def _check(x: torch.Tensor, positions: torch.Tensor, name: str):
@@ -140,20 +148,22 @@ def _rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float, inverse
     if R == 0:
         return y
     B = positions.shape[0] if positions.dim() == 2 else 1
-    rows_per_batch = R // B
+    G = R // (B * T)  # groups (heads, ...) per batch row of positions
     pos = positions.reshape(-1).contiguous()  # [(B or 1) * T]
+    inv_freq = _inv_freq(D, theta, x.device)
     if table:
-        inv_freq = _inv_freq(D, theta, x.device)
         ang = (pos.to(torch.float64)[:, None] * inv_freq).to(torch.float32)  # [(B or 1) * T, D/2]
         cos, sin = ang.cos(), ang.sin()
     else:
-        inv_freq = _inv_freq(D, theta, x.device)
         cos = sin = inv_freq  # unused
     BLOCK_H = triton.next_power_of_2(HALF)
-    BLOCK_R = max(1, 2048 // BLOCK_H)
-    _rope_kernel[(triton.cdiv(R, BLOCK_R),)](
-        x2, y, pos, inv_freq, cos, sin, R, T, rows_per_batch,
-        HALF=HALF, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, TABLE=table, INVERSE=inverse, num_warps=4)
+    BLOCK_T = max(1, min(triton.next_power_of_2(T), 2048 // BLOCK_H))
+    n_t = triton.cdiv(T, BLOCK_T)
+    target = 8 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    groups_per_program = max(1, (n_t * B * G) // max(1, target))  # a few groups each, still >= target programs
+    grid = (n_t, B, triton.cdiv(G, groups_per_program))
+    _rope_kernel[grid](x2, y, pos, inv_freq, cos, sin, T, G, groups_per_program,
+                       HALF=HALF, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, TABLE=table, INVERSE=inverse, num_warps=4)
     return y
 
 
