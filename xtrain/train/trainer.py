@@ -136,10 +136,11 @@ class Trainer:
             raise NonFiniteError(msg + f"; {self.skips + 1} non-finite steps exceed max_skips="
                                  f"{self.config.max_skips}")
 
-    def train_step(self) -> dict:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """Accumulate the gradient of the mean loss over one step's batch into the leaves' ``.grad``
+        (zeroed first), in ``grad_accum`` micro-batches. Returns (loss_sum, counted_tokens, bad) where bad
+        is None or (message, micro index) for a non-finite micro-batch loss (backward stops there)."""
         cfg, model = self.config, self.model
-        t0 = time.perf_counter()
-        inputs, targets = split_batch(self._next_batch())
         B, T = inputs.shape
         if B != cfg.batch_size:
             raise ValueError(f"step {self.step + 1}: batch has {B} sequences, config.batch_size is "
@@ -158,17 +159,24 @@ class Trainer:
         model.train()
         self.optimizer.zero_grad()
         loss_sum = 0.0
-        bad: tuple[str, int | None] | None = None
         for j in range(k):
             model.dropout_seed = mix_seed(cfg.seed, self.step, j)
             x, y = inputs[j * mb:(j + 1) * mb], targets[j * mb:(j + 1) * mb]  # [B/k, T]
             loss = model.loss(x, y, reduction="sum", ignore_index=self.ignore_index)  # fp32 scalar
             lv = float(loss.data)
             if not math.isfinite(lv):
-                bad = (f"loss is {lv}", j)
-                break
+                return loss_sum, n_tok, (f"loss is {lv}", j)
             loss_sum += lv
-            ops.scale(loss, inv_n).backward()  # grads accumulate d(sum loss / N)
+            # the sum over micro-batches of loss_j / N is the whole batch's mean loss (N counted tokens)
+            ops.scale(loss, inv_n).backward()
+        return loss_sum, n_tok, None
+
+    def train_step(self) -> dict:
+        cfg, model = self.config, self.model
+        t0 = time.perf_counter()
+        inputs, targets = split_batch(self._next_batch())
+        loss_sum, n_tok, bad = self.forward_backward(inputs, targets)
+        inv_n = 1.0 / max(n_tok, 1)
 
         grads = self.optimizer.grads()
         if bad is None and self.all_reduce is not None:
@@ -277,9 +285,21 @@ class Trainer:
             raise ckpt_io.CheckpointError(f"{run_dir / ckpt_io.OPTIMIZER}: optimizer step "
                                           f"{ck.optim_meta.get('step')} != {st.get('optimizer_step')} in "
                                           f"{ckpt_io.STATE}")
-        ckpt_io.restore(ck, self.model, self.optimizer)
+        # data position first (the loader checks it fits its shards); then model + optimizer, which
+        # restore() checks completely before copying; on failure the loader is put back
+        old_data = self.data.state_dict() if data_state is not None else None
         if data_state is not None:
-            self.data.load_state_dict(data_state)
+            try:
+                self.data.load_state_dict(data_state)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ckpt_io.CheckpointError(f"{run_dir / ckpt_io.STATE}: data-loader position does not fit "
+                                              f"this data source: {e}") from None
+        try:
+            ckpt_io.restore(ck, self.model, self.optimizer)
+        except Exception:
+            if old_data is not None:
+                self.data.load_state_dict(old_data)
+            raise
         self.step = ck.step
         self.skips = int(st.get("skips", 0))
         self.tokens_total = int(st.get("tokens_total", 0))

@@ -1,0 +1,229 @@
+"""``xtrain bench train``: one full training step of xtrain vs an equivalent PyTorch eager model.
+
+Both sides run the same architecture with the same weights and the same batch: forward, backward (torch
+side: torch.autograd), global-norm clipping, AdamW step, zero grads. The PyTorch side is written the way
+one writes it in eager PyTorch: ``nn.Linear``, ``F.rms_norm``, ``F.scaled_dot_product_attention`` (causal,
+GQA; ``--torch-attention composed`` for the materialised-softmax form xtrain's composed op computes),
+``F.silu``, ``F.cross_entropy``, ``torch.optim.AdamW`` (foreach=False, xtrain's kernel is single-tensor).
+
+Timing: wall clock per step after warm-up, median over ``--steps`` steps, the two sides interleaved
+step by step so machine noise hits both alike. tokens/s = B * T / median step time. Both losses are
+printed for the first step (they must agree: same model, same batch).
+
+FLOPs per token (printed for scale, the usual 6N + attention estimate): 6 * (non-embedding params +
+lm head) + 6 * L * T * H * D (causal attention fwd+bwd, half the T x T square... counted as in nanoGPT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from xtrain.config import PRESETS
+from xtrain.model import Model
+from xtrain.train.optim import AdamW, clip_grads_, decays, grad_norm
+
+# -- the PyTorch eager baseline ------------------------------------------------------------------------
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _rope_cos_sin(T: int, D: int, theta: float, device):
+    inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float64, device=device) / D)
+    ang = torch.outer(torch.arange(T, dtype=torch.float64, device=device), inv).float()  # [T, D/2]
+    ang = torch.cat([ang, ang], dim=-1)  # [T, D]
+    return ang.cos(), ang.sin()
+
+
+def _rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c, impl: str):
+        super().__init__()
+        self.c, self.impl = c, impl
+        H, K, D, C = c.n_head, c.n_kv_head, c.head_dim, c.n_embd
+        self.q_proj = nn.Linear(C, H * D, bias=False)
+        self.k_proj = nn.Linear(C, K * D, bias=False)
+        self.v_proj = nn.Linear(C, K * D, bias=False)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
+        self.q_norm = _RMSNorm(D, c.norm_eps)
+        self.k_norm = _RMSNorm(D, c.norm_eps)
+
+    def forward(self, x, cos, sin):
+        c = self.c
+        B, T, _ = x.shape
+        H, K, D = c.n_head, c.n_kv_head, c.head_dim
+        q = self.q_norm(self.q_proj(x).view(B, T, H, D)).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_norm(self.k_proj(x).view(B, T, K, D)).transpose(1, 2)  # [B, K, T, D]
+        v = self.v_proj(x).view(B, T, K, D).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if self.impl == "sdpa":
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=(K != H))
+        else:
+            k = k.repeat_interleave(H // K, dim=1)
+            v = v.repeat_interleave(H // K, dim=1)
+            s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D))
+            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+            a = torch.softmax(s, dim=-1) @ v
+        return self.o_proj(a.transpose(1, 2).reshape(B, T, H * D))
+
+
+class _Block(nn.Module):
+    def __init__(self, c, impl):
+        super().__init__()
+        self.input_layernorm = _RMSNorm(c.n_embd, c.norm_eps)
+        self.self_attn = _Attention(c, impl)
+        self.post_attention_layernorm = _RMSNorm(c.n_embd, c.norm_eps)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(c.n_embd, c.ffn_dim, bias=False)
+        self.mlp.up_proj = nn.Linear(c.n_embd, c.ffn_dim, bias=False)
+        self.mlp.down_proj = nn.Linear(c.ffn_dim, c.n_embd, bias=False)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        h = self.post_attention_layernorm(x)
+        return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
+
+
+class TorchQwen3(nn.Module):
+    """The same architecture in eager PyTorch, state_dict keys = the Hugging Face / xtrain names."""
+
+    def __init__(self, c, attention: str = "sdpa"):
+        super().__init__()
+        self.c = c
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.n_embd)
+        self.model.layers = nn.ModuleList([_Block(c, attention) for _ in range(c.n_layer)])
+        self.model.norm = _RMSNorm(c.n_embd, c.norm_eps)
+        if not c.tie_embeddings:
+            self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+
+    def forward(self, ids, targets):
+        c = self.c
+        cos, sin = _rope_cos_sin(ids.shape[1], c.head_dim, c.rope_theta, ids.device)
+        x = self.model.embed_tokens(ids)
+        for blk in self.model.layers:
+            x = blk(x, cos, sin)
+        x = self.model.norm(x)
+        w = self.model.embed_tokens.weight if c.tie_embeddings else self.lm_head.weight
+        logits = x @ w.t()  # [B, T, V]
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# -- the benchmark -------------------------------------------------------------------------------------
+
+def flops_per_token(c, T: int) -> float:
+    n = c.num_params() - c.vocab_size * c.n_embd * (0 if c.tie_embeddings else 1)  # head counted once
+    return 6.0 * n + 6.0 * c.n_layer * T * c.n_head * c.head_dim
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="xtrain bench train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's max_seq_len")
+    ap.add_argument("--vocab", type=int, default=None, help="override the preset's vocab size")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
+    ap.add_argument("--attention", default="composed", choices=["composed", "flash", "auto"],
+                    help="xtrain attention op")
+    ap.add_argument("--loss", default="composed", choices=["composed", "fused", "auto"], help="xtrain loss op")
+    ap.add_argument("--torch-attention", default="sdpa", choices=["sdpa", "composed"])
+    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    over = {"attention": args.attention, "loss": args.loss, "recompute": args.recompute}
+    if args.vocab:
+        over["vocab_size"] = args.vocab
+    c = dataclasses.replace(PRESETS[args.preset], **over).validate()
+    B, T = args.batch_size, args.seq_len or c.max_seq_len
+    dev = torch.device(args.device)
+
+    model = Model(c, device=dev, seed=0)
+    opt = AdamW(model.params, lr=1e-3, weight_decay=0.1)
+    ref = TorchQwen3(c, args.torch_attention).to(dev)
+    ref.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, strict=True)
+    named = dict(ref.named_parameters())
+    groups = [{"params": [p for n, p in named.items() if decays(n, p.shape)], "weight_decay": 0.1},
+              {"params": [p for n, p in named.items() if not decays(n, p.shape)], "weight_decay": 0.0}]
+    topt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=g).to(dev)
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step_xtrain():
+        loss = model.loss(x, y)
+        loss.backward()
+        grads = opt.grads()
+        clip_grads_(grads, 1.0, grad_norm(grads))
+        opt.step()
+        opt.zero_grad()
+        return float(loss.data)
+
+    def step_torch():
+        loss = ref(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, foreach=False)
+        topt.step()
+        topt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    first = (step_xtrain(), step_torch())
+    for _ in range(args.warmup):
+        step_xtrain()
+        step_torch()
+    tx, tt = [], []
+    for _ in range(args.steps):
+        sync()
+        t0 = time.perf_counter()
+        step_xtrain()
+        sync()
+        t1 = time.perf_counter()
+        step_torch()
+        sync()
+        t2 = time.perf_counter()
+        tx.append(t1 - t0)
+        tt.append(t2 - t1)
+    mx, mt = statistics.median(tx), statistics.median(tt)
+    tok = B * T
+    fpt = flops_per_token(c, T)
+    print(f"xtrain bench train: preset={args.preset} params={model.num_params() / 1e6:.2f}M B={B} T={T} "
+          f"V={c.vocab_size} device={dev} threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(f"  xtrain attention={args.attention} loss={args.loss} recompute={args.recompute}; "
+          f"torch attention={args.torch_attention}; first-step loss xtrain {first[0]:.6f} torch {first[1]:.6f}")
+    print(f"{'impl':<16}{'step ms':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'ratio':>8}")
+    print(f"{'torch eager':<16}{mt * 1e3:>10.1f}{tok / mt:>12.0f}{tok * fpt / mt / 1e9:>10.1f}{1.0:>8.2f}")
+    print(f"{'xtrain':<16}{mx * 1e3:>10.1f}{tok / mx:>12.0f}{tok * fpt / mx / 1e9:>10.1f}{mt / mx:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
