@@ -8,8 +8,9 @@ Triton backward (deterministic, no atomics, no [V, C] temporary besides the grad
     order, sorted = stable sort of the N ids         (torch.sort, stable: a fixed summation order)
     end[j]        = first position after j's run of equal ids   (torch.searchsorted, no host sync)
     _embedding_bwd_kernel: program (j, c-block) returns at once unless j starts a run; the run's first
-        program sums dout[order[j:end[j]]] in fp32, BLOCK_N rows at a time (a fixed order, so the result
-        is the same bit for bit on every run), and writes the row dtable[sorted[j]] once.
+        program sums dout[order[j:end[j]]] in fp32 and writes the row dtable[sorted[j]] once. (Tried:
+        8 rows of a run per step with 512-column blocks, to shorten the serial chain of a frequent id:
+        slower on the H200, 0.98 vs 0.55 ms at N = 16k, V = 128k, C = 4096 bf16.)
 dtable is zero-filled first (ids that never occur keep a zero row) and written in dout.dtype directly:
 the fp32 sum is rounded once, as in the reference, which accumulates a whole fp32 [V, C] table instead.
 """
@@ -47,7 +48,7 @@ def embedding_bwd_ref(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Te
 # ------------------------------------------------------------------------------------------------ Triton
 
 @_jit
-def _embedding_bwd_kernel(DOUT, ORDER, SORTED, END, DTABLE, C, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+def _embedding_bwd_kernel(DOUT, ORDER, SORTED, END, DTABLE, C, BLOCK_C: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -55,15 +56,11 @@ def _embedding_bwd_kernel(DOUT, ORDER, SORTED, END, DTABLE, C, BLOCK_N: tl.const
     prev_id = tl.load(SORTED + tl.maximum(j - 1, 0))
     if (j == 0) | (prev_id != row_id):  # j starts a run of equal ids: this program owns the row
         end = tl.load(END + j)
-        acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
-        # BLOCK_N rows of the run per step, loaded together: a frequent id (a run of thousands) would
-        # otherwise be a long serial chain of one-row loads, the tail of the whole launch
-        for k in range(j, end, BLOCK_N):
-            kk = k + tl.arange(0, BLOCK_N)
-            src = tl.load(ORDER + kk, mask=kk < end, other=0)  # int64 rows of dout
-            m = (kk < end)[:, None] & cmask[None, :]
-            acc += tl.load(DOUT + src[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(DTABLE + row_id * C + cols, tl.sum(acc, axis=0).to(DTABLE.dtype.element_ty), mask=cmask)
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for k in range(j, end):
+            src = tl.load(ORDER + k)  # int64 row of dout
+            acc += tl.load(DOUT + src * C + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(DTABLE + row_id * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
 
 
 def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
@@ -78,10 +75,9 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         return dtable
     sorted_ids, order = torch.sort(flat, stable=True)
     end = torch.searchsorted(sorted_ids, sorted_ids, right=True)  # [N] end of each position's run
-    BLOCK_C = min(512, triton.next_power_of_2(C))
-    BLOCK_N = 8
+    BLOCK_C = min(1024, triton.next_power_of_2(C))
     _embedding_bwd_kernel[(N, triton.cdiv(C, BLOCK_C))](d2, order, sorted_ids, end, dtable, C,
-                                                        BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, num_warps=4)
+                                                        BLOCK_C=BLOCK_C, num_warps=4)
     return dtable
 
 

@@ -11,11 +11,12 @@ reduction. With g = dy * w and n = C:
 Triton kernels (CUDA; CPU through the interpreter for tests):
     _rms_norm_fwd_kernel   BLOCK_R rows x the whole row (BLOCK_C >= C) per program: one read of x, one
                            write of y, inv_rms saved in fp32.
-    _rms_norm_bwd_kernel   a persistent grid of P programs; program p walks its own contiguous range of
-                           rows, BLOCK_R at a time, computing dx and accumulating its share of dw in an fp32
-                           register row, stored to partial[p, :]. No atomics: the P partial rows are
-                           summed in a second small pass (``partial.sum(0)``, P x C floats), so dw is
-                           deterministic run to run.
+    _rms_norm_bwd_kernel   a persistent grid of P programs; program p walks rows p, p + P, ... computing
+                           dx row by row and accumulating its share of dw in an fp32 register row, stored to
+                           partial[p, :]. No atomics: the P partial rows are summed in a second small pass
+                           (``partial.sum(0)``, P x C floats), so dw is deterministic run to run.
+                           (Tried: BLOCK_R rows per step and 8 programs per SM: slower, 0.196 vs 0.149 ms
+                           at 65536 x 768 bf16 on the H200.)
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps,
 
 @_jit
 def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                         BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -85,21 +86,16 @@ def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_progr
     dw_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 so row * C cannot overflow
     row_end = tl.minimum(row_start + rows_per_program, N)
-    # BLOCK_R rows per step, so short rows (C = 768) still keep enough loads in flight
-    for r0 in range(row_start, row_end, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        rmask = rows < row_end
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows[:, None] * C + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(INV_RMS + rows, mask=rmask, other=0.0)  # [BLOCK_R]; 0 on padding rows
-        g = dy * w[None, :]
+    for row in range(row_start, row_end):
+        offs = row * C + cols
+        x = tl.load(X + offs, mask=cmask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=cmask, other=0.0).to(tl.float32)
+        r = tl.load(INV_RMS + row)
+        g = dy * w
         # dx = r * g - x * r^3 / C * sum(g * x)
-        dot = tl.sum(g * x, axis=1)  # [BLOCK_R]
-        dx = r[:, None] * g - x * (r * r * r / C * dot)[:, None]
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        dw_acc += tl.sum(dy * x * r[:, None], axis=0)
+        dx = r * g - x * (r * r * r / C) * tl.sum(g * x, axis=0)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=cmask)
+        dw_acc += dy * x * r
     tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, dw_acc, mask=cmask)
 
 
@@ -113,7 +109,7 @@ def _fwd_config(C: int):
 def _num_programs(x: torch.Tensor, N: int) -> int:
     if x.is_cuda:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return max(1, min(N, 8 * sms))
+        return max(1, min(N, 4 * sms))
     return max(1, min(N, 4))  # the interpreter: few programs, each several rows
 
 
@@ -138,15 +134,14 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     dx = torch.empty_like(x2)
     if N == 0:
         return dx.reshape(x.shape), torch.zeros_like(w)
-    BLOCK_C = triton.next_power_of_2(C)
-    BLOCK_R = max(1, min(16, 8192 // BLOCK_C))
-    num_warps = 8 if BLOCK_R * BLOCK_C <= 8192 else 16
     P = _num_programs(x2, N)
-    rows_per_program = triton.cdiv(triton.cdiv(N, P), BLOCK_R) * BLOCK_R  # whole steps of BLOCK_R rows
+    rows_per_program = triton.cdiv(N, P)
     P = triton.cdiv(N, rows_per_program)
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
+    BLOCK_C = triton.next_power_of_2(C)
+    num_warps = 4 if BLOCK_C <= 1024 else (8 if BLOCK_C <= 8192 else 16)
     _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
-                               rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=num_warps)
+                               rows_per_program, BLOCK_C=BLOCK_C, num_warps=num_warps)
     dw = dw_partial.sum(dim=0)  # the second pass: P x C -> C, fixed order
     return dx.reshape(x.shape), dw.to(w.dtype)
 
