@@ -217,10 +217,10 @@ def main(argv=None) -> int:
         cfgs[D] = sweep(D, args.sweep_T, args.tokens, args.width, dtype, causal, log) if args.sweep \
             else (None, None)
         print(f"# D={D}: fwd config {cfgs[D][0] or 'default'}, bwd config {cfgs[D][1] or 'default'}")
-        if args.sweep:
-            err = verify(D, *cfgs[D], causal)
-            print(f"# D={D}: chosen configs vs fp64 reference (T=4096, GQA 4/2): max rel error {err:.2e}"
-                  f" {'OK' if err < 1e-2 else 'FAILED'}", flush=True)
+        for T in (1000, 2048, 4096):  # ragged and even, short-T and long-T config paths
+            err = verify(D, *cfgs[D], causal, T=T)
+            print(f"# D={D}: configs vs fp64 reference (T={T}, GQA 4/2, NaN-poisoned outputs): max rel error "
+                  f"{err:.2e} {'OK' if err < 1e-2 else 'FAILED'}", flush=True)
     rows = []
     for D in args.head_dims:
         for T in args.seqs:

@@ -227,15 +227,18 @@ def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float |
 _FWD_CONFIGS = {
     (32, "16bit"): (128, 64, 4, 3, False),
     (64, "16bit"): (128, 64, 4, 3, False),
-    (128, "16bit"): (128, 128, 8, 3, False),
+    (128, "16bit"): (128, 128, 8, 3, False),  # T > 4096; shorter T: _FWD_SHORT_T below
     (32, "fp32"): (64, 32, 4, 2, False),
     (64, "fp32"): (64, 32, 4, 2, False),
     (128, "fp32"): (32, 32, 4, 2, False),
 }
+# hd128 at T <= 4096: smaller query tiles give twice the programs (better filling of 132 SMs when B·H·T/128
+# is small) and TMA loads; measured 346 vs 298 TFLOP/s at T = 1k, but 480 vs 516 at T = 16k.
+_FWD_SHORT_T = {(128, "16bit"): (4096, (64, 64, 4, 3, True))}
 _BWD_CONFIGS = {
-    (32, "16bit"): ((64, 64, 4, 3, False), (64, 64, 4, 3, False)),
-    (64, "16bit"): ((64, 64, 4, 3, False), (64, 64, 4, 3, False)),
-    (128, "16bit"): ((64, 64, 4, 2, False), (64, 64, 4, 2, False)),
+    (32, "16bit"): ((64, 64, 4, 3, False), (128, 64, 8, 3, True)),
+    (64, "16bit"): ((64, 64, 4, 3, False), (128, 64, 8, 3, True)),
+    (128, "16bit"): ((64, 64, 4, 2, True), (64, 64, 4, 2, True)),
     (32, "fp32"): ((32, 64, 4, 2, False), (64, 32, 4, 2, False)),
     (64, "fp32"): ((32, 64, 4, 2, False), (64, 32, 4, 2, False)),
     (128, "fp32"): ((16, 32, 4, 2, False), (32, 16, 4, 2, False)),
@@ -244,6 +247,12 @@ _BWD_CONFIGS = {
 
 def _dtype_class(dtype: torch.dtype) -> str:
     return "fp32" if dtype == torch.float32 else "16bit"
+
+
+def _fwd_config(D: int, dtype: torch.dtype, T: int):
+    key = (D, _dtype_class(dtype))
+    short = _FWD_SHORT_T.get(key)
+    return short[1] if short is not None and T <= short[0] else _FWD_CONFIGS[key]
 
 
 if HAVE_TRITON:
@@ -629,7 +638,7 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     Hkv = k.shape[1]
     s = _scale(op, scale, D)
     q, k, v = _rows(q), _rows(k), _rows(v)
-    BLOCK_M, BLOCK_N, num_warps, num_stages, tma = config or _FWD_CONFIGS[(D, _dtype_class(q.dtype))]
+    BLOCK_M, BLOCK_N, num_warps, num_stages, tma = config or _fwd_config(D, q.dtype, T)
     if BLOCK_M % BLOCK_N:
         raise ValueError(f"{op}: BLOCK_M={BLOCK_M} must be a multiple of BLOCK_N={BLOCK_N}")
     o = _out(o, (B, H, T, D), q.dtype, q.device, "o", op)
