@@ -41,6 +41,9 @@ Ideas used in the Triton kernels, with their record on Hopper:
   * Per-head-dim fixed configs (BLOCK_M/BLOCK_N/num_warps/num_stages) chosen by a sweep on an H200 rather
     than autotuning at run time (compile time is not free): see ``_FWD_CONFIGS``/``_BWD_CONFIGS`` and
     bench/RESULTS.md.
+  * Tensor descriptors (Hopper TMA bulk copies, as in recent versions of the Triton tutorial) for the
+    streamed tiles, per config: on the H200 they won for the dQ kernel and the short-T hd128 forward and lost
+    elsewhere, so both load paths stay. Warp specialisation was not tried.
 fp32 inputs use exact fp32 dots (``input_precision="ieee"``, matching torch's default of no TF32); bf16/fp16
 inputs feed the tensor cores with 16-bit operands and accumulate in fp32 (P and dS are rounded to the
 input dtype before their matrix products, as in FlashAttention).
