@@ -1,4 +1,4 @@
-"""``xtrain bench train``: one full training step of xtrain vs an equivalent PyTorch eager model.
+"""``xtrain bench train`` (bench/train.py): one full training step of xtrain vs an equivalent PyTorch eager model.
 
 Both sides run the same architecture with the same weights and the same batch: forward, backward (torch
 side: torch.autograd), global-norm clipping, AdamW step, zero grads. The PyTorch side is written the way
@@ -10,8 +10,9 @@ Timing: wall clock per step after warm-up, median over ``--steps`` steps, the tw
 step by step so machine noise hits both alike. tokens/s = B * T / median step time. Both losses are
 printed for the first step (they must agree: same model, same batch).
 
-FLOPs per token (printed for scale, the usual 6N + attention estimate): 6 * (non-embedding params +
-lm head) + 6 * L * T * H * D (causal attention fwd+bwd, half the T x T square... counted as in nanoGPT).
+FLOPs per token (printed for scale): 6 * (parameters, the LM head counted once) for the matmuls, forward
+and backward, plus attention's 12 * L * H * D * T (nanoGPT's estimate for the full T x T square) halved
+for the causal mask: 6 * L * H * D * T.
 """
 
 from __future__ import annotations
@@ -145,9 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
-    ap.add_argument("--attention", default="composed", choices=["composed", "flash", "auto"],
-                    help="xtrain attention op")
-    ap.add_argument("--loss", default="composed", choices=["composed", "fused", "auto"], help="xtrain loss op")
+    ap.add_argument("--attention", default="auto", choices=["composed", "flash", "auto"],
+                    help="xtrain attention op (auto: the model's rule, flash on CUDA and on CPU for T >= 192)")
+    ap.add_argument("--loss", default="auto", choices=["composed", "fused", "auto"], help="xtrain loss op")
     ap.add_argument("--torch-attention", default="sdpa", choices=["sdpa", "composed"])
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--device", default="cpu")

@@ -421,10 +421,13 @@ def test_with_token_loader(tmp_path):
 
 
 def test_bench_train_smoke(capsys):
-    from xtrain.bench.train import main
+    from xtrain.bench.cli import BENCH_DIR
+    from xtrain.cli import main
 
-    assert main(["--preset", "tiny", "--batch-size", "1", "--seq-len", "16", "--vocab", "128", "--steps", "1",
-                 "--warmup", "0"]) == 0
+    if not (BENCH_DIR / "train.py").is_file():
+        pytest.skip("bench/ is not part of this checkout")
+    assert main(["bench", "train", "--preset", "tiny", "--batch-size", "1", "--seq-len", "16", "--vocab", "128",
+                 "--steps", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "xtrain" in out and "torch eager" in out
     # same model, same batch: the two first-step losses agree

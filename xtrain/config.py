@@ -52,8 +52,9 @@ class ModelConfig:
     Hkv * D. ``compute_dtype`` is the dtype of the forward/backward activations; master weights are fp32
     (fp64 when compute_dtype is "float64", which exists for exact tests). ``attention``: "composed" is the
     tape composition, "flash" the fused op (``xtrain.ops.flash_attention``), "auto" picks flash on CUDA
-    when it is available. ``loss``: "fused" uses ``xtrain.ops.linear_cross_entropy`` (LM head + loss
-    without materialising [N, V] logits), "auto" picks it when available on CUDA.
+    when it is available, and on the CPU for T >= 192 where its tiled reference is faster. ``loss``:
+    "fused" uses ``xtrain.ops.linear_cross_entropy`` (LM head + loss without materialising [N, V]
+    logits), "auto" picks it when available on CUDA.
     """
 
     vocab_size: int = 4096
