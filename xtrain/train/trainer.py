@@ -22,6 +22,10 @@ optimizer steps done), loss (mean over counted targets), lr, grad_norm (before c
 targets this step), tokens_total, time (seconds this step), tokens_per_s, skipped, skips.
 Eval rows: kind="eval", step, plus whatever ``eval_fn(model)`` returns (run under eval mode and no_grad).
 
+Atomic steps: an exception before the update (nan stop, Ctrl-C, a bad batch) restores the data position
+and drops the partial gradients; the update itself runs with Ctrl-C deferred. So after any interruption
+the trainer is at a step boundary and ``save()`` writes a state that resumes exactly.
+
 Reproducibility: the only randomness in a step is dropout, whose masks are pure functions of
 (seed, step, micro index, layer, site). A checkpoint stores the step, the data loader's position and the
 optimizer moments, so training N steps straight and k steps + resume + N-k steps give identical weights.
@@ -29,7 +33,10 @@ optimizer moments, so training N steps straight and k steps + resume + N-k steps
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -49,6 +56,27 @@ IGNORE_INDEX = -100
 # fields of TrainConfig that may differ on resume (they do not change the maths of the steps already taken;
 # ``steps`` extends or shortens the run and so moves the cosine tail, which is the point of changing it)
 RESUMABLE_CHANGES = ("steps", "ckpt_every", "eval_every", "skip_nonfinite", "max_skips", "extra")
+
+
+@contextlib.contextmanager
+def _deferred_sigint():
+    """Hold back Ctrl-C (SIGINT) for the duration of the block, then deliver it. Used around the weight
+    update so an interrupt never leaves half of the parameters stepped. Main thread only (elsewhere
+    signals cannot be handled, so this is a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if pending:
+            if old is signal.default_int_handler or old is None:
+                raise KeyboardInterrupt
+            if callable(old):
+                old(signal.SIGINT, None)
 
 
 class NonFiniteError(RuntimeError):
@@ -171,38 +199,52 @@ class Trainer:
             ops.scale(loss, inv_n).backward()
         return loss_sum, n_tok, None
 
+    def _data_state(self):
+        return self.data.state_dict() if hasattr(self.data, "state_dict") and \
+            hasattr(self.data, "load_state_dict") else None
+
     def train_step(self) -> dict:
+        """One optimizer step. Atomic: an exception (nan stop, Ctrl-C, a failing batch) before the update
+        leaves weights, moments, step and the data position as they were; the update itself runs with
+        Ctrl-C deferred, so a checkpoint saved after an interrupt is always a consistent state."""
         cfg, model = self.config, self.model
         t0 = time.perf_counter()
-        inputs, targets = split_batch(self._next_batch())
-        loss_sum, n_tok, bad = self.forward_backward(inputs, targets)
-        inv_n = 1.0 / max(n_tok, 1)
-
-        grads = self.optimizer.grads()
-        if bad is None and self.all_reduce is not None:
-            loss_t = torch.tensor([loss_sum], dtype=torch.float64, device=model.device)
-            self.all_reduce(grads + [loss_t])
-            loss_sum = float(loss_t[0])
-        norm, norm_t = float("nan"), None
-        if bad is None:
-            norm_t = grad_norm(grads)
-            norm = float(norm_t)
-            if not math.isfinite(norm):
-                bad = (f"gradient norm is {norm} (loss {loss_sum * inv_n:.6g})", None)
-        lr = self.schedule(self.step)
-        if bad is not None:
-            self._fail(*bad)
-            self.optimizer.zero_grad()  # drop the poisoned gradients; weights and moments untouched
-            self.skips += 1
-            skipped = True
-        else:
-            if cfg.grad_clip > 0:
-                clip_grads_(grads, cfg.grad_clip, norm_t)
-            self.optimizer.step(lr)
+        data_before = self._data_state()
+        try:
+            inputs, targets = split_batch(self._next_batch())
+            loss_sum, n_tok, bad = self.forward_backward(inputs, targets)
+            inv_n = 1.0 / max(n_tok, 1)
+            grads = self.optimizer.grads()
+            if bad is None and self.all_reduce is not None:
+                loss_t = torch.tensor([loss_sum], dtype=torch.float64, device=model.device)
+                self.all_reduce(grads + [loss_t])
+                loss_sum = float(loss_t[0])
+            norm, norm_t = float("nan"), None
+            if bad is None:
+                norm_t = grad_norm(grads)
+                norm = float(norm_t)
+                if not math.isfinite(norm):
+                    bad = (f"gradient norm is {norm} (loss {loss_sum * inv_n:.6g})", None)
+            if bad is not None:
+                self._fail(*bad)  # raises unless the step may be skipped
+        except BaseException:
             self.optimizer.zero_grad()
-            skipped = False
-        self.step += 1
-        self.tokens_total += n_tok
+            if data_before is not None:
+                self.data.load_state_dict(data_before)  # the batch will be drawn again
+            raise
+        lr = self.schedule(self.step)
+        with _deferred_sigint():
+            if bad is not None:
+                self.optimizer.zero_grad()  # drop the poisoned gradients; weights and moments untouched
+                self.skips += 1
+            else:
+                if cfg.grad_clip > 0:
+                    clip_grads_(grads, cfg.grad_clip, norm_t)
+                self.optimizer.step(lr)
+                self.optimizer.zero_grad()
+            self.step += 1
+            self.tokens_total += n_tok
+        skipped = bad is not None
         dt = time.perf_counter() - t0
         m = {"kind": "train", "step": self.step, "loss": loss_sum * inv_n if not skipped else float("nan"),
              "lr": lr, "grad_norm": norm, "tokens": n_tok, "tokens_total": self.tokens_total, "time": dt,
