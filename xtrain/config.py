@@ -130,7 +130,7 @@ PRESETS: dict[str, ModelConfig] = {
     # CPU default, ~4.2M parameters with V=4096 (tied): learns character/BPE statistics in minutes on 2 cores.
     "tiny": ModelConfig(vocab_size=4096, n_layer=4, n_embd=256, n_head=4, n_kv_head=2, head_dim=64,
                         ffn_dim=768, max_seq_len=256, tie_embeddings=True),
-    # the reference project's model size: ~107M parameters with V=32768 (untied), GQA 12/4
+    # the reference project's model size: ~120M parameters with V=32768 (untied), GQA 12/4
     "seed": ModelConfig(vocab_size=32768, n_layer=8, n_embd=768, n_head=12, n_kv_head=4, head_dim=64,
                         ffn_dim=3072, max_seq_len=1024),
     # the GPT-2 small class: MHA, tied embeddings, ~110M parameters with V=32768
