@@ -60,6 +60,9 @@ def add_parser(subparsers) -> None:
                    help="attention implementation (auto: flash on CUDA)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this directory")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="stop (with a checkpoint) after N steps of this invocation; --resume continues the same "
+                        "schedule, bit-identical to an uninterrupted run")
     p.add_argument("--seed", type=int, default=None, help=f"run seed: init, data order, dropout (default {d['seed']})")
     p.add_argument("--eval-every", type=int, default=None, help=f"validate every N steps (default {d['eval_every']})")
     p.add_argument("--eval-batches", type=int, default=d["eval_batches"], help="validation batches per evaluation")
@@ -91,6 +94,10 @@ def _loaders(meta: dict, batch_size: int, seq_len: int, seed: int):
     root = Path(meta["dir"])
     train = TokenLoader([root / f for f, _ in meta["train"]["files"]], batch_size, seq_len, seed=seed,
                         vocab_size=meta["vocab_size"])
+    if meta["val"]["tokens"] < batch_size * (seq_len + 1):
+        print(f"xtrain train: warning: the validation split of {root} holds {meta['val']['tokens']} tokens, "
+              f"less than one batch of {batch_size} x {seq_len + 1}; training without validation", file=sys.stderr)
+        return train, None
     val = TokenLoader([root / f for f, _ in meta["val"]["files"]], batch_size, seq_len, seed=seed,
                       vocab_size=meta["vocab_size"])
     return train, val
@@ -182,7 +189,8 @@ def run(args) -> int:
             bar.refresh()
 
     model = Model(model_cfg, device=device, seed=tcfg.seed)
-    trainer = Trainer(model, tcfg, train_data, run_dir=run_dir, eval_fn=eval_fn, on_metrics=on_metrics)
+    trainer = Trainer(model, tcfg, train_data, run_dir=run_dir, eval_fn=eval_fn if val_data else None,
+                      on_metrics=on_metrics)
     if args.resume:
         try:
             trainer.resume(run_dir)
@@ -197,8 +205,8 @@ def run(args) -> int:
           f"data {meta['dir']} ({meta['train']['tokens']:,} train tokens, vocab {meta['vocab_size']}); "
           f"{tcfg.steps} steps x {tcfg.tokens_per_step} tokens from step {trainer.step}")
     try:
-        trainer.fit()
-        if not trainer.history or trainer.history[-1].get("kind") != "eval":
+        trainer.fit(args.stop_after)
+        if val_data is not None and (not trainer.history or trainer.history[-1].get("kind") != "eval"):
             trainer.run_eval()
     except NonFiniteError as e:
         if bar:
