@@ -6,7 +6,9 @@ Two graphs, built identically in both engines on tiny tensors so per-node bookke
   silu:   y = x; repeat N/2 times: y = silu(y * 1.0001)       (our silu backward is several torch
           kernels where torch's is one fused kernel, so this row measures op maths + engine)
 Both engines issue the same torch kernels in the chain and fanout rows, so their ratio is the engine's
-per-node overhead (Python closures and bookkeeping vs torch.autograd's C++).
+per-node overhead (Python closures and bookkeeping vs torch.autograd's C++). Two xtrain columns: the forward
+with Python's cyclic GC on (backward always pauses it), and the whole graph under ``gc_paused()`` as the
+trainer runs a step; the GC re-scanning the growing graph of Python objects is most of the difference.
 For each we time forward+backward (median of repeats) and report per-node microseconds and the ratio
 ours / torch.autograd. Peak memory: a chain over large tensors, in a fresh subprocess per engine,
 reporting the peak resident set (CPU) or torch.cuda.max_memory_allocated (CUDA).
@@ -134,6 +136,7 @@ def main(argv=None) -> int:
     x0 = torch.randn(16, device=a.device)
     ws = [torch.randn(16, device=a.device) for _ in range(n // 2)]
     from xtrain import Var
+    from xtrain.autograd import gc_paused
     wv = [Var(w) for w in ws]
     g1, g2 = _ours_chain(x0, n // 2), _torch_chain(x0, n // 2)
     assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-6), "chain gradients differ"
@@ -147,7 +150,13 @@ def main(argv=None) -> int:
     ]:
         ours(), theirs()  # warm-up
         t_o, t_t = _time(ours, a.repeat, a.device), _time(theirs, a.repeat, a.device)
-        rows.append((name, nodes, t_o / nodes * 1e6, t_t / nodes * 1e6, t_o / t_t))
+
+        def paused(f=ours):
+            with gc_paused():
+                f()
+
+        t_p = _time(paused, a.repeat, a.device)
+        rows.append((name, nodes, t_o / nodes * 1e6, t_p / nodes * 1e6, t_t / nodes * 1e6, t_o / t_t, t_p / t_t))
     peaks = {}
     for eng in ("xtrain", "torch"):
         out = subprocess.run([sys.executable, "-m", "bench.engine", "--_peak", eng, "--device", a.device,
@@ -156,9 +165,10 @@ def main(argv=None) -> int:
                              cwd=str(pathlib.Path(__file__).resolve().parents[1]))
         peaks[eng] = float(out.stdout.strip().splitlines()[-1])
     print(f"engine overhead, {a.device}, torch {torch.__version__}, forward+backward on 16-element tensors")
-    print(f"{'graph':<8} {'nodes':>7} {'xtrain us/node':>15} {'torch us/node':>14} {'ratio':>7}")
-    for name, nodes, uo, ut, ratio in rows:
-        print(f"{name:<8} {nodes:>7} {uo:>15.2f} {ut:>14.2f} {ratio:>6.2f}x")
+    print(f"{'graph':<8} {'nodes':>7} {'xtrain us/node':>15} {'gc paused':>10} {'torch us/node':>14} "
+          f"{'ratio':>7} {'ratio paused':>13}")
+    for name, nodes, uo, up, ut, ratio, ratio_p in rows:
+        print(f"{name:<8} {nodes:>7} {uo:>15.2f} {up:>10.2f} {ut:>14.2f} {ratio:>6.2f}x {ratio_p:>12.2f}x")
     what = "max_memory_allocated" if a.device == "cuda" else "peak RSS of a fresh process"
     print(f"peak memory, chain of {a.mem_nodes} silu(scale) pairs on {a.mem_numel} floats ({what}): "
           f"xtrain {peaks['xtrain']:.0f} MiB, torch {peaks['torch']:.0f} MiB, "

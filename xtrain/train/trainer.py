@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from xtrain import ops
-from xtrain.autograd import no_grad
+from xtrain.autograd import gc_paused, no_grad
 from xtrain.config import ConfigError, TrainConfig, check_compatible
 from xtrain.model import Model, mix_seed
 from xtrain.train import checkpoint as ckpt_io
@@ -212,7 +212,8 @@ class Trainer:
         data_before = self._data_state()
         try:
             inputs, targets = split_batch(self._next_batch())
-            loss_sum, n_tok, bad = self.forward_backward(inputs, targets)
+            with gc_paused():  # the tape is acyclic: refcounting frees it; see autograd.gc_paused
+                loss_sum, n_tok, bad = self.forward_backward(inputs, targets)
             inv_n = 1.0 / max(n_tok, 1)
             grads = self.optimizer.grads()
             if bad is None and self.all_reduce is not None:
