@@ -143,9 +143,10 @@ def run_both(c, ids, tg, ref_dtype=None):
     return m, loss, logits, rloss, rlogits, rgrads
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_parity_fp64(tie):
-    c = small_cfg(compute_dtype="float64", tie_embeddings=tie)
+@pytest.mark.parametrize("tie,attention", [(False, "composed"), (True, "composed"), (False, "math"),
+                                           (True, "flash"), (False, "auto")])
+def test_parity_fp64(tie, attention):
+    c = small_cfg(compute_dtype="float64", tie_embeddings=tie, attention=attention)
     ids, tg = batch(c)
     m, loss, logits, rloss, rlogits, rgrads = run_both(c, ids, tg)
     assert abs(loss.item() - rloss.item()) <= 1e-10 * abs(rloss.item())
@@ -155,9 +156,10 @@ def test_parity_fp64(tie):
         torch.testing.assert_close(p.grad, rgrads[k], rtol=1e-10, atol=1e-12, msg=k)
 
 
-def test_parity_fp32():
+@pytest.mark.parametrize("attention", ["composed", "math"])
+def test_parity_fp32(attention):
     """fp32: every gradient within 1e-5 of the reference, relative to that gradient's largest entry."""
-    c = small_cfg(compute_dtype="float32")
+    c = small_cfg(compute_dtype="float32", attention=attention)
     ids, tg = batch(c, B=4, T=16)
     m, loss, logits, rloss, rlogits, rgrads = run_both(c, ids, tg)
     assert abs(loss.item() - rloss.item()) <= 1e-5 * abs(rloss.item())

@@ -69,6 +69,10 @@ PARITY = [
      [(2, 3, 7, 16)], []),
     ("attention-gqa-causal", lambda q, k, v: ops.attention(q, k, v, True),
      lambda q, k, v: _attn_torch(q, k, v, True), [(2, 6, 9, 8), (2, 3, 9, 8), (2, 3, 9, 8)], []),
+    ("math_attention-gqa-causal", lambda q, k, v: ops.math_attention(q, k, v, True),
+     lambda q, k, v: _attn_torch(q, k, v, True), [(2, 6, 9, 8), (2, 2, 9, 8), (2, 2, 9, 8)], []),
+    ("math_attention-mha", lambda q, k, v: ops.math_attention(q, k, v, False),
+     lambda q, k, v: _attn_torch(q, k, v, False), [(1, 3, 7, 16), (1, 3, 7, 16), (1, 3, 7, 16)], []),
     ("attention-mha", lambda q, k, v: ops.attention(q, k, v, False),
      lambda q, k, v: _attn_torch(q, k, v, False), [(1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4)], []),
 ]
@@ -231,6 +235,7 @@ BAD = [
     ("attention", lambda: ops.attention(V(1, 4, 5, 8), V(1, 3, 5, 8), V(1, 3, 5, 8))),
     ("attention", lambda: ops.attention(V(1, 4, 5, 8), V(1, 2, 6, 8), V(1, 2, 6, 8))),
     ("attention", lambda: ops.attention(V(4, 5, 8), V(4, 5, 8), V(4, 5, 8))),
+    ("math_attention", lambda: ops.math_attention(V(1, 4, 5, 8), V(1, 3, 5, 8), V(1, 3, 5, 8))),
 ]
 
 

@@ -75,6 +75,10 @@ def cases() -> list[Case]:
              lambda g: ([_r(g, 2, 2, 5, 4), _r(g, 2, 2, 5, 4), _r(g, 2, 2, 5, 4)], [True]), ops.attention),
         Case("attention", "GQA H=4 Hkv=2 non-causal",
              lambda g: ([_r(g, 1, 4, 3, 4), _r(g, 1, 2, 3, 4), _r(g, 1, 2, 3, 4)], [False]), ops.attention),
+        Case("math_attention", "GQA H=4 Hkv=2 causal [2,.,5,4]",
+             lambda g: ([_r(g, 2, 4, 5, 4), _r(g, 2, 2, 5, 4), _r(g, 2, 2, 5, 4)], [True]), ops.math_attention),
+        Case("math_attention", "MHA non-causal [1,2,3,4]",
+             lambda g: ([_r(g, 1, 2, 3, 4), _r(g, 1, 2, 3, 4), _r(g, 1, 2, 3, 4)], [False]), ops.math_attention),
     ]
 
 

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-ATTENTION_IMPLS = ("composed", "flash", "auto")
+ATTENTION_IMPLS = ("composed", "math", "flash", "auto")
 LOSS_IMPLS = ("composed", "fused", "auto")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float64")
 
@@ -51,8 +51,9 @@ class ModelConfig:
     ``head_dim`` is independent of ``n_embd`` (Qwen3 allows H * D != C); q has H * D features, k and v
     Hkv * D. ``compute_dtype`` is the dtype of the forward/backward activations; master weights are fp32
     (fp64 when compute_dtype is "float64", which exists for exact tests). ``attention``: "composed" is the
-    tape composition, "flash" the fused op (``xtrain.ops.flash_attention``), "auto" picks flash on CUDA
-    when it is available, and on the CPU for T >= 192 where its tiled reference is faster. ``loss``:
+    tape composition, "math" one node with a hand-written backward (``xtrain.ops.math_attention``), "flash"
+    the fused op (``xtrain.ops.flash_attention``); "auto" picks flash on CUDA, and on the CPU math up to
+    T = 2048 (fastest there) and flash's tiled O(T)-memory reference beyond, where [T, T] scores grow large. ``loss``:
     "fused" uses ``xtrain.ops.linear_cross_entropy`` (LM head + loss without materialising [N, V]
     logits), "auto" picks it when available on CUDA.
     """

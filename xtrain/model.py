@@ -121,10 +121,11 @@ def param_shapes(cfg: ModelConfig) -> OrderedDict[str, tuple[int, ...]]:
     return shapes
 
 
-# On the CPU the fused op is the tiled plain-torch reference: it beats the composed op from about T = 192
-# (2 cores, D = 64: 38 vs 54 ms fwd+bwd per layer at T = 256, 13 vs 11 ms at T = 128), so "auto" uses it
-# from there on; on CUDA it is the Triton kernel and always wins.
-CPU_FLASH_MIN_T = 192
+# On the CPU "auto" uses math attention (one node, hand-written backward): at the tiny preset's shape
+# (B=8, H=4, Hkv=2, T=256, D=64, 2 cores) fwd+bwd of one layer took 32 ms, vs 125 ms composed and 159 ms
+# for flash's tiled plain-torch reference (torch SDPA: 24 ms). Its [T, T] probabilities grow as T², so from
+# CPU_FLASH_MIN_T on "auto" switches to flash's tiled reference, whose extra memory is O(T).
+CPU_FLASH_MIN_T = 2048
 
 
 def _resolve_attention(impl: str, device: torch.device):
@@ -136,15 +137,17 @@ def _resolve_attention(impl: str, device: torch.device):
         flash = ops.flash_attention
     except (ImportError, AttributeError):
         flash = None
+    if impl == "math":
+        return lambda T: ops.math_attention
     if impl == "flash":
         if flash is None:
             raise ConfigError("attention='flash' but xtrain.ops.flash_attention is not available in this build")
         return lambda T: flash
     if flash is None:  # "auto"
-        return lambda T: composed
+        return lambda T: ops.math_attention
     if device.type == "cuda":
         return lambda T: flash
-    return lambda T: flash if T >= CPU_FLASH_MIN_T else composed
+    return lambda T: flash if T > CPU_FLASH_MIN_T else ops.math_attention
 
 
 def _resolve_loss(impl: str, device: torch.device):

@@ -3,11 +3,12 @@
 basic: add, sub, mul, div, scale, neg, matmul, linear, add_bias, sum, mean, reshape, transpose,
        contiguous, cast
 nn:    embedding, rms_norm, silu, swiglu, softmax, cross_entropy, rope, dropout
-attention: attention (composed), repeat_kv, causal_mask; flash_attention (fused, xtrain.ops.flash)
+attention: attention (composed), math_attention (one node, hand-written backward), repeat_kv, causal_mask;
+           flash_attention (fused, xtrain.ops.flash)
 fused: linear_cross_entropy (xtrain.ops.fused)
 """
 
-from xtrain.ops.attention import attention, causal_mask, repeat_kv
+from xtrain.ops.attention import attention, causal_mask, math_attention, repeat_kv
 from xtrain.ops.basic import (
     add,
     add_bias,
@@ -29,7 +30,8 @@ from xtrain.ops.nn import cross_entropy, dropout, embedding, rms_norm, rope, sil
 
 __all__ = [
     "add", "add_bias", "attention", "cast", "causal_mask", "contiguous", "cross_entropy", "div", "dropout",
-    "embedding", "flash_attention", "linear", "linear_cross_entropy", "matmul", "mean", "mul", "neg",
+    "embedding", "flash_attention", "linear", "linear_cross_entropy", "math_attention", "matmul", "mean", "mul",
+    "neg",
     "repeat_kv", "reshape", "rms_norm", "rope", "scale", "silu", "softmax", "sub", "sum", "swiglu",
     "transpose",
 ]

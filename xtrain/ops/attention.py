@@ -15,6 +15,7 @@ import math
 import torch
 
 from xtrain.autograd import Var
+from xtrain.kernels import attention as K_attn
 from xtrain.ops.basic import _check_same, check, matmul, transpose
 from xtrain.ops.basic import scale as scale_op
 from xtrain.ops.nn import softmax
@@ -67,3 +68,19 @@ def attention(q: Var, k: Var, v: Var, causal: bool = True, scale: float | None =
     probs = softmax(scores, dim=-1)  # [B, H, T, T]
     return matmul(probs, v)  # [B, H, T, D]
 
+
+
+def math_attention(q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None) -> Var:
+    """The same function as ``attention`` as one tape node with a hand-written backward
+    (``xtrain.kernels.attention``): no K/V copies for GQA, two matmuls forward and four backward. It keeps
+    the [B, H, T, T] probabilities, like the composed path; the model's CPU default."""
+    check_attention_inputs("math_attention", q, k, v)
+    D = q.shape[-1]
+    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    qd, kd, vd = q.data, k.data, v.data
+    o, p = K_attn.attention_fwd(qd, kd, vd, causal, s)
+
+    def backward(do):
+        return K_attn.attention_bwd(do, qd, kd, vd, p, causal, s)
+
+    return Var.from_op(o, (q, k, v), backward, "math_attention")

@@ -56,8 +56,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--recompute", action="store_true", default=None,
                    help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
     p.add_argument("--dropout", type=float, default=None, help="residual dropout p (default 0)")
-    p.add_argument("--attention", choices=["auto", "composed", "flash"], default=None,
-                   help="attention implementation (auto: flash on CUDA)")
+    p.add_argument("--attention", choices=["auto", "composed", "math", "flash"], default=None,
+                   help="attention implementation (auto: flash on CUDA, math on the CPU)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this directory")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
