@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
-    ap.add_argument("--attention", default="auto", choices=["composed", "flash", "auto"],
+    ap.add_argument("--attention", default="auto", choices=["composed", "math", "flash", "auto"],
                     help="xtrain attention op (auto: the model's rule, flash on CUDA and on CPU for T >= 192)")
     ap.add_argument("--loss", default="auto", choices=["composed", "fused", "auto"], help="xtrain loss op")
     ap.add_argument("--torch-attention", default="sdpa", choices=["sdpa", "composed"])

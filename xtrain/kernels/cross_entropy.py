@@ -75,10 +75,12 @@ def cross_entropy_bwd_ref(dloss: torch.Tensor, logits: torch.Tensor, targets: to
     acc = _acc(logits)
     valid = targets != ignore_index
     scale = torch.as_tensor(dloss, device=logits.device).to(acc) / denom
-    probs = torch.exp(logits.to(acc) - lse.to(acc)[:, None])  # [N, V]
+    # softmax(logits) = exp(logits - lse); torch.softmax does it in one fused pass where the subtraction
+    # and exp would make two (and a temporary), so the saved lse is not needed on this path
+    probs = torch.softmax(logits.to(acc), dim=-1)  # [N, V]
     safe_t = torch.where(valid, targets, torch.zeros_like(targets))
     probs.scatter_add_(1, safe_t[:, None], -torch.ones_like(probs[:, :1]))
-    probs *= (valid.to(acc) * scale)[:, None]
+    probs.mul_((valid.to(acc) * scale)[:, None])
     if inplace:
         logits.copy_(probs)
         return logits

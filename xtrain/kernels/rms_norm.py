@@ -40,20 +40,24 @@ else:  # CPU-only install: the kernels below are never launched
 def rms_norm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
     C = x.shape[-1]
     xf = x.reshape(-1, C).float() if x.dtype != torch.float64 else x.reshape(-1, C)
-    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1) + eps)  # [N]
-    y = (xf * inv_rms[:, None]) * w.to(xf.dtype)
+    inv_rms = torch.rsqrt((xf * xf).mean(dim=-1) + eps)  # [N]
+    y = torch.mul(xf, inv_rms[:, None]).mul_(w.to(xf.dtype))
     return y.to(x.dtype).reshape(x.shape), inv_rms
 
 
 def rms_norm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms: torch.Tensor):
+    # With xhat = x * r (r = inv_rms) the docstring's dx = r g - x r^3 / C sum(g x) reads
+    # dx = r (g - xhat * mean_c(g * xhat)); written with in-place steps on fresh temporaries.
     C = x.shape[-1]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.reshape(-1, C).to(acc)
     dyf = dy.reshape(-1, C).to(acc)
     r = inv_rms.to(acc)[:, None]  # [N, 1]
-    g = dyf * w.to(acc)
-    dx = r * g - xf * (r**3 / C) * (g * xf).sum(dim=-1, keepdim=True)
-    dw = (dyf * xf * r).sum(dim=0)
+    xhat = xf * r  # [N, C]
+    dw = (dyf * xhat).sum(dim=0)  # [C]
+    g = dyf * w.to(acc)  # [N, C]
+    dot = (g * xhat).mean(dim=-1, keepdim=True)  # [N, 1]
+    dx = g.sub_(xhat.mul_(dot)).mul_(r)
     return dx.to(x.dtype).reshape(x.shape), dw.to(w.dtype)
 
 

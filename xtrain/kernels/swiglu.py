@@ -35,27 +35,34 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 
 def silu_fwd_ref(x: torch.Tensor) -> torch.Tensor:
     xf = x.to(_acc(x))
-    return (xf * torch.sigmoid(xf)).to(x.dtype)
+    return torch.sigmoid(xf).mul_(xf).to(x.dtype)
+
+
+def _dsilu(xf: torch.Tensor, s: torch.Tensor, silu: torch.Tensor) -> torch.Tensor:
+    """d silu / dx = s + silu (1 - s) = s (1 + x - silu), s = sigmoid(x): a fresh tensor, built in place."""
+    return torch.add(xf, 1).sub_(silu).mul_(s)
 
 
 def silu_bwd_ref(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     xf = x.to(_acc(x))
     s = torch.sigmoid(xf)
-    return (dy.to(xf.dtype) * s * (1 + xf * (1 - s))).to(x.dtype)
+    return _dsilu(xf, s, xf * s).mul_(dy.to(xf.dtype)).to(x.dtype)
 
 
 def swiglu_fwd_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     gf = g.to(_acc(g))
-    return (gf * torch.sigmoid(gf) * u.to(gf.dtype)).to(g.dtype)
+    return torch.sigmoid(gf).mul_(gf).mul_(u.to(gf.dtype)).to(g.dtype)
 
 
 def swiglu_bwd_ref(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
+    # In-place steps on fresh temporaries: each pass over the [N, F] activations costs as much as the maths.
     gf = g.to(_acc(g))
     uf = u.to(gf.dtype)
     dyf = dy.to(gf.dtype)
     s = torch.sigmoid(gf)
-    dg = dyf * uf * s * (1 + gf * (1 - s))
-    du = dyf * gf * s
+    silu = gf * s
+    du = dyf * silu  # du = dy * silu(g)
+    dg = _dsilu(gf, s, silu).mul_(uf).mul_(dyf)  # dg = dy * u * dsilu(g)
     return dg.to(g.dtype), du.to(u.dtype)
 
 
