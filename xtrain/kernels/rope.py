@@ -56,11 +56,6 @@ def rope_cos_sin(positions: torch.Tensor, D: int, theta: float, dtype=torch.floa
     return ang.cos(), ang.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-
-
 def _broadcast_cs(cs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # positions [T] -> cos [T, D] broadcasts over leading dims; [B, T] -> [B, 1.., T, D]
     if cs.dim() == 3:
@@ -68,20 +63,31 @@ def _broadcast_cs(cs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return cs
 
 
-def rope_fwd_ref(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, sign: float) -> torch.Tensor:
+    """Rotate each pair (x_i, x_{i+D/2}) by sign * angle: with c, s the half-width cos/sin,
+        y1 = x1 c - sign x2 s,   y2 = x2 c + sign x1 s
+    which is x * cos + sign * rotate_half(x) * sin written per half, without building rotate_half."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = x.shape[-1] // 2
     cos, sin = rope_cos_sin(positions, x.shape[-1], theta, acc)
-    cos, sin = _broadcast_cs(cos, x), _broadcast_cs(sin, x)
+    c, s = _broadcast_cs(cos[..., :h], x), _broadcast_cs(sin[..., :h], x)  # [.., T, D/2]
     xf = x.to(acc)
-    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+    x1, x2 = xf[..., :h], xf[..., h:]
+    y = torch.empty(xf.shape, dtype=acc, device=x.device)
+    torch.mul(x1, c, out=y[..., :h])
+    y[..., :h].addcmul_(x2, s, value=-sign)
+    torch.mul(x2, c, out=y[..., h:])
+    y[..., h:].addcmul_(x1, s, value=sign)
+    return y.to(x.dtype)
+
+
+def rope_fwd_ref(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    return _rotate(x, positions, theta, 1.0)
 
 
 def rope_bwd_ref(dy: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
-    cos, sin = rope_cos_sin(positions, dy.shape[-1], theta, acc)
-    cos, sin = _broadcast_cs(cos, dy), _broadcast_cs(sin, dy)
-    df = dy.to(acc)
-    return (df * cos - _rotate_half(df) * sin).to(dy.dtype)
+    # the inverse rotation: dx = dy * cos - rotate_half(dy) * sin
+    return _rotate(dy, positions, theta, -1.0)
 
 
 # ------------------------------------------------------------------------------------------------ Triton
