@@ -18,6 +18,7 @@ for the causal mask: 6 * L * H * D * T.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -152,11 +153,14 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-attention", default="sdpa", choices=["sdpa", "composed"])
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="compute dtype: xtrain's compute_dtype (fp32 masters) vs torch autocast to the same dtype")
     args = ap.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    over = {"attention": args.attention, "loss": args.loss, "recompute": args.recompute}
+    over = {"attention": args.attention, "loss": args.loss, "recompute": args.recompute,
+            "compute_dtype": args.dtype}
     if args.vocab:
         over["vocab_size"] = args.vocab
     c = dataclasses.replace(PRESETS[args.preset], **over).validate()
@@ -170,7 +174,12 @@ def main(argv=None) -> int:
     named = dict(ref.named_parameters())
     groups = [{"params": [p for n, p in named.items() if decays(n, p.shape)], "weight_decay": 0.1},
               {"params": [p for n, p in named.items() if not decays(n, p.shape)], "weight_decay": 0.0}]
-    topt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    # the strongest stock optimizer on each device: the fused CUDA kernel on GPU, the plain loop on CPU
+    fused = dev.type == "cuda"
+    topt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False if not fused else None,
+                             fused=fused or None)
+    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
+                else contextlib.nullcontext())
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=g).to(dev)
@@ -190,9 +199,10 @@ def main(argv=None) -> int:
         return float(loss.data)
 
     def step_torch():
-        loss = ref(x, y)
+        with autocast:
+            loss = ref(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, foreach=False)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, foreach=fused)
         topt.step()
         topt.zero_grad(set_to_none=True)
         return float(loss.detach())
@@ -217,7 +227,8 @@ def main(argv=None) -> int:
     tok = B * T
     fpt = flops_per_token(c, T)
     print(f"xtrain bench train: preset={args.preset} params={model.num_params() / 1e6:.2f}M B={B} T={T} "
-          f"V={c.vocab_size} device={dev} threads={torch.get_num_threads()} torch={torch.__version__}")
+          f"V={c.vocab_size} device={dev} dtype={args.dtype} threads={torch.get_num_threads()} "
+          f"torch={torch.__version__}")
     print(f"  xtrain attention={args.attention} loss={args.loss} recompute={args.recompute}; "
           f"torch attention={args.torch_attention}; first-step loss xtrain {first[0]:.6f} torch {first[1]:.6f}")
     print(f"{'impl':<16}{'step ms':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'ratio':>8}")
