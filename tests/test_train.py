@@ -486,3 +486,14 @@ def test_model_config_roundtrip_in_checkpoint(tmp_path):
     mc, tc = ck.read_config(tmp_path)
     assert mc == m.config and tc.steps == 2
     assert dataclasses.replace(mc) == mc
+
+
+def test_out_of_range_ids_stop_the_step_with_its_number():
+    m = Model(mcfg(), seed=0)
+    w0 = {k: p.data.clone() for k, p in m.params.items()}
+    bad = torch.randint(0, 61, (4, 13))
+    bad[1, 3] = 61
+    tr = Trainer(m, tcfg(), lambda: bad)
+    with pytest.raises(ValueError, match=r"step 1: input ids must lie in \[0, 61\)"):
+        tr.train_step()
+    assert tr.step == 0 and all(torch.equal(w0[k], p.data) for k, p in m.params.items())

@@ -43,8 +43,18 @@ else:  # CPU-only install: the kernels below are never launched
 TABLE_DEFAULT = False  # in-kernel cos/sin measured faster on the H200 (bench/RESULTS.md)
 
 
+_INV_FREQ_CACHE: dict = {}
+
+
 def _inv_freq(D: int, theta: float, device) -> torch.Tensor:
-    return theta ** (-torch.arange(0, D, 2, device=device, dtype=torch.float64) / D)  # [D/2] fp64
+    """theta^(-2i/D), i < D/2, fp64 [D/2]; cached per (D, theta, device): on a GPU, recomputing it costs
+    three kernel launches per call, and the model calls rope twice per layer each way."""
+    key = (D, float(theta), str(device))
+    t = _INV_FREQ_CACHE.get(key)
+    if t is None:
+        t = theta ** (-torch.arange(0, D, 2, device=device, dtype=torch.float64) / D)
+        _INV_FREQ_CACHE[key] = t
+    return t
 
 
 def rope_cos_sin(positions: torch.Tensor, D: int, theta: float, dtype=torch.float32):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import numbers
+import os
 
 import torch
 
@@ -27,6 +28,18 @@ def check(cond: bool, op: str, msg: str, *xs) -> None:
     """Raise ValueError naming the op, what is wrong and the shapes involved."""
     if not cond:
         raise ValueError(f"{op}: {msg} (shapes: {_shapes(*xs)})")
+
+
+_CHECK_VALUES_ON_GPU = os.environ.get("XTRAIN_CHECK_VALUES", "0") == "1"
+
+
+def check_values(t: torch.Tensor) -> bool:
+    """Whether to run data-dependent checks (id and target ranges) on ``t``. They read values back to the
+    host: free on the CPU, but on a GPU each is a host-device synchronisation that stalls the launch
+    queue. So they run on CPU tensors always, and on GPU tensors when ``XTRAIN_CHECK_VALUES=1``; the
+    trainer checks every batch on the CPU before moving it to the device. Shape, dtype and device checks
+    never read values and always run."""
+    return not t.is_cuda or _CHECK_VALUES_ON_GPU
 
 
 def as_var(x, like: Var | None = None, op: str = "op") -> Var:

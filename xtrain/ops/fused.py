@@ -12,7 +12,7 @@ import torch
 
 from xtrain.autograd import Var, is_grad_enabled
 from xtrain.kernels import linear_cross_entropy as K
-from xtrain.ops.basic import _check_same, check
+from xtrain.ops.basic import _check_same, check, check_values
 
 _INT = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -34,7 +34,7 @@ def linear_cross_entropy(x: Var, w: Var, targets: torch.Tensor, ignore_index: in
     check(targets.device == x.device, op, f"targets on {targets.device}, x on {x.device}", x, targets)
     check(reduction in ("mean", "sum"), op, f"reduction must be mean or sum, got {reduction!r}", x)
     V = w.shape[0]
-    valid = targets[targets != ignore_index]
+    valid = targets[targets != ignore_index] if check_values(targets) else targets[:0]
     if valid.numel():
         lo, hi = int(valid.min()), int(valid.max())
         check(lo >= 0 and hi < V, op, f"targets must lie in [0, {V}) or equal ignore_index {ignore_index}, "

@@ -35,7 +35,11 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """Global 2-norm of a list of gradients (a 0-dim tensor in the grads' dtype, as torch computes it)."""
     if not grads:
         return torch.zeros(())
-    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+    if grads[0].is_cuda:
+        # one multi-tensor launch instead of one per parameter (torch's own foreach path)
+        norms = torch._foreach_norm(grads, 2.0)
+    else:
+        norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]  # torch's foreach=False path, bit for bit
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 

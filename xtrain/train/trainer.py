@@ -114,6 +114,17 @@ def evaluate(model: Model, batches: Iterable, ignore_index: int = IGNORE_INDEX) 
     return {"eval_loss": loss, "eval_tokens": count, "eval_ppl": math.exp(min(loss, 50.0))}
 
 
+def _check_batch_values(inputs: torch.Tensor, targets: torch.Tensor, V: int, ignore_index: int, step: int) -> None:
+    """Ids in [0, V) and targets in [0, V) or ignore_index; raises ValueError naming the step."""
+    lo, hi = int(inputs.min()), int(inputs.max())
+    if lo < 0 or hi >= V:
+        raise ValueError(f"step {step}: input ids must lie in [0, {V}), got range [{lo}, {hi}]")
+    t = targets[targets != ignore_index]
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= V):
+        raise ValueError(f"step {step}: targets must lie in [0, {V}) or equal {ignore_index}, got range "
+                         f"[{int(t.min())}, {int(t.max())}]")
+
+
 class Trainer:
     """Trains ``model`` with ``config`` on batches from ``data``.
 
@@ -176,6 +187,8 @@ class Trainer:
         if T > model.config.max_seq_len:
             raise ValueError(f"step {self.step + 1}: sequence length {T} exceeds max_seq_len "
                              f"{model.config.max_seq_len}")
+        if not inputs.is_cuda:  # on the CPU, before the move: on the GPU the ops skip value checks
+            _check_batch_values(inputs, targets, model.config.vocab_size, self.ignore_index, self.step + 1)
         inputs, targets = inputs.to(model.device), targets.to(model.device)
         k, mb = cfg.grad_accum, cfg.micro_batch_size
         counted = (targets != self.ignore_index).sum()
