@@ -220,3 +220,15 @@ def test_torch_tensors_never_require_grad_in_ops():
     y = ops.attention(x, x, x)
     ops.sum(y).backward()
     assert not y.data.requires_grad and not x.grad.requires_grad
+
+
+def test_leaf_grad_owned_only_when_safe():
+    # an op whose backward hands back a tensor it saved: with retain_graph the closure returns it again,
+    # so the leaf must not adopt it (a later += would corrupt what the closure returns)
+    saved = torch.ones(3, dtype=torch.float64)
+    x = Var(torch.zeros(3, dtype=torch.float64), requires_grad=True)
+    y = Var.from_op(x.data * 2, (x,), lambda d: (saved,), "returns_saved")
+    y.backward(torch.ones(3, dtype=torch.float64), retain_graph=True)
+    y.backward(torch.ones(3, dtype=torch.float64))
+    assert torch.equal(saved, torch.ones(3, dtype=torch.float64))
+    assert torch.equal(x.grad, torch.full((3,), 2.0, dtype=torch.float64))

@@ -237,11 +237,12 @@ class Var:
     __hash__ = object.__hash__
 
 
-def _accumulate(node: Var, g: torch.Tensor, is_leaf: bool) -> None:
+def _accumulate(node: Var, g: torch.Tensor, is_leaf: bool, owned: bool = False) -> None:
     if node.grad is None:
         # A leaf keeps the tensor it was handed, so it must own it: the op that produced g may hand the
-        # same tensor to another parent (add returns dout for both), and a later += would alias.
-        node.grad = g.clone() if is_leaf else g
+        # same tensor to another parent (add returns dout for both), and a later += would alias. ``owned``
+        # says the engine knows g is a fresh tensor nobody else holds, so the copy can be skipped.
+        node.grad = g if (owned or not is_leaf) else g.clone()
     elif is_leaf:
         node.grad += g
     else:
@@ -303,13 +304,19 @@ def _run_backward(root: Var, grad: torch.Tensor, retain_graph: bool) -> None:
         if len(grads) != len(parents):
             raise RuntimeError(f"backward of '{node.name}' returned {len(grads)} gradients for "
                                f"{len(parents)} parents")
-        for p, pg in zip(parents, grads):
+        for i, (p, pg) in enumerate(zip(parents, grads)):
             if pg is None or not p.requires_grad:
                 continue
             if pg.shape != p.data.shape:
                 raise RuntimeError(f"backward of '{node.name}' returned a gradient of shape "
                                    f"{tuple(pg.shape)} for a parent of shape {tuple(p.data.shape)}")
-            _accumulate(p, pg, p._backward is None)
+            leaf = p._backward is None
+            # A gradient the op computed afresh (not the upstream g, not a view, not handed to another
+            # parent too) is owned by its leaf outright; anything else is copied on first arrival. With
+            # retain_graph the closure lives on and may return the same tensor again, so it is copied.
+            owned = leaf and not retain_graph and pg is not g and pg._base is None and not any(
+                pg is other for j, other in enumerate(grads) if j != i)
+            _accumulate(p, pg, leaf, owned)
 
 
 # -- activation recompute ---------------------------------------------------------------------------
