@@ -79,6 +79,12 @@ def cases() -> list[Case]:
              lambda g: ([_r(g, 2, 4, 5, 4), _r(g, 2, 2, 5, 4), _r(g, 2, 2, 5, 4)], [True]), ops.math_attention),
         Case("math_attention", "MHA non-causal [1,2,3,4]",
              lambda g: ([_r(g, 1, 2, 3, 4), _r(g, 1, 2, 3, 4), _r(g, 1, 2, 3, 4)], [False]), ops.math_attention),
+        Case("flash_attention", "GQA causal [1,4,5,32] (tiled reference)",
+             lambda g: ([_r(g, 1, 4, 5, 32), _r(g, 1, 2, 5, 32), _r(g, 1, 2, 5, 32)], [True]),
+             lambda q, k, v, causal: ops.flash_attention(q, k, v, causal)),
+        Case("linear_cross_entropy", "x[7,5] w[11,5], 1 ignored",
+             lambda g: ([_r(g, 7, 5), _r(g, 11, 5)], [torch.tensor([1, 0, -100, 10, 3, 3, 7])]),
+             lambda x, w, t: ops.linear_cross_entropy(x, w, t)),
     ]
 
 
