@@ -41,10 +41,10 @@ from pathlib import Path
 
 import numpy as np
 
-from xtrain.data._io import atomic_write_text
 from xtrain.data.corpus import DEFAULT_VAL_FRACTION, Corpus, open_corpus
 from xtrain.data.shards import HEADER_BYTES, ShardWriter, token_dtype
 from xtrain.data.tokenizer import load_tokenizer, make_tokenizer
+from xtrain.fileio import atomic_write_text
 
 DEFAULT_VOCAB_SIZE = 4096
 DEFAULT_SHARD_TOKENS = 100_000_000

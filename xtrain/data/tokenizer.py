@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xtrain.data._io import atomic_write_text
+from xtrain.fileio import atomic_write_text
 
 EOT_TOKEN = "<|endoftext|>"
 

@@ -21,7 +21,6 @@ half-loaded.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from xtrain.config import ModelConfig, TrainConfig
+from xtrain.fileio import atomic_write_bytes, atomic_write_json  # noqa: F401 (re-exported)
 
 FORMAT = "xtrain-checkpoint/1"
 CONFIG, MODEL, OPTIMIZER, STATE = "config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json"
@@ -38,25 +38,6 @@ FILES = (CONFIG, MODEL, OPTIMIZER, STATE)
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated, corrupt, or does not match the model / the other files."""
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and an atomic rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def atomic_write_json(path: str | Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
