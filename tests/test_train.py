@@ -290,7 +290,9 @@ def test_atomic_write_keeps_old_file_on_crash(tmp_path, monkeypatch):
     def boom(*a):
         raise OSError("disk gone")
 
-    monkeypatch.setattr(ck.os, "replace", boom)
+    import xtrain.fileio
+
+    monkeypatch.setattr(xtrain.fileio.os, "replace", boom)
     with pytest.raises(OSError):
         ck.atomic_write_bytes(path, b"new contents")
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["model.safetensors"]
