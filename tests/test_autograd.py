@@ -232,3 +232,27 @@ def test_leaf_grad_owned_only_when_safe():
     y.backward(torch.ones(3, dtype=torch.float64))
     assert torch.equal(saved, torch.ones(3, dtype=torch.float64))
     assert torch.equal(x.grad, torch.full((3,), 2.0, dtype=torch.float64))
+
+
+def test_everything_imports_and_trains_without_triton():
+    """A CPU-only install without Triton: every module imports and a step runs on the references."""
+    import subprocess
+    import sys
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton' or name.startswith('triton.'): raise ImportError('blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch, xtrain.ops as ops\n"
+        "from xtrain.kernels import HAVE_TRITON\n"
+        "from xtrain.config import preset\n"
+        "from xtrain.model import Model\n"
+        "import xtrain.kernels.adamw, xtrain.kernels.flash_attention, xtrain.kernels.linear_cross_entropy\n"
+        "assert not HAVE_TRITON\n"
+        "m = Model(preset('tiny', vocab_size=64, n_layer=1, max_seq_len=16))\n"
+        "ids = torch.randint(0, 64, (2, 9))\n"
+        "m.loss(ids[:, :-1], ids[:, 1:]).backward()\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -21,12 +21,23 @@ if _backend not in _BACKENDS:
     raise ValueError(f"XTRAIN_KERNELS must be one of {_BACKENDS}, got {_backend!r}")
 
 try:  # Triton is optional: CPU-only installs run the references.
-    import triton  # noqa: F401
-    import triton.language as tl  # noqa: F401
+    import triton
+    import triton.language as tl
 
     HAVE_TRITON = True
+    jit = triton.jit
 except Exception:  # pragma: no cover - depends on the install
     HAVE_TRITON = False
+    triton = tl = None
+
+    def jit(fn=None, **kw):
+        """Stand-in for triton.jit on installs without Triton: the kernels are defined, never launched."""
+        return fn if fn is not None else (lambda f: f)
+
+
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype references compute in: fp64 for fp64 inputs (exact tests), fp32 for everything else."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def interpreting() -> bool:

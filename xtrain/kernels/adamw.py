@@ -37,18 +37,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from xtrain.kernels._dispatch import HAVE_TRITON, use_triton
-
-if HAVE_TRITON:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-else:  # CPU-only install: the kernels below are never launched
-    triton = tl = None
-
-    def _jit(fn=None, **kw):
-        return fn if fn is not None else (lambda f: f)
+from xtrain.kernels._dispatch import jit as _jit
+from xtrain.kernels._dispatch import tl, use_triton
 
 
 def adamw_step_ref(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float,

@@ -27,22 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from xtrain.kernels._dispatch import HAVE_TRITON, use_triton
-
-if HAVE_TRITON:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-else:  # CPU-only install: the kernels below are never launched
-    triton = tl = None
-
-    def _jit(fn=None, **kw):
-        return fn if fn is not None else (lambda f: f)
-
-
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+from xtrain.kernels._dispatch import acc_dtype as _acc
+from xtrain.kernels._dispatch import jit as _jit
+from xtrain.kernels._dispatch import tl, triton, use_triton
 
 
 def _check(name: str, logits: torch.Tensor, targets: torch.Tensor, reduction: str | None = None):

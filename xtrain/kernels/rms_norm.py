@@ -23,18 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from xtrain.kernels._dispatch import HAVE_TRITON, use_triton
-
-if HAVE_TRITON:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-else:  # CPU-only install: the kernels below are never launched
-    triton = tl = None
-
-    def _jit(fn=None, **kw):
-        return fn if fn is not None else (lambda f: f)
+from xtrain.kernels._dispatch import jit as _jit
+from xtrain.kernels._dispatch import tl, triton, use_triton
 
 
 def rms_norm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):

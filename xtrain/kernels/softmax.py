@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+from xtrain.kernels._dispatch import acc_dtype as _acc
 
 
 def softmax_fwd(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
