@@ -91,7 +91,7 @@ def test_bad_flags_fail_before_work(corpus, tmp_path, monkeypatch, capsys):
 
 
 def test_top_p_and_top_k_filtering():
-    from xtrain.train.sample_cli import filter_logits
+    from xtrain.sampling import filter_logits
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = torch.isfinite(filter_logits(logits, top_p=0.7))

@@ -50,6 +50,7 @@ import torch
 from xtrain import ops
 from xtrain.autograd import Var, checkpoint, is_grad_enabled, no_grad
 from xtrain.config import ConfigError, ModelConfig
+from xtrain.sampling import next_token
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _MASK64 = (1 << 64) - 1
@@ -332,9 +333,10 @@ class Model:
         return self.forward(ids, targets, reduction=reduction, ignore_index=ignore_index)
 
     def generate(self, ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, seed: int = 0, eos_id: int | None = None) -> torch.Tensor:
-        """Sample continuations of ids [B, T0] (no KV cache: the whole window is re-run each token; the
-        serving engine has the cached path). temperature 0 is greedy. Never applies dropout."""
+                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                 eos_id: int | None = None) -> torch.Tensor:
+        """Sample continuations of ids [B, T0] (no KV cache: the whole window is re-run each token).
+        temperature 0 is greedy; top_k / top_p filter as in ``xtrain.sampling``. Never applies dropout."""
         self._check_ids(ids)
         was_training = self.training
         self.eval()
@@ -345,14 +347,7 @@ class Model:
                 for _ in range(int(max_new_tokens)):
                     window = out[:, -self.config.max_seq_len:]
                     logits = self.forward(window).data[:, -1, :].float().cpu()  # [B, V]
-                    if temperature <= 0:
-                        nxt = logits.argmax(dim=-1)
-                    else:
-                        logits = logits / temperature
-                        if top_k is not None and 0 < top_k < logits.shape[-1]:
-                            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-                            logits = logits.masked_fill(logits < kth, float("-inf"))
-                        nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(1)
+                    nxt = next_token(logits, temperature, top_k, top_p, g)
                     out = torch.cat([out, nxt.to(out.device, out.dtype)[:, None]], dim=1)
                     if eos_id is not None and bool((nxt == eos_id).all()):
                         break

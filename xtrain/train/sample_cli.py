@@ -15,53 +15,6 @@ from pathlib import Path
 import torch
 
 
-def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """logits [B, V] (fp32) with everything outside the top-k / top-p nucleus set to -inf."""
-    if top_k is not None and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0 < top_p < 1:
-        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p (the first is always kept)
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_ids(model, ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-               top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-               eos_id: int | None = None) -> torch.Tensor:
-    """Continue ids [B, T0] by max_new_tokens tokens (re-running the window each token; no KV cache)."""
-    from xtrain.autograd import no_grad
-
-    if temperature < 0:
-        raise ValueError(f"sample: temperature must be >= 0, got {temperature}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"sample: top_p must lie in (0, 1], got {top_p}")
-    was = model.training
-    model.eval()
-    g = torch.Generator().manual_seed(int(seed))
-    out = ids
-    try:
-        with no_grad():
-            for _ in range(int(max_new_tokens)):
-                window = out[:, -model.config.max_seq_len:]
-                logits = model.forward(window).data[:, -1, :].float().cpu()  # [B, V]
-                if temperature == 0:
-                    nxt = logits.argmax(dim=-1)
-                else:
-                    logits = filter_logits(logits / temperature, top_k, top_p)
-                    nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(1)
-                out = torch.cat([out, nxt.to(out.device, out.dtype)[:, None]], dim=1)
-                if eos_id is not None and bool((nxt == eos_id).all()):
-                    break
-    finally:
-        model.train(was)
-    return out
-
-
 def load_run_tokenizer(run_dir: Path):
     from xtrain.data.tokenizer import load_tokenizer
     from xtrain.train import checkpoint as ckpt_io
@@ -80,8 +33,8 @@ def sample_text(model, run_dir, prompt: str = "", max_new_tokens: int = 200, tem
     tok = load_run_tokenizer(Path(run_dir))
     ids = [tok.eot_id] + tok.encode(prompt)  # documents start after an end-of-text token in training
     x = torch.tensor([ids], dtype=torch.long, device=model.device)
-    out = sample_ids(model, x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                     eos_id=tok.eot_id)
+    out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         eos_id=tok.eot_id)
     new = out[0, len(ids):].tolist()
     if tok.eot_id in new:
         new = new[: new.index(tok.eot_id)]

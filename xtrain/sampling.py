@@ -1,0 +1,37 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus).
+
+Shared by ``Model.generate`` and, later, the serving engine. Works on fp32 logits [B, V] on the CPU with
+a seeded ``torch.Generator``, so a seed gives the same tokens on any device the model ran on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """logits [B, V] with everything outside the top-k, then outside the top-p nucleus, set to -inf."""
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first is always kept)
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+               generator: torch.Generator) -> torch.Tensor:
+    """The next token id per row of fp32 CPU logits [B, V]; temperature 0 is greedy (argmax)."""
+    if temperature < 0:
+        raise ValueError(f"sample: temperature must be >= 0, got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"sample: top_p must lie in (0, 1], got {top_p}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits / temperature, top_k, top_p)
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
