@@ -32,6 +32,7 @@ def sample_text(model, run_dir, prompt: str = "", max_new_tokens: int = 200, tem
                 top_k: int | None = None, top_p: float | None = None, seed: int = 0) -> str:
     tok = load_run_tokenizer(Path(run_dir))
     ids = [tok.eot_id] + tok.encode(prompt)  # documents start after an end-of-text token in training
+    ids = ids[-model.config.max_seq_len:]  # a prompt longer than the context keeps its end
     x = torch.tensor([ids], dtype=torch.long, device=model.device)
     out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                          eos_id=tok.eot_id)
