@@ -185,7 +185,8 @@ def run(args) -> int:
             (bar.write if bar else print)(msg)
         elif bar is not None:
             bar.n = m["step"]
-            bar.set_postfix_str(f"loss {m['loss']:.3f} lr {m['lr']:.2e} {m['tokens_per_s']:.0f} tok/s", refresh=False)
+            bar.set_postfix_str(f"loss {m['loss']:.3f} lr {m['lr']:.2e} |g| {m['grad_norm']:.2f} "
+                                f"{m['tokens_per_s']:.0f} tok/s", refresh=False)
             bar.refresh()
 
     model = Model(model_cfg, device=device, seed=tcfg.seed)
@@ -228,7 +229,7 @@ def run(args) -> int:
     log.close()
 
     from xtrain.train.plot import plot_runs
-    plot_runs([run_dir], run_dir / "loss.png")
+    plot_runs([run_dir], run_dir / "loss.png", baseline=meta.get("unigram_val_loss"))
 
     val = last_val.get("eval_loss", float("nan"))
     uni = meta.get("unigram_val_loss", float("nan"))

@@ -29,8 +29,10 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     return rows
 
 
-def plot_runs(run_dirs, out: str | os.PathLike, title: str | None = None) -> pathlib.Path:
-    """Draw training and validation loss of every run on one chart and save it (written atomically)."""
+def plot_runs(run_dirs, out: str | os.PathLike, title: str | None = None,
+              baseline: float | None = None) -> pathlib.Path:
+    """Draw training and validation loss of every run on one chart and save it (written atomically).
+    ``baseline`` (e.g. the data's unigram loss) is drawn as a dashed horizontal line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,6 +49,8 @@ def plot_runs(run_dirs, out: str | os.PathLike, title: str | None = None) -> pat
             ax.plot(*zip(*train), color=color, alpha=0.45, linewidth=1, label=f"{label} train")
         if val:
             ax.plot(*zip(*val), color=color, marker="o", markersize=3, linewidth=1.8, label=f"{label} val")
+    if baseline is not None and baseline == baseline:  # not nan
+        ax.axhline(baseline, color="grey", linestyle="--", linewidth=1, label=f"unigram baseline {baseline:.2f}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy loss (nats/token)")
     ax.set_title(title or "xtrain loss")
