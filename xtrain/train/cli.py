@@ -88,18 +88,19 @@ def resolve_data(spec: str | None, vocab_size: int, log=print) -> dict:
     return prepare(spec or "pystdlib", None, vocab_size, progress=True, log=log)
 
 
-def _loaders(meta: dict, batch_size: int, seq_len: int, seed: int):
+def _loaders(meta: dict, batch_size: int, seq_len: int, seed: int, rank: int = 0, world_size: int = 1):
     from xtrain.data.loader import TokenLoader
 
     root = Path(meta["dir"])
-    train = TokenLoader([root / f for f, _ in meta["train"]["files"]], batch_size, seq_len, seed=seed,
-                        vocab_size=meta["vocab_size"])
-    if meta["val"]["tokens"] < batch_size * (seq_len + 1):
-        print(f"xtrain train: warning: the validation split of {root} holds {meta['val']['tokens']} tokens, "
-              f"less than one batch of {batch_size} x {seq_len + 1}; training without validation", file=sys.stderr)
+    kw = dict(seed=seed, vocab_size=meta["vocab_size"], rank=rank, world_size=world_size)
+    train = TokenLoader([root / f for f, _ in meta["train"]["files"]], batch_size, seq_len, **kw)
+    if meta["val"]["tokens"] < batch_size * world_size * (seq_len + 1):
+        if rank == 0:
+            print(f"xtrain train: warning: the validation split of {root} holds {meta['val']['tokens']} tokens, "
+                  f"less than one batch of {batch_size * world_size} x {seq_len + 1}; training without "
+                  "validation", file=sys.stderr)
         return train, None
-    val = TokenLoader([root / f for f, _ in meta["val"]["files"]], batch_size, seq_len, seed=seed,
-                      vocab_size=meta["vocab_size"])
+    val = TokenLoader([root / f for f, _ in meta["val"]["files"]], batch_size, seq_len, **kw)
     return train, val
 
 
@@ -118,15 +119,29 @@ class MetricsLog:
 
 
 def run(args) -> int:
+    from xtrain.train import distributed as D
+
+    info = D.init(args.device) if D.launched_by_torchrun() else None
+    try:
+        return _run(args, info)
+    finally:
+        if info is not None:
+            D.shutdown()
+
+
+def _run(args, info) -> int:
     import torch
 
     from xtrain.config import ConfigError, ModelConfig, TrainConfig, preset
     from xtrain.model import Model
     from xtrain.train import checkpoint as ckpt_io
+    from xtrain.train import distributed as D
     from xtrain.train.trainer import NonFiniteError, Trainer, evaluate
 
     t_start = time.perf_counter()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world = (info.rank, info.world_size) if info else (0, 1)
+    main = rank == 0
+    device = info.device if info else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         if args.resume:
             run_dir = Path(args.resume)
@@ -134,9 +149,18 @@ def run(args) -> int:
             if stored is None:
                 raise ConfigError(f"{run_dir / 'config.json'}: holds no train config")
             tcfg = TrainConfig.from_dict({**stored.to_dict(), "steps": _pick(args.steps, stored.steps)}).validate()
-            meta = resolve_data(stored.extra.get("data_dir"), args.vocab_size)
+            data_spec = stored.extra.get("data_dir")
         else:
-            meta = resolve_data(args.data, args.vocab_size)
+            data_spec = args.data
+            run_dir = Path(args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+            if (run_dir / "config.json").exists():
+                raise ConfigError(f"{run_dir}: already holds a run; pass --resume {run_dir} or another --out")
+        if not main:
+            D.barrier()  # rank 0 prepares the data first; the others then find it complete and reuse it
+        meta = resolve_data(data_spec, args.vocab_size, log=print if main else (lambda *a, **k: None))
+        if main:
+            D.barrier()
+        if not args.resume:
             d = DEFAULTS
             seq_len = _pick(args.seq_len, d["seq_len"])
             base = preset(args.preset)
@@ -154,44 +178,53 @@ def run(args) -> int:
                 seed=_pick(args.seed, d["seed"]), eval_every=_pick(args.eval_every, d["eval_every"]),
                 ckpt_every=args.ckpt_every, skip_nonfinite=args.skip_nonfinite,
                 extra={"data_dir": str(meta["dir"])}).validate()
-            run_dir = Path(args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-            if (run_dir / "config.json").exists():
-                raise ConfigError(f"{run_dir}: already holds a run; pass --resume {run_dir} or another --out")
-        train_data, val_data = _loaders(meta, tcfg.batch_size, tcfg.seq_len, tcfg.seed)
+        train_data, val_data = _loaders(meta, tcfg.batch_size, tcfg.seq_len, tcfg.seed, rank, world)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"xtrain train: {e}", file=sys.stderr)
         return 2
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tok_src = Path(meta["dir"]) / meta.get("tokenizer", "tokenizer.json")
-    if tok_src.is_file() and not (run_dir / "tokenizer.json").exists():
-        shutil.copyfile(tok_src, run_dir / "tokenizer.json")
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tok_src = Path(meta["dir"]) / meta.get("tokenizer", "tokenizer.json")
+        if tok_src.is_file() and not (run_dir / "tokenizer.json").exists():
+            shutil.copyfile(tok_src, run_dir / "tokenizer.json")
 
     def eval_fn(model):
-        return evaluate(model, val_data.val_batches(args.eval_batches))
+        res = evaluate(model, val_data.val_batches(args.eval_batches))
+        if world > 1:  # each rank scored its slice of the validation batches: sum the totals
+            t = torch.tensor([res["eval_loss"] * res["eval_tokens"], res["eval_tokens"]], dtype=torch.float64,
+                             device=device)
+            D.all_reduce_sum([t])
+            loss = float(t[0] / t[1].clamp(min=1))
+            res = {"eval_loss": loss, "eval_tokens": int(t[1]), "eval_ppl": math.exp(min(loss, 50.0))}
+        return res
 
-    log = MetricsLog(run_dir / "metrics.jsonl")
+    log = MetricsLog(run_dir / "metrics.jsonl") if main else None
     bar = None
-    if not args.no_progress:
+    if main and not args.no_progress:
         from tqdm import tqdm
         bar = tqdm(total=tcfg.steps, unit="step", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
     last_val = {}
 
     def on_metrics(m: dict) -> None:
-        log(m)
         if m.get("kind") == "eval":
             last_val.update(m)
+        if not main:
+            return
+        log(m)
+        if m.get("kind") == "eval":
             msg = f"step {m['step']}: val loss {m.get('eval_loss', float('nan')):.4f}"
             (bar.write if bar else print)(msg)
         elif bar is not None:
             bar.n = m["step"]
             bar.set_postfix_str(f"loss {m['loss']:.3f} lr {m['lr']:.2e} |g| {m['grad_norm']:.2f} "
-                                f"{m['tokens_per_s']:.0f} tok/s", refresh=False)
+                                f"{m['tokens_per_s'] * world:.0f} tok/s", refresh=False)
             bar.refresh()
 
     model = Model(model_cfg, device=device, seed=tcfg.seed)
-    trainer = Trainer(model, tcfg, train_data, run_dir=run_dir, eval_fn=eval_fn if val_data else None,
-                      on_metrics=on_metrics)
+    trainer = Trainer(model, tcfg, train_data, run_dir=run_dir if main else None,
+                      eval_fn=eval_fn if val_data else None, on_metrics=on_metrics,
+                      all_reduce=D.all_reduce_sum if world > 1 else None)
     if args.resume:
         try:
             trainer.resume(run_dir)
@@ -201,32 +234,32 @@ def run(args) -> int:
     if bar is not None:
         bar.n = trainer.step
         bar.refresh()
-    print(f"run {run_dir}: {args.preset if not args.resume else 'resumed'} model, "
-          f"{model.num_params() / 1e6:.2f}M params, {device}, {model_cfg.compute_dtype}; "
-          f"data {meta['dir']} ({meta['train']['tokens']:,} train tokens, vocab {meta['vocab_size']}); "
-          f"{tcfg.steps} steps x {tcfg.tokens_per_step} tokens from step {trainer.step}")
+    if main:
+        dp = f", data parallel over {world} ranks ({tcfg.batch_size} sequences each)" if world > 1 else ""
+        print(f"run {run_dir}: {args.preset if not args.resume else 'resumed'} model, "
+              f"{model.num_params() / 1e6:.2f}M params, {device}, {model_cfg.compute_dtype}{dp}; "
+              f"data {meta['dir']} ({meta['train']['tokens']:,} train tokens, vocab {meta['vocab_size']}); "
+              f"{tcfg.steps} steps x {tcfg.tokens_per_step * world} tokens from step {trainer.step}")
     try:
         trainer.fit(args.stop_after)
         if val_data is not None and (not trainer.history or trainer.history[-1].get("kind") != "eval"):
             trainer.run_eval()
     except NonFiniteError as e:
-        if bar:
-            bar.close()
         print(f"xtrain train: stopped: {e}", file=sys.stderr)
-        log.close()
         return 3
     except KeyboardInterrupt:
-        if bar:
-            bar.close()
-        trainer.save()
-        log.close()
-        print(f"\ninterrupted at step {trainer.step}; checkpoint saved, continue with: "
-              f"xtrain train --resume {run_dir}")
+        if main:
+            trainer.save(run_dir)
+            print(f"\ninterrupted at step {trainer.step}; checkpoint saved, continue with: "
+                  f"xtrain train --resume {run_dir}")
         return 130
     finally:
         if bar:
             bar.close()
-    log.close()
+        if log:
+            log.close()
+    if not main:
+        return 0
 
     from xtrain.train.plot import plot_runs
     plot_runs([run_dir], run_dir / "loss.png", baseline=meta.get("unigram_val_loss"))

@@ -77,8 +77,12 @@ class AdamW:
         self.step_count = 0
 
     def grads(self) -> list[torch.Tensor]:
-        """The parameters' gradients, zeros for any parameter that received none."""
-        return [p.grad if p.grad is not None else torch.zeros_like(p.data) for p in self.params]
+        """The parameters' gradients; a parameter that received none gets a zero gradient attached, so
+        in-place work on the returned list (all-reduce, clipping) reaches what ``step`` uses."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p.data)
+        return [p.grad for p in self.params]
 
     def step(self, lr: float | None = None) -> None:
         lr = self.lr if lr is None else float(lr)

@@ -229,10 +229,15 @@ class Trainer:
                 loss_sum, n_tok, bad = self.forward_backward(inputs, targets)
             inv_n = 1.0 / max(n_tok, 1)
             grads = self.optimizer.grads()
-            if bad is None and self.all_reduce is not None:
-                loss_t = torch.tensor([loss_sum], dtype=torch.float64, device=model.device)
+            if self.all_reduce is not None:
+                # Every rank joins the collective even after a non-finite micro-batch (or the others would
+                # wait for it forever); the flag makes every rank take the same stop/skip decision.
+                loss_t = torch.tensor([0.0 if bad is not None else loss_sum, float(bad is not None)],
+                                      dtype=torch.float64, device=model.device)
                 self.all_reduce(grads + [loss_t])
                 loss_sum = float(loss_t[0])
+                if bad is None and loss_t[1] > 0:
+                    bad = ("a non-finite loss on another data-parallel rank", None)
             norm, norm_t = float("nan"), None
             if bad is None:
                 norm_t = grad_norm(grads)

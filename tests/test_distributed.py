@@ -1,0 +1,106 @@
+"""Data parallel training on CPU (gloo, launched by torchrun): N ranks with B/N sequences each take the same
+steps as one process with B sequences, also when ranks count different numbers of targets; and the
+`xtrain train` command runs under torchrun, with rank 0 writing the run directory."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+WORKER = textwrap.dedent('''
+    import sys
+    import torch
+    from safetensors.torch import save_file
+    from xtrain.config import ModelConfig, TrainConfig
+    from xtrain.model import Model
+    from xtrain.train import distributed as D
+    from xtrain.train.trainer import Trainer
+
+    info = D.init("cpu")
+    B, T, V = 6, 12, 61
+    cfg = ModelConfig(vocab_size=V, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, head_dim=8, ffn_dim=64,
+                      max_seq_len=16, compute_dtype="float64", attention="composed", loss="composed")
+    tc = TrainConfig(steps=4, batch_size=B // info.world_size, seq_len=T, lr=1e-2, min_lr=1e-3, warmup_steps=1)
+    step = [0]
+
+    def source():
+        # global batch i is a pure function of i; rank r takes rows r, r + N, ...; ignored targets are
+        # spread unevenly, so ranks count different numbers of tokens
+        g = torch.Generator().manual_seed(step[0])
+        step[0] += 1
+        ids = torch.randint(0, V, (B, T + 1), generator=g)
+        x, y = ids[:, :-1].clone(), ids[:, 1:].clone()
+        y[0, :7] = -100
+        y[3, 2:4] = -100
+        return x[info.rank::info.world_size], y[info.rank::info.world_size]
+
+    m = Model(cfg, seed=3)
+    tr = Trainer(m, tc, source, all_reduce=D.all_reduce_sum if info.world_size > 1 else None)
+    hist = tr.fit()
+    if info.rank == 0:
+        save_file({k: p.data.contiguous() for k, p in m.params.items()}, sys.argv[1])
+        print("losses", [round(h["loss"], 12) for h in hist if h["kind"] == "train"])
+    D.shutdown()
+''')
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _torchrun(n, *args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(n), *args], capture_output=True, text=True, timeout=300, env=_env(), cwd=cwd)
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_fp64(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    one = subprocess.run([sys.executable, str(script), str(tmp_path / "one.safetensors")], capture_output=True,
+                         text=True, timeout=300, env=_env())
+    assert one.returncode == 0, one.stderr
+    two = _torchrun(2, str(script), str(tmp_path / "two.safetensors"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = load_file(str(tmp_path / "one.safetensors")), load_file(str(tmp_path / "two.safetensors"))
+    assert a.keys() == b.keys()
+    # fp64: the only difference is the order of the sums across ranks (a few ulps), which four AdamW
+    # steps cannot amplify beyond ~1e-12 of a weight
+    for k in a:
+        assert float((a[k] - b[k]).abs().max()) <= 1e-10 * max(float(a[k].abs().max()), 1e-3), k
+    l1 = one.stdout.split("losses")[1].strip()
+    l2 = two.stdout.split("losses")[1].strip()
+    assert [round(float(v), 9) for v in l1.strip("[]").split(",")] == \
+        [round(float(v), 9) for v in l2.strip("[]").split(",")]
+
+
+@pytest.mark.slow
+def test_train_command_under_torchrun(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    import inspect
+    import json as json_mod
+    src = inspect.getsource(json_mod) * 3
+    for i in range(60):
+        (corpus / f"doc{i:02d}.py").write_text(src[i * 1500:(i + 1) * 1500])
+    env_cache = tmp_path / "cache"
+    os.environ["XTRAIN_CACHE"] = str(env_cache)
+    try:
+        out = _torchrun(2, "-m", "xtrain.cli", "train", "--data", str(corpus), "--vocab-size", "300", "--steps", "3",
+                        "--batch-size", "2", "--seq-len", "16", "--eval-every", "3", "--eval-batches", "1",
+                        "--no-progress", "--sample-tokens", "0", "--out", str(tmp_path / "run"))
+    finally:
+        del os.environ["XTRAIN_CACHE"]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "data parallel over 2 ranks" in out.stdout
+    # the eval line and the summary are printed once, by rank 0 only
+    assert out.stdout.count("step 3: val loss") == 1 and out.stdout.count("vs  unigram baseline") == 1
+    for name in ("config.json", "model.safetensors", "trainer_state.json", "metrics.jsonl"):
+        assert (tmp_path / "run" / name).is_file()
+    assert torch.isfinite(load_file(str(tmp_path / "run" / "model.safetensors"))["model.norm.weight"]).all()
