@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "train": "xtrain.train.cli",
     "sample": "xtrain.train.sample_cli",
     "plot": "xtrain.train.plot",
+    "export": "xtrain.export",
     "bench": "xtrain.bench.cli",
 }
 

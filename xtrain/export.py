@@ -1,0 +1,175 @@
+"""Hugging Face export and import: a run's weights as a ``Qwen3ForCausalLM`` checkpoint, and back.
+
+    xtrain export RUN --out DIR [--dtype bfloat16|float32]
+
+DIR then holds ``config.json`` (model_type "qwen3"), ``model.safetensors``, ``generation_config.json`` and,
+when the run has one, the tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), so that
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads it (tested: same logits as xtrain).
+
+The parameter names are mapped through an explicit table (``hf_key``), and every tensor's shape is checked
+against the shape the Hugging Face config implies (``hf_shapes``, derived from the HF field names, not from
+xtrain's own table), so a layout mismatch fails here instead of loading garbage. With tied embeddings
+there is no ``lm_head.weight`` in the file (HF ties it to ``model.embed_tokens.weight``). Every file is
+written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
+
+from xtrain.config import ModelConfig
+from xtrain.fileio import atomic_write_bytes, atomic_write_json
+
+# xtrain parameter name (per layer, after "model.layers.{i}.") -> Hugging Face Qwen3 name. The same strings
+# today (xtrain adopted the HF names), kept as an explicit table so a rename on either side is one edit here.
+LAYER_KEYS = {k: k for k in (
+    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+TOP_KEYS = {"model.embed_tokens.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight",
+            "lm_head.weight": "lm_head.weight"}
+
+
+def hf_key(name: str) -> str:
+    if name in TOP_KEYS:
+        return TOP_KEYS[name]
+    prefix, _, rest = name.partition(".layers.")
+    i, _, key = rest.partition(".")
+    if prefix != "model" or not i.isdigit() or key not in LAYER_KEYS:
+        raise ValueError(f"export: no Hugging Face name for parameter {name!r}")
+    return f"model.layers.{i}.{LAYER_KEYS[key]}"
+
+
+def hf_config(cfg: ModelConfig, dtype: str) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False, "attention_dropout": 0.0, "use_cache": True, "initializer_range": cfg.init_std,
+        "torch_dtype": dtype, "use_sliding_window": False,
+    }
+
+
+def hf_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes a Qwen3 checkpoint with this HF config must have (HF field names only)."""
+    C, F, V = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    D, H, Hkv = hf["head_dim"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+                       p + "self_attn.q_proj.weight": (H * D, C), p + "self_attn.k_proj.weight": (Hkv * D, C),
+                       p + "self_attn.v_proj.weight": (Hkv * D, C), p + "self_attn.o_proj.weight": (C, H * D),
+                       p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
+                       p + "mlp.gate_proj.weight": (F, C), p + "mlp.up_proj.weight": (F, C),
+                       p + "mlp.down_proj.weight": (C, F)})
+    if not hf["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (V, C)
+    return shapes
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def export_hf(model_config: ModelConfig, state: dict[str, torch.Tensor], out_dir: str | Path,
+              dtype: str = "bfloat16", tokenizer_json: str | Path | None = None, eos_id: int | None = None) -> Path:
+    """Write a Hugging Face Qwen3 checkpoint of ``state`` (xtrain names -> tensors) into out_dir."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"export: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    hf = hf_config(model_config, dtype)
+    expected = hf_shapes(hf)
+    tensors = {}
+    for name, t in state.items():
+        key = hf_key(name)
+        if key not in expected:
+            raise ValueError(f"export: {name} -> {key} is not part of a Qwen3 checkpoint with this config")
+        if tuple(t.shape) != expected[key]:
+            raise ValueError(f"export: {name} has shape {tuple(t.shape)}, the HF config needs {expected[key]}")
+        tensors[key] = t.detach().to("cpu", _DTYPES[dtype]).contiguous()
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"export: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
+    if eos_id is not None:
+        hf["eos_token_id"] = hf["bos_token_id"] = eos_id
+    atomic_write_json(out / "config.json", hf)
+    atomic_write_json(out / "generation_config.json", {k: v for k, v in (("eos_token_id", eos_id),
+                                                                          ("bos_token_id", eos_id)) if v is not None})
+    if tokenizer_json is not None and Path(tokenizer_json).is_file():
+        shutil.copyfile(tokenizer_json, out / "tokenizer.json")
+        tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_config.max_seq_len}
+        if eos_id is not None:
+            tok = json.loads(Path(tokenizer_json).read_text())
+            names = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+            if eos_id in names:
+                tcfg.update(eos_token=names[eos_id], bos_token=names[eos_id])
+        atomic_write_json(out / "tokenizer_config.json", tcfg)
+    return out
+
+
+def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A Qwen3 checkpoint directory -> (ModelConfig, xtrain state dict in fp32); shapes checked."""
+    hf_dir = Path(hf_dir)
+    hf = json.loads((hf_dir / "config.json").read_text())
+    if hf.get("model_type") != "qwen3":
+        raise ValueError(f"{hf_dir / 'config.json'}: model_type {hf.get('model_type')!r}, expected 'qwen3'")
+    cfg = ModelConfig(vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"],
+                      n_head=hf["num_attention_heads"], n_kv_head=hf["num_key_value_heads"], head_dim=hf["head_dim"],
+                      ffn_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
+                      rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=hf.get("rms_norm_eps", 1e-6),
+                      tie_embeddings=bool(hf.get("tie_word_embeddings", False))).validate()
+    expected = hf_shapes(hf)
+    raw = load_file(str(hf_dir / "model.safetensors"))
+    from xtrain.model import param_shapes
+
+    inverse = {hf_key(name): name for name in param_shapes(cfg)}  # HF name -> xtrain name
+    state = {}
+    for key, shape in expected.items():
+        if key not in raw:
+            raise ValueError(f"{hf_dir / 'model.safetensors'}: missing {key}")
+        if tuple(raw[key].shape) != shape:
+            raise ValueError(f"{hf_dir / 'model.safetensors'}: {key} has shape {tuple(raw[key].shape)}, "
+                             f"config.json needs {shape}")
+        state[inverse[key]] = raw[key].float()
+    return cfg, state
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("export", help="export a run as a Hugging Face Qwen3 checkpoint",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="run directory (written by xtrain train)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="stored dtype (default bfloat16)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from xtrain.train import checkpoint as ckpt_io
+
+    run_dir = Path(args.run)
+    try:
+        ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
+        eos = None
+        tok_path = run_dir / "tokenizer.json"
+        if tok_path.is_file():
+            from xtrain.data.tokenizer import load_tokenizer
+            eos = load_tokenizer(tok_path).eot_id
+        out = export_hf(ck.model_config, ck.model_state, args.out, args.dtype, tok_path, eos)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"xtrain export: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}/ (config.json, model.safetensors, generation_config.json"
+          f"{', tokenizer.json' if tok_path.is_file() else ''}): load with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
