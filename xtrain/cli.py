@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "sample": "xtrain.train.sample_cli",
     "plot": "xtrain.train.plot",
     "export": "xtrain.export",
+    "serve": "xtrain.serve.server",
     "bench": "xtrain.bench.cli",
 }
 
