@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +25,6 @@ class Case:
     fn: Callable
     which: list[bool] | None = None
     tol: float = TOL_SMOOTH
-    notes: str = field(default="")
 
 
 def _r(g, *shape):
