@@ -8,14 +8,15 @@ captures whatever the op saved for its backward (inputs, ``inv_rms``, the softma
 ``loss.backward()`` orders the graph topologically (iteratively: a chain of 100,000 ops must not hit
 Python's recursion limit), seeds dL/dL = 1, and walks the order in reverse. Gradients that reach one Var
 from several consumers are summed (fan-out; ``mul(x, x)`` passes x twice and gets both halves). Leaf Vars
-created with ``requires_grad=True`` keep their gradient in ``.grad`` and accumulate across backward calls
+created as requiring a gradient keep their gradient in ``.grad`` and accumulate across backward calls
 until ``zero_grad()``; intermediate gradients live only while backward needs them.
 
 Memory: when a node's backward has run, its gradient, closure (and with it every saved tensor) and its
 parent links are dropped, so activations are freed as backward walks down the graph, as in a production
 engine. A second backward through a freed graph raises an error unless the first used ``retain_graph=True``.
 
-torch.autograd is never used here: tensors never have ``requires_grad`` set; all derivatives are ours.
+PyTorch's own autograd is never used here: no torch tensor is ever marked as needing a gradient; all
+derivatives are ours.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class Var:
         self.grad = None
 
     def __repr__(self) -> str:
-        g = ", requires_grad=True" if self.requires_grad else ""
+        g = ", requires grad" if self.requires_grad else ""
         return f"Var({self.name}, shape={tuple(self.data.shape)}, dtype={self.data.dtype}{g})"
 
     def __len__(self) -> int:
@@ -173,7 +174,7 @@ class Var:
     def backward(self, grad: torch.Tensor | None = None, retain_graph: bool = False) -> None:
         """Reverse-mode sweep from this Var. ``grad`` is dL/d(self); it may be omitted for a scalar."""
         if not self.requires_grad:
-            raise RuntimeError(f"backward: {self!r} does not require grad (no leaf with requires_grad=True "
+            raise RuntimeError(f"backward: {self!r} does not require grad (no leaf that requires grad "
                                "reaches it, or it was computed under no_grad)")
         if grad is None:
             if self.data.numel() != 1:
@@ -355,7 +356,7 @@ def checkpoint(fn: Callable[..., Var], *inputs):
 
 def _checkpoint_params_only(out: Var, fn, inputs) -> Var:
     """Segment whose inputs need no grad but whose parameters might: keep a sentinel parent."""
-    sentinel = Var(torch.zeros((), dtype=out.data.dtype, device=out.data.device), requires_grad=True,
+    sentinel = Var(torch.zeros((), dtype=out.data.dtype, device=out.data.device), True,  # requires grad
                    name="checkpoint-sentinel")
 
     def backward(dout: torch.Tensor):

@@ -178,7 +178,7 @@ class Model:
         self._attention = _resolve_attention(config.attention, self.device)
         self._fused_loss = _resolve_loss(config.loss, self.device)
         self.params: OrderedDict[str, Var] = OrderedDict(
-            (name, Var(torch.empty(shape, dtype=self.master_dtype, device=self.device), requires_grad=True,
+            (name, Var(torch.empty(shape, dtype=self.master_dtype, device=self.device), True,  # requires grad
                        name=name))
             for name, shape in param_shapes(config).items())
         self._layers = [{k: self.params[f"model.layers.{i}.{k}"] for k in BLOCK_KEYS}

@@ -1,7 +1,7 @@
 """``xtrain bench NAME [args]``: runs the benchmark module ``bench/NAME.py`` of the checkout.
 
 Benchmarks live in the repository's top-level ``bench/`` folder, beside the package rather than inside it:
-they import their baselines (torch.autograd, torch SDPA, an eager PyTorch model), which library code
+they import their baselines (PyTorch's autograd, torch SDPA, an eager PyTorch model), which library code
 must never use. Each measures xtrain and its baseline side by side in one process and prints a table
 with a ratio column. Results that matter are recorded in ``bench/RESULTS.md``.
 """
