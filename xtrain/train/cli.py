@@ -52,7 +52,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--grad-accum", type=int, default=None,
                    help="split each step's batch into this many micro-batches (same update, less memory)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="compute dtype (master weights and optimizer state stay fp32; default float32)")
+                   help="compute dtype (master weights and optimizer state stay fp32; default bfloat16 on CUDA, "
+                        "float32 on CPU)")
     p.add_argument("--recompute", action="store_true", default=None,
                    help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
     p.add_argument("--dropout", type=float, default=None, help="residual dropout p (default 0)")
@@ -168,7 +169,9 @@ def _run(args, info) -> int:
                 **base.to_dict(), "vocab_size": meta["vocab_size"],
                 "max_seq_len": max(base.max_seq_len, seq_len),
                 "dropout": _pick(args.dropout, base.dropout), "recompute": _pick(args.recompute, base.recompute),
-                "compute_dtype": _pick(args.dtype, base.compute_dtype),
+                # bf16 compute (fp32 masters) on GPUs, where it is the fast path; fp32 on CPUs
+                "compute_dtype": _pick(args.dtype, "bfloat16" if str(device).startswith("cuda")
+                                       else base.compute_dtype),
                 "attention": _pick(args.attention, base.attention)}).validate()
             steps = _pick(args.steps, d["steps"])
             tcfg = TrainConfig(
