@@ -340,6 +340,13 @@ def checkpoint(fn: Callable[..., Var], *inputs):
     if not isinstance(out, Var):
         raise TypeError("checkpoint: fn must return a single Var")
 
+    parents = list(var_inputs)
+    if not any(x.requires_grad for x in var_inputs):
+        # Parameters read only inside fn make the output need a gradient even when no input does: a
+        # sentinel parent that requires grad keeps the node on the tape (its gradient is always None).
+        parents.append(Var(torch.zeros((), dtype=out.data.dtype, device=out.data.device), True,
+                           name="checkpoint-sentinel"))
+
     def backward(dout: torch.Tensor):
         fresh = {id(x): Var(x.data, requires_grad=x.requires_grad, name=x.name) for x in var_inputs}
         replay = [fresh[id(x)] if isinstance(x, Var) else x for x in inputs]
@@ -347,23 +354,7 @@ def checkpoint(fn: Callable[..., Var], *inputs):
             inner = fn(*replay)
         if inner.requires_grad:
             run_backward(inner, dout)
-        return tuple(fresh[id(x)].grad for x in var_inputs)
+        grads = tuple(fresh[id(x)].grad for x in var_inputs)
+        return grads + (None,) * (len(parents) - len(grads))
 
-    # Parameters reached only inside fn make the output need a gradient even when no input does.
-    return Var.from_op(out.data, var_inputs, backward, "checkpoint") if any(
-        x.requires_grad for x in var_inputs) else _checkpoint_params_only(out, fn, inputs)
-
-
-def _checkpoint_params_only(out: Var, fn, inputs) -> Var:
-    """Segment whose inputs need no grad but whose parameters might: keep a sentinel parent."""
-    sentinel = Var(torch.zeros((), dtype=out.data.dtype, device=out.data.device), True,  # requires grad
-                   name="checkpoint-sentinel")
-
-    def backward(dout: torch.Tensor):
-        with enable_grad():
-            inner = fn(*inputs)
-        if inner.requires_grad:
-            run_backward(inner, dout)
-        return (None,)
-
-    return Var.from_op(out.data, (sentinel,), backward, "checkpoint")
+    return Var.from_op(out.data, parents, backward, "checkpoint")
