@@ -31,3 +31,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A small real-text corpus: the source of a few stdlib modules, cut into 60 documents (enough for the
+    hash split to give a validation part)."""
+    import inspect
+    import json
+    import pathlib
+
+    d = tmp_path / "corpus"
+    d.mkdir()
+    src = "".join(inspect.getsource(m)[:40_000] for m in (json, pathlib, inspect))
+    for i in range(60):
+        (d / f"doc{i:02d}.py").write_text(src[i * 2000:(i + 1) * 2000])
+    return d

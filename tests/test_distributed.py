@@ -81,14 +81,7 @@ def test_two_ranks_equal_one_process_fp64(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_command_under_torchrun(tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    import inspect
-    import json as json_mod
-    src = inspect.getsource(json_mod) * 3
-    for i in range(60):
-        (corpus / f"doc{i:02d}.py").write_text(src[i * 1500:(i + 1) * 1500])
+def test_train_command_under_torchrun(tmp_path, corpus):
     env_cache = tmp_path / "cache"
     os.environ["XTRAIN_CACHE"] = str(env_cache)
     try:

@@ -20,20 +20,6 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", refuse)
 
 
-@pytest.fixture
-def corpus(tmp_path):
-    d = tmp_path / "corpus"
-    d.mkdir()
-    import inspect
-    import json as json_mod
-    import pathlib
-    # real text: the source of a few stdlib modules, cut into 60 documents so the hash split has a val part
-    src = "".join(inspect.getsource(m)[:40_000] for m in (json_mod, pathlib, inspect))
-    for i in range(60):
-        (d / f"doc{i:02d}.py").write_text(src[i * 2000:(i + 1) * 2000])
-    return d
-
-
 def _train(args, tmp_path, monkeypatch):
     monkeypatch.setenv("XTRAIN_CACHE", str(tmp_path / "cache"))
     return main(["train", *args])
