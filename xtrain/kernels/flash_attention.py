@@ -248,6 +248,17 @@ _BWD_CONFIGS = {
 }
 
 
+# The fused one-pass backward (dQ by fp32 atomics): (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DQ_TMA).
+# A head dim listed here uses it unless determinism is asked for; filled in from the H200 sweep.
+_BWD_FUSED_CONFIGS: dict = {}
+
+
+def _deterministic_default() -> bool:
+    import os
+
+    return torch.are_deterministic_algorithms_enabled() or os.environ.get("XTRAIN_DETERMINISTIC", "0") == "1"
+
+
 def _dtype_class(dtype: torch.dtype) -> str:
     return "fp32" if dtype == torch.float32 else "16bit"
 
@@ -273,12 +284,13 @@ if HAVE_TRITON:
     def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m,
                    T, qk_scale, lo, hi,
                    MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                   WS: tl.constexpr = False):
         """Online-softmax update of (acc, l_i, m_i) over the K/V tiles starting at lo, lo+BLOCK_N, .. < hi.
         m_i is kept in the log2 domain (scores times qk_scale = scale·log2 e). MASK=False is the hot loop:
-        no mask arithmetic, every key valid."""
+        no mask arithmetic, every key valid. WS asks Triton for automatic warp specialisation of the loop."""
         offs_d = tl.arange(0, HEAD_DIM)
-        for start_n in range(lo, hi, BLOCK_N):
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
@@ -318,7 +330,7 @@ if HAVE_TRITON:
                           H, T, GROUP, qk_scale,
                           CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr = False):
         """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H).
         With USE_TMA, K/V tiles come through host-built tensor descriptors over the [B*Hkv*T, D] rows."""
         pid_m = tl.program_id(0)
@@ -348,7 +360,7 @@ if HAVE_TRITON:
             # keys strictly left of this query tile: never masked
             acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
                                        kv_row0, offs_m, T, qk_scale, 0, start_m, False, CAUSAL, EVEN_T,
-                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA, WS)
             # the diagonal band: causal mask
             acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
                                        kv_row0, offs_m, T, qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T),
@@ -357,7 +369,7 @@ if HAVE_TRITON:
             t_full = (T // BLOCK_N) * BLOCK_N
             acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
                                        kv_row0, offs_m, T, qk_scale, 0, t_full, False, CAUSAL, EVEN_T,
-                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA, WS)
             if not EVEN_T:  # the ragged last K/V tile: keys >= T masked
                 acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k,
                                            desc_v, kv_row0, offs_m, T, qk_scale, t_full, T, True, CAUSAL,
@@ -374,10 +386,11 @@ if HAVE_TRITON:
             tl.store(lse_ptrs, lse, mask=offs_m < T)
 
     @triton.jit
-    def _flash_bwd_preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot,
+    def _flash_bwd_preprocess_kernel(O, DO, DELTA, DQA, stride_ob, stride_oh, stride_ot,
                                      stride_dob, stride_doh, stride_dot, H, T,
-                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-        """DELTA[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] in fp32."""
+                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQA: tl.constexpr):
+        """DELTA[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] in fp32; with ZERO_DQA also zero the fused
+        backward's fp32 dQ accumulator rows (saves a separate memset launch)."""
         pid_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         off_b = off_bh // H
@@ -391,6 +404,9 @@ if HAVE_TRITON:
                      + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
         tl.store(DELTA + off_bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+        if ZERO_DQA:
+            tl.store(DQA + (off_bh.to(tl.int64) * T + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+                     tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), mask=row_ok)
 
     @triton.jit
     def _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
@@ -537,7 +553,7 @@ if HAVE_TRITON:
                              H, T, GROUP, qk_scale, sm_scale,
                              CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr = False):
         """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H)."""
         pid_m = tl.program_id(0)
         off_bh = tl.program_id(1)
@@ -587,6 +603,142 @@ if HAVE_TRITON:
             tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
         else:
             tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
+
+
+    @triton.jit
+    def _bwd_fused_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, stride_qt, stride_dot,
+                         desc_q, desc_do, desc_dqa, q_row0, offs_n, T, qk_scale, lo, hi,
+                         MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                         DQ_TMA: tl.constexpr, WS: tl.constexpr = False):
+        """As _bwd_dkdv_tiles, plus this key tile's share of dQ for every query tile it visits,
+        dQ_i += dS_ij k_j, added to the fp32 accumulator with atomics (unscaled; the postprocess scales).
+        Five matrix products per tile pair instead of the seven of the two-kernel backward."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
+            do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+            if USE_TMA:
+                q = desc_q.load([q_row0 + start_m, 0])
+                lse = tl.load(lse_base + offs_m)
+            elif EVEN_T:
+                q = tl.load(q_ptrs)
+                lse = tl.load(lse_base + offs_m)
+            else:
+                q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+                lse = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0)
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
+            if MASK:
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            if USE_TMA:
+                do = desc_do.load([q_row0 + start_m, 0])
+                delta = tl.load(delta_base + offs_m)
+            elif EVEN_T:
+                do = tl.load(do_ptrs)
+                delta = tl.load(delta_base + offs_m)
+            else:
+                do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
+                delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+            dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM] fp32
+            if DQ_TMA:  # one bulk reduce-add of the whole tile (Hopper TMA)
+                desc_dqa.atomic_add([q_row0 + start_m, 0], dq)
+            else:
+                dqa_ptrs = dqa_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+                if EVEN_T:
+                    tl.atomic_add(dqa_ptrs, dq, sem="relaxed")
+                else:
+                    tl.atomic_add(dqa_ptrs, dq, mask=offs_m[:, None] < T, sem="relaxed")
+        return dk, dv
+
+    @triton.jit
+    def _flash_bwd_fused_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, desc_q, desc_do, desc_dqa,
+                                stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                                stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                                stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+                                H, Hkv, T, GROUP, qk_scale, sm_scale,
+                                CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
+                                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr,
+                                WS: tl.constexpr = False):
+        """One program: BLOCK_N keys of one (batch, K/V head) over all query heads of its group, as the
+        dK/dV kernel, also adding dS k into the fp32 dQ accumulator DQA [B*H*T, D] (contiguous, zeroed by
+        the preprocess). grid = (cdiv(T, BLOCK_N), B*Hkv)."""
+        pid_n = tl.program_id(0)
+        off_bkv = tl.program_id(1)
+        off_b = off_bkv // Hkv
+        off_kvh = off_bkv % Hkv
+        start_n = pid_n * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        k_ptrs = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh \
+            + offs_n[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh \
+            + offs_n[:, None] * stride_vt + offs_d[None, :]
+        if EVEN_T:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        for g in range(GROUP):
+            off_h = off_kvh * GROUP + g
+            q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+            do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+            lse_base = LSE + (off_b * H + off_h).to(tl.int64) * T
+            delta_base = DELTA + (off_b * H + off_h).to(tl.int64) * T
+            dqa_base = DQA + (off_b * H + off_h).to(tl.int64) * T * HEAD_DIM
+            q_row0 = (off_b * H + off_h) * T
+            if CAUSAL:
+                dk, dv = _bwd_fused_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base,
+                                          stride_qt, stride_dot, desc_q, desc_do, desc_dqa, q_row0, offs_n, T,
+                                          qk_scale, start_n, tl.minimum(start_n + BLOCK_N, T), True, EVEN_T,
+                                          BLOCK_M, HEAD_DIM, DOT_PRECISION, USE_TMA, DQ_TMA)
+                dk, dv = _bwd_fused_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base,
+                                          stride_qt, stride_dot, desc_q, desc_do, desc_dqa, q_row0, offs_n, T,
+                                          qk_scale, start_n + BLOCK_N, T, False, EVEN_T, BLOCK_M, HEAD_DIM,
+                                          DOT_PRECISION, USE_TMA, DQ_TMA, WS)
+            else:
+                dk, dv = _bwd_fused_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base,
+                                          stride_qt, stride_dot, desc_q, desc_do, desc_dqa, q_row0, offs_n, T,
+                                          qk_scale, 0, T, False, EVEN_T, BLOCK_M, HEAD_DIM, DOT_PRECISION,
+                                          USE_TMA, DQ_TMA, WS)
+        dk = dk * sm_scale
+        dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh \
+            + offs_n[:, None] * stride_dkt + offs_d[None, :]
+        dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + off_kvh.to(tl.int64) * stride_dvh \
+            + offs_n[:, None] * stride_dvt + offs_d[None, :]
+        if EVEN_T:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+        else:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
+
+    @triton.jit
+    def _flash_bwd_dq_postprocess_kernel(DQA, DQ, stride_dqb, stride_dqh, stride_dqt, H, T, sm_scale,
+                                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+        """DQ[b, h, i, :] = sm_scale · DQA[(b·H + h)·T + i, :], cast to DQ's dtype."""
+        pid_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = off_bh // H
+        off_h = off_bh % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m[:, None] < T
+        acc = tl.load(DQA + (off_bh.to(tl.int64) * T + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+                      mask=row_ok, other=0.0)
+        tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+                 + offs_m[:, None] * stride_dqt + offs_d[None, :], (acc * sm_scale).to(DQ.dtype.element_ty),
+                 mask=row_ok)
 
 
 def _check_triton(op: str, *ts) -> None:
@@ -641,7 +793,9 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     Hkv = k.shape[1]
     s = _scale(op, scale, D)
     q, k, v = _rows(q), _rows(k), _rows(v)
-    BLOCK_M, BLOCK_N, num_warps, num_stages, tma = config or _fwd_config(D, q.dtype, T)
+    cfg = config or _fwd_config(D, q.dtype, T)
+    BLOCK_M, BLOCK_N, num_warps, num_stages, tma = cfg[:5]
+    ws = bool(cfg[5]) if len(cfg) > 5 else False
     if BLOCK_M % BLOCK_N:
         raise ValueError(f"{op}: BLOCK_M={BLOCK_M} must be a multiple of BLOCK_N={BLOCK_N}")
     o = _out(o, (B, H, T, D), q.dtype, q.device, "o", op)
@@ -658,15 +812,22 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         H, T, H // Hkv, s * LOG2E,
         CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages)
+        DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, WS=ws, num_warps=num_warps, num_stages=num_stages)
     return o, lse
 
 
 def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
-                               dq=None, dk=None, dv=None, config=None):
-    """Launch preprocess (delta), dK/dV and dQ kernels. ``dq``/``dk``/``dv``: optional output buffers;
-    ``config``: ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA), (BLOCK_M2, BLOCK_N2, num_warps,
-    num_stages, TMA)) for the dK/dV and dQ kernels."""
+                               dq=None, dk=None, dv=None, config=None, deterministic: bool | None = None):
+    """Launch the backward. ``dq``/``dk``/``dv``: optional output buffers.
+    Two paths:
+      * deterministic (two kernels, no atomics, bit-identical run to run): preprocess (delta), dK/dV, dQ;
+        ``config`` = ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA), (BLOCK_M2, BLOCK_N2, num_warps,
+        num_stages, TMA)) for the dK/dV and dQ kernels;
+      * fused (one pass, dQ added with fp32 atomics, so dQ may differ in the last bits between runs):
+        preprocess (delta, zeroed accumulator), fused dK/dV/dQ, dQ postprocess (scale and cast);
+        ``config`` = ("fused", (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DQ_TMA)).
+    ``deterministic=None`` follows ``torch.are_deterministic_algorithms_enabled()`` or the environment
+    variable XTRAIN_DETERMINISTIC=1; otherwise the faster path for the head dim is used (see configs)."""
     op = "flash_attention_bwd"
     _check_bwd(op, do, q, k, v, o, lse)
     _check_triton(op, q, k, v)
@@ -676,18 +837,50 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     do = do.to(q.dtype)
     do, q, k, v, o = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o)
     lse = lse.to(torch.float32).contiguous()
-    (BM1, BN1, W1, S1, tma1), (BM2, BN2, W2, S2, tma2) = config or _BWD_CONFIGS[(D, _dtype_class(q.dtype))]
-    if BN1 % BM1 or BM2 % BN2:
-        raise ValueError(f"{op}: need BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0, got {config}")
+    if deterministic is None:
+        deterministic = _deterministic_default()
+    key = (D, _dtype_class(q.dtype))
+    if config is None:
+        config = _BWD_CONFIGS[key] if deterministic or key not in _BWD_FUSED_CONFIGS \
+            else ("fused", _BWD_FUSED_CONFIGS[key])
+    fused = config[0] == "fused"
+    if fused and deterministic:
+        raise ValueError(f"{op}: the fused backward adds dQ with atomics (not run-to-run bit-identical); "
+                         f"it cannot be used with deterministic=True")
     dq = _out(dq, (B, H, T, D), q.dtype, q.device, "dq", op)
     dk = _out(dk, (B, Hkv, T, D), k.dtype, q.device, "dk", op)
     dv = _out(dv, (B, Hkv, T, D), v.dtype, q.device, "dv", op)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    dqa = torch.empty((B * H * T, D), dtype=torch.float32, device=q.device) if fused else delta
     PRE_M = 64
     _flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
+        o, do, delta, dqa, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        H, T, HEAD_DIM=D, BLOCK_M=PRE_M, ZERO_DQA=fused)
     prec = _precision(q.dtype)
+    if fused:
+        BM, BN, W, S, tma, dq_tma = config[1][:6]
+        ws = bool(config[1][6]) if len(config[1]) > 6 else False
+        if BN % BM:
+            raise ValueError(f"{op}: need BLOCK_N % BLOCK_M == 0, got {config}")
+        even = T % BM == 0 and T % BN == 0
+        use_tma = _tma_ok(tma, even, q, do)
+        desc_q, desc_do = (_descriptor(q, BM), _descriptor(do, BM)) if use_tma else (None, None)
+        use_dq_tma = bool(dq_tma) and _HAVE_DESC and even
+        desc_dqa = TensorDescriptor(dqa, list(dqa.shape), [D, 1], [BM, D]) if use_dq_tma else None
+        _flash_bwd_fused_kernel[(triton.cdiv(T, BN), B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv, dqa, desc_q, desc_do, desc_dqa,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            H, Hkv, T, H // Hkv, s * LOG2E, s,
+            CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN,
+            DOT_PRECISION=prec, USE_TMA=use_tma, DQ_TMA=use_dq_tma, WS=ws, num_warps=W, num_stages=S)
+        _flash_bwd_dq_postprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
+            dqa, dq, dq.stride(0), dq.stride(1), dq.stride(2), H, T, s, HEAD_DIM=D, BLOCK_M=PRE_M)
+        return dq, dk, dv
+    (BM1, BN1, W1, S1, tma1), (BM2, BN2, W2, S2, tma2) = config
+    if BN1 % BM1 or BM2 % BN2:
+        raise ValueError(f"{op}: need BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0, got {config}")
     even1 = T % BM1 == 0 and T % BN1 == 0
     use_tma1 = _tma_ok(tma1, even1, q, do)
     desc_q, desc_do = (_descriptor(q, BM1), _descriptor(do, BM1)) if use_tma1 else (None, None)

@@ -1,0 +1,144 @@
+"""Side-by-side timing of flash-attention kernel variants against SDPA's cuDNN backend, in one process.
+
+    PYTHONPATH=. python3 bench/flash_variants.py [--json FILE]
+
+For causal bf16 attention at B·T = 16k, H·D = 2048, head dims 64 and 128 and a few T, times:
+  * cuDNN (torch SDPA) forward and backward — the bar;
+  * xtrain's current default forward and backward;
+  * each forward config in FWD (incl. Triton's automatic warp specialisation, WS);
+  * each fused one-pass backward config in BWD_FUSED (dQ by fp32 atomics or a TMA reduce-add);
+and first checks every variant against the fp64 reference (GQA 4/2, T = 1000 ragged and 2048,
+NaN-poisoned outputs). Prints one table per head dim: TFLOP/s and the ratio to cuDNN.
+FLOPs as in bench/attention.py (forward 4·B·H·T²·D/2 causal, backward 2.5×).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, ".")
+from bench.attention import _bench, _inputs, attn_flops, sdpa_backends, time_sdpa  # noqa: E402
+from xtrain.kernels import flash_attention as FA  # noqa: E402
+
+F, TM = False, True
+# forward: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, WS)
+FWD = {
+    64: [(128, 64, 4, 3, F, F), (128, 64, 4, 3, F, TM), (128, 64, 4, 3, TM, TM), (128, 128, 8, 3, TM, TM),
+         (128, 128, 4, 3, TM, TM), (128, 64, 8, 3, TM, TM)],
+    128: [(128, 128, 8, 3, F, F), (64, 64, 4, 3, TM, F), (128, 128, 8, 3, F, TM), (128, 128, 8, 3, TM, TM),
+          (128, 64, 8, 3, TM, TM), (64, 64, 4, 3, TM, TM), (128, 128, 4, 3, TM, TM), (128, 64, 4, 3, TM, TM)],
+}
+# fused backward: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads, DQ by TMA reduce, WS)
+BWD_FUSED = {
+    64: [(64, 64, 4, 3, F, F, F), (64, 64, 4, 3, F, TM, F), (64, 64, 4, 3, TM, TM, F), (32, 64, 4, 3, F, TM, F),
+         (64, 128, 8, 3, F, TM, F), (64, 128, 8, 2, TM, TM, F), (32, 128, 4, 3, F, TM, F),
+         (128, 128, 8, 2, F, TM, F), (64, 64, 4, 3, TM, TM, TM), (64, 128, 8, 2, TM, TM, TM)],
+    128: [(64, 64, 4, 2, F, F, F), (64, 64, 4, 2, F, TM, F), (64, 64, 4, 2, TM, TM, F), (32, 64, 4, 3, F, TM, F),
+          (64, 128, 8, 2, F, TM, F), (64, 128, 8, 2, TM, TM, F), (32, 128, 8, 2, F, TM, F),
+          (64, 64, 8, 2, TM, TM, F), (64, 64, 4, 2, TM, TM, TM), (64, 128, 8, 2, TM, TM, TM)],
+}
+SEQS = (1024, 4096, 16384)
+
+
+def check(D, fcfg, bcfg, T, B=1, H=4, Hkv=2):
+    q, k, v, do = _inputs(B, H, T, D, torch.bfloat16, seed=99)
+    k, v = k[:, :Hkv].contiguous(), v[:, :Hkv].contiguous()
+    nan = lambda t: torch.full_like(t, float("nan"))
+    o, lse = FA.flash_attention_fwd_triton(q, k, v, True, config=fcfg, o=nan(q),
+                                           lse=torch.full((B, H, T), float("nan"), device="cuda"))
+    got = (o, *FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=bcfg, dq=nan(q), dk=nan(k),
+                                             dv=nan(v)))
+    qd, kd, vd, dod = (t.double() for t in (q, k, v, do))
+    o_ref, lse_ref = FA.flash_attention_fwd_ref(qd, kd, vd, True)
+    want = (o_ref, *FA.flash_attention_bwd_ref(dod, qd, kd, vd, o_ref, lse_ref, True))
+    return max(float((a.double() - b).norm() / b.norm()) for a, b in zip(got, want))
+
+
+def one_size(D, T, ok_f, ok_b, cudnn):
+    B, H = 16384 // T, 2048 // D
+    q, k, v, do = _inputs(B, H, T, D, torch.bfloat16, seed=T + D)
+    fl = attn_flops(B, H, T, D, True)
+    ref = time_sdpa(cudnn, q, k, v, do, True)
+    ref_tf = (fl / ref[0] * 1e-9, 2.5 * fl / ref[1] * 1e-9)
+    row = {"D": D, "T": T, "cudnn": ref_tf, "fwd": {}, "bwd": {}}
+    o, lse = FA.flash_attention_fwd_triton(q, k, v, True)
+    row["fwd"]["default"] = fl / _bench(lambda: FA.flash_attention_fwd_triton(q, k, v, True)) * 1e-9
+    row["bwd"]["default"] = 2.5 * fl / _bench(lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)) * 1e-9
+    row["bwd"]["two-kernel"] = 2.5 * fl / _bench(
+        lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, deterministic=True)) * 1e-9
+    for c in ok_f:
+        try:
+            row["fwd"][str(c)] = fl / _bench(lambda c=c: FA.flash_attention_fwd_triton(q, k, v, True, config=c)) * 1e-9
+        except Exception as e:
+            print(f"time D={D} T={T} fwd {c}: FAILED {e!r}"[:300])
+    for c in ok_b:
+        try:
+            row["bwd"][str(c)] = 2.5 * fl / _bench(
+                lambda c=c: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=("fused", c))) * 1e-9
+        except Exception as e:
+            print(f"time D={D} T={T} bwd {c}: FAILED {e!r}"[:300])
+    print(f"D={D} T={T} cudnn {ref_tf[0]:.0f}/{ref_tf[1]:.0f}  "
+          f"best fwd {max(row['fwd'].values()):.0f}  best bwd {max(row['bwd'].values()):.0f}", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqs", type=int, nargs="+", default=list(SEQS))
+    args = ap.parse_args(argv)
+    import triton
+
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
+    log, tables = [], {}
+    cudnn = sdpa_backends()["cudnn"]
+    for D in args.head_dims:
+        ok_f, ok_b = [], []
+        for c in FWD[D]:
+            try:
+                err = max(check(D, c, None, T) for T in (1000, 2048))
+                print(f"check D={D} fwd {c}: max rel err {err:.2e}", flush=True)
+                (ok_f if err < 1e-2 else []).append(c)
+            except Exception as e:
+                print(f"check D={D} fwd {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        for c in BWD_FUSED[D]:
+            try:
+                err = max(check(D, None, ("fused", c), T) for T in (1000, 2048))
+                print(f"check D={D} bwd fused {c}: max rel err {err:.2e}", flush=True)
+                (ok_b if err < 1e-2 else []).append(c)
+            except Exception as e:
+                print(f"check D={D} bwd fused {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        rows = []
+        for T in args.seqs:
+            row = one_size(D, T, ok_f, ok_b, cudnn)
+            rows.append(row)
+            log.append(row)
+            torch.cuda.empty_cache()
+        tables[D] = rows
+    for D, rows in tables.items():
+        for part, i in (("fwd", 0), ("bwd", 1)):
+            names = list(rows[0][part])
+            print(f"\nD={D} {part}: TFLOP/s (ratio to cuDNN) at T = " + ", ".join(str(r["T"]) for r in rows))
+            print(f"  {'cudnn':<36} " + " ".join(f"{r['cudnn'][i]:>13.0f}" for r in rows))
+            for n in names:
+                print(f"  {n:<36} " + " ".join(
+                    f"{r[part].get(n, float('nan')):>6.0f} ({r[part].get(n, float('nan')) / r['cudnn'][i]:.2f})"
+                    for r in rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(log, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
