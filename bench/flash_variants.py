@@ -4,9 +4,7 @@
 
 For causal bf16 attention at B·T = 16k, H·D = 2048, head dims 64 and 128 and a few T, times:
   * cuDNN (torch SDPA) forward and backward — the bar;
-  * xtrain's current default forward and backward;
-  * each forward config in FWD (incl. Triton's automatic warp specialisation, WS);
-  * each fused one-pass backward config in BWD_FUSED (dQ by fp32 atomics or a TMA reduce-add);
+  * each forward config in FWD and backward config in BWD, in both launch orders (FA.GRID_TILE_MAJOR);
 and first checks every variant against the fp64 reference (GQA 4/2, T = 1000 ragged and 2048,
 NaN-poisoned outputs). Prints one table per head dim: TFLOP/s and the ratio to cuDNN.
 FLOPs as in bench/attention.py (forward 4·B·H·T²·D/2 causal, backward 2.5×).
@@ -26,21 +24,17 @@ from bench.attention import _bench, _inputs, attn_flops, sdpa_backends, time_sdp
 from xtrain.kernels import flash_attention as FA  # noqa: E402
 
 F, TM = False, True
-# forward: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, WS)
+# forward: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA); each timed in both launch orders
 FWD = {
-    64: [(128, 64, 4, 3, F, F), (128, 64, 4, 3, F, TM), (128, 64, 4, 3, TM, TM), (128, 128, 8, 3, TM, TM),
-         (128, 128, 4, 3, TM, TM), (128, 64, 8, 3, TM, TM)],
-    128: [(128, 128, 8, 3, F, F), (64, 64, 4, 3, TM, F), (128, 128, 8, 3, F, TM), (128, 128, 8, 3, TM, TM),
-          (128, 64, 8, 3, TM, TM), (64, 64, 4, 3, TM, TM), (128, 128, 4, 3, TM, TM), (128, 64, 4, 3, TM, TM)],
+    64: [(128, 64, 4, 3, F), (128, 64, 4, 4, F), (64, 64, 4, 3, F), (128, 64, 4, 3, TM)],
+    128: [(64, 64, 4, 3, TM), (128, 128, 8, 3, F), (64, 64, 4, 4, TM), (64, 64, 4, 2, TM), (64, 32, 4, 3, TM),
+          (128, 64, 8, 3, F)],
 }
-# fused backward: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads, DQ by TMA reduce, WS)
-BWD_FUSED = {
-    64: [(64, 64, 4, 3, F, F, F), (64, 64, 4, 3, F, TM, F), (64, 64, 4, 3, TM, TM, F), (32, 64, 4, 3, F, TM, F),
-         (64, 128, 8, 3, F, TM, F), (64, 128, 8, 2, TM, TM, F), (32, 128, 4, 3, F, TM, F),
-         (128, 128, 8, 2, F, TM, F), (64, 64, 4, 3, TM, TM, TM), (64, 128, 8, 2, TM, TM, TM)],
-    128: [(64, 64, 4, 2, F, F, F), (64, 64, 4, 2, F, TM, F), (64, 64, 4, 2, TM, TM, F), (32, 64, 4, 3, F, TM, F),
-          (64, 128, 8, 2, F, TM, F), (64, 128, 8, 2, TM, TM, F), (32, 128, 8, 2, F, TM, F),
-          (64, 64, 8, 2, TM, TM, F), (64, 64, 4, 2, TM, TM, TM), (64, 128, 8, 2, TM, TM, TM)],
+# backward: the default two-kernel configs, and fused one-pass configs
+# ("fused", (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads, DQ by TMA reduce)); each in both orders
+BWD = {
+    64: [None, ("fused", (64, 64, 4, 3, TM, TM))],
+    128: [None, ("fused", (64, 128, 8, 2, F, TM))],
 }
 SEQS = (1024, 4096, 16384)
 
@@ -67,21 +61,16 @@ def one_size(D, T, ok_f, ok_b, cudnn):
     ref_tf = (fl / ref[0] * 1e-9, 2.5 * fl / ref[1] * 1e-9)
     row = {"D": D, "T": T, "cudnn": ref_tf, "fwd": {}, "bwd": {}}
     o, lse = FA.flash_attention_fwd_triton(q, k, v, True)
-    row["fwd"]["default"] = fl / _bench(lambda: FA.flash_attention_fwd_triton(q, k, v, True)) * 1e-9
-    row["bwd"]["default"] = 2.5 * fl / _bench(lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)) * 1e-9
-    row["bwd"]["two-kernel"] = 2.5 * fl / _bench(
-        lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, deterministic=True)) * 1e-9
-    for c in ok_f:
-        try:
-            row["fwd"][str(c)] = fl / _bench(lambda c=c: FA.flash_attention_fwd_triton(q, k, v, True, config=c)) * 1e-9
-        except Exception as e:
-            print(f"time D={D} T={T} fwd {c}: FAILED {e!r}"[:300])
-    for c in ok_b:
-        try:
-            row["bwd"][str(c)] = 2.5 * fl / _bench(
-                lambda c=c: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=("fused", c))) * 1e-9
-        except Exception as e:
-            print(f"time D={D} T={T} bwd {c}: FAILED {e!r}"[:300])
+    for tile_major in (False, True):
+        FA.GRID_TILE_MAJOR = tile_major
+        tag = "tile-major" if tile_major else "head-major"
+        for c in ok_f:
+            row["fwd"][f"{c} {tag}"] = fl / _bench(
+                lambda c=c: FA.flash_attention_fwd_triton(q, k, v, True, config=c)) * 1e-9
+        for c in ok_b:
+            row["bwd"][f"{c or 'default'} {tag}"] = 2.5 * fl / _bench(
+                lambda c=c: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=c)) * 1e-9
+    FA.GRID_TILE_MAJOR = False
     print(f"D={D} T={T} cudnn {ref_tf[0]:.0f}/{ref_tf[1]:.0f}  "
           f"best fwd {max(row['fwd'].values()):.0f}  best bwd {max(row['bwd'].values()):.0f}", flush=True)
     return row
@@ -101,19 +90,26 @@ def main(argv=None) -> int:
     for D in args.head_dims:
         ok_f, ok_b = [], []
         for c in FWD[D]:
-            try:
-                err = max(check(D, c, None, T) for T in (1000, 2048))
-                print(f"check D={D} fwd {c}: max rel err {err:.2e}", flush=True)
-                (ok_f if err < 1e-2 else []).append(c)
-            except Exception as e:
-                print(f"check D={D} fwd {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        for c in BWD_FUSED[D]:
-            try:
-                err = max(check(D, None, ("fused", c), T) for T in (1000, 2048))
-                print(f"check D={D} bwd fused {c}: max rel err {err:.2e}", flush=True)
-                (ok_b if err < 1e-2 else []).append(c)
-            except Exception as e:
-                print(f"check D={D} bwd fused {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            for tile_major in (False, True):
+                FA.GRID_TILE_MAJOR = tile_major
+                try:
+                    err = max(check(D, c, None, T) for T in (1000, 2048))
+                    print(f"check D={D} fwd {c} tile_major={tile_major}: max rel err {err:.2e}", flush=True)
+                    if err < 1e-2 and c not in ok_f:
+                        ok_f.append(c)
+                except Exception as e:
+                    print(f"check D={D} fwd {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        for c in BWD[D]:
+            for tile_major in (False, True):
+                FA.GRID_TILE_MAJOR = tile_major
+                try:
+                    err = max(check(D, None, c, T) for T in (1000, 2048))
+                    print(f"check D={D} bwd {c} tile_major={tile_major}: max rel err {err:.2e}", flush=True)
+                    if err < 1e-2 and c not in ok_b:
+                        ok_b.append(c)
+                except Exception as e:
+                    print(f"check D={D} bwd {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        FA.GRID_TILE_MAJOR = False
         rows = []
         for T in args.seqs:
             row = one_size(D, T, ok_f, ok_b, cudnn)
@@ -125,9 +121,9 @@ def main(argv=None) -> int:
         for part, i in (("fwd", 0), ("bwd", 1)):
             names = list(rows[0][part])
             print(f"\nD={D} {part}: TFLOP/s (ratio to cuDNN) at T = " + ", ".join(str(r["T"]) for r in rows))
-            print(f"  {'cudnn':<36} " + " ".join(f"{r['cudnn'][i]:>13.0f}" for r in rows))
+            print(f"  {'cudnn':<52} " + " ".join(f"{r['cudnn'][i]:>13.0f}" for r in rows))
             for n in names:
-                print(f"  {n:<36} " + " ".join(
+                print(f"  {n:<52} " + " ".join(
                     f"{r[part].get(n, float('nan')):>6.0f} ({r[part].get(n, float('nan')) / r['cudnn'][i]:.2f})"
                     for r in rows))
     if args.json:

@@ -248,15 +248,14 @@ _BWD_CONFIGS = {
 }
 
 
-# The fused one-pass backward (dQ by fp32 atomics): (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DQ_TMA).
-# A head dim listed here uses it unless determinism is asked for; filled in from the H200 sweep.
-_BWD_FUSED_CONFIGS: dict = {}
+# Launch order of the programs. False: grid (tiles, heads), so one head's tiles launch together (its K/V
+# stay hot in L2). True: grid (heads, tiles), so with a causal mask every head's heaviest tile launches
+# before any lighter one (the short programs fill the tail of the whole grid, not of each head).
+GRID_TILE_MAJOR = False
 
 
-def _deterministic_default() -> bool:
-    import os
-
-    return torch.are_deterministic_algorithms_enabled() or os.environ.get("XTRAIN_DETERMINISTIC", "0") == "1"
+def _grid(tiles: int, heads: int) -> tuple[int, int]:
+    return (heads, tiles) if GRID_TILE_MAJOR else (tiles, heads)
 
 
 def _dtype_class(dtype: torch.dtype) -> str:
@@ -284,13 +283,12 @@ if HAVE_TRITON:
     def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m,
                    T, qk_scale, lo, hi,
                    MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                   WS: tl.constexpr = False):
+                   HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
         """Online-softmax update of (acc, l_i, m_i) over the K/V tiles starting at lo, lo+BLOCK_N, .. < hi.
         m_i is kept in the log2 domain (scores times qk_scale = scale·log2 e). MASK=False is the hot loop:
-        no mask arithmetic, every key valid. WS asks Triton for automatic warp specialisation of the loop."""
+        no mask arithmetic, every key valid."""
         offs_d = tl.arange(0, HEAD_DIM)
-        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
@@ -330,13 +328,20 @@ if HAVE_TRITON:
                           H, T, GROUP, qk_scale,
                           CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr = False):
-        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H).
+                          DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TILE_MAJOR: tl.constexpr):
+        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H), or
+        (B*H, cdiv(T, BLOCK_M)) with TILE_MAJOR.
         With USE_TMA, K/V tiles come through host-built tensor descriptors over the [B*Hkv*T, D] rows."""
-        pid_m = tl.program_id(0)
-        off_bh = tl.program_id(1)
+        if TILE_MAJOR:  # grid (B*H, tiles): every head's heaviest tile launches before any lighter one
+            off_bh = tl.program_id(0)
+            pid_m = tl.program_id(1)
+            n_m = tl.num_programs(1)
+        else:  # grid (tiles, B*H)
+            pid_m = tl.program_id(0)
+            off_bh = tl.program_id(1)
+            n_m = tl.num_programs(0)
         if CAUSAL:  # heaviest query tiles first: the short ones fill the tail of the grid
-            pid_m = tl.num_programs(0) - 1 - pid_m
+            pid_m = n_m - 1 - pid_m
         off_b = off_bh // H
         off_h = off_bh % H
         off_kvh = off_h // GROUP
@@ -360,7 +365,7 @@ if HAVE_TRITON:
             # keys strictly left of this query tile: never masked
             acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
                                        kv_row0, offs_m, T, qk_scale, 0, start_m, False, CAUSAL, EVEN_T,
-                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA, WS)
+                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
             # the diagonal band: causal mask
             acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
                                        kv_row0, offs_m, T, qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T),
@@ -369,7 +374,7 @@ if HAVE_TRITON:
             t_full = (T // BLOCK_N) * BLOCK_N
             acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
                                        kv_row0, offs_m, T, qk_scale, 0, t_full, False, CAUSAL, EVEN_T,
-                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA, WS)
+                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
             if not EVEN_T:  # the ragged last K/V tile: keys >= T masked
                 acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k,
                                            desc_v, kv_row0, offs_m, T, qk_scale, t_full, T, True, CAUSAL,
@@ -458,11 +463,15 @@ if HAVE_TRITON:
                                H, Hkv, T, GROUP, qk_scale, sm_scale,
                                CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TILE_MAJOR: tl.constexpr):
         """One program: BLOCK_N keys of one (batch, K/V head), over all query heads of its group.
         grid = (cdiv(T, BLOCK_N), B*Hkv). Causal programs at small pid_n have the most work and start first."""
-        pid_n = tl.program_id(0)
-        off_bkv = tl.program_id(1)
+        if TILE_MAJOR:
+            off_bkv = tl.program_id(0)
+            pid_n = tl.program_id(1)
+        else:
+            pid_n = tl.program_id(0)
+            off_bkv = tl.program_id(1)
         off_b = off_bkv // Hkv
         off_kvh = off_bkv % Hkv
         start_n = pid_n * BLOCK_N
@@ -553,12 +562,18 @@ if HAVE_TRITON:
                              H, T, GROUP, qk_scale, sm_scale,
                              CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr = False):
-        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H)."""
-        pid_m = tl.program_id(0)
-        off_bh = tl.program_id(1)
+                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TILE_MAJOR: tl.constexpr):
+        """One program: BLOCK_M query rows of one (batch, head). grid as the forward's."""
+        if TILE_MAJOR:
+            off_bh = tl.program_id(0)
+            pid_m = tl.program_id(1)
+            n_m = tl.num_programs(1)
+        else:
+            pid_m = tl.program_id(0)
+            off_bh = tl.program_id(1)
+            n_m = tl.num_programs(0)
         if CAUSAL:
-            pid_m = tl.num_programs(0) - 1 - pid_m
+            pid_m = n_m - 1 - pid_m
         off_b = off_bh // H
         off_h = off_bh % H
         off_kvh = off_h // GROUP
@@ -610,12 +625,12 @@ if HAVE_TRITON:
                          desc_q, desc_do, desc_dqa, q_row0, offs_n, T, qk_scale, lo, hi,
                          MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_M: tl.constexpr,
                          HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                         DQ_TMA: tl.constexpr, WS: tl.constexpr = False):
+                         DQ_TMA: tl.constexpr):
         """As _bwd_dkdv_tiles, plus this key tile's share of dQ for every query tile it visits,
         dQ_i += dS_ij k_j, added to the fp32 accumulator with atomics (unscaled; the postprocess scales).
         Five matrix products per tile pair instead of the seven of the two-kernel backward."""
         offs_d = tl.arange(0, HEAD_DIM)
-        for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
+        for start_m in range(lo, hi, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
@@ -666,12 +681,16 @@ if HAVE_TRITON:
                                 CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr,
-                                WS: tl.constexpr = False):
+                                TILE_MAJOR: tl.constexpr):
         """One program: BLOCK_N keys of one (batch, K/V head) over all query heads of its group, as the
         dK/dV kernel, also adding dS k into the fp32 dQ accumulator DQA [B*H*T, D] (contiguous, zeroed by
         the preprocess). grid = (cdiv(T, BLOCK_N), B*Hkv)."""
-        pid_n = tl.program_id(0)
-        off_bkv = tl.program_id(1)
+        if TILE_MAJOR:
+            off_bkv = tl.program_id(0)
+            pid_n = tl.program_id(1)
+        else:
+            pid_n = tl.program_id(0)
+            off_bkv = tl.program_id(1)
         off_b = off_bkv // Hkv
         off_kvh = off_bkv % Hkv
         start_n = pid_n * BLOCK_N
@@ -705,12 +724,12 @@ if HAVE_TRITON:
                 dk, dv = _bwd_fused_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base,
                                           stride_qt, stride_dot, desc_q, desc_do, desc_dqa, q_row0, offs_n, T,
                                           qk_scale, start_n + BLOCK_N, T, False, EVEN_T, BLOCK_M, HEAD_DIM,
-                                          DOT_PRECISION, USE_TMA, DQ_TMA, WS)
+                                          DOT_PRECISION, USE_TMA, DQ_TMA)
             else:
                 dk, dv = _bwd_fused_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base,
                                           stride_qt, stride_dot, desc_q, desc_do, desc_dqa, q_row0, offs_n, T,
                                           qk_scale, 0, T, False, EVEN_T, BLOCK_M, HEAD_DIM, DOT_PRECISION,
-                                          USE_TMA, DQ_TMA, WS)
+                                          USE_TMA, DQ_TMA)
         dk = dk * sm_scale
         dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh \
             + offs_n[:, None] * stride_dkt + offs_d[None, :]
@@ -793,9 +812,7 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     Hkv = k.shape[1]
     s = _scale(op, scale, D)
     q, k, v = _rows(q), _rows(k), _rows(v)
-    cfg = config or _fwd_config(D, q.dtype, T)
-    BLOCK_M, BLOCK_N, num_warps, num_stages, tma = cfg[:5]
-    ws = bool(cfg[5]) if len(cfg) > 5 else False
+    BLOCK_M, BLOCK_N, num_warps, num_stages, tma = config or _fwd_config(D, q.dtype, T)
     if BLOCK_M % BLOCK_N:
         raise ValueError(f"{op}: BLOCK_M={BLOCK_M} must be a multiple of BLOCK_N={BLOCK_N}")
     o = _out(o, (B, H, T, D), q.dtype, q.device, "o", op)
@@ -805,29 +822,30 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     even = T % BLOCK_M == 0 and T % BLOCK_N == 0
     use_tma = _tma_ok(tma, even, k, v)
     desc_k, desc_v = (_descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N)) if use_tma else (None, None)
-    grid = (triton.cdiv(T, BLOCK_M), B * H)
+    grid = _grid(triton.cdiv(T, BLOCK_M), B * H)
     _flash_fwd_kernel[grid](
         q, k, v, o, lse, desc_k, desc_v,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         H, T, H // Hkv, s * LOG2E,
         CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, WS=ws, num_warps=num_warps, num_stages=num_stages)
+        DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, TILE_MAJOR=GRID_TILE_MAJOR,
+        num_warps=num_warps, num_stages=num_stages)
     return o, lse
 
 
 def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
-                               dq=None, dk=None, dv=None, config=None, deterministic: bool | None = None):
-    """Launch the backward. ``dq``/``dk``/``dv``: optional output buffers.
-    Two paths:
-      * deterministic (two kernels, no atomics, bit-identical run to run): preprocess (delta), dK/dV, dQ;
-        ``config`` = ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA), (BLOCK_M2, BLOCK_N2, num_warps,
-        num_stages, TMA)) for the dK/dV and dQ kernels;
-      * fused (one pass, dQ added with fp32 atomics, so dQ may differ in the last bits between runs):
-        preprocess (delta, zeroed accumulator), fused dK/dV/dQ, dQ postprocess (scale and cast);
-        ``config`` = ("fused", (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DQ_TMA)).
-    ``deterministic=None`` follows ``torch.are_deterministic_algorithms_enabled()`` or the environment
-    variable XTRAIN_DETERMINISTIC=1; otherwise the faster path for the head dim is used (see configs)."""
+                               dq=None, dk=None, dv=None, config=None):
+    """Launch the backward. ``dq``/``dk``/``dv``: optional output buffers. ``config``:
+      * ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA), (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA)):
+        the default two-kernel backward — preprocess (delta), dK/dV, dQ — no atomics, bit-identical run to
+        run; the tuples configure the dK/dV and the dQ kernel;
+      * ("fused", (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DQ_TMA)): the one-pass backward of
+        FlashAttention-2 — preprocess (delta, zeroed fp32 accumulator), one kernel for dK/dV/dQ with dQ
+        added by fp32 atomics (DQ_TMA: one TMA reduce-add per tile), postprocess (scale, cast). Five matrix
+        products per tile pair instead of seven, but on the H200 it measured slower than the two-kernel
+        path at every size (bench/RESULTS.md), and dQ's last bits depend on the order of the atomics.
+        Opt-in only."""
     op = "flash_attention_bwd"
     _check_bwd(op, do, q, k, v, o, lse)
     _check_triton(op, q, k, v)
@@ -837,16 +855,8 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     do = do.to(q.dtype)
     do, q, k, v, o = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o)
     lse = lse.to(torch.float32).contiguous()
-    if deterministic is None:
-        deterministic = _deterministic_default()
-    key = (D, _dtype_class(q.dtype))
-    if config is None:
-        config = _BWD_CONFIGS[key] if deterministic or key not in _BWD_FUSED_CONFIGS \
-            else ("fused", _BWD_FUSED_CONFIGS[key])
+    config = config or _BWD_CONFIGS[(D, _dtype_class(q.dtype))]
     fused = config[0] == "fused"
-    if fused and deterministic:
-        raise ValueError(f"{op}: the fused backward adds dQ with atomics (not run-to-run bit-identical); "
-                         f"it cannot be used with deterministic=True")
     dq = _out(dq, (B, H, T, D), q.dtype, q.device, "dq", op)
     dk = _out(dk, (B, Hkv, T, D), k.dtype, q.device, "dk", op)
     dv = _out(dv, (B, Hkv, T, D), v.dtype, q.device, "dv", op)
@@ -858,8 +868,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
         H, T, HEAD_DIM=D, BLOCK_M=PRE_M, ZERO_DQA=fused)
     prec = _precision(q.dtype)
     if fused:
-        BM, BN, W, S, tma, dq_tma = config[1][:6]
-        ws = bool(config[1][6]) if len(config[1]) > 6 else False
+        BM, BN, W, S, tma, dq_tma = config[1]
         if BN % BM:
             raise ValueError(f"{op}: need BLOCK_N % BLOCK_M == 0, got {config}")
         even = T % BM == 0 and T % BN == 0
@@ -867,14 +876,15 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
         desc_q, desc_do = (_descriptor(q, BM), _descriptor(do, BM)) if use_tma else (None, None)
         use_dq_tma = bool(dq_tma) and _HAVE_DESC and even
         desc_dqa = TensorDescriptor(dqa, list(dqa.shape), [D, 1], [BM, D]) if use_dq_tma else None
-        _flash_bwd_fused_kernel[(triton.cdiv(T, BN), B * Hkv)](
+        _flash_bwd_fused_kernel[_grid(triton.cdiv(T, BN), B * Hkv)](
             q, k, v, do, lse, delta, dk, dv, dqa, desc_q, desc_do, desc_dqa,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             H, Hkv, T, H // Hkv, s * LOG2E, s,
             CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN,
-            DOT_PRECISION=prec, USE_TMA=use_tma, DQ_TMA=use_dq_tma, WS=ws, num_warps=W, num_stages=S)
+            DOT_PRECISION=prec, USE_TMA=use_tma, DQ_TMA=use_dq_tma, TILE_MAJOR=GRID_TILE_MAJOR,
+            num_warps=W, num_stages=S)
         _flash_bwd_dq_postprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
             dqa, dq, dq.stride(0), dq.stride(1), dq.stride(2), H, T, s, HEAD_DIM=D, BLOCK_M=PRE_M)
         return dq, dk, dv
@@ -884,23 +894,23 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     even1 = T % BM1 == 0 and T % BN1 == 0
     use_tma1 = _tma_ok(tma1, even1, q, do)
     desc_q, desc_do = (_descriptor(q, BM1), _descriptor(do, BM1)) if use_tma1 else (None, None)
-    _flash_bwd_dkdv_kernel[(triton.cdiv(T, BN1), B * Hkv)](
+    _flash_bwd_dkdv_kernel[_grid(triton.cdiv(T, BN1), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, desc_q, desc_do,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         H, Hkv, T, H // Hkv, s * LOG2E, s,
         CAUSAL=bool(causal), EVEN_T=even1, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1,
-        DOT_PRECISION=prec, USE_TMA=use_tma1, num_warps=W1, num_stages=S1)
+        DOT_PRECISION=prec, USE_TMA=use_tma1, TILE_MAJOR=GRID_TILE_MAJOR, num_warps=W1, num_stages=S1)
     even2 = T % BM2 == 0 and T % BN2 == 0
     use_tma2 = _tma_ok(tma2, even2, k, v)
     desc_k, desc_v = (_descriptor(k, BN2), _descriptor(v, BN2)) if use_tma2 else (None, None)
-    _flash_bwd_dq_kernel[(triton.cdiv(T, BM2), B * H)](
+    _flash_bwd_dq_kernel[_grid(triton.cdiv(T, BM2), B * H)](
         q, k, v, do, lse, delta, dq, desc_k, desc_v,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         H, T, H // Hkv, s * LOG2E, s,
         CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
-        DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2)
+        DOT_PRECISION=prec, USE_TMA=use_tma2, TILE_MAJOR=GRID_TILE_MAJOR, num_warps=W2, num_stages=S2)
     return dq, dk, dv
