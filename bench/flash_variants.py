@@ -4,7 +4,8 @@
 
 For causal bf16 attention at B·T = 16k, H·D = 2048, head dims 64 and 128 and a few T, times:
   * cuDNN (torch SDPA) forward and backward — the bar;
-  * each forward config in FWD and backward config in BWD, in both launch orders (FA.GRID_TILE_MAJOR);
+  * each forward config in FWD and backward config in BWD (None = the default two-kernel backward,
+    ("fused", ...) = the one-pass backward with dQ by atomics);
 and first checks every variant against the fp64 reference (GQA 4/2, T = 1000 ragged and 2048,
 NaN-poisoned outputs). Prints one table per head dim: TFLOP/s and the ratio to cuDNN.
 FLOPs as in bench/attention.py (forward 4·B·H·T²·D/2 causal, backward 2.5×).
@@ -24,14 +25,14 @@ from bench.attention import _bench, _inputs, attn_flops, sdpa_backends, time_sdp
 from xtrain.kernels import flash_attention as FA  # noqa: E402
 
 F, TM = False, True
-# forward: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA); each timed in both launch orders
+# forward: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
 FWD = {
     64: [(128, 64, 4, 3, F), (128, 64, 4, 4, F), (64, 64, 4, 3, F), (128, 64, 4, 3, TM)],
     128: [(64, 64, 4, 3, TM), (128, 128, 8, 3, F), (64, 64, 4, 4, TM), (64, 64, 4, 2, TM), (64, 32, 4, 3, TM),
           (128, 64, 8, 3, F)],
 }
 # backward: the default two-kernel configs, and fused one-pass configs
-# ("fused", (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads, DQ by TMA reduce)); each in both orders
+# ("fused", (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads, DQ by TMA reduce))
 BWD = {
     64: [None, ("fused", (64, 64, 4, 3, TM, TM))],
     128: [None, ("fused", (64, 128, 8, 2, F, TM))],
@@ -61,16 +62,11 @@ def one_size(D, T, ok_f, ok_b, cudnn):
     ref_tf = (fl / ref[0] * 1e-9, 2.5 * fl / ref[1] * 1e-9)
     row = {"D": D, "T": T, "cudnn": ref_tf, "fwd": {}, "bwd": {}}
     o, lse = FA.flash_attention_fwd_triton(q, k, v, True)
-    for tile_major in (False, True):
-        FA.GRID_TILE_MAJOR = tile_major
-        tag = "tile-major" if tile_major else "head-major"
-        for c in ok_f:
-            row["fwd"][f"{c} {tag}"] = fl / _bench(
-                lambda c=c: FA.flash_attention_fwd_triton(q, k, v, True, config=c)) * 1e-9
-        for c in ok_b:
-            row["bwd"][f"{c or 'default'} {tag}"] = 2.5 * fl / _bench(
-                lambda c=c: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=c)) * 1e-9
-    FA.GRID_TILE_MAJOR = False
+    for c in ok_f:
+        row["fwd"][str(c)] = fl / _bench(lambda c=c: FA.flash_attention_fwd_triton(q, k, v, True, config=c)) * 1e-9
+    for c in ok_b:
+        row["bwd"][str(c or "default")] = 2.5 * fl / _bench(
+            lambda c=c: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=c)) * 1e-9
     print(f"D={D} T={T} cudnn {ref_tf[0]:.0f}/{ref_tf[1]:.0f}  "
           f"best fwd {max(row['fwd'].values()):.0f}  best bwd {max(row['bwd'].values()):.0f}", flush=True)
     return row
@@ -89,27 +85,16 @@ def main(argv=None) -> int:
     cudnn = sdpa_backends()["cudnn"]
     for D in args.head_dims:
         ok_f, ok_b = [], []
-        for c in FWD[D]:
-            for tile_major in (False, True):
-                FA.GRID_TILE_MAJOR = tile_major
+        for cands, ok, part in ((FWD[D], ok_f, "fwd"), (BWD[D], ok_b, "bwd")):
+            for c in cands:
                 try:
-                    err = max(check(D, c, None, T) for T in (1000, 2048))
-                    print(f"check D={D} fwd {c} tile_major={tile_major}: max rel err {err:.2e}", flush=True)
-                    if err < 1e-2 and c not in ok_f:
-                        ok_f.append(c)
+                    err = max(check(D, c if part == "fwd" else None, c if part == "bwd" else None, T)
+                              for T in (1000, 2048))
+                    print(f"check D={D} {part} {c}: max rel err {err:.2e}", flush=True)
+                    if err < 1e-2:
+                        ok.append(c)
                 except Exception as e:
-                    print(f"check D={D} fwd {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        for c in BWD[D]:
-            for tile_major in (False, True):
-                FA.GRID_TILE_MAJOR = tile_major
-                try:
-                    err = max(check(D, None, c, T) for T in (1000, 2048))
-                    print(f"check D={D} bwd {c} tile_major={tile_major}: max rel err {err:.2e}", flush=True)
-                    if err < 1e-2 and c not in ok_b:
-                        ok_b.append(c)
-                except Exception as e:
-                    print(f"check D={D} bwd {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        FA.GRID_TILE_MAJOR = False
+                    print(f"check D={D} {part} {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         rows = []
         for T in args.seqs:
             row = one_size(D, T, ok_f, ok_b, cudnn)

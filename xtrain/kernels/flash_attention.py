@@ -43,7 +43,12 @@ Ideas used in the Triton kernels, with their record on Hopper:
     bench/RESULTS.md.
   * Tensor descriptors (Hopper TMA bulk copies, as in recent versions of the Triton tutorial) for the
     streamed tiles, per config: on the H200 they won for the dQ kernel and the short-T hd128 forward and lost
-    elsewhere, so both load paths stay. Warp specialisation was not tried.
+    elsewhere, so both load paths stay.
+  * Tried and measured slower on the H200 (bench/RESULTS.md): Triton 3.6's automatic warp specialisation
+    (``tl.range(..., warp_specialize=True)``: fails to compile at 4 warps, 5-25 % slower at 8); launching
+    the programs tile-major so every head's heaviest causal tile starts first (loses L2 reuse of K/V:
+    up to 30 % slower); and the one-pass FlashAttention-2 backward with dQ added by fp32 atomics, which
+    stays here as an opt-in config (``("fused", ...)``) since it is the textbook form of the algorithm.
 fp32 inputs use exact fp32 dots (``input_precision="ieee"``, matching torch's default of no TF32); bf16/fp16
 inputs feed the tensor cores with 16-bit operands and accumulate in fp32 (P and dS are rounded to the
 input dtype before their matrix products, as in FlashAttention).
@@ -248,16 +253,6 @@ _BWD_CONFIGS = {
 }
 
 
-# Launch order of the programs. False: grid (tiles, heads), so one head's tiles launch together (its K/V
-# stay hot in L2). True: grid (heads, tiles), so with a causal mask every head's heaviest tile launches
-# before any lighter one (the short programs fill the tail of the whole grid, not of each head).
-GRID_TILE_MAJOR = False
-
-
-def _grid(tiles: int, heads: int) -> tuple[int, int]:
-    return (heads, tiles) if GRID_TILE_MAJOR else (tiles, heads)
-
-
 def _dtype_class(dtype: torch.dtype) -> str:
     return "fp32" if dtype == torch.float32 else "16bit"
 
@@ -328,20 +323,13 @@ if HAVE_TRITON:
                           H, T, GROUP, qk_scale,
                           CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TILE_MAJOR: tl.constexpr):
-        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H), or
-        (B*H, cdiv(T, BLOCK_M)) with TILE_MAJOR.
+                          DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H).
         With USE_TMA, K/V tiles come through host-built tensor descriptors over the [B*Hkv*T, D] rows."""
-        if TILE_MAJOR:  # grid (B*H, tiles): every head's heaviest tile launches before any lighter one
-            off_bh = tl.program_id(0)
-            pid_m = tl.program_id(1)
-            n_m = tl.num_programs(1)
-        else:  # grid (tiles, B*H)
-            pid_m = tl.program_id(0)
-            off_bh = tl.program_id(1)
-            n_m = tl.num_programs(0)
+        pid_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
         if CAUSAL:  # heaviest query tiles first: the short ones fill the tail of the grid
-            pid_m = n_m - 1 - pid_m
+            pid_m = tl.num_programs(0) - 1 - pid_m
         off_b = off_bh // H
         off_h = off_bh % H
         off_kvh = off_h // GROUP
@@ -463,15 +451,11 @@ if HAVE_TRITON:
                                H, Hkv, T, GROUP, qk_scale, sm_scale,
                                CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TILE_MAJOR: tl.constexpr):
+                               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
         """One program: BLOCK_N keys of one (batch, K/V head), over all query heads of its group.
         grid = (cdiv(T, BLOCK_N), B*Hkv). Causal programs at small pid_n have the most work and start first."""
-        if TILE_MAJOR:
-            off_bkv = tl.program_id(0)
-            pid_n = tl.program_id(1)
-        else:
-            pid_n = tl.program_id(0)
-            off_bkv = tl.program_id(1)
+        pid_n = tl.program_id(0)
+        off_bkv = tl.program_id(1)
         off_b = off_bkv // Hkv
         off_kvh = off_bkv % Hkv
         start_n = pid_n * BLOCK_N
@@ -562,18 +546,12 @@ if HAVE_TRITON:
                              H, T, GROUP, qk_scale, sm_scale,
                              CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TILE_MAJOR: tl.constexpr):
-        """One program: BLOCK_M query rows of one (batch, head). grid as the forward's."""
-        if TILE_MAJOR:
-            off_bh = tl.program_id(0)
-            pid_m = tl.program_id(1)
-            n_m = tl.num_programs(1)
-        else:
-            pid_m = tl.program_id(0)
-            off_bh = tl.program_id(1)
-            n_m = tl.num_programs(0)
+                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H)."""
+        pid_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
         if CAUSAL:
-            pid_m = n_m - 1 - pid_m
+            pid_m = tl.num_programs(0) - 1 - pid_m
         off_b = off_bh // H
         off_h = off_bh % H
         off_kvh = off_h // GROUP
@@ -680,17 +658,12 @@ if HAVE_TRITON:
                                 H, Hkv, T, GROUP, qk_scale, sm_scale,
                                 CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr,
-                                TILE_MAJOR: tl.constexpr):
+                                DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr):
         """One program: BLOCK_N keys of one (batch, K/V head) over all query heads of its group, as the
         dK/dV kernel, also adding dS k into the fp32 dQ accumulator DQA [B*H*T, D] (contiguous, zeroed by
         the preprocess). grid = (cdiv(T, BLOCK_N), B*Hkv)."""
-        if TILE_MAJOR:
-            off_bkv = tl.program_id(0)
-            pid_n = tl.program_id(1)
-        else:
-            pid_n = tl.program_id(0)
-            off_bkv = tl.program_id(1)
+        pid_n = tl.program_id(0)
+        off_bkv = tl.program_id(1)
         off_b = off_bkv // Hkv
         off_kvh = off_bkv % Hkv
         start_n = pid_n * BLOCK_N
@@ -822,15 +795,14 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     even = T % BLOCK_M == 0 and T % BLOCK_N == 0
     use_tma = _tma_ok(tma, even, k, v)
     desc_k, desc_v = (_descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N)) if use_tma else (None, None)
-    grid = _grid(triton.cdiv(T, BLOCK_M), B * H)
+    grid = (triton.cdiv(T, BLOCK_M), B * H)
     _flash_fwd_kernel[grid](
         q, k, v, o, lse, desc_k, desc_v,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         H, T, H // Hkv, s * LOG2E,
         CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, TILE_MAJOR=GRID_TILE_MAJOR,
-        num_warps=num_warps, num_stages=num_stages)
+        DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages)
     return o, lse
 
 
@@ -876,15 +848,14 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
         desc_q, desc_do = (_descriptor(q, BM), _descriptor(do, BM)) if use_tma else (None, None)
         use_dq_tma = bool(dq_tma) and _HAVE_DESC and even
         desc_dqa = TensorDescriptor(dqa, list(dqa.shape), [D, 1], [BM, D]) if use_dq_tma else None
-        _flash_bwd_fused_kernel[_grid(triton.cdiv(T, BN), B * Hkv)](
+        _flash_bwd_fused_kernel[(triton.cdiv(T, BN), B * Hkv)](
             q, k, v, do, lse, delta, dk, dv, dqa, desc_q, desc_do, desc_dqa,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             H, Hkv, T, H // Hkv, s * LOG2E, s,
             CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN,
-            DOT_PRECISION=prec, USE_TMA=use_tma, DQ_TMA=use_dq_tma, TILE_MAJOR=GRID_TILE_MAJOR,
-            num_warps=W, num_stages=S)
+            DOT_PRECISION=prec, USE_TMA=use_tma, DQ_TMA=use_dq_tma, num_warps=W, num_stages=S)
         _flash_bwd_dq_postprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
             dqa, dq, dq.stride(0), dq.stride(1), dq.stride(2), H, T, s, HEAD_DIM=D, BLOCK_M=PRE_M)
         return dq, dk, dv
@@ -894,23 +865,23 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     even1 = T % BM1 == 0 and T % BN1 == 0
     use_tma1 = _tma_ok(tma1, even1, q, do)
     desc_q, desc_do = (_descriptor(q, BM1), _descriptor(do, BM1)) if use_tma1 else (None, None)
-    _flash_bwd_dkdv_kernel[_grid(triton.cdiv(T, BN1), B * Hkv)](
+    _flash_bwd_dkdv_kernel[(triton.cdiv(T, BN1), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, desc_q, desc_do,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         H, Hkv, T, H // Hkv, s * LOG2E, s,
         CAUSAL=bool(causal), EVEN_T=even1, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1,
-        DOT_PRECISION=prec, USE_TMA=use_tma1, TILE_MAJOR=GRID_TILE_MAJOR, num_warps=W1, num_stages=S1)
+        DOT_PRECISION=prec, USE_TMA=use_tma1, num_warps=W1, num_stages=S1)
     even2 = T % BM2 == 0 and T % BN2 == 0
     use_tma2 = _tma_ok(tma2, even2, k, v)
     desc_k, desc_v = (_descriptor(k, BN2), _descriptor(v, BN2)) if use_tma2 else (None, None)
-    _flash_bwd_dq_kernel[_grid(triton.cdiv(T, BM2), B * H)](
+    _flash_bwd_dq_kernel[(triton.cdiv(T, BM2), B * H)](
         q, k, v, do, lse, delta, dq, desc_k, desc_v,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         H, T, H // Hkv, s * LOG2E, s,
         CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
-        DOT_PRECISION=prec, USE_TMA=use_tma2, TILE_MAJOR=GRID_TILE_MAJOR, num_warps=W2, num_stages=S2)
+        DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2)
     return dq, dk, dv
