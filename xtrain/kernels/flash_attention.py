@@ -865,23 +865,56 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     even1 = T % BM1 == 0 and T % BN1 == 0
     use_tma1 = _tma_ok(tma1, even1, q, do)
     desc_q, desc_do = (_descriptor(q, BM1), _descriptor(do, BM1)) if use_tma1 else (None, None)
-    _flash_bwd_dkdv_kernel[(triton.cdiv(T, BN1), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, desc_q, desc_do,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        H, Hkv, T, H // Hkv, s * LOG2E, s,
-        CAUSAL=bool(causal), EVEN_T=even1, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1,
-        DOT_PRECISION=prec, USE_TMA=use_tma1, num_warps=W1, num_stages=S1)
+
+    def launch_dkdv():
+        _flash_bwd_dkdv_kernel[(triton.cdiv(T, BN1), B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv, desc_q, desc_do,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            H, Hkv, T, H // Hkv, s * LOG2E, s,
+            CAUSAL=bool(causal), EVEN_T=even1, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1,
+            DOT_PRECISION=prec, USE_TMA=use_tma1, num_warps=W1, num_stages=S1)
+
     even2 = T % BM2 == 0 and T % BN2 == 0
     use_tma2 = _tma_ok(tma2, even2, k, v)
     desc_k, desc_v = (_descriptor(k, BN2), _descriptor(v, BN2)) if use_tma2 else (None, None)
-    _flash_bwd_dq_kernel[(triton.cdiv(T, BM2), B * H)](
-        q, k, v, do, lse, delta, dq, desc_k, desc_v,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        H, T, H // Hkv, s * LOG2E, s,
-        CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
-        DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2)
+
+    def launch_dq():
+        _flash_bwd_dq_kernel[(triton.cdiv(T, BM2), B * H)](
+            q, k, v, do, lse, delta, dq, desc_k, desc_v,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            H, T, H // Hkv, s * LOG2E, s,
+            CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
+            DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2)
+
+    if BWD_TWO_STREAMS and q.is_cuda:
+        # the dK/dV and dQ kernels are independent once delta exists: the dQ kernel runs on a side stream so
+        # the two overlap (each one's tail of short causal programs fills with the other's work). The main
+        # stream waits for the side stream before returning, so later work on it (and the reuse of delta's
+        # memory by the caching allocator) is ordered after both.
+        main = torch.cuda.current_stream(q.device)
+        side = _side_stream(q.device)
+        side.wait_stream(main)  # delta and the buffers are ready
+        with torch.cuda.stream(side):
+            launch_dq()
+        launch_dkdv()
+        main.wait_stream(side)
+    else:
+        launch_dkdv()
+        launch_dq()
     return dq, dk, dv
+
+
+# Run the backward's dQ kernel on a second CUDA stream, concurrently with the dK/dV kernel.
+BWD_TWO_STREAMS = True
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device):
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SIDE_STREAMS[key]
