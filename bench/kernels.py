@@ -13,6 +13,7 @@ Timing: triton.testing.do_bench (CUDA events, warm-up, median), random normal da
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import traceback
@@ -34,8 +35,11 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
+_DEV = "cuda"  # the variant sweep's smoke test runs it on the CPU (Triton interpreter) at small sizes
+
+
 def _rand(*shape, dtype=torch.bfloat16, scale=1.0):
-    return (scale * torch.randn(*shape, device="cuda")).to(dtype)
+    return (scale * torch.randn(*shape, device=_DEV)).to(dtype)
 
 
 def _esize(dtype) -> int:
@@ -222,10 +226,255 @@ def _linear_ce_row(N, C, V):
                 mem_saved_gib=(res["unfused"][0] - res["fused"][0]) / 2**30)
 
 
+# ------------------------------------------------------------------------------ variant sweep (--variants)
+# Each kernel's tiling knobs (module-level overrides) swept at the bench's sizes: every variant is first
+# checked against the float64 oracle with its outputs poisoned (NaN), then timed next to the reference.
+
+@contextlib.contextmanager
+def _poisoned():
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    torch.empty = lambda *a, **k: fill(real_empty(*a, **k))
+    torch.empty_like = lambda *a, **k: fill(real_empty_like(*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_empty_like
+
+
+@contextlib.contextmanager
+def _knob(module, name, value):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _tol(dt):
+    return 1e-5 if dt == torch.float32 else 1e-2
+
+
+def variant_cases():
+    """Yields (group, label, variant, nbytes, fn, check, ref_fn); check() -> (ok, detail), run poisoned."""
+    for N, C, dt in [(16384, 4096, torch.bfloat16), (65536, 768, torch.bfloat16), (8192, 8192, torch.bfloat16),
+                     (16384, 4096, torch.float32)]:
+        yield from _v_rms(N, C, dt)
+    for shape, batched, dt in [((4, 32, 4096, 128), False, torch.bfloat16),
+                               ((4, 32, 4096, 128), False, torch.float32),
+                               ((2, 16, 16384, 128), True, torch.bfloat16)]:
+        yield from _v_rope(shape, batched, dt)
+    for shape, dt in [((8192, 14336), torch.bfloat16), ((4096, 14336), torch.float32)]:
+        yield from _v_dropout(shape, dt)
+    for N, V, dt in [(8192, 32768, torch.bfloat16), (8192, 131072, torch.bfloat16), (4096, 131072, torch.float32)]:
+        yield from _v_ce(N, V, dt)
+    yield from _v_adamw()
+    for N, V, C, dt in [(16384, 131072, 4096, torch.bfloat16), (16384, 32000, 2048, torch.float32)]:
+        yield from _v_embedding(N, V, C, dt)
+
+
+def _v_rms(N, C, dt):
+    from xtrain.kernels import rms_norm as K
+
+    e = _esize(dt)
+    x, dy = _rand(N, C, dtype=dt), _rand(N, C, dtype=dt)
+    w = (1 + 0.1 * torch.randn(C, device=_DEV)).to(dt)
+    _, r = K.rms_norm_fwd_triton(x, w, 1e-6)
+    _, r64 = K.rms_norm_fwd_ref(x.double(), w.double(), 1e-6)
+    dx64, dw64 = K.rms_norm_bwd_ref(dy.double(), x.double(), w.double(), r64)
+    for cfg in [None, (4096, 8, 2, True), (4096, 16, 2, True), (8192, 16, 1, True), (2048, 4, 8, True),
+                (4096, 8, 2, False), (4096, 4, 4, True)]:
+        def fn(cfg=cfg):
+            with _knob(K, "BWD_CONFIG", cfg):
+                return K.rms_norm_bwd_triton(dy, x, w, r)
+
+        def check(fn=fn):
+            dx, dw = fn()
+            ex, ew = _rel(dx, dx64), _rel(dw, dw64)
+            return ex < _tol(dt) and ew < _tol(dt), f"dx {ex:.1e} dw {ew:.1e}"
+        yield ("rms_norm bwd", f"{N}x{C} {_name(dt)}", str(cfg), 3 * N * C * e + C * e + 4 * N, fn, check,
+               lambda: K.rms_norm_bwd_ref(dy, x, w, r))
+
+
+def _v_rope(shape, batched, dt):
+    from xtrain.kernels import rope as K
+
+    x = _rand(*shape, dtype=dt)
+    T = shape[-2]
+    pos = torch.randint(0, 16384, (shape[0], T), device=_DEV) if batched else torch.arange(T, device=_DEV)
+    y32 = K.rope_fwd_ref(x.float(), pos, 1e6)
+    lbl = f"{'x'.join(map(str, shape))} {'pos[B,T]' if batched else 'pos[T]'} {_name(dt)}"
+    for cfg, table in [(None, False), (None, True), ((2048, 4, 8, False), False), ((4096, 8, 4, True), False),
+                       ((1024, 4, 16, True), False), ((4096, 4, 8, True), False)]:
+        def fn(cfg=cfg, table=table):
+            with _knob(K, "CONFIG", cfg):
+                return K.rope_fwd_triton(x, pos, 1e6, table=table)
+
+        def check(fn=fn):
+            err = _rel(fn(), y32)
+            return err < _tol(dt), f"{err:.1e}"
+        yield ("rope fwd", lbl, f"{cfg}{' table' if table else ''}", 2 * x.numel() * _esize(dt), fn, check,
+               lambda: K.rope_fwd_ref(x, pos, 1e6))
+
+
+def _v_dropout(shape, dt):
+    from xtrain.kernels import dropout as K
+
+    x = _rand(*shape, dtype=dt)
+    y0 = K.dropout_fwd_ref(x, 0.1, 1234)
+    for block, warps in [(1024, 8), (512, 4), (2048, 8), (1024, 4)]:
+        def fn(block=block, warps=warps):
+            with _knob(K, "BLOCK", block), _knob(K, "NUM_WARPS", warps):
+                return K.dropout_fwd_triton(x, 0.1, 1234)
+
+        def check(fn=fn):
+            same = torch.equal(fn(), y0)
+            return same, f"equal {same}"
+        yield ("dropout fwd", f"{shape[0]}x{shape[1]} {_name(dt)}", f"pairs {block} w{warps}",
+               2 * x.numel() * _esize(dt), fn, check, lambda: K.dropout_fwd_ref(x, 0.1, 1234))
+
+
+def _v_ce(N, V, dt):
+    from xtrain.kernels import cross_entropy as K
+
+    e = _esize(dt)
+    logits = _rand(N, V, dtype=dt, scale=3.0)
+    t = torch.randint(0, V, (N,), device=_DEV)
+    t[::7] = -100
+    loss64, lse64, _ = K.cross_entropy_fwd_ref(logits.double(), t)
+    lbl = f"{N}x{V} {_name(dt)}"
+    for cfg in [None, (8192, 16, 1), (2048, 4, 1), (4096, 8, 2), (4096, 8, 4), (8192, 16, 0), (4096, 8, 0)]:
+        def fn(cfg=cfg):
+            with _knob(K, "FWD_CONFIG", cfg):
+                return K.cross_entropy_fwd_triton(logits, t)
+
+        def check(fn=fn):
+            loss, lse, _ = fn()
+            el, es = abs(loss.item() - loss64.item()) / loss64.item(), _rel(lse, lse64)
+            return el < 1e-5 and es < 1e-6, f"loss {el:.1e} lse {es:.1e}"
+        yield ("cross_entropy fwd", lbl, str(cfg), N * V * e + 16 * N, fn, check,
+               lambda: K.cross_entropy_fwd_ref(logits, t))
+
+    def kern_only():
+        return K.cross_entropy_fwd_lse_triton(logits, t)
+
+    def check_k():
+        es = _rel(kern_only()[0], lse64)
+        return es < 1e-6, f"lse {es:.1e}"
+    yield ("cross_entropy fwd", lbl, "default, kernels only (no count/sum/sync)", N * V * e + 16 * N, kern_only,
+           check_k, None)
+
+
+def _v_adamw():
+    from xtrain.kernels import adamw as K
+
+    shapes = [(32000, 1024)] + 24 * ([(1024, 1024)] * 4 + [(2816, 1024)] * 3 + [(1024,)] * 2)
+    n = sum(torch.Size(sh).numel() for sh in shapes)
+    st = ([_rand(*sh, dtype=torch.float32) for sh in shapes], [_rand(*sh, dtype=torch.float32) for sh in shapes],
+          [_rand(*sh, dtype=torch.float32, scale=0.1) for sh in shapes],
+          [torch.rand(*sh, device=_DEV) * 0.01 for sh in shapes],
+          [torch.empty(sh, device=_DEV, dtype=torch.bfloat16) for sh in shapes])
+    kw = dict(step=10, lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decays=[0.1] * len(shapes))
+    for block, warps in [(4096, 8), (8192, 8), (2048, 4), (8192, 16)]:
+        def fn(block=block, warps=warps):
+            with _knob(K, "BLOCK", block), _knob(K, "NUM_WARPS", warps):
+                K.adamw_step_triton(*st[:4], copies=st[4], **kw)
+
+        def check(block=block, warps=warps):
+            a = [[t.clone() for t in lst] for lst in st]
+            b = [[t.clone() for t in lst] for lst in st]
+            with _knob(K, "BLOCK", block), _knob(K, "NUM_WARPS", warps):
+                K.adamw_step_triton(*a[:4], copies=a[4], **kw)
+            K.adamw_step_ref(*b[:4], copies=b[4], **kw)
+            bad = sum(int(not torch.equal(p, q)) for la, lb in zip(a, b) for p, q in zip(la, lb))
+            return bad == 0, f"{bad} tensors differ"
+        yield ("adamw", f"{n / 1e6:.0f}M params / {len(shapes)} tensors +bf16", f"BLOCK {block} w{warps}", 30 * n,
+               fn, check, lambda: K.adamw_step_ref(*st[:4], copies=st[4], **kw))
+
+
+def _v_embedding(N, V, C, dt):
+    from xtrain.kernels import embedding as K
+
+    e = _esize(dt)
+    ids = (torch.rand(N, device=_DEV) ** 3 * V).long().clamp_max(V - 1)
+    d = _rand(N, C, dtype=dt)
+    ref64 = K.embedding_bwd_ref(d.double(), ids, V)
+    lbl = f"N={N} V={V} C={C} {_name(dt)}"
+    for cfg in [None, (8, 512, 4, "torch", "scan"), (16, 1024, 4, "torch", "loop"), (32, 1024, 4, "torch", "loop"),
+                (16, 512, 4, "torch", "loop"), (8, 1024, 4, "torch", "loop"), (16, 1024, 4, "absent", "loop")]:
+        def fn(cfg=cfg):
+            with _knob(K, "CONFIG", cfg):
+                return K.embedding_bwd_triton(d, ids, V)
+
+        def check(fn=fn):
+            a = fn()
+            err, det = _rel(a, ref64), torch.equal(a, fn())
+            return err < _tol(dt) and det, f"{err:.1e} deterministic {det}"
+        yield ("embedding bwd", lbl, str(cfg), N * C * e + V * C * e + 8 * N, fn, check,
+               lambda: K.embedding_bwd_ref(d, ids, V))
+    yield ("embedding bwd", lbl, "torch.zeros(V, C) alone", V * C * e,
+           lambda: torch.zeros(V, C, dtype=dt, device=_DEV), lambda: (True, "-"), None)
+
+
+def run_variants(bw: float, only=None, log=None) -> list:
+    rows = []
+    ref_ms_cache = {}
+    gen = variant_cases()
+    while True:
+        try:
+            group, label, variant, nbytes, fn, check, ref_fn = next(gen)
+        except StopIteration:
+            break
+        except Exception:
+            traceback.print_exc()
+            break
+        if only and not any(o in group for o in only):
+            continue
+        row = dict(group=group, size=label, variant=variant)
+        try:
+            with _poisoned():
+                ok, detail = check()
+            t_ms = _bench(fn, rep=50)
+            if ref_fn is None:
+                r_ms = float("nan")
+            elif (group, label) in ref_ms_cache:
+                r_ms = ref_ms_cache[(group, label)]
+            else:
+                r_ms = ref_ms_cache[(group, label)] = _bench(ref_fn, rep=50)
+            row.update(ok=bool(ok), detail=detail, ms=t_ms, ref_ms=r_ms, of_copy=nbytes / (t_ms * 1e-3) / bw,
+                       speedup=r_ms / t_ms)
+        except Exception as exc:
+            row.update(ok=False, detail=f"{type(exc).__name__}: {exc}"[:300], ms=float("nan"), ref_ms=float("nan"),
+                       of_copy=float("nan"), speedup=float("nan"))
+        rows.append(row)
+        line = (f"{group:18s} {label:34s} {variant:44s} {'ok ' if row['ok'] else 'BAD'} {row['ms']:8.3f} ms "
+                f"{row['of_copy']:5.0%}  x{row['speedup']:5.1f}  {row['detail']}")
+        print(line, flush=True)
+        if log is not None:
+            log.write(line + "\n")
+            log.flush()
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="xtrain bench kernels", description=__doc__.split("\n")[0])
-    ap.add_argument("--only", nargs="*", choices=sorted(GROUPS) + ["linear_ce"], help="run these groups only")
+    ap.add_argument("--only", nargs="*", help=f"run these groups only ({', '.join(sorted(GROUPS))}, linear_ce)")
     ap.add_argument("--json", help="write every row to this JSON file")
+    ap.add_argument("--variants", action="store_true",
+                    help="sweep each kernel's tiling variants instead (checked, then timed; --only filters groups)")
+    ap.add_argument("--log", help="with --variants: also write the lines to this file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("xtrain bench kernels: needs a CUDA GPU", file=sys.stderr)
@@ -236,6 +485,30 @@ def main(argv=None) -> int:
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}")
     bw = copy_bandwidth()
     print(f"# copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
+    if args.variants:
+        with open(args.log, "w") if args.log else contextlib.nullcontext() as log:
+            vrows = run_variants(bw, args.only, log)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=dev, torch=torch.__version__, triton=triton.__version__, copy_tbps=bw / 1e12,
+                               variants=vrows), f, indent=1)
+        best = {}
+        for r in vrows:
+            k = (r["group"], r["size"])
+            if r["ok"] and r["ms"] == r["ms"] and "alone" not in r["variant"] and "kernels only" not in r["variant"]:
+                if k not in best or r["ms"] < best[k]["ms"]:
+                    best[k] = r
+        print("\n| kernel, size | best variant | ms | of copy | speed-up | default ms |")
+        print("|---|---|---:|---:|---:|---:|")
+        for k, r in best.items():
+            d = [x for x in vrows if (x["group"], x["size"]) == k and x["variant"] in ("None", "pairs 1024 w8",
+                                                                                       "BLOCK 4096 w8")]
+            print(f"| {k[0]} {k[1]} | {r['variant']} | {r['ms']:.3f} | {r['of_copy']:.0%} | {r['speedup']:.1f}x | "
+                  f"{d[0]['ms'] if d else float('nan'):.3f} |")
+        bad = [r for r in vrows if not r["ok"]]
+        print(f"# {len(vrows)} variants, {len(bad)} failed their check" +
+              "".join(f"\n#  BAD {r['group']} {r['size']} {r['variant']}: {r['detail']}" for r in bad))
+        return 0
     rows = []
     for gname, builder in GROUPS.items():
         if args.only and gname not in args.only:

@@ -95,9 +95,10 @@ def test_swiglu_cpu(shape):
 @needs_cpu_interp
 @pytest.mark.parametrize("p,seed", [(0.1, 0), (0.5, 1), (0.3, 2**64 - 1), (0.25, 0xDEADBEEF), (0.9, 2**40 + 7)])
 def test_dropout_cpu_bit_exact(p, seed):
-    x = torch.randn(3, 7, 64)
-    assert torch.equal(K_drop.dropout_fwd_triton(x, p, seed), K_drop.dropout_fwd_ref(x, p, seed))
-    assert torch.equal(K_drop.dropout_bwd_triton(x, p, seed), K_drop.dropout_bwd_ref(x, p, seed))
+    for shape in ((3, 7, 64), (5, 123), (1,)):  # odd element counts: a last pair with one element
+        x = torch.randn(shape)
+        assert torch.equal(K_drop.dropout_fwd_triton(x, p, seed), K_drop.dropout_fwd_ref(x, p, seed))
+        assert torch.equal(K_drop.dropout_bwd_triton(x, p, seed), K_drop.dropout_bwd_ref(x, p, seed))
 
 
 @needs_cpu_interp
@@ -121,6 +122,22 @@ def test_cross_entropy_cpu(N, V, reduction):
     nll, lse1 = K_ce.cross_entropy_fwd_bwd_triton(a, t, -100, 0.25)
     nll0, _ = K_ce.cross_entropy_fwd_bwd_ref(b, t, -100, 0.25)
     assert _max_err(nll, nll0) <= CPU_TOL * 10 and _max_err(a, b) <= CPU_TOL
+
+
+@needs_cpu_interp
+@pytest.mark.parametrize("config", [(256, 4, 1), (256, 4, 3), (512, 4, 0), (8192, 4, 0)])
+def test_cross_entropy_fwd_tilings_cpu(config, monkeypatch):
+    """Every forward tiling the bench sweeps: one block per program (split + combine), several blocks
+    per program (the prefetching loop), the whole row in one program (loop, no combine pass)."""
+    monkeypatch.setattr(K_ce, "FWD_CONFIG", config)
+    for N, V in ((5, 123), (7, 1000), (3, 2500)):
+        logits = torch.randn(N, V) * 3
+        logits[0, 7] = 40.0  # a large max in the middle of a row: the running rescale must handle it
+        t = torch.randint(0, V, (N,))
+        t[1] = -100
+        loss, lse, denom = K_ce.cross_entropy_fwd_triton(logits, t)
+        loss0, lse0, denom0 = K_ce.cross_entropy_fwd_ref(logits, t)
+        assert denom == denom0 and _max_err(loss, loss0) <= CPU_TOL * 10 and _max_err(lse, lse0) <= CPU_TOL * 10
 
 
 @needs_cpu_interp
@@ -229,6 +246,42 @@ def test_embedding_bwd_cpu(ishape, V, C):
     a = K_emb.embedding_bwd_triton(d, ids, V)
     assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
     assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))  # deterministic: no atomics
+
+
+@needs_cpu_interp
+@pytest.mark.parametrize("config", [(4, 64, 4, "torch", "scan"), (4, 64, 4, "torch", "loop"),
+                                    (8, 32, 4, "absent", "loop"), (1, 16, 4, "absent", "scan")])
+def test_embedding_bwd_tilings_cpu(config, monkeypatch):
+    """Both chunk kernels (segmented scan, running sum) and both zero fills, with runs of one id much longer
+    than a chunk (they are summed across chunks by the merge pass)."""
+    monkeypatch.setattr(K_emb, "CONFIG", config)
+    for n, V, C in ((100, 50, 9), (33, 1, 8), (40, 3, 70), (1, 4, 5)):
+        ids = (torch.rand(n) ** 3 * V).long()  # Zipf-like: long runs of the small ids
+        d = torch.randn(n, C)
+        a = K_emb.embedding_bwd_triton(d, ids, V)
+        assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
+
+
+@needs_cpu_interp
+@pytest.mark.parametrize("config", [(64, 4, 2, True), (64, 4, 2, False), (2048, 4, 4, True)])
+def test_rms_norm_bwd_tilings_cpu(config, monkeypatch):
+    monkeypatch.setattr(K_rms, "BWD_CONFIG", config)
+    for shape in ((37, 40), (9, 130), (3, 7, 64)):
+        x, dy, w = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1])
+        _, r = K_rms.rms_norm_fwd_ref(x, w, 1e-6)
+        dx, dw = K_rms.rms_norm_bwd_triton(dy, x, w, r)
+        dx0, dw0 = K_rms.rms_norm_bwd_ref(dy, x, w, r)
+        assert _max_err(dx, dx0) <= CPU_TOL and _max_err(dw, dw0) <= CPU_TOL * 10
+
+
+@needs_cpu_interp
+@pytest.mark.parametrize("config", [(1024, 4, 4, False), (4096, 8, 2, True)])
+def test_rope_tilings_cpu(config, monkeypatch):
+    monkeypatch.setattr(K_rope, "CONFIG", config)
+    for xshape, pshape in (((3, 7, 64), (7,)), ((2, 3, 5, 6), (2, 5)), ((2, 5, 9, 10), (9,))):
+        x, pos = torch.randn(xshape), torch.randint(0, 17000, pshape)
+        assert _max_err(K_rope.rope_fwd_triton(x, pos), K_rope.rope_fwd_ref(x, pos)) <= CPU_TOL
+        assert _max_err(K_rope.rope_bwd_triton(x, pos), K_rope.rope_bwd_ref(x, pos)) <= CPU_TOL
 
 
 def test_dispatch_cpu_and_fp64_use_reference():

@@ -72,25 +72,44 @@ def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps,
 
 @_jit
 def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
-                         BLOCK_C: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)  # reduced over rows once, at the end
     row_start = pid.to(tl.int64) * rows_per_program  # int64 so row * C cannot overflow
     row_end = tl.minimum(row_start + rows_per_program, N)
-    for row in range(row_start, row_end):
-        offs = row * C + cols
-        x = tl.load(X + offs, mask=cmask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=cmask, other=0.0).to(tl.float32)
-        r = tl.load(INV_RMS + row)
-        g = dy * w
+    rows = row_start + tl.arange(0, BLOCK_R)
+    mask = (rows < row_end)[:, None] & cmask[None, :]
+    offs = rows[:, None] * C + cols[None, :]
+    x_n = tl.load(X + offs, mask=mask, other=0.0)
+    dy_n = tl.load(DY + offs, mask=mask, other=0.0)
+    r_n = tl.load(INV_RMS + rows, mask=rows < row_end, other=0.0)
+    for _ in range(row_start, row_end, BLOCK_R):
+        x = x_n.to(tl.float32)
+        dy = dy_n.to(tl.float32)
+        r = r_n
+        cur_offs = offs
+        cur_mask = mask
+        rows += BLOCK_R
+        mask = (rows < row_end)[:, None] & cmask[None, :]
+        offs = rows[:, None] * C + cols[None, :]
+        if PREFETCH:  # the next tile's loads go out before this tile's reduction and stores
+            x_n = tl.load(X + offs, mask=mask, other=0.0)
+            dy_n = tl.load(DY + offs, mask=mask, other=0.0)
+            r_n = tl.load(INV_RMS + rows, mask=rows < row_end, other=0.0)
+        g = dy * w[None, :]
         # dx = r * g - x * r^3 / C * sum(g * x)
-        dx = r * g - x * (r * r * r / C) * tl.sum(g * x, axis=0)
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=cmask)
-        dw_acc += dy * x * r
-    tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, dw_acc, mask=cmask)
+        dot = tl.sum(g * x, axis=1)  # [BLOCK_R]
+        dx = r[:, None] * g - x * ((r * r * r / C) * dot)[:, None]
+        tl.store(DX + cur_offs, dx.to(DX.dtype.element_ty), mask=cur_mask)
+        dw_acc += dy * x * r[:, None]
+        if not PREFETCH:
+            x_n = tl.load(X + offs, mask=mask, other=0.0)
+            dy_n = tl.load(DY + offs, mask=mask, other=0.0)
+            r_n = tl.load(INV_RMS + rows, mask=rows < row_end, other=0.0)
+    tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, tl.sum(dw_acc, axis=0), mask=cmask)
 
 
 def _fwd_config(C: int):
@@ -100,10 +119,23 @@ def _fwd_config(C: int):
     return BLOCK_R, BLOCK_C, num_warps
 
 
-def _num_programs(x: torch.Tensor, N: int) -> int:
+BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH) override, for the bench's sweep
+
+
+def _bwd_config(C: int):
+    BLOCK_C = triton.next_power_of_2(C)
+    if BWD_CONFIG is not None:
+        tile, num_warps, per_sm, prefetch = BWD_CONFIG
+        return max(1, tile // BLOCK_C), BLOCK_C, num_warps, per_sm, prefetch
+    BLOCK_R = max(1, min(8, 4096 // BLOCK_C))  # ~4k elements per step for short rows
+    num_warps = 8 if BLOCK_C * BLOCK_R <= 4096 else 16
+    return BLOCK_R, BLOCK_C, num_warps, 4, True
+
+
+def _num_programs(x: torch.Tensor, N: int, per_sm: int = 4) -> int:
     if x.is_cuda:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return max(1, min(N, 4 * sms))
+        return max(1, min(N, per_sm * sms))
     return max(1, min(N, 4))  # the interpreter: few programs, each several rows
 
 
@@ -128,14 +160,14 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     dx = torch.empty_like(x2)
     if N == 0:
         return dx.reshape(x.shape), torch.zeros_like(w)
-    P = _num_programs(x2, N)
+    BLOCK_R, BLOCK_C, num_warps, per_sm, prefetch = _bwd_config(C)
+    P = _num_programs(x2, N, per_sm)
     rows_per_program = triton.cdiv(N, P)
     P = triton.cdiv(N, rows_per_program)
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
-    BLOCK_C = triton.next_power_of_2(C)
-    num_warps = 4 if BLOCK_C <= 1024 else (8 if BLOCK_C <= 8192 else 16)
     _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
-                               rows_per_program, BLOCK_C=BLOCK_C, num_warps=num_warps)
+                               rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=prefetch,
+                               num_warps=num_warps)
     dw = dw_partial.sum(dim=0)  # the second pass: P x C -> C, fixed order
     return dx.reshape(x.shape), dw.to(w.dtype)
 

@@ -31,6 +31,7 @@ from xtrain.kernels._dispatch import jit as _jit
 from xtrain.kernels._dispatch import tl, triton, use_triton
 
 TABLE_DEFAULT = False  # in-kernel cos/sin measured faster on the H200 (bench/RESULTS.md)
+CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH) override, for the bench's sweep
 
 
 _INV_FREQ_CACHE: dict = {}
@@ -95,7 +96,7 @@ def rope_bwd_ref(dy: torch.Tensor, positions: torch.Tensor, theta: float = 10000
 @_jit
 def _rope_kernel(X, Y, POS, INV_FREQ, COS, SIN, T, G, groups_per_program,
                  HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                 TABLE: tl.constexpr, INVERSE: tl.constexpr):
+                 TABLE: tl.constexpr, INVERSE: tl.constexpr, PREFETCH: tl.constexpr):
     # x is [B', G, T, D]: B' = B for positions [B, T] (else 1), G = every other leading dim (e.g. heads)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     b = tl.program_id(1).to(tl.int64)
@@ -120,15 +121,26 @@ def _rope_kernel(X, Y, POS, INV_FREQ, COS, SIN, T, G, groups_per_program,
         s = -s
     g0 = tl.program_id(2) * groups_per_program
     g1 = tl.minimum(g0 + groups_per_program, G)
+    offs = ((b * G + g0) * T + t)[:, None] * (2 * HALF) + h[None, :]  # int64
+    step = T * (2 * HALF)  # one group further
+    x1n = tl.load(X + offs, mask=mask, other=0.0)
+    x2n = tl.load(X + offs + HALF, mask=mask, other=0.0)
     for g in range(g0, g1):
-        rows = (b * G + g) * T + t  # int64 rows of D
-        offs = rows[:, None] * (2 * HALF) + h[None, :]
-        x1 = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(X + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1 = x1n.to(tl.float32)
+        x2 = x2n.to(tl.float32)
+        if PREFETCH:  # the next group's loads go out before this group's stores
+            nmask = mask & (t * 0 + g + 1 < g1)[:, None]  # (a tensor: the interpreter needs one)
+            x1n = tl.load(X + offs + step, mask=nmask, other=0.0)
+            x2n = tl.load(X + offs + step + HALF, mask=nmask, other=0.0)
         y1 = x1 * c - x2 * s
         y2 = x2 * c + x1 * s
         tl.store(Y + offs, y1.to(Y.dtype.element_ty), mask=mask)
         tl.store(Y + offs + HALF, y2.to(Y.dtype.element_ty), mask=mask)
+        if not PREFETCH:
+            nmask = mask & (t * 0 + g + 1 < g1)[:, None]  # (a tensor: the interpreter needs one)
+            x1n = tl.load(X + offs + step, mask=nmask, other=0.0)
+            x2n = tl.load(X + offs + step + HALF, mask=nmask, other=0.0)
+        offs += step
 
 
 def _check(x: torch.Tensor, positions: torch.Tensor, name: str):
@@ -162,14 +174,19 @@ def _rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float, inverse
         cos, sin = ang.cos(), ang.sin()
     else:
         cos = sin = inv_freq  # unused
+    tile, num_warps, per_sm, prefetch = CONFIG if CONFIG is not None else (2048, 4, 8, True)
     BLOCK_H = triton.next_power_of_2(HALF)
-    BLOCK_T = max(1, min(triton.next_power_of_2(T), 2048 // BLOCK_H))
+    BLOCK_T = max(1, min(triton.next_power_of_2(T), tile // BLOCK_H))
     n_t = triton.cdiv(T, BLOCK_T)
-    target = 8 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    target = per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     groups_per_program = max(1, (n_t * B * G) // max(1, target))  # a few groups each, still >= target programs
+    # the same number of groups in every program (16 groups at 15 per program used to leave half of the
+    # programs one group, each still paying for its cos/sin)
+    groups_per_program = triton.cdiv(G, triton.cdiv(G, groups_per_program))
     grid = (n_t, B, triton.cdiv(G, groups_per_program))
     _rope_kernel[grid](x2, y, pos, inv_freq, cos, sin, T, G, groups_per_program,
-                       HALF=HALF, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, TABLE=table, INVERSE=inverse, num_warps=4)
+                       HALF=HALF, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, TABLE=table, INVERSE=inverse,
+                       PREFETCH=prefetch, num_warps=num_warps)
     return y
 
 
