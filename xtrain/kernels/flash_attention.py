@@ -224,11 +224,12 @@ def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float |
 # ---------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------
-# Fixed configs per head dim, chosen by the sweep in xtrain/bench/attention.py on an H200 (bench/RESULTS.md).
+# Fixed configs per head dim, chosen by the sweeps in bench/attention.py and bench/flash_variants.py on an
+# H200 (bench/RESULTS.md).
 # fwd:  (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA[, PIPELINE]); BLOCK_M a multiple of BLOCK_N (causal split).
 # bwd:  ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA[, PIPELINE]),  the dK/dV kernel: BLOCK_N1 keys,
 #                                                            BLOCK_M1 query rows a step; BLOCK_N1 % BLOCK_M1 == 0
-#        (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA))  the dQ kernel: BLOCK_M2 resident query rows,
+#        (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA[, PIPELINE]))  the dQ kernel: BLOCK_M2 resident query rows,
 #                                                            BLOCK_N2 keys a step; BLOCK_M2 % BLOCK_N2 == 0
 # TMA=True loads the streamed tiles through tensor descriptors (Hopper's bulk copy engine) when T is a
 # multiple of every tile and the tensors are contiguous; otherwise the kernels use masked pointer loads.
@@ -641,6 +642,38 @@ if HAVE_TRITON:
         return dq
 
     @triton.jit
+    def _dq_step(dq, do, lse2, delta, s, k, v_base, stride_vt, desc_v, kv_row0, start_n, qk_scale,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+        """The rest of one unmasked dQ step once the scores s = q kᵀ exist."""
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        v = _load_rows(v_base, stride_vt, desc_v, kv_row0, start_n, BLOCK_N, HEAD_DIM, USE_TMA)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+    @triton.jit
+    def _bwd_dq_tiles_pipelined(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
+                                kv_row0, qk_scale, lo, hi, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+        """The unmasked loop of _bwd_dq_tiles (every key valid, (hi - lo) % BLOCK_N == 0), pipelined by hand:
+        the scores of the next K/V tile are issued before the rest of the current step."""
+        if hi > lo:
+            k = _load_rows(k_base, stride_kt, desc_k, kv_row0, lo, BLOCK_N, HEAD_DIM, USE_TMA)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            for start_n in range(lo, hi - BLOCK_N, BLOCK_N):
+                start_n = tl.multiple_of(start_n, BLOCK_N)
+                k_next = _load_rows(k_base, stride_kt, desc_k, kv_row0, start_n + BLOCK_N, BLOCK_N, HEAD_DIM,
+                                    USE_TMA)
+                s_next = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)
+                dq = _dq_step(dq, do, lse2, delta, s, k, v_base, stride_vt, desc_v, kv_row0, start_n, qk_scale,
+                              BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+                k = k_next
+                s = s_next
+            dq = _dq_step(dq, do, lse2, delta, s, k, v_base, stride_vt, desc_v, kv_row0, hi - BLOCK_N, qk_scale,
+                          BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+        return dq
+
+    @triton.jit
     def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v,
                              stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                              stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
@@ -648,8 +681,9 @@ if HAVE_TRITON:
                              H, T, GROUP, qk_scale, sm_scale,
                              CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H)."""
+                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PIPELINE: tl.constexpr):
+        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H).
+        PIPELINE runs the unmasked K/V tiles through _bwd_dq_tiles_pipelined (causal, or EVEN_T)."""
         pid_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         if CAUSAL:
@@ -681,12 +715,21 @@ if HAVE_TRITON:
         kv_row0 = (off_b * (H // GROUP) + off_kvh) * T
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
-            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
-                               kv_row0, offs_m, T, qk_scale, 0, start_m, False, EVEN_T, BLOCK_N, HEAD_DIM,
-                               DOT_PRECISION, USE_TMA)
+            if PIPELINE:
+                dq = _bwd_dq_tiles_pipelined(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k,
+                                             desc_v, kv_row0, qk_scale, 0, start_m, BLOCK_N, HEAD_DIM,
+                                             DOT_PRECISION, USE_TMA)
+            else:
+                dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k,
+                                   desc_v, kv_row0, offs_m, T, qk_scale, 0, start_m, False, EVEN_T, BLOCK_N,
+                                   HEAD_DIM, DOT_PRECISION, USE_TMA)
             dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
                                kv_row0, offs_m, T, qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T), True,
                                EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+        elif PIPELINE and EVEN_T:
+            dq = _bwd_dq_tiles_pipelined(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k,
+                                         desc_v, kv_row0, qk_scale, 0, T, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+                                         USE_TMA)
         else:
             dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
                                kv_row0, offs_m, T, qk_scale, 0, T, False, EVEN_T, BLOCK_N, HEAD_DIM,
@@ -915,7 +958,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
                                dq=None, dk=None, dv=None, config=None):
     """Launch the backward. ``dq``/``dk``/``dv``: optional output buffers. ``config``:
       * ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA[, PIPELINE]), (BLOCK_M2, BLOCK_N2, num_warps,
-        num_stages, TMA)):
+        num_stages, TMA[, PIPELINE])):
         the default two-kernel backward — preprocess (delta), dK/dV, dQ — no atomics, bit-identical run to
         run; the tuples configure the dK/dV and the dQ kernel;
       * ("fused", (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DQ_TMA)): the one-pass backward of
@@ -965,8 +1008,9 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
         _flash_bwd_dq_postprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
             dqa, dq, dq.stride(0), dq.stride(1), dq.stride(2), H, T, s, HEAD_DIM=D, BLOCK_M=PRE_M)
         return dq, dk, dv
-    (BM1, BN1, W1, S1, tma1), (BM2, BN2, W2, S2, tma2) = config[0][:5], config[1]
+    (BM1, BN1, W1, S1, tma1), (BM2, BN2, W2, S2, tma2) = config[0][:5], config[1][:5]
     pipe1 = bool(config[0][5]) if len(config[0]) > 5 else False
+    pipe2 = bool(config[1][5]) if len(config[1]) > 5 else False
     if BN1 % BM1 or BM2 % BN2:
         raise ValueError(f"{op}: need BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0, got {config}")
     even1 = T % BM1 == 0 and T % BN1 == 0
@@ -995,7 +1039,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
             dq.stride(0), dq.stride(1), dq.stride(2),
             H, T, H // Hkv, s * LOG2E, s,
             CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
-            DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2)
+            DOT_PRECISION=prec, USE_TMA=use_tma2, PIPELINE=pipe2, num_warps=W2, num_stages=S2)
 
     if BWD_TWO_STREAMS and q.is_cuda:
         # the dK/dV and dQ kernels are independent once delta exists: the dQ kernel runs on a side stream so
