@@ -26,19 +26,12 @@ from xtrain.kernels import flash_attention as FA  # noqa: E402
 
 F, TM = False, True
 # forward: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
-FWD = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA[, PIPELINE])
-    64: [(128, 64, 4, 3, F), (128, 64, 4, 3, F, TM), (64, 64, 4, 3, F, TM), (128, 64, 4, 3, TM, TM),
-         (128, 128, 8, 3, F, TM)],
-    128: [(64, 64, 4, 3, TM), (128, 128, 8, 3, F), (64, 64, 4, 3, TM, TM), (128, 128, 8, 3, F, TM),
-          (128, 64, 8, 3, F, TM), (64, 64, 4, 2, TM, TM)],
-}
-# backward: None = the default; else ((dK/dV config[, PIPELINE]), (dQ config[, PIPELINE]))
+FWD = {64: [(128, 64, 4, 3, F)], 128: [(64, 64, 4, 3, TM), (128, 128, 8, 3, F)]}
+# backward: None = the default two-kernel backward (timed with its dQ kernel on a side stream and without),
+# ("fused", (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA loads, DQ by TMA reduce)) = the one-pass backward
 BWD = {
-    64: [None, ((64, 64, 4, 3, F, TM), (128, 64, 8, 3, TM)), ((64, 64, 4, 3, F), (128, 64, 8, 3, TM, TM)),
-         ((64, 64, 4, 3, F, TM), (128, 64, 8, 3, TM, TM)), ((64, 64, 4, 3, TM, TM), (128, 64, 8, 3, TM, TM))],
-    128: [None, ((64, 64, 4, 2, TM, TM), (64, 64, 4, 2, TM)), ((64, 64, 4, 2, TM), (64, 64, 4, 2, TM, TM)),
-          ((64, 64, 4, 2, TM, TM), (64, 64, 4, 2, TM, TM)), ((64, 64, 4, 2, F, TM), (64, 64, 4, 2, TM, TM)),
-          ((64, 128, 8, 2, TM, TM), (64, 64, 4, 2, TM, TM))],
+    64: [None, ("fused", (64, 64, 4, 3, TM, TM))],
+    128: [None, ("fused", (64, 128, 8, 2, F, TM))],
 }
 SEQS = (1024, 2048, 4096, 8192, 16384)
 
@@ -70,6 +63,10 @@ def one_size(D, T, ok_f, ok_b, cudnn):
     for c in ok_b:
         row["bwd"][str(c or "default")] = 2.5 * fl / _bench(
             lambda c=c: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=c)) * 1e-9
+    FA.BWD_TWO_STREAMS = False
+    row["bwd"]["default, one stream"] = 2.5 * fl / _bench(
+        lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)) * 1e-9
+    FA.BWD_TWO_STREAMS = True
     print(f"D={D} T={T} cudnn {ref_tf[0]:.0f}/{ref_tf[1]:.0f}  "
           f"best fwd {max(row['fwd'].values()):.0f}  best bwd {max(row['bwd'].values()):.0f}", flush=True)
     return row

@@ -166,11 +166,6 @@ TINY = [  # B, H, Hkv, T, D, fwd config, bwd config (small blocks: several tiles
     (2, 4, 2, 64, 32, (32, 16, 4, 1, True), ((16, 32, 4, 1, True), (32, 16, 4, 1, True))),
     (1, 2, 2, 32, 64, (32, 32, 4, 1, True), ((32, 32, 4, 1, True), (32, 32, 4, 1, True))),
     (1, 2, 1, 32, 64, None, None),  # the default configs
-    # the hand-pipelined loops (PIPELINE): forward and causal dQ always, the rest when T is a multiple
-    # of the tiles
-    (2, 4, 2, 40, 32, (16, 16, 4, 1, False, True), ((16, 16, 4, 1, False, True), (16, 16, 4, 1, False, True))),
-    (2, 4, 2, 64, 32, (32, 16, 4, 1, True, True), ((16, 32, 4, 1, True, True), (32, 16, 4, 1, True, True))),
-    (1, 2, 2, 16, 64, (16, 16, 4, 1, False, True), ((16, 16, 4, 1, False, True), (16, 16, 4, 1, False, True))),
     # the fused one-pass backward (dQ by atomics): ragged T, GQA, TMA loads (the TMA reduce-add of dQ has no
     # interpreter support: GPU only, test_gpu_fused_configs)
     (2, 4, 2, 17, 32, (16, 16, 4, 1, False), ("fused", (16, 16, 4, 1, False, False))),
@@ -327,19 +322,3 @@ def test_gpu_fused_configs(B, H, Hkv, T, D, dq_tma, dtype):
     print(f"\nGPUERR fused dq_tma={dq_tma} {str(dtype)[6:]} D={D} T={T} "
           + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
 
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("B,H,Hkv,T", [(2, 4, 2, 77), (1, 4, 2, 2048)])
-def test_gpu_pipelined_configs(B, H, Hkv, T, D, causal, dtype):
-    """The hand-pipelined forward, dK/dV and dQ loops (PIPELINE), ragged and even T."""
-    if dtype == torch.bfloat16:
-        fcfg, bcfg = (64, 64, 4, 3, True, True), ((64, 64, 4, 2, True, True), (64, 64, 4, 2, True, True))
-    else:
-        fcfg, bcfg = (32, 32, 4, 2, False, True), ((32, 32, 4, 2, False, True), (32, 32, 4, 2, False, True))
-    errs = _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=T, fcfg=fcfg, bcfg=bcfg)
-    print(f"\nGPUERR pipelined {str(dtype)[6:]} D={D} T={T} causal={causal} "
-          + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))

@@ -47,8 +47,12 @@ Ideas used in the Triton kernels, with their record on Hopper:
   * Tried and measured slower on the H200 (bench/RESULTS.md): Triton 3.6's automatic warp specialisation
     (``tl.range(..., warp_specialize=True)``: fails to compile at 4 warps, 5-25 % slower at 8); launching
     the programs tile-major so every head's heaviest causal tile starts first (loses L2 reuse of K/V:
-    up to 30 % slower); and the one-pass FlashAttention-2 backward with dQ added by fp32 atomics, which
-    stays here as an opt-in config (``("fused", ...)``) since it is the textbook form of the algorithm.
+    up to 30 % slower); software-pipelining the loops by hand (issuing the next tile's scores before the
+    current softmax, the FlashAttention-3 overlap written in plain Triton: 5-70 % slower, it fights the
+    compiler's own pipelining and register allocation); and the one-pass FlashAttention-2 backward with dQ
+    added by fp32 atomics, which stays here as an opt-in config (``("fused", ...)``) since it is the
+    textbook form of the algorithm.
+  * The backward's dK/dV and dQ kernels run concurrently on two CUDA streams (+2-5 % on the H200).
 fp32 inputs use exact fp32 dots (``input_precision="ieee"``, matching torch's default of no TF32); bf16/fp16
 inputs feed the tensor cores with 16-bit operands and accumulate in fp32 (P and dS are rounded to the
 input dtype before their matrix products, as in FlashAttention).
@@ -224,12 +228,11 @@ def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float |
 # ---------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------
-# Fixed configs per head dim, chosen by the sweeps in bench/attention.py and bench/flash_variants.py on an
-# H200 (bench/RESULTS.md).
-# fwd:  (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA[, PIPELINE]); BLOCK_M a multiple of BLOCK_N (causal split).
-# bwd:  ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA[, PIPELINE]),  the dK/dV kernel: BLOCK_N1 keys,
+# Fixed configs per head dim, chosen by the sweep in xtrain/bench/attention.py on an H200 (bench/RESULTS.md).
+# fwd:  (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA); BLOCK_M must be a multiple of BLOCK_N (causal split).
+# bwd:  ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA),  the dK/dV kernel: BLOCK_N1 resident keys,
 #                                                            BLOCK_M1 query rows a step; BLOCK_N1 % BLOCK_M1 == 0
-#        (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA[, PIPELINE]))  the dQ kernel: BLOCK_M2 resident query rows,
+#        (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA))  the dQ kernel: BLOCK_M2 resident query rows,
 #                                                            BLOCK_N2 keys a step; BLOCK_M2 % BLOCK_N2 == 0
 # TMA=True loads the streamed tiles through tensor descriptors (Hopper's bulk copy engine) when T is a
 # multiple of every tile and the tensors are contiguous; otherwise the kernels use masked pointer loads.
@@ -318,57 +321,15 @@ if HAVE_TRITON:
         return acc, l_i, m_i
 
     @triton.jit
-    def _load_rows(base, stride_t, desc, row0, start, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   USE_TMA: tl.constexpr):
-        """Rows start .. start+BLOCK of one head's [T, D] tile, all in range (no mask)."""
-        if USE_TMA:
-            return desc.load([row0 + start, 0])
-        offs = start + tl.arange(0, BLOCK)
-        return tl.load(base + offs[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :])
-
-    @triton.jit
-    def _softmax_pv(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION: tl.constexpr):
-        """One online-softmax step on unscaled scores s (no mask), then acc += p v."""
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        return acc, l_i, m_new
-
-    @triton.jit
-    def _fwd_tiles_pipelined(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0,
-                             qk_scale, lo, hi, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-        """The unmasked loop of _fwd_tiles, software-pipelined by hand (the FlashAttention-3 idea of
-        overlapping the softmax of tile j with the q·k product of tile j+1): each step issues the scores
-        of the next tile before the softmax and P·V of the current one. (hi - lo) % BLOCK_N == 0."""
-        if hi > lo:
-            s = tl.dot(q, tl.trans(_load_rows(k_base, stride_kt, desc_k, kv_row0, lo, BLOCK_N, HEAD_DIM, USE_TMA)),
-                       input_precision=DOT_PRECISION)
-            for start_n in range(lo, hi - BLOCK_N, BLOCK_N):
-                start_n = tl.multiple_of(start_n, BLOCK_N)
-                k = _load_rows(k_base, stride_kt, desc_k, kv_row0, start_n + BLOCK_N, BLOCK_N, HEAD_DIM, USE_TMA)
-                s_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-                v = _load_rows(v_base, stride_vt, desc_v, kv_row0, start_n, BLOCK_N, HEAD_DIM, USE_TMA)
-                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION)
-                s = s_next
-            v = _load_rows(v_base, stride_vt, desc_v, kv_row0, hi - BLOCK_N, BLOCK_N, HEAD_DIM, USE_TMA)
-            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION)
-        return acc, l_i, m_i
-
-    @triton.jit
     def _flash_fwd_kernel(Q, K, V, O, LSE, desc_k, desc_v,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                           stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
                           H, T, GROUP, qk_scale,
                           CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PIPELINE: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
         """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H).
-        PIPELINE runs the unmasked keys through _fwd_tiles_pipelined. With USE_TMA, K/V tiles come through
-        host-built tensor descriptors over the [B*Hkv*T, D] rows."""
+        With USE_TMA, K/V tiles come through host-built tensor descriptors over the [B*Hkv*T, D] rows."""
         pid_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         if CAUSAL:  # heaviest query tiles first: the short ones fill the tail of the grid
@@ -394,28 +355,18 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
             # keys strictly left of this query tile: never masked
-            if PIPELINE:
-                acc, l_i, m_i = _fwd_tiles_pipelined(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                                                     desc_k, desc_v, kv_row0, qk_scale, 0, start_m, BLOCK_N,
-                                                     HEAD_DIM, DOT_PRECISION, USE_TMA)
-            else:
-                acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k,
-                                           desc_v, kv_row0, offs_m, T, qk_scale, 0, start_m, False, CAUSAL,
-                                           EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
+                                       kv_row0, offs_m, T, qk_scale, 0, start_m, False, CAUSAL, EVEN_T,
+                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
             # the diagonal band: causal mask
             acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
                                        kv_row0, offs_m, T, qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T),
                                        True, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
         else:
             t_full = (T // BLOCK_N) * BLOCK_N
-            if PIPELINE:
-                acc, l_i, m_i = _fwd_tiles_pipelined(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                                                     desc_k, desc_v, kv_row0, qk_scale, 0, t_full, BLOCK_N,
-                                                     HEAD_DIM, DOT_PRECISION, USE_TMA)
-            else:
-                acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k,
-                                           desc_v, kv_row0, offs_m, T, qk_scale, 0, t_full, False, CAUSAL,
-                                           EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
+                                       kv_row0, offs_m, T, qk_scale, 0, t_full, False, CAUSAL, EVEN_T,
+                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
             if not EVEN_T:  # the ragged last K/V tile: keys >= T masked
                 acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k,
                                            desc_v, kv_row0, offs_m, T, qk_scale, t_full, T, True, CAUSAL,
@@ -497,45 +448,6 @@ if HAVE_TRITON:
         return dk, dv
 
     @triton.jit
-    def _dkdv_step(dk, dv, k, v, q, s_t, do_base, lse_base, delta_base, stride_dot, desc_do, q_row0, start_m,
-                   qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   USE_TMA: tl.constexpr):
-        """The rest of one unmasked dK/dV step once the transposed scores s_t = k qᵀ exist."""
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        lse = tl.load(lse_base + offs_m)
-        p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
-        do = _load_rows(do_base, stride_dot, desc_do, q_row0, start_m, BLOCK_M, HEAD_DIM, USE_TMA)
-        delta = tl.load(delta_base + offs_m)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-        return dk, dv
-
-    @triton.jit
-    def _bwd_dkdv_tiles_pipelined(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                  desc_q, desc_do, q_row0, qk_scale, lo, hi, BLOCK_M: tl.constexpr,
-                                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-        """The unmasked loop of _bwd_dkdv_tiles (every query row valid, (hi - lo) % BLOCK_M == 0), pipelined
-        by hand as _fwd_tiles_pipelined: the scores of the next query tile are issued before the rest of
-        the current step."""
-        if hi > lo:
-            q = _load_rows(q_base, stride_qt, desc_q, q_row0, lo, BLOCK_M, HEAD_DIM, USE_TMA)
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            for start_m in range(lo, hi - BLOCK_M, BLOCK_M):
-                start_m = tl.multiple_of(start_m, BLOCK_M)
-                q_next = _load_rows(q_base, stride_qt, desc_q, q_row0, start_m + BLOCK_M, BLOCK_M, HEAD_DIM,
-                                    USE_TMA)
-                s_next = tl.dot(k, tl.trans(q_next), input_precision=DOT_PRECISION)
-                dk, dv = _dkdv_step(dk, dv, k, v, q, s_t, do_base, lse_base, delta_base, stride_dot, desc_do,
-                                    q_row0, start_m, qk_scale, BLOCK_M, HEAD_DIM, DOT_PRECISION, USE_TMA)
-                q = q_next
-                s_t = s_next
-            dk, dv = _dkdv_step(dk, dv, k, v, q, s_t, do_base, lse_base, delta_base, stride_dot, desc_do,
-                                q_row0, hi - BLOCK_M, qk_scale, BLOCK_M, HEAD_DIM, DOT_PRECISION, USE_TMA)
-        return dk, dv
-
-    @triton.jit
     def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do,
                                stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                                stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
@@ -543,9 +455,8 @@ if HAVE_TRITON:
                                H, Hkv, T, GROUP, qk_scale, sm_scale,
                                CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PIPELINE: tl.constexpr):
+                               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
         """One program: BLOCK_N keys of one (batch, K/V head), over all query heads of its group.
-        PIPELINE (with EVEN_T) runs the unmasked query tiles through _bwd_dkdv_tiles_pipelined.
         grid = (cdiv(T, BLOCK_N), B*Hkv). Causal programs at small pid_n have the most work and start first."""
         pid_n = tl.program_id(0)
         off_bkv = tl.program_id(1)
@@ -580,20 +491,10 @@ if HAVE_TRITON:
                                          tl.minimum(start_n + BLOCK_N, T), True, EVEN_T, BLOCK_M, HEAD_DIM,
                                          DOT_PRECISION, USE_TMA)
                 # query rows below the band see all of it
-                if PIPELINE and EVEN_T:
-                    dk, dv = _bwd_dkdv_tiles_pipelined(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                                       stride_qt, stride_dot, desc_q, desc_do, q_row0, qk_scale,
-                                                       start_n + BLOCK_N, T, BLOCK_M, HEAD_DIM, DOT_PRECISION,
-                                                       USE_TMA)
-                else:
-                    dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                             stride_dot, desc_q, desc_do, q_row0, offs_n, T, qk_scale,
-                                             start_n + BLOCK_N, T, False, EVEN_T, BLOCK_M, HEAD_DIM,
-                                             DOT_PRECISION, USE_TMA)
-            elif PIPELINE and EVEN_T:
-                dk, dv = _bwd_dkdv_tiles_pipelined(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                                   stride_qt, stride_dot, desc_q, desc_do, q_row0, qk_scale, 0,
-                                                   T, BLOCK_M, HEAD_DIM, DOT_PRECISION, USE_TMA)
+                dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                                         stride_dot, desc_q, desc_do, q_row0, offs_n, T, qk_scale,
+                                         start_n + BLOCK_N, T, False, EVEN_T, BLOCK_M, HEAD_DIM,
+                                         DOT_PRECISION, USE_TMA)
             else:
                 dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
                                          stride_dot, desc_q, desc_do, q_row0, offs_n, T, qk_scale, 0, T,
@@ -642,38 +543,6 @@ if HAVE_TRITON:
         return dq
 
     @triton.jit
-    def _dq_step(dq, do, lse2, delta, s, k, v_base, stride_vt, desc_v, kv_row0, start_n, qk_scale,
-                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-        """The rest of one unmasked dQ step once the scores s = q kᵀ exist."""
-        p = tl.exp2(s * qk_scale - lse2[:, None])
-        v = _load_rows(v_base, stride_vt, desc_v, kv_row0, start_n, BLOCK_N, HEAD_DIM, USE_TMA)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-
-    @triton.jit
-    def _bwd_dq_tiles_pipelined(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
-                                kv_row0, qk_scale, lo, hi, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-        """The unmasked loop of _bwd_dq_tiles (every key valid, (hi - lo) % BLOCK_N == 0), pipelined by hand:
-        the scores of the next K/V tile are issued before the rest of the current step."""
-        if hi > lo:
-            k = _load_rows(k_base, stride_kt, desc_k, kv_row0, lo, BLOCK_N, HEAD_DIM, USE_TMA)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            for start_n in range(lo, hi - BLOCK_N, BLOCK_N):
-                start_n = tl.multiple_of(start_n, BLOCK_N)
-                k_next = _load_rows(k_base, stride_kt, desc_k, kv_row0, start_n + BLOCK_N, BLOCK_N, HEAD_DIM,
-                                    USE_TMA)
-                s_next = tl.dot(q, tl.trans(k_next), input_precision=DOT_PRECISION)
-                dq = _dq_step(dq, do, lse2, delta, s, k, v_base, stride_vt, desc_v, kv_row0, start_n, qk_scale,
-                              BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
-                k = k_next
-                s = s_next
-            dq = _dq_step(dq, do, lse2, delta, s, k, v_base, stride_vt, desc_v, kv_row0, hi - BLOCK_N, qk_scale,
-                          BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
-        return dq
-
-    @triton.jit
     def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v,
                              stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                              stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
@@ -681,9 +550,8 @@ if HAVE_TRITON:
                              H, T, GROUP, qk_scale, sm_scale,
                              CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PIPELINE: tl.constexpr):
-        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H).
-        PIPELINE runs the unmasked K/V tiles through _bwd_dq_tiles_pipelined (causal, or EVEN_T)."""
+                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H)."""
         pid_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         if CAUSAL:
@@ -715,21 +583,12 @@ if HAVE_TRITON:
         kv_row0 = (off_b * (H // GROUP) + off_kvh) * T
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
-            if PIPELINE:
-                dq = _bwd_dq_tiles_pipelined(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k,
-                                             desc_v, kv_row0, qk_scale, 0, start_m, BLOCK_N, HEAD_DIM,
-                                             DOT_PRECISION, USE_TMA)
-            else:
-                dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k,
-                                   desc_v, kv_row0, offs_m, T, qk_scale, 0, start_m, False, EVEN_T, BLOCK_N,
-                                   HEAD_DIM, DOT_PRECISION, USE_TMA)
+            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
+                               kv_row0, offs_m, T, qk_scale, 0, start_m, False, EVEN_T, BLOCK_N, HEAD_DIM,
+                               DOT_PRECISION, USE_TMA)
             dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
                                kv_row0, offs_m, T, qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T), True,
                                EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
-        elif PIPELINE and EVEN_T:
-            dq = _bwd_dq_tiles_pipelined(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k,
-                                         desc_v, kv_row0, qk_scale, 0, T, BLOCK_N, HEAD_DIM, DOT_PRECISION,
-                                         USE_TMA)
         else:
             dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
                                kv_row0, offs_m, T, qk_scale, 0, T, False, EVEN_T, BLOCK_N, HEAD_DIM,
@@ -930,9 +789,7 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     Hkv = k.shape[1]
     s = _scale(op, scale, D)
     q, k, v = _rows(q), _rows(k), _rows(v)
-    cfg = config or _fwd_config(D, q.dtype, T)
-    BLOCK_M, BLOCK_N, num_warps, num_stages, tma = cfg[:5]
-    pipeline = bool(cfg[5]) if len(cfg) > 5 else False
+    BLOCK_M, BLOCK_N, num_warps, num_stages, tma = config or _fwd_config(D, q.dtype, T)
     if BLOCK_M % BLOCK_N:
         raise ValueError(f"{op}: BLOCK_M={BLOCK_M} must be a multiple of BLOCK_N={BLOCK_N}")
     o = _out(o, (B, H, T, D), q.dtype, q.device, "o", op)
@@ -949,16 +806,14 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         H, T, H // Hkv, s * LOG2E,
         CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, PIPELINE=pipeline,
-        num_warps=num_warps, num_stages=num_stages)
+        DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages)
     return o, lse
 
 
 def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
                                dq=None, dk=None, dv=None, config=None):
     """Launch the backward. ``dq``/``dk``/``dv``: optional output buffers. ``config``:
-      * ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA[, PIPELINE]), (BLOCK_M2, BLOCK_N2, num_warps,
-        num_stages, TMA[, PIPELINE])):
+      * ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA), (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA)):
         the default two-kernel backward — preprocess (delta), dK/dV, dQ — no atomics, bit-identical run to
         run; the tuples configure the dK/dV and the dQ kernel;
       * ("fused", (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DQ_TMA)): the one-pass backward of
@@ -1008,9 +863,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
         _flash_bwd_dq_postprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
             dqa, dq, dq.stride(0), dq.stride(1), dq.stride(2), H, T, s, HEAD_DIM=D, BLOCK_M=PRE_M)
         return dq, dk, dv
-    (BM1, BN1, W1, S1, tma1), (BM2, BN2, W2, S2, tma2) = config[0][:5], config[1][:5]
-    pipe1 = bool(config[0][5]) if len(config[0]) > 5 else False
-    pipe2 = bool(config[1][5]) if len(config[1]) > 5 else False
+    (BM1, BN1, W1, S1, tma1), (BM2, BN2, W2, S2, tma2) = config
     if BN1 % BM1 or BM2 % BN2:
         raise ValueError(f"{op}: need BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0, got {config}")
     even1 = T % BM1 == 0 and T % BN1 == 0
@@ -1025,7 +878,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             H, Hkv, T, H // Hkv, s * LOG2E, s,
             CAUSAL=bool(causal), EVEN_T=even1, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1,
-            DOT_PRECISION=prec, USE_TMA=use_tma1, PIPELINE=pipe1, num_warps=W1, num_stages=S1)
+            DOT_PRECISION=prec, USE_TMA=use_tma1, num_warps=W1, num_stages=S1)
 
     even2 = T % BM2 == 0 and T % BN2 == 0
     use_tma2 = _tma_ok(tma2, even2, k, v)
@@ -1039,7 +892,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
             dq.stride(0), dq.stride(1), dq.stride(2),
             H, T, H // Hkv, s * LOG2E, s,
             CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
-            DOT_PRECISION=prec, USE_TMA=use_tma2, PIPELINE=pipe2, num_warps=W2, num_stages=S2)
+            DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2)
 
     if BWD_TWO_STREAMS and q.is_cuda:
         # the dK/dV and dQ kernels are independent once delta exists: the dQ kernel runs on a side stream so
