@@ -20,6 +20,11 @@ taken relative to one base tensor per state (the first parameter, the first grad
 table depends only on the tensors' addresses and sizes and is cached. Each element moves once: read
 p, g, m, v (16 B), write p, m, v and the bf16 copy (14 B).
 
+Full blocks (all but each tensor's last) take an unmasked path: with the length read from the table,
+a mask ``i < n`` has unknown divisibility and Triton emitted one 4-byte access per element (seen in the
+sm_90 PTX); unmasked, the accesses are 16 bytes wide. H200, 2026-11-29: 4.89 -> 2.50 ms for 341M
+parameters in 217 tensors (50% -> 96% of copy bandwidth; bench/RESULTS.md).
+
 Bit-exactness: the kernel repeats the rounding steps of the CUDA reference (torch's own kernels), with
 Triton's fp contraction switched off and every fused multiply-add written out where torch has one:
     p = p * fl(1 - lr*wd)                               mul_

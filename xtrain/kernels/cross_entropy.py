@@ -15,10 +15,16 @@ Contract:
 A batch where every target is ignored has loss 0 and zero gradient under "mean" (not nan), so an
 all-padding micro-batch cannot poison an accumulated step.
 
-Triton kernels, one program per row, walking the vocabulary in BLOCK_V blocks with an online
-log-sum-exp in fp32 (never materialising an fp32 copy of the logits):
+Triton kernels walk the vocabulary in BLOCK_V blocks with an online log-sum-exp in fp32 (never
+materialising an fp32 copy of the logits):
     m_new = max(m, max_b x);   s = s * exp(m - m_new) + sum_b exp(x - m_new);   lse = m + log(s)
-    _cross_entropy_fwd_kernel      one read of the row -> lse[n], nll[n]
+    _ce_fwd_split_kernel           the forward: program (row, k) reduces a column range of one row to
+                                   (m, s), keeping s per lane (one block reduction per step, not two) and
+                                   loading the next block before reducing the current one; with one range
+                                   per row it writes lse, nll itself, else ``_ce_fwd_combine_kernel``
+                                   merges the partials. H200, 2026-11-29 (bench/RESULTS.md): 41% -> 58% of
+                                   copy at 8192 x 32768 bf16, 61% -> 68% at 131072, 73% -> 91% fp32 (the
+                                   first version: one program per row, two block reductions per step).
     _cross_entropy_bwd_kernel      one read + one write: (exp(x - lse) - [v == t]) * dloss / denom
     _cross_entropy_fwd_bwd_kernel  both: two reads + one write, gradient in place
 """
@@ -107,18 +113,6 @@ def _row_lse(ROW, V, BLOCK_V: tl.constexpr):
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
     return m + tl.log(s)
-
-
-@_jit
-def _cross_entropy_fwd_kernel(LOGITS, TARGETS, LSE, NLL, V, stride, ignore_index, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    ROW = LOGITS + row * stride
-    lse = _row_lse(ROW, V, BLOCK_V)
-    t = tl.load(TARGETS + row)
-    valid = t != ignore_index
-    picked = tl.load(ROW + tl.where(valid, t, 0)).to(tl.float32)
-    tl.store(LSE + row, lse)
-    tl.store(NLL + row, tl.where(valid, lse - picked, 0.0))
 
 
 @_jit
@@ -235,16 +229,18 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 FWD_CONFIG = None  # (BLOCK_V, num_warps, blocks per program) override, for the bench's variant sweep
 
 
-def _fwd_config(V: int):
+def _fwd_config(V: int, esize: int = 2):
     """The forward's tiling: BLOCK_V columns per step, num_warps, and the columns each program reduces
     (cols_per_split, a multiple of BLOCK_V; splits = cdiv(V, cols_per_split) programs per row)."""
     if FWD_CONFIG is not None:
         BLOCK_V, num_warps, bpp = FWD_CONFIG
         BLOCK_V = min(BLOCK_V, triton.next_power_of_2(V))
     else:
+        # measured on the H200 (bench/RESULTS.md): 16-bit logits -> one program per row (no combine pass),
+        # 4096-column steps, 8 warps; fp32 logits -> 4 steps (16k columns) per program + the combine pass
         BLOCK_V = min(4096, triton.next_power_of_2(V))
         num_warps = 8 if BLOCK_V >= 4096 else 4
-        bpp = 1
+        bpp = 0 if esize <= 2 else 4
     return BLOCK_V, num_warps, BLOCK_V * (bpp if bpp > 0 else triton.cdiv(V, BLOCK_V))
 
 
@@ -255,7 +251,7 @@ def cross_entropy_fwd_lse_triton(logits: torch.Tensor, targets: torch.Tensor, ig
     nll = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
         return lse, nll
-    BLOCK_V, num_warps, cps = _fwd_config(V)
+    BLOCK_V, num_warps, cps = _fwd_config(V, logits.element_size())
     n_split = triton.cdiv(V, cps)
     if n_split == 1:
         _ce_fwd_split_kernel[(N, 1)](logits, targets, lse, lse, lse, nll, V, logits.stride(0), cps, 1,

@@ -15,8 +15,9 @@ Both multipliers are below 2^31, so the int64 products in the reference never ov
 Index i is the flat (row-major, contiguous) element index; tensors must have fewer than 2^32 elements.
 Why pairs: the hash is ~20 integer operations, and at one hash per element the bf16 kernel was bound by
 integer throughput, not memory (72% of copy bandwidth on the H200, 2026-11-29); one hash per two
-elements halves that. (Before 2026-11-29 each element had its own hash and a 24-bit threshold, so masks
-drawn by older code differ: a run resumed across that change draws new masks from then on.)
+elements took it to 95-97% (bench/RESULTS.md). (Before 2026-11-29 each element had its own hash and a
+24-bit threshold, so masks drawn by older code differ: a run resumed across that change draws new masks
+from then on.)
 
 Contract: dropout_fwd(x, p, seed) -> y;  dropout_bwd(dy, p, seed) -> dx (the same mask, regenerated from
 the seed rather than stored: one bit of state per element saved for free).
@@ -77,8 +78,8 @@ def dropout_bwd_ref(dy: torch.Tensor, p: float, seed: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ Triton
 
-BLOCK = 1024  # pairs per program (2048 elements)
-NUM_WARPS = 8
+BLOCK = 512  # pairs per program (1024 elements); 512 x 4 warps measured best of 4 tilings (H200)
+NUM_WARPS = 4
 
 
 @_jit

@@ -5,14 +5,21 @@ Contract: embedding_fwd(ids[...], table[V, C]) -> out[..., C] (table.dtype)
           rows their ids name (an id seen k times gets k rows summed). No [N, V] one-hot is ever built.
 
 Triton backward (deterministic, no atomics, no [V, C] temporary besides the gradient itself):
-    order, sorted = stable sort of the N ids         (torch.sort, stable: a fixed summation order)
-    end[j]        = first position after j's run of equal ids   (torch.searchsorted, no host sync)
-    _embedding_bwd_kernel: program (j, c-block) returns at once unless j starts a run; the run's first
-        program sums dout[order[j:end[j]]] in fp32 and writes the row dtable[sorted[j]] once. (Tried:
-        8 rows of a run per step with 512-column blocks, to shorten the serial chain of a frequent id:
-        slower on the H200, 0.98 vs 0.55 ms at N = 16k, V = 128k, C = 4096 bf16.)
-dtable is zero-filled first (ids that never occur keep a zero row) and written in dout.dtype directly:
-the fp32 sum is rounded once, as in the reference, which accumulates a whole fp32 [V, C] table instead.
+    order, sorted = stable sort of the N ids   (torch.sort, stable: a fixed summation order)
+    _embedding_bwd_chunk_kernel  program (chunk, column block) takes CHUNK consecutive sorted tokens and
+        sums each run of equal ids in fp32; runs inside the chunk are written to dtable directly, runs cut
+        by a chunk edge go to a small fp32 buffer PART[n_chunks, 2, C] (at most two per chunk)
+    _embedding_bwd_merge_kernel  for each run that crosses chunk edges, adds its partials in chunk order
+        and writes the row. Every program has at most CHUNK tokens, so a frequent id no longer makes one
+        long serial chain (idea from the issue thread: fixed-size token chunks of the sorted ids).
+dtable is zero-filled first for ids that never occur: by torch.zeros for 4-byte dtypes, by
+``_embedding_zero_absent_kernel`` (only rows with no id) for 2-byte dtypes, whichever measured faster.
+It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which
+accumulates a whole fp32 [V, C] table instead.
+Measured and dropped (H200, 2026-11-29, bench/RESULTS.md): one program per run (the first version:
+0.552 ms bf16 / 0.384 ms fp32, a frequent id summed serially); a segmented-scan chunk kernel
+(tl.associative_scan over an [8, 512] tile: 0.565 / 0.239 ms) vs the running-sum walk kept here
+(0.444 / 0.222 ms).
 """
 
 from __future__ import annotations
@@ -38,55 +45,13 @@ def embedding_bwd_ref(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Te
 # ------------------------------------------------------------------------------------------------ Triton
 
 @_jit
-def _seg_add(id_a, v_a, id_b, v_b):
-    # segmented sum over sorted ids: a run's values add up, a new id starts afresh. Associative because
-    # the ids are sorted: id_a == id_b (the last ids of two adjacent ranges) means the whole right-hand
-    # range has id_a's id, so it continues the left-hand range's run.
-    return id_b, tl.where(id_a == id_b, v_a + v_b, v_b)
-
-
-@_jit
 def _embedding_bwd_chunk_kernel(DOUT, ORDER, SORTED, DTABLE, PART, N, C,
-                                CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program (chunk, column block): the CHUNK sorted tokens [s, e) of this chunk, gathered as one
-    [CHUNK, BLOCK_C] tile (all loads in flight at once), summed per run of equal ids by a segmented
-    scan along the tokens. A run that lies wholly inside the chunk is written to its dtable row; a run
-    cut by the chunk's start goes to PART[chunk, 0], one cut only by its end to PART[chunk, 1]."""
-    c = tl.program_id(0)
-    s = c.to(tl.int64) * CHUNK
-    e = tl.minimum(s + CHUNK, N)
-    rows = s + tl.arange(0, CHUNK)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rmask = rows < e
-    cmask = cols < C
-    ids = tl.load(SORTED + rows, mask=rmask, other=-1)
-    nxt = tl.load(SORTED + rows + 1, mask=rows + 1 < N, other=-1)  # the id after each token
-    src = tl.load(ORDER + rows, mask=rmask, other=0)  # int64 row of dout
-    mask = rmask[:, None] & cmask[None, :]
-    x = tl.load(DOUT + src[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    # the scan carries ids as int32 (V < 2^31): int64 doubled its shared memory and registers
-    ids2 = ids.to(tl.int32)[:, None] + tl.zeros([CHUNK, BLOCK_C], dtype=tl.int32)
-    _, run_sum = tl.associative_scan((ids2, x), 0, _seg_add)
-    prev_id = tl.load(SORTED + tl.maximum(s - 1, 0), mask=s > 0, other=-1)  # id before the chunk
-    next_id = tl.load(SORTED + e, mask=e < N, other=-1)  # id after the chunk
-    is_end = rmask & ((ids != nxt) | (rows == e - 1))  # the last token of a run, within this chunk
-    starts_before = ids == prev_id  # only the chunk's first run can have begun in an earlier chunk
-    ends_after = (rows == e - 1) & (ids == next_id)
-    direct = is_end & ~starts_before & ~ends_after
-    tl.store(DTABLE + ids[:, None] * C + cols[None, :], run_sum.to(DTABLE.dtype.element_ty),
-             mask=direct[:, None] & cmask[None, :])
-    slot = tl.where(starts_before, 0, 1)
-    part = is_end & (starts_before | ends_after)
-    tl.store(PART + (c.to(tl.int64) * 2 + slot)[:, None] * C + cols[None, :], run_sum,
-             mask=part[:, None] & cmask[None, :])
-
-
-@_jit
-def _embedding_bwd_chunk_loop_kernel(DOUT, ORDER, SORTED, DTABLE, PART, N, C,
                                      CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The same contract as ``_embedding_bwd_chunk_kernel``, walking the chunk's tokens one by one with
-    a running fp32 row sum, flushed at each run end; two rows are loaded ahead of the one being added
-    so that loads stay in flight while the sum waits."""
+    """Program (chunk, column block): the CHUNK sorted tokens [s, e) of this chunk, walked one by one
+    with a running fp32 row sum that is flushed at each run end; two rows are loaded ahead of the one
+    being added, so loads stay in flight while the sum waits. A run that lies wholly inside the chunk is
+    written to its dtable row; a run cut by the chunk's start goes to PART[chunk, 0], a run cut only by
+    its end to PART[chunk, 1] (the merge pass finishes both)."""
     c = tl.program_id(0)
     s = c.to(tl.int64) * CHUNK
     e = tl.minimum(s + CHUNK, N)
@@ -160,7 +125,7 @@ def _embedding_zero_absent_kernel(PRESENT, DTABLE, V, C, BLOCK_R: tl.constexpr, 
     tl.store(DTABLE + rows[:, None] * C + cols[None, :], zero, mask=absent[:, None] & (cols < C)[None, :])
 
 
-CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero-fill "torch" | "absent", "scan" | "loop") override (bench)
+CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero-fill "torch" | "absent") override, for the bench's sweep
 
 
 def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
@@ -170,7 +135,12 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
     d2 = dout.reshape(-1, C).contiguous()  # [N, C]
     flat = ids.reshape(-1).to(torch.int64)  # [N]
     N = flat.numel()
-    CHUNK, BLOCK_C, num_warps, zero, mode = CONFIG if CONFIG is not None else (16, 256, 4, "torch", "scan")
+    if CONFIG is not None:
+        CHUNK, BLOCK_C, num_warps, zero = CONFIG
+    elif dout.element_size() <= 2:  # measured best on the H200 (bench/RESULTS.md)
+        CHUNK, BLOCK_C, num_warps, zero = 16, 1024, 4, "absent"
+    else:
+        CHUNK, BLOCK_C, num_warps, zero = 16, 512, 4, "torch"
     BLOCK_C = min(BLOCK_C, triton.next_power_of_2(C))
     n_cb = triton.cdiv(C, BLOCK_C)
     if N == 0 or zero == "torch":
@@ -186,9 +156,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
     sorted_ids, order = torch.sort(flat, stable=True)
     n_chunks = triton.cdiv(N, CHUNK)
     part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
-    chunk_kernel = _embedding_bwd_chunk_kernel if mode == "scan" else _embedding_bwd_chunk_loop_kernel
-    chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, C,
-                                   CHUNK=CHUNK, BLOCK_C=BLOCK_C, num_warps=num_warps)
+    _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, C,
+                                                  CHUNK=CHUNK, BLOCK_C=BLOCK_C, num_warps=num_warps)
     _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, C, n_chunks,
                                                   CHUNK=CHUNK, BLOCK_C=BLOCK_C, num_warps=4)
     return dtable

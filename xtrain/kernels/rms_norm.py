@@ -11,12 +11,15 @@ reduction. With g = dy * w and n = C:
 Triton kernels (CUDA; CPU through the interpreter for tests):
     _rms_norm_fwd_kernel   BLOCK_R rows x the whole row (BLOCK_C >= C) per program: one read of x, one
                            write of y, inv_rms saved in fp32.
-    _rms_norm_bwd_kernel   a persistent grid of P programs; program p walks rows p, p + P, ... computing
-                           dx row by row and accumulating its share of dw in an fp32 register row, stored to
-                           partial[p, :]. No atomics: the P partial rows are summed in a second small pass
+    _rms_norm_bwd_kernel   a persistent grid of P programs; program p walks its contiguous share of rows
+                           in [BLOCK_R, C] tiles, loading the next tile before reducing the current one
+                           (PREFETCH), computing dx and accumulating its share of dw in an fp32 [BLOCK_R, C]
+                           register tile that is reduced over rows once, at the end, into partial[p, :].
+                           No atomics: the P partial rows are summed in a second small pass
                            (``partial.sum(0)``, P x C floats), so dw is deterministic run to run.
-                           (Tried: BLOCK_R rows per step and 8 programs per SM: slower, 0.196 vs 0.149 ms
-                           at 65536 x 768 bf16 on the H200.)
+                           H200, 2026-11-29 (bench/RESULTS.md): one row per step, no prefetch: 48-65% of
+                           copy in bf16; these tiles + prefetch: 69-80% (the prefetch alone: 0.120 vs 0.137
+                           ms at 16384 x 4096 bf16). Still short of 85%; not yet found why.
 """
 
 from __future__ import annotations
@@ -127,9 +130,11 @@ def _bwd_config(C: int):
     if BWD_CONFIG is not None:
         tile, num_warps, per_sm, prefetch = BWD_CONFIG
         return max(1, tile // BLOCK_C), BLOCK_C, num_warps, per_sm, prefetch
-    BLOCK_R = max(1, min(8, 4096 // BLOCK_C))  # ~4k elements per step for short rows
-    num_warps = 8 if BLOCK_C * BLOCK_R <= 4096 else 16
-    return BLOCK_R, BLOCK_C, num_warps, 4, True
+    # measured best on the H200 (bench/RESULTS.md): long rows -> 8k-element tiles (2 rows of 4096, one
+    # of 8192), 16 warps, one program per SM; short rows (768) -> 4k-element tiles, 8 warps, 2 per SM
+    if BLOCK_C >= 2048:
+        return max(1, 8192 // BLOCK_C), BLOCK_C, 16, 1, True
+    return max(1, 4096 // BLOCK_C), BLOCK_C, 8, 2, True
 
 
 def _num_programs(x: torch.Tensor, N: int, per_sm: int = 4) -> int:

@@ -21,6 +21,11 @@ cos/sin come either from a table [(B or 1) * T, D/2] built once per call with th
 (so the table is bit-identical to the reference's cos/sin), or are computed in the kernel (angle as the
 fp64 product pos * inv_freq rounded to fp32, exactly the reference's angle, then fp32 cos/sin).
 ``TABLE_DEFAULT`` says which the public path uses (chosen by measurement, see bench/RESULTS.md).
+Groups are split evenly between programs, and the next group's x is loaded before the current one is
+stored (PREFETCH). With 1024-element tiles, 4 warps and 16 programs per SM, bf16 went from 70% (pos[T])
+and 37% (pos[B,T]) of copy to 86% and 85% on the H200 (2026-11-29). Most of the pos[B,T] gain came with
+the even split (G = 16 heads at 15 per program had left half the programs one head each, each paying for
+its cos/sin): at the old tiling, with the split, 78-79% with or without the prefetch.
 """
 
 from __future__ import annotations
@@ -174,7 +179,9 @@ def _rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float, inverse
         cos, sin = ang.cos(), ang.sin()
     else:
         cos = sin = inv_freq  # unused
-    tile, num_warps, per_sm, prefetch = CONFIG if CONFIG is not None else (2048, 4, 8, True)
+    # (1024 elements per tile, 4 warps, 16 programs per SM, prefetch): the best of the tilings swept on the
+    # H200 (bench/RESULTS.md; 2048 x 4 warps x 8 per SM, the earlier default, was 77-79% of copy in bf16)
+    tile, num_warps, per_sm, prefetch = CONFIG if CONFIG is not None else (1024, 4, 16, True)
     BLOCK_H = triton.next_power_of_2(HALF)
     BLOCK_T = max(1, min(triton.next_power_of_2(T), tile // BLOCK_H))
     n_t = triton.cdiv(T, BLOCK_T)
