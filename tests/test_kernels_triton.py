@@ -110,11 +110,17 @@ def test_cross_entropy_cpu(N, V, reduction):
     t[1] = -100
     loss, lse, denom = K_ce.cross_entropy_fwd_triton(logits, t, -100, reduction)
     loss0, lse0, denom0 = K_ce.cross_entropy_fwd_ref(logits, t, -100, reduction)
-    assert denom == denom0 and _max_err(loss, loss0) <= CPU_TOL * 10 and _max_err(lse, lse0) <= CPU_TOL * 10
+    # denom: a 0-dim fp32 tensor on the logits' device (no host read in the forward)
+    assert denom.shape == () and denom.dtype == torch.float32 and denom.device == logits.device
+    assert denom.item() == denom0.item() == (N - 1 if reduction == "mean" else 1)
+    assert _max_err(loss, loss0) <= CPU_TOL * 10 and _max_err(lse, lse0) <= CPU_TOL * 10
     dloss = torch.tensor(1.7)
     g = K_ce.cross_entropy_bwd_triton(dloss, logits, t, lse0, -100, denom0)
     g0 = K_ce.cross_entropy_bwd_ref(dloss, logits, t, lse0, -100, denom0)
     assert _max_err(g, g0) <= CPU_TOL
+    # denom as a Python number (the older contract) gives the same gradient on both paths
+    assert torch.equal(K_ce.cross_entropy_bwd_triton(dloss, logits, t, lse0, -100, denom0.item()), g)
+    assert torch.equal(K_ce.cross_entropy_bwd_ref(dloss, logits, t, lse0, -100, denom0.item()), g0)
     buf = logits.clone()
     gi = K_ce.cross_entropy_bwd_triton(dloss, buf, t, lse0, -100, denom0, inplace=True)
     assert gi.data_ptr() == buf.data_ptr() and torch.equal(gi, g)
@@ -125,12 +131,16 @@ def test_cross_entropy_cpu(N, V, reduction):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("config", [(256, 4, 1), (256, 4, 3), (512, 4, 0), (8192, 4, 0)])
-def test_cross_entropy_fwd_tilings_cpu(config, monkeypatch):
+@pytest.mark.parametrize("config", [(256, 4, 1), (256, 4, 3), (512, 4, 0), (8192, 4, 0), (128, 4, 0, 4),
+                                    (256, 2, 0, 8), (64, 1, 0, 2)])
+@pytest.mark.parametrize("epilogue", ["kernel", "torch"])
+def test_cross_entropy_fwd_tilings_cpu(config, epilogue, monkeypatch):
     """Every forward tiling the bench sweeps: one block per program (split + combine), several blocks
-    per program (the prefetching loop), the whole row in one program (loop, no combine pass)."""
+    per program (the prefetching loop), the whole row in one program (loop, no combine pass), several
+    rows per program (the rows kernel, N not a multiple of the rows); both epilogues."""
     monkeypatch.setattr(K_ce, "FWD_CONFIG", config)
-    for N, V in ((5, 123), (7, 1000), (3, 2500)):
+    monkeypatch.setattr(K_ce, "EPILOGUE", epilogue)
+    for N, V in ((5, 123), (7, 1000), (3, 2500), (9, 256)):
         logits = torch.randn(N, V) * 3
         logits[0, 7] = 40.0  # a large max in the middle of a row: the running rescale must handle it
         t = torch.randint(0, V, (N,))
@@ -145,7 +155,9 @@ def test_cross_entropy_all_ignored_cpu():
     logits = torch.randn(4, 50)
     t = torch.full((4,), -100)
     loss, lse, denom = K_ce.cross_entropy_fwd_triton(logits, t)
-    assert loss.item() == 0.0 and denom == 1.0
+    assert loss.item() == 0.0 and denom.item() == 1.0
+    loss, _, denom = K_ce.cross_entropy_fwd_triton(logits, t, -100, "sum")
+    assert loss.item() == 0.0 and denom.item() == 1.0
     assert torch.equal(K_ce.cross_entropy_bwd_triton(torch.tensor(1.0), logits, t, lse), torch.zeros(4, 50))
 
 
@@ -404,13 +416,13 @@ def test_cross_entropy_gpu(N, V, dtype):
         g = K_ce.cross_entropy_bwd_triton(torch.tensor(2.0, device="cuda"), logits, t, lse, -100, denom)
     loss64, lse64, denom64 = K_ce.cross_entropy_fwd_ref(logits.double(), t)
     g64 = K_ce.cross_entropy_bwd_ref(torch.tensor(2.0, device="cuda"), logits.double(), t, lse64, -100, denom64)
-    assert denom == denom64
+    assert denom.is_cuda and denom.item() == denom64.item()
     assert abs(loss.item() - loss64.item()) / loss64.item() < 1e-5 and _rel(lse, lse64) < 1e-6
     assert _rel(g, g64) < _tol(dtype)
     buf = logits.clone()
     with poisoned():
-        nll, _ = K_ce.cross_entropy_fwd_bwd_triton(buf, t, -100, 2.0 / denom)
-    assert abs(nll.sum().item() / denom - loss64.item()) / loss64.item() < 1e-5
+        nll, _ = K_ce.cross_entropy_fwd_bwd_triton(buf, t, -100, 2.0 / denom.item())
+    assert abs(nll.sum().item() / denom.item() - loss64.item()) / loss64.item() < 1e-5
     assert _rel(buf, g64) < _tol(dtype)
 
 

@@ -6,9 +6,13 @@
 
 Contract:
     cross_entropy_fwd(logits[N, V], targets[N], ignore_index, reduction) -> (loss 0-dim fp32, lse[N] fp32,
-        denom: float). lse is saved so the backward needs no second reduction.
+        denom 0-dim fp32 tensor on the logits' device: max(count, 1) for "mean", 1 for "sum"; the
+        reference's are in fp64 for fp64 logits). lse is saved so the backward needs no second reduction;
+        denom is a device tensor so the forward never waits on the host (it was a float read back with
+        .item(), a synchronisation inside every forward).
     cross_entropy_bwd(dloss, logits, targets, lse, ignore_index, denom, inplace=False) -> dlogits
-        (logits.dtype; written into ``logits`` itself when inplace=True and the caller no longer needs it).
+        (logits.dtype; written into ``logits`` itself when inplace=True and the caller no longer needs it;
+        denom: that tensor, or a Python number).
     cross_entropy_fwd_bwd(logits, targets, ignore_index, scale) -> (nll[N] fp32, lse[N] fp32), and
         logits overwritten in place by scale * (softmax - onehot) (0 on ignored rows): forward and
         backward in one call for a caller that knows dloss up front (fused linear + cross-entropy).
@@ -25,6 +29,11 @@ materialising an fp32 copy of the logits):
                                    merges the partials. H200, 2026-11-29 (bench/RESULTS.md): 41% -> 58% of
                                    copy at 8192 x 32768 bf16, 61% -> 68% at 131072, 73% -> 91% fp32 (the
                                    first version: one program per row, two block reductions per step).
+    _ce_fwd_rows_kernel            alternative forward (FWD_CONFIG with rows > 1): ROWS rows per program in
+                                   [ROWS, BLOCK_V] tiles, one warp per tile row, so the per-step max is a
+                                   warp shuffle, not a block-wide reduction (to be measured on the H200)
+    _ce_loss_kernel                the epilogue in one program: loss = sum(nll) / denom and denom as device
+                                   scalars (replaced count/sum/clamp/divide torch launches and the host read)
     _cross_entropy_bwd_kernel      one read + one write: (exp(x - lse) - [v == t]) * dloss / denom
     _cross_entropy_fwd_bwd_kernel  both: two reads + one write, gradient in place
 """
@@ -56,18 +65,20 @@ def cross_entropy_fwd_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_in
     safe_t = torch.where(valid, targets, torch.zeros_like(targets))
     picked = lf.gather(1, safe_t[:, None]).squeeze(1)  # [N]
     nll = torch.where(valid, lse - picked, torch.zeros_like(lse))
-    count = int(valid.sum().item())
-    denom = float(max(count, 1)) if reduction == "mean" else 1.0
+    if reduction == "mean":
+        denom = valid.sum().clamp_min(1).to(lf.dtype)
+    else:
+        denom = torch.ones((), dtype=lf.dtype, device=logits.device)
     loss = nll.sum() / denom
     return loss, lse, denom
 
 
 def cross_entropy_bwd_ref(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
-                          lse: torch.Tensor, ignore_index: int = -100, denom: float = 1.0,
+                          lse: torch.Tensor, ignore_index: int = -100, denom=1.0,
                           inplace: bool = False) -> torch.Tensor:
     acc = _acc(logits)
     valid = targets != ignore_index
-    scale = torch.as_tensor(dloss, device=logits.device).to(acc) / denom
+    scale = torch.as_tensor(dloss, device=logits.device).to(acc) / torch.as_tensor(denom, device=logits.device).to(acc)
     # softmax(logits) = exp(logits - lse); torch.softmax does it in one fused pass where the subtraction
     # and exp would make two (and a temporary), so the saved lse is not needed on this path
     probs = torch.softmax(logits.to(acc), dim=-1)  # [N, V]
@@ -176,14 +187,69 @@ def _ce_fwd_combine_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, N, stride,
 
 
 @_jit
-def _cross_entropy_bwd_kernel(DLOSS, LOGITS, TARGETS, LSE, OUT, V, stride, out_stride, ignore_index, denom,
+def _ce_fwd_rows_kernel(LOGITS, TARGETS, LSE, NLL, N, V, stride, ignore_index,
+                        ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """ROWS rows per program, walked together in [ROWS, BLOCK_V] tiles. With BLOCK_V = 32 lanes x one
+    16-byte vector (256 bf16, 128 fp32 columns) Triton lays each tile row on a single warp (checked in
+    sm_90 TTGIR: warpsPerCTA = [num_warps, 1]), so the per-step row max is a warp shuffle reduction with
+    no shared memory and no barrier, where the one-row kernel's 4096-column step needs a block-wide
+    reduction (shared memory + bar.sync) every step. Same online log-sum-exp as the split kernel: the
+    sum kept per lane, the next tile loaded before the current one is reduced."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < N
+    rows64 = tl.where(rmask, rows, 0).to(tl.int64)
+    base = LOGITS + rows64[:, None] * stride  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK_V)[None, :]
+    x = tl.load(base + cols, mask=rmask[:, None] & (cols < V), other=-float("inf")).to(tl.float32)
+    nxt = tl.load(base + BLOCK_V + cols, mask=rmask[:, None] & (BLOCK_V + cols < V), other=-float("inf"))
+    m = tl.where(rmask, tl.max(x, axis=1), 0.0)  # rows past N: 0, not -inf (no inf - inf below)
+    acc = tl.exp(x - m[:, None])
+    for start in range(BLOCK_V, V, BLOCK_V):
+        x = nxt.to(tl.float32)
+        nxt = tl.load(base + start + BLOCK_V + cols, mask=rmask[:, None] & (start + BLOCK_V + cols < V),
+                      other=-float("inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        acc = acc * tl.exp(m - m_new)[:, None] + tl.exp(x - m_new[:, None])
+        m = m_new
+    lse = m + tl.log(tl.where(rmask, tl.sum(acc, axis=1), 1.0))
+    t = tl.load(TARGETS + rows, mask=rmask, other=ignore_index)
+    valid = t != ignore_index
+    picked = tl.load(LOGITS + rows64 * stride + tl.where(valid, t, 0), mask=rmask & valid,
+                     other=0.0).to(tl.float32)
+    tl.store(LSE + rows, lse, mask=rmask)
+    tl.store(NLL + rows, tl.where(valid, lse - picked, 0.0), mask=rmask)
+
+
+@_jit
+def _ce_loss_kernel(NLL, TARGETS, LOSS, DENOM, N, ignore_index, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """The epilogue in one program: loss = sum(nll) / denom, denom = max(count, 1) ("mean") or 1, both
+    written as device scalars (no host read). Fixed summation order: deterministic."""
+    offs = tl.arange(0, BLOCK)
+    tot = tl.zeros([BLOCK], dtype=tl.float32)
+    cnt = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, N, BLOCK):
+        m = start + offs < N
+        tot += tl.load(NLL + start + offs, mask=m, other=0.0)
+        cnt += (tl.load(TARGETS + start + offs, mask=m, other=ignore_index) != ignore_index).to(tl.int32)
+    total = tl.sum(tot, axis=0)
+    count = tl.sum(cnt, axis=0)
+    if MEAN:
+        denom = tl.maximum(count, 1).to(tl.float32)
+    else:
+        denom = (count * 0 + 1).to(tl.float32)  # 1, as the same scalar type in both branches
+    tl.store(LOSS, total / denom)
+    tl.store(DENOM, denom)
+
+
+@_jit
+def _cross_entropy_bwd_kernel(DLOSS, LOGITS, TARGETS, LSE, OUT, DENOM, V, stride, out_stride, ignore_index,
                               BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     ROW = LOGITS + row * stride
     OUT_ROW = OUT + row * out_stride
     t = tl.load(TARGETS + row)
     valid = t != ignore_index
-    scale = tl.where(valid, tl.load(DLOSS).to(tl.float32) / denom, 0.0)
+    scale = tl.where(valid, tl.load(DLOSS).to(tl.float32) / tl.load(DENOM).to(tl.float32), 0.0)
     lse = tl.load(LSE + row)
     cols = tl.arange(0, BLOCK_V)
     for start in range(0, V, BLOCK_V):
@@ -226,14 +292,17 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(1) == 1 else logits.contiguous()
 
 
-FWD_CONFIG = None  # (BLOCK_V, num_warps, blocks per program) override, for the bench's variant sweep
+FWD_CONFIG = None  # (BLOCK_V, num_warps, blocks per program[, rows per program]) override, for the bench's sweep
+EPILOGUE = "kernel"  # "kernel": _ce_loss_kernel; "torch": the same sums as torch ops (bench comparison)
 
 
 def _fwd_config(V: int, esize: int = 2):
-    """The forward's tiling: BLOCK_V columns per step, num_warps, and the columns each program reduces
-    (cols_per_split, a multiple of BLOCK_V; splits = cdiv(V, cols_per_split) programs per row)."""
+    """The forward's tiling: BLOCK_V columns per step, num_warps, the columns each program reduces
+    (cols_per_split, a multiple of BLOCK_V; splits = cdiv(V, cols_per_split) programs per row) and the
+    rows per program (ROWS > 1: ``_ce_fwd_rows_kernel``, the whole row, no combine pass)."""
     if FWD_CONFIG is not None:
-        BLOCK_V, num_warps, bpp = FWD_CONFIG
+        BLOCK_V, num_warps, bpp = FWD_CONFIG[:3]
+        rows = FWD_CONFIG[3] if len(FWD_CONFIG) > 3 else 1
         BLOCK_V = min(BLOCK_V, triton.next_power_of_2(V))
     else:
         # measured on the H200 (bench/RESULTS.md): 16-bit logits -> one program per row (no combine pass),
@@ -241,7 +310,10 @@ def _fwd_config(V: int, esize: int = 2):
         BLOCK_V = min(4096, triton.next_power_of_2(V))
         num_warps = 8 if BLOCK_V >= 4096 else 4
         bpp = 0 if esize <= 2 else 4
-    return BLOCK_V, num_warps, BLOCK_V * (bpp if bpp > 0 else triton.cdiv(V, BLOCK_V))
+        rows = 1
+    if rows > 1:
+        bpp = 0
+    return BLOCK_V, num_warps, BLOCK_V * (bpp if bpp > 0 else triton.cdiv(V, BLOCK_V)), rows
 
 
 def cross_entropy_fwd_lse_triton(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100):
@@ -251,7 +323,12 @@ def cross_entropy_fwd_lse_triton(logits: torch.Tensor, targets: torch.Tensor, ig
     nll = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
         return lse, nll
-    BLOCK_V, num_warps, cps = _fwd_config(V, logits.element_size())
+    BLOCK_V, num_warps, cps, rows = _fwd_config(V, logits.element_size())
+    if rows > 1:
+        _ce_fwd_rows_kernel[(triton.cdiv(N, rows),)](logits, targets, lse, nll, N, V, logits.stride(0),
+                                                     ignore_index, ROWS=rows, BLOCK_V=BLOCK_V,
+                                                     num_warps=num_warps)
+        return lse, nll
     n_split = triton.cdiv(V, cps)
     if n_split == 1:
         _ce_fwd_split_kernel[(N, 1)](logits, targets, lse, lse, lse, nll, V, logits.stride(0), cps, 1,
@@ -276,20 +353,22 @@ def cross_entropy_fwd_triton(logits: torch.Tensor, targets: torch.Tensor, ignore
     logits = _rows(logits)
     targets = targets.contiguous()
     lse, nll = cross_entropy_fwd_lse_triton(logits, targets, ignore_index)
-    # every device op is queued before the one host synchronisation (the count, which the contract
-    # returns as a float), so the GPU never waits on the host inside this call
-    count = (targets != ignore_index).sum()
-    total = nll.sum()
-    if reduction == "mean":
-        loss = total / count.clamp_min(1).to(torch.float32)
-    else:
-        loss = total / 1.0
-    denom = float(max(int(count.item()), 1)) if reduction == "mean" else 1.0
+    # loss and denom stay on the device: no host synchronisation anywhere in the forward
+    if EPILOGUE == "torch":
+        if reduction == "mean":
+            denom = (targets != ignore_index).sum().clamp_min(1).to(torch.float32)
+        else:
+            denom = torch.ones((), dtype=torch.float32, device=logits.device)
+        return nll.sum() / denom, lse, denom
+    loss = torch.empty((), dtype=torch.float32, device=logits.device)
+    denom = torch.empty((), dtype=torch.float32, device=logits.device)
+    _ce_loss_kernel[(1,)](nll, targets, loss, denom, targets.shape[0], ignore_index, MEAN=reduction == "mean",
+                          BLOCK=1024, num_warps=4)
     return loss, lse, denom
 
 
 def cross_entropy_bwd_triton(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
-                             lse: torch.Tensor, ignore_index: int = -100, denom: float = 1.0,
+                             lse: torch.Tensor, ignore_index: int = -100, denom=1.0,
                              inplace: bool = False) -> torch.Tensor:
     _check("cross_entropy_bwd", logits, targets)
     if inplace and logits.stride(1) != 1:
@@ -301,8 +380,10 @@ def cross_entropy_bwd_triton(dloss: torch.Tensor, logits: torch.Tensor, targets:
     dloss = torch.as_tensor(dloss, dtype=torch.float32, device=logits.device).reshape(())
     if N > 0:
         BLOCK_V, num_warps = _config(V)
-        _cross_entropy_bwd_kernel[(N,)](dloss, src, targets.contiguous(), lse.contiguous(), out, V,
-                                        src.stride(0), out.stride(0), ignore_index, float(denom),
+        if not isinstance(denom, torch.Tensor):  # a Python number: a device fill, no host round trip
+            denom = torch.full((), float(denom), dtype=torch.float32, device=logits.device)
+        _cross_entropy_bwd_kernel[(N,)](dloss, src, targets.contiguous(), lse.contiguous(), out, denom, V,
+                                        src.stride(0), out.stride(0), ignore_index,
                                         BLOCK_V=BLOCK_V, num_warps=num_warps)
     return out
 
@@ -337,7 +418,7 @@ def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
 
 
 def cross_entropy_bwd(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                      ignore_index: int = -100, denom: float = 1.0, inplace: bool = False) -> torch.Tensor:
+                      ignore_index: int = -100, denom=1.0, inplace: bool = False) -> torch.Tensor:
     if _fast(logits, targets, lse):
         return cross_entropy_bwd_triton(dloss, logits, targets, lse, ignore_index, denom, inplace)
     return cross_entropy_bwd_ref(dloss, logits, targets, lse, ignore_index, denom, inplace)
