@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from xtrain.autograd import gc_paused
 from xtrain.config import PRESETS
 from xtrain.model import Model
 from xtrain.train.optim import AdamW, clip_grads_, grad_norm
@@ -36,16 +37,19 @@ def main(argv=None) -> int:
     dev = torch.device(a.device)
     B, T = a.batch_size, a.seq_len or c.max_seq_len
     model = Model(c, device=dev, seed=0)
-    opt = AdamW(model.params, lr=1e-3, weight_decay=0.1)
+    low = model.compute_dtype if model.compute_dtype != model.master_dtype else None
+    opt = AdamW(model.params, lr=1e-3, weight_decay=0.1, compute_copies=low)  # as the trainer sets it up
+    model.weight_copy = opt.copy_for if low is not None else None
     ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0)).to(dev)
 
     def step():
-        loss = model.loss(ids[:, :-1], ids[:, 1:])
-        loss.backward()
-        grads = opt.grads()
-        clip_grads_(grads, 1.0, grad_norm(grads))
-        opt.step()
-        opt.zero_grad()
+        with gc_paused():  # as the trainer runs a step
+            loss = model.loss(ids[:, :-1], ids[:, 1:])
+            loss.backward()
+            grads = opt.grads()
+            clip_grads_(grads, 1.0, grad_norm(grads))
+            opt.step()
+            opt.zero_grad()
 
     def sync():
         if dev.type == "cuda":

@@ -4,7 +4,10 @@ Both sides run the same architecture with the same weights and the same batch: f
 side: torch.autograd), global-norm clipping, AdamW step, zero grads. The PyTorch side is written the way
 one writes it in eager PyTorch: ``nn.Linear``, ``F.rms_norm``, ``F.scaled_dot_product_attention`` (causal,
 GQA; ``--torch-attention composed`` for the materialised-softmax form xtrain's composed op computes),
-``F.silu``, ``F.cross_entropy``, ``torch.optim.AdamW`` (foreach=False, xtrain's kernel is single-tensor).
+``F.silu``, ``F.cross_entropy``, ``torch.optim.AdamW`` (fused on CUDA, foreach=False on the CPU). The xtrain
+side runs its step as the trainer does: Python's cyclic GC paused for the step, and (with a lower compute
+dtype) AdamW's compute copies of the weights read by the forward (``--no-copies``: a cast per weight per
+forward instead).
 
 Timing: wall clock per step after warm-up, median over ``--steps`` steps, the two sides interleaved
 step by step so machine noise hits both alike. tokens/s = B * T / median step time. Both losses are
@@ -28,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from xtrain.autograd import gc_paused
 from xtrain.config import PRESETS
 from xtrain.model import Model
 from xtrain.train.optim import AdamW, clip_grads_, decays, grad_norm
@@ -152,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--loss", default="auto", choices=["composed", "fused", "auto"], help="xtrain loss op")
     ap.add_argument("--torch-attention", default="sdpa", choices=["sdpa", "composed"])
     ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--no-copies", action="store_true",
+                    help="cast every weight in every forward instead of reading AdamW's compute copies")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="compute dtype: xtrain's compute_dtype (fp32 masters) vs torch autocast to the same dtype")
@@ -168,7 +174,10 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
 
     model = Model(c, device=dev, seed=0)
-    opt = AdamW(model.params, lr=1e-3, weight_decay=0.1)
+    # as the trainer sets it up: with a lower compute dtype AdamW keeps the compute copies of the weights
+    low = model.compute_dtype if model.compute_dtype != model.master_dtype and not args.no_copies else None
+    opt = AdamW(model.params, lr=1e-3, weight_decay=0.1, compute_copies=low)
+    model.weight_copy = opt.copy_for if low is not None else None
     ref = TorchQwen3(c, args.torch_attention).to(dev)
     ref.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, strict=True)
     named = dict(ref.named_parameters())
@@ -190,13 +199,14 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
 
     def step_xtrain():
-        loss = model.loss(x, y)
-        loss.backward()
-        grads = opt.grads()
-        clip_grads_(grads, 1.0, grad_norm(grads))
-        opt.step()
-        opt.zero_grad()
-        return float(loss.data)
+        with gc_paused():  # as the trainer runs a step (the tape is acyclic; see autograd.gc_paused)
+            loss = model.loss(x, y)
+            loss.backward()
+            grads = opt.grads()
+            clip_grads_(grads, 1.0, grad_norm(grads))
+            opt.step()
+            opt.zero_grad()
+            return float(loss.data)
 
     def step_torch():
         with autocast:
@@ -229,7 +239,8 @@ def main(argv=None) -> int:
     print(f"xtrain bench train: preset={args.preset} params={model.num_params() / 1e6:.2f}M B={B} T={T} "
           f"V={c.vocab_size} device={dev} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"torch={torch.__version__}")
-    print(f"  xtrain attention={args.attention} loss={args.loss} recompute={args.recompute}; "
+    print(f"  xtrain attention={args.attention} loss={args.loss} recompute={args.recompute} "
+          f"compute copies={'on' if low is not None else 'off'}; "
           f"torch attention={args.torch_attention}; first-step loss xtrain {first[0]:.6f} torch {first[1]:.6f}")
     print(f"{'impl':<16}{'step ms':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'ratio':>8}")
     print(f"{'torch eager':<16}{mt * 1e3:>10.1f}{tok / mt:>12.0f}{tok * fpt / mt / 1e9:>10.1f}{1.0:>8.2f}")

@@ -78,3 +78,29 @@ def test_bf16_training_on_cuda_reduces_loss():
     hist = tr.fit()
     assert all(p.data.dtype == torch.float32 for p in m.params.values())
     assert hist[-1]["loss"] < 0.5 * hist[0]["loss"]
+
+
+def test_bf16_compute_copies_on_cuda_are_exact_casts():
+    """On CUDA the Triton AdamW writes the bf16 compute copies in its update pass: training with them is bit
+    for bit training with a cast of every weight in every forward."""
+    from xtrain.config import TrainConfig
+    from xtrain.train.trainer import Trainer
+
+    g = torch.Generator().manual_seed(3)
+    batch = torch.randint(0, 512, (8, 65), generator=g)
+    out = []
+    for use in (True, False):
+        m = Model(_cfg("bfloat16", "auto", "auto"), device="cuda")
+        tr = Trainer(m, TrainConfig(steps=4, batch_size=8, seq_len=64, lr=3e-3, warmup_steps=1), lambda: batch.cuda())
+        if not use:
+            m.weight_copy = None
+        hist = tr.fit()
+        if use:
+            assert any(c is not None for c in tr.optimizer.copies)
+            for p, c in zip(tr.optimizer.params, tr.optimizer.copies):
+                if c is not None:
+                    assert torch.equal(c, p.data.to(torch.bfloat16))
+        out.append(([h["loss"] for h in hist], {k: p.data.clone() for k, p in m.params.items()}))
+    assert out[0][0] == out[1][0]
+    for k in out[0][1]:
+        assert torch.equal(out[0][1][k], out[1][1][k]), k

@@ -450,6 +450,61 @@ def test_bf16_training_runs():
     assert hist[-1]["loss"] < 0.8 * hist[0]["loss"]
 
 
+def _bf16_run(steps, use_copies, restore_after=None):
+    c = mcfg(compute_dtype="bfloat16", max_seq_len=16)
+    batch = Source(4, 16, 61, seed=1).next_batch()
+    m = Model(c, seed=0)
+    tr = Trainer(m, tcfg(steps=steps, seq_len=16, lr=1e-2, warmup_steps=3), lambda: batch)
+    if not use_copies:
+        m.weight_copy = None
+    hist = tr.fit(restore_after) if restore_after else tr.fit()
+    return m, tr, hist
+
+
+def test_bf16_compute_copies_are_exact_casts():
+    """The optimizer's bf16 copies (written in its update pass, read by the forward through ops.cast_as)
+    give bit-for-bit the training of casting every weight in every forward."""
+    m1, tr1, h1 = _bf16_run(5, True)
+    m2, _, h2 = _bf16_run(5, False)
+    assert any(c is not None for c in tr1.optimizer.copies)
+    assert [h["loss"] for h in h1] == [h["loss"] for h in h2]
+    for n in m1.params:
+        assert torch.equal(m1.params[n].data, m2.params[n].data), n
+    for p, c in zip(tr1.optimizer.params, tr1.optimizer.copies):
+        if c is not None:
+            assert torch.equal(c, p.data.to(torch.bfloat16))
+
+
+def test_bf16_compute_copy_goes_stale_when_master_changes():
+    """A master changed outside the optimizer (in place, or replaced) is never read through its old copy."""
+    m, tr, _ = _bf16_run(2, True)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    p = m.params[name]
+    assert tr.optimizer.copy_for(p) is not None
+    p.data.mul_(2.0)  # e.g. a user's edit or a checkpoint restore (copy_)
+    assert tr.optimizer.copy_for(p) is None
+    assert m._w(p).data.equal(p.data.to(torch.bfloat16))  # the forward casts instead
+    tr.optimizer.step(1e-3)  # the next update rewrites the copy from the changed master
+    assert tr.optimizer.copy_for(p) is not None and tr.optimizer.copy_for(p).equal(p.data.to(torch.bfloat16))
+    p.data = p.data.clone()  # a replaced tensor
+    assert tr.optimizer.copy_for(p) is None
+    assert tr.optimizer.copy_for(m.params["model.norm.weight"]) is None  # 1-D: no copy kept
+
+
+def test_cast_as_checks_and_gradient():
+    x = Var(torch.randn(3, 4, dtype=torch.float32), requires_grad=True)
+    y = ops.cast_as(x, x.data.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    y.backward(torch.ones(3, 4, dtype=torch.bfloat16))
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, torch.ones(3, 4))
+    with pytest.raises(ValueError, match="cast_as"):
+        ops.cast_as(x, torch.zeros(4, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cast_as"):
+        ops.cast_as(x, x.data.clone())  # same dtype
+    with pytest.raises(ValueError, match="cast_as"):
+        ops.cast_as(x, [1, 2])
+
+
 def test_with_token_loader(tmp_path):
     loader_mod = pytest.importorskip("xtrain.data.loader")
     shards = pytest.importorskip("xtrain.data.shards")

@@ -25,7 +25,9 @@ the same seed gives the same weights on every device):
   * every RMSNorm weight (input/post_attention_layernorm, q_norm, k_norm, norm): ones.
 
 Precision: weights are read through ``ops.cast`` to the compute dtype inside the forward (inside each
-block, so activation recompute re-casts and the gradient lands in fp32 on the master). The residual
+block, so activation recompute re-casts and the gradient lands in fp32 on the master); under the trainer,
+through ``ops.cast_as`` with the bf16 copies that AdamW writes in its update pass (``weight_copy``), the
+same node without a cast launch per weight per forward. The residual
 stream ``x`` stays in the master dtype (as under torch autocast): RMSNorm statistics, the residual adds,
 softmax (inside the kernel) and the loss are fp32 whatever the compute dtype; the matmuls and the
 elementwise MLP run in the compute dtype. In fp32 every cast is the identity and records nothing.
@@ -175,6 +177,8 @@ class Model:
         self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         self.training = True
         self.dropout_seed = 0
+        # optional hook p -> compute-dtype copy of p.data or None (the trainer sets AdamW.copy_for)
+        self.weight_copy = None
         self._attention = _resolve_attention(config.attention, self.device)
         self._fused_loss = _resolve_loss(config.loss, self.device)
         self.params: OrderedDict[str, Var] = OrderedDict(
@@ -246,7 +250,14 @@ class Model:
 
     # -- forward ---------------------------------------------------------------------------------------
     def _w(self, p: Var) -> Var:
-        return ops.cast(p, self.compute_dtype)  # identity (no node) when the dtypes agree
+        """A weight in the compute dtype: the optimizer's current compute copy when one is attached
+        (``weight_copy``, set by the trainer: no cast launch), else a cast (identity when dtypes agree)."""
+        dt = self.compute_dtype
+        if p.dtype != dt and self.weight_copy is not None:
+            c = self.weight_copy(p)
+            if c is not None and c.dtype == dt:
+                return ops.cast_as(p, c)
+        return ops.cast(p, dt)
 
     def _dropout(self, x: Var, seed: int | None, layer: int, site: int) -> Var:
         if seed is None:

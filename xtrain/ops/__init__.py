@@ -1,7 +1,7 @@
 """Differentiable ops on ``Var``. Public signatures here are relied on by outside code.
 
 basic: add, sub, mul, div, scale, neg, matmul, linear, add_bias, sum, mean, reshape, transpose,
-       contiguous, cast
+       contiguous, cast, cast_as
 nn:    embedding, rms_norm, silu, swiglu, softmax, cross_entropy, rope, dropout
 attention: attention (composed), math_attention (one node, hand-written backward), repeat_kv, causal_mask;
            flash_attention (fused, xtrain.ops.flash)
@@ -13,6 +13,7 @@ from xtrain.ops.basic import (
     add,
     add_bias,
     cast,
+    cast_as,
     contiguous,
     div,
     linear,
@@ -29,7 +30,7 @@ from xtrain.ops.basic import (
 from xtrain.ops.nn import cross_entropy, dropout, embedding, rms_norm, rope, silu, softmax, swiglu
 
 __all__ = [
-    "add", "add_bias", "attention", "cast", "causal_mask", "contiguous", "cross_entropy", "div", "dropout",
+    "add", "add_bias", "attention", "cast", "cast_as", "causal_mask", "contiguous", "cross_entropy", "div", "dropout",
     "embedding", "flash_attention", "linear", "linear_cross_entropy", "math_attention", "matmul", "mean", "mul",
     "neg",
     "repeat_kv", "reshape", "rms_norm", "rope", "scale", "silu", "softmax", "sub", "sum", "swiglu",

@@ -310,3 +310,17 @@ def cast(x: Var, dtype: torch.dtype) -> Var:
         return x
     src = x.dtype
     return Var.from_op(x.data.to(dtype), (x,), lambda d: (d.to(src),), "cast")
+
+
+def cast_as(x: Var, value: torch.Tensor) -> Var:
+    """``cast(x, value.dtype)`` with the cast already done: ``value`` must be ``x.data`` rounded to another
+    floating dtype (the caller's promise; the optimizer keeps such bf16 copies of the fp32 master weights,
+    refreshed in its update pass, so the forward needs no cast launch per weight). Same node, same
+    backward as ``cast``: the gradient is cast back to x's dtype."""
+    check(isinstance(value, torch.Tensor), "cast_as", f"value must be a tensor, got {type(value).__name__}", x)
+    check(value.dtype in _FLOAT and value.dtype != x.dtype, "cast_as",
+          f"value must have another floating dtype than x, got {value.dtype}", x)
+    check(tuple(value.shape) == tuple(x.shape) and value.device == x.device, "cast_as",
+          f"value must match x's shape and device, got {tuple(value.shape)} on {value.device}", x)
+    src = x.dtype
+    return Var.from_op(value, (x,), lambda d: (d.to(src),), "cast")

@@ -60,7 +60,8 @@ class AdamW:
     ``.data`` in place (never through the tape). State: ``step`` and two moment tensors per parameter."""
 
     def __init__(self, params: Mapping[str, Var], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.1, decay_rule=decays):
+                 eps: float = 1e-8, weight_decay: float = 0.1, decay_rule=decays,
+                 compute_copies: torch.dtype | None = None):
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"AdamW: lr must be a finite number > 0, got {lr}")
         if not all(0.0 <= b < 1.0 for b in betas):
@@ -75,6 +76,53 @@ class AdamW:
         self.exp_avgs = [torch.zeros_like(p.data) for p in self.params]
         self.exp_avg_sqs = [torch.zeros_like(p.data) for p in self.params]
         self.step_count = 0
+        self._init_copies(compute_copies)
+
+    # -- compute copies ------------------------------------------------------------------------------
+    def _init_copies(self, dtype: torch.dtype | None) -> None:
+        """With ``compute_copies=torch.bfloat16``: keep a bf16 copy of every 2-D master weight (the
+        matrices the model casts in every forward), written by the update pass itself, so the forward
+        reads the copy (``copy_for``) instead of launching one cast per weight per forward (and per
+        recompute). The copies live in one buffer, each 16-byte aligned; they are derived state (never
+        saved) and are rebuilt from the masters whenever a master changed outside ``step``."""
+        self.copies: list[torch.Tensor | None] = [None] * len(self.params)
+        self._copy_of: list[tuple | None] = [None] * len(self.params)  # (master tensor, its _version)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        if dtype is None:
+            return
+        want = [i for i, p in enumerate(self.params) if p.data.ndim == 2 and p.data.dtype != dtype]
+        if not want:
+            return
+        pad = lambda n: -(-n // 8) * 8  # 8 elements of bf16 = 16 bytes
+        total = sum(pad(self.params[i].data.numel()) for i in want)
+        buf = torch.empty(total, dtype=dtype, device=self.params[want[0]].data.device)
+        off = 0
+        for i in want:
+            d = self.params[i].data
+            self.copies[i] = buf[off:off + d.numel()].view(d.shape)
+            off += pad(d.numel())
+        self._refresh_copies()
+
+    def _refresh_copies(self) -> None:
+        for i, c in enumerate(self.copies):
+            if c is not None:
+                d = self.params[i].data
+                c.copy_(d)
+                self._copy_of[i] = (d, d._version)
+
+    def _copy_valid(self, i: int) -> bool:
+        src = self._copy_of[i]
+        d = self.params[i].data
+        return src is not None and src[0] is d and src[1] == d._version
+
+    def copy_for(self, p: Var) -> torch.Tensor | None:
+        """The compute copy of parameter ``p`` if it is current, else None (the caller casts). A master
+        changed in place outside ``step`` (a checkpoint restore, a user's edit) bumps its tensor's version
+        counter, and a replaced ``p.data`` is another tensor: either makes the copy stale, never wrong."""
+        i = self._index.get(id(p))
+        if i is None or self.copies[i] is None or not self._copy_valid(i):
+            return None
+        return self.copies[i]
 
     def grads(self) -> list[torch.Tensor]:
         """The parameters' gradients; a parameter that received none gets a zero gradient attached, so
@@ -88,9 +136,15 @@ class AdamW:
         lr = self.lr if lr is None else float(lr)
         grads = self.grads()
         self.step_count += 1
+        have_copies = any(c is not None for c in self.copies)
         adamw_step([p.data for p in self.params], grads, self.exp_avgs, self.exp_avg_sqs, step=self.step_count,
                    lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                   weight_decays=self.weight_decays)
+                   weight_decays=self.weight_decays, copies=self.copies if have_copies else None)
+        if have_copies:  # the update wrote every copy from its new master: record what they now mirror
+            for i, c in enumerate(self.copies):
+                if c is not None:
+                    d = self.params[i].data
+                    self._copy_of[i] = (d, d._version)
 
     def zero_grad(self) -> None:
         for p in self.params:
