@@ -275,9 +275,13 @@ def test_embedding_bwd_tilings_cpu(config, monkeypatch):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("config", [(64, 4, 2, True), (64, 4, 2, False), (2048, 4, 4, True)])
-def test_rms_norm_bwd_tilings_cpu(config, monkeypatch):
+@pytest.mark.parametrize("config", [(64, 4, 2, True), (64, 4, 2, False), (2048, 4, 4, True), (64, 4, 2, 3),
+                                    (2048, 4, 4, 4)])
+@pytest.mark.parametrize("dw_reduce", ["torch", "triton"])
+def test_rms_norm_bwd_tilings_cpu(config, dw_reduce, monkeypatch):
+    """Hand prefetch on and off, Triton's pipelining (an int: num_stages), both dw second passes."""
     monkeypatch.setattr(K_rms, "BWD_CONFIG", config)
+    monkeypatch.setattr(K_rms, "DW_REDUCE", dw_reduce)
     for shape in ((37, 40), (9, 130), (3, 7, 64)):
         x, dy, w = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1])
         _, r = K_rms.rms_norm_fwd_ref(x, w, 1e-6)

@@ -17,6 +17,8 @@ Triton kernels (CUDA; CPU through the interpreter for tests):
                            register tile that is reduced over rows once, at the end, into partial[p, :].
                            No atomics: the P partial rows are summed in a second small pass
                            (``partial.sum(0)``, P x C floats), so dw is deterministic run to run.
+    _rms_norm_dw_kernel    that second pass as one Triton launch that also casts to w.dtype (DW_REDUCE =
+                           "triton"; to be measured against the two torch launches, the default).
                            H200, 2026-11-29 (bench/RESULTS.md): one row per step, no prefetch: 48-65% of
                            copy in bf16; these tiles + prefetch: 69-80% (the prefetch alone: 0.120 vs 0.137
                            ms at 16384 x 4096 bf16). Still short of 85%; not yet found why.
@@ -75,7 +77,8 @@ def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps,
 
 @_jit
 def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
+                         STAGES: tl.constexpr = 0):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -83,6 +86,26 @@ def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_progr
     dw_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)  # reduced over rows once, at the end
     row_start = pid.to(tl.int64) * rows_per_program  # int64 so row * C cannot overflow
     row_end = tl.minimum(row_start + rows_per_program, N)
+    if STAGES > 1:
+        # Triton's own software pipelining: with num_stages on the loop, the tile loads become cp.async
+        # copies into shared memory, STAGES - 1 tiles ahead, so the bytes in flight no longer cost
+        # registers (the hand prefetch below holds the next tile in registers). Checked in sm_90 PTX
+        # compiled on the CPU (triton 3.9): cp.async present only with num_stages set.
+        for r0 in tl.range(row_start, row_end, BLOCK_R, num_stages=STAGES):
+            rows_s = r0 + tl.arange(0, BLOCK_R)
+            rm = rows_s < row_end
+            m_s = rm[:, None] & cmask[None, :]
+            o_s = rows_s[:, None] * C + cols[None, :]
+            xs = tl.load(X + o_s, mask=m_s, other=0.0).to(tl.float32)
+            dys = tl.load(DY + o_s, mask=m_s, other=0.0).to(tl.float32)
+            rs = tl.load(INV_RMS + rows_s, mask=rm, other=0.0)
+            gs = dys * w[None, :]
+            dots = tl.sum(gs * xs, axis=1)
+            dxs = rs[:, None] * gs - xs * ((rs * rs * rs / C) * dots)[:, None]
+            tl.store(DX + o_s, dxs.to(DX.dtype.element_ty), mask=m_s)
+            dw_acc += dys * xs * rs[:, None]
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, tl.sum(dw_acc, axis=0), mask=cmask)
+        return
     rows = row_start + tl.arange(0, BLOCK_R)
     mask = (rows < row_end)[:, None] & cmask[None, :]
     offs = rows[:, None] * C + cols[None, :]
@@ -115,6 +138,21 @@ def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_progr
     tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, tl.sum(dw_acc, axis=0), mask=cmask)
 
 
+@_jit
+def _rms_norm_dw_kernel(DW_PARTIAL, DW, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The dw second pass in one launch: program j sums columns [j * BLOCK_C, ...) of the P partial rows
+    in a fixed order (deterministic) and writes dw already cast to w.dtype (the torch form was two
+    launches: partial.sum(0), then .to(w.dtype))."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    ps = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        m = ((p0 + ps) < P)[:, None] & cmask[None, :]
+        acc += tl.load(DW_PARTIAL + (p0 + ps).to(tl.int64)[:, None] * C + cols[None, :], mask=m, other=0.0)
+    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=cmask)
+
+
 def _fwd_config(C: int):
     BLOCK_C = triton.next_power_of_2(C)
     BLOCK_R = max(1, min(16, 4096 // BLOCK_C))  # ~4k elements per program for short rows
@@ -122,7 +160,10 @@ def _fwd_config(C: int):
     return BLOCK_R, BLOCK_C, num_warps
 
 
-BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH) override, for the bench's sweep
+BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH) override, for the bench's sweep;
+# PREFETCH: True (the next tile loaded by hand into registers), False (none), or an int k >= 2: Triton's
+# pipelining of the tile loads, num_stages=k (cp.async into shared memory; to be measured)
+DW_REDUCE = "torch"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
 
 
 def _bwd_config(C: int):
@@ -166,13 +207,18 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     if N == 0:
         return dx.reshape(x.shape), torch.zeros_like(w)
     BLOCK_R, BLOCK_C, num_warps, per_sm, prefetch = _bwd_config(C)
+    stages = 0 if isinstance(prefetch, bool) else int(prefetch)
     P = _num_programs(x2, N, per_sm)
     rows_per_program = triton.cdiv(N, P)
     P = triton.cdiv(N, rows_per_program)
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
     _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
-                               rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=prefetch,
-                               num_warps=num_warps)
+                               rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=bool(prefetch),
+                               STAGES=stages, num_warps=num_warps)
+    if DW_REDUCE == "triton":
+        dw = torch.empty(C, dtype=w.dtype, device=x.device)
+        _rms_norm_dw_kernel[(triton.cdiv(C, 128),)](dw_partial, dw, P, C, BLOCK_P=32, BLOCK_C=128, num_warps=4)
+        return dx.reshape(x.shape), dw
     dw = dw_partial.sum(dim=0)  # the second pass: P x C -> C, fixed order
     return dx.reshape(x.shape), dw.to(w.dtype)
 
