@@ -132,12 +132,14 @@ def test_cross_entropy_cpu(N, V, reduction):
 
 @needs_cpu_interp
 @pytest.mark.parametrize("config", [(256, 4, 1), (256, 4, 3), (512, 4, 0), (8192, 4, 0), (128, 4, 0, 4),
-                                    (256, 2, 0, 8), (64, 1, 0, 2)])
+                                    (256, 2, 0, 8), (64, 1, 0, 2), (128, 4, 0, 4, 3), (256, 4, 2, 1, 3),
+                                    (256, 4, 0, 1, 4)])
 @pytest.mark.parametrize("epilogue", ["kernel", "torch"])
 def test_cross_entropy_fwd_tilings_cpu(config, epilogue, monkeypatch):
     """Every forward tiling the bench sweeps: one block per program (split + combine), several blocks
     per program (the prefetching loop), the whole row in one program (loop, no combine pass), several
-    rows per program (the rows kernel, N not a multiple of the rows); both epilogues."""
+    rows per program (the rows kernel, N not a multiple of the rows), Triton's pipelining (a fifth entry:
+    num_stages) in both kernels; both epilogues."""
     monkeypatch.setattr(K_ce, "FWD_CONFIG", config)
     monkeypatch.setattr(K_ce, "EPILOGUE", epilogue)
     for N, V in ((5, 123), (7, 1000), (3, 2500), (9, 256)):

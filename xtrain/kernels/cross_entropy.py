@@ -128,7 +128,7 @@ def _row_lse(ROW, V, BLOCK_V: tl.constexpr):
 
 @_jit
 def _ce_fwd_split_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, cols_per_split, n_split,
-                         ignore_index, BLOCK_V: tl.constexpr, FINAL: tl.constexpr):
+                         ignore_index, BLOCK_V: tl.constexpr, FINAL: tl.constexpr, STAGES: tl.constexpr = 0):
     """Program (row, k) reduces columns [k * cols_per_split, ...) of one row to a partial (max m, sum s),
     s = sum exp(x - m). One block reduction (the max) per BLOCK_V step: the sum is kept per lane,
     rescaled by one scalar exp per step, and reduced once at the end (~1 exp per logit). The next
@@ -141,15 +141,22 @@ def _ce_fwd_split_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, c
     c1 = tl.minimum(c0 + cols_per_split, V)
     cols = tl.arange(0, BLOCK_V)
     x = tl.load(ROW + c0 + cols, mask=c0 + cols < c1, other=-float("inf")).to(tl.float32)
-    nxt = tl.load(ROW + c0 + BLOCK_V + cols, mask=c0 + BLOCK_V + cols < c1, other=-float("inf"))
     m = tl.max(x, axis=0)  # the first block holds at least one column: m is finite for finite logits
     acc = tl.exp(x - m)
-    for start in range(c0 + BLOCK_V, c1, BLOCK_V):
-        x = nxt.to(tl.float32)
-        nxt = tl.load(ROW + start + BLOCK_V + cols, mask=start + BLOCK_V + cols < c1, other=-float("inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        acc = acc * tl.exp(m - m_new) + tl.exp(x - m_new)
-        m = m_new
+    if STAGES > 1:  # Triton pipelines the loads itself (cp.async into shared memory), STAGES - 1 ahead
+        for start in tl.range(c0 + BLOCK_V, c1, BLOCK_V, num_stages=STAGES):
+            x = tl.load(ROW + start + cols, mask=start + cols < c1, other=-float("inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            acc = acc * tl.exp(m - m_new) + tl.exp(x - m_new)
+            m = m_new
+    else:
+        nxt = tl.load(ROW + c0 + BLOCK_V + cols, mask=c0 + BLOCK_V + cols < c1, other=-float("inf"))
+        for start in range(c0 + BLOCK_V, c1, BLOCK_V):
+            x = nxt.to(tl.float32)
+            nxt = tl.load(ROW + start + BLOCK_V + cols, mask=start + BLOCK_V + cols < c1, other=-float("inf"))
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            acc = acc * tl.exp(m - m_new) + tl.exp(x - m_new)
+            m = m_new
     s = tl.sum(acc, axis=0)
     if FINAL:
         lse = m + tl.log(s)
@@ -188,7 +195,7 @@ def _ce_fwd_combine_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, N, stride,
 
 @_jit
 def _ce_fwd_rows_kernel(LOGITS, TARGETS, LSE, NLL, N, V, stride, ignore_index,
-                        ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+                        ROWS: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr = 0):
     """ROWS rows per program, walked together in [ROWS, BLOCK_V] tiles. With BLOCK_V = 32 lanes x one
     16-byte vector (256 bf16, 128 fp32 columns) Triton lays each tile row on a single warp (checked in
     sm_90 TTGIR: warpsPerCTA = [num_warps, 1]), so the per-step row max is a warp shuffle reduction with
@@ -201,16 +208,24 @@ def _ce_fwd_rows_kernel(LOGITS, TARGETS, LSE, NLL, N, V, stride, ignore_index,
     base = LOGITS + rows64[:, None] * stride  # [ROWS, 1]
     cols = tl.arange(0, BLOCK_V)[None, :]
     x = tl.load(base + cols, mask=rmask[:, None] & (cols < V), other=-float("inf")).to(tl.float32)
-    nxt = tl.load(base + BLOCK_V + cols, mask=rmask[:, None] & (BLOCK_V + cols < V), other=-float("inf"))
     m = tl.where(rmask, tl.max(x, axis=1), 0.0)  # rows past N: 0, not -inf (no inf - inf below)
     acc = tl.exp(x - m[:, None])
-    for start in range(BLOCK_V, V, BLOCK_V):
-        x = nxt.to(tl.float32)
-        nxt = tl.load(base + start + BLOCK_V + cols, mask=rmask[:, None] & (start + BLOCK_V + cols < V),
-                      other=-float("inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        acc = acc * tl.exp(m - m_new)[:, None] + tl.exp(x - m_new[:, None])
-        m = m_new
+    if STAGES > 1:  # Triton pipelines the loads itself (cp.async into shared memory), STAGES - 1 ahead
+        for start in tl.range(BLOCK_V, V, BLOCK_V, num_stages=STAGES):
+            x = tl.load(base + start + cols, mask=rmask[:, None] & (start + cols < V),
+                        other=-float("inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            acc = acc * tl.exp(m - m_new)[:, None] + tl.exp(x - m_new[:, None])
+            m = m_new
+    else:
+        nxt = tl.load(base + BLOCK_V + cols, mask=rmask[:, None] & (BLOCK_V + cols < V), other=-float("inf"))
+        for start in range(BLOCK_V, V, BLOCK_V):
+            x = nxt.to(tl.float32)
+            nxt = tl.load(base + start + BLOCK_V + cols, mask=rmask[:, None] & (start + BLOCK_V + cols < V),
+                          other=-float("inf"))
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            acc = acc * tl.exp(m - m_new)[:, None] + tl.exp(x - m_new[:, None])
+            m = m_new
     lse = m + tl.log(tl.where(rmask, tl.sum(acc, axis=1), 1.0))
     t = tl.load(TARGETS + rows, mask=rmask, other=ignore_index)
     valid = t != ignore_index
@@ -292,7 +307,12 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(1) == 1 else logits.contiguous()
 
 
-FWD_CONFIG = None  # (BLOCK_V, num_warps, blocks per program[, rows per program]) override, for the bench's sweep
+FWD_CONFIG = None  # (BLOCK_V, num_warps, blocks per program[, rows per program[, stages]]) override, for the
+# bench's sweep; stages >= 2: Triton's own pipelining of the block loads (num_stages) instead of the hand prefetch
+# the defaults by logits element size, (BLOCK_V, num_warps, blocks per program, rows, stages); measured on the
+# H200 (bench/RESULTS.md): 16-bit logits -> one program per row (no combine pass), 4096-column steps, 8 warps;
+# fp32 logits -> 4 steps (16k columns) per program + the combine pass. Both with the hand prefetch.
+FWD_DEFAULTS = {2: (4096, 8, 0, 1, 0), 4: (4096, 8, 4, 1, 0)}
 EPILOGUE = "kernel"  # "kernel": _ce_loss_kernel; "torch": the same sums as torch ops (bench comparison)
 
 
@@ -300,20 +320,16 @@ def _fwd_config(V: int, esize: int = 2):
     """The forward's tiling: BLOCK_V columns per step, num_warps, the columns each program reduces
     (cols_per_split, a multiple of BLOCK_V; splits = cdiv(V, cols_per_split) programs per row) and the
     rows per program (ROWS > 1: ``_ce_fwd_rows_kernel``, the whole row, no combine pass)."""
-    if FWD_CONFIG is not None:
-        BLOCK_V, num_warps, bpp = FWD_CONFIG[:3]
-        rows = FWD_CONFIG[3] if len(FWD_CONFIG) > 3 else 1
-        BLOCK_V = min(BLOCK_V, triton.next_power_of_2(V))
-    else:
-        # measured on the H200 (bench/RESULTS.md): 16-bit logits -> one program per row (no combine pass),
-        # 4096-column steps, 8 warps; fp32 logits -> 4 steps (16k columns) per program + the combine pass
-        BLOCK_V = min(4096, triton.next_power_of_2(V))
-        num_warps = 8 if BLOCK_V >= 4096 else 4
-        bpp = 0 if esize <= 2 else 4
-        rows = 1
+    cfg = FWD_CONFIG if FWD_CONFIG is not None else FWD_DEFAULTS[2 if esize <= 2 else 4]
+    BLOCK_V, num_warps, bpp = cfg[:3]
+    rows = cfg[3] if len(cfg) > 3 else 1
+    stages = cfg[4] if len(cfg) > 4 else 0
+    BLOCK_V = min(BLOCK_V, triton.next_power_of_2(V))
+    if FWD_CONFIG is None and BLOCK_V < 4096 and rows == 1:
+        num_warps = 4  # short rows (tests, small vocabularies): fewer warps than a 4096-column step needs
     if rows > 1:
         bpp = 0
-    return BLOCK_V, num_warps, BLOCK_V * (bpp if bpp > 0 else triton.cdiv(V, BLOCK_V)), rows
+    return BLOCK_V, num_warps, BLOCK_V * (bpp if bpp > 0 else triton.cdiv(V, BLOCK_V)), rows, stages
 
 
 def cross_entropy_fwd_lse_triton(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100):
@@ -323,21 +339,22 @@ def cross_entropy_fwd_lse_triton(logits: torch.Tensor, targets: torch.Tensor, ig
     nll = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
         return lse, nll
-    BLOCK_V, num_warps, cps, rows = _fwd_config(V, logits.element_size())
+    BLOCK_V, num_warps, cps, rows, stages = _fwd_config(V, logits.element_size())
     if rows > 1:
         _ce_fwd_rows_kernel[(triton.cdiv(N, rows),)](logits, targets, lse, nll, N, V, logits.stride(0),
-                                                     ignore_index, ROWS=rows, BLOCK_V=BLOCK_V,
+                                                     ignore_index, ROWS=rows, BLOCK_V=BLOCK_V, STAGES=stages,
                                                      num_warps=num_warps)
         return lse, nll
     n_split = triton.cdiv(V, cps)
     if n_split == 1:
         _ce_fwd_split_kernel[(N, 1)](logits, targets, lse, lse, lse, nll, V, logits.stride(0), cps, 1,
-                                     ignore_index, BLOCK_V=BLOCK_V, FINAL=True, num_warps=num_warps)
+                                     ignore_index, BLOCK_V=BLOCK_V, FINAL=True, STAGES=stages,
+                                     num_warps=num_warps)
         return lse, nll
     m_part = torch.empty(N, n_split, dtype=torch.float32, device=logits.device)
     s_part = torch.empty(N, n_split, dtype=torch.float32, device=logits.device)
     _ce_fwd_split_kernel[(N, n_split)](logits, targets, m_part, s_part, lse, nll, V, logits.stride(0), cps,
-                                       n_split, ignore_index, BLOCK_V=BLOCK_V, FINAL=False,
+                                       n_split, ignore_index, BLOCK_V=BLOCK_V, FINAL=False, STAGES=stages,
                                        num_warps=num_warps)
     BLOCK_S = triton.next_power_of_2(n_split)
     BLOCK_N = max(1, min(128, 2048 // BLOCK_S))

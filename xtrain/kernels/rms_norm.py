@@ -163,6 +163,10 @@ def _fwd_config(C: int):
 BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH) override, for the bench's sweep;
 # PREFETCH: True (the next tile loaded by hand into registers), False (none), or an int k >= 2: Triton's
 # pipelining of the tile loads, num_stages=k (cp.async into shared memory; to be measured)
+# measured best on the H200 (bench/RESULTS.md): long rows -> 8k-element tiles (2 rows of 4096, one of 8192),
+# 16 warps, one program per SM; short rows (768) -> 4k-element tiles, 8 warps, 2 per SM; both hand prefetch
+BWD_DEFAULT_LONG = (8192, 16, 1, True)  # BLOCK_C >= 2048
+BWD_DEFAULT_SHORT = (4096, 8, 2, True)
 DW_REDUCE = "torch"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
 
 
@@ -170,12 +174,9 @@ def _bwd_config(C: int):
     BLOCK_C = triton.next_power_of_2(C)
     if BWD_CONFIG is not None:
         tile, num_warps, per_sm, prefetch = BWD_CONFIG
-        return max(1, tile // BLOCK_C), BLOCK_C, num_warps, per_sm, prefetch
-    # measured best on the H200 (bench/RESULTS.md): long rows -> 8k-element tiles (2 rows of 4096, one
-    # of 8192), 16 warps, one program per SM; short rows (768) -> 4k-element tiles, 8 warps, 2 per SM
-    if BLOCK_C >= 2048:
-        return max(1, 8192 // BLOCK_C), BLOCK_C, 16, 1, True
-    return max(1, 4096 // BLOCK_C), BLOCK_C, 8, 2, True
+    else:
+        tile, num_warps, per_sm, prefetch = BWD_DEFAULT_LONG if BLOCK_C >= 2048 else BWD_DEFAULT_SHORT
+    return max(1, tile // BLOCK_C), BLOCK_C, num_warps, per_sm, prefetch
 
 
 def _num_programs(x: torch.Tensor, N: int, per_sm: int = 4) -> int:
