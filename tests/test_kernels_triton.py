@@ -264,16 +264,20 @@ def test_embedding_bwd_cpu(ishape, V, C):
 
 @needs_cpu_interp
 @pytest.mark.parametrize("config", [(4, 64, 4, "torch"), (8, 32, 4, "absent"), (1, 16, 4, "absent"),
-                                    (16, 8, 4, "torch")])
+                                    (16, 8, 4, "torch"), (4, 64, 4, "fused"), (8, 32, 4, "fused", True, True),
+                                    (1, 16, 4, "absent", True, False), (16, 8, 4, "torch", False, True),
+                                    (2, 16, 4, "fused", False, True)])
 def test_embedding_bwd_tilings_cpu(config, monkeypatch):
-    """Chunk sizes and both zero fills, with runs of one id much longer than a chunk (summed across chunks
-    by the merge pass)."""
+    """Chunk sizes and the three zero fills (torch.zeros, a zero kernel, zero tiles fused into the chunk
+    launch), int32 or int64 sort keys, the index loaded a step ahead or not, with runs of one id much
+    longer than a chunk (summed across chunks by the merge pass); bit for bit deterministic."""
     monkeypatch.setattr(K_emb, "CONFIG", config)
     for n, V, C in ((100, 50, 9), (33, 1, 8), (40, 3, 70), (1, 4, 5)):
         ids = (torch.rand(n) ** 3 * V).long()  # Zipf-like: long runs of the small ids
         d = torch.randn(n, C)
         a = K_emb.embedding_bwd_triton(d, ids, V)
         assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
+        assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
 
 
 @needs_cpu_interp
