@@ -166,12 +166,6 @@ TINY = [  # B, H, Hkv, T, D, fwd config, bwd config (small blocks: several tiles
     (2, 4, 2, 64, 32, (32, 16, 4, 1, True), ((16, 32, 4, 1, True), (32, 16, 4, 1, True))),
     (1, 2, 2, 32, 64, (32, 32, 4, 1, True), ((32, 32, 4, 1, True), (32, 32, 4, 1, True))),
     (1, 2, 1, 32, 64, None, None),  # the default configs
-    # the fused one-pass backward (dQ by atomics): ragged T, GQA, TMA loads (the TMA reduce-add of dQ has no
-    # interpreter support: GPU only, test_gpu_fused_configs)
-    (2, 4, 2, 17, 32, (16, 16, 4, 1, False), ("fused", (16, 16, 4, 1, False, False))),
-    (1, 4, 1, 40, 32, (32, 16, 4, 1, False), ("fused", (16, 32, 4, 1, False, False))),
-    (2, 4, 2, 64, 32, (32, 16, 4, 1, True), ("fused", (16, 32, 4, 1, True, False))),
-    (1, 2, 2, 32, 64, (32, 32, 4, 1, True), ("fused", (32, 32, 4, 1, False, False))),
 ]
 
 
@@ -240,12 +234,7 @@ def _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=0, fcfg=None, bcfg=None):
         errs[name] = rel(a, b)
         assert errs[name] < (tol_f if name in ("o", "lse") else tol_b), (name, errs)
     again = _run_triton(q, k, v, do, causal, None, fcfg, bcfg)
-    # the fused backward adds dQ with atomics in whatever order the programs run: dq may differ in its last
-    # bits (checked against the tolerance above); everything else must be bit-identical
-    fused = bcfg is not None and bcfg[0] == "fused"
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, again):
-        if name == "dq" and fused:
-            continue
         assert torch.equal(a, b), f"{name}: repeated runs differ (race?)"
     return errs
 
@@ -308,17 +297,3 @@ def test_gpu_public_op_and_dispatch():
     assert rel(out.data, o_ref) < 1e-2
     for x, g in zip(vs, grads):
         assert x.grad.dtype == torch.bfloat16 and rel(x.grad, g) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("dq_tma", [False, True])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("B,H,Hkv,T", [(2, 4, 2, 77), (1, 4, 2, 2048)])
-def test_gpu_fused_configs(B, H, Hkv, T, D, dq_tma, dtype):
-    """Both dQ reductions of the fused backward (pointer atomics, TMA reduce-add), ragged and even T."""
-    cfg = (64, 64, 4, 2, False, dq_tma) if dtype == torch.bfloat16 else (32, 32, 4, 2, False, dq_tma)
-    errs = _check_gpu(B, H, Hkv, T, D, dtype, True, seed=T, bcfg=("fused", cfg))
-    print(f"\nGPUERR fused dq_tma={dq_tma} {str(dtype)[6:]} D={D} T={T} "
-          + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
-

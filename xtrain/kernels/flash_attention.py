@@ -50,8 +50,9 @@ Ideas used in the Triton kernels, with their record on Hopper:
     up to 30 % slower); software-pipelining the loops by hand (issuing the next tile's scores before the
     current softmax, the FlashAttention-3 overlap written in plain Triton: 5-70 % slower, it fights the
     compiler's own pipelining and register allocation); and the one-pass FlashAttention-2 backward with dQ
-    added by fp32 atomics, which stays here as an opt-in config (``("fused", ...)``) since it is the
-    textbook form of the algorithm.
+    added by fp32 atomics or TMA reduce-adds (5 matrix products per tile pair instead of 7, yet 4-18 %
+    slower at its best config: the resident dK, dV and dQ tiles starve the registers; its code is in git
+    history, commit cb76fc6).
   * The backward's dK/dV and dQ kernels run concurrently on two CUDA streams (+2-5 % on the H200).
 fp32 inputs use exact fp32 dots (``input_precision="ieee"``, matching torch's default of no TF32); bf16/fp16
 inputs feed the tensor cores with 16-bit operands and accumulate in fp32 (P and dS are rounded to the
@@ -383,11 +384,10 @@ if HAVE_TRITON:
             tl.store(lse_ptrs, lse, mask=offs_m < T)
 
     @triton.jit
-    def _flash_bwd_preprocess_kernel(O, DO, DELTA, DQA, stride_ob, stride_oh, stride_ot,
+    def _flash_bwd_preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot,
                                      stride_dob, stride_doh, stride_dot, H, T,
-                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQA: tl.constexpr):
-        """DELTA[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] in fp32; with ZERO_DQA also zero the fused
-        backward's fp32 dQ accumulator rows (saves a separate memset launch)."""
+                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+        """DELTA[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] in fp32."""
         pid_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         off_b = off_bh // H
@@ -401,9 +401,6 @@ if HAVE_TRITON:
                      + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
         tl.store(DELTA + off_bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
-        if ZERO_DQA:
-            tl.store(DQA + (off_bh.to(tl.int64) * T + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-                     tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), mask=row_ok)
 
     @triton.jit
     def _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
@@ -602,141 +599,6 @@ if HAVE_TRITON:
             tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
 
 
-    @triton.jit
-    def _bwd_fused_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, stride_qt, stride_dot,
-                         desc_q, desc_do, desc_dqa, q_row0, offs_n, T, qk_scale, lo, hi,
-                         MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_M: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                         DQ_TMA: tl.constexpr):
-        """As _bwd_dkdv_tiles, plus this key tile's share of dQ for every query tile it visits,
-        dQ_i += dS_ij k_j, added to the fp32 accumulator with atomics (unscaled; the postprocess scales).
-        Five matrix products per tile pair instead of the seven of the two-kernel backward."""
-        offs_d = tl.arange(0, HEAD_DIM)
-        for start_m in range(lo, hi, BLOCK_M):
-            start_m = tl.multiple_of(start_m, BLOCK_M)
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
-            do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
-            if USE_TMA:
-                q = desc_q.load([q_row0 + start_m, 0])
-                lse = tl.load(lse_base + offs_m)
-            elif EVEN_T:
-                q = tl.load(q_ptrs)
-                lse = tl.load(lse_base + offs_m)
-            else:
-                q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
-                lse = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0)
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-            p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
-            if MASK:
-                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-            if USE_TMA:
-                do = desc_do.load([q_row0 + start_m, 0])
-                delta = tl.load(delta_base + offs_m)
-            elif EVEN_T:
-                do = tl.load(do_ptrs)
-                delta = tl.load(delta_base + offs_m)
-            else:
-                do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
-                delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-            dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM] fp32
-            if DQ_TMA:  # one bulk reduce-add of the whole tile (Hopper TMA)
-                desc_dqa.atomic_add([q_row0 + start_m, 0], dq)
-            else:
-                dqa_ptrs = dqa_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-                if EVEN_T:
-                    tl.atomic_add(dqa_ptrs, dq, sem="relaxed")
-                else:
-                    tl.atomic_add(dqa_ptrs, dq, mask=offs_m[:, None] < T, sem="relaxed")
-        return dk, dv
-
-    @triton.jit
-    def _flash_bwd_fused_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, desc_q, desc_do, desc_dqa,
-                                stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                                stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                                stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
-                                H, Hkv, T, GROUP, qk_scale, sm_scale,
-                                CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
-                                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr):
-        """One program: BLOCK_N keys of one (batch, K/V head) over all query heads of its group, as the
-        dK/dV kernel, also adding dS k into the fp32 dQ accumulator DQA [B*H*T, D] (contiguous, zeroed by
-        the preprocess). grid = (cdiv(T, BLOCK_N), B*Hkv)."""
-        pid_n = tl.program_id(0)
-        off_bkv = tl.program_id(1)
-        off_b = off_bkv // Hkv
-        off_kvh = off_bkv % Hkv
-        start_n = pid_n * BLOCK_N
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, HEAD_DIM)
-        k_ptrs = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh \
-            + offs_n[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh \
-            + offs_n[:, None] * stride_vt + offs_d[None, :]
-        if EVEN_T:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
-        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        for g in range(GROUP):
-            off_h = off_kvh * GROUP + g
-            q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-            do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-            lse_base = LSE + (off_b * H + off_h).to(tl.int64) * T
-            delta_base = DELTA + (off_b * H + off_h).to(tl.int64) * T
-            dqa_base = DQA + (off_b * H + off_h).to(tl.int64) * T * HEAD_DIM
-            q_row0 = (off_b * H + off_h) * T
-            if CAUSAL:
-                dk, dv = _bwd_fused_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base,
-                                          stride_qt, stride_dot, desc_q, desc_do, desc_dqa, q_row0, offs_n, T,
-                                          qk_scale, start_n, tl.minimum(start_n + BLOCK_N, T), True, EVEN_T,
-                                          BLOCK_M, HEAD_DIM, DOT_PRECISION, USE_TMA, DQ_TMA)
-                dk, dv = _bwd_fused_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base,
-                                          stride_qt, stride_dot, desc_q, desc_do, desc_dqa, q_row0, offs_n, T,
-                                          qk_scale, start_n + BLOCK_N, T, False, EVEN_T, BLOCK_M, HEAD_DIM,
-                                          DOT_PRECISION, USE_TMA, DQ_TMA)
-            else:
-                dk, dv = _bwd_fused_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base,
-                                          stride_qt, stride_dot, desc_q, desc_do, desc_dqa, q_row0, offs_n, T,
-                                          qk_scale, 0, T, False, EVEN_T, BLOCK_M, HEAD_DIM, DOT_PRECISION,
-                                          USE_TMA, DQ_TMA)
-        dk = dk * sm_scale
-        dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh \
-            + offs_n[:, None] * stride_dkt + offs_d[None, :]
-        dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + off_kvh.to(tl.int64) * stride_dvh \
-            + offs_n[:, None] * stride_dvt + offs_d[None, :]
-        if EVEN_T:
-            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
-            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
-        else:
-            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
-            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
-
-    @triton.jit
-    def _flash_bwd_dq_postprocess_kernel(DQA, DQ, stride_dqb, stride_dqh, stride_dqt, H, T, sm_scale,
-                                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-        """DQ[b, h, i, :] = sm_scale · DQA[(b·H + h)·T + i, :], cast to DQ's dtype."""
-        pid_m = tl.program_id(0)
-        off_bh = tl.program_id(1)
-        off_b = off_bh // H
-        off_h = off_bh % H
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        row_ok = offs_m[:, None] < T
-        acc = tl.load(DQA + (off_bh.to(tl.int64) * T + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-                      mask=row_ok, other=0.0)
-        tl.store(DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
-                 + offs_m[:, None] * stride_dqt + offs_d[None, :], (acc * sm_scale).to(DQ.dtype.element_ty),
-                 mask=row_ok)
-
-
 def _check_triton(op: str, *ts) -> None:
     if not HAVE_TRITON:
         raise RuntimeError(f"{op}: triton is not importable")
@@ -812,16 +674,9 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
 
 def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
                                dq=None, dk=None, dv=None, config=None):
-    """Launch the backward. ``dq``/``dk``/``dv``: optional output buffers. ``config``:
-      * ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA), (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA)):
-        the default two-kernel backward — preprocess (delta), dK/dV, dQ — no atomics, bit-identical run to
-        run; the tuples configure the dK/dV and the dQ kernel;
-      * ("fused", (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DQ_TMA)): the one-pass backward of
-        FlashAttention-2 — preprocess (delta, zeroed fp32 accumulator), one kernel for dK/dV/dQ with dQ
-        added by fp32 atomics (DQ_TMA: one TMA reduce-add per tile), postprocess (scale, cast). Five matrix
-        products per tile pair instead of seven, but on the H200 it measured slower than the two-kernel
-        path at every size (bench/RESULTS.md), and dQ's last bits depend on the order of the atomics.
-        Opt-in only."""
+    """Launch preprocess (delta), dK/dV and dQ kernels: no atomics, bit-identical run to run. ``dq``/``dk``/
+    ``dv``: optional output buffers; ``config``: ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA),
+    (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA)) for the dK/dV and dQ kernels."""
     op = "flash_attention_bwd"
     _check_bwd(op, do, q, k, v, o, lse)
     _check_triton(op, q, k, v)
@@ -832,40 +687,18 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     do, q, k, v, o = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o)
     lse = lse.to(torch.float32).contiguous()
     config = config or _BWD_CONFIGS[(D, _dtype_class(q.dtype))]
-    fused = config[0] == "fused"
+    (BM1, BN1, W1, S1, tma1), (BM2, BN2, W2, S2, tma2) = config
+    if BN1 % BM1 or BM2 % BN2:
+        raise ValueError(f"{op}: need BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0, got {config}")
     dq = _out(dq, (B, H, T, D), q.dtype, q.device, "dq", op)
     dk = _out(dk, (B, Hkv, T, D), k.dtype, q.device, "dk", op)
     dv = _out(dv, (B, Hkv, T, D), v.dtype, q.device, "dv", op)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    dqa = torch.empty((B * H * T, D), dtype=torch.float32, device=q.device) if fused else delta
     PRE_M = 64
     _flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
-        o, do, delta, dqa, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        H, T, HEAD_DIM=D, BLOCK_M=PRE_M, ZERO_DQA=fused)
+        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
     prec = _precision(q.dtype)
-    if fused:
-        BM, BN, W, S, tma, dq_tma = config[1]
-        if BN % BM:
-            raise ValueError(f"{op}: need BLOCK_N % BLOCK_M == 0, got {config}")
-        even = T % BM == 0 and T % BN == 0
-        use_tma = _tma_ok(tma, even, q, do)
-        desc_q, desc_do = (_descriptor(q, BM), _descriptor(do, BM)) if use_tma else (None, None)
-        use_dq_tma = bool(dq_tma) and _HAVE_DESC and even
-        desc_dqa = TensorDescriptor(dqa, list(dqa.shape), [D, 1], [BM, D]) if use_dq_tma else None
-        _flash_bwd_fused_kernel[(triton.cdiv(T, BN), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv, dqa, desc_q, desc_do, desc_dqa,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            H, Hkv, T, H // Hkv, s * LOG2E, s,
-            CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN,
-            DOT_PRECISION=prec, USE_TMA=use_tma, DQ_TMA=use_dq_tma, num_warps=W, num_stages=S)
-        _flash_bwd_dq_postprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
-            dqa, dq, dq.stride(0), dq.stride(1), dq.stride(2), H, T, s, HEAD_DIM=D, BLOCK_M=PRE_M)
-        return dq, dk, dv
-    (BM1, BN1, W1, S1, tma1), (BM2, BN2, W2, S2, tma2) = config
-    if BN1 % BM1 or BM2 % BN2:
-        raise ValueError(f"{op}: need BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0, got {config}")
     even1 = T % BM1 == 0 and T % BN1 == 0
     use_tma1 = _tma_ok(tma1, even1, q, do)
     desc_q, desc_do = (_descriptor(q, BM1), _descriptor(do, BM1)) if use_tma1 else (None, None)
