@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import subprocess
 import sys
+import time
 import traceback
 
 import torch
@@ -266,22 +269,52 @@ def _tol(dt):
     return 1e-5 if dt == torch.float32 else 1e-2
 
 
-def variant_cases():
-    """Yields (group, label, variant, nbytes, fn, check, ref_fn); check() -> (ok, detail), run poisoned."""
-    for N, C, dt in [(16384, 4096, torch.bfloat16), (65536, 768, torch.bfloat16), (8192, 8192, torch.bfloat16),
-                     (16384, 4096, torch.float32)]:
-        yield from _v_rms(N, C, dt)
-    for shape, batched, dt in [((4, 32, 4096, 128), False, torch.bfloat16),
-                               ((4, 32, 4096, 128), False, torch.float32),
-                               ((2, 16, 16384, 128), True, torch.bfloat16)]:
-        yield from _v_rope(shape, batched, dt)
-    for shape, dt in [((8192, 14336), torch.bfloat16), ((4096, 14336), torch.float32)]:
-        yield from _v_dropout(shape, dt)
-    for N, V, dt in [(8192, 32768, torch.bfloat16), (8192, 131072, torch.bfloat16), (4096, 131072, torch.float32)]:
-        yield from _v_ce(N, V, dt)
-    yield from _v_adamw()
-    for N, V, C, dt in [(16384, 131072, 4096, torch.bfloat16), (16384, 32000, 2048, torch.float32)]:
-        yield from _v_embedding(N, V, C, dt)
+def _wanted(group: str, only) -> bool:
+    """--only entries match a group by substring, spaces and underscores alike ("rms_norm_bwd", "rms_norm")."""
+    return not only or any(o.replace(" ", "_") in group.replace(" ", "_") for o in only)
+
+
+def variant_cases(only=None, smoke=False):
+    """Yields (group, label, variant, nbytes, fn, check, ref_fn); check() -> (ok, detail), run poisoned.
+    Only the groups ``only`` names build their data. smoke: tiny fp32 sizes (the CPU interpreter run)."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    if _wanted("rms_norm bwd", only):
+        sizes = ([(37, 768, f32), (5, 4096, f32), (3, 8192, f32)] if smoke else
+                 [(16384, 4096, bf16), (65536, 768, bf16), (8192, 8192, bf16), (16384, 4096, f32)])
+        for N, C, dt in sizes:
+            yield from _v_rms(N, C, dt)
+    if _wanted("rope fwd", only) and not smoke:
+        for shape, batched, dt in [((4, 32, 4096, 128), False, torch.bfloat16),
+                                   ((4, 32, 4096, 128), False, torch.float32),
+                                   ((2, 16, 16384, 128), True, torch.bfloat16)]:
+            yield from _v_rope(shape, batched, dt)
+    if _wanted("dropout fwd", only) and not smoke:
+        for shape, dt in [((8192, 14336), torch.bfloat16), ((4096, 14336), torch.float32)]:
+            yield from _v_dropout(shape, dt)
+    if _wanted("cross_entropy fwd", only):
+        sizes = ([(9, 4096, f32), (5, 1000, f32)] if smoke else
+                 [(8192, 32768, bf16), (8192, 131072, bf16), (4096, 131072, f32)])
+        for N, V, dt in sizes:
+            yield from _v_ce(N, V, dt, smoke)
+    if _wanted("adamw", only) and not smoke:
+        yield from _v_adamw()
+    if _wanted("embedding bwd", only):
+        sizes = ([(100, 50, 2048, f32), (64, 1000, 300, f32)] if smoke else
+                 [(16384, 131072, 4096, bf16), (16384, 32000, 2048, f32)])
+        for N, V, C, dt in sizes:
+            yield from _v_embedding(N, V, C, dt, smoke)
+
+
+class _Lazy:
+    """A float64 oracle computed on first use (compile-only workers never pay for it)."""
+
+    def __init__(self, fn):
+        self.fn, self.val = fn, None
+
+    def __call__(self):
+        if self.val is None:
+            self.val = self.fn()
+        return self.val
 
 
 def _v_rms(N, C, dt):
@@ -291,19 +324,34 @@ def _v_rms(N, C, dt):
     x, dy = _rand(N, C, dtype=dt), _rand(N, C, dtype=dt)
     w = (1 + 0.1 * torch.randn(C, device=_DEV)).to(dt)
     _, r = K.rms_norm_fwd_triton(x, w, 1e-6)
-    _, r64 = K.rms_norm_fwd_ref(x.double(), w.double(), 1e-6)
-    dx64, dw64 = K.rms_norm_bwd_ref(dy.double(), x.double(), w.double(), r64)
-    for cfg in [None, (4096, 8, 2, True), (4096, 16, 2, True), (8192, 16, 1, True), (2048, 4, 8, True),
-                (4096, 8, 2, False), (4096, 4, 4, True)]:
-        def fn(cfg=cfg):
-            with _knob(K, "BWD_CONFIG", cfg):
+
+    def oracle():
+        _, r64 = K.rms_norm_fwd_ref(x.double(), w.double(), 1e-6)
+        return K.rms_norm_bwd_ref(dy.double(), x.double(), w.double(), r64)
+    oracle = _Lazy(oracle)
+    # (elements per tile, num_warps, programs per SM, prefetch: True = by hand, int = Triton num_stages), dw pass
+    if C >= 2048:
+        cfgs = [(None, "torch"), (None, "triton"), ((8192, 16, 1, 3), "triton"), ((8192, 16, 1, 4), "triton"),
+                ((4096, 8, 2, 3), "triton"), ((4096, 8, 2, 4), "triton")]
+        if dt == torch.float32:
+            cfgs = cfgs[:3] + cfgs[4:5]
+        elif C >= 8192:  # a [1, 8192] tile on 8 warps needs ~208 registers a thread (sm_90 compile): dropped
+            cfgs = cfgs[:4]
+    else:
+        cfgs = [(None, "torch"), (None, "triton"), ((4096, 8, 2, 3), "triton"), ((4096, 8, 2, 4), "triton"),
+                ((2048, 4, 4, 3), "triton"), ((2048, 4, 4, 4), "triton"), ((1024, 1, 8, 4), "triton")]
+    for cfg, dw_reduce in cfgs:
+        def fn(cfg=cfg, dw_reduce=dw_reduce):
+            with _knob(K, "BWD_CONFIG", cfg), _knob(K, "DW_REDUCE", dw_reduce):
                 return K.rms_norm_bwd_triton(dy, x, w, r)
 
         def check(fn=fn):
             dx, dw = fn()
+            dx64, dw64 = oracle()
             ex, ew = _rel(dx, dx64), _rel(dw, dw64)
-            return ex < _tol(dt) and ew < _tol(dt), f"dx {ex:.1e} dw {ew:.1e}"
-        yield ("rms_norm bwd", f"{N}x{C} {_name(dt)}", str(cfg), 3 * N * C * e + C * e + 4 * N, fn, check,
+            return ex < _tol(dt) and ew < _tol(dt) and dw.dtype == w.dtype, f"dx {ex:.1e} dw {ew:.1e}"
+        name = ("default" if cfg is None else str(cfg)) + f", dw {dw_reduce}"
+        yield ("rms_norm bwd", f"{N}x{C} {_name(dt)}", name, 3 * N * C * e + C * e + 4 * N, fn, check,
                lambda: K.rms_norm_bwd_ref(dy, x, w, r))
 
 
@@ -345,34 +393,58 @@ def _v_dropout(shape, dt):
                2 * x.numel() * _esize(dt), fn, check, lambda: K.dropout_fwd_ref(x, 0.1, 1234))
 
 
-def _v_ce(N, V, dt):
+def _v_ce(N, V, dt, smoke=False):
     from xtrain.kernels import cross_entropy as K
 
     e = _esize(dt)
     logits = _rand(N, V, dtype=dt, scale=3.0)
     t = torch.randint(0, V, (N,), device=_DEV)
     t[::7] = -100
-    loss64, lse64, _ = K.cross_entropy_fwd_ref(logits.double(), t)
+    oracle = _Lazy(lambda: K.cross_entropy_fwd_ref(logits.double(), t))
     lbl = f"{N}x{V} {_name(dt)}"
-    for cfg in [None, (8192, 16, 1), (2048, 4, 1), (4096, 8, 2), (4096, 8, 4), (8192, 16, 0), (4096, 8, 0)]:
-        def fn(cfg=cfg):
-            with _knob(K, "FWD_CONFIG", cfg):
-                return K.cross_entropy_fwd_triton(logits, t)
+    # (label, FWD_CONFIG = (BLOCK_V, num_warps, blocks per program, rows per program, stages), EPILOGUE, host read)
+    vs = [("default (split kernel, kernel epilogue)", None, "kernel", False),
+          ("previous: torch epilogue + host read of denom", None, "torch", True),
+          ("torch epilogue, no host read", None, "torch", False)]
+    if dt == torch.float32:
+        vs += [("split 4x4096 w8 + combine, stages 3", (4096, 8, 4, 1, 3), "kernel", False),
+               ("split whole row 4096 w8, stages 4", (4096, 8, 0, 1, 4), "kernel", False),
+               ("rows 8 x 128 w4", (128, 4, 0, 8, 0), "kernel", False),
+               ("rows 8 x 128 w4, stages 4", (128, 4, 0, 8, 4), "kernel", False),
+               ("rows 16 x 128 w4, stages 4", (128, 4, 0, 16, 4), "kernel", False)]
+    else:
+        vs += [("split whole row 4096 w8, stages 3", (4096, 8, 0, 1, 3), "kernel", False),
+               ("split whole row 4096 w8, stages 4", (4096, 8, 0, 1, 4), "kernel", False),
+               ("split whole row 2048 w4, stages 4", (2048, 4, 0, 1, 4), "kernel", False),
+               ("rows 8 x 256 w4", (256, 4, 0, 8, 0), "kernel", False),
+               ("rows 16 x 256 w4", (256, 4, 0, 16, 0), "kernel", False),
+               ("rows 8 x 256 w4, stages 4", (256, 4, 0, 8, 4), "kernel", False),
+               ("rows 16 x 256 w4, stages 4", (256, 4, 0, 16, 4), "kernel", False),
+               ("rows 32 x 256 w8, stages 4", (256, 8, 0, 32, 4), "kernel", False)]
+    for name, cfg, epi, sync in vs:
+        def fn(cfg=cfg, epi=epi, sync=sync):
+            with _knob(K, "FWD_CONFIG", cfg), _knob(K, "EPILOGUE", epi):
+                out = K.cross_entropy_fwd_triton(logits, t)
+            if sync:
+                out[2].item()
+            return out
 
         def check(fn=fn):
-            loss, lse, _ = fn()
+            loss, lse, denom = fn()
+            loss64, lse64, denom64 = oracle()
             el, es = abs(loss.item() - loss64.item()) / loss64.item(), _rel(lse, lse64)
-            return el < 1e-5 and es < 1e-6, f"loss {el:.1e} lse {es:.1e}"
-        yield ("cross_entropy fwd", lbl, str(cfg), N * V * e + 16 * N, fn, check,
+            dn = denom.item() == denom64.item()
+            return el < 1e-5 and es < 1e-6 and dn, f"loss {el:.1e} lse {es:.1e} denom {dn}"
+        yield ("cross_entropy fwd", lbl, name, N * V * e + 16 * N, fn, check,
                lambda: K.cross_entropy_fwd_ref(logits, t))
 
     def kern_only():
         return K.cross_entropy_fwd_lse_triton(logits, t)
 
     def check_k():
-        es = _rel(kern_only()[0], lse64)
+        es = _rel(kern_only()[0], oracle()[1])
         return es < 1e-6, f"lse {es:.1e}"
-    yield ("cross_entropy fwd", lbl, "default, kernels only (no count/sum/sync)", N * V * e + 16 * N, kern_only,
+    yield ("cross_entropy fwd", lbl, "default, kernels only (no epilogue)", N * V * e + 16 * N, kern_only,
            check_k, None)
 
 
@@ -403,34 +475,65 @@ def _v_adamw():
                fn, check, lambda: K.adamw_step_ref(*st[:4], copies=st[4], **kw))
 
 
-def _v_embedding(N, V, C, dt):
+def _v_embedding(N, V, C, dt, smoke=False):
     from xtrain.kernels import embedding as K
 
     e = _esize(dt)
     ids = (torch.rand(N, device=_DEV) ** 3 * V).long().clamp_max(V - 1)
     d = _rand(N, C, dtype=dt)
-    ref64 = K.embedding_bwd_ref(d.double(), ids, V)
+    oracle = _Lazy(lambda: K.embedding_bwd_ref(d.double(), ids, V))
     lbl = f"N={N} V={V} C={C} {_name(dt)}"
-    for cfg in [None, (16, 1024, 4, "torch"), (32, 1024, 4, "torch"), (16, 512, 4, "torch"), (8, 1024, 4, "torch"),
-                (16, 1024, 4, "absent"), (16, 512, 4, "absent")]:
+    bc = 1024 if e <= 2 else 512
+    z0 = "absent" if e <= 2 else "torch"  # the default's zero fill
+    # CONFIG = (CHUNK, BLOCK_C, num_warps, zero fill, int32 sort keys, index a step ahead)
+    vs = [("default", None), ("int32 sort", (16, bc, 4, z0, True, False)),
+          ("index ahead", (16, bc, 4, z0, False, True)), ("int32 sort + index ahead", (16, bc, 4, z0, True, True)),
+          ("fused zero", (16, bc, 4, "fused", False, False)),
+          ("fused zero + int32 sort + index ahead", (16, bc, 4, "fused", True, True)),
+          ("fused zero + int32 sort + index ahead, chunk 32", (32, bc, 4, "fused", True, True))]
+    if e > 2:
+        vs.append(("absent zero + int32 sort + index ahead", (16, bc, 4, "absent", True, True)))
+    for name, cfg in vs:
         def fn(cfg=cfg):
             with _knob(K, "CONFIG", cfg):
                 return K.embedding_bwd_triton(d, ids, V)
 
         def check(fn=fn):
             a = fn()
-            err, det = _rel(a, ref64), torch.equal(a, fn())
+            err, det = _rel(a, oracle()), torch.equal(a, fn())
             return err < _tol(dt) and det, f"{err:.1e} deterministic {det}"
-        yield ("embedding bwd", lbl, str(cfg), N * C * e + V * C * e + 8 * N, fn, check,
+        yield ("embedding bwd", lbl, f"{name} {cfg}" if cfg else name, N * C * e + V * C * e + 8 * N, fn, check,
                lambda: K.embedding_bwd_ref(d, ids, V))
-    yield ("embedding bwd", lbl, "torch.zeros(V, C) alone", V * C * e,
-           lambda: torch.zeros(V, C, dtype=dt, device=_DEV), lambda: (True, "-"), None)
+    # the stages on their own (not the op: no check, not ranked)
+    flat = ids.reshape(-1)
+    ids32 = flat.to(torch.int32)
+    ok = lambda: (True, "-")  # noqa: E731
+    yield ("embedding bwd", lbl, "stage alone: torch.zeros(V, C)", V * C * e,
+           lambda: torch.zeros(V, C, dtype=dt, device=_DEV), ok, None)
+    yield ("embedding bwd", lbl, "stage alone: torch.sort int64 ids", 16 * N,
+           lambda: torch.sort(flat, stable=True), ok, None)
+    yield ("embedding bwd", lbl, "stage alone: torch.sort int32 ids (+ the cast)", 12 * N,
+           lambda: torch.sort(flat.to(torch.int32), stable=True), ok, None)
+
+    def present():
+        p = torch.zeros(V, dtype=torch.int8, device=_DEV)
+        p[ids32] = 1
+        return p
+    yield ("embedding bwd", lbl, "stage alone: present marks (zeros + index_put)", V + N * 4, present, ok, None)
 
 
-def run_variants(bw: float, only=None, log=None) -> list:
+def _time(fn, smoke: bool) -> float:
+    if not smoke:
+        return _bench(fn, rep=50)
+    t0 = time.perf_counter()  # the CPU smoke run: one call through the interpreter, not a measurement
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def run_variants(bw: float, only=None, log=None, smoke: bool = False) -> list:
     rows = []
     ref_ms_cache = {}
-    gen = variant_cases()
+    gen = variant_cases(only, smoke)
     while True:
         try:
             group, label, variant, nbytes, fn, check, ref_fn = next(gen)
@@ -439,19 +542,19 @@ def run_variants(bw: float, only=None, log=None) -> list:
         except Exception:
             traceback.print_exc()
             break
-        if only and not any(o in group for o in only):
+        if not _wanted(group, only):
             continue
         row = dict(group=group, size=label, variant=variant)
         try:
             with _poisoned():
                 ok, detail = check()
-            t_ms = _bench(fn, rep=50)
+            t_ms = _time(fn, smoke)
             if ref_fn is None:
                 r_ms = float("nan")
             elif (group, label) in ref_ms_cache:
                 r_ms = ref_ms_cache[(group, label)]
             else:
-                r_ms = ref_ms_cache[(group, label)] = _bench(ref_fn, rep=50)
+                r_ms = ref_ms_cache[(group, label)] = _time(ref_fn, smoke)
             row.update(ok=bool(ok), detail=detail, ms=t_ms, ref_ms=r_ms, of_copy=nbytes / (t_ms * 1e-3) / bw,
                        speedup=r_ms / t_ms)
         except Exception as exc:
@@ -464,8 +567,55 @@ def run_variants(bw: float, only=None, log=None) -> list:
         if log is not None:
             log.write(line + "\n")
             log.flush()
-        torch.cuda.empty_cache()
+        if not smoke:
+            torch.cuda.empty_cache()
     return rows
+
+
+def compile_worker(only, rank: int, world: int) -> int:
+    """--prewarm's worker: run variant k (k % world == rank) once, unchecked and untimed, so Triton compiles
+    it into the shared on-disk cache; the timing process then finds every kernel already compiled."""
+    n = failed = 0
+    for k, (group, _label, _variant, _nbytes, fn, _check, _ref) in enumerate(variant_cases(only)):
+        if k % world != rank or not _wanted(group, only):
+            continue
+        try:
+            fn()
+            n += 1
+        except Exception:  # the timing process reports it, with its check
+            failed += 1
+    torch.cuda.synchronize()
+    print(f"# compile worker {rank}/{world}: {n} variants run, {failed} raised", flush=True)
+    return 0
+
+
+def prewarm(argv_only, world: int) -> None:
+    t0 = time.perf_counter()
+    cmd = [sys.executable, __file__, "--variants"] + (["--only", *argv_only] if argv_only else [])
+    procs = [subprocess.Popen(cmd + ["--compile-worker", f"{r}/{world}"]) for r in range(world)]
+    codes = [p.wait() for p in procs]
+    print(f"# prewarm: {world} compile workers, {time.perf_counter() - t0:.1f} s, exit codes {codes}", flush=True)
+
+
+def _summary(vrows) -> None:
+    """The short table: per kernel and size, the current default and the fastest checked variant."""
+    def is_default(v):
+        return v in ("None", "pairs 1024 w8", "BLOCK 4096 w8") or (v.startswith("default") and "only" not in v)
+
+    def ranked(v):
+        return "alone" not in v and "kernels only" not in v and not v.startswith("previous")
+
+    keys = list(dict.fromkeys((r["group"], r["size"]) for r in vrows))
+    print("\n| kernel, size | default ms | default of copy | best variant | best ms | best of copy | best vs ref |")
+    print("|---|---:|---:|---|---:|---:|---:|")
+    for k in keys:
+        rs = [r for r in vrows if (r["group"], r["size"]) == k]
+        d = next((r for r in rs if is_default(r["variant"])), None)
+        ok = [r for r in rs if r["ok"] and r["ms"] == r["ms"] and ranked(r["variant"])]
+        b = min(ok, key=lambda r: r["ms"]) if ok else None
+        dm = f"{d['ms']:.3f} | {d['of_copy']:.0%}" if d else "- | -"
+        bm = f"{b['variant']} | {b['ms']:.3f} | {b['of_copy']:.0%} | {b['speedup']:.1f}x" if b else "- | - | - | -"
+        print(f"| {k[0]} {k[1]} | {dm} | {bm} |")
 
 
 def main(argv=None) -> int:
@@ -475,43 +625,57 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", action="store_true",
                     help="sweep each kernel's tiling variants instead (checked, then timed; --only filters groups)")
     ap.add_argument("--log", help="with --variants: also write the lines to this file")
+    ap.add_argument("--prewarm", type=int, default=0, metavar="W",
+                    help="with --variants: first compile every variant in W parallel processes (shared Triton cache)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="with --variants: tiny fp32 sizes on the CPU through the Triton interpreter (checks only; "
+                         "the times are not measurements)")
+    ap.add_argument("--compile-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    only = [x for o in (args.only or []) for x in o.split(",") if x] or None
+    if args.smoke:
+        global _DEV
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            print("xtrain bench kernels --smoke: set TRITON_INTERPRET=1 before triton is imported", file=sys.stderr)
+            return 1
+        os.environ["TRITON_INTERPRET"] = "1"
+        _DEV = "cpu"
+        vrows = run_variants(float("nan"), only, smoke=True)
+        _summary(vrows)
+        bad = [r for r in vrows if not r["ok"]]
+        print(f"# smoke: {len(vrows)} variants, {len(bad)} failed their check, {time.perf_counter() - t_start:.0f} s" +
+              "".join(f"\n#  BAD {r['group']} {r['size']} {r['variant']}: {r['detail']}" for r in bad))
+        return 1 if bad else 0
     if not torch.cuda.is_available():
         print("xtrain bench kernels: needs a CUDA GPU", file=sys.stderr)
         return 1
+    if args.compile_worker:
+        rank, world = map(int, args.compile_worker.split("/"))
+        return compile_worker(only, rank, world)
     import triton
 
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}")
+    if args.variants and args.prewarm > 0:
+        prewarm(args.only, args.prewarm)
     bw = copy_bandwidth()
     print(f"# copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
     if args.variants:
         with open(args.log, "w") if args.log else contextlib.nullcontext() as log:
-            vrows = run_variants(bw, args.only, log)
+            vrows = run_variants(bw, only, log)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(device=dev, torch=torch.__version__, triton=triton.__version__, copy_tbps=bw / 1e12,
                                variants=vrows), f, indent=1)
-        best = {}
-        for r in vrows:
-            k = (r["group"], r["size"])
-            if r["ok"] and r["ms"] == r["ms"] and "alone" not in r["variant"] and "kernels only" not in r["variant"]:
-                if k not in best or r["ms"] < best[k]["ms"]:
-                    best[k] = r
-        print("\n| kernel, size | best variant | ms | of copy | speed-up | default ms |")
-        print("|---|---|---:|---:|---:|---:|")
-        for k, r in best.items():
-            d = [x for x in vrows if (x["group"], x["size"]) == k and x["variant"] in ("None", "pairs 1024 w8",
-                                                                                       "BLOCK 4096 w8")]
-            print(f"| {k[0]} {k[1]} | {r['variant']} | {r['ms']:.3f} | {r['of_copy']:.0%} | {r['speedup']:.1f}x | "
-                  f"{d[0]['ms'] if d else float('nan'):.3f} |")
+        _summary(vrows)
         bad = [r for r in vrows if not r["ok"]]
-        print(f"# {len(vrows)} variants, {len(bad)} failed their check" +
+        print(f"# {len(vrows)} variants, {len(bad)} failed their check, {time.perf_counter() - t_start:.0f} s" +
               "".join(f"\n#  BAD {r['group']} {r['size']} {r['variant']}: {r['detail']}" for r in bad))
         return 0
     rows = []
     for gname, builder in GROUPS.items():
-        if args.only and gname not in args.only:
+        if only and gname not in only:
             continue
         try:
             for label, nbytes, f_tri, f_ref in builder():
@@ -525,7 +689,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
         torch.cuda.empty_cache()
     lce = []
-    if not args.only or "linear_ce" in args.only:
+    if not only or "linear_ce" in only:
         try:
             lce = linear_ce_rows([(8192, 4096, 32768), (8192, 4096, 131072)])
         except Exception:
