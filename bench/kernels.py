@@ -572,11 +572,11 @@ def run_variants(bw: float, only=None, log=None, smoke: bool = False) -> list:
     return rows
 
 
-def compile_worker(only, rank: int, world: int) -> int:
+def compile_worker(only, rank: int, world: int, smoke: bool = False) -> int:
     """--prewarm's worker: run variant k (k % world == rank) once, unchecked and untimed, so Triton compiles
     it into the shared on-disk cache; the timing process then finds every kernel already compiled."""
     n = failed = 0
-    for k, (group, _label, _variant, _nbytes, fn, _check, _ref) in enumerate(variant_cases(only)):
+    for k, (group, _label, _variant, _nbytes, fn, _check, _ref) in enumerate(variant_cases(only, smoke)):
         if k % world != rank or not _wanted(group, only):
             continue
         try:
@@ -584,7 +584,8 @@ def compile_worker(only, rank: int, world: int) -> int:
             n += 1
         except Exception:  # the timing process reports it, with its check
             failed += 1
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     print(f"# compile worker {rank}/{world}: {n} variants run, {failed} raised", flush=True)
     return 0
 

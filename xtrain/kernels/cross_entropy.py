@@ -141,6 +141,8 @@ def _ce_fwd_split_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, c
     c1 = tl.minimum(c0 + cols_per_split, V)
     cols = tl.arange(0, BLOCK_V)
     x = tl.load(ROW + c0 + cols, mask=c0 + cols < c1, other=-float("inf")).to(tl.float32)
+    if STAGES <= 1:  # the hand prefetch: the second block's load goes out before the first is reduced
+        nxt = tl.load(ROW + c0 + BLOCK_V + cols, mask=c0 + BLOCK_V + cols < c1, other=-float("inf"))
     m = tl.max(x, axis=0)  # the first block holds at least one column: m is finite for finite logits
     acc = tl.exp(x - m)
     if STAGES > 1:  # Triton pipelines the loads itself (cp.async into shared memory), STAGES - 1 ahead
@@ -150,7 +152,6 @@ def _ce_fwd_split_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, c
             acc = acc * tl.exp(m - m_new) + tl.exp(x - m_new)
             m = m_new
     else:
-        nxt = tl.load(ROW + c0 + BLOCK_V + cols, mask=c0 + BLOCK_V + cols < c1, other=-float("inf"))
         for start in range(c0 + BLOCK_V, c1, BLOCK_V):
             x = nxt.to(tl.float32)
             nxt = tl.load(ROW + start + BLOCK_V + cols, mask=start + BLOCK_V + cols < c1, other=-float("inf"))
@@ -208,6 +209,8 @@ def _ce_fwd_rows_kernel(LOGITS, TARGETS, LSE, NLL, N, V, stride, ignore_index,
     base = LOGITS + rows64[:, None] * stride  # [ROWS, 1]
     cols = tl.arange(0, BLOCK_V)[None, :]
     x = tl.load(base + cols, mask=rmask[:, None] & (cols < V), other=-float("inf")).to(tl.float32)
+    if STAGES <= 1:  # the hand prefetch: the second tile's load goes out before the first is reduced
+        nxt = tl.load(base + BLOCK_V + cols, mask=rmask[:, None] & (BLOCK_V + cols < V), other=-float("inf"))
     m = tl.where(rmask, tl.max(x, axis=1), 0.0)  # rows past N: 0, not -inf (no inf - inf below)
     acc = tl.exp(x - m[:, None])
     if STAGES > 1:  # Triton pipelines the loads itself (cp.async into shared memory), STAGES - 1 ahead
@@ -218,7 +221,6 @@ def _ce_fwd_rows_kernel(LOGITS, TARGETS, LSE, NLL, N, V, stride, ignore_index,
             acc = acc * tl.exp(m - m_new)[:, None] + tl.exp(x - m_new[:, None])
             m = m_new
     else:
-        nxt = tl.load(base + BLOCK_V + cols, mask=rmask[:, None] & (BLOCK_V + cols < V), other=-float("inf"))
         for start in range(BLOCK_V, V, BLOCK_V):
             x = nxt.to(tl.float32)
             nxt = tl.load(base + start + BLOCK_V + cols, mask=rmask[:, None] & (start + BLOCK_V + cols < V),
