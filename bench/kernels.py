@@ -8,6 +8,14 @@ Then fused linear + cross-entropy: peak memory and time of one forward + backwar
 path (logits matmul, Triton cross-entropy forward and backward, two gradient matmuls) and against the
 plain-torch unfused path.
 Timing: triton.testing.do_bench (CUDA events, warm-up, median), random normal data, never zeros.
+
+``--variants`` sweeps each kernel's candidate tilings instead (module-level knobs): every variant is first
+run with its outputs poisoned (NaN) and checked against the float64 oracle, then timed next to the
+reference; a short table (default vs fastest checked variant per kernel and size) comes last.
+``--only a,b`` builds and runs only those groups (e.g. cross_entropy,rms_norm_bwd,embedding_bwd);
+``--prewarm W`` first compiles every variant in W parallel processes (they share Triton's on-disk cache,
+so the timing process compiles nothing); ``--smoke`` runs the variant code paths on the CPU through the
+Triton interpreter at tiny fp32 sizes (a check that they run, not a measurement).
 """
 
 from __future__ import annotations
