@@ -14,9 +14,10 @@ Triton backward (deterministic, no atomics, no [V, C] temporary besides the grad
         long serial chain (idea from the issue thread: fixed-size token chunks of the sorted ids).
 dtable is zero-filled first for ids that never occur: by torch.zeros for 4-byte dtypes, by
 ``_embedding_zero_absent_kernel`` (only rows with no id) for 2-byte dtypes, whichever measured faster.
-Opt-in, to be measured (CONFIG / DEFAULTS): ``_embedding_bwd_fused_kernel``, the zero tiles of absent rows
-and the chunk walks in one launch (disjoint rows, so the streaming zero writes overlap the latency-bound
-walks); int32 sort keys (half the radix passes); the source index loaded one step ahead of its row.
+Options (CONFIG / DEFAULTS), measured on the H200 (bench/RESULTS.md): int32 sort keys (half the radix
+passes: the default, 0.415 vs 0.440 ms bf16, 0.195 vs 0.225 ms fp32); the source index loaded one step
+ahead of its row (default for fp32 only; no gain measured); ``_embedding_bwd_fused_kernel``, the zero
+tiles of absent rows and the chunk walks in one launch (slower: 0.497-0.514 ms bf16).
 It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which
 accumulates a whole fp32 [V, C] table instead.
 Measured and dropped (H200, 2026-11-29, bench/RESULTS.md): one program per run (the first version:
@@ -171,7 +172,7 @@ CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort32[, idx_ahead]]) o
 # "fused" (_embedding_bwd_fused_kernel: zero tiles and chunk walks in one launch); sort32: sort the ids as
 # int32 (half the radix passes of int64 keys; ids < 2^31); idx_ahead: see _chunk_body
 # measured best on the H200 (bench/RESULTS.md), by dout element size:
-DEFAULTS = {2: (16, 1024, 4, "absent", False, False), 4: (16, 512, 4, "torch", False, False)}
+DEFAULTS = {2: (16, 1024, 4, "absent", True, False), 4: (16, 512, 4, "torch", True, True)}  # H200 sweep 2
 
 
 def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:

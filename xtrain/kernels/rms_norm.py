@@ -18,10 +18,10 @@ Triton kernels (CUDA; CPU through the interpreter for tests):
                            No atomics: the P partial rows are summed in a second small pass
                            (``partial.sum(0)``, P x C floats), so dw is deterministic run to run.
     _rms_norm_dw_kernel    that second pass as one Triton launch that also casts to w.dtype (DW_REDUCE =
-                           "triton"; to be measured against the two torch launches, the default).
+                           "triton", the default; "torch": partial.sum(0) and a cast, two launches).
                            H200, 2026-11-29 (bench/RESULTS.md): one row per step, no prefetch: 48-65% of
-                           copy in bf16; these tiles + prefetch: 69-80% (the prefetch alone: 0.120 vs 0.137
-                           ms at 16384 x 4096 bf16). Still short of 85%; not yet found why.
+                           copy in bf16; these tiles + hand prefetch: 68-81%; Triton-pipelined tile loads
+                           (num_stages) + the dw kernel: 75-84%. Still short of 85% in bf16.
 """
 
 from __future__ import annotations
@@ -162,12 +162,14 @@ def _fwd_config(C: int):
 
 BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH) override, for the bench's sweep;
 # PREFETCH: True (the next tile loaded by hand into registers), False (none), or an int k >= 2: Triton's
-# pipelining of the tile loads, num_stages=k (cp.async into shared memory; to be measured)
-# measured best on the H200 (bench/RESULTS.md): long rows -> 8k-element tiles (2 rows of 4096, one of 8192),
-# 16 warps, one program per SM; short rows (768) -> 4k-element tiles, 8 warps, 2 per SM; both hand prefetch
-BWD_DEFAULT_LONG = (8192, 16, 1, True)  # BLOCK_C >= 2048
-BWD_DEFAULT_SHORT = (4096, 8, 2, True)
-DW_REDUCE = "torch"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
+# pipelining of the tile loads, num_stages=k (cp.async into shared memory)
+# measured best on the H200 (bench/RESULTS.md, second variant sweep): long rows -> 8k-element tiles (2 rows of
+# 4096, one of 8192), 16 warps, one program per SM, Triton-pipelined loads (3 stages); short rows (768) ->
+# 4k-element tiles, 8 warps, 2 per SM, 4 stages; the dw pass as one Triton kernel. (The first sweep's hand
+# prefetch, PREFETCH=True, was 2-10 % slower.)
+BWD_DEFAULT_LONG = (8192, 16, 1, 3)  # BLOCK_C >= 2048
+BWD_DEFAULT_SHORT = (4096, 8, 2, 4)
+DW_REDUCE = "triton"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
 
 
 def _bwd_config(C: int):

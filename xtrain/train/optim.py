@@ -83,7 +83,7 @@ class AdamW:
         """With ``compute_copies=torch.bfloat16``: keep a bf16 copy of every 2-D master weight (the
         matrices the model casts in every forward), written by the update pass itself, so the forward
         reads the copy (``copy_for``) instead of launching one cast per weight per forward (and per
-        recompute). The copies live in one buffer, each 16-byte aligned; they are derived state (never
+        recompute). The copies live in one buffer, each 512-byte aligned; they are derived state (never
         saved) and are rebuilt from the masters whenever a master changed outside ``step``."""
         self.copies: list[torch.Tensor | None] = [None] * len(self.params)
         self._copy_of: list[tuple | None] = [None] * len(self.params)  # (master tensor, its _version)
@@ -93,7 +93,9 @@ class AdamW:
         want = [i for i, p in enumerate(self.params) if p.data.ndim == 2 and p.data.dtype != dtype]
         if not want:
             return
-        pad = lambda n: -(-n // 8) * 8  # 8 elements of bf16 = 16 bytes
+        # each copy starts 512-byte aligned, as torch's allocator aligns a tensor: cuBLAS picks its kernels by
+        # pointer alignment, and the AdamW kernel's vectorised path needs block offsets that are multiples of 16
+        pad = lambda n: -(-n // 256) * 256
         total = sum(pad(self.params[i].data.numel()) for i in want)
         buf = torch.empty(total, dtype=dtype, device=self.params[want[0]].data.device)
         off = 0
