@@ -31,6 +31,8 @@ import traceback
 
 import torch
 
+from xtrain.testing import poisoned
+
 
 def _bench(fn, rep: int = 100) -> float:
     import triton.testing
@@ -240,23 +242,6 @@ def _linear_ce_row(N, C, V):
 # ------------------------------------------------------------------------------ variant sweep (--variants)
 # Each kernel's tiling knobs (module-level overrides) swept at the bench's sizes: every variant is first
 # checked against the float64 oracle with its outputs poisoned (NaN), then timed next to the reference.
-
-@contextlib.contextmanager
-def _poisoned():
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    torch.empty = lambda *a, **k: fill(real_empty(*a, **k))
-    torch.empty_like = lambda *a, **k: fill(real_empty_like(*a, **k))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = real_empty, real_empty_like
-
 
 @contextlib.contextmanager
 def _knob(module, name, value):
@@ -554,7 +539,7 @@ def run_variants(bw: float, only=None, log=None, smoke: bool = False) -> list:
             continue
         row = dict(group=group, size=label, variant=variant)
         try:
-            with _poisoned():
+            with poisoned():
                 ok, detail = check()
             t_ms = _time(fn, smoke)
             if ref_fn is None:

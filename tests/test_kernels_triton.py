@@ -14,7 +14,6 @@ in fp32 are compared bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -24,6 +23,7 @@ if not torch.cuda.is_available():  # conftest.py does this too; Triton must not 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from xtrain.kernels._dispatch import HAVE_TRITON  # noqa: E402
+from xtrain.testing import poisoned  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
 
@@ -324,25 +324,6 @@ def test_bad_inputs():
 
 
 # ================================================================================== GPU, realistic shapes
-
-@contextlib.contextmanager
-def poisoned():
-    """Every float tensor that torch.empty / empty_like allocates in the block starts as NaN, so an
-    output element the kernel fails to write shows up as NaN in the comparison."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    torch.empty = lambda *a, **k: fill(real_empty(*a, **k))
-    torch.empty_like = lambda *a, **k: fill(real_empty_like(*a, **k))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = real_empty, real_empty_like
-
 
 def _tol(dtype):
     return 1e-5 if dtype == torch.float32 else 1e-2
