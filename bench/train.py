@@ -9,9 +9,11 @@ side runs its step as the trainer does: Python's cyclic GC paused for the step, 
 dtype) AdamW's compute copies of the weights read by the forward (``--no-copies``: a cast per weight per
 forward instead).
 
-Timing: wall clock per step after warm-up, median over ``--steps`` steps, the two sides interleaved
-step by step so machine noise hits both alike. tokens/s = B * T / median step time. Both losses are
-printed for the first step (they must agree: same model, same batch).
+Timing: wall clock per step after warm-up, median (and quartiles) over ``--steps`` steps, the sides
+interleaved step by step so machine noise hits all alike (the host's speed drifts between processes by
+more than most changes measured here: compare variants inside one process, e.g. ``--compare-copies``).
+tokens/s = B * T / median step time. Both losses are printed for the first step (they must agree: same
+model, same batch).
 
 FLOPs per token (printed for scale): 6 * (parameters, the LM head counted once) for the matmuls, forward
 and backward, plus attention's 12 * L * H * D * T (nanoGPT's estimate for the full T x T square) halved
@@ -158,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--no-copies", action="store_true",
                     help="cast every weight in every forward instead of reading AdamW's compute copies")
+    ap.add_argument("--compare-copies", action="store_true",
+                    help="also time a second xtrain model with the copies the other way, interleaved")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="compute dtype: xtrain's compute_dtype (fp32 masters) vs torch autocast to the same dtype")
@@ -175,9 +179,12 @@ def main(argv=None) -> int:
 
     model = Model(c, device=dev, seed=0)
     # as the trainer sets it up: with a lower compute dtype AdamW keeps the compute copies of the weights
-    low = model.compute_dtype if model.compute_dtype != model.master_dtype and not args.no_copies else None
+    lower = model.compute_dtype if model.compute_dtype != model.master_dtype else None
+    low = None if args.no_copies else lower
     opt = AdamW(model.params, lr=1e-3, weight_decay=0.1, compute_copies=low)
     model.weight_copy = opt.copy_for if low is not None else None
+    if args.compare_copies and lower is None:
+        ap.error("--compare-copies needs a compute dtype below the fp32 masters (--dtype bfloat16)")
     ref = TorchQwen3(c, args.torch_attention).to(dev)
     ref.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, strict=True)
     named = dict(ref.named_parameters())
@@ -198,15 +205,25 @@ def main(argv=None) -> int:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def step_xtrain():
-        with gc_paused():  # as the trainer runs a step (the tape is acyclic; see autograd.gc_paused)
-            loss = model.loss(x, y)
-            loss.backward()
-            grads = opt.grads()
-            clip_grads_(grads, 1.0, grad_norm(grads))
-            opt.step()
-            opt.zero_grad()
-            return float(loss.data)
+    def xtrain_step(model, opt):
+        def step():
+            with gc_paused():  # as the trainer runs a step (the tape is acyclic; see autograd.gc_paused)
+                loss = model.loss(x, y)
+                loss.backward()
+                grads = opt.grads()
+                clip_grads_(grads, 1.0, grad_norm(grads))
+                opt.step()
+                opt.zero_grad()
+                return float(loss.data)
+        return step
+
+    step_xtrain = xtrain_step(model, opt)
+    sides = [("torch eager", None), ("xtrain", step_xtrain)]
+    if args.compare_copies:  # the same step without the copies, in the same process, interleaved
+        model2 = Model(c, device=dev, seed=0)
+        opt2 = AdamW(model2.params, lr=1e-3, weight_decay=0.1, compute_copies=None if low else lower)
+        model2.weight_copy = opt2.copy_for if not low else None
+        sides.append(("xtrain, copies " + ("off" if low else "on"), xtrain_step(model2, opt2)))
 
     def step_torch():
         with autocast:
@@ -217,23 +234,22 @@ def main(argv=None) -> int:
         topt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
+    sides[0] = ("torch eager", step_torch)
     first = (step_xtrain(), step_torch())
     for _ in range(args.warmup):
-        step_xtrain()
-        step_torch()
-    tx, tt = [], []
-    for _ in range(args.steps):
-        sync()
-        t0 = time.perf_counter()
-        step_xtrain()
-        sync()
-        t1 = time.perf_counter()
-        step_torch()
-        sync()
-        t2 = time.perf_counter()
-        tx.append(t1 - t0)
-        tt.append(t2 - t1)
-    mx, mt = statistics.median(tx), statistics.median(tt)
+        for _, fn in sides[1:] + sides[:1]:
+            fn()
+    times = {name: [] for name, _ in sides}
+    for _ in range(args.steps):  # interleaved step by step, so machine noise hits every side alike
+        for name, fn in sides:
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    q = {n: statistics.quantiles(t, n=4) if len(t) >= 2 else [t[0]] * 3 for n, t in times.items()}
+    mt = med["torch eager"]
     tok = B * T
     fpt = flops_per_token(c, T)
     print(f"xtrain bench train: preset={args.preset} params={model.num_params() / 1e6:.2f}M B={B} T={T} "
@@ -242,9 +258,11 @@ def main(argv=None) -> int:
     print(f"  xtrain attention={args.attention} loss={args.loss} recompute={args.recompute} "
           f"compute copies={'on' if low is not None else 'off'}; "
           f"torch attention={args.torch_attention}; first-step loss xtrain {first[0]:.6f} torch {first[1]:.6f}")
-    print(f"{'impl':<16}{'step ms':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'ratio':>8}")
-    print(f"{'torch eager':<16}{mt * 1e3:>10.1f}{tok / mt:>12.0f}{tok * fpt / mt / 1e9:>10.1f}{1.0:>8.2f}")
-    print(f"{'xtrain':<16}{mx * 1e3:>10.1f}{tok / mx:>12.0f}{tok * fpt / mx / 1e9:>10.1f}{mt / mx:>8.2f}")
+    print(f"{'impl':<22}{'step ms':>10}{'p25-p75 ms':>14}{'tokens/s':>12}{'GFLOP/s':>10}{'ratio':>8}")
+    for name, _ in sides:
+        m = med[name]
+        print(f"{name:<22}{m * 1e3:>10.1f}{f'{q[name][0] * 1e3:.1f}-{q[name][2] * 1e3:.1f}':>14}{tok / m:>12.0f}"
+              f"{tok * fpt / m / 1e9:>10.1f}{mt / m:>8.2f}")
     return 0
 
 
