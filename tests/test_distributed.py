@@ -24,7 +24,7 @@ WORKER = textwrap.dedent('''
     info = D.init(device)
     B, T, V = 6, 12, 61
     fused = "auto" if device == "cuda" else "composed"  # on CUDA: flash attention, Triton kernels
-    cfg = ModelConfig(vocab_size=V, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, head_dim=16, ffn_dim=64,
+    cfg = ModelConfig(vocab_size=V, n_layer=2, n_embd=128, n_head=4, n_kv_head=2, head_dim=32, ffn_dim=64,
                       max_seq_len=16, compute_dtype=dtype, attention=fused, loss=fused)
     tc = TrainConfig(steps=4, batch_size=B // info.world_size, seq_len=T, lr=1e-2, min_lr=1e-3, warmup_steps=1)
     step = [0]
