@@ -45,10 +45,10 @@ Ideas used in the Triton kernels, with their record on Hopper:
     streamed tiles, per config: on the H200 they won for the dQ kernel and the short-T hd128 forward and lost
     elsewhere, so both load paths stay.
   * Tried and measured slower on the H200 (bench/RESULTS.md): Triton 3.6's automatic warp specialisation
-    (``tl.range(..., warp_specialize=True)``: fails to compile at 4 warps, 5-25 % slower at 8); launching
+    (``tl.range(..., warp_specialize=True)``: fails to compile at 4 warps, 4-27 % slower at 8); launching
     the programs tile-major so every head's heaviest causal tile starts first (loses L2 reuse of K/V:
-    up to 30 % slower); software-pipelining the loops by hand (issuing the next tile's scores before the
-    current softmax, the FlashAttention-3 overlap written in plain Triton: 5-70 % slower, it fights the
+    up to 35 % slower); software-pipelining the loops by hand (issuing the next tile's scores before the
+    current softmax, the FlashAttention-3 overlap written in plain Triton: 3-64 % slower, it fights the
     compiler's own pipelining and register allocation); and the one-pass FlashAttention-2 backward with dQ
     added by fp32 atomics or TMA reduce-adds (5 matrix products per tile pair instead of 7, yet 4-18 %
     slower at its best config: the resident dK, dV and dQ tiles starve the registers; its code is in git
