@@ -261,6 +261,18 @@ def _ce_loss_kernel(NLL, TARGETS, LOSS, DENOM, N, ignore_index, MEAN: tl.constex
 
 
 @_jit
+def _write_row_grad(ROW, OUT_ROW, V, t, lse, scale, BLOCK_V: tl.constexpr):
+    """OUT_ROW[v] = (softmax(ROW)[v] - [v == t]) * scale, one pass over the row (OUT_ROW may be ROW)."""
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        c = start + cols
+        mask = c < V
+        x = tl.load(ROW + c, mask=mask, other=0.0).to(tl.float32)
+        g = (tl.exp(x - lse) - tl.where(c == t, 1.0, 0.0)) * scale
+        tl.store(OUT_ROW + c, g.to(OUT_ROW.dtype.element_ty), mask=mask)
+
+
+@_jit
 def _cross_entropy_bwd_kernel(DLOSS, LOGITS, TARGETS, LSE, OUT, DENOM, V, stride, out_stride, ignore_index,
                               BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -270,13 +282,7 @@ def _cross_entropy_bwd_kernel(DLOSS, LOGITS, TARGETS, LSE, OUT, DENOM, V, stride
     valid = t != ignore_index
     scale = tl.where(valid, tl.load(DLOSS).to(tl.float32) / tl.load(DENOM).to(tl.float32), 0.0)
     lse = tl.load(LSE + row)
-    cols = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
-        c = start + cols
-        mask = c < V
-        x = tl.load(ROW + c, mask=mask, other=0.0).to(tl.float32)
-        g = (tl.exp(x - lse) - tl.where(c == t, 1.0, 0.0)) * scale
-        tl.store(OUT_ROW + c, g.to(OUT.dtype.element_ty), mask=mask)
+    _write_row_grad(ROW, OUT_ROW, V, t, lse, scale, BLOCK_V)
 
 
 @_jit
@@ -290,14 +296,7 @@ def _cross_entropy_fwd_bwd_kernel(LOGITS, TARGETS, LSE, NLL, V, stride, ignore_i
     picked = tl.load(ROW + tl.where(valid, t, 0)).to(tl.float32)  # read before the row is overwritten
     tl.store(LSE + row, lse)
     tl.store(NLL + row, tl.where(valid, lse - picked, 0.0))
-    row_scale = tl.where(valid, scale, 0.0)
-    cols = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
-        c = start + cols
-        mask = c < V
-        x = tl.load(ROW + c, mask=mask, other=0.0).to(tl.float32)
-        g = (tl.exp(x - lse) - tl.where(c == t, 1.0, 0.0)) * row_scale
-        tl.store(ROW + c, g.to(LOGITS.dtype.element_ty), mask=mask)
+    _write_row_grad(ROW, ROW, V, t, lse, tl.where(valid, scale, 0.0), BLOCK_V)  # in place
 
 
 def _config(V: int):
