@@ -37,9 +37,7 @@ def main(argv=None) -> int:
     dev = torch.device(a.device)
     B, T = a.batch_size, a.seq_len or c.max_seq_len
     model = Model(c, device=dev, seed=0)
-    low = model.compute_dtype if model.compute_dtype != model.master_dtype else None
-    opt = AdamW(model.params, lr=1e-3, weight_decay=0.1, compute_copies=low)  # as the trainer sets it up
-    model.weight_copy = opt.copy_for if low is not None else None
+    opt = AdamW.for_model(model, lr=1e-3, weight_decay=0.1)  # as the trainer sets it up
     ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0)).to(dev)
 
     def step():

@@ -178,12 +178,8 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
 
     model = Model(c, device=dev, seed=0)
-    # as the trainer sets it up: with a lower compute dtype AdamW keeps the compute copies of the weights
-    lower = model.compute_dtype if model.compute_dtype != model.master_dtype else None
-    low = None if args.no_copies else lower
-    opt = AdamW(model.params, lr=1e-3, weight_decay=0.1, compute_copies=low)
-    model.weight_copy = opt.copy_for if low is not None else None
-    if args.compare_copies and lower is None:
+    opt = AdamW.for_model(model, copies=not args.no_copies, lr=1e-3, weight_decay=0.1)  # as the trainer does
+    if args.compare_copies and model.compute_dtype == model.master_dtype:
         ap.error("--compare-copies needs a compute dtype below the fp32 masters (--dtype bfloat16)")
     ref = TorchQwen3(c, args.torch_attention).to(dev)
     ref.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, strict=True)
@@ -218,12 +214,11 @@ def main(argv=None) -> int:
         return step
 
     step_xtrain = xtrain_step(model, opt)
-    sides = [("torch eager", None), ("xtrain", step_xtrain)]
-    if args.compare_copies:  # the same step without the copies, in the same process, interleaved
+    other = []
+    if args.compare_copies:  # the same step with the copies the other way, in the same process, interleaved
         model2 = Model(c, device=dev, seed=0)
-        opt2 = AdamW(model2.params, lr=1e-3, weight_decay=0.1, compute_copies=None if low else lower)
-        model2.weight_copy = opt2.copy_for if not low else None
-        sides.append(("xtrain, copies " + ("off" if low else "on"), xtrain_step(model2, opt2)))
+        opt2 = AdamW.for_model(model2, copies=args.no_copies, lr=1e-3, weight_decay=0.1)
+        other = [("xtrain, copies " + ("on" if args.no_copies else "off"), xtrain_step(model2, opt2))]
 
     def step_torch():
         with autocast:
@@ -234,7 +229,7 @@ def main(argv=None) -> int:
         topt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    sides[0] = ("torch eager", step_torch)
+    sides = [("torch eager", step_torch), ("xtrain", step_xtrain)] + other
     first = (step_xtrain(), step_torch())
     for _ in range(args.warmup):
         for _, fn in sides[1:] + sides[:1]:
@@ -256,7 +251,7 @@ def main(argv=None) -> int:
           f"V={c.vocab_size} device={dev} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"torch={torch.__version__}")
     print(f"  xtrain attention={args.attention} loss={args.loss} recompute={args.recompute} "
-          f"compute copies={'on' if low is not None else 'off'}; "
+          f"compute copies={'on' if model.weight_copy is not None else 'off'}; "
           f"torch attention={args.torch_attention}; first-step loss xtrain {first[0]:.6f} torch {first[1]:.6f}")
     print(f"{'impl':<22}{'step ms':>10}{'p25-p75 ms':>14}{'tokens/s':>12}{'GFLOP/s':>10}{'ratio':>8}")
     for name, _ in sides:

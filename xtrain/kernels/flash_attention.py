@@ -751,7 +751,9 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(device):
-    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    key = torch.device(device).index
+    if key is None:
+        key = torch.cuda.current_device()
     if key not in _SIDE_STREAMS:
         _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
     return _SIDE_STREAMS[key]

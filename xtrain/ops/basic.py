@@ -244,6 +244,14 @@ def _norm_dims(op: str, x: Var, dim) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _unreduce(d: torch.Tensor, dims, keepdim: bool, shape) -> torch.Tensor:
+    """The gradient of a reduction over ``dims``, broadcast back to the input's ``shape``."""
+    if not keepdim:
+        for i in sorted(dims):
+            d = d.unsqueeze(i)
+    return d.expand(shape)
+
+
 def sum(x: Var, dim=None, keepdim: bool = False) -> Var:  # noqa: A001 - the op is called sum
     _check_float("sum", x)
     dims = _norm_dims("sum", x, dim)
@@ -251,10 +259,7 @@ def sum(x: Var, dim=None, keepdim: bool = False) -> Var:  # noqa: A001 - the op 
     y = x.data.sum(dim=dims, keepdim=keepdim) if dims else x.data.clone()
 
     def backward(d):
-        if not keepdim:
-            for i in sorted(dims):
-                d = d.unsqueeze(i)
-        return (d.expand(shape),)
+        return (_unreduce(d, dims, keepdim, shape),)
 
     return Var.from_op(y, (x,), backward, "sum")
 
@@ -269,10 +274,7 @@ def mean(x: Var, dim=None, keepdim: bool = False) -> Var:
     y = x.data.mean(dim=dims, keepdim=keepdim) if dims else x.data.clone()
 
     def backward(d):
-        if not keepdim:
-            for i in sorted(dims):
-                d = d.unsqueeze(i)
-        return (d.expand(shape) / n,)
+        return (_unreduce(d, dims, keepdim, shape) / n,)
 
     return Var.from_op(y, (x,), backward, "mean")
 

@@ -78,6 +78,17 @@ class AdamW:
         self.step_count = 0
         self._init_copies(compute_copies)
 
+    @classmethod
+    def for_model(cls, model, *, copies: bool = True, **kw) -> AdamW:
+        """AdamW over ``model.params`` set up as the trainer uses it: when the model computes in a lower dtype
+        than its masters (and ``copies``), the update pass also writes compute copies of the weight
+        matrices, and the model's forward reads them (``model.weight_copy``) instead of casting every weight
+        in every forward."""
+        low = model.compute_dtype if copies and model.compute_dtype != model.master_dtype else None
+        opt = cls(model.params, compute_copies=low, **kw)
+        model.weight_copy = opt.copy_for if low is not None else None
+        return opt
+
     # -- compute copies ------------------------------------------------------------------------------
     def _init_copies(self, dtype: torch.dtype | None) -> None:
         """With ``compute_copies=torch.bfloat16``: keep a bf16 copy of every 2-D master weight (the
@@ -108,9 +119,13 @@ class AdamW:
     def _refresh_copies(self) -> None:
         for i, c in enumerate(self.copies):
             if c is not None:
-                d = self.params[i].data
-                c.copy_(d)
-                self._copy_of[i] = (d, d._version)
+                c.copy_(self.params[i].data)
+                self._record_copy(i)
+
+    def _record_copy(self, i: int) -> None:
+        """Note which master tensor, at which version, copy i now mirrors."""
+        d = self.params[i].data
+        self._copy_of[i] = (d, d._version)
 
     def _copy_valid(self, i: int) -> bool:
         src = self._copy_of[i]
@@ -142,11 +157,10 @@ class AdamW:
         adamw_step([p.data for p in self.params], grads, self.exp_avgs, self.exp_avg_sqs, step=self.step_count,
                    lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
                    weight_decays=self.weight_decays, copies=self.copies if have_copies else None)
-        if have_copies:  # the update wrote every copy from its new master: record what they now mirror
+        if have_copies:  # the update wrote every copy from its new master
             for i, c in enumerate(self.copies):
                 if c is not None:
-                    d = self.params[i].data
-                    self._copy_of[i] = (d, d._version)
+                    self._record_copy(i)
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -155,12 +155,8 @@ class Trainer:
         self.all_reduce = all_reduce
         self.ignore_index = ignore_index
         self.schedule = Schedule.from_train_config(config)
-        # with a lower compute dtype, the update pass also writes compute copies of the weight matrices,
-        # which the model reads instead of casting every weight in every forward
-        low = model.compute_dtype if model.compute_dtype != model.master_dtype else None
-        self.optimizer = AdamW(model.params, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                               weight_decay=config.weight_decay, compute_copies=low)
-        model.weight_copy = self.optimizer.copy_for if low is not None else None
+        self.optimizer = AdamW.for_model(model, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                                         weight_decay=config.weight_decay)
         self.step = 0  # optimizer steps done (skipped steps included)
         self.skips = 0
         self.tokens_total = 0
