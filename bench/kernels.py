@@ -333,9 +333,14 @@ def _v_rms(N, C, dt):
     else:
         cfgs = [(None, "torch"), (None, "triton"), ((4096, 8, 2, 3), "triton"), ((4096, 8, 2, 4), "triton"),
                 ((2048, 4, 4, 3), "triton"), ((2048, 4, 4, 4), "triton"), ((1024, 1, 8, 4), "triton")]
-    for cfg, dw_reduce in cfgs:
-        def fn(cfg=cfg, dw_reduce=dw_reduce):
-            with _knob(K, "BWD_CONFIG", cfg), _knob(K, "DW_REDUCE", dw_reduce):
+    # the dw pass's (partial rows per step, columns per program, warps): more programs, fewer serial steps
+    cfgs += [(None, "triton", dwc) for dwc in ((256, 32, 4), (512, 16, 4), (128, 64, 4))]
+    if C < 2048:
+        cfgs += [((4096, 8, 2, 3), "triton", (256, 32, 4)), ((8192, 16, 1, 3), "triton", (256, 32, 4)),
+                 ((8192, 8, 1, 3), "triton", (256, 32, 4)), ((4096, 4, 4, 3), "triton", (256, 32, 4))]
+    for cfg, dw_reduce, *dwc in cfgs:
+        def fn(cfg=cfg, dw_reduce=dw_reduce, dwc=(dwc or [K.DW_CONFIG])[0]):
+            with _knob(K, "BWD_CONFIG", cfg), _knob(K, "DW_REDUCE", dw_reduce), _knob(K, "DW_CONFIG", dwc):
                 return K.rms_norm_bwd_triton(dy, x, w, r)
 
         def check(fn=fn):
@@ -343,7 +348,7 @@ def _v_rms(N, C, dt):
             dx64, dw64 = oracle()
             ex, ew = _rel(dx, dx64), _rel(dw, dw64)
             return ex < _tol(dt) and ew < _tol(dt) and dw.dtype == w.dtype, f"dx {ex:.1e} dw {ew:.1e}"
-        name = ("default" if cfg is None else str(cfg)) + f", dw {dw_reduce}"
+        name = ("default" if cfg is None else str(cfg)) + f", dw {dw_reduce}" + (f" {dwc[0]}" if dwc else "")
         yield ("rms_norm bwd", f"{N}x{C} {_name(dt)}", name, 3 * N * C * e + C * e + 4 * N, fn, check,
                lambda: K.rms_norm_bwd_ref(dy, x, w, r))
 
@@ -399,24 +404,32 @@ def _v_ce(N, V, dt, smoke=False):
     vs = [("default (split kernel, kernel epilogue)", None, "kernel", False),
           ("previous: torch epilogue + host read of denom", None, "torch", True),
           ("torch epilogue, no host read", None, "torch", False)]
-    if dt == torch.float32:
+    # group g: _ce_fwd_group_kernel, per-group online log-sum-exp (no block reduction in the loop);
+    # loss (BLOCK, warps): the epilogue kernel's step
+    if smoke:
+        vs += [("group 16, whole row 256 w4", (256, 4, 0, 1, 0, 16), "kernel", False),
+               ("group 16, split 2x128 w4 + combine", (128, 4, 2, 1, 0, 16), "kernel", False)]
+    elif dt == torch.float32:
         vs += [("split 4x4096 w8 + combine, stages 3", (4096, 8, 4, 1, 3), "kernel", False),
-               ("split whole row 4096 w8, stages 4", (4096, 8, 0, 1, 4), "kernel", False),
-               ("rows 8 x 128 w4", (128, 4, 0, 8, 0), "kernel", False),
-               ("rows 8 x 128 w4, stages 4", (128, 4, 0, 8, 4), "kernel", False),
-               ("rows 16 x 128 w4, stages 4", (128, 4, 0, 16, 4), "kernel", False)]
+               ("group 16, split 4x4096 w8 + combine", (4096, 8, 4, 1, 0, 16), "kernel", False),
+               ("group 8, split 4x4096 w8 + combine", (4096, 8, 4, 1, 0, 8), "kernel", False),
+               ("group 16, whole row 4096 w8", (4096, 8, 0, 1, 0, 16), "kernel", False),
+               ("default, loss step 8192 w16", None, "kernel", False, (8192, 16))]
     else:
         vs += [("split whole row 4096 w8, stages 3", (4096, 8, 0, 1, 3), "kernel", False),
-               ("split whole row 4096 w8, stages 4", (4096, 8, 0, 1, 4), "kernel", False),
-               ("split whole row 2048 w4, stages 4", (2048, 4, 0, 1, 4), "kernel", False),
-               ("rows 8 x 256 w4", (256, 4, 0, 8, 0), "kernel", False),
-               ("rows 16 x 256 w4", (256, 4, 0, 16, 0), "kernel", False),
-               ("rows 8 x 256 w4, stages 4", (256, 4, 0, 8, 4), "kernel", False),
-               ("rows 16 x 256 w4, stages 4", (256, 4, 0, 16, 4), "kernel", False),
-               ("rows 32 x 256 w8, stages 4", (256, 8, 0, 32, 4), "kernel", False)]
-    for name, cfg, epi, sync in vs:
-        def fn(cfg=cfg, epi=epi, sync=sync):
-            with _knob(K, "FWD_CONFIG", cfg), _knob(K, "EPILOGUE", epi):
+               ("group 8, whole row 4096 w8", (4096, 8, 0, 1, 0, 8), "kernel", False),
+               ("group 16, whole row 4096 w8", (4096, 8, 0, 1, 0, 16), "kernel", False),
+               ("group 32, whole row 4096 w8", (4096, 8, 0, 1, 0, 32), "kernel", False),
+               ("group 16, whole row 4096 w4", (4096, 4, 0, 1, 0, 16), "kernel", False),
+               ("group 16, whole row 8192 w16", (8192, 16, 0, 1, 0, 16), "kernel", False),
+               ("group 16, whole row 2048 w4", (2048, 4, 0, 1, 0, 16), "kernel", False),
+               ("group 16, split 4x4096 w8 + combine", (4096, 8, 4, 1, 0, 16), "kernel", False),
+               ("group 16 w8, loss step 4096 w8", (4096, 8, 0, 1, 0, 16), "kernel", False, (4096, 8)),
+               ("group 16 w8, loss step 8192 w16", (4096, 8, 0, 1, 0, 16), "kernel", False, (8192, 16)),
+               ("default, loss step 8192 w16", None, "kernel", False, (8192, 16))]
+    for name, cfg, epi, sync, *loss_cfg in vs:
+        def fn(cfg=cfg, epi=epi, sync=sync, loss_cfg=(loss_cfg or [K.LOSS_CONFIG])[0]):
+            with _knob(K, "FWD_CONFIG", cfg), _knob(K, "EPILOGUE", epi), _knob(K, "LOSS_CONFIG", loss_cfg):
                 out = K.cross_entropy_fwd_triton(logits, t)
             if sync:
                 out[2].item()
@@ -486,6 +499,8 @@ def _v_embedding(N, V, C, dt, smoke=False):
           ("fused zero + int32 sort + index ahead, chunk 32", (32, bc, 4, "fused", True, True))]
     if e > 2:
         vs.append(("absent zero + int32 sort + index ahead", (16, bc, 4, "absent", True, True)))
+    vs += [("side-stream zero + int32 sort", (16, bc, 4, "absent_side", True, e > 2)),
+           ("side-stream zero + int32 sort, chunk 32", (32, bc, 4, "absent_side", True, e > 2))]
     for name, cfg in vs:
         def fn(cfg=cfg):
             with _knob(K, "CONFIG", cfg):
@@ -503,6 +518,15 @@ def _v_embedding(N, V, C, dt, smoke=False):
     ok = lambda: (True, "-")  # noqa: E731
     yield ("embedding bwd", lbl, "stage alone: torch.zeros(V, C)", V * C * e,
            lambda: torch.zeros(V, C, dtype=dt, device=_DEV), ok, None)
+    # write-only bandwidth: what bounds a kernel that must write the whole [V, C] gradient
+    buf = torch.empty(V, C, dtype=dt, device=_DEV)
+    yield ("embedding bwd", lbl, "stage alone: buf.zero_() (no allocation)", V * C * e, buf.zero_, ok, None)
+    for blk, warps in ((4096, 4), (8192, 8), (16384, 8), (32768, 16)):
+        yield ("embedding bwd", lbl, f"stage alone: Triton zero store {blk} w{warps}", V * C * e,
+               lambda blk=blk, warps=warps: _zero_store(buf, blk, warps), ok, None)
+    ms = _memset_fn(buf) if buf.is_cuda else None
+    if ms is not None:
+        yield ("embedding bwd", lbl, "stage alone: cudaMemsetAsync", V * C * e, ms, ok, None)
     yield ("embedding bwd", lbl, "stage alone: torch.sort int64 ids", 16 * N,
            lambda: torch.sort(flat, stable=True), ok, None)
     yield ("embedding bwd", lbl, "stage alone: torch.sort int32 ids (+ the cast)", 12 * N,
@@ -513,6 +537,46 @@ def _v_embedding(N, V, C, dt, smoke=False):
         p[ids32] = 1
         return p
     yield ("embedding bwd", lbl, "stage alone: present marks (zeros + index_put)", V + N * 4, present, ok, None)
+
+
+def _zero_store(buf, block, warps):
+    """A plain store-only Triton kernel over buf (the write-bandwidth probe; reference: buf.zero_())."""
+    from xtrain.kernels._dispatch import tl, triton
+
+    global _ZERO_KERNEL
+    if _ZERO_KERNEL is None:
+        @triton.jit
+        def _zero_kernel(P, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(P + offs, tl.zeros([BLOCK], dtype=P.dtype.element_ty), mask=offs < n)
+        _ZERO_KERNEL = _zero_kernel
+    n = buf.numel()
+    _ZERO_KERNEL[(triton.cdiv(n, block),)](buf, n, BLOCK=block, num_warps=warps)
+    return buf
+
+
+_ZERO_KERNEL = None
+
+
+def _memset_fn(buf):
+    """cudaMemsetAsync on the current stream through ctypes, or None where libcudart cannot be found."""
+    import ctypes
+    import glob
+
+    cands = ["libcudart.so"] + sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*",
+                                                             "lib", "libcudart.so*")))
+    for name in cands:
+        try:
+            lib = ctypes.CDLL(name)
+            fn = lib.cudaMemsetAsync
+        except OSError:
+            continue
+        except AttributeError:
+            continue
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p]
+        nbytes = buf.numel() * buf.element_size()
+        return lambda: fn(buf.data_ptr(), 0, nbytes, torch.cuda.current_stream().cuda_stream)
+    return None
 
 
 def _time(fn, smoke: bool) -> float:

@@ -133,13 +133,15 @@ def test_cross_entropy_cpu(N, V, reduction):
 @needs_cpu_interp
 @pytest.mark.parametrize("config", [(256, 4, 1), (256, 4, 3), (512, 4, 0), (8192, 4, 0), (128, 4, 0, 4),
                                     (256, 2, 0, 8), (64, 1, 0, 2), (128, 4, 0, 4, 3), (256, 4, 2, 1, 3),
-                                    (256, 4, 0, 1, 4)])
+                                    (256, 4, 0, 1, 4), (256, 4, 0, 1, 0, 16), (128, 4, 2, 1, 0, 8),
+                                    (64, 4, 0, 1, 0, 64), (512, 4, 1, 1, 0, 32)])
 @pytest.mark.parametrize("epilogue", ["kernel", "torch"])
 def test_cross_entropy_fwd_tilings_cpu(config, epilogue, monkeypatch):
     """Every forward tiling the bench sweeps: one block per program (split + combine), several blocks
     per program (the prefetching loop), the whole row in one program (loop, no combine pass), several
     rows per program (the rows kernel, N not a multiple of the rows), Triton's pipelining (a fifth entry:
-    num_stages) in both kernels; both epilogues."""
+    num_stages) in both kernels, the group kernel (a sixth entry: columns per group; groups with no
+    column at all when V < BLOCK_V); both epilogues."""
     monkeypatch.setattr(K_ce, "FWD_CONFIG", config)
     monkeypatch.setattr(K_ce, "EPILOGUE", epilogue)
     for N, V in ((5, 123), (7, 1000), (3, 2500), (9, 256)):
@@ -266,7 +268,7 @@ def test_embedding_bwd_cpu(ishape, V, C):
 @pytest.mark.parametrize("config", [(4, 64, 4, "torch"), (8, 32, 4, "absent"), (1, 16, 4, "absent"),
                                     (16, 8, 4, "torch"), (4, 64, 4, "fused"), (8, 32, 4, "fused", True, True),
                                     (1, 16, 4, "absent", True, False), (16, 8, 4, "torch", False, True),
-                                    (2, 16, 4, "fused", False, True)])
+                                    (2, 16, 4, "fused", False, True), (4, 64, 4, "absent_side", True, False)])
 def test_embedding_bwd_tilings_cpu(config, monkeypatch):
     """Chunk sizes and the three zero fills (torch.zeros, a zero kernel, zero tiles fused into the chunk
     launch), int32 or int64 sort keys, the index loaded a step ahead or not, with runs of one id much
@@ -412,7 +414,7 @@ def test_cross_entropy_gpu(N, V, dtype):
     assert _rel(g, g64) < _tol(dtype)
     buf = logits.clone()
     with poisoned():
-        nll, _ = K_ce.cross_entropy_fwd_bwd_triton(buf, t, -100, 2.0 / denom.item())
+        nll, _ = K_ce.cross_entropy_fwd_bwd_triton(buf, t, -100, 2.0 / denom)  # scale as a device tensor
     assert abs(nll.sum().item() / denom.item() - loss64.item()) / loss64.item() < 1e-5
     assert _rel(buf, g64) < _tol(dtype)
 
@@ -473,3 +475,20 @@ def test_embedding_bwd_gpu(dtype):
     b64 = K_emb.embedding_bwd_ref(d.double(), ids, V)
     assert _rel(a, b64) < _tol(dtype)
     assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))  # deterministic
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_bwd_side_stream_gpu(dtype, monkeypatch):
+    """The zero fill on a side stream: poisoned table memory, then the result read on the main stream
+    right after the call (the join must order it), equal to the one-stream result bit for bit."""
+    V, C, N = 50000, 768, 8192
+    ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1)
+    d = torch.randn(N, C, device="cuda").to(dtype)
+    monkeypatch.setattr(K_emb, "CONFIG", (16, 512, 4, "absent", True, False))
+    one = K_emb.embedding_bwd_triton(d, ids, V)
+    monkeypatch.setattr(K_emb, "CONFIG", (16, 512, 4, "absent_side", True, False))
+    for _ in range(3):
+        with poisoned():
+            two = K_emb.embedding_bwd_triton(d, ids, V)
+            assert torch.equal(one, two)

@@ -73,3 +73,19 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if _backend == "reference" or not HAVE_TRITON:
         return False
     return all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor))
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device) -> "torch.cuda.Stream":
+    """One extra CUDA stream per device, for a kernel that can overlap another (created on first use).
+    The caller makes the side stream wait for the main one before launching on it, and the main stream
+    wait for the side one before returning, so everything after (and the caching allocator's reuse of the
+    memory both touched) is ordered after both."""
+    key = torch.device(device).index
+    if key is None:
+        key = torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SIDE_STREAMS[key]

@@ -14,6 +14,7 @@ Contract:
         (logits.dtype; written into ``logits`` itself when inplace=True and the caller no longer needs it;
         denom: that tensor, or a Python number).
     cross_entropy_fwd_bwd(logits, targets, ignore_index, scale) -> (nll[N] fp32, lse[N] fp32), and
+        (scale: a Python number or a 0-dim device tensor)
         logits overwritten in place by scale * (softmax - onehot) (0 on ignored rows): forward and
         backward in one call for a caller that knows dloss up front (fused linear + cross-entropy).
 A batch where every target is ignored has loss 0 and zero gradient under "mean" (not nan), so an
@@ -101,7 +102,7 @@ def cross_entropy_fwd_bwd_ref(logits: torch.Tensor, targets: torch.Tensor, ignor
     valid = targets != ignore_index
     safe_t = torch.where(valid, targets, torch.zeros_like(targets))
     nll = torch.where(valid, lse - lf.gather(1, safe_t[:, None]).squeeze(1), torch.zeros_like(lse))
-    logits.copy_(cross_entropy_bwd_ref(torch.tensor(scale, dtype=acc, device=logits.device), logits, targets,
+    logits.copy_(cross_entropy_bwd_ref(torch.as_tensor(scale, device=logits.device).to(acc), logits, targets,
                                        lse, ignore_index, 1.0))
     return nll, lse
 
@@ -171,6 +172,52 @@ def _ce_fwd_split_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, c
     else:
         tl.store(M_PART + row * n_split + k, m)
         tl.store(S_PART + row * n_split + k, s)
+
+
+@_jit
+def _ce_fwd_group_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, cols_per_split, n_split,
+                         ignore_index, BLOCK_V: tl.constexpr, GROUP: tl.constexpr, FINAL: tl.constexpr):
+    """The split kernel's job with no block-wide reduction inside the loop. Each BLOCK_V step is loaded
+    as a [BLOCK_V // GROUP, GROUP] tile of GROUP consecutive columns per tile row, and every tile row
+    keeps its own running max and sum (an online log-sum-exp per group of columns): the per-step max is
+    over GROUP columns that Triton lays out within one thread or two (16-byte vectors), so it needs no
+    shared memory and no barrier. The groups are merged once, at the end (M = max m_g,
+    S = sum s_g 2^(m_g - M)). Costs one extra exp per GROUP columns (the rescale of each group's sum).
+    Exponentials in base 2 with log2(e) folded in: 2^(x·log2e − m·log2e), one FMA and one MUFU.EX2 per
+    logit."""
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    ROW = LOGITS + row * stride
+    c0 = k * cols_per_split
+    c1 = tl.minimum(c0 + cols_per_split, V)
+    NG: tl.constexpr = BLOCK_V // GROUP
+    LOG2E: tl.constexpr = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
+    offs = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP] columns
+    x = tl.load(ROW + c0 + offs, mask=c0 + offs < c1, other=-float("inf")).to(tl.float32)
+    nxt = tl.load(ROW + c0 + BLOCK_V + offs, mask=c0 + BLOCK_V + offs < c1, other=-float("inf"))
+    m = tl.max(x, axis=1)  # [NG]; -inf for a group with no column yet
+    ml = tl.where(m == -float("inf"), 0.0, m * LOG2E)  # a safe shift: exp2(-inf - 0) = 0, never nan
+    s = tl.sum(tl.exp2(x * LOG2E - ml[:, None]), axis=1)
+    for start in range(c0 + BLOCK_V, c1, BLOCK_V):
+        x = nxt.to(tl.float32)
+        nxt = tl.load(ROW + start + BLOCK_V + offs, mask=start + BLOCK_V + offs < c1, other=-float("inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        ml_new = tl.where(m_new == -float("inf"), 0.0, m_new * LOG2E)
+        s = s * tl.exp2(ml - ml_new) + tl.sum(tl.exp2(x * LOG2E - ml_new[:, None]), axis=1)
+        m = m_new
+        ml = ml_new
+    mx = tl.max(m, axis=0)  # finite: the first step holds at least one column of the range
+    tot = tl.sum(s * tl.exp2((m - mx) * LOG2E), axis=0)  # a group still at m = -inf adds 0 (not 0 * inf)
+    if FINAL:
+        lse = mx + tl.log(tot)
+        t = tl.load(TARGETS + row)
+        valid = t != ignore_index
+        picked = tl.load(ROW + tl.where(valid, t, 0)).to(tl.float32)
+        tl.store(LSE + row, lse)
+        tl.store(NLL + row, tl.where(valid, lse - picked, 0.0))
+    else:
+        tl.store(M_PART + row * n_split + k, mx)
+        tl.store(S_PART + row * n_split + k, tot)
 
 
 @_jit
@@ -286,9 +333,10 @@ def _cross_entropy_bwd_kernel(DLOSS, LOGITS, TARGETS, LSE, OUT, DENOM, V, stride
 
 
 @_jit
-def _cross_entropy_fwd_bwd_kernel(LOGITS, TARGETS, LSE, NLL, V, stride, ignore_index, scale,
+def _cross_entropy_fwd_bwd_kernel(LOGITS, TARGETS, LSE, NLL, V, stride, ignore_index, SCALE,
                                   BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    scale = tl.load(SCALE).to(tl.float32)  # a device scalar: the caller never reads its denominator back
     ROW = LOGITS + row * stride
     lse = _row_lse(ROW, V, BLOCK_V)
     t = tl.load(TARGETS + row)
@@ -310,12 +358,14 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(1) == 1 else logits.contiguous()
 
 
-FWD_CONFIG = None  # (BLOCK_V, num_warps, blocks per program[, rows per program[, stages]]) override, for the
-# bench's sweep; stages >= 2: Triton's own pipelining of the block loads (num_stages) instead of the hand prefetch
+FWD_CONFIG = None  # (BLOCK_V, num_warps, blocks per program[, rows per program[, stages[, group]]]) override, for
+# the bench's sweep; stages >= 2: Triton's own pipelining of the block loads (num_stages) instead of the hand
+# prefetch; group > 0: _ce_fwd_group_kernel, an online log-sum-exp per group of that many columns
 # the defaults by logits element size, (BLOCK_V, num_warps, blocks per program, rows, stages); measured on the
 # H200 (bench/RESULTS.md): 16-bit logits -> one program per row (no combine pass), 4096-column steps, 8 warps;
 # fp32 logits -> 4 steps (16k columns) per program + the combine pass. Both with the hand prefetch.
 FWD_DEFAULTS = {2: (4096, 8, 0, 1, 0), 4: (4096, 8, 4, 1, 0)}
+LOSS_CONFIG = (1024, 4)  # _ce_loss_kernel's (BLOCK, num_warps): one program, BLOCK rows a step
 EPILOGUE = "kernel"  # "kernel": _ce_loss_kernel; "torch": the same sums as torch ops (bench comparison)
 
 
@@ -327,12 +377,15 @@ def _fwd_config(V: int, esize: int = 2):
     BLOCK_V, num_warps, bpp = cfg[:3]
     rows = cfg[3] if len(cfg) > 3 else 1
     stages = cfg[4] if len(cfg) > 4 else 0
+    group = cfg[5] if len(cfg) > 5 else 0
     BLOCK_V = min(BLOCK_V, triton.next_power_of_2(V))
     if FWD_CONFIG is None and BLOCK_V < 4096 and rows == 1:
         num_warps = 4  # short rows (tests, small vocabularies): fewer warps than a 4096-column step needs
     if rows > 1:
         bpp = 0
-    return BLOCK_V, num_warps, BLOCK_V * (bpp if bpp > 0 else triton.cdiv(V, BLOCK_V)), rows, stages
+    group = min(group, BLOCK_V)
+    return (BLOCK_V, num_warps, BLOCK_V * (bpp if bpp > 0 else triton.cdiv(V, BLOCK_V)), rows, stages,
+            group if rows == 1 else 0)
 
 
 def cross_entropy_fwd_lse_triton(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100):
@@ -342,23 +395,29 @@ def cross_entropy_fwd_lse_triton(logits: torch.Tensor, targets: torch.Tensor, ig
     nll = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N == 0:
         return lse, nll
-    BLOCK_V, num_warps, cps, rows, stages = _fwd_config(V, logits.element_size())
+    BLOCK_V, num_warps, cps, rows, stages, group = _fwd_config(V, logits.element_size())
     if rows > 1:
         _ce_fwd_rows_kernel[(triton.cdiv(N, rows),)](logits, targets, lse, nll, N, V, logits.stride(0),
                                                      ignore_index, ROWS=rows, BLOCK_V=BLOCK_V, STAGES=stages,
                                                      num_warps=num_warps)
         return lse, nll
     n_split = triton.cdiv(V, cps)
+
+    def split(grid, m_part, s_part, final):
+        if group > 0:
+            _ce_fwd_group_kernel[grid](logits, targets, m_part, s_part, lse, nll, V, logits.stride(0), cps,
+                                       n_split, ignore_index, BLOCK_V=BLOCK_V, GROUP=group, FINAL=final,
+                                       num_warps=num_warps)
+        else:
+            _ce_fwd_split_kernel[grid](logits, targets, m_part, s_part, lse, nll, V, logits.stride(0), cps,
+                                       n_split, ignore_index, BLOCK_V=BLOCK_V, FINAL=final, STAGES=stages,
+                                       num_warps=num_warps)
     if n_split == 1:
-        _ce_fwd_split_kernel[(N, 1)](logits, targets, lse, lse, lse, nll, V, logits.stride(0), cps, 1,
-                                     ignore_index, BLOCK_V=BLOCK_V, FINAL=True, STAGES=stages,
-                                     num_warps=num_warps)
+        split((N, 1), lse, lse, True)
         return lse, nll
     m_part = torch.empty(N, n_split, dtype=torch.float32, device=logits.device)
     s_part = torch.empty(N, n_split, dtype=torch.float32, device=logits.device)
-    _ce_fwd_split_kernel[(N, n_split)](logits, targets, m_part, s_part, lse, nll, V, logits.stride(0), cps,
-                                       n_split, ignore_index, BLOCK_V=BLOCK_V, FINAL=False, STAGES=stages,
-                                       num_warps=num_warps)
+    split((N, n_split), m_part, s_part, False)
     BLOCK_S = triton.next_power_of_2(n_split)
     BLOCK_N = max(1, min(128, 2048 // BLOCK_S))
     _ce_fwd_combine_kernel[(triton.cdiv(N, BLOCK_N),)](logits, targets, m_part, s_part, lse, nll, N,
@@ -382,8 +441,10 @@ def cross_entropy_fwd_triton(logits: torch.Tensor, targets: torch.Tensor, ignore
         return nll.sum() / denom, lse, denom
     loss = torch.empty((), dtype=torch.float32, device=logits.device)
     denom = torch.empty((), dtype=torch.float32, device=logits.device)
+    block, warps = LOSS_CONFIG
     _ce_loss_kernel[(1,)](nll, targets, loss, denom, targets.shape[0], ignore_index, MEAN=reduction == "mean",
-                          BLOCK=1024, num_warps=4)
+                          BLOCK=min(block, max(16, triton.next_power_of_2(targets.shape[0]))),
+                          num_warps=warps)
     return loss, lse, denom
 
 
@@ -419,8 +480,10 @@ def cross_entropy_fwd_bwd_triton(logits: torch.Tensor, targets: torch.Tensor, ig
     nll = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N > 0:
         BLOCK_V, num_warps = _config(V)
+        if not isinstance(scale, torch.Tensor):  # a Python number: a device fill, no host round trip
+            scale = torch.full((), float(scale), dtype=torch.float32, device=logits.device)
         _cross_entropy_fwd_bwd_kernel[(N,)](logits, targets.contiguous(), lse, nll, V, logits.stride(0),
-                                            ignore_index, float(scale), BLOCK_V=BLOCK_V,
+                                            ignore_index, scale.reshape(()), BLOCK_V=BLOCK_V,
                                             num_warps=num_warps)
     return nll, lse
 

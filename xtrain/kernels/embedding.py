@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from xtrain.kernels._dispatch import jit as _jit
-from xtrain.kernels._dispatch import tl, triton, use_triton
+from xtrain.kernels._dispatch import side_stream, tl, triton, use_triton
 
 
 def embedding_fwd(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -169,6 +169,7 @@ def _embedding_zero_absent_kernel(PRESENT, DTABLE, V, C, BLOCK_R: tl.constexpr, 
 
 CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort32[, idx_ahead]]) override, for the bench's sweep
 # zero fill: "torch" (torch.zeros first), "absent" (_embedding_zero_absent_kernel, then the chunk pass),
+# "absent_side" (the same zero kernel on a side CUDA stream, concurrent with the sort and chunk passes),
 # "fused" (_embedding_bwd_fused_kernel: zero tiles and chunk walks in one launch); sort32: sort the ids as
 # int32 (half the radix passes of int64 keys; ids < 2^31); idx_ahead: see _chunk_body
 # measured best on the H200 (bench/RESULTS.md), by dout element size:
@@ -196,9 +197,21 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
         present = torch.zeros(V, dtype=torch.int8, device=dout.device)
         present[flat] = 1  # every writer stores the same 1: deterministic
-        if zero == "absent":
+        def zero_absent():
             _embedding_zero_absent_kernel[(triton.cdiv(V, 8), n_cb)](present, dtable, V, C, BLOCK_R=8,
                                                                      BLOCK_C=BLOCK_C, num_warps=4)
+        if zero == "absent":
+            zero_absent()
+        elif zero == "absent_side" and dout.is_cuda:
+            # the zero tiles write only rows no id names, the chunk and merge passes only rows ids name:
+            # disjoint, so the zero fill runs on a side stream while the ids are sorted and summed
+            main = torch.cuda.current_stream(dout.device)
+            side = side_stream(dout.device)
+            side.wait_stream(main)  # present, dtable ready
+            with torch.cuda.stream(side):
+                zero_absent()
+        elif zero == "absent_side":
+            zero_absent()
     sorted_ids, order = torch.sort(flat, stable=True)
     n_chunks = triton.cdiv(N, CHUNK)
     part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
@@ -212,6 +225,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                                                       BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, num_warps=num_warps)
     _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, C, n_chunks,
                                                   CHUNK=CHUNK, BLOCK_C=BLOCK_C, num_warps=4)
+    if zero == "absent_side" and dout.is_cuda:
+        main.wait_stream(side)  # later work on the main stream (and reuse of present's memory) after both
     return dtable
 
 

@@ -68,7 +68,7 @@ import math
 
 import torch
 
-from xtrain.kernels._dispatch import HAVE_TRITON, use_triton
+from xtrain.kernels._dispatch import HAVE_TRITON, side_stream, use_triton
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln 2: natural log = log2 * LN2
@@ -733,7 +733,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
         # stream waits for the side stream before returning, so later work on it (and the reuse of delta's
         # memory by the caching allocator) is ordered after both.
         main = torch.cuda.current_stream(q.device)
-        side = _side_stream(q.device)
+        side = side_stream(q.device)
         side.wait_stream(main)  # delta and the buffers are ready
         with torch.cuda.stream(side):
             launch_dq()
@@ -747,13 +747,3 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
 
 # Run the backward's dQ kernel on a second CUDA stream, concurrently with the dK/dV kernel.
 BWD_TWO_STREAMS = True
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device):
-    key = torch.device(device).index
-    if key is None:
-        key = torch.cuda.current_device()
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
-    return _SIDE_STREAMS[key]

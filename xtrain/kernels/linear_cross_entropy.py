@@ -65,10 +65,14 @@ def _linear_cross_entropy(x, w, targets, ignore_index, reduction, need_dx, need_
     N, C = x.shape
     V = w.shape[0]
     targets = targets.contiguous()
-    count = int((targets != ignore_index).sum().item())
-    denom = float(max(count, 1)) if reduction == "mean" else 1.0
     chunk = chunk_size or default_chunk_size(N, V)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    # the denominator stays on the device (no host read, no synchronisation): the kernels load 1/denom
+    if reduction == "mean":
+        denom = (targets != ignore_index).sum().clamp_min(1).to(acc)
+    else:
+        denom = torch.ones((), dtype=acc, device=x.device)
+    inv_denom = 1.0 / denom
     loss_sum = torch.zeros((), dtype=acc, device=x.device)
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.zeros_like(w) if need_dw else None
@@ -82,7 +86,7 @@ def _linear_cross_entropy(x, w, targets, ignore_index, reduction, need_dx, need_
         if not (need_dx or need_dw):  # evaluation: the loss alone
             loss_sum += ce_fwd(logits, tc, ignore_index, "sum")[0]
             continue
-        nll_c, _ = ce_fwd_bwd(logits, tc, ignore_index, 1.0 / denom)
+        nll_c, _ = ce_fwd_bwd(logits, tc, ignore_index, inv_denom)
         loss_sum += nll_c.sum()
         # logits now holds dlogits = (softmax - onehot) / denom, in the compute dtype
         if need_dx:

@@ -169,6 +169,7 @@ BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH) o
 # prefetch, PREFETCH=True, was 2-10 % slower.)
 BWD_DEFAULT_LONG = (8192, 16, 1, 3)  # BLOCK_C >= 2048
 BWD_DEFAULT_SHORT = (4096, 8, 2, 4)
+DW_CONFIG = (32, 128, 4)  # _rms_norm_dw_kernel: (most partial rows per step, columns per program, num_warps)
 DW_REDUCE = "triton"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
 
 
@@ -220,7 +221,9 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
                                STAGES=stages, num_warps=num_warps)
     if DW_REDUCE == "triton":
         dw = torch.empty(C, dtype=w.dtype, device=x.device)
-        _rms_norm_dw_kernel[(triton.cdiv(C, 128),)](dw_partial, dw, P, C, BLOCK_P=32, BLOCK_C=128, num_warps=4)
+        max_p, bc, warps = DW_CONFIG
+        _rms_norm_dw_kernel[(triton.cdiv(C, bc),)](dw_partial, dw, P, C, BLOCK_P=min(max_p, triton.next_power_of_2(P)),
+                                                   BLOCK_C=bc, num_warps=warps)
         return dx.reshape(x.shape), dw
     dw = dw_partial.sum(dim=0)  # the second pass: P x C -> C, fixed order
     return dx.reshape(x.shape), dw.to(w.dtype)
