@@ -30,26 +30,38 @@ Blackwell 01-attention-forward for the overall structure). One program = BLOCK_M
   * The output tile is normalised in registers, written into Q's (now dead) shared-memory slot and stored
     by TMA; lse by plain stores.
 
-Variants (``VARIANTS``; all with BLOCK_M = 128, 8 warps; BLOCK_N and STAGES per head dim):
-  tma   the simplest correct version: TMA ring + async wgmma, but every wgmma is waited at once (no
-        overlap of MMA with softmax beyond what the two warpgroups give each other).
-  pipe  FlashAttention-3 intra-warpgroup pipelining: in iteration j the wgmma S_j = Q K_jᵀ and the
-        wgmma O += P_{j-1} V_{j-1} are both in flight while ... the wait(1) returns S_j first; the
-        softmax of S_j then runs while O += P_{j-1} V_{j-1} is still on the tensor cores.
-  ws    ``pipe`` plus warp specialisation (gl.warp_specialize): a 1-warp producer partition with few
-        registers issues all TMA loads (Q, then K/V into the ring, waiting on per-slot "empty" mbarriers
-        that the consumers arrive on once the wgmma that read a slot has retired); the 8 consumer warps
-        (default partition) only wait, compute and release.
-  pipe3 / ws3: as pipe / ws with a third ring stage (more TMA lead; 224 KB of shared memory at hd128).
-Not done (FlashAttention-3 has them): inter-warpgroup ping-pong scheduling with named barriers, a
-persistent tile scheduler, FP8, ragged T.
+Variants (``VARIANTS``: kernel + per-head-dim BLOCK_N, STAGES, optional maxnreg; BLOCK_M = 128 always):
+  tma       the simplest correct version, 8 warps: TMA ring + async wgmma, but every wgmma is waited at
+            once (no overlap of MMA with softmax beyond what the two warpgroups give each other); the CTA
+            refills a slot itself after a CTA barrier (wgmma waits are per warpgroup).
+  pipe      FlashAttention-3 intra-warpgroup pipelining, 8 warps: iteration j issues S_j = Q K_jᵀ and then
+            O += P_{j-1} V_{j-1}; wait(1) retires S_j only (wgmma groups retire in order), so the softmax of
+            S_j runs while the P·V wgmma is still on the tensor cores; wait(0), then O is rescaled.
+  ws        ``pipe`` + warp specialisation (gl.warp_specialize): a 1-warp producer partition (24 registers)
+            issues every TMA load (Q, then K/V into the ring, waiting on per-slot "empty" mbarriers); the
+            8 consumer warps (default partition) wait, compute, and arrive on a slot's empty barrier once
+            the wgmma that read it has retired.
+  ws2       as ``ws`` but each consumer warpgroup is its own partition (default = warpgroup 0, a 4-warp
+            worker = warpgroup 1, each with its 64 query rows and its own half of the Q/O tile; empty
+            barriers count one arrival per warpgroup), so the partition-wide syncs behind every arrive
+            span one warpgroup, and the two warpgroups drift apart freely (the softmax of one overlaps
+            the wgmmas of the other; FA3 enforces that order with named barriers, this does not).
+  *3 / *_n64  the same kernels with a third ring stage (more TMA lead; 224 KB of shared memory at hd128),
+            or BLOCK_N = 64 (fewer registers; at hd64 with maxnreg 128 two CTAs fit on an SM).
+Not done (FlashAttention-3 has them): enforced inter-warpgroup ping-pong, a persistent tile scheduler with
+an overlapped epilogue, FP8, ragged T.
 
 Triton-version notes. The GPU box runs triton 3.6.0; newer Gluon (3.9 here) renamed some builtins, so the
-kernels go through small aliases: ``tma.async_copy_global_to_shared`` (3.6) / ``tma.async_load`` (newer),
-``tma.async_copy_shared_to_global`` / ``tma.async_store``; ``mbarrier.expect``'s byte count is passed
-positionally (its keyword is ``bytes`` in 3.6, ``bytes_per_cta`` later); ``gl.thread_barrier`` (3.6) became ``gl.barrier``; ``gl.warp_specialize`` always gets
-an explicit ``worker_num_regs`` (required in 3.6, optional later). Offline compilation uses
-``triton.experimental.gluon._runtime.GluonASTSource`` (present in both; only exported later).
+kernels go through module-level aliases: ``tma.async_copy_global_to_shared`` (3.6) / ``tma.async_load``
+(newer), ``tma.async_copy_shared_to_global`` / ``tma.async_store``, ``gl.thread_barrier`` / ``gl.barrier``;
+``mbarrier.expect``'s byte count is passed positionally (keyword ``bytes`` in 3.6, ``bytes_per_cta`` later);
+``gl.warp_specialize`` always gets an explicit ``worker_num_regs`` (required in 3.6, optional later).
+Offline compilation uses ``triton.experimental.gluon._runtime.GluonASTSource`` (present in both, exported
+only later) with ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``.
+
+main() first checks every variant in a child process (a deadlocked mbarrier wait would otherwise hang the
+whole run; a CUDA fault would poison the context for the variants after it): a variant with no result
+within 90 s is killed and reported as HANG. ``--no-isolate`` checks in-process instead.
 """
 
 from __future__ import annotations
@@ -58,15 +70,18 @@ import argparse
 import math
 import sys
 import time
-import traceback
 
 import torch
-
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # ---------------------------------------------------------------------------------------------------------
@@ -80,6 +95,7 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 BLOCK_M = 128
 NUM_WARPS = 8  # two consumer warpgroups of 64 query rows each
+WS2_CONSUMER_REGS = gl.constexpr(232)  # registers/thread of ws2's second consumer partition (setmaxnreg)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -400,32 +416,121 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T,
 
 
 # ---------------------------------------------------------------------------------------------------------
+# variant "ws2": each consumer warpgroup is its own partition (64 query rows each) + a 1-warp producer
+# ---------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _ws2_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty,
+                  q_row, kv_row0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    _tma_load(q_desc, [q_row, 0], q_bar, q_smem.index(0))
+    _tma_load(q_desc, [q_row + HALF_M, 0], q_bar, q_smem.index(1))
+    for t in range(n_tiles):
+        slot = t % STAGES
+        phase = ((t // STAGES) & 1) ^ 1  # first lap passes on the fresh barriers
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [kv_row0 + t * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [kv_row0 + t * BLOCK_N, 0], v_bars.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws2_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, k_desc, v_desc, o_desc,
+                  lse_ptr, q_row, kv_row0, lse_row, n_tiles, qk_scale, start_m, dtype: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  HALF: gl.constexpr):
+    """One warpgroup, rows [start_m + HALF*64, +64) of the CTA's 128. Both consumers walk all n_tiles K/V
+    tiles (each slot's empty barriers expect one arrival from each); with BLOCK_N < 128 the upper half's
+    last diagonal tile is fully masked for it (exact, just wasted)."""
+    HALF_M: gl.constexpr = o_desc.block_type.shape[0]
+    layouts: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM, 4)
+    s_layout: gl.constexpr = layouts[0]
+    o_layout: gl.constexpr = layouts[1]
+    q_half = q_smem.index(HALF)
+    mbarrier.wait(q_bar, 0)
+    acc, m_i, l_i = _pipe_loop(q_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, k_desc, v_desc, kv_row0,
+                               n_tiles, qk_scale, start_m + HALF * HALF_M, s_layout, o_layout, dtype, HEAD_DIM,
+                               HALF_M, BLOCK_N, STAGES, CAUSAL, True)
+    _epilogue(acc, m_i, l_i, o_desc, q_half, lse_ptr, q_row + HALF * HALF_M, lse_row + HALF * HALF_M, s_layout,
+              o_layout, HALF_M)
+
+
+@gluon.jit
+def _attn_fwd_ws2(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """num_warps = 4 (the default partition = consumer warpgroup 0); q_desc/o_desc tiles are BLOCK_M/2 rows."""
+    dtype: gl.constexpr = q_desc.dtype
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    gl.static_assert(2 * HALF_M == BLOCK_M)
+    start_m, q_row, kv_row0, lse_row, n_tiles = _tile_coords(H, GROUP, T, CAUSAL, BLOCK_M, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_ws2_consumer, (q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, k_desc, v_desc, o_desc,
+                         lse_ptr, q_row, kv_row0, lse_row, n_tiles, qk_scale, start_m, dtype, HEAD_DIM, BLOCK_N,
+                         STAGES, CAUSAL, 0)),
+        (_ws2_consumer, (q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, k_desc, v_desc, o_desc,
+                         lse_ptr, q_row, kv_row0, lse_row, n_tiles, qk_scale, start_m, dtype, HEAD_DIM, BLOCK_N,
+                         STAGES, CAUSAL, 1)),
+        (_ws2_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty,
+                         q_row, kv_row0, n_tiles, BLOCK_N, STAGES)),
+    ], [4, 1], [WS2_CONSUMER_REGS, 24])
+
+
+# ---------------------------------------------------------------------------------------------------------
 # variants and host side
 # ---------------------------------------------------------------------------------------------------------
-# name -> (kernel, {head_dim: (BLOCK_N, STAGES)})
+# name -> (kernel, {head_dim: (BLOCK_N, STAGES, maxnreg or None)}). maxnreg caps the registers per thread so
+# that two 8-warp CTAs fit on one SM (65536 registers: 2 x 256 threads x 128).
 VARIANTS = {
-    "tma": (_attn_fwd_tma, {64: (128, 2), 128: (128, 2)}),
-    "pipe": (_attn_fwd_pipe, {64: (128, 2), 128: (128, 2)}),
-    "pipe3": (_attn_fwd_pipe, {64: (128, 3), 128: (128, 3)}),
-    "ws": (_attn_fwd_ws, {64: (128, 2), 128: (128, 2)}),
-    "ws3": (_attn_fwd_ws, {64: (128, 3), 128: (128, 3)}),
+    "tma": (_attn_fwd_tma, {64: (128, 2, None), 128: (128, 2, None)}),
+    "tma_n64": (_attn_fwd_tma, {64: (64, 3, 128), 128: (64, 3, None)}),
+    "pipe": (_attn_fwd_pipe, {64: (128, 2, None), 128: (128, 2, None)}),
+    "pipe3": (_attn_fwd_pipe, {64: (128, 3, None), 128: (128, 3, None)}),
+    "pipe_n64": (_attn_fwd_pipe, {64: (64, 3, 128), 128: (64, 3, None)}),
+    "ws": (_attn_fwd_ws, {64: (128, 2, None), 128: (128, 2, None)}),
+    "ws3": (_attn_fwd_ws, {64: (128, 3, None), 128: (128, 3, None)}),
+    "ws_n64": (_attn_fwd_ws, {64: (64, 4, None), 128: (64, 4, None)}),
+    "ws2": (_attn_fwd_ws2, {64: (128, 2, None), 128: (128, 2, None)}),
+    "ws2_3": (_attn_fwd_ws2, {64: (128, 3, None), 128: (128, 3, None)}),
 }
-DEFAULT_VARIANT = "ws"
+# the kernel's num_warps and the rows of the Q/O TMA tiles; ws2's default partition is one warpgroup and
+# each of its two consumers loads/stores a 64-row half of the 128-row query tile
+_WARPS_QROWS = {_attn_fwd_ws2: (4, BLOCK_M // 2)}
+DEFAULT_VARIANT = "pipe"
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def _descs(q, k, v, o, BLOCK_N):
+def _descs(q, k, v, o, BLOCK_N, q_rows=BLOCK_M):
     """Host TMA descriptors over the [B*heads*T, D] row views (tensors must be contiguous)."""
     D = q.shape[-1]
     gdt = _GL_DTYPES[q.dtype]
-    lay_m = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gdt)
+    lay_m = gl.NVMMASharedLayout.get_default_for([q_rows, D], gdt)
     lay_n = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gdt)
 
     def desc(x, rows, lay):
         x2 = x.view(-1, D)
         return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, D], lay)
 
-    return desc(q, BLOCK_M, lay_m), desc(k, BLOCK_N, lay_n), desc(v, BLOCK_N, lay_n), desc(o, BLOCK_M, lay_m)
+    return desc(q, q_rows, lay_m), desc(k, BLOCK_N, lay_n), desc(v, BLOCK_N, lay_n), desc(o, q_rows, lay_m)
 
 
 def _check(q, k, v, variant):
@@ -457,7 +562,7 @@ def gluon_flash_fwd(q, k, v, causal=True, scale=None, variant=DEFAULT_VARIANT, *
     if not (s > 0.0 and math.isfinite(s)):
         raise ValueError(f"gluon_flash_fwd: scale must be a finite number > 0, got {scale!r}")
     kernel, cfg = VARIANTS[variant]
-    BLOCK_N, STAGES = cfg[D]
+    BLOCK_N, STAGES, maxnreg = cfg[D]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if o is None:
         o = torch.empty_like(q)
@@ -466,12 +571,17 @@ def gluon_flash_fwd(q, k, v, causal=True, scale=None, variant=DEFAULT_VARIANT, *
     if not (o.is_contiguous() and o.shape == q.shape and o.dtype == q.dtype and lse.is_contiguous()
             and lse.shape == (B, H, T) and lse.dtype == torch.float32):
         raise ValueError("gluon_flash_fwd: o must be contiguous like q, lse contiguous fp32 [B, H, T]")
-    q_desc, k_desc, v_desc, o_desc = _descs(q, k, v, o, BLOCK_N)
+    num_warps, q_rows = _WARPS_QROWS.get(kernel, (NUM_WARPS, BLOCK_M))
+    q_desc, k_desc, v_desc, o_desc = _descs(q, k, v, o, BLOCK_N, q_rows)
     grid = (T // BLOCK_M, B * H)
     kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, s * LOG2E, H, H // Hkv, T,
                  HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=bool(causal),
-                 NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS)
+                 NUM_WARPS=num_warps, num_warps=num_warps, **_launch_opts(maxnreg))
     return o, lse
+
+
+def _launch_opts(maxnreg):
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -484,32 +594,52 @@ def compile_variant(name, D, causal=True, T=1024):
     from triton.runtime.jit import mangle_type
 
     kernel, cfg = VARIANTS[name]
-    BLOCK_N, STAGES = cfg[D]
+    BLOCK_N, STAGES, maxnreg = cfg[D]
     B, H, Hkv = 1, 4, 2
     q = torch.empty(B, H, T, D, dtype=torch.bfloat16)  # CPU tensors: only shapes, strides, dtype matter
     kv = torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
     lse = torch.empty(B, H, T, dtype=torch.float32)
-    args = dict(zip(["q_desc", "k_desc", "v_desc", "o_desc"], _descs(q, kv, kv, q, BLOCK_N)))
+    num_warps, q_rows = _WARPS_QROWS.get(kernel, (NUM_WARPS, BLOCK_M))
+    args = dict(zip(["q_desc", "k_desc", "v_desc", "o_desc"], _descs(q, kv, kv, q, BLOCK_N, q_rows)))
     args.update(lse_ptr=lse, qk_scale=0.125 * LOG2E, H=H, GROUP=H // Hkv, T=T)
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal,
-                  NUM_WARPS=NUM_WARPS)
+                  NUM_WARPS=num_warps)
     sig = {}
     for a in kernel.arg_names:
         sig[a] = "constexpr" if a in consts else mangle_type(args[a])
     src = GluonASTSource(kernel, sig, consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+    options = {"num_warps": num_warps, **_launch_opts(maxnreg)}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _res_usage(cubin):
+    """Registers / local memory (spills) per thread of a cubin, from the cuobjdump that ships with triton
+    (best effort)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    try:
+        import triton.backends.nvidia as nv
+
+        tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            txt = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, timeout=60).stdout
+        m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", txt)
+        return f"{m.group(1)} regs, {m.group(2)} B local (spills)" if m else "res-usage n/a"
+    except Exception as e:  # noqa: BLE001
+        return f"res-usage n/a ({type(e).__name__})"
 
 
 def _ptx_summary(ck):
     ptx = ck.asm.get("ptx", "")
-    keys = ["wgmma.mma_async", "wgmma.wait_group", "cp.async.bulk.tensor", "mbarrier.try_wait",
-            "mbarrier.arrive", "setmaxnreg", "ex2.approx", "bar.sync", "bar.arrive"]
-    meta = ck.metadata
-    regs = getattr(ck, "n_regs", None)
-    out = {key: ptx.count(key) for key in keys}
-    out["shared"] = getattr(meta, "shared", None)
-    out["regs"] = regs
-    return out
+    keys = ["wgmma.mma_async", "wgmma.wait_group", "cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg"]
+    counts = ", ".join(f"{key} x{ptx.count(key)}" for key in keys)
+    return f"smem {getattr(ck.metadata, 'shared', '?')} B; {_res_usage(ck.asm.get('cubin', b''))}; PTX: {counts}"
 
 
 def compile_only(variants, head_dims, dump=None):
@@ -545,24 +675,145 @@ def _rel_err(x, ref):
 
 
 def check_variant(name, head_dims):
+    """Max relative error of o and lse against the fp64 reference: causal at T = 1024 and 2048 (the gate),
+    plus one non-causal size that is only reported. Outputs are pre-filled with NaN."""
     from xtrain.kernels.flash_attention import flash_attention_fwd_ref
 
     worst = 0.0
     for D in head_dims:
-        for T in (1024, 2048):
+        for T, causal in ((1024, True), (2048, True), (1024, False)):
             B, H, Hkv = 1, 4, 2
             g = torch.Generator(device="cuda").manual_seed(T + D)
             q, k, v = (torch.randn(B, h, T, D, generator=g, device="cuda", dtype=torch.bfloat16)
                        for h in (H, Hkv, Hkv))
             o = torch.full_like(q, float("nan"))
             lse = torch.full((B, H, T), float("nan"), device="cuda", dtype=torch.float32)
-            gluon_flash_fwd(q, k, v, True, None, name, o=o, lse=lse)
+            gluon_flash_fwd(q, k, v, causal, None, name, o=o, lse=lse)
             torch.cuda.synchronize()
-            o_ref, lse_ref = flash_attention_fwd_ref(q.double(), k.double(), v.double(), True)
+            o_ref, lse_ref = flash_attention_fwd_ref(q.double(), k.double(), v.double(), causal)
             eo, el = _rel_err(o, o_ref), _rel_err(lse, lse_ref)
-            print(f"    check {name} D={D} T={T}: max rel err o {eo:.2e} lse {el:.2e}")
-            worst = max(worst, eo, el)
+            tag = "causal" if causal else "non-causal (info only)"
+            print(f"    {name} D={D} T={T} {tag}: max rel err o {eo:.2e} lse {el:.2e}")
+            if causal:
+                worst = max(worst, eo, el)
     return worst
+
+
+def _check_one(name, head_dims):
+    """Check one variant in this process; prints the @@ markers that run_checks parses. Returns "PASS",
+    "FAIL" (wrong numbers) or "ERROR" (an exception)."""
+    print(f"@@START {name}")
+    print(f"[{name}] checking vs fp64 reference (B=1, H=4, Hkv=2, T=1024/2048, causal, NaN-filled outputs)")
+    sys.stdout.flush()
+    t0 = time.time()
+    try:
+        err = check_variant(name, head_dims)
+        verdict = "PASS" if err < 1e-2 else "FAIL"
+        print(f"[{name}] {verdict}: worst max rel err {err:.2e} ({time.time() - t0:.1f}s incl. compile)")
+    except Exception as e:  # noqa: BLE001
+        verdict = "ERROR"
+        print(f"[{name}] ERROR {type(e).__name__}: {str(e)[:500]}")
+        root = e
+        while root.__cause__ is not None:  # compilation errors wrap the real cause
+            root = root.__cause__
+        if root is not e:
+            print(f"[{name}]   caused by {type(root).__name__}: {str(root)[:500]}")
+    print(f"@@RESULT {name} {verdict}")
+    sys.stdout.flush()
+    return verdict
+
+
+def run_checks(variants, head_dims, startup_s=180.0, per_variant_s=90.0):
+    """Run the correctness checks in child processes, echoing their output. The child stops at the first
+    exception (a CUDA fault poisons its context for every later variant) and a new child takes the
+    remaining variants; a variant that does not finish within per_variant_s (a deadlock on an mbarrier
+    hangs the GPU context for good) is killed and reported as HANG. Returns the passing variants."""
+    import queue
+    import subprocess
+    import threading
+
+    passing, todo = [], list(variants)
+    while todo:
+        cmd = [sys.executable, __file__, "--check-only", "--variants", ",".join(todo),
+               "--head-dims", ",".join(map(str, head_dims))]
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        lines: queue.Queue = queue.Queue()
+
+        def pump(stream=child.stdout, sink=lines):
+            for ln in stream:
+                sink.put(ln)
+            sink.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        current, progressed, deadline = None, False, time.time() + startup_s
+        while True:
+            try:
+                ln = lines.get(timeout=max(0.1, deadline - time.time()))
+            except queue.Empty:
+                child.kill()  # the child this function started, by its handle
+                child.wait()
+                victim = current or todo[0]
+                print(f"[{victim}] ERROR HANG: no result within {per_variant_s if current else startup_s:.0f}s, "
+                      f"child killed")
+                todo.remove(victim)
+                break
+            if ln is None:  # the child exited
+                child.wait()
+                if current is not None:
+                    print(f"[{current}] ERROR the check process died (exit code {child.returncode})")
+                    todo.remove(current)
+                elif not progressed and todo:
+                    print(f"check process exited with code {child.returncode} before checking {todo}")
+                    todo = []
+                break
+            if ln.startswith("@@START "):
+                current = ln.split()[1]
+                deadline = time.time() + per_variant_s
+            elif ln.startswith("@@RESULT "):
+                _, name, verdict = ln.split()
+                if verdict == "PASS":
+                    passing.append(name)
+                todo.remove(name)
+                current, progressed, deadline = None, True, time.time() + per_variant_s
+            else:
+                print(ln, end="")
+            sys.stdout.flush()
+    return [v for v in variants if v in passing]
+
+
+def _bench_ms(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_row(D, T, variants):
+    """TFLOP/s of cuDNN, xtrain's Triton forward and each variant at causal bf16, B = 16k / T, H = 2048 / D."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from xtrain.kernels.flash_attention import flash_attention_fwd_triton
+
+    B, H = 16384 // T, 2048 // D
+    g = torch.Generator(device="cuda").manual_seed(T * 7 + D)
+    q, k, v = (torch.randn(B, H, T, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4.0 * B * H * T * T * D / 2
+    row = {"D": D, "T": T}
+
+    def timed(col, fn):
+        try:
+            row[col] = flops / _bench_ms(fn) * 1e-9
+        except Exception as e:  # noqa: BLE001
+            print(f"  {col} D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        timed("cudnn", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    timed("triton", lambda: flash_attention_fwd_triton(q, k, v, True))
+    o = torch.empty_like(q)
+    lse = torch.empty((B, H, T), device="cuda", dtype=torch.float32)
+    for name in variants:
+        timed(name, lambda name=name: gluon_flash_fwd(q, k, v, True, None, name, o=o, lse=lse))
+    return row
 
 
 def main(argv=None):
@@ -572,6 +823,10 @@ def main(argv=None):
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--compile-only", action="store_true", help="compile every variant for sm_90 (no GPU)")
     ap.add_argument("--dump", default=None, help="with --compile-only: write ttgir/ptx into this folder")
+    ap.add_argument("--no-isolate", action="store_true",
+                    help="run the correctness checks in this process (default: a child process, so that a "
+                         "deadlocked kernel costs a timeout instead of the whole run)")
+    ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     seqs = [int(x) for x in args.seqs.split(",") if x]
     head_dims = [int(x) for x in args.head_dims.split(",") if x]
@@ -582,59 +837,28 @@ def main(argv=None):
     if args.compile_only:
         return 0 if compile_only(variants, head_dims, args.dump) else 1
 
-    import triton.testing
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from xtrain.kernels.flash_attention import flash_attention_fwd_triton
-
     t_start = time.time()
     print(f"torch {torch.__version__}  triton {triton.__version__}  device {torch.cuda.get_device_name()}")
-    passing = []
-    for name in variants:
-        print(f"[{name}] checking vs fp64 reference (B=1, H=4, Hkv=2, causal, NaN-filled outputs)")
-        t0 = time.time()
-        try:
-            err = check_variant(name, head_dims)
-            verdict = "PASS" if err < 1e-2 else "FAIL"
-            print(f"[{name}] {verdict}: worst max rel err {err:.2e}  ({time.time() - t0:.1f}s incl. compile)")
-            if err < 1e-2:
-                passing.append(name)
-        except Exception as e:  # noqa: BLE001
-            print(f"[{name}] ERROR {type(e).__name__}: {str(e)[:500]}")
-            traceback.print_exc(limit=3)
-        sys.stdout.flush()
+    sys.stdout.flush()
+    if args.check_only:  # the child process of run_checks: stop at the first exception
+        for name in variants:
+            if _check_one(name, head_dims) == "ERROR":
+                return 3
+        return 0
+    if args.no_isolate:
+        passing = [name for name in variants if _check_one(name, head_dims) == "PASS"]
+    else:
+        passing = run_checks(variants, head_dims)
+    print(f"passing variants: {passing}  ({time.time() - t_start:.0f}s)")
+    sys.stdout.flush()
 
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
     rows = []
     for D in head_dims:
         for T in seqs:
-            B, H = 16384 // T, 2048 // D
-            g = torch.Generator(device="cuda").manual_seed(T * 7 + D)
-            q, k, v = (torch.randn(B, H, T, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            flops = 4.0 * B * H * T * T * D / 2
-            tf = lambda ms: flops / ms * 1e-9  # noqa: E731
-            row = {"D": D, "T": T}
-            try:
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    row["cudnn"] = tf(bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
-            except Exception as e:  # noqa: BLE001
-                print(f"  cudnn D={D} T={T}: {type(e).__name__}: {str(e)[:200]}")
-            try:
-                row["triton"] = tf(bench(lambda: flash_attention_fwd_triton(q, k, v, True)))
-            except Exception as e:  # noqa: BLE001
-                print(f"  triton D={D} T={T}: {type(e).__name__}: {str(e)[:200]}")
-            for name in passing:
-                try:
-                    o = torch.empty_like(q)
-                    lse = torch.empty((B, H, T), device="cuda", dtype=torch.float32)
-                    row[name] = tf(bench(lambda: gluon_flash_fwd(q, k, v, True, None, name, o=o, lse=lse)))
-                except Exception as e:  # noqa: BLE001
-                    print(f"  {name} D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
+            row = bench_row(D, T, passing)
             rows.append(row)
-            print("  " + "  ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+            print("  " + "  ".join(f"{c}={x:.0f}" if isinstance(x, float) else f"{c}={x}" for c, x in row.items()))
             sys.stdout.flush()
-            del q, k, v
 
     cols = ["cudnn", "triton"] + passing
     print("\ncausal bf16 forward, TFLOP/s (x cuDNN); B = 16384 / T, H = 2048 / D")

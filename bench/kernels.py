@@ -338,9 +338,14 @@ def _v_rms(N, C, dt):
     if C < 2048:
         cfgs += [((4096, 8, 2, 3), "triton", (256, 32, 4)), ((8192, 16, 1, 3), "triton", (256, 32, 4)),
                  ((8192, 8, 1, 3), "triton", (256, 32, 4)), ((4096, 4, 4, 3), "triton", (256, 32, 4))]
-    for cfg, dw_reduce, *dwc in cfgs:
-        def fn(cfg=cfg, dw_reduce=dw_reduce, dwc=(dwc or [K.DW_CONFIG])[0]):
-            with _knob(K, "BWD_CONFIG", cfg), _knob(K, "DW_REDUCE", dw_reduce), _knob(K, "DW_CONFIG", dwc):
+    if K._sub_split(C) is not None:  # rows of 3 x SUB: _rms_norm_bwd_sub_kernel (BLOCK_R, warps, per SM, stages)
+        cfgs += [("sub", "triton", (512, 16, 4), sc) for sc in
+                 ((8, 8, 2, 1), (8, 8, 2, 3), (8, 8, 2, 4), (16, 8, 1, 3), (4, 4, 3, 4), (8, 4, 2, 3), (4, 4, 4, 1))]
+    for cfg, dw_reduce, *extra in cfgs:
+        def fn(cfg=cfg, dw_reduce=dw_reduce, dwc=(extra or [K.DW_CONFIG])[0], sub=(extra[1:] or [None])[0]):
+            cfg = None if cfg == "sub" else cfg
+            with _knob(K, "BWD_CONFIG", cfg), _knob(K, "DW_REDUCE", dw_reduce), _knob(K, "DW_CONFIG", dwc), \
+                    _knob(K, "BWD_SUB_CONFIG", sub):
                 return K.rms_norm_bwd_triton(dy, x, w, r)
 
         def check(fn=fn):
@@ -348,7 +353,9 @@ def _v_rms(N, C, dt):
             dx64, dw64 = oracle()
             ex, ew = _rel(dx, dx64), _rel(dw, dw64)
             return ex < _tol(dt) and ew < _tol(dt) and dw.dtype == w.dtype, f"dx {ex:.1e} dw {ew:.1e}"
-        name = ("default" if cfg is None else str(cfg)) + f", dw {dw_reduce}" + (f" {dwc[0]}" if dwc else "")
+        name = ("default" if cfg is None else str(cfg)) + f", dw {dw_reduce}" + (f" {extra[0]}" if extra else "")
+        if cfg == "sub":
+            name = f"3 x {C // 3} tiles {extra[1]}, dw {extra[0]}"
         yield ("rms_norm bwd", f"{N}x{C} {_name(dt)}", name, 3 * N * C * e + C * e + 4 * N, fn, check,
                lambda: K.rms_norm_bwd_ref(dy, x, w, r))
 
@@ -499,8 +506,12 @@ def _v_embedding(N, V, C, dt, smoke=False):
           ("fused zero + int32 sort + index ahead, chunk 32", (32, bc, 4, "fused", True, True))]
     if e > 2:
         vs.append(("absent zero + int32 sort + index ahead", (16, bc, 4, "absent", True, True)))
-    vs += [("side-stream zero + int32 sort", (16, bc, 4, "absent_side", True, e > 2)),
-           ("side-stream zero + int32 sort, chunk 32", (32, bc, 4, "absent_side", True, e > 2))]
+    vs += [("store zero + int32 sort", (16, bc, 4, "store", True, e > 2)),
+           ("store zero, sort on a side stream", (16, bc, 4, "store_side", True, e > 2)),
+           ("store zero, sort on a side stream, chunk 32", (32, bc, 4, "store_side", True, e > 2)),
+           ("store zero, sort on a side stream, chunk 8", (8, bc, 4, "store_side", True, e > 2)),
+           ("store zero, sort on a side stream, no index ahead", (16, bc, 4, "store_side", True, False)),
+           ("store zero, sort on a side stream, 2048 cols w8", (16, 2048, 8, "store_side", True, e > 2))]
     for name, cfg in vs:
         def fn(cfg=cfg):
             with _knob(K, "CONFIG", cfg):
@@ -527,6 +538,18 @@ def _v_embedding(N, V, C, dt, smoke=False):
     ms = _memset_fn(buf) if buf.is_cuda else None
     if ms is not None:
         yield ("embedding bwd", lbl, "stage alone: cudaMemsetAsync", V * C * e, ms, ok, None)
+    srt, order = torch.sort(ids32, stable=True)
+    n_chunks = (N + 15) // 16
+    part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=_DEV)
+
+    def chunk_merge():
+        bcc = min(bc, 1 << (C - 1).bit_length())
+        grid = (n_chunks, (C + bcc - 1) // bcc)
+        K._embedding_bwd_chunk_kernel[grid](d, order, srt, buf, part, N, C, CHUNK=16, BLOCK_C=bcc,
+                                            IDX_AHEAD=e > 2, num_warps=4)
+        K._embedding_bwd_merge_kernel[grid](srt, part, buf, N, C, n_chunks, CHUNK=16, BLOCK_C=bcc, num_warps=4)
+    yield ("embedding bwd", lbl, "stage alone: chunk + merge kernels (ids sorted)", N * C * e, chunk_merge, ok,
+           None)
     yield ("embedding bwd", lbl, "stage alone: torch.sort int64 ids", 16 * N,
            lambda: torch.sort(flat, stable=True), ok, None)
     yield ("embedding bwd", lbl, "stage alone: torch.sort int32 ids (+ the cast)", 12 * N,

@@ -268,7 +268,8 @@ def test_embedding_bwd_cpu(ishape, V, C):
 @pytest.mark.parametrize("config", [(4, 64, 4, "torch"), (8, 32, 4, "absent"), (1, 16, 4, "absent"),
                                     (16, 8, 4, "torch"), (4, 64, 4, "fused"), (8, 32, 4, "fused", True, True),
                                     (1, 16, 4, "absent", True, False), (16, 8, 4, "torch", False, True),
-                                    (2, 16, 4, "fused", False, True), (4, 64, 4, "absent_side", True, False)])
+                                    (2, 16, 4, "fused", False, True), (4, 64, 4, "absent_side", True, False),
+                                    (8, 32, 4, "store", True, True), (16, 8, 4, "store_side", False, False)])
 def test_embedding_bwd_tilings_cpu(config, monkeypatch):
     """Chunk sizes and the three zero fills (torch.zeros, a zero kernel, zero tiles fused into the chunk
     launch), int32 or int64 sort keys, the index loaded a step ahead or not, with runs of one id much
@@ -287,6 +288,26 @@ def test_embedding_bwd_tilings_cpu(config, monkeypatch):
                                     (2048, 4, 4, 4)])
 @pytest.mark.parametrize("dw_reduce", ["torch", "triton"])
 def test_rms_norm_bwd_tilings_cpu(config, dw_reduce, monkeypatch):
+    _rms_bwd_cases(config, dw_reduce, monkeypatch)
+
+
+@needs_cpu_interp
+@pytest.mark.parametrize("sub", [(8, 8, 2, 3), (4, 4, 1, 1), (16, 4, 2, 2)])
+def test_rms_norm_bwd_sub_tiles_cpu(sub, monkeypatch):
+    """Rows of 3 x 2^k (384, 768, 1536) as three unpadded tiles (_rms_norm_bwd_sub_kernel); other widths in
+    the same run keep the padded kernel."""
+    monkeypatch.setattr(K_rms, "BWD_SUB_CONFIG", sub)
+    assert K_rms._sub_split(768) == (256, 3) and K_rms._sub_split(640) is None and K_rms._sub_split(1024) is None
+    for shape in ((37, 768), (5, 384), (3, 2, 1536), (9, 640)):
+        x, dy, w = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1])
+        _, r = K_rms.rms_norm_fwd_ref(x, w, 1e-6)
+        with poisoned():
+            dx, dw = K_rms.rms_norm_bwd_triton(dy, x, w, r)
+        dx0, dw0 = K_rms.rms_norm_bwd_ref(dy, x, w, r)
+        assert _max_err(dx, dx0) <= CPU_TOL and _max_err(dw, dw0) <= CPU_TOL * 10
+
+
+def _rms_bwd_cases(config, dw_reduce, monkeypatch):
     """Hand prefetch on and off, Triton's pipelining (an int: num_stages), both dw second passes."""
     monkeypatch.setattr(K_rms, "BWD_CONFIG", config)
     monkeypatch.setattr(K_rms, "DW_REDUCE", dw_reduce)
@@ -480,15 +501,16 @@ def test_embedding_bwd_gpu(dtype):
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_embedding_bwd_side_stream_gpu(dtype, monkeypatch):
-    """The zero fill on a side stream: poisoned table memory, then the result read on the main stream
-    right after the call (the join must order it), equal to the one-stream result bit for bit."""
+    """The zero fill (or the sort) on a side stream: poisoned table memory, then the result read on the
+    main stream right after the call (the join must order it), equal to the one-stream result bit for bit."""
     V, C, N = 50000, 768, 8192
     ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1)
     d = torch.randn(N, C, device="cuda").to(dtype)
     monkeypatch.setattr(K_emb, "CONFIG", (16, 512, 4, "absent", True, False))
     one = K_emb.embedding_bwd_triton(d, ids, V)
-    monkeypatch.setattr(K_emb, "CONFIG", (16, 512, 4, "absent_side", True, False))
-    for _ in range(3):
-        with poisoned():
-            two = K_emb.embedding_bwd_triton(d, ids, V)
-            assert torch.equal(one, two)
+    for mode in ("absent_side", "store_side"):
+        monkeypatch.setattr(K_emb, "CONFIG", (16, 512, 4, mode, True, False))
+        for _ in range(3):
+            with poisoned():
+                two = K_emb.embedding_bwd_triton(d, ids, V)
+                assert torch.equal(one, two), mode

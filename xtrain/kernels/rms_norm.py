@@ -139,6 +139,58 @@ def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_progr
 
 
 @_jit
+def _rms_norm_bwd_sub_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
+                             BLOCK_R: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, STAGES: tl.constexpr):
+    """The backward for rows three powers of two long, C = 3 * SUB (768 = 3 x 256, 1536, 3072): the row
+    is held as three [BLOCK_R, SUB] tiles (NSUB = 3; the code takes 1 to 3), so no lane is
+    masked off (a [BLOCK_R, 1024] tile wastes a quarter of its lanes on a 768 row), and with SUB = 256
+    bf16 a tile row is exactly one warp's 32 x 8 elements, so the per-row sum needs warp shuffles only,
+    no shared memory and no barrier. Same persistent rows and dw partials as _rms_norm_bwd_kernel."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, SUB)
+    w0 = tl.load(W + cols).to(tl.float32)
+    a0 = tl.zeros([BLOCK_R, SUB], dtype=tl.float32)
+    if NSUB > 1:
+        w1 = tl.load(W + SUB + cols).to(tl.float32)
+        a1 = tl.zeros([BLOCK_R, SUB], dtype=tl.float32)
+    if NSUB > 2:
+        w2 = tl.load(W + 2 * SUB + cols).to(tl.float32)
+        a2 = tl.zeros([BLOCK_R, SUB], dtype=tl.float32)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, N)
+    for r0 in tl.range(row_start, row_end, BLOCK_R, num_stages=STAGES):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        m = (rows[:, None] < row_end) & (cols[None, :] < SUB)
+        o = rows[:, None] * C + cols[None, :]
+        r = tl.load(INV_RMS + rows, mask=rows < row_end, other=0.0)
+        x0 = tl.load(X + o, mask=m, other=0.0).to(tl.float32)
+        d0 = tl.load(DY + o, mask=m, other=0.0).to(tl.float32)
+        dot = tl.sum(d0 * w0[None, :] * x0, axis=1)
+        if NSUB > 1:
+            x1 = tl.load(X + o + SUB, mask=m, other=0.0).to(tl.float32)
+            d1 = tl.load(DY + o + SUB, mask=m, other=0.0).to(tl.float32)
+            dot += tl.sum(d1 * w1[None, :] * x1, axis=1)
+        if NSUB > 2:
+            x2 = tl.load(X + o + 2 * SUB, mask=m, other=0.0).to(tl.float32)
+            d2 = tl.load(DY + o + 2 * SUB, mask=m, other=0.0).to(tl.float32)
+            dot += tl.sum(d2 * w2[None, :] * x2, axis=1)
+        c = ((r * r * r / C) * dot)[:, None]  # dx = r g - x r^3 / C sum(g x)
+        rr = r[:, None]
+        tl.store(DX + o, (rr * d0 * w0[None, :] - x0 * c).to(DX.dtype.element_ty), mask=m)
+        a0 += d0 * x0 * rr
+        if NSUB > 1:
+            tl.store(DX + o + SUB, (rr * d1 * w1[None, :] - x1 * c).to(DX.dtype.element_ty), mask=m)
+            a1 += d1 * x1 * rr
+        if NSUB > 2:
+            tl.store(DX + o + 2 * SUB, (rr * d2 * w2[None, :] - x2 * c).to(DX.dtype.element_ty), mask=m)
+            a2 += d2 * x2 * rr
+    part = DW_PARTIAL + pid.to(tl.int64) * C + cols
+    tl.store(part, tl.sum(a0, axis=0))
+    if NSUB > 1:
+        tl.store(part + SUB, tl.sum(a1, axis=0))
+    if NSUB > 2:
+        tl.store(part + 2 * SUB, tl.sum(a2, axis=0))
+@_jit
 def _rms_norm_dw_kernel(DW_PARTIAL, DW, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """The dw second pass in one launch: program j sums columns [j * BLOCK_C, ...) of the P partial rows
     in a fixed order (deterministic) and writes dw already cast to w.dtype (the torch form was two
@@ -171,6 +223,18 @@ BWD_DEFAULT_LONG = (8192, 16, 1, 3)  # BLOCK_C >= 2048
 BWD_DEFAULT_SHORT = (4096, 8, 2, 4)
 DW_CONFIG = (32, 128, 4)  # _rms_norm_dw_kernel: (most partial rows per step, columns per program, num_warps)
 DW_REDUCE = "triton"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
+
+
+BWD_SUB_CONFIG = None  # (BLOCK_R, num_warps, programs per SM, num_stages) for _rms_norm_bwd_sub_kernel, or None
+
+
+def _sub_split(C: int):
+    """(SUB, 3) when C = 3 * SUB with SUB a power of two >= 128, else None: other rows (powers of two,
+    or 5 or 7 times one) take _rms_norm_bwd_kernel's one padded tile."""
+    sub = C & -C  # the largest power of two dividing C
+    if sub < 128 or C != 3 * sub:
+        return None
+    return sub, 3
 
 
 def _bwd_config(C: int):
@@ -215,10 +279,21 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     P = _num_programs(x2, N, per_sm)
     rows_per_program = triton.cdiv(N, P)
     P = triton.cdiv(N, rows_per_program)
+    split = _sub_split(C) if BWD_SUB_CONFIG is not None else None
+    if split is not None:
+        BLOCK_R, num_warps, per_sm, stages = BWD_SUB_CONFIG
+        P = _num_programs(x2, N, per_sm)
+        rows_per_program = triton.cdiv(N, P)
+        P = triton.cdiv(N, rows_per_program)
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
-    _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
-                               rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=bool(prefetch),
-                               STAGES=stages, num_warps=num_warps)
+    if split is not None:
+        _rms_norm_bwd_sub_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
+                                       rows_per_program, BLOCK_R=BLOCK_R, SUB=split[0], NSUB=split[1],
+                                       STAGES=max(1, stages), num_warps=num_warps)
+    else:
+        _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
+                                   rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=bool(prefetch),
+                                   STAGES=stages, num_warps=num_warps)
     if DW_REDUCE == "triton":
         dw = torch.empty(C, dtype=w.dtype, device=x.device)
         max_p, bc, warps = DW_CONFIG
