@@ -357,6 +357,23 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sub", [(8, 8, 2, 1), (8, 8, 2, 3), (16, 8, 1, 3)])
+def test_rms_norm_bwd_sub_tiles_gpu(sub, dtype, monkeypatch):
+    monkeypatch.setattr(K_rms, "BWD_SUB_CONFIG", sub)
+    for N, C in ((4099, 768), (1000, 1536)):
+        x = torch.randn(N, C, device="cuda").to(dtype)
+        w = (1 + 0.1 * torch.randn(C, device="cuda")).to(dtype)
+        dy = torch.randn(N, C, device="cuda").to(dtype)
+        _, r = K_rms.rms_norm_fwd_triton(x, w, 1e-6)
+        with poisoned():
+            dx, dw = K_rms.rms_norm_bwd_triton(dy, x, w, r)
+        _, r64 = K_rms.rms_norm_fwd_ref(x.double(), w.double(), 1e-6)
+        dx64, dw64 = K_rms.rms_norm_bwd_ref(dy.double(), x.double(), w.double(), r64)
+        assert _rel(dx, dx64) < _tol(dtype) and _rel(dw, dw64) < _tol(dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,C", [(4096, 768), (2048, 4096), (512, 8192)])
 def test_rms_norm_gpu(N, C, dtype):
     x = torch.randn(N, C, device="cuda").to(dtype)
