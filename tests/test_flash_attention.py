@@ -282,6 +282,78 @@ def test_gpu_load_paths(path, causal, D, dtype):
           + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
 
 
+GLUON_SHAPES = [  # B, H, Hkv, T: MHA, GQA, MQA; one and several query tiles; the longest the bench runs
+    (2, 4, 4, 128),
+    (1, 4, 2, 1024),
+    (2, 6, 1, 2048),
+    (1, 2, 1, 16384),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("B,H,Hkv,T", GLUON_SHAPES)
+@pytest.mark.parametrize("v_layout", ["contiguous", "bthd"])
+def test_gpu_gluon_forward(v_layout, B, H, Hkv, T, D, causal, dtype):
+    """The Gluon forward against the fp64 reference: outputs NaN-poisoned (unwritten elements show), both
+    input layouts its descriptors take (k, v as [B, T, Hkv, D] seen through a transpose, as the model
+    passes v), repeated runs bit-identical. Tolerance: the bf16 forward's 1e-2 (module docstring); fp16
+    rounds P and o at 2^-11, so the same bound holds with room."""
+    from xtrain.kernels import flash_attention_gluon as G
+
+    q, k, v, _ = rand_qkv(B, H, Hkv, T, D, dtype=dtype, device="cuda", seed=T + D)
+    if v_layout == "bthd":
+        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    assert G.supported(q, k, v)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((B, H, T), float("nan"), device="cuda")
+    G.flash_attention_fwd_gluon(q, k, v, causal, o=o, lse=lse)
+    o_ref, lse_ref = FA.flash_attention_fwd_ref(q.double(), k.double(), v.double(), causal)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    eo, el = rel(o, o_ref), rel(lse, lse_ref)
+    assert eo < 1e-2 and el < 1e-5, (eo, el)
+    o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    print(f"\nGPUERR gluon {v_layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} T={T} "
+          f"o={eo:.2e} lse={el:.2e}")
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_dispatch_and_rejects():
+    """flash_attention_fwd_triton sends causal 16-bit hd128 T >= 1024 to the Gluon kernel (same numbers as
+    calling it), keeps the rest on Triton, and the Gluon launcher rejects what it cannot take."""
+    from xtrain.kernels import flash_attention_gluon as G
+
+    q, k, v, _ = rand_qkv(1, 4, 2, 1024, 128, dtype=torch.bfloat16, device="cuda", seed=3)
+    o, lse = FA.flash_attention_fwd_triton(q, k, v, True)
+    o_g, lse_g = G.flash_attention_fwd_gluon(q, k, v, True)
+    assert torch.equal(o, o_g) and torch.equal(lse, lse_g)
+    FA.FWD_GLUON = False
+    try:
+        o_t, _ = FA.flash_attention_fwd_triton(q, k, v, True)
+    finally:
+        FA.FWD_GLUON = True
+    assert not torch.equal(o, o_t) and rel(o_t, o.double()) < 1e-2  # another kernel, the same attention
+    for bad in (q[..., :1000, :], q.float(), q[..., :32]):  # ragged T, fp32, head dim 32
+        with pytest.raises(ValueError, match="flash_attention_fwd_gluon"):
+            kk = k[..., :bad.shape[2], :bad.shape[3]].to(bad.dtype).contiguous()
+            G.flash_attention_fwd_gluon(bad.contiguous(), kk, kk)
+
+
+def test_gluon_forward_compiles_for_sm90():
+    """No GPU needed: the Gluon kernel compiles for sm_90 with the installed Triton (both head dims, both K/V
+    layouts) and uses what it is built on: wgmma, TMA bulk copies, setmaxnreg of the warp specialisation."""
+    G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
+    if not G.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon Hopper module")
+    for D, bthd in ((64, False), (128, True)):
+        ptx = G.compile_sm90(D, True, transposed_kv=bthd).asm["ptx"]
+        for instr in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
+            assert instr in ptx, (D, instr)
+
+
 @pytest.mark.gpu
 def test_gpu_public_op_and_dispatch():
     from xtrain.autograd import Var

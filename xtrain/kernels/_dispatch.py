@@ -78,7 +78,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 _SIDE_STREAMS: dict = {}
 
 
-def side_stream(device) -> "torch.cuda.Stream":
+def side_stream(device) -> torch.cuda.Stream:
     """One extra CUDA stream per device, for a kernel that can overlap another (created on first use).
     The caller makes the side stream wait for the main one before launching on it, and the main stream
     wait for the side one before returning, so everything after (and the caching allocator's reuse of the

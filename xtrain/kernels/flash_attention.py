@@ -54,6 +54,9 @@ Ideas used in the Triton kernels, with their record on Hopper:
     slower at its best config: the resident dK, dV and dQ tiles starve the registers; its code is in git
     history, commit cb76fc6).
   * The backward's dK/dV and dQ kernels run concurrently on two CUDA streams (+2-5 % on the H200).
+  * On Hopper the causal 16-bit forward at the lengths of ``GLUON_FWD_MIN_T`` runs a Gluon kernel instead
+    (flash_attention_gluon.py: FlashAttention-3's warp specialisation, a TMA producer warp and two
+    consumer warpgroups overlapping softmax with async wgmma), which plain Triton 3.6 could not express.
 fp32 inputs use exact fp32 dots (``input_precision="ieee"``, matching torch's default of no TF32); bf16/fp16
 inputs feed the tensor cores with 16-bit operands and accumulate in fp32 (P and dS are rounded to the
 input dtype before their matrix products, as in FlashAttention).
@@ -651,6 +654,11 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     Hkv = k.shape[1]
     s = _scale(op, scale, D)
     q, k, v = _rows(q), _rows(k), _rows(v)
+    if config is None and causal and FWD_GLUON and T >= GLUON_FWD_MIN_T.get(D, T + 1):
+        from xtrain.kernels import flash_attention_gluon as G  # not at import: it imports this module
+
+        if G.supported(q, k, v) and (o is None or o.stride() == q.stride()):
+            return G.flash_attention_fwd_gluon(q, k, v, True, s, o=o, lse=lse)
     BLOCK_M, BLOCK_N, num_warps, num_stages, tma = config or _fwd_config(D, q.dtype, T)
     if BLOCK_M % BLOCK_N:
         raise ValueError(f"{op}: BLOCK_M={BLOCK_M} must be a multiple of BLOCK_N={BLOCK_N}")
@@ -747,3 +755,9 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
 
 # Run the backward's dQ kernel on a second CUDA stream, concurrently with the dK/dV kernel.
 BWD_TWO_STREAMS = True
+# The causal 16-bit forward goes to the Gluon kernel (flash_attention_gluon.py: warp-specialised, Hopper
+# only) from these sequence lengths on, by head dim, where it measured faster than the Triton kernel on the
+# H200 (bench/RESULTS.md: hd128 0.88-1.06x cuDNN against 0.78-0.91x; hd64 from 4k on, 0.95-1.04x against
+# 0.93-0.96x). FWD_GLUON = False keeps every call on the Triton kernel (the bench compares the two).
+FWD_GLUON = True
+GLUON_FWD_MIN_T = {64: 4096, 128: 1024}
