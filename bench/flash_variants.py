@@ -28,7 +28,8 @@ from xtrain.kernels import flash_attention as FA  # noqa: E402
 
 F, TM = False, True
 # forward: (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
-FWD = {64: [(128, 64, 4, 3, F)], 128: [(64, 64, 4, 3, TM), (128, 128, 8, 3, F)]}
+# None: the default dispatch (the Gluon kernel where flash_attention.GLUON_FWD_MIN_T says, else Triton)
+FWD = {64: [None, (128, 64, 4, 3, F)], 128: [None, (64, 64, 4, 3, TM), (128, 128, 8, 3, F)]}
 # backward: None = the default; else ((dK/dV: BLOCK_M1, BLOCK_N1, warps, stages, TMA), (dQ: BLOCK_M2, ...))
 BWD = {64: [None], 128: [None]}
 SEQS = (1024, 2048, 4096, 8192, 16384)
