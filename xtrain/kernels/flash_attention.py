@@ -692,6 +692,11 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     Hkv = k.shape[1]
     s = _scale(op, scale, D)
     do = do.to(q.dtype)
+    if config is None and causal and BWD_GLUON and T >= GLUON_BWD_MIN_T.get(D, T + 1):
+        from xtrain.kernels import flash_attention_gluon_bwd as GB  # not at import: it imports this module
+
+        if GB.supported_bwd(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv):
+            return GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, True, s, dq=dq, dk=dk, dv=dv)
     do, q, k, v, o = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o)
     lse = lse.to(torch.float32).contiguous()
     config = config or _BWD_CONFIGS[(D, _dtype_class(q.dtype))]
@@ -761,3 +766,8 @@ BWD_TWO_STREAMS = True
 # 0.93-0.96x). FWD_GLUON = False keeps every call on the Triton kernel (the bench compares the two).
 FWD_GLUON = True
 GLUON_FWD_MIN_T = {64: 4096, 128: 1024}
+# The causal 16-bit backward goes to the Gluon two-kernel backward (flash_attention_gluon_bwd.py) for hd128
+# from T = 1024 (H200: 0.90-1.06x cuDNN against the Triton kernel's 0.76-0.92x); hd64 stays on Triton, which
+# measured faster there (0.90-1.06x against 0.82-0.92x). BWD_GLUON = False keeps every call on Triton.
+BWD_GLUON = True
+GLUON_BWD_MIN_T = {128: 1024}

@@ -1,0 +1,178 @@
+"""The Gluon flash-attention backward (xtrain/kernels/flash_attention_gluon_bwd.py) against the fp64 reference.
+
+GPU (``-m gpu``, an sm_90 GPU): dq, dk, dv against ``flash_attention_bwd_ref`` in fp64, with o and lse from
+the fp64 forward reference cast to the input dtype (so the kernel and the oracle see the same rounded
+inputs); bf16 and fp16, D 64 and 128, causal and not, MHA/GQA/MQA, T = 128 to 16k, the input layouts the
+descriptors take; outputs NaN-poisoned (an unwritten element shows), repeated runs bit-identical (no
+atomics). Tolerance: relative norm 1e-2, the bf16 gradient bound of tests/test_flash_attention.py (P and
+dS are rounded to the input dtype before their products, as in every flash backward; fp16 rounds at
+2^-11, so the same bound holds with room).
+CPU: both kernels compile for sm_90 (no GPU needed) on the installed Triton and use what they are built
+on; the launcher rejects what it cannot take with a ValueError naming the op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from xtrain.kernels import flash_attention as FA
+
+GB = pytest.importorskip("xtrain.kernels.flash_attention_gluon_bwd")
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def _layout(x: torch.Tensor, bthd: bool) -> torch.Tensor:
+    """x [B, Hx, T, D] as a [B, T, Hx, D] tensor seen through a transpose (bthd), or contiguous."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2) if bthd else x.contiguous()
+
+
+def _inputs(B, H, Hkv, T, D, dtype, causal, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, do = (torch.randn(B, h, T, D, generator=g, device="cuda").to(dtype) for h in (H, Hkv, Hkv, H))
+    o64, lse64 = FA.flash_attention_fwd_ref(q.double(), k.double(), v.double(), causal)
+    return q, k, v, do, o64.to(dtype), lse64.float()
+
+
+# layout: which tensors are [B, T, Hx, D]-transposed. "model": v and do as the model passes them, fresh
+# contiguous outputs; "bthd": every input and the output buffers; "contiguous": none.
+LAYOUTS = {"contiguous": set(), "model": {"v", "do"}, "bthd": {"q", "k", "v", "do", "o", "dq", "dk", "dv"}}
+
+
+def _check(B, H, Hkv, T, D, dtype, causal, layout, seed, config=None):
+    q, k, v, do, o, lse = _inputs(B, H, Hkv, T, D, dtype, causal, seed)
+    tr = LAYOUTS[layout]
+    q, k, v, do, o = (_layout(x, name in tr) for name, x in zip("q k v do o".split(), (q, k, v, do, o)))
+    assert GB.supported_bwd(do, q, k, v, o, lse)
+    bufs = {name: _layout(torch.full_like(x, float("nan")), name in tr) for name, x in (("dq", q), ("dk", k),
+                                                                                       ("dv", v))}
+    got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=config, **bufs)
+    assert all(a is bufs[n] for a, n in zip(got, ("dq", "dk", "dv")))
+    want = GB.reference(do.double(), q.double(), k.double(), v.double(), o.double(), lse.double(), causal)
+    errs = {}
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
+        errs[name] = rel(a, b)
+    assert max(errs.values()) < 1e-2, errs
+    again = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=config)
+    for name, a, b in zip(("dq", "dk", "dv"), got, again):
+        assert torch.equal(a, b), f"{name}: repeated runs differ (race?)"
+    print(f"\nGPUERR gluon-bwd {layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} T={T} "
+          f"config={config} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+
+
+SHAPES = [  # B, H, Hkv, T: MHA with one tile, GQA, MQA over several tiles and batches
+    (2, 4, 4, 128),
+    (1, 4, 2, 1024),
+    (2, 6, 1, 2048),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("B,H,Hkv,T", SHAPES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gpu_gluon_bwd_matches_reference(layout, B, H, Hkv, T, D, causal, dtype):
+    _check(B, H, Hkv, T, D, dtype, causal, layout, seed=T + D)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_bwd_long_16k():
+    _check(1, 2, 1, 16384, 128, torch.bfloat16, True, "model", seed=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["split3", "split_wide"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_gluon_bwd_configs(config, D):
+    """The bench's other configs stay correct (GQA, causal and not)."""
+    for causal in (True, False):
+        _check(2, 4, 2, 1024, D, torch.bfloat16, causal, "model", seed=D + 1, config=config)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_bwd_rejects():
+    q, k, v, do, o, lse = _inputs(1, 4, 2, 256, 128, torch.bfloat16, True, seed=3)
+    dq, dk, dv = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse)
+    ref = FA.flash_attention_bwd_triton(do, q, k, v, o, lse)
+    assert all(rel(a, b) < 1e-2 for a, b in zip((dq, dk, dv), ref))
+    op = "flash_attention_bwd_gluon"
+    sub = lambda x, t, d: x[..., :t, :d].contiguous()  # noqa: E731
+    bad = [  # (do, q, k, v, o, lse): ragged T, fp32, head dim 32, a layout the descriptors do not take
+        tuple(sub(x, 200, 128) for x in (do, q, k, v, o)) + (lse[..., :200].contiguous(), ),
+        (do.float(), q.float(), k.float(), v.float(), o.float(), lse),
+        tuple(sub(x, 256, 32) for x in (do, q, k, v, o)) + (lse, ),
+        (do, q.transpose(2, 3).contiguous().transpose(2, 3), k, v, o, lse),
+    ]
+    for args in bad:
+        assert not GB.supported_bwd(*args)
+        with pytest.raises(ValueError, match=op):
+            GB.flash_attention_bwd_gluon(*args)
+    with pytest.raises(ValueError, match=op):  # mismatched shapes
+        GB.flash_attention_bwd_gluon(do, q, k[:, :, :128], v, o, lse)
+    bad_dq = torch.empty(1, 4, 256, 256, device="cuda", dtype=q.dtype)[..., :128]  # not a descriptor layout
+    assert GB.supported_bwd(do, q, k, v, o, lse) and not GB.supported_bwd(do, q, k, v, o, lse, dq=bad_dq)
+    with pytest.raises(ValueError, match=op):
+        GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, dq=bad_dq)
+    with pytest.raises(ValueError, match=op):
+        GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, config=(96, 2, 64, 2))
+    with pytest.raises(ValueError, match=op):
+        GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, scale=-1.0)
+
+
+def test_gluon_bwd_rejects_on_cpu():
+    """No GPU needed: CPU tensors (and malformed inputs) never reach a kernel."""
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 128)
+    assert not GB.supported_bwd(q, q, q, q, q, lse)
+    with pytest.raises(ValueError, match="flash_attention_bwd_gluon"):
+        GB.flash_attention_bwd_gluon(q, q, q, q, q, lse)
+    with pytest.raises(ValueError, match="flash_attention_bwd_gluon"):
+        GB.flash_attention_bwd_gluon(q, q, q[:, :, :64], q, q, lse)
+
+
+def test_gluon_bwd_compiles_for_sm90():
+    """No GPU needed: both kernels compile for sm_90 with the installed Triton (both head dims, causal and
+    not, the bench's configs) and use what they are built on: wgmma, TMA bulk copies, setmaxnreg of the warp
+    specialisation, mbarrier waits; and no atomics (the backward is deterministic)."""
+    if not GB.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon Hopper module")
+    cases = [(64, True, None), (128, True, None), (128, False, None), (64, True, "split_wide"),
+             (128, True, "split_wide")]
+    for D, causal, config in cases:
+        for name, ck in GB.compile_sm90(D, causal, config, transposed=D == 128).items():
+            ptx = ck.asm["ptx"]
+            for instr in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
+                assert instr in ptx, (D, causal, config, name, instr)
+            assert "atom.global" not in ptx and "red.global" not in ptx, (D, name)
+
+
+def test_gluon_bwd_module_contract():
+    assert GB.reference is FA.flash_attention_bwd_ref
+    assert set(GB.CONFIGS) >= {"split", "split3", "split_wide"} and GB.DEFAULT == "split"
+    assert math.isclose(GB.LOG2E, 1.0 / math.log(2.0))
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_sends_hd128_backward_to_gluon():
+    """flash_attention_bwd_triton runs the Gluon backward for causal 16-bit hd128 at T >= 1024 (the same
+    bits as calling it), and the Triton kernels with BWD_GLUON off (another kernel, the same gradients)."""
+    q, k, v, do, o, lse = _inputs(1, 4, 2, 1024, 128, torch.bfloat16, True, seed=5)
+    got = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
+    direct = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, direct))
+    FA.BWD_GLUON = False
+    try:
+        tri = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
+    finally:
+        FA.BWD_GLUON = True
+    assert any(not torch.equal(a, b) for a, b in zip(got, tri))
+    assert all(rel(a, b.double()) < 1e-2 for a, b in zip(tri, got))

@@ -1,0 +1,559 @@
+"""Flash-attention backward for Hopper (sm_90) in Gluon: two warp-specialised, TMA-fed, async-wgmma kernels.
+
+Same contract as ``flash_attention.flash_attention_bwd_triton``: do/q/o [B, H, T, D], k/v [B, Hkv, T, D]
+(query head h reads K/V head h // (H // Hkv)), lse the forward's natural-log row logsumexp [B, H, T];
+returns (dq, dk, dv) in the input dtype with dk/dv summed over each group of query heads. Causal and
+non-causal; no atomics: bit-identical run to run. What it takes (``supported_bwd``): bf16/fp16, D in
+(64, 128), T a multiple of 128, an sm_90 GPU, and q, k, v, do (and given dq/dk/dv buffers) each either
+contiguous [B, Hx, T, D] or a [B, T, Hx, D] tensor seen through a transpose (the model's v); o may have
+any layout with unit last stride (only the delta preprocess reads it). The oracle is the plain-torch
+tiled reference ``flash_attention_bwd_ref`` (``reference`` below). Checked on the GPU by
+tests/test_flash_gluon_bwd.py (``gpu``); on CPU the tests compile both kernels for sm_90 (no GPU needed).
+
+Math (FlashAttention-2 backward by recomputation, Dao 2023; base-2 exponent as in the Triton tutorial):
+    delta_i = rowsum(dO_i ∘ O_i)                       (flash_attention's Triton preprocess kernel)
+    P_ij = exp2(s_ij · scale · log2e − lse_i · log2e)  s = q kᵀ unscaled; causal: P = 0 above the diagonal
+    dP_ij = dO_i · v_j    dS_ij = P_ij (dP_ij − delta_i)
+    dV_j = Σ_i P_ij dO_i    dK_j = scale · Σ_i dS_ij q_i    dQ_i = scale · Σ_j dS_ij k_j
+
+Design, after FlashAttention-3 (Shah, Bikshandi, Zhang, Thakkar, Ramani & Dao, 2024) and the Gluon
+tutorials of the Triton repository (TMA, wgmma, warp specialisation); the skeleton is the forward's
+(flash_attention_gluon.py). Both kernels have three partitions: a producer warp (24 registers) issues
+every TMA copy into a STAGES-deep shared-memory ring whose slots are guarded by "ready" (expect-tx) and
+"empty" (one arrival per consumer) mbarriers; two consumer warpgroups (4 warps each, the second raised to
+232 registers by setmaxnreg) each own 64 rows of the program's resident 128-row tile. Every product is an
+async wgmma with fp32 accumulators; P and dS are rounded to 16 bits in registers and fed to the next
+wgmma as its register A operand (no shared-memory round trip).
+  * dK/dV kernel: one program = 128 keys of one (batch, kv head), K and V resident in shared memory
+    (warpgroup w owns keys w·64..+64). It walks the BLOCK_M-row query tiles of every query head of the
+    GQA group (causal: only tiles at or below the diagonal) working transposed, [keys, queries]:
+    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (A = the K/V half in shared memory, B = the permuted Q/dO tile), Pᵀ and
+    dSᵀ in registers, dV += Pᵀ dO and dK += dSᵀ Q. So dK and dV accumulate in registers without
+    transposes, and the group sum happens in registers (no atomics). Sᵀ is retired before dPᵀ so the
+    exp2 overlaps dPᵀ's wgmma, and the dV wgmma runs while dSᵀ is formed. dK·scale and dV leave through
+    the dead K/V shared tiles by TMA stores.
+  * dQ kernel: one program = 128 query rows of one (batch, head), Q and dO resident (warpgroup w owns
+    rows w·64..+64), walking the K/V tiles (causal: up to the diagonal, heaviest programs first):
+    S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K; dQ·scale leaves through Q's dead shared tile.
+  * The two kernels are independent once delta exists and run concurrently on two CUDA streams (the
+    discipline of flash_attention_bwd_triton: the side stream waits for the main one before the dQ launch,
+    the main one waits for the side one before returning). 7 matrix products per (query, key) tile pair.
+Tensor layouts: as the forward's, every TMA descriptor is a 2-D row view: contiguous [B, Hx, T, D] is
+[B·Hx·T, D] (row (b·Hx + h)·T + t, column 0), a transposed [B, T, Hx, D] is [B·T, Hx·D] (row b·T + t,
+column h·D); a kernel gets (rb, rh, ch) per tensor and addresses (b, h, t) at row b·rb + h·rh + t, column
+h·ch. T being a multiple of 128 keeps every tile inside one head.
+
+Configs (``CONFIGS``): (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2) = the dK/dV kernel's query step and ring
+depth, the dQ kernel's key step and ring depth; "split" is the default at both head dims, "split3" and
+"split_wide" stay selectable (``config="split_wide"`` or a tuple) for bench/gluon_flash_bwd.py.
+
+H200, causal bf16 backward alone, B·T = 16k, H·D = 2048, TFLOP/s as a ratio to cuDNN at T = 1k / 2k / 4k
+/ 8k / 16k (bench/gluon_flash_bwd.py):
+  hd128  split 1.06 / 0.98 / 0.95 / 0.87 / 0.90     split_wide 1.06 / 0.95 / 0.95 / 0.88 / 0.90
+         split3 1.03 / 0.93 / 0.90 / 0.82 / 0.84    Triton kernel 0.92 / 0.85 / 0.83 / 0.76 / 0.78
+  hd64   split 0.92 / 0.86 / 0.84 / 0.83 / 0.82     Triton kernel 1.06 / 0.96 / 0.95 / 0.91 / 0.90
+So hd128 gains 11-16 % over the Triton kernel at every length and hd64 stays on Triton.
+Measured and slower (code in git history: bench/gluon_flash_bwd.py at commit 921bd50):
+  * split_pipe, the dK/dV consumer software-pipelined across query tiles (FA3's intra-warpgroup overlap:
+    tile i's dV/dK wgmmas in flight while tile i+1's Sᵀ/dPᵀ are issued): hd128 0.95 / 0.87 / 0.86 / 0.78 /
+    0.72 — the two free-running warpgroups already interleave each other, and the pipelining costs
+    registers.
+  * fused, FlashAttention-3's one-pass form (dSᵀ staged in shared memory, dQ partials per key half added
+    into an fp32 buffer by TMA reduce-adds, 5 products per tile pair): hd128 0.75 / 0.72 / 0.72 / 0.60 /
+    0.72, hd64 0.91 / 0.88 / 0.87 / 0.85 / 0.88; not deterministic either.
+  * fused_atom, fused with the dQ partials added by fp32 atomics from registers: 0.51-0.59.
+All six passed the fp64 check (B = 1, H = 4, Hkv = 2, T = 1024 / 2048, both head dims, causal).
+Build facts (sm_90, triton 3.6 and 3.9): 168 registers/thread at launch, setmaxnreg to 248 (default
+consumer) / 232 / 24, no local memory (spills); shared memory hd64 / hd128: 66 / 131 KB per kernel
+(split), 82 / 164 KB (split3), dQ kernel of split_wide 99 / 197 KB.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xtrain.kernels import flash_attention as FA
+from xtrain.kernels._dispatch import side_stream
+from xtrain.kernels.flash_attention import flash_attention_bwd_ref
+from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, HEAD_DIMS, LOG2E, _desc, _row_view
+
+reference = flash_attention_bwd_ref  # the oracle: the plain-torch tiled reference of the same algorithm
+
+RESIDENT = 128  # keys per dK/dV program, query rows per dQ program (two warpgroups of 64)
+HALF_M = 64
+# (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2) by head dim; see the module docstring
+CONFIGS = {
+    "split": {64: (64, 2, 64, 2), 128: (64, 2, 64, 2)},
+    "split3": {64: (64, 3, 64, 3), 128: (64, 3, 64, 3)},
+    "split_wide": {64: (128, 2, 128, 2), 128: (64, 2, 128, 2)},
+}
+DEFAULT = "split"
+
+if HAVE_GLUON:
+    # the Gluon names and Triton-version aliases the forward module already resolved
+    from xtrain.kernels.flash_attention_gluon import (
+        _CONSUMER_REGS,
+        _PRODUCER_REGS,
+        _cta_barrier,
+        _tma_load,
+        _tma_store,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        tma,
+        triton,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    _LOG2E = gl.constexpr(LOG2E)
+
+    @gluon.constexpr_function
+    def _acc_layout(N):
+        """wgmma accumulator layout of one warpgroup for a [64·k, N] result."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+
+    @gluon.jit
+    def _ring_init(ready, empty, STAGES: gl.constexpr):
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    # -----------------------------------------------------------------------------------------------------
+    # dK/dV kernel
+    # -----------------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
+                       q_empty, do_empty, k_row, k_col, v_row, v_col, q_base, q_rh, q_ch, do_base, do_rh, do_ch,
+                       h0, mt0, n_m, n_iter, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile)."""
+        KH: gl.constexpr = k_desc.block_type.shape[0]
+        mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
+        _tma_load(k_desc, [k_row + KH, k_col], kv_bar, k_smem.index(1))
+        _tma_load(v_desc, [v_row, v_col], kv_bar, v_smem.index(0))
+        _tma_load(v_desc, [v_row + KH, v_col], kv_bar, v_smem.index(1))
+        for it in range(n_iter):
+            h = h0 + it // n_m
+            start_m = (mt0 + it % n_m) * BLOCK_M
+            slot = it % STAGES
+            phase = ((it // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
+            mbarrier.wait(q_empty.index(slot), phase)
+            mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [q_base + h * q_rh + start_m, h * q_ch], q_bars.index(slot), q_smem.index(slot))
+            mbarrier.wait(do_empty.index(slot), phase)
+            mbarrier.expect(do_bars.index(slot), do_desc.block_type.nbytes)
+            _tma_load(do_desc, [do_base + h * do_rh + start_m, h * do_ch], do_bars.index(slot),
+                      do_smem.index(slot))
+
+    @gluon.jit
+    def _dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
+                       dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter,
+                       start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr):
+        """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring)."""
+        KH: gl.constexpr = dk_desc.block_type.shape[0]
+        s_layout: gl.constexpr = _acc_layout(BLOCK_M)  # [KH, BLOCK_M] Sᵀ, dPᵀ
+        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+        k_half = k_smem.index(HALF)
+        v_half = v_smem.index(HALF)
+        k_lo = start_n + HALF * KH
+        offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
+        dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        mbarrier.wait(kv_bar, 0)
+        for it in range(n_iter):
+            start_m = (mt0 + it % n_m) * BLOCK_M
+            row = lse_row0 + (it // n_m) * T + start_m  # int64 row of the [B·H·T] lse / delta
+            lse2 = gl.load(lse_ptr + row + cols) * _LOG2E  # plain loads, issued before the barrier wait
+            delta = gl.load(delta_ptr + row + cols)
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            q_t = q_smem.index(slot)
+            do_t = do_smem.index(slot)
+            mbarrier.wait(q_bars.index(slot), phase)
+            st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_bars.index(slot), phase)
+            dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            if CAUSAL:
+                if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
+                    keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+                    pt = gl.where(keep, pt, 0.0)
+            p_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+            dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            mbarrier.arrive(do_empty.index(slot), count=1)
+        k_half.store((dk * sm_scale).to(dtype))  # through the dead K/V halves and TMA stores
+        v_half.store(dv.to(dtype))
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
+        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, qk_scale,
+                         sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
+                         v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
+                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr):
+        """Program (key tile, batch·kv head); num_warps = 4 (the default partition is consumer warpgroup 0).
+        K/V/dK/dV descriptors have 64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
+        dtype: gl.constexpr = q_desc.dtype
+        KH: gl.constexpr = k_desc.block_type.shape[0]
+        gl.static_assert((2 * KH) % BLOCK_M == 0)
+        pid_n = gl.program_id(0)
+        off_bkv = gl.program_id(1)
+        Hkv = H // GROUP
+        off_b = off_bkv // Hkv
+        off_kvh = off_bkv % Hkv
+        start_n = pid_n * (2 * KH)
+        h0 = off_kvh * GROUP  # first query head of the group
+        lse_row0 = (off_b * H + h0).to(gl.int64) * T
+        if CAUSAL:
+            mt0 = start_n // BLOCK_M  # query tiles above the key tile see none of it
+        else:
+            mt0 = 0
+        n_m = T // BLOCK_M - mt0
+        n_iter = GROUP * n_m
+
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        _ring_init(q_bars, q_empty, STAGES)
+        _ring_init(do_bars, do_empty, STAGES)
+        fence_async_shared()
+
+        k_row = off_b * k_rb + off_kvh * k_rh + start_n
+        v_row = off_b * v_rb + off_kvh * v_rh + start_n
+        dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
+        dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
+        # (the partitions' argument lists are spelled out: Gluon 3.6 cannot build tuples holding constexprs)
+        gl.warp_specialize([
+            (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
+                              dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
+                              off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM,
+                              BLOCK_M, STAGES, CAUSAL, 0)),
+            (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
+                              dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
+                              off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM,
+                              BLOCK_M, STAGES, CAUSAL, 1)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
+                              do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
+                              off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
+                              BLOCK_M, STAGES)),
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])  # worker_num_regs: required by Gluon 3.6
+
+    # -----------------------------------------------------------------------------------------------------
+    # dQ kernel
+    # -----------------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
+                     k_empty, v_empty, q_row, q_col, do_row, do_col, k_row0, k_col, v_row0, v_col, n_tiles,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The TMA warp: both halves of Q and dO once, then every K/V tile into the ring."""
+        QH: gl.constexpr = q_desc.block_type.shape[0]
+        mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+        _tma_load(q_desc, [q_row + QH, q_col], q_bar, q_smem.index(1))
+        _tma_load(do_desc, [do_row, do_col], q_bar, do_smem.index(0))
+        _tma_load(do_desc, [do_row + QH, do_col], q_bar, do_smem.index(1))
+        for t in range(n_tiles):
+            slot = t % STAGES
+            phase = ((t // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
+            mbarrier.wait(k_empty.index(slot), phase)
+            mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [k_row0 + t * BLOCK_N, k_col], k_bars.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase)
+            mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [v_row0 + t * BLOCK_N, v_col], v_bars.index(slot), v_smem.index(slot))
+
+    @gluon.jit
+    def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr,
+                     delta_ptr, lse_row, dq_row, dq_col, start_m, n_tiles, qk_scale, sm_scale,
+                     dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, HALF: gl.constexpr):
+        """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring."""
+        QH: gl.constexpr = dq_desc.block_type.shape[0]
+        s_layout: gl.constexpr = _acc_layout(BLOCK_N)  # [QH, BLOCK_N] S, dP
+        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [QH, HEAD_DIM] dQ
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+        q_half = q_smem.index(HALF)
+        do_half = do_smem.index(HALF)
+        q_lo = start_m + HALF * QH
+        offs_q = gl.arange(0, QH, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        lse2 = gl.load(lse_ptr + lse_row + HALF * QH + offs_q) * _LOG2E
+        delta = gl.load(delta_ptr + lse_row + HALF * QH + offs_q)
+        s_zero = gl.zeros([QH, BLOCK_N], gl.float32, s_layout)
+        dq = gl.zeros([QH, HEAD_DIM], gl.float32, a_layout)
+        mbarrier.wait(q_bar, 0)
+        for j in range(n_tiles):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            start_n = j * BLOCK_N
+            k_t = k_smem.index(slot)
+            mbarrier.wait(k_bars.index(slot), phase)
+            s = warpgroup_mma(q_half, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_bars.index(slot), phase)
+            dp = warpgroup_mma(do_half, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s, ))
+            p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+            if CAUSAL:
+                if start_n + BLOCK_N > q_lo + 1:  # some key of the tile follows some query of this half
+                    keep = gl.expand_dims(q_lo + offs_q, 1) >= gl.expand_dims(start_n + cols, 0)
+                    p = gl.where(keep, p, 0.0)
+            dp = warpgroup_mma_wait(0, deps=(dp, ))
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            ds = p * (dp - gl.expand_dims(delta, 1))
+            ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+            dq_tok = warpgroup_mma(ds_op, k_t, dq, is_async=True)
+            dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+        q_half.store((dq * sm_scale).to(dtype))  # through Q's dead half and a TMA store
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(dq_desc, [dq_row + HALF * QH, dq_col], q_half)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP,
+                       T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
+                       dq_rb, dq_rh, dq_ch, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+        """Program (query tile, batch·head), heaviest causal tiles first; num_warps = 4. Q/dO/dQ descriptors
+        have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
+        dtype: gl.constexpr = q_desc.dtype
+        QH: gl.constexpr = q_desc.block_type.shape[0]
+        gl.static_assert((2 * QH) % BLOCK_N == 0)
+        pid_m = gl.program_id(0)
+        off_bh = gl.program_id(1)
+        if CAUSAL:
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        off_b = off_bh // H
+        off_h = off_bh % H
+        off_hk = off_h // GROUP
+        start_m = pid_m * (2 * QH)
+        lse_row = off_bh.to(gl.int64) * T + start_m
+        if CAUSAL:
+            n_tiles = (start_m + 2 * QH) // BLOCK_N
+        else:
+            n_tiles = T // BLOCK_N
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, QH, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, QH, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        _ring_init(k_bars, k_empty, STAGES)
+        _ring_init(v_bars, v_empty, STAGES)
+        fence_async_shared()
+
+        q_row = off_b * q_rb + off_h * q_rh + start_m
+        do_row = off_b * do_rb + off_h * do_rh + start_m
+        dq_row = off_b * dq_rb + off_h * dq_rh + start_m
+        gl.warp_specialize([
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
+                            lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0)),
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
+                            lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1)),
+            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
+                            k_empty, v_empty, q_row, off_h * q_ch, do_row, off_h * do_ch,
+                            off_b * k_rb + off_hk * k_rh, off_hk * k_ch, off_b * v_rb + off_hk * v_rh,
+                            off_hk * v_ch, n_tiles, BLOCK_N, STAGES)),
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------------------
+def _tma_view(x: torch.Tensor):
+    """``_row_view(x)`` (2-D view, rb, rh, ch) when a TMA descriptor can take x (one of the two layouts,
+    16-byte aligned base), else None."""
+    if x.ndim != 4 or x.data_ptr() % 16:
+        return None
+    return _row_view(x)
+
+
+def _buf_ok(buf, like: torch.Tensor) -> bool:
+    """An output buffer shaped, typed and placed like ``like``, in a layout the descriptors take."""
+    return (isinstance(buf, torch.Tensor) and buf.shape == like.shape and buf.dtype == like.dtype
+            and buf.device == like.device and _tma_view(buf) is not None)
+
+
+def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
+    """Whether these inputs take the Gluon backward: Gluon present, an sm_90 GPU, bf16/fp16 q/k/v, D in
+    (64, 128), T a positive multiple of 128, and q, k, v, do each contiguous or [B, T, Hx, D]-transposed;
+    ``dq``/``dk``/``dv``: output buffers a caller will pass, which must be shaped and typed like q/k/v in one
+    of those two layouts as well."""
+    ts = (do, q, k, v, o, lse)
+    if not HAVE_GLUON or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in ts):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
+        return False
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or do.shape != q.shape or o.shape != q.shape:
+        return False
+    B, H, T, D = q.shape
+    if D not in HEAD_DIMS or T == 0 or T % RESIDENT or k.shape[0] != B or k.shape[2:] != (T, D):
+        return False
+    if k.shape[1] == 0 or H % k.shape[1] or not (do.is_floating_point() and o.stride(-1) == 1):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if not all(buf is None or _buf_ok(buf, like) for buf, like in ((dq, q), (dk, k), (dv, v))):
+        return False
+    return all(_tma_view(x) is not None for x in (q, k, v, do))
+
+
+def _config(op: str, config, D: int):
+    if config is None:
+        config = DEFAULT
+    if isinstance(config, str):
+        if config not in CONFIGS:
+            raise ValueError(f"{op}: unknown config {config!r}, have {sorted(CONFIGS)}")
+        return CONFIGS[config][D]
+    try:
+        bm1, st1, bn2, st2 = (int(c) for c in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"{op}: config must be a name in {sorted(CONFIGS)} or (BLOCK_M1, STAGES1, BLOCK_N2, "
+                         f"STAGES2), got {config!r}") from None
+    if bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4):
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128) and 1-4 stages, got {config!r}")
+    return bm1, st1, bn2, st2
+
+
+def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
+    """A caller's output buffer (tests pass NaN-poisoned ones) in a layout the descriptors take, or a fresh
+    contiguous one (as flash_attention_bwd_triton returns)."""
+    if buf is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if not _buf_ok(buf, like):
+        raise ValueError(f"{op}: {name} buffer must be {tuple(like.shape)} {like.dtype} on {like.device}, "
+                         f"contiguous or [B, T, H, D]-transposed, got "
+                         f"{FA._shapes(buf) + f' strides {buf.stride()}' if torch.is_tensor(buf) else type(buf)}")
+    return buf
+
+
+def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
+                              dq=None, dk=None, dv=None, config=None):
+    """Launch the delta preprocess, then the dK/dV and dQ Gluon kernels on two streams. Returns (dq, dk, dv).
+    ``dq``/``dk``/``dv``: optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name
+    in ``CONFIGS`` or (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2), overriding the per-head-dim default."""
+    op = "flash_attention_bwd_gluon"
+    FA._check_bwd(op, do, q, k, v, o, lse)
+    if not supported_bwd(do, q, k, v, o, lse):
+        raise ValueError(f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU with Gluon, D in {HEAD_DIMS}, T a "
+                         f"multiple of {RESIDENT}, q/k/v/do contiguous or [B, T, H, D]-transposed (16-byte "
+                         f"aligned), o with unit last stride; got do/q/k/v/o/lse {FA._shapes(do, q, k, v, o, lse)}, "
+                         f"strides q {q.stride()} k {k.stride()} v {v.stride()} do {do.stride()} o {o.stride()}")
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    s = FA._scale(op, scale, D)
+    bm1, st1, bn2, st2 = _config(op, config, D)
+    do = do.to(q.dtype)  # a dense tensor keeps its strides (its layout was checked above)
+    lse = lse.to(torch.float32).contiguous()
+    dq = _grad_buf(op, "dq", dq, q)
+    dk = _grad_buf(op, "dk", dk, k)
+    dv = _grad_buf(op, "dv", dv, v)
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    PRE_M = 64
+    FA._flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
+        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
+
+    (q2, *q_c), (do2, *do_c), (k2, *k_c), (v2, *v_c) = (_row_view(x) for x in (q, do, k, v))
+    (dq2, *dq_c), (dk2, *dk_c), (dv2, *dv_c) = (_row_view(x) for x in (dq, dk, dv))
+    qk_scale = s * LOG2E
+    causal = bool(causal)
+
+    def launch_dkdv():
+        _bwd_dkdv_kernel[(T // RESIDENT, B * Hkv)](
+            _desc(q2, bm1, D), _desc(do2, bm1, D), _desc(k2, HALF_M, D), _desc(v2, HALF_M, D),
+            _desc(dk2, HALF_M, D), _desc(dv2, HALF_M, D), lse, delta, qk_scale, s, H, H // Hkv, T,
+            *q_c, *do_c, *k_c, *v_c, *dk_c, *dv_c,
+            HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=causal, num_warps=4)
+
+    def launch_dq():
+        _bwd_dq_kernel[(T // RESIDENT, B * H)](
+            _desc(q2, HALF_M, D), _desc(do2, HALF_M, D), _desc(k2, bn2, D), _desc(v2, bn2, D),
+            _desc(dq2, HALF_M, D), lse, delta, qk_scale, s, H, H // Hkv, T, *q_c, *do_c, *k_c, *v_c, *dq_c,
+            HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=causal, num_warps=4)
+
+    if FA.BWD_TWO_STREAMS:  # as flash_attention_bwd_triton: dQ on the side stream, joined before returning
+        main = torch.cuda.current_stream(q.device)
+        side = side_stream(q.device)
+        side.wait_stream(main)  # delta and the buffers are ready
+        with torch.cuda.stream(side):
+            launch_dq()
+        launch_dkdv()
+        main.wait_stream(side)
+    else:
+        launch_dkdv()
+        launch_dq()
+    return dq, dk, dv
+
+
+def _compile(kernel, args: dict, consts: dict):
+    """triton.compile of a Gluon kernel for sm_90 from example arguments (CPU tensors do) and constexprs."""
+    from triton.backends import compiler
+    from triton.experimental.gluon import _runtime
+    from triton.runtime import jit
+
+    types = {a: ("constexpr" if a in consts else jit.mangle_type(args[a])) for a in kernel.arg_names}
+    return triton.compile(_runtime.GluonASTSource(kernel, types, consts), target=compiler.GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
+
+
+def compile_sm90(D: int = 128, causal: bool = True, config=None, transposed: bool = False, T: int = 256):
+    """Compile both kernels for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes): the CI
+    check that a Triton upgrade has not broken them. ``transposed``: q, do, k, v, dk, dv as [B, T, Hx, D]
+    seen through a transpose (dq contiguous). Returns {"dkdv": CompiledKernel, "dq": CompiledKernel}."""
+    bm1, st1, bn2, st2 = _config("compile_sm90", config, D)
+    B, H, Hkv = 1, 4, 2
+
+    def mk(h):
+        if transposed:
+            return torch.empty(B, T, h, D, dtype=torch.bfloat16).transpose(1, 2)
+        return torch.empty(B, h, T, D, dtype=torch.bfloat16)
+
+    (q2, *q_c), (k2, *k_c) = _row_view(mk(H)), _row_view(mk(Hkv))
+    dq2, *dq_c = _row_view(torch.empty(B, H, T, D, dtype=torch.bfloat16))
+    lse = torch.empty(B, H, T)
+    common = dict(lse_ptr=lse, delta_ptr=lse, qk_scale=0.125 * LOG2E, sm_scale=0.125, H=H, GROUP=H // Hkv, T=T)
+    coords = {}
+    for name, c in (("q", q_c), ("do", q_c), ("k", k_c), ("v", k_c), ("dk", k_c), ("dv", k_c), ("dq", dq_c)):
+        coords.update({f"{name}_rb": c[0], f"{name}_rh": c[1], f"{name}_ch": c[2]})
+    args = dict(q_desc=_desc(q2, bm1, D), do_desc=_desc(q2, bm1, D), k_desc=_desc(k2, HALF_M, D),
+                v_desc=_desc(k2, HALF_M, D), dk_desc=_desc(k2, HALF_M, D), dv_desc=_desc(k2, HALF_M, D),
+                **common, **coords)
+    out = {"dkdv": _compile(_bwd_dkdv_kernel, args,
+                            dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal)))}
+    args = dict(q_desc=_desc(q2, HALF_M, D), do_desc=_desc(q2, HALF_M, D), k_desc=_desc(k2, bn2, D),
+                v_desc=_desc(k2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords)
+    out["dq"] = _compile(_bwd_dq_kernel, args, dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal)))
+    return out
