@@ -1,84 +1,41 @@
-"""Experiments on the Gluon causal flash-attention FORWARD for Hopper (sm_90): a persistent kernel aimed at
-short sequences, timed against cuDNN, xtrain's Triton forward and the library's Gluon kernel.
+"""Experiments on the Gluon flash-attention FORWARD for Hopper (sm_90): every variant of the library module
+``xtrain.kernels.flash_attention_gluon`` checked against the fp64 reference, then timed against cuDNN and
+xtrain's Triton forward; plus, without a GPU, sm_90 compilation and a CPU replay of the persistent schedule.
 
     PYTHONPATH=. python3 bench/gluon_flash_fwd.py                     # checks, then the timing table (H200)
-    PYTHONPATH=. python3 bench/gluon_flash_fwd.py --seqs 1024,2048 --variants lib,pers,pers_pp
+    PYTHONPATH=. python3 bench/gluon_flash_fwd.py --seqs 1024,2048 --variants lib,pers,pp
     PYTHONPATH=. python3 bench/gluon_flash_fwd.py --compile-only      # no GPU: compile every variant, sm_90
     PYTHONPATH=. python3 bench/gluon_flash_fwd.py --replay            # no GPU: CPU replay of the scheduling
 
-Contract of every variant: that of ``xtrain.kernels.flash_attention_gluon.flash_attention_fwd_gluon`` (q
-[B,H,T,D], k/v [B,Hkv,T,D], query head h reads K/V head h // (H // Hkv); returns o in q.dtype and lse [B,H,T]
-the natural-log row logsumexp in fp32; bf16/fp16, D in (64, 128), T a multiple of 128, contiguous or
-[B,T,H,D]-transposed layouts). The library kernel supplies the device pieces that carry over unchanged
-(``_softmax_tile``, ``_mma_layouts``, the TMA/barrier aliases) and the host pieces (``supported``,
-``_row_view``, ``_desc``); this file adds only what differs.
+The kernels, the variants (``VARIANTS``: lib, the one-program-per-tile kernel; pers, q2, pp, q2pp, the
+persistent kernel with one or two Q buffers, with or without the warpgroup ping-pong), the table that picks
+one per (head dim, T) (``VARIANT_BY_T``) and the measured numbers live in the library module's docstring;
+this file only runs them (``flash_attention_fwd_gluon(..., variant=name)``). ``--grid`` caps the
+persistent grid (default: the SM count); ``--stages`` overrides the K/V ring depth.
 
-Why: the library kernel (one program per (128-row query tile, batch·head), grid (T/128, B·H)) reaches
-cuDNN at T >= 8k but not at short T (H200 hd128 0.88x at T=1k, hd64 0.75x): at T=1k each program walks only
-1..8 K/V tiles, and every program pays its prologue (barrier init, partition start, Q load, the first K/V
-tiles) and epilogue (O store, lse) with nothing to overlap them.
+--replay: Python generators mirror the persistent kernel's three partitions line by line (producer,
+consumer warpgroups 0 and 1; ``py_n_local``/``py_item`` copy ``_n_local``/``_item``), interleaved at random
+with TMA copies and O stores completing after random delays. It asserts that every (query tile, head) is
+done once, that each consumer wait hands over the tile it expects, that no copy lands in a slot still read,
+that the O buffer is not rewritten under an in-flight store, that the ping-pong alternates and that nothing
+deadlocks; three deliberately broken protocols (negative controls) must be caught. It ran before the
+persistent kernel's first GPU run.
 
-Variants (``VARIANTS``; every new one is the persistent kernel ``_pers_kernel`` with different constants):
-  lib        the library kernel (``flash_attention_fwd_gluon``), the baseline.
-  pers       PERSISTENT: grid = number of SMs (``--grid`` overrides); each program walks a static list of
-             work items (one item = one 128-row query tile of one batch·head). The warp roles are the
-             library's (default partition = consumer warpgroup 0, a 4-warp worker = consumer warpgroup 1,
-             a 1-warp TMA producer), but the partitions loop over items and the mbarrier phases run on:
-               * the K/V ring uses one running tile counter t over all items (slot t % STAGES, phase
-                 (t // STAGES) & 1), in the producer and in both consumers alike;
-               * Q has its own full/empty barrier pair; the consumers release Q as soon as the last
-                 S = Q Kᵀ wgmma of the item has retired (before the last P·V and the epilogue), so the
-                 producer loads the next item's Q, then its K/V tiles, while the consumers finish;
-               * O leaves through a dedicated shared-memory buffer (not the Q slot) by a TMA store that
-                 is only waited for just before that buffer is written again (one item later), so the
-                 store overlaps the next item's main loop.
-             Schedule: with n_m = T / 128 query tiles, the items of one head are ordered heaviest/lightest
-             alternately (tiles n_m-1, 0, n_m-2, 1, ...), heads one after another; the list is cut into
-             PAIRS of consecutive items (causal: each pair costs n_m + 1 K/V tiles, whatever the pair) and
-             pair k goes to program k mod G. Pairs of equal cost make the static round-robin balanced
-             (FA3's answer to the same problem is a dynamic scheduler with an atomic counter), and
-             head-major order keeps the G programs that run at any moment on about G / (n_m / 2)
-             consecutive heads, so K/V of a head is read from DRAM about once and from L2 by its other
-             query tiles (the library kernel gets the same reuse from its grid order, pid_m fastest). A
-             pid_m-major order (all heads' tile n_m-1 first) would be simplest but sweeps every head's
-             K/V between two reads of one head: 128 MB of K/V at these shapes vs 50 MB of L2.
-  pers_q2    pers with two Q buffers: the next item's Q lands while the current item still runs (hd128:
-             224 KB of shared memory, just under the 227 KB limit).
-  pers_pp    pers with FA3's enforced ping-pong of the two consumer warpgroups. Gluon 3.6 exposes no named
-             barrier (bar.sync id) to kernels, so the hand-off is two mbarriers (count 1): a warpgroup
-             waits on its own barrier before issuing the wgmmas of a step and arrives on the other's once
-             they are issued; warpgroup 0 starts on the free "previous phase" of a fresh barrier. Steps per
-             item: S_0 | S_j + P_{j-1}V_{j-1} (j = 1..n-1) | P_{n-1}V_{n-1}, the same count in both
-             warpgroups, so the alternation holds across items.
-  pers_q2pp  both.
-  pers_n64   pers with 64-wide K/V tiles and a 4-slot ring (less register pressure, finer diagonal).
-  Not done: BLOCK_N = 192 / 176 (FA3's kBlockN at hd128). Gluon wants power-of-two shapes: the host
-             TensorDescriptor rejects a 192-row block (Gluon 3.6 and 3.9) and a [64, 192] register tensor
-             (the S accumulator) cannot be declared; it would take S as two wgmmas (128 + 64 columns) over
-             three 64-row TMA copies per tile. The kernel keeps ``KV_TAIL`` (mask keys >= T when BLOCK_N does
-             not divide T, non-causal) for such tiles; no variant uses it now.
-
-Credits: the design follows FlashAttention-3 (Shah, Bikshandi, Zhang, Thakkar, Ramani & Dao, 2024; its
-Hopper sources: producer/consumer warpgroups, intra-warpgroup overlap, ping-pong scheduling barriers, the
-persistent tile scheduler) and the Gluon tutorials of the Triton repository (TMA, wgmma, warp
-specialisation, persistent kernels). The code and words here are this project's own.
-
-Triton-version notes (the GPU machine runs triton 3.6; newer Gluon renamed a few builtins): the kernels use
-the library's aliases ``_tma_load``/``_tma_store``/``_cta_barrier``; ``mbarrier.expect``'s byte count is
-positional (``bytes`` in 3.6, ``bytes_per_cta`` later); ``gl.warp_specialize`` gets an explicit
-``worker_num_regs`` (required in 3.6); offline compilation goes through
-``triton.experimental.gluon._runtime.GluonASTSource`` + ``triton.compile(target=GPUTarget("cuda", 90, 32))``.
+Triton-version notes (the GPU machine runs triton 3.6; newer Gluon renamed a few builtins): the library uses
+aliases ``_tma_load``/``_tma_store``/``_cta_barrier``; ``mbarrier.expect``'s byte count is positional
+(``bytes`` in 3.6, ``bytes_per_cta`` later); ``gl.warp_specialize`` gets an explicit ``worker_num_regs``
+(required in 3.6); offline compilation goes through ``triton.experimental.gluon._runtime.GluonASTSource`` +
+``triton.compile(target=GPUTarget("cuda", 90, 32))`` (``compile_sm90``).
 
 main(): correctness first, in a child process (a deadlocked mbarrier wait hangs the GPU context; a CUDA
 fault poisons it): per variant a timeout, NaN-poisoned outputs, fp64 reference; a variant that fails is
 left out of the timing. Then triton.testing.do_bench (median) of cuDNN, the Triton kernel (the library's
-Gluon dispatch switched off), lib and the new variants; the table gives TFLOP/s and the ratio to cuDNN.
+Gluon dispatch switched off), and each variant; the table gives TFLOP/s and the ratio to cuDNN.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import sys
@@ -88,349 +45,21 @@ import torch
 import triton
 
 from xtrain.kernels import flash_attention_gluon as LIB
-from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E
+from xtrain.kernels.flash_attention_gluon import BLOCK_M, VARIANTS
 
-if HAVE_GLUON:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from xtrain.kernels.flash_attention_gluon import (  # noqa: F401  (resolved as globals in @gluon.jit)
-        _CONSUMER_REGS,
-        _PRODUCER_REGS,
-        HALF_ROWS,
-        _cta_barrier,
-        _mma_layouts,
-        _softmax_tile,
-        _tma_load,
-        _tma_store,
-    )
-
-BLOCK_M = 128  # query rows per work item (two consumer warpgroups of 64)
-
-# =========================================================================================================
-# device code: the persistent kernel
-# =========================================================================================================
-if HAVE_GLUON:
-
-    @gluon.jit
-    def _n_local(pid, n_prog, U):
-        """Items of program pid: it owns pairs k = pid, pid + n_prog, ... of the U items (pair k = items 2k,
-        2k + 1); the last pair is a single item when U is odd. The host launches n_prog <= pairs."""
-        n_pairs = (U + 1) // 2
-        m_count = (n_pairs - pid + n_prog - 1) // n_prog
-        last = pid + (m_count - 1) * n_prog
-        return 2 * m_count - (U % 2) * (last == n_pairs - 1).to(gl.int32)
-
-    @gluon.jit
-    def _item(idx, pid, n_prog, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-              BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """Coordinates of the program's idx-th item: global item u = 2·(pid + (idx // 2)·n_prog) + idx % 2,
-        head bh = u // n_m, and within the head the r-th of the order n_m-1, 0, n_m-2, 1, ... (r = u % n_m).
-        Returns (start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles)."""
-        u = 2 * (pid + (idx // 2) * n_prog) + idx % 2
-        bh = u // n_m
-        r = u % n_m
-        odd = r % 2
-        pid_m = odd * (r // 2) + (1 - odd) * (n_m - 1 - r // 2)
-        off_b = bh // H
-        off_h = bh % H
-        off_hk = off_h // GROUP
-        start_m = pid_m * (2 * HALF_ROWS)
-        q_row = off_b * q_rb + off_h * q_rh + start_m
-        q_col = off_h * q_ch
-        kv_row0 = off_b * kv_rb + off_hk * kv_rh
-        kv_col = off_hk * kv_ch
-        lse_row = bh.to(gl.int64) * T + start_m
-        if CAUSAL:
-            n_tiles = (start_m + 2 * HALF_ROWS + BLOCK_N - 1) // BLOCK_N
-        else:
-            n_tiles = (T + BLOCK_N - 1) // BLOCK_N
-        return start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles
-
-    @gluon.jit
-    def _scores(s, m_i, l_i, qk_scale, start_m, start_n, T, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                CAUSAL: gl.constexpr, KV_TAIL: gl.constexpr):
-        """The library's online-softmax step, after masking keys >= T when BLOCK_N does not divide T
-        (non-causal only; causal masking already hides them)."""
-        if KV_TAIL:
-            if start_n + BLOCK_N > T:
-                offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                s = gl.where(gl.expand_dims(offs_n, 0) < T, s, float("-inf"))
-        return _softmax_tile(s, m_i, l_i, qk_scale, start_m, start_n, s_layout, HALF_ROWS, BLOCK_N, CAUSAL)
-
-    @gluon.jit
-    def _pp_enter(sched, step, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong: wait for this warpgroup's turn to issue wgmmas. Warpgroup 0 waits on parity
-        (step & 1) ^ 1 (its first wait passes on the fresh barrier), warpgroup 1 on step & 1."""
-        if PINGPONG:
-            mbarrier.wait(sched.index(HALF), (step & 1) ^ (1 - HALF))
-
-    @gluon.jit
-    def _pp_leave(sched, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-        if PINGPONG:
-            mbarrier.arrive(sched.index(1 - HALF), count=1)  # the other warpgroup's turn
-
-    @gluon.jit
-    def _pers_consumer(q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
-                       o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                       kv_ch, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_TAIL: gl.constexpr, NUM_Q: gl.constexpr,
-                       PINGPONG: gl.constexpr, HALF: gl.constexpr):
-        """Consumer warpgroup HALF (query rows 64·HALF .. +64 of every item)."""
-        layouts: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM)
-        s_layout: gl.constexpr = layouts[0]
-        o_layout: gl.constexpr = layouts[1]
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        o_half = o_smem.index(HALF)
-        n_local = _n_local(pid, n_prog, U)
-        t = pid * 0  # running K/V tile counter (ring slot and phase), continued across items
-        sc = pid * 0  # running ping-pong step counter
-        for idx in range(n_local):
-            start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _item(
-                idx, pid, n_prog, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL)
-            row0 = start_m + HALF * HALF_ROWS
-            qs = idx % NUM_Q
-            q_half = q_smem.index(2 * qs + HALF)
-            mbarrier.wait(q_full.index(qs), (idx // NUM_Q) & 1)
-
-            m_i = gl.full([HALF_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.full([HALF_ROWS], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([HALF_ROWS, HEAD_DIM], gl.float32, o_layout)
-            s_zero = gl.zeros([HALF_ROWS, BLOCK_N], gl.float32, s_layout)
-
-            # step 0: S_0 alone
-            slot = t % STAGES
-            _pp_enter(sched, sc, HALF, PINGPONG)
-            mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
-            s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-            _pp_leave(sched, HALF, PINGPONG)
-            s = warpgroup_mma_wait(0, deps=(s_tok, ))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            p, m_i, l_i, alpha = _scores(s, m_i, l_i, qk_scale, row0, 0, T, s_layout, BLOCK_N, CAUSAL, KV_TAIL)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
-            # steps 1 .. n-1: S_j and P_{j-1} V_{j-1}
-            for j in range(1, n_tiles):
-                tj = t + j
-                slot = tj % STAGES
-                prev = (tj - 1) % STAGES
-                _pp_enter(sched, sc + j, HALF, PINGPONG)
-                mbarrier.wait(k_full.index(slot), (tj // STAGES) & 1)
-                s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                mbarrier.wait(v_full.index(prev), ((tj - 1) // STAGES) & 1)
-                o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
-                _pp_leave(sched, HALF, PINGPONG)
-                s = warpgroup_mma_wait(1, deps=(s_tok, ))
-                mbarrier.arrive(k_empty.index(slot), count=1)
-                p, m_i, l_i, alpha = _scores(s, m_i, l_i, qk_scale, row0, j * BLOCK_N, T, s_layout, BLOCK_N,
-                                             CAUSAL, KV_TAIL)
-                p16_next = gl.convert_layout(p.to(dtype), p_layout)
-                acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
-                mbarrier.arrive(v_empty.index(prev), count=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                p16 = p16_next
-            # every Q Kᵀ wgmma of this item has retired: Q's slot may take the next item's Q
-            mbarrier.arrive(q_empty.index(qs), count=1)
-            # step n: the last P V
-            tl_ = t + n_tiles - 1
-            last = tl_ % STAGES
-            _pp_enter(sched, sc + n_tiles, HALF, PINGPONG)
-            mbarrier.wait(v_full.index(last), (tl_ // STAGES) & 1)
-            o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
-            _pp_leave(sched, HALF, PINGPONG)
-            acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
-            mbarrier.arrive(v_empty.index(last), count=1)
-            t += n_tiles
-            sc += n_tiles + 1
-
-            # epilogue: o = acc / l through this warpgroup's O buffer (the previous item's store must have
-            # finished reading it), TMA store left in flight; lse by plain stores
-            o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
-            tma.store_wait(0)
-            _cta_barrier()
-            o_half.store(o.to(dtype))
-            fence_async_shared()
-            _cta_barrier()
-            _tma_store(o_desc, [q_row + HALF * HALF_ROWS, q_col], o_half)
-            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-            offs = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, s_layout))
-            gl.store(lse_ptr + lse_row + HALF * HALF_ROWS + offs, lse)
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _pers_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
-                       v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr):
-        """The TMA warp: per item, both Q halves into Q slot idx % NUM_Q once both consumers released it,
-        then the item's K/V tiles into the ring (running counter t, continued across items)."""
-        n_local = _n_local(pid, n_prog, U)
-        t = pid * 0
-        for idx in range(n_local):
-            start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _item(
-                idx, pid, n_prog, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL)
-            qs = idx % NUM_Q
-            mbarrier.wait(q_empty.index(qs), ((idx // NUM_Q) & 1) ^ 1)  # first use passes on a fresh barrier
-            mbarrier.expect(q_full.index(qs), 2 * q_desc.block_type.nbytes)
-            _tma_load(q_desc, [q_row, q_col], q_full.index(qs), q_smem.index(2 * qs))
-            _tma_load(q_desc, [q_row + HALF_ROWS, q_col], q_full.index(qs), q_smem.index(2 * qs + 1))
-            for j in range(n_tiles):
-                slot = t % STAGES
-                phase = ((t // STAGES) & 1) ^ 1
-                mbarrier.wait(k_empty.index(slot), phase)
-                mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-                _tma_load(k_desc, [kv_row0 + j * BLOCK_N, kv_col], k_full.index(slot), k_smem.index(slot))
-                mbarrier.wait(v_empty.index(slot), phase)
-                mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-                _tma_load(v_desc, [kv_row0 + j * BLOCK_N, kv_col], v_full.index(slot), v_smem.index(slot))
-                t += 1
-
-    @gluon.jit
-    def _pers_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T, U, n_m,
-                     q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     KV_TAIL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr):
-        """Persistent program: U = B·H·n_m items (n_m = T / 128), grid <= ceil(U / 2) programs. num_warps =
-        4 (default partition = consumer 0; workers: consumer 1 (4 warps), producer (1 warp))."""
-        dtype: gl.constexpr = q_desc.dtype
-        pid = gl.program_id(0)
-        n_prog = gl.num_programs(0)
-        q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_Q, HALF_ROWS, HEAD_DIM], q_desc.layout)
-        o_smem = gl.allocate_shared_memory(dtype, [2, HALF_ROWS, HEAD_DIM], o_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_full = gl.allocate_shared_memory(gl.int64, [NUM_Q, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_Q, 1], mbarrier.MBarrierLayout())
-        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_Q):
-            mbarrier.init(q_full.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_full.index(i), count=1)
-            mbarrier.init(v_full.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
-        for i in gl.static_range(2):
-            mbarrier.init(sched.index(i), count=1)
-        fence_async_shared()
-
-        gl.warp_specialize([
-            (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                              sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
-                              kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KV_TAIL, NUM_Q,
-                              PINGPONG, 0)),
-            (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                              sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
-                              kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, KV_TAIL, NUM_Q,
-                              PINGPONG, 1)),
-            (_pers_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
-                              k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                              kv_ch, BLOCK_N, STAGES, CAUSAL, NUM_Q)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+GRID = None  # --grid: cap on the persistent programs (default: the GPU's SM count)
+STAGES = None  # --stages: K/V ring slots (default: the library's by head dim)
 
 
-# =========================================================================================================
-# variants and host side
-# =========================================================================================================
-# name -> {head_dim: (BLOCK_N, STAGES, NUM_Q, PINGPONG)}; "lib" is the library kernel
-_S = LIB.STAGES  # the library's ring depth by head dim (hd64: 3, hd128: 2)
-VARIANTS = {
-    "lib": None,
-    "pers": {64: (128, _S[64], 1, False), 128: (128, _S[128], 1, False)},
-    "pers_q2": {64: (128, _S[64], 2, False), 128: (128, _S[128], 2, False)},
-    "pers_pp": {64: (128, _S[64], 1, True), 128: (128, _S[128], 1, True)},
-    "pers_q2pp": {64: (128, _S[64], 2, True), 128: (128, _S[128], 2, True)},
-    "pers_n64": {64: (64, 4, 1, False), 128: (64, 4, 1, False)},
-}
-GRID = None  # --grid: number of persistent programs (default: the GPU's SM count)
-_NUM_SMS: dict = {}
-
-
-def _num_sms(device) -> int:
-    idx = torch.device(device).index or 0
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
-def has_head_dim(variant: str, D: int) -> bool:
-    return VARIANTS[variant] is None or D in VARIANTS[variant]
-
-
-def _pers_launch_args(q, k, v, o, lse, causal, scale, cfg, n_prog):
-    """(grid, positional args, constexpr kwargs) of _pers_kernel; q/k/v/o CPU or GPU tensors."""
-    B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    BLOCK_N, STAGES, NUM_Q, PINGPONG = cfg
-    q2, q_rb, q_rh, q_ch = LIB._row_view(q)
-    k2, kv_rb, kv_rh, kv_ch = LIB._row_view(k)
-    v2 = LIB._row_view(v)[0]
-    o2 = LIB._row_view(o)[0]
-    n_m = T // BLOCK_M
-    U = B * H * n_m
-    G = max(1, min(n_prog, (U + 1) // 2))
-    args = (LIB._desc(q2, LIB.HALF_M, D), LIB._desc(k2, BLOCK_N, D), LIB._desc(v2, BLOCK_N, D),
-            LIB._desc(o2, LIB.HALF_M, D), lse, scale * LOG2E, H, H // Hkv, T, U, n_m,
-            q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch)
-    consts = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=bool(causal),
-                  KV_TAIL=bool(not causal and T % BLOCK_N != 0), NUM_Q=NUM_Q, PINGPONG=bool(PINGPONG))
-    return (G, ), args, consts
-
-
-def gluon_flash_fwd(q, k, v, causal=True, scale=None, variant="pers", *, o=None, lse=None):
-    """Forward attention by ``variant`` (see the module docstring). Returns (o, lse)."""
-    if variant == "lib":
-        return LIB.flash_attention_fwd_gluon(q, k, v, causal, scale, o=o, lse=lse)
-    cfg = VARIANTS[variant]
-    B, H, T, D = q.shape
-    if not LIB.supported(q, k, v) or D not in cfg:
-        raise ValueError(f"{variant}: inputs not supported (q {tuple(q.shape)} {q.dtype} strides {q.stride()}, "
-                         f"k strides {k.stride()}; head dims {sorted(cfg)})")
-    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if o is None:
-        o = torch.empty_like(q) if q.is_contiguous() else torch.empty(
-            B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
-    if lse is None:
-        lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    assert o.stride() == q.stride() and lse.is_contiguous()
-    grid, args, consts = _pers_launch_args(q, k, v, o, lse, causal, s, cfg[D], GRID or _num_sms(q.device))
-    _pers_kernel[grid](*args, **consts, num_warps=4)
-    return o, lse
+def gluon_flash_fwd(q, k, v, causal=True, scale=None, variant="pp", *, o=None, lse=None):
+    """The library forward by ``variant``, with this run's --grid / --stages. Returns (o, lse)."""
+    return LIB.flash_attention_fwd_gluon(q, k, v, causal, scale, o=o, lse=lse, variant=variant, stages=STAGES,
+                                         programs=GRID)
 
 
 # =========================================================================================================
 # offline compilation (no GPU): --compile-only
 # =========================================================================================================
-def compile_variant(name, D, causal=True, T=1024):
-    """Compile variant ``name`` at head dim D for sm_90 without a GPU. Returns the CompiledKernel."""
-    if name == "lib":
-        return LIB.compile_sm90(D, causal)
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    B, H, Hkv = 1, 4, 2
-    q = torch.empty(B, H, T, D, dtype=torch.bfloat16)  # CPU tensors: only shapes, strides, dtype matter
-    kv = torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
-    lse = torch.empty(B, H, T, dtype=torch.float32)
-    _, args, consts = _pers_launch_args(q, kv, kv, q, lse, causal, 1.0 / math.sqrt(D), VARIANTS[name][D], 132)
-    names = [a for a in _pers_kernel.arg_names if a not in consts]
-    vals = dict(zip(names, args))
-    sig = {a: "constexpr" if a in consts else mangle_type(vals[a]) for a in _pers_kernel.arg_names}
-    src = GluonASTSource(_pers_kernel, sig, consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-
-
 def _res_usage(cubin):
     """Registers and local memory (spill) bytes per thread from cuobjdump -res-usage (ships with triton).
     Warp-specialised kernels: the cubin's count is the launch budget; setmaxnreg moves it per partition."""
@@ -465,13 +94,11 @@ def compile_only(variants, head_dims, dump=None):
     ok = True
     for name in variants:
         for D in head_dims:
-            if not has_head_dim(name, D):
-                continue
             for causal in (True, False):
                 t0 = time.time()
                 tag = f"{name:10s} D={D:3d} {'causal' if causal else 'full  '}"
                 try:
-                    ck = compile_variant(name, D, causal)
+                    ck = LIB.compile_sm90(D, causal, STAGES, variant=name)
                     print(f"  {tag}: OK   {time.time() - t0:5.1f}s  {_summary(ck)}")
                     if dump:
                         os.makedirs(dump, exist_ok=True)
@@ -705,14 +332,16 @@ def replay(seed=0):
     print("barrier protocol (random interleavings, random TMA/store latencies):")
     cases = []
     for name, cfg in VARIANTS.items():
-        if cfg is None:
+        if cfg is None:  # lib: not persistent
             continue
-        for D, (bn, st, nq, pp) in cfg.items():
+        nq, pp = cfg
+        for D in LIB.HEAD_DIMS:
+            bn, st = LIB.BLOCK_N, STAGES or LIB.STAGES[D]
             for BH, T, G in ((4, 256, 3), (2, 384, 2), (3, 1024, 5), (1, 640, 1)):
                 for causal in (True, False):
                     cases.append((name, D, BH, T, G, bn, st, nq, pp, causal))
     n = 0
-    for name, D, BH, T, G, bn, st, nq, pp, causal in cases:
+    for _name, _D, BH, T, G, bn, st, nq, pp, causal in cases:
         for pid in range(min(G, 2)):
             for _ in range(3):
                 replay_program(pid, G, BH, T, bn, st, nq, pp, causal, rng)
@@ -747,6 +376,13 @@ def _rel_err(x, ref):
     return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
+def _randn(B, h, T, D, g, transposed):
+    """bf16 [B, h, T, D]; transposed: a [B, T, h, D] tensor seen through a transpose (the model's layout)."""
+    if transposed:
+        return torch.randn(B, T, h, D, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    return torch.randn(B, h, T, D, generator=g, device="cuda", dtype=torch.bfloat16)
+
+
 def check_variant(name, head_dims):
     """True iff every case passes: max relative error < 1e-2 on o and < 1e-5 on lse against the fp64
     reference; outputs pre-filled with NaN so an unwritten tile fails."""
@@ -754,17 +390,11 @@ def check_variant(name, head_dims):
 
     ok = True
     for D in head_dims:
-        if not has_head_dim(name, D):
-            continue
         for B, T, causal, transposed in CHECK_CASES:
             H, Hkv = 4, 2
             g = torch.Generator(device="cuda").manual_seed(T + D + B)
 
-            def mk(h):
-                if transposed:
-                    return torch.randn(B, T, h, D, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-                return torch.randn(B, h, T, D, generator=g, device="cuda", dtype=torch.bfloat16)
-            q, k, v = mk(H), mk(Hkv), mk(Hkv)
+            q, k, v = (_randn(B, h, T, D, g, transposed) for h in (H, Hkv, Hkv))
             o = torch.full_like(q, float("nan"))
             lse = torch.full((B, H, T), float("nan"), device="cuda", dtype=torch.float32)
             gluon_flash_fwd(q, k, v, causal, None, name, o=o, lse=lse)
@@ -815,6 +445,8 @@ def run_checks(variants, head_dims, startup_s=120.0, per_variant_s=90.0):
                "--head-dims", ",".join(map(str, head_dims))]
         if GRID:
             cmd += ["--grid", str(GRID)]
+        if STAGES:
+            cmd += ["--stages", str(STAGES)]
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         lines: queue.Queue = queue.Queue()
 
@@ -891,25 +523,25 @@ def bench_row(D, T, variants):
     o = torch.empty_like(q)
     lse = torch.empty((B, H, T), device="cuda", dtype=torch.float32)
     for name in variants:
-        if has_head_dim(name, D):
-            timed(name, lambda name=name: gluon_flash_fwd(q, k, v, True, None, name, o=o, lse=lse))
+        timed(name, lambda name=name: gluon_flash_fwd(q, k, v, True, None, name, o=o, lse=lse))
     return row
 
 
 def main(argv=None):
-    global GRID
+    global GRID, STAGES
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", default="1024,2048,4096,8192,16384")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--grid", type=int, default=None, help="persistent programs (default: the SM count)")
+    ap.add_argument("--stages", type=int, default=None, help="K/V ring slots (default: the library's)")
     ap.add_argument("--compile-only", action="store_true", help="compile every variant for sm_90 (no GPU)")
     ap.add_argument("--replay", action="store_true", help="CPU replay of the persistent schedule/barriers")
     ap.add_argument("--dump", default=None, help="with --compile-only: write ttgir/ptx into this folder")
     ap.add_argument("--no-isolate", action="store_true", help="check in this process (no child, no timeouts)")
     ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    GRID = args.grid
+    GRID, STAGES = args.grid, args.stages
     seqs = [int(x) for x in args.seqs.split(",") if x]
     head_dims = [int(x) for x in args.head_dims.split(",") if x]
     variants = [x for x in args.variants.split(",") if x]
@@ -923,7 +555,7 @@ def main(argv=None):
 
     t_start = time.time()
     print(f"torch {torch.__version__}  triton {triton.__version__}  device {torch.cuda.get_device_name()}  "
-          f"SMs {_num_sms(0)}  grid {GRID or 'SMs'}")
+          f"SMs {LIB._num_sms(torch.device('cuda'))}  grid {GRID or 'SMs'}")
     sys.stdout.flush()
     if args.check_only:  # the child process of run_checks: stop at the first exception
         for name in variants:

@@ -282,54 +282,63 @@ def test_gpu_load_paths(path, causal, D, dtype):
           + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
 
 
-GLUON_SHAPES = [  # B, H, Hkv, T: MHA, GQA, MQA; one and several query tiles; the longest the bench runs
-    (2, 4, 4, 128),
-    (1, 4, 2, 1024),
-    (2, 6, 1, 2048),
-    (1, 2, 1, 16384),
+GLUON_CASES = [  # B, H, Hkv, T, layout, dtype: MHA, GQA, MQA; one and several query tiles; an odd item count
+    (2, 4, 4, 128, "contiguous", torch.bfloat16),  # (B·H·T/128 = 9 below: the persistent kernel's last pair is a
+    (1, 3, 1, 384, "contiguous", torch.float16),  # single item); 16k: the longest the bench runs
+    (1, 4, 2, 1024, "kv_bthd", torch.bfloat16),
+    (2, 6, 1, 2048, "bthd", torch.float16),
+    (1, 2, 1, 16384, "kv_bthd", torch.bfloat16),
 ]
+GLUON_VARIANTS = ["lib", "pers", "q2", "pp", "q2pp"]  # flash_attention_gluon.VARIANTS (checked below)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("B,H,Hkv,T", GLUON_SHAPES)
-@pytest.mark.parametrize("v_layout", ["contiguous", "bthd"])
-def test_gpu_gluon_forward(v_layout, B, H, Hkv, T, D, causal, dtype):
-    """The Gluon forward against the fp64 reference: outputs NaN-poisoned (unwritten elements show), both
-    input layouts its descriptors take (k, v as [B, T, Hkv, D] seen through a transpose, as the model
-    passes v), repeated runs bit-identical. Tolerance: the bf16 forward's 1e-2 (module docstring); fp16
-    rounds P and o at 2^-11, so the same bound holds with room."""
+@pytest.mark.parametrize("B,H,Hkv,T,layout,dtype", GLUON_CASES)
+@pytest.mark.parametrize("variant", GLUON_VARIANTS)
+def test_gpu_gluon_forward(variant, B, H, Hkv, T, layout, dtype, D, causal):
+    """Each Gluon forward variant against the fp64 reference: outputs NaN-poisoned (unwritten elements show),
+    both input layouts its descriptors take (kv_bthd: k, v as [B, T, Hkv, D] seen through a transpose, as
+    the model passes v; bthd: q too, and o follows q), repeated runs bit-identical, also on a 5-program
+    persistent grid (each program then walks several pairs of items, the mbarrier phases running on across
+    them; an item's numbers do not depend on which program computes it). Tolerance: the bf16 forward's 1e-2
+    (module docstring); fp16 rounds P and o at 2^-11, so the same bound holds with room."""
     from xtrain.kernels import flash_attention_gluon as G
 
     q, k, v, _ = rand_qkv(B, H, Hkv, T, D, dtype=dtype, device="cuda", seed=T + D)
-    if v_layout == "bthd":
+    if layout == "bthd":  # [B, T, H, D] memory seen as [B, H, T, D]
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout != "contiguous":
         k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
     assert G.supported(q, k, v)
-    o = torch.full_like(q, float("nan"))
+    o = torch.full_like(q, float("nan"))  # keeps q's strides (torch.preserve_format), as the launcher wants
     lse = torch.full((B, H, T), float("nan"), device="cuda")
-    G.flash_attention_fwd_gluon(q, k, v, causal, o=o, lse=lse)
+    G.flash_attention_fwd_gluon(q, k, v, causal, o=o, lse=lse, variant=variant)
     o_ref, lse_ref = FA.flash_attention_fwd_ref(q.double(), k.double(), v.double(), causal)
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     eo, el = rel(o, o_ref), rel(lse, lse_ref)
     assert eo < 1e-2 and el < 1e-5, (eo, el)
-    o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal)
-    assert torch.equal(o, o2) and torch.equal(lse, lse2)
-    print(f"\nGPUERR gluon {v_layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} T={T} "
-          f"o={eo:.2e} lse={el:.2e}")
+    for programs in (None, 5):
+        o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal, variant=variant, programs=programs)
+        assert o2.stride() == q.stride() and torch.equal(o, o2) and torch.equal(lse, lse2), programs
+    print(f"\nGPUERR gluon {variant} {layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} "
+          f"T={T} o={eo:.2e} lse={el:.2e}")
 
 
 @pytest.mark.gpu
 def test_gpu_gluon_dispatch_and_rejects():
     """flash_attention_fwd_triton sends causal 16-bit hd128 T >= 1024 to the Gluon kernel (same numbers as
-    calling it), keeps the rest on Triton, and the Gluon launcher rejects what it cannot take."""
+    calling it, which runs the variant of VARIANT_BY_T), keeps the rest on Triton, and the Gluon launcher
+    rejects what it cannot take."""
     from xtrain.kernels import flash_attention_gluon as G
 
     q, k, v, _ = rand_qkv(1, 4, 2, 1024, 128, dtype=torch.bfloat16, device="cuda", seed=3)
     o, lse = FA.flash_attention_fwd_triton(q, k, v, True)
     o_g, lse_g = G.flash_attention_fwd_gluon(q, k, v, True)
     assert torch.equal(o, o_g) and torch.equal(lse, lse_g)
+    o_v, _ = G.flash_attention_fwd_gluon(q, k, v, True, variant=G.pick_variant(128, 1024))
+    assert torch.equal(o, o_v)
     FA.FWD_GLUON = False
     try:
         o_t, _ = FA.flash_attention_fwd_triton(q, k, v, True)
@@ -340,18 +349,35 @@ def test_gpu_gluon_dispatch_and_rejects():
         with pytest.raises(ValueError, match="flash_attention_fwd_gluon"):
             kk = k[..., :bad.shape[2], :bad.shape[3]].to(bad.dtype).contiguous()
             G.flash_attention_fwd_gluon(bad.contiguous(), kk, kk)
+    with pytest.raises(ValueError, match="unknown variant"):
+        G.flash_attention_fwd_gluon(q, k, v, True, variant="pers_n64")
 
 
-def test_gluon_forward_compiles_for_sm90():
-    """No GPU needed: the Gluon kernel compiles for sm_90 with the installed Triton (both head dims, both K/V
-    layouts) and uses what it is built on: wgmma, TMA bulk copies, setmaxnreg of the warp specialisation."""
+def test_gluon_forward_variant_table():
+    """No GPU needed: VARIANT_BY_T names a variant for every (head dim, T) the kernels take, the one its
+    comment cites (hd128: pp up to 1k, q2pp above; hd64: q2), and the tests cover every variant."""
+    G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
+    assert sorted(G.VARIANTS) == sorted(GLUON_VARIANTS)
+    assert set(G.VARIANT_BY_T) == set(G.HEAD_DIMS)
+    for D in G.HEAD_DIMS:
+        for T in (128, 1024, 1152, 2048, 16384, 1 << 20):
+            assert G.pick_variant(D, T) in G.VARIANTS
+    assert [G.pick_variant(128, T) for T in (128, 1024, 1152, 16384)] == ["pp", "pp", "q2pp", "q2pp"]
+    assert {G.pick_variant(64, T) for T in (128, 1024, 16384)} == {"q2"}
+
+
+@pytest.mark.parametrize("variant", GLUON_VARIANTS)
+def test_gluon_forward_compiles_for_sm90(variant):
+    """No GPU needed: each Gluon forward variant compiles for sm_90 with the installed Triton (both head dims,
+    causal and not, both K/V layouts) and uses what it is built on: wgmma, TMA bulk copies, setmaxnreg of
+    the warp specialisation, mbarrier waits."""
     G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
     if not G.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon Hopper module")
-    for D, bthd in ((64, False), (128, True)):
-        ptx = G.compile_sm90(D, True, transposed_kv=bthd).asm["ptx"]
+    for D, causal, bthd in ((64, False, False), (128, True, True)):
+        ptx = G.compile_sm90(D, causal, transposed_kv=bthd, variant=variant).asm["ptx"]
         for instr in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
-            assert instr in ptx, (D, instr)
+            assert instr in ptx, (variant, D, instr)
 
 
 @pytest.mark.gpu

@@ -56,7 +56,9 @@ Ideas used in the Triton kernels, with their record on Hopper:
   * The backward's dK/dV and dQ kernels run concurrently on two CUDA streams (+2-5 % on the H200).
   * On Hopper the causal 16-bit forward at the lengths of ``GLUON_FWD_MIN_T`` runs a Gluon kernel instead
     (flash_attention_gluon.py: FlashAttention-3's warp specialisation, a TMA producer warp and two
-    consumer warpgroups overlapping softmax with async wgmma), which plain Triton 3.6 could not express.
+    consumer warpgroups overlapping softmax with async wgmma, persistent over (query tile, head) items),
+    which plain Triton 3.6 could not express; so does the hd128 backward at ``GLUON_BWD_MIN_T``
+    (flash_attention_gluon_bwd.py: the same two-kernel split as here, warp-specialised).
 fp32 inputs use exact fp32 dots (``input_precision="ieee"``, matching torch's default of no TF32); bf16/fp16
 inputs feed the tensor cores with 16-bit operands and accumulate in fp32 (P and dS are rounded to the
 input dtype before their matrix products, as in FlashAttention).
@@ -760,12 +762,13 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
 
 # Run the backward's dQ kernel on a second CUDA stream, concurrently with the dK/dV kernel.
 BWD_TWO_STREAMS = True
-# The causal 16-bit forward goes to the Gluon kernel (flash_attention_gluon.py: warp-specialised, Hopper
-# only) from these sequence lengths on, by head dim, where it measured faster than the Triton kernel on the
-# H200 (bench/RESULTS.md: hd128 0.88-1.06x cuDNN against 0.78-0.91x; hd64 from 4k on, 0.95-1.04x against
-# 0.93-0.96x). FWD_GLUON = False keeps every call on the Triton kernel (the bench compares the two).
+# The causal 16-bit forward goes to the Gluon kernels (flash_attention_gluon.py: warp-specialised,
+# persistent, Hopper only) from these sequence lengths on, by head dim, where they measured faster than the
+# Triton kernel on the H200 (bench/RESULTS.md, T = 1k-16k: hd128 1.02-1.12x cuDNN against 0.80-0.90x; hd64
+# 0.94-1.05x against 0.86-0.96x). Shorter T was not measured and stays on Triton. FWD_GLUON = False keeps
+# every call on the Triton kernel (the bench compares the two).
 FWD_GLUON = True
-GLUON_FWD_MIN_T = {64: 4096, 128: 1024}
+GLUON_FWD_MIN_T = {64: 1024, 128: 1024}
 # The causal 16-bit backward goes to the Gluon two-kernel backward (flash_attention_gluon_bwd.py) for hd128
 # from T = 1024 (H200: 0.90-1.06x cuDNN against the Triton kernel's 0.76-0.92x); hd64 stays on Triton, which
 # measured faster there (0.90-1.06x against 0.82-0.92x). BWD_GLUON = False keeps every call on Triton.

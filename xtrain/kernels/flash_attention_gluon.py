@@ -1,47 +1,85 @@
-"""Flash-attention forward for Hopper (sm_90) in Gluon: warp-specialised, TMA-fed, async wgmma.
+"""Flash-attention forward for Hopper (sm_90) in Gluon: persistent, warp-specialised, TMA-fed, async wgmma.
 
 Same contract as ``flash_attention.flash_attention_fwd_triton`` (q [B, H, T, D], k/v [B, Hkv, T, D], query
 head h reads K/V head h // (H // Hkv); returns o in q.dtype and lse [B, H, T], the natural-log row
 logsumexp in fp32), for what it takes: bf16/fp16, D in (64, 128), T a multiple of 128, on an sm_90 GPU.
 ``flash_attention.flash_attention_fwd_triton`` sends such calls here where it measured faster (its
-``GLUON_FWD`` table); everything else stays on the Triton kernel. The oracle is the plain-torch tiled
+``GLUON_FWD_MIN_T`` table); everything else stays on the Triton kernel. The oracle is the plain-torch tiled
 reference of the same algorithm, ``flash_attention_fwd_ref`` (``reference`` below is that function).
 
 Gluon (``triton.experimental.gluon``, shipped with Triton >= 3.5) is Triton's lower-level dialect: the
 kernel states its own register layouts, shared-memory allocations, TMA copies, mbarriers, warpgroup MMAs
-and warp specialisation, which plain Triton decides for itself. It has no CPU interpreter, so this kernel
-is checked on the GPU only (tests/test_flash_attention.py, ``gpu``); on CPU the tests compile it for
-sm_90 (no GPU needed) so a Triton upgrade that breaks it shows up in CI.
+and warp specialisation, which plain Triton decides for itself. It has no CPU interpreter, so these kernels
+are checked on the GPU only (tests/test_flash_attention.py, ``gpu``); on CPU the tests compile every variant
+for sm_90 (no GPU needed) so a Triton upgrade that breaks one shows up in CI.
 
-Design, after FlashAttention-3 (Shah, Bikshandi, Zhang, Thakkar, Ramani & Dao, 2024), in the idioms of the
-Gluon tutorials of the Triton repository (TMA, wgmma, warp specialisation). One program owns BLOCK_M = 128
-query rows of one (batch, head) and runs three partitions:
-  * a producer warp (24 registers) that issues every TMA copy: the two 64-row halves of the Q tile once,
-    then the K and V tiles of the program's causal range into a STAGES-deep ring of shared-memory slots,
-    each slot guarded by a "full" mbarrier (TMA transaction bytes) and an "empty" one (released by both
-    consumers);
+Design, after FlashAttention-3 (Shah, Bikshandi, Zhang, Thakkar, Ramani & Dao, 2024: producer/consumer
+warpgroups, intra-warpgroup overlap, ping-pong scheduling, a persistent tile scheduler), in the idioms of
+the Gluon tutorials of the Triton repository (TMA, wgmma, warp specialisation, persistent kernels); the
+code is this project's own. A work item is BLOCK_M = 128 query rows of one (batch, head); three partitions
+share it:
+  * a producer warp (24 registers) that issues every TMA copy: the two 64-row halves of the Q tile, then
+    the K and V tiles of the item's causal range into a STAGES-deep ring of shared-memory slots, each slot
+    guarded by a "full" mbarrier (TMA transaction bytes) and an "empty" one (released by both consumers);
   * two consumer warpgroups (4 warps each, up to 232 registers), one per 64-row half of the query tile.
     Each runs the online softmax of FlashAttention in the base-2 domain (log2(e) folded into the scale,
-    exp2 throughout) and overlaps it with the tensor cores: iteration j issues S_j = Q K_jᵀ and then
+    exp2 throughout) and overlaps it with the tensor cores: step j issues S_j = Q K_jᵀ and then
     O += P_{j-1} V_{j-1} as async wgmmas, retires S_j alone (wgmma groups retire in order), computes the
     softmax of S_j while P·V still runs, then retires P·V and rescales O. P is rounded to 16 bits in
-    registers and fed to the P·V wgmma as its register operand: it never touches shared memory. Being
-    separate partitions, the two warpgroups drift apart, so one's softmax overlaps the other's wgmmas
-    (FA3 enforces that ping-pong with named barriers; this kernel lets it happen).
-  * Causal: the K/V tiles left of the diagonal run unmasked; only tiles that meet the diagonal pay for the
-    mask; query tiles are launched heaviest first. The output is normalised in registers, written into the
-    consumer's (dead) Q slot and stored by TMA.
+    registers and fed to the P·V wgmma as its register operand: it never touches shared memory.
+  * Causal: the K/V tiles left of the diagonal run unmasked; only the tile on the diagonal pays for the
+    mask. The output is normalised in registers and leaves by a TMA store; lse by plain stores.
+
+Two kernels run that design (``VARIANTS``):
+  lib   one program per item, grid (T / 128, B·H), heaviest query tiles first; O leaves through the (dead)
+        Q slot. Every program pays its prologue (barrier init, partition start, the Q load, the first K/V
+        tiles) and epilogue with nothing to overlap them, which costs at short T (T = 1k: 1..8 K/V tiles
+        per item).
+  pers  PERSISTENT: grid = the number of SMs; each program walks a static list of items, and the mbarrier
+        phases run on across items: the K/V ring keeps one running tile counter t (slot t % STAGES, phase
+        (t // STAGES) & 1) in the producer and both consumers; Q has its own full/empty pair and is
+        released as soon as the item's last S = Q Kᵀ has retired, so the producer loads the next item's Q
+        and K/V while the consumers finish the last P·V and the epilogue; O leaves through a buffer of its
+        own whose TMA store is waited for only before that buffer is written again, one item later.
+        Schedule: with n_m = T / 128 query tiles, the items of a head are ordered heaviest/lightest
+        alternately (tiles n_m-1, 0, n_m-2, 1, ...), heads one after another; the list is cut into pairs of
+        consecutive items (causal: every pair costs n_m + 1 K/V tiles) and pair k goes to program k mod G.
+        Pairs of equal cost make the static round-robin balanced (FA3 uses a dynamic scheduler with an
+        atomic counter instead) and deterministic; head-major order keeps the G programs in flight on
+        about G / (n_m / 2) consecutive heads, so a head's K/V comes from DRAM about once and from L2 for
+        its other query tiles (a tile-major order would sweep 128 MB of K/V between two reads of one head
+        at the bench shapes, against 50 MB of L2).
+  q2    pers with two Q buffers: the next item's Q lands while the current item still runs (hd128: 224 KB
+        of shared memory, just under the 227 KB limit).
+  pp    pers with FA3's enforced ping-pong of the two consumer warpgroups: one issues its wgmmas while the
+        other runs its softmax. Gluon 3.6 exposes no named barrier (bar.sync id), so the hand-off is two
+        mbarriers (count 1): a warpgroup waits on its own before issuing a step's wgmmas and arrives on the
+        other's once they are issued; warpgroup 0 starts on the free "previous phase" of a fresh barrier.
+        Each item takes n + 1 steps (S_0 | S_j + P_{j-1}V_{j-1}, j = 1..n-1 | P_{n-1}V_{n-1}) in both
+        warpgroups, so the alternation holds across items. (lib and pers let the warpgroups drift apart
+        instead, which overlaps them less reliably.)
+  q2pp  both.
+The schedule and the barrier protocol were replayed on CPU before the first GPU run (bench/gluon_flash_fwd.py
+--replay: random interleavings and TMA latencies, coverage, balance, negative controls).
+
+H200, causal bf16, B·T = 16k, H·D = 2048, TFLOP/s ratio to cuDNN at T = 1k / 2k / 4k / 8k / 16k
+(bench/RESULTS.md, third round; the spread between processes is up to ~0.1 at short T):
+  hd64:  lib 0.78/0.90/0.92/0.97/1.03  pers 0.86/0.96/0.96/0.99/1.03  q2 0.94/1.02/0.97/0.98/1.05
+         pp 0.91/0.99/0.95/0.99/1.02  q2pp 0.93/1.02/0.97/0.91/0.93  (Triton kernel 0.86/0.91/0.88/0.92/0.96)
+  hd128: lib 0.89/0.94/1.07/1.06/1.08  pers 0.77/1.08/1.07/1.09/1.06  q2 0.69/1.07/1.06/1.09/1.07
+         pp 1.02/1.09/1.07/1.08/1.07  q2pp 0.68/1.12/1.12/1.10/1.09  (Triton kernel 0.82/0.80/0.84/0.90/0.90)
+so ``VARIANT_BY_T`` picks q2 at hd64 (ahead of the Triton kernel at every T) and, at hd128, pp up to T = 1k
+and q2pp above (at hd128 T = 1k both two-Q-buffer variants fall to 0.68-0.69x; the cause was not
+profiled). Measured and slower (code in git history): one 8-warp consumer partition (0.62-0.87x), no warp
+specialisation with and without the wgmma/softmax overlap (0.63-0.91x), 64-wide K/V tiles in the per-item
+kernel (0.62-0.96x) and in the persistent one (4 slots, 0.73-0.99x; bench/gluon_flash_fwd.py at commit
+7e733b1). Not tried: FA3's 176/192-wide K/V tiles at hd128 (Gluon's TensorDescriptor and register tensors
+want power-of-two shapes; it would take S as two wgmmas over three 64-row copies per tile).
+
 Tensor layouts: the TMA descriptors are 2-D row views. A contiguous [B, Hx, T, D] tensor is the view
 [B·Hx·T, D] (row of (b, h, t) = (b·Hx + h)·T + t, column 0); a [B, T, Hx, D] tensor seen as [B, Hx, T, D]
 through a transpose (the model's v) is the view [B·T, Hx·D] (row b·T + t, column h·D). Either way a
 tile of 64 or 128 rows never straddles two heads, since T is a multiple of 128.
-
-H200, causal bf16, B·T = 16k, H·D = 2048 (bench/RESULTS.md, 2026-11-29): hd128 0.88 / 0.95 / 0.94 / 1.00
-/ 1.06x cuDNN at T = 1k / 2k / 4k / 8k / 16k (the Triton kernel: 0.81 / 0.82 / 0.78 / 0.85 / 0.91); hd64
-with a 3-slot ring 0.75 / 0.85 / 0.95 / 0.98 / 1.04 (Triton: 0.86 / 0.88 / 0.93 / 0.93 / 0.96). Measured
-and slower (code in git history, bench/gluon_flash_fwd.py at commit 8c4a983): one 8-warp consumer
-partition (0.62-0.87x), no warp specialisation with and without the wgmma/softmax overlap (0.63-0.91x),
-64-wide K/V tiles (0.62-0.96x).
 """
 
 from __future__ import annotations
@@ -71,12 +109,13 @@ from xtrain.kernels.flash_attention import flash_attention_fwd_ref  # noqa: E402
 
 reference = flash_attention_fwd_ref  # the oracle: the plain-torch tiled reference of the same algorithm
 
-BLOCK_M = 128  # query rows per program (two warpgroups of 64)
+BLOCK_M = 128  # query rows per work item (two warpgroups of 64)
 HALF_M = 64
+BLOCK_N = 128  # K/V rows per tile
 HEAD_DIMS = (64, 128)
 CONSUMER_REGS = 232  # registers per thread of the second consumer partition (setmaxnreg)
 PRODUCER_REGS = 24
-LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634  # 1 / ln 2
 
 if HAVE_GLUON:
     # Gluon renamed a few builtins after 3.6; module-level aliases resolve as globals inside @gluon.jit
@@ -95,6 +134,27 @@ if HAVE_GLUON:
         return s_layout, o_layout
 
     @gluon.jit
+    def _tile_coords(bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr):
+        """Descriptor coordinates of item (query tile pid_m, batch·head bh): row b·rb + h·rh + t, column h·ch
+        (q and o share a layout; k and v share one). Returns (start_m, q_row, q_col, kv_row0, kv_col,
+        lse_row, n_tiles), n_tiles = the K/V tiles the item reads (causal: up to its diagonal)."""
+        off_b = bh // H
+        off_h = bh % H
+        off_hk = off_h // GROUP
+        start_m = pid_m * (2 * HALF_ROWS)
+        q_row = off_b * q_rb + off_h * q_rh + start_m
+        q_col = off_h * q_ch
+        kv_row0 = off_b * kv_rb + off_hk * kv_rh
+        kv_col = off_hk * kv_ch
+        lse_row = bh.to(gl.int64) * T + start_m
+        if CAUSAL:
+            n_tiles = (start_m + 2 * HALF_ROWS) // BLOCK_N
+        else:
+            n_tiles = T // BLOCK_N
+        return start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles
+
+    @gluon.jit
     def _softmax_tile(s, m_i, l_i, qk_scale, start_m, start_n, s_layout: gl.constexpr, ROWS: gl.constexpr,
                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
         """One online-softmax step on the unscaled fp32 scores s = Q K_jᵀ. Returns (p, m, l, alpha): m in
@@ -111,34 +171,55 @@ if HAVE_GLUON:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _consumer_loop(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, n_tiles, qk_scale, start_m,
-                       s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
-                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr):
-        """Iteration j: issue S_j = Q K_jᵀ, issue O += P_{j-1} V_{j-1}; wait(1) retires S_j only, so the
-        softmax of S_j overlaps the P·V wgmma; wait(0) retires P·V, then O is rescaled to the new max.
-        A slot's empty barrier is arrived on once the wgmma that read it has retired."""
+    def _pp_enter(sched, step, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: wait for this warpgroup's turn to issue wgmmas. Warpgroup 0 waits on parity
+        (step & 1) ^ 1 (its first wait passes on the fresh barrier), warpgroup 1 on step & 1."""
+        if PINGPONG:
+            mbarrier.wait(sched.index(HALF), (step & 1) ^ (1 - HALF))
+
+    @gluon.jit
+    def _pp_leave(sched, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(sched.index(1 - HALF), count=1)  # the other warpgroup's turn
+
+    @gluon.jit
+    def _consumer_loop(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles,
+                       qk_scale, start_m, s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       HALF: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr):
+        """One warpgroup's pass over an item's n_tiles K/V tiles, ring tiles t0 .. t0 + n_tiles - 1 (slot
+        t % STAGES, phase (t // STAGES) & 1). Step j issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; wait(1)
+        retires S_j only, so the softmax of S_j overlaps the P·V wgmma; wait(0) retires P·V, then O is
+        rescaled to the new max. A slot's empty barrier is arrived on once the wgmma that read it retired.
+        PINGPONG: steps sc0 .. sc0 + n_tiles take turns with the other warpgroup (``_pp_enter``). RELEASE_Q:
+        arrive on q_empty once the last Q Kᵀ has retired (the persistent kernel's next Q may land)."""
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         m_i = gl.full([HALF_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.full([HALF_ROWS], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([HALF_ROWS, HEAD_DIM], gl.float32, o_layout)
         s_zero = gl.zeros([HALF_ROWS, BLOCK_N], gl.float32, s_layout)
 
-        mbarrier.wait(k_full.index(0), 0)  # tile 0: scores and softmax only
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        slot = t0 % STAGES  # step 0: scores and softmax only
+        _pp_enter(sched, sc0, HALF, PINGPONG)
+        mbarrier.wait(k_full.index(slot), (t0 // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _pp_leave(sched, HALF, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(slot), count=1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, 0, s_layout, HALF_ROWS, BLOCK_N, CAUSAL)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_tiles):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_full.index(slot), (j // STAGES) & 1)
+            t = t0 + j
+            slot = t % STAGES
+            prev = (t - 1) % STAGES
+            _pp_enter(sched, sc0 + j, HALF, PINGPONG)
+            mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
             s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
-            mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
+            mbarrier.wait(v_full.index(prev), ((t - 1) // STAGES) & 1)
             o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+            _pp_leave(sched, HALF, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, s_layout, HALF_ROWS,
@@ -149,53 +230,82 @@ if HAVE_GLUON:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p16 = p16_next
 
-        last = (n_tiles - 1) % STAGES
-        mbarrier.wait(v_full.index(last), ((n_tiles - 1) // STAGES) & 1)
+        if RELEASE_Q:  # every Q Kᵀ wgmma of the item has retired
+            mbarrier.arrive(q_empty, count=1)
+        t_last = t0 + n_tiles - 1
+        last = t_last % STAGES
+        _pp_enter(sched, sc0 + n_tiles, HALF, PINGPONG)
+        mbarrier.wait(v_full.index(last), (t_last // STAGES) & 1)
         o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+        _pp_leave(sched, HALF, PINGPONG)
         acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
         mbarrier.arrive(v_empty.index(last), count=1)
         return acc, m_i, l_i
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-                  q_row, q_col, kv_row0, kv_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The TMA warp: both Q halves, then every K/V tile, each into its ring slot once both consumers
-        have released the slot's previous tile."""
+    def _epilogue(acc, m_i, l_i, o_buf, o_desc, o_row, o_col, lse_ptr, lse_row, s_layout: gl.constexpr,
+                  o_layout: gl.constexpr, dtype: gl.constexpr):
+        """o = acc / l through the shared buffer o_buf and a TMA store (left in flight: the caller waits),
+        lse = (m + log2 l) · ln 2 by plain stores."""
+        o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+        o_buf.store(o.to(dtype))
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(o_desc, [o_row, o_col], o_buf)
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # ln 2
+        offs = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, s_layout))
+        gl.store(lse_ptr + lse_row + offs, lse)
+
+    @gluon.jit
+    def _load_item(q_desc, k_desc, v_desc, q_lo, q_hi, q_bar, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
+                   q_row, q_col, kv_row0, kv_col, t0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The producer's work for one item: both Q halves (q_bar counts their bytes), then every K/V tile
+        into its ring slot (running tile t0 + j) once both consumers have released the slot's last tile."""
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-        _tma_load(q_desc, [q_row + HALF_ROWS, q_col], q_bar, q_smem.index(1))
-        for t in range(n_tiles):
+        _tma_load(q_desc, [q_row, q_col], q_bar, q_lo)
+        _tma_load(q_desc, [q_row + HALF_ROWS, q_col], q_bar, q_hi)
+        for j in range(n_tiles):
+            t = t0 + j
             slot = t % STAGES
             phase = ((t // STAGES) & 1) ^ 1  # the first lap passes on the fresh barriers
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [kv_row0 + t * BLOCK_N, kv_col], k_full.index(slot), k_smem.index(slot))
+            _tma_load(k_desc, [kv_row0 + j * BLOCK_N, kv_col], k_full.index(slot), k_smem.index(slot))
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [kv_row0 + t * BLOCK_N, kv_col], v_full.index(slot), v_smem.index(slot))
+            _tma_load(v_desc, [kv_row0 + j * BLOCK_N, kv_col], v_full.index(slot), v_smem.index(slot))
+
+    @gluon.jit
+    def _init_ring(k_full, v_full, k_empty, v_empty, STAGES: gl.constexpr):
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_full.index(i), count=1)
+            mbarrier.init(v_full.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(v_empty.index(i), count=2)
+
+    # ---- lib: one program per item ------------------------------------------------------------------------
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+                  q_row, q_col, kv_row0, kv_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        _load_item(q_desc, k_desc, v_desc, q_smem.index(0), q_smem.index(1), q_bar, k_smem, v_smem, k_full, v_full,
+                   k_empty, v_empty, q_row, q_col, kv_row0, kv_col, 0, n_tiles, BLOCK_N, STAGES)
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, o_desc, lse_ptr, q_row, q_col,
                   lse_row, n_tiles, qk_scale, start_m, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr):
-        """One warpgroup: query rows [start_m + 64·HALF, +64) of the program's 128. Both consumers walk all
-        n_tiles K/V tiles; then o = acc / l through the Q slot and a TMA store, lse = (m + log2 l) · ln 2."""
+        """One warpgroup: query rows [start_m + 64·HALF, +64) of the program's 128; O leaves through the
+        warpgroup's (dead) Q half."""
         layouts: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
         q_half = q_smem.index(HALF)
         mbarrier.wait(q_bar, 0)
-        acc, m_i, l_i = _consumer_loop(q_half, k_smem, v_smem, k_full, v_full, k_empty, v_empty, n_tiles,
-                                       qk_scale, start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM,
-                                       BLOCK_N, STAGES, CAUSAL)
-        o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
-        q_half.store(o.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(o_desc, [q_row + HALF * HALF_ROWS, q_col], q_half)
-        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-        offs = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, s_layout))
-        gl.store(lse_ptr + lse_row + HALF * HALF_ROWS + offs, lse)
+        acc, m_i, l_i = _consumer_loop(q_half, k_smem, v_smem, k_full, v_full, k_empty, v_empty, None, None, 0, 0,
+                                       n_tiles, qk_scale, start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype,
+                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HALF, False, False)
+        _epilogue(acc, m_i, l_i, q_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr,
+                  lse_row + HALF * HALF_ROWS, s_layout, o_layout, dtype)
         tma.store_wait(0)
 
     @gluon.jit
@@ -204,26 +314,13 @@ if HAVE_GLUON:
                                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                 CAUSAL: gl.constexpr):
         """Program (query tile, batch·head). num_warps = 4: the default partition is consumer warpgroup 0,
-        the workers are consumer warpgroup 1 and the producer warp. Descriptor rows/columns of (b, h, t):
-        row b·rb + h·rh + t, column h·ch (q and o share a layout; k and v share one)."""
+        the workers are consumer warpgroup 1 and the producer warp."""
         dtype: gl.constexpr = q_desc.dtype
         pid_m = gl.program_id(0)
-        off_bh = gl.program_id(1)
         if CAUSAL:  # heaviest query tiles first: the short diagonal programs fill the tail of the grid
             pid_m = gl.num_programs(0) - 1 - pid_m
-        off_b = off_bh // H
-        off_h = off_bh % H
-        off_hk = off_h // GROUP
-        start_m = pid_m * (2 * HALF_ROWS)
-        q_row = off_b * q_rb + off_h * q_rh + start_m
-        q_col = off_h * q_ch
-        kv_row0 = off_b * kv_rb + off_hk * kv_rh
-        kv_col = off_hk * kv_ch
-        lse_row = off_bh.to(gl.int64) * T + start_m
-        if CAUSAL:
-            n_tiles = (start_m + 2 * HALF_ROWS) // BLOCK_N
-        else:
-            n_tiles = T // BLOCK_N
+        start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
+            gl.program_id(1), pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [2, HALF_ROWS, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -234,11 +331,7 @@ if HAVE_GLUON:
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_full.index(i), count=1)
-            mbarrier.init(v_full.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-            mbarrier.init(v_empty.index(i), count=2)
+        _init_ring(k_full, v_full, k_empty, v_empty, STAGES)
         fence_async_shared()
 
         gl.warp_specialize([
@@ -250,6 +343,115 @@ if HAVE_GLUON:
                          q_row, q_col, kv_row0, kv_col, n_tiles, BLOCK_N, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])  # worker_num_regs: required by Gluon 3.6
 
+    # ---- pers, q2, pp, q2pp: persistent programs ----------------------------------------------------------
+    @gluon.jit
+    def _n_local(pid, n_prog, U):
+        """Items of program pid: it owns pairs k = pid, pid + n_prog, ... of the U items (pair k = items 2k,
+        2k + 1); the last pair is a single item when U is odd. The host launches n_prog <= pairs."""
+        n_pairs = (U + 1) // 2
+        m_count = (n_pairs - pid + n_prog - 1) // n_prog
+        last = pid + (m_count - 1) * n_prog
+        return 2 * m_count - (U % 2) * (last == n_pairs - 1).to(gl.int32)
+
+    @gluon.jit
+    def _item(idx, pid, n_prog, n_m):
+        """(batch·head, query tile) of the program's idx-th item: global item u = 2·(pid + (idx // 2)·n_prog)
+        + idx % 2, head u // n_m, and the r-th tile of the order n_m-1, 0, n_m-2, 1, ... (r = u % n_m)."""
+        u = 2 * (pid + (idx // 2) * n_prog) + idx % 2
+        r = u % n_m
+        odd = r % 2
+        return u // n_m, odd * (r // 2) + (1 - odd) * (n_m - 1 - r // 2)
+
+    @gluon.jit
+    def _pers_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
+                       v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr):
+        """The TMA warp: per item, both Q halves into Q slot idx % NUM_Q once both consumers released it,
+        then the item's K/V tiles into the ring (running counter t, continued across items)."""
+        t = pid * 0
+        for idx in range(_n_local(pid, n_prog, U)):
+            bh, pid_m = _item(idx, pid, n_prog, n_m)
+            start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
+                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL)
+            qs = idx % NUM_Q
+            mbarrier.wait(q_empty.index(qs), ((idx // NUM_Q) & 1) ^ 1)  # first use passes on a fresh barrier
+            _load_item(q_desc, k_desc, v_desc, q_smem.index(2 * qs), q_smem.index(2 * qs + 1), q_full.index(qs),
+                       k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_row, q_col, kv_row0, kv_col, t, n_tiles,
+                       BLOCK_N, STAGES)
+            t += n_tiles
+
+    @gluon.jit
+    def _pers_consumer(q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
+                       o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
+                       kv_ch, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
+                       HALF: gl.constexpr):
+        """Consumer warpgroup HALF: query rows 64·HALF .. +64 of every item of the program."""
+        layouts: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM)
+        s_layout: gl.constexpr = layouts[0]
+        o_layout: gl.constexpr = layouts[1]
+        o_half = o_smem.index(HALF)
+        t = pid * 0  # running K/V tile counter (ring slot and phase), continued across items
+        sc = pid * 0  # running ping-pong step counter: n_tiles + 1 steps per item
+        for idx in range(_n_local(pid, n_prog, U)):
+            bh, pid_m = _item(idx, pid, n_prog, n_m)
+            start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
+                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL)
+            qs = idx % NUM_Q
+            mbarrier.wait(q_full.index(qs), (idx // NUM_Q) & 1)
+            acc, m_i, l_i = _consumer_loop(q_smem.index(2 * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty,
+                                           v_empty, q_empty.index(qs), sched, t, sc, n_tiles, qk_scale,
+                                           start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N,
+                                           STAGES, CAUSAL, HALF, PINGPONG, True)
+            t += n_tiles
+            sc += n_tiles + 1
+            tma.store_wait(0)  # the previous item's O store must have finished reading o_half
+            _cta_barrier()
+            _epilogue(acc, m_i, l_i, o_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr,
+                      lse_row + HALF * HALF_ROWS, s_layout, o_layout, dtype)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _flash_fwd_gluon_pers_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T, U, n_m,
+                                     q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
+                                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                     CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr):
+        """Persistent program over U = B·H·n_m items (n_m = T / 128), grid <= ceil(U / 2). num_warps = 4
+        (default partition = consumer 0; workers: consumer 1 (4 warps), producer (1 warp))."""
+        dtype: gl.constexpr = q_desc.dtype
+        pid = gl.program_id(0)
+        n_prog = gl.num_programs(0)
+        q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_Q, HALF_ROWS, HEAD_DIM], q_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [2, HALF_ROWS, HEAD_DIM], o_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_full = gl.allocate_shared_memory(gl.int64, [NUM_Q, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_Q, 1], mbarrier.MBarrierLayout())
+        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_Q):
+            mbarrier.init(q_full.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        _init_ring(k_full, v_full, k_empty, v_empty, STAGES)
+        for i in gl.static_range(2):
+            mbarrier.init(sched.index(i), count=1)
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                              sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
+                              kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 0)),
+            (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                              sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
+                              kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 1)),
+            (_pers_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
+                              k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
+                              kv_ch, BLOCK_N, STAGES, CAUSAL, NUM_Q)),
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -257,7 +459,26 @@ if HAVE_GLUON:
 # host side
 # ---------------------------------------------------------------------------------------------------------
 STAGES = {64: 3, 128: 2}  # K/V ring slots by head dim (H200: hd64 gains from the third slot, hd128 does not)
-BLOCK_N = 128
+# variant -> (NUM_Q, PINGPONG) of the persistent kernel; "lib" is the one-program-per-item kernel
+VARIANTS = {"lib": None, "pers": (1, False), "q2": (2, False), "pp": (1, True), "q2pp": (2, True)}
+# The variant flash_attention_fwd_gluon runs by head dim: the first (T_max, variant) with T <= T_max. H200,
+# causal bf16, x cuDNN at T = 1k/2k/4k/8k/16k (module docstring): hd128 pp 1.02/1.09/1.07/1.08/1.07 and
+# q2pp 0.68/1.12/1.12/1.10/1.09; hd64 q2 0.94/1.02/0.97/0.98/1.05, the best or within 0.01 at every T but 8k
+# (pers 0.99 there), and ahead of the Triton kernel (0.86/0.91/0.88/0.92/0.96) everywhere.
+VARIANT_BY_T = {128: ((1024, "pp"), (math.inf, "q2pp")), 64: ((math.inf, "q2"),)}
+_NUM_SMS: dict[int, int] = {}  # CUDA device index -> SM count (the persistent grid)
+
+
+def pick_variant(D: int, T: int) -> str:
+    """The variant ``VARIANT_BY_T`` gives head dim D at sequence length T."""
+    return next(name for t_max, name in VARIANT_BY_T[D] if T <= t_max)
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
 
 
 def _row_view(x: torch.Tensor):
@@ -272,7 +493,7 @@ def _row_view(x: torch.Tensor):
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether this kernel takes these inputs: Gluon present, an sm_90 GPU, bf16/fp16, D in (64, 128), T a
+    """Whether these kernels take these inputs: Gluon present, an sm_90 GPU, bf16/fp16, D in (64, 128), T a
     multiple of 128, and q (k, v alike) in one of the two layouts of ``_row_view``."""
     if not (HAVE_GLUON and q.is_cuda) or q.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -292,17 +513,43 @@ def _desc(view: torch.Tensor, rows: int, D: int):
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
 
 
+def _launch(q, k, v, o, lse, causal: bool, scale: float, variant: str, stages: int | None, n_prog: int):
+    """(kernel, grid, runtime args, constexpr args) of ``variant``; q/k/v/o CUDA tensors, or CPU tensors
+    standing in for their shapes and strides (``compile_sm90``). n_prog: the persistent grid's cap."""
+    B, H, T, D = q.shape
+    q2, q_rb, q_rh, q_ch = _row_view(q)
+    k2, kv_rb, kv_rh, kv_ch = _row_view(k)
+    v2, o2 = _row_view(v)[0], _row_view(o)[0]
+    args = dict(q_desc=_desc(q2, HALF_M, D), k_desc=_desc(k2, BLOCK_N, D), v_desc=_desc(v2, BLOCK_N, D),
+                o_desc=_desc(o2, HALF_M, D), lse_ptr=lse, qk_scale=scale * LOG2E, H=H, GROUP=H // k.shape[1], T=T)
+    coords = dict(q_rb=q_rb, q_rh=q_rh, q_ch=q_ch, kv_rb=kv_rb, kv_rh=kv_rh, kv_ch=kv_ch)
+    consts = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N, STAGES=stages or STAGES[D], CAUSAL=bool(causal))
+    if VARIANTS[variant] is None:
+        return _flash_fwd_gluon_kernel, (T // BLOCK_M, B * H), {**args, **coords}, consts
+    n_m = T // BLOCK_M
+    U = B * H * n_m  # work items; programs take them in pairs, so more than ceil(U / 2) would idle
+    NUM_Q, PINGPONG = VARIANTS[variant]
+    grid = (max(1, min(n_prog, (U + 1) // 2)), )
+    return (_flash_fwd_gluon_pers_kernel, grid, {**args, "U": U, "n_m": n_m, **coords},
+            {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG})
+
+
 def flash_attention_fwd_gluon(q, k, v, causal: bool = True, scale: float | None = None, *, o=None, lse=None,
-                              stages: int | None = None):
+                              variant: str | None = None, stages: int | None = None, programs: int | None = None):
     """Launch the Gluon forward (callers check ``supported`` first; flash_attention_fwd_triton does). q, k, v
-    must share a dtype; ``o``/``lse``: optional output buffers, o in q's layout, lse contiguous fp32."""
+    must share a dtype; ``o``/``lse``: optional output buffers, o in q's layout, lse contiguous fp32.
+    ``variant``: a name of ``VARIANTS`` (None: ``pick_variant``); ``stages``: K/V ring slots (None:
+    ``STAGES``); ``programs``: the persistent grid (None: the device's SM count). The last three are for
+    the bench."""
     op = "flash_attention_fwd_gluon"
     if not supported(q, k, v):
         raise ValueError(f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU, D in {HEAD_DIMS}, T a multiple of "
                          f"{BLOCK_M}, contiguous or [B, T, H, D]-transposed layouts; got q {tuple(q.shape)} "
                          f"{q.dtype} strides {q.stride()}, k {tuple(k.shape)} strides {k.stride()}")
     B, H, T, D = q.shape
-    Hkv = k.shape[1]
+    variant = pick_variant(D, T) if variant is None else variant
+    if variant not in VARIANTS:
+        raise ValueError(f"{op}: unknown variant {variant!r}; have {', '.join(VARIANTS)}")
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not (s > 0.0 and math.isfinite(s)):
         raise ValueError(f"{op}: scale must be a finite number > 0, got {scale!r}")
@@ -316,21 +563,15 @@ def flash_attention_fwd_gluon(q, k, v, causal: bool = True, scale: float | None 
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     if lse.shape != (B, H, T) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"{op}: lse must be contiguous fp32 [B, H, T], got {tuple(lse.shape)} {lse.dtype}")
-    q2, q_rb, q_rh, q_ch = _row_view(q)
-    k2, kv_rb, kv_rh, kv_ch = _row_view(k)
-    v2 = _row_view(v)[0]
-    o2 = _row_view(o)[0]
-    n_stages = stages or STAGES[D]
-    grid = (T // BLOCK_M, B * H)
-    _flash_fwd_gluon_kernel[grid](
-        _desc(q2, HALF_M, D), _desc(k2, BLOCK_N, D), _desc(v2, BLOCK_N, D), _desc(o2, HALF_M, D), lse,
-        s * LOG2E, H, H // Hkv, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-        HEAD_DIM=D, BLOCK_N=BLOCK_N, STAGES=n_stages, CAUSAL=bool(causal), num_warps=4)
+    kernel, grid, args, consts = _launch(q, k, v, o, lse, causal, s, variant, stages,
+                                         programs or _num_sms(q.device))
+    kernel[grid](**args, **consts, num_warps=4)
     return o, lse
 
 
-def compile_sm90(D: int = 128, causal: bool = True, stages: int | None = None, transposed_kv: bool = False):
-    """Compile the kernel for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes): the CI
+def compile_sm90(D: int = 128, causal: bool = True, stages: int | None = None, transposed_kv: bool = False,
+                 variant: str = "lib"):
+    """Compile ``variant`` for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes): the CI
     check that a Triton upgrade has not broken it. Returns the compiled kernel (its .asm["ptx"])."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -340,12 +581,8 @@ def compile_sm90(D: int = 128, causal: bool = True, stages: int | None = None, t
     q = torch.empty(B, H, T, D, dtype=torch.bfloat16)
     kv = (torch.empty(B, T, Hkv, D, dtype=torch.bfloat16).transpose(1, 2) if transposed_kv
           else torch.empty(B, Hkv, T, D, dtype=torch.bfloat16))
-    q2, q_rb, q_rh, q_ch = _row_view(q)
-    k2, kv_rb, kv_rh, kv_ch = _row_view(kv)
-    args = dict(q_desc=_desc(q2, HALF_M, D), k_desc=_desc(k2, BLOCK_N, D), v_desc=_desc(k2, BLOCK_N, D),
-                o_desc=_desc(q2, HALF_M, D), lse_ptr=torch.empty(B, H, T), qk_scale=0.125 * LOG2E, H=H,
-                GROUP=H // Hkv, T=T, q_rb=q_rb, q_rh=q_rh, q_ch=q_ch, kv_rb=kv_rb, kv_rh=kv_rh, kv_ch=kv_ch)
-    consts = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N, STAGES=stages or STAGES[D], CAUSAL=causal)
-    sig = {a: "constexpr" if a in consts else mangle_type(args[a]) for a in _flash_fwd_gluon_kernel.arg_names}
-    src = GluonASTSource(_flash_fwd_gluon_kernel, sig, consts)
+    lse = torch.empty(B, H, T)
+    kernel, _, args, consts = _launch(q, kv, kv, q, lse, causal, D ** -0.5, variant, stages, 132)
+    sig = {a: "constexpr" if a in consts else mangle_type(args[a]) for a in kernel.arg_names}
+    src = GluonASTSource(kernel, sig, consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
