@@ -333,19 +333,22 @@ def _v_rms(N, C, dt):
     else:
         cfgs = [(None, "torch"), (None, "triton"), ((4096, 8, 2, 3), "triton"), ((4096, 8, 2, 4), "triton"),
                 ((2048, 4, 4, 3), "triton"), ((2048, 4, 4, 4), "triton"), ((1024, 1, 8, 4), "triton")]
-    # the dw pass's (partial rows per step, columns per program, warps): more programs, fewer serial steps
-    cfgs += [(None, "triton", dwc) for dwc in ((256, 32, 4), (512, 16, 4), (128, 64, 4))]
+    # the dw pass's (partial rows per step, columns per program, warps); (512, 16, 4) is the default now
+    cfgs += [(None, "triton", dwc) for dwc in ((32, 128, 4), (256, 32, 4))]
+    # 5th / 6th fields: STREAM (evict-first loads, .cs stores), INTERLEAVE (tiles pid, pid + P, ...)
     if C < 2048:
-        cfgs += [((4096, 8, 2, 3), "triton", (256, 32, 4)), ((8192, 16, 1, 3), "triton", (256, 32, 4)),
-                 ((8192, 8, 1, 3), "triton", (256, 32, 4)), ((4096, 4, 4, 3), "triton", (256, 32, 4))]
-    if K._sub_split(C) is not None:  # rows of 3 x SUB: _rms_norm_bwd_sub_kernel (BLOCK_R, warps, per SM, stages)
-        cfgs += [("sub", "triton", (512, 16, 4), sc) for sc in
-                 ((8, 8, 2, 1), (8, 8, 2, 3), (8, 8, 2, 4), (16, 8, 1, 3), (4, 4, 3, 4), (8, 4, 2, 3), (4, 4, 4, 1))]
+        cfgs += [((4096, 8, 2, 4, True), "triton"), ((4096, 8, 2, 4, False, True), "triton"),
+                 ((4096, 8, 2, 4, True, True), "triton"), ((4096, 8, 2, 5), "triton"), ((4096, 8, 3, 4), "triton"),
+                 ((2048, 4, 4, 4, True), "triton"), ((2048, 4, 4, 4, True, True), "triton"),
+                 ((2048, 4, 6, 4), "triton"), ((2048, 4, 8, 3), "triton"), ((2048, 2, 8, 4), "triton"),
+                 ((1024, 2, 12, 4), "triton"), ((1024, 1, 16, 4), "triton"), ((8192, 8, 1, 3, True), "triton"),
+                 ((8192, 16, 1, 4, True), "triton"), ((4096, 4, 4, 4, True), "triton")]
+    else:
+        cfgs += [((8192, 16, 1, 3, True), "triton"), ((8192, 16, 1, 3, False, True), "triton"),
+                 ((8192, 16, 1, 3, True, True), "triton")]
     for cfg, dw_reduce, *extra in cfgs:
-        def fn(cfg=cfg, dw_reduce=dw_reduce, dwc=(extra or [K.DW_CONFIG])[0], sub=(extra[1:] or [None])[0]):
-            cfg = None if cfg == "sub" else cfg
-            with _knob(K, "BWD_CONFIG", cfg), _knob(K, "DW_REDUCE", dw_reduce), _knob(K, "DW_CONFIG", dwc), \
-                    _knob(K, "BWD_SUB_CONFIG", sub):
+        def fn(cfg=cfg, dw_reduce=dw_reduce, dwc=(extra or [K.DW_CONFIG])[0]):
+            with _knob(K, "BWD_CONFIG", cfg), _knob(K, "DW_REDUCE", dw_reduce), _knob(K, "DW_CONFIG", dwc):
                 return K.rms_norm_bwd_triton(dy, x, w, r)
 
         def check(fn=fn):
@@ -354,8 +357,6 @@ def _v_rms(N, C, dt):
             ex, ew = _rel(dx, dx64), _rel(dw, dw64)
             return ex < _tol(dt) and ew < _tol(dt) and dw.dtype == w.dtype, f"dx {ex:.1e} dw {ew:.1e}"
         name = ("default" if cfg is None else str(cfg)) + f", dw {dw_reduce}" + (f" {extra[0]}" if extra else "")
-        if cfg == "sub":
-            name = f"3 x {C // 3} tiles {extra[1]}, dw {extra[0]}"
         yield ("rms_norm bwd", f"{N}x{C} {_name(dt)}", name, 3 * N * C * e + C * e + 4 * N, fn, check,
                lambda: K.rms_norm_bwd_ref(dy, x, w, r))
 
@@ -497,21 +498,26 @@ def _v_embedding(N, V, C, dt, smoke=False):
     oracle = _Lazy(lambda: K.embedding_bwd_ref(d.double(), ids, V))
     lbl = f"N={N} V={V} C={C} {_name(dt)}"
     bc = 1024 if e <= 2 else 512
-    z0 = "absent" if e <= 2 else "torch"  # the default's zero fill
-    # CONFIG = (CHUNK, BLOCK_C, num_warps, zero fill, int32 sort keys, index a step ahead)
-    vs = [("default", None), ("int32 sort", (16, bc, 4, z0, True, False)),
-          ("index ahead", (16, bc, 4, z0, False, True)), ("int32 sort + index ahead", (16, bc, 4, z0, True, True)),
-          ("fused zero", (16, bc, 4, "fused", False, False)),
-          ("fused zero + int32 sort + index ahead", (16, bc, 4, "fused", True, True)),
-          ("fused zero + int32 sort + index ahead, chunk 32", (32, bc, 4, "fused", True, True))]
+    # CONFIG = (CHUNK, BLOCK_C, num_warps, zero fill, sort keys, index a step ahead[, chunk body])
+    vs = [("default", None), ("fused zero + int32 sort + index ahead", (16, bc, 4, "fused", True, True))]
     if e > 2:
         vs.append(("absent zero + int32 sort + index ahead", (16, bc, 4, "absent", True, True)))
-    vs += [("store zero + int32 sort", (16, bc, 4, "store", True, e > 2)),
-           ("store zero, sort on a side stream", (16, bc, 4, "store_side", True, e > 2)),
+    vs += [("store zero, sort on a side stream", (16, bc, 4, "store_side", True, e > 2)),
            ("store zero, sort on a side stream, chunk 32", (32, bc, 4, "store_side", True, e > 2)),
-           ("store zero, sort on a side stream, chunk 8", (8, bc, 4, "store_side", True, e > 2)),
-           ("store zero, sort on a side stream, no index ahead", (16, bc, 4, "store_side", True, False)),
            ("store zero, sort on a side stream, 2048 cols w8", (16, 2048, 8, "store_side", True, e > 2))]
+    # the tile chunk body: a chunk's rows gathered at once, runs summed by an in-register scan. Its column
+    # block must be 16 bytes x 32 lanes x warps (in-thread scan): 1024 bf16 / 512 fp32 on 4 warps.
+    # Sort keys 16: int16 where V <= 65536 (fp32 case), else int32.
+    tb, tb8 = (1024, 2048) if e <= 2 else (512, 1024)
+    vs += [(f"tile, {z}, chunk {ch}, {b} cols w{w}, keys {kb}", (ch, b, w, z, kb, False, "tile"))
+           for z in ("store_side", "mark_side") for ch, b, w in ((16, tb, 4), (8, tb, 4), (16, tb8, 8), (8, tb8, 8))
+           for kb in ((16, 32) if e > 2 and z == "mark_side" and ch == 16 and w == 4 else (16,))]
+    vs += [(f"tile, {z}, chunk {ch}, {tb} cols w4, keys 16", (ch, tb, 4, z, 16, False, "tile"))
+           for z, ch in (("store", 16), ("fused", 16), ("absent", 16), ("mark_side", 4))]
+    if e > 2:
+        vs += [("tile, store_side, chunk 32, 512 cols w4, keys 16", (32, 512, 4, "store_side", 16, False, "tile")),
+               ("tile, mark_side, chunk 32, 512 cols w4, keys 16", (32, 512, 4, "mark_side", 16, False, "tile")),
+               ("walk, store_side, chunk 32, keys 16", (32, bc, 4, "store_side", 16, True))]
     for name, cfg in vs:
         def fn(cfg=cfg):
             with _knob(K, "CONFIG", cfg):
@@ -550,6 +556,19 @@ def _v_embedding(N, V, C, dt, smoke=False):
         K._embedding_bwd_merge_kernel[grid](srt, part, buf, N, C, n_chunks, CHUNK=16, BLOCK_C=bcc, num_warps=4)
     yield ("embedding bwd", lbl, "stage alone: chunk + merge kernels (ids sorted)", N * C * e, chunk_merge, ok,
            None)
+
+    def tile_merge(ch=16):
+        grid = (n_tc, (C + tb - 1) // tb)
+        K._embedding_bwd_chunk_kernel[grid](d, order, srt, buf, part, N, C, CHUNK=ch, BLOCK_C=tb, TILE=True,
+                                            num_warps=4)
+        K._embedding_bwd_merge_kernel[grid](srt, part, buf, N, C, n_tc, CHUNK=ch, BLOCK_C=tb, num_warps=4)
+    n_tc = (N + 15) // 16
+    yield ("embedding bwd", lbl, f"stage alone: tile chunk + merge kernels (ids sorted), {tb} cols w4",
+           N * C * e, tile_merge, ok, None)
+    if V <= 2**16:
+        keys16 = (flat - 2**15).to(torch.int16)
+        yield ("embedding bwd", lbl, "stage alone: torch.sort int16 keys (no cast)", 10 * N,
+               lambda: torch.sort(keys16, stable=True), ok, None)
     yield ("embedding bwd", lbl, "stage alone: torch.sort int64 ids", 16 * N,
            lambda: torch.sort(flat, stable=True), ok, None)
     yield ("embedding bwd", lbl, "stage alone: torch.sort int32 ids (+ the cast)", 12 * N,

@@ -269,11 +269,17 @@ def test_embedding_bwd_cpu(ishape, V, C):
                                     (16, 8, 4, "torch"), (4, 64, 4, "fused"), (8, 32, 4, "fused", True, True),
                                     (1, 16, 4, "absent", True, False), (16, 8, 4, "torch", False, True),
                                     (2, 16, 4, "fused", False, True), (4, 64, 4, "absent_side", True, False),
-                                    (8, 32, 4, "store", True, True), (16, 8, 4, "store_side", False, False)])
+                                    (8, 32, 4, "store", True, True), (16, 8, 4, "store_side", False, False),
+                                    (4, 64, 4, "mark_side", 16, True), (8, 32, 4, "store", 16, False, "tile"),
+                                    (16, 8, 4, "store_side", 16, False, "tile"),
+                                    (1, 16, 4, "absent", 32, False, "tile"),
+                                    (4, 64, 4, "mark_side", 16, False, "tile"), (2, 16, 4, "fused", 16, False, "tile"),
+                                    (8, 32, 4, "torch", False, False, "tile")])
 def test_embedding_bwd_tilings_cpu(config, monkeypatch):
-    """Chunk sizes and the three zero fills (torch.zeros, a zero kernel, zero tiles fused into the chunk
-    launch), int32 or int64 sort keys, the index loaded a step ahead or not, with runs of one id much
-    longer than a chunk (summed across chunks by the merge pass); bit for bit deterministic."""
+    """Chunk sizes and the zero fills (torch.zeros, zero kernels for absent rows or the whole table, zero
+    tiles fused into the chunk launch), int16 / int32 / int64 sort keys, the index loaded a step ahead or
+    not, the walk or the tile chunk body, with runs of one id much longer than a chunk (summed across
+    chunks by the merge pass); bit for bit deterministic."""
     monkeypatch.setattr(K_emb, "CONFIG", config)
     for n, V, C in ((100, 50, 9), (33, 1, 8), (40, 3, 70), (1, 4, 5)):
         ids = (torch.rand(n) ** 3 * V).long()  # Zipf-like: long runs of the small ids
@@ -284,37 +290,52 @@ def test_embedding_bwd_tilings_cpu(config, monkeypatch):
 
 
 @needs_cpu_interp
+@pytest.mark.parametrize("config", [(4, 64, 4, "store", 16, False), (8, 32, 4, "mark_side", 16, False, "tile")])
+def test_embedding_bwd_int16_keys_cpu(config, monkeypatch):
+    """int16 sort keys are ids - 32768: ids on both sides of 32767 / 32768 and at the ends of a table of
+    65536 rows, whose keys include -1 (the kernels' "no id" sentinel is applied after the bias)."""
+    monkeypatch.setattr(K_emb, "CONFIG", config)
+    V, C = 65536, 6
+    ids = torch.tensor([32767, 0, 32768, 65535, 32767, 32766, 32768, 1, 65535, 32767, 65534, 32768, 0])
+    d = torch.randn(ids.numel(), C)
+    a = K_emb.embedding_bwd_triton(d, ids, V)
+    assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
+    keys, bias, _ = K_emb._sort_keys(ids, V, 16, False)
+    assert keys.dtype == torch.int16 and bias == 2**15
+    assert K_emb._sort_keys(ids, V + 1, 16, False)[0].dtype == torch.int32  # ids past int16: int32 keys
+
+
+@needs_cpu_interp
+def test_embedding_bwd_tile_equals_walk_cpu(monkeypatch):
+    """The tile body's scan adds a run's rows in the walk's order: the two give the same bits."""
+    ids = (torch.rand(300) ** 3 * 50).long()
+    d = torch.randn(300, 70)
+    out = []
+    for body in ("walk", "tile"):
+        monkeypatch.setattr(K_emb, "CONFIG", (8, 32, 4, "store", True, False, body))
+        out.append(K_emb.embedding_bwd_triton(d, ids, 50))
+    assert torch.equal(out[0], out[1])
+
+
+@needs_cpu_interp
 @pytest.mark.parametrize("config", [(64, 4, 2, True), (64, 4, 2, False), (2048, 4, 4, True), (64, 4, 2, 3),
-                                    (2048, 4, 4, 4)])
+                                    (2048, 4, 4, 4), (64, 4, 3, 2, True), (64, 4, 3, 3, False, True),
+                                    (128, 4, 2, 4, True, True)])
 @pytest.mark.parametrize("dw_reduce", ["torch", "triton"])
 def test_rms_norm_bwd_tilings_cpu(config, dw_reduce, monkeypatch):
     _rms_bwd_cases(config, dw_reduce, monkeypatch)
 
 
-@needs_cpu_interp
-@pytest.mark.parametrize("sub", [(8, 8, 2, 3), (4, 4, 1, 1), (16, 4, 2, 2)])
-def test_rms_norm_bwd_sub_tiles_cpu(sub, monkeypatch):
-    """Rows of 3 x 2^k (384, 768, 1536) as three unpadded tiles (_rms_norm_bwd_sub_kernel); other widths in
-    the same run keep the padded kernel."""
-    monkeypatch.setattr(K_rms, "BWD_SUB_CONFIG", sub)
-    assert K_rms._sub_split(768) == (256, 3) and K_rms._sub_split(640) is None and K_rms._sub_split(1024) is None
-    for shape in ((37, 768), (5, 384), (3, 2, 1536), (9, 640)):
-        x, dy, w = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1])
-        _, r = K_rms.rms_norm_fwd_ref(x, w, 1e-6)
-        with poisoned():
-            dx, dw = K_rms.rms_norm_bwd_triton(dy, x, w, r)
-        dx0, dw0 = K_rms.rms_norm_bwd_ref(dy, x, w, r)
-        assert _max_err(dx, dx0) <= CPU_TOL and _max_err(dw, dw0) <= CPU_TOL * 10
-
-
 def _rms_bwd_cases(config, dw_reduce, monkeypatch):
-    """Hand prefetch on and off, Triton's pipelining (an int: num_stages), both dw second passes."""
+    """Hand prefetch on and off, Triton's pipelining (an int: num_stages) with contiguous or interleaved
+    tiles and streaming cache hints, both dw second passes."""
     monkeypatch.setattr(K_rms, "BWD_CONFIG", config)
     monkeypatch.setattr(K_rms, "DW_REDUCE", dw_reduce)
     for shape in ((37, 40), (9, 130), (3, 7, 64)):
         x, dy, w = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1])
         _, r = K_rms.rms_norm_fwd_ref(x, w, 1e-6)
-        dx, dw = K_rms.rms_norm_bwd_triton(dy, x, w, r)
+        with poisoned():
+            dx, dw = K_rms.rms_norm_bwd_triton(dy, x, w, r)
         dx0, dw0 = K_rms.rms_norm_bwd_ref(dy, x, w, r)
         assert _max_err(dx, dx0) <= CPU_TOL and _max_err(dw, dw0) <= CPU_TOL * 10
 
@@ -357,10 +378,10 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("sub", [(8, 8, 2, 1), (8, 8, 2, 3), (16, 8, 1, 3)])
-def test_rms_norm_bwd_sub_tiles_gpu(sub, dtype, monkeypatch):
-    monkeypatch.setattr(K_rms, "BWD_SUB_CONFIG", sub)
-    for N, C in ((4099, 768), (1000, 1536)):
+@pytest.mark.parametrize("config", [(4096, 8, 2, 4, True), (4096, 8, 2, 4, False, True), (2048, 4, 4, 4, True, True)])
+def test_rms_norm_bwd_tilings_gpu(config, dtype, monkeypatch):
+    monkeypatch.setattr(K_rms, "BWD_CONFIG", config)
+    for N, C in ((4099, 768), (1000, 1536), (333, 4096)):
         x = torch.randn(N, C, device="cuda").to(dtype)
         w = (1 + 0.1 * torch.randn(C, device="cuda")).to(dtype)
         dy = torch.randn(N, C, device="cuda").to(dtype)
@@ -504,7 +525,10 @@ def test_adamw_gpu_bit_exact():
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_embedding_bwd_gpu(dtype):
+@pytest.mark.parametrize("config", [None, (16, 1024, 4, "store_side", 16, False, "tile"),
+                                    (8, 512, 4, "mark_side", 16, False, "tile")])
+def test_embedding_bwd_gpu(dtype, config, monkeypatch):
+    monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text
     ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1).reshape(4, N // 4)
@@ -523,11 +547,13 @@ def test_embedding_bwd_side_stream_gpu(dtype, monkeypatch):
     V, C, N = 50000, 768, 8192
     ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1)
     d = torch.randn(N, C, device="cuda").to(dtype)
-    monkeypatch.setattr(K_emb, "CONFIG", (16, 512, 4, "absent", True, False))
-    one = K_emb.embedding_bwd_triton(d, ids, V)
-    for mode in ("absent_side", "store_side"):
-        monkeypatch.setattr(K_emb, "CONFIG", (16, 512, 4, mode, True, False))
+    for mode, keys, body in (("absent_side", True, "walk"), ("store_side", True, "walk"), ("store_side", 16, "tile"),
+                             ("mark_side", 16, "tile"), ("mark_side", True, "walk")):
+        # the one-stream result of the same keys and body (the tile body's scan order depends on its layout)
+        monkeypatch.setattr(K_emb, "CONFIG", (16, 512, 4, "store", keys, False, body))
+        one = K_emb.embedding_bwd_triton(d, ids, V)
+        monkeypatch.setattr(K_emb, "CONFIG", (16, 512, 4, mode, keys, False, body))
         for _ in range(3):
             with poisoned():
                 two = K_emb.embedding_bwd_triton(d, ids, V)
-                assert torch.equal(one, two), mode
+                assert torch.equal(one, two), (mode, keys, body)

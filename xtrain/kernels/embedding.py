@@ -20,6 +20,13 @@ ahead of its row (default for fp32 only; no gain measured); ``_embedding_bwd_fus
 tiles of absent rows and the chunk walks in one launch (slower: 0.497-0.514 ms bf16).
 It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which
 accumulates a whole fp32 [V, C] table instead.
+``_chunk_tile_body`` (CONFIG chunk body "tile", to be measured): a chunk's CHUNK rows gathered as one tile,
+all in flight at once, runs summed by a segmented scan held in each thread's registers (the walk waits
+on an index load per token: the chunk + merge stage alone ran at 1.5 TB/s, 0.089 ms bf16 / 0.081 fp32).
+"mark_side" zero fill: present marks first (one Triton kernel, which also writes the sort keys), then
+the sort on a side stream while only absent rows are zeroed (the whole-table store writes the rows ids
+name twice: 10% of the table at V = 128k, 30% at V = 32k). int16 sort keys (ids - 32768, V <= 65536):
+two radix passes where int32 take four.
 Measured and dropped (H200, 2026-11-29, bench/RESULTS.md): one program per run (the first version:
 0.552 ms bf16 / 0.384 ms fp32, a frequent id summed serially); a segmented-scan chunk kernel
 (tl.associative_scan over an [8, 512] tile: 0.565 / 0.239 ms) vs the running-sum walk kept here
@@ -49,8 +56,16 @@ def embedding_bwd_ref(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Te
 # ------------------------------------------------------------------------------------------------ Triton
 
 @_jit
+def _load_id(SORTED, i, ok, ID_BIAS: tl.constexpr):
+    """The table row of sorted key i as int64 (keys may be int16 ids - 32768: ID_BIAS = 32768), -1 where
+    not ok. The sentinel is applied after the bias: -1 is a valid int16 key (id 32767)."""
+    k = tl.load(SORTED + i, mask=ok, other=0)
+    return tl.where(ok, k.to(tl.int64) + ID_BIAS, -1)
+
+
+@_jit
 def _chunk_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-                IDX_AHEAD: tl.constexpr):
+                IDX_AHEAD: tl.constexpr, ID_BIAS: tl.constexpr):
     """Chunk c, column block cb: the CHUNK sorted tokens [s, e) of this chunk, walked one by one with a
     running fp32 row sum that is flushed at each run end; two rows are loaded ahead of the one being
     added, so loads stay in flight while the sum waits. IDX_AHEAD: the source index of a row is loaded
@@ -61,8 +76,8 @@ def _chunk_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.conste
     e = tl.minimum(s + CHUNK, N)
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    prev_id = tl.load(SORTED + tl.maximum(s - 1, 0), mask=s > 0, other=-1)
-    next_id = tl.load(SORTED + e, mask=e < N, other=-1)
+    prev_id = _load_id(SORTED, tl.maximum(s - 1, 0), s > 0, ID_BIAS)
+    next_id = _load_id(SORTED, e, e < N, ID_BIAS)
     src0 = tl.load(ORDER + s)
     x0 = tl.load(DOUT + src0 * C + cols, mask=cmask, other=0.0)
     src1 = tl.load(ORDER + s + 1, mask=s + 1 < e, other=0)
@@ -70,7 +85,7 @@ def _chunk_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.conste
     if IDX_AHEAD:
         src2 = tl.load(ORDER + s + 2, mask=s + 2 < e, other=0)
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    cur = tl.load(SORTED + s)
+    cur = _load_id(SORTED, s, s < N, ID_BIAS)
     run_starts_before = cur == prev_id  # the first run: does it continue a run of an earlier chunk?
     for k in range(s, e):
         x = x0
@@ -83,7 +98,7 @@ def _chunk_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.conste
             # (masks built as tensors here and above: the interpreter rejects a tensor & scalar mask)
             x1 = tl.load(DOUT + src2 * C + cols, mask=cmask & (cols * 0 + k + 2 < e), other=0.0)
         acc += x.to(tl.float32)
-        nid = tl.load(SORTED + k + 1, mask=k + 1 < N, other=-1)
+        nid = _load_id(SORTED, k + 1, k + 1 < N, ID_BIAS)
         if (nid != cur) | (k == e - 1):  # the run of ``cur`` ends here (or at the chunk's end)
             ends_after = (k == e - 1) & (cur == next_id)
             if run_starts_before:
@@ -91,18 +106,78 @@ def _chunk_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.conste
             elif ends_after:
                 tl.store(PART + (c.to(tl.int64) * 2 + 1) * C + cols, acc, mask=cmask)
             else:
-                tl.store(DTABLE + cur.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
+                tl.store(DTABLE + cur * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
             acc = tl.zeros([BLOCK_C], dtype=tl.float32)
             run_starts_before = False
             cur = nid
 
 
 @_jit
+def _seg_add(start_a, v_a, start_b, v_b):
+    """The segmented-sum combine: (run starts in b?, sum). A range in which a run starts does not take the
+    sum on its left; flags or together. Associative (the textbook segmented scan)."""
+    return start_a | start_b, tl.where(start_b != 0, v_b, v_a + v_b)
+
+
+@_jit
+def _chunk_tile_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+                     ID_BIAS: tl.constexpr):
+    """The same contract as ``_chunk_body``, with the chunk's CHUNK rows gathered as one [CHUNK, BLOCK_C]
+    tile (every load in flight at once, no per-token wait on an index) and each run summed by a
+    segmented scan over the tokens. Pick BLOCK_C = 16 bytes x 32 lanes x num_warps (1024 bf16 on 4 warps,
+    512 fp32): the tile's column extent is then exactly one pass of every lane, so each thread holds all
+    CHUNK rows of its 16 bytes and the scan is a sequential sum in its registers, with no shuffle, shared
+    memory or barrier (checked in the sm_90 PTX); the order is the walk's, ((x0 + x1) + x2) + ...
+    (The first tile kernel, 2026-11-29, scanned an [8, 512] bf16 tile on 4 warps: rows across warps, a
+    shared-memory scan, and int64 ids carried through it; it lost to the walk.)"""
+    s = c.to(tl.int64) * CHUNK
+    e = tl.minimum(s + CHUNK, N)
+    rows = s + tl.arange(0, CHUNK)  # [CHUNK]
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    rmask = rows < e
+    cmask = cols < C
+    ids = _load_id(SORTED, rows, rmask, ID_BIAS)  # [CHUNK] int64, -1 past the chunk
+    before = _load_id(SORTED, tl.maximum(rows - 1, 0), rows > 0, ID_BIAS)  # the id before each token
+    after = _load_id(SORTED, rows + 1, rows + 1 < N, ID_BIAS)  # the id after each token
+    src = tl.load(ORDER + rows, mask=rmask, other=0)  # [CHUNK] int64 row of dout
+    x = tl.load(DOUT + src[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)  # [CHUNK, BLOCK_C]
+    # run starts, int32 and broadcast over the columns (the scan takes operands of one shape; the copies
+    # along a thread's columns are one register after compilation)
+    start = ((ids != before) | (rows == s)).to(tl.int32)[:, None] + tl.zeros([CHUNK, BLOCK_C], dtype=tl.int32)
+    _, run = tl.associative_scan((start, x), 0, _seg_add)  # run[k] = the sum of k's run up to token k
+    is_end = rmask & ((ids != after) | (rows == e - 1))  # the last token of a run within this chunk
+    prev_id = _load_id(SORTED, tl.maximum(s - 1, 0), s > 0, ID_BIAS)  # the id before the chunk (-1: none)
+    next_id = _load_id(SORTED, e, e < N, ID_BIAS)  # the id after the chunk
+    first_id = _load_id(SORTED, s, s < N, ID_BIAS)
+    last_id = _load_id(SORTED, e - 1, e > 0, ID_BIAS)
+    cut_first = first_id == prev_id  # the chunk's first run began in an earlier chunk
+    cut_last = (last_id == next_id) & (last_id != prev_id)  # its last run goes on (a chunk inside one run: slot 0)
+    direct = is_end & (ids != prev_id) & (ids != next_id)  # only the first run can be prev_id's, the last next_id's
+    tl.store(DTABLE + ids[:, None] * C + cols[None, :], run.to(DTABLE.dtype.element_ty),
+             mask=direct[:, None] & cmask[None, :])
+    # the two cut runs' partials, each taken out of the tile as one row by a masked sum over the tokens
+    # (in-thread adds of zeros: exact). A 2-D fp32 store of the tile would be re-laid out through shared
+    # memory for bf16 (its 16-byte stores hold 4 fp32 where the tile's lanes hold 8 columns): 31 barriers.
+    if cut_first:
+        p0 = tl.sum(tl.where((is_end & (ids == first_id))[:, None], run, 0.0), axis=0)
+        tl.store(PART + (c.to(tl.int64) * 2) * C + cols, p0, mask=cmask)
+    if cut_last:
+        p1 = tl.sum(tl.where((rows == e - 1)[:, None], run, 0.0), axis=0)
+        tl.store(PART + (c.to(tl.int64) * 2 + 1) * C + cols, p1, mask=cmask)
+
+
+@_jit
 def _embedding_bwd_chunk_kernel(DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.constexpr,
-                                BLOCK_C: tl.constexpr, IDX_AHEAD: tl.constexpr = False):
-    """Program (chunk, column block): ``_chunk_body``."""
-    _chunk_body(tl.program_id(0), tl.program_id(1), DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK, BLOCK_C,
-                IDX_AHEAD)
+                                BLOCK_C: tl.constexpr, IDX_AHEAD: tl.constexpr = False,
+                                TILE: tl.constexpr = False, ID_BIAS: tl.constexpr = 0):
+    """Program (chunk, column block): ``_chunk_tile_body`` (TILE) or ``_chunk_body``."""
+    if TILE:
+        _chunk_tile_body(tl.program_id(0), tl.program_id(1), DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK,
+                         BLOCK_C, ID_BIAS)
+    else:
+        _chunk_body(tl.program_id(0), tl.program_id(1), DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK, BLOCK_C,
+                    IDX_AHEAD, ID_BIAS)
 
 
 @_jit
@@ -118,20 +193,26 @@ def _zero_body(z, PRESENT, DTABLE, V, C, n_zcb, BLOCK_R: tl.constexpr, BLOCK_C: 
 @_jit
 def _embedding_bwd_fused_kernel(DOUT, ORDER, SORTED, DTABLE, PART, PRESENT, N, V, C, n_cb, n_chunk_progs, n_zcb,
                                 CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, IDX_AHEAD: tl.constexpr,
-                                ZBLOCK_R: tl.constexpr, ZBLOCK_C: tl.constexpr):
+                                ZBLOCK_R: tl.constexpr, ZBLOCK_C: tl.constexpr, TILE: tl.constexpr = False,
+                                ID_BIAS: tl.constexpr = 0):
     """The chunk pass and the zero fill of absent rows in one launch (they write disjoint rows): the first
     n_chunk_progs programs are (chunk, column block) pairs, the rest zero tiles, so the latency-bound
     chunk walks run while the zero tiles stream their writes, instead of one pass after the other."""
     pid = tl.program_id(0)
     if pid < n_chunk_progs:
-        _chunk_body(pid // n_cb, pid % n_cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK, BLOCK_C, IDX_AHEAD)
+        if TILE:
+            _chunk_tile_body(pid // n_cb, pid % n_cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK, BLOCK_C,
+                             ID_BIAS)
+        else:
+            _chunk_body(pid // n_cb, pid % n_cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK, BLOCK_C,
+                        IDX_AHEAD, ID_BIAS)
     else:
         _zero_body(pid - n_chunk_progs, PRESENT, DTABLE, V, C, n_zcb, ZBLOCK_R, ZBLOCK_C)
 
 
 @_jit
 def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, C, n_chunks,
-                                CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+                                CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, ID_BIAS: tl.constexpr = 0):
     """Program (chunk, column block): if this chunk's last run starts here and continues into the next
     chunks, sum its partials in chunk order (PART[c, 1], then PART[c', 0] of every later chunk c' the
     run reaches) and write the dtable row. Fixed order: the result does not depend on scheduling."""
@@ -140,10 +221,10 @@ def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, C, n_chunks,
     e = tl.minimum(s + CHUNK, N)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    last = tl.load(SORTED + e - 1)
-    first = tl.load(SORTED + s)
-    prev_id = tl.load(SORTED + tl.maximum(s - 1, 0), mask=s > 0, other=-1)
-    next_id = tl.load(SORTED + e, mask=e < N, other=-1)
+    last = _load_id(SORTED, e - 1, e > 0, ID_BIAS)
+    first = _load_id(SORTED, s, s < N, ID_BIAS)
+    prev_id = _load_id(SORTED, tl.maximum(s - 1, 0), s > 0, ID_BIAS)
+    next_id = _load_id(SORTED, e, e < N, ID_BIAS)
     starts_here = (first != last) | (prev_id != last)
     if starts_here & (next_id == last):
         acc = tl.load(PART + (c.to(tl.int64) * 2 + 1) * C + cols, mask=cmask, other=0.0)
@@ -152,9 +233,9 @@ def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, C, n_chunks,
         while go:  # the run reaches chunk cc (its first token has id ``last``)
             acc += tl.load(PART + (cc.to(tl.int64) * 2) * C + cols, mask=cmask, other=0.0)
             cc += 1
-            nid = tl.load(SORTED + tl.minimum(cc, n_chunks - 1).to(tl.int64) * CHUNK)
+            nid = _load_id(SORTED, tl.minimum(cc, n_chunks - 1).to(tl.int64) * CHUNK, cc < n_chunks, ID_BIAS)
             go = (cc < n_chunks) & (nid == last)
-        tl.store(DTABLE + last.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
+        tl.store(DTABLE + last * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
 
 
 @_jit
@@ -175,15 +256,53 @@ def _embedding_zero_kernel(DTABLE, n, BLOCK: tl.constexpr):
     tl.store(DTABLE + offs, tl.zeros([BLOCK], dtype=DTABLE.dtype.element_ty), mask=offs < n)
 
 
-CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort32[, idx_ahead]]) override, for the bench's sweep
+@_jit
+def _embedding_keys_kernel(IDS, KEYS, PRESENT, N, ID_BIAS: tl.constexpr, MARK: tl.constexpr, BLOCK: tl.constexpr):
+    """The sort keys (ids - ID_BIAS in KEYS' dtype: int16 keys sort in two radix passes where int32 take
+    four) and, if MARK, the present marks (PRESENT[id] = 1; every writer stores the same 1, so the result
+    does not depend on their order) in one launch: torch needed a cast and an index_put."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    ids = tl.load(IDS + i, mask=m, other=0)
+    tl.store(KEYS + i, (ids - ID_BIAS).to(KEYS.dtype.element_ty), mask=m)
+    if MARK:
+        tl.store(PRESENT + ids, tl.full([BLOCK], 1, dtype=PRESENT.dtype.element_ty), mask=m)
+
+
+CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[, chunk body]]]) override, for
+# the bench's sweep.
 # zero fill: "torch" (torch.zeros first), "absent" (_embedding_zero_absent_kernel, then the chunk pass),
 # "absent_side" (the same zero kernel on a side CUDA stream, concurrent with the sort and chunk passes),
 # "store" (_embedding_zero_kernel over the whole table, then the chunk pass), "store_side" (that, with the
-# sort on a side CUDA stream meanwhile),
-# "fused" (_embedding_bwd_fused_kernel: zero tiles and chunk walks in one launch); sort32: sort the ids as
-# int32 (half the radix passes of int64 keys; ids < 2^31); idx_ahead: see _chunk_body
+# sort on a side CUDA stream meanwhile), "mark_side" (keys and present marks by _embedding_keys_kernel, then
+# the sort on a side stream while the main one zeroes only the absent rows, in ~8k-element tiles on 8 warps:
+# no row written twice, the sort still hidden), "fused" (_embedding_bwd_fused_kernel: zero tiles and chunk
+# walks in one launch).
+# sort keys: False (int64 ids), True or 32 (int32: half the radix passes of int64; ids < 2^31), 16 (int16
+# ids - 32768 where V <= 65536, else int32: half again). idx_ahead: see _chunk_body.
+# chunk body: "walk" (_chunk_body) or "tile" (_chunk_tile_body).
 # measured best on the H200 (bench/RESULTS.md), by dout element size:
 DEFAULTS = {2: (16, 1024, 4, "absent", True, False), 4: (16, 512, 4, "torch", True, True)}  # H200 sweep 2
+
+
+def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool):
+    """(keys [N] to sort, ID_BIAS, present marks or None): ids as int16 / int32 / int64 sort keys, and the
+    [V] int8 present marks if ``mark``."""
+    N = ids.numel()
+    flat = ids.reshape(-1)
+    if key_bits == 16 and V <= 2**16:
+        kdt, bias = torch.int16, 2**15  # ids - 32768 fits int16 and keeps their order
+    elif key_bits and V <= 2**31 - 1:  # True or 32
+        kdt, bias = torch.int32, 0
+    else:
+        kdt, bias = torch.int64, 0
+    if not mark and bias == 0:
+        return flat.to(kdt), 0, None
+    present = torch.zeros(V, dtype=torch.int8, device=ids.device) if mark else None
+    keys = torch.empty(N, dtype=kdt, device=ids.device)
+    _embedding_keys_kernel[(triton.cdiv(N, 1024),)](flat.contiguous(), keys, present, N, ID_BIAS=bias, MARK=mark,
+                                                    BLOCK=1024, num_warps=4)
+    return keys, bias, present
 
 
 def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
@@ -194,64 +313,70 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
     N = ids.numel()
     cfg = CONFIG if CONFIG is not None else DEFAULTS[2 if dout.element_size() <= 2 else 4]
     CHUNK, BLOCK_C, num_warps, zero = cfg[:4]
-    sort32 = bool(cfg[4]) if len(cfg) > 4 and V <= 2**31 - 1 else False
+    key_bits = cfg[4] if len(cfg) > 4 else False
     idx_ahead = bool(cfg[5]) if len(cfg) > 5 else False
-    flat = ids.reshape(-1).to(torch.int32 if sort32 else torch.int64)  # [N]
+    tile = len(cfg) > 6 and cfg[6] == "tile"
     BLOCK_C = min(BLOCK_C, triton.next_power_of_2(C))
     n_cb = triton.cdiv(C, BLOCK_C)
-    side_sort = zero == "store_side" and dout.is_cuda
     if N == 0 or zero == "torch":
         dtable = torch.zeros(V, C, dtype=dout.dtype, device=dout.device)
         if N == 0:
             return dtable
-    elif zero in ("store", "store_side"):
-        dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
-        if side_sort:  # the sort (ids only) runs on a side stream while the table is zeroed
-            main = torch.cuda.current_stream(dout.device)
-            side = side_stream(dout.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                sorted_ids, order = torch.sort(flat, stable=True)
-        _embedding_zero_kernel[(triton.cdiv(V * C, 8192),)](dtable, V * C, BLOCK=8192, num_warps=8)
-        if side_sort:
-            main.wait_stream(side)
-            for t in (sorted_ids, order):  # made on the side stream, used and freed on the main one
-                t.record_stream(main)
     else:
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
-        present = torch.zeros(V, dtype=torch.int8, device=dout.device)
-        present[flat] = 1  # every writer stores the same 1: deterministic
+    mark = zero in ("absent", "absent_side", "mark_side", "fused")
+    keys, bias, present = _sort_keys(ids, V, key_bits, mark)
+    side_sort = zero in ("store_side", "mark_side") and dout.is_cuda
+    if side_sort:  # the sort (ids only) runs on a side stream while the main one zeroes the table
+        main = torch.cuda.current_stream(dout.device)
+        side = side_stream(dout.device)
+        side.wait_stream(main)  # keys ready
+        with torch.cuda.stream(side):
+            sorted_ids, order = torch.sort(keys, stable=True)
+    if zero in ("store", "store_side"):
+        _embedding_zero_kernel[(triton.cdiv(V * C, 8192),)](dtable, V * C, BLOCK=8192, num_warps=8)
+    elif zero == "mark_side":  # ~8k-element tiles on 8 warps, the shape of the fastest whole-table store
+        zbc = min(triton.next_power_of_2(C), 4096)
+        zbr = max(1, 8192 // zbc)
+        _embedding_zero_absent_kernel[(triton.cdiv(V, zbr), triton.cdiv(C, zbc))](present, dtable, V, C,
+                                                                                  BLOCK_R=zbr, BLOCK_C=zbc,
+                                                                                  num_warps=8)
+    elif zero in ("absent", "absent_side"):
         def zero_absent():
             _embedding_zero_absent_kernel[(triton.cdiv(V, 8), n_cb)](present, dtable, V, C, BLOCK_R=8,
                                                                      BLOCK_C=BLOCK_C, num_warps=4)
-        if zero == "absent":
-            zero_absent()
-        elif zero == "absent_side" and dout.is_cuda:
+        if zero == "absent_side" and dout.is_cuda:
             # the zero tiles write only rows no id names, the chunk and merge passes only rows ids name:
             # disjoint, so the zero fill runs on a side stream while the ids are sorted and summed
             main = torch.cuda.current_stream(dout.device)
-            side = side_stream(dout.device)
-            side.wait_stream(main)  # present, dtable ready
-            with torch.cuda.stream(side):
+            zside = side_stream(dout.device)
+            zside.wait_stream(main)  # present, dtable ready
+            with torch.cuda.stream(zside):
                 zero_absent()
-        elif zero == "absent_side":
+        else:
             zero_absent()
-    if not side_sort:
-        sorted_ids, order = torch.sort(flat, stable=True)
+    if side_sort:
+        main.wait_stream(side)
+        for t in (sorted_ids, order):  # made on the side stream, used and freed on the main one
+            t.record_stream(main)
+    else:
+        sorted_ids, order = torch.sort(keys, stable=True)
     n_chunks = triton.cdiv(N, CHUNK)
     part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
     if zero == "fused":
         n_zr = triton.cdiv(V, 8)
         _embedding_bwd_fused_kernel[(n_chunks * n_cb + n_zr * n_cb,)](
             d2, order, sorted_ids, dtable, part, present, N, V, C, n_cb, n_chunks * n_cb, n_cb, CHUNK=CHUNK,
-            BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, ZBLOCK_R=8, ZBLOCK_C=BLOCK_C, num_warps=num_warps)
+            BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, ZBLOCK_R=8, ZBLOCK_C=BLOCK_C, TILE=tile, ID_BIAS=bias,
+            num_warps=num_warps)
     else:
         _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, C, CHUNK=CHUNK,
-                                                      BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, num_warps=num_warps)
+                                                      BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, TILE=tile,
+                                                      ID_BIAS=bias, num_warps=num_warps)
     _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, C, n_chunks,
-                                                  CHUNK=CHUNK, BLOCK_C=BLOCK_C, num_warps=4)
+                                                  CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias, num_warps=4)
     if zero == "absent_side" and dout.is_cuda:
-        main.wait_stream(side)  # later work on the main stream (and reuse of present's memory) after both
+        main.wait_stream(zside)  # later work on the main stream (and reuse of present's memory) after both
     return dtable
 
 

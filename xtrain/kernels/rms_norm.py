@@ -22,6 +22,11 @@ Triton kernels (CUDA; CPU through the interpreter for tests):
                            H200, 2026-11-29 (bench/RESULTS.md): one row per step, no prefetch: 48-65% of
                            copy in bf16; these tiles + hand prefetch: 68-81%; Triton-pipelined tile loads
                            (num_stages) + the dw kernel: 75-84%. Still short of 85% in bf16.
+                           DW_CONFIG (512, 16, 4) (more programs, one step each) measured best at every
+                           size: 85% 16384x4096, 80% 65536x768, 86% 8192x8192, 91% fp32.
+Measured and dropped (H200): rows of 768 = 3 x 256 held as three unpadded [BLOCK_R, 256] tiles, one warp
+per tile row (row sums by warp shuffles only, no barrier in the loop): 71-76% of copy at 65536x768 vs 80%
+for the padded [4, 1024] tile: the padding and the barrier were not what bounds it.
 """
 
 from __future__ import annotations
@@ -78,7 +83,12 @@ def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps,
 @_jit
 def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-                         STAGES: tl.constexpr = 0):
+                         STAGES: tl.constexpr = 0, STREAM: tl.constexpr = False, INTERLEAVE: tl.constexpr = False):
+    """Program pid: rows [pid * rows_per_program, ...) in [BLOCK_R, BLOCK_C] tiles, or with INTERLEAVE (the
+    pipelined path) tiles pid, pid + P, pid + 2P, ... (every program sweeps the same region of memory at
+    once, where the contiguous shares are P streams far apart); dw partial row pid either way, so the sum
+    is deterministic. STREAM: x and dy loaded evict-first and dx stored with .cs (each byte is touched
+    once: keep the L2 for the bytes still in flight)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -91,18 +101,37 @@ def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_progr
         # copies into shared memory, STAGES - 1 tiles ahead, so the bytes in flight no longer cost
         # registers (the hand prefetch below holds the next tile in registers). Checked in sm_90 PTX
         # compiled on the CPU (triton 3.9): cp.async present only with num_stages set.
-        for r0 in tl.range(row_start, row_end, BLOCK_R, num_stages=STAGES):
-            rows_s = r0 + tl.arange(0, BLOCK_R)
+        if INTERLEAVE:
+            t_first = pid
+            t_end = tl.cdiv(N, BLOCK_R)
+            t_step = tl.num_programs(0)
+            row_end = N
+        else:
+            t_first = 0
+            t_end = tl.cdiv(row_end - row_start, BLOCK_R)
+            t_step = 1
+        for t in tl.range(t_first, t_end, t_step, num_stages=STAGES):
+            if INTERLEAVE:
+                rows_s = (t * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # < N + BLOCK_R: int32 is safe
+            else:
+                rows_s = row_start + t * BLOCK_R + tl.arange(0, BLOCK_R)
             rm = rows_s < row_end
             m_s = rm[:, None] & cmask[None, :]
             o_s = rows_s[:, None] * C + cols[None, :]
-            xs = tl.load(X + o_s, mask=m_s, other=0.0).to(tl.float32)
-            dys = tl.load(DY + o_s, mask=m_s, other=0.0).to(tl.float32)
+            if STREAM:
+                xs = tl.load(X + o_s, mask=m_s, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                dys = tl.load(DY + o_s, mask=m_s, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            else:
+                xs = tl.load(X + o_s, mask=m_s, other=0.0).to(tl.float32)
+                dys = tl.load(DY + o_s, mask=m_s, other=0.0).to(tl.float32)
             rs = tl.load(INV_RMS + rows_s, mask=rm, other=0.0)
             gs = dys * w[None, :]
             dots = tl.sum(gs * xs, axis=1)
             dxs = rs[:, None] * gs - xs * ((rs * rs * rs / C) * dots)[:, None]
-            tl.store(DX + o_s, dxs.to(DX.dtype.element_ty), mask=m_s)
+            if STREAM:
+                tl.store(DX + o_s, dxs.to(DX.dtype.element_ty), mask=m_s, cache_modifier=".cs")
+            else:
+                tl.store(DX + o_s, dxs.to(DX.dtype.element_ty), mask=m_s)
             dw_acc += dys * xs * rs[:, None]
         tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, tl.sum(dw_acc, axis=0), mask=cmask)
         return
@@ -139,58 +168,6 @@ def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_progr
 
 
 @_jit
-def _rms_norm_bwd_sub_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
-                             BLOCK_R: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr, STAGES: tl.constexpr):
-    """The backward for rows three powers of two long, C = 3 * SUB (768 = 3 x 256, 1536, 3072): the row
-    is held as three [BLOCK_R, SUB] tiles (NSUB = 3; the code takes 1 to 3), so no lane is
-    masked off (a [BLOCK_R, 1024] tile wastes a quarter of its lanes on a 768 row), and with SUB = 256
-    bf16 a tile row is exactly one warp's 32 x 8 elements, so the per-row sum needs warp shuffles only,
-    no shared memory and no barrier. Same persistent rows and dw partials as _rms_norm_bwd_kernel."""
-    pid = tl.program_id(0)
-    cols = tl.arange(0, SUB)
-    w0 = tl.load(W + cols).to(tl.float32)
-    a0 = tl.zeros([BLOCK_R, SUB], dtype=tl.float32)
-    if NSUB > 1:
-        w1 = tl.load(W + SUB + cols).to(tl.float32)
-        a1 = tl.zeros([BLOCK_R, SUB], dtype=tl.float32)
-    if NSUB > 2:
-        w2 = tl.load(W + 2 * SUB + cols).to(tl.float32)
-        a2 = tl.zeros([BLOCK_R, SUB], dtype=tl.float32)
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, N)
-    for r0 in tl.range(row_start, row_end, BLOCK_R, num_stages=STAGES):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        m = (rows[:, None] < row_end) & (cols[None, :] < SUB)
-        o = rows[:, None] * C + cols[None, :]
-        r = tl.load(INV_RMS + rows, mask=rows < row_end, other=0.0)
-        x0 = tl.load(X + o, mask=m, other=0.0).to(tl.float32)
-        d0 = tl.load(DY + o, mask=m, other=0.0).to(tl.float32)
-        dot = tl.sum(d0 * w0[None, :] * x0, axis=1)
-        if NSUB > 1:
-            x1 = tl.load(X + o + SUB, mask=m, other=0.0).to(tl.float32)
-            d1 = tl.load(DY + o + SUB, mask=m, other=0.0).to(tl.float32)
-            dot += tl.sum(d1 * w1[None, :] * x1, axis=1)
-        if NSUB > 2:
-            x2 = tl.load(X + o + 2 * SUB, mask=m, other=0.0).to(tl.float32)
-            d2 = tl.load(DY + o + 2 * SUB, mask=m, other=0.0).to(tl.float32)
-            dot += tl.sum(d2 * w2[None, :] * x2, axis=1)
-        c = ((r * r * r / C) * dot)[:, None]  # dx = r g - x r^3 / C sum(g x)
-        rr = r[:, None]
-        tl.store(DX + o, (rr * d0 * w0[None, :] - x0 * c).to(DX.dtype.element_ty), mask=m)
-        a0 += d0 * x0 * rr
-        if NSUB > 1:
-            tl.store(DX + o + SUB, (rr * d1 * w1[None, :] - x1 * c).to(DX.dtype.element_ty), mask=m)
-            a1 += d1 * x1 * rr
-        if NSUB > 2:
-            tl.store(DX + o + 2 * SUB, (rr * d2 * w2[None, :] - x2 * c).to(DX.dtype.element_ty), mask=m)
-            a2 += d2 * x2 * rr
-    part = DW_PARTIAL + pid.to(tl.int64) * C + cols
-    tl.store(part, tl.sum(a0, axis=0))
-    if NSUB > 1:
-        tl.store(part + SUB, tl.sum(a1, axis=0))
-    if NSUB > 2:
-        tl.store(part + 2 * SUB, tl.sum(a2, axis=0))
-@_jit
 def _rms_norm_dw_kernel(DW_PARTIAL, DW, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """The dw second pass in one launch: program j sums columns [j * BLOCK_C, ...) of the P partial rows
     in a fixed order (deterministic) and writes dw already cast to w.dtype (the torch form was two
@@ -212,38 +189,29 @@ def _fwd_config(C: int):
     return BLOCK_R, BLOCK_C, num_warps
 
 
-BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH) override, for the bench's sweep;
-# PREFETCH: True (the next tile loaded by hand into registers), False (none), or an int k >= 2: Triton's
-# pipelining of the tile loads, num_stages=k (cp.async into shared memory)
+BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH[, STREAM[, INTERLEAVE]]) override,
+# for the bench's sweep; PREFETCH: True (the next tile loaded by hand into registers), False (none), or an int
+# k >= 2: Triton's pipelining of the tile loads, num_stages=k (cp.async into shared memory); STREAM, INTERLEAVE:
+# see _rms_norm_bwd_kernel (pipelined path only)
 # measured best on the H200 (bench/RESULTS.md, second variant sweep): long rows -> 8k-element tiles (2 rows of
 # 4096, one of 8192), 16 warps, one program per SM, Triton-pipelined loads (3 stages); short rows (768) ->
 # 4k-element tiles, 8 warps, 2 per SM, 4 stages; the dw pass as one Triton kernel. (The first sweep's hand
 # prefetch, PREFETCH=True, was 2-10 % slower.)
 BWD_DEFAULT_LONG = (8192, 16, 1, 3)  # BLOCK_C >= 2048
 BWD_DEFAULT_SHORT = (4096, 8, 2, 4)
-DW_CONFIG = (32, 128, 4)  # _rms_norm_dw_kernel: (most partial rows per step, columns per program, num_warps)
+DW_CONFIG = (512, 16, 4)  # _rms_norm_dw_kernel: (most partial rows per step, columns per program, num_warps)
 DW_REDUCE = "triton"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
-
-
-BWD_SUB_CONFIG = None  # (BLOCK_R, num_warps, programs per SM, num_stages) for _rms_norm_bwd_sub_kernel, or None
-
-
-def _sub_split(C: int):
-    """(SUB, 3) when C = 3 * SUB with SUB a power of two >= 128, else None: other rows (powers of two,
-    or 5 or 7 times one) take _rms_norm_bwd_kernel's one padded tile."""
-    sub = C & -C  # the largest power of two dividing C
-    if sub < 128 or C != 3 * sub:
-        return None
-    return sub, 3
 
 
 def _bwd_config(C: int):
     BLOCK_C = triton.next_power_of_2(C)
-    if BWD_CONFIG is not None:
-        tile, num_warps, per_sm, prefetch = BWD_CONFIG
-    else:
-        tile, num_warps, per_sm, prefetch = BWD_DEFAULT_LONG if BLOCK_C >= 2048 else BWD_DEFAULT_SHORT
-    return max(1, tile // BLOCK_C), BLOCK_C, num_warps, per_sm, prefetch
+    cfg = BWD_CONFIG if BWD_CONFIG is not None else (BWD_DEFAULT_LONG if BLOCK_C >= 2048 else BWD_DEFAULT_SHORT)
+    tile, num_warps, per_sm, prefetch = cfg[:4]
+    stream = bool(cfg[4]) if len(cfg) > 4 else False
+    interleave = bool(cfg[5]) if len(cfg) > 5 else False
+    if interleave and isinstance(prefetch, bool):
+        raise ValueError(f"rms_norm_bwd: BWD_CONFIG {cfg}: interleaved tiles need Triton pipelining (an int)")
+    return max(1, tile // BLOCK_C), BLOCK_C, num_warps, per_sm, prefetch, stream, interleave
 
 
 def _num_programs(x: torch.Tensor, N: int, per_sm: int = 4) -> int:
@@ -274,26 +242,15 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     dx = torch.empty_like(x2)
     if N == 0:
         return dx.reshape(x.shape), torch.zeros_like(w)
-    BLOCK_R, BLOCK_C, num_warps, per_sm, prefetch = _bwd_config(C)
+    BLOCK_R, BLOCK_C, num_warps, per_sm, prefetch, stream, interleave = _bwd_config(C)
     stages = 0 if isinstance(prefetch, bool) else int(prefetch)
     P = _num_programs(x2, N, per_sm)
     rows_per_program = triton.cdiv(N, P)
     P = triton.cdiv(N, rows_per_program)
-    split = _sub_split(C) if BWD_SUB_CONFIG is not None else None
-    if split is not None:
-        BLOCK_R, num_warps, per_sm, stages = BWD_SUB_CONFIG
-        P = _num_programs(x2, N, per_sm)
-        rows_per_program = triton.cdiv(N, P)
-        P = triton.cdiv(N, rows_per_program)
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
-    if split is not None:
-        _rms_norm_bwd_sub_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
-                                       rows_per_program, BLOCK_R=BLOCK_R, SUB=split[0], NSUB=split[1],
-                                       STAGES=max(1, stages), num_warps=num_warps)
-    else:
-        _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
-                                   rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=bool(prefetch),
-                                   STAGES=stages, num_warps=num_warps)
+    _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
+                               rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=bool(prefetch),
+                               STAGES=stages, STREAM=stream, INTERLEAVE=interleave, num_warps=num_warps)
     if DW_REDUCE == "triton":
         dw = torch.empty(C, dtype=w.dtype, device=x.device)
         max_p, bc, warps = DW_CONFIG
