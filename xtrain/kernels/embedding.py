@@ -282,7 +282,10 @@ CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[,
 # ids - 32768 where V <= 65536, else int32: half again). idx_ahead: see _chunk_body.
 # chunk body: "walk" (_chunk_body) or "tile" (_chunk_tile_body).
 # measured best on the H200 (bench/RESULTS.md), by dout element size:
-DEFAULTS = {2: (16, 1024, 4, "absent", True, False), 4: (16, 512, 4, "torch", True, True)}  # H200 sweep 2
+# session 3 sweep: bf16 (V = 128k, C = 4096) the fused launch (zero tiles + walks) with keys and marks from
+# _embedding_keys_kernel, 0.373 -> 0.355 ms (76 -> 80% of copy); fp32 (V = 32k, C = 2048) the tile body, fused,
+# int16 keys, 0.195 -> 0.169 ms (48 -> 55%).
+DEFAULTS = {2: (16, 1024, 4, "fused", True, True), 4: (16, 512, 4, "fused", 16, False, "tile")}
 
 
 def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool):

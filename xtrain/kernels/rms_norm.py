@@ -197,8 +197,11 @@ BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH[, 
 # 4096, one of 8192), 16 warps, one program per SM, Triton-pipelined loads (3 stages); short rows (768) ->
 # 4k-element tiles, 8 warps, 2 per SM, 4 stages; the dw pass as one Triton kernel. (The first sweep's hand
 # prefetch, PREFETCH=True, was 2-10 % slower.)
-BWD_DEFAULT_LONG = (8192, 16, 1, 3)  # BLOCK_C >= 2048
-BWD_DEFAULT_SHORT = (4096, 8, 2, 4)
+# Session 3 (H200, bench/RESULTS.md): the same tilings with interleaved tiles (program p takes tiles p, p + P,
+# ...): 65536x768 0.090 -> 0.087 ms (79 -> 82% of copy), 8192x8192 0.112 -> 0.108 (85 -> 88%), fp32
+# 16384x4096 89 -> 93%; the streaming cache hints (fifth field) changed nothing measurable.
+BWD_DEFAULT_LONG = (8192, 16, 1, 3, False, True)  # BLOCK_C >= 2048
+BWD_DEFAULT_SHORT = (4096, 8, 2, 4, False, True)
 DW_CONFIG = (512, 16, 4)  # _rms_norm_dw_kernel: (most partial rows per step, columns per program, num_warps)
 DW_REDUCE = "triton"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
 
