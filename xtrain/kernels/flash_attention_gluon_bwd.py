@@ -43,37 +43,9 @@ Tensor layouts: as the forward's, every TMA descriptor is a 2-D row view: contig
 column h·D); a kernel gets (rb, rh, ch) per tensor and addresses (b, h, t) at row b·rb + h·rh + t, column
 h·ch. T being a multiple of 128 keeps every tile inside one head.
 
-Configs (``CONFIGS``): (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, PERSISTENT, PINGPONG]) = the dK/dV kernel's
-query step and ring depth, the dQ kernel's key step and ring depth, and whether the persistent kernels run,
-with the warpgroup ping-pong; "split" is the default at both head dims, the others stay selectable
-(``config="pers_pp"`` or a tuple) for bench/gluon_flash_bwd.py.
-
-Persistent variants (pers, pers_pp, pers_wide, pers_wide_pp; the forward's recipe, flash_attention_gluon.py,
-after FA3's persistent tile scheduler): each kernel is launched with grid = min(SM count, ceil(items / 2))
-(``programs=`` caps it: tests run 1 and 5 programs so every barrier phase crosses items). Items are the
-split kernels' programs — dK/dV: 128 keys of one (batch, kv head), dQ: 128 query rows of one (batch, head) —
-ordered per head heaviest/lightest alternately (dK/dV: key tiles 0, n-1, 1, n-2, ...; dQ: query tiles
-n-1, 0, n-2, 1, ...; causal cost of each pair n + 1 tiles), heads one after another (L2 reuse of a head's
-K/V or Q/dO by its other items), pair k to program k mod G (static and deterministic; the forward's
-``_n_local``/``_item``). Per program the ring counter (slot t % STAGES, phase (t // STAGES) & 1) and the
-ping-pong step counter run on across items; the resident tiles (dK/dV: the K/V halves, dQ: the Q/dO halves)
-have a full/empty mbarrier pair of their own (phase = item index & 1) and are released as soon as their last
-reading wgmma retired (dQ: after the last S/dP, before the last dS·K); the producer loads an item's first
-ring tile before it waits for the resident buffer, so the next item's first tile and resident tiles land
-while the consumers finish the current item. dK/dV (dQ) leave through shared buffers of their own by TMA
-stores that are waited for only before the buffer is written again one item later (+64 / +32 KB at hd128).
-  pers          64-query / 64-key steps (as split).
-  pers_pp       pers with FA3's ping-pong in both kernels: the two consumer warpgroups take turns issuing
-                each step's first two wgmmas (Sᵀ and dPᵀ, resp. S and dP) through two count-1 mbarriers (the
-                forward's ``_pp_enter``/``_pp_leave``; Gluon 3.6 has no named barriers), so one warpgroup's
-                exp2/dS math overlaps the other's products.
-  pers_wide     hd64: 128-query steps in the dK/dV kernel ([keys, queries] form: wgmma N = 128 for Sᵀ/dPᵀ,
-                K = 128 for dV/dK) and 128-key steps in dQ, halving the barrier round trips per FLOP; hd128:
-                64-query dK/dV steps, 128-key dQ steps (dQ kernel 225 KB of shared memory).
-  pers_wide_pp  both.
-The schedule, the coordinates and the barrier protocol were replayed on CPU (bench/gluon_flash_bwd.py
---replay: fp64 math in the persistent item order, coverage over several grids, random interleavings of the
-three partitions with random TMA/store latencies, negative controls). NOT yet run on a GPU: no H200 numbers.
+Configs (``CONFIGS``): (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2) = the dK/dV kernel's query step and ring
+depth, the dQ kernel's key step and ring depth; "split" is the default at both head dims, "split3" and
+"split_wide" stay selectable (``config="split_wide"`` or a tuple) for bench/gluon_flash_bwd.py.
 
 H200, causal bf16 backward alone, B·T = 16k, H·D = 2048, TFLOP/s as a ratio to cuDNN at T = 1k / 2k / 4k
 / 8k / 16k (bench/gluon_flash_bwd.py):
@@ -91,10 +63,24 @@ Measured and slower (code in git history: bench/gluon_flash_bwd.py at commit 921
     0.72, hd64 0.91 / 0.88 / 0.87 / 0.85 / 0.88; not deterministic either.
   * fused_atom, fused with the dQ partials added by fp32 atomics from registers: 0.51-0.59.
 All six passed the fp64 check (B = 1, H = 4, Hkv = 2, T = 1024 / 2048, both head dims, causal).
+Persistent round, measured and slower (code in git history, commit 6586ece): pers, pers_pp, pers_wide,
+pers_wide_pp — both kernels persistent (grid = SM count, the forward's paired heaviest/lightest static
+schedule over the split kernels' 128-row items, ring and resident-tile barriers running across items,
+output stores waited for one item later), _pp: FA3's warpgroup ping-pong on the Sᵀ/dPᵀ (S/dP) wgmmas,
+_wide: 128-query dK/dV steps (hd64) and 128-key dQ steps. All 119 GPU tests passed (tiny grids of 1 and 5
+programs included). Ratio to cuDNN at T = 1k / 2k / 4k / 8k / 16k, same process:
+  hd64   Triton kernel 1.04 / 0.96 / 0.93 / 0.89 / 0.88    split 0.81 / 0.86 / 0.86 / 0.83 / 0.81
+         pers 1.01 / 0.92 / 0.88 / 0.81 / 0.81             pers_pp 1.02 / 0.94 / 0.89 / 0.83 / 0.79
+         pers_wide 0.65 / 0.57 / 0.53 / 0.50 / 0.49        pers_wide_pp 0.65 / 0.57 / 0.55 / 0.51 / 0.50
+  hd128  split 0.74 / 0.94 / 0.94 / 0.90 / 0.90 (1.05-1.06 at 1k in two other runs: the 1k numbers swing
+         by 0.3 between runs)                              split_wide 0.66 / 0.94 / 0.93 / 0.91 / 0.91
+         pers 0.62 / 0.96 / 0.94 / 0.91 / 0.88             pers_pp 1.07 / 1.00 / 0.93 / 0.90 / 0.76
+         pers_wide 1.05 / 1.04 / 0.92 / 0.79 / 0.89        pers_wide_pp 0.67 / 0.98 / 0.89 / 0.90 / 0.89
+  The two persistent kernels run on two streams with full SM-sized grids each, so they mostly serialise;
+  long T lost.
 Build facts (sm_90, triton 3.6 and 3.9): 168 registers/thread at launch, setmaxnreg to 248 (default
 consumer) / 232 / 24, no local memory (spills); shared memory hd64 / hd128: 66 / 131 KB per kernel
-(split), 82 / 164 KB (split3), dQ kernel of split_wide 99 / 197 KB; persistent dK/dV 99 / 197 KB (pers,
-pers_pp), 132 / 197 KB (pers_wide*), persistent dQ 82 / 164 KB (pers, pers_pp), 115 / 230 KB (pers_wide*).
+(split), 82 / 164 KB (split3), dQ kernel of split_wide 99 / 197 KB.
 """
 
 from __future__ import annotations
@@ -110,16 +96,11 @@ reference = flash_attention_bwd_ref  # the oracle: the plain-torch tiled referen
 
 RESIDENT = 128  # keys per dK/dV program, query rows per dQ program (two warpgroups of 64)
 HALF_M = 64
-# (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, PERSISTENT, PINGPONG]) by head dim; see the module docstring.
-# PERSISTENT: the persistent kernels (grid = SM count); PINGPONG: their warpgroup ping-pong (both kernels).
+# (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2) by head dim; see the module docstring
 CONFIGS = {
     "split": {64: (64, 2, 64, 2), 128: (64, 2, 64, 2)},
     "split3": {64: (64, 3, 64, 3), 128: (64, 3, 64, 3)},
     "split_wide": {64: (128, 2, 128, 2), 128: (64, 2, 128, 2)},
-    "pers": {64: (64, 2, 64, 2, 1, 0), 128: (64, 2, 64, 2, 1, 0)},
-    "pers_pp": {64: (64, 2, 64, 2, 1, 1), 128: (64, 2, 64, 2, 1, 1)},
-    "pers_wide": {64: (128, 2, 128, 2, 1, 0), 128: (64, 2, 128, 2, 1, 0)},
-    "pers_wide_pp": {64: (128, 2, 128, 2, 1, 1), 128: (64, 2, 128, 2, 1, 1)},
 }
 DEFAULT = "split"
 
@@ -128,12 +109,7 @@ if HAVE_GLUON:
     from xtrain.kernels.flash_attention_gluon import (
         _CONSUMER_REGS,
         _PRODUCER_REGS,
-        HALF_ROWS,
         _cta_barrier,
-        _item,
-        _n_local,
-        _pp_enter,
-        _pp_leave,
         _tma_load,
         _tma_store,
         fence_async_shared,
@@ -427,339 +403,6 @@ if HAVE_GLUON:
                             off_hk * v_ch, n_tiles, BLOCK_N, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
-    # -----------------------------------------------------------------------------------------------------
-    # persistent kernels (configs with PERSISTENT set): grid = the SM count, static paired schedule
-    # -----------------------------------------------------------------------------------------------------
-    @gluon.jit
-    def _pdkdv_item(idx, pid, n_prog, n_n, Hkv, T, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-        """The program's idx-th dK/dV item: (batch, kv head, first key, first query tile, query tiles per
-        group head). The forward's ``_item`` order gives tile r = n_n-1, 0, n_n-2, 1, ... per head; the dK/dV
-        cost falls with the key tile, so key tile n_n-1-r: heaviest (key tile 0) first, pairs of equal cost."""
-        bkv, r = _item(idx, pid, n_prog, n_n)
-        start_n = (n_n - 1 - r) * (2 * HALF_ROWS)
-        if CAUSAL:
-            mt0 = start_n // BLOCK_M
-        else:
-            mt0 = start_n * 0
-        return bkv // Hkv, bkv % Hkv, start_n, mt0, T // BLOCK_M - mt0
-
-    @gluon.jit
-    def _pdkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_full, kv_empty,
-                        q_bars, do_bars, q_empty, do_empty, pid, n_prog, U, n_n, Hkv, GROUP, T, q_rb, q_rh, q_ch,
-                        do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, BLOCK_M: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        """The TMA warp: per item, its first Q/dO tile into the ring (running counter t across items), then
-        the K/V halves once both consumers released the previous item's (kv_empty), then the other tiles.
-        So the next item's first tile lands while the consumers finish the current item."""
-        KH: gl.constexpr = k_desc.block_type.shape[0]
-        t = pid * 0
-        for idx in range(_n_local(pid, n_prog, U)):
-            off_b, off_kvh, start_n, mt0, n_m = _pdkdv_item(idx, pid, n_prog, n_n, Hkv, T, BLOCK_M, CAUSAL)
-            h0 = off_kvh * GROUP
-            for it in range(GROUP * n_m):
-                h = h0 + it // n_m
-                start_m = (mt0 + it % n_m) * BLOCK_M
-                slot = t % STAGES
-                phase = ((t // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
-                mbarrier.wait(q_empty.index(slot), phase)
-                mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes)
-                _tma_load(q_desc, [off_b * q_rb + h * q_rh + start_m, h * q_ch], q_bars.index(slot),
-                          q_smem.index(slot))
-                mbarrier.wait(do_empty.index(slot), phase)
-                mbarrier.expect(do_bars.index(slot), do_desc.block_type.nbytes)
-                _tma_load(do_desc, [off_b * do_rb + h * do_rh + start_m, h * do_ch], do_bars.index(slot),
-                          do_smem.index(slot))
-                t += 1
-                if it == 0:  # the item's K/V halves, once the previous item's are released
-                    k_row = off_b * k_rb + off_kvh * k_rh + start_n
-                    v_row = off_b * v_rb + off_kvh * v_rh + start_n
-                    mbarrier.wait(kv_empty, (idx & 1) ^ 1)
-                    mbarrier.expect(kv_full, 4 * k_desc.block_type.nbytes)
-                    _tma_load(k_desc, [k_row, off_kvh * k_ch], kv_full, k_smem.index(0))
-                    _tma_load(k_desc, [k_row + KH, off_kvh * k_ch], kv_full, k_smem.index(1))
-                    _tma_load(v_desc, [v_row, off_kvh * v_ch], kv_full, v_smem.index(0))
-                    _tma_load(v_desc, [v_row + KH, off_kvh * v_ch], kv_full, v_smem.index(1))
-
-    @gluon.jit
-    def _pdkdv_consumer(q_smem, do_smem, k_smem, v_smem, dk_smem, dv_smem, kv_full, kv_empty, q_bars, do_bars,
-                        q_empty, do_empty, sched, dk_desc, dv_desc, lse_ptr, delta_ptr, pid, n_prog, U, n_n, H, Hkv,
-                        GROUP, T, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, qk_scale, sm_scale, dtype: gl.constexpr,
-                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        PINGPONG: gl.constexpr, HALF: gl.constexpr):
-        """Consumer warpgroup HALF: keys start_n + HALF·64 .. +64 of every item of the program, the math of
-        ``_dkdv_consumer``. The Q/dO ring counter t and the ping-pong step counter sc run across items; K/V
-        are released (kv_empty) as soon as the item's last wgmma retired, and dK/dV leave through buffers of
-        their own whose TMA stores are waited for one item later (overlapping the next item's K/V load).
-        PINGPONG: the two warpgroups take turns issuing each tile's Sᵀ/dPᵀ wgmmas (``_pp_enter``)."""
-        KH: gl.constexpr = dk_desc.block_type.shape[0]
-        s_layout: gl.constexpr = _acc_layout(BLOCK_M)  # [KH, BLOCK_M] Sᵀ, dPᵀ
-        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
-        k_half = k_smem.index(HALF)
-        v_half = v_smem.index(HALF)
-        dk_half = dk_smem.index(HALF)
-        dv_half = dv_smem.index(HALF)
-        rows = gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
-        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
-        t = pid * 0  # running Q/dO ring counter
-        sc = pid * 0  # running ping-pong step counter (one step per query tile)
-        for idx in range(_n_local(pid, n_prog, U)):
-            off_b, off_kvh, start_n, mt0, n_m = _pdkdv_item(idx, pid, n_prog, n_n, Hkv, T, BLOCK_M, CAUSAL)
-            n_iter = GROUP * n_m
-            k_lo = start_n + HALF * KH
-            offs_k = k_lo + rows
-            lse_row0 = (off_b * H + off_kvh * GROUP).to(gl.int64) * T
-            dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
-            dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
-            mbarrier.wait(kv_full, idx & 1)
-            for it in range(n_iter):
-                start_m = (mt0 + it % n_m) * BLOCK_M
-                row = lse_row0 + (it // n_m) * T + start_m
-                lse2 = gl.load(lse_ptr + row + cols) * _LOG2E
-                delta = gl.load(delta_ptr + row + cols)
-                tt = t + it
-                slot = tt % STAGES
-                phase = (tt // STAGES) & 1
-                q_t = q_smem.index(slot)
-                do_t = do_smem.index(slot)
-                _pp_enter(sched, sc + it, HALF, PINGPONG)
-                mbarrier.wait(q_bars.index(slot), phase)
-                st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(do_bars.index(slot), phase)
-                dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                _pp_leave(sched, HALF, PINGPONG)
-                st = warpgroup_mma_wait(1, deps=(st, ))
-                pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-                if CAUSAL:
-                    if start_m < k_lo + KH:
-                        keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-                        pt = gl.where(keep, pt, 0.0)
-                p_op = gl.convert_layout(pt.to(dtype), op_layout)
-                dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
-                dpt = warpgroup_mma_wait(1, deps=(dpt, ))
-                dst = pt * (dpt - gl.expand_dims(delta, 0))
-                ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-                dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-                mbarrier.arrive(q_empty.index(slot), count=1)
-                mbarrier.arrive(do_empty.index(slot), count=1)
-            mbarrier.arrive(kv_empty, count=1)  # every wgmma reading this item's K/V half has retired
-            t += n_iter
-            sc += n_iter
-            tma.store_wait(0)  # the previous item's dK/dV stores have finished reading dk_half/dv_half
-            _cta_barrier()
-            dk_half.store((dk * sm_scale).to(dtype))
-            dv_half.store(dv.to(dtype))
-            fence_async_shared()
-            _cta_barrier()
-            _tma_store(dk_desc, [off_b * dk_rb + off_kvh * dk_rh + k_lo, off_kvh * dk_ch], dk_half)
-            _tma_store(dv_desc, [off_b * dv_rb + off_kvh * dv_rh + k_lo, off_kvh * dv_ch], dv_half)
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _bwd_dkdv_pers_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, qk_scale,
-                              sm_scale, H, GROUP, T, U, n_n, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
-                              v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
-                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                              CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-        """Persistent dK/dV: U = B·Hkv·n_n items (128 keys of one (batch, kv head)), n_n = T / 128, grid
-        <= ceil(U / 2); num_warps = 4 (default partition = consumer 0)."""
-        dtype: gl.constexpr = q_desc.dtype
-        KH: gl.constexpr = k_desc.block_type.shape[0]
-        gl.static_assert((2 * KH) % BLOCK_M == 0)
-        pid = gl.program_id(0)
-        n_prog = gl.num_programs(0)
-        Hkv = H // GROUP
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
-        dk_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], dk_desc.layout)
-        dv_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], dv_desc.layout)
-        kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_full, count=1)
-        mbarrier.init(kv_empty, count=2)  # one arrival per consumer warpgroup
-        _ring_init(q_bars, q_empty, STAGES)
-        _ring_init(do_bars, do_empty, STAGES)
-        for i in gl.static_range(2):
-            mbarrier.init(sched.index(i), count=1)
-        fence_async_shared()
-        gl.warp_specialize([
-            (_pdkdv_consumer, (q_smem, do_smem, k_smem, v_smem, dk_smem, dv_smem, kv_full, kv_empty, q_bars, do_bars,
-                               q_empty, do_empty, sched, dk_desc, dv_desc, lse_ptr, delta_ptr, pid, n_prog, U, n_n, H,
-                               Hkv, GROUP, T, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, qk_scale, sm_scale, dtype,
-                               HEAD_DIM, BLOCK_M, STAGES, CAUSAL, PINGPONG, 0)),
-            (_pdkdv_consumer, (q_smem, do_smem, k_smem, v_smem, dk_smem, dv_smem, kv_full, kv_empty, q_bars, do_bars,
-                               q_empty, do_empty, sched, dk_desc, dv_desc, lse_ptr, delta_ptr, pid, n_prog, U, n_n, H,
-                               Hkv, GROUP, T, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, qk_scale, sm_scale, dtype,
-                               HEAD_DIM, BLOCK_M, STAGES, CAUSAL, PINGPONG, 1)),
-            (_pdkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_full, kv_empty,
-                               q_bars, do_bars, q_empty, do_empty, pid, n_prog, U, n_n, Hkv, GROUP, T, q_rb, q_rh,
-                               q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, BLOCK_M, STAGES,
-                               CAUSAL)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
-
-    @gluon.jit
-    def _pdq_item(idx, pid, n_prog, n_m, H, T, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """The program's idx-th dQ item: (batch, head, first query row, K/V tiles); the forward's order
-        (query tiles n_m-1, 0, n_m-2, 1, ... per head: heaviest first, pairs of equal causal cost)."""
-        bh, pid_m = _item(idx, pid, n_prog, n_m)
-        start_m = pid_m * (2 * HALF_ROWS)
-        if CAUSAL:
-            n_tiles = (start_m + 2 * HALF_ROWS) // BLOCK_N
-        else:
-            n_tiles = T // BLOCK_N
-        return bh, bh // H, bh % H, start_m, n_tiles
-
-    @gluon.jit
-    def _pdq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_full, q_empty, k_bars,
-                      v_bars, k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh,
-                      do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr):
-        """The TMA warp: per item, its first K/V tile into the ring (running counter t across items), then
-        the Q/dO halves once both consumers released the previous item's (q_empty), then the other tiles."""
-        QH: gl.constexpr = q_desc.block_type.shape[0]
-        t = pid * 0
-        for idx in range(_n_local(pid, n_prog, U)):
-            bh, off_b, off_h, start_m, n_tiles = _pdq_item(idx, pid, n_prog, n_m, H, T, BLOCK_N, CAUSAL)
-            off_hk = off_h // GROUP
-            k_row0 = off_b * k_rb + off_hk * k_rh
-            v_row0 = off_b * v_rb + off_hk * v_rh
-            for j in range(n_tiles):
-                slot = t % STAGES
-                phase = ((t // STAGES) & 1) ^ 1
-                mbarrier.wait(k_empty.index(slot), phase)
-                mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
-                _tma_load(k_desc, [k_row0 + j * BLOCK_N, off_hk * k_ch], k_bars.index(slot), k_smem.index(slot))
-                mbarrier.wait(v_empty.index(slot), phase)
-                mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
-                _tma_load(v_desc, [v_row0 + j * BLOCK_N, off_hk * v_ch], v_bars.index(slot), v_smem.index(slot))
-                t += 1
-                if j == 0:  # the item's Q/dO halves, once the previous item's are released
-                    q_row = off_b * q_rb + off_h * q_rh + start_m
-                    do_row = off_b * do_rb + off_h * do_rh + start_m
-                    mbarrier.wait(q_empty, (idx & 1) ^ 1)
-                    mbarrier.expect(q_full, 4 * q_desc.block_type.nbytes)
-                    _tma_load(q_desc, [q_row, off_h * q_ch], q_full, q_smem.index(0))
-                    _tma_load(q_desc, [q_row + QH, off_h * q_ch], q_full, q_smem.index(1))
-                    _tma_load(do_desc, [do_row, off_h * do_ch], q_full, do_smem.index(0))
-                    _tma_load(do_desc, [do_row + QH, off_h * do_ch], q_full, do_smem.index(1))
-
-    @gluon.jit
-    def _pdq_consumer(q_smem, do_smem, k_smem, v_smem, dq_smem, q_full, q_empty, k_bars, v_bars, k_empty, v_empty,
-                      sched, dq_desc, lse_ptr, delta_ptr, pid, n_prog, U, n_m, H, T, dq_rb, dq_rh, dq_ch, qk_scale,
-                      sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, HALF: gl.constexpr):
-        """Consumer warpgroup HALF: query rows start_m + HALF·64 .. +64 of every item, the math of
-        ``_dq_consumer``; Q/dO are released (q_empty) once the item's last S and dP have retired, dQ leaves
-        through a buffer of its own whose TMA store is waited for one item later."""
-        QH: gl.constexpr = dq_desc.block_type.shape[0]
-        s_layout: gl.constexpr = _acc_layout(BLOCK_N)
-        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
-        q_half = q_smem.index(HALF)
-        do_half = do_smem.index(HALF)
-        dq_half = dq_smem.index(HALF)
-        offs_q = gl.arange(0, QH, layout=gl.SliceLayout(1, s_layout))
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([QH, BLOCK_N], gl.float32, s_layout)
-        t = pid * 0
-        sc = pid * 0
-        for idx in range(_n_local(pid, n_prog, U)):
-            bh, off_b, off_h, start_m, n_tiles = _pdq_item(idx, pid, n_prog, n_m, H, T, BLOCK_N, CAUSAL)
-            q_lo = start_m + HALF * QH
-            lse_row = bh.to(gl.int64) * T + q_lo
-            lse2 = gl.load(lse_ptr + lse_row + offs_q) * _LOG2E
-            delta = gl.load(delta_ptr + lse_row + offs_q)
-            dq = gl.zeros([QH, HEAD_DIM], gl.float32, a_layout)
-            mbarrier.wait(q_full, idx & 1)
-            for j in range(n_tiles):
-                tt = t + j
-                slot = tt % STAGES
-                phase = (tt // STAGES) & 1
-                start_n = j * BLOCK_N
-                k_t = k_smem.index(slot)
-                _pp_enter(sched, sc + j, HALF, PINGPONG)
-                mbarrier.wait(k_bars.index(slot), phase)
-                s = warpgroup_mma(q_half, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(v_bars.index(slot), phase)
-                dp = warpgroup_mma(do_half, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-                _pp_leave(sched, HALF, PINGPONG)
-                s = warpgroup_mma_wait(1, deps=(s, ))
-                p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-                if CAUSAL:
-                    if start_n + BLOCK_N > q_lo + 1:
-                        keep = gl.expand_dims(q_lo + offs_q, 1) >= gl.expand_dims(start_n + cols, 0)
-                        p = gl.where(keep, p, 0.0)
-                dp = warpgroup_mma_wait(0, deps=(dp, ))
-                mbarrier.arrive(v_empty.index(slot), count=1)
-                if j == n_tiles - 1:  # the item's last Q Kᵀ and dO Vᵀ have retired: the next Q/dO may land
-                    mbarrier.arrive(q_empty, count=1)
-                ds = p * (dp - gl.expand_dims(delta, 1))
-                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-                dq_tok = warpgroup_mma(ds_op, k_t, dq, is_async=True)
-                dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
-                mbarrier.arrive(k_empty.index(slot), count=1)
-            t += n_tiles
-            sc += n_tiles
-            tma.store_wait(0)  # the previous item's dQ store has finished reading dq_half
-            _cta_barrier()
-            dq_half.store((dq * sm_scale).to(dtype))
-            fence_async_shared()
-            _cta_barrier()
-            _tma_store(dq_desc, [off_b * dq_rb + off_h * dq_rh + q_lo, off_h * dq_ch], dq_half)
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _bwd_dq_pers_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H,
-                            GROUP, T, U, n_m, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
-                            v_ch, dq_rb, dq_rh, dq_ch, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-        """Persistent dQ: U = B·H·n_m items (128 query rows of one (batch, head)), grid <= ceil(U / 2)."""
-        dtype: gl.constexpr = q_desc.dtype
-        QH: gl.constexpr = q_desc.block_type.shape[0]
-        gl.static_assert((2 * QH) % BLOCK_N == 0)
-        pid = gl.program_id(0)
-        n_prog = gl.num_programs(0)
-        q_smem = gl.allocate_shared_memory(dtype, [2, QH, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, QH, HEAD_DIM], do_desc.layout)
-        dq_smem = gl.allocate_shared_memory(dtype, [2, QH, HEAD_DIM], dq_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_full, count=1)
-        mbarrier.init(q_empty, count=2)
-        _ring_init(k_bars, k_empty, STAGES)
-        _ring_init(v_bars, v_empty, STAGES)
-        for i in gl.static_range(2):
-            mbarrier.init(sched.index(i), count=1)
-        fence_async_shared()
-        gl.warp_specialize([
-            (_pdq_consumer, (q_smem, do_smem, k_smem, v_smem, dq_smem, q_full, q_empty, k_bars, v_bars, k_empty,
-                             v_empty, sched, dq_desc, lse_ptr, delta_ptr, pid, n_prog, U, n_m, H, T, dq_rb, dq_rh,
-                             dq_ch, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, 0)),
-            (_pdq_consumer, (q_smem, do_smem, k_smem, v_smem, dq_smem, q_full, q_empty, k_bars, v_bars, k_empty,
-                             v_empty, sched, dq_desc, lse_ptr, delta_ptr, pid, n_prog, U, n_m, H, T, dq_rb, dq_rh,
-                             dq_ch, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, 1)),
-            (_pdq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_full, q_empty,
-                             k_bars, v_bars, k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
-                             do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, BLOCK_N, STAGES, CAUSAL)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
-
 
 # ---------------------------------------------------------------------------------------------------------
 # host side
@@ -803,28 +446,21 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
 
 
 def _config(op: str, config, D: int):
-    """(BLOCK_M1, STAGES1, BLOCK_N2, STAGES2, PERSISTENT, PINGPONG) of a config name or tuple (4 or 6 entries)."""
+    """(BLOCK_M1, STAGES1, BLOCK_N2, STAGES2) of a config name or tuple."""
     if config is None:
         config = DEFAULT
     if isinstance(config, str):
         if config not in CONFIGS:
             raise ValueError(f"{op}: unknown config {config!r}, have {sorted(CONFIGS)}")
-        c = CONFIGS[config][D]
-        return tuple(c) + (0, 0)[len(c) - 4:]
+        return CONFIGS[config][D]
     try:
-        c = tuple(int(x) for x in config)
-        if len(c) not in (4, 6):
-            raise ValueError
+        bm1, st1, bn2, st2 = (int(c) for c in config)
     except (TypeError, ValueError):
         raise ValueError(f"{op}: config must be a name in {sorted(CONFIGS)} or (BLOCK_M1, STAGES1, BLOCK_N2, "
-                         f"STAGES2[, PERSISTENT, PINGPONG]), got {config!r}") from None
-    bm1, st1, bn2, st2, pers, pp = c + (0, 0)[len(c) - 4:]
+                         f"STAGES2), got {config!r}") from None
     if bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4):
         raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128) and 1-4 stages, got {config!r}")
-    if pers not in (0, 1) or pp not in (0, 1) or (pp and not pers):
-        raise ValueError(f"{op}: config needs PERSISTENT, PINGPONG in (0, 1), PINGPONG only with PERSISTENT, "
-                         f"got {config!r}")
-    return bm1, st1, bn2, st2, pers, pp
+    return bm1, st1, bn2, st2
 
 
 def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
@@ -839,13 +475,12 @@ def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
     return buf
 
 
-def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg, n_prog: int):
+def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
     """[(kernel, grid, args, constexprs)] of the dK/dV and the dQ kernel of config tuple ``cfg`` (``_config``);
-    CUDA tensors, or CPU tensors standing in for shapes and strides (``compile_sm90``). n_prog: the
-    persistent grid's cap (the SM count; tests pass a tiny one so barrier phases cross items)."""
+    CUDA tensors, or CPU tensors standing in for shapes and strides (``compile_sm90``)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    bm1, st1, bn2, st2, pers, pp = cfg
+    bm1, st1, bn2, st2 = cfg
     (q2, *q_c), (do2, *do_c), (k2, *k_c), (v2, *v_c) = (_row_view(x) for x in (q, do, k, v))
     (dq2, *dq_c), (dk2, *dk_c), (dv2, *dv_c) = (_row_view(x) for x in (dq, dk, dv))
     common = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
@@ -861,30 +496,15 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg, 
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal))
-    if not pers:
-        return [(_bwd_dkdv_kernel, (T // RESIDENT, B * Hkv), dkdv, c1),
-                (_bwd_dq_kernel, (T // RESIDENT, B * H), dqa, c2)]
-    n_t = T // RESIDENT
-    U1, U2 = B * Hkv * n_t, B * H * n_t  # items; programs take them in pairs
-    return [(_bwd_dkdv_pers_kernel, (max(1, min(n_prog, (U1 + 1) // 2)), ), {**dkdv, "U": U1, "n_n": n_t},
-             {**c1, "PINGPONG": bool(pp)}),
-            (_bwd_dq_pers_kernel, (max(1, min(n_prog, (U2 + 1) // 2)), ), {**dqa, "U": U2, "n_m": n_t},
-             {**c2, "PINGPONG": bool(pp)})]
-
-
-def _num_sms(device: torch.device) -> int:
-    from xtrain.kernels.flash_attention_gluon import _num_sms as sms
-
-    return sms(device)
+    return [(_bwd_dkdv_kernel, (T // RESIDENT, B * Hkv), dkdv, c1),
+            (_bwd_dq_kernel, (T // RESIDENT, B * H), dqa, c2)]
 
 
 def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
-                              dq=None, dk=None, dv=None, config=None, programs: int | None = None):
+                              dq=None, dk=None, dv=None, config=None):
     """Launch the delta preprocess, then the dK/dV and dQ Gluon kernels on two streams. Returns (dq, dk, dv).
     ``dq``/``dk``/``dv``: optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name
-    in ``CONFIGS`` or (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, PERSISTENT, PINGPONG]), overriding the
-    per-head-dim default; ``programs``: the persistent kernels' grid cap (None: the SM count; tests and the
-    bench only)."""
+    in ``CONFIGS`` or (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2), overriding the per-head-dim default."""
     op = "flash_attention_bwd_gluon"
     FA._check_bwd(op, do, q, k, v, o, lse)
     if not supported_bwd(do, q, k, v, o, lse):
@@ -895,8 +515,6 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
     B, H, T, D = q.shape
     s = FA._scale(op, scale, D)
     cfg = _config(op, config, D)
-    if programs is not None and int(programs) < 1:
-        raise ValueError(f"{op}: programs must be >= 1, got {programs!r}")
     do = do.to(q.dtype)  # a dense tensor keeps its strides (its layout was checked above)
     lse = lse.to(torch.float32).contiguous()
     dq = _grad_buf(op, "dq", dq, q)
@@ -907,9 +525,7 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
     FA._flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
-    n_prog = int(programs) if programs is not None else (_num_sms(q.device) if cfg[4] else 1)
-    (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg,
-                                                   n_prog)
+    (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg)
 
     def launch_dkdv():
         k1[g1](**a1, **c1, num_warps=4)
@@ -957,5 +573,5 @@ def compile_sm90(D: int = 128, causal: bool = True, config=None, transposed: boo
     q, k = mk(H), mk(Hkv)
     dq = torch.empty(B, H, T, D, dtype=torch.bfloat16)
     lse = torch.empty(B, H, T)
-    launches = _launches(q, k, k, dq, k, k, q, lse, lse, 0.125, causal, cfg, 132)
+    launches = _launches(q, k, k, dq, k, k, q, lse, lse, 0.125, causal, cfg)
     return {name: _compile(kern, args, consts) for name, (kern, _, args, consts) in zip(("dkdv", "dq"), launches)}
