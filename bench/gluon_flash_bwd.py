@@ -30,13 +30,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
 import torch
 import triton
 
-from xtrain.kernels import flash_attention_gluon_bwd as GB
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from bench import isolated  # noqa: E402
+from bench.isolated import check_one  # noqa: E402
+from xtrain.kernels import flash_attention_gluon_bwd as GB  # noqa: E402
 
 LOG2E = GB.LOG2E
 HALF_ROWS = GB.HALF_M  # rows of the resident tile owned by one consumer warpgroup
@@ -239,83 +243,19 @@ def check_variant(name, head_dims):
 
 
 def _check_one(name, head_dims):
-    """Check one variant in this process; prints the @@ markers that run_checks parses."""
-    print(f"@@START {name}")
+    """Check one variant in this process (bench/isolated.py's markers around it)."""
     print(f"[{name}] checking vs fp64 reference (B=1, H=4, Hkv=2, T=1024/2048, causal, NaN-filled outputs)")
-    sys.stdout.flush()
-    t0 = time.time()
-    try:
+
+    def check():
         err = check_variant(name, head_dims)
-        verdict = "PASS" if err < 1e-2 else "FAIL"
-        print(f"[{name}] {verdict}: worst rel-norm err {err:.2e} ({time.time() - t0:.1f}s incl. compile)")
-    except Exception as e:  # noqa: BLE001
-        verdict = "ERROR"
-        print(f"[{name}] ERROR {type(e).__name__}: {str(e)[:500]}")
-        root = e
-        while root.__cause__ is not None:
-            root = root.__cause__
-        if root is not e:
-            print(f"[{name}]   caused by {type(root).__name__}: {str(root)[:500]}")
-    print(f"@@RESULT {name} {verdict}")
-    sys.stdout.flush()
-    return verdict
+        return err < 1e-2, f"worst rel-norm err {err:.2e}"
+    return check_one(name, check)
 
 
 def run_checks(variants, head_dims, startup_s=180.0, per_variant_s=120.0):
-    """Correctness checks in child processes (see bench/gluon_flash_fwd.py): a child stops at its first
-    exception and a new child takes the remaining variants; a variant silent for per_variant_s is killed
-    and reported HANG. Returns the passing variants."""
-    import queue
-    import subprocess
-    import threading
-
-    passing, todo = [], list(variants)
-    while todo:
-        cmd = [sys.executable, __file__, "--check-only", "--variants", ",".join(todo),
-               "--head-dims", ",".join(map(str, head_dims))]
-        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        lines: queue.Queue = queue.Queue()
-
-        def pump(stream=child.stdout, sink=lines):
-            for ln in stream:
-                sink.put(ln)
-            sink.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        current, progressed, deadline = None, False, time.time() + startup_s
-        while True:
-            try:
-                ln = lines.get(timeout=max(0.1, deadline - time.time()))
-            except queue.Empty:
-                child.kill()  # the child this function started, by its handle
-                child.wait()
-                victim = current or todo[0]
-                print(f"[{victim}] ERROR HANG: no result within {per_variant_s if current else startup_s:.0f}s, "
-                      f"child killed")
-                todo.remove(victim)
-                break
-            if ln is None:
-                child.wait()
-                if current is not None:
-                    print(f"[{current}] ERROR the check process died (exit code {child.returncode})")
-                    todo.remove(current)
-                elif not progressed and todo:
-                    print(f"check process exited with code {child.returncode} before checking {todo}")
-                    todo = []
-                break
-            if ln.startswith("@@START "):
-                current = ln.split()[1]
-                deadline = time.time() + per_variant_s
-            elif ln.startswith("@@RESULT "):
-                _, name, verdict = ln.split()
-                if verdict == "PASS":
-                    passing.append(name)
-                todo.remove(name)
-                current, progressed, deadline = None, True, time.time() + per_variant_s
-            else:
-                print(ln, end="")
-            sys.stdout.flush()
-    return [v for v in variants if v in passing]
+    """The checks in child processes (bench/isolated.py). Returns the passing variants."""
+    return isolated.run_checks(os.path.abspath(__file__), variants, ["--head-dims", ",".join(map(str, head_dims))],
+                               startup_s, per_variant_s)
 
 
 def _bench_ms(fn):

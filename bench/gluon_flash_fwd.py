@@ -44,7 +44,10 @@ import time
 import torch
 import triton
 
-from xtrain.kernels import flash_attention_gluon as LIB
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from bench import isolated  # noqa: E402
+from bench.isolated import check_one  # noqa: E402
+from xtrain.kernels import flash_attention_gluon as LIB  # noqa: E402
 from xtrain.kernels.flash_attention_gluon import BLOCK_M, VARIANTS
 
 GRID = None  # --grid: cap on the persistent programs (default: the GPU's SM count)
@@ -410,85 +413,16 @@ def check_variant(name, head_dims):
 
 
 def _check_one(name, head_dims):
-    """Check one variant in this process; prints the @@ markers run_checks parses."""
-    print(f"@@START {name}")
-    sys.stdout.flush()
-    t0 = time.time()
-    try:
-        verdict = "PASS" if check_variant(name, head_dims) else "FAIL"
-        print(f"[{name}] {verdict} ({time.time() - t0:.1f}s incl. compile)")
-    except Exception as e:  # noqa: BLE001
-        verdict = "ERROR"
-        print(f"[{name}] ERROR {type(e).__name__}: {str(e)[:800]}")
-        root = e
-        while root.__cause__ is not None:
-            root = root.__cause__
-        if root is not e:
-            print(f"[{name}]   caused by {type(root).__name__}: {str(root)[:800]}")
-    print(f"@@RESULT {name} {verdict}")
-    sys.stdout.flush()
-    return verdict
+    """Check one variant in this process (bench/isolated.py's markers around it)."""
+    return check_one(name, lambda: (check_variant(name, head_dims), "every case within tolerance"))
 
 
 def run_checks(variants, head_dims, startup_s=120.0, per_variant_s=90.0):
-    """Correctness checks in child processes, output echoed. A child stops at the first exception (a CUDA
-    fault poisons its context) and a new child takes the rest; a variant with no result within
-    per_variant_s (a deadlocked mbarrier wait never returns) is killed (the child this function started,
-    by its handle) and reported as HANG. Returns the passing variants."""
-    import queue
-    import subprocess
-    import threading
-
-    passing, todo = [], list(variants)
-    while todo:
-        cmd = [sys.executable, os.path.abspath(__file__), "--check-only", "--variants", ",".join(todo),
-               "--head-dims", ",".join(map(str, head_dims))]
-        if GRID:
-            cmd += ["--grid", str(GRID)]
-        if STAGES:
-            cmd += ["--stages", str(STAGES)]
-        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        lines: queue.Queue = queue.Queue()
-
-        def pump(stream=child.stdout, sink=lines):
-            for ln in stream:
-                sink.put(ln)
-            sink.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        current, progressed, deadline = None, False, time.time() + startup_s
-        while True:
-            try:
-                ln = lines.get(timeout=max(0.1, deadline - time.time()))
-            except queue.Empty:
-                child.kill()
-                child.wait()
-                victim = current or todo[0]
-                print(f"[{victim}] HANG: no result within {per_variant_s if current else startup_s:.0f}s, child killed")
-                todo.remove(victim)
-                break
-            if ln is None:
-                child.wait()
-                if current is not None:
-                    print(f"[{current}] ERROR: the check process died (exit code {child.returncode})")
-                    todo.remove(current)
-                elif not progressed and todo:
-                    print(f"check process exited with code {child.returncode} before checking {todo}")
-                    todo = []
-                break
-            if ln.startswith("@@START "):
-                current = ln.split()[1]
-                deadline = time.time() + per_variant_s
-            elif ln.startswith("@@RESULT "):
-                _, name, verdict = ln.split()
-                if verdict == "PASS":
-                    passing.append(name)
-                todo.remove(name)
-                current, progressed, deadline = None, True, time.time() + per_variant_s
-            else:
-                print(ln, end="")
-            sys.stdout.flush()
-    return [v for v in variants if v in passing]
+    """The checks in child processes (bench/isolated.py). Returns the passing variants."""
+    extra = ["--head-dims", ",".join(map(str, head_dims))]
+    extra += ["--grid", str(GRID)] if GRID else []
+    extra += ["--stages", str(STAGES)] if STAGES else []
+    return isolated.run_checks(os.path.abspath(__file__), variants, extra, startup_s, per_variant_s)
 
 
 def bench_row(D, T, variants):

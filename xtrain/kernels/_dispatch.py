@@ -89,3 +89,17 @@ def side_stream(device) -> torch.cuda.Stream:
     if key not in _SIDE_STREAMS:
         _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
     return _SIDE_STREAMS[key]
+
+
+def run_side_by_side(device, main_launch, side_launch) -> None:
+    """Launch ``side_launch`` on the side stream and ``main_launch`` on the current one, concurrently: the
+    side stream first waits for the current one (inputs and buffers ready), and the current one waits for
+    the side stream before this returns, so later work on it (and the caching allocator's reuse of the
+    memory both read) is ordered after both launches."""
+    main = torch.cuda.current_stream(device)
+    side = side_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        side_launch()
+    main_launch()
+    main.wait_stream(side)

@@ -136,6 +136,22 @@ def _row_lse(ROW, V, BLOCK_V: tl.constexpr):
 
 
 @_jit
+def _finish_range(ROW, TARGETS, M_PART, S_PART, LSE, NLL, row, k, n_split, ignore_index, m, s, FINAL: tl.constexpr):
+    """A program's column range reduced to (max m, sum s of exp(x - m)): with one range per row (FINAL),
+    lse = m + log s and the row's nll; else the partial (m, s) for ``_ce_fwd_combine_kernel``."""
+    if FINAL:
+        lse = m + tl.log(s)
+        t = tl.load(TARGETS + row)
+        valid = t != ignore_index
+        picked = tl.load(ROW + tl.where(valid, t, 0)).to(tl.float32)
+        tl.store(LSE + row, lse)
+        tl.store(NLL + row, tl.where(valid, lse - picked, 0.0))
+    else:
+        tl.store(M_PART + row * n_split + k, m)
+        tl.store(S_PART + row * n_split + k, s)
+
+
+@_jit
 def _ce_fwd_split_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, cols_per_split, n_split,
                          ignore_index, BLOCK_V: tl.constexpr, FINAL: tl.constexpr, STAGES: tl.constexpr = 0):
     """Program (row, k) reduces columns [k * cols_per_split, ...) of one row to a partial (max m, sum s),
@@ -167,17 +183,8 @@ def _ce_fwd_split_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, c
             m_new = tl.maximum(m, tl.max(x, axis=0))
             acc = acc * tl.exp(m - m_new) + tl.exp(x - m_new)
             m = m_new
-    s = tl.sum(acc, axis=0)
-    if FINAL:
-        lse = m + tl.log(s)
-        t = tl.load(TARGETS + row)
-        valid = t != ignore_index
-        picked = tl.load(ROW + tl.where(valid, t, 0)).to(tl.float32)
-        tl.store(LSE + row, lse)
-        tl.store(NLL + row, tl.where(valid, lse - picked, 0.0))
-    else:
-        tl.store(M_PART + row * n_split + k, m)
-        tl.store(S_PART + row * n_split + k, s)
+    _finish_range(ROW, TARGETS, M_PART, S_PART, LSE, NLL, row, k, n_split, ignore_index, m, tl.sum(acc, axis=0),
+                  FINAL)
 
 
 @_jit
@@ -214,16 +221,7 @@ def _ce_fwd_group_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, c
         ml = ml_new
     mx = tl.max(m, axis=0)  # finite: the first step holds at least one column of the range
     tot = tl.sum(s * tl.exp2((m - mx) * LOG2E), axis=0)  # a group still at m = -inf adds 0 (not 0 * inf)
-    if FINAL:
-        lse = mx + tl.log(tot)
-        t = tl.load(TARGETS + row)
-        valid = t != ignore_index
-        picked = tl.load(ROW + tl.where(valid, t, 0)).to(tl.float32)
-        tl.store(LSE + row, lse)
-        tl.store(NLL + row, tl.where(valid, lse - picked, 0.0))
-    else:
-        tl.store(M_PART + row * n_split + k, mx)
-        tl.store(S_PART + row * n_split + k, tot)
+    _finish_range(ROW, TARGETS, M_PART, S_PART, LSE, NLL, row, k, n_split, ignore_index, mx, tot, FINAL)
 
 
 @_jit

@@ -73,7 +73,7 @@ import math
 
 import torch
 
-from xtrain.kernels._dispatch import HAVE_TRITON, side_stream, use_triton
+from xtrain.kernels._dispatch import HAVE_TRITON, run_side_by_side, use_triton
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln 2: natural log = log2 * LN2
@@ -744,16 +744,8 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
 
     if BWD_TWO_STREAMS and q.is_cuda:
         # the dK/dV and dQ kernels are independent once delta exists: the dQ kernel runs on a side stream so
-        # the two overlap (each one's tail of short causal programs fills with the other's work). The main
-        # stream waits for the side stream before returning, so later work on it (and the reuse of delta's
-        # memory by the caching allocator) is ordered after both.
-        main = torch.cuda.current_stream(q.device)
-        side = side_stream(q.device)
-        side.wait_stream(main)  # delta and the buffers are ready
-        with torch.cuda.stream(side):
-            launch_dq()
-        launch_dkdv()
-        main.wait_stream(side)
+        # the two overlap (each one's tail of short causal programs fills with the other's work)
+        run_side_by_side(q.device, launch_dkdv, launch_dq)
     else:
         launch_dkdv()
         launch_dq()

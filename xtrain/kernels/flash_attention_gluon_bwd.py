@@ -88,7 +88,7 @@ from __future__ import annotations
 import torch
 
 from xtrain.kernels import flash_attention as FA
-from xtrain.kernels._dispatch import side_stream
+from xtrain.kernels._dispatch import run_side_by_side
 from xtrain.kernels.flash_attention import flash_attention_bwd_ref
 from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, HEAD_DIMS, LOG2E, _desc, _row_view
 
@@ -534,13 +534,7 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
         k2[g2](**a2, **c2, num_warps=4)
 
     if FA.BWD_TWO_STREAMS:  # as flash_attention_bwd_triton: dQ on the side stream, joined before returning
-        main = torch.cuda.current_stream(q.device)
-        side = side_stream(q.device)
-        side.wait_stream(main)  # delta and the buffers are ready
-        with torch.cuda.stream(side):
-            launch_dq()
-        launch_dkdv()
-        main.wait_stream(side)
+        run_side_by_side(q.device, launch_dkdv, launch_dq)
     else:
         launch_dkdv()
         launch_dq()
