@@ -63,33 +63,8 @@ def gluon_flash_fwd(q, k, v, causal=True, scale=None, variant="pp", *, o=None, l
 # =========================================================================================================
 # offline compilation (no GPU): --compile-only
 # =========================================================================================================
-def _res_usage(cubin):
-    """Registers and local memory (spill) bytes per thread from cuobjdump -res-usage (ships with triton).
-    Warp-specialised kernels: the cubin's count is the launch budget; setmaxnreg moves it per partition."""
-    import re
-    import subprocess
-    import tempfile
-
-    try:
-        import triton.backends.nvidia as nv
-
-        tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.cubin")
-            with open(path, "wb") as f:
-                f.write(cubin)
-            txt = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, timeout=60).stdout
-        m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", txt)
-        return f"{m.group(1)} regs, {m.group(2)} B local" if m else "res-usage n/a"
-    except Exception as e:  # noqa: BLE001
-        return f"res-usage n/a ({type(e).__name__})"
-
-
 def _summary(ck):
-    ptx = ck.asm.get("ptx", "")
-    keys = ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg"]
-    counts = ", ".join(f"{key} x{ptx.count(key)}" for key in keys)
-    return f"smem {getattr(ck.metadata, 'shared', '?')} B; {_res_usage(ck.asm.get('cubin', b''))}; PTX {counts}"
+    return isolated.ptx_summary(ck, ["wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg"])
 
 
 def compile_only(variants, head_dims, dump=None):
@@ -487,45 +462,13 @@ def main(argv=None):
     if args.compile_only:
         return 0 if compile_only(variants, head_dims, args.dump) else 1
 
-    t_start = time.time()
     print(f"torch {torch.__version__}  triton {triton.__version__}  device {torch.cuda.get_device_name()}  "
           f"SMs {LIB._num_sms(torch.device('cuda'))}  grid {GRID or 'SMs'}")
     sys.stdout.flush()
-    if args.check_only:  # the child process of run_checks: stop at the first exception
-        for name in variants:
-            if _check_one(name, head_dims) == "ERROR":
-                return 3
-        return 0
-    if args.no_isolate:
-        passing = [name for name in variants if _check_one(name, head_dims) == "PASS"]
-    else:
-        passing = run_checks(variants, head_dims)
-    print(f"passing variants: {passing}  ({time.time() - t_start:.0f}s)")
-    sys.stdout.flush()
-
-    rows = []
-    for D in head_dims:
-        for T in seqs:
-            row = bench_row(D, T, passing)
-            rows.append(row)
-            print("  " + "  ".join(f"{c}={x:.0f}" if isinstance(x, float) else f"{c}={x}" for c, x in row.items()))
-            sys.stdout.flush()
-
-    cols = ["cudnn", "triton"] + passing
-    print("\ncausal bf16 forward, TFLOP/s (x cuDNN); B = 16384 / T, H = 2048 / D")
-    print(f"{'D':>4} {'T':>6} " + " ".join(f"{c:>15}" for c in cols))
-    for r in rows:
-        cells = []
-        for c in cols:
-            if c not in r:
-                cells.append(f"{'-':>15}")
-            elif c == "cudnn" or "cudnn" not in r:
-                cells.append(f"{r[c]:>15.0f}")
-            else:
-                cells.append(f"{r[c]:>7.0f} ({r[c] / r['cudnn']:.2f}x)")
-        print(f"{r['D']:>4} {r['T']:>6} " + " ".join(cells))
-    print(f"\ntotal {time.time() - t_start:.0f}s")
-    return 0
+    return isolated.check_then_time(
+        variants, head_dims, seqs, check_only=args.check_only, no_isolate=args.no_isolate, check_fn=_check_one,
+        checks_fn=run_checks, bench_row=bench_row,
+        title="causal bf16 forward, TFLOP/s (x cuDNN); B = 16384 / T, H = 2048 / D")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Run GPU correctness checks of kernel variants in child processes, so that one broken variant costs a
-timeout or a restart instead of the whole run (used by bench/gluon_flash_fwd.py and bench/gluon_flash_bwd.py).
+"""What the Gluon variant benches share (bench/gluon_flash_fwd.py, bench/gluon_flash_bwd.py): GPU correctness
+checks of kernel variants in child processes, so that one broken variant costs a timeout or a restart
+instead of the whole run; the check / time / table flow; the report of an offline sm_90 compile.
 
 A kernel that deadlocks (an mbarrier wait that is never satisfied) never returns, and a CUDA fault poisons
 the process's context for every variant after it. So the parent starts ``script --check-only --variants
@@ -90,3 +91,79 @@ def run_checks(script: str, variants, extra_args=(), startup_s: float = 180.0, p
                 print(ln, end="")
             sys.stdout.flush()
     return [v for v in variants if v in passing]
+
+
+def check_then_time(variants, head_dims, seqs, *, check_only: bool, no_isolate: bool, check_fn, checks_fn,
+                    bench_row, title: str) -> int:
+    """The main flow of a variant bench. As the child (check_only): check each variant, stop at the first
+    exception. Else: check (in child processes unless no_isolate), time the passing variants with
+    ``bench_row(D, T, passing) -> {"D", "T", "cudnn", "triton", variant: TFLOP/s}`` and print the table
+    of TFLOP/s and ratios to cuDNN under ``title``."""
+    t_start = time.time()
+    if check_only:
+        for name in variants:
+            if check_fn(name, head_dims) == "ERROR":
+                return 3
+        return 0
+    if no_isolate:
+        passing = [name for name in variants if check_fn(name, head_dims) == "PASS"]
+    else:
+        passing = checks_fn(variants, head_dims)
+    print(f"passing variants: {passing}  ({time.time() - t_start:.0f}s)")
+    sys.stdout.flush()
+    rows = []
+    for D in head_dims:
+        for T in seqs:
+            row = bench_row(D, T, passing)
+            rows.append(row)
+            print("  " + "  ".join(f"{c}={x:.0f}" if isinstance(x, float) else f"{c}={x}" for c, x in row.items()))
+            sys.stdout.flush()
+    cols = ["cudnn", "triton"] + passing
+    print(f"\n{title}")
+    print(f"{'D':>4} {'T':>6} " + " ".join(f"{c:>15}" for c in cols))
+    for r in rows:
+        cells = []
+        for c in cols:
+            if c not in r:
+                cells.append(f"{'-':>15}")
+            elif c == "cudnn" or "cudnn" not in r:
+                cells.append(f"{r[c]:>15.0f}")
+            else:
+                cells.append(f"{r[c]:>7.0f} ({r[c] / r['cudnn']:.2f}x)")
+        print(f"{r['D']:>4} {r['T']:>6} " + " ".join(cells))
+    print(f"\ntotal {time.time() - t_start:.0f}s")
+    return 0
+
+
+def res_usage(cubin: bytes) -> str:
+    """Registers and local-memory (spill) bytes per thread from ``cuobjdump -res-usage`` (ships with triton),
+    best effort. Warp-specialised kernels: the count is the launch budget; setmaxnreg moves it per partition."""
+    import os
+    import re
+    import tempfile
+
+    try:
+        import triton.backends.nvidia as nv
+
+        tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            txt = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, timeout=60).stdout
+        m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", txt)
+        return f"{m.group(1)} regs, {m.group(2)} B local" if m else "res-usage n/a"
+    except Exception as e:  # noqa: BLE001
+        return f"res-usage n/a ({type(e).__name__})"
+
+
+def ptx_summary(ck, keys) -> str:
+    """Shared memory, registers/spills and how often each PTX instruction in ``keys`` occurs in a compiled
+    kernel, with the setmaxnreg values of a warp-specialised one."""
+    import re
+
+    ptx = ck.asm.get("ptx", "")
+    counts = ", ".join(f"{key} x{ptx.count(key)}" for key in keys if ptx.count(key))
+    regs = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
+    return (f"smem {getattr(ck.metadata, 'shared', '?')} B; {res_usage(ck.asm.get('cubin', b''))}; "
+            f"setmaxnreg {regs}; PTX: {counts}")
