@@ -7,11 +7,11 @@ logsumexp in fp32), for what it takes: bf16/fp16, D in (64, 128), T a multiple o
 ``GLUON_FWD_MIN_T`` table); everything else stays on the Triton kernel. The oracle is the plain-torch tiled
 reference of the same algorithm, ``flash_attention_fwd_ref`` (``reference`` below is that function).
 
-Gluon (``triton.experimental.gluon``, shipped with recent Triton; tested with 3.6 and 3.9) is Triton's lower-
-level dialect: the kernel states its own register layouts, shared-memory allocations, TMA copies, mbarriers,
-warpgroup MMAs and warp specialisation, which plain Triton decides for itself. It has no CPU interpreter, so
-these kernels are checked on the GPU only (tests/test_flash_attention.py, ``gpu``); on CPU the tests compile
-every variant for sm_90 (no GPU needed) so a Triton upgrade that breaks one shows up in CI.
+Gluon (``triton.experimental.gluon``, shipped with recent Triton; tested with 3.6 and 3.9) is Triton's
+lower-level dialect: the kernel states its own register layouts, shared-memory allocations, TMA copies,
+mbarriers, warpgroup MMAs and warp specialisation, which plain Triton decides for itself. It has no CPU
+interpreter, so these kernels are checked on the GPU only (tests/test_flash_attention.py, ``gpu``); on CPU the
+tests compile every variant for sm_90 (no GPU needed) so a Triton upgrade that breaks one shows up in CI.
 
 Design, after FlashAttention-3 (Shah, Bikshandi, Zhang, Thakkar, Ramani & Dao, 2024: producer/consumer
 warpgroups, intra-warpgroup overlap, ping-pong scheduling, a persistent tile scheduler), in the idioms of
