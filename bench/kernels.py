@@ -502,22 +502,15 @@ def _v_embedding(N, V, C, dt, smoke=False):
     vs = [("default", None), ("fused zero + int32 sort + index ahead", (16, bc, 4, "fused", True, True))]
     if e > 2:
         vs.append(("absent zero + int32 sort + index ahead", (16, bc, 4, "absent", True, True)))
-    vs += [("store zero, sort on a side stream", (16, bc, 4, "store_side", True, e > 2)),
-           ("store zero, sort on a side stream, chunk 32", (32, bc, 4, "store_side", True, e > 2)),
-           ("store zero, sort on a side stream, 2048 cols w8", (16, 2048, 8, "store_side", True, e > 2))]
     # the tile chunk body: a chunk's rows gathered at once, runs summed by an in-register scan. Its column
     # block must be 16 bytes x 32 lanes x warps (in-thread scan): 1024 bf16 / 512 fp32 on 4 warps.
     # Sort keys 16: int16 where V <= 65536 (fp32 case), else int32.
     tb, tb8 = (1024, 2048) if e <= 2 else (512, 1024)
-    vs += [(f"tile, {z}, chunk {ch}, {b} cols w{w}, keys {kb}", (ch, b, w, z, kb, False, "tile"))
-           for z in ("store_side", "mark_side") for ch, b, w in ((16, tb, 4), (8, tb, 4), (16, tb8, 8), (8, tb8, 8))
-           for kb in ((16, 32) if e > 2 and z == "mark_side" and ch == 16 and w == 4 else (16,))]
-    vs += [(f"tile, {z}, chunk {ch}, {tb} cols w4, keys 16", (ch, tb, 4, z, 16, False, "tile"))
-           for z, ch in (("store", 16), ("fused", 16), ("absent", 16), ("mark_side", 4))]
+    vs += [(f"tile, {z}, chunk {ch}, {b} cols w{w}, keys 16", (ch, b, w, z, 16, False, "tile"))
+           for z in ("fused", "absent") for ch, b, w in ((16, tb, 4), (8, tb, 4), (16, tb8, 8), (8, tb8, 8))]
     if e > 2:
-        vs += [("tile, store_side, chunk 32, 512 cols w4, keys 16", (32, 512, 4, "store_side", 16, False, "tile")),
-               ("tile, mark_side, chunk 32, 512 cols w4, keys 16", (32, 512, 4, "mark_side", 16, False, "tile")),
-               ("walk, store_side, chunk 32, keys 16", (32, bc, 4, "store_side", 16, True))]
+        vs += [("tile, fused, chunk 32, 512 cols w4, keys 16", (32, 512, 4, "fused", 16, False, "tile")),
+               ("walk, fused, chunk 32, keys 16", (32, bc, 4, "fused", 16, True))]
     for name, cfg in vs:
         def fn(cfg=cfg):
             with _knob(K, "CONFIG", cfg):

@@ -268,16 +268,13 @@ def test_embedding_bwd_cpu(ishape, V, C):
 @pytest.mark.parametrize("config", [(4, 64, 4, "torch"), (8, 32, 4, "absent"), (1, 16, 4, "absent"),
                                     (16, 8, 4, "torch"), (4, 64, 4, "fused"), (8, 32, 4, "fused", True, True),
                                     (1, 16, 4, "absent", True, False), (16, 8, 4, "torch", False, True),
-                                    (2, 16, 4, "fused", False, True), (4, 64, 4, "absent_side", True, False),
-                                    (8, 32, 4, "store", True, True), (16, 8, 4, "store_side", False, False),
-                                    (4, 64, 4, "mark_side", 16, True), (8, 32, 4, "store", 16, False, "tile"),
-                                    (16, 8, 4, "store_side", 16, False, "tile"),
-                                    (1, 16, 4, "absent", 32, False, "tile"),
-                                    (4, 64, 4, "mark_side", 16, False, "tile"), (2, 16, 4, "fused", 16, False, "tile"),
+                                    (2, 16, 4, "fused", False, True), (4, 64, 4, "absent", 16, True),
+                                    (8, 32, 4, "torch", 16, False, "tile"), (1, 16, 4, "absent", 32, False, "tile"),
+                                    (4, 64, 4, "absent", 16, False, "tile"), (2, 16, 4, "fused", 16, False, "tile"),
                                     (8, 32, 4, "torch", False, False, "tile")])
 def test_embedding_bwd_tilings_cpu(config, monkeypatch):
-    """Chunk sizes and the zero fills (torch.zeros, zero kernels for absent rows or the whole table, zero
-    tiles fused into the chunk launch), int16 / int32 / int64 sort keys, the index loaded a step ahead or
+    """Chunk sizes and the zero fills (torch.zeros, a zero kernel for absent rows, zero tiles fused into the
+    chunk launch), int16 / int32 / int64 sort keys, the index loaded a step ahead or
     not, the walk or the tile chunk body, with runs of one id much longer than a chunk (summed across
     chunks by the merge pass); bit for bit deterministic."""
     monkeypatch.setattr(K_emb, "CONFIG", config)
@@ -290,7 +287,7 @@ def test_embedding_bwd_tilings_cpu(config, monkeypatch):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("config", [(4, 64, 4, "store", 16, False), (8, 32, 4, "mark_side", 16, False, "tile")])
+@pytest.mark.parametrize("config", [(4, 64, 4, "torch", 16, False), (8, 32, 4, "fused", 16, False, "tile")])
 def test_embedding_bwd_int16_keys_cpu(config, monkeypatch):
     """int16 sort keys are ids - 32768: ids on both sides of 32767 / 32768 and at the ends of a table of
     65536 rows, whose keys include -1 (the kernels' "no id" sentinel is applied after the bias)."""
@@ -312,7 +309,7 @@ def test_embedding_bwd_tile_equals_walk_cpu(monkeypatch):
     d = torch.randn(300, 70)
     out = []
     for body in ("walk", "tile"):
-        monkeypatch.setattr(K_emb, "CONFIG", (8, 32, 4, "store", True, False, body))
+        monkeypatch.setattr(K_emb, "CONFIG", (8, 32, 4, "torch", True, False, body))
         out.append(K_emb.embedding_bwd_triton(d, ids, 50))
     assert torch.equal(out[0], out[1])
 
@@ -525,8 +522,8 @@ def test_adamw_gpu_bit_exact():
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [None, (16, 1024, 4, "store_side", 16, False, "tile"),
-                                    (8, 512, 4, "mark_side", 16, False, "tile")])
+@pytest.mark.parametrize("config", [None, (16, 1024, 4, "fused", 16, False, "tile"),
+                                    (8, 512, 4, "absent", 16, False, "tile")])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
@@ -537,23 +534,3 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     b64 = K_emb.embedding_bwd_ref(d.double(), ids, V)
     assert _rel(a, b64) < _tol(dtype)
     assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))  # deterministic
-
-
-@gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_embedding_bwd_side_stream_gpu(dtype, monkeypatch):
-    """The zero fill (or the sort) on a side stream: poisoned table memory, then the result read on the
-    main stream right after the call (the join must order it), equal to the one-stream result bit for bit."""
-    V, C, N = 50000, 768, 8192
-    ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1)
-    d = torch.randn(N, C, device="cuda").to(dtype)
-    for mode, keys, body in (("absent_side", True, "walk"), ("store_side", True, "walk"), ("store_side", 16, "tile"),
-                             ("mark_side", 16, "tile"), ("mark_side", True, "walk")):
-        # the one-stream result of the same keys and body (the tile body's scan order depends on its layout)
-        monkeypatch.setattr(K_emb, "CONFIG", (16, 512, 4, "store", keys, False, body))
-        one = K_emb.embedding_bwd_triton(d, ids, V)
-        monkeypatch.setattr(K_emb, "CONFIG", (16, 512, 4, mode, keys, False, body))
-        for _ in range(3):
-            with poisoned():
-                two = K_emb.embedding_bwd_triton(d, ids, V)
-                assert torch.equal(one, two), (mode, keys, body)

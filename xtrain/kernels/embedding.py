@@ -12,25 +12,24 @@ Triton backward (deterministic, no atomics, no [V, C] temporary besides the grad
     _embedding_bwd_merge_kernel  for each run that crosses chunk edges, adds its partials in chunk order
         and writes the row. Every program has at most CHUNK tokens, so a frequent id no longer makes one
         long serial chain (idea from the issue thread: fixed-size token chunks of the sorted ids).
-dtable is zero-filled first for ids that never occur: by torch.zeros for 4-byte dtypes, by
-``_embedding_zero_absent_kernel`` (only rows with no id) for 2-byte dtypes, whichever measured faster.
-Options (CONFIG / DEFAULTS), measured on the H200 (bench/RESULTS.md): int32 sort keys (half the radix
-passes: the default, 0.415 vs 0.440 ms bf16, 0.195 vs 0.225 ms fp32); the source index loaded one step
-ahead of its row (default for fp32 only; no gain measured); ``_embedding_bwd_fused_kernel``, the zero
-tiles of absent rows and the chunk walks in one launch (slower: 0.497-0.514 ms bf16).
-It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which
-accumulates a whole fp32 [V, C] table instead.
-``_chunk_tile_body`` (CONFIG chunk body "tile", to be measured): a chunk's CHUNK rows gathered as one tile,
-all in flight at once, runs summed by a segmented scan held in each thread's registers (the walk waits
-on an index load per token: the chunk + merge stage alone ran at 1.5 TB/s, 0.089 ms bf16 / 0.081 fp32).
-"mark_side" zero fill: present marks first (one Triton kernel, which also writes the sort keys), then
-the sort on a side stream while only absent rows are zeroed (the whole-table store writes the rows ids
-name twice: 10% of the table at V = 128k, 30% at V = 32k). int16 sort keys (ids - 32768, V <= 65536):
-two radix passes where int32 take four.
+The rows no id names are zeroed in the same launch by default (``_embedding_bwd_fused_kernel``: zero tiles
+of absent rows and the chunk walks, marked by ``_embedding_keys_kernel``, which also writes the sort keys);
+CONFIG also selects torch.zeros first, or ``_embedding_zero_absent_kernel`` first.
+Chunk bodies: ``_chunk_body`` walks a chunk's tokens one by one; ``_chunk_tile_body`` gathers a chunk's
+CHUNK rows as one tile, all in flight at once, and sums runs by a segmented scan held in each thread's
+registers (the walk waits on an index load per token: the chunk + merge stage alone ran at 36-39% of copy).
+Sort keys: int32 (half the radix passes of int64) or int16 (ids - 32768, V <= 65536: half again).
+It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which accumulates a
+whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, session 3): bf16 the fused launch with
+the walk, 0.355 ms at V = 128k, C = 4096 (80% of copy); fp32 the fused launch with the tile body and int16
+keys, 0.166-0.169 ms at V = 32k, C = 2048 (55-56%).
 Measured and dropped (H200, 2026-11-29, bench/RESULTS.md): one program per run (the first version:
 0.552 ms bf16 / 0.384 ms fp32, a frequent id summed serially); a segmented-scan chunk kernel
 (tl.associative_scan over an [8, 512] tile: 0.565 / 0.239 ms) vs the running-sum walk kept here
-(0.444 / 0.222 ms).
+(0.444 / 0.222 ms); session 3: the absent-row zero fill on a side stream concurrent with the walk (0.440 /
+0.254 ms), a whole-table Triton store then the walk, with or without the sort on a side stream (0.376-0.391
+bf16), zeroing only absent rows while sorting on a side stream (0.36-0.39 bf16, 0.21-0.33 fp32): vs the
+fused launch's 0.355 / 0.169 ms (code in git history, commit 59de5bf).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from xtrain.kernels._dispatch import jit as _jit
-from xtrain.kernels._dispatch import side_stream, tl, triton, use_triton
+from xtrain.kernels._dispatch import tl, triton, use_triton
 
 
 def embedding_fwd(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -249,14 +248,6 @@ def _embedding_zero_absent_kernel(PRESENT, DTABLE, V, C, BLOCK_R: tl.constexpr, 
 
 
 @_jit
-def _embedding_zero_kernel(DTABLE, n, BLOCK: tl.constexpr):
-    """Zero the whole table: a plain store stream. H200: 1 GiB of bf16 in 0.237 ms, where torch.zeros
-    (its fill kernel) takes 0.320 ms (bench/RESULTS.md)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(DTABLE + offs, tl.zeros([BLOCK], dtype=DTABLE.dtype.element_ty), mask=offs < n)
-
-
-@_jit
 def _embedding_keys_kernel(IDS, KEYS, PRESENT, N, ID_BIAS: tl.constexpr, MARK: tl.constexpr, BLOCK: tl.constexpr):
     """The sort keys (ids - ID_BIAS in KEYS' dtype: int16 keys sort in two radix passes where int32 take
     four) and, if MARK, the present marks (PRESENT[id] = 1; every writer stores the same 1, so the result
@@ -272,12 +263,7 @@ def _embedding_keys_kernel(IDS, KEYS, PRESENT, N, ID_BIAS: tl.constexpr, MARK: t
 CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[, chunk body]]]) override, for
 # the bench's sweep.
 # zero fill: "torch" (torch.zeros first), "absent" (_embedding_zero_absent_kernel, then the chunk pass),
-# "absent_side" (the same zero kernel on a side CUDA stream, concurrent with the sort and chunk passes),
-# "store" (_embedding_zero_kernel over the whole table, then the chunk pass), "store_side" (that, with the
-# sort on a side CUDA stream meanwhile), "mark_side" (keys and present marks by _embedding_keys_kernel, then
-# the sort on a side stream while the main one zeroes only the absent rows, in ~8k-element tiles on 8 warps:
-# no row written twice, the sort still hidden), "fused" (_embedding_bwd_fused_kernel: zero tiles and chunk
-# walks in one launch).
+# "fused" (_embedding_bwd_fused_kernel: zero tiles of absent rows and chunk walks in one launch).
 # sort keys: False (int64 ids), True or 32 (int32: half the radix passes of int64; ids < 2^31), 16 (int16
 # ids - 32768 where V <= 65536, else int32: half again). idx_ahead: see _chunk_body.
 # chunk body: "walk" (_chunk_body) or "tile" (_chunk_tile_body).
@@ -316,6 +302,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
     N = ids.numel()
     cfg = CONFIG if CONFIG is not None else DEFAULTS[2 if dout.element_size() <= 2 else 4]
     CHUNK, BLOCK_C, num_warps, zero = cfg[:4]
+    if zero not in ("torch", "absent", "fused"):
+        raise ValueError(f"embedding_bwd: CONFIG zero fill must be 'torch', 'absent' or 'fused', got {zero!r}")
     key_bits = cfg[4] if len(cfg) > 4 else False
     idx_ahead = bool(cfg[5]) if len(cfg) > 5 else False
     tile = len(cfg) > 6 and cfg[6] == "tile"
@@ -327,43 +315,12 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
             return dtable
     else:
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
-    mark = zero in ("absent", "absent_side", "mark_side", "fused")
+    mark = zero in ("absent", "fused")
     keys, bias, present = _sort_keys(ids, V, key_bits, mark)
-    side_sort = zero in ("store_side", "mark_side") and dout.is_cuda
-    if side_sort:  # the sort (ids only) runs on a side stream while the main one zeroes the table
-        main = torch.cuda.current_stream(dout.device)
-        side = side_stream(dout.device)
-        side.wait_stream(main)  # keys ready
-        with torch.cuda.stream(side):
-            sorted_ids, order = torch.sort(keys, stable=True)
-    if zero in ("store", "store_side"):
-        _embedding_zero_kernel[(triton.cdiv(V * C, 8192),)](dtable, V * C, BLOCK=8192, num_warps=8)
-    elif zero == "mark_side":  # ~8k-element tiles on 8 warps, the shape of the fastest whole-table store
-        zbc = min(triton.next_power_of_2(C), 4096)
-        zbr = max(1, 8192 // zbc)
-        _embedding_zero_absent_kernel[(triton.cdiv(V, zbr), triton.cdiv(C, zbc))](present, dtable, V, C,
-                                                                                  BLOCK_R=zbr, BLOCK_C=zbc,
-                                                                                  num_warps=8)
-    elif zero in ("absent", "absent_side"):
-        def zero_absent():
-            _embedding_zero_absent_kernel[(triton.cdiv(V, 8), n_cb)](present, dtable, V, C, BLOCK_R=8,
-                                                                     BLOCK_C=BLOCK_C, num_warps=4)
-        if zero == "absent_side" and dout.is_cuda:
-            # the zero tiles write only rows no id names, the chunk and merge passes only rows ids name:
-            # disjoint, so the zero fill runs on a side stream while the ids are sorted and summed
-            main = torch.cuda.current_stream(dout.device)
-            zside = side_stream(dout.device)
-            zside.wait_stream(main)  # present, dtable ready
-            with torch.cuda.stream(zside):
-                zero_absent()
-        else:
-            zero_absent()
-    if side_sort:
-        main.wait_stream(side)
-        for t in (sorted_ids, order):  # made on the side stream, used and freed on the main one
-            t.record_stream(main)
-    else:
-        sorted_ids, order = torch.sort(keys, stable=True)
+    if zero == "absent":
+        _embedding_zero_absent_kernel[(triton.cdiv(V, 8), n_cb)](present, dtable, V, C, BLOCK_R=8,
+                                                                 BLOCK_C=BLOCK_C, num_warps=4)
+    sorted_ids, order = torch.sort(keys, stable=True)
     n_chunks = triton.cdiv(N, CHUNK)
     part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
     if zero == "fused":
@@ -378,8 +335,6 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                                                       ID_BIAS=bias, num_warps=num_warps)
     _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, C, n_chunks,
                                                   CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias, num_warps=4)
-    if zero == "absent_side" and dout.is_cuda:
-        main.wait_stream(zside)  # later work on the main stream (and reuse of present's memory) after both
     return dtable
 
 
