@@ -335,17 +335,14 @@ def _v_rms(N, C, dt):
                 ((2048, 4, 4, 3), "triton"), ((2048, 4, 4, 4), "triton"), ((1024, 1, 8, 4), "triton")]
     # the dw pass's (partial rows per step, columns per program, warps); (512, 16, 4) is the default now
     cfgs += [(None, "triton", dwc) for dwc in ((32, 128, 4), (256, 32, 4))]
-    # 5th / 6th fields: STREAM (evict-first loads, .cs stores), INTERLEAVE (tiles pid, pid + P, ...)
+    # 5th field: INTERLEAVE (tiles pid, pid + P, ...; the defaults have it on)
     if C < 2048:
-        cfgs += [((4096, 8, 2, 4, True), "triton"), ((4096, 8, 2, 4, False, True), "triton"),
-                 ((4096, 8, 2, 4, True, True), "triton"), ((4096, 8, 2, 5), "triton"), ((4096, 8, 3, 4), "triton"),
-                 ((2048, 4, 4, 4, True), "triton"), ((2048, 4, 4, 4, True, True), "triton"),
-                 ((2048, 4, 6, 4), "triton"), ((2048, 4, 8, 3), "triton"), ((2048, 2, 8, 4), "triton"),
-                 ((1024, 2, 12, 4), "triton"), ((1024, 1, 16, 4), "triton"), ((8192, 8, 1, 3, True), "triton"),
+        cfgs += [((4096, 8, 2, 4, False), "triton"), ((4096, 8, 2, 5), "triton"), ((4096, 8, 3, 4), "triton"),
+                 ((2048, 4, 4, 4, True), "triton"), ((2048, 4, 6, 4), "triton"), ((2048, 4, 8, 3), "triton"),
+                 ((2048, 2, 8, 4), "triton"), ((1024, 2, 12, 4), "triton"), ((1024, 1, 16, 4), "triton"),
                  ((8192, 16, 1, 4, True), "triton"), ((4096, 4, 4, 4, True), "triton")]
     else:
-        cfgs += [((8192, 16, 1, 3, True), "triton"), ((8192, 16, 1, 3, False, True), "triton"),
-                 ((8192, 16, 1, 3, True, True), "triton")]
+        cfgs += [((8192, 16, 1, 3, False), "triton")]
     for cfg, dw_reduce, *extra in cfgs:
         def fn(cfg=cfg, dw_reduce=dw_reduce, dwc=(extra or [K.DW_CONFIG])[0]):
             with _knob(K, "BWD_CONFIG", cfg), _knob(K, "DW_REDUCE", dw_reduce), _knob(K, "DW_CONFIG", dwc):

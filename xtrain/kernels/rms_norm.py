@@ -83,12 +83,11 @@ def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps,
 @_jit
 def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-                         STAGES: tl.constexpr = 0, STREAM: tl.constexpr = False, INTERLEAVE: tl.constexpr = False):
+                         STAGES: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False):
     """Program pid: rows [pid * rows_per_program, ...) in [BLOCK_R, BLOCK_C] tiles, or with INTERLEAVE (the
     pipelined path) tiles pid, pid + P, pid + 2P, ... (every program sweeps the same region of memory at
     once, where the contiguous shares are P streams far apart); dw partial row pid either way, so the sum
-    is deterministic. STREAM: x and dy loaded evict-first and dx stored with .cs (each byte is touched
-    once: keep the L2 for the bytes still in flight)."""
+    is deterministic."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -118,20 +117,13 @@ def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_progr
             rm = rows_s < row_end
             m_s = rm[:, None] & cmask[None, :]
             o_s = rows_s[:, None] * C + cols[None, :]
-            if STREAM:
-                xs = tl.load(X + o_s, mask=m_s, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                dys = tl.load(DY + o_s, mask=m_s, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            else:
-                xs = tl.load(X + o_s, mask=m_s, other=0.0).to(tl.float32)
-                dys = tl.load(DY + o_s, mask=m_s, other=0.0).to(tl.float32)
+            xs = tl.load(X + o_s, mask=m_s, other=0.0).to(tl.float32)
+            dys = tl.load(DY + o_s, mask=m_s, other=0.0).to(tl.float32)
             rs = tl.load(INV_RMS + rows_s, mask=rm, other=0.0)
             gs = dys * w[None, :]
             dots = tl.sum(gs * xs, axis=1)
             dxs = rs[:, None] * gs - xs * ((rs * rs * rs / C) * dots)[:, None]
-            if STREAM:
-                tl.store(DX + o_s, dxs.to(DX.dtype.element_ty), mask=m_s, cache_modifier=".cs")
-            else:
-                tl.store(DX + o_s, dxs.to(DX.dtype.element_ty), mask=m_s)
+            tl.store(DX + o_s, dxs.to(DX.dtype.element_ty), mask=m_s)
             dw_acc += dys * xs * rs[:, None]
         tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, tl.sum(dw_acc, axis=0), mask=cmask)
         return
@@ -189,19 +181,20 @@ def _fwd_config(C: int):
     return BLOCK_R, BLOCK_C, num_warps
 
 
-BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH[, STREAM[, INTERLEAVE]]) override,
-# for the bench's sweep; PREFETCH: True (the next tile loaded by hand into registers), False (none), or an int
-# k >= 2: Triton's pipelining of the tile loads, num_stages=k (cp.async into shared memory); STREAM, INTERLEAVE:
-# see _rms_norm_bwd_kernel (pipelined path only)
+BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH[, INTERLEAVE]) override, for the
+# bench's sweep; PREFETCH: True (the next tile loaded by hand into registers), False (none), or an int k >= 2:
+# Triton's pipelining of the tile loads, num_stages=k (cp.async into shared memory); INTERLEAVE: see
+# _rms_norm_bwd_kernel (pipelined path only)
 # measured best on the H200 (bench/RESULTS.md, second variant sweep): long rows -> 8k-element tiles (2 rows of
 # 4096, one of 8192), 16 warps, one program per SM, Triton-pipelined loads (3 stages); short rows (768) ->
 # 4k-element tiles, 8 warps, 2 per SM, 4 stages; the dw pass as one Triton kernel. (The first sweep's hand
 # prefetch, PREFETCH=True, was 2-10 % slower.)
 # Session 3 (H200, bench/RESULTS.md): the same tilings with interleaved tiles (program p takes tiles p, p + P,
 # ...): 65536x768 0.090 -> 0.087 ms (79 -> 82% of copy), 8192x8192 0.112 -> 0.108 (85 -> 88%), fp32
-# 16384x4096 89 -> 93%; the streaming cache hints (fifth field) changed nothing measurable.
-BWD_DEFAULT_LONG = (8192, 16, 1, 3, False, True)  # BLOCK_C >= 2048
-BWD_DEFAULT_SHORT = (4096, 8, 2, 4, False, True)
+# 16384x4096 89 -> 93%; evict-first loads and streaming (.cs) stores of dx changed nothing measurable
+# (dropped; code in git history, commit 59de5bf).
+BWD_DEFAULT_LONG = (8192, 16, 1, 3, True)  # BLOCK_C >= 2048
+BWD_DEFAULT_SHORT = (4096, 8, 2, 4, True)
 DW_CONFIG = (512, 16, 4)  # _rms_norm_dw_kernel: (most partial rows per step, columns per program, num_warps)
 DW_REDUCE = "triton"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
 
@@ -210,11 +203,10 @@ def _bwd_config(C: int):
     BLOCK_C = triton.next_power_of_2(C)
     cfg = BWD_CONFIG if BWD_CONFIG is not None else (BWD_DEFAULT_LONG if BLOCK_C >= 2048 else BWD_DEFAULT_SHORT)
     tile, num_warps, per_sm, prefetch = cfg[:4]
-    stream = bool(cfg[4]) if len(cfg) > 4 else False
-    interleave = bool(cfg[5]) if len(cfg) > 5 else False
+    interleave = bool(cfg[4]) if len(cfg) > 4 else False
     if interleave and isinstance(prefetch, bool):
         raise ValueError(f"rms_norm_bwd: BWD_CONFIG {cfg}: interleaved tiles need Triton pipelining (an int)")
-    return max(1, tile // BLOCK_C), BLOCK_C, num_warps, per_sm, prefetch, stream, interleave
+    return max(1, tile // BLOCK_C), BLOCK_C, num_warps, per_sm, prefetch, interleave
 
 
 def _num_programs(x: torch.Tensor, N: int, per_sm: int = 4) -> int:
@@ -245,7 +237,7 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     dx = torch.empty_like(x2)
     if N == 0:
         return dx.reshape(x.shape), torch.zeros_like(w)
-    BLOCK_R, BLOCK_C, num_warps, per_sm, prefetch, stream, interleave = _bwd_config(C)
+    BLOCK_R, BLOCK_C, num_warps, per_sm, prefetch, interleave = _bwd_config(C)
     stages = 0 if isinstance(prefetch, bool) else int(prefetch)
     P = _num_programs(x2, N, per_sm)
     rows_per_program = triton.cdiv(N, P)
@@ -253,7 +245,7 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
     _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
                                rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=bool(prefetch),
-                               STAGES=stages, STREAM=stream, INTERLEAVE=interleave, num_warps=num_warps)
+                               STAGES=stages, INTERLEAVE=interleave, num_warps=num_warps)
     if DW_REDUCE == "triton":
         dw = torch.empty(C, dtype=w.dtype, device=x.device)
         max_p, bc, warps = DW_CONFIG
