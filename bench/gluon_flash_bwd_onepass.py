@@ -1,0 +1,1159 @@
+"""One-pass Gluon (Hopper, sm_90) flash-attention BACKWARD experiments "fused3" (FA3-balanced dQ) and "fused2",
+timed against cuDNN, xtrain's Triton backward (the library default) and the library's two-kernel Gluon backward
+("split").
+
+fused3: not yet measured on a GPU (compiles for sm_90 with triton 3.6 and 3.9; passes the CPU replay).
+fused2, measured (H200, 2026-11-29; passes the fp64 check, rel-norm error 2.35e-3): ratio to cuDNN at T = 1k /
+4k / 16k — hd128 0.69 / 0.60 / 0.60 (library default 1.05 / 0.96 / 0.83); hd64 0.98 / 0.91 / 0.90 (library
+default, the Triton kernel, 1.10 / 0.98 / 0.90). Its likely flaw: the step's owner warpgroup issues two more
+wgmmas and a reduce-add (with the waits for its previous reduce-add and its own wgmmas on its critical path)
+while the other waits at the next ds_full, and it holds a [64, D] fp32 accumulator on top of dK, dV.
+
+    PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py                 # GPU: check, then time (< 6 min)
+    PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py --compile-only  # no GPU: compile for sm_90
+    PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py --replay        # no GPU: CPU replay (math + protocol)
+    (--variants a,b  --head-dims 128,64  --seqs 1024,2048,...)
+
+Why: the library's backward (xtrain/kernels/flash_attention_gluon_bwd.py, "split") runs two kernels, dK/dV
+and dQ, i.e. 7 matrix products per (query tile, key tile) pair; the one-pass form of FlashAttention-3
+(Shah, Bikshandi, Zhang, Thakkar, Ramani & Dao, 2024) needs 5. The first one-pass prototype ("fused",
+bench/gluon_flash_bwd.py at commit 921bd50) let EACH consumer warpgroup reduce-add its own 64-key dQ partial
+(twice FA3's dQ traffic, 2 reductions per tile pair, staging waited for right away) and measured 0.72-0.75x
+cuDNN at hd128.
+
+fused3 (FA3's balanced split of the dQ product and its dedicated dQ-writer warp; the code is this project's
+own): the program and the dK/dV work are fused2's (below); per 64-query step it:
+  * each warpgroup stores its dSᵀ half (16-bit) into dS buffer b = it % 2, fences, arrives on ds_full[b]
+    (count 2) and then BOTH wait for it;
+  * BOTH compute half of dQ_step along the head dim: warpgroup w forms dQ_step[:, w·D/2 : +D/2] =
+    dS_lo · K_lo[:, w·D/2 : +D/2] + dS_hi · K_hi[:, w·D/2 : +D/2], two chained async wgmmas with A = the
+    permuted dSᵀ halves and B = a column slice of the resident (128B-swizzled) K tiles; N = D/2 = 64 / 32.
+    The dK wgmma, issued before the hand-off, runs through it. Accumulator [64, D/2] fp32 (32 / 16
+    registers). Once retired (with dV, dK), the warpgroup arrives on ds_empty[b] (count 2);
+  * the half goes to a DEDICATED dQ-writer partition (a 4th partition of one warp, 24 registers): the
+    warpgroup waits for dq_empty of tile (w, it % SLOTS) of its staging ring, stores the half there,
+    fences, arrives on dq_full. The writer walks steps and warpgroups in order, waits dq_full and issues ONE
+    TMA reduce-add ([64, D/2] box at (row, w·D/2)) per half; it releases the tile of reduce-add k - PEND
+    after tma.store_wait(PEND) (PTX cp.async.bulk.wait_group.read PEND: the bulk op has READ shared
+    memory), so up to PEND + 1 reduce-adds stay in flight and the consumers never wait on a bulk op.
+    PEND must satisfy (PEND + 1) // 2 <= SLOTS - 1 (else the writer waits for a half its warpgroup cannot
+    stage yet: deadlock; SLOTS = 1 needs PEND = 0);
+  * epilogue: K's halves feed both warpgroups' dQ products, so before dK·scale goes out through the dead K
+    half each warpgroup waits for the last step's ds_empty phase (both warpgroups' last dQ products
+    retired; earlier ones retired before by program order). The writer store_waits(0) before it exits.
+  * ds_empty (before a dS half is rewritten) is implied by program order: warpgroup w writes its half of
+    step it only after ds_full of step it - 1, which the other warpgroup arrives on only after its dQ
+    product of step it - 2 retired (the replay confirms: leaving it out is never caught). Kept as a cheap
+    guard, and it carries the epilogue wait.
+  * KCOPY (fused3_kc, hd64): at hd64 the column slice of the 64-column K tile starts 64 B inside a 128-byte
+    swizzle row (Gluon 3.6 accepts it as an MN-major wgmma B operand: start address + 64 B, swizzle mode
+    128B); in case the hardware reads such a slice wrongly, fused3_kc has the dQ writer load separate
+    [64, 32] copies of K's column halves (16 KB more) once at the start, and the dQ products read those.
+  Shared memory (hd64 / hd128): Q, dO rings STAGES x 64 x D x 2 B each, K, V 128 x D x 2 B, dS 2 x 2 x 64 x
+  64 x 2 B = 32 KB, dQ staging 2 x SLOTS x 64 x D/2 x 4 B. Compiled (3.6 and 3.9): fused3 (STAGES 2, SLOTS
+  2) 131680 / 229984 B, fused3_1slot 115264 / 197184 B, fused3_s3 (3, 2) 148128 B, fused3_s3w4 (3, 4)
+  180960 B, fused3_kc 148128 B; all 168 registers at launch, setmaxnreg 232/248 (consumers) and 24
+  (producer, writer), no local memory (spills).
+Variants (``VARIANTS``: kernel, STAGES, SLOTS, PEND): fused3 (2, 2, 2) both head dims; fused3_1slot (2, 1, 0)
+both; hd64 only: fused3_s3 (3, 2, 2), fused3_s3w4 (3, 4, 4), fused3_kc (2, 2, 2, K column copies); fused2
+both, fused2_s3 hd64.
+
+fused2 (FA3's single reduction per tile pair): the dK/dV kernel of "split" (program = 128 keys of
+one (batch, kv head), K/V resident, warpgroup w owns keys w·64..+64, working transposed on [keys, queries]
+tiles; the producer warp is the library's ``_dkdv_producer`` itself) plus, per 64-query step it:
+  * each warpgroup writes its dSᵀ half [64 keys, 64 queries] (16-bit) into the shared buffer b = it % 2
+    (two buffers, each the two halves = the step's whole dSᵀ [128 keys, 64 queries]) and arrives on
+    ds_full[b] (count 2) after a fence and a partition barrier;
+  * the step's owner, warpgroup it % 2 (ownership alternates, so the extra product is shared evenly), waits
+    ds_full[b], computes dQ_step [64 queries, D] = dS [64, 128] · K [128, D] as two chained async wgmmas
+    (A = the permuted dSᵀ halves in shared memory, B = the resident K halves), retires it with its dK/dV
+    wgmmas, arrives on ds_empty[b] (count 1: the buffer may be rewritten at step it + 2), stores dQ_step
+    into ITS fp32 staging tile and issues ONE TMA reduce-add into the fp32 dQ accumulator
+    (cp.reduce.async.bulk.tensor .add: Gluon 3.9 ``tma.async_atomic_add``; Gluon 3.6 has the builder op
+    but no wrapper, so ``_tma_reduce_add`` below wraps it). Each warpgroup has its own staging tile and
+    owns every other step, so the staging is double-buffered across steps: the reduce-add of step it
+    overlaps all of step it + 1, and ``tma.store_wait(0)`` before the tile is rewritten (step it + 2) is
+    the "store_wait(1)" of a two-buffer ring with one issuer.
+  * epilogue: K's shared halves are read by both warpgroups' dQ products, so before dK·scale goes out
+    through the dead K half each warpgroup waits for the last use of both dS buffers (ds_empty).
+  Host: the library's delta preprocess, dQ accumulator zeroed (memset), the kernel, then a small convert
+  kernel dQ = (acc · scale) in the input dtype. Not deterministic (reduce-add order). 5 products per tile
+  pair; dQ traffic one fp32 [64, D] reduce per (64-query, 128-key) pair (half of fused's).
+fused2_s3 (alternative): fused2 with a 3-deep Q/dO ring at hd64 (2 at hd128: 3 does not fit in 227 KB).
+
+--replay (CPU): the kernels' loops in fp64 against flash_attention_bwd_ref (both head dims, causal and not;
+fused2's and fused3's dQ split), and random interleavings at the level of the barrier protocol. fused2: its
+three partitions (no deadlock; the owner reads both dS halves of its own step; no staging tile rewritten under
+its reduce-add; K not overwritten under a dQ product). fused3: all four partitions with async wgmma, TMA load
+and reduce-add completions as separate events (replay_protocol3's docstring lists the assertions), and
+negative controls run by the replay itself: each wait left out in turn must be caught (ds_empty, see above,
+must not), and SLOTS = 1 with PEND = 2 must deadlock. The one-time K column load of fused3_kc is not modelled.
+fused2's shared memory: Q, dO rings 2 x 64 x D x 2 B each, K, V 128 x D x 2 B, dS 2 x 128 x 64 x 2 B =
+32 KB, staging 2 x 64 x D x 4 B: 112 / 224 KB; the compiled kernels report 131584 / 229888 B
+(fused2_s3 at hd64: 148032 B), 168 registers at launch, setmaxnreg 232/248/24, no spills (3.6 and 3.9).
+
+Gluon idioms follow the Gluon tutorials of the Triton repository (TMA, wgmma, warp specialisation) and the
+library's Gluon kernels, whose pieces are imported, not copied: the Triton-version aliases, layouts,
+``_row_view``/``_desc``, the delta preprocess, the dK/dV producer, the sm_90 offline compile helper.
+Contract as ``flash_attention_bwd_triton`` (dq, dk, dv in the input dtype, dk/dv summed over the GQA group):
+bf16/fp16, D in (64, 128), T a multiple of 128, causal or not, contiguous [B, Hx, T, D] inputs (dq/dk/dv
+buffers contiguous).
+
+main() (GPU) checks each variant in a child process (bench/isolated.py; a deadlock costs 60 s, not the run):
+relative-norm error < 1e-2 of dq, dk, dv against ``flash_attention_bwd_ref`` in fp64 (B=1, H=4, Hkv=2,
+T=1024 and 2048, causal, D = 64 and 128, NaN-poisoned outputs), then times the passing ones (do_bench median of
+the backward alone; cuDNN via ``torch.autograd.grad`` on a saved SDPA graph; TFLOP/s = 2.5 x 4·B·H·T²·D/2,
+causal, B = 16k / T, H = 2048 / D).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from bench import isolated  # noqa: E402
+from bench.isolated import check_one  # noqa: E402
+from xtrain.kernels import flash_attention as FA  # noqa: E402
+from xtrain.kernels import flash_attention_gluon_bwd as GB  # noqa: E402
+from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E, _desc, _row_view  # noqa: E402
+
+KH = GB.HALF_M  # keys per consumer warpgroup (resident tile = 2 x KH = 128 keys)
+BLOCK_M = 64  # queries per step (one wgmma M of the dQ product)
+# variant -> {head_dim: (kernel, STAGES = Q/dO ring depth, SLOTS = dQ staging tiles per warpgroup, PEND =
+# reduce-adds the writer leaves in flight after each issue)}; a variant runs the head dims it lists
+VARIANTS = {
+    "fused2": {64: ("fused2", 2, 0, 0), 128: ("fused2", 2, 0, 0)},
+    "fused2_s3": {64: ("fused2", 3, 0, 0)},
+    "fused3": {64: ("fused3", 2, 2, 2), 128: ("fused3", 2, 2, 2)},
+    "fused3_1slot": {64: ("fused3", 2, 1, 0), 128: ("fused3", 2, 1, 0)},
+    "fused3_s3": {64: ("fused3", 3, 2, 2)},
+    "fused3_s3w4": {64: ("fused3", 3, 4, 4)},
+    "fused3_kc": {64: ("fused3", 2, 2, 2, "kcopy")},  # hd64 without the in-swizzle-atom column slice of K
+}
+DEFAULT_BENCH = ["fused2", "fused3", "fused3_1slot", "fused3_s3", "fused3_s3w4", "fused3_kc"]
+
+if HAVE_GLUON:
+    from xtrain.kernels.flash_attention_gluon import (  # noqa: E402
+        _CONSUMER_REGS,
+        _PRODUCER_REGS,
+        TensorDescriptor,
+        _cta_barrier,
+        _tma_load,
+        _tma_store,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from xtrain.kernels.flash_attention_gluon_bwd import _acc_layout, _dkdv_producer, _ring_init  # noqa: E402
+
+    _LOG2E = gl.constexpr(LOG2E)
+    _tma_reduce_add = getattr(tma, "async_atomic_add", None)
+    if _tma_reduce_add is None:  # Gluon 3.6: the builder op exists (tl's descriptor atomic_add uses it) but
+        # Gluon has no wrapper; wrap it as newer Gluon does
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
+
+    @gluon.jit
+    def _fused2_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
+                         do_empty, ds_full, ds_empty, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, lse_row0, T,
+                         dq_row0, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
+                         dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, HALF: gl.constexpr):
+        """One warpgroup: keys [start_n + HALF·64, +64) as the library's split dK/dV consumer, plus the dS
+        hand-off and, on the steps it owns (it % 2 == HALF), the step's whole dQ product and reduce-add."""
+        KH: gl.constexpr = dk_desc.block_type.shape[0]
+        s_layout: gl.constexpr = _acc_layout(BLOCK_M)  # [KH, BLOCK_M] Sᵀ, dPᵀ
+        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV; [BLOCK_M, HEAD_DIM] dQ_step
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+        k_half = k_smem.index(HALF)
+        v_half = v_smem.index(HALF)
+        dq_stage = dq_smem.index(HALF)  # this warpgroup's staging tile (used on its own steps only)
+        k_lo = start_n + HALF * KH
+        offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
+        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
+        dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        mbarrier.wait(kv_bar, 0)
+        for it in range(n_iter):
+            g = it // n_m
+            start_m = (mt0 + it % n_m) * BLOCK_M
+            row = lse_row0 + g * T + start_m  # int64 row of the [B·H·T] lse / delta
+            lse2 = gl.load(lse_ptr + row + cols) * _LOG2E
+            delta = gl.load(delta_ptr + row + cols)
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            q_t = q_smem.index(slot)
+            do_t = do_smem.index(slot)
+            mbarrier.wait(q_bars.index(slot), phase)
+            st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_bars.index(slot), phase)
+            dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            if CAUSAL:
+                if start_m < k_lo + KH:
+                    keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+                    pt = gl.where(keep, pt, 0.0)
+            p_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
+            ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            ds_op = gl.convert_layout(ds16, op_layout)
+            dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+            # dS hand-off: buffer b (= the owner) was last read by the dQ product of step it - 2
+            b = it % 2
+            u = it // 2
+            mbarrier.wait(ds_empty.index(b), (u & 1) ^ 1)  # fresh barrier: the first wait passes
+            ds_smem.index(2 * b + HALF).store(ds16)
+            fence_async_shared()
+            _cta_barrier()  # every thread's store is fenced before the one arrival
+            mbarrier.arrive(ds_full.index(b), count=1)
+            if b == HALF:
+                mbarrier.wait(ds_full.index(b), u & 1)  # both halves of the step's dSᵀ are in
+                dq_tok = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k_smem.index(0), dq_zero,
+                                       use_acc=False, is_async=True)
+                dq_tok = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k_smem.index(1), dq_tok,
+                                       is_async=True)
+                dv, dk, dq_step, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
+                mbarrier.arrive(ds_empty.index(b), count=1)
+                mbarrier.arrive(q_empty.index(slot), count=1)
+                mbarrier.arrive(do_empty.index(slot), count=1)
+                # the reduce-add of step it - 2 (issued by this warpgroup's elected thread) has read the
+                # staging tile; the barrier lets every thread know before it is overwritten
+                tma.store_wait(0)
+                _cta_barrier()
+                dq_stage.store(dq_step)
+                fence_async_shared()
+                _cta_barrier()
+                _tma_reduce_add(dq_desc, [dq_row0 + g * T + start_m, 0], dq_stage)
+            else:
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+                mbarrier.arrive(q_empty.index(slot), count=1)
+                mbarrier.arrive(do_empty.index(slot), count=1)
+        # K's halves feed both warpgroups' dQ products: wait for the last use of both dS buffers
+        last = n_iter - 1
+        mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
+        if n_iter > 1:
+            mbarrier.wait(ds_empty.index((last - 1) % 2), ((last - 1) // 2) & 1)
+        k_half.store((dk * sm_scale).to(dtype))
+        v_half.store(dv.to(dtype))
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
+        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
+        tma.store_wait(0)  # also the last reduce-add
+
+    @gluon.jit
+    def _fused2_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale,
+                       sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
+                       v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """Program (key tile, batch·kv head), as the library's dK/dV kernel; num_warps = 4. dq_desc: the
+        contiguous fp32 dQ accumulator [B·H·T, D] with [BLOCK_M, D] tiles."""
+        dtype: gl.constexpr = q_desc.dtype
+        KH: gl.constexpr = k_desc.block_type.shape[0]
+        gl.static_assert(BLOCK_M == 64)
+        pid_n = gl.program_id(0)
+        off_bkv = gl.program_id(1)
+        Hkv = H // GROUP
+        off_b = off_bkv // Hkv
+        off_kvh = off_bkv % Hkv
+        start_n = pid_n * (2 * KH)
+        h0 = off_kvh * GROUP
+        lse_row0 = (off_b * H + h0).to(gl.int64) * T
+        dq_row0 = (off_b * H + h0) * T  # int32 TMA coordinate of the fp32 accumulator
+        if CAUSAL:
+            mt0 = start_n // BLOCK_M
+        else:
+            mt0 = 0
+        n_m = T // BLOCK_M - mt0
+        n_iter = GROUP * n_m
+
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        _ring_init(q_bars, q_empty, STAGES)
+        _ring_init(do_bars, do_empty, STAGES)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_full.index(i), count=2)  # one arrival per warpgroup half
+            mbarrier.init(ds_empty.index(i), count=1)  # the owner, once its dQ product retired
+        fence_async_shared()
+
+        k_row = off_b * k_rb + off_kvh * k_rh + start_n
+        v_row = off_b * v_rb + off_kvh * v_rh + start_n
+        dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
+        dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
+        gl.warp_specialize([
+            (_fused2_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
+                                do_empty, ds_full, ds_empty, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, lse_row0,
+                                T, dq_row0, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter,
+                                start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0)),
+            (_fused2_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
+                                do_empty, ds_full, ds_empty, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, lse_row0,
+                                T, dq_row0, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter,
+                                start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
+                              do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
+                              off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
+                              BLOCK_M, STAGES)),
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+    # -----------------------------------------------------------------------------------------------------
+    # fused3: both warpgroups compute half of dQ_step (split along the head dim); a dQ-writer warp reduces
+    # -----------------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _fused3_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, kv_bar, kc_bar, q_bars, do_bars,
+                         q_empty, do_empty, ds_full, ds_empty, dq_full, dq_empty, dk_desc, dv_desc, lse_ptr, delta_ptr,
+                         lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
+                         dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         SLOTS: gl.constexpr, KCOPY: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr):
+        """One warpgroup: keys [start_n + HALF·64, +64) as the split dK/dV consumer, plus the dSᵀ hand-off and,
+        every step, dQ_step[:, HALF·D/2 : +D/2] = [dS_lo | dS_hi] · [K_lo; K_hi][:, HALF·D/2 : +D/2], handed to
+        the dQ writer through this warpgroup's staging ring (SLOTS tiles)."""
+        KH: gl.constexpr = dk_desc.block_type.shape[0]
+        DH: gl.constexpr = HEAD_DIM // 2
+        s_layout: gl.constexpr = _acc_layout(BLOCK_M)  # [KH, BLOCK_M] Sᵀ, dPᵀ
+        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
+        q_layout: gl.constexpr = _acc_layout(DH)  # [BLOCK_M, DH] this warpgroup's half of dQ_step
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+        k_half = k_smem.index(HALF)
+        v_half = v_smem.index(HALF)
+        # B operands of the dQ product: this warpgroup's head-dim columns of both resident K halves, a column
+        # slice of the swizzled K tiles, or (KCOPY) separate copies of those columns loaded by the dQ writer
+        if KCOPY:
+            kc0 = kc_smem.index(HALF)
+            kc1 = kc_smem.index(2 + HALF)
+        else:
+            kc0 = k_smem.index(0).slice(HALF * DH, DH, dim=1)
+            kc1 = k_smem.index(1).slice(HALF * DH, DH, dim=1)
+        k_lo = start_n + HALF * KH
+        offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
+        dq_zero = gl.zeros([BLOCK_M, DH], gl.float32, q_layout)
+        dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        mbarrier.wait(kv_bar, 0)
+        if KCOPY:
+            mbarrier.wait(kc_bar, 0)
+        for it in range(n_iter):
+            start_m = (mt0 + it % n_m) * BLOCK_M
+            row = lse_row0 + (it // n_m) * T + start_m  # int64 row of the [B·H·T] lse / delta
+            lse2 = gl.load(lse_ptr + row + cols) * _LOG2E
+            delta = gl.load(delta_ptr + row + cols)
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            q_t = q_smem.index(slot)
+            do_t = do_smem.index(slot)
+            mbarrier.wait(q_bars.index(slot), phase)
+            st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_bars.index(slot), phase)
+            dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            if CAUSAL:
+                if start_m < k_lo + KH:
+                    keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+                    pt = gl.where(keep, pt, 0.0)
+            p_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
+            ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            ds_op = gl.convert_layout(ds16, op_layout)
+            dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)  # runs through the hand-off below
+            # dS hand-off: buffer b was last read by both warpgroups' dQ products of step it - 2
+            b = it % 2
+            u = it // 2
+            mbarrier.wait(ds_empty.index(b), (u & 1) ^ 1)  # fresh barrier: the first wait passes
+            ds_smem.index(2 * b + HALF).store(ds16)
+            fence_async_shared()
+            _cta_barrier()  # every thread's store is fenced before the one arrival
+            mbarrier.arrive(ds_full.index(b), count=1)
+            mbarrier.wait(ds_full.index(b), u & 1)  # both halves of the step's dSᵀ are in
+            dq_tok = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), kc0, dq_zero, use_acc=False,
+                                   is_async=True)
+            dq_tok = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), kc1, dq_tok, is_async=True)
+            dv, dk, dq_step, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
+            mbarrier.arrive(ds_empty.index(b), count=1)
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            # staging: tile ds of this warpgroup's ring, released by the writer once its reduce-add read it
+            ds_ = it % SLOTS
+            mbarrier.wait(dq_empty.index(HALF * SLOTS + ds_), ((it // SLOTS) & 1) ^ 1)
+            dq_smem.index(HALF * SLOTS + ds_).store(dq_step)
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(dq_full.index(HALF * SLOTS + ds_), count=1)
+        # K's halves feed both warpgroups' dQ products: the last step's ds_empty phase completes only once
+        # both have retired theirs (and, by program order, every earlier one)
+        last = n_iter - 1
+        mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
+        k_half.store((dk * sm_scale).to(dtype))
+        v_half.store(dv.to(dtype))
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
+        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _fused3_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, kc_desc, kc_smem, kc_bar, k_row, k_col, dq_row0, T,
+                          mt0, n_m, n_iter, BLOCK_M: gl.constexpr, SLOTS: gl.constexpr, PEND: gl.constexpr,
+                          KCOPY: gl.constexpr):
+        """The dQ-writer warp: per step, for w = 0, 1, waits for warpgroup w's staged [BLOCK_M, D/2] half and
+        issues one TMA reduce-add of it into the fp32 accumulator at (row, w·D/2). Reduce-add k (= 2·it + w)
+        releases its staging tile only once tma.store_wait(PEND) after reduce-add k + PEND says it has been
+        read (cp.async.bulk.wait_group.read), so up to PEND + 1 reduce-adds stay in flight."""
+        DH: gl.constexpr = dq_desc.block_type.shape[1]
+        if KCOPY:  # the column copies of K: [half h, columns w·DH..+DH] into kc_smem[2h + w]
+            KH: gl.constexpr = kc_desc.block_type.shape[0]
+            mbarrier.expect(kc_bar, 4 * kc_desc.block_type.nbytes)
+            for i in gl.static_range(4):
+                _tma_load(kc_desc, [k_row + (i // 2) * KH, k_col + (i % 2) * DH], kc_bar, kc_smem.index(i))
+        for it in range(n_iter):
+            row = dq_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M
+            s = it % SLOTS
+            for w in gl.static_range(2):
+                mbarrier.wait(dq_full.index(w * SLOTS + s), (it // SLOTS) & 1)
+                _tma_reduce_add(dq_desc, [row, w * DH], dq_smem.index(w * SLOTS + s))
+                tma.store_wait(PEND)
+                _cta_barrier()  # the issuing lane's wait covers the arriving one
+                j = 2 * it + w - PEND  # the reduce-add now known to have read its tile
+                if j >= 0:
+                    jt = j // 2
+                    mbarrier.arrive(dq_empty.index((j % 2) * SLOTS + jt % SLOTS), count=1)
+        tma.store_wait(0)  # no CTA exit while a reduce-add still reads shared memory
+
+    @gluon.jit
+    def _fused3_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, kc_desc, lse_ptr, delta_ptr,
+                       qk_scale, sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
+                       v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
+                       PEND: gl.constexpr, KCOPY: gl.constexpr, CAUSAL: gl.constexpr):
+        """Program (key tile, batch·kv head) as fused2; num_warps = 4. dq_desc: the contiguous fp32 dQ
+        accumulator [B·H·T, D] with [BLOCK_M, D/2] tiles; kc_desc: K with [64, D/2] tiles (used if KCOPY)."""
+        dtype: gl.constexpr = q_desc.dtype
+        KH: gl.constexpr = k_desc.block_type.shape[0]
+        DH: gl.constexpr = HEAD_DIM // 2
+        gl.static_assert(BLOCK_M == 64)
+        gl.static_assert(dq_desc.block_type.shape[1] == DH)
+        pid_n = gl.program_id(0)
+        off_bkv = gl.program_id(1)
+        Hkv = H // GROUP
+        off_b = off_bkv // Hkv
+        off_kvh = off_bkv % Hkv
+        start_n = pid_n * (2 * KH)
+        h0 = off_kvh * GROUP
+        lse_row0 = (off_b * H + h0).to(gl.int64) * T
+        dq_row0 = (off_b * H + h0) * T  # int32 TMA coordinate of the fp32 accumulator
+        if CAUSAL:
+            mt0 = start_n // BLOCK_M
+        else:
+            mt0 = 0
+        n_m = T // BLOCK_M - mt0
+        n_iter = GROUP * n_m
+
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * SLOTS, BLOCK_M, DH], dq_desc.layout)  # [w·SLOTS + s]
+        if KCOPY:
+            kc_smem = gl.allocate_shared_memory(dtype, [4, KH, DH], kc_desc.layout)  # [K half·2 + column half]
+        else:
+            kc_smem = k_smem  # unused
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kc_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        mbarrier.init(kc_bar, count=1)
+        _ring_init(q_bars, q_empty, STAGES)
+        _ring_init(do_bars, do_empty, STAGES)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_full.index(i), count=2)  # one arrival per warpgroup half
+            mbarrier.init(ds_empty.index(i), count=2)  # both warpgroups' dQ products read both halves
+        for i in gl.static_range(2 * SLOTS):
+            mbarrier.init(dq_full.index(i), count=1)  # the staging warpgroup
+            mbarrier.init(dq_empty.index(i), count=1)  # the writer, once the reduce-add read the tile
+        fence_async_shared()
+
+        k_row = off_b * k_rb + off_kvh * k_rh + start_n
+        v_row = off_b * v_rb + off_kvh * v_rh + start_n
+        dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
+        dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
+        gl.warp_specialize([
+            (_fused3_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, kv_bar, kc_bar, q_bars,
+                                do_bars, q_empty, do_empty, ds_full, ds_empty, dq_full, dq_empty, dk_desc, dv_desc,
+                                lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0,
+                                n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, SLOTS,
+                                KCOPY, CAUSAL, 0)),
+            (_fused3_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, kv_bar, kc_bar, q_bars,
+                                do_bars, q_empty, do_empty, ds_full, ds_empty, dq_full, dq_empty, dk_desc, dv_desc,
+                                lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0,
+                                n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, SLOTS,
+                                KCOPY, CAUSAL, 1)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
+                              do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
+                              off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
+                              BLOCK_M, STAGES)),
+            (_fused3_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, kc_desc, kc_smem, kc_bar, k_row, off_kvh * k_ch,
+                                 dq_row0, T, mt0, n_m, n_iter, BLOCK_M, SLOTS, PEND, KCOPY)),
+        ], [4, 1, 1], [_CONSUMER_REGS, _PRODUCER_REGS, _PRODUCER_REGS])
+
+
+@triton.jit
+def _dq_convert_kernel(ACC, DQ, scale, N, BLOCK: tl.constexpr):
+    """DQ = ACC · scale in DQ's dtype (flat, both contiguous)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(ACC + offs, mask=offs < N)
+    tl.store(DQ + offs, (x * scale).to(DQ.dtype.element_ty), mask=offs < N)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------------------
+def _launch(q, k, v, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg):
+    """(kernel, grid, args, constexprs) of the one-pass kernel of ``cfg`` (a VARIANTS entry); CUDA tensors or
+    CPU stand-ins."""
+    kind, stages, slots, pend = cfg[:4]
+    kcopy = len(cfg) > 4 and cfg[4] == "kcopy"
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    views = {n: _row_view(x) for n, x in (("q", q), ("do", q), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
+    args = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
+    for n, (_, rb, rh, ch) in views.items():
+        args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
+    acc2 = dq_acc.view(B * H * T, D)
+    dq_block = [BLOCK_M, D] if kind == "fused2" else [BLOCK_M, D // 2]  # fused3: one head-dim half per tile
+    acc_layout = gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32)
+    args.update(q_desc=_desc(views["q"][0], BLOCK_M, D), k_desc=_desc(views["k"][0], KH, D),
+                v_desc=_desc(views["v"][0], KH, D), dk_desc=_desc(views["dk"][0], KH, D),
+                dv_desc=_desc(views["dv"][0], KH, D),
+                dq_desc=TensorDescriptor(acc2, list(acc2.shape), list(acc2.stride()), dq_block, acc_layout))
+    consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, CAUSAL=bool(causal))
+    if kind == "fused2":
+        return _fused2_kernel, (T // (2 * KH), B * Hkv), args, consts
+    args["kc_desc"] = _desc(views["k"][0], KH, D // 2)  # K's [64 keys, D/2 columns] tiles (KCOPY)
+    return _fused3_kernel, (T // (2 * KH), B * Hkv), args, dict(consts, SLOTS=slots, PEND=pend, KCOPY=kcopy)
+
+
+def onepass_bwd(do, q, k, v, o, lse, causal=True, scale=None, variant="fused2", *, dq=None, dk=None, dv=None):
+    """The one-pass backward of ``variant``. Returns (dq, dk, dv) in q.dtype; buffers contiguous."""
+    op = "onepass_bwd"
+    FA._check_bwd(op, do, q, k, v, o, lse)
+    B, H, T, D = q.shape
+    if D not in VARIANTS[variant] or T % (2 * KH) or q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: needs bf16/fp16, D in (64, 128), T % 128 == 0; got {FA._shapes(q)}")
+    s = FA._scale(op, scale, D)
+    do = do.to(q.dtype).contiguous()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    lse = lse.to(torch.float32).contiguous()
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    for name, buf, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if not (buf.is_contiguous() and buf.shape == ref.shape and buf.dtype == ref.dtype):
+            raise ValueError(f"{op}: {name} must be contiguous, shaped and typed like its input")
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    dq_acc = torch.zeros((B, H, T, D), dtype=torch.float32, device=q.device)
+    PRE_M = 64
+    FA._flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
+        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
+    kern, grid, args, consts = _launch(q, k, v, dk, dv, dq_acc, lse, delta, s, causal, VARIANTS[variant][D])
+    args["do_desc"] = _desc(do.view(-1, D), BLOCK_M, D)
+    kern[grid](**args, **consts, num_warps=4)
+    N = dq.numel()
+    CV = 4096
+    _dq_convert_kernel[(triton.cdiv(N, CV), )](dq_acc, dq, s, N, BLOCK=CV, num_warps=8)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------------------
+# offline compilation (no GPU): --compile-only
+# ---------------------------------------------------------------------------------------------------------
+PTX_KEYS = ["wgmma.mma_async", "cp.reduce.async.bulk.tensor", "cp.async.bulk.tensor", "cp.async.bulk.wait_group.read",
+            "mbarrier.try_wait", "mbarrier.arrive",
+            "setmaxnreg", "ld.local", "st.local"]
+
+
+def compile_variant(name, D, causal=True, T=256):
+    B, H, Hkv = 1, 4, 2
+    q = torch.empty(B, H, T, D, dtype=torch.bfloat16)
+    k = torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
+    acc = torch.empty(B, H, T, D, dtype=torch.float32)
+    lse = torch.empty(B, H, T)
+    kern, _, args, consts = _launch(q, k, k, k, k, acc, lse, lse, 0.125, causal, VARIANTS[name][D])
+    args["do_desc"] = args["q_desc"]
+    return GB._compile(kern, args, consts)
+
+
+def compile_only(variants, head_dims):
+    print(f"triton {triton.__version__}: compiling one-pass Gluon backward variants for sm_90 (no GPU)")
+    ok = True
+    for name in variants:
+        for D in head_dims:
+            if D not in VARIANTS[name]:
+                continue
+            for causal in (True, False):
+                t0 = time.time()
+                try:
+                    ck = compile_variant(name, D, causal)
+                    print(f"  {name:10s} D={D:3d} causal={causal!s:5s}: OK {time.time() - t0:5.1f}s  "
+                          f"{isolated.ptx_summary(ck, PTX_KEYS)}")
+                except Exception as e:  # noqa: BLE001
+                    ok = False
+                    print(f"  {name:10s} D={D:3d} causal={causal!s:5s}: FAIL {type(e).__name__}: {str(e)[:3000]}")
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU replay (no GPU): --replay
+# ---------------------------------------------------------------------------------------------------------
+def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0, kind="fused2"):
+    """The kernel's loops in torch fp64 on the CPU: programs, steps, masks, which warpgroup writes which dSᵀ
+    half; fused2: the owner's dQ_step = [dS_lo | dS_hi] · [K_lo; K_hi] added into the fp32 accumulator at row
+    (b·H + h)·T + start_m; fused3: warpgroup w's columns w·D/2..+D/2 of it, one reduce-add each; the final
+    · scale. Returns rel errors of dq, dk, dv vs the reference."""
+    from xtrain.kernels.flash_attention import flash_attention_bwd_ref, flash_attention_fwd_ref
+
+    g = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    o, lse = flash_attention_fwd_ref(q, k, v, causal)
+    s = D ** -0.5
+    qk = s * LOG2E
+    GROUP = H // Hkv
+    delta = (do * o).sum(-1).reshape(-1)
+    lse_f = lse.reshape(-1)
+    q2, do2 = q.reshape(-1, D), do.reshape(-1, D)
+    acc = torch.zeros(B * H * T, D, dtype=torch.float64)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for pid_n in range(T // (2 * KH)):
+        for off_bkv in range(B * Hkv):
+            off_b, off_kvh = off_bkv // Hkv, off_bkv % Hkv
+            start_n = pid_n * 2 * KH
+            h0 = off_kvh * GROUP
+            mt0 = start_n // BLOCK_M if causal else 0
+            n_m = T // BLOCK_M - mt0
+            khs = [k[off_b, off_kvh, start_n + w * KH:start_n + (w + 1) * KH] for w in range(2)]
+            vhs = [v[off_b, off_kvh, start_n + w * KH:start_n + (w + 1) * KH] for w in range(2)]
+            dks, dvs = [torch.zeros_like(khs[0]) for _ in range(2)], [torch.zeros_like(khs[0]) for _ in range(2)]
+            for it in range(GROUP * n_m):
+                gg, start_m = it // n_m, (mt0 + it % n_m) * BLOCK_M
+                row = (off_b * H + h0 + gg) * T + start_m
+                qt, dot = q2[row:row + BLOCK_M], do2[row:row + BLOCK_M]
+                ds_buf = [None, None]
+                for w in range(2):
+                    k_lo = start_n + w * KH
+                    pt = torch.exp2((khs[w] @ qt.T) * qk - (lse_f[row:row + BLOCK_M] * LOG2E)[None, :])
+                    if causal and start_m < k_lo + KH:
+                        keep = (start_m + torch.arange(BLOCK_M))[None, :] >= (k_lo + torch.arange(KH))[:, None]
+                        pt = torch.where(keep, pt, 0.0)
+                    dst = pt * (vhs[w] @ dot.T - delta[row:row + BLOCK_M][None, :])
+                    dvs[w] += pt @ dot
+                    dks[w] += dst @ qt
+                    ds_buf[w] = dst
+                # the owner (it % 2): one product over both halves, one reduce-add
+                if kind == "fused2":
+                    acc[row:row + BLOCK_M] += ds_buf[0].T @ khs[0] + ds_buf[1].T @ khs[1]
+                else:  # fused3: each warpgroup its head-dim half, both dS halves, the column slice of K
+                    DH = D // 2
+                    for w in range(2):
+                        c = slice(w * DH, (w + 1) * DH)
+                        acc[row:row + BLOCK_M, c] += ds_buf[0].T @ khs[0][:, c] + ds_buf[1].T @ khs[1][:, c]
+            for w in range(2):
+                dk[off_b, off_kvh, start_n + w * KH:start_n + (w + 1) * KH] = dks[w] * s
+                dv[off_b, off_kvh, start_n + w * KH:start_n + (w + 1) * KH] = dvs[w]
+    dq = (acc * s).view(B, H, T, D)
+    ref = flash_attention_bwd_ref(do, q, k, v, o, lse, causal)
+    return [((x - r).norm() / r.norm()).item() for x, r in zip((dq, dk, dv), ref)]
+
+
+def replay_protocol(n_iter, stages, seed, max_events=100000):
+    """Random interleavings of the kernel's three partitions at the level of its barrier operations
+    (mbarrier phases, the partition-local store_wait, async wgmma/TMA completions as separate events).
+    Asserts: no deadlock; a dS half is never rewritten before the owner's dQ product that reads it retired;
+    the owner reads both halves of the right step; a staging tile is never rewritten while its reduce-add
+    reads it; K is not overwritten (epilogue) while any dQ product may read it; ring slots are not reloaded
+    while in use. Returns the number of events."""
+    rng = random.Random(seed)
+
+    class Bar:
+        def __init__(self, count):
+            self.count, self.pending, self.phase = count, count, 0
+
+        def arrive(self):
+            self.pending -= 1
+            if self.pending == 0:
+                self.phase += 1
+                self.pending = self.count
+
+        def done(self, parity):  # mbarrier.wait(parity) returns once phase `parity` completed
+            return (self.phase & 1) != parity
+
+    ds_full, ds_empty = [Bar(2), Bar(2)], [Bar(1), Bar(1)]
+    ready, empty = [Bar(1) for _ in range(stages)], [Bar(2) for _ in range(stages)]
+    ds_content = [[None, None], [None, None]]  # step whose half is in buffer b, half w
+    slot_content = [None] * stages
+    staging_busy = [0, 0]  # reduce-adds in flight reading the staging tile of warpgroup w
+    dq_reading = set()  # dQ products in flight (step)
+    k_dead = [False]
+    pending_async = []  # callbacks completing later (TMA loads, reduce-adds)
+
+    def producer():
+        for it in range(n_iter):
+            slot = it % stages
+            while not empty[slot].done(((it // stages) & 1) ^ 1):
+                yield
+            assert slot_content[slot] is None or slot_content[slot] < it
+            pending_async.append(lambda it=it, slot=slot: (slot_content.__setitem__(slot, it), ready[slot].arrive()))
+
+    def consumer(w):
+        for it in range(n_iter):
+            slot = it % stages
+            while not ready[slot].done((it // stages) & 1):
+                yield
+            assert slot_content[slot] == it
+            yield
+            b, u = it % 2, it // 2
+            while not ds_empty[b].done((u & 1) ^ 1):
+                yield
+            assert not any(s == ds_content[b][w] for s in dq_reading), "dS half rewritten while read"
+            ds_content[b][w] = it
+            yield
+            ds_full[b].arrive()
+            if b == w:
+                while not ds_full[b].done(u & 1):
+                    yield
+                assert ds_content[b] == [it, it], f"owner reads {ds_content[b]} at step {it}"
+                assert not k_dead[0]
+                dq_reading.add(it)
+                yield
+                yield
+                dq_reading.discard(it)  # warpgroup_mma_wait(0)
+                ds_empty[b].arrive()
+                empty[slot].arrive()
+                while staging_busy[w]:  # tma.store_wait(0)
+                    yield
+                yield
+                assert not staging_busy[w], "staging tile rewritten while its reduce-add reads it"
+                staging_busy[w] += 1  # store, fence, reduce-add issued
+
+                def done_reduce(w=w):
+                    staging_busy[w] -= 1
+                pending_async.append(done_reduce)
+            else:
+                yield
+                empty[slot].arrive()
+        last = n_iter - 1
+        while not ds_empty[last % 2].done((last // 2) & 1):
+            yield
+        if n_iter > 1:
+            while not ds_empty[(last - 1) % 2].done(((last - 1) // 2) & 1):
+                yield
+        yield
+        assert not dq_reading, "K overwritten while a dQ product reads it"
+        k_dead[0] = True
+        while staging_busy[w]:
+            yield
+
+    parts = [producer(), consumer(0), consumer(1)]
+    alive = list(range(3))
+    events = 0
+    stuck = 0
+    while alive or pending_async:
+        events += 1
+        assert events < max_events, "no progress (deadlock?)"
+        if pending_async and (not alive or rng.random() < 0.3):
+            pending_async.pop(rng.randrange(len(pending_async)))()
+            stuck = 0
+            continue
+        i = rng.choice(alive)
+        try:
+            next(parts[i])
+        except StopIteration:
+            alive.remove(i)
+        stuck += 1
+        assert stuck < 20000, "deadlock"
+    return events
+
+
+FUSED3_WAITS = ("slot_empty", "ready", "ds_empty", "ds_full", "dq_empty", "dq_full", "store_wait", "epilogue")
+
+
+def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=400000):
+    """fused3's four partitions (producer, consumers 0 and 1, dQ writer) randomly interleaved at the level of
+    their barrier operations (mbarrier phases; async wgmma, TMA load and reduce-add completions as separate
+    events in random order; the writer's tma.store_wait(PEND) waits until all but its PEND newest reduce-adds
+    have read their tiles). ``drop``: one wait of FUSED3_WAITS left out (negative control). Asserts: no
+    deadlock; a Q/dO slot is not reloaded while a consumer uses it; a dS half is not rewritten while a dQ
+    product may read it; both halves of the right step are present at each dQ product; a staging tile is
+    not rewritten while its reduce-add may read it and each reduce-add reads the tile of its own (step,
+    warpgroup); every (step, warpgroup) is reduced exactly once; K is not overwritten (epilogue) while any
+    dQ product may read it. Returns the number of events."""
+    rng = random.Random(seed)
+    BLOCKED = "blocked"
+
+    class Bar:
+        def __init__(self, count):
+            self.count, self.pending, self.phase = count, count, 0
+
+        def arrive(self):
+            self.pending -= 1
+            assert self.pending >= 0
+            if self.pending == 0:
+                self.phase += 1
+                self.pending = self.count
+
+        def done(self, parity):  # mbarrier.wait(parity) returns once phase `parity` completed
+            return (self.phase & 1) != parity
+
+    ready, empty = [Bar(1) for _ in range(stages)], [Bar(2) for _ in range(stages)]
+    ds_full, ds_empty = [Bar(2), Bar(2)], [Bar(2), Bar(2)]
+    dq_full, dq_empty = [Bar(1) for _ in range(2 * slots)], [Bar(1) for _ in range(2 * slots)]
+    slot_content, slot_users = [None] * stages, [set() for _ in range(stages)]
+    ds_content = [[None, None], [None, None]]  # step whose half w is in dS buffer b
+    dq_reading = set()  # (step, warpgroup) of dQ products in flight
+    stage_content = [None] * (2 * slots)  # (step, warpgroup) staged in tile w·slots + s
+    stage_readers = [0] * (2 * slots)  # reduce-adds in flight reading the tile
+    reduced = []
+    k_dead = [False, False]
+    pending_async = []
+
+    def wait(cond, name):
+        if drop == name:
+            return
+        while not cond():
+            yield BLOCKED
+
+    def producer():
+        for it in range(n_iter):
+            slot = it % stages
+            yield from wait(lambda slot=slot, it=it: empty[slot].done(((it // stages) & 1) ^ 1), "slot_empty")
+
+            def land(it=it, slot=slot):
+                assert not slot_users[slot], f"Q/dO slot {slot} reloaded while step {slot_content[slot]} uses it"
+                slot_content[slot] = it
+                ready[slot].arrive()
+            pending_async.append(land)
+            yield
+
+    def consumer(w):
+        for it in range(n_iter):
+            slot = it % stages
+            yield from wait(lambda slot=slot, it=it: ready[slot].done((it // stages) & 1), "ready")
+            assert slot_content[slot] == it, f"consumer {w} step {it} finds slot {slot} = {slot_content[slot]}"
+            slot_users[slot].add(w)
+            yield  # Sᵀ, dPᵀ, softmax, dV and dK issued
+            b, u = it % 2, it // 2
+            yield from wait(lambda b=b, u=u: ds_empty[b].done((u & 1) ^ 1), "ds_empty")
+            old = ds_content[b][w]
+            assert not any(st == old for st, _ in dq_reading), f"dS half {b},{w} (step {old}) rewritten while read"
+            ds_content[b][w] = it
+            yield  # fence, partition barrier
+            ds_full[b].arrive()
+            yield from wait(lambda b=b, u=u: ds_full[b].done(u & 1), "ds_full")
+            assert ds_content[b] == [it, it], f"consumer {w} dQ product of step {it} reads {ds_content[b]}"
+            assert not any(k_dead), "dQ product issued on an overwritten K"
+            dq_reading.add((it, w))
+            yield
+            yield
+            dq_reading.discard((it, w))  # warpgroup_mma_wait(0)
+            ds_empty[b].arrive()
+            slot_users[slot].discard(w)
+            empty[slot].arrive()
+            t = w * slots + it % slots
+            yield from wait(lambda t=t, it=it: dq_empty[t].done(((it // slots) & 1) ^ 1), "dq_empty")
+            assert stage_readers[t] == 0, f"staging tile {t} rewritten while its reduce-add reads it"
+            stage_content[t] = (it, w)
+            yield  # fence, partition barrier
+            dq_full[t].arrive()
+        last = n_iter - 1
+        yield from wait(lambda: ds_empty[last % 2].done((last // 2) & 1), "epilogue")
+        assert not dq_reading, f"K half {w} overwritten while dQ products {dq_reading} may read it"
+        k_dead[w] = True
+
+    def writer():
+        issued = []  # completion flags of this warp's reduce-adds, in issue order
+        for it in range(n_iter):
+            for w in range(2):
+                t = w * slots + it % slots
+                yield from wait(lambda t=t, it=it: dq_full[t].done((it // slots) & 1), "dq_full")
+                assert stage_content[t] == (it, w), f"reduce-add of {(it, w)} reads {stage_content[t]}"
+                stage_readers[t] += 1
+                flag = [False]
+                issued.append(flag)
+
+                def read_done(t=t, flag=flag, what=(it, w)):
+                    assert stage_content[t] == what, "tile rewritten under its reduce-add"
+                    stage_readers[t] -= 1
+                    flag[0] = True
+                    reduced.append(what)
+                pending_async.append(read_done)
+                yield
+                older = issued[:len(issued) - pend]
+                yield from wait(lambda older=older: all(f[0] for f in older), "store_wait")
+                j = 2 * it + w - pend
+                if j >= 0:
+                    dq_empty[(j % 2) * slots + (j // 2) % slots].arrive()
+        while not all(f[0] for f in issued):  # tma.store_wait(0)
+            yield BLOCKED
+
+    parts = [producer(), consumer(0), consumer(1), writer()]
+    alive = list(range(len(parts)))
+    events = blocked = 0
+    while alive or pending_async:
+        events += 1
+        assert events < max_events, "no end (livelock?)"
+        if pending_async and (not alive or rng.random() < 0.25):
+            pending_async.pop(rng.randrange(len(pending_async)))()
+            blocked = 0
+            continue
+        i = rng.choice(alive)
+        try:
+            r = next(parts[i])
+        except StopIteration:
+            alive.remove(i)
+            r = None
+        blocked = blocked + 1 if r == BLOCKED and not pending_async else 0
+        assert blocked < 400, "deadlock: every partition waits and nothing is in flight"
+    assert sorted(reduced) == [(it, w) for it in range(n_iter) for w in range(2)], "reduce-adds lost or repeated"
+    return events
+
+
+def replay3(configs, seeds=60, n_iters=(1, 2, 3, 4, 5, 7, 16)):
+    """Positive runs of replay_protocol3 for each (STAGES, SLOTS, PEND) in ``configs``, then the negative
+    controls: each wait of FUSED3_WAITS dropped in turn (caught = an assertion in some run), and an illegal
+    PEND (SLOTS = 1, PEND = 2: the writer releases a tile only after a reduce-add its warpgroup cannot stage
+    yet) that must deadlock."""
+    ok = True
+    for stages, slots, pend in configs:
+        n_ev = 0
+        for n_iter in n_iters:
+            for seed in range(seeds):
+                try:
+                    n_ev += replay_protocol3(n_iter, stages, slots, pend, seed)
+                except AssertionError as e:
+                    ok = False
+                    print(f"  replay fused3 STAGES={stages} SLOTS={slots} PEND={pend} n_iter={n_iter} seed={seed}: "
+                          f"FAIL {e}")
+                    break
+        print(f"  replay fused3 STAGES={stages} SLOTS={slots} PEND={pend}: n_iter {n_iters} x {seeds} "
+              f"interleavings, {n_ev} events: {'OK' if ok else 'FAIL'}")
+    for stages, slots, pend in configs[:2]:
+        for drop in FUSED3_WAITS:
+            caught, runs, first = 0, 0, None
+            for n_iter in (3, 4, 7, 16):
+                for seed in range(seeds):
+                    runs += 1
+                    try:
+                        replay_protocol3(n_iter, stages, slots, pend, seed, drop=drop)
+                    except AssertionError as e:
+                        caught += 1
+                        first = first or str(e)
+            if drop == "ds_empty":  # implied by program order: see the module docstring
+                good = caught == 0
+                verdict = "OK (redundant, as expected)" if good else "UNEXPECTED"
+            else:
+                good = caught > 0
+                verdict = "OK" if good else "NOT CAUGHT"
+            ok &= good
+            print(f"  negative control STAGES={stages} SLOTS={slots} PEND={pend} without the {drop:10s} wait: "
+                  f"caught in {caught:3d}/{runs} runs {verdict}  ({first})")
+    try:
+        replay_protocol3(4, 2, 1, 2, 0)
+        print("  negative control SLOTS=1 PEND=2: NOT CAUGHT")
+        ok = False
+    except AssertionError as e:
+        print(f"  negative control SLOTS=1 PEND=2: caught ({e})")
+    return ok
+
+
+def replay(head_dims, variants):
+    ok = True
+    kinds = sorted({VARIANTS[v][D][0] for v in variants for D in head_dims if D in VARIANTS[v]})
+    for kind in kinds:
+        for D in head_dims:
+            for causal in (True, False):
+                errs = replay_math(D, causal=causal, kind=kind)
+                good = max(errs) < 1e-10
+                ok &= good
+                print(f"  replay math {kind} D={D:3d} causal={causal!s:5s}: rel-norm err dq {errs[0]:.1e} "
+                      f"dk {errs[1]:.1e} dv {errs[2]:.1e} {'OK' if good else 'MISMATCH'}")
+    if "fused2" in kinds:
+        for stages in (2, 3):
+            n_ev = 0
+            for n_iter in (1, 2, 3, 4, 7, 16):
+                for seed in range(50):
+                    try:
+                        n_ev += replay_protocol(n_iter, stages, seed)
+                    except AssertionError as e:
+                        ok = False
+                        print(f"  replay fused2 protocol STAGES={stages} n_iter={n_iter} seed={seed}: FAIL {e}")
+                        break
+            print(f"  replay fused2 protocol STAGES={stages}: n_iter 1,2,3,4,7,16 x 50 random interleavings, "
+                  f"{n_ev} events")
+    cfgs = sorted({VARIANTS[v][D][1:4] for v in variants for D in head_dims
+                   if D in VARIANTS[v] and VARIANTS[v][D][0] == "fused3"})
+    if cfgs:
+        ok &= replay3(cfgs)
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU check + benchmark
+# ---------------------------------------------------------------------------------------------------------
+def _rel_norm(x, ref):
+    x, ref = x.double(), ref.double()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _check_one(name, head_dims):
+    from xtrain.kernels.flash_attention import flash_attention_bwd_ref, flash_attention_fwd_ref
+
+    print(f"[{name}] checking vs fp64 reference (B=1, H=4, Hkv=2, T=1024 and 2048, causal, NaN-filled outputs)")
+
+    def check():
+        worst = 0.0
+        for D, T in ((D, T) for D in head_dims if D in VARIANTS[name] for T in (1024, 2048)):
+            B, H, Hkv = 1, 4, 2
+            g = torch.Generator(device="cuda").manual_seed(T + D)
+            q, k, v, do = (torch.randn(B, h, T, D, generator=g, device="cuda", dtype=torch.bfloat16)
+                           for h in (H, Hkv, Hkv, H))
+            o64, lse64 = flash_attention_fwd_ref(q.double(), k.double(), v.double(), True)
+            o, lse = o64.to(torch.bfloat16), lse64.float()
+            dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+            onepass_bwd(do, q, k, v, o, lse, True, None, name, dq=dq, dk=dk, dv=dv)
+            torch.cuda.synchronize()
+            ref = flash_attention_bwd_ref(do.double(), q.double(), k.double(), v.double(), o.double(),
+                                          lse.double(), True)
+            errs = [_rel_norm(x, r) for x, r in zip((dq, dk, dv), ref)]
+            print(f"    {name} D={D} T={T} causal: rel-norm err dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}")
+            worst = max(worst, *errs)
+        return worst < 1e-2, f"worst rel-norm err {worst:.2e}"
+    return check_one(name, check)
+
+
+def run_checks(variants, head_dims):
+    return isolated.run_checks(os.path.abspath(__file__), variants, ["--head-dims", ",".join(map(str, head_dims))],
+                               startup_s=90.0, per_variant_s=60.0)
+
+
+def _bench_ms(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def bench_row(D, T, variants):
+    """Backward TFLOP/s of cuDNN, the library default (flash_attention_bwd_triton), the library's Gluon split
+    and each variant; causal bf16, B = 16k / T, H = Hkv = 2048 / D."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from xtrain.kernels.flash_attention import flash_attention_bwd_triton, flash_attention_fwd_triton
+
+    B, H = 16384 // T, 2048 // D
+    g = torch.Generator(device="cuda").manual_seed(T * 7 + D)
+    q, k, v, do = (torch.randn(B, H, T, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    flops = 2.5 * 4.0 * B * H * T * T * D / 2
+    row = {"D": D, "T": T}
+
+    def timed(col, fn):
+        try:
+            row[col] = flops / _bench_ms(fn) * 1e-9
+        except Exception as e:  # noqa: BLE001
+            print(f"  {col} D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
+
+    try:
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+        timed("cudnn", lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True))
+        out = qg = kg = vg = None
+    except Exception as e:  # noqa: BLE001
+        print(f"  cudnn D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
+    o, lse = flash_attention_fwd_triton(q, k, v, True)
+    timed("triton", lambda: flash_attention_bwd_triton(do, q, k, v, o, lse, True))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    timed("split", lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, True, dq=dq, dk=dk, dv=dv))
+    for name in [x for x in variants if D in VARIANTS[x]]:
+        timed(name, lambda name=name: onepass_bwd(do, q, k, v, o, lse, True, None, name, dq=dq, dk=dk, dv=dv))
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seqs", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--head-dims", default="128,64")
+    ap.add_argument("--variants", default=",".join(DEFAULT_BENCH), help=f"any of {','.join(VARIANTS)}")
+    ap.add_argument("--compile-only", action="store_true", help="compile every variant for sm_90 (no GPU)")
+    ap.add_argument("--replay", action="store_true", help="CPU replay of the math and barrier protocol (no GPU)")
+    ap.add_argument("--no-isolate", action="store_true", help="run the correctness checks in this process")
+    ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    seqs = [int(x) for x in args.seqs.split(",") if x]
+    head_dims = [int(x) for x in args.head_dims.split(",") if x]
+    variants = [x for x in args.variants.split(",") if x]
+    for name in variants:
+        if name not in VARIANTS:
+            ap.error(f"unknown variant {name!r}; have {','.join(VARIANTS)}")
+    if args.compile_only:
+        return 0 if compile_only(variants, head_dims) else 1
+    if args.replay:
+        return 0 if replay(head_dims, variants) else 1
+    print(f"torch {torch.__version__}  triton {triton.__version__}  device {torch.cuda.get_device_name()}")
+    sys.stdout.flush()
+    return isolated.check_then_time(
+        variants, head_dims, seqs, check_only=args.check_only, no_isolate=args.no_isolate, check_fn=_check_one,
+        checks_fn=run_checks, bench_row=bench_row,
+        title="causal bf16 BACKWARD, TFLOP/s (x cuDNN); B = 16384 / T, H = 2048 / D; backward alone; "
+              "triton = library default, split = library Gluon")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
