@@ -36,6 +36,11 @@ import torch
 from xtrain.kernels._dispatch import jit as _jit
 from xtrain.kernels._dispatch import tl, triton, use_triton
 
+try:  # grid dependency control (programmatic dependent launch), triton >= 3.4; sm_90+
+    from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: DW_PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
 
 def rms_norm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
     C = x.shape[-1]
@@ -83,11 +88,14 @@ def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps,
 @_jit
 def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-                         STAGES: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False):
+                         STAGES: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False,
+                         TRIGGER: tl.constexpr = False):
     """Program pid: rows [pid * rows_per_program, ...) in [BLOCK_R, BLOCK_C] tiles, or with INTERLEAVE (the
     pipelined path) tiles pid, pid + P, pid + 2P, ... (every program sweeps the same region of memory at
     once, where the contiguous shares are P streams far apart); dw partial row pid either way, so the sum
-    is deterministic."""
+    is deterministic. TRIGGER: let the dependent dw launch start now (griddepcontrol.launch_dependents)."""
+    if TRIGGER:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -160,10 +168,14 @@ def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_progr
 
 
 @_jit
-def _rms_norm_dw_kernel(DW_PARTIAL, DW, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def _rms_norm_dw_kernel(DW_PARTIAL, DW, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     """The dw second pass in one launch: program j sums columns [j * BLOCK_C, ...) of the P partial rows
     in a fixed order (deterministic) and writes dw already cast to w.dtype (the torch form was two
-    launches: partial.sum(0), then .to(w.dtype))."""
+    launches: partial.sum(0), then .to(w.dtype)). PDL: launched as a programmatic dependent launch (sm_90):
+    its programs may start while the backward kernel finishes, and wait (griddepcontrol.wait) until that
+    kernel's writes are visible before reading the partial rows; the launch latency overlaps the tail."""
+    if PDL:
+        gdc_wait()
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
     ps = tl.arange(0, BLOCK_P)
@@ -196,6 +208,10 @@ BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH[, 
 BWD_DEFAULT_LONG = (8192, 16, 1, 3, True)  # BLOCK_C >= 2048
 BWD_DEFAULT_SHORT = (4096, 8, 2, 4, True)
 DW_CONFIG = (512, 16, 4)  # _rms_norm_dw_kernel: (most partial rows per step, columns per program, num_warps)
+DW_PDL = True  # the dw pass as a programmatic dependent launch (CUDA sm_90+; see _rms_norm_dw_kernel): False,
+# True (the backward kernel's programs release it as they exit) or "early" (as they start). H200, session 4
+# (bench/RESULTS.md): bf16 65536x768 82 -> 84% of copy, 8192x8192 88 -> 90%, fp32 16384x4096 94 -> 95%
+# ("early": 83 / 89 / 94%)
 DW_REDUCE = "triton"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
 
 
@@ -243,14 +259,18 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     rows_per_program = triton.cdiv(N, P)
     P = triton.cdiv(N, rows_per_program)
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
+    pdl = (DW_REDUCE == "triton" and DW_PDL and gdc_wait is not None and x.is_cuda
+           and torch.cuda.get_device_capability(x.device)[0] >= 9)
     _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
                                rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=bool(prefetch),
-                               STAGES=stages, INTERLEAVE=interleave, num_warps=num_warps)
+                               STAGES=stages, INTERLEAVE=interleave, TRIGGER=pdl and DW_PDL == "early",
+                               num_warps=num_warps)
     if DW_REDUCE == "triton":
         dw = torch.empty(C, dtype=w.dtype, device=x.device)
         max_p, bc, warps = DW_CONFIG
         _rms_norm_dw_kernel[(triton.cdiv(C, bc),)](dw_partial, dw, P, C, BLOCK_P=min(max_p, triton.next_power_of_2(P)),
-                                                   BLOCK_C=bc, num_warps=warps)
+                                                   BLOCK_C=bc, num_warps=warps,
+                                                   **(dict(PDL=True, launch_pdl=True) if pdl else {}))
         return dx.reshape(x.shape), dw
     dw = dw_partial.sum(dim=0)  # the second pass: P x C -> C, fixed order
     return dx.reshape(x.shape), dw.to(w.dtype)
