@@ -183,102 +183,6 @@ if HAVE_GLUON:
             mbarrier.arrive(sched.index(1 - HALF), count=1)  # the other warpgroup's turn
 
     @gluon.jit
-    def _kv_step(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, sched, t, step, start_n, acc, p16, m_i,
-                 l_i, qk_scale, start_m, s_zero, s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                 PINGPONG: gl.constexpr):
-        """One step of the consumer loop: issue S_t = Q K_tᵀ (ring tile t; K_t's first BLOCK_N rows: the
-        shape of s_zero) and O += P_{t-1} V_{t-1}; the softmax of S_t overlaps the P·V wgmma (wait(1)
-        retires S_t only), then wait(0) retires P·V and O is rescaled to the new max. Returns (acc, P_t in
-        16 bits as the next A operand, m, l)."""
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        slot = t % STAGES
-        prev = (t - 1) % STAGES
-        _pp_enter(sched, step, HALF, PINGPONG)
-        mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(slot).slice(0, BLOCK_N).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        mbarrier.wait(v_full.index(prev), ((t - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
-        _pp_leave(sched, HALF, PINGPONG)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
-        l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, start_n, s_layout, HALF_ROWS, BLOCK_N,
-                                           CAUSAL)
-        p16_next = gl.convert_layout(p.to(dtype), p_layout)
-        acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))  # P_{t-1} stays alive until its wgmma retires
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        return acc, p16_next, m_i, l_i
-
-    @gluon.jit
-    def _consumer_loop_hd(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0,
-                          n_tiles, qk_scale, start_m, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                          dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr):
-        """``_consumer_loop`` for warpgroup 0 of a causal item ("half diagonal"): its 64 query rows see only
-        the first 64 keys of the item's last (diagonal) K/V tile, so that tile's Q Kᵀ is a [64, 64] product
-        and its P·V has K = 64, on the first halves of the ring slot, instead of 128-key products of which
-        half is masked away. The same ring slots, barrier arrivals and ping-pong steps (n_tiles + 1) as
-        ``_consumer_loop``; returns m and l in ``s_layout``'s row layout as it does."""
-        HALF_N: gl.constexpr = BLOCK_N // 2
-        sh_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HALF_N, 16])
-        row_l: gl.constexpr = gl.SliceLayout(1, sh_layout)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        sh_zero = gl.zeros([HALF_ROWS, HALF_N], gl.float32, sh_layout)
-        m_i = gl.full([HALF_ROWS], float("-inf"), gl.float32, row_l)
-        l_i = gl.full([HALF_ROWS], 0.0, gl.float32, row_l)
-        acc = gl.zeros([HALF_ROWS, HEAD_DIM], gl.float32, o_layout)
-        n_full = n_tiles - 1  # whole tiles before the diagonal one
-        t_last = t0 + n_full
-        last = t_last % STAGES
-        if n_full > 0:
-            s_zero = gl.zeros([HALF_ROWS, BLOCK_N], gl.float32, s_layout)
-            slot = t0 % STAGES  # step 0: scores and softmax only
-            _pp_enter(sched, sc0, 0, PINGPONG)
-            mbarrier.wait(k_full.index(slot), (t0 // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            _pp_leave(sched, 0, PINGPONG)
-            s = warpgroup_mma_wait(0, deps=(s, ))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            m_f = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
-            l_f = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
-            p, m_f, l_f, alpha = _softmax_tile(s, m_f, l_f, qk_scale, start_m, 0, s_layout, HALF_ROWS, BLOCK_N, True)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, n_full):
-                acc, p16, m_f, l_f = _kv_step(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, sched,
-                                              t0 + j, sc0 + j, j * BLOCK_N, acc, p16, m_f, l_f, qk_scale, start_m,
-                                              s_zero, s_layout, o_layout, dtype, BLOCK_N, STAGES, True, 0, PINGPONG)
-            # step n_full: the diagonal tile's half scores, with P·V of the tile before it
-            acc, p16, m_i, l_i = _kv_step(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, sched, t_last,
-                                          sc0 + n_full, n_full * BLOCK_N, acc, p16, m_f, l_f, qk_scale, start_m,
-                                          sh_zero, sh_layout, o_layout, dtype, HALF_N, STAGES, True, 0, PINGPONG)
-        else:
-            _pp_enter(sched, sc0, 0, PINGPONG)
-            mbarrier.wait(k_full.index(last), (t_last // STAGES) & 1)
-            # (branch-local names differ from the other branch's: Gluon merges same-named values by type)
-            s_h = warpgroup_mma(q_smem, k_smem.index(last).slice(0, HALF_N).permute((1, 0)), sh_zero,
-                                use_acc=False, is_async=True)
-            _pp_leave(sched, 0, PINGPONG)
-            s_h = warpgroup_mma_wait(0, deps=(s_h, ))
-            mbarrier.arrive(k_empty.index(last), count=1)
-            p_h, m_i, l_i, alpha_h = _softmax_tile(s_h, m_i, l_i, qk_scale, start_m, 0, sh_layout, HALF_ROWS, HALF_N,
-                                                   True)
-            p16 = gl.convert_layout(p_h.to(dtype), p_layout)
-        if RELEASE_Q:  # every Q Kᵀ wgmma of the item has retired
-            mbarrier.arrive(q_empty, count=1)
-        _pp_enter(sched, sc0 + n_tiles, 0, PINGPONG)
-        mbarrier.wait(v_full.index(last), (t_last // STAGES) & 1)
-        o_tok = warpgroup_mma(p16, v_smem.index(last).slice(0, HALF_N), acc, is_async=True)
-        _pp_leave(sched, 0, PINGPONG)
-        acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
-        mbarrier.arrive(v_empty.index(last), count=1)
-        return acc, gl.convert_layout(m_i, gl.SliceLayout(1, s_layout)), gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
-
-    @gluon.jit
     def _consumer_loop(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles,
                        qk_scale, start_m, s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -306,9 +210,25 @@ if HAVE_GLUON:
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_tiles):
-            acc, p16, m_i, l_i = _kv_step(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, sched, t0 + j,
-                                          sc0 + j, j * BLOCK_N, acc, p16, m_i, l_i, qk_scale, start_m, s_zero, s_layout,
-                                          o_layout, dtype, BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG)
+            t = t0 + j
+            slot = t % STAGES
+            prev = (t - 1) % STAGES
+            _pp_enter(sched, sc0 + j, HALF, PINGPONG)
+            mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            mbarrier.wait(v_full.index(prev), ((t - 1) // STAGES) & 1)
+            o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+            _pp_leave(sched, HALF, PINGPONG)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, s_layout, HALF_ROWS,
+                                               BLOCK_N, CAUSAL)
+            p16_next = gl.convert_layout(p.to(dtype), p_layout)
+            acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))  # P_{j-1} stays alive until its wgmma retires
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p16 = p16_next
 
         if RELEASE_Q:  # every Q Kᵀ wgmma of the item has retired
             mbarrier.arrive(q_empty, count=1)
@@ -465,7 +385,7 @@ if HAVE_GLUON:
                        o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
                        kv_ch, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
-                       HALF_DIAG: gl.constexpr, HALF: gl.constexpr):
+                       HALF: gl.constexpr):
         """Consumer warpgroup HALF: query rows 64·HALF .. +64 of every item of the program."""
         layouts: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM)
         s_layout: gl.constexpr = layouts[0]
@@ -479,16 +399,10 @@ if HAVE_GLUON:
                 bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL)
             qs = idx % NUM_Q
             mbarrier.wait(q_full.index(qs), (idx // NUM_Q) & 1)
-            if HALF_DIAG and CAUSAL and HALF == 0:
-                acc, m_i, l_i = _consumer_loop_hd(q_smem.index(2 * qs + HALF), k_smem, v_smem, k_full, v_full,
-                                                  k_empty, v_empty, q_empty.index(qs), sched, t, sc, n_tiles,
-                                                  qk_scale, start_m, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N,
-                                                  STAGES, PINGPONG, True)
-            else:
-                acc, m_i, l_i = _consumer_loop(q_smem.index(2 * qs + HALF), k_smem, v_smem, k_full, v_full,
-                                               k_empty, v_empty, q_empty.index(qs), sched, t, sc, n_tiles, qk_scale,
-                                               start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM,
-                                               BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, True)
+            acc, m_i, l_i = _consumer_loop(q_smem.index(2 * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty,
+                                           v_empty, q_empty.index(qs), sched, t, sc, n_tiles, qk_scale,
+                                           start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N,
+                                           STAGES, CAUSAL, HALF, PINGPONG, True)
             t += n_tiles
             sc += n_tiles + 1
             tma.store_wait(0)  # the previous item's O store must have finished reading o_half
@@ -501,8 +415,7 @@ if HAVE_GLUON:
     def _flash_fwd_gluon_pers_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T, U, n_m,
                                      q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
                                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                     CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
-                                     HALF_DIAG: gl.constexpr = False):
+                                     CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr):
         """Persistent program over U = B·H·n_m items (n_m = T / 128), grid <= ceil(U / 2). num_warps = 4
         (default partition = consumer 0; workers: consumer 1 (4 warps), producer (1 warp))."""
         dtype: gl.constexpr = q_desc.dtype
@@ -530,10 +443,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                               sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
-                              kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, HALF_DIAG, 0)),
+                              kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 0)),
             (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                               sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
-                              kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, HALF_DIAG, 1)),
+                              kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 1)),
             (_pers_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
                               k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
                               kv_ch, BLOCK_N, STAGES, CAUSAL, NUM_Q)),
@@ -546,10 +459,8 @@ if HAVE_GLUON:
 # host side
 # ---------------------------------------------------------------------------------------------------------
 STAGES = {64: 3, 128: 2}  # K/V ring slots by head dim (H200: hd64 gains from the third slot, hd128 does not)
-# variant -> (NUM_Q, PINGPONG[, HALF_DIAG]) of the persistent kernel; "lib" is the one-program-per-item kernel.
-# HALF_DIAG ("...h"): causal warpgroup 0 runs the diagonal tile as 64-key products (``_consumer_loop_hd``)
-VARIANTS = {"lib": None, "pers": (1, False), "q2": (2, False), "pp": (1, True), "q2pp": (2, True),
-            "persh": (1, False, True), "q2h": (2, False, True), "pph": (1, True, True), "q2pph": (2, True, True)}
+# variant -> (NUM_Q, PINGPONG) of the persistent kernel; "lib" is the one-program-per-item kernel
+VARIANTS = {"lib": None, "pers": (1, False), "q2": (2, False), "pp": (1, True), "q2pp": (2, True)}
 # The variant flash_attention_fwd_gluon runs by head dim: the first (T_max, variant) with T <= T_max. H200,
 # causal bf16, x cuDNN at T = 1k/2k/4k/8k/16k (module docstring): hd128 pp 1.02/1.09/1.07/1.08/1.07 and
 # q2pp 0.68/1.12/1.12/1.10/1.09; hd64 q2 0.94/1.02/0.97/0.98/1.05, the best or within 0.01 at every T but 8k
@@ -617,10 +528,10 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, variant: str, stages: i
         return _flash_fwd_gluon_kernel, (T // BLOCK_M, B * H), {**args, **coords}, consts
     n_m = T // BLOCK_M
     U = B * H * n_m  # work items; programs take them in pairs, so more than ceil(U / 2) would idle
-    NUM_Q, PINGPONG, HALF_DIAG = (*VARIANTS[variant], False)[:3]
+    NUM_Q, PINGPONG = VARIANTS[variant]
     grid = (max(1, min(n_prog, (U + 1) // 2)), )
     return (_flash_fwd_gluon_pers_kernel, grid, {**args, "U": U, "n_m": n_m, **coords},
-            {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG, "HALF_DIAG": HALF_DIAG})
+            {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG})
 
 
 def flash_attention_fwd_gluon(q, k, v, causal: bool = True, scale: float | None = None, *, o=None, lse=None,
