@@ -89,13 +89,11 @@ def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps,
 def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
                          STAGES: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False,
-                         TRIGGER: tl.constexpr = False,
-                         COUNTERS=None, DW=None, FANIN: tl.constexpr = 0, LEVELS: tl.constexpr = 0):
+                         TRIGGER: tl.constexpr = False):
     """Program pid: rows [pid * rows_per_program, ...) in [BLOCK_R, BLOCK_C] tiles, or with INTERLEAVE (the
     pipelined path) tiles pid, pid + P, pid + 2P, ... (every program sweeps the same region of memory at
     once, where the contiguous shares are P streams far apart); dw partial row pid either way, so the sum
-    is deterministic. TRIGGER: let the dependent dw launch start now (griddepcontrol.launch_dependents).
-    FANIN > 0: dw is finished in this launch by ``_dw_tree`` (no second kernel)."""
+    is deterministic. TRIGGER: let the dependent dw launch start now (griddepcontrol.launch_dependents)."""
     if TRIGGER:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -136,8 +134,6 @@ def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_progr
             tl.store(DX + o_s, dxs.to(DX.dtype.element_ty), mask=m_s)
             dw_acc += dys * xs * rs[:, None]
         tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, tl.sum(dw_acc, axis=0), mask=cmask)
-        if FANIN > 0:
-            _dw_tree(DW_PARTIAL, COUNTERS, DW, pid, tl.num_programs(0), C, cols, cmask, FANIN, LEVELS)
         return
     rows = row_start + tl.arange(0, BLOCK_R)
     mask = (rows < row_end)[:, None] & cmask[None, :]
@@ -169,81 +165,6 @@ def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_progr
             dy_n = tl.load(DY + offs, mask=mask, other=0.0)
             r_n = tl.load(INV_RMS + rows, mask=rows < row_end, other=0.0)
     tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, tl.sum(dw_acc, axis=0), mask=cmask)
-    if FANIN > 0:
-        _dw_tree(DW_PARTIAL, COUNTERS, DW, pid, tl.num_programs(0), C, cols, cmask, FANIN, LEVELS)
-
-
-@_jit
-def _dw_tree(SCRATCH, COUNTERS, DW, pid, P, C, cols, cmask, FANIN: tl.constexpr, LEVELS: tl.constexpr):
-    """dw = the sum of the P partial rows SCRATCH[0:P], finished inside the backward launch by a tree of
-    fixed shape: the rows are taken in groups of FANIN consecutive rows; the LAST program of a group to
-    arrive (its ticket from one atomic counter per group) adds the group's rows in index order and writes
-    the sum as one row of the next level (the SCRATCH rows after this level's), and so on until one row is
-    left, which goes to DW in DW's dtype. Which program does an addition depends on timing; the additions
-    and their order do not, so dw is deterministic. No program waits for another: a program that is not
-    last simply stops. One atomic per program and level, after the row walk (off the hot path). The last
-    arriver of a group sets its counter back to 0, so the counters are zero again for the next launch on
-    the stream (the host keeps one zeroed buffer per stream).
-    Memory order: every thread's store of the program's row precedes the barrier; one thread's acq_rel
-    atomic then releases them at GPU scope (the pattern of cooperative groups' grid sync); the last
-    arriver acquires, and reads the other rows with .cg loads (from L2: L1 is not coherent across SMs).
-    The idea is the "threadfence reduction" of the CUDA samples, as a multi-level tree of fixed shape."""
-    node = pid
-    width = P
-    src_row = pid * 0  # first SCRATCH row of the current level
-    cnt_base = pid * 0  # first counter of the current level
-    active = pid >= 0  # a runtime scalar True
-    for _ in tl.static_range(LEVELS):
-        if active:
-            parent = node // FANIN
-            first = parent * FANIN
-            n_child = tl.minimum(width - first, FANIN)
-            up = (width + FANIN - 1) // FANIN
-            tl.debug_barrier()  # all of this program's stores are done before the release below
-            ticket = tl.atomic_add(COUNTERS + cnt_base + parent, 1, sem="acq_rel", scope="gpu")
-            if ticket == n_child - 1:
-                tl.atomic_xchg(COUNTERS + cnt_base + parent, 0, sem="relaxed", scope="gpu")
-                acc = tl.load(SCRATCH + (src_row + first).to(tl.int64) * C + cols, mask=cmask, other=0.0,
-                              cache_modifier=".cg")
-                for i in range(1, n_child):
-                    acc += tl.load(SCRATCH + (src_row + first + i).to(tl.int64) * C + cols, mask=cmask,
-                                   other=0.0, cache_modifier=".cg")
-                if up == 1:
-                    tl.store(DW + cols, acc.to(DW.dtype.element_ty), mask=cmask)
-                    active = pid < 0
-                else:
-                    tl.store(SCRATCH + (src_row + width + parent).to(tl.int64) * C + cols, acc, mask=cmask)
-                node = parent
-                src_row = src_row + width
-                cnt_base = cnt_base + up
-                width = up
-            else:
-                active = pid < 0
-
-
-def _tree_shape(P: int, fanin: int):
-    """(levels, scratch rows, counters) of ``_dw_tree`` over P partial rows."""
-    levels, rows, counters, width = 0, P, 0, P
-    while True:
-        levels += 1
-        width = -(-width // fanin)
-        counters += width
-        if width == 1:
-            return levels, rows, counters
-        rows += width
-
-
-_COUNTERS: dict = {}  # (device, stream) -> zeroed int32 counters of _dw_tree (reset by the kernel itself)
-
-
-def _tree_counters(device: torch.device, n: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
 
 
 @_jit
@@ -291,9 +212,7 @@ DW_PDL = True  # the dw pass as a programmatic dependent launch (CUDA sm_90+; se
 # True (the backward kernel's programs release it as they exit) or "early" (as they start). H200, session 4
 # (bench/RESULTS.md): bf16 65536x768 82 -> 84% of copy, 8192x8192 88 -> 90%, fp32 16384x4096 94 -> 95%
 # ("early": 83 / 89 / 94%)
-DW_REDUCE = "triton"  # the dw second pass: "torch" (partial.sum(0), then the cast), "triton" (_rms_norm_dw_kernel)
-# or "tree" (``_dw_tree``, inside the backward launch: no second kernel)
-TREE_FANIN = 8  # partial rows per group of _dw_tree
+DW_REDUCE = "triton"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
 
 
 def _bwd_config(C: int):
@@ -339,15 +258,6 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     P = _num_programs(x2, N, per_sm)
     rows_per_program = triton.cdiv(N, P)
     P = triton.cdiv(N, rows_per_program)
-    if DW_REDUCE == "tree":
-        levels, rows, n_counters = _tree_shape(P, TREE_FANIN)
-        scratch = torch.empty(rows, C, dtype=torch.float32, device=x.device)  # [P, C] + the tree's upper rows
-        dw = torch.empty(C, dtype=w.dtype, device=x.device)
-        _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, scratch, N, C,
-                                   rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=bool(prefetch),
-                                   STAGES=stages, INTERLEAVE=interleave, COUNTERS=_tree_counters(x.device, n_counters),
-                                   DW=dw, FANIN=TREE_FANIN, LEVELS=levels, num_warps=num_warps)
-        return dx.reshape(x.shape), dw
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
     pdl = (DW_REDUCE == "triton" and DW_PDL and gdc_wait is not None and x.is_cuda
            and torch.cuda.get_device_capability(x.device)[0] >= 9)
