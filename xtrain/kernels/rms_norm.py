@@ -23,10 +23,15 @@ Triton kernels (CUDA; CPU through the interpreter for tests):
                            copy in bf16; these tiles + hand prefetch: 68-81%; Triton-pipelined tile loads
                            (num_stages) + the dw kernel: 75-84%. Still short of 85% in bf16.
                            DW_CONFIG (512, 16, 4) (more programs, one step each) measured best at every
-                           size: 85% 16384x4096, 80% 65536x768, 86% 8192x8192, 91% fp32.
+                           size: 85% 16384x4096, 80% 65536x768, 86% 8192x8192, 91% fp32. On sm_90+ it is a
+                           programmatic dependent launch (DW_PDL): launched while the row kernel runs, it
+                           waits (griddepcontrol.wait) for that kernel's writes, so only its work follows
+                           the row kernel, not its launch: 82 -> 84% at 65536x768, 88 -> 90% at 8192x8192.
 Measured and dropped (H200): rows of 768 = 3 x 256 held as three unpadded [BLOCK_R, 256] tiles, one warp
 per tile row (row sums by warp shuffles only, no barrier in the loop): 71-76% of copy at 65536x768 vs 80%
-for the padded [4, 1024] tile: the padding and the barrier were not what bounds it.
+for the padded [4, 1024] tile: the padding and the barrier were not what bounds it. Session 4: dw finished inside
+the row kernel by a fixed-shape tree of last-arriver additions (deterministic, an atomic ticket per group):
+80-86% vs 82-88% for the second launch (code: commit f31fd07, reverted).
 """
 
 from __future__ import annotations
