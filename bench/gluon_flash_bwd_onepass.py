@@ -2,14 +2,22 @@
 timed against cuDNN, xtrain's Triton backward (the library default) and the library's two-kernel Gluon backward
 ("split").
 
-fused3: not yet measured on a GPU (compiles for sm_90 with triton 3.6 and 3.9; passes the CPU replay).
+MEASURED (H200, torch 2.11, triton 3.6, 2026-11-29 session 4; every real variant passed the fp64 check; full
+tables in bench/RESULTS.md, "Fourth round"), ratio to cuDNN at T = 2k / 8k / 16k: hd128 fused3_1slot 0.71 /
+0.66 / 0.67 (serialised, below), 1slot_wkv_dks 0.85 / 0.83 / 0.82 (the split: 0.99 / 0.85 / 0.80),
+1slot_lag 0.81 / 0.80 / 0.78; hd64 s3w4_pf 0.95 / 0.94 / 0.93, s3w4_lag_ds2 0.94 / 0.92 / 0.96 (the library's
+Triton backward: 1.02-1.03 / 0.89-0.90 / 0.86-0.89). Ablations at T = 16k (nominal TFLOP/s): hd128 the dK/dV
+floor (~noex) 799, + the dS exchange wait (~nodq) 659, + the dQ product (wkv~nohand) 510, + staging
+(wkv~nored) 497, + the reduce-add (1slot_wkv) 478, cuDNN 583; hd64 557 / 461 / 416 / 387 / 382, cuDNN 450.
+The exchange wait is the largest single cost; the lag round did not recover it. None of these beats cuDNN;
+the library keeps the deterministic two-kernel backward.
 fused2, measured (H200, 2026-11-29; passes the fp64 check, rel-norm error 2.35e-3): ratio to cuDNN at T = 1k /
 4k / 16k — hd128 0.69 / 0.60 / 0.60 (library default 1.05 / 0.96 / 0.83); hd64 0.98 / 0.91 / 0.90 (library
 default, the Triton kernel, 1.10 / 0.98 / 0.90). Its likely flaw: the step's owner warpgroup issues two more
 wgmmas and a reduce-add (with the waits for its previous reduce-add and its own wgmmas on its critical path)
 while the other waits at the next ds_full, and it holds a [64, D] fp32 accumulator on top of dK, dV.
 
-PROFILING ROUND (this commit): fused3_1slot at hd128 is compiled with its wgmmas SERIALIZED by ptxas (C7512
+PROFILING ROUND (commit 29eedaf): fused3_1slot at hd128 is compiled with its wgmmas SERIALIZED by ptxas (C7512
 "insufficient register resources": a wgmma wait after every HGMMA; both 3.6 and 3.9; the split's dK/dV
 kernel and every hd64 variant are not) — the dQ wgmmas issued while dV and dK are still in flight push the
 consumer past its register budget. --compile-only now prints this from the SASS. Candidate fixes (flags of
@@ -21,7 +29,7 @@ exchange kept), ~noex no exchange either (the dK/dV floor), ~nohand dQ product c
 ~nored staged and handed to the writer but no reduce-add, ~lse1 lse/delta of step 0 only; on fused3_1slot
 ("1slot~", both head dims), fused3_s3w4 ("s3w4~", hd64) and 1slot_wkv ("wkv~", hd128).
 
-LAG-1 dQ ROUND (this commit; not yet run on a GPU): LAG = both warpgroups issue front(it + 1) (Sᵀ, dPᵀ,
+LAG-1 dQ ROUND (commit 5e5d78e): LAG = both warpgroups issue front(it + 1) (Sᵀ, dPᵀ,
 softmax, dV, dK, own dSᵀ half stored, ds_full arrived on) BEFORE back(it) waits ds_full(it) and issues dQ(it),
 so the wait for the other warpgroup's half comes one step late; Q/dO slot it + 1 is released in back(it)
 (whose wait retires dV, dK of it + 1); the last dQ is drained after the loop, the epilogue waits its ds_empty
