@@ -412,107 +412,10 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _xo_step(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, t, start_n, acc, p16, m_i, l_i,
-                 qk_scale, start_m, s_zero, s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        """One inner step of ``_pers_consumer_xo`` (as in ``_consumer_loop``, no ping-pong): S_t and P_{t-1}V_{t-1}
-        issued together, the softmax of S_t under the P·V wgmma, then O rescaled. Returns (acc, P_t, m, l)."""
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        slot = t % STAGES
-        prev = (t - 1) % STAGES
-        mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_full.index(prev), ((t - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, start_n, s_layout, HALF_ROWS, BLOCK_N,
-                                           CAUSAL)
-        p16_next = gl.convert_layout(p.to(dtype), p_layout)
-        acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        return acc, p16_next, m_i, l_i
-
-    @gluon.jit
-    def _pers_consumer_xo(q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                          o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb,
-                          kv_rh, kv_ch, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr):
-        """``_pers_consumer`` with the items overlapped ("xo", two Q buffers, no ping-pong): the first Q Kᵀ of
-        item idx + 1 is issued right behind the last P·V of item idx, so it runs on the tensor cores while
-        this warpgroup retires that P·V and writes item idx's O and lse — the item's first and last steps
-        no longer leave the warpgroup's wgmma queue empty (FA3 overlaps its epilogue the same way). Same ring
-        order and barrier arrivals as ``_pers_consumer``; only the waits for item idx + 1's Q and first K
-        move before item idx's epilogue."""
-        layouts: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM)
-        s_layout: gl.constexpr = layouts[0]
-        o_layout: gl.constexpr = layouts[1]
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        s_zero = gl.zeros([HALF_ROWS, BLOCK_N], gl.float32, s_layout)
-        o_half = o_smem.index(HALF)
-        n_local = _n_local(pid, n_prog, U)
-        t = pid * 0  # running K/V tile counter (ring slot and phase), continued across items
-        # prologue: item 0's first Q Kᵀ
-        mbarrier.wait(q_full.index(0), 0)
-        mbarrier.wait(k_full.index(0), 0)
-        s_first = warpgroup_mma(q_smem.index(HALF), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                                is_async=True)
-        s_first = warpgroup_mma_wait(0, deps=(s_first, ))
-        for idx in range(n_local):
-            bh, pid_m = _item(idx, pid, n_prog, n_m)
-            start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
-                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL)
-            row0 = start_m + HALF * HALF_ROWS
-            q_cur = q_smem.index(2 * (idx % 2) + HALF)
-            m_i = gl.full([HALF_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.full([HALF_ROWS], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([HALF_ROWS, HEAD_DIM], gl.float32, o_layout)
-            mbarrier.arrive(k_empty.index(t % STAGES), count=1)  # s_first: retired at the end of the last item
-            p, m_i, l_i, alpha = _softmax_tile(s_first, m_i, l_i, qk_scale, row0, 0, s_layout, HALF_ROWS, BLOCK_N,
-                                               CAUSAL)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, n_tiles):
-                acc, p16, m_i, l_i = _xo_step(q_cur, k_smem, v_smem, k_full, v_full, k_empty, v_empty, t + j,
-                                              j * BLOCK_N, acc, p16, m_i, l_i, qk_scale, row0, s_zero, s_layout,
-                                              o_layout, dtype, BLOCK_N, STAGES, CAUSAL)
-            mbarrier.arrive(q_empty.index(idx % 2), count=1)  # every Q Kᵀ of the item has retired
-            t_last = t + n_tiles - 1
-            last = t_last % STAGES
-            mbarrier.wait(v_full.index(last), (t_last // STAGES) & 1)
-            o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
-            t = t_last + 1
-            if idx + 1 < n_local:  # the next item's first Q Kᵀ goes in behind this P·V and runs under the epilogue
-                mbarrier.wait(q_full.index((idx + 1) % 2), ((idx + 1) // 2) & 1)
-                mbarrier.wait(k_full.index(t % STAGES), (t // STAGES) & 1)
-                s_tok = warpgroup_mma(q_smem.index(2 * ((idx + 1) % 2) + HALF),
-                                      k_smem.index(t % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                acc, p16 = warpgroup_mma_wait(1, deps=(o_tok, p16))  # retires P·V; the next Q Kᵀ may still run
-                mbarrier.arrive(v_empty.index(last), count=1)
-                _xo_epilogue(acc, m_i, l_i, o_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr,
-                             lse_row + HALF * HALF_ROWS, s_layout, o_layout, dtype)
-                s_first = warpgroup_mma_wait(0, deps=(s_tok, ))
-            else:
-                acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
-                mbarrier.arrive(v_empty.index(last), count=1)
-                _xo_epilogue(acc, m_i, l_i, o_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr,
-                             lse_row + HALF * HALF_ROWS, s_layout, o_layout, dtype)
-                s_first = s_zero
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _xo_epilogue(acc, m_i, l_i, o_half, o_desc, o_row, o_col, lse_ptr, lse_row, s_layout: gl.constexpr,
-                     o_layout: gl.constexpr, dtype: gl.constexpr):
-        tma.store_wait(0)  # the previous item's O store must have finished reading o_half
-        _cta_barrier()
-        _epilogue(acc, m_i, l_i, o_half, o_desc, o_row, o_col, lse_ptr, lse_row, s_layout, o_layout, dtype)
-
-    @gluon.jit
     def _flash_fwd_gluon_pers_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T, U, n_m,
                                      q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
                                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                     CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
-                                     XO: gl.constexpr = False):
+                                     CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr):
         """Persistent program over U = B·H·n_m items (n_m = T / 128), grid <= ceil(U / 2). num_warps = 4
         (default partition = consumer 0; workers: consumer 1 (4 warps), producer (1 warp))."""
         dtype: gl.constexpr = q_desc.dtype
@@ -537,20 +440,6 @@ if HAVE_GLUON:
             mbarrier.init(sched.index(i), count=1)
         fence_async_shared()
 
-        if XO:  # items overlapped (two Q buffers, no ping-pong)
-            gl.static_assert(NUM_Q == 2 and not PINGPONG)
-            gl.warp_specialize([
-                (_pers_consumer_xo, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
-                                     v_empty, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb,
-                                     q_rh, q_ch, kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0)),
-                (_pers_consumer_xo, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
-                                     v_empty, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb,
-                                     q_rh, q_ch, kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1)),
-                (_pers_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
-                                  k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                                  kv_ch, BLOCK_N, STAGES, CAUSAL, NUM_Q)),
-            ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
-            return
         gl.warp_specialize([
             (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                               sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
@@ -570,10 +459,8 @@ if HAVE_GLUON:
 # host side
 # ---------------------------------------------------------------------------------------------------------
 STAGES = {64: 3, 128: 2}  # K/V ring slots by head dim (H200: hd64 gains from the third slot, hd128 does not)
-# variant -> (NUM_Q, PINGPONG[, XO]) of the persistent kernel; "lib" is the one-program-per-item kernel.
-# XO: items overlapped (``_pers_consumer_xo``)
-VARIANTS = {"lib": None, "pers": (1, False), "q2": (2, False), "pp": (1, True), "q2pp": (2, True),
-            "q2xo": (2, False, True)}
+# variant -> (NUM_Q, PINGPONG) of the persistent kernel; "lib" is the one-program-per-item kernel
+VARIANTS = {"lib": None, "pers": (1, False), "q2": (2, False), "pp": (1, True), "q2pp": (2, True)}
 # The variant flash_attention_fwd_gluon runs by head dim: the first (T_max, variant) with T <= T_max. H200,
 # causal bf16, x cuDNN at T = 1k/2k/4k/8k/16k (module docstring): hd128 pp 1.02/1.09/1.07/1.08/1.07 and
 # q2pp 0.68/1.12/1.12/1.10/1.09; hd64 q2 0.94/1.02/0.97/0.98/1.05, the best or within 0.01 at every T but 8k
@@ -641,10 +528,10 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, variant: str, stages: i
         return _flash_fwd_gluon_kernel, (T // BLOCK_M, B * H), {**args, **coords}, consts
     n_m = T // BLOCK_M
     U = B * H * n_m  # work items; programs take them in pairs, so more than ceil(U / 2) would idle
-    NUM_Q, PINGPONG, XO = (*VARIANTS[variant], False)[:3]
+    NUM_Q, PINGPONG = VARIANTS[variant]
     grid = (max(1, min(n_prog, (U + 1) // 2)), )
     return (_flash_fwd_gluon_pers_kernel, grid, {**args, "U": U, "n_m": n_m, **coords},
-            {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG, "XO": XO})
+            {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG})
 
 
 def flash_attention_fwd_gluon(q, k, v, causal: bool = True, scale: float | None = None, *, o=None, lse=None,
