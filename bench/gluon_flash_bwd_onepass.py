@@ -42,7 +42,9 @@ serialisation in either); CPU replay incl. the lag protocol and its negative con
 lag, ds_empty is no longer implied by program order at NDS 2 (caught); at STAGES 2 / NDS 3 the Q/dO ring
 implies it (kept).
 
-NOEX ROUND (this commit; not yet run on a GPU): "noex" real variants, dQ without the exchange (kind "noex",
+NOEX ROUND (commit 21efb0d; measured on the H200: x cuDNN at T = 2k / 8k / 16k hd128 noex_nopf 0.76 / 0.76 /
+0.76, noex 0.48 / 0.45 / 0.45 (spills), hd64 noex_s3 0.97 / 0.93 / 0.95, s3w4_pf 0.95 / 0.95 / 0.96 in the same
+run; bench/RESULTS.md): "noex" real variants, dQ without the exchange (kind "noex",
 _f3n_consumer / _f3n_step): each warpgroup computes dQ_w [64 q, D] = dS_w [64 q, 64 k] · K_w [64 k, D] of ITS
 OWN 64 keys (A = its own permuted dSᵀ half in its own shared buffer, B = its own resident K half, column
 slices), in head-dim chunks of 64 (two [64, 64] fp32 products in sequence at hd128, one at hd64), after dV,
