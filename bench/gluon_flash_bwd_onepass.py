@@ -60,10 +60,60 @@ costs: noex_nopf STL 81 / 63, noex_ov 81 / 63; 1slot_wkv_dks 76 / 64); hd64 noex
 230048 B STL 3 / 0. 3.9: hd128 noex 258 / 184, noex_nopf 166 / 87 (1slot_wkv_dks 127 / 26); hd64 14 / 0.
 Replay: math in fp64 (both head dims, causal and not) and replay_protocol_noex with its negative controls.
 
-    PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py                 # GPU: check the noex variants, time
+DQWG ROUND (commit after 5d8eb2a, NOT YET RUN ON A GPU: compiled offline and replayed on the CPU only): "dqwg"
+(kind "dqwg", _dqwg_kernel), hd64. Motivation (the ablations above): at hd64 the dK/dV work alone (s3w4~noex)
+runs at 557 TFLOP/s = 1.24x cuDNN's whole backward; the per-step exchange wait (461) and dQ staging on the
+consumers' critical path (s3w4_pf 415, noex_s3 412) are what is lost. Design: a THIRD consumer warpgroup
+(the dQ warpgroup, 4 warps, own partition, few registers) does all of the dQ work, so the two dK/dV warpgroups
+never wait on each other or on dQ:
+  * dK/dV warpgroups 0, 1 (_dqwg_kv_consumer; _f3_front with DKS): Sᵀ, dPᵀ, softmax, dV; wait ds_empty[b]
+    (b = it % NDS), own dSᵀ half stored into buffer b, fence, partition barrier, dK from the stored half,
+    ds_full[b] arrived on (count 2); dV, dK retired, the Q/dO slot released. They never wait ds_full; their
+    only wait on another partition (besides the Q/dO ring) is ds_empty, i.e. on the dQ warpgroup NDS steps
+    behind. Epilogue: wait the last step's ds_empty phase (the dQ warpgroup's last dQ wgmmas retired; in its
+    program order every earlier one) before dK goes out through K's buffer.
+  * dQ warpgroup (_dqwg_dq): wait ds_full[b]; dQ_step [64 q, D] = dS_lo · K_lo + dS_hi · K_hi (two chained
+    async wgmmas, A = the permuted dSᵀ halves, B = the resident K halves, as fused2's owner); retire; arrive
+    ds_empty[b] (count 1); tma.store_wait(SLOTS - 1) issued by itself (its reduce-add of step it - SLOTS has
+    read staging tile it % SLOTS), partition barrier, store the fp32 [64, D] tile, fence, partition barrier,
+    ONE TMA reduce-add [64, D] (fused2's traffic: one per (64-query, 128-key) pair). No dQ-writer warp;
+    lse/delta not needed; store_wait(0) before exit.
+  * registers (setmaxnreg; 13 warps launch as 16 = 4 warpgroups at 128 registers, budget 4 x 128 = 512 per
+    thread-slot): dK/dV warpgroup 1 KV_REGS, dQ warpgroup DQ_REGS, producer warpgroup 24, the default
+    partition (dK/dV warpgroup 0) gets 488 - KV_REGS - DQ_REGS (Triton's leftover rule; PTX shows the
+    default 256 during set-up, 184/200/208 in the region, idle workers at 80). Compiled 3.6 (SASS STL causal /
+    non-causal, HGMMA 40, DEPBAR 7, none serialised unless noted): with the lse/delta prefetch (pf)
+    kv184+dq120 94 / 75, kv192+dq104 78 / 52, kv200+dq88 75 / 30, kv208+dq72 57 / 9, kv216+dq56 SERIALIZED
+    (DEPBAR 40, STL 314); without pf kv184+dq120 20 / 0, kv200+dq88 0 / 0, kv208+dq72 0 / 0. The dQ
+    warpgroup itself never spilled down to 72 (its accumulator is 32 registers).
+  * variants (STAGES, SLOTS, -, options): dqwg (3, 2, ds2+kv200+dq88: 148040 B smem), dqwg_ds3 (3, 2,
+    ds3+kv200+dq88: 164456 B), dqwg_pf (3, 2, pf+ds2+kv208+dq72: spills, above). 3.9: dqwg STL 0 / 0,
+    dqwg_ds3 5 / 0, dqwg_pf 57 / 5, none serialised (s3w4_pf 9 / 0, noex_s3 14 / 0 there; 3.6: 4 / 4, 3 / 0).
+  * hd128 does not fit: the dK/dV warpgroups need ~232 registers each there (fused3 spilled at 232), the dQ
+    warpgroup's accumulator is 64; compiled as a trial (STAGES 2, SLOTS 1, NDS 2, 197128 B smem): kv192+dq104
+    and kv200+dq88 both SERIALISE every wgmma (HGMMA 56 = DEPBAR 56) with STL 218 / 437 causal. Not a variant.
+  * replay: math in fp64 (the dQ warpgroup's product is fused2's: dS [64, 128] · K [128, D] per step, one
+    reduce-add) and replay_protocol_dqwg: all four partitions (producer, dK/dV 0, dK/dV 1, dQ warpgroup)
+    randomly interleaved with TMA loads, wgmmas and reduce-add reads completing as separate events, for
+    (STAGES, NDS, SLOTS) = (3, 2, 2), (3, 3, 2), (2, 2, 1); negative controls: each of the 8 waits
+    (slot_empty, ready, kv_wait, ds_empty, ds_full, dq_wait, store_wait, epilogue) left out in turn is
+    caught in every config (store_wait the rarest: 21-32 of 240 runs at SLOTS 2; ds_empty at NDS 3 shows up
+    first as a deadlock from mbarrier phase aliasing when a dK/dV warpgroup laps the dQ warpgroup).
+  * not done / open: the GPU check and timing; whether the dQ warpgroup keeps up (one [64, 128] x [128, 64]
+    product + a 16 KB fp32 staging store per step vs each dK/dV warpgroup's 4 wgmmas + softmax: it should,
+    but ds_empty stalls would show as dqwg ~ s3w4_pf); the dK/dV warpgroups still retire dV, dK at the end
+    of each step (as the 557 floor did); no lse/delta prefetch without spills (dqwg_pf spills).
+  GPU command (the defaults are this round's: hd64, T = 2k / 8k / 16k, DEFAULT_BENCH = s3w4_pf, noex_s3 (both
+  checked in earlier rounds, not re-checked), dqwg, dqwg_ds3, dqwg_pf (checked first in a child process);
+  cuDNN and the library default always timed):
+    PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py
+  i.e. --variants s3w4_pf,noex_s3,dqwg,dqwg_ds3,dqwg_pf --head-dims 64 --seqs 2048,8192,16384.
+
+    PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py                 # GPU: check the dqwg variants, time
     PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py --compile-only  # no GPU: compile for sm_90
     PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py --replay        # no GPU: CPU replay (math + protocol)
-    (--variants a,b  --head-dims 128,64  --seqs 2048,8192,16384 (default); --recheck-all: also check the
+    (--variants a,b  --head-dims 64 (default; 128,64 for the earlier lists)  --seqs 2048,8192,16384 (default);
+    --recheck-all: also check the
     PRECHECKED baselines; --with-split: also time the library's split backward)
 
 Why: the library's backward (xtrain/kernels/flash_attention_gluon_bwd.py, "split") runs two kernels, dK/dV
@@ -216,7 +266,17 @@ VARIANTS = {
     "noex_s3": {64: ("noex", 3, 4, 4, "pf+dks")},
     "noex_ov": {128: ("noex", 2, 2, 2, "dks+ov")},
     "noex_nopf": {128: ("noex", 2, 2, 2, "dks")},  # hd128 without the lse/delta prefetch (fewer spills)
+    # dqwg (kind "dqwg"): a third consumer warpgroup does all of the dQ work (wait ds_full, dQ = dS · K, two
+    # chained wgmmas, ds_empty, stage, ONE [64, D] reduce-add issued by itself: no writer warp); the dK/dV
+    # warpgroups (pf + dks always) store their dSᵀ half, arrive ds_full and go on. Fields: STAGES, SLOTS
+    # (staging tiles of [64, D] fp32), PEND unused; options pf, ds<N> (dS buffers), kv<R> / dq<R> (setmaxnreg)
+    # (3.6 compile, SASS STL causal / non-causal: pf+kv184+dq120 94 / 75, pf+kv200+dq88 75 / 30, pf+kv208+dq72
+    # 57 / 9, pf+kv216+dq56 SERIALIZED; without pf kv184+dq120 20 / 0, kv200+dq88 0 / 0, kv208+dq72 0 / 0)
+    "dqwg": {64: ("dqwg", 3, 2, 0, "ds2+kv200+dq88")},
+    "dqwg_ds3": {64: ("dqwg", 3, 2, 0, "ds3+kv200+dq88")},
+    "dqwg_pf": {64: ("dqwg", 3, 2, 0, "pf+ds2+kv208+dq72")},  # lse/delta prefetch: spills (above)
 }
+DQWG_KV_REGS, DQWG_DQ_REGS = 200, 88  # dK/dV warpgroup 1, dQ warpgroup; the default partition: 488 - both
 NEW_VARIANTS = ["noex", "noex_s3", "noex_ov", "noex_nopf"]
 # TIMING-ONLY ablations (wrong results by design; a "~" in the name: smoke-run, never checked): each removes
 # one suspect from fused3_1slot ("1slot~") or fused3_s3w4 ("s3w4~"); ABL of _f3_back
@@ -228,8 +288,13 @@ for _abl in ("nohand", "nored", "lse1"):  # hd128 without the wgmma serialisatio
     VARIANTS[f"wkv~{_abl}"] = {128: ("fused3", 2, 1, 0, f"wkv+abl={_abl}")}
 # the noex round against the best earlier fixes (checked in earlier rounds: PRECHECKED, timed without a new
 # check); the lag round's list: LAG_BENCH; the profiling round's: PROFILING_BENCH
-PRECHECKED = ["1slot_wkv_dks", "s3w4_pf"]
-DEFAULT_BENCH = PRECHECKED + NEW_VARIANTS
+PRECHECKED = ["1slot_wkv_dks", "s3w4_pf", "noex_s3"]
+NOEX_BENCH = ["1slot_wkv_dks", "s3w4_pf"] + NEW_VARIANTS  # the noex round's list (both head dims)
+# the dqwg round (hd64 only; cuDNN and the library default are always timed): the best earlier hd64 variants
+# against the dQ-warpgroup ones
+DQWG_VARIANTS = ["dqwg", "dqwg_ds3", "dqwg_pf"]
+DEFAULT_BENCH = ["s3w4_pf", "noex_s3"] + DQWG_VARIANTS
+DEFAULT_HEAD_DIMS = "64"  # the dqwg round: hd64 only (--head-dims 128,64 for the earlier lists)
 LAG_BENCH = ["1slot_wkv_dks", "s3w4_pf", "1slot_lag", "1slot_lag_ds2", "1slot_lag_pf", "s3w4_lag", "s3w4_lag_wkv",
              "s3w4_lag_ds2"]
 PROFILING_BENCH = (["fused3_1slot", "fused3_s3w4", "1slot_pf", "1slot_stg", "1slot_wkv", "1slot_wkv_stg",
@@ -941,6 +1006,159 @@ if HAVE_GLUON:
                                      dq_row0, T, mt0, n_m, n_iter, BLOCK_M, SLOTS, PEND, KCOPY, ABL)),
             ], [4, 1, 1], [_CONSUMER_REGS, _PRODUCER_REGS, _PRODUCER_REGS])
 
+    # -----------------------------------------------------------------------------------------------------
+    # dqwg: a third consumer warpgroup does all of the dQ work; the dK/dV warpgroups never wait on each other
+    # -----------------------------------------------------------------------------------------------------
+    @gluon.jit
+    def _dqwg_kv_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
+                          ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col,
+                          dv_row, dv_col, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr,
+                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                          HALF: gl.constexpr, PF: gl.constexpr, NDS: gl.constexpr):
+        """dK/dV warpgroup HALF of dqwg: keys [start_n + HALF·64, +64). Per step _f3_front with DKS (Sᵀ, dPᵀ,
+        softmax, dV; wait ds_empty[b] (the dQ warpgroup's wgmmas of step it - NDS retired), own dSᵀ half stored
+        into dS buffer b = it % NDS, fence, partition barrier, dK from the stored half, ds_full[b] arrived on),
+        then dV, dK retired and the Q/dO slot released. It never waits on ds_full, on the other dK/dV
+        warpgroup or on dQ; its only cross-warpgroup wait is ds_empty (the dQ warpgroup NDS steps behind)."""
+        KH: gl.constexpr = dk_desc.block_type.shape[0]
+        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)
+        k_half = k_smem.index(HALF)
+        v_half = v_smem.index(HALF)
+        k_lo = start_n + HALF * KH
+        dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        lse2, delta = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, BLOCK_M)
+        mbarrier.wait(kv_bar, 0)
+        for it in range(n_iter):
+            if PF:
+                lse2n, deltan = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1),
+                                        BLOCK_M)
+            else:
+                lse2, delta = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
+            dv, dk, p_op, ds_op = _f3_front(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty,
+                                            ds_full, lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype, HEAD_DIM,
+                                            BLOCK_M, STAGES, CAUSAL, HALF, 0, True, NDS)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+            slot = it % STAGES
+            mbarrier.arrive(q_empty.index(slot), count=1)  # dV, dK were the last readers of Q, dO
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            if PF:
+                lse2, delta = lse2n, deltan
+        # both K halves feed the dQ warpgroup's products: its ds_empty arrival of the last step comes after
+        # its last dQ wgmmas retired (and, in its program order, every earlier one)
+        last = n_iter - 1
+        mbarrier.wait(ds_empty.index(last % NDS), (last // NDS) & 1)
+        k_half.store((dk * sm_scale).to(dtype))
+        v_half.store(dv.to(dtype))
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
+        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _dqwg_dq(k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
+                 BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr):
+        """The dQ warpgroup: per step, wait ds_full[b] (both dSᵀ halves in), dQ_step [64 q, D] = dS_lo · K_lo +
+        dS_hi · K_hi (two chained async wgmmas, A = the permuted dSᵀ halves, B = the resident K halves),
+        retired, ds_empty[b] arrived on; then staging tile it % SLOTS, once tma.store_wait(SLOTS - 1) (issued
+        by this warpgroup, the only reduce-add issuer) says the reduce-add of step it - SLOTS has read it;
+        store, fence, partition barrier, ONE TMA reduce-add of [64, D] into the fp32 accumulator."""
+        D: gl.constexpr = dq_desc.block_type.shape[1]
+        dq_zero = gl.zeros([BLOCK_M, D], gl.float32, _acc_layout(D))
+        mbarrier.wait(kv_bar, 0)
+        k0 = k_smem.index(0)
+        k1 = k_smem.index(1)
+        for it in range(n_iter):
+            b = it % NDS
+            mbarrier.wait(ds_full.index(b), (it // NDS) & 1)
+            dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0, dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            mbarrier.arrive(ds_empty.index(b), count=1)
+            s = it % SLOTS
+            tma.store_wait(SLOTS - 1)  # the reduce-add of step it - SLOTS (same tile) has read it
+            _cta_barrier()  # the issuing thread's wait covers every thread's store below
+            dq_smem.index(s).store(dq)
+            fence_async_shared()
+            _cta_barrier()  # every thread's store is fenced before the one reduce-add
+            row = dq_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M
+            _tma_reduce_add(dq_desc, [row, 0], dq_smem.index(s))
+        tma.store_wait(0)  # no CTA exit while a reduce-add still reads shared memory
+
+    @gluon.jit
+    def _dqwg_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale,
+                     sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
+                     dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     STAGES: gl.constexpr, SLOTS: gl.constexpr, NDS: gl.constexpr, CAUSAL: gl.constexpr,
+                     PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr):
+        """Program (key tile, batch·kv head) as fused2; num_warps = 4 (the default partition = dK/dV warpgroup
+        0). Partitions: dK/dV warpgroup 0 (default: the registers left over), dK/dV warpgroup 1 (KV_REGS),
+        the dQ warpgroup (DQ_REGS), the TMA producer warp (24). dq_desc: the fp32 accumulator [B·H·T, D] with
+        [BLOCK_M, D] tiles."""
+        dtype: gl.constexpr = q_desc.dtype
+        KH: gl.constexpr = k_desc.block_type.shape[0]
+        gl.static_assert(BLOCK_M == 64)
+        gl.static_assert(dq_desc.block_type.shape[1] == HEAD_DIM)
+        pid_n = gl.program_id(0)
+        off_bkv = gl.program_id(1)
+        Hkv = H // GROUP
+        off_b = off_bkv // Hkv
+        off_kvh = off_bkv % Hkv
+        start_n = pid_n * (2 * KH)
+        h0 = off_kvh * GROUP
+        lse_row0 = (off_b * H + h0).to(gl.int64) * T
+        dq_row0 = (off_b * H + h0) * T  # int32 TMA coordinate of the fp32 accumulator
+        if CAUSAL:
+            mt0 = start_n // BLOCK_M
+        else:
+            mt0 = 0
+        n_m = T // BLOCK_M - mt0
+        n_iter = GROUP * n_m
+
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
+        dq_smem = gl.allocate_shared_memory(gl.float32, [SLOTS, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_full = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        _ring_init(q_bars, q_empty, STAGES)
+        _ring_init(do_bars, do_empty, STAGES)
+        for i in gl.static_range(NDS):
+            mbarrier.init(ds_full.index(i), count=2)  # one arrival per dK/dV warpgroup half
+            mbarrier.init(ds_empty.index(i), count=1)  # the dQ warpgroup, once its dQ wgmmas retired
+        fence_async_shared()
+
+        k_row = off_b * k_rb + off_kvh * k_rh + start_n
+        v_row = off_b * v_rb + off_kvh * v_rh + start_n
+        dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
+        dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
+        gl.warp_specialize([
+            (_dqwg_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
+                                 ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
+                                 off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
+                                 sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, NDS)),
+            (_dqwg_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
+                                 ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
+                                 off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
+                                 sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, NDS)),
+            (_dqwg_dq, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
+                        BLOCK_M, NDS, SLOTS)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
+                              do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
+                              off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
+                              BLOCK_M, STAGES)),
+        ], [4, 4, 1], [KV_REGS, DQ_REGS, _PRODUCER_REGS])
+
 
 @triton.jit
 def _dq_convert_kernel(ACC, DQ, scale, N, BLOCK: tl.constexpr):
@@ -967,7 +1185,8 @@ def _launch(q, k, v, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg):
         args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
     acc2 = dq_acc.view(B * H * T, D)
     # fused3: one head-dim half per tile; noex: one 64-column chunk per tile
-    dq_block = [BLOCK_M, D] if kind == "fused2" else [BLOCK_M, 64] if kind == "noex" else [BLOCK_M, D // 2]
+    dq_block = ([BLOCK_M, D] if kind in ("fused2", "dqwg") else [BLOCK_M, 64] if kind == "noex"
+                else [BLOCK_M, D // 2])
     acc_layout = gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32)
     args.update(q_desc=_desc(views["q"][0], BLOCK_M, D), k_desc=_desc(views["k"][0], KH, D),
                 v_desc=_desc(views["v"][0], KH, D), dk_desc=_desc(views["dk"][0], KH, D),
@@ -976,6 +1195,12 @@ def _launch(q, k, v, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg):
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, CAUSAL=bool(causal))
     if kind == "fused2":
         return _fused2_kernel, (T // (2 * KH), B * Hkv), args, consts
+    if kind == "dqwg":  # options: pf, ds<N> (dS buffers, default 2), kv<R> / dq<R> (setmaxnreg of dK/dV
+        # warpgroup 1 / the dQ warpgroup; dK/dV warpgroup 0, the default partition, gets what is left)
+        num = {o.rstrip("0123456789"): int(o[len(o.rstrip("0123456789")):]) for o in opts if o[-1:].isdigit()}
+        consts.update(SLOTS=slots, NDS=num.get("ds", 2), PF="pf" in opts, KV_REGS=num.get("kv", DQWG_KV_REGS),
+                      DQ_REGS=num.get("dq", DQWG_DQ_REGS))
+        return _dqwg_kernel, (T // (2 * KH), B * Hkv), args, consts
     args["kc_desc"] = _desc(views["k"][0], KH, D // 2)  # K's [64 keys, D/2 columns] tiles (KCOPY)
     consts.update(SLOTS=slots, PEND=pend, KCOPY="kcopy" in opts, ABL=abl[0] if abl else 0, PF="pf" in opts,
                   STAGGER="stg" in opts, DKS="dks" in opts,
@@ -1131,7 +1356,7 @@ def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0, kind="fused2"
                     dks[w] += dst @ qt
                     ds_buf[w] = dst
                 # the owner (it % 2): one product over both halves, one reduce-add
-                if kind == "fused2":
+                if kind in ("fused2", "dqwg"):  # dqwg: the dQ warpgroup, the same product and reduce-add
                     acc[row:row + BLOCK_M] += ds_buf[0].T @ khs[0] + ds_buf[1].T @ khs[1]
                 elif kind == "noex":  # each warpgroup its own keys, in 64-column chunks, one reduce-add each
                     for w in range(2):
@@ -1701,6 +1926,194 @@ def replay_noex(configs, seeds=60, n_iters=(1, 2, 3, 4, 5, 7, 16)):
     return ok
 
 
+DQWG_WAITS = ("slot_empty", "ready", "kv_wait", "ds_empty", "ds_full", "dq_wait", "store_wait", "epilogue")
+
+
+def replay_protocol_dqwg(n_iter, stages, nds, slots, seed, drop=None, max_events=400000):
+    """The dqwg kernel's four partitions (producer warp, dK/dV warpgroups 0 and 1, the dQ warpgroup) randomly
+    interleaved at the level of their barrier operations, with async completions (TMA loads, wgmmas,
+    reduce-add reads of the staging tile) as separate events in random order. dK/dV warpgroup w per step:
+    wait ready ("ready"); Sᵀ, dPᵀ, softmax, dV issued; wait ds_empty[b] ("ds_empty"); own dSᵀ half stored into
+    buffer b = it % NDS; dK issued (reads it: DKS); ds_full[b] arrived on; warpgroup_mma_wait(0) ("kv_wait":
+    dV, dK retired); Q/dO slot released; epilogue: wait ds_empty of the last step ("epilogue"), K half
+    overwritten. dQ warpgroup per step: wait ds_full[b] ("ds_full"); two dQ wgmmas reading both halves of b
+    and both K halves (async); warpgroup_mma_wait(0) ("dq_wait"); ds_empty[b] arrived on; tma.store_wait
+    (SLOTS - 1) ("store_wait": all but its SLOTS - 1 newest reduce-adds have read their tiles); staging tile
+    it % SLOTS written; one reduce-add (async read); at the end store_wait(0). ``drop``: one of DQWG_WAITS
+    left out. Asserts: no deadlock; no Q/dO slot reloaded while dV/dK read it; no dS half rewritten while a
+    dK or dQ wgmma may read it; each dQ product reads both halves of its own step (at issue and at
+    completion); nothing staged before its dQ retired; no staging tile rewritten under its reduce-add, each
+    reduce-add reads its own step; every step reduced exactly once; K not overwritten (epilogue) while a dQ
+    wgmma may read it."""
+    rng = random.Random(seed)
+    BLOCKED = "blocked"
+
+    class Bar:
+        def __init__(self, count):
+            self.count, self.pending, self.phase = count, count, 0
+
+        def arrive(self):
+            self.pending -= 1
+            assert self.pending >= 0
+            if self.pending == 0:
+                self.phase += 1
+                self.pending = self.count
+
+        def done(self, parity):
+            return (self.phase & 1) != parity
+
+    ready, empty = [Bar(1) for _ in range(stages)], [Bar(2) for _ in range(stages)]
+    ds_full, ds_empty = [Bar(2) for _ in range(nds)], [Bar(1) for _ in range(nds)]
+    slot_content, slot_users = [None] * stages, [set() for _ in range(stages)]
+    ds_content = [[None, None] for _ in range(nds)]
+    ds_readers = [[set(), set()] for _ in range(nds)]  # in-flight wgmmas reading half w of buffer b
+    k_readers = set()  # in-flight dQ wgmmas (step): read both K halves
+    k_dead = [False, False]
+    stage_content, stage_readers = [None] * slots, [0] * slots
+    reduced, flags, pending_async = [], {}, []
+
+    def wait(cond, name):
+        if drop == name:
+            return
+        while not cond():
+            yield BLOCKED
+
+    def producer():
+        for it in range(n_iter):
+            slot = it % stages
+            yield from wait(lambda slot=slot, it=it: empty[slot].done(((it // stages) & 1) ^ 1), "slot_empty")
+
+            def land(it=it, slot=slot):
+                assert not slot_users[slot], f"Q/dO slot {slot} reloaded while {slot_users[slot]} read it"
+                slot_content[slot] = it
+                ready[slot].arrive()
+            pending_async.append(land)
+            yield
+
+    def kv(w):
+        for it in range(n_iter):
+            slot, b = it % stages, it % nds
+            yield from wait(lambda slot=slot, it=it: ready[slot].done((it // stages) & 1), "ready")
+            assert slot_content[slot] == it, f"warpgroup {w} step {it} finds slot {slot} = {slot_content[slot]}"
+            slot_users[slot].add((w, it))
+            yield  # Sᵀ, dPᵀ retired, softmax, dV issued
+            yield from wait(lambda b=b, it=it: ds_empty[b].done(((it // nds) & 1) ^ 1), "ds_empty")
+            assert not ds_readers[b][w], f"dS half {b},{w} rewritten at step {it} while read by {ds_readers[b][w]}"
+            ds_content[b][w] = it
+            yield  # fence, partition barrier; dK issued from the stored half
+            ds_readers[b][w].add(("dk", it))
+            ds_full[b].arrive()
+            flags["kv", w, it] = False
+
+            def mma_done(w=w, it=it, slot=slot, b=b):
+                ds_readers[b][w].discard(("dk", it))
+                slot_users[slot].discard((w, it))
+                flags["kv", w, it] = True
+            pending_async.append(mma_done)
+            yield from wait(lambda w=w, it=it: flags["kv", w, it], "kv_wait")
+            empty[slot].arrive()
+        last = n_iter - 1
+        yield from wait(lambda: ds_empty[last % nds].done((last // nds) & 1), "epilogue")
+        assert not k_readers, f"K half {w} overwritten while dQ wgmmas of steps {k_readers} may read it"
+        k_dead[w] = True
+
+    def dqwg():
+        issued = []  # completion flags of this warpgroup's reduce-adds, in issue order
+        for it in range(n_iter):
+            b, s = it % nds, it % slots
+            yield from wait(lambda b=b, it=it: ds_full[b].done((it // nds) & 1), "ds_full")
+            assert ds_content[b] == [it, it], f"dQ product of step {it} reads {ds_content[b]}"
+            assert not any(k_dead), "dQ product issued on an overwritten K"
+            for w in range(2):
+                ds_readers[b][w].add(("dq", it))
+            k_readers.add(it)
+            flags["dq", it] = False
+
+            def dq_done(it=it, b=b):
+                assert ds_content[b] == [it, it], f"dQ product of step {it} read {ds_content[b]} (rewritten)"
+                for w in range(2):
+                    ds_readers[b][w].discard(("dq", it))
+                k_readers.discard(it)
+                flags["dq", it] = True
+            pending_async.append(dq_done)
+            yield from wait(lambda it=it: flags["dq", it], "dq_wait")
+            ds_empty[b].arrive()
+            older = issued[:max(0, len(issued) - (slots - 1))]
+            yield from wait(lambda older=older: all(f[0] for f in older), "store_wait")
+            assert stage_readers[s] == 0, f"staging tile {s} rewritten while its reduce-add reads it"
+            assert flags["dq", it], f"dQ of step {it} staged before its wgmmas retired"
+            stage_content[s] = it
+            yield  # fence, partition barrier, reduce-add issued
+            stage_readers[s] += 1
+            flag = [False]
+            issued.append(flag)
+
+            def read_done(s=s, flag=flag, it=it):
+                assert stage_content[s] == it, "staging tile rewritten under its reduce-add"
+                stage_readers[s] -= 1
+                flag[0] = True
+                reduced.append(it)
+            pending_async.append(read_done)
+        while not all(f[0] for f in issued):  # tma.store_wait(0)
+            yield BLOCKED
+
+    parts = [producer(), kv(0), kv(1), dqwg()]
+    alive = list(range(len(parts)))
+    events = blocked = 0
+    while alive or pending_async:
+        events += 1
+        assert events < max_events, "no end (livelock?)"
+        if pending_async and (not alive or rng.random() < 0.25):
+            pending_async.pop(rng.randrange(len(pending_async)))()
+            blocked = 0
+            continue
+        i = rng.choice(alive)
+        try:
+            r = next(parts[i])
+        except StopIteration:
+            alive.remove(i)
+            r = None
+        blocked = blocked + 1 if r == BLOCKED and not pending_async else 0
+        assert blocked < 400, "deadlock: every partition waits and nothing is in flight"
+    assert sorted(reduced) == list(range(n_iter)), "reduce-adds lost or repeated"
+    return events
+
+
+def replay_dqwg(configs, seeds=60, n_iters=(1, 2, 3, 4, 5, 7, 16)):
+    """Positive runs of replay_protocol_dqwg for each (STAGES, NDS, SLOTS), then each wait of DQWG_WAITS
+    dropped in turn (must be caught in some run)."""
+    ok = True
+    for stages, nds, slots in configs:
+        n_ev, good = 0, True
+        for n_iter in n_iters:
+            for seed in range(seeds):
+                try:
+                    n_ev += replay_protocol_dqwg(n_iter, stages, nds, slots, seed)
+                except AssertionError as e:
+                    good = False
+                    print(f"  replay dqwg STAGES={stages} NDS={nds} SLOTS={slots} n_iter={n_iter} seed={seed}: "
+                          f"FAIL {e}")
+                    break
+        ok &= good
+        print(f"  replay dqwg STAGES={stages} NDS={nds} SLOTS={slots}: n_iter {n_iters} x {seeds} interleavings, "
+              f"{n_ev} events: {'OK' if good else 'FAIL'}")
+        for drop in DQWG_WAITS:
+            caught, runs, first = 0, 0, None
+            for n_iter in (3, 4, 7, 16):
+                for seed in range(seeds):
+                    runs += 1
+                    try:
+                        replay_protocol_dqwg(n_iter, stages, nds, slots, seed, drop=drop)
+                    except AssertionError as e:
+                        caught += 1
+                        first = first or str(e)
+            good = caught > 0
+            ok &= good
+            print(f"  negative control dqwg STAGES={stages} NDS={nds} SLOTS={slots} without the {drop:10s} wait: "
+                  f"caught in {caught:3d}/{runs} runs {'OK' if good else 'NOT CAUGHT'}  ({first})")
+    return ok
+
+
 def replay(head_dims, variants):
     ok = True
     variants = [v for v in variants if "~" not in v]  # timing-only ablations: nothing to replay
@@ -1738,6 +2151,15 @@ def replay(head_dims, variants):
                      if D in VARIANTS[v] and VARIANTS[v][D][0] == "noex"})
     if cfgs_n:
         ok &= replay_noex(cfgs_n)
+
+    def cfg_d(c):
+        opts = c[4].split("+") if len(c) > 4 else []
+        nds = [int(o[2:]) for o in opts if o.startswith("ds") and o[2:].isdigit()]
+        return (c[1], nds[0] if nds else 2, c[2])
+    cfgs_d = sorted({cfg_d(VARIANTS[v][D]) for v in variants for D in head_dims
+                     if D in VARIANTS[v] and VARIANTS[v][D][0] == "dqwg"})
+    if cfgs_d:
+        ok &= replay_dqwg(cfgs_d + [(2, 2, 1)])  # + the tightest rings (SLOTS 1: store_wait(0))
     return ok
 
 
@@ -1853,7 +2275,7 @@ def bench_row(D, T, variants):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", default="2048,8192,16384")
-    ap.add_argument("--head-dims", default="128,64")
+    ap.add_argument("--head-dims", default=DEFAULT_HEAD_DIMS)
     ap.add_argument("--variants", default=",".join(DEFAULT_BENCH), help=f"any of {','.join(VARIANTS)}")
     ap.add_argument("--compile-only", action="store_true", help="compile every variant for sm_90 (no GPU)")
     ap.add_argument("--replay", action="store_true", help="CPU replay of the math and barrier protocol (no GPU)")
