@@ -60,7 +60,7 @@ costs: noex_nopf STL 81 / 63, noex_ov 81 / 63; 1slot_wkv_dks 76 / 64); hd64 noex
 230048 B STL 3 / 0. 3.9: hd128 noex 258 / 184, noex_nopf 166 / 87 (1slot_wkv_dks 127 / 26); hd64 14 / 0.
 Replay: math in fp64 (both head dims, causal and not) and replay_protocol_noex with its negative controls.
 
-DQWG ROUND (commit after 5d8eb2a, NOT YET RUN ON A GPU: compiled offline and replayed on the CPU only): "dqwg"
+DQWG ROUND (commit cff10db, NOT YET RUN ON A GPU: compiled offline and replayed on the CPU only): "dqwg"
 (kind "dqwg", _dqwg_kernel), hd64. Motivation (the ablations above): at hd64 the dK/dV work alone (s3w4~noex)
 runs at 557 TFLOP/s = 1.24x cuDNN's whole backward; the per-step exchange wait (461) and dQ staging on the
 consumers' critical path (s3w4_pf 415, noex_s3 412) are what is lost. Design: a THIRD consumer warpgroup
