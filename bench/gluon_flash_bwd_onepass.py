@@ -1,6 +1,16 @@
-"""One-pass Gluon (Hopper, sm_90) flash-attention BACKWARD experiments "fused3" (FA3-balanced dQ) and "fused2",
-timed against cuDNN, xtrain's Triton backward (the library default) and the library's two-kernel Gluon backward
-("split").
+"""One-pass Gluon (Hopper, sm_90) flash-attention BACKWARD experiments "fused3" (FA3-balanced dQ) and "dqwg" (a
+third warpgroup does all of dQ), timed against cuDNN, xtrain's Triton backward (the library default) and the
+library's two-kernel Gluon backward ("split").
+
+PRUNED (the commit after a233b8a): the code of the rounds that lost and are superseded was removed from this
+file; their paragraphs below keep the measured numbers and name the commit that has the code (every removed
+piece is also still in a233b8a): fused2 (kernel, consumer, replay_protocol, variants fused2, fused2_s3), the
+stagger path (STAGGER; 1slot_stg, 1slot_wkv_stg, s3w4_stg), fused3_kc (KCOPY), the lag round (LAG, NDS 3 for
+fused3; 1slot_lag*, s3w4_lag*, LAG_BENCH) and the noex round (_f3n_*, the writer's NOEX path,
+replay_protocol_noex; noex, noex_s3, noex_ov, noex_nopf, NOEX_BENCH; noex_s3 left DEFAULT_BENCH, s3w4_pf stays
+the baseline). Kept: fused3 with its ABL / PF / DKS / WKV flags, the dQ writer, the dqwg round, the harness.
+The kept variants compile (3.6 and 3.9) to the same shared memory, PTX counts and SASS HGMMA / DEPBAR / STL as
+before the pruning.
 
 MEASURED (H200, torch 2.11, triton 3.6, 2026-11-29 session 4; every real variant passed the fp64 check; full
 tables in bench/RESULTS.md, "Fourth round"), ratio to cuDNN at T = 2k / 8k / 16k: hd128 fused3_1slot 0.71 /
@@ -15,36 +25,37 @@ fused2, measured (H200, 2026-11-29; passes the fp64 check, rel-norm error 2.35e-
 4k / 16k — hd128 0.69 / 0.60 / 0.60 (library default 1.05 / 0.96 / 0.83); hd64 0.98 / 0.91 / 0.90 (library
 default, the Triton kernel, 1.10 / 0.98 / 0.90). Its likely flaw: the step's owner warpgroup issues two more
 wgmmas and a reduce-add (with the waits for its previous reduce-add and its own wgmmas on its critical path)
-while the other waits at the next ds_full, and it holds a [64, D] fp32 accumulator on top of dK, dV.
+while the other waits at the next ds_full, and it holds a [64, D] fp32 accumulator on top of dK, dV. fused2:
+code removed from this file; at commit eda674a (and c6dd5a2 .. a233b8a).
 
 PROFILING ROUND (commit 29eedaf): fused3_1slot at hd128 is compiled with its wgmmas SERIALIZED by ptxas (C7512
 "insufficient register resources": a wgmma wait after every HGMMA; both 3.6 and 3.9; the split's dK/dV
 kernel and every hd64 variant are not) — the dQ wgmmas issued while dV and dK are still in flight push the
 consumer past its register budget. --compile-only now prints this from the SASS. Candidate fixes (flags of
 the one kernel, real variants, checked): wkv (retire dV, dK before the dQ product is issued: no
-serialisation), stg (warpgroup 1 half a step ahead: front(it + 1) before back(it)), pf (lse/delta of the
-next step prefetched), dks (dK's A operand from the stored dSᵀ half). TIMING-ONLY ablations (a "~" in the
+serialisation), stg (warpgroup 1 half a step ahead: front(it + 1) before back(it); stg code removed from
+this file; at commit 29eedaf), pf (lse/delta of the next step prefetched), dks (dK's A operand from the stored
+dSᵀ half). TIMING-ONLY ablations (a "~" in the
 name, wrong results by design, smoke-run but never checked; ABL of _f3_back): ~nodq no dQ product (dS
 exchange kept), ~noex no exchange either (the dK/dV floor), ~nohand dQ product computed but not staged,
 ~nored staged and handed to the writer but no reduce-add, ~lse1 lse/delta of step 0 only; on fused3_1slot
 ("1slot~", both head dims), fused3_s3w4 ("s3w4~", hd64) and 1slot_wkv ("wkv~", hd128).
 
-LAG-1 dQ ROUND (commit 5e5d78e): LAG = both warpgroups issue front(it + 1) (Sᵀ, dPᵀ,
-softmax, dV, dK, own dSᵀ half stored, ds_full arrived on) BEFORE back(it) waits ds_full(it) and issues dQ(it),
-so the wait for the other warpgroup's half comes one step late; Q/dO slot it + 1 is released in back(it)
-(whose wait retires dV, dK of it + 1); the last dQ is drained after the loop, the epilogue waits its ds_empty
-phase. 3 dS buffers (NDS; "ds2": 2). Variants 1slot_lag (wkv+dks+lag; hd128 213600 B smem, not serialized,
-STL 107 vs 76 for 1slot_wkv_dks), 1slot_lag_ds2 (hd128, 2 buffers: 197184 B, STL 76), 1slot_lag_pf (+pf;
-STL 177 at hd128), s3w4_lag (pf+dks+lag, hd64 197376 B, STL 17 causal), s3w4_lag_wkv, s3w4_lag_ds2; compiled
+LAG-1 dQ ROUND (commit 5e5d78e; code removed from this file; at commit 5e5d78e): LAG = both warpgroups issue
+front(it + 1) (Sᵀ, dPᵀ, softmax, dV, dK, own dSᵀ half stored, ds_full arrived on) BEFORE back(it) waits
+ds_full(it) and issues dQ(it), so the wait for the other warpgroup's half comes one step late; Q/dO slot it + 1 is
+released in back(it) (whose wait retires dV, dK of it + 1); the last dQ is drained after the loop, the epilogue
+waits its ds_empty phase. 3 dS buffers (NDS; "ds2": 2). Variants 1slot_lag (wkv+dks+lag; hd128 213600 B smem, not
+serialized, STL 107 vs 76 for 1slot_wkv_dks), 1slot_lag_ds2 (hd128, 2 buffers: 197184 B, STL 76), 1slot_lag_pf
+(+pf; STL 177 at hd128), s3w4_lag (pf+dks+lag, hd64 197376 B, STL 17 causal), s3w4_lag_wkv, s3w4_lag_ds2; compiled
 with 3.6 (SASS counts above; the GPU's version) and 3.9 (more spills there: causal STL 1slot_lag 159,
 1slot_lag_ds2 169, 1slot_lag_pf 278 vs 1slot_wkv_dks 127 at hd128; s3w4_lag 85, s3w4_lag_ds2 63 at hd64; no
-serialisation in either); CPU replay incl. the lag protocol and its negative controls. With the
-lag, ds_empty is no longer implied by program order at NDS 2 (caught); at STAGES 2 / NDS 3 the Q/dO ring
-implies it (kept).
+serialisation in either); CPU replay incl. the lag protocol and its negative controls. With the lag, ds_empty is
+no longer implied by program order at NDS 2 (caught); at STAGES 2 / NDS 3 the Q/dO ring implies it (kept).
 
-NOEX ROUND (commit 21efb0d; measured on the H200: x cuDNN at T = 2k / 8k / 16k hd128 noex_nopf 0.76 / 0.76 /
-0.76, noex 0.48 / 0.45 / 0.45 (spills), hd64 noex_s3 0.97 / 0.93 / 0.95, s3w4_pf 0.95 / 0.95 / 0.96 in the same
-run; bench/RESULTS.md): "noex" real variants, dQ without the exchange (kind "noex",
+NOEX ROUND (commit 21efb0d; code removed from this file; at commit 21efb0d; measured on the H200: x cuDNN at T = 2k / 8k
+/ 16k hd128 noex_nopf 0.76 / 0.76 / 0.76, noex 0.48 / 0.45 / 0.45 (spills), hd64 noex_s3 0.97 / 0.93 / 0.95, s3w4_pf
+0.95 / 0.95 / 0.96 in the same run; bench/RESULTS.md): "noex" real variants, dQ without the exchange (kind "noex",
 _f3n_consumer / _f3n_step): each warpgroup computes dQ_w [64 q, D] = dS_w [64 q, 64 k] · K_w [64 k, D] of ITS
 OWN 64 keys (A = its own permuted dSᵀ half in its own shared buffer, B = its own resident K half, column
 slices), in head-dim chunks of 64 (two [64, 64] fp32 products in sequence at hd128, one at hd64), after dV,
@@ -103,11 +114,11 @@ never wait on each other or on dQ:
     product + a 16 KB fp32 staging store per step vs each dK/dV warpgroup's 4 wgmmas + softmax: it should,
     but ds_empty stalls would show as dqwg ~ s3w4_pf); the dK/dV warpgroups still retire dV, dK at the end
     of each step (as the 557 floor did); no lse/delta prefetch without spills (dqwg_pf spills).
-  GPU command (the defaults are this round's: hd64, T = 2k / 8k / 16k, DEFAULT_BENCH = s3w4_pf, noex_s3 (both
-  checked in earlier rounds, not re-checked), dqwg, dqwg_ds3, dqwg_pf (checked first in a child process);
-  cuDNN and the library default always timed):
+  GPU command (the defaults are this round's: hd64, T = 2k / 8k / 16k, DEFAULT_BENCH = s3w4_pf (checked in
+  earlier rounds, not re-checked; noex_s3, the other earlier baseline, went with the noex code), dqwg,
+  dqwg_ds3, dqwg_pf (checked first in a child process); cuDNN and the library default always timed):
     PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py
-  i.e. --variants s3w4_pf,noex_s3,dqwg,dqwg_ds3,dqwg_pf --head-dims 64 --seqs 2048,8192,16384.
+  i.e. --variants s3w4_pf,dqwg,dqwg_ds3,dqwg_pf --head-dims 64 --seqs 2048,8192,16384.
 
     PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py                 # GPU: check the dqwg variants, time
     PYTHONPATH=. python3 bench/gluon_flash_bwd_onepass.py --compile-only  # no GPU: compile for sm_90
@@ -124,7 +135,8 @@ bench/gluon_flash_bwd.py at commit 921bd50) let EACH consumer warpgroup reduce-a
 cuDNN at hd128.
 
 fused3 (FA3's balanced split of the dQ product and its dedicated dQ-writer warp; the code is this project's
-own): the program and the dK/dV work are fused2's (below); per 64-query step it:
+own): the program and the dK/dV work are fused2's (below; fused2's code removed from this file, at commit
+eda674a); per 64-query step it:
   * each warpgroup stores its dSᵀ half (16-bit) into dS buffer b = it % 2, fences, arrives on ds_full[b]
     (count 2) and then BOTH wait for it;
   * BOTH compute half of dQ_step along the head dim: warpgroup w forms dQ_step[:, w·D/2 : +D/2] =
@@ -147,9 +159,9 @@ own): the program and the dK/dV work are fused2's (below); per 64-query step it:
     step it only after ds_full of step it - 1, which the other warpgroup arrives on only after its dQ
     product of step it - 2 retired (the replay confirms: leaving it out is never caught). Kept as a cheap
     guard, and it carries the epilogue wait.
-  * KCOPY (fused3_kc, hd64): at hd64 the column slice of the 64-column K tile starts 64 B inside a 128-byte
-    swizzle row (Gluon 3.6 accepts it as an MN-major wgmma B operand: start address + 64 B, swizzle mode
-    128B); in case the hardware reads such a slice wrongly, fused3_kc has the dQ writer load separate
+  * KCOPY (fused3_kc, hd64; code removed from this file; at commit c6dd5a2): at hd64 the column slice of the 64-column K
+    tile starts 64 B inside a 128-byte swizzle row (Gluon 3.6 accepts it as an MN-major wgmma B operand: start address +
+    64 B, swizzle mode 128B); in case the hardware reads such a slice wrongly, fused3_kc has the dQ writer load separate
     [64, 32] copies of K's column halves (16 KB more) once at the start, and the dQ products read those.
   Shared memory (hd64 / hd128): Q, dO rings STAGES x 64 x D x 2 B each, K, V 128 x D x 2 B, dS 2 x 2 x 64 x
   64 x 2 B = 32 KB, dQ staging 2 x SLOTS x 64 x D/2 x 4 B. Compiled (3.6 and 3.9): fused3 (STAGES 2, SLOTS
@@ -157,12 +169,12 @@ own): the program and the dK/dV work are fused2's (below); per 64-query step it:
   180960 B, fused3_kc 148128 B; all 168 registers at launch, setmaxnreg 232/248 (consumers) and 24
   (producer, writer), no local memory (spills).
 Variants (``VARIANTS``: kernel, STAGES, SLOTS, PEND): fused3 (2, 2, 2) both head dims; fused3_1slot (2, 1, 0)
-both; hd64 only: fused3_s3 (3, 2, 2), fused3_s3w4 (3, 4, 4), fused3_kc (2, 2, 2, K column copies); fused2
-both, fused2_s3 hd64.
+both; hd64 only: fused3_s3 (3, 2, 2), fused3_s3w4 (3, 4, 4); removed: fused3_kc (2, 2, 2, K column copies),
+fused2 both, fused2_s3 hd64.
 
-fused2 (FA3's single reduction per tile pair): the dK/dV kernel of "split" (program = 128 keys of
-one (batch, kv head), K/V resident, warpgroup w owns keys w·64..+64, working transposed on [keys, queries]
-tiles; the producer warp is the library's ``_dkdv_producer`` itself) plus, per 64-query step it:
+fused2 (FA3's single reduction per tile pair; code removed from this file; at commit eda674a): the dK/dV kernel of
+"split" (program = 128 keys of one (batch, kv head), K/V resident, warpgroup w owns keys w·64..+64, working transposed
+on [keys, queries] tiles; the producer warp is the library's ``_dkdv_producer`` itself) plus, per 64-query step it:
   * each warpgroup writes its dSᵀ half [64 keys, 64 queries] (16-bit) into the shared buffer b = it % 2
     (two buffers, each the two halves = the step's whole dSᵀ [128 keys, 64 queries]) and arrives on
     ds_full[b] (count 2) after a fence and a partition barrier;
@@ -184,12 +196,11 @@ tiles; the producer warp is the library's ``_dkdv_producer`` itself) plus, per 6
 fused2_s3 (alternative): fused2 with a 3-deep Q/dO ring at hd64 (2 at hd128: 3 does not fit in 227 KB).
 
 --replay (CPU): the kernels' loops in fp64 against flash_attention_bwd_ref (both head dims, causal and not;
-fused2's and fused3's dQ split), and random interleavings at the level of the barrier protocol. fused2: its
-three partitions (no deadlock; the owner reads both dS halves of its own step; no staging tile rewritten under
-its reduce-add; K not overwritten under a dQ product). fused3: all four partitions with async wgmma, TMA load
-and reduce-add completions as separate events (replay_protocol3's docstring lists the assertions), and
+fused3's and dqwg's dQ split), and random interleavings at the level of the barrier protocol (fused2's
+three-partition replay_protocol: removed with its kernel, at commit eda674a). fused3: all four partitions with async
+wgmma, TMA load and reduce-add completions as separate events (replay_protocol3's docstring lists the assertions), and
 negative controls run by the replay itself: each wait left out in turn must be caught (ds_empty, see above,
-must not), and SLOTS = 1 with PEND = 2 must deadlock. The one-time K column load of fused3_kc is not modelled.
+must not), and SLOTS = 1 with PEND = 2 must deadlock.
 fused2's shared memory: Q, dO rings 2 x 64 x D x 2 B each, K, V 128 x D x 2 B, dS 2 x 128 x 64 x 2 B =
 32 KB, staging 2 x 64 x D x 4 B: 112 / 224 KB; the compiled kernels report 131584 / 229888 B
 (fused2_s3 at hd64: 148032 B), 168 registers at launch, setmaxnreg 232/248/24, no spills (3.6 and 3.9).
@@ -232,40 +243,18 @@ BLOCK_M = 64  # queries per step (one wgmma M of the dQ product)
 # variant -> {head_dim: (kernel, STAGES = Q/dO ring depth, SLOTS = dQ staging tiles per warpgroup, PEND =
 # reduce-adds the writer leaves in flight after each issue)}; a variant runs the head dims it lists
 VARIANTS = {
-    "fused2": {64: ("fused2", 2, 0, 0), 128: ("fused2", 2, 0, 0)},
-    "fused2_s3": {64: ("fused2", 3, 0, 0)},
     "fused3": {64: ("fused3", 2, 2, 2), 128: ("fused3", 2, 2, 2)},
     "fused3_1slot": {64: ("fused3", 2, 1, 0), 128: ("fused3", 2, 1, 0)},
     "fused3_s3": {64: ("fused3", 3, 2, 2)},
     "fused3_s3w4": {64: ("fused3", 3, 4, 4)},
-    "fused3_kc": {64: ("fused3", 2, 2, 2, "kcopy")},  # hd64 without the in-swizzle-atom column slice of K
     # candidate fixes (options after the 4th field, "+"-joined): pf = lse/delta of the next step prefetched
-    # into registers; stg = warpgroup 1 staggered half a step ahead (front(it + 1) before back(it)); wkv =
-    # dV, dK retired before the dQ product is issued (at hd128 ptxas otherwise SERIALIZES every wgmma:
-    # "insufficient register resources"); dks = dK's A operand from the stored dSᵀ half (shared memory)
+    # into registers; wkv = dV, dK retired before the dQ product is issued (at hd128 ptxas otherwise
+    # SERIALIZES every wgmma: "insufficient register resources"); dks = dK's A operand from the stored dSᵀ half
+    # (shared memory)
     "1slot_pf": {64: ("fused3", 2, 1, 0, "pf"), 128: ("fused3", 2, 1, 0, "pf")},
-    "1slot_stg": {64: ("fused3", 2, 1, 0, "stg"), 128: ("fused3", 2, 1, 0, "stg")},
     "1slot_wkv": {64: ("fused3", 2, 1, 0, "wkv"), 128: ("fused3", 2, 1, 0, "wkv")},
-    "1slot_wkv_stg": {64: ("fused3", 2, 1, 0, "wkv+stg"), 128: ("fused3", 2, 1, 0, "wkv+stg")},
     "1slot_wkv_dks": {64: ("fused3", 2, 1, 0, "wkv+dks"), 128: ("fused3", 2, 1, 0, "wkv+dks")},
     "s3w4_pf": {64: ("fused3", 3, 4, 4, "pf")},
-    "s3w4_stg": {64: ("fused3", 3, 4, 4, "stg")},
-    # lag-1 dQ (lag: both warpgroups issue front(it + 1) before back(it)'s ds_full wait and dQ(it); 3 dS
-    # buffers unless ds2)
-    "1slot_lag": {64: ("fused3", 2, 1, 0, "wkv+dks+lag"), 128: ("fused3", 2, 1, 0, "wkv+dks+lag")},
-    "1slot_lag_ds2": {128: ("fused3", 2, 1, 0, "wkv+dks+lag+ds2")},
-    "1slot_lag_pf": {64: ("fused3", 2, 1, 0, "wkv+dks+pf+lag"), 128: ("fused3", 2, 1, 0, "wkv+dks+pf+lag")},
-    "s3w4_lag": {64: ("fused3", 3, 4, 4, "pf+dks+lag")},
-    "s3w4_lag_wkv": {64: ("fused3", 3, 4, 4, "pf+dks+wkv+lag")},
-    "s3w4_lag_ds2": {64: ("fused3", 3, 4, 4, "pf+dks+lag+ds2")},
-    # noex (kind "noex"): no dS exchange; each warpgroup computes and stages the dQ contribution of its own 64
-    # keys in [64, 64] head-dim chunks (2 hand-offs per step and warpgroup at hd128, 1 at hd64), the writer
-    # reduce-adds both warpgroups' chunks; always wkv; options pf, dks; ov = at hd128 both chunks issued, the
-    # second runs while the first is staged
-    "noex": {64: ("noex", 2, 2, 2, "pf+dks"), 128: ("noex", 2, 2, 2, "pf+dks")},
-    "noex_s3": {64: ("noex", 3, 4, 4, "pf+dks")},
-    "noex_ov": {128: ("noex", 2, 2, 2, "dks+ov")},
-    "noex_nopf": {128: ("noex", 2, 2, 2, "dks")},  # hd128 without the lse/delta prefetch (fewer spills)
     # dqwg (kind "dqwg"): a third consumer warpgroup does all of the dQ work (wait ds_full, dQ = dS · K, two
     # chained wgmmas, ds_empty, stage, ONE [64, D] reduce-add issued by itself: no writer warp); the dK/dV
     # warpgroups (pf + dks always) store their dSᵀ half, arrive ds_full and go on. Fields: STAGES, SLOTS
@@ -277,7 +266,6 @@ VARIANTS = {
     "dqwg_pf": {64: ("dqwg", 3, 2, 0, "pf+ds2+kv208+dq72")},  # lse/delta prefetch: spills (above)
 }
 DQWG_KV_REGS, DQWG_DQ_REGS = 200, 88  # dK/dV warpgroup 1, dQ warpgroup; the default partition: 488 - both
-NEW_VARIANTS = ["noex", "noex_s3", "noex_ov", "noex_nopf"]
 # TIMING-ONLY ablations (wrong results by design; a "~" in the name: smoke-run, never checked): each removes
 # one suspect from fused3_1slot ("1slot~") or fused3_s3w4 ("s3w4~"); ABL of _f3_back
 ABLATIONS = {"nodq": 1, "noex": 2, "nohand": 3, "nored": 4, "lse1": 5}
@@ -286,19 +274,16 @@ for _abl in ABLATIONS:
     VARIANTS[f"s3w4~{_abl}"] = {D: cfg[:4] + (f"abl={_abl}", ) for D, cfg in VARIANTS["fused3_s3w4"].items()}
 for _abl in ("nohand", "nored", "lse1"):  # hd128 without the wgmma serialisation (nodq, noex: never serialised)
     VARIANTS[f"wkv~{_abl}"] = {128: ("fused3", 2, 1, 0, f"wkv+abl={_abl}")}
-# the noex round against the best earlier fixes (checked in earlier rounds: PRECHECKED, timed without a new
-# check); the lag round's list: LAG_BENCH; the profiling round's: PROFILING_BENCH
-PRECHECKED = ["1slot_wkv_dks", "s3w4_pf", "noex_s3"]
-NOEX_BENCH = ["1slot_wkv_dks", "s3w4_pf"] + NEW_VARIANTS  # the noex round's list (both head dims)
+# variants checked in earlier GPU rounds (timed without a new check unless --recheck-all); the profiling
+# round's list: PROFILING_BENCH (the noex and lag rounds' lists went with their code)
+PRECHECKED = ["1slot_wkv_dks", "s3w4_pf"]
 # the dqwg round (hd64 only; cuDNN and the library default are always timed): the best earlier hd64 variants
 # against the dQ-warpgroup ones
 DQWG_VARIANTS = ["dqwg", "dqwg_ds3", "dqwg_pf"]
-DEFAULT_BENCH = ["s3w4_pf", "noex_s3"] + DQWG_VARIANTS
+DEFAULT_BENCH = ["s3w4_pf"] + DQWG_VARIANTS
 DEFAULT_HEAD_DIMS = "64"  # the dqwg round: hd64 only (--head-dims 128,64 for the earlier lists)
-LAG_BENCH = ["1slot_wkv_dks", "s3w4_pf", "1slot_lag", "1slot_lag_ds2", "1slot_lag_pf", "s3w4_lag", "s3w4_lag_wkv",
-             "s3w4_lag_ds2"]
-PROFILING_BENCH = (["fused3_1slot", "fused3_s3w4", "1slot_pf", "1slot_stg", "1slot_wkv", "1slot_wkv_stg",
-                    "1slot_wkv_dks", "s3w4_pf", "s3w4_stg"] + [f"1slot~{a}" for a in ABLATIONS]
+PROFILING_BENCH = (["fused3_1slot", "fused3_s3w4", "1slot_pf", "1slot_wkv", "1slot_wkv_dks", "s3w4_pf"]
+                   + [f"1slot~{a}" for a in ABLATIONS]
                    + [f"s3w4~{a}" for a in ABLATIONS] + ["wkv~nohand", "wkv~nored", "wkv~lse1"])
 
 if HAVE_GLUON:
@@ -307,7 +292,6 @@ if HAVE_GLUON:
         _PRODUCER_REGS,
         TensorDescriptor,
         _cta_barrier,
-        _tma_load,
         _tma_store,
         fence_async_shared,
         gl,
@@ -331,165 +315,6 @@ if HAVE_GLUON:
             coord = _semantic._convert_to_ir_values(coord, require_i64=False)
             _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                       src.handle)
-
-    @gluon.jit
-    def _fused2_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
-                         do_empty, ds_full, ds_empty, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, lse_row0, T,
-                         dq_row0, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
-                         dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, HALF: gl.constexpr):
-        """One warpgroup: keys [start_n + HALF·64, +64) as the library's split dK/dV consumer, plus the dS
-        hand-off and, on the steps it owns (it % 2 == HALF), the step's whole dQ product and reduce-add."""
-        KH: gl.constexpr = dk_desc.block_type.shape[0]
-        s_layout: gl.constexpr = _acc_layout(BLOCK_M)  # [KH, BLOCK_M] Sᵀ, dPᵀ
-        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV; [BLOCK_M, HEAD_DIM] dQ_step
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
-        k_half = k_smem.index(HALF)
-        v_half = v_smem.index(HALF)
-        dq_stage = dq_smem.index(HALF)  # this warpgroup's staging tile (used on its own steps only)
-        k_lo = start_n + HALF * KH
-        offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
-        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
-        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, a_layout)
-        dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
-        dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
-        mbarrier.wait(kv_bar, 0)
-        for it in range(n_iter):
-            g = it // n_m
-            start_m = (mt0 + it % n_m) * BLOCK_M
-            row = lse_row0 + g * T + start_m  # int64 row of the [B·H·T] lse / delta
-            lse2 = gl.load(lse_ptr + row + cols) * _LOG2E
-            delta = gl.load(delta_ptr + row + cols)
-            slot = it % STAGES
-            phase = (it // STAGES) & 1
-            q_t = q_smem.index(slot)
-            do_t = do_smem.index(slot)
-            mbarrier.wait(q_bars.index(slot), phase)
-            st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_bars.index(slot), phase)
-            dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
-            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-            if CAUSAL:
-                if start_m < k_lo + KH:
-                    keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-                    pt = gl.where(keep, pt, 0.0)
-            p_op = gl.convert_layout(pt.to(dtype), op_layout)
-            dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
-            dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
-            ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-            ds_op = gl.convert_layout(ds16, op_layout)
-            dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-            # dS hand-off: buffer b (= the owner) was last read by the dQ product of step it - 2
-            b = it % 2
-            u = it // 2
-            mbarrier.wait(ds_empty.index(b), (u & 1) ^ 1)  # fresh barrier: the first wait passes
-            ds_smem.index(2 * b + HALF).store(ds16)
-            fence_async_shared()
-            _cta_barrier()  # every thread's store is fenced before the one arrival
-            mbarrier.arrive(ds_full.index(b), count=1)
-            if b == HALF:
-                mbarrier.wait(ds_full.index(b), u & 1)  # both halves of the step's dSᵀ are in
-                dq_tok = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k_smem.index(0), dq_zero,
-                                       use_acc=False, is_async=True)
-                dq_tok = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k_smem.index(1), dq_tok,
-                                       is_async=True)
-                dv, dk, dq_step, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p_op, ds_op))
-                mbarrier.arrive(ds_empty.index(b), count=1)
-                mbarrier.arrive(q_empty.index(slot), count=1)
-                mbarrier.arrive(do_empty.index(slot), count=1)
-                # the reduce-add of step it - 2 (issued by this warpgroup's elected thread) has read the
-                # staging tile; the barrier lets every thread know before it is overwritten
-                tma.store_wait(0)
-                _cta_barrier()
-                dq_stage.store(dq_step)
-                fence_async_shared()
-                _cta_barrier()
-                _tma_reduce_add(dq_desc, [dq_row0 + g * T + start_m, 0], dq_stage)
-            else:
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-                mbarrier.arrive(q_empty.index(slot), count=1)
-                mbarrier.arrive(do_empty.index(slot), count=1)
-        # K's halves feed both warpgroups' dQ products: wait for the last use of both dS buffers
-        last = n_iter - 1
-        mbarrier.wait(ds_empty.index(last % 2), (last // 2) & 1)
-        if n_iter > 1:
-            mbarrier.wait(ds_empty.index((last - 1) % 2), ((last - 1) // 2) & 1)
-        k_half.store((dk * sm_scale).to(dtype))
-        v_half.store(dv.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
-        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
-        tma.store_wait(0)  # also the last reduce-add
-
-    @gluon.jit
-    def _fused2_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale,
-                       sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
-                       v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        """Program (key tile, batch·kv head), as the library's dK/dV kernel; num_warps = 4. dq_desc: the
-        contiguous fp32 dQ accumulator [B·H·T, D] with [BLOCK_M, D] tiles."""
-        dtype: gl.constexpr = q_desc.dtype
-        KH: gl.constexpr = k_desc.block_type.shape[0]
-        gl.static_assert(BLOCK_M == 64)
-        pid_n = gl.program_id(0)
-        off_bkv = gl.program_id(1)
-        Hkv = H // GROUP
-        off_b = off_bkv // Hkv
-        off_kvh = off_bkv % Hkv
-        start_n = pid_n * (2 * KH)
-        h0 = off_kvh * GROUP
-        lse_row0 = (off_b * H + h0).to(gl.int64) * T
-        dq_row0 = (off_b * H + h0) * T  # int32 TMA coordinate of the fp32 accumulator
-        if CAUSAL:
-            mt0 = start_n // BLOCK_M
-        else:
-            mt0 = 0
-        n_m = T // BLOCK_M - mt0
-        n_iter = GROUP * n_m
-
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [4, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        _ring_init(q_bars, q_empty, STAGES)
-        _ring_init(do_bars, do_empty, STAGES)
-        for i in gl.static_range(2):
-            mbarrier.init(ds_full.index(i), count=2)  # one arrival per warpgroup half
-            mbarrier.init(ds_empty.index(i), count=1)  # the owner, once its dQ product retired
-        fence_async_shared()
-
-        k_row = off_b * k_rb + off_kvh * k_rh + start_n
-        v_row = off_b * v_rb + off_kvh * v_rh + start_n
-        dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
-        dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
-        gl.warp_specialize([
-            (_fused2_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
-                                do_empty, ds_full, ds_empty, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, lse_row0,
-                                T, dq_row0, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter,
-                                start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0)),
-            (_fused2_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
-                                do_empty, ds_full, ds_empty, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, lse_row0,
-                                T, dq_row0, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter,
-                                start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
-                              do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
-                              off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
-                              BLOCK_M, STAGES)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
     # -----------------------------------------------------------------------------------------------------
     # fused3: both warpgroups compute half of dQ_step (split along the head dim); a dQ-writer warp reduces
@@ -560,7 +385,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _f3_back(it, ds_smem, kc0, kc1, dq_smem, q_empty, do_empty, ds_full, ds_empty, dq_full, dq_empty, dv, dk,
                  p_op, ds_op, T, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
-                 HALF: gl.constexpr, ABL: gl.constexpr, WKV: gl.constexpr, NDS: gl.constexpr = 2, rel=-1):
+                 HALF: gl.constexpr, ABL: gl.constexpr, WKV: gl.constexpr, NDS: gl.constexpr = 2):
         """Step ``it`` from the dS hand-off on: wait for both dSᵀ halves, this warpgroup's head-dim half of
         dQ_step (two chained wgmmas), retire everything in flight (dv, dk: possibly of a later step, with
         p_op, ds_op), release the dS buffer and the Q/dO slot, stage the half for the dQ writer. ABL (timing
@@ -581,14 +406,9 @@ if HAVE_GLUON:
             dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
         if ABL != 2:
             mbarrier.arrive(ds_empty.index(b), count=1)
-        if rel == -1:  # the Q/dO slot of this step
-            slot = it % STAGES
-            mbarrier.arrive(q_empty.index(slot), count=1)
-            mbarrier.arrive(do_empty.index(slot), count=1)
-        elif rel >= 0:  # LAG: the slot of step rel = it + 1, whose dV, dK (the last readers) the wait retired
-            slot = rel % STAGES
-            mbarrier.arrive(q_empty.index(slot), count=1)
-            mbarrier.arrive(do_empty.index(slot), count=1)
+        slot = it % STAGES  # the Q/dO slot of this step
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        mbarrier.arrive(do_empty.index(slot), count=1)
         if ABL == 3:
             if T < 0:  # never: keeps the dQ product from being removed as dead code
                 dq_smem.index(HALF * SLOTS).store(dq)
@@ -604,314 +424,11 @@ if HAVE_GLUON:
         return dv, dk
 
     @gluon.jit
-    def _fused3_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, kv_bar, kc_bar, q_bars, do_bars,
-                         q_empty, do_empty, ds_full, ds_empty, dq_full, dq_empty, dk_desc, dv_desc, lse_ptr, delta_ptr,
-                         lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
-                         dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         SLOTS: gl.constexpr, KCOPY: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                         ABL: gl.constexpr, PF: gl.constexpr, STAGGER: gl.constexpr, DKS: gl.constexpr,
-                         WKV: gl.constexpr, LAG: gl.constexpr, NDS: gl.constexpr):
-        """One warpgroup: keys [start_n + HALF·64, +64) as the split dK/dV consumer, plus the dSᵀ hand-off and,
-        every step, dQ_step[:, HALF·D/2 : +D/2] = [dS_lo | dS_hi] · [K_lo; K_hi][:, HALF·D/2 : +D/2], handed to
-        the dQ writer through this warpgroup's staging ring (SLOTS tiles). A step is _f3_front then _f3_back.
-        PF: lse/delta of step it + 1 loaded at the top of step it (registers, loop-carried). STAGGER:
-        warpgroup 1 runs front(it + 1) before back(it), i.e. half a step ahead of warpgroup 0 in its
-        softmax, so one warpgroup's softmax overlaps the other's dQ wgmmas. DKS: dK's A operand read from the
-        stored dSᵀ half in shared memory instead of registers (16 fewer live registers while dK runs).
-        LAG ("lag-1 dQ", both warpgroups): front(it + 1) (Sᵀ, dPᵀ, softmax, dV, dK of the next step, its dSᵀ
-        half stored and ds_full arrived on) is issued BEFORE back(it) waits ds_full(it) for the other half
-        and issues dQ(it), so the wait for the other warpgroup's half is one step late and mostly free; the
-        Q/dO slot of step it + 1 is released in back(it) (its wait retires dV, dK of it + 1), that of step 0
-        after a wait following front(0); the last step's dQ is drained after the loop. NDS dS buffers (3:
-        front(it + 1) rewrites the buffer of step it + 1 - NDS, whose dQ products both warpgroups' ds_empty
-        arrivals cover; with the lag this wait is no longer implied by program order)."""
-        KH: gl.constexpr = dk_desc.block_type.shape[0]
-        DH: gl.constexpr = HEAD_DIM // 2
-        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
-        gl.static_assert(not (STAGGER and ABL != 0))
-        gl.static_assert(not (LAG and (STAGGER or ABL != 0)))
-        k_half = k_smem.index(HALF)
-        v_half = v_smem.index(HALF)
-        # B operands of the dQ product: this warpgroup's head-dim columns of both resident K halves, a column
-        # slice of the swizzled K tiles, or (KCOPY) separate copies of those columns loaded by the dQ writer
-        if KCOPY:
-            kc0 = kc_smem.index(HALF)
-            kc1 = kc_smem.index(2 + HALF)
-        else:
-            kc0 = k_smem.index(0).slice(HALF * DH, DH, dim=1)
-            kc1 = k_smem.index(1).slice(HALF * DH, DH, dim=1)
-        k_lo = start_n + HALF * KH
-        dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
-        dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
-        lse2, delta = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, BLOCK_M)
-        mbarrier.wait(kv_bar, 0)
-        if KCOPY:
-            mbarrier.wait(kc_bar, 0)
-        if LAG:  # front(0), wait; then front(it), back(it - 1) (releases slot it); back(last)
-            if PF:
-                lse2n, deltan = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(1, n_iter - 1),
-                                        BLOCK_M)
-            dv, dk, p_op, ds_op = _f3_front(0, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty,
-                                            ds_full, lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype,
-                                            HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, ABL, DKS, NDS)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))  # once: no token enters the loop
-            mbarrier.arrive(q_empty.index(0), count=1)
-            mbarrier.arrive(do_empty.index(0), count=1)
-            if PF:
-                lse2, delta = lse2n, deltan
-            for it in range(1, n_iter):
-                if PF:
-                    lse2n, deltan = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
-                                            gl.minimum(it + 1, n_iter - 1), BLOCK_M)
-                else:
-                    lse2, delta = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
-                dv, dk, p_op, ds_op = _f3_front(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars,
-                                                ds_empty, ds_full, lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale,
-                                                dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, ABL, DKS, NDS)
-                dv, dk = _f3_back(it - 1, ds_smem, kc0, kc1, dq_smem, q_empty, do_empty, ds_full, ds_empty, dq_full,
-                                  dq_empty, dv, dk, p_op, ds_op, T, BLOCK_M, STAGES, SLOTS, HALF, ABL, WKV, NDS, it)
-                if PF:
-                    lse2, delta = lse2n, deltan
-            dv, dk = _f3_back(n_iter - 1, ds_smem, kc0, kc1, dq_smem, q_empty, do_empty, ds_full, ds_empty, dq_full,
-                              dq_empty, dv, dk, p_op, ds_op, T, BLOCK_M, STAGES, SLOTS, HALF, ABL, WKV, NDS, -2)
-        elif STAGGER and HALF == 1:  # front(0); then front(it), back(it - 1); back(last)
-            if PF:
-                lse2n, deltan = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(1, n_iter - 1),
-                                        BLOCK_M)
-            dv, dk, p_op, ds_op = _f3_front(0, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty,
-                                            ds_full, lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype,
-                                            HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, ABL, DKS)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))  # once: no token enters the loop
-            if PF:
-                lse2, delta = lse2n, deltan
-            for it in range(1, n_iter):
-                if PF:
-                    lse2n, deltan = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
-                                            gl.minimum(it + 1, n_iter - 1), BLOCK_M)
-                else:
-                    lse2, delta = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
-                dv, dk, p_op, ds_op = _f3_front(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars,
-                                                ds_empty, ds_full, lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale,
-                                                dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, ABL, DKS)
-                dv, dk = _f3_back(it - 1, ds_smem, kc0, kc1, dq_smem, q_empty, do_empty, ds_full, ds_empty, dq_full,
-                                  dq_empty, dv, dk, p_op, ds_op, T, BLOCK_M, STAGES, SLOTS, HALF, ABL, WKV)
-                if PF:
-                    lse2, delta = lse2n, deltan
-            dv, dk = _f3_back(n_iter - 1, ds_smem, kc0, kc1, dq_smem, q_empty, do_empty, ds_full, ds_empty, dq_full,
-                              dq_empty, dv, dk, p_op, ds_op, T, BLOCK_M, STAGES, SLOTS, HALF, ABL, WKV)
-        else:
-            for it in range(n_iter):
-                if PF:
-                    lse2n, deltan = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
-                                            gl.minimum(it + 1, n_iter - 1), BLOCK_M)
-                elif ABL != 5:
-                    lse2, delta = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
-                dv, dk, p_op, ds_op = _f3_front(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars,
-                                                ds_empty, ds_full, lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale,
-                                                dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, ABL, DKS)
-                dv, dk = _f3_back(it, ds_smem, kc0, kc1, dq_smem, q_empty, do_empty, ds_full, ds_empty, dq_full,
-                                  dq_empty, dv, dk, p_op, ds_op, T, BLOCK_M, STAGES, SLOTS, HALF, ABL, WKV)
-                if PF:
-                    lse2, delta = lse2n, deltan
-        # K's halves feed both warpgroups' dQ products: the last step's ds_empty phase completes only once
-        # both have retired theirs (and, by program order, every earlier one)
-        if ABL != 2:
-            last = n_iter - 1
-            mbarrier.wait(ds_empty.index(last % NDS), (last // NDS) & 1)
-        k_half.store((dk * sm_scale).to(dtype))
-        v_half.store(dv.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
-        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
-        tma.store_wait(0)
-
-    # -----------------------------------------------------------------------------------------------------
-    # noex: no dS exchange; each warpgroup reduce-adds the dQ contribution of its own 64 keys
-    # -----------------------------------------------------------------------------------------------------
-    @gluon.jit
-    def _f3n_step(it, q_smem, do_smem, k_half, v_half, ds_half, dq_smem, q_bars, do_bars, q_empty, do_empty,
-                  dq_full, dq_empty, lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
-                  CAUSAL: gl.constexpr, HALF: gl.constexpr, DKS: gl.constexpr, OV: gl.constexpr):
-        """One step of the noex consumer: Sᵀ, dPᵀ, softmax, dV, dK (as _f3_front; the dSᵀ half goes to this
-        warpgroup's OWN dS buffer, read by nobody else), dV/dK retired (wkv) and the Q/dO slot released, then
-        dQ_w = dS_w [64 q, 64 k] · K_w [64 k, D] in head-dim chunks of DC = 64 columns (A = the permuted own
-        dSᵀ half, B = a column slice of the own resident K half), each retired, staged into this warpgroup's
-        ring and handed to the writer (hand-off k = it·NCH + c). The own dS buffer is rewritten in the next
-        step only after this step's dQ wgmmas retired (program order); K_w is read by this warpgroup only."""
-        KH: gl.constexpr = k_half.shape[0]
-        DC: gl.constexpr = dq_smem.shape[2]
-        NCH: gl.constexpr = HEAD_DIM // DC
-        s_layout: gl.constexpr = _acc_layout(BLOCK_M)
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(HEAD_DIM), k_width=2)
-        start_m = (mt0 + it % n_m) * BLOCK_M
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        q_t = q_smem.index(slot)
-        do_t = do_smem.index(slot)
-        s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
-        mbarrier.wait(q_bars.index(slot), phase)
-        st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_bars.index(slot), phase)
-        dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-        if CAUSAL:
-            if start_m < k_lo + KH:
-                offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
-                cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-                keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-                pt = gl.where(keep, pt, 0.0)
-        p_op = gl.convert_layout(pt.to(dtype), op_layout)
-        dv = warpgroup_mma(p_op, do_t, dv, is_async=True)
-        dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
-        ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-        # the own dS buffer: its last readers (this warpgroup's dQ wgmmas of step it - 1, and with DKS its dK)
-        # retired at the end of step it - 1
-        if DKS:
-            ds_half.store(ds16)
-            fence_async_shared()
-            _cta_barrier()  # every thread's store is fenced before any wgmma reads the tile
-            dk = warpgroup_mma(ds_half, q_t, dk, is_async=True)
-            ds_op = p_op
-        else:
-            ds_op = gl.convert_layout(ds16, op_layout)
-            dk = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-            ds_half.store(ds16)
-            fence_async_shared()
-            _cta_barrier()
-        # wkv: dV, dK retired (and their register operands freed) before the dQ chunks are issued
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
-        mbarrier.arrive(q_empty.index(slot), count=1)  # dV, dK were the last readers of Q, dO
-        mbarrier.arrive(do_empty.index(slot), count=1)
-        dq_zero = gl.zeros([BLOCK_M, DC], gl.float32, _acc_layout(DC))
-        ds_t = ds_half.permute((1, 0))  # [64 queries, 64 keys]
-        if NCH == 1:
-            dq = warpgroup_mma(ds_t, k_half, dq_zero, use_acc=False, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))
-            _f3n_stage(dq, it, dq_smem, dq_full, dq_empty, SLOTS, HALF)
-        elif OV:  # both chunks issued; chunk 1 runs while chunk 0 is staged
-            gl.static_assert(NCH == 2)
-            dq0 = warpgroup_mma(ds_t, k_half.slice(0, DC, dim=1), dq_zero, use_acc=False, is_async=True)
-            dq1 = warpgroup_mma(ds_t, k_half.slice(DC, DC, dim=1), dq_zero, use_acc=False, is_async=True)
-            dq0 = warpgroup_mma_wait(1, deps=(dq0, ))
-            _f3n_stage(dq0, 2 * it, dq_smem, dq_full, dq_empty, SLOTS, HALF)
-            dq1 = warpgroup_mma_wait(0, deps=(dq1, ))
-            _f3n_stage(dq1, 2 * it + 1, dq_smem, dq_full, dq_empty, SLOTS, HALF)
-        else:  # one [64, DC] accumulator at a time
-            for c in gl.static_range(NCH):
-                dq = warpgroup_mma(ds_t, k_half.slice(c * DC, DC, dim=1), dq_zero, use_acc=False, is_async=True)
-                dq = warpgroup_mma_wait(0, deps=(dq, ))
-                _f3n_stage(dq, NCH * it + c, dq_smem, dq_full, dq_empty, SLOTS, HALF)
-        return dv, dk
-
-    @gluon.jit
-    def _f3n_stage(dq, kk, dq_smem, dq_full, dq_empty, SLOTS: gl.constexpr, HALF: gl.constexpr):
-        """Hand-off kk of this warpgroup: tile kk % SLOTS of its ring, once the writer released it."""
-        t = HALF * SLOTS + kk % SLOTS
-        mbarrier.wait(dq_empty.index(t), ((kk // SLOTS) & 1) ^ 1)  # fresh barrier: the first wait passes
-        dq_smem.index(t).store(dq)
-        fence_async_shared()
-        _cta_barrier()  # every thread's store is fenced before the one arrival
-        mbarrier.arrive(dq_full.index(t), count=1)
-
-    @gluon.jit
-    def _f3n_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
-                      dq_full, dq_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row,
-                      dv_col, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
-                      CAUSAL: gl.constexpr, HALF: gl.constexpr, PF: gl.constexpr, DKS: gl.constexpr,
-                      OV: gl.constexpr):
-        """noex consumer warpgroup HALF: keys [start_n + HALF·64, +64); no exchange, no wait on the other
-        warpgroup anywhere (PF: lse/delta of step it + 1 prefetched)."""
-        KH: gl.constexpr = dk_desc.block_type.shape[0]
-        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)
-        k_half = k_smem.index(HALF)
-        v_half = v_smem.index(HALF)
-        ds_half = ds_smem.index(HALF)
-        k_lo = start_n + HALF * KH
-        dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
-        dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
-        lse2, delta = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, BLOCK_M)
-        mbarrier.wait(kv_bar, 0)
-        for it in range(n_iter):
-            if PF:
-                lse2n, deltan = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1),
-                                        BLOCK_M)
-            else:
-                lse2, delta = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
-            dv, dk = _f3n_step(it, q_smem, do_smem, k_half, v_half, ds_half, dq_smem, q_bars, do_bars, q_empty,
-                               do_empty, dq_full, dq_empty, lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype,
-                               HEAD_DIM, BLOCK_M, STAGES, SLOTS, CAUSAL, HALF, DKS, OV)
-            if PF:
-                lse2, delta = lse2n, deltan
-        # K_w was read only by this warpgroup's dQ wgmmas, all retired (program order): no cross-warpgroup wait
-        k_half.store((dk * sm_scale).to(dtype))
-        v_half.store(dv.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
-        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _fused3_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, kc_desc, kc_smem, kc_bar, k_row, k_col, dq_row0, T,
-                          mt0, n_m, n_iter, BLOCK_M: gl.constexpr, SLOTS: gl.constexpr, PEND: gl.constexpr,
-                          KCOPY: gl.constexpr, ABL: gl.constexpr, NCH: gl.constexpr = 1, NOEX: gl.constexpr = False):
-        """The dQ-writer warp: per step, for w = 0, 1, waits for warpgroup w's staged [BLOCK_M, D/2] half and
-        issues one TMA reduce-add of it into the fp32 accumulator at (row, w·D/2). Reduce-add k (= 2·it + w)
-        releases its staging tile only once tma.store_wait(PEND) after reduce-add k + PEND says it has been
-        read (cp.async.bulk.wait_group.read), so up to PEND + 1 reduce-adds stay in flight. ABL 1-3 (timing
-        ablations): nothing staged, the writer idles; ABL 4: the hand-shake without the reduce-add.
-        NOEX (the noex kernel): each warpgroup hands over NCH [BLOCK_M, DC] head-dim chunks of ITS OWN keys'
-        dQ contribution per step; hand-off k = it·NCH + c of warpgroup w goes to columns c·DC (both warpgroups
-        add into the same columns); the ring arithmetic is fused3's with the step replaced by k."""
-        DH: gl.constexpr = dq_desc.block_type.shape[1]
-        if KCOPY:  # the column copies of K: [half h, columns w·DH..+DH] into kc_smem[2h + w]
-            KH: gl.constexpr = kc_desc.block_type.shape[0]
-            mbarrier.expect(kc_bar, 4 * kc_desc.block_type.nbytes)
-            for i in gl.static_range(4):
-                _tma_load(kc_desc, [k_row + (i // 2) * KH, k_col + (i % 2) * DH], kc_bar, kc_smem.index(i))
-        for kk in range(n_iter * NCH if (ABL == 0 or ABL >= 4) else 0):
-            it = kk // NCH
-            row = dq_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M
-            s = kk % SLOTS
-            for w in gl.static_range(2):
-                mbarrier.wait(dq_full.index(w * SLOTS + s), (kk // SLOTS) & 1)
-                if ABL != 4:
-                    if NOEX:
-                        _tma_reduce_add(dq_desc, [row, (kk % NCH) * DH], dq_smem.index(w * SLOTS + s))
-                    else:
-                        _tma_reduce_add(dq_desc, [row, w * DH], dq_smem.index(w * SLOTS + s))
-                tma.store_wait(PEND)
-                _cta_barrier()  # the issuing lane's wait covers the arriving one
-                j = 2 * kk + w - PEND  # the reduce-add now known to have read its tile
-                if j >= 0:
-                    jt = j // 2
-                    mbarrier.arrive(dq_empty.index((j % 2) * SLOTS + jt % SLOTS), count=1)
-        tma.store_wait(0)  # no CTA exit while a reduce-add still reads shared memory
-
-    @gluon.jit
-    def _fused3_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, kc_desc, lse_ptr, delta_ptr,
-                       qk_scale, sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
-                       v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
-                       PEND: gl.constexpr, KCOPY: gl.constexpr, CAUSAL: gl.constexpr, ABL: gl.constexpr,
-                       PF: gl.constexpr, STAGGER: gl.constexpr, DKS: gl.constexpr, WKV: gl.constexpr,
-                       LAG: gl.constexpr, NDS: gl.constexpr, NOEX: gl.constexpr = False, OV: gl.constexpr = False):
-        """Program (key tile, batch·kv head) as fused2; num_warps = 4. dq_desc: the contiguous fp32 dQ
-        accumulator [B·H·T, D] with [BLOCK_M, D/2] tiles; kc_desc: K with [64, D/2] tiles (used if KCOPY).
-        ABL, PF, STAGGER, DKS, WKV, LAG, NDS (dS buffers): see _fused3_consumer, _f3_back."""
-        dtype: gl.constexpr = q_desc.dtype
-        KH: gl.constexpr = k_desc.block_type.shape[0]
-        DH: gl.constexpr = HEAD_DIM // 2
-        gl.static_assert(BLOCK_M == 64)
-        if NOEX:  # [BLOCK_M, 64] head-dim chunks of each warpgroup's own-key dQ contribution
-            gl.static_assert(dq_desc.block_type.shape[1] == 64)
-        else:
-            gl.static_assert(dq_desc.block_type.shape[1] == DH)
-        DC: gl.constexpr = dq_desc.block_type.shape[1]
+    def _program(H, GROUP, T, KH: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """The program's place (fused3, dqwg; as the library's dK/dV kernel): key tile pid 0 of 2·KH keys,
+        (batch, kv head) pid 1. Returns off_b, off_kvh, start_n, h0 (first query head of the group), lse_row0
+        (int64 row of the [B·H·T] lse / delta), dq_row0 (int32 TMA row of the fp32 dQ accumulator), mt0 (first
+        query tile), n_m (query tiles per head), n_iter (steps = GROUP·n_m)."""
         pid_n = gl.program_id(0)
         off_bkv = gl.program_id(1)
         Hkv = H // GROUP
@@ -927,36 +444,133 @@ if HAVE_GLUON:
             mt0 = 0
         n_m = T // BLOCK_M - mt0
         n_iter = GROUP * n_m
+        return off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter
+
+    @gluon.jit
+    def _kv_epilogue(k_half, v_half, dk, dv, ds_empty, n_iter, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row,
+                     dv_col, dtype: gl.constexpr, HALF: gl.constexpr, NDS: gl.constexpr, WAIT: gl.constexpr):
+        """dK/dV warpgroup HALF's epilogue (fused3, dqwg): WAIT: first the last step's ds_empty phase (every dQ
+        product reading the resident K halves retired); then dK·scale and dV go out through the dead K and V
+        halves (TMA stores at rows dk_row / dv_row + HALF·64), drained before exit. The row offset is added
+        here, at the stores (adding it at the call site costs hd128 causal fused3 1-2 more spill stores)."""
+        KH: gl.constexpr = dk_desc.block_type.shape[0]
+        if WAIT:
+            last = n_iter - 1
+            mbarrier.wait(ds_empty.index(last % NDS), (last // NDS) & 1)
+        k_half.store((dk * sm_scale).to(dtype))
+        v_half.store(dv.to(dtype))
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
+        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _fused3_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
+                         do_empty, ds_full, ds_empty, dq_full, dq_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0,
+                         T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
+                         dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         SLOTS: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, ABL: gl.constexpr,
+                         PF: gl.constexpr, DKS: gl.constexpr, WKV: gl.constexpr):
+        """One warpgroup: keys [start_n + HALF·64, +64) as the split dK/dV consumer, plus the dSᵀ hand-off and,
+        every step, dQ_step[:, HALF·D/2 : +D/2] = [dS_lo | dS_hi] · [K_lo; K_hi][:, HALF·D/2 : +D/2], handed to
+        the dQ writer through this warpgroup's staging ring (SLOTS tiles). A step is _f3_front then _f3_back.
+        PF: lse/delta of step it + 1 loaded at the top of step it (registers, loop-carried). DKS: dK's A
+        operand read from the stored dSᵀ half in shared memory instead of registers (16 fewer live registers
+        while dK runs). (The STAGGER, LAG and KCOPY paths were removed; see the module docstring.)"""
+        KH: gl.constexpr = dk_desc.block_type.shape[0]
+        DH: gl.constexpr = HEAD_DIM // 2
+        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
+        k_half = k_smem.index(HALF)
+        v_half = v_smem.index(HALF)
+        # B operands of the dQ product: this warpgroup's head-dim columns of both resident K halves, a column
+        # slice of the swizzled K tiles
+        kc0 = k_smem.index(0).slice(HALF * DH, DH, dim=1)
+        kc1 = k_smem.index(1).slice(HALF * DH, DH, dim=1)
+        k_lo = start_n + HALF * KH
+        dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        lse2, delta = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, BLOCK_M)
+        mbarrier.wait(kv_bar, 0)
+        for it in range(n_iter):
+            if PF:
+                lse2n, deltan = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
+                                        gl.minimum(it + 1, n_iter - 1), BLOCK_M)
+            elif ABL != 5:
+                lse2, delta = _f3_lse(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
+            dv, dk, p_op, ds_op = _f3_front(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars,
+                                            ds_empty, ds_full, lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale,
+                                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, ABL, DKS)
+            dv, dk = _f3_back(it, ds_smem, kc0, kc1, dq_smem, q_empty, do_empty, ds_full, ds_empty, dq_full,
+                              dq_empty, dv, dk, p_op, ds_op, T, BLOCK_M, STAGES, SLOTS, HALF, ABL, WKV)
+            if PF:
+                lse2, delta = lse2n, deltan
+        # K's halves feed both warpgroups' dQ products: the last step's ds_empty phase completes only once
+        # both have retired theirs (and, by program order, every earlier one)
+        _kv_epilogue(k_half, v_half, dk, dv, ds_empty, n_iter, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row,
+                     dv_col, dtype, HALF, 2, ABL != 2)
+
+    @gluon.jit
+    def _fused3_dq_writer(dq_desc, dq_smem, dq_full, dq_empty, dq_row0, T, mt0, n_m, n_iter, BLOCK_M: gl.constexpr,
+                          SLOTS: gl.constexpr, PEND: gl.constexpr, ABL: gl.constexpr):
+        """The dQ-writer warp: per step, for w = 0, 1, waits for warpgroup w's staged [BLOCK_M, D/2] half and
+        issues one TMA reduce-add of it into the fp32 accumulator at (row, w·D/2). Reduce-add k (= 2·it + w)
+        releases its staging tile only once tma.store_wait(PEND) after reduce-add k + PEND says it has been
+        read (cp.async.bulk.wait_group.read), so up to PEND + 1 reduce-adds stay in flight. ABL 1-3 (timing
+        ablations): nothing staged, the writer idles; ABL 4: the hand-shake without the reduce-add."""
+        DH: gl.constexpr = dq_desc.block_type.shape[1]
+        for it in range(n_iter if (ABL == 0 or ABL >= 4) else 0):
+            row = dq_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M
+            s = it % SLOTS
+            for w in gl.static_range(2):
+                mbarrier.wait(dq_full.index(w * SLOTS + s), (it // SLOTS) & 1)
+                if ABL != 4:
+                    _tma_reduce_add(dq_desc, [row, w * DH], dq_smem.index(w * SLOTS + s))
+                tma.store_wait(PEND)
+                _cta_barrier()  # the issuing lane's wait covers the arriving one
+                j = 2 * it + w - PEND  # the reduce-add now known to have read its tile
+                if j >= 0:
+                    jt = j // 2
+                    mbarrier.arrive(dq_empty.index((j % 2) * SLOTS + jt % SLOTS), count=1)
+        tma.store_wait(0)  # no CTA exit while a reduce-add still reads shared memory
+
+    @gluon.jit
+    def _fused3_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale,
+                       sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
+                       v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
+                       PEND: gl.constexpr, CAUSAL: gl.constexpr, ABL: gl.constexpr, PF: gl.constexpr,
+                       DKS: gl.constexpr, WKV: gl.constexpr):
+        """Program (key tile, batch·kv head) as the library's dK/dV kernel; num_warps = 4. dq_desc: the
+        contiguous fp32 dQ accumulator [B·H·T, D] with [BLOCK_M, D/2] tiles. ABL, PF, DKS, WKV: see
+        _fused3_consumer, _f3_back. Two dS buffers."""
+        dtype: gl.constexpr = q_desc.dtype
+        KH: gl.constexpr = k_desc.block_type.shape[0]
+        DH: gl.constexpr = HEAD_DIM // 2
+        gl.static_assert(BLOCK_M == 64)
+        gl.static_assert(dq_desc.block_type.shape[1] == DH)
+        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(H, GROUP, T, KH, BLOCK_M, CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
-        if NOEX:  # one dS buffer per warpgroup, its own
-            ds_smem = gl.allocate_shared_memory(dtype, [2, KH, BLOCK_M], ds_layout)
-        else:
-            ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * SLOTS, BLOCK_M, DC], dq_desc.layout)  # [w·SLOTS + s]
-        if KCOPY:
-            kc_smem = gl.allocate_shared_memory(dtype, [4, KH, DH], kc_desc.layout)  # [K half·2 + column half]
-        else:
-            kc_smem = k_smem  # unused
+        ds_smem = gl.allocate_shared_memory(dtype, [4, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * SLOTS, BLOCK_M, DH], dq_desc.layout)  # [w·SLOTS + s]
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kc_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ds_full = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
-        ds_empty = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
-        mbarrier.init(kc_bar, count=1)
         _ring_init(q_bars, q_empty, STAGES)
         _ring_init(do_bars, do_empty, STAGES)
-        for i in gl.static_range(NDS):
+        for i in gl.static_range(2):
             mbarrier.init(ds_full.index(i), count=2)  # one arrival per warpgroup half
             mbarrier.init(ds_empty.index(i), count=2)  # both warpgroups' dQ products read both halves
         for i in gl.static_range(2 * SLOTS):
@@ -968,43 +582,24 @@ if HAVE_GLUON:
         v_row = off_b * v_rb + off_kvh * v_rh + start_n
         dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
         dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
-        if NOEX:
-            gl.warp_specialize([
-                (_f3n_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
-                                 do_empty, dq_full, dq_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                                 off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                                 sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, SLOTS, CAUSAL, 0, PF, DKS, OV)),
-                (_f3n_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
-                                 do_empty, dq_full, dq_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                                 off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                                 sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, SLOTS, CAUSAL, 1, PF, DKS, OV)),
-                (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
-                                  do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
-                                  off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
-                                  BLOCK_M, STAGES)),
-                (_fused3_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, kc_desc, kc_smem, kc_bar, k_row,
-                                     off_kvh * k_ch, dq_row0, T, mt0, n_m, n_iter, BLOCK_M, SLOTS, PEND, False, 0,
-                                     HEAD_DIM // DC, True)),
-            ], [4, 1, 1], [_CONSUMER_REGS, _PRODUCER_REGS, _PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_fused3_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, kv_bar, kc_bar, q_bars,
-                                    do_bars, q_empty, do_empty, ds_full, ds_empty, dq_full, dq_empty, dk_desc, dv_desc,
-                                    lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0,
-                                    n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, SLOTS,
-                                    KCOPY, CAUSAL, 0, ABL, PF, STAGGER, DKS, WKV, LAG, NDS)),
-                (_fused3_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, kv_bar, kc_bar, q_bars,
-                                    do_bars, q_empty, do_empty, ds_full, ds_empty, dq_full, dq_empty, dk_desc, dv_desc,
-                                    lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0,
-                                    n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, SLOTS,
-                                    KCOPY, CAUSAL, 1, ABL, PF, STAGGER, DKS, WKV, LAG, NDS)),
-                (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
-                                  do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
-                                  off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
-                                  BLOCK_M, STAGES)),
-                (_fused3_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, kc_desc, kc_smem, kc_bar, k_row, off_kvh * k_ch,
-                                     dq_row0, T, mt0, n_m, n_iter, BLOCK_M, SLOTS, PEND, KCOPY, ABL)),
-            ], [4, 1, 1], [_CONSUMER_REGS, _PRODUCER_REGS, _PRODUCER_REGS])
+        gl.warp_specialize([
+            (_fused3_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
+                                do_empty, ds_full, ds_empty, dq_full, dq_empty, dk_desc, dv_desc, lse_ptr, delta_ptr,
+                                lse_row0, T, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter,
+                                start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, SLOTS, CAUSAL, 0, ABL,
+                                PF, DKS, WKV)),
+            (_fused3_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
+                                do_empty, ds_full, ds_empty, dq_full, dq_empty, dk_desc, dv_desc, lse_ptr, delta_ptr,
+                                lse_row0, T, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter,
+                                start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, SLOTS, CAUSAL, 1, ABL,
+                                PF, DKS, WKV)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
+                              do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
+                              off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
+                              BLOCK_M, STAGES)),
+            (_fused3_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, dq_row0, T, mt0, n_m, n_iter, BLOCK_M, SLOTS,
+                                 PEND, ABL)),
+        ], [4, 1, 1], [_CONSUMER_REGS, _PRODUCER_REGS, _PRODUCER_REGS])
 
     # -----------------------------------------------------------------------------------------------------
     # dqwg: a third consumer warpgroup does all of the dQ work; the dK/dV warpgroups never wait on each other
@@ -1046,15 +641,8 @@ if HAVE_GLUON:
                 lse2, delta = lse2n, deltan
         # both K halves feed the dQ warpgroup's products: its ds_empty arrival of the last step comes after
         # its last dQ wgmmas retired (and, in its program order, every earlier one)
-        last = n_iter - 1
-        mbarrier.wait(ds_empty.index(last % NDS), (last // NDS) & 1)
-        k_half.store((dk * sm_scale).to(dtype))
-        v_half.store(dv.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
-        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
-        tma.store_wait(0)
+        _kv_epilogue(k_half, v_half, dk, dv, ds_empty, n_iter, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row,
+                     dv_col, dtype, HALF, NDS, True)
 
     @gluon.jit
     def _dqwg_dq(k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
@@ -1092,7 +680,7 @@ if HAVE_GLUON:
                      dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                      STAGES: gl.constexpr, SLOTS: gl.constexpr, NDS: gl.constexpr, CAUSAL: gl.constexpr,
                      PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr):
-        """Program (key tile, batch·kv head) as fused2; num_warps = 4 (the default partition = dK/dV warpgroup
+        """Program (key tile, batch·kv head) as fused3; num_warps = 4 (the default partition = dK/dV warpgroup
         0). Partitions: dK/dV warpgroup 0 (default: the registers left over), dK/dV warpgroup 1 (KV_REGS),
         the dQ warpgroup (DQ_REGS), the TMA producer warp (24). dq_desc: the fp32 accumulator [B·H·T, D] with
         [BLOCK_M, D] tiles."""
@@ -1100,21 +688,7 @@ if HAVE_GLUON:
         KH: gl.constexpr = k_desc.block_type.shape[0]
         gl.static_assert(BLOCK_M == 64)
         gl.static_assert(dq_desc.block_type.shape[1] == HEAD_DIM)
-        pid_n = gl.program_id(0)
-        off_bkv = gl.program_id(1)
-        Hkv = H // GROUP
-        off_b = off_bkv // Hkv
-        off_kvh = off_bkv % Hkv
-        start_n = pid_n * (2 * KH)
-        h0 = off_kvh * GROUP
-        lse_row0 = (off_b * H + h0).to(gl.int64) * T
-        dq_row0 = (off_b * H + h0) * T  # int32 TMA coordinate of the fp32 accumulator
-        if CAUSAL:
-            mt0 = start_n // BLOCK_M
-        else:
-            mt0 = 0
-        n_m = T // BLOCK_M - mt0
-        n_iter = GROUP * n_m
+        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(H, GROUP, T, KH, BLOCK_M, CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -1184,32 +758,25 @@ def _launch(q, k, v, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg):
     for n, (_, rb, rh, ch) in views.items():
         args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
     acc2 = dq_acc.view(B * H * T, D)
-    # fused3: one head-dim half per tile; noex: one 64-column chunk per tile
-    dq_block = ([BLOCK_M, D] if kind in ("fused2", "dqwg") else [BLOCK_M, 64] if kind == "noex"
-                else [BLOCK_M, D // 2])
+    dq_block = [BLOCK_M, D] if kind == "dqwg" else [BLOCK_M, D // 2]  # fused3: one head-dim half per tile
     acc_layout = gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32)
     args.update(q_desc=_desc(views["q"][0], BLOCK_M, D), k_desc=_desc(views["k"][0], KH, D),
                 v_desc=_desc(views["v"][0], KH, D), dk_desc=_desc(views["dk"][0], KH, D),
                 dv_desc=_desc(views["dv"][0], KH, D),
                 dq_desc=TensorDescriptor(acc2, list(acc2.shape), list(acc2.stride()), dq_block, acc_layout))
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, CAUSAL=bool(causal))
-    if kind == "fused2":
-        return _fused2_kernel, (T // (2 * KH), B * Hkv), args, consts
     if kind == "dqwg":  # options: pf, ds<N> (dS buffers, default 2), kv<R> / dq<R> (setmaxnreg of dK/dV
         # warpgroup 1 / the dQ warpgroup; dK/dV warpgroup 0, the default partition, gets what is left)
         num = {o.rstrip("0123456789"): int(o[len(o.rstrip("0123456789")):]) for o in opts if o[-1:].isdigit()}
         consts.update(SLOTS=slots, NDS=num.get("ds", 2), PF="pf" in opts, KV_REGS=num.get("kv", DQWG_KV_REGS),
                       DQ_REGS=num.get("dq", DQWG_DQ_REGS))
         return _dqwg_kernel, (T // (2 * KH), B * Hkv), args, consts
-    args["kc_desc"] = _desc(views["k"][0], KH, D // 2)  # K's [64 keys, D/2 columns] tiles (KCOPY)
-    consts.update(SLOTS=slots, PEND=pend, KCOPY="kcopy" in opts, ABL=abl[0] if abl else 0, PF="pf" in opts,
-                  STAGGER="stg" in opts, DKS="dks" in opts,
-                  WKV="wkv" in opts, LAG="lag" in opts, NDS=2 if ("lag" not in opts or "ds2" in opts) else 3,
-                  NOEX=kind == "noex", OV="ov" in opts)
+    consts.update(SLOTS=slots, PEND=pend, ABL=abl[0] if abl else 0, PF="pf" in opts, DKS="dks" in opts,
+                  WKV="wkv" in opts)
     return _fused3_kernel, (T // (2 * KH), B * Hkv), args, consts
 
 
-def onepass_bwd(do, q, k, v, o, lse, causal=True, scale=None, variant="fused2", *, dq=None, dk=None, dv=None):
+def onepass_bwd(do, q, k, v, o, lse, causal=True, scale=None, variant="fused3", *, dq=None, dk=None, dv=None):
     """The one-pass backward of ``variant``. Returns (dq, dk, dv) in q.dtype; buffers contiguous."""
     op = "onepass_bwd"
     FA._check_bwd(op, do, q, k, v, o, lse)
@@ -1311,11 +878,11 @@ def compile_only(variants, head_dims):
 # ---------------------------------------------------------------------------------------------------------
 # CPU replay (no GPU): --replay
 # ---------------------------------------------------------------------------------------------------------
-def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0, kind="fused2"):
+def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0, kind="fused3"):
     """The kernel's loops in torch fp64 on the CPU: programs, steps, masks, which warpgroup writes which dSᵀ
-    half; fused2: the owner's dQ_step = [dS_lo | dS_hi] · [K_lo; K_hi] added into the fp32 accumulator at row
-    (b·H + h)·T + start_m; fused3: warpgroup w's columns w·D/2..+D/2 of it, one reduce-add each; the final
-    · scale. Returns rel errors of dq, dk, dv vs the reference."""
+    half; dqwg: the dQ warpgroup's dQ_step = [dS_lo | dS_hi] · [K_lo; K_hi] added into the fp32 accumulator
+    at row (b·H + h)·T + start_m; fused3: warpgroup w's columns w·D/2..+D/2 of it, one reduce-add each; the
+    final · scale. Returns rel errors of dq, dk, dv vs the reference."""
     from xtrain.kernels.flash_attention import flash_attention_bwd_ref, flash_attention_fwd_ref
 
     g = torch.Generator().manual_seed(seed)
@@ -1355,13 +922,8 @@ def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0, kind="fused2"
                     dvs[w] += pt @ dot
                     dks[w] += dst @ qt
                     ds_buf[w] = dst
-                # the owner (it % 2): one product over both halves, one reduce-add
-                if kind in ("fused2", "dqwg"):  # dqwg: the dQ warpgroup, the same product and reduce-add
+                if kind == "dqwg":  # the dQ warpgroup: one product over both halves, one reduce-add
                     acc[row:row + BLOCK_M] += ds_buf[0].T @ khs[0] + ds_buf[1].T @ khs[1]
-                elif kind == "noex":  # each warpgroup its own keys, in 64-column chunks, one reduce-add each
-                    for w in range(2):
-                        for c0 in range(0, D, 64):
-                            acc[row:row + BLOCK_M, c0:c0 + 64] += ds_buf[w].T @ khs[w][:, c0:c0 + 64]
                 else:  # fused3: each warpgroup its head-dim half, both dS halves, the column slice of K
                     DH = D // 2
                     for w in range(2):
@@ -1375,120 +937,63 @@ def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0, kind="fused2"
     return [((x - r).norm() / r.norm()).item() for x, r in zip((dq, dk, dv), ref)]
 
 
-def replay_protocol(n_iter, stages, seed, max_events=100000):
-    """Random interleavings of the kernel's three partitions at the level of its barrier operations
-    (mbarrier phases, the partition-local store_wait, async wgmma/TMA completions as separate events).
-    Asserts: no deadlock; a dS half is never rewritten before the owner's dQ product that reads it retired;
-    the owner reads both halves of the right step; a staging tile is never rewritten while its reduce-add
-    reads it; K is not overwritten (epilogue) while any dQ product may read it; ring slots are not reloaded
-    while in use. Returns the number of events."""
-    rng = random.Random(seed)
+_BLOCKED = "blocked"  # what a replay partition yields while it waits
 
-    class Bar:
-        def __init__(self, count):
-            self.count, self.pending, self.phase = count, count, 0
 
-        def arrive(self):
-            self.pending -= 1
-            if self.pending == 0:
-                self.phase += 1
-                self.pending = self.count
+class _Bar:
+    """An mbarrier of the protocol replays: ``count`` arrivals complete a phase."""
 
-        def done(self, parity):  # mbarrier.wait(parity) returns once phase `parity` completed
-            return (self.phase & 1) != parity
+    def __init__(self, count):
+        self.count, self.pending, self.phase = count, count, 0
 
-    ds_full, ds_empty = [Bar(2), Bar(2)], [Bar(1), Bar(1)]
-    ready, empty = [Bar(1) for _ in range(stages)], [Bar(2) for _ in range(stages)]
-    ds_content = [[None, None], [None, None]]  # step whose half is in buffer b, half w
-    slot_content = [None] * stages
-    staging_busy = [0, 0]  # reduce-adds in flight reading the staging tile of warpgroup w
-    dq_reading = set()  # dQ products in flight (step)
-    k_dead = [False]
-    pending_async = []  # callbacks completing later (TMA loads, reduce-adds)
+    def arrive(self):
+        self.pending -= 1
+        assert self.pending >= 0
+        if self.pending == 0:
+            self.phase += 1
+            self.pending = self.count
 
-    def producer():
-        for it in range(n_iter):
-            slot = it % stages
-            while not empty[slot].done(((it // stages) & 1) ^ 1):
-                yield
-            assert slot_content[slot] is None or slot_content[slot] < it
-            pending_async.append(lambda it=it, slot=slot: (slot_content.__setitem__(slot, it), ready[slot].arrive()))
+    def done(self, parity):  # mbarrier.wait(parity) returns once phase `parity` completed
+        return (self.phase & 1) != parity
 
-    def consumer(w):
-        for it in range(n_iter):
-            slot = it % stages
-            while not ready[slot].done((it // stages) & 1):
-                yield
-            assert slot_content[slot] == it
-            yield
-            b, u = it % 2, it // 2
-            while not ds_empty[b].done((u & 1) ^ 1):
-                yield
-            assert not any(s == ds_content[b][w] for s in dq_reading), "dS half rewritten while read"
-            ds_content[b][w] = it
-            yield
-            ds_full[b].arrive()
-            if b == w:
-                while not ds_full[b].done(u & 1):
-                    yield
-                assert ds_content[b] == [it, it], f"owner reads {ds_content[b]} at step {it}"
-                assert not k_dead[0]
-                dq_reading.add(it)
-                yield
-                yield
-                dq_reading.discard(it)  # warpgroup_mma_wait(0)
-                ds_empty[b].arrive()
-                empty[slot].arrive()
-                while staging_busy[w]:  # tma.store_wait(0)
-                    yield
-                yield
-                assert not staging_busy[w], "staging tile rewritten while its reduce-add reads it"
-                staging_busy[w] += 1  # store, fence, reduce-add issued
 
-                def done_reduce(w=w):
-                    staging_busy[w] -= 1
-                pending_async.append(done_reduce)
-            else:
-                yield
-                empty[slot].arrive()
-        last = n_iter - 1
-        while not ds_empty[last % 2].done((last // 2) & 1):
-            yield
-        if n_iter > 1:
-            while not ds_empty[(last - 1) % 2].done(((last - 1) // 2) & 1):
-                yield
-        yield
-        assert not dq_reading, "K overwritten while a dQ product reads it"
-        k_dead[0] = True
-        while staging_busy[w]:
-            yield
+def _wait(cond, name, drop):
+    """A replay partition's wait: yields _BLOCKED until cond(); left out when ``name`` is ``drop`` (negative
+    control)."""
+    if drop == name:
+        return
+    while not cond():
+        yield _BLOCKED
 
-    parts = [producer(), consumer(0), consumer(1)]
-    alive = list(range(3))
-    events = 0
-    stuck = 0
+
+def _interleave(parts, pending_async, rng, max_events):
+    """Runs the partitions (generators) and the pending async completions (callbacks) in a random order until
+    all are done: an async completion with probability 0.25 (always once every partition ended), else one step
+    of a random live partition. Asserts progress; returns the number of events."""
+    alive = list(range(len(parts)))
+    events = blocked = 0
     while alive or pending_async:
         events += 1
-        assert events < max_events, "no progress (deadlock?)"
-        if pending_async and (not alive or rng.random() < 0.3):
+        assert events < max_events, "no end (livelock?)"
+        if pending_async and (not alive or rng.random() < 0.25):
             pending_async.pop(rng.randrange(len(pending_async)))()
-            stuck = 0
+            blocked = 0
             continue
         i = rng.choice(alive)
         try:
-            next(parts[i])
+            r = next(parts[i])
         except StopIteration:
             alive.remove(i)
-        stuck += 1
-        assert stuck < 20000, "deadlock"
+            r = None
+        blocked = blocked + 1 if r == _BLOCKED and not pending_async else 0
+        assert blocked < 400, "deadlock: every partition waits and nothing is in flight"
     return events
 
 
 FUSED3_WAITS = ("slot_empty", "ready", "ds_empty", "ds_full", "dq_empty", "dq_full", "store_wait", "epilogue")
 
 
-def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=400000, stagger=False, dks=False,
-                     lag=False, nds=2):
+def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=400000, dks=False):
     """fused3's four partitions (producer, consumers 0 and 1, dQ writer) randomly interleaved at the level of
     their barrier operations (mbarrier phases; async wgmma, TMA load and reduce-add completions as separate
     events in random order; the writer's tma.store_wait(PEND) waits until all but its PEND newest reduce-adds
@@ -1497,26 +1002,11 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
     product may read it; both halves of the right step are present at each dQ product; a staging tile is
     not rewritten while its reduce-add may read it and each reduce-add reads the tile of its own (step,
     warpgroup); every (step, warpgroup) is reduced exactly once; K is not overwritten (epilogue) while any
-    dQ product may read it. ``stagger``: warpgroup 1 runs front(it + 1) before back(it) (STAGGER); ``dks``:
-    dK reads the warpgroup's own stored dSᵀ half from the store until back's wait (DKS); ``lag``: both
-    warpgroups run front(it + 1) before back(it), back(it) releases the Q/dO slot of step it + 1 (LAG);
-    ``nds``: dS buffers. Returns the number of events."""
+    dQ product may read it. ``dks``: dK reads the warpgroup's own stored dSᵀ half from the store until
+    back's wait (DKS). Two dS buffers. Returns the number of events."""
     rng = random.Random(seed)
-    BLOCKED = "blocked"
-
-    class Bar:
-        def __init__(self, count):
-            self.count, self.pending, self.phase = count, count, 0
-
-        def arrive(self):
-            self.pending -= 1
-            assert self.pending >= 0
-            if self.pending == 0:
-                self.phase += 1
-                self.pending = self.count
-
-        def done(self, parity):  # mbarrier.wait(parity) returns once phase `parity` completed
-            return (self.phase & 1) != parity
+    nds = 2
+    BLOCKED, Bar = _BLOCKED, _Bar
 
     ready, empty = [Bar(1) for _ in range(stages)], [Bar(2) for _ in range(stages)]
     ds_full, ds_empty = [Bar(2) for _ in range(nds)], [Bar(2) for _ in range(nds)]
@@ -1531,10 +1021,7 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
     pending_async = []
 
     def wait(cond, name):
-        if drop == name:
-            return
-        while not cond():
-            yield BLOCKED
+        return _wait(cond, name, drop)
 
     def producer():
         for it in range(n_iter):
@@ -1568,8 +1055,8 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
         slot_users[slot].discard(w)
         empty[slot].arrive()
 
-    def back(w, it, rel=None):  # rel: the step whose Q/dO slot is released (None: it; -1: none)
-        slot = (it if rel is None else rel) % stages
+    def back(w, it):
+        slot = it % stages
         b, u = it % nds, it // nds
         yield from wait(lambda b=b, u=u: ds_full[b].done(u & 1), "ds_full")
         assert ds_content[b] == [it, it], f"consumer {w} dQ product of step {it} reads {ds_content[b]}"
@@ -1577,12 +1064,11 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
         dq_reading.add((it, w))
         yield
         yield
-        # warpgroup_mma_wait(0): this dQ product and every dK in flight (with stagger: also step it + 1's)
+        # warpgroup_mma_wait(0): this dQ product and every dK in flight
         for x in [x for x in dq_reading if x[1] in (w, w + 2) and x[0] <= it + 1]:
             dq_reading.discard(x)
         ds_empty[b].arrive()
-        if rel != -1:
-            release(w, slot)
+        release(w, slot)
         t = w * slots + it % slots
         yield from wait(lambda t=t, it=it: dq_empty[t].done(((it // slots) & 1) ^ 1), "dq_empty")
         assert stage_readers[t] == 0, f"staging tile {t} rewritten while its reduce-add reads it"
@@ -1591,25 +1077,9 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
         dq_full[t].arrive()
 
     def consumer(w):
-        if lag and n_iter:  # front(0), wait(0); front(it), back(it - 1) releasing slot it; back(last)
-            yield from front(w, 0)
-            yield  # warpgroup_mma_wait(0): dV, dK of step 0 (and DKS: its read of the stored dS half)
-            dq_reading.discard((0, w + 2))
-            release(w, 0)
-            for it in range(1, n_iter):
-                yield from front(w, it)
-                yield from back(w, it - 1, rel=it)
-            yield from back(w, n_iter - 1, rel=-1)
-        elif stagger and w == 1 and n_iter:  # front(0); front(it), back(it - 1); back(last)
-            yield from front(w, 0)
-            for it in range(1, n_iter):
-                yield from front(w, it)
-                yield from back(w, it - 1)
-            yield from back(w, n_iter - 1)
-        else:
-            for it in range(n_iter):
-                yield from front(w, it)
-                yield from back(w, it)
+        for it in range(n_iter):
+            yield from front(w, it)
+            yield from back(w, it)
         last = n_iter - 1
         yield from wait(lambda: ds_empty[last % nds].done((last // nds) & 1), "epilogue")
         assert not dq_reading, f"K half {w} overwritten while dQ products {dq_reading} may read it"
@@ -1642,75 +1112,54 @@ def replay_protocol3(n_iter, stages, slots, pend, seed, drop=None, max_events=40
             yield BLOCKED
 
     parts = [producer(), consumer(0), consumer(1), writer()]
-    alive = list(range(len(parts)))
-    events = blocked = 0
-    while alive or pending_async:
-        events += 1
-        assert events < max_events, "no end (livelock?)"
-        if pending_async and (not alive or rng.random() < 0.25):
-            pending_async.pop(rng.randrange(len(pending_async)))()
-            blocked = 0
-            continue
-        i = rng.choice(alive)
-        try:
-            r = next(parts[i])
-        except StopIteration:
-            alive.remove(i)
-            r = None
-        blocked = blocked + 1 if r == BLOCKED and not pending_async else 0
-        assert blocked < 400, "deadlock: every partition waits and nothing is in flight"
+    events = _interleave(parts, pending_async, rng, max_events)
     assert sorted(reduced) == [(it, w) for it in range(n_iter) for w in range(2)], "reduce-adds lost or repeated"
     return events
 
 
 def replay3(configs, seeds=60, n_iters=(1, 2, 3, 4, 5, 7, 16)):
-    """Positive runs of replay_protocol3 for each (STAGES, SLOTS, PEND, STAGGER, DKS) in ``configs``, then the
-    negative controls (for the first two unstaggered configs and every staggered one): each wait of
-    FUSED3_WAITS dropped in turn (caught = an assertion in some run; ds_empty is implied by program order
-    unless staggered, and must then be caught), and an illegal PEND (SLOTS = 1, PEND = 2: the writer releases
-    a tile only after a reduce-add its warpgroup cannot stage yet) that must deadlock."""
+    """Positive runs of replay_protocol3 for each (STAGES, SLOTS, PEND, DKS) in ``configs``, then the negative
+    controls (for the first two configs): each wait of FUSED3_WAITS dropped in turn (caught = an assertion in
+    some run; ds_empty is implied by program order and must not be caught), and an illegal PEND (SLOTS = 1,
+    PEND = 2: the writer releases a tile only after a reduce-add its warpgroup cannot stage yet) that must
+    deadlock."""
     ok = True
-    for stages, slots, pend, stg, dks, lag, nds in configs:
+    for stages, slots, pend, dks in configs:
         n_ev, good = 0, True
         for n_iter in n_iters:
             for seed in range(seeds):
                 try:
-                    n_ev += replay_protocol3(n_iter, stages, slots, pend, seed, stagger=stg, dks=dks, lag=lag, nds=nds)
+                    n_ev += replay_protocol3(n_iter, stages, slots, pend, seed, dks=dks)
                 except AssertionError as e:
                     good = False
-                    print(f"  replay fused3 STAGES={stages} SLOTS={slots} PEND={pend} STAGGER={stg} DKS={dks} "
-                          f"LAG={lag} NDS={nds} n_iter={n_iter} seed={seed}: FAIL {e}")
+                    print(f"  replay fused3 STAGES={stages} SLOTS={slots} PEND={pend} DKS={dks} n_iter={n_iter} "
+                          f"seed={seed}: FAIL {e}")
                     break
         ok &= good
-        print(f"  replay fused3 STAGES={stages} SLOTS={slots} PEND={pend} STAGGER={stg:d} DKS={dks:d} LAG={lag:d} "
-              f"NDS={nds}: n_iter "
+        print(f"  replay fused3 STAGES={stages} SLOTS={slots} PEND={pend} DKS={dks:d}: n_iter "
               f"{n_iters} x {seeds} interleavings, {n_ev} events: {'OK' if good else 'FAIL'}")
-    plain = [c for c in configs if not c[3] and not c[5]]
-    for stages, slots, pend, stg, dks, lag, nds in plain[:2] + [c for c in configs if c[3] or c[5]]:
+    for stages, slots, pend, dks in configs[:2]:
         for drop in FUSED3_WAITS:
             caught, runs, first = 0, 0, None
             for n_iter in (3, 4, 7, 16):
                 for seed in range(seeds):
                     runs += 1
                     try:
-                        replay_protocol3(n_iter, stages, slots, pend, seed, drop=drop, stagger=stg, dks=dks, lag=lag,
-                                         nds=nds)
+                        replay_protocol3(n_iter, stages, slots, pend, seed, drop=drop, dks=dks)
                     except AssertionError as e:
                         caught += 1
                         first = first or str(e)
-            if drop == "ds_empty" and not stg and not lag:  # implied by program order: see the module docstring
+            if drop == "ds_empty":  # implied by program order: see the module docstring
                 good = caught == 0
                 verdict = "OK (redundant, as expected)" if good else "UNEXPECTED"
-            elif (stg or lag or slots >= 4) and not caught:  # kept: implied by other waits (stagger, lag: shorter
-                # leads) or too rare for these runs (SLOTS 4 / lag NDS 2 without dq_empty or store_wait: 4-5 of
-                # 1200 runs at n_iter 7-32 in a longer test)
-                good, verdict = True, "not caught here (kept: implied by other waits or too rare for these runs)"
+            elif slots >= 4 and not caught:  # kept: too rare for these runs (SLOTS 4 without dq_empty or
+                # store_wait: 4-5 of 1200 runs at n_iter 7-32 in a longer test)
+                good, verdict = True, "not caught here (kept: too rare for these runs)"
             else:
                 good = caught > 0
                 verdict = "OK" if good else "NOT CAUGHT"
             ok &= good
-            print(f"  negative control STAGES={stages} SLOTS={slots} PEND={pend} STAGGER={stg:d} DKS={dks:d} "
-                  f"LAG={lag:d} NDS={nds} without "
+            print(f"  negative control STAGES={stages} SLOTS={slots} PEND={pend} DKS={dks:d} without "
                   f"the {drop:10s} wait: caught in {caught:3d}/{runs} runs {verdict}  ({first})")
     try:
         replay_protocol3(4, 2, 1, 2, 0)
@@ -1718,211 +1167,6 @@ def replay3(configs, seeds=60, n_iters=(1, 2, 3, 4, 5, 7, 16)):
         ok = False
     except AssertionError as e:
         print(f"  negative control SLOTS=1 PEND=2: caught ({e})")
-    return ok
-
-
-NOEX_WAITS = ("slot_empty", "ready", "dq_empty", "dq_full", "store_wait", "wgmma_wait")
-
-
-def replay_protocol_noex(n_iter, stages, slots, pend, nch, seed, drop=None, max_events=400000):
-    """The noex kernel's four partitions (producer, consumers 0 and 1, dQ writer) randomly interleaved at the
-    level of their barrier operations, with async completions (TMA loads, wgmmas, reduce-add reads) as
-    separate events in random order. Consumer w per step: wait ready; Sᵀ, dPᵀ, dV issued; its own dSᵀ half
-    stored (DKS: dK reads it asynchronously); warpgroup_mma_wait(0) ("wgmma_wait": dV, dK retired); the Q/dO
-    slot released; then per chunk c: dQ wgmma reading the own dS half and the own K half (async), retired by
-    warpgroup_mma_wait(0) ("wgmma_wait"), staged into tile w·SLOTS + k % SLOTS after dq_empty, dq_full
-    arrived on. The writer walks hand-offs k = it·NCH + c and, per k, warpgroups 0, 1: dq_full, reduce-add,
-    store_wait(PEND), release of reduce-add 2k + w - PEND. ``drop``: one of NOEX_WAITS left out. Asserts: no
-    deadlock; no Q/dO slot reloaded while used (by dV/dK in flight); the own dS half not rewritten while a dK or
-    dQ wgmma may read it; a staged chunk is the retired product of its own (step, chunk, warpgroup); no
-    staging tile rewritten under its reduce-add, each reduce-add reads its own hand-off; every (k, w) reduced
-    exactly once; K_w not overwritten (epilogue) while a dQ wgmma may read it."""
-    rng = random.Random(seed)
-    BLOCKED = "blocked"
-
-    class Bar:
-        def __init__(self, count):
-            self.count, self.pending, self.phase = count, count, 0
-
-        def arrive(self):
-            self.pending -= 1
-            assert self.pending >= 0
-            if self.pending == 0:
-                self.phase += 1
-                self.pending = self.count
-
-        def done(self, parity):
-            return (self.phase & 1) != parity
-
-    ready, empty = [Bar(1) for _ in range(stages)], [Bar(2) for _ in range(stages)]
-    dq_full, dq_empty = [Bar(1) for _ in range(2 * slots)], [Bar(1) for _ in range(2 * slots)]
-    slot_content, slot_users = [None] * stages, [set() for _ in range(stages)]
-    ds_content = [None, None]  # step whose dSᵀ half is in warpgroup w's own buffer
-    ds_readers = [set(), set()]  # in-flight wgmmas reading warpgroup w's dS buffer: ("dk"|c, step)
-    k_readers = [set(), set()]  # in-flight dQ wgmmas reading K half w
-    stage_content = [None] * (2 * slots)
-    stage_readers = [0] * (2 * slots)
-    reduced = []
-    k_dead = [False, False]
-    pending_async = []
-
-    def wait(cond, name):
-        if drop == name:
-            return
-        while not cond():
-            yield BLOCKED
-
-    def producer():
-        for it in range(n_iter):
-            slot = it % stages
-            yield from wait(lambda slot=slot, it=it: empty[slot].done(((it // stages) & 1) ^ 1), "slot_empty")
-
-            def land(it=it, slot=slot):
-                assert not slot_users[slot], f"Q/dO slot {slot} reloaded while step {slot_content[slot]} uses it"
-                slot_content[slot] = it
-                ready[slot].arrive()
-            pending_async.append(land)
-            yield
-
-    def consumer(w):
-        for it in range(n_iter):
-            slot = it % stages
-            yield from wait(lambda slot=slot, it=it: ready[slot].done((it // stages) & 1), "ready")
-            assert slot_content[slot] == it, f"consumer {w} step {it} finds slot {slot} = {slot_content[slot]}"
-            yield  # Sᵀ, dPᵀ retired, softmax, dV issued
-            assert not ds_readers[w], f"dS half {w} rewritten at step {it} while read by {ds_readers[w]}"
-            ds_content[w] = it
-            yield  # fence, partition barrier
-            users = {("dk", it), ("dv", it)}
-            ds_readers[w].add(("dk", it))
-            slot_users[slot].add((w, it))  # dV, dK in flight read Q, dO
-
-            def mma_done(w=w, it=it, slot=slot):
-                ds_readers[w].discard(("dk", it))
-                slot_users[slot].discard((w, it))
-                flags["kv", w, it] = True
-            flags["kv", w, it] = False
-            pending_async.append(mma_done)
-            yield from wait(lambda w=w, it=it: flags["kv", w, it], "wgmma_wait")
-            del users
-            empty[slot].arrive()
-            for c in range(nch):
-                kk = it * nch + c
-                ds_readers[w].add((c, it))
-                assert not k_dead[w]
-                k_readers[w].add((c, it))
-                flags["dq", w, kk] = False
-
-                def dq_done(w=w, it=it, c=c, kk=kk):
-                    assert ds_content[w] == it, f"dQ chunk {c} of step {it} reads dS of step {ds_content[w]}"
-                    ds_readers[w].discard((c, it))
-                    k_readers[w].discard((c, it))
-                    flags["dq", w, kk] = True
-                pending_async.append(dq_done)
-                yield from wait(lambda w=w, kk=kk: flags["dq", w, kk], "wgmma_wait")
-                t = w * slots + kk % slots
-                yield from wait(lambda t=t, kk=kk: dq_empty[t].done(((kk // slots) & 1) ^ 1), "dq_empty")
-                assert stage_readers[t] == 0, f"staging tile {t} rewritten while its reduce-add reads it"
-                assert flags["dq", w, kk], f"chunk {kk} of warpgroup {w} staged before its wgmma retired"
-                stage_content[t] = (kk, w)
-                yield  # fence, partition barrier
-                dq_full[t].arrive()
-        yield  # epilogue: K_w overwritten with dK
-        assert not k_readers[w], f"K half {w} overwritten while dQ wgmmas {k_readers[w]} may read it"
-        k_dead[w] = True
-
-    def writer():
-        issued = []
-        for kk in range(n_iter * nch):
-            for w in range(2):
-                t = w * slots + kk % slots
-                yield from wait(lambda t=t, kk=kk: dq_full[t].done((kk // slots) & 1), "dq_full")
-                assert stage_content[t] == (kk, w), f"reduce-add of {(kk, w)} reads {stage_content[t]}"
-                stage_readers[t] += 1
-                flag = [False]
-                issued.append(flag)
-
-                def read_done(t=t, flag=flag, what=(kk, w)):
-                    assert stage_content[t] == what, "tile rewritten under its reduce-add"
-                    stage_readers[t] -= 1
-                    flag[0] = True
-                    reduced.append(what)
-                pending_async.append(read_done)
-                yield
-                older = issued[:len(issued) - pend]
-                yield from wait(lambda older=older: all(f[0] for f in older), "store_wait")
-                j = 2 * kk + w - pend
-                if j >= 0:
-                    dq_empty[(j % 2) * slots + (j // 2) % slots].arrive()
-        while not all(f[0] for f in issued):
-            yield BLOCKED
-
-    flags = {}
-    parts = [producer(), consumer(0), consumer(1), writer()]
-    alive = list(range(len(parts)))
-    events = blocked = 0
-    while alive or pending_async:
-        events += 1
-        assert events < max_events, "no end (livelock?)"
-        if pending_async and (not alive or rng.random() < 0.25):
-            pending_async.pop(rng.randrange(len(pending_async)))()
-            blocked = 0
-            continue
-        i = rng.choice(alive)
-        try:
-            r = next(parts[i])
-        except StopIteration:
-            alive.remove(i)
-            r = None
-        blocked = blocked + 1 if r == BLOCKED and not pending_async else 0
-        assert blocked < 400, "deadlock: every partition waits and nothing is in flight"
-    assert sorted(reduced) == [(kk, w) for kk in range(n_iter * nch) for w in range(2)], "reduce-adds lost/repeated"
-    return events
-
-
-def replay_noex(configs, seeds=60, n_iters=(1, 2, 3, 4, 5, 7, 16)):
-    """Positive runs of replay_protocol_noex for each (STAGES, SLOTS, PEND, NCH), then each wait of NOEX_WAITS
-    dropped in turn (must be caught, except where noted), and SLOTS = 1 with PEND = 2 (must deadlock)."""
-    ok = True
-    for stages, slots, pend, nch in configs:
-        n_ev, good = 0, True
-        for n_iter in n_iters:
-            for seed in range(seeds):
-                try:
-                    n_ev += replay_protocol_noex(n_iter, stages, slots, pend, nch, seed)
-                except AssertionError as e:
-                    good = False
-                    print(f"  replay noex STAGES={stages} SLOTS={slots} PEND={pend} NCH={nch} n_iter={n_iter} "
-                          f"seed={seed}: FAIL {e}")
-                    break
-        ok &= good
-        print(f"  replay noex STAGES={stages} SLOTS={slots} PEND={pend} NCH={nch}: n_iter {n_iters} x {seeds} "
-              f"interleavings, {n_ev} events: {'OK' if good else 'FAIL'}")
-        for drop in NOEX_WAITS:
-            caught, runs, first = 0, 0, None
-            for n_iter in (3, 4, 7, 16):
-                for seed in range(seeds):
-                    runs += 1
-                    try:
-                        replay_protocol_noex(n_iter, stages, slots, pend, nch, seed, drop=drop)
-                    except AssertionError as e:
-                        caught += 1
-                        first = first or str(e)
-            if slots >= 4 and not caught and drop in ("dq_empty", "store_wait"):  # as fused3: too rare here
-                good, verdict = True, "not caught here (kept: too rare for these runs at SLOTS 4)"
-            else:
-                good = caught > 0
-                verdict = "OK" if good else "NOT CAUGHT"
-            ok &= good
-            print(f"  negative control noex STAGES={stages} SLOTS={slots} PEND={pend} NCH={nch} without the "
-                  f"{drop:10s} wait: caught in {caught:3d}/{runs} runs {verdict}  ({first})")
-    for nch in sorted({c[3] for c in configs}):
-        try:
-            replay_protocol_noex(4, 2, 1, 2, nch, 0)
-            print(f"  negative control noex SLOTS=1 PEND=2 NCH={nch}: NOT CAUGHT")
-            ok = False
-        except AssertionError as e:
-            print(f"  negative control noex SLOTS=1 PEND=2 NCH={nch}: caught ({e})")
     return ok
 
 
@@ -1946,21 +1190,7 @@ def replay_protocol_dqwg(n_iter, stages, nds, slots, seed, drop=None, max_events
     reduce-add reads its own step; every step reduced exactly once; K not overwritten (epilogue) while a dQ
     wgmma may read it."""
     rng = random.Random(seed)
-    BLOCKED = "blocked"
-
-    class Bar:
-        def __init__(self, count):
-            self.count, self.pending, self.phase = count, count, 0
-
-        def arrive(self):
-            self.pending -= 1
-            assert self.pending >= 0
-            if self.pending == 0:
-                self.phase += 1
-                self.pending = self.count
-
-        def done(self, parity):
-            return (self.phase & 1) != parity
+    BLOCKED, Bar = _BLOCKED, _Bar
 
     ready, empty = [Bar(1) for _ in range(stages)], [Bar(2) for _ in range(stages)]
     ds_full, ds_empty = [Bar(2) for _ in range(nds)], [Bar(1) for _ in range(nds)]
@@ -1973,10 +1203,7 @@ def replay_protocol_dqwg(n_iter, stages, nds, slots, seed, drop=None, max_events
     reduced, flags, pending_async = [], {}, []
 
     def wait(cond, name):
-        if drop == name:
-            return
-        while not cond():
-            yield BLOCKED
+        return _wait(cond, name, drop)
 
     def producer():
         for it in range(n_iter):
@@ -2058,23 +1285,7 @@ def replay_protocol_dqwg(n_iter, stages, nds, slots, seed, drop=None, max_events
             yield BLOCKED
 
     parts = [producer(), kv(0), kv(1), dqwg()]
-    alive = list(range(len(parts)))
-    events = blocked = 0
-    while alive or pending_async:
-        events += 1
-        assert events < max_events, "no end (livelock?)"
-        if pending_async and (not alive or rng.random() < 0.25):
-            pending_async.pop(rng.randrange(len(pending_async)))()
-            blocked = 0
-            continue
-        i = rng.choice(alive)
-        try:
-            r = next(parts[i])
-        except StopIteration:
-            alive.remove(i)
-            r = None
-        blocked = blocked + 1 if r == BLOCKED and not pending_async else 0
-        assert blocked < 400, "deadlock: every partition waits and nothing is in flight"
+    events = _interleave(parts, pending_async, rng, max_events)
     assert sorted(reduced) == list(range(n_iter)), "reduce-adds lost or repeated"
     return events
 
@@ -2126,31 +1337,12 @@ def replay(head_dims, variants):
                 ok &= good
                 print(f"  replay math {kind} D={D:3d} causal={causal!s:5s}: rel-norm err dq {errs[0]:.1e} "
                       f"dk {errs[1]:.1e} dv {errs[2]:.1e} {'OK' if good else 'MISMATCH'}")
-    if "fused2" in kinds:
-        for stages in (2, 3):
-            n_ev = 0
-            for n_iter in (1, 2, 3, 4, 7, 16):
-                for seed in range(50):
-                    try:
-                        n_ev += replay_protocol(n_iter, stages, seed)
-                    except AssertionError as e:
-                        ok = False
-                        print(f"  replay fused2 protocol STAGES={stages} n_iter={n_iter} seed={seed}: FAIL {e}")
-                        break
-            print(f"  replay fused2 protocol STAGES={stages}: n_iter 1,2,3,4,7,16 x 50 random interleavings, "
-                  f"{n_ev} events")
     def cfg3(c):
-        opts = c[4].split("+") if len(c) > 4 else []
-        return c[1:4] + ("stg" in opts, "dks" in opts, "lag" in opts,
-                         2 if ("lag" not in opts or "ds2" in opts) else 3)
+        return c[1:4] + ("dks" in (c[4].split("+") if len(c) > 4 else []), )
     cfgs = sorted({cfg3(VARIANTS[v][D]) for v in variants for D in head_dims
                    if D in VARIANTS[v] and VARIANTS[v][D][0] == "fused3" and "~" not in v})
     if cfgs:
         ok &= replay3(cfgs)
-    cfgs_n = sorted({VARIANTS[v][D][1:4] + (D // 64, ) for v in variants for D in head_dims
-                     if D in VARIANTS[v] and VARIANTS[v][D][0] == "noex"})
-    if cfgs_n:
-        ok &= replay_noex(cfgs_n)
 
     def cfg_d(c):
         opts = c[4].split("+") if len(c) > 4 else []
