@@ -42,9 +42,9 @@ from xtrain.kernels._dispatch import jit as _jit
 from xtrain.kernels._dispatch import tl, triton, use_triton
 
 try:  # grid dependency control (programmatic dependent launch), triton >= 3.4; sm_90+
-    from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
+    from triton.language.extra.cuda.gdc import gdc_wait
 except ImportError:  # pragma: no cover - older triton: DW_PDL stays off
-    gdc_launch_dependents = gdc_wait = None
+    gdc_wait = None
 
 
 def rms_norm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
@@ -93,14 +93,11 @@ def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps,
 @_jit
 def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-                         STAGES: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False,
-                         TRIGGER: tl.constexpr = False):
+                         STAGES: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False):
     """Program pid: rows [pid * rows_per_program, ...) in [BLOCK_R, BLOCK_C] tiles, or with INTERLEAVE (the
     pipelined path) tiles pid, pid + P, pid + 2P, ... (every program sweeps the same region of memory at
     once, where the contiguous shares are P streams far apart); dw partial row pid either way, so the sum
-    is deterministic. TRIGGER: let the dependent dw launch start now (griddepcontrol.launch_dependents)."""
-    if TRIGGER:
-        gdc_launch_dependents()
+    is deterministic."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -213,10 +210,10 @@ BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH[, 
 BWD_DEFAULT_LONG = (8192, 16, 1, 3, True)  # BLOCK_C >= 2048
 BWD_DEFAULT_SHORT = (4096, 8, 2, 4, True)
 DW_CONFIG = (512, 16, 4)  # _rms_norm_dw_kernel: (most partial rows per step, columns per program, num_warps)
-DW_PDL = True  # the dw pass as a programmatic dependent launch (CUDA sm_90+; see _rms_norm_dw_kernel): False,
-# True (the backward kernel's programs release it as they exit) or "early" (as they start). H200, session 4
-# (bench/RESULTS.md): bf16 65536x768 82 -> 84% of copy, 8192x8192 88 -> 90%, fp32 16384x4096 94 -> 95%
-# ("early": 83 / 89 / 94%)
+DW_PDL = True  # the dw pass as a programmatic dependent launch (CUDA sm_90+; see _rms_norm_dw_kernel), released
+# as the backward kernel's programs exit. H200, session 4 (bench/RESULTS.md): bf16 65536x768 82 -> 84% of copy,
+# 8192x8192 88 -> 90%, fp32 16384x4096 94 -> 95%. Released as they start instead (griddepcontrol.launch_dependents
+# at the top of the row kernel): 83 / 89 / 94%, dropped.
 DW_REDUCE = "triton"  # the dw second pass: "torch" (partial.sum(0), then the cast) or "triton" (_rms_norm_dw_kernel)
 
 
@@ -264,15 +261,13 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     rows_per_program = triton.cdiv(N, P)
     P = triton.cdiv(N, rows_per_program)
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
-    pdl = (DW_REDUCE == "triton" and DW_PDL and gdc_wait is not None and x.is_cuda
-           and torch.cuda.get_device_capability(x.device)[0] >= 9)
     _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
                                rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=bool(prefetch),
-                               STAGES=stages, INTERLEAVE=interleave, TRIGGER=pdl and DW_PDL == "early",
-                               num_warps=num_warps)
+                               STAGES=stages, INTERLEAVE=interleave, num_warps=num_warps)
     if DW_REDUCE == "triton":
         dw = torch.empty(C, dtype=w.dtype, device=x.device)
         max_p, bc, warps = DW_CONFIG
+        pdl = DW_PDL and gdc_wait is not None and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
         _rms_norm_dw_kernel[(triton.cdiv(C, bc),)](dw_partial, dw, P, C, BLOCK_P=min(max_p, triton.next_power_of_2(P)),
                                                    BLOCK_C=bc, num_warps=warps,
                                                    **(dict(PDL=True, launch_pdl=True) if pdl else {}))
