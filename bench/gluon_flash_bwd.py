@@ -180,36 +180,12 @@ def compile_only(variants, head_dims, dump=None):
 # ---------------------------------------------------------------------------------------------------------
 # GPU check + benchmark
 # ---------------------------------------------------------------------------------------------------------
-def _rel_norm(x, ref):
-    x = x.double()
-    ref = ref.double()
-    if not torch.isfinite(x).all():
-        return float("inf")
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def check_variant(name, head_dims):
     """Worst relative-norm error of dq, dk, dv against the fp64 reference (causal, T = 1024 and 2048)."""
-    from xtrain.kernels.flash_attention import flash_attention_bwd_ref, flash_attention_fwd_ref
-
-    worst = 0.0
-    for D in head_dims:
-        for T in (1024, 2048):
-            B, H, Hkv = 1, 4, 2
-            g = torch.Generator(device="cuda").manual_seed(T + D)
-            q, k, v, do = (torch.randn(B, h, T, D, generator=g, device="cuda", dtype=torch.bfloat16)
-                           for h in (H, Hkv, Hkv, H))
-            o64, lse64 = flash_attention_fwd_ref(q.double(), k.double(), v.double(), True)
-            o, lse = o64.to(torch.bfloat16), lse64.float()
-            dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
-            gluon_flash_bwd(do, q, k, v, o, lse, True, None, name, dq=dq, dk=dk, dv=dv)
-            torch.cuda.synchronize()
-            ref = flash_attention_bwd_ref(do.double(), q.double(), k.double(), v.double(), o.double(),
-                                          lse.double(), True)
-            errs = [_rel_norm(x, r) for x, r in zip((dq, dk, dv), ref)]
-            print(f"    {name} D={D} T={T} causal: rel-norm err dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}")
-            worst = max(worst, *errs)
-    return worst
+    return isolated.bwd_worst_error(
+        name, head_dims,
+        lambda do, q, k, v, o, lse, dq, dk, dv: gluon_flash_bwd(do, q, k, v, o, lse, True, None, name, dq=dq, dk=dk,
+                                                                dv=dv))
 
 
 def _check_one(name, head_dims):

@@ -1358,16 +1358,7 @@ def replay(head_dims, variants):
 # ---------------------------------------------------------------------------------------------------------
 # GPU check + benchmark
 # ---------------------------------------------------------------------------------------------------------
-def _rel_norm(x, ref):
-    x, ref = x.double(), ref.double()
-    if not torch.isfinite(x).all():
-        return float("inf")
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def _check_one(name, head_dims):
-    from xtrain.kernels.flash_attention import flash_attention_bwd_ref, flash_attention_fwd_ref
-
     if "~" in name:  # timing-only ablation: wrong by design; one run per head dim (no hang, no fault), no check
         print(f"[{name}] TIMING-ONLY ablation: smoke run (B=1, H=4, Hkv=2, T=1024, causal), results not checked")
 
@@ -1382,22 +1373,10 @@ def _check_one(name, head_dims):
     print(f"[{name}] checking vs fp64 reference (B=1, H=4, Hkv=2, T=1024 and 2048, causal, NaN-filled outputs)")
 
     def check():
-        worst = 0.0
-        for D, T in ((D, T) for D in head_dims if D in VARIANTS[name] for T in (1024, 2048)):
-            B, H, Hkv = 1, 4, 2
-            g = torch.Generator(device="cuda").manual_seed(T + D)
-            q, k, v, do = (torch.randn(B, h, T, D, generator=g, device="cuda", dtype=torch.bfloat16)
-                           for h in (H, Hkv, Hkv, H))
-            o64, lse64 = flash_attention_fwd_ref(q.double(), k.double(), v.double(), True)
-            o, lse = o64.to(torch.bfloat16), lse64.float()
-            dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
-            onepass_bwd(do, q, k, v, o, lse, True, None, name, dq=dq, dk=dk, dv=dv)
-            torch.cuda.synchronize()
-            ref = flash_attention_bwd_ref(do.double(), q.double(), k.double(), v.double(), o.double(),
-                                          lse.double(), True)
-            errs = [_rel_norm(x, r) for x, r in zip((dq, dk, dv), ref)]
-            print(f"    {name} D={D} T={T} causal: rel-norm err dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}")
-            worst = max(worst, *errs)
+        worst = isolated.bwd_worst_error(
+            name, [D for D in head_dims if D in VARIANTS[name]],
+            lambda do, q, k, v, o, lse, dq, dk, dv: onepass_bwd(do, q, k, v, o, lse, True, None, name, dq=dq, dk=dk,
+                                                                dv=dv))
         return worst < 1e-2, f"worst rel-norm err {worst:.2e}"
     return check_one(name, check)
 

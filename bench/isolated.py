@@ -1,6 +1,7 @@
-"""What the Gluon variant benches share (bench/gluon_flash_fwd.py, bench/gluon_flash_bwd.py): GPU correctness
-checks of kernel variants in child processes, so that one broken variant costs a timeout or a restart
-instead of the whole run; the check / time / table flow; the report of an offline sm_90 compile.
+"""What the Gluon variant benches share (bench/gluon_flash_fwd.py, bench/gluon_flash_bwd.py,
+bench/gluon_flash_bwd_onepass.py): GPU correctness checks of kernel variants in child processes, so that
+one broken variant costs a timeout or a restart instead of the whole run; the check / time / table flow;
+the backward's fp64 check (``bwd_worst_error``); the report of an offline sm_90 compile.
 
 A kernel that deadlocks (an mbarrier wait that is never satisfied) never returns, and a CUDA fault poisons
 the process's context for every variant after it. So the parent starts ``script --check-only --variants
@@ -167,3 +168,39 @@ def ptx_summary(ck, keys) -> str:
     regs = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
     return (f"smem {getattr(ck.metadata, 'shared', '?')} B; {res_usage(ck.asm.get('cubin', b''))}; "
             f"setmaxnreg {regs}; PTX: {counts}")
+
+
+def rel_norm(x, ref) -> float:
+    """||x - ref|| / ||ref|| in fp64; inf when x has a non-finite element (an unwritten, NaN-poisoned one)."""
+    x, ref = x.double(), ref.double()
+    if not x.isfinite().all():
+        return float("inf")
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def bwd_worst_error(name: str, head_dims, run) -> float:
+    """Worst relative-norm error of a flash-attention backward variant's dq, dk, dv against the fp64
+    reference: B=1, H=4, Hkv=2, T = 1024 and 2048, causal, bf16 inputs, outputs NaN-poisoned.
+    ``run(do, q, k, v, o, lse, dq, dk, dv)`` writes the gradients into the given buffers."""
+    import torch
+
+    from xtrain.kernels.flash_attention import flash_attention_bwd_ref, flash_attention_fwd_ref
+
+    worst = 0.0
+    for D in head_dims:
+        for T in (1024, 2048):
+            B, H, Hkv = 1, 4, 2
+            g = torch.Generator(device="cuda").manual_seed(T + D)
+            q, k, v, do = (torch.randn(B, h, T, D, generator=g, device="cuda", dtype=torch.bfloat16)
+                           for h in (H, Hkv, Hkv, H))
+            o64, lse64 = flash_attention_fwd_ref(q.double(), k.double(), v.double(), True)
+            o, lse = o64.to(torch.bfloat16), lse64.float()
+            dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+            run(do, q, k, v, o, lse, dq, dk, dv)
+            torch.cuda.synchronize()
+            ref = flash_attention_bwd_ref(do.double(), q.double(), k.double(), v.double(), o.double(),
+                                          lse.double(), True)
+            errs = [rel_norm(x, r) for x, r in zip((dq, dk, dv), ref)]
+            print(f"    {name} D={D} T={T} causal: rel-norm err dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}")
+            worst = max(worst, *errs)
+    return worst
