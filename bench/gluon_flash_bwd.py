@@ -204,46 +204,12 @@ def run_checks(variants, head_dims, startup_s=180.0, per_variant_s=120.0):
                                startup_s, per_variant_s)
 
 
-def _bench_ms(fn):
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def bench_row(D, T, variants):
-    """Backward TFLOP/s of cuDNN, xtrain's Triton backward and each variant at causal bf16, B = 16k / T,
-    H = Hkv = 2048 / D. FLOPs = 2.5 x forward FLOPs (4·B·H·T²·D/2)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from xtrain.kernels.flash_attention import flash_attention_bwd_triton, flash_attention_fwd_triton
-
-    B, H = 16384 // T, 2048 // D
-    g = torch.Generator(device="cuda").manual_seed(T * 7 + D)
-    q, k, v, do = (torch.randn(B, H, T, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    flops = 2.5 * 4.0 * B * H * T * T * D / 2
-    row = {"D": D, "T": T}
-
-    def timed(col, fn):
-        try:
-            row[col] = flops / _bench_ms(fn) * 1e-9
-        except Exception as e:  # noqa: BLE001
-            print(f"  {col} D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
-
-    try:  # cuDNN backward alone: autograd.grad on a saved graph
-        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
-        timed("cudnn", lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True))
-        out = qg = kg = vg = None  # free the graph before the other timings
-    except Exception as e:  # noqa: BLE001
-        print(f"  cudnn D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
-    o, lse = flash_attention_fwd_triton(q, k, v, True)
-    timed("triton", lambda: flash_attention_bwd_triton(do, q, k, v, o, lse, True))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for name in variants:
-        timed(name, lambda name=name: gluon_flash_bwd(do, q, k, v, o, lse, True, None, name, dq=dq, dk=dk, dv=dv))
-    return row
+    """Backward TFLOP/s of cuDNN, xtrain's Triton backward and each variant (``isolated.bwd_bench_row``)."""
+    def run(name):
+        return lambda do, q, k, v, o, lse, dq, dk, dv: gluon_flash_bwd(do, q, k, v, o, lse, True, None, name,
+                                                                       dq=dq, dk=dk, dv=dv)
+    return isolated.bwd_bench_row(D, T, [(name, run(name)) for name in variants], warmup=25, rep=100)
 
 
 def main(argv=None):

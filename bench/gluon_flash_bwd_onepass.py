@@ -1396,51 +1396,20 @@ def run_checks(variants, head_dims):
     return [v for v in variants if v in skip or v in passing]
 
 
-def _bench_ms(fn):
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-
-
 TIME_SPLIT = [False]  # --with-split: also time the library's two-kernel Gluon backward (not in the table)
 
 
 def bench_row(D, T, variants):
     """Backward TFLOP/s of cuDNN, the library default (flash_attention_bwd_triton), the library's Gluon split
-    and each variant; causal bf16, B = 16k / T, H = Hkv = 2048 / D."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from xtrain.kernels.flash_attention import flash_attention_bwd_triton, flash_attention_fwd_triton
-
-    B, H = 16384 // T, 2048 // D
-    g = torch.Generator(device="cuda").manual_seed(T * 7 + D)
-    q, k, v, do = (torch.randn(B, H, T, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    flops = 2.5 * 4.0 * B * H * T * T * D / 2
-    row = {"D": D, "T": T}
-
-    def timed(col, fn):
-        try:
-            row[col] = flops / _bench_ms(fn) * 1e-9
-        except Exception as e:  # noqa: BLE001
-            print(f"  {col} D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
-
-    try:
-        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
-        timed("cudnn", lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True))
-        out = qg = kg = vg = None
-    except Exception as e:  # noqa: BLE001
-        print(f"  cudnn D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
-    o, lse = flash_attention_fwd_triton(q, k, v, True)
-    timed("triton", lambda: flash_attention_bwd_triton(do, q, k, v, o, lse, True))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    (with --with-split) and each variant (``isolated.bwd_bench_row``)."""
+    def run(name):
+        return lambda do, q, k, v, o, lse, dq, dk, dv: onepass_bwd(do, q, k, v, o, lse, True, None, name,
+                                                                   dq=dq, dk=dk, dv=dv)
+    runs = [(name, run(name)) for name in variants if D in VARIANTS[name]]
     if TIME_SPLIT[0]:
-        timed("split", lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, True, dq=dq, dk=dk, dv=dv))
-    for name in [x for x in variants if D in VARIANTS[x]]:
-        timed(name, lambda name=name: onepass_bwd(do, q, k, v, o, lse, True, None, name, dq=dq, dk=dk, dv=dv))
-    return row
+        runs.insert(0, ("split", lambda do, q, k, v, o, lse, dq, dk, dv: GB.flash_attention_bwd_gluon(
+            do, q, k, v, o, lse, True, dq=dq, dk=dk, dv=dv)))
+    return isolated.bwd_bench_row(D, T, runs, warmup=10, rep=40)
 
 
 def main(argv=None):

@@ -1,7 +1,8 @@
 """What the Gluon variant benches share (bench/gluon_flash_fwd.py, bench/gluon_flash_bwd.py,
 bench/gluon_flash_bwd_onepass.py): GPU correctness checks of kernel variants in child processes, so that
 one broken variant costs a timeout or a restart instead of the whole run; the check / time / table flow;
-the backward's fp64 check (``bwd_worst_error``); the report of an offline sm_90 compile.
+the backward's fp64 check (``bwd_worst_error``) and timing row (``bwd_bench_row``); the report of an
+offline sm_90 compile.
 
 A kernel that deadlocks (an mbarrier wait that is never satisfied) never returns, and a CUDA fault poisons
 the process's context for every variant after it. So the parent starts ``script --check-only --variants
@@ -204,3 +205,44 @@ def bwd_worst_error(name: str, head_dims, run) -> float:
             print(f"    {name} D={D} T={T} causal: rel-norm err dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}")
             worst = max(worst, *errs)
     return worst
+
+
+def bwd_bench_row(D: int, T: int, runs, warmup: int, rep: int) -> dict:
+    """Backward TFLOP/s of cuDNN (``torch.autograd.grad`` on a saved SDPA graph: the backward alone), the
+    library default (``flash_attention_bwd_triton``) and each ``(column, run)`` of ``runs``, with
+    ``run(do, q, k, v, o, lse, dq, dk, dv)``; causal bf16, B = 16k / T, H = Hkv = 2048 / D, do_bench median
+    (``warmup``, ``rep`` in ms). FLOPs = 2.5 x forward FLOPs (4·B·H·T²·D/2). A column that raises is
+    reported and left out."""
+    import torch
+    import torch.nn.functional as F
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from xtrain.kernels.flash_attention import flash_attention_bwd_triton, flash_attention_fwd_triton
+
+    B, H = 16384 // T, 2048 // D
+    g = torch.Generator(device="cuda").manual_seed(T * 7 + D)
+    q, k, v, do = (torch.randn(B, H, T, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    flops = 2.5 * 4.0 * B * H * T * T * D / 2
+    row = {"D": D, "T": T}
+
+    def timed(col, fn):
+        try:
+            row[col] = flops / triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e-9
+        except Exception as e:  # noqa: BLE001
+            print(f"  {col} D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
+
+    try:  # cuDNN backward alone: autograd.grad on a saved graph
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+        timed("cudnn", lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True))
+        out = qg = kg = vg = None  # free the graph before the other timings
+    except Exception as e:  # noqa: BLE001
+        print(f"  cudnn D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
+    o, lse = flash_attention_fwd_triton(q, k, v, True)
+    timed("triton", lambda: flash_attention_bwd_triton(do, q, k, v, o, lse, True))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for col, run in runs:
+        timed(col, lambda run=run: run(do, q, k, v, o, lse, dq, dk, dv))
+    return row
