@@ -292,7 +292,6 @@ if HAVE_GLUON:
         _PRODUCER_REGS,
         TensorDescriptor,
         _cta_barrier,
-        _tma_store,
         fence_async_shared,
         gl,
         gluon,
@@ -301,7 +300,12 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from xtrain.kernels.flash_attention_gluon_bwd import _acc_layout, _dkdv_producer, _ring_init  # noqa: E402
+    from xtrain.kernels.flash_attention_gluon_bwd import (  # noqa: E402
+        _acc_layout,
+        _dkdv_producer,
+        _dkdv_store,
+        _ring_init,
+    )
 
     _LOG2E = gl.constexpr(LOG2E)
     _tma_reduce_add = getattr(tma, "async_atomic_add", None)
@@ -450,20 +454,13 @@ if HAVE_GLUON:
     def _kv_epilogue(k_half, v_half, dk, dv, ds_empty, n_iter, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row,
                      dv_col, dtype: gl.constexpr, HALF: gl.constexpr, NDS: gl.constexpr, WAIT: gl.constexpr):
         """dK/dV warpgroup HALF's epilogue (fused3, dqwg): WAIT: first the last step's ds_empty phase (every dQ
-        product reading the resident K halves retired); then dK·scale and dV go out through the dead K and V
-        halves (TMA stores at rows dk_row / dv_row + HALF·64), drained before exit. The row offset is added
-        here, at the stores (adding it at the call site costs hd128 causal fused3 1-2 more spill stores)."""
-        KH: gl.constexpr = dk_desc.block_type.shape[0]
+        product reading the resident K halves retired); then the library's ``_dkdv_store`` (dK·scale and dV
+        out through the dead K and V halves). The row offset is added there, at the stores (adding it at the
+        call site costs hd128 causal fused3 1-2 more spill stores)."""
         if WAIT:
             last = n_iter - 1
             mbarrier.wait(ds_empty.index(last % NDS), (last // NDS) & 1)
-        k_half.store((dk * sm_scale).to(dtype))
-        v_half.store(dv.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
-        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
-        tma.store_wait(0)
+        _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype, HALF)
 
     @gluon.jit
     def _fused3_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,

@@ -163,6 +163,20 @@ if HAVE_GLUON:
                       do_smem.index(slot))
 
     @gluon.jit
+    def _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
+                    dtype: gl.constexpr, HALF: gl.constexpr):
+        """Warpgroup HALF's dK·scale and dV out through its dead K and V halves (shared memory) and TMA stores
+        at rows dk_row / dv_row + HALF·64, drained before it returns."""
+        KH: gl.constexpr = dk_desc.block_type.shape[0]
+        k_half.store((dk * sm_scale).to(dtype))
+        v_half.store(dv.to(dtype))
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
+        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
+        tma.store_wait(0)
+
+    @gluon.jit
     def _dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
                        dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter,
                        start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -209,13 +223,7 @@ if HAVE_GLUON:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
             mbarrier.arrive(q_empty.index(slot), count=1)
             mbarrier.arrive(do_empty.index(slot), count=1)
-        k_half.store((dk * sm_scale).to(dtype))  # through the dead K/V halves and TMA stores
-        v_half.store(dv.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(dk_desc, [dk_row + HALF * KH, dk_col], k_half)
-        _tma_store(dv_desc, [dv_row + HALF * KH, dv_col], v_half)
-        tma.store_wait(0)
+        _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype, HALF)
 
     @gluon.jit
     def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, qk_scale,
