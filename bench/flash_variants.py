@@ -31,7 +31,9 @@ F, TM = False, True
 # None: the default dispatch (the Gluon kernel where flash_attention.GLUON_FWD_MIN_T says, else Triton)
 FWD = {64: [None, (128, 64, 4, 3, F)], 128: [None, (64, 64, 4, 3, TM), (128, 128, 8, 3, F)]}
 # backward: None = the default; else ((dK/dV: BLOCK_M1, BLOCK_N1, warps, stages, TMA), (dQ: BLOCK_M2, ...))
-BWD = {64: [None], 128: [None]}
+# (hd64: the default is the Gluon one-pass kernel from flash_attention.GLUON_ONEPASS_MIN_T; its Triton config
+# is listed to time the two side by side)
+BWD = {64: [None, FA._BWD_CONFIGS[(64, "16bit")]], 128: [None]}
 SEQS = (1024, 2048, 4096, 8192, 16384)
 
 

@@ -234,8 +234,15 @@ def _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=0, fcfg=None, bcfg=None):
         errs[name] = rel(a, b)
         assert errs[name] < (tol_f if name in ("o", "lse") else tol_b), (name, errs)
     again = _run_triton(q, k, v, do, causal, None, fcfg, bcfg)
+    # the one-pass backward sums dq with fp32 reduce-adds in arrival order: the last bits may move
+    onepass = FA.bwd_route(do, q, k, v, got[0], got[1], causal, config=bcfg) == "onepass"
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, again):
-        assert torch.equal(a, b), f"{name}: repeated runs differ (race?)"
+        if name == "dq" and onepass:
+            from xtrain.kernels.flash_attention_gluon_onepass import runs_agree
+
+            assert runs_agree(a, b), "dq: repeated one-pass runs differ by more than the summation order can"
+        else:
+            assert torch.equal(a, b), f"{name}: repeated runs differ (race?)"
     return errs
 
 

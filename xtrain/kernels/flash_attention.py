@@ -682,11 +682,39 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     return o, lse
 
 
+def bwd_route(do, q, k, v, o, lse, causal: bool = True, *, config=None, dq=None, dk=None, dv=None) -> str:
+    """Which backward ``flash_attention_bwd_triton`` runs for these inputs: "onepass" (the Gluon one-pass
+    kernel, causal 16-bit hd64 from ``GLUON_ONEPASS_MIN_T``; its dQ is summed by fp32 reduce-adds, so never
+    under ``torch.use_deterministic_algorithms(True)``), "gluon" (the Gluon two-kernel backward, causal 16-bit
+    hd128 from ``GLUON_BWD_MIN_T``) or "triton" (the rest, and hd64 in deterministic mode: the Triton
+    kernels measured faster than the Gluon two-kernel form at hd64).
+    Only without an explicit Triton ``config``; a route whose kernel cannot take the inputs (layout, GPU)
+    falls through to the next."""
+    if config is not None or not causal or not BWD_GLUON or not q.is_cuda:
+        return "triton"
+    T, D = q.shape[-2], q.shape[-1]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if T >= GLUON_ONEPASS_MIN_T.get(D, T + 1):
+        from xtrain.kernels import flash_attention_gluon_onepass as OP  # not at import: it imports this module
+
+        if not deterministic and BWD_ONEPASS and OP.supported_bwd(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv):
+            return "onepass"
+    if T >= GLUON_BWD_MIN_T.get(D, T + 1):
+        from xtrain.kernels import flash_attention_gluon_bwd as GB
+
+        if GB.supported_bwd(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv):
+            return "gluon"
+    return "triton"
+
+
 def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
                                dq=None, dk=None, dv=None, config=None):
-    """Launch preprocess (delta), dK/dV and dQ kernels: no atomics, bit-identical run to run. ``dq``/``dk``/
+    """Launch preprocess (delta), dK/dV and dQ kernels, or hand the call to a Gluon backward (``bwd_route``).
+    The Triton and Gluon two-kernel paths use no atomics and are bit-identical run to run; the one-pass path
+    (causal 16-bit hd64, T >= GLUON_ONEPASS_MIN_T) sums dQ with fp32 reduce-adds, so its dq may differ in the
+    last bits between runs: ``torch.use_deterministic_algorithms(True)`` routes around it. ``dq``/``dk``/
     ``dv``: optional output buffers; ``config``: ((BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA),
-    (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA)) for the dK/dV and dQ kernels."""
+    (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA)) for the dK/dV and dQ kernels (always Triton)."""
     op = "flash_attention_bwd"
     _check_bwd(op, do, q, k, v, o, lse)
     _check_triton(op, q, k, v)
@@ -694,11 +722,15 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     Hkv = k.shape[1]
     s = _scale(op, scale, D)
     do = do.to(q.dtype)
-    if config is None and causal and BWD_GLUON and T >= GLUON_BWD_MIN_T.get(D, T + 1):
-        from xtrain.kernels import flash_attention_gluon_bwd as GB  # not at import: it imports this module
+    route = bwd_route(do, q, k, v, o, lse, causal, config=config, dq=dq, dk=dk, dv=dv)
+    if route == "onepass":
+        from xtrain.kernels import flash_attention_gluon_onepass as OP  # not at import: it imports this module
 
-        if GB.supported_bwd(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv):
-            return GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, True, s, dq=dq, dk=dk, dv=dv)
+        return OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, True, s, dq=dq, dk=dk, dv=dv)
+    if route == "gluon":
+        from xtrain.kernels import flash_attention_gluon_bwd as GB
+
+        return GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, True, s, dq=dq, dk=dk, dv=dv)
     do, q, k, v, o = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o)
     lse = lse.to(torch.float32).contiguous()
     config = config or _BWD_CONFIGS[(D, _dtype_class(q.dtype))]
@@ -766,3 +798,9 @@ GLUON_FWD_MIN_T = {64: 1024, 128: 1024}
 # measured faster there (0.90-1.06x against 0.82-0.92x). BWD_GLUON = False keeps every call on Triton.
 BWD_GLUON = True
 GLUON_BWD_MIN_T = {128: 1024}
+# The causal 16-bit hd64 backward goes to the Gluon one-pass kernel (flash_attention_gluon_onepass.py: a third
+# warpgroup does the dQ products, fp32 reduce-adds) from these T on (H200: 1.06-1.09x cuDNN at T = 2k-16k
+# against the Triton kernel's 0.90-1.02x); not in deterministic mode (``bwd_route``). BWD_ONEPASS = False
+# keeps hd64 on Triton.
+BWD_ONEPASS = True
+GLUON_ONEPASS_MIN_T = {64: 1024}

@@ -1,0 +1,235 @@
+"""The Gluon one-pass flash-attention backward (xtrain/kernels/flash_attention_gluon_onepass.py, hd64).
+
+GPU (``-m gpu``, an sm_90 GPU): dq, dk, dv against ``flash_attention_bwd_ref`` in fp64 (o and lse from the
+fp64 forward reference cast to the input dtype), bf16 and fp16, causal and not, MHA/GQA/MQA, T = 128 to 16k,
+the input layouts the descriptors take, outputs NaN-poisoned. Tolerance: relative norm 1e-2, the bf16
+gradient bound of tests/test_flash_attention.py. Repeated runs: dk and dv bit-identical (each is summed inside
+one program), dq within ``runs_agree`` (fp32 reduce-adds land in any order). The dispatcher sends causal
+16-bit hd64 there from GLUON_ONEPASS_MIN_T, and not in deterministic mode.
+CPU: the kernel compiles for sm_90 and uses what it is built on (including the reduce-add); the dq convert
+kernel equals its reference through the interpreter; ``runs_agree`` rejects a perturbed tile; bad input and
+bad configs raise ValueError naming the op.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from xtrain.kernels import flash_attention as FA
+
+OP = pytest.importorskip("xtrain.kernels.flash_attention_gluon_onepass")
+HAS_CUDA = torch.cuda.is_available()
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def _layout(x: torch.Tensor, bthd: bool) -> torch.Tensor:
+    return x.transpose(1, 2).contiguous().transpose(1, 2) if bthd else x.contiguous()
+
+
+def _inputs(B, H, Hkv, T, D, dtype, causal, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, do = (torch.randn(B, h, T, D, generator=g, device="cuda").to(dtype) for h in (H, Hkv, Hkv, H))
+    o64, lse64 = FA.flash_attention_fwd_ref(q.double(), k.double(), v.double(), causal)
+    return q, k, v, do, o64.to(dtype), lse64.float()
+
+
+LAYOUTS = {"contiguous": set(), "model": {"v", "do"}, "bthd": {"q", "k", "v", "do", "o", "dq", "dk", "dv"}}
+
+
+def _check(B, H, Hkv, T, dtype, causal, layout, seed, config=None):
+    q, k, v, do, o, lse = _inputs(B, H, Hkv, T, 64, dtype, causal, seed)
+    tr = LAYOUTS[layout]
+    q, k, v, do, o = (_layout(x, name in tr) for name, x in zip("q k v do o".split(), (q, k, v, do, o)))
+    assert OP.supported_bwd(do, q, k, v, o, lse)
+    bufs = {name: _layout(torch.full_like(x, float("nan")), name in tr) for name, x in (("dq", q), ("dk", k),
+                                                                                       ("dv", v))}
+    got = OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal, config=config, **bufs)
+    assert all(a is bufs[n] for a, n in zip(got, ("dq", "dk", "dv")))
+    want = OP.reference(do.double(), q.double(), k.double(), v.double(), o.double(), lse.double(), causal)
+    errs = {}
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
+        errs[name] = rel(a, b)
+    assert max(errs.values()) < 1e-2, errs
+    for _ in range(3):
+        again = OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal, config=config)
+        assert OP.runs_agree(again[0], got[0]), "dq: repeated runs differ by more than the summation order can"
+        assert torch.equal(again[1], got[1]) and torch.equal(again[2], got[2]), "dk/dv: repeated runs differ"
+    print(f"\nGPUERR gluon-onepass {layout} {str(dtype)[6:]} causal={causal} B={B} H={H} Hkv={Hkv} T={T} "
+          f"config={config} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+
+
+SHAPES = [  # B, H, Hkv, T: one key tile (one step per head), GQA, MQA over several tiles and batches
+    (2, 4, 4, 128),
+    (1, 4, 2, 1024),
+    (2, 6, 1, 2048),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("B,H,Hkv,T", SHAPES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gpu_onepass_matches_reference(layout, B, H, Hkv, T, causal, dtype):
+    _check(B, H, Hkv, T, dtype, causal, layout, seed=T + H)
+
+
+@pytest.mark.gpu
+def test_gpu_onepass_long_16k():
+    _check(1, 2, 1, 16384, torch.bfloat16, True, "model", seed=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["nopf", "nopf_ds3", (2, 1, 2, True, 208, 72)])
+def test_gpu_onepass_configs(config):
+    """The bench's other configs, and the tightest rings (2 stages, 1 staging tile), stay correct."""
+    for causal in (True, False):
+        _check(2, 4, 2, 1024, torch.bfloat16, causal, "model", seed=11, config=config)
+
+
+@pytest.mark.gpu
+def test_gpu_onepass_rejects():
+    q, k, v, do, o, lse = _inputs(1, 4, 2, 256, 64, torch.bfloat16, True, seed=3)
+    op = "flash_attention_bwd_gluon_onepass"
+    sub = lambda x, t, d: x[..., :t, :d].contiguous()  # noqa: E731
+    bad = [  # ragged T, fp32, head dim 32, a layout the descriptors do not take
+        tuple(sub(x, 200, 64) for x in (do, q, k, v, o)) + (lse[..., :200].contiguous(), ),
+        (do.float(), q.float(), k.float(), v.float(), o.float(), lse),
+        tuple(sub(x, 256, 32) for x in (do, q, k, v, o)) + (lse, ),
+        (do, q.transpose(2, 3).contiguous().transpose(2, 3), k, v, o, lse),
+    ]
+    for args in bad:
+        assert not OP.supported_bwd(*args)
+        with pytest.raises(ValueError, match=op):
+            OP.flash_attention_bwd_gluon_onepass(*args)
+    q2, k2, v2, do2, o2, lse2 = _inputs(1, 2, 2, 256, 128, torch.bfloat16, True, seed=4)  # hd128: not offered
+    assert not OP.supported_bwd(do2, q2, k2, v2, o2, lse2)
+    with pytest.raises(ValueError, match=op):
+        OP.flash_attention_bwd_gluon_onepass(do2, q2, k2, v2, o2, lse2)
+    with pytest.raises(ValueError, match=op):  # mismatched shapes
+        OP.flash_attention_bwd_gluon_onepass(do, q, k[:, :, :128], v, o, lse)
+    for cfg in ("fused3", (3, 2, 2, True, 216, 72), (0, 2, 2, True, 200, 88)):
+        with pytest.raises(ValueError, match=op):
+            OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, config=cfg)
+    with pytest.raises(ValueError, match=op):
+        OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, scale=-1.0)
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_sends_hd64_backward_to_onepass(monkeypatch):
+    """flash_attention_bwd_triton runs the one-pass kernel for causal 16-bit hd64 at T >= GLUON_ONEPASS_MIN_T,
+    and the Triton kernels in deterministic mode, with BWD_ONEPASS off, below the threshold, non-causal."""
+    calls = []
+    real = OP.flash_attention_bwd_gluon_onepass
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(OP, "flash_attention_bwd_gluon_onepass", counted)
+    T = FA.GLUON_ONEPASS_MIN_T[64]
+    q, k, v, do, o, lse = _inputs(1, 4, 2, T, 64, torch.bfloat16, True, seed=5)
+    assert FA.bwd_route(do, q, k, v, o, lse, True) == "onepass"
+    got = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
+    assert len(calls) == 1
+    want = FA.flash_attention_bwd_ref(do.double(), q.double(), k.double(), v.double(), o.double(), lse.double())
+    assert all(rel(a, b) < 1e-2 for a, b in zip(got, want))
+    det = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert FA.bwd_route(do, q, k, v, o, lse, True) == "triton"
+        tri = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
+    finally:
+        torch.use_deterministic_algorithms(det)
+    assert len(calls) == 1
+    assert all(rel(a, b) < 1e-2 for a, b in zip(tri, want))
+    monkeypatch.setattr(FA, "BWD_ONEPASS", False)
+    assert FA.bwd_route(do, q, k, v, o, lse, True) == "triton"
+    monkeypatch.setattr(FA, "BWD_ONEPASS", True)
+    assert FA.bwd_route(do, q, k, v, o, lse, False) == "triton"
+    h = T // 2
+    assert FA.bwd_route(do[..., :h, :], q[..., :h, :], k[..., :h, :], v[..., :h, :], o[..., :h, :],
+                        lse[..., :h].contiguous(), True) == "triton"
+    FA.flash_attention_bwd_triton(do, q, k, v, o, lse, False)
+    assert len(calls) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------------------
+def test_onepass_rejects_on_cpu():
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 128)
+    assert not OP.supported_bwd(q, q, q, q, q, lse)
+    with pytest.raises(ValueError, match="flash_attention_bwd_gluon_onepass"):
+        OP.flash_attention_bwd_gluon_onepass(q, q, q, q, q, lse)
+    with pytest.raises(ValueError, match="flash_attention_bwd_gluon_onepass"):
+        OP.flash_attention_bwd_gluon_onepass(q, q, q[:, :, :64], q, q, lse)
+    assert FA.bwd_route(q, q, q, q, q, lse, True) == "triton"  # CPU tensors never route to a Gluon kernel
+
+
+def test_onepass_compiles_for_sm90():
+    """No GPU needed: the default config compiles for sm_90 with the installed Triton (causal on the
+    contiguous layout, non-causal on the transposed one) and uses what it is built on: wgmma, TMA bulk
+    copies and the bulk reduce-add, setmaxnreg, mbarrier waits; no per-element atomics."""
+    if not OP.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon Hopper module")
+    for causal, transposed in ((True, False), (False, True)):
+        ptx = OP.compile_sm90(causal, OP.DEFAULT, transposed=transposed).asm["ptx"]
+        for instr in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor", "setmaxnreg",
+                      "mbarrier.try_wait"):
+            assert instr in ptx, (causal, instr)
+        assert "atom.global" not in ptx and "red.global" not in ptx, causal
+
+
+def test_onepass_module_contract():
+    assert OP.reference is FA.flash_attention_bwd_ref
+    assert OP.DEFAULT in OP.CONFIGS and OP.HEAD_DIMS == (64, )
+    with pytest.raises(ValueError, match="compile_sm90"):
+        OP._config("compile_sm90", "nope")
+    with pytest.raises(ValueError, match="x"):
+        OP._config("x", (3, 2, 2, True, 240, 88))  # 2·240 + 88 > 488
+
+
+def test_runs_agree_is_tight():
+    """The run-to-run check of dq passes for a reordered fp32 sum rounded to bf16, fails for a tile missing
+    one of 128 partials, and for a one-ulp change everywhere."""
+    g = torch.Generator().manual_seed(0)
+    parts = torch.randn(128, 256, 64, generator=g) / 11.3
+    a = parts.sum(0).to(torch.bfloat16)
+    perm = torch.randperm(128, generator=g)
+    b = parts[perm].sum(0).to(torch.bfloat16)
+    assert OP.runs_agree(a, b) and OP.runs_agree(b, a)
+    missing = a.clone()
+    missing[64:128] = (parts.sum(0) - parts[5])[64:128].to(torch.bfloat16)
+    assert not OP.runs_agree(missing, a)
+    assert not OP.runs_agree(a * (1 + 4 * torch.finfo(torch.bfloat16).eps), a)
+    assert not OP.runs_agree(a.float(), a)
+
+
+needs_interp = pytest.mark.skipif(HAS_CUDA or os.environ.get("TRITON_INTERPRET", "0") != "1",
+                                  reason="CPU check through the Triton interpreter")
+
+
+@needs_interp
+@pytest.mark.parametrize("bthd", [False, True])
+def test_dq_convert_matches_reference_cpu(bthd):
+    """The convert kernel (interpreter, fp32 out: the interpreter's bf16 is not trusted) equals its reference
+    on a ragged T (not a multiple of its row block), contiguous and transposed dq, poisoned outputs."""
+    B, H, T, D = 2, 3, 77, 64
+    acc = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1))
+    dq = _layout(torch.full((B, H, T, D), float("nan")), bthd)
+    OP.dq_convert(acc, dq, 0.125)
+    want = OP.convert_ref(acc, torch.empty(B, H, T, D), 0.125)
+    assert torch.equal(dq, want)
+    with pytest.raises(ValueError, match="dq_convert"):
+        OP.dq_convert(acc.double(), dq, 0.125)
+    with pytest.raises(ValueError, match="dq_convert"):
+        OP.dq_convert(acc, dq[..., :48], 0.125)

@@ -1,0 +1,465 @@
+"""Flash-attention backward for Hopper (sm_90) in Gluon, one pass, head dim 64: dQ by a third warpgroup.
+
+Same contract as ``flash_attention.flash_attention_bwd_triton``: do/q/o [B, H, T, D], k/v [B, Hkv, T, D]
+(query head h reads K/V head h // (H // Hkv)), lse the forward's natural-log row logsumexp [B, H, T];
+returns (dq, dk, dv) in the input dtype with dk/dv summed over each group of query heads. Causal and
+non-causal. What it takes (``supported_bwd``): bf16/fp16, D = 64, T a multiple of 128, an sm_90 GPU, q, k,
+v, do (and given dq/dk/dv buffers) each contiguous [B, Hx, T, D] or a [B, T, Hx, D] tensor seen through a
+transpose; o with unit last stride. The oracle is the plain-torch tiled reference
+``flash_attention_bwd_ref`` (``reference`` below); checked on the GPU by tests/test_flash_gluon_onepass.py
+(``gpu``); on CPU the tests compile the kernel for sm_90.
+
+NOT bit-identical run to run: dQ is summed over key tiles by fp32 TMA reduce-adds from many programs, in
+whatever order they land (dK and dV are: each is summed inside one program). The dispatcher
+(``flash_attention.flash_attention_bwd_triton``) therefore skips this kernel when
+``torch.are_deterministic_algorithms_enabled()``, and the two-kernel backwards (bit-identical) run instead.
+
+Math: as flash_attention_gluon_bwd.py (FlashAttention-2 backward by recomputation, base-2 exponent):
+    P_ij = exp2(s_ij · scale · log2e − lse_i · log2e)    dP_ij = dO_i · v_j    dS_ij = P_ij (dP_ij − delta_i)
+    dV_j = Σ_i P_ij dO_i    dK_j = scale · Σ_i dS_ij q_i    dQ_i = scale · Σ_j dS_ij k_j
+but every (query tile, key tile) pair is visited once: 5 matrix products per pair instead of the split's 7.
+
+Design. The one-pass form is FlashAttention-3's (Shah, Bikshandi, Zhang, Thakkar, Ramani & Dao, 2024): one
+program per 128 keys of a (batch, kv head) with K and V resident, walking the 64-row query tiles of every
+head of the GQA group (causal: at or below the diagonal); dK, dV accumulate in registers; dQ partials go
+into an fp32 accumulator [B·H·T, D] by TMA reduce-adds, then one small kernel scales and casts it into dq.
+Where FA3 splits the dQ product between the two MMA warpgroups (each exchanges its dSᵀ half with the
+other every step), this kernel gives all of the dQ work to a THIRD consumer warpgroup, so the two dK/dV
+warpgroups never wait on each other (bench/gluon_flash_bwd_onepass.py measured the exchange as the largest
+single cost of the FA3 form here: 557 → 461 TFLOP/s at T = 16k). Four partitions:
+  * producer warp (24 registers): K, V halves once, then the Q and dO tile of every step into a
+    STAGES-deep ring ("ready" expect-tx / "empty" two-arrival mbarriers): the library's ``_dkdv_producer``.
+  * dK/dV warpgroups 0 and 1 (keys start_n + w·64 .. +64): per step Sᵀ = K_w Qᵀ and dPᵀ = V_w dOᵀ (async
+    wgmmas), Pᵀ = exp2(...) (lse and delta of the NEXT step loaded at the top of this one), dV += Pᵀ dO
+    (register A operand); then wait ds_empty[b] (b = step % NDS: the dQ warpgroup has retired its products
+    of step − NDS), store the dSᵀ half into dS buffer b, fence, partition barrier, dK += dSᵀ Q with A from
+    that shared tile, arrive ds_full[b] (count 2); retire dV and dK, release the Q/dO slot. Epilogue: wait
+    the last step's ds_empty phase (the dQ warpgroup's last reads of K retired), dK·scale and dV out
+    through the dead K/V tiles (the library's ``_dkdv_store``).
+  * dQ warpgroup: per step wait ds_full[b], dQ_step [64 q, D] = dS_lo · K_lo + dS_hi · K_hi (two chained
+    wgmmas, A = the transposed view of the stored dSᵀ halves, B = the resident K halves), retire, arrive
+    ds_empty[b]; then wait (tma.store_wait(SLOTS − 1)) until the reduce-add that last read staging tile
+    step % SLOTS is done, store dQ_step there in fp32, fence, ONE [64, D] TMA reduce-add.
+Registers (setmaxnreg; 13 warps launch as 4 warpgroups, 512 per thread-slot in all): dK/dV warpgroup 1
+KV_REGS, the dQ warpgroup DQ_REGS, the producer 24; dK/dV warpgroup 0 (the default partition) what is left.
+At hd128 the two dK/dV warpgroups alone need ~232 each and ptxas serialises every wgmma: not offered.
+
+Protocol check without a GPU: bench/gluon_flash_bwd_onepass.py --replay plays the four partitions' barrier
+protocol under random interleavings (TMA loads, wgmmas and reduce-add reads completing as separate
+events), with each of the 8 waits removed in turn as a negative control.
+
+H200, causal bf16, B·T = 16k, H·D = 2048, backward alone (bench/gluon_flash_bwd_onepass.py; TFLOP/s and
+ratio to cuDNN, session 5): T = 2k 360 (1.09x), 8k 452 (1.06x), 16k 474 (1.07x); the library's Triton
+two-kernel backward 1.02 / 0.93 / 0.90x in the same process. Configs (``CONFIGS``): "pf" (default:
+lse/delta prefetch, kv208 + dq72, spills ~57 registers' worth of stores in the dK/dV warpgroups but
+measured fastest), "nopf" (no prefetch, kv200 + dq88, no spills: 0.97-0.98x), "nopf_ds3" (three dS
+buffers: 0.97-0.99x).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from xtrain.kernels import flash_attention as FA
+from xtrain.kernels.flash_attention import flash_attention_bwd_ref
+from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E, _desc, _row_view
+
+reference = flash_attention_bwd_ref  # the oracle: the plain-torch tiled reference of the same algorithm
+
+RESIDENT = 128  # keys per program (two dK/dV warpgroups of 64)
+HALF_M = 64
+BLOCK_M = 64  # queries per step (one wgmma M of the dQ product)
+HEAD_DIMS = (64, )
+# name -> (STAGES = Q/dO ring depth, SLOTS = dQ staging tiles, NDS = dS buffers, PF = lse/delta prefetch,
+# KV_REGS = setmaxnreg of dK/dV warpgroup 1, DQ_REGS = of the dQ warpgroup)
+CONFIGS = {
+    "pf": (3, 2, 2, True, 208, 72),
+    "nopf": (3, 2, 2, False, 200, 88),
+    "nopf_ds3": (3, 2, 3, False, 200, 88),
+}
+DEFAULT = "pf"
+CONVERT_ROWS = 64  # rows of dq per program of the convert kernel
+
+if HAVE_GLUON:
+    from xtrain.kernels.flash_attention_gluon import (
+        _PRODUCER_REGS,
+        TensorDescriptor,
+        _cta_barrier,
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from xtrain.kernels.flash_attention_gluon_bwd import _acc_layout, _dkdv_producer, _dkdv_store, _ring_init
+
+    _LOG2E = gl.constexpr(LOG2E)
+    _tma_reduce_add = getattr(tma, "async_atomic_add", None)
+    if _tma_reduce_add is None:  # Gluon 3.6: the builder op exists (tl's descriptor atomic_add uses it) but
+        # Gluon has no wrapper; wrap it as newer Gluon does
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
+
+    @gluon.jit
+    def _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M: gl.constexpr):
+        """lse·log2(e) and delta of step ``it``'s queries, in the Sᵀ column layout."""
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _acc_layout(BLOCK_M)))
+        row = lse_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M  # int64 row of the [B·H·T] lse / delta
+        return gl.load(lse_ptr + row + cols) * _LOG2E, gl.load(delta_ptr + row + cols)
+
+    @gluon.jit
+    def _program(H, GROUP, T, KH: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """The program's place: key tile pid 0 of 2·KH keys, (batch, kv head) pid 1. Returns off_b, off_kvh,
+        start_n, h0 (first query head of the group), lse_row0 (int64 row of the [B·H·T] lse / delta), dq_row0
+        (int32 TMA row of the fp32 dQ accumulator), mt0 (first query tile), n_m (query tiles per head),
+        n_iter (steps = GROUP·n_m)."""
+        pid_n = gl.program_id(0)
+        off_bkv = gl.program_id(1)
+        Hkv = H // GROUP
+        off_b = off_bkv // Hkv
+        off_kvh = off_bkv % Hkv
+        start_n = pid_n * (2 * KH)
+        h0 = off_kvh * GROUP
+        lse_row0 = (off_b * H + h0).to(gl.int64) * T
+        dq_row0 = (off_b * H + h0) * T
+        if CAUSAL:
+            mt0 = start_n // BLOCK_M
+        else:
+            mt0 = 0
+        n_m = T // BLOCK_M - mt0
+        return off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, GROUP * n_m
+
+    @gluon.jit
+    def _kv_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta,
+                 dv, dk, mt0, n_m, k_lo, qk_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
+                 NDS: gl.constexpr):
+        """Step ``it`` of dK/dV warpgroup HALF up to the dS hand-off (module docstring). Returns the in-flight
+        dv, dk and the register A operand p_op that must stay alive until dV retires."""
+        KH: gl.constexpr = k_half.shape[0]
+        s_layout: gl.constexpr = _acc_layout(BLOCK_M)
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(HEAD_DIM), k_width=2)
+        start_m = (mt0 + it % n_m) * BLOCK_M
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        q_t = q_smem.index(slot)
+        do_t = do_smem.index(slot)
+        s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
+        mbarrier.wait(q_bars.index(slot), phase)
+        st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_bars.index(slot), phase)
+        dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if CAUSAL:
+            if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
+                offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
+                cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+                keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+                pt = gl.where(keep, pt, 0.0)
+        p_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv = warpgroup_mma(p_op, do_t, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
+        ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        b = it % NDS
+        mbarrier.wait(ds_empty.index(b), ((it // NDS) & 1) ^ 1)  # fresh barrier: the first lap passes
+        ds_half = ds_smem.index(2 * b + HALF)
+        ds_half.store(ds16)
+        fence_async_shared()
+        _cta_barrier()  # every thread's store is fenced before the wgmma and the one arrival
+        dk = warpgroup_mma(ds_half, q_t, dk, is_async=True)  # A from shared memory: 16 fewer live registers
+        mbarrier.arrive(ds_full.index(b), count=1)
+        return dv, dk, p_op
+
+    @gluon.jit
+    def _kv_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full,
+                     ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
+                     mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
+                     PF: gl.constexpr, NDS: gl.constexpr):
+        """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Its only wait on another consumer is ds_empty
+        (the dQ warpgroup NDS steps behind)."""
+        KH: gl.constexpr = dk_desc.block_type.shape[0]
+        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)
+        k_half = k_smem.index(HALF)
+        v_half = v_smem.index(HALF)
+        k_lo = start_n + HALF * KH
+        dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, BLOCK_M)
+        mbarrier.wait(kv_bar, 0)
+        for it in range(n_iter):
+            if PF:
+                lse2n, deltan = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1),
+                                           BLOCK_M)
+            else:
+                lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
+            dv, dk, p_op = _kv_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full,
+                                    lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES,
+                                    CAUSAL, HALF, NDS)
+            dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op))
+            slot = it % STAGES
+            mbarrier.arrive(q_empty.index(slot), count=1)  # dV, dK were the last readers of Q, dO
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            if PF:
+                lse2, delta = lse2n, deltan
+        # both K halves feed the dQ warpgroup's products: its ds_empty arrival of the last step comes after its
+        # last dQ wgmmas retired (and, in its program order, every earlier one)
+        last = n_iter - 1
+        mbarrier.wait(ds_empty.index(last % NDS), (last // NDS) & 1)
+        _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype, HALF)
+
+    @gluon.jit
+    def _dq_consumer(k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
+                     BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr):
+        """The dQ warpgroup (module docstring): the only issuer of reduce-adds, so its own
+        tma.store_wait(SLOTS - 1) frees a staging tile."""
+        D: gl.constexpr = dq_desc.block_type.shape[1]
+        dq_zero = gl.zeros([BLOCK_M, D], gl.float32, _acc_layout(D))
+        mbarrier.wait(kv_bar, 0)
+        k0 = k_smem.index(0)
+        k1 = k_smem.index(1)
+        for it in range(n_iter):
+            b = it % NDS
+            mbarrier.wait(ds_full.index(b), (it // NDS) & 1)
+            dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0, dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            mbarrier.arrive(ds_empty.index(b), count=1)
+            s = it % SLOTS
+            tma.store_wait(SLOTS - 1)  # the reduce-add of step it - SLOTS (same tile) has read it
+            _cta_barrier()  # the issuing thread's wait covers every thread's store below
+            dq_smem.index(s).store(dq)
+            fence_async_shared()
+            _cta_barrier()  # every thread's store is fenced before the one reduce-add
+            row = dq_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M
+            _tma_reduce_add(dq_desc, [row, 0], dq_smem.index(s))
+        tma.store_wait(0)  # no CTA exit while a reduce-add still reads shared memory
+
+    @gluon.jit
+    def _onepass_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale,
+                        sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
+                        v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, HEAD_DIM: gl.constexpr,
+                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr, NDS: gl.constexpr,
+                        CAUSAL: gl.constexpr, PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr):
+        """Program (key tile of 128, batch·kv head); num_warps = 4 (the default partition is dK/dV warpgroup
+        0). dq_desc: the fp32 accumulator [B·H·T, D] with [BLOCK_M, D] tiles."""
+        dtype: gl.constexpr = q_desc.dtype
+        KH: gl.constexpr = k_desc.block_type.shape[0]
+        gl.static_assert(BLOCK_M == 64)
+        gl.static_assert(dq_desc.block_type.shape[1] == HEAD_DIM)
+        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(H, GROUP, T, KH, BLOCK_M, CAUSAL)
+
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
+        dq_smem = gl.allocate_shared_memory(gl.float32, [SLOTS, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_full = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        _ring_init(q_bars, q_empty, STAGES)
+        _ring_init(do_bars, do_empty, STAGES)
+        for i in gl.static_range(NDS):
+            mbarrier.init(ds_full.index(i), count=2)  # one arrival per dK/dV warpgroup
+            mbarrier.init(ds_empty.index(i), count=1)  # the dQ warpgroup, once its dQ wgmmas retired
+        fence_async_shared()
+
+        k_row = off_b * k_rb + off_kvh * k_rh + start_n
+        v_row = off_b * v_rb + off_kvh * v_rh + start_n
+        dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
+        dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
+        gl.warp_specialize([
+            (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
+                            ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
+                            off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
+                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, NDS)),
+            (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
+                            ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
+                            off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
+                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, NDS)),
+            (_dq_consumer, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m,
+                            n_iter, BLOCK_M, NDS, SLOTS)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
+                              do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
+                              off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
+                              BLOCK_M, STAGES)),
+        ], [4, 4, 1], [KV_REGS, DQ_REGS, _PRODUCER_REGS])
+
+
+@triton.jit
+def _dq_convert_kernel(ACC, DQ, scale, H, T, stride_b, stride_h, stride_t, HEAD_DIM: tl.constexpr,
+                       ROWS: tl.constexpr):
+    """DQ[b, h, t, :] = scale · ACC[(b·H + h)·T + t, :] in DQ's dtype; ACC contiguous fp32, DQ any strides with
+    a unit last one. Program (row block, b·H + h)."""
+    bh = tl.program_id(1)
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, HEAD_DIM)
+    mask = (t < T)[:, None]
+    src = ACC + (bh.to(tl.int64) * T + t)[:, None] * HEAD_DIM + cols[None, :]
+    x = tl.load(src, mask=mask)
+    dst = DQ + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + t[:, None].to(tl.int64) * stride_t
+    tl.store(dst + cols[None, :], (x * scale).to(DQ.dtype.element_ty), mask=mask)
+
+
+def runs_agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two dq of the one-pass kernel on the same inputs differ only as a different order of the fp32
+    reduce-adds can make them: every element within 2 units in the last place of its dtype at its own
+    magnitude plus 2^-10·max|b| (an fp32 sum of ≤ 256 partials reordered moves by far less than that before the
+    final rounding, which moves it by at most one unit), and the relative norm of the difference ≤ 1e-3.
+    A missing, doubled or stale partial moves a 64-row tile by about its own size and fails both."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a64, b64 = a.double(), b.double()
+    ulp = torch.finfo(b.dtype).eps * b64.abs()
+    floor = 2.0 ** -10 * float(b64.abs().max()) if b.numel() else 0.0
+    diff = (a64 - b64).abs()
+    return bool((diff <= 2 * ulp + floor).all()) and float(diff.norm()) <= 1e-3 * float(b64.norm())
+
+
+def convert_ref(acc: torch.Tensor, dq: torch.Tensor, scale: float) -> torch.Tensor:
+    """The plain-torch reference of ``_dq_convert_kernel``: dq ← (acc · scale) in dq's dtype, acc [B, H, T, D]."""
+    dq.copy_((acc.view(dq.shape) * scale).to(dq.dtype))
+    return dq
+
+
+def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float) -> torch.Tensor:
+    """Launch ``_dq_convert_kernel``: acc contiguous fp32 [B, H, T, D] (or its [B·H·T, D] view), dq [B, H, T, D]
+    with unit last stride."""
+    op = "dq_convert"
+    if dq.ndim != 4 or acc.dtype != torch.float32 or not acc.is_contiguous() or acc.numel() != dq.numel():
+        raise ValueError(f"{op}: need a contiguous fp32 acc with dq's element count and a 4-D dq, got acc "
+                         f"{FA._shapes(acc)} dq {FA._shapes(dq)}")
+    if dq.stride(-1) != 1 or dq.shape[-1] & (dq.shape[-1] - 1):
+        raise ValueError(f"{op}: dq needs a unit last stride and a power-of-two head dim, got {FA._shapes(dq)} "
+                         f"strides {dq.stride()}")
+    B, H, T, D = dq.shape
+    _dq_convert_kernel[(triton.cdiv(T, CONVERT_ROWS), B * H)](acc, dq, scale, H, T, dq.stride(0), dq.stride(1),
+                                                               dq.stride(2), HEAD_DIM=D, ROWS=CONVERT_ROWS,
+                                                               num_warps=4)
+    return dq
+
+
+# ---------------------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------------------
+def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
+    """Whether these inputs take the one-pass backward: those of the two-kernel Gluon backward
+    (``flash_attention_gluon_bwd.supported_bwd``) with D = 64."""
+    from xtrain.kernels import flash_attention_gluon_bwd as GB
+
+    return (isinstance(q, torch.Tensor) and q.ndim == 4 and q.shape[-1] in HEAD_DIMS
+            and GB.supported_bwd(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv))
+
+
+def _config(op: str, config):
+    """(STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS) of a config name or tuple."""
+    if config is None:
+        config = DEFAULT
+    if isinstance(config, str):
+        if config not in CONFIGS:
+            raise ValueError(f"{op}: unknown config {config!r}, have {sorted(CONFIGS)}")
+        return CONFIGS[config]
+    try:
+        stages, slots, nds, pf, kv, dq = config
+        stages, slots, nds, kv, dq, pf = int(stages), int(slots), int(nds), int(kv), int(dq), bool(pf)
+    except (TypeError, ValueError):
+        raise ValueError(f"{op}: config must be a name in {sorted(CONFIGS)} or (STAGES, SLOTS, NDS, PF, KV_REGS, "
+                         f"DQ_REGS), got {config!r}") from None
+    if not (1 <= stages <= 4 and 1 <= slots <= 3 and 1 <= nds <= 3):
+        raise ValueError(f"{op}: config needs 1-4 stages, 1-3 slots, 1-3 dS buffers, got {config!r}")
+    if kv % 8 or dq % 8 or not (24 <= dq <= kv <= 256) or 2 * kv + dq > 488:
+        raise ValueError(f"{op}: register counts must be multiples of 8 with 24 <= DQ_REGS <= KV_REGS <= 256 and "
+                         f"2·KV_REGS + DQ_REGS <= 488, got {config!r}")
+    return stages, slots, nds, pf, kv, dq
+
+
+def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg):
+    """(kernel, grid, args, constexprs) of the one-pass kernel; CUDA tensors or CPU stand-ins."""
+    stages, slots, nds, pf, kv_regs, dq_regs = cfg
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
+    args = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
+    for n, (_, rb, rh, ch) in views.items():
+        args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
+    acc2 = dq_acc.view(B * H * T, D)
+    acc_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.float32)
+    args.update(q_desc=_desc(views["q"][0], BLOCK_M, D), do_desc=_desc(views["do"][0], BLOCK_M, D),
+                k_desc=_desc(views["k"][0], HALF_M, D), v_desc=_desc(views["v"][0], HALF_M, D),
+                dk_desc=_desc(views["dk"][0], HALF_M, D), dv_desc=_desc(views["dv"][0], HALF_M, D),
+                dq_desc=TensorDescriptor(acc2, list(acc2.shape), list(acc2.stride()), [BLOCK_M, D], acc_layout))
+    consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf,
+                  KV_REGS=kv_regs, DQ_REGS=dq_regs)
+    return _onepass_kernel, (T // RESIDENT, B * Hkv), args, consts
+
+
+def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
+                                      dq=None, dk=None, dv=None, config=None):
+    """Delta preprocess, the one-pass kernel, the dQ convert. Returns (dq, dk, dv). ``dq``/``dk``/``dv``:
+    optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name in ``CONFIGS`` or
+    (STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS). Holds an fp32 dQ accumulator [B, H, T, D] while it runs."""
+    from xtrain.kernels import flash_attention_gluon_bwd as GB
+
+    op = "flash_attention_bwd_gluon_onepass"
+    FA._check_bwd(op, do, q, k, v, o, lse)
+    if not supported_bwd(do, q, k, v, o, lse):
+        raise ValueError(f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU with Gluon, D in {HEAD_DIMS}, T a "
+                         f"multiple of {RESIDENT}, q/k/v/do contiguous or [B, T, H, D]-transposed (16-byte "
+                         f"aligned), o with unit last stride; got do/q/k/v/o/lse {FA._shapes(do, q, k, v, o, lse)}, "
+                         f"strides q {q.stride()} k {k.stride()} v {v.stride()} do {do.stride()} o {o.stride()}")
+    B, H, T, D = q.shape
+    s = FA._scale(op, scale, D)
+    cfg = _config(op, config)
+    do = do.to(q.dtype)
+    lse = lse.to(torch.float32).contiguous()
+    dq = GB._grad_buf(op, "dq", dq, q)
+    dk = GB._grad_buf(op, "dk", dk, k)
+    dv = GB._grad_buf(op, "dv", dv, v)
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    dq_acc = torch.zeros((B, H, T, D), dtype=torch.float32, device=q.device)
+    PRE_M = 64
+    FA._flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
+        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
+    kern, grid, args, consts = _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s, causal, cfg)
+    kern[grid](**args, **consts, num_warps=4)
+    dq_convert(dq_acc, dq, s)
+    return dq, dk, dv
+
+
+def compile_sm90(causal: bool = True, config=None, transposed: bool = False, T: int = 256, D: int = 64):
+    """Compile the one-pass kernel for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes).
+    ``transposed``: q, do, k, v, dk, dv as [B, T, Hx, D] seen through a transpose. Returns the CompiledKernel."""
+    from xtrain.kernels.flash_attention_gluon_bwd import _compile
+
+    cfg = _config("compile_sm90", config)
+    B, H, Hkv = 1, 4, 2
+
+    def mk(h):
+        if transposed:
+            return torch.empty(B, T, h, D, dtype=torch.bfloat16).transpose(1, 2)
+        return torch.empty(B, h, T, D, dtype=torch.bfloat16)
+
+    q, k = mk(H), mk(Hkv)
+    acc = torch.empty(B, H, T, D)
+    lse = torch.empty(B, H, T)
+    kern, _, args, consts = _launch(q, k, k, q, k, k, acc, lse, lse, 0.125, causal, cfg)
+    return _compile(kern, args, consts)
