@@ -233,3 +233,31 @@ def test_dq_convert_matches_reference_cpu(bthd):
         OP.dq_convert(acc.double(), dq, 0.125)
     with pytest.raises(ValueError, match="dq_convert"):
         OP.dq_convert(acc, dq[..., :48], 0.125)
+
+
+def test_onepass_protocol_replay():
+    """The kernel's loops in fp64 and its four partitions' barrier protocol (bench/gluon_flash_bwd_onepass.py
+    --replay, fewer interleavings): the default ring sizes and the tightest ones pass, and each of the 8 waits
+    left out in turn is caught (the replay can fail)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import gluon_flash_bwd_onepass as R
+
+    for causal in (True, False):
+        assert max(R.replay_math(64, T=256, causal=causal)) < 1e-10
+    stages, slots, nds = OP.CONFIGS[OP.DEFAULT][:3]
+    for cfg in ((stages, nds, slots), (2, 2, 1)):
+        for n_iter in (1, 3, 7):
+            for seed in range(12):
+                R.replay_protocol_dqwg(n_iter, *cfg, seed)
+        for drop in R.DQWG_WAITS:
+            caught = 0
+            for n_iter in (4, 7, 16):
+                for seed in range(30):
+                    try:
+                        R.replay_protocol_dqwg(n_iter, *cfg, seed, drop=drop)
+                    except AssertionError:
+                        caught += 1
+            assert caught > 0, (cfg, drop)

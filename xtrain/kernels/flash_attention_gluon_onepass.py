@@ -71,17 +71,15 @@ reference = flash_attention_bwd_ref  # the oracle: the plain-torch tiled referen
 RESIDENT = 128  # keys per program (two dK/dV warpgroups of 64)
 HALF_M = 64
 BLOCK_M = 64  # queries per step (one wgmma M of the dQ product)
-HEAD_DIMS = (64, 128)
-# name -> {head dim: (STAGES = Q/dO ring depth, SLOTS = dQ staging tiles, NDS = dS buffers, PF = lse/delta
-# prefetch, KV_REGS = setmaxnreg of dK/dV warpgroup 1, DQ_REGS = of the dQ warpgroup, DV_EARLY, NP = the
-# producer-less kernel, DP = dQ columns per staged piece)}
+HEAD_DIMS = (64, )
+# name -> (STAGES = Q/dO ring depth, SLOTS = dQ staging tiles, NDS = dS buffers, PF = lse/delta prefetch,
+# KV_REGS = setmaxnreg of dK/dV warpgroup 1, DQ_REGS = of the dQ warpgroup)
 CONFIGS = {
-    "pf": {64: (3, 2, 2, True, 208, 72, False, False, 64)},
-    "nopf": {64: (3, 2, 2, False, 200, 88, False, False, 64)},
-    "nopf_ds3": {64: (3, 2, 3, False, 200, 88, False, False, 64)},
-    "np": {64: (3, 2, 2, True, 208, 88, False, 1, 64), 128: (2, 2, 2, False, 224, 56, False, 1, 32)},
+    "pf": (3, 2, 2, True, 208, 72),
+    "nopf": (3, 2, 2, False, 200, 88),
+    "nopf_ds3": (3, 2, 3, False, 200, 88),
 }
-DEFAULT = {64: "pf", 128: "np"}
+DEFAULT = "pf"
 CONVERT_ROWS = 64  # rows of dq per program of the convert kernel
 
 if HAVE_GLUON:
@@ -97,14 +95,7 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from xtrain.kernels.flash_attention_gluon_bwd import (
-        _acc_layout,
-        _dkdv_producer,
-        _dkdv_store,
-        _load_qdo,
-        _ring_init,
-        _tma_load,
-    )
+    from xtrain.kernels.flash_attention_gluon_bwd import _acc_layout, _dkdv_producer, _dkdv_store, _ring_init
 
     _LOG2E = gl.constexpr(LOG2E)
     _tma_reduce_add = getattr(tma, "async_atomic_add", None)
@@ -149,34 +140,12 @@ if HAVE_GLUON:
         return off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, GROUP * n_m
 
     @gluon.jit
-    def _load_step(j, loads, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """``_load_qdo`` of step j; loads = (q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, q_empty,
-        do_empty, q_base, q_rh, q_ch, do_base, do_rh, do_ch, h0, mt0, n_m, k_desc, v_desc, k_smem, v_smem,
-        kv_bar, k_row, k_col, v_row, v_col)."""
-        _load_qdo(j, loads[0], loads[1], loads[2], loads[3], loads[4], loads[5], loads[6], loads[7], loads[8],
-                  loads[9], loads[10], loads[11], loads[12], loads[13], loads[14], loads[15], loads[16], BLOCK_M,
-                  STAGES)
-
-    @gluon.jit
-    def _load_kv(loads):
-        """The resident K and V halves (as ``_dkdv_producer`` does), from the ``_load_step`` tuple."""
-        k_desc, v_desc, k_smem, v_smem, kv_bar = loads[17], loads[18], loads[19], loads[20], loads[21]
-        k_row, k_col, v_row, v_col = loads[22], loads[23], loads[24], loads[25]
-        KH: gl.constexpr = k_desc.block_type.shape[0]
-        mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
-        _tma_load(k_desc, [k_row + KH, k_col], kv_bar, k_smem.index(1))
-        _tma_load(v_desc, [v_row, v_col], kv_bar, v_smem.index(0))
-        _tma_load(v_desc, [v_row + KH, v_col], kv_bar, v_smem.index(1))
-
-    @gluon.jit
     def _kv_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta,
                  dv, dk, mt0, n_m, k_lo, qk_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                 NDS: gl.constexpr, DV_EARLY: gl.constexpr = False):
+                 NDS: gl.constexpr):
         """Step ``it`` of dK/dV warpgroup HALF up to the dS hand-off (module docstring). Returns the in-flight
-        dv, dk and the register A operand p_op that must stay alive until dV retires. DV_EARLY (hd128): dPᵀ and
-        dV are retired before dSᵀ is formed, so p_op is dead there (fewer live registers, less overlap)."""
+        dv, dk and the register A operand p_op that must stay alive until dV retires."""
         KH: gl.constexpr = k_half.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_M)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(HEAD_DIM), k_width=2)
@@ -200,10 +169,7 @@ if HAVE_GLUON:
                 pt = gl.where(keep, pt, 0.0)
         p_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do_t, dv, is_async=True)
-        if DV_EARLY:
-            dpt, dv, p_op = warpgroup_mma_wait(0, deps=(dpt, dv, p_op))
-        else:
-            dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
+        dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         b = it % NDS
         mbarrier.wait(ds_empty.index(b), ((it // NDS) & 1) ^ 1)  # fresh barrier: the first lap passes
@@ -220,11 +186,9 @@ if HAVE_GLUON:
                      ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                      mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                     PF: gl.constexpr, NDS: gl.constexpr, DV_EARLY: gl.constexpr = False, loads=None):
+                     PF: gl.constexpr, NDS: gl.constexpr):
         """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Its only wait on another consumer is ds_empty
-        (the dQ warpgroup NDS steps behind). ``loads`` (the producer-less kernel, warpgroup 0 only): the tuple
-        of ``_load_step``; then this warpgroup issues the K/V loads and each step's Q/dO loads itself, STAGES - 1
-        steps ahead (so its wait for the slot is on the other warpgroup's previous step)."""
+        (the dQ warpgroup NDS steps behind)."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)
         k_half = k_smem.index(HALF)
@@ -233,15 +197,8 @@ if HAVE_GLUON:
         dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
         dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
         lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, BLOCK_M)
-        if loads is not None:
-            _load_kv(loads)
-            for j in range(gl.minimum(STAGES - 1, n_iter)):
-                _load_step(j, loads, BLOCK_M, STAGES)
         mbarrier.wait(kv_bar, 0)
         for it in range(n_iter):
-            if loads is not None:
-                if it + STAGES - 1 < n_iter:
-                    _load_step(it + STAGES - 1, loads, BLOCK_M, STAGES)
             if PF:
                 lse2n, deltan = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1),
                                            BLOCK_M)
@@ -249,7 +206,7 @@ if HAVE_GLUON:
                 lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
             dv, dk, p_op = _kv_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full,
                                     lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES,
-                                    CAUSAL, HALF, NDS, DV_EARLY)
+                                    CAUSAL, HALF, NDS)
             dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op))
             slot = it % STAGES
             mbarrier.arrive(q_empty.index(slot), count=1)  # dV, dK were the last readers of Q, dO
@@ -264,49 +221,29 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dq_consumer(k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
-                     BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr, STAGES: gl.constexpr = 2,
-                     loads=None):
+                     BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr):
         """The dQ warpgroup (module docstring): the only issuer of reduce-adds, so its own
-        tma.store_wait(SLOTS - 1) frees a staging tile. dq_desc's tile is [BLOCK_M, DP]: with DP < HEAD_DIM
-        (hd128: DP = 64) each step's dQ is computed, staged and reduce-added in HEAD_DIM / DP column pieces
-        (a [64, DP] accumulator), and ds_empty is arrived on once the last piece's wgmmas retired. ``loads``
-        (the producer-less kernel with NP = 2): this warpgroup issues the K/V loads and, at the top of step m,
-        the Q/dO loads of step m + STAGES - 1 (whose slot the dK/dV warpgroups freed after step m - 1)."""
-        DP: gl.constexpr = dq_desc.block_type.shape[1]
-        HEAD_DIM: gl.constexpr = k_smem.shape[2]
-        PIECES: gl.constexpr = HEAD_DIM // DP
-        dq_zero = gl.zeros([BLOCK_M, DP], gl.float32, _acc_layout(DP))
-        if loads is not None:
-            _load_kv(loads)
-            for j in range(gl.minimum(STAGES - 1, n_iter)):
-                _load_step(j, loads, BLOCK_M, STAGES)
+        tma.store_wait(SLOTS - 1) frees a staging tile."""
+        D: gl.constexpr = dq_desc.block_type.shape[1]
+        dq_zero = gl.zeros([BLOCK_M, D], gl.float32, _acc_layout(D))
         mbarrier.wait(kv_bar, 0)
+        k0 = k_smem.index(0)
+        k1 = k_smem.index(1)
         for it in range(n_iter):
-            if loads is not None:
-                if it + STAGES - 1 < n_iter:
-                    _load_step(it + STAGES - 1, loads, BLOCK_M, STAGES)
             b = it % NDS
             mbarrier.wait(ds_full.index(b), (it // NDS) & 1)
+            dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0, dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            mbarrier.arrive(ds_empty.index(b), count=1)
+            s = it % SLOTS
+            tma.store_wait(SLOTS - 1)  # the reduce-add of step it - SLOTS (same tile) has read it
+            _cta_barrier()  # the issuing thread's wait covers every thread's store below
+            dq_smem.index(s).store(dq)
+            fence_async_shared()
+            _cta_barrier()  # every thread's store is fenced before the one reduce-add
             row = dq_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M
-            for c in gl.static_range(PIECES):
-                k0 = k_smem.index(0)
-                k1 = k_smem.index(1)
-                if PIECES > 1:
-                    k0 = k0.slice(c * DP, DP, dim=1)
-                    k1 = k1.slice(c * DP, DP, dim=1)
-                dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0, dq_zero, use_acc=False, is_async=True)
-                dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1, dq, is_async=True)
-                dq = warpgroup_mma_wait(0, deps=(dq, ))
-                if c == PIECES - 1:
-                    mbarrier.arrive(ds_empty.index(b), count=1)
-                u = it * PIECES + c  # staging use count
-                s = u % SLOTS
-                tma.store_wait(SLOTS - 1)  # the reduce-add of use u - SLOTS (same tile) has read it
-                _cta_barrier()  # the issuing thread's wait covers every thread's store below
-                dq_smem.index(s).store(dq)
-                fence_async_shared()
-                _cta_barrier()  # every thread's store is fenced before the one reduce-add
-                _tma_reduce_add(dq_desc, [row, c * DP], dq_smem.index(s))
+            _tma_reduce_add(dq_desc, [row, 0], dq_smem.index(s))
         tma.store_wait(0)  # no CTA exit while a reduce-add still reads shared memory
 
     @gluon.jit
@@ -365,67 +302,6 @@ if HAVE_GLUON:
                               off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
                               BLOCK_M, STAGES)),
         ], [4, 4, 1], [KV_REGS, DQ_REGS, _PRODUCER_REGS])
-
-
-    @gluon.jit
-    def _onepass_np_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale,
-                           sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
-                           v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, HEAD_DIM: gl.constexpr,
-                           BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr, NDS: gl.constexpr,
-                           CAUSAL: gl.constexpr, PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
-                           DV_EARLY: gl.constexpr, NP: gl.constexpr):
-        """The producer-less form (hd128): three warpgroups, no TMA warp; dK/dV warpgroup 0 (the default
-        partition; NP = 1) or the dQ warpgroup (NP = 2) issues every load. 12 warps launch as 3 warpgroups, so the register budget is 2·KV_REGS +
-        DQ_REGS + the default's ≤ 512 with no 24-register producer warpgroup in it. dq_desc: the fp32
-        accumulator with [BLOCK_M, DP] tiles (DP = 64: dQ in column pieces)."""
-        dtype: gl.constexpr = q_desc.dtype
-        KH: gl.constexpr = k_desc.block_type.shape[0]
-        DP: gl.constexpr = dq_desc.block_type.shape[1]
-        gl.static_assert(BLOCK_M == 64)
-        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(H, GROUP, T, KH, BLOCK_M, CAUSAL)
-
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
-        dq_smem = gl.allocate_shared_memory(gl.float32, [SLOTS, BLOCK_M, DP], dq_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ds_full = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
-        ds_empty = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        _ring_init(q_bars, q_empty, STAGES)
-        _ring_init(do_bars, do_empty, STAGES)
-        for i in gl.static_range(NDS):
-            mbarrier.init(ds_full.index(i), count=2)
-            mbarrier.init(ds_empty.index(i), count=1)
-        fence_async_shared()
-
-        k_row = off_b * k_rb + off_kvh * k_rh + start_n
-        v_row = off_b * v_rb + off_kvh * v_rh + start_n
-        dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
-        dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
-        loads = (q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, q_empty, do_empty, off_b * q_rb, q_rh, q_ch,
-                 off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, k_desc, v_desc, k_smem, v_smem, kv_bar, k_row,
-                 off_kvh * k_ch, v_row, off_kvh * v_ch)
-        gl.warp_specialize([
-            (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
-                            ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                            off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
-                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, NDS, DV_EARLY,
-                            loads if NP == 1 else None)),
-            (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
-                            ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                            off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
-                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, NDS, DV_EARLY)),
-            (_dq_consumer, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m,
-                            n_iter, BLOCK_M, NDS, SLOTS, STAGES, loads if NP == 2 else None)),
-        ], [4, 4], [KV_REGS, DQ_REGS])
 
 
 @triton.jit
@@ -493,40 +369,31 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
             and GB.supported_bwd(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv))
 
 
-def _config(op: str, config, D: int):
-    """(STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS, DV_EARLY, NP, DP) of a config name or tuple (6 fields:
-    DV_EARLY and NP false, DP 64) at head dim D."""
+def _config(op: str, config):
+    """(STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS) of a config name or tuple."""
     if config is None:
-        config = DEFAULT[D]
+        config = DEFAULT
     if isinstance(config, str):
-        if config not in CONFIGS or D not in CONFIGS[config]:
-            raise ValueError(f"{op}: unknown config {config!r} at head dim {D}, have "
-                             f"{sorted(n for n, c in CONFIGS.items() if D in c)}")
-        return CONFIGS[config][D]
+        if config not in CONFIGS:
+            raise ValueError(f"{op}: unknown config {config!r}, have {sorted(CONFIGS)}")
+        return CONFIGS[config]
     try:
-        config = tuple(config)
-        if len(config) == 6:
-            config = config + (False, False, 64)
-        stages, slots, nds, pf, kv, dq, dve, np_, dp = config
-        stages, slots, nds, kv, dq, dp = int(stages), int(slots), int(nds), int(kv), int(dq), int(dp)
-        pf, dve, np_ = bool(pf), bool(dve), int(np_)
+        stages, slots, nds, pf, kv, dq = config
+        stages, slots, nds, kv, dq, pf = int(stages), int(slots), int(nds), int(kv), int(dq), bool(pf)
     except (TypeError, ValueError):
         raise ValueError(f"{op}: config must be a name in {sorted(CONFIGS)} or (STAGES, SLOTS, NDS, PF, KV_REGS, "
-                         f"DQ_REGS[, DV_EARLY, NP, DP]), got {config!r}") from None
+                         f"DQ_REGS), got {config!r}") from None
     if not (1 <= stages <= 4 and 1 <= slots <= 3 and 1 <= nds <= 3):
         raise ValueError(f"{op}: config needs 1-4 stages, 1-3 slots, 1-3 dS buffers, got {config!r}")
-    if np_ not in (0, 1, 2) or dp not in (32, 64) or D % dp:
-        raise ValueError(f"{op}: NP must be 0, 1 or 2 and DP 32 or 64, got {config!r}")
-    budget = 504 if np_ else 488  # what the consumers share: 3 x 168 (12 warps), or 4 x 128 less the producer's 24
-    if kv % 8 or dq % 8 or not (24 <= dq <= kv <= 256) or 2 * kv + dq > budget:
+    if kv % 8 or dq % 8 or not (24 <= dq <= kv <= 256) or 2 * kv + dq > 488:
         raise ValueError(f"{op}: register counts must be multiples of 8 with 24 <= DQ_REGS <= KV_REGS <= 256 and "
-                         f"2·KV_REGS + DQ_REGS <= {budget}, got {config!r}")
-    return stages, slots, nds, pf, kv, dq, dve, np_, dp
+                         f"2·KV_REGS + DQ_REGS <= 488, got {config!r}")
+    return stages, slots, nds, pf, kv, dq
 
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg):
     """(kernel, grid, args, constexprs) of the one-pass kernel; CUDA tensors or CPU stand-ins."""
-    stages, slots, nds, pf, kv_regs, dq_regs, dve, np_, DP = cfg
+    stages, slots, nds, pf, kv_regs, dq_regs = cfg
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
@@ -534,18 +401,13 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
     for n, (_, rb, rh, ch) in views.items():
         args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
     acc2 = dq_acc.view(B * H * T, D)
-    acc_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DP], gl.float32)
+    acc_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.float32)
     args.update(q_desc=_desc(views["q"][0], BLOCK_M, D), do_desc=_desc(views["do"][0], BLOCK_M, D),
                 k_desc=_desc(views["k"][0], HALF_M, D), v_desc=_desc(views["v"][0], HALF_M, D),
                 dk_desc=_desc(views["dk"][0], HALF_M, D), dv_desc=_desc(views["dv"][0], HALF_M, D),
-                dq_desc=TensorDescriptor(acc2, list(acc2.shape), list(acc2.stride()), [BLOCK_M, DP], acc_layout))
+                dq_desc=TensorDescriptor(acc2, list(acc2.shape), list(acc2.stride()), [BLOCK_M, D], acc_layout))
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf,
                   KV_REGS=kv_regs, DQ_REGS=dq_regs)
-    if np_:
-        consts.update(DV_EARLY=dve, NP=int(np_))
-        return _onepass_np_kernel, (T // RESIDENT, B * Hkv), args, consts
-    if dve or D != 64 or DP != 64:
-        raise ValueError("onepass: DV_EARLY, DP < 64 and head dim 128 need the producer-less kernel (NP)")
     return _onepass_kernel, (T // RESIDENT, B * Hkv), args, consts
 
 
@@ -565,7 +427,7 @@ def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, 
                          f"strides q {q.stride()} k {k.stride()} v {v.stride()} do {do.stride()} o {o.stride()}")
     B, H, T, D = q.shape
     s = FA._scale(op, scale, D)
-    cfg = _config(op, config, D)
+    cfg = _config(op, config)
     do = do.to(q.dtype)
     lse = lse.to(torch.float32).contiguous()
     dq = GB._grad_buf(op, "dq", dq, q)
@@ -588,7 +450,7 @@ def compile_sm90(causal: bool = True, config=None, transposed: bool = False, T: 
     ``transposed``: q, do, k, v, dk, dv as [B, T, Hx, D] seen through a transpose. Returns the CompiledKernel."""
     from xtrain.kernels.flash_attention_gluon_bwd import _compile
 
-    cfg = _config("compile_sm90", config, D)
+    cfg = _config("compile_sm90", config)
     B, H, Hkv = 1, 4, 2
 
     def mk(h):
