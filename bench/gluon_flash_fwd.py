@@ -8,7 +8,8 @@ xtrain's Triton forward; plus, without a GPU, sm_90 compilation and a CPU replay
     PYTHONPATH=. python3 bench/gluon_flash_fwd.py --replay            # no GPU: CPU replay of the scheduling
 
 The kernels, the variants (``VARIANTS``: lib, the one-program-per-tile kernel; pers, q2, pp, q2pp, the
-persistent kernel with one or two Q buffers, with or without the warpgroup ping-pong), the table that picks
+persistent kernel with one or two Q buffers, with or without the warpgroup ping-pong; w3, q2 with three
+consumer warpgroups over 192-row items, hd64 only), the table that picks
 one per (head dim, T) (``VARIANT_BY_T``) and the measured numbers live in the library module's docstring;
 this file only runs them (``flash_attention_fwd_gluon(..., variant=name)``). ``--grid`` caps the
 persistent grid (default: the SM count); ``--stages`` overrides the K/V ring depth.
@@ -18,8 +19,10 @@ consumer warpgroups 0 and 1; ``py_n_local``/``py_item`` copy ``_n_local``/``_ite
 with TMA copies and O stores completing after random delays. It asserts that every (query tile, head) is
 done once, that each consumer wait hands over the tile it expects, that no copy lands in a slot still read,
 that the O buffer is not rewritten under an in-flight store, that the ping-pong alternates and that nothing
-deadlocks; three deliberately broken protocols (negative controls) must be caught. It ran before the
-persistent kernel's first GPU run.
+deadlocks; four deliberately broken protocols (negative controls) must be caught. It ran before the
+persistent kernel's first GPU run. With nw = 3 (w3) the consumers skip the tiles past their own diagonal and
+the rows past T as the kernel does, waiting for each skipped tile to land before releasing it (the
+"skip_no_wait" control drops that wait).
 
 Triton-version notes (the GPU machine runs triton 3.6; newer Gluon renamed a few builtins): the library uses
 aliases ``_tma_load``/``_tma_store``/``_cta_barrier``; ``mbarrier.expect``'s byte count is positional
@@ -48,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench import isolated  # noqa: E402
 from bench.isolated import check_one  # noqa: E402
 from xtrain.kernels import flash_attention_gluon as LIB  # noqa: E402
-from xtrain.kernels.flash_attention_gluon import BLOCK_M, VARIANTS
+from xtrain.kernels.flash_attention_gluon import VARIANTS
 
 GRID = None  # --grid: cap on the persistent programs (default: the GPU's SM count)
 STAGES = None  # --stages: K/V ring slots (default: the library's by head dim)
@@ -71,7 +74,7 @@ def compile_only(variants, head_dims, dump=None):
     print(f"triton {triton.__version__}: compiling Gluon variants for sm_90 (no GPU)")
     ok = True
     for name in variants:
-        for D in head_dims:
+        for D in (D for D in head_dims if D in LIB.VARIANT_HEAD_DIMS.get(name, LIB.HEAD_DIMS)):
             for causal in (True, False):
                 t0 = time.time()
                 tag = f"{name:10s} D={D:3d} {'causal' if causal else 'full  '}"
@@ -108,20 +111,27 @@ def py_item(idx, pid, n_prog, n_m):
     return odd * (r // 2) + (1 - odd) * (n_m - 1 - r // 2), bh
 
 
-def py_n_tiles(pid_m, T, block_n, causal):
-    return -(-(pid_m * BLOCK_M + BLOCK_M) // block_n) if causal else -(-T // block_n)
+def py_n_tiles(pid_m, T, block_n, causal, nw=2):
+    """K/V tiles of item pid_m of nw·64 rows (``_tile_coords``)."""
+    rows = nw * LIB.HALF_M
+    return -(-min(pid_m * rows + rows, T) // block_n) if causal else -(-T // block_n)
 
 
-def replay_schedule(BH, T, n_prog, block_n=128, causal=True):
+def py_n_mine(row0, n_tiles, block_n, causal):
+    """Tiles a warpgroup whose rows start at row0 computes (NW = 3: up to its own diagonal)."""
+    return min(-(-(row0 + LIB.HALF_M) // block_n), n_tiles) if causal else n_tiles
+
+
+def replay_schedule(BH, T, n_prog, block_n=128, causal=True, nw=2):
     """Every (pid_m, bh) exactly once; returns per-program K/V tile counts and the schedule."""
-    n_m = T // BLOCK_M
+    n_m = -(-T // (nw * LIB.HALF_M))
     U = BH * n_m
     G = max(1, min(n_prog, (U + 1) // 2))
     seen, loads, sched = {}, [], []
     for pid in range(G):
         items = [py_item(i, pid, G, n_m) for i in range(py_n_local(pid, G, U))]
         sched.append(items)
-        loads.append(sum(py_n_tiles(m, T, block_n, causal) for m, _ in items))
+        loads.append(sum(py_n_tiles(m, T, block_n, causal, nw) for m, _ in items))
         for it in items:
             assert it not in seen, f"item {it} twice (programs {seen[it]} and {pid})"
             seen[it] = pid
@@ -146,26 +156,28 @@ class _Bar:
         return (self.phases & 1) != parity
 
 
-def replay_program(pid, G, BH, T, block_n, stages, num_q, pingpong, causal, rng, bug=None):
+def replay_program(pid, G, BH, T, block_n, stages, num_q, pingpong, causal, rng, bug=None, nw=2):
     """Run one program's three partitions as Python generators that mirror _pers_producer/_pers_consumer
     line by line, interleaved at random, with TMA copies and stores completing after random delays.
     Asserts: every consumer wait hands over exactly the tile/Q the consumer expects, no TMA copy lands in a
     slot a consumer may still read, the O buffer is not rewritten under an in-flight store, ping-pong steps
-    alternate strictly, and nothing deadlocks. Returns the number of scheduler steps."""
-    n_m = T // BLOCK_M
+    alternate strictly, and nothing deadlocks. nw = 3: three consumers over 192-row items, each computing the
+    tiles up to its own diagonal and only waiting for and releasing the rest, none for rows past T (the
+    kernel's ``_skip_tiles``). Returns the number of scheduler steps."""
+    n_m = -(-T // (nw * LIB.HALF_M))
     U = BH * n_m
     n_local = py_n_local(pid, G, U)
     bar = {}
     for i in range(num_q):
-        bar["q_full", i], bar["q_empty", i] = _Bar(1, f"q_full{i}"), _Bar(2, f"q_empty{i}")
+        bar["q_full", i], bar["q_empty", i] = _Bar(1, f"q_full{i}"), _Bar(nw, f"q_empty{i}")
     for i in range(stages):
-        for nm, c in (("k_full", 1), ("v_full", 1), ("k_empty", 2), ("v_empty", 2)):
+        for nm, c in (("k_full", 1), ("v_full", 1), ("k_empty", nw), ("v_empty", nw)):
             bar[nm, i] = _Bar(c, f"{nm}{i}")
     bar["sched", 0], bar["sched", 1] = _Bar(1, "sched0"), _Bar(1, "sched1")
     content = {}  # (buffer, slot) -> what the last completed TMA copy put there
     readers = {}  # (buffer, slot) -> set of consumers that may read it (from full-wait to empty-arrive)
     inflight = []  # pending async events: [delay, fn]
-    o_store = [False, False]  # an O store of warpgroup HALF still reads o_smem[HALF]
+    o_store = [False] * nw  # an O store of warpgroup HALF still reads o_smem[HALF]
     pp_log = []
 
     def tma(buf, slot, tag, b):
@@ -180,7 +192,7 @@ def replay_program(pid, G, BH, T, block_n, stages, num_q, pingpong, causal, rng,
         t = 0
         for idx in range(n_local):
             pid_m, bh = py_item(idx, pid, G, n_m)
-            n_tiles = py_n_tiles(pid_m, T, block_n, causal)
+            n_tiles = py_n_tiles(pid_m, T, block_n, causal, nw)
             qs = idx % num_q
             yield bar["q_empty", qs], ((idx // num_q) & 1) ^ 1
             tma("q", qs, ("q", idx), bar["q_full", qs])
@@ -212,12 +224,32 @@ def replay_program(pid, G, BH, T, block_n, stages, num_q, pingpong, causal, rng,
             if pingpong:
                 bar["sched", 1 - half].arrive()
 
+        def skip(t0, j0, n_tiles):  # _skip_tiles: wait for each tile to land, release it unread
+            for j in range(j0, n_tiles):
+                tj = t0 + j
+                slot = tj % stages
+                if bug != "skip_no_wait":
+                    yield bar["k_full", slot], (tj // stages) & 1
+                bar["k_empty", slot].arrive()
+                yield bar["v_full", slot], (tj // stages) & 1
+                bar["v_empty", slot].arrive()
+
         t = sc = 0
         for idx in range(n_local):
             pid_m, bh = py_item(idx, pid, G, n_m)
-            n_tiles = py_n_tiles(pid_m, T, block_n, causal)
+            n_tiles = py_n_tiles(pid_m, T, block_n, causal, nw)
             qs = idx % num_q
             yield bar["q_full", qs], (idx // num_q) & 1
+            n_mine = n_tiles
+            if nw != 2:
+                row0 = pid_m * nw * LIB.HALF_M + half * LIB.HALF_M
+                if row0 >= T:  # rows past T: release Q, skip every tile, no store
+                    bar["q_empty", qs].arrive()
+                    yield from skip(t, 0, n_tiles)
+                    t += n_tiles
+                    sc += n_tiles + 1
+                    continue
+                n_mine = py_n_mine(row0, n_tiles, block_n, causal)
             use("q", qs, ("q", idx), who)
             slot = t % stages
             yield from pp_enter(sc)
@@ -225,7 +257,7 @@ def replay_program(pid, G, BH, T, block_n, stages, num_q, pingpong, causal, rng,
             use("k", slot, ("kv", idx, 0), who)
             pp_leave()
             release("k", slot, who, bar["k_empty", slot])  # wait(0) on S_0, then arrive
-            for j in range(1, n_tiles):
+            for j in range(1, n_mine):
                 tj = t + j
                 slot, prev = tj % stages, (tj - 1) % stages
                 yield from pp_enter(sc + j)
@@ -238,13 +270,14 @@ def replay_program(pid, G, BH, T, block_n, stages, num_q, pingpong, causal, rng,
                 release("v", prev, who, bar["v_empty", prev])
             if not (bug == "q_release_late_count" and half == 1):
                 release("q", qs, who, bar["q_empty", qs])
-            tl_ = t + n_tiles - 1
+            tl_ = t + n_mine - 1
             last = tl_ % stages
             yield from pp_enter(sc + n_tiles)
             yield bar["v_full", last], (tl_ // stages) & 1
-            use("v", last, ("kv", idx, n_tiles - 1), who)
+            use("v", last, ("kv", idx, n_mine - 1), who)
             pp_leave()
             release("v", last, who, bar["v_empty", last])
+            yield from skip(t, n_mine, n_tiles)
             t = 0 if bug == "ring_per_item" else t + n_tiles
             sc += n_tiles + 1
             yield "ostore", half  # tma.store_wait(0) before o_smem is written again
@@ -255,7 +288,7 @@ def replay_program(pid, G, BH, T, block_n, stages, num_q, pingpong, causal, rng,
             inflight.append([rng.randint(1, 12), done])
         yield "ostore", half
 
-    agents = {"prod": producer(), "wg0": consumer(0), "wg1": consumer(1)}
+    agents = {"prod": producer(), **{f"wg{h}": consumer(h) for h in range(nw)}}
     waiting = {name: (None, None) for name in agents}  # what each agent waits on (None: nothing yet)
 
     def ready(b, p):
@@ -303,8 +336,9 @@ def replay(seed=0):
                   f"{sum(loads) / len(loads):.1f} -> balance {sum(loads) / len(loads) / max(loads):.3f}; "
                   f"heads in flight per lap {min(n_conc)}..{max(n_conc)} of {BH}")
     for BH, T, G, bn in ((4, 384, 5, 128), (3, 384, 4, 128), (4, 256, 3, 256), (1, 640, 2, 64), (7, 1024, 9, 128)):
-        replay_schedule(BH, T, G, bn, True)
-        replay_schedule(BH, T, G, bn, False)
+        for nw in (2, 3):
+            replay_schedule(BH, T, G, bn, True, nw)
+            replay_schedule(BH, T, G, bn, False, nw)
     print("  odd n_m / odd item counts / small grids / BLOCK_N 64, 256: coverage OK")
 
     print("barrier protocol (random interleavings, random TMA/store latencies):")
@@ -312,26 +346,27 @@ def replay(seed=0):
     for name, cfg in VARIANTS.items():
         if cfg is None:  # lib: not persistent
             continue
-        nq, pp = cfg
-        for D in LIB.HEAD_DIMS:
+        nq, pp, nw = (cfg + (2, ))[:3]
+        for D in LIB.HEAD_DIMS if nw == 2 else (64, ):
             bn, st = LIB.BLOCK_N, STAGES or LIB.STAGES[D]
-            for BH, T, G in ((4, 256, 3), (2, 384, 2), (3, 1024, 5), (1, 640, 1)):
+            for BH, T, G in ((4, 256, 3), (2, 384, 2), (3, 1024, 5), (1, 640, 1), (2, 128, 1), (3, 2048, 4)):
                 for causal in (True, False):
-                    cases.append((name, D, BH, T, G, bn, st, nq, pp, causal))
+                    cases.append((name, D, BH, T, G, bn, st, nq, pp, causal, nw))
     n = 0
-    for _name, _D, BH, T, G, bn, st, nq, pp, causal in cases:
+    for _name, _D, BH, T, G, bn, st, nq, pp, causal, nw in cases:
         for pid in range(min(G, 2)):
             for _ in range(3):
-                replay_program(pid, G, BH, T, bn, st, nq, pp, causal, rng)
+                replay_program(pid, G, BH, T, bn, st, nq, pp, causal, rng, nw=nw)
                 n += 1
     print(f"  {n} program replays over {len(cases)} cases: no deadlock, no hazard, ping-pong alternates")
 
     # negative controls: the replay must catch a broken protocol
-    for bug in ("ring_per_item", "pp_parity", "q_release_late_count"):
+    for bug in ("ring_per_item", "pp_parity", "q_release_late_count", "skip_no_wait"):
         try:
             for pid in range(3):
                 for _ in range(5):
-                    replay_program(pid, 3, 3, 1024, 128, 2, 1, bug == "pp_parity", True, rng, bug=bug)
+                    replay_program(pid, 3, 3, 1024, 128, 2, 1, bug == "pp_parity", True, rng, bug=bug,
+                                   nw=3 if bug == "skip_no_wait" else 2)
             print(f"  negative control {bug}: NOT caught")
             return False
         except AssertionError as e:
@@ -367,7 +402,7 @@ def check_variant(name, head_dims):
     from xtrain.kernels.flash_attention import flash_attention_fwd_ref
 
     ok = True
-    for D in head_dims:
+    for D in (D for D in head_dims if D in LIB.VARIANT_HEAD_DIMS.get(name, LIB.HEAD_DIMS)):
         for B, T, causal, transposed in CHECK_CASES:
             H, Hkv = 4, 2
             g = torch.Generator(device="cuda").manual_seed(T + D + B)
@@ -431,7 +466,7 @@ def bench_row(D, T, variants):
         FA.FWD_GLUON = saved
     o = torch.empty_like(q)
     lse = torch.empty((B, H, T), device="cuda", dtype=torch.float32)
-    for name in variants:
+    for name in (n for n in variants if D in LIB.VARIANT_HEAD_DIMS.get(n, LIB.HEAD_DIMS)):
         timed(name, lambda name=name: gluon_flash_fwd(q, k, v, True, None, name, o=o, lse=lse))
     return row
 

@@ -59,6 +59,11 @@ Two kernels run that design (``VARIANTS``):
         warpgroups, so the alternation holds across items. (lib and pers let the warpgroups drift apart
         instead, which overlaps them less reliably.)
   q2pp  both.
+  w3    q2 with THREE consumer warpgroups and 192-row items (FlashAttention-3's hd64 tile: kBlockM = 192),
+        hd64 only (``VARIANT_HEAD_DIMS``): 160-168 registers each. T being a multiple of 128, a head's last
+        item may hold 64 or 128 rows: the warpgroups whose rows lie past T compute nothing and only release
+        Q and each K/V tile after it lands (``_skip_tiles``: an earlier arrival would count towards the slot's
+        previous use); causal, each warpgroup computes the tiles up to its own diagonal and skips the rest.
 The schedule and the barrier protocol were replayed on CPU before the first GPU run (bench/gluon_flash_fwd.py
 --replay: random interleavings and TMA latencies, coverage, balance, negative controls).
 
@@ -68,7 +73,10 @@ H200, causal bf16, B·T = 16k, H·D = 2048, TFLOP/s ratio to cuDNN at T = 1k / 2
          pp 0.91/0.99/0.95/0.99/1.02  q2pp 0.93/1.02/0.97/0.91/0.93  (Triton kernel 0.86/0.91/0.88/0.92/0.96)
   hd128: lib 0.89/0.94/1.07/1.06/1.08  pers 0.77/1.08/1.07/1.09/1.06  q2 0.69/1.07/1.06/1.09/1.07
          pp 1.02/1.09/1.07/1.08/1.07  q2pp 0.68/1.12/1.12/1.10/1.09  (Triton kernel 0.82/0.80/0.84/0.90/0.90)
-so ``VARIANT_BY_T`` picks q2 at hd64 (ahead of the Triton kernel at every T) and, at hd128, pp up to T = 1k
+Session 5, same process (bench/gluon_flash_fwd.py --variants q2,w3 --head-dims 64): hd64 q2 0.95 / 0.98 /
+1.00 / 0.99 / 1.01, w3 0.60 / 0.76 / 0.98 / 1.04 / 1.07 (short T: the partial last items and the skipped
+tiles of the warpgroups above their diagonal cost more than the third warpgroup wins).
+So ``VARIANT_BY_T`` picks q2 at hd64 up to T = 4k and w3 above, and, at hd128, pp up to T = 1k
 and q2pp above (at hd128 T = 1k both two-Q-buffer variants fall to 0.68-0.69x; the cause was not
 profiled). Measured and slower (code in git history): one 8-warp consumer partition (0.62-0.87x), no warp
 specialisation with and without the wgmma/softmax overlap (0.63-0.91x), 64-wide K/V tiles in the per-item
@@ -115,6 +123,7 @@ BLOCK_N = 128  # K/V rows per tile
 HEAD_DIMS = (64, 128)
 CONSUMER_REGS = 232  # registers per thread of the second consumer partition (setmaxnreg)
 PRODUCER_REGS = 24
+CONSUMER3_REGS = 160  # the two worker consumers when three consumer warpgroups share the 512 (NW = 3)
 LOG2E = 1.4426950408889634  # 1 / ln 2
 
 if HAVE_GLUON:
@@ -124,6 +133,7 @@ if HAVE_GLUON:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     HALF_ROWS = gl.constexpr(HALF_M)  # globals a @gluon.jit body reads must be constexpr objects
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
+    _CONSUMER3_REGS = gl.constexpr(CONSUMER3_REGS)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
 
     @gluon.constexpr_function
@@ -135,21 +145,25 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile_coords(bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr):
-        """Descriptor coordinates of item (query tile pid_m, batch·head bh): row b·rb + h·rh + t, column h·ch
-        (q and o share a layout; k and v share one). Returns (start_m, q_row, q_col, kv_row0, kv_col,
-        lse_row, n_tiles), n_tiles = the K/V tiles the item reads (causal: up to its diagonal)."""
+                     CAUSAL: gl.constexpr, NW: gl.constexpr = 2):
+        """Descriptor coordinates of item (query tile pid_m of NW·64 rows, batch·head bh): row b·rb + h·rh + t,
+        column h·ch (q and o share a layout; k and v share one). Returns (start_m, q_row, q_col, kv_row0,
+        kv_col, lse_row, n_tiles), n_tiles = the K/V tiles the item reads (causal: up to its diagonal; with
+        NW = 3 the last item of a head may end past T, and its tiles stop at T)."""
         off_b = bh // H
         off_h = bh % H
         off_hk = off_h // GROUP
-        start_m = pid_m * (2 * HALF_ROWS)
+        start_m = pid_m * (NW * HALF_ROWS)
         q_row = off_b * q_rb + off_h * q_rh + start_m
         q_col = off_h * q_ch
         kv_row0 = off_b * kv_rb + off_hk * kv_rh
         kv_col = off_hk * kv_ch
         lse_row = bh.to(gl.int64) * T + start_m
         if CAUSAL:
-            n_tiles = (start_m + 2 * HALF_ROWS) // BLOCK_N
+            if NW == 2:
+                n_tiles = (start_m + 2 * HALF_ROWS) // BLOCK_N
+            else:
+                n_tiles = (gl.minimum(start_m + NW * HALF_ROWS, T) + BLOCK_N - 1) // BLOCK_N
         else:
             n_tiles = T // BLOCK_N
         return start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles
@@ -257,13 +271,15 @@ if HAVE_GLUON:
         gl.store(lse_ptr + lse_row + offs, lse)
 
     @gluon.jit
-    def _load_item(q_desc, k_desc, v_desc, q_lo, q_hi, q_bar, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
-                   q_row, q_col, kv_row0, kv_col, t0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The producer's work for one item: both Q halves (q_bar counts their bytes), then every K/V tile
-        into its ring slot (running tile t0 + j) once both consumers have released the slot's last tile."""
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row, q_col], q_bar, q_lo)
-        _tma_load(q_desc, [q_row + HALF_ROWS, q_col], q_bar, q_hi)
+    def _load_item(q_desc, k_desc, v_desc, q_smem, qb, q_bar, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
+                   q_row, q_col, kv_row0, kv_col, t0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   NW: gl.constexpr = 2):
+        """The producer's work for one item: its NW 64-row Q tiles into q_smem[qb .. qb + NW) (q_bar counts
+        their bytes), then every K/V tile into its ring slot (running tile t0 + j) once every consumer has
+        released the slot's last tile."""
+        mbarrier.expect(q_bar, NW * q_desc.block_type.nbytes)
+        for w in gl.static_range(NW):
+            _tma_load(q_desc, [q_row + w * HALF_ROWS, q_col], q_bar, q_smem.index(qb + w))
         for j in range(n_tiles):
             t = t0 + j
             slot = t % STAGES
@@ -276,19 +292,19 @@ if HAVE_GLUON:
             _tma_load(v_desc, [kv_row0 + j * BLOCK_N, kv_col], v_full.index(slot), v_smem.index(slot))
 
     @gluon.jit
-    def _init_ring(k_full, v_full, k_empty, v_empty, STAGES: gl.constexpr):
+    def _init_ring(k_full, v_full, k_empty, v_empty, STAGES: gl.constexpr, NW: gl.constexpr = 2):
         for i in gl.static_range(STAGES):
             mbarrier.init(k_full.index(i), count=1)
             mbarrier.init(v_full.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=NW)  # one arrival per consumer warpgroup
+            mbarrier.init(v_empty.index(i), count=NW)
 
     # ---- lib: one program per item ------------------------------------------------------------------------
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
                   q_row, q_col, kv_row0, kv_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        _load_item(q_desc, k_desc, v_desc, q_smem.index(0), q_smem.index(1), q_bar, k_smem, v_smem, k_full, v_full,
-                   k_empty, v_empty, q_row, q_col, kv_row0, kv_col, 0, n_tiles, BLOCK_N, STAGES)
+        _load_item(q_desc, k_desc, v_desc, q_smem, 0, q_bar, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
+                   q_row, q_col, kv_row0, kv_col, 0, n_tiles, BLOCK_N, STAGES)
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, o_desc, lse_ptr, q_row, q_col,
@@ -365,19 +381,19 @@ if HAVE_GLUON:
     @gluon.jit
     def _pers_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
                        v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr):
-        """The TMA warp: per item, both Q halves into Q slot idx % NUM_Q once both consumers released it,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr,
+                       NW: gl.constexpr = 2):
+        """The TMA warp: per item, its NW Q tiles into Q slot idx % NUM_Q once every consumer released it,
         then the item's K/V tiles into the ring (running counter t, continued across items)."""
         t = pid * 0
         for idx in range(_n_local(pid, n_prog, U)):
             bh, pid_m = _item(idx, pid, n_prog, n_m)
             start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
-                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL)
+                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL, NW)
             qs = idx % NUM_Q
             mbarrier.wait(q_empty.index(qs), ((idx // NUM_Q) & 1) ^ 1)  # first use passes on a fresh barrier
-            _load_item(q_desc, k_desc, v_desc, q_smem.index(2 * qs), q_smem.index(2 * qs + 1), q_full.index(qs),
-                       k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_row, q_col, kv_row0, kv_col, t, n_tiles,
-                       BLOCK_N, STAGES)
+            _load_item(q_desc, k_desc, v_desc, q_smem, NW * qs, q_full.index(qs), k_smem, v_smem, k_full, v_full,
+                       k_empty, v_empty, q_row, q_col, kv_row0, kv_col, t, n_tiles, BLOCK_N, STAGES, NW)
             t += n_tiles
 
     @gluon.jit
@@ -385,8 +401,10 @@ if HAVE_GLUON:
                        o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
                        kv_ch, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
-                       HALF: gl.constexpr):
-        """Consumer warpgroup HALF: query rows 64·HALF .. +64 of every item of the program."""
+                       HALF: gl.constexpr, NW: gl.constexpr = 2):
+        """Consumer warpgroup HALF: query rows 64·HALF .. +64 of every item of the program. NW = 3: its rows
+        may lie past T (the head's last item) and, causal, its diagonal may come before the item's last tile:
+        it computes its own first n_mine tiles and only waits for and releases the rest (``_skip_tiles``)."""
         layouts: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
@@ -396,33 +414,69 @@ if HAVE_GLUON:
         for idx in range(_n_local(pid, n_prog, U)):
             bh, pid_m = _item(idx, pid, n_prog, n_m)
             start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
-                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL)
+                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL, NW)
             qs = idx % NUM_Q
             mbarrier.wait(q_full.index(qs), (idx // NUM_Q) & 1)
-            acc, m_i, l_i = _consumer_loop(q_smem.index(2 * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty,
-                                           v_empty, q_empty.index(qs), sched, t, sc, n_tiles, qk_scale,
-                                           start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N,
-                                           STAGES, CAUSAL, HALF, PINGPONG, True)
+            if NW == 2:
+                acc, m_i, l_i = _consumer_loop(q_smem.index(2 * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty,
+                                               v_empty, q_empty.index(qs), sched, t, sc, n_tiles, qk_scale,
+                                               start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM,
+                                               BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, True)
+                tma.store_wait(0)  # the previous item's O store must have finished reading o_half
+                _cta_barrier()
+                _epilogue(acc, m_i, l_i, o_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr,
+                          lse_row + HALF * HALF_ROWS, s_layout, o_layout, dtype)
+            else:
+                row0 = start_m + HALF * HALF_ROWS  # this warpgroup's first query row
+                if CAUSAL:  # tiles up to its own diagonal
+                    n_mine = gl.minimum((row0 + HALF_ROWS + BLOCK_N - 1) // BLOCK_N, n_tiles)
+                else:
+                    n_mine = n_tiles
+                if row0 < T:
+                    acc, m_i, l_i = _consumer_loop(q_smem.index(NW * qs + HALF), k_smem, v_smem, k_full, v_full,
+                                                   k_empty, v_empty, q_empty.index(qs), sched, t, sc, n_mine,
+                                                   qk_scale, row0, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N,
+                                                   STAGES, CAUSAL, HALF, False, True)
+                    _skip_tiles(k_full, v_full, k_empty, v_empty, t, n_mine, n_tiles, STAGES)
+                    tma.store_wait(0)  # the previous item's O store must have finished reading o_half
+                    _cta_barrier()
+                    _epilogue(acc, m_i, l_i, o_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr,
+                              lse_row + HALF * HALF_ROWS, s_layout, o_layout, dtype)
+                else:  # rows past T: nothing to compute or store
+                    mbarrier.arrive(q_empty.index(qs), count=1)
+                    _skip_tiles(k_full, v_full, k_empty, v_empty, t, 0, n_tiles, STAGES)
             t += n_tiles
             sc += n_tiles + 1
-            tma.store_wait(0)  # the previous item's O store must have finished reading o_half
-            _cta_barrier()
-            _epilogue(acc, m_i, l_i, o_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr,
-                      lse_row + HALF * HALF_ROWS, s_layout, o_layout, dtype)
         tma.store_wait(0)
+
+    @gluon.jit
+    def _skip_tiles(k_full, v_full, k_empty, v_empty, t0, j0, n_tiles, STAGES: gl.constexpr):
+        """Ring tiles t0 + j0 .. t0 + n_tiles - 1 that this warpgroup does not compute: it still releases each
+        one, after its full barrier says it landed (an earlier arrival would count towards the slot's previous
+        use)."""
+        for j in range(j0, n_tiles):
+            t = t0 + j
+            slot = t % STAGES
+            mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.wait(v_full.index(slot), (t // STAGES) & 1)
+            mbarrier.arrive(v_empty.index(slot), count=1)
 
     @gluon.jit
     def _flash_fwd_gluon_pers_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T, U, n_m,
                                      q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
                                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                     CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr):
-        """Persistent program over U = B·H·n_m items (n_m = T / 128), grid <= ceil(U / 2). num_warps = 4
-        (default partition = consumer 0; workers: consumer 1 (4 warps), producer (1 warp))."""
+                                     CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
+                                     NW: gl.constexpr = 2):
+        """Persistent program over U = B·H·n_m items of NW·64 query rows (n_m = ceil(T / (NW·64))), grid <=
+        ceil(U / 2). num_warps = 4 (default partition = consumer 0; workers: the other NW - 1 consumers (4 warps
+        each), producer (1 warp))."""
         dtype: gl.constexpr = q_desc.dtype
         pid = gl.program_id(0)
         n_prog = gl.num_programs(0)
-        q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_Q, HALF_ROWS, HEAD_DIM], q_desc.layout)
-        o_smem = gl.allocate_shared_memory(dtype, [2, HALF_ROWS, HEAD_DIM], o_desc.layout)
+        gl.static_assert(NW == 2 or not PINGPONG)
+        q_smem = gl.allocate_shared_memory(dtype, [NW * NUM_Q, HALF_ROWS, HEAD_DIM], q_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [NW, HALF_ROWS, HEAD_DIM], o_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
         q_full = gl.allocate_shared_memory(gl.int64, [NUM_Q, 1], mbarrier.MBarrierLayout())
@@ -434,11 +488,31 @@ if HAVE_GLUON:
         sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_Q):
             mbarrier.init(q_full.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        _init_ring(k_full, v_full, k_empty, v_empty, STAGES)
+            mbarrier.init(q_empty.index(i), count=NW)  # one arrival per consumer warpgroup
+        _init_ring(k_full, v_full, k_empty, v_empty, STAGES, NW)
         for i in gl.static_range(2):
             mbarrier.init(sched.index(i), count=1)
         fence_async_shared()
+
+        if NW == 3:
+            gl.warp_specialize([
+                (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                                  sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh,
+                                  q_ch, kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False,
+                                  0, 3)),
+                (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                                  sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh,
+                                  q_ch, kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False,
+                                  1, 3)),
+                (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                                  sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh,
+                                  q_ch, kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False,
+                                  2, 3)),
+                (_pers_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
+                                  k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
+                                  kv_ch, BLOCK_N, STAGES, CAUSAL, NUM_Q, 3)),
+            ], [4, 4, 1], [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS])
+            return
 
         gl.warp_specialize([
             (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
@@ -460,12 +534,16 @@ if HAVE_GLUON:
 # ---------------------------------------------------------------------------------------------------------
 STAGES = {64: 3, 128: 2}  # K/V ring slots by head dim (H200: hd64 gains from the third slot, hd128 does not)
 # variant -> (NUM_Q, PINGPONG) of the persistent kernel; "lib" is the one-program-per-item kernel
-VARIANTS = {"lib": None, "pers": (1, False), "q2": (2, False), "pp": (1, True), "q2pp": (2, True)}
+VARIANTS = {"lib": None, "pers": (1, False), "q2": (2, False), "pp": (1, True), "q2pp": (2, True),
+            "w3": (2, False, 3)}
+# variants that only some head dims take: w3's three consumer warpgroups get 160-168 registers each, which
+# at hd128 makes ptxas serialise every wgmma (and spill)
+VARIANT_HEAD_DIMS = {"w3": (64, )}
 # The variant flash_attention_fwd_gluon runs by head dim: the first (T_max, variant) with T <= T_max. H200,
 # causal bf16, x cuDNN at T = 1k/2k/4k/8k/16k (module docstring): hd128 pp 1.02/1.09/1.07/1.08/1.07 and
 # q2pp 0.68/1.12/1.12/1.10/1.09; hd64 q2 0.94/1.02/0.97/0.98/1.05, the best or within 0.01 at every T but 8k
 # (pers 0.99 there), and ahead of the Triton kernel (0.86/0.91/0.88/0.92/0.96) everywhere.
-VARIANT_BY_T = {128: ((1024, "pp"), (math.inf, "q2pp")), 64: ((math.inf, "q2"),)}
+VARIANT_BY_T = {128: ((1024, "pp"), (math.inf, "q2pp")), 64: ((4096, "q2"), (math.inf, "w3"))}
 _NUM_SMS: dict[int, int] = {}  # CUDA device index -> SM count (the persistent grid)
 
 
@@ -517,6 +595,9 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, variant: str, stages: i
     """(kernel, grid, runtime args, constexpr args) of ``variant``; q/k/v/o CUDA tensors, or CPU tensors
     standing in for their shapes and strides (``compile_sm90``). n_prog: the persistent grid's cap."""
     B, H, T, D = q.shape
+    if D not in VARIANT_HEAD_DIMS.get(variant, HEAD_DIMS):
+        raise ValueError(f"flash_attention_fwd_gluon: variant {variant!r} takes head dims "
+                         f"{VARIANT_HEAD_DIMS[variant]}, got {D}")
     q2, q_rb, q_rh, q_ch = _row_view(q)
     k2, kv_rb, kv_rh, kv_ch = _row_view(k)
     v2, o2 = _row_view(v)[0], _row_view(o)[0]
@@ -526,12 +607,12 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, variant: str, stages: i
     consts = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N, STAGES=stages or STAGES[D], CAUSAL=bool(causal))
     if VARIANTS[variant] is None:
         return _flash_fwd_gluon_kernel, (T // BLOCK_M, B * H), {**args, **coords}, consts
-    n_m = T // BLOCK_M
+    NUM_Q, PINGPONG, NW = (VARIANTS[variant] + (2, ))[:3]
+    n_m = -(-T // (NW * HALF_M))  # items per head (NW = 3: the last may hold fewer than 192 rows)
     U = B * H * n_m  # work items; programs take them in pairs, so more than ceil(U / 2) would idle
-    NUM_Q, PINGPONG = VARIANTS[variant]
     grid = (max(1, min(n_prog, (U + 1) // 2)), )
-    return (_flash_fwd_gluon_pers_kernel, grid, {**args, "U": U, "n_m": n_m, **coords},
-            {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG})
+    consts = {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG, "NW": NW}
+    return (_flash_fwd_gluon_pers_kernel, grid, {**args, "U": U, "n_m": n_m, **coords}, consts)
 
 
 def flash_attention_fwd_gluon(q, k, v, causal: bool = True, scale: float | None = None, *, o=None, lse=None,
