@@ -18,7 +18,6 @@ same (already rounded) inputs:
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -381,45 +380,31 @@ def test_gluon_forward_variant_table():
 
 
 _FWD_INSTRS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait")
-_FWD_COMPILE_CHILD = """
-import json, sys
-from xtrain.kernels import flash_attention_gluon as G
-out = {}
-for key in json.loads(sys.argv[1]):
-    variant, D, causal, bthd = key
-    try:
-        ptx = G.compile_sm90(D, causal, transposed_kv=bthd, variant=variant).asm["ptx"]
-        out[repr(key)] = {i: i in ptx for i in json.loads(sys.argv[2])}
-    except ValueError as e:
-        out[repr(key)] = "ValueError: " + str(e)
-print("@@" + json.dumps(out))
-"""
 
 
 @pytest.fixture(scope="module")
 def fwd_compiled():
-    """Each Gluon forward variant compiled for sm_90 in ONE child process without TRITON_INTERPRET: in the
-    interpreter (which conftest.py turns on without CUDA) Triton's own jit functions, such as the combine
-    functions of gl.max and gl.sum, become interpreted ones and cannot be compiled; these tests passed only
-    on a warm Triton cache before. Returns {repr((variant, D, causal, bthd)): {instr: present} or "ValueError:
+    """Each Gluon forward variant compiled for sm_90 in ONE child process without the Triton interpreter
+    (tests/_child.py says why). Returns {repr([variant, D, causal, bthd]): {instr: present} or "ValueError:
     ..."}."""
-    import json
-    import subprocess
-    import sys
+    from _child import run_without_interpreter
 
     G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
     if not G.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon Hopper module")
     keys = [[v, D, causal, bthd] for v in GLUON_VARIANTS
             for D, causal, bthd in ((64, False, False), (128, True, True), (64, True, True))]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _FWD_COMPILE_CHILD, json.dumps(keys), json.dumps(_FWD_INSTRS)],
-                       capture_output=True, text=True, env=env, timeout=1800)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")]
-    assert r.returncode == 0 and lines, r.stderr[-3000:]
-    return json.loads(lines[-1][2:])
+    return run_without_interpreter(f"""
+from xtrain.kernels import flash_attention_gluon as G
+out = {{}}
+for key in {keys!r}:
+    variant, D, causal, bthd = key
+    try:
+        ptx = G.compile_sm90(D, causal, transposed_kv=bthd, variant=variant).asm["ptx"]
+        out[repr(key)] = {{i: i in ptx for i in {list(_FWD_INSTRS)!r}}}
+    except ValueError as e:
+        out[repr(key)] = "ValueError: " + str(e)
+""")
 
 
 @pytest.mark.parametrize("variant", GLUON_VARIANTS)

@@ -1,0 +1,29 @@
+"""Run a snippet in a child Python without the Triton interpreter (helper for the sm_90 compile tests).
+
+conftest.py turns TRITON_INTERPRET on when there is no CUDA, and in such a process compiling a kernel for
+sm_90 is not reliable: Triton's own jit functions (the combine functions of gl.max / gl.sum) are interpreted
+ones there and cannot be compiled, and a compile after interpreted kernels ran can fail inside the frontend.
+These tests passed only on a warm Triton cache (a cache hit skips the frontend) before they moved here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_without_interpreter(snippet: str, timeout: float = 1800.0):
+    """Execute ``snippet`` (which must bind ``out`` to something JSON can hold) in a fresh Python with
+    TRITON_INTERPRET unset and the repository on the path; returns ``out``. Fails with the child's stderr."""
+    code = snippet + "\nimport json as _json\nprint('@@' + _json.dumps(out))\n"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout,
+                       cwd=ROOT)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")]
+    assert r.returncode == 0 and lines, f"child failed (exit {r.returncode}):\n{r.stderr[-4000:]}"
+    return json.loads(lines[-1][2:])
