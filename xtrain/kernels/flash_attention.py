@@ -58,7 +58,10 @@ Ideas used in the Triton kernels, with their record on Hopper:
     (flash_attention_gluon.py: FlashAttention-3's warp specialisation, a TMA producer warp and two
     consumer warpgroups overlapping softmax with async wgmma, persistent over (query tile, head) items),
     which plain Triton 3.6 could not express; so does the hd128 backward at ``GLUON_BWD_MIN_T``
-    (flash_attention_gluon_bwd.py: the same two-kernel split as here, warp-specialised).
+    (flash_attention_gluon_bwd.py: the same two-kernel split as here, warp-specialised), and the hd64
+    backward at ``GLUON_ONEPASS_MIN_T`` (flash_attention_gluon_onepass.py: FlashAttention-3's one-pass form
+    with a third warpgroup doing every dQ product; dQ summed by fp32 reduce-adds, so not bit-identical run
+    to run, and skipped under ``torch.use_deterministic_algorithms(True)``). ``bwd_route`` says which runs.
 fp32 inputs use exact fp32 dots (``input_precision="ieee"``, matching torch's default of no TF32); bf16/fp16
 inputs feed the tensor cores with 16-bit operands and accumulate in fp32 (P and dS are rounded to the
 input dtype before their matrix products, as in FlashAttention).
@@ -788,8 +791,8 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
 BWD_TWO_STREAMS = True
 # The causal 16-bit forward goes to the Gluon kernels (flash_attention_gluon.py: warp-specialised,
 # persistent, Hopper only) from these sequence lengths on, by head dim, where they measured faster than the
-# Triton kernel on the H200 (bench/RESULTS.md, T = 1k-16k: hd128 1.02-1.12x cuDNN against 0.80-0.90x; hd64
-# 0.94-1.05x against 0.86-0.96x). Shorter T was not measured and stays on Triton. FWD_GLUON = False keeps
+# Triton kernel on the H200 (bench/RESULTS.md, T = 1k-16k, session 5: hd128 1.02-1.17x cuDNN against
+# 0.82-0.93x; hd64 0.91-1.08x against 0.86-0.95x). Shorter T was not measured and stays on Triton. FWD_GLUON = False keeps
 # every call on the Triton kernel (the bench compares the two).
 FWD_GLUON = True
 GLUON_FWD_MIN_T = {64: 1024, 128: 1024}
