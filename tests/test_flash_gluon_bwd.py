@@ -17,40 +17,19 @@ import math
 
 import pytest
 import torch
+from _gluon_bwd_cases import LAYOUTS, in_layout, inputs, rel  # tests/_gluon_bwd_cases.py
 
 from xtrain.kernels import flash_attention as FA
 
 GB = pytest.importorskip("xtrain.kernels.flash_attention_gluon_bwd")
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
-def _layout(x: torch.Tensor, bthd: bool) -> torch.Tensor:
-    """x [B, Hx, T, D] as a [B, T, Hx, D] tensor seen through a transpose (bthd), or contiguous."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2) if bthd else x.contiguous()
-
-
-def _inputs(B, H, Hkv, T, D, dtype, causal, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, do = (torch.randn(B, h, T, D, generator=g, device="cuda").to(dtype) for h in (H, Hkv, Hkv, H))
-    o64, lse64 = FA.flash_attention_fwd_ref(q.double(), k.double(), v.double(), causal)
-    return q, k, v, do, o64.to(dtype), lse64.float()
-
-
-# layout: which tensors are [B, T, Hx, D]-transposed. "model": v and do as the model passes them, fresh
-# contiguous outputs; "bthd": every input and the output buffers; "contiguous": none.
-LAYOUTS = {"contiguous": set(), "model": {"v", "do"}, "bthd": {"q", "k", "v", "do", "o", "dq", "dk", "dv"}}
-
-
 def _check(B, H, Hkv, T, D, dtype, causal, layout, seed, config=None):
-    q, k, v, do, o, lse = _inputs(B, H, Hkv, T, D, dtype, causal, seed)
+    q, k, v, do, o, lse = inputs(B, H, Hkv, T, D, dtype, causal, seed)
     tr = LAYOUTS[layout]
-    q, k, v, do, o = (_layout(x, name in tr) for name, x in zip("q k v do o".split(), (q, k, v, do, o)))
+    q, k, v, do, o = (in_layout(x, name in tr) for name, x in zip("q k v do o".split(), (q, k, v, do, o)))
     assert GB.supported_bwd(do, q, k, v, o, lse)
-    bufs = {name: _layout(torch.full_like(x, float("nan")), name in tr) for name, x in (("dq", q), ("dk", k),
+    bufs = {name: in_layout(torch.full_like(x, float("nan")), name in tr) for name, x in (("dq", q), ("dk", k),
                                                                                        ("dv", v))}
     got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=config, **bufs)
     assert all(a is bufs[n] for a, n in zip(got, ("dq", "dk", "dv")))
@@ -100,7 +79,7 @@ def test_gpu_gluon_bwd_configs(config, D):
 
 @pytest.mark.gpu
 def test_gpu_gluon_bwd_rejects():
-    q, k, v, do, o, lse = _inputs(1, 4, 2, 256, 128, torch.bfloat16, True, seed=3)
+    q, k, v, do, o, lse = inputs(1, 4, 2, 256, 128, torch.bfloat16, True, seed=3)
     dq, dk, dv = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse)
     ref = FA.flash_attention_bwd_triton(do, q, k, v, o, lse)
     assert all(rel(a, b) < 1e-2 for a, b in zip((dq, dk, dv), ref))
@@ -186,7 +165,7 @@ def test_gpu_dispatch_sends_hd128_backward_to_gluon(monkeypatch):
         calls.append(1)
         return real(*a, **kw)
     monkeypatch.setattr(GB, "flash_attention_bwd_gluon", counted)
-    q, k, v, do, o, lse = _inputs(1, 4, 2, 1024, 128, torch.bfloat16, True, seed=5)
+    q, k, v, do, o, lse = inputs(1, 4, 2, 1024, 128, torch.bfloat16, True, seed=5)
     got = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
     assert len(calls) == 1
     direct = real(do, q, k, v, o, lse, True)

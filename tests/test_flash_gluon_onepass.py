@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from _gluon_bwd_cases import LAYOUTS, in_layout, inputs, rel  # tests/_gluon_bwd_cases.py
 
 from xtrain.kernels import flash_attention as FA
 
@@ -24,31 +25,12 @@ OP = pytest.importorskip("xtrain.kernels.flash_attention_gluon_onepass")
 HAS_CUDA = torch.cuda.is_available()
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
-def _layout(x: torch.Tensor, bthd: bool) -> torch.Tensor:
-    return x.transpose(1, 2).contiguous().transpose(1, 2) if bthd else x.contiguous()
-
-
-def _inputs(B, H, Hkv, T, D, dtype, causal, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, do = (torch.randn(B, h, T, D, generator=g, device="cuda").to(dtype) for h in (H, Hkv, Hkv, H))
-    o64, lse64 = FA.flash_attention_fwd_ref(q.double(), k.double(), v.double(), causal)
-    return q, k, v, do, o64.to(dtype), lse64.float()
-
-
-LAYOUTS = {"contiguous": set(), "model": {"v", "do"}, "bthd": {"q", "k", "v", "do", "o", "dq", "dk", "dv"}}
-
-
 def _check(B, H, Hkv, T, dtype, causal, layout, seed, config=None):
-    q, k, v, do, o, lse = _inputs(B, H, Hkv, T, 64, dtype, causal, seed)
+    q, k, v, do, o, lse = inputs(B, H, Hkv, T, 64, dtype, causal, seed)
     tr = LAYOUTS[layout]
-    q, k, v, do, o = (_layout(x, name in tr) for name, x in zip("q k v do o".split(), (q, k, v, do, o)))
+    q, k, v, do, o = (in_layout(x, name in tr) for name, x in zip("q k v do o".split(), (q, k, v, do, o)))
     assert OP.supported_bwd(do, q, k, v, o, lse)
-    bufs = {name: _layout(torch.full_like(x, float("nan")), name in tr) for name, x in (("dq", q), ("dk", k),
+    bufs = {name: in_layout(torch.full_like(x, float("nan")), name in tr) for name, x in (("dq", q), ("dk", k),
                                                                                        ("dv", v))}
     got = OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal, config=config, **bufs)
     assert all(a is bufs[n] for a, n in zip(got, ("dq", "dk", "dv")))
@@ -97,7 +79,7 @@ def test_gpu_onepass_configs(config):
 
 @pytest.mark.gpu
 def test_gpu_onepass_rejects():
-    q, k, v, do, o, lse = _inputs(1, 4, 2, 256, 64, torch.bfloat16, True, seed=3)
+    q, k, v, do, o, lse = inputs(1, 4, 2, 256, 64, torch.bfloat16, True, seed=3)
     op = "flash_attention_bwd_gluon_onepass"
     sub = lambda x, t, d: x[..., :t, :d].contiguous()  # noqa: E731
     bad = [  # ragged T, fp32, head dim 32, a layout the descriptors do not take
@@ -110,7 +92,7 @@ def test_gpu_onepass_rejects():
         assert not OP.supported_bwd(*args)
         with pytest.raises(ValueError, match=op):
             OP.flash_attention_bwd_gluon_onepass(*args)
-    q2, k2, v2, do2, o2, lse2 = _inputs(1, 2, 2, 256, 128, torch.bfloat16, True, seed=4)  # hd128: not offered
+    q2, k2, v2, do2, o2, lse2 = inputs(1, 2, 2, 256, 128, torch.bfloat16, True, seed=4)  # hd128: not offered
     assert not OP.supported_bwd(do2, q2, k2, v2, o2, lse2)
     with pytest.raises(ValueError, match=op):
         OP.flash_attention_bwd_gluon_onepass(do2, q2, k2, v2, o2, lse2)
@@ -135,7 +117,7 @@ def test_gpu_dispatch_sends_hd64_backward_to_onepass(monkeypatch):
         return real(*a, **kw)
     monkeypatch.setattr(OP, "flash_attention_bwd_gluon_onepass", counted)
     T = FA.GLUON_ONEPASS_MIN_T[64]
-    q, k, v, do, o, lse = _inputs(1, 4, 2, T, 64, torch.bfloat16, True, seed=5)
+    q, k, v, do, o, lse = inputs(1, 4, 2, T, 64, torch.bfloat16, True, seed=5)
     assert FA.bwd_route(do, q, k, v, o, lse, True) == "onepass"
     got = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
     assert len(calls) == 1
@@ -236,7 +218,7 @@ def test_dq_convert_matches_reference_cpu(bthd):
     on a ragged T (not a multiple of its row block), contiguous and transposed dq, poisoned outputs."""
     B, H, T, D = 2, 3, 77, 64
     acc = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1))
-    dq = _layout(torch.full((B, H, T, D), float("nan")), bthd)
+    dq = in_layout(torch.full((B, H, T, D), float("nan")), bthd)
     OP.dq_convert(acc, dq, 0.125)
     want = OP.convert_ref(acc, torch.empty(B, H, T, D), 0.125)
     assert torch.equal(dq, want)

@@ -792,8 +792,8 @@ BWD_TWO_STREAMS = True
 # The causal 16-bit forward goes to the Gluon kernels (flash_attention_gluon.py: warp-specialised,
 # persistent, Hopper only) from these sequence lengths on, by head dim, where they measured faster than the
 # Triton kernel on the H200 (bench/RESULTS.md, T = 1k-16k, session 5: hd128 1.02-1.17x cuDNN against
-# 0.82-0.93x; hd64 0.91-1.08x against 0.86-0.95x). Shorter T was not measured and stays on Triton. FWD_GLUON = False keeps
-# every call on the Triton kernel (the bench compares the two).
+# 0.82-0.93x; hd64 0.91-1.08x against 0.86-0.95x). Shorter T was not measured and stays on Triton.
+# FWD_GLUON = False keeps every call on the Triton kernel (the bench compares the two).
 FWD_GLUON = True
 GLUON_FWD_MIN_T = {64: 1024, 128: 1024}
 # The causal 16-bit backward goes to the Gluon two-kernel backward (flash_attention_gluon_bwd.py) for hd128

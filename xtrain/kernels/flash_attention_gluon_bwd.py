@@ -515,21 +515,18 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
             (_bwd_dq_kernel, (T // RESIDENT, B * H), dqa, c2)]
 
 
-def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
-                              dq=None, dk=None, dv=None, config=None):
-    """Launch the delta preprocess, then the dK/dV and dQ Gluon kernels on two streams. Returns (dq, dk, dv).
-    ``dq``/``dk``/``dv``: optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name
-    in ``CONFIGS`` or (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2), overriding the per-head-dim default."""
-    op = "flash_attention_bwd_gluon"
+def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv):
+    """What both Gluon backwards do before their kernels: check the inputs (``supported``: the backward's own
+    predicate; a ValueError naming ``op`` otherwise), the scale, the output buffers (``_grad_buf``), then the
+    delta preprocess. Returns (do in q's dtype, lse fp32 contiguous, dq, dk, dv, delta, scale)."""
     FA._check_bwd(op, do, q, k, v, o, lse)
-    if not supported_bwd(do, q, k, v, o, lse):
-        raise ValueError(f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU with Gluon, D in {HEAD_DIMS}, T a "
+    if not supported(do, q, k, v, o, lse):
+        raise ValueError(f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU with Gluon, D in {head_dims}, T a "
                          f"multiple of {RESIDENT}, q/k/v/do contiguous or [B, T, H, D]-transposed (16-byte "
                          f"aligned), o with unit last stride; got do/q/k/v/o/lse {FA._shapes(do, q, k, v, o, lse)}, "
                          f"strides q {q.stride()} k {k.stride()} v {v.stride()} do {do.stride()} o {o.stride()}")
     B, H, T, D = q.shape
     s = FA._scale(op, scale, D)
-    cfg = _config(op, config, D)
     do = do.to(q.dtype)  # a dense tensor keeps its strides (its layout was checked above)
     lse = lse.to(torch.float32).contiguous()
     dq = _grad_buf(op, "dq", dq, q)
@@ -540,6 +537,27 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
     FA._flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
+    return do, lse, dq, dk, dv, delta, s
+
+
+def stand_ins(D: int, T: int, H: int, Hkv: int, transposed: bool):
+    """CPU bf16 tensors standing in for q [1, H, T, D] and k [1, Hkv, T, D] (the offline compiles): contiguous,
+    or [B, T, Hx, D] memory seen through a transpose."""
+    def mk(h):
+        if transposed:
+            return torch.empty(1, T, h, D, dtype=torch.bfloat16).transpose(1, 2)
+        return torch.empty(1, h, T, D, dtype=torch.bfloat16)
+    return mk(H), mk(Hkv)
+
+
+def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
+                              dq=None, dk=None, dv=None, config=None):
+    """Launch the delta preprocess, then the dK/dV and dQ Gluon kernels on two streams. Returns (dq, dk, dv).
+    ``dq``/``dk``/``dv``: optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name
+    in ``CONFIGS`` or (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2), overriding the per-head-dim default."""
+    op = "flash_attention_bwd_gluon"
+    do, lse, dq, dk, dv, delta, s = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk, dv)
+    cfg = _config(op, config, q.shape[-1])
     (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg)
 
     def launch_dkdv():
@@ -572,15 +590,8 @@ def compile_sm90(D: int = 128, causal: bool = True, config=None, transposed: boo
     check that a Triton upgrade has not broken them. ``transposed``: q, do, k, v, dk, dv as [B, T, Hx, D]
     seen through a transpose (dq contiguous). Returns {"dkdv": CompiledKernel, "dq": CompiledKernel}."""
     cfg = _config("compile_sm90", config, D)
-    B, H, Hkv = 1, 4, 2
-
-    def mk(h):
-        if transposed:
-            return torch.empty(B, T, h, D, dtype=torch.bfloat16).transpose(1, 2)
-        return torch.empty(B, h, T, D, dtype=torch.bfloat16)
-
-    q, k = mk(H), mk(Hkv)
-    dq = torch.empty(B, H, T, D, dtype=torch.bfloat16)
-    lse = torch.empty(B, H, T)
+    q, k = stand_ins(D, T, 4, 2, transposed)
+    dq = torch.empty(1, 4, T, D, dtype=torch.bfloat16)
+    lse = torch.empty(1, 4, T)
     launches = _launches(q, k, k, dq, k, k, q, lse, lse, 0.125, causal, cfg)
     return {name: _compile(kern, args, consts) for name, (kern, _, args, consts) in zip(("dkdv", "dq"), launches)}

@@ -419,26 +419,10 @@ def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, 
     from xtrain.kernels import flash_attention_gluon_bwd as GB
 
     op = "flash_attention_bwd_gluon_onepass"
-    FA._check_bwd(op, do, q, k, v, o, lse)
-    if not supported_bwd(do, q, k, v, o, lse):
-        raise ValueError(f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU with Gluon, D in {HEAD_DIMS}, T a "
-                         f"multiple of {RESIDENT}, q/k/v/do contiguous or [B, T, H, D]-transposed (16-byte "
-                         f"aligned), o with unit last stride; got do/q/k/v/o/lse {FA._shapes(do, q, k, v, o, lse)}, "
-                         f"strides q {q.stride()} k {k.stride()} v {v.stride()} do {do.stride()} o {o.stride()}")
-    B, H, T, D = q.shape
-    s = FA._scale(op, scale, D)
+    do, lse, dq, dk, dv, delta, s = GB._prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
+                                                 dv)
     cfg = _config(op, config)
-    do = do.to(q.dtype)
-    lse = lse.to(torch.float32).contiguous()
-    dq = GB._grad_buf(op, "dq", dq, q)
-    dk = GB._grad_buf(op, "dk", dk, k)
-    dv = GB._grad_buf(op, "dv", dv, v)
-    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    dq_acc = torch.zeros((B, H, T, D), dtype=torch.float32, device=q.device)
-    PRE_M = 64
-    FA._flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kern, grid, args, consts = _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s, causal, cfg)
     kern[grid](**args, **consts, num_warps=4)
     dq_convert(dq_acc, dq, s)
@@ -448,18 +432,11 @@ def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, 
 def compile_sm90(causal: bool = True, config=None, transposed: bool = False, T: int = 256, D: int = 64):
     """Compile the one-pass kernel for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes).
     ``transposed``: q, do, k, v, dk, dv as [B, T, Hx, D] seen through a transpose. Returns the CompiledKernel."""
-    from xtrain.kernels.flash_attention_gluon_bwd import _compile
+    from xtrain.kernels.flash_attention_gluon_bwd import _compile, stand_ins
 
     cfg = _config("compile_sm90", config)
-    B, H, Hkv = 1, 4, 2
-
-    def mk(h):
-        if transposed:
-            return torch.empty(B, T, h, D, dtype=torch.bfloat16).transpose(1, 2)
-        return torch.empty(B, h, T, D, dtype=torch.bfloat16)
-
-    q, k = mk(H), mk(Hkv)
-    acc = torch.empty(B, H, T, D)
-    lse = torch.empty(B, H, T)
+    q, k = stand_ins(D, T, 4, 2, transposed)
+    acc = torch.empty(1, 4, T, D)
+    lse = torch.empty(1, 4, T)
     kern, _, args, consts = _launch(q, k, k, q, k, k, acc, lse, lse, 0.125, causal, cfg)
     return _compile(kern, args, consts)
