@@ -111,10 +111,16 @@ def py_item(idx, pid, n_prog, n_m):
     return odd * (r // 2) + (1 - odd) * (n_m - 1 - r // 2), bh
 
 
+def py_start_m(pid_m, T, nw=2):
+    """First query row of item pid_m (``_tile_coords``: nw = 3 offsets the grid so the first item is partial)."""
+    rows = nw * LIB.HALF_M
+    return pid_m * rows if nw == 2 else pid_m * rows - (-(-T // rows) * rows - T)
+
+
 def py_n_tiles(pid_m, T, block_n, causal, nw=2):
     """K/V tiles of item pid_m of nw·64 rows (``_tile_coords``)."""
     rows = nw * LIB.HALF_M
-    return -(-min(pid_m * rows + rows, T) // block_n) if causal else -(-T // block_n)
+    return -(-(py_start_m(pid_m, T, nw) + rows) // block_n) if causal else -(-T // block_n)
 
 
 def py_n_mine(row0, n_tiles, block_n, causal):
@@ -137,6 +143,9 @@ def replay_schedule(BH, T, n_prog, block_n=128, causal=True, nw=2):
             seen[it] = pid
     want = {(m, bh) for m in range(n_m) for bh in range(BH)}
     assert set(seen) == want, f"missing {sorted(want - set(seen))[:5]} extra {sorted(set(seen) - want)[:5]}"
+    rows = sorted(r for m in range(n_m) for w in range(nw) for r0 in [py_start_m(m, T, nw) + w * LIB.HALF_M]
+                  if r0 >= 0 for r in range(r0, r0 + LIB.HALF_M))  # the rows the computing warpgroups own
+    assert rows == list(range(T)), f"query rows not covered exactly once (nw={nw}, T={T})"
     return loads, sched, G
 
 
@@ -242,8 +251,8 @@ def replay_program(pid, G, BH, T, block_n, stages, num_q, pingpong, causal, rng,
             yield bar["q_full", qs], (idx // num_q) & 1
             n_mine = n_tiles
             if nw != 2:
-                row0 = pid_m * nw * LIB.HALF_M + half * LIB.HALF_M
-                if row0 >= T:  # rows past T: release Q, skip every tile, no store
+                row0 = py_start_m(pid_m, T, nw) + half * LIB.HALF_M
+                if row0 < 0:  # rows before the sequence (the first item's offset): skip every tile, no store
                     bar["q_empty", qs].arrive()
                     yield from skip(t, 0, n_tiles)
                     t += n_tiles
@@ -362,11 +371,12 @@ def replay(seed=0):
 
     # negative controls: the replay must catch a broken protocol
     for bug in ("ring_per_item", "pp_parity", "q_release_late_count", "skip_no_wait"):
+        # skip_no_wait: a 3-deep ring and two Q buffers (w3's), where an early release shows within 20 runs
+        nw, st, nq, reps = (3, 3, 2, 20) if bug == "skip_no_wait" else (2, 2, 1, 5)
         try:
             for pid in range(3):
-                for _ in range(5):
-                    replay_program(pid, 3, 3, 1024, 128, 2, 1, bug == "pp_parity", True, rng, bug=bug,
-                                   nw=3 if bug == "skip_no_wait" else 2)
+                for _ in range(reps):
+                    replay_program(pid, 3, 3, 1024, 128, st, nq, bug == "pp_parity", True, rng, bug=bug, nw=nw)
             print(f"  negative control {bug}: NOT caught")
             return False
         except AssertionError as e:

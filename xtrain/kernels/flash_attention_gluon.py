@@ -60,10 +60,11 @@ Two kernels run that design (``VARIANTS``):
         instead, which overlaps them less reliably.)
   q2pp  both.
   w3    q2 with THREE consumer warpgroups and 192-row items (FlashAttention-3's hd64 tile: kBlockM = 192),
-        hd64 only (``VARIANT_HEAD_DIMS``): 160-168 registers each. T being a multiple of 128, a head's last
-        item may hold 64 or 128 rows: the warpgroups whose rows lie past T compute nothing and only release
-        Q and each K/V tile after it lands (``_skip_tiles``: an earlier arrival would count towards the slot's
-        previous use); causal, each warpgroup computes the tiles up to its own diagonal and skips the rest.
+        hd64 only (``VARIANT_HEAD_DIMS``): 160-168 registers each. T being a multiple of 128, the item grid
+        of a head starts 0, 64 or 128 rows before the sequence, so its first item is the partial one: the
+        warpgroups whose rows lie before 0 compute nothing and only release Q and each K/V tile after it
+        lands (``_skip_tiles``: an earlier arrival would count towards the slot's previous use); causal,
+        each warpgroup computes the tiles up to its own diagonal and skips the rest.
 The schedule and the barrier protocol were replayed on CPU before the first GPU run (bench/gluon_flash_fwd.py
 --replay: random interleavings and TMA latencies, coverage, balance, negative controls).
 
@@ -148,12 +149,18 @@ if HAVE_GLUON:
                      CAUSAL: gl.constexpr, NW: gl.constexpr = 2):
         """Descriptor coordinates of item (query tile pid_m of NW·64 rows, batch·head bh): row b·rb + h·rh + t,
         column h·ch (q and o share a layout; k and v share one). Returns (start_m, q_row, q_col, kv_row0,
-        kv_col, lse_row, n_tiles), n_tiles = the K/V tiles the item reads (causal: up to its diagonal; with
-        NW = 3 the last item of a head may end past T, and its tiles stop at T)."""
+        kv_col, lse_row, n_tiles), n_tiles = the K/V tiles the item reads (causal: up to its diagonal). NW = 3:
+        T is a multiple of 128, not of 192, so the item grid starts 0, 64 or 128 rows before the sequence and
+        its FIRST item is the partial one (a few rows, one or two K/V tiles), never its heaviest; start_m may
+        then be negative and the rows below 0 belong to nobody."""
         off_b = bh // H
         off_h = bh % H
         off_hk = off_h // GROUP
-        start_m = pid_m * (NW * HALF_ROWS)
+        if NW == 2:
+            start_m = pid_m * (NW * HALF_ROWS)
+        else:
+            items = (T + NW * HALF_ROWS - 1) // (NW * HALF_ROWS)
+            start_m = pid_m * (NW * HALF_ROWS) - (items * NW * HALF_ROWS - T)
         q_row = off_b * q_rb + off_h * q_rh + start_m
         q_col = off_h * q_ch
         kv_row0 = off_b * kv_rb + off_hk * kv_rh
@@ -163,7 +170,7 @@ if HAVE_GLUON:
             if NW == 2:
                 n_tiles = (start_m + 2 * HALF_ROWS) // BLOCK_N
             else:
-                n_tiles = (gl.minimum(start_m + NW * HALF_ROWS, T) + BLOCK_N - 1) // BLOCK_N
+                n_tiles = (start_m + NW * HALF_ROWS + BLOCK_N - 1) // BLOCK_N  # the last item ends at T
         else:
             n_tiles = T // BLOCK_N
         return start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles
@@ -403,8 +410,9 @@ if HAVE_GLUON:
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
                        HALF: gl.constexpr, NW: gl.constexpr = 2):
         """Consumer warpgroup HALF: query rows 64·HALF .. +64 of every item of the program. NW = 3: its rows
-        may lie past T (the head's last item) and, causal, its diagonal may come before the item's last tile:
-        it computes its own first n_mine tiles and only waits for and releases the rest (``_skip_tiles``)."""
+        may lie before the sequence (a head's first item, ``_tile_coords``) and, causal, its diagonal may come
+        before the item's last tile: it computes its own first n_mine tiles and only waits for and releases
+        the rest (``_skip_tiles``)."""
         layouts: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
@@ -432,7 +440,7 @@ if HAVE_GLUON:
                     n_mine = gl.minimum((row0 + HALF_ROWS + BLOCK_N - 1) // BLOCK_N, n_tiles)
                 else:
                     n_mine = n_tiles
-                if row0 < T:
+                if row0 >= 0:
                     acc, m_i, l_i = _consumer_loop(q_smem.index(NW * qs + HALF), k_smem, v_smem, k_full, v_full,
                                                    k_empty, v_empty, q_empty.index(qs), sched, t, sc, n_mine,
                                                    qk_scale, row0, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N,
@@ -442,7 +450,7 @@ if HAVE_GLUON:
                     _cta_barrier()
                     _epilogue(acc, m_i, l_i, o_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr,
                               lse_row + HALF * HALF_ROWS, s_layout, o_layout, dtype)
-                else:  # rows past T: nothing to compute or store
+                else:  # rows before the sequence (the first item's offset): nothing to compute or store
                     mbarrier.arrive(q_empty.index(qs), count=1)
                     _skip_tiles(k_full, v_full, k_empty, v_empty, t, 0, n_tiles, STAGES)
             t += n_tiles
