@@ -75,8 +75,9 @@ H200, causal bf16, B·T = 16k, H·D = 2048, TFLOP/s ratio to cuDNN at T = 1k / 2
   hd128: lib 0.89/0.94/1.07/1.06/1.08  pers 0.77/1.08/1.07/1.09/1.06  q2 0.69/1.07/1.06/1.09/1.07
          pp 1.02/1.09/1.07/1.08/1.07  q2pp 0.68/1.12/1.12/1.10/1.09  (Triton kernel 0.82/0.80/0.84/0.90/0.90)
 Session 5, same process (bench/gluon_flash_fwd.py --variants q2,w3 --head-dims 64): hd64 q2 0.95 / 0.98 /
-1.00 / 0.99 / 1.01, w3 0.60 / 0.76 / 0.98 / 1.04 / 1.07 (short T: the partial last items and the skipped
-tiles of the warpgroups above their diagonal cost more than the third warpgroup wins).
+1.00 / 0.99 / 1.01, w3 0.60 / 0.76 / 0.98 / 1.04 / 1.07 with the partial item last; with the grid shifted
+so it comes first, another run: q2 0.95 / 0.99 / 1.02 / 1.02 / 0.99, w3 0.62 / 0.69 / 1.03 / 1.02 / 1.04
+(short T: the cause was not found; bench/RESULTS.md, fifth round).
 So ``VARIANT_BY_T`` picks q2 at hd64 up to T = 4k and w3 above, and, at hd128, pp up to T = 1k
 and q2pp above (at hd128 T = 1k both two-Q-buffer variants fall to 0.68-0.69x; the cause was not
 profiled). Measured and slower (code in git history): one 8-warp consumer partition (0.62-0.87x), no warp
