@@ -104,3 +104,38 @@ def test_bf16_compute_copies_on_cuda_are_exact_casts():
     assert out[0][0] == out[1][0]
     for k in out[0][1]:
         assert torch.equal(out[0][1][k], out[1][1][k]), k
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_attention_paths_equal_composed_in_the_model(head_dim, monkeypatch):
+    """At T = 1024 in bf16 on an H100/H200 the model's flash attention runs the Gluon kernels: the forward
+    (q2 / pp) and the backward (hd64: the one-pass kernel, whose dq is summed by reduce-adds; hd128: the
+    two-kernel split). Counted per layer, and the model matches the composed path within the bf16 tolerance."""
+    from xtrain.kernels import flash_attention as FA
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels run on sm_90 only")
+    GB = pytest.importorskip("xtrain.kernels.flash_attention_gluon_bwd")
+    OP = pytest.importorskip("xtrain.kernels.flash_attention_gluon_onepass")
+    if not GB.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    mod, name = (OP, "flash_attention_bwd_gluon_onepass") if head_dim == 64 else (GB, "flash_attention_bwd_gluon")
+    calls, real = [], getattr(mod, name)
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(mod, name, counted)
+    cfg = dict(vocab_size=512, n_layer=2, n_embd=256, n_head=4, n_kv_head=2, head_dim=head_dim, ffn_dim=512,
+               max_seq_len=1024, compute_dtype="bfloat16", loss="composed")
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 512, (2, 1025), generator=g).cuda()
+    lf, Lf, gf = _run(preset("tiny", attention="flash", **cfg), ids)
+    assert len(calls) == 2, f"{name} ran {len(calls)} times for 2 layers"
+    assert FA.GLUON_ONEPASS_MIN_T[64] <= 1024 and FA.GLUON_BWD_MIN_T[128] <= 1024
+    lc, Lc, gc = _run(preset("tiny", attention="composed", **cfg), ids)
+    tol = 3e-2
+    assert _rel(lf, lc) < tol
+    assert abs(float(Lf - Lc)) / float(Lc) < tol
+    worst = max(_rel(gf[k], gc[k]) for k in gc)
+    assert worst < tol, {k: _rel(gf[k], gc[k]) for k in gc}
