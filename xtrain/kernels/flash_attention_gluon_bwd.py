@@ -79,8 +79,11 @@ programs included). Ratio to cuDNN at T = 1k / 2k / 4k / 8k / 16k, same process:
   The two persistent kernels run on two streams with full SM-sized grids each, so they mostly serialise;
   long T lost.
 Build facts (sm_90, triton 3.6 and 3.9): 168 registers/thread at launch, setmaxnreg to 248 (default
-consumer) / 232 / 24, no local memory (spills); shared memory hd64 / hd128: 66 / 131 KB per kernel
-(split), 82 / 164 KB (split3), dQ kernel of split_wide 99 / 197 KB.
+consumer) / 232 / 24. Spills (SASS STL count, triton 3.6 / 3.9; cuobjdump -res-usage reports 0 B local for
+these warp-specialised kernels either way, so count them in the SASS as bench/gluon_flash_bwd_onepass.py's
+ptxas_report does): none at hd64 and in the dQ kernels; the hd128 dK/dV kernel 37 / 32 causal, 16 / 8
+not. Shared memory hd64 / hd128: 66 / 131 KB per kernel (split), 82 / 164 KB (split3), dQ kernel of
+split_wide 99 / 197 KB.
 """
 
 from __future__ import annotations

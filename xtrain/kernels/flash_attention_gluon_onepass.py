@@ -145,7 +145,11 @@ if HAVE_GLUON:
                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
                  NDS: gl.constexpr):
         """Step ``it`` of dK/dV warpgroup HALF up to the dS hand-off (module docstring). Returns the in-flight
-        dv, dk and the register A operand p_op that must stay alive until dV retires."""
+        dv, dk and the register A operand p_op that must stay alive until dV retires. Its first half repeats
+        the split's ``_dkdv_consumer`` loop body on purpose: one shared function (tried in session 5) moved the
+        SASS spill stores of the split's hd128 causal dK/dV kernel from 37 to 39 (triton 3.6), or, with the
+        mask indices hoisted as the split has them, this kernel's from 57 to 53 / 60 (3.6 / 3.9); both are
+        tuned and measured as they are."""
         KH: gl.constexpr = k_half.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_M)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(HEAD_DIM), k_width=2)
