@@ -70,7 +70,7 @@ def replay(variant, D=64, T=384, B=2, H=4, Hkv=2, causal=True, transposed=False,
     from xtrain.kernels.flash_attention import flash_attention_bwd_ref, flash_attention_fwd_ref
     from xtrain.kernels.flash_attention_gluon import _row_view
 
-    BM1, _, BN2, _ = VARIANTS[variant][D][:4]
+    BM1, _, BN2, _ = VARIANTS[variant][D]
     g = torch.Generator().manual_seed(seed)
 
     def mk(h, data=True):

@@ -104,10 +104,6 @@ CONFIGS = {
     "split": {64: (64, 2, 64, 2), 128: (64, 2, 64, 2)},
     "split3": {64: (64, 3, 64, 3), 128: (64, 3, 64, 3)},
     "split_wide": {64: (128, 2, 128, 2), 128: (64, 2, 128, 2)},
-    # (..., DKS, LATE_DELTA): dSᵀ through shared memory for dK; delta loaded after Sᵀ retired
-    "split_dks": {64: (64, 2, 64, 2, True, False), 128: (64, 2, 64, 2, True, False)},
-    "split_late": {64: (64, 2, 64, 2, False, True), 128: (64, 2, 64, 2, False, True)},
-    "split_dks_late": {64: (64, 2, 64, 2, True, True), 128: (64, 2, 64, 2, True, True)},
 }
 DEFAULT = "split"
 
@@ -194,12 +190,8 @@ if HAVE_GLUON:
     def _dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
                        dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter,
                        start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       ds_smem, DKS: gl.constexpr, LATE_DELTA: gl.constexpr):
-        """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring).
-        DKS: ds_smem is this warpgroup's [64, BLOCK_M] shared tile (else unused); dSᵀ is stored there and dK's A
-        operand read from it instead of registers. LATE_DELTA: delta is loaded once Sᵀ has retired, not at
-        the top of the step (a shorter live range)."""
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr):
+        """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring)."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_M)  # [KH, BLOCK_M] Sᵀ, dPᵀ
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
@@ -217,8 +209,7 @@ if HAVE_GLUON:
             start_m = (mt0 + it % n_m) * BLOCK_M
             row = lse_row0 + (it // n_m) * T + start_m  # int64 row of the [B·H·T] lse / delta
             lse2 = gl.load(lse_ptr + row + cols) * _LOG2E  # plain loads, issued before the barrier wait
-            if not LATE_DELTA:
-                delta = gl.load(delta_ptr + row + cols)
+            delta = gl.load(delta_ptr + row + cols)
             slot = it % STAGES
             phase = (it // STAGES) & 1
             q_t = q_smem.index(slot)
@@ -228,30 +219,17 @@ if HAVE_GLUON:
             mbarrier.wait(do_bars.index(slot), phase)
             dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
-            if LATE_DELTA:
-                delta = gl.load(delta_ptr + row + cols)
             pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
             if CAUSAL:
                 if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
-                    if LATE_DELTA:  # the key indices made here, not kept live across the loop
-                        keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(
-                            k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout)), 1)
-                    else:
-                        keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+                    keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
                     pt = gl.where(keep, pt, 0.0)
             p_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
             dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
             dst = pt * (dpt - gl.expand_dims(delta, 0))
-            if DKS:
-                ds_smem.store(dst.to(dtype))  # the previous step's dK (its last reader) retired at wait(0)
-                fence_async_shared()
-                _cta_barrier()
-                ds_op = p_op
-                dk_tok = warpgroup_mma(ds_smem, q_t, dk, is_async=True)
-            else:
-                ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-                dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+            dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
             mbarrier.arrive(q_empty.index(slot), count=1)
             mbarrier.arrive(do_empty.index(slot), count=1)
@@ -262,10 +240,9 @@ if HAVE_GLUON:
                          sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, DKS: gl.constexpr = False, LATE_DELTA: gl.constexpr = False):
+                         CAUSAL: gl.constexpr):
         """Program (key tile, batch·kv head); num_warps = 4 (the default partition is consumer warpgroup 0).
-        K/V/dK/dV descriptors have 64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles. DKS,
-        LATE_DELTA: see ``_dkdv_consumer``."""
+        K/V/dK/dV descriptors have 64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         gl.static_assert((2 * KH) % BLOCK_M == 0)
@@ -293,14 +270,6 @@ if HAVE_GLUON:
         do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        if DKS:
-            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
-            ds_smem = gl.allocate_shared_memory(dtype, [2, KH, BLOCK_M], ds_layout)
-            ds0 = ds_smem.index(0)
-            ds1 = ds_smem.index(1)
-        else:  # unused (Gluon passes no None to a partition)
-            ds0 = k_smem
-            ds1 = k_smem
         mbarrier.init(kv_bar, count=1)
         _ring_init(q_bars, q_empty, STAGES)
         _ring_init(do_bars, do_empty, STAGES)
@@ -315,11 +284,11 @@ if HAVE_GLUON:
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
                               dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
                               off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM,
-                              BLOCK_M, STAGES, CAUSAL, 0, ds0, DKS, LATE_DELTA)),
+                              BLOCK_M, STAGES, CAUSAL, 0)),
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
                               dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
                               off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM,
-                              BLOCK_M, STAGES, CAUSAL, 1, ds1, DKS, LATE_DELTA)),
+                              BLOCK_M, STAGES, CAUSAL, 1)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
                               do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
                               off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
@@ -495,26 +464,21 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
 
 
 def _config(op: str, config, D: int):
-    """(BLOCK_M1, STAGES1, BLOCK_N2, STAGES2, DKS, LATE_DELTA) of a config name or tuple (4 fields: DKS and
-    LATE_DELTA off)."""
+    """(BLOCK_M1, STAGES1, BLOCK_N2, STAGES2) of a config name or tuple."""
     if config is None:
         config = DEFAULT
     if isinstance(config, str):
         if config not in CONFIGS:
             raise ValueError(f"{op}: unknown config {config!r}, have {sorted(CONFIGS)}")
-        config = CONFIGS[config][D]
+        return CONFIGS[config][D]
     try:
-        config = tuple(config)
-        bm1, st1, bn2, st2 = (int(c) for c in config[:4])
-        dks, late = (bool(c) for c in config[4:6]) if len(config) == 6 else (False, False)
-        if len(config) not in (4, 6):
-            raise ValueError
+        bm1, st1, bn2, st2 = (int(c) for c in config)
     except (TypeError, ValueError):
         raise ValueError(f"{op}: config must be a name in {sorted(CONFIGS)} or (BLOCK_M1, STAGES1, BLOCK_N2, "
-                         f"STAGES2[, DKS, LATE_DELTA]), got {config!r}") from None
+                         f"STAGES2), got {config!r}") from None
     if bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4):
         raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128) and 1-4 stages, got {config!r}")
-    return bm1, st1, bn2, st2, dks, late
+    return bm1, st1, bn2, st2
 
 
 def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
@@ -534,7 +498,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
     CUDA tensors, or CPU tensors standing in for shapes and strides (``compile_sm90``)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    bm1, st1, bn2, st2, dks, late = cfg
+    bm1, st1, bn2, st2 = cfg
     (q2, *q_c), (do2, *do_c), (k2, *k_c), (v2, *v_c) = (_row_view(x) for x in (q, do, k, v))
     (dq2, *dq_c), (dk2, *dk_c), (dv2, *dv_c) = (_row_view(x) for x in (dq, dk, dv))
     common = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
@@ -548,7 +512,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
     dqa = dict(q_desc=_desc(q2, HALF_M, D), do_desc=_desc(do2, HALF_M, D), k_desc=_desc(k2, bn2, D),
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
-    c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), DKS=dks, LATE_DELTA=late)
+    c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal))
     return [(_bwd_dkdv_kernel, (T // RESIDENT, B * Hkv), dkdv, c1),
             (_bwd_dq_kernel, (T // RESIDENT, B * H), dqa, c2)]
