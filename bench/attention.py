@@ -210,6 +210,9 @@ def main(argv=None) -> int:
 
     dtype, causal = torch.bfloat16, not args.non_causal
     log: list[dict] = []
+    from bench._gpu import warm_up
+
+    warm_up()  # cold clocks read the first sizes slow (bench/_gpu.py)
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{'causal' if causal else 'non-causal'} bf16, B·T={args.tokens}, H·D={args.width}", flush=True)
     cfgs = {}
