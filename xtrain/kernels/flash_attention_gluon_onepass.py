@@ -51,7 +51,7 @@ events), with each of the 8 waits removed in turn as a negative control.
 H200, causal bf16, B·T = 16k, H·D = 2048, backward alone (bench/gluon_flash_bwd_onepass.py; TFLOP/s and
 ratio to cuDNN, session 5): T = 2k 360 (1.09x), 8k 452 (1.06x), 16k 474 (1.07x); the library's Triton
 two-kernel backward 1.02 / 0.93 / 0.90x in the same process. Configs (``CONFIGS``): "pf" (default:
-lse/delta prefetch, kv208 + dq72, spills ~57 registers' worth of stores in the dK/dV warpgroups but
+lse/delta prefetch, kv208 + dq72; 57 spill stores in the SASS of the causal kernel (triton 3.6 and 3.9), but
 measured fastest), "nopf" (no prefetch, kv200 + dq88, no spills: 0.97-0.98x), "nopf_ds3" (three dS
 buffers: 0.97-0.99x).
 """
