@@ -214,24 +214,16 @@ def bench_row(D, T, variants):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seqs", default="1024,2048,4096,8192,16384")
-    ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--variants", default=None, help=f"any of {','.join(VARIANTS)} (default: the timing set "
-                    f"{','.join(DEFAULT_BENCH)}; every config with --compile-only / --replay)")
-    ap.add_argument("--compile-only", action="store_true", help="compile every variant for sm_90 (no GPU)")
-    ap.add_argument("--replay", action="store_true", help="CPU replay of the tile schedule (no GPU)")
+    isolated.add_variant_args(ap, seqs="1024,2048,4096,8192,16384", head_dims="64,128", variants=None,
+                              variants_help=f"any of {','.join(VARIANTS)} (default: the timing set "
+                                            f"{','.join(DEFAULT_BENCH)}; every config with --compile-only / "
+                                            f"--replay)",
+                              replay_help="CPU replay of the tile schedule (no GPU)")
     ap.add_argument("--dump", default=None, help="with --compile-only: write ttgir/ptx into this folder")
-    ap.add_argument("--no-isolate", action="store_true", help="run the correctness checks in this process")
-    ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    seqs = [int(x) for x in args.seqs.split(",") if x]
-    head_dims = [int(x) for x in args.head_dims.split(",") if x]
     if args.variants is None:
         args.variants = ",".join(VARIANTS if (args.compile_only or args.replay) else DEFAULT_BENCH)
-    variants = [x for x in args.variants.split(",") if x]
-    for name in variants:
-        if name not in VARIANTS:
-            ap.error(f"unknown variant {name!r}; have {','.join(VARIANTS)}")
+    seqs, head_dims, variants = isolated.variant_lists(ap, args, VARIANTS)
     if args.compile_only:
         return 0 if compile_only(variants, head_dims, args.dump) else 1
     if args.replay:

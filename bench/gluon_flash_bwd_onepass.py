@@ -440,20 +440,11 @@ def bench_row(D, T, variants):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seqs", default="2048,8192,16384")
-    ap.add_argument("--head-dims", default="64")
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"any of {','.join(VARIANTS)}")
-    ap.add_argument("--compile-only", action="store_true", help="compile every variant for sm_90 (no GPU)")
-    ap.add_argument("--replay", action="store_true", help="CPU replay of the math and barrier protocol (no GPU)")
-    ap.add_argument("--no-isolate", action="store_true")
-    ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
+    isolated.add_variant_args(ap, seqs="2048,8192,16384", head_dims="64", variants=",".join(DEFAULT_VARIANTS),
+                              variants_help=f"any of {','.join(VARIANTS)}",
+                              replay_help="CPU replay of the math and barrier protocol (no GPU)")
     args = ap.parse_args(argv)
-    seqs = [int(x) for x in args.seqs.split(",") if x]
-    head_dims = [int(x) for x in args.head_dims.split(",") if x]
-    variants = [x for x in args.variants.split(",") if x]
-    for name in variants:
-        if name not in VARIANTS:
-            ap.error(f"unknown variant {name!r}; have {','.join(VARIANTS)}")
+    seqs, head_dims, variants = isolated.variant_lists(ap, args, VARIANTS)
     if args.compile_only:
         return 0 if compile_only(variants, head_dims) else 1
     if args.replay:

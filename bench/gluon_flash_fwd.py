@@ -484,24 +484,15 @@ def bench_row(D, T, variants):
 def main(argv=None):
     global GRID, STAGES
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seqs", default="1024,2048,4096,8192,16384")
-    ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    isolated.add_variant_args(ap, seqs="1024,2048,4096,8192,16384", head_dims="64,128", variants=",".join(VARIANTS),
+                              variants_help=f"any of {','.join(VARIANTS)}",
+                              replay_help="CPU replay of the persistent schedule/barriers")
     ap.add_argument("--grid", type=int, default=None, help="persistent programs (default: the SM count)")
     ap.add_argument("--stages", type=int, default=None, help="K/V ring slots (default: the library's)")
-    ap.add_argument("--compile-only", action="store_true", help="compile every variant for sm_90 (no GPU)")
-    ap.add_argument("--replay", action="store_true", help="CPU replay of the persistent schedule/barriers")
     ap.add_argument("--dump", default=None, help="with --compile-only: write ttgir/ptx into this folder")
-    ap.add_argument("--no-isolate", action="store_true", help="check in this process (no child, no timeouts)")
-    ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     GRID, STAGES = args.grid, args.stages
-    seqs = [int(x) for x in args.seqs.split(",") if x]
-    head_dims = [int(x) for x in args.head_dims.split(",") if x]
-    variants = [x for x in args.variants.split(",") if x]
-    for name in variants:
-        if name not in VARIANTS:
-            ap.error(f"unknown variant {name!r}; have {','.join(VARIANTS)}")
+    seqs, head_dims, variants = isolated.variant_lists(ap, args, VARIANTS)
     if args.replay:
         return 0 if replay() else 1
     if args.compile_only:

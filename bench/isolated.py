@@ -14,6 +14,7 @@ variants left.
 
 from __future__ import annotations
 
+import argparse
 import queue
 import subprocess
 import sys
@@ -93,6 +94,30 @@ def run_checks(script: str, variants, extra_args=(), startup_s: float = 180.0, p
                 print(ln, end="")
             sys.stdout.flush()
     return [v for v in variants if v in passing]
+
+
+def add_variant_args(ap, *, seqs: str, head_dims: str, variants, variants_help: str, replay_help: str) -> None:
+    """The arguments every variant bench takes: --seqs, --head-dims, --variants (comma lists), --compile-only,
+    --replay, --no-isolate, and the hidden --check-only of the child processes (``run_checks``)."""
+    ap.add_argument("--seqs", default=seqs)
+    ap.add_argument("--head-dims", default=head_dims)
+    ap.add_argument("--variants", default=variants, help=variants_help)
+    ap.add_argument("--compile-only", action="store_true", help="compile every variant for sm_90 (no GPU)")
+    ap.add_argument("--replay", action="store_true", help=replay_help)
+    ap.add_argument("--no-isolate", action="store_true", help="run the correctness checks in this process")
+    ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
+
+
+def variant_lists(ap, args, known):
+    """(seqs, head_dims, variants) from the comma lists of ``add_variant_args``; an unknown variant is a usage
+    error naming the ``known`` ones."""
+    seqs = [int(x) for x in args.seqs.split(",") if x]
+    head_dims = [int(x) for x in args.head_dims.split(",") if x]
+    variants = [x for x in args.variants.split(",") if x]
+    for name in variants:
+        if name not in known:
+            ap.error(f"unknown variant {name!r}; have {','.join(known)}")
+    return seqs, head_dims, variants
 
 
 def check_then_time(variants, head_dims, seqs, *, check_only: bool, no_isolate: bool, check_fn, checks_fn,
