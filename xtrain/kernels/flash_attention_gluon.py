@@ -157,7 +157,7 @@ if HAVE_GLUON:
         off_b = bh // H
         off_h = bh % H
         off_hk = off_h // GROUP
-        if NW == 2:
+        if NW == 2:  # (the NW = 2 forms keep the measured two-warpgroup kernels' code as it was)
             start_m = pid_m * (NW * HALF_ROWS)
         else:
             items = (T + NW * HALF_ROWS - 1) // (NW * HALF_ROWS)
@@ -431,10 +431,8 @@ if HAVE_GLUON:
                                                v_empty, q_empty.index(qs), sched, t, sc, n_tiles, qk_scale,
                                                start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM,
                                                BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, True)
-                tma.store_wait(0)  # the previous item's O store must have finished reading o_half
-                _cta_barrier()
-                _epilogue(acc, m_i, l_i, o_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr,
-                          lse_row + HALF * HALF_ROWS, s_layout, o_layout, dtype)
+                _store_half(acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout, o_layout, dtype,
+                            HALF)
             else:
                 row0 = start_m + HALF * HALF_ROWS  # this warpgroup's first query row
                 if CAUSAL:  # tiles up to its own diagonal
@@ -447,16 +445,24 @@ if HAVE_GLUON:
                                                    qk_scale, row0, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N,
                                                    STAGES, CAUSAL, HALF, False, True)
                     _skip_tiles(k_full, v_full, k_empty, v_empty, t, n_mine, n_tiles, STAGES)
-                    tma.store_wait(0)  # the previous item's O store must have finished reading o_half
-                    _cta_barrier()
-                    _epilogue(acc, m_i, l_i, o_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr,
-                              lse_row + HALF * HALF_ROWS, s_layout, o_layout, dtype)
+                    _store_half(acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout, o_layout,
+                                dtype, HALF)
                 else:  # rows before the sequence (the first item's offset): nothing to compute or store
                     mbarrier.arrive(q_empty.index(qs), count=1)
                     _skip_tiles(k_full, v_full, k_empty, v_empty, t, 0, n_tiles, STAGES)
             t += n_tiles
             sc += n_tiles + 1
         tma.store_wait(0)
+
+    @gluon.jit
+    def _store_half(acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout: gl.constexpr,
+                    o_layout: gl.constexpr, dtype: gl.constexpr, HALF: gl.constexpr):
+        """Warpgroup HALF's rows of the item out (``_epilogue``), once the previous item's O store has finished
+        reading o_half."""
+        tma.store_wait(0)
+        _cta_barrier()
+        _epilogue(acc, m_i, l_i, o_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr, lse_row + HALF * HALF_ROWS,
+                  s_layout, o_layout, dtype)
 
     @gluon.jit
     def _skip_tiles(k_full, v_full, k_empty, v_empty, t0, j0, n_tiles, STAGES: gl.constexpr):
