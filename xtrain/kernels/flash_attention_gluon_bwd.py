@@ -153,24 +153,17 @@ if HAVE_GLUON:
         _tma_load(v_desc, [v_row, v_col], kv_bar, v_smem.index(0))
         _tma_load(v_desc, [v_row + KH, v_col], kv_bar, v_smem.index(1))
         for it in range(n_iter):
-            _load_qdo(it, q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, q_empty, do_empty, q_base, q_rh, q_ch,
-                      do_base, do_rh, do_ch, h0, mt0, n_m, BLOCK_M, STAGES)
-
-    @gluon.jit
-    def _load_qdo(it, q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, q_empty, do_empty, q_base, q_rh, q_ch,
-                  do_base, do_rh, do_ch, h0, mt0, n_m, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """The Q and dO tiles of step ``it`` (group head h0 + it // n_m, query tile mt0 + it % n_m) into ring
-        slot it % STAGES, once both consumers have released it."""
-        h = h0 + it // n_m
-        start_m = (mt0 + it % n_m) * BLOCK_M
-        slot = it % STAGES
-        phase = ((it // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
-        mbarrier.wait(q_empty.index(slot), phase)
-        mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_base + h * q_rh + start_m, h * q_ch], q_bars.index(slot), q_smem.index(slot))
-        mbarrier.wait(do_empty.index(slot), phase)
-        mbarrier.expect(do_bars.index(slot), do_desc.block_type.nbytes)
-        _tma_load(do_desc, [do_base + h * do_rh + start_m, h * do_ch], do_bars.index(slot), do_smem.index(slot))
+            h = h0 + it // n_m
+            start_m = (mt0 + it % n_m) * BLOCK_M
+            slot = it % STAGES
+            phase = ((it // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
+            mbarrier.wait(q_empty.index(slot), phase)
+            mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [q_base + h * q_rh + start_m, h * q_ch], q_bars.index(slot), q_smem.index(slot))
+            mbarrier.wait(do_empty.index(slot), phase)
+            mbarrier.expect(do_bars.index(slot), do_desc.block_type.nbytes)
+            _tma_load(do_desc, [do_base + h * do_rh + start_m, h * do_ch], do_bars.index(slot),
+                      do_smem.index(slot))
 
     @gluon.jit
     def _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,

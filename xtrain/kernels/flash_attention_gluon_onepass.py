@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 
 from xtrain.kernels import flash_attention as FA
+from xtrain.kernels import flash_attention_gluon_bwd as GB
 from xtrain.kernels.flash_attention import flash_attention_bwd_ref
 from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E, _desc, _row_view
 
@@ -367,8 +368,6 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float) -> torch.Tenso
 def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
     """Whether these inputs take the one-pass backward: those of the two-kernel Gluon backward
     (``flash_attention_gluon_bwd.supported_bwd``) with D = 64."""
-    from xtrain.kernels import flash_attention_gluon_bwd as GB
-
     return (isinstance(q, torch.Tensor) and q.ndim == 4 and q.shape[-1] in HEAD_DIMS
             and GB.supported_bwd(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv))
 
@@ -420,8 +419,6 @@ def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, 
     """Delta preprocess, the one-pass kernel, the dQ convert. Returns (dq, dk, dv). ``dq``/``dk``/``dv``:
     optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name in ``CONFIGS`` or
     (STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS). Holds an fp32 dQ accumulator [B, H, T, D] while it runs."""
-    from xtrain.kernels import flash_attention_gluon_bwd as GB
-
     op = "flash_attention_bwd_gluon_onepass"
     do, lse, dq, dk, dv, delta, s = GB._prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
                                                  dv)
@@ -436,11 +433,9 @@ def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, 
 def compile_sm90(causal: bool = True, config=None, transposed: bool = False, T: int = 256, D: int = 64):
     """Compile the one-pass kernel for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes).
     ``transposed``: q, do, k, v, dk, dv as [B, T, Hx, D] seen through a transpose. Returns the CompiledKernel."""
-    from xtrain.kernels.flash_attention_gluon_bwd import _compile, stand_ins
-
     cfg = _config("compile_sm90", config)
-    q, k = stand_ins(D, T, 4, 2, transposed)
+    q, k = GB.stand_ins(D, T, 4, 2, transposed)
     acc = torch.empty(1, 4, T, D)
     lse = torch.empty(1, 4, T)
     kern, _, args, consts = _launch(q, k, k, q, k, k, acc, lse, lse, 0.125, causal, cfg)
-    return _compile(kern, args, consts)
+    return GB._compile(kern, args, consts)
