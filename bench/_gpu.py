@@ -26,3 +26,75 @@ def warm_up(seconds: float = 3.0) -> float:
     del a
     torch.cuda.empty_cache()
     return time.perf_counter() - t0
+
+
+_SLEEP_CYCLES_PER_MS = None
+
+
+def _cycles_per_ms() -> float:
+    """torch.cuda._sleep's cycles per millisecond on this GPU (measured once with CUDA events)."""
+    global _SLEEP_CYCLES_PER_MS
+    if _SLEEP_CYCLES_PER_MS is None:
+        import torch
+
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        s.record()
+        torch.cuda._sleep(20_000_000)
+        e.record()
+        e.synchronize()
+        _SLEEP_CYCLES_PER_MS = 20_000_000 / s.elapsed_time(e)
+    return _SLEEP_CYCLES_PER_MS
+
+
+def gpu_time(fn, reps: int = 30, warmup: int = 5, flush_mb: int = 256) -> dict:
+    """Time ``fn`` on the GPU alone, with the host kept ahead of it; returns ms per call (median), the
+    host's ms per call, and whether the launch queue stayed full.
+
+    ``triton.testing.do_bench`` records a start event, then lets the host launch ``fn``: where the host needs
+    longer to launch ``fn``'s kernels than the GPU needs to run the preceding cache flush, the GPU waits
+    for the host inside the timed interval, so that time is host launch overhead (Python, argument
+    binding, allocation), not kernel time. Here a GPU sleep long enough to cover every launch goes first;
+    the host then queues ``reps`` x (L2 flush, start event, ``fn``, end event) while the GPU still sleeps,
+    so each interval holds only ``fn``'s kernels and the gaps between them. ``queue_full`` says the host
+    finished queueing before the sleep ended (otherwise the numbers may still hold host time, and the
+    call is repeated once with a longer sleep). In a training step the host runs ahead of the GPU the
+    same way, as long as its per-step launch time stays under the step's GPU time; ``host_ms`` (``fn``
+    launched with the GPU busy, no synchronisation) says how much of that budget ``fn`` takes."""
+    import time
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    cache = torch.empty(flush_mb << 18, dtype=torch.int32, device="cuda")  # flush_mb MiB
+    cpm = _cycles_per_ms()
+    # the host's cost of one call, measured while the GPU is busy (so no launch waits on a full queue)
+    torch.cuda._sleep(int(cpm * 50))
+    t0 = time.perf_counter()
+    for _ in range(5):
+        fn()
+    host_ms = (time.perf_counter() - t0) * 1e3 / 5
+    torch.cuda.synchronize()
+    for attempt in range(2):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sleep_ms = (2 + attempt * 4) * reps * (host_ms + 0.05) + 5
+        s0.record()
+        torch.cuda._sleep(int(cpm * sleep_ms))
+        s1.record()
+        t0 = time.perf_counter()
+        for i in range(reps):
+            cache.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        queued_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        full = queued_ms < s0.elapsed_time(s1)
+        if full:
+            break
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return {"ms": times[len(times) // 2], "host_ms": host_ms, "queue_full": full}

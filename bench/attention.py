@@ -10,7 +10,12 @@ memory of one forward + backward (beyond the inputs) for xtrain and for the comp
 FLOPs (the convention of the FlashAttention papers and the Triton tutorial):
     forward  = 4 · B · H · T² · D      (two matmuls of 2·T²·D each), halved when causal
     backward = 2.5 · forward           (five matmuls instead of two)
-Timing: triton.testing.do_bench (CUDA events, warm-up, median), random normal data.
+Timing: ``bench._gpu.gpu_time`` (CUDA events, warm-up, median, L2 flushed before each call, the host kept
+ahead of the GPU), so every contender's time is its GPU time, not its host launch overhead; that overhead
+(one call's launch cost on the CPU, measured with the GPU busy) is printed in a table of its own, for xtrain
+and cuDNN. (``triton.testing.do_bench`` lets the GPU wait for the host inside the timed interval: on the
+H200 machine of session 6 xtrain's forward at T = 1k took 0.26-0.37 ms of host time per call for 0.16-0.21 ms
+of GPU time, so do_bench read it 15-40 % slow.) Random normal data.
 
 ``--sweep`` first times a few kernel configs per head dim at one T and uses the fastest in the table.
 """
@@ -51,10 +56,17 @@ def attn_flops(B, H, T, D, causal=True) -> float:
     return f / 2 if causal else f
 
 
-def _bench(fn) -> float:
-    import triton.testing
+def _bench(fn, host: list | None = None) -> float:
+    """GPU ms per call of ``fn`` (``bench._gpu.gpu_time``); appends the host's ms per call to ``host``."""
+    from bench._gpu import gpu_time
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # ms
+    g = gpu_time(fn)
+    if not g["queue_full"]:
+        print("# warning: the host did not stay ahead of the GPU; this time may include launch overhead",
+              file=sys.stderr, flush=True)
+    if host is not None:
+        host.append(g["host_ms"])
+    return g["ms"]
 
 
 def _inputs(B, H, T, D, dtype, seed=0):
@@ -62,10 +74,11 @@ def _inputs(B, H, T, D, dtype, seed=0):
     return [torch.randn(B, H, T, D, generator=g, device="cuda", dtype=dtype) for _ in range(4)]  # q k v do
 
 
-def time_xtrain(q, k, v, do, causal, fcfg=None, bcfg=None):
-    fwd_ms = _bench(lambda: FA.flash_attention_fwd_triton(q, k, v, causal, config=fcfg))
+def time_xtrain(q, k, v, do, causal, fcfg=None, bcfg=None, host: list | None = None):
+    """(fwd_ms, bwd_ms) GPU time; the host ms per call of each are appended to ``host``."""
+    fwd_ms = _bench(lambda: FA.flash_attention_fwd_triton(q, k, v, causal, config=fcfg), host)
     o, lse = FA.flash_attention_fwd_triton(q, k, v, causal, config=fcfg)
-    bwd_ms = _bench(lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=bcfg))
+    bwd_ms = _bench(lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=bcfg), host)
     return fwd_ms, bwd_ms
 
 
@@ -76,8 +89,8 @@ def sdpa_backends():
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def time_sdpa(backend, q, k, v, do, causal):
-    """(fwd_ms, bwd_ms) of one SDPA backend, or None if it refuses these inputs."""
+def time_sdpa(backend, q, k, v, do, causal, host: list | None = None):
+    """(fwd_ms, bwd_ms) of one SDPA backend, or None if it refuses these inputs; host ms as time_xtrain."""
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
@@ -86,11 +99,11 @@ def time_sdpa(backend, q, k, v, do, causal):
         with sdpa_kernel(backend):
             fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             fwd()
-            fwd_ms = _bench(fwd)
+            fwd_ms = _bench(fwd, host)
             out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
             bwd = lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)
             bwd()
-            bwd_ms = _bench(bwd)
+            bwd_ms = _bench(bwd, host)
         return fwd_ms, bwd_ms
     except RuntimeError as e:  # backend not available for these inputs
         print(f"  sdpa {backend}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
@@ -232,12 +245,17 @@ def main(argv=None) -> int:
             fl = attn_flops(B, H, T, D, causal)
             tf = lambda ms, mult=1.0, fl=fl: mult * fl / ms * 1e-9
             r = {"D": D, "T": T, "B": B, "H": H}
-            fwd_ms, bwd_ms = time_xtrain(q, k, v, do, causal, *cfgs[D])
+            r["host_us"] = {"xtrain": [], "cudnn": []}
+            fwd_ms, bwd_ms = time_xtrain(q, k, v, do, causal, *cfgs[D], host=r["host_us"]["xtrain"])
             r["xtrain"] = (tf(fwd_ms), tf(bwd_ms, 2.5))
+            r["gpu_us"] = {"xtrain": (fwd_ms * 1e3, bwd_ms * 1e3)}
             r["xtrain_peak_mib"] = xtrain_peak(q, k, v, do, causal, *cfgs[D]) / 2**20
             for name, be in sdpa_backends().items():
-                t = time_sdpa(be, q, k, v, do, causal)
+                t = time_sdpa(be, q, k, v, do, causal, host=r["host_us"].get(name))
                 r[name] = None if t is None else (tf(t[0]), tf(t[1], 2.5))
+                if t is not None and name == "cudnn":
+                    r["gpu_us"]["cudnn"] = (t[0] * 1e3, t[1] * 1e3)
+            r["host_us"] = {n: [1e3 * h for h in hs] for n, hs in r["host_us"].items()}
             scores_gib = B * H * T * T * 2 / 2**30
             r["composed"], r["composed_peak_mib"] = None, None
             if not args.no_composed and 4 * scores_gib <= args.composed_max_gib:
@@ -270,6 +288,13 @@ def main(argv=None) -> int:
         cp = "-" if r["composed_peak_mib"] is None else f"{r['composed_peak_mib']:.0f}"
         print(f"{r['D']:>4} {r['T']:>6} | " + " | ".join(f"{c:>9}" for c in cells)
               + f" | {r['ratio'][0]:.2f}/{r['ratio'][1]:.2f} | {r['xtrain_peak_mib']:>8.0f} {cp:>9}")
+    print("\nHost time per call (us, the CPU's launch cost, GPU kept busy) next to GPU time (us), fwd / bwd")
+    print(f"{'D':>4} {'T':>6} | {'xtrain host':>13} | {'xtrain GPU':>13} | {'cudnn host':>13} | {'cudnn GPU':>13}")
+    for r in rows:
+        hx, hc = r["host_us"]["xtrain"], r["host_us"]["cudnn"]
+        gx, gc = r["gpu_us"]["xtrain"], r["gpu_us"].get("cudnn")
+        two = lambda p: "-" if not p or len(p) < 2 else f"{p[0]:.0f}/{p[1]:.0f}"  # noqa: E731
+        print(f"{r['D']:>4} {r['T']:>6} | {two(hx):>13} | {two(gx):>13} | {two(hc):>13} | {two(gc):>13}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -21,9 +21,9 @@ main() first checks every variant in a child process (a deadlocked mbarrier wait
 CUDA fault would poison the context): a variant with no result within 120 s is killed and reported HANG.
 Gate: relative-norm error ||x − ref|| / ||ref|| < 1e-2 for each of dq, dk, dv against
 ``flash_attention_bwd_ref`` in fp64 (B=1, H=4, Hkv=2, T=1024 and 2048, D=64 and 128, causal, outputs
-NaN-poisoned; o and lse from ``flash_attention_fwd_ref`` in fp64 then cast). Timing: do_bench median of
-each backward alone; cuDNN's backward alone via ``torch.autograd.grad`` on a saved SDPA graph
-(retain_graph), TFLOP/s = 2.5 × 4·B·H·T²·D/2.
+NaN-poisoned; o and lse from ``flash_attention_fwd_ref`` in fp64 then cast). Timing: GPU time
+(bench/_gpu.py, host kept ahead), median, of each backward alone; cuDNN's backward alone via
+``torch.autograd.grad`` on a saved SDPA graph (retain_graph), TFLOP/s = 2.5 × 4·B·H·T²·D/2.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def bench_row(D, T, variants):
     def run(name):
         return lambda do, q, k, v, o, lse, dq, dk, dv: gluon_flash_bwd(do, q, k, v, o, lse, True, None, name,
                                                                        dq=dq, dk=dk, dv=dv)
-    return isolated.bwd_bench_row(D, T, [(name, run(name)) for name in variants], warmup=25, rep=100)
+    return isolated.bwd_bench_row(D, T, [(name, run(name)) for name in variants], warmup=5, rep=30)
 
 
 def main(argv=None):

@@ -9,7 +9,7 @@ A variant is a name of ``VARIANTS``: {head dim: config}, a config being a name o
 its tuple (STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS). GPU: each variant is first checked in a child process
 (bench/isolated.py: a deadlock costs a timeout, not the run) by ``isolated.bwd_worst_error`` (B=1, H=4, Hkv=2,
 T = 1024 and 2048, causal, NaN-poisoned outputs, fp64 reference, pass below 1e-2), then timed by
-``isolated.bwd_bench_row`` (causal bf16, B·T = 16k, H·D = 2048, the backward alone, do_bench median) beside
+``isolated.bwd_bench_row`` (causal bf16, B·T = 16k, H·D = 2048, the backward alone, GPU time median) beside
 cuDNN and the library default. --compile-only: shared memory, PTX counts, and from the SASS the HGMMA /
 WARPGROUP.DEPBAR counts (equal = ptxas serialised every wgmma) and the STL (spill store) count. --replay: the
 kernel's loops in fp64 against the reference, and its four partitions' barrier protocol under random
@@ -435,7 +435,7 @@ def checks_fn(variants, head_dims):
 
 def bench_row(D, T, variants):
     runs = [(name, _run(VARIANTS[name][D])) for name in variants if D in VARIANTS[name]]
-    return isolated.bwd_bench_row(D, T, runs, warmup=10, rep=40)
+    return isolated.bwd_bench_row(D, T, runs, warmup=5, rep=30)
 
 
 def main(argv=None):

@@ -32,8 +32,9 @@ aliases ``_tma_load``/``_tma_store``/``_cta_barrier``; ``mbarrier.expect``'s byt
 
 main(): correctness first, in a child process (a deadlocked mbarrier wait hangs the GPU context; a CUDA
 fault poisons it): per variant a timeout, NaN-poisoned outputs, fp64 reference; a variant that fails is
-left out of the timing. Then triton.testing.do_bench (median) of cuDNN, the Triton kernel (the library's
-Gluon dispatch switched off), and each variant; the table gives TFLOP/s and the ratio to cuDNN.
+left out of the timing. Then the GPU time (bench/_gpu.py ``gpu_time``: median, host kept ahead) of cuDNN,
+the Triton kernel (the library's Gluon dispatch switched off), and each variant; the table gives TFLOP/s and
+the ratio to cuDNN.
 """
 
 from __future__ import annotations
@@ -448,10 +449,10 @@ def run_checks(variants, head_dims, startup_s=120.0, per_variant_s=90.0):
 def bench_row(D, T, variants):
     """TFLOP/s of cuDNN, the Triton kernel, and each variant: causal bf16, B = 16k / T, H = 2048 / D."""
     import torch.nn.functional as F
-    import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import xtrain.kernels.flash_attention as FA
+    from bench._gpu import gpu_time
 
     B, H = 16384 // T, 2048 // D
     g = torch.Generator(device="cuda").manual_seed(T * 7 + D)
@@ -461,7 +462,7 @@ def bench_row(D, T, variants):
 
     def timed(col, fn):
         try:
-            ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+            ms = gpu_time(fn)["ms"]
             row[col] = flops / ms * 1e-9
         except Exception as e:  # noqa: BLE001
             print(f"  {col} D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")

@@ -235,14 +235,15 @@ def bwd_worst_error(name: str, head_dims, run) -> float:
 def bwd_bench_row(D: int, T: int, runs, warmup: int, rep: int) -> dict:
     """Backward TFLOP/s of cuDNN (``torch.autograd.grad`` on a saved SDPA graph: the backward alone), the
     library default (``flash_attention_bwd_triton``) and each ``(column, run)`` of ``runs``, with
-    ``run(do, q, k, v, o, lse, dq, dk, dv)``; causal bf16, B = 16k / T, H = Hkv = 2048 / D, do_bench median
-    (``warmup``, ``rep`` in ms). FLOPs = 2.5 x forward FLOPs (4·B·H·T²·D/2). A column that raises is
+    ``run(do, q, k, v, o, lse, dq, dk, dv)``; causal bf16, B = 16k / T, H = Hkv = 2048 / D, GPU time
+    (``bench._gpu.gpu_time``: median, host kept ahead; ``warmup`` calls first, ``rep`` timed calls).
+    FLOPs = 2.5 x forward FLOPs (4·B·H·T²·D/2). A column that raises is
     reported and left out."""
     import torch
     import torch.nn.functional as F
-    import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from bench._gpu import gpu_time
     from xtrain.kernels.flash_attention import flash_attention_bwd_triton, flash_attention_fwd_triton
 
     B, H = 16384 // T, 2048 // D
@@ -253,7 +254,7 @@ def bwd_bench_row(D: int, T: int, runs, warmup: int, rep: int) -> dict:
 
     def timed(col, fn):
         try:
-            row[col] = flops / triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e-9
+            row[col] = flops / gpu_time(fn, reps=rep, warmup=warmup)["ms"] * 1e-9
         except Exception as e:  # noqa: BLE001
             print(f"  {col} D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
 

@@ -300,11 +300,12 @@ def test_embedding_bwd_cpu(ishape, V, C):
                                     (2, 16, 4, "fused", False, True), (4, 64, 4, "absent", 16, True),
                                     (8, 32, 4, "torch", 16, False, "tile"), (1, 16, 4, "absent", 32, False, "tile"),
                                     (4, 64, 4, "absent", 16, False, "tile"), (2, 16, 4, "fused", 16, False, "tile"),
-                                    (8, 32, 4, "torch", False, False, "tile")])
+                                    (8, 32, 4, "torch", False, False, "tile"), (4, 64, 4, "side", 16, True),
+                                    (2, 16, 4, "side", 16, False, "tile")])
 def test_embedding_bwd_tilings_cpu(config, monkeypatch):
     """Chunk sizes and the zero fills (torch.zeros, a zero kernel for absent rows, zero tiles fused into the
-    chunk launch), int16 / int32 / int64 sort keys, the index loaded a step ahead or
-    not, the walk or the tile chunk body, with runs of one id much longer than a chunk (summed across
+    chunk launch, the zero kernel beside the sort/walk/merge chain: run in turn on the CPU), int16 / int32 /
+    int64 sort keys, the index loaded a step ahead or not, the walk or the tile chunk body, with runs of one id much longer than a chunk (summed across
     chunks by the merge pass); bit for bit deterministic."""
     monkeypatch.setattr(K_emb, "CONFIG", config)
     for n, V, C in ((100, 50, 9), (33, 1, 8), (40, 3, 70), (1, 4, 5)):
@@ -570,14 +571,19 @@ def test_adamw_gpu_bit_exact():
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [None, (16, 1024, 4, "fused", 16, False, "tile"),
-                                    (8, 512, 4, "absent", 16, False, "tile")])
+                                    (8, 512, 4, "absent", 16, False, "tile"), (16, 1024, 4, "side", 16, True),
+                                    (16, 512, 4, "side", 16, False, "tile")])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
+    """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
+    merge on a second stream beside the zero fill (a missing order between the two would leave NaN rows or
+    zeros where sums belong)."""
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text
     ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1).reshape(4, N // 4)
     d = torch.randn(4, N // 4, C, device="cuda").to(dtype)
-    a = K_emb.embedding_bwd_triton(d, ids, V)
+    with poisoned():
+        a = K_emb.embedding_bwd_triton(d, ids, V)
     b64 = K_emb.embedding_bwd_ref(d.double(), ids, V)
     assert _rel(a, b64) < _tol(dtype)
     assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))  # deterministic

@@ -12,17 +12,23 @@ Triton backward (deterministic, no atomics, no [V, C] temporary besides the grad
     _embedding_bwd_merge_kernel  for each run that crosses chunk edges, adds its partials in chunk order
         and writes the row. Every program has at most CHUNK tokens, so a frequent id no longer makes one
         long serial chain (idea from the issue thread: fixed-size token chunks of the sorted ids).
-The rows no id names are zeroed in the same launch by default (``_embedding_bwd_fused_kernel``: zero tiles
-of absent rows and the chunk walks, marked by ``_embedding_keys_kernel``, which also writes the sort keys);
-CONFIG also selects torch.zeros first, or ``_embedding_zero_absent_kernel`` first.
+The rows no id names are zeroed by ``_embedding_zero_absent_kernel`` (marked by ``_embedding_keys_kernel``,
+which also writes the sort keys) on the current stream while the sort, the chunk walks and the merge run on a
+high-priority side stream (CONFIG zero fill "side", the default): the zero fill is a bandwidth-bound grid
+over most of the table, the other three a chain of small latency-bound kernels, and with the side stream's
+priority their programs take SMs as the zero tiles retire, so the chain runs under the fill
+(``SIDE_HIGH_PRIORITY = False`` gives the side stream the default priority, for the bench to compare).
+CONFIG also selects torch.zeros first, ``_embedding_zero_absent_kernel``
+first, or the zero tiles and the walks in one launch (``_embedding_bwd_fused_kernel``, the default before
+session 6).
 Chunk bodies: ``_chunk_body`` walks a chunk's tokens one by one; ``_chunk_tile_body`` gathers a chunk's
 CHUNK rows as one tile, all in flight at once, and sums runs by a segmented scan held in each thread's
 registers (the walk waits on an index load per token: the chunk + merge stage alone ran at 36-39% of copy).
 Sort keys: int32 (half the radix passes of int64) or int16 (ids - 32768, V <= 65536: half again).
 It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which accumulates a
-whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, session 3): bf16 the fused launch with
-the walk, 0.355 ms at V = 128k, C = 4096 (80% of copy); fp32 the fused launch with the tile body and int16
-keys, 0.166-0.169 ms at V = 32k, C = 2048 (55-56%).
+whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, session 6, GPU time): the side streams with
+the walk, bf16 0.312 ms at V = 128k, C = 4096 (91% of copy), fp32 0.149 ms at V = 32k, C = 2048 (63%: there the
+chain itself, a 37 us sort and 80 us of walks and merge, is longer than the fill beside it).
 Measured and dropped (H200, 2026-11-29, bench/RESULTS.md): one program per run (the first version:
 0.552 ms bf16 / 0.384 ms fp32, a frequent id summed serially); a segmented-scan chunk kernel
 (tl.associative_scan over an [8, 512] tile: 0.565 / 0.239 ms) vs the running-sum walk kept here
@@ -37,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from xtrain.kernels._dispatch import jit as _jit
-from xtrain.kernels._dispatch import tl, triton, use_triton
+from xtrain.kernels._dispatch import side_stream, tl, triton, use_triton
 
 
 def embedding_fwd(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -211,10 +217,15 @@ def _embedding_bwd_fused_kernel(DOUT, ORDER, SORTED, DTABLE, PART, PRESENT, N, V
 
 @_jit
 def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, C, n_chunks,
-                                CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, ID_BIAS: tl.constexpr = 0):
+                                CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, ID_BIAS: tl.constexpr = 0,
+                                MERGE_BLOCK: tl.constexpr = 16):
     """Program (chunk, column block): if this chunk's last run starts here and continues into the next
-    chunks, sum its partials in chunk order (PART[c, 1], then PART[c', 0] of every later chunk c' the
-    run reaches) and write the dtable row. Fixed order: the result does not depend on scheduling."""
+    chunks, sum its partials (PART[c, 1], then PART[c', 0] of every later chunk c' the run reaches) and
+    write the dtable row. The later chunks are taken MERGE_BLOCK at a time: their first ids and partial
+    rows load together, and a [MERGE_BLOCK, BLOCK_C] tile is summed over its rows (the ids are sorted, so
+    the chunks a run reaches are one unbroken stretch). A frequent id spans many chunks (an id seen 521
+    times spans 33 of 16 tokens): one chunk per step made that a chain of dependent loads, 12-18 us of the
+    op on the H200 (session 6). Fixed shapes, fixed order: the result does not depend on scheduling."""
     c = tl.program_id(0)
     s = c.to(tl.int64) * CHUNK
     e = tl.minimum(s + CHUNK, N)
@@ -227,13 +238,17 @@ def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, C, n_chunks,
     starts_here = (first != last) | (prev_id != last)
     if starts_here & (next_id == last):
         acc = tl.load(PART + (c.to(tl.int64) * 2 + 1) * C + cols, mask=cmask, other=0.0)
-        cc = c + 1
+        cc = c + 1 + tl.arange(0, MERGE_BLOCK)
         go = True
-        while go:  # the run reaches chunk cc (its first token has id ``last``)
-            acc += tl.load(PART + (cc.to(tl.int64) * 2) * C + cols, mask=cmask, other=0.0)
-            cc += 1
-            nid = _load_id(SORTED, tl.minimum(cc, n_chunks - 1).to(tl.int64) * CHUNK, cc < n_chunks, ID_BIAS)
-            go = (cc < n_chunks) & (nid == last)
+        while go:  # the run reaches chunk cc where cc's first token has id ``last``
+            inside = cc < n_chunks
+            nid = _load_id(SORTED, tl.minimum(cc, n_chunks - 1).to(tl.int64) * CHUNK, inside, ID_BIAS)
+            reach = inside & (nid == last)
+            tile = tl.load(PART + (cc.to(tl.int64) * 2)[:, None] * C + cols[None, :],
+                           mask=reach[:, None] & cmask[None, :], other=0.0)
+            acc += tl.sum(tile, axis=0)
+            go = tl.sum(reach.to(tl.int32), axis=0) == MERGE_BLOCK  # all reached: the run may go on
+            cc += MERGE_BLOCK
         tl.store(DTABLE + last * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
 
 
@@ -263,7 +278,8 @@ def _embedding_keys_kernel(IDS, KEYS, PRESENT, N, ID_BIAS: tl.constexpr, MARK: t
 CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[, chunk body]]]) override, for
 # the bench's sweep.
 # zero fill: "torch" (torch.zeros first), "absent" (_embedding_zero_absent_kernel, then the chunk pass),
-# "fused" (_embedding_bwd_fused_kernel: zero tiles of absent rows and chunk walks in one launch).
+# "fused" (_embedding_bwd_fused_kernel: zero tiles of absent rows and chunk walks in one launch), "side" (the
+# absent rows zeroed on the current stream while the sort, walks and merge run on a high-priority side stream).
 # sort keys: False (int64 ids), True or 32 (int32: half the radix passes of int64; ids < 2^31), 16 (int16
 # ids - 32768 where V <= 65536, else int32: half again). idx_ahead: see _chunk_body.
 # chunk body: "walk" (_chunk_body) or "tile" (_chunk_tile_body).
@@ -271,7 +287,11 @@ CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[,
 # session 3 sweep: bf16 (V = 128k, C = 4096) the fused launch (zero tiles + walks) with keys and marks from
 # _embedding_keys_kernel, 0.373 -> 0.355 ms (76 -> 80% of copy); fp32 (V = 32k, C = 2048) the tile body, fused,
 # int16 keys, 0.195 -> 0.169 ms (48 -> 55%).
-DEFAULTS = {2: (16, 1024, 4, "fused", True, True), 4: (16, 512, 4, "fused", 16, False, "tile")}
+# session 6 sweep (GPU time, host kept ahead; bench/RESULTS.md): the "side" streams, walk body, int16 keys where
+# V <= 65536: bf16 0.354 -> 0.312 ms (80 -> 91% of copy), fp32 0.162 -> 0.149 ms (58 -> 63%; the tile body and
+# chunks of 32 within 1%).
+DEFAULTS = {2: (16, 1024, 4, "side", 16, True), 4: (16, 512, 4, "side", 16, True)}
+SIDE_HIGH_PRIORITY = True  # "side": the side stream of the highest priority (False: the default priority)
 
 
 def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool):
@@ -302,8 +322,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
     N = ids.numel()
     cfg = CONFIG if CONFIG is not None else DEFAULTS[2 if dout.element_size() <= 2 else 4]
     CHUNK, BLOCK_C, num_warps, zero = cfg[:4]
-    if zero not in ("torch", "absent", "fused"):
-        raise ValueError(f"embedding_bwd: CONFIG zero fill must be 'torch', 'absent' or 'fused', got {zero!r}")
+    if zero not in ("torch", "absent", "fused", "side"):
+        raise ValueError(f"embedding_bwd: CONFIG zero fill must be 'torch', 'absent', 'fused' or 'side', got {zero!r}")
     key_bits = cfg[4] if len(cfg) > 4 else False
     idx_ahead = bool(cfg[5]) if len(cfg) > 5 else False
     tile = len(cfg) > 6 and cfg[6] == "tile"
@@ -315,24 +335,56 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
             return dtable
     else:
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
-    mark = zero in ("absent", "fused")
+    mark = zero in ("absent", "fused", "side")
     keys, bias, present = _sort_keys(ids, V, key_bits, mark)
-    if zero == "absent":
-        _embedding_zero_absent_kernel[(triton.cdiv(V, 8), n_cb)](present, dtable, V, C, BLOCK_R=8,
-                                                                 BLOCK_C=BLOCK_C, num_warps=4)
-    sorted_ids, order = torch.sort(keys, stable=True)
     n_chunks = triton.cdiv(N, CHUNK)
-    part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
-    if zero == "fused":
-        n_zr = triton.cdiv(V, 8)
-        _embedding_bwd_fused_kernel[(n_chunks * n_cb + n_zr * n_cb,)](
-            d2, order, sorted_ids, dtable, part, present, N, V, C, n_cb, n_chunks * n_cb, n_cb, CHUNK=CHUNK,
-            BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, ZBLOCK_R=8, ZBLOCK_C=BLOCK_C, TILE=tile, ID_BIAS=bias,
-            num_warps=num_warps)
-    else:
+
+    def sort_walk_merge():
+        """The sort, the chunk walks (present rows and boundary partials) and the merge of cut runs."""
+        sorted_ids, order = torch.sort(keys, stable=True)
+        part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
         _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, C, CHUNK=CHUNK,
                                                       BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, TILE=tile,
                                                       ID_BIAS=bias, num_warps=num_warps)
+        _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, C, n_chunks,
+                                                      CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias, num_warps=4)
+
+    if zero == "side":
+        # the absent rows' zero fill (a bandwidth-bound grid, most of the table) on this stream, while the
+        # sort, the walks and the merge (a chain of small latency-bound kernels) run on a high-priority side
+        # stream: their programs take an SM as soon as one frees, so the chain runs under the zero fill
+        # instead of before it. Disjoint rows: the walks and the merge write only rows ids name.
+        zbc = min(triton.next_power_of_2(C), 4096)
+        zbr = max(1, 8192 // zbc)
+
+        def zero_absent():
+            _embedding_zero_absent_kernel[(triton.cdiv(V, zbr), triton.cdiv(C, zbc))](
+                present, dtable, V, C, BLOCK_R=zbr, BLOCK_C=zbc, num_warps=8)
+        if dout.is_cuda:
+            main = torch.cuda.current_stream(dout.device)
+            side = side_stream(dout.device, high_priority=SIDE_HIGH_PRIORITY)
+            side.wait_stream(main)  # keys, marks and dtable ready
+            with torch.cuda.stream(side):
+                sort_walk_merge()
+            zero_absent()
+            main.wait_stream(side)  # dtable complete; later work (and memory reuse) ordered after both
+        else:
+            zero_absent()
+            sort_walk_merge()
+        return dtable
+    if zero == "absent":
+        _embedding_zero_absent_kernel[(triton.cdiv(V, 8), n_cb)](present, dtable, V, C, BLOCK_R=8,
+                                                                 BLOCK_C=BLOCK_C, num_warps=4)
+    if zero != "fused":
+        sort_walk_merge()
+        return dtable
+    sorted_ids, order = torch.sort(keys, stable=True)
+    part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
+    n_zr = triton.cdiv(V, 8)
+    _embedding_bwd_fused_kernel[(n_chunks * n_cb + n_zr * n_cb,)](
+        d2, order, sorted_ids, dtable, part, present, N, V, C, n_cb, n_chunks * n_cb, n_cb, CHUNK=CHUNK,
+        BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, ZBLOCK_R=8, ZBLOCK_C=BLOCK_C, TILE=tile, ID_BIAS=bias,
+        num_warps=num_warps)
     _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, C, n_chunks,
                                                   CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias, num_warps=4)
     return dtable

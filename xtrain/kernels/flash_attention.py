@@ -663,7 +663,7 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
         from xtrain.kernels import flash_attention_gluon as G  # not at import: it imports this module
 
         if G.supported(q, k, v) and (o is None or o.stride() == q.stride()):
-            return G.flash_attention_fwd_gluon(q, k, v, True, s, o=o, lse=lse)
+            return G.flash_attention_fwd_gluon(q, k, v, True, s, o=o, lse=lse, checked=True)
     BLOCK_M, BLOCK_N, num_warps, num_stages, tma = config or _fwd_config(D, q.dtype, T)
     if BLOCK_M % BLOCK_N:
         raise ValueError(f"{op}: BLOCK_M={BLOCK_M} must be a multiple of BLOCK_N={BLOCK_N}")
@@ -729,11 +729,12 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     if route == "onepass":
         from xtrain.kernels import flash_attention_gluon_onepass as OP  # not at import: it imports this module
 
-        return OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, True, s, dq=dq, dk=dk, dv=dv)
+        return OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, True, s, dq=dq, dk=dk, dv=dv,
+                                                     checked=True)
     if route == "gluon":
         from xtrain.kernels import flash_attention_gluon_bwd as GB
 
-        return GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, True, s, dq=dq, dk=dk, dv=dv)
+        return GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, True, s, dq=dq, dk=dk, dv=dv, checked=True)
     do, q, k, v, o = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o)
     lse = lse.to(torch.float32).contiguous()
     config = config or _BWD_CONFIGS[(D, _dtype_class(q.dtype))]

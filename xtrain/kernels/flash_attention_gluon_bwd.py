@@ -511,12 +511,14 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
             (_bwd_dq_kernel, (T // RESIDENT, B * H), dqa, c2)]
 
 
-def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv):
+def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False):
     """What both Gluon backwards do before their kernels: check the inputs (``supported``: the backward's own
-    predicate; a ValueError naming ``op`` otherwise), the scale, the output buffers (``_grad_buf``), then the
-    delta preprocess. Returns (do in q's dtype, lse fp32 contiguous, dq, dk, dv, delta, scale)."""
-    FA._check_bwd(op, do, q, k, v, o, lse)
-    if not supported(do, q, k, v, o, lse):
+    predicate; a ValueError naming ``op`` otherwise; skipped when ``checked``: the caller has just run both
+    checks, as flash_attention_bwd_triton's route does), the scale, the output buffers (``_grad_buf``), then
+    the delta preprocess. Returns (do in q's dtype, lse fp32 contiguous, dq, dk, dv, delta, scale)."""
+    if not checked:
+        FA._check_bwd(op, do, q, k, v, o, lse)
+    if not checked and not supported(do, q, k, v, o, lse):
         raise ValueError(f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU with Gluon, D in {head_dims}, T a "
                          f"multiple of {RESIDENT}, q/k/v/do contiguous or [B, T, H, D]-transposed (16-byte "
                          f"aligned), o with unit last stride; got do/q/k/v/o/lse {FA._shapes(do, q, k, v, o, lse)}, "
@@ -547,12 +549,14 @@ def stand_ins(D: int, T: int, H: int, Hkv: int, transposed: bool):
 
 
 def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
-                              dq=None, dk=None, dv=None, config=None):
+                              dq=None, dk=None, dv=None, config=None, checked: bool = False):
     """Launch the delta preprocess, then the dK/dV and dQ Gluon kernels on two streams. Returns (dq, dk, dv).
     ``dq``/``dk``/``dv``: optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name
-    in ``CONFIGS`` or (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2), overriding the per-head-dim default."""
+    in ``CONFIGS`` or (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2), overriding the per-head-dim default. ``checked``:
+    the caller has just checked the inputs and ``supported_bwd`` (``_prologue``)."""
     op = "flash_attention_bwd_gluon"
-    do, lse, dq, dk, dv, delta, s = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk, dv)
+    do, lse, dq, dk, dv, delta, s = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk, dv,
+                                              checked)
     cfg = _config(op, config, q.shape[-1])
     (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg)
 

@@ -86,7 +86,6 @@ CONVERT_ROWS = 64  # rows of dq per program of the convert kernel
 if HAVE_GLUON:
     from xtrain.kernels.flash_attention_gluon import (
         _PRODUCER_REGS,
-        TensorDescriptor,
         _cta_barrier,
         fence_async_shared,
         gl,
@@ -404,24 +403,24 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
     for n, (_, rb, rh, ch) in views.items():
         args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
     acc2 = dq_acc.view(B * H * T, D)
-    acc_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.float32)
     args.update(q_desc=_desc(views["q"][0], BLOCK_M, D), do_desc=_desc(views["do"][0], BLOCK_M, D),
                 k_desc=_desc(views["k"][0], HALF_M, D), v_desc=_desc(views["v"][0], HALF_M, D),
                 dk_desc=_desc(views["dk"][0], HALF_M, D), dv_desc=_desc(views["dv"][0], HALF_M, D),
-                dq_desc=TensorDescriptor(acc2, list(acc2.shape), list(acc2.stride()), [BLOCK_M, D], acc_layout))
+                dq_desc=_desc(acc2, BLOCK_M, D))
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf,
                   KV_REGS=kv_regs, DQ_REGS=dq_regs)
     return _onepass_kernel, (T // RESIDENT, B * Hkv), args, consts
 
 
 def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
-                                      dq=None, dk=None, dv=None, config=None):
+                                      dq=None, dk=None, dv=None, config=None, checked: bool = False):
     """Delta preprocess, the one-pass kernel, the dQ convert. Returns (dq, dk, dv). ``dq``/``dk``/``dv``:
     optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name in ``CONFIGS`` or
-    (STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS). Holds an fp32 dQ accumulator [B, H, T, D] while it runs."""
+    (STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS). Holds an fp32 dQ accumulator [B, H, T, D] while it runs.
+    ``checked``: the caller has just checked the inputs and ``supported_bwd`` (``GB._prologue``)."""
     op = "flash_attention_bwd_gluon_onepass"
     do, lse, dq, dk, dv, delta, s = GB._prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
-                                                 dv)
+                                                 dv, checked)
     cfg = _config(op, config)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kern, grid, args, consts = _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s, causal, cfg)

@@ -208,7 +208,9 @@ BWD_CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH[, 
 # 16384x4096 89 -> 93%; evict-first loads and streaming (.cs) stores of dx changed nothing measurable
 # (dropped; code in git history, commit 59de5bf).
 BWD_DEFAULT_LONG = (8192, 16, 1, 3, True)  # BLOCK_C >= 2048
-BWD_DEFAULT_SHORT = (4096, 8, 2, 4, True)
+BWD_DEFAULT_SHORT = (2048, 4, 4, 4, True)  # session 6 (GPU time, host kept ahead): 0.083 vs 0.085 ms for the
+# previous (4096, 8, 2, 4, True) at 65536x768 (86 vs 84% of copy); the sessions before timed with do_bench, whose
+# figure for this op held up to 0.02 ms of host launch time (bench/RESULTS.md)
 DW_CONFIG = (512, 16, 4)  # _rms_norm_dw_kernel: (most partial rows per step, columns per program, num_warps)
 DW_PDL = True  # the dw pass as a programmatic dependent launch (CUDA sm_90+; see _rms_norm_dw_kernel), released
 # as the backward kernel's programs exit. H200, session 4 (bench/RESULTS.md): bf16 65536x768 82 -> 84% of copy,
