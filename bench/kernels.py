@@ -528,12 +528,16 @@ def _v_embedding(N, V, C, dt, smoke=False):
     if e > 2:
         vs += [("tile, fused, chunk 32, 512 cols w4, keys 16", (32, 512, 4, "fused", 16, False, "tile")),
                ("walk, fused, chunk 32, keys 16", (32, bc, 4, "fused", 16, True))]
-    # the same with the side stream at the default priority (does the priority matter?)
-    vs.append(("side, walk, keys 16, equal priority", (16, bc, 4, "side", 16, True, "walk", "equal")))
+    # the same with the side stream at the default priority (does the priority matter?), and the merge pass
+    # taking 4 or 16 chunks per step (a frequent id spans dozens of chunks)
+    vs += [("side, walk, keys 16, equal priority", (16, bc, 4, "side", 16, True, "walk", "equal")),
+           ("side, walk, keys 16, merge 4", (16, bc, 4, "side", 16, True, "walk", 4)),
+           ("side, walk, keys 16, merge 16", (16, bc, 4, "side", 16, True, "walk", 16))]
     for name, cfg in vs:
         def fn(cfg=cfg):
-            equal = bool(cfg) and cfg[-1] == "equal"
-            with _knob(K, "CONFIG", cfg[:7] if cfg else cfg), _knob(K, "SIDE_HIGH_PRIORITY", not equal):
+            extra = cfg[7] if cfg and len(cfg) > 7 else None
+            with _knob(K, "CONFIG", cfg[:7] if cfg else cfg), _knob(K, "SIDE_HIGH_PRIORITY", extra != "equal"), \
+                    _knob(K, "MERGE_BLOCK", extra if isinstance(extra, int) else 1):
                 return K.embedding_bwd_triton(d, ids, V)
 
         def check(fn=fn):

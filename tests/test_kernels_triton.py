@@ -317,6 +317,23 @@ def test_embedding_bwd_tilings_cpu(config, monkeypatch):
 
 
 @needs_cpu_interp
+@pytest.mark.parametrize("merge_block", [4, 16])
+def test_embedding_bwd_merge_block_cpu(merge_block, monkeypatch):
+    """The merge pass taking several chunks per step: runs reaching exactly a multiple of the block of chunks,
+    one more, one fewer (chunks of 1 and 2 tokens, one id repeated up to 50 times), against the reference,
+    deterministic."""
+    monkeypatch.setattr(K_emb, "MERGE_BLOCK", merge_block)
+    for chunk in (1, 2):
+        monkeypatch.setattr(K_emb, "CONFIG", (chunk, 16, 4, "side", 16, True))
+        for reps in (merge_block * chunk, merge_block * chunk + 1, merge_block * chunk - 1, 50):
+            ids = torch.cat([torch.full((reps,), 3), torch.tensor([1, 5, 3, 0])])
+            d = torch.randn(ids.numel(), 20)
+            a = K_emb.embedding_bwd_triton(d, ids, 7)
+            assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, 7)) <= CPU_TOL
+            assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, 7))
+
+
+@needs_cpu_interp
 @pytest.mark.parametrize("config", [(4, 64, 4, "torch", 16, False), (8, 32, 4, "fused", 16, False, "tile")])
 def test_embedding_bwd_int16_keys_cpu(config, monkeypatch):
     """int16 sort keys are ids - 32768: ids on both sides of 32767 / 32768 and at the ends of a table of

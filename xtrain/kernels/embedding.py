@@ -17,7 +17,9 @@ which also writes the sort keys) on the current stream while the sort, the chunk
 high-priority side stream (CONFIG zero fill "side", the default): the zero fill is a bandwidth-bound grid
 over most of the table, the other three a chain of small latency-bound kernels, and with the side stream's
 priority their programs take SMs as the zero tiles retire, so the chain runs under the fill
-(``SIDE_HIGH_PRIORITY = False`` gives the side stream the default priority, for the bench to compare).
+(``SIDE_HIGH_PRIORITY = False`` gives the side stream the default priority: on the H200 that form took 0.381
+ms bf16 / 0.175 ms fp32 against 0.313 / 0.154 ms with the priority, and the fused launch before it 0.354 /
+0.162 ms).
 CONFIG also selects torch.zeros first, ``_embedding_zero_absent_kernel``
 first, or the zero tiles and the walks in one launch (``_embedding_bwd_fused_kernel``, the default before
 session 6).
@@ -218,14 +220,14 @@ def _embedding_bwd_fused_kernel(DOUT, ORDER, SORTED, DTABLE, PART, PRESENT, N, V
 @_jit
 def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, C, n_chunks,
                                 CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, ID_BIAS: tl.constexpr = 0,
-                                MERGE_BLOCK: tl.constexpr = 16):
+                                MERGE_BLOCK: tl.constexpr = 1):
     """Program (chunk, column block): if this chunk's last run starts here and continues into the next
     chunks, sum its partials (PART[c, 1], then PART[c', 0] of every later chunk c' the run reaches) and
-    write the dtable row. The later chunks are taken MERGE_BLOCK at a time: their first ids and partial
-    rows load together, and a [MERGE_BLOCK, BLOCK_C] tile is summed over its rows (the ids are sorted, so
-    the chunks a run reaches are one unbroken stretch). A frequent id spans many chunks (an id seen 521
-    times spans 33 of 16 tokens): one chunk per step made that a chain of dependent loads, 12-18 us of the
-    op on the H200 (session 6). Fixed shapes, fixed order: the result does not depend on scheduling."""
+    write the dtable row: one chunk per step (MERGE_BLOCK = 1), or MERGE_BLOCK chunks per step, their first
+    ids and partial rows loaded together and the [MERGE_BLOCK, BLOCK_C] tile summed over its rows (the ids
+    are sorted, so the chunks a run reaches are one unbroken stretch). A frequent id spans many chunks (one
+    seen 521 times spans 33 chunks of 16 tokens): one chunk per step makes that a chain of dependent loads.
+    Fixed shapes, fixed order: the result does not depend on scheduling."""
     c = tl.program_id(0)
     s = c.to(tl.int64) * CHUNK
     e = tl.minimum(s + CHUNK, N)
@@ -238,17 +240,26 @@ def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, C, n_chunks,
     starts_here = (first != last) | (prev_id != last)
     if starts_here & (next_id == last):
         acc = tl.load(PART + (c.to(tl.int64) * 2 + 1) * C + cols, mask=cmask, other=0.0)
-        cc = c + 1 + tl.arange(0, MERGE_BLOCK)
-        go = True
-        while go:  # the run reaches chunk cc where cc's first token has id ``last``
-            inside = cc < n_chunks
-            nid = _load_id(SORTED, tl.minimum(cc, n_chunks - 1).to(tl.int64) * CHUNK, inside, ID_BIAS)
-            reach = inside & (nid == last)
-            tile = tl.load(PART + (cc.to(tl.int64) * 2)[:, None] * C + cols[None, :],
-                           mask=reach[:, None] & cmask[None, :], other=0.0)
-            acc += tl.sum(tile, axis=0)
-            go = tl.sum(reach.to(tl.int32), axis=0) == MERGE_BLOCK  # all reached: the run may go on
-            cc += MERGE_BLOCK
+        if MERGE_BLOCK == 1:  # one chunk per step
+            cc = c + 1
+            go = True
+            while go:  # the run reaches chunk cc (its first token has id ``last``)
+                acc += tl.load(PART + (cc.to(tl.int64) * 2) * C + cols, mask=cmask, other=0.0)
+                cc += 1
+                nid = _load_id(SORTED, tl.minimum(cc, n_chunks - 1).to(tl.int64) * CHUNK, cc < n_chunks, ID_BIAS)
+                go = (cc < n_chunks) & (nid == last)
+        else:
+            ccs = c + 1 + tl.arange(0, MERGE_BLOCK)
+            go = True
+            while go:  # the run reaches chunk cc where cc's first token has id ``last``
+                inside = ccs < n_chunks
+                nid = _load_id(SORTED, tl.minimum(ccs, n_chunks - 1).to(tl.int64) * CHUNK, inside, ID_BIAS)
+                reach = inside & (nid == last)
+                tile = tl.load(PART + (ccs.to(tl.int64) * 2)[:, None] * C + cols[None, :],
+                               mask=reach[:, None] & cmask[None, :], other=0.0)
+                acc += tl.sum(tile, axis=0)
+                go = tl.sum(reach.to(tl.int32), axis=0) == MERGE_BLOCK  # all reached: the run may go on
+                ccs += MERGE_BLOCK
         tl.store(DTABLE + last * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
 
 
@@ -292,6 +303,8 @@ CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[,
 # chunks of 32 within 1%).
 DEFAULTS = {2: (16, 1024, 4, "side", 16, True), 4: (16, 512, 4, "side", 16, True)}
 SIDE_HIGH_PRIORITY = True  # "side": the side stream of the highest priority (False: the default priority)
+MERGE_BLOCK = 1  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
+# within the run-to-run spread of 1 (bf16 0.312-0.313 ms all three; fp32 0.147-0.156 ms)
 
 
 def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool):
@@ -347,7 +360,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                                                       BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, TILE=tile,
                                                       ID_BIAS=bias, num_warps=num_warps)
         _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, C, n_chunks,
-                                                      CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias, num_warps=4)
+                                                      CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias,
+                                                      MERGE_BLOCK=MERGE_BLOCK, num_warps=4)
 
     if zero == "side":
         # the absent rows' zero fill (a bandwidth-bound grid, most of the table) on this stream, while the
@@ -386,7 +400,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, ZBLOCK_R=8, ZBLOCK_C=BLOCK_C, TILE=tile, ID_BIAS=bias,
         num_warps=num_warps)
     _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, C, n_chunks,
-                                                  CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias, num_warps=4)
+                                                  CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias, MERGE_BLOCK=MERGE_BLOCK,
+                                                  num_warps=4)
     return dtable
 
 
