@@ -305,8 +305,8 @@ def test_embedding_bwd_cpu(ishape, V, C):
 def test_embedding_bwd_tilings_cpu(config, monkeypatch):
     """Chunk sizes and the zero fills (torch.zeros, a zero kernel for absent rows, zero tiles fused into the
     chunk launch, the zero kernel beside the sort/walk/merge chain: run in turn on the CPU), int16 / int32 /
-    int64 sort keys, the index loaded a step ahead or not, the walk or the tile chunk body, with runs of one id much longer than a chunk (summed across
-    chunks by the merge pass); bit for bit deterministic."""
+    int64 sort keys, the index loaded a step ahead or not, the walk or the tile chunk body, with runs of one
+    id much longer than a chunk (summed across chunks by the merge pass); bit for bit deterministic."""
     monkeypatch.setattr(K_emb, "CONFIG", config)
     for n, V, C in ((100, 50, 9), (33, 1, 8), (40, 3, 70), (1, 4, 5)):
         ids = (torch.rand(n) ** 3 * V).long()  # Zipf-like: long runs of the small ids
