@@ -47,7 +47,7 @@ def _cycles_per_ms() -> float:
     return _SLEEP_CYCLES_PER_MS
 
 
-def gpu_time(fn, reps: int = 30, warmup: int = 5, flush_mb: int = 256) -> dict:
+def gpu_time(fn, reps: int = 30, warmup: int = 5, flush_mb: int = 256, host_calls: int = 5) -> dict:
     """Time ``fn`` on the GPU alone, with the host kept ahead of it; returns ms per call (median), the
     host's ms per call, and whether the launch queue stayed full.
 
@@ -60,7 +60,8 @@ def gpu_time(fn, reps: int = 30, warmup: int = 5, flush_mb: int = 256) -> dict:
     finished queueing before the sleep ended (otherwise the numbers may still hold host time, and the
     call is repeated once with a longer sleep). In a training step the host runs ahead of the GPU the
     same way, as long as its per-step launch time stays under the step's GPU time; ``host_ms`` (``fn``
-    launched with the GPU busy, no synchronisation) says how much of that budget ``fn`` takes."""
+    launched with the GPU busy, no synchronisation, mean of ``host_calls``) says how much of that budget ``fn``
+    takes."""
     import time
 
     import torch
@@ -73,9 +74,9 @@ def gpu_time(fn, reps: int = 30, warmup: int = 5, flush_mb: int = 256) -> dict:
     # the host's cost of one call, measured while the GPU is busy (so no launch waits on a full queue)
     torch.cuda._sleep(int(cpm * 50))
     t0 = time.perf_counter()
-    for _ in range(5):
+    for _ in range(host_calls):
         fn()
-    host_ms = (time.perf_counter() - t0) * 1e3 / 5
+    host_ms = (time.perf_counter() - t0) * 1e3 / host_calls
     torch.cuda.synchronize()
     for attempt in range(2):
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]

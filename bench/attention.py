@@ -56,11 +56,12 @@ def attn_flops(B, H, T, D, causal=True) -> float:
     return f / 2 if causal else f
 
 
-def _bench(fn, host: list | None = None) -> float:
-    """GPU ms per call of ``fn`` (``bench._gpu.gpu_time``); appends the host's ms per call to ``host``."""
+def _bench(fn, host: list | None = None, **kw) -> float:
+    """GPU ms per call of ``fn`` (``bench._gpu.gpu_time``, ``kw`` passed on); appends the host's ms per call to
+    ``host``."""
     from bench._gpu import gpu_time
 
-    g = gpu_time(fn)
+    g = gpu_time(fn, **kw)
     if not g["queue_full"]:
         print("# warning: the host did not stay ahead of the GPU; this time may include launch overhead",
               file=sys.stderr, flush=True)
@@ -123,8 +124,9 @@ def time_composed(q, k, v, do, causal):
         vs = [Var(t, requires_grad=True) for t in (q, k, v)]
         attention(*vs, causal=causal).backward(do)
 
-    fwd_ms = _bench(fwd)
-    total_ms = _bench(fwd_bwd)
+    few = dict(reps=3, warmup=1, host_calls=1)  # 0.1-2 s per call: a few calls are a stable median
+    fwd_ms = _bench(fwd, **few)
+    total_ms = _bench(fwd_bwd, **few)
     return fwd_ms, max(total_ms - fwd_ms, 0.0), peak_bytes(fwd_bwd)
 
 
