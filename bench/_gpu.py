@@ -79,8 +79,7 @@ def gpu_time(fn, reps: int = 30, warmup: int = 5, flush_mb: int = 256, host_call
     host_ms = (time.perf_counter() - t0) * 1e3 / host_calls
     torch.cuda.synchronize()
     for attempt in range(2):
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        flushes, starts, ends = ([torch.cuda.Event(enable_timing=True) for _ in range(reps)] for _ in range(3))
         s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         sleep_ms = (2 + attempt * 4) * reps * (host_ms + 0.05) + 5
         s0.record()
@@ -88,13 +87,20 @@ def gpu_time(fn, reps: int = 30, warmup: int = 5, flush_mb: int = 256, host_call
         s1.record()
         t0 = time.perf_counter()
         for i in range(reps):
+            flushes[i].record()
             cache.zero_()
             starts[i].record()
             fn()
             ends[i].record()
         queued_ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
-        full = queued_ms < s0.elapsed_time(s1)
+        # the host stayed ahead if it finished queueing inside the sleep, or (a call of thousands of launches
+        # fills CUDA's launch queue, and the host then waits on the GPU, not the other way round) if the GPU
+        # never sat idle between the calls: the time from the sleep's end to the last call's end is the sum
+        # of the (flush + call) intervals but for the event gaps
+        busy = sum(f.elapsed_time(e) for f, e in zip(flushes, ends))
+        idle = s1.elapsed_time(ends[-1]) - busy
+        full = queued_ms < s0.elapsed_time(s1) or idle < 0.01 * busy + 0.005 * reps
         if full:
             break
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
