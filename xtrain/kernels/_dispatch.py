@@ -107,3 +107,77 @@ def run_side_by_side(device, main_launch, side_launch) -> None:
         side_launch()
     main_launch()
     main.wait_stream(side)
+
+
+class CachedLaunch:
+    """One kernel launch that can be repeated without the JIT's per-call work.
+
+    ``kernel[grid](**args)`` binds every argument, specialises it (integer values, pointer alignment), looks
+    the compiled kernel up in its cache and only then launches: tens of microseconds of host time per launch
+    (38 us for the Gluon forward on the H200 machine of session 6, 19 us of it the launch itself). Built by
+    ``launch_cached`` from an ordinary launch, this object keeps the compiled kernel, the grid and the
+    argument list in the kernel's order, minus the tensors and tensor descriptors: those are per-call data
+    (and keeping them would keep their memory alive), so every call must pass each of them again by name,
+    and nothing else; the list goes straight to the compiled kernel's launcher on the current stream. It is
+    only correct for arguments the kernel was not specialised on differently: the callers key their cached
+    launches on everything that decides the specialisation (shapes, strides, dtypes, device, 16-byte
+    alignment, constexprs) and pass tensors and descriptors of the same layout."""
+
+    __slots__ = ("ck", "grid", "argv", "slot", "per_call")
+
+    def __init__(self, ck, grid, kernel, args: dict):
+        ck._init_handles()
+        self.ck = ck
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.argv = [args[p.name] if p.name in args else p.default for p in kernel.params]
+        self.slot = {p.name: i for i, p in enumerate(kernel.params)}
+        self.per_call = frozenset(n for n, i in self.slot.items()
+                                  if isinstance(self.argv[i], torch.Tensor) or hasattr(self.argv[i], "block_shape"))
+        for n in self.per_call:
+            self.argv[self.slot[n]] = None
+
+    def __call__(self, **per_call) -> None:
+        from triton import knobs
+        from triton.runtime import driver
+
+        if per_call.keys() != self.per_call:
+            raise ValueError(f"CachedLaunch: pass exactly the per-call arguments {sorted(self.per_call)}, got "
+                             f"{sorted(per_call)}")
+        argv = self.argv.copy()
+        for name, value in per_call.items():
+            argv[self.slot[name]] = value
+        ck, grid = self.ck, self.grid
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        ck.run(grid[0], grid[1], grid[2], stream, ck.function, ck.packed_metadata,
+               ck.launch_metadata(grid, stream, *argv), knobs.runtime.launch_enter_hook,
+               knobs.runtime.launch_exit_hook, *argv)
+
+
+def launch_cached(kernel, grid, args: dict, **options) -> CachedLaunch:
+    """Launch ``kernel[grid](**args, **options)`` the ordinary way and return its ``CachedLaunch``."""
+    ck = kernel[grid](**args, **options)
+    return CachedLaunch(ck, grid, kernel, args)
+
+
+def rebased(desc, base):
+    """A copy of the tensor descriptor ``desc`` over ``base`` (same shape, strides, block and layout): the
+    constructor's checks were passed by ``desc``, and ``base`` is a tensor of the same layout (or None: a
+    template that holds no tensor)."""
+    d = object.__new__(type(desc))
+    d.__dict__.update(desc.__dict__)
+    d.base = base
+    return d
+
+
+class PlanCache(dict):
+    """Cached launch plans by key, dropped wholesale past ``limit`` entries (a new shape per call would
+    otherwise grow it without bound)."""
+
+    def __init__(self, limit: int = 64):
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, plan) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan

@@ -91,7 +91,7 @@ from __future__ import annotations
 import torch
 
 from xtrain.kernels import flash_attention as FA
-from xtrain.kernels._dispatch import run_side_by_side
+from xtrain.kernels._dispatch import launch_cached, rebased, run_side_by_side
 from xtrain.kernels.flash_attention import flash_attention_bwd_ref
 from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, HEAD_DIMS, LOG2E, _desc, _row_view
 
@@ -511,11 +511,13 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
             (_bwd_dq_kernel, (T // RESIDENT, B * H), dqa, c2)]
 
 
-def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False):
+def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False,
+              plan: bool = False):
     """What both Gluon backwards do before their kernels: check the inputs (``supported``: the backward's own
     predicate; a ValueError naming ``op`` otherwise; skipped when ``checked``: the caller has just run both
     checks, as flash_attention_bwd_triton's route does), the scale, the output buffers (``_grad_buf``), then
-    the delta preprocess. Returns (do in q's dtype, lse fp32 contiguous, dq, dk, dv, delta, scale)."""
+    the delta preprocess. Returns (do in q's dtype, lse fp32 contiguous, dq, dk, dv, delta, scale, the
+    preprocess as a ``CachedLaunch`` if ``plan``, else None)."""
     if not checked:
         FA._check_bwd(op, do, q, k, v, o, lse)
     if not checked and not supported(do, q, k, v, o, lse):
@@ -532,10 +534,62 @@ def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk,
     dv = _grad_buf(op, "dv", dv, v)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     PRE_M = 64
-    FA._flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
-    return do, lse, dq, dk, dv, delta, s
+    pre_args = dict(O=o, DO=do, DELTA=delta, stride_ob=o.stride(0), stride_oh=o.stride(1), stride_ot=o.stride(2),
+                    stride_dob=do.stride(0), stride_doh=do.stride(1), stride_dot=do.stride(2), H=H, T=T, HEAD_DIM=D,
+                    BLOCK_M=PRE_M)
+    grid = (triton.cdiv(T, PRE_M), B * H)
+    if plan:
+        return do, lse, dq, dk, dv, delta, s, launch_cached(FA._flash_bwd_preprocess_kernel, grid, pre_args)
+    FA._flash_bwd_preprocess_kernel[grid](**pre_args)
+    return do, lse, dq, dk, dv, delta, s, None
+
+
+def rebase_all(descs: dict, ts: dict) -> dict:
+    """The descriptors ``descs`` ({"q_desc": template, ...}) re-based on the tensors ``ts`` ({"q": q, ...}; the
+    name before "_desc"), through the same 2-D views the templates were made over."""
+    return {name: rebased(tmpl, _row_view(ts[name[:-5]])[0]) for name, tmpl in descs.items()}
+
+
+def descriptor_templates(args: dict) -> dict:
+    """The tensor descriptors among a launch's arguments, as templates that hold no tensor (``rebased``)."""
+    return {name: rebased(val, None) for name, val in args.items() if name.endswith("_desc")}
+
+
+class _SplitPlan:
+    """``flash_attention_bwd_gluon`` for one signature of inputs with its host work done once (see
+    ``flash_attention_gluon._FwdPlan``): allocates dq, dk, dv and delta, then launches the compiled delta
+    preprocess and the two kernels (on two streams as the full path does) with re-based descriptors."""
+
+    __slots__ = ("pre", "dkdv", "dq", "dkdv_descs", "dq_descs", "two_streams")
+
+    def __init__(self, pre, dkdv, dq, a1: dict, a2: dict, two_streams: bool):
+        self.pre, self.dkdv, self.dq = pre, dkdv, dq
+        self.dkdv_descs, self.dq_descs = descriptor_templates(a1), descriptor_templates(a2)
+        self.two_streams = two_streams
+
+    def __call__(self, do, q, k, v, o, lse):
+        B, H, T, _ = q.shape
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+        self.pre(O=o, DO=do, DELTA=delta)
+        ts = {"q": q, "do": do, "k": k, "v": v, "dq": dq, "dk": dk, "dv": dv}
+
+        def launch_dkdv():
+            self.dkdv(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.dkdv_descs, ts))
+
+        def launch_dq():
+            self.dq(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.dq_descs, ts))
+
+        if self.two_streams:
+            run_side_by_side(q.device, launch_dkdv, launch_dq)
+        else:
+            launch_dkdv()
+            launch_dq()
+        return dq, dk, dv
+
+
 
 
 def stand_ins(D: int, T: int, H: int, Hkv: int, transposed: bool):
@@ -549,28 +603,42 @@ def stand_ins(D: int, T: int, H: int, Hkv: int, transposed: bool):
 
 
 def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
-                              dq=None, dk=None, dv=None, config=None, checked: bool = False):
+                              dq=None, dk=None, dv=None, config=None, checked: bool = False, plan: bool = False):
     """Launch the delta preprocess, then the dK/dV and dQ Gluon kernels on two streams. Returns (dq, dk, dv).
     ``dq``/``dk``/``dv``: optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name
     in ``CONFIGS`` or (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2), overriding the per-head-dim default. ``checked``:
-    the caller has just checked the inputs and ``supported_bwd`` (``_prologue``)."""
+    the caller has just checked the inputs and ``supported_bwd`` (``_prologue``). ``plan``: also return a
+    ``_SplitPlan`` that repeats these launches for inputs of the same signature (dq, dk, dv left to this
+    function)."""
     op = "flash_attention_bwd_gluon"
-    do, lse, dq, dk, dv, delta, s = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk, dv,
-                                              checked)
+    if plan and (dq is not None or dk is not None or dv is not None):
+        raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
+    do, lse, dq, dk, dv, delta, s, pre = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
+                                                   dv, checked, plan)
     cfg = _config(op, config, q.shape[-1])
     (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg)
+    cached = {}
 
     def launch_dkdv():
-        k1[g1](**a1, **c1, num_warps=4)
+        if plan:
+            cached["dkdv"] = launch_cached(k1, g1, {**a1, **c1}, num_warps=4)
+        else:
+            k1[g1](**a1, **c1, num_warps=4)
 
     def launch_dq():
-        k2[g2](**a2, **c2, num_warps=4)
+        if plan:
+            cached["dq"] = launch_cached(k2, g2, {**a2, **c2}, num_warps=4)
+        else:
+            k2[g2](**a2, **c2, num_warps=4)
 
-    if FA.BWD_TWO_STREAMS:  # as flash_attention_bwd_triton: dQ on the side stream, joined before returning
+    two_streams = FA.BWD_TWO_STREAMS  # as flash_attention_bwd_triton: dQ on the side stream, joined before returning
+    if two_streams:
         run_side_by_side(q.device, launch_dkdv, launch_dq)
     else:
         launch_dkdv()
         launch_dq()
+    if plan:
+        return dq, dk, dv, _SplitPlan(pre, cached["dkdv"], cached["dq"], a1, a2, two_streams)
     return dq, dk, dv
 
 

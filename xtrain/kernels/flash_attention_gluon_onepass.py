@@ -64,6 +64,7 @@ import triton.language as tl
 
 from xtrain.kernels import flash_attention as FA
 from xtrain.kernels import flash_attention_gluon_bwd as GB
+from xtrain.kernels._dispatch import launch_cached
 from xtrain.kernels.flash_attention import flash_attention_bwd_ref
 from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E, _desc, _row_view
 
@@ -344,9 +345,9 @@ def convert_ref(acc: torch.Tensor, dq: torch.Tensor, scale: float) -> torch.Tens
     return dq
 
 
-def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float) -> torch.Tensor:
+def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float, cached: bool = False):
     """Launch ``_dq_convert_kernel``: acc contiguous fp32 [B, H, T, D] (or its [B·H·T, D] view), dq [B, H, T, D]
-    with unit last stride."""
+    with unit last stride. Returns dq, or with ``cached`` the launch as a ``CachedLaunch``."""
     op = "dq_convert"
     if dq.ndim != 4 or acc.dtype != torch.float32 or not acc.is_contiguous() or acc.numel() != dq.numel():
         raise ValueError(f"{op}: need a contiguous fp32 acc with dq's element count and a 4-D dq, got acc "
@@ -355,9 +356,12 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float) -> torch.Tenso
         raise ValueError(f"{op}: dq needs a unit last stride and a power-of-two head dim, got {FA._shapes(dq)} "
                          f"strides {dq.stride()}")
     B, H, T, D = dq.shape
-    _dq_convert_kernel[(triton.cdiv(T, CONVERT_ROWS), B * H)](acc, dq, scale, H, T, dq.stride(0), dq.stride(1),
-                                                               dq.stride(2), HEAD_DIM=D, ROWS=CONVERT_ROWS,
-                                                               num_warps=4)
+    args = dict(ACC=acc, DQ=dq, scale=scale, H=H, T=T, stride_b=dq.stride(0), stride_h=dq.stride(1),
+                stride_t=dq.stride(2), HEAD_DIM=D, ROWS=CONVERT_ROWS)
+    grid = (triton.cdiv(T, CONVERT_ROWS), B * H)
+    if cached:
+        return launch_cached(_dq_convert_kernel, grid, args, num_warps=4)
+    _dq_convert_kernel[grid](**args, num_warps=4)
     return dq
 
 
@@ -413,20 +417,54 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
 
 
 def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
-                                      dq=None, dk=None, dv=None, config=None, checked: bool = False):
+                                      dq=None, dk=None, dv=None, config=None, checked: bool = False,
+                                      plan: bool = False):
     """Delta preprocess, the one-pass kernel, the dQ convert. Returns (dq, dk, dv). ``dq``/``dk``/``dv``:
     optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name in ``CONFIGS`` or
     (STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS). Holds an fp32 dQ accumulator [B, H, T, D] while it runs.
-    ``checked``: the caller has just checked the inputs and ``supported_bwd`` (``GB._prologue``)."""
+    ``checked``: the caller has just checked the inputs and ``supported_bwd`` (``GB._prologue``). ``plan``: also
+    return a ``_OnepassPlan`` that repeats these launches for inputs of the same signature (dq, dk, dv left to
+    this function)."""
     op = "flash_attention_bwd_gluon_onepass"
-    do, lse, dq, dk, dv, delta, s = GB._prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
-                                                 dv, checked)
+    if plan and (dq is not None or dk is not None or dv is not None):
+        raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
+    do, lse, dq, dk, dv, delta, s, pre = GB._prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq,
+                                                      dk, dv, checked, plan)
     cfg = _config(op, config)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kern, grid, args, consts = _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s, causal, cfg)
-    kern[grid](**args, **consts, num_warps=4)
-    dq_convert(dq_acc, dq, s)
-    return dq, dk, dv
+    if not plan:
+        kern[grid](**args, **consts, num_warps=4)
+        dq_convert(dq_acc, dq, s)
+        return dq, dk, dv
+    main = launch_cached(kern, grid, {**args, **consts}, num_warps=4)
+    conv = dq_convert(dq_acc, dq, s, cached=True)
+    return dq, dk, dv, _OnepassPlan(pre, main, conv, args)
+
+
+class _OnepassPlan:
+    """``flash_attention_bwd_gluon_onepass`` for one signature of inputs with its host work done once (see
+    ``flash_attention_gluon._FwdPlan``): allocates dq, dk, dv, delta and the zeroed fp32 dQ accumulator, then
+    launches the compiled preprocess, one-pass kernel and dQ convert with re-based descriptors."""
+
+    __slots__ = ("pre", "main", "conv", "descs")
+
+    def __init__(self, pre, main, conv, args: dict):
+        self.pre, self.main, self.conv = pre, main, conv
+        self.descs = GB.descriptor_templates(args)
+
+    def __call__(self, do, q, k, v, o, lse):
+        B, H, T, _ = q.shape
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+        self.pre(O=o, DO=do, DELTA=delta)
+        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        ts = {"q": q, "do": do, "k": k, "v": v, "dk": dk, "dv": dv, "dq": acc}
+        self.main(lse_ptr=lse, delta_ptr=delta, **GB.rebase_all(self.descs, ts))
+        self.conv(ACC=acc, DQ=dq)
+        return dq, dk, dv
 
 
 def compile_sm90(causal: bool = True, config=None, transposed: bool = False, T: int = 256, D: int = 64):

@@ -1,0 +1,118 @@
+"""Launch plans of the Gluon attention paths (flash_attention._FWD_PLANS / _BWD_PLANS, _dispatch.CachedLaunch).
+
+The first call of an input signature takes the full path and leaves a plan; a later call with the same
+signature launches the compiled kernels directly. GPU (``-m gpu``, sm_90): a planned call gives the same bits
+as the full path on new data (dq of the one-pass backward within ``runs_agree``: fp32 reduce-adds), writes
+every output (NaN-poisoned allocations), and never enters the full path; the key changes with the settings
+that steer the dispatch and is None for a misaligned tensor; a cached launch refuses a wrong set of per-call
+arguments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gluon_bwd_cases import LAYOUTS, in_layout, inputs  # tests/_gluon_bwd_cases.py
+
+from xtrain.kernels import flash_attention as FA
+from xtrain.testing import poisoned
+
+G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
+GB = pytest.importorskip("xtrain.kernels.flash_attention_gluon_bwd")
+OP = pytest.importorskip("xtrain.kernels.flash_attention_gluon_onepass")
+
+
+def _layout(ts, layout):
+    tr = LAYOUTS[layout]
+    return [in_layout(x, name in tr) for name, x in zip("q k v do o".split(), ts)]
+
+
+def _forbid(monkeypatch, module, name):
+    def boom(*a, **kw):
+        raise AssertionError(f"{name} called: the plan was not used")
+    monkeypatch.setattr(module, name, boom)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("layout", ["contiguous", "bthd"])
+def test_gpu_forward_plan_equals_full_path(D, layout, monkeypatch):
+    T = FA.GLUON_FWD_MIN_T[D]
+    first = _layout(inputs(2, 4, 2, T, D, torch.bfloat16, True, seed=1)[:3], layout)
+    FA.flash_attention_fwd_triton(*first, True)  # full path: leaves the plan
+    assert len(FA._FWD_PLANS) == 1
+    q, k, v = _layout(inputs(2, 4, 2, T, D, torch.bfloat16, True, seed=2)[:3], layout)
+    o_full = torch.full_like(q, float("nan"))  # a caller's buffer: the full path, no plan
+    lse_full = torch.full(q.shape[:3], float("nan"), device=q.device)
+    FA.flash_attention_fwd_triton(q, k, v, True, o=o_full, lse=lse_full)
+    _forbid(monkeypatch, G, "flash_attention_fwd_gluon")
+    with poisoned():
+        o, lse = FA.flash_attention_fwd_triton(q, k, v, True)
+    assert o.stride() == o_full.stride()
+    assert torch.equal(o, o_full) and torch.equal(lse, lse_full)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,route", [(64, "onepass"), (128, "gluon")])
+@pytest.mark.parametrize("layout", ["contiguous", "model"])
+def test_gpu_backward_plan_equals_full_path(D, route, layout, monkeypatch):
+    T = max(FA.GLUON_ONEPASS_MIN_T.get(D, 0), FA.GLUON_BWD_MIN_T.get(D, 0))
+    ins = inputs(1, 4, 2, T, D, torch.bfloat16, True, seed=3)
+    q, k, v, do, o = _layout(ins[:5], layout)
+    assert FA.bwd_route(do, q, k, v, o, ins[5], True) == route
+    FA.flash_attention_bwd_triton(do, q, k, v, o, ins[5], True)  # full path: leaves the plan
+    assert len(FA._BWD_PLANS) == 1
+    q, k, v, do, o, lse = inputs(1, 4, 2, T, D, torch.bfloat16, True, seed=4)
+    q, k, v, do, o = _layout((q, k, v, do, o), layout)
+    bufs = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
+    full = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, **bufs)  # buffers given: no plan
+    for module, name in ((OP, "flash_attention_bwd_gluon_onepass"), (GB, "flash_attention_bwd_gluon"),
+                         (GB, "_prologue")):
+        _forbid(monkeypatch, module, name)
+    with poisoned():
+        got = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
+    assert all(torch.isfinite(a).all() for a in got)
+    assert torch.equal(got[1], full[1]) and torch.equal(got[2], full[2])
+    if route == "onepass":
+        assert OP.runs_agree(got[0], full[0])
+    else:
+        assert torch.equal(got[0], full[0])
+
+
+@pytest.mark.gpu
+def test_gpu_plan_key_follows_settings(monkeypatch):
+    q, k, v, do, o, lse = inputs(1, 4, 2, 1024, 64, torch.bfloat16, True, seed=6)
+    fwd = FA._plan_key("fwd", (q, k, v), None)
+    bwd = FA._plan_key("bwd", (do, q, k, v, o, lse), None)
+    assert fwd == FA._plan_key("fwd", (q.clone(), k.clone(), v.clone()), None)  # data does not matter
+    assert fwd != FA._plan_key("fwd", (q, k, v), 0.1)
+    monkeypatch.setattr(G, "VARIANT_BY_T", {**G.VARIANT_BY_T, 64: ((1 << 30, "pers"),)})
+    assert fwd != FA._plan_key("fwd", (q, k, v), None)
+    monkeypatch.setattr(FA, "BWD_ONEPASS", False)
+    assert bwd != FA._plan_key("bwd", (do, q, k, v, o, lse), None)
+    monkeypatch.setattr(FA, "BWD_ONEPASS", True)
+    det = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert bwd != FA._plan_key("bwd", (do, q, k, v, o, lse), None)
+    finally:
+        torch.use_deterministic_algorithms(det)
+    flat = torch.empty(q.numel() + 8, dtype=q.dtype, device=q.device)
+    q_off = flat[1:1 + q.numel()].view(q.shape)  # 2 bytes past an aligned base
+    assert FA._plan_key("fwd", (q_off, k, v), None) is None
+
+
+@pytest.mark.gpu
+def test_gpu_cached_launch_takes_exactly_the_per_call_arguments():
+    acc = torch.randn(1, 2, 128, 64, device="cuda")
+    dq = torch.empty(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    launch = OP.dq_convert(acc, dq, 0.5, cached=True)
+    assert launch.per_call == {"ACC", "DQ"}
+    with pytest.raises(ValueError, match="per-call"):
+        launch(ACC=acc)
+    with pytest.raises(ValueError, match="per-call"):
+        launch(ACC=acc, DQ=dq, scale=1.0)
+    acc2 = torch.randn_like(acc)
+    out = torch.full_like(dq, float("nan"))
+    launch(ACC=acc2, DQ=out)
+    assert torch.equal(out, OP.dq_convert(acc2, torch.empty_like(dq), 0.5))
