@@ -62,6 +62,11 @@ Ideas used in the Triton kernels, with their record on Hopper:
     backward at ``GLUON_ONEPASS_MIN_T`` (flash_attention_gluon_onepass.py: FlashAttention-3's one-pass form
     with a third warpgroup doing every dQ product; dQ summed by fp32 reduce-adds, so not bit-identical run
     to run, and skipped under ``torch.use_deterministic_algorithms(True)``). ``bwd_route`` says which runs.
+  * Host time: those Gluon paths keep a launch plan per input signature (``_plan_key``): the first call
+    checks, dispatches, builds descriptors and launches through the JIT, and leaves the compiled kernels and
+    argument lists behind (``_dispatch.CachedLaunch``); later calls allocate the outputs and launch them
+    directly (H200 machine, session 6: host time per call 0.12-0.33 -> 0.05-0.11 ms forward, 0.39-0.97 ->
+    0.21-0.48 ms backward, where the kernels take 0.16-0.6 ms at T = 1k).
 fp32 inputs use exact fp32 dots (``input_precision="ieee"``, matching torch's default of no TF32); bf16/fp16
 inputs feed the tensor cores with 16-bit operands and accumulate in fp32 (P and dS are rounded to the
 input dtype before their matrix products, as in FlashAttention).
