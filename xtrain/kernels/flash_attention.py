@@ -651,8 +651,20 @@ _FWD_PLANS = PlanCache()
 _BWD_PLANS = PlanCache()
 
 
-def _all_cuda(*ts) -> bool:
-    return all(isinstance(t, torch.Tensor) and t.is_cuda for t in ts)
+_GLUON_DEVICES: dict = {}  # CUDA device -> whether the Gluon kernels can run there
+
+
+def _plannable(*ts) -> bool:
+    """Whether a call with these arguments could take a Gluon path, so a plan key is worth computing: CUDA
+    tensors on an sm_90 device, with Triton and Gluon installed (cached per device)."""
+    if not (HAVE_TRITON and all(isinstance(t, torch.Tensor) and t.is_cuda for t in ts)):
+        return False
+    dev = ts[0].device
+    if dev not in _GLUON_DEVICES:
+        from xtrain.kernels import flash_attention_gluon as G
+
+        _GLUON_DEVICES[dev] = G.HAVE_GLUON and torch.cuda.get_device_capability(dev) == (9, 0)
+    return _GLUON_DEVICES[dev]
 
 
 def _plan_key(kind: str, ts, scale) -> tuple | None:
@@ -691,7 +703,7 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     num_warps, num_stages, TMA) overriding the per-head-dim default (the bench sweeps it)."""
     op = "flash_attention_fwd"
     plan_key = None
-    if config is None and o is None and lse is None and causal and FWD_GLUON and _all_cuda(q, k, v):
+    if config is None and o is None and lse is None and causal and FWD_GLUON and _plannable(q, k, v):
         plan_key = _plan_key("fwd", (q, k, v), scale)
         plan = _FWD_PLANS.get(plan_key) if plan_key is not None else None
         if plan is not None:  # these shapes, strides, dtypes and settings took the Gluon forward before
@@ -767,7 +779,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA)) for the dK/dV and dQ kernels (always Triton)."""
     op = "flash_attention_bwd"
     plan_key = None
-    if config is None and dq is None and dk is None and dv is None and causal and BWD_GLUON and _all_cuda(
+    if config is None and dq is None and dk is None and dv is None and causal and BWD_GLUON and _plannable(
             do, q, k, v, o, lse):
         plan_key = _plan_key("bwd", (do, q, k, v, o, lse), scale)
         plan = _BWD_PLANS.get(plan_key) if plan_key is not None else None
