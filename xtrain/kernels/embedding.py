@@ -19,10 +19,8 @@ over most of the table, the other three a chain of small latency-bound kernels, 
 priority their programs take SMs as the zero tiles retire, so the chain runs under the fill
 (``SIDE_HIGH_PRIORITY = False`` gives the side stream the default priority: on the H200 that form took 0.381
 ms bf16 / 0.175 ms fp32 against 0.313 / 0.154 ms with the priority, and the fused launch before it 0.354 /
-0.162 ms).
-CONFIG also selects torch.zeros first, ``_embedding_zero_absent_kernel``
-first, or the zero tiles and the walks in one launch (``_embedding_bwd_fused_kernel``, the default before
-session 6).
+0.162 ms). CONFIG also selects torch.zeros first, ``_embedding_zero_absent_kernel`` first, or the zero tiles
+and the walks in one launch (``_embedding_bwd_fused_kernel``, the default before session 6).
 Chunk bodies: ``_chunk_body`` walks a chunk's tokens one by one; ``_chunk_tile_body`` gathers a chunk's
 CHUNK rows as one tile, all in flight at once, and sums runs by a segmented scan held in each thread's
 registers (the walk waits on an index load per token: the chunk + merge stage alone ran at 36-39% of copy).
