@@ -109,6 +109,11 @@ def run_side_by_side(device, main_launch, side_launch) -> None:
     main.wait_stream(side)
 
 
+def is_per_call(value) -> bool:
+    """Whether a launch argument is per-call data for ``CachedLaunch``: a tensor or a tensor descriptor."""
+    return isinstance(value, torch.Tensor) or hasattr(value, "block_shape")
+
+
 class CachedLaunch:
     """One kernel launch that can be repeated without the JIT's per-call work.
 
@@ -131,8 +136,7 @@ class CachedLaunch:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.argv = [args[p.name] if p.name in args else p.default for p in kernel.params]
         self.slot = {p.name: i for i, p in enumerate(kernel.params)}
-        self.per_call = frozenset(n for n, i in self.slot.items()
-                                  if isinstance(self.argv[i], torch.Tensor) or hasattr(self.argv[i], "block_shape"))
+        self.per_call = frozenset(n for n, i in self.slot.items() if is_per_call(self.argv[i]))
         for n in self.per_call:
             self.argv[self.slot[n]] = None
 

@@ -550,6 +550,18 @@ def rebase_all(descs: dict, ts: dict) -> dict:
     return {name: rebased(tmpl, _row_view(ts[name[:-5]])[0]) for name, tmpl in descs.items()}
 
 
+def plan_outputs(pre, do, q, k, v, o):
+    """What both backward plans do first: allocate dq, dk, dv (contiguous, as the full path's ``_grad_buf``)
+    and delta, and launch the cached delta preprocess ``pre``. Returns (dq, dk, dv, delta)."""
+    B, H, T, _ = q.shape
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    pre(O=o, DO=do, DELTA=delta)
+    return dq, dk, dv, delta
+
+
 def descriptor_templates(args: dict) -> dict:
     """The tensor descriptors among a launch's arguments, as templates that hold no tensor (``rebased``)."""
     return {name: rebased(val, None) for name, val in args.items() if name.endswith("_desc")}
@@ -568,12 +580,7 @@ class _SplitPlan:
         self.two_streams = two_streams
 
     def __call__(self, do, q, k, v, o, lse):
-        B, H, T, _ = q.shape
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-        self.pre(O=o, DO=do, DELTA=delta)
+        dq, dk, dv, delta = plan_outputs(self.pre, do, q, k, v, o)
         ts = {"q": q, "do": do, "k": k, "v": v, "dq": dq, "dk": dk, "dv": dv}
 
         def launch_dkdv():

@@ -454,12 +454,7 @@ class _OnepassPlan:
         self.descs = GB.descriptor_templates(args)
 
     def __call__(self, do, q, k, v, o, lse):
-        B, H, T, _ = q.shape
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-        self.pre(O=o, DO=do, DELTA=delta)
+        dq, dk, dv, delta = GB.plan_outputs(self.pre, do, q, k, v, o)
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         ts = {"q": q, "do": do, "k": k, "v": v, "dk": dk, "dv": dv, "dq": acc}
         self.main(lse_ptr=lse, delta_ptr=delta, **GB.rebase_all(self.descs, ts))
