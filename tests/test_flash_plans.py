@@ -5,7 +5,8 @@ signature launches the compiled kernels directly. GPU (``-m gpu``, sm_90): a pla
 as the full path on new data (dq of the one-pass backward within ``runs_agree``: fp32 reduce-adds), writes
 every output (NaN-poisoned allocations), and never enters the full path; the key changes with the settings
 that steer the dispatch and is None for a misaligned tensor; a cached launch refuses a wrong set of per-call
-arguments.
+arguments. CPU (in CI): each plan, fed recording stand-ins for its cached launches, passes every launch exactly
+its per-call arguments, with every descriptor re-based on the right new tensor (a swapped argument fails it).
 """
 
 from __future__ import annotations
@@ -116,3 +117,90 @@ def test_gpu_cached_launch_takes_exactly_the_per_call_arguments():
     out = torch.full_like(dq, float("nan"))
     launch(ACC=acc2, DQ=out)
     assert torch.equal(out, OP.dq_convert(acc2, torch.empty_like(dq), 0.5))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: the plans' bookkeeping, with recording stand-ins for the cached launches
+# ---------------------------------------------------------------------------------------------------------
+class _Recorder:
+    """Stands in for a ``CachedLaunch`` of a launch with arguments ``args``: takes exactly the per-call
+    arguments, as the real one does, and records them."""
+
+    def __init__(self, args: dict):
+        from xtrain.kernels._dispatch import is_per_call
+
+        self.per_call = {n for n, val in args.items() if is_per_call(val)}
+        self.calls = []
+
+    def __call__(self, **kw):
+        assert kw.keys() == self.per_call, (sorted(kw), sorted(self.per_call))
+        self.calls.append(kw)
+
+
+def _base_is(desc, t) -> bool:
+    return desc.base.data_ptr() == t.data_ptr() and desc.base.dtype == t.dtype
+
+
+_PRE = dict.fromkeys(("O", "DO", "DELTA"), torch.empty(0))  # the preprocess's tensors (GB._prologue)
+needs_gluon = pytest.mark.skipif(not G.HAVE_GLUON, reason="this Triton has no Gluon")
+
+
+@needs_gluon
+@pytest.mark.parametrize("transposed", [False, True])
+def test_forward_plan_rebases_every_descriptor_cpu(transposed):
+    q, k = GB.stand_ins(64, 256, 4, 2, transposed)
+    lse = torch.empty(1, 4, 256)
+    _, _, args, _ = G._launch(q, k, k, q, lse, True, 0.125, "q2", None, 132)
+    rec = _Recorder(args)
+    plan = G._FwdPlan(rec, args, q)
+    assert all(t.base is None for _, t in plan.descs.values())  # the templates hold no tensor
+    q2, k2 = GB.stand_ins(64, 256, 4, 2, transposed)
+    v2 = k2.clone() if not transposed else k2.transpose(1, 2).contiguous().transpose(1, 2)
+    o, lse2 = plan(q2, k2, v2)
+    (kw,) = rec.calls
+    assert o.shape == q2.shape and o.stride() == q2.stride() and lse2.shape == (1, 4, 256)
+    assert kw["lse_ptr"] is lse2
+    for name, t in (("q_desc", q2), ("k_desc", k2), ("v_desc", v2), ("o_desc", o)):
+        assert _base_is(kw[name], t), name
+
+
+@needs_gluon
+@pytest.mark.parametrize("transposed", [False, True])
+def test_backward_plans_rebase_every_descriptor_cpu(transposed):
+    q, k = GB.stand_ins(128, 256, 4, 2, transposed)
+    dq = torch.empty(1, 4, 256, 128, dtype=torch.bfloat16)
+    lse = torch.empty(1, 4, 256)
+    (_, _, a1, _), (_, _, a2, _) = GB._launches(q, k, k, dq, k, k, q, lse, lse, 0.125, True,
+                                                 GB._config("t", None, 128))
+    pre, r1, r2 = _Recorder(_PRE), _Recorder(a1), _Recorder(a2)
+    split = GB._SplitPlan(pre, r1, r2, a1, a2, two_streams=False)
+    do, q2 = GB.stand_ins(128, 256, 4, 2, transposed)[0], GB.stand_ins(128, 256, 4, 2, transposed)[0]
+    k2, v2 = (GB.stand_ins(128, 256, 4, 2, transposed)[1] for _ in range(2))
+    o2, lse2 = torch.empty_like(q2), torch.empty(1, 4, 256)
+    gdq, gdk, gdv = split(do, q2, k2, v2, o2, lse2)
+    assert (gdq.shape, gdk.shape, gdv.shape) == (q2.shape, k2.shape, v2.shape)
+    (p,), (c1,), (c2,) = pre.calls, r1.calls, r2.calls
+    assert p["O"] is o2 and p["DO"] is do
+    assert c1["delta_ptr"] is p["DELTA"] is c2["delta_ptr"] and c1["lse_ptr"] is lse2 is c2["lse_ptr"]
+    for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dk_desc", gdk),
+                    ("dv_desc", gdv)):
+        assert _base_is(c1[name], t), name
+    for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dq_desc", gdq)):
+        assert _base_is(c2[name], t), name
+
+    q, k = GB.stand_ins(64, 256, 4, 2, transposed)
+    acc = torch.empty(1, 4, 256, 64)
+    _, _, args, _ = OP._launch(q, k, k, q, k, k, acc, lse, lse, 0.125, True, OP._config("t", None))
+    pre, main = _Recorder(_PRE), _Recorder(args)
+    conv = _Recorder({"ACC": acc, "DQ": acc})
+    onepass = OP._OnepassPlan(pre, main, conv, args)
+    do, q2 = GB.stand_ins(64, 256, 4, 2, transposed)[0], GB.stand_ins(64, 256, 4, 2, transposed)[0]
+    k2, v2 = (GB.stand_ins(64, 256, 4, 2, transposed)[1] for _ in range(2))
+    gdq, gdk, gdv = onepass(do, q2, k2, v2, torch.empty_like(q2), lse2)
+    (p,), (m,), (c,) = pre.calls, main.calls, conv.calls
+    assert m["delta_ptr"] is p["DELTA"] and m["lse_ptr"] is lse2
+    assert c["DQ"] is gdq and _base_is(m["dq_desc"], c["ACC"]) and c["ACC"].dtype == torch.float32
+    assert not c["ACC"].any()  # the accumulator starts at zero
+    for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dk_desc", gdk),
+                    ("dv_desc", gdv)):
+        assert _base_is(m[name], t), name
