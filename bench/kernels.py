@@ -533,11 +533,23 @@ def _v_embedding(N, V, C, dt, smoke=False):
     vs += [("side, walk, keys 16, equal priority", (16, bc, 4, "side", 16, True, "walk", "equal")),
            ("side, walk, keys 16, merge 4", (16, bc, 4, "side", 16, True, "walk", 4)),
            ("side, walk, keys 16, merge 16", (16, bc, 4, "side", 16, True, "walk", 16))]
+    # session 7: the rows kernel (every row seen at most K times, zeros included) beside the chain for the
+    # frequent ids; extra = (K, BLOCK_R, BLOCK_C, num_warps) of the rows kernel
+    rb = (2048, 1024) if e <= 2 else (1024, 512)
+    vs += [(f"rows K{k} {br}x{bcol} w{w}, walk chain", (16, bc, 4, "rows", 16, True, "walk", (k, br, bcol, w)))
+           for k in (2, 4) for br, bcol, w in ((2, rb[0], 8), (4, rb[1], 4), (8, rb[1], 8))]
+    # the slots pass with fewer tokens per program (more programs to spread the atomics); the rows kernel
+    # persistent (2-6 programs per SM) measured 0.155-0.239 ms fp32 in session 7 and is not swept again
+    vs += [(f"rows K4 8x{rb[1]} w8, slots block {sb}", (16, bc, 4, "rows", 16, True, "walk", (4, 8, rb[1], 8), sb))
+           for sb in (128, 256)]
+    vs += [("rows K4 4x512 w4 persistent 3/SM", (16, bc, 4, "rows", 16, True, "walk", (4, 4, rb[1], 4, 3)))]
     for name, cfg in vs:
         def fn(cfg=cfg):
             extra = cfg[7] if cfg and len(cfg) > 7 else None
             with _knob(K, "CONFIG", cfg[:7] if cfg else cfg), _knob(K, "SIDE_HIGH_PRIORITY", extra != "equal"), \
-                    _knob(K, "MERGE_BLOCK", extra if isinstance(extra, int) else 1):
+                    _knob(K, "MERGE_BLOCK", extra if isinstance(extra, int) else 1), \
+                    _knob(K, "ROWS", extra if isinstance(extra, tuple) else None), \
+                    _knob(K, "SLOTS_BLOCK", cfg[8] if cfg and len(cfg) > 8 else K.SLOTS_BLOCK):
                 return K.embedding_bwd_triton(d, ids, V)
 
         def check(fn=fn):
@@ -568,17 +580,17 @@ def _v_embedding(N, V, C, dt, smoke=False):
     def chunk_merge():
         bcc = min(bc, 1 << (C - 1).bit_length())
         grid = (n_chunks, (C + bcc - 1) // bcc)
-        K._embedding_bwd_chunk_kernel[grid](d, order, srt, buf, part, N, C, CHUNK=16, BLOCK_C=bcc,
+        K._embedding_bwd_chunk_kernel[grid](d, order, srt, buf, part, N, V, C, CHUNK=16, BLOCK_C=bcc,
                                             IDX_AHEAD=e > 2, num_warps=4)
-        K._embedding_bwd_merge_kernel[grid](srt, part, buf, N, C, n_chunks, CHUNK=16, BLOCK_C=bcc, num_warps=4)
+        K._embedding_bwd_merge_kernel[grid](srt, part, buf, N, V, C, n_chunks, CHUNK=16, BLOCK_C=bcc, num_warps=4)
     yield ("embedding bwd", lbl, "stage alone: chunk + merge kernels (ids sorted)", N * C * e, chunk_merge, ok,
            None)
 
     def tile_merge(ch=16):
         grid = (n_tc, (C + tb - 1) // tb)
-        K._embedding_bwd_chunk_kernel[grid](d, order, srt, buf, part, N, C, CHUNK=ch, BLOCK_C=tb, TILE=True,
+        K._embedding_bwd_chunk_kernel[grid](d, order, srt, buf, part, N, V, C, CHUNK=ch, BLOCK_C=tb, TILE=True,
                                             num_warps=4)
-        K._embedding_bwd_merge_kernel[grid](srt, part, buf, N, C, n_tc, CHUNK=ch, BLOCK_C=tb, num_warps=4)
+        K._embedding_bwd_merge_kernel[grid](srt, part, buf, N, V, C, n_tc, CHUNK=ch, BLOCK_C=tb, num_warps=4)
     n_tc = (N + 15) // 16
     yield ("embedding bwd", lbl, f"stage alone: tile chunk + merge kernels (ids sorted), {tb} cols w4",
            N * C * e, tile_merge, ok, None)
@@ -590,6 +602,24 @@ def _v_embedding(N, V, C, dt, smoke=False):
            lambda: torch.sort(flat, stable=True), ok, None)
     yield ("embedding bwd", lbl, "stage alone: torch.sort int32 ids (+ the cast)", 12 * N,
            lambda: torch.sort(flat.to(torch.int32), stable=True), ok, None)
+
+    # the rows form's parts: the slots pass (counts zeroed + atomics), the rows kernel alone on its result
+    def slots_pass(k=4):
+        counts = torch.zeros(V, dtype=torch.int32, device=_DEV)
+        slots = torch.empty(k, V, dtype=torch.int32, device=_DEV)
+        K._embedding_slots_kernel[((N + 1023) // 1024,)](flat, counts, slots, N, V, K=k, BLOCK=1024, num_warps=4)
+        return counts, slots
+    yield ("embedding bwd", lbl, "stage alone: rows form's slots pass (K4)", 8 * N + 4 * V, slots_pass, ok, None)
+    for k in (2, 4):
+        cs = slots_pass(k)
+        for br, bcol, w in ((4, rb[0], 8), (4, rb[1], 4)):
+            def rows_alone(cs=cs, k=k, br=br, bcol=bcol, w=w):
+                n_rb, n_cb = (V + br - 1) // br, (C + bcol - 1) // bcol
+                K._embedding_bwd_rows_kernel[(n_rb, n_cb)](d, cs[0], cs[1], buf, V, C, n_cb, n_rb * n_cb, K=k,
+                                                           BLOCK_R=br, BLOCK_C=bcol, num_warps=w)
+            light = int(cs[0][(cs[0] <= k)].sum())
+            yield ("embedding bwd", lbl, f"stage alone: rows kernel K{k} {br}x{bcol} w{w} (its bytes)",
+                   V * C * e + light * C * e, rows_alone, ok, None)
 
     def present():
         p = torch.zeros(V, dtype=torch.int8, device=_DEV)

@@ -290,7 +290,7 @@ def test_embedding_bwd_cpu(ishape, V, C):
     d = torch.randn(*ishape, C)
     a = K_emb.embedding_bwd_triton(d, ids, V)
     assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
-    assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))  # deterministic: no atomics
+    assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))  # deterministic: no float atomics
 
 
 @needs_cpu_interp
@@ -301,10 +301,12 @@ def test_embedding_bwd_cpu(ishape, V, C):
                                     (8, 32, 4, "torch", 16, False, "tile"), (1, 16, 4, "absent", 32, False, "tile"),
                                     (4, 64, 4, "absent", 16, False, "tile"), (2, 16, 4, "fused", 16, False, "tile"),
                                     (8, 32, 4, "torch", False, False, "tile"), (4, 64, 4, "side", 16, True),
-                                    (2, 16, 4, "side", 16, False, "tile")])
+                                    (2, 16, 4, "side", 16, False, "tile"), (4, 64, 4, "rows", 16, True),
+                                    (2, 16, 4, "rows", 16, False, "tile"), (8, 32, 4, "rows", False, False)])
 def test_embedding_bwd_tilings_cpu(config, monkeypatch):
     """Chunk sizes and the zero fills (torch.zeros, a zero kernel for absent rows, zero tiles fused into the
-    chunk launch, the zero kernel beside the sort/walk/merge chain: run in turn on the CPU), int16 / int32 /
+    chunk launch, the zero kernel beside the sort/walk/merge chain, the rows kernel for ids seen at most K
+    times beside the chain for the rest: run in turn on the CPU), int16 / int32 /
     int64 sort keys, the index loaded a step ahead or not, the walk or the tile chunk body, with runs of one
     id much longer than a chunk (summed across chunks by the merge pass); bit for bit deterministic."""
     monkeypatch.setattr(K_emb, "CONFIG", config)
@@ -347,6 +349,49 @@ def test_embedding_bwd_int16_keys_cpu(config, monkeypatch):
     keys, bias, _ = K_emb._sort_keys(ids, V, 16, False)
     assert keys.dtype == torch.int16 and bias == 2**15
     assert K_emb._sort_keys(ids, V + 1, 16, False)[0].dtype == torch.int32  # ids past int16: int32 keys
+
+
+@needs_cpu_interp
+@pytest.mark.parametrize("rows", [(1, 1, 32, 4), (4, 4, 32, 4), (8, 2, 32, 4), (2, 2, 32, 4, 3)])
+def test_embedding_bwd_rows_cpu(rows, monkeypatch):
+    """The "rows" form: ids seen at most K times are summed by the rows kernel (slots taken by atomics, sorted
+    per row), the others by the sort/walk/merge chain over their keys only (the rest sort last as a
+    sentinel). Counts of exactly K and K + 1, every token one id, every token its own id, heavy and sentinel
+    tokens in one chunk; the rows kernel as a grid of tiles or persistent (3 programs walking the tiles);
+    against the reference and bit for bit repeatable. With chunks of one token the chain sums a run left to
+    right, as the rows kernel does: then the two forms give the same bits as the walk."""
+    K = rows[0]
+    monkeypatch.setattr(K_emb, "ROWS", rows)
+    cases = [torch.cat([torch.full((K,), 2), torch.full((K + 1,), 5), torch.tensor([0, 7, 2, 9])]),
+             torch.full((23,), 3), torch.randperm(11), (torch.rand(150) ** 3 * 40).long()]
+    for ids in cases:
+        V = int(ids.max()) + 3
+        d = torch.randn(ids.numel(), 21)
+        for chunk in (1, 4):
+            monkeypatch.setattr(K_emb, "CONFIG", (chunk, 32, 4, "rows", 16, True))
+            a = K_emb.embedding_bwd_triton(d, ids, V)
+            assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
+            assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
+            if chunk == 1:
+                monkeypatch.setattr(K_emb, "CONFIG", (1, 32, 4, "torch", 16, True))
+                assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
+
+
+@needs_cpu_interp
+def test_embedding_bwd_rows_sentinel_cpu(monkeypatch):
+    """The rows form's sentinel key is the key dtype's largest value, which must name no row: int16 keys up to
+    V = 65535 (id 65535 is the sentinel), int32 keys from V = 65536, where id 65535 is a row and frequent."""
+    monkeypatch.setattr(K_emb, "ROWS", (1, 1024, 8, 4))  # row blocks of 1024: few programs for the interpreter
+    monkeypatch.setattr(K_emb, "CONFIG", (2, 8, 4, "rows", 16, True))
+    ids = torch.tensor([65534, 0, 65534, 1, 65534, 32767, 32768, 32768])
+    keys, bias, _ = K_emb._sort_keys(ids, 65535, 16, False, torch.zeros(65535, dtype=torch.int32), 1)
+    assert keys.dtype == torch.int16 and (keys == 32767).all()  # no id seen more than once in these counts
+    assert K_emb._sort_keys(ids, 65536, 16, False, torch.zeros(65536, dtype=torch.int32), 1)[0].dtype == torch.int32
+    for V, extra in ((65535, []), (65536, [65535, 65535, 3, 65535])):
+        i = torch.cat([ids, torch.tensor(extra, dtype=torch.long)])
+        d = torch.randn(i.numel(), 5)
+        a = K_emb.embedding_bwd_triton(d, i, V)
+        assert _max_err(a, K_emb.embedding_bwd_ref(d, i, V)) <= CPU_TOL
 
 
 @needs_cpu_interp
@@ -589,11 +634,16 @@ def test_adamw_gpu_bit_exact():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [None, (16, 1024, 4, "fused", 16, False, "tile"),
                                     (8, 512, 4, "absent", 16, False, "tile"), (16, 1024, 4, "side", 16, True),
-                                    (16, 512, 4, "side", 16, False, "tile")])
+                                    (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
+                                    (16, 512, 4, "rows", 16, False, "tile"), "rows persistent"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
-    merge on a second stream beside the zero fill (a missing order between the two would leave NaN rows or
-    zeros where sums belong)."""
+    merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel
+    (a missing order between the two would leave NaN rows or zeros where sums belong; the rows kernel's
+    slots are taken by atomics in a new order each run)."""
+    if config == "rows persistent":  # the rows kernel persistent, 2 programs per SM
+        config = (16, 512, 4, "rows", 16, True)
+        monkeypatch.setattr(K_emb, "ROWS", (4, 4, 512, 4, 2))
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text

@@ -4,7 +4,7 @@ Contract: embedding_fwd(ids[...], table[V, C]) -> out[..., C] (table.dtype)
           embedding_bwd(dout[..., C], ids, V) -> dtable[V, C] (dout.dtype): rows of dout added into the
           rows their ids name (an id seen k times gets k rows summed). No [N, V] one-hot is ever built.
 
-Triton backward (deterministic, no atomics, no [V, C] temporary besides the gradient itself):
+Triton backward (deterministic: no floating-point atomics; no [V, C] temporary besides the gradient itself):
     order, sorted = stable sort of the N ids   (torch.sort, stable: a fixed summation order)
     _embedding_bwd_chunk_kernel  program (chunk, column block) takes CHUNK consecutive sorted tokens and
         sums each run of equal ids in fp32; runs inside the chunk are written to dtable directly, runs cut
@@ -14,7 +14,7 @@ Triton backward (deterministic, no atomics, no [V, C] temporary besides the grad
         long serial chain (idea from the issue thread: fixed-size token chunks of the sorted ids).
 The rows no id names are zeroed by ``_embedding_zero_absent_kernel`` (marked by ``_embedding_keys_kernel``,
 which also writes the sort keys) on the current stream while the sort, the chunk walks and the merge run on a
-high-priority side stream (CONFIG zero fill "side", the default): the zero fill is a bandwidth-bound grid
+high-priority side stream (CONFIG zero fill "side", the bf16 default): the zero fill is a bandwidth-bound grid
 over most of the table, the other three a chain of small latency-bound kernels, and with the side stream's
 priority their programs take SMs as the zero tiles retire, so the chain runs under the fill
 (``SIDE_HIGH_PRIORITY = False`` gives the side stream the default priority: on the H200 that form took 0.381
@@ -24,11 +24,28 @@ and the walks in one launch (``_embedding_bwd_fused_kernel``, the default before
 Chunk bodies: ``_chunk_body`` walks a chunk's tokens one by one; ``_chunk_tile_body`` gathers a chunk's
 CHUNK rows as one tile, all in flight at once, and sums runs by a segmented scan held in each thread's
 registers (the walk waits on an index load per token: the chunk + merge stage alone ran at 36-39% of copy).
+"rows" form (CONFIG zero fill "rows", the fp32 default since session 7): most rows are named by few tokens
+(Zipf-like ids, N = 16k, V = 32k: 9.5k of 9.8k named rows at most 4 times), so those need no sort at all:
+    _embedding_slots_kernel      each token takes the next slot of its id by an integer atomic (COUNTS[id];
+                                 the counts do not depend on the order) and writes its index to SLOTS[slot, id]
+                                 if slot < K
+    _embedding_bwd_rows_kernel   (current stream) a grid over the whole table: every row seen at most K times
+                                 is written whole, zeros or its tokens' sum in token order (a sorting network
+                                 orders the row's slots, so the atomics' order does not reach the result)
+    the chain (high-priority side stream) for the rows seen more than K times: their tokens keep their sort
+    key, all others get a sentinel that sorts last and that the walks and the merge skip.
 Sort keys: int32 (half the radix passes of int64) or int16 (ids - 32768, V <= 65536: half again).
 It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which accumulates a
-whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, session 6, GPU time): the side streams with
-the walk, bf16 0.312 ms at V = 128k, C = 4096 (91% of copy), fp32 0.149 ms at V = 32k, C = 2048 (63%: there the
-chain itself, a 37 us sort and 80 us of walks and merge, is longer than the fill beside it).
+whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, GPU time): bf16 the side streams with
+the walk, 0.312 ms at V = 128k, C = 4096 (91% of copy; session 6); fp32 the rows form, 0.133-0.137 ms at V =
+32k, C = 2048 (68-70%; session 7; "side" 0.153-0.156 ms). What keeps fp32 short of the goal (a profile with the
+host kept ahead): the rows kernel alone takes 0.093-0.103 ms (84-88% of its bytes), but the chain beside it
+(keys, cub's radix sort in five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid,
+each of its kernels waiting 6-14 us for a grid program to retire before it gets an SM.
+Measured and dropped (session 7): the rows kernel persistent (2-6 programs per SM, so there is always room
+for the chain): its programs never retire, so the radix sort's passes waited for the grid to drain, 0.155-0.239
+ms; K = 8 (0.141-0.187 ms fp32, 0.71-0.92 ms bf16); K = 1 (0.153-0.160 ms: more rows left to the chain); K = 2
+(0.146-0.157 ms fp32); bf16 in the rows form (K = 2: 0.344-0.351 ms, K = 4: 0.39-0.45 ms, against 0.312).
 Measured and dropped (H200, 2026-11-29, bench/RESULTS.md): one program per run (the first version:
 0.552 ms bf16 / 0.384 ms fp32, a frequent id summed serially); a segmented-scan chunk kernel
 (tl.associative_scan over an [8, 512] tile: 0.565 / 0.239 ms) vs the running-sum walk kept here
@@ -69,14 +86,15 @@ def _load_id(SORTED, i, ok, ID_BIAS: tl.constexpr):
 
 
 @_jit
-def _chunk_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+def _chunk_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
                 IDX_AHEAD: tl.constexpr, ID_BIAS: tl.constexpr):
     """Chunk c, column block cb: the CHUNK sorted tokens [s, e) of this chunk, walked one by one with a
     running fp32 row sum that is flushed at each run end; two rows are loaded ahead of the one being
     added, so loads stay in flight while the sum waits. IDX_AHEAD: the source index of a row is loaded
     one step before the row itself, so no step waits on an index load before it can issue its row load.
     A run that lies wholly inside the chunk is written to its dtable row; a run cut by the chunk's start
-    goes to PART[chunk, 0], a run cut only by its end to PART[chunk, 1] (the merge pass finishes both)."""
+    goes to PART[chunk, 0], a run cut only by its end to PART[chunk, 1] (the merge pass finishes both).
+    Ids >= V (the "rows" form's sentinel: tokens another kernel handles, sorted last) are never written."""
     s = c.to(tl.int64) * CHUNK
     e = tl.minimum(s + CHUNK, N)
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -110,7 +128,7 @@ def _chunk_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.conste
                 tl.store(PART + (c.to(tl.int64) * 2) * C + cols, acc, mask=cmask)
             elif ends_after:
                 tl.store(PART + (c.to(tl.int64) * 2 + 1) * C + cols, acc, mask=cmask)
-            else:
+            elif cur < V:
                 tl.store(DTABLE + cur * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
             acc = tl.zeros([BLOCK_C], dtype=tl.float32)
             run_starts_before = False
@@ -125,8 +143,8 @@ def _seg_add(start_a, v_a, start_b, v_b):
 
 
 @_jit
-def _chunk_tile_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-                     ID_BIAS: tl.constexpr):
+def _chunk_tile_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: tl.constexpr,
+                     BLOCK_C: tl.constexpr, ID_BIAS: tl.constexpr):
     """The same contract as ``_chunk_body``, with the chunk's CHUNK rows gathered as one [CHUNK, BLOCK_C]
     tile (every load in flight at once, no per-token wait on an index) and each run summed by a
     segmented scan over the tokens. Pick BLOCK_C = 16 bytes x 32 lanes x num_warps (1024 bf16 on 4 warps,
@@ -158,7 +176,7 @@ def _chunk_tile_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.c
     last_id = _load_id(SORTED, e - 1, e > 0, ID_BIAS)
     cut_first = first_id == prev_id  # the chunk's first run began in an earlier chunk
     cut_last = (last_id == next_id) & (last_id != prev_id)  # its last run goes on (a chunk inside one run: slot 0)
-    direct = is_end & (ids != prev_id) & (ids != next_id)  # only the first run can be prev_id's, the last next_id's
+    direct = is_end & (ids != prev_id) & (ids != next_id) & (ids < V)  # only the first run can be prev_id's, ...
     tl.store(DTABLE + ids[:, None] * C + cols[None, :], run.to(DTABLE.dtype.element_ty),
              mask=direct[:, None] & cmask[None, :])
     # the two cut runs' partials, each taken out of the tile as one row by a masked sum over the tokens
@@ -173,16 +191,19 @@ def _chunk_tile_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.c
 
 
 @_jit
-def _embedding_bwd_chunk_kernel(DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK: tl.constexpr,
+def _embedding_bwd_chunk_kernel(DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: tl.constexpr,
                                 BLOCK_C: tl.constexpr, IDX_AHEAD: tl.constexpr = False,
                                 TILE: tl.constexpr = False, ID_BIAS: tl.constexpr = 0):
-    """Program (chunk, column block): ``_chunk_tile_body`` (TILE) or ``_chunk_body``."""
-    if TILE:
-        _chunk_tile_body(tl.program_id(0), tl.program_id(1), DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK,
-                         BLOCK_C, ID_BIAS)
-    else:
-        _chunk_body(tl.program_id(0), tl.program_id(1), DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK, BLOCK_C,
-                    IDX_AHEAD, ID_BIAS)
+    """Program (chunk, column block): ``_chunk_tile_body`` (TILE) or ``_chunk_body``; a chunk that starts
+    with an id >= V (all sentinel keys: the ids are sorted) has nothing to do."""
+    c = tl.program_id(0)
+    if _load_id(SORTED, c.to(tl.int64) * CHUNK, True, ID_BIAS) < V:
+        if TILE:
+            _chunk_tile_body(c, tl.program_id(1), DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C,
+                             ID_BIAS)
+        else:
+            _chunk_body(c, tl.program_id(1), DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C,
+                        IDX_AHEAD, ID_BIAS)
 
 
 @_jit
@@ -206,17 +227,17 @@ def _embedding_bwd_fused_kernel(DOUT, ORDER, SORTED, DTABLE, PART, PRESENT, N, V
     pid = tl.program_id(0)
     if pid < n_chunk_progs:
         if TILE:
-            _chunk_tile_body(pid // n_cb, pid % n_cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK, BLOCK_C,
+            _chunk_tile_body(pid // n_cb, pid % n_cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C,
                              ID_BIAS)
         else:
-            _chunk_body(pid // n_cb, pid % n_cb, DOUT, ORDER, SORTED, DTABLE, PART, N, C, CHUNK, BLOCK_C,
+            _chunk_body(pid // n_cb, pid % n_cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C,
                         IDX_AHEAD, ID_BIAS)
     else:
         _zero_body(pid - n_chunk_progs, PRESENT, DTABLE, V, C, n_zcb, ZBLOCK_R, ZBLOCK_C)
 
 
 @_jit
-def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, C, n_chunks,
+def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, V, C, n_chunks,
                                 CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, ID_BIAS: tl.constexpr = 0,
                                 MERGE_BLOCK: tl.constexpr = 1):
     """Program (chunk, column block): if this chunk's last run starts here and continues into the next
@@ -225,7 +246,7 @@ def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, C, n_chunks,
     ids and partial rows loaded together and the [MERGE_BLOCK, BLOCK_C] tile summed over its rows (the ids
     are sorted, so the chunks a run reaches are one unbroken stretch). A frequent id spans many chunks (one
     seen 521 times spans 33 chunks of 16 tokens): one chunk per step makes that a chain of dependent loads.
-    Fixed shapes, fixed order: the result does not depend on scheduling."""
+    Fixed shapes, fixed order: the result does not depend on scheduling. Ids >= V (sentinels) are skipped."""
     c = tl.program_id(0)
     s = c.to(tl.int64) * CHUNK
     e = tl.minimum(s + CHUNK, N)
@@ -236,7 +257,7 @@ def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, C, n_chunks,
     prev_id = _load_id(SORTED, tl.maximum(s - 1, 0), s > 0, ID_BIAS)
     next_id = _load_id(SORTED, e, e < N, ID_BIAS)
     starts_here = (first != last) | (prev_id != last)
-    if starts_here & (next_id == last):
+    if starts_here & (next_id == last) & (last < V):
         acc = tl.load(PART + (c.to(tl.int64) * 2 + 1) * C + cols, mask=cmask, other=0.0)
         if MERGE_BLOCK == 1:  # one chunk per step
             cc = c + 1
@@ -272,16 +293,141 @@ def _embedding_zero_absent_kernel(PRESENT, DTABLE, V, C, BLOCK_R: tl.constexpr, 
 
 
 @_jit
-def _embedding_keys_kernel(IDS, KEYS, PRESENT, N, ID_BIAS: tl.constexpr, MARK: tl.constexpr, BLOCK: tl.constexpr):
+def _embedding_keys_kernel(IDS, KEYS, PRESENT, COUNTS, N, ID_BIAS: tl.constexpr, MARK: tl.constexpr,
+                           HEAVY_K: tl.constexpr, SENTINEL: tl.constexpr, BLOCK: tl.constexpr):
     """The sort keys (ids - ID_BIAS in KEYS' dtype: int16 keys sort in two radix passes where int32 take
     four) and, if MARK, the present marks (PRESENT[id] = 1; every writer stores the same 1, so the result
-    does not depend on their order) in one launch: torch needed a cast and an index_put."""
+    does not depend on their order) in one launch: torch needed a cast and an index_put. HEAVY_K > 0 (the
+    "rows" form): only the tokens of ids seen more than HEAVY_K times (COUNTS) keep their key; the others get
+    SENTINEL, the largest key, which sorts last and names no row (its id is >= V)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     ids = tl.load(IDS + i, mask=m, other=0)
-    tl.store(KEYS + i, (ids - ID_BIAS).to(KEYS.dtype.element_ty), mask=m)
+    keys = (ids - ID_BIAS).to(KEYS.dtype.element_ty)
+    if HEAVY_K > 0:
+        heavy = tl.load(COUNTS + ids, mask=m, other=0) > HEAVY_K
+        keys = tl.where(heavy, keys, tl.full([BLOCK], SENTINEL, KEYS.dtype.element_ty))
+    tl.store(KEYS + i, keys, mask=m)
     if MARK:
         tl.store(PRESENT + ids, tl.full([BLOCK], 1, dtype=PRESENT.dtype.element_ty), mask=m)
+
+
+@_jit
+def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl.constexpr):
+    """The "rows" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer
+    atomic: the final counts do not depend on the order) and, if the slot is below K, writes its token
+    index to SLOTS[slot, id]. Which token gets which slot depends on scheduling; the rows kernel sorts a
+    row's slots, so the sum it forms does not."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    ids = tl.load(IDS + i, mask=m, other=0)
+    slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
+    tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K))
+
+
+@_jit
+def _cx(a, b):
+    """A compare-exchange of a sorting network: (min, max), elementwise."""
+    return tl.minimum(a, b), tl.maximum(a, b)
+
+
+@_jit
+def _row_slot(SLOTS, j: tl.constexpr, rows, own, cnt, V):
+    """Slot j of each row (a token index), or the largest int32 where the row has no j-th token."""
+    return tl.load(SLOTS + j * V + rows, mask=own & (cnt > j), other=2**31 - 1)
+
+
+@_jit
+def _row_add(acc, DOUT, src, take, cols, cmask, C):
+    """acc + the dout rows src (one per table row of the tile), where take."""
+    x = tl.load(DOUT + src.to(tl.int64)[:, None] * C + cols[None, :], mask=take[:, None] & cmask[None, :],
+                other=0.0)
+    return acc + x.to(tl.float32)
+
+
+@_jit
+def _rows_tile(rb, cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    """Tile (row block rb, column block cb) of the "rows" form: every row seen at most K times (1, 2, 4 or 8) is
+    written here, whole: zeros for a row no token names, else the sum of its tokens' dout rows in token
+    order (fp32, ((0 + x0) + x1) + ..., rounded once). A row's K slots are put in token order by a sorting
+    network on per-row vectors: elementwise min/max in the registers that hold the row (the first version
+    sorted a [BLOCK_R, K] tile with tl.sort and took each column out with a min-reduction; on the H200 the two
+    measured the same, so the sort was not the cost). The K gathers are independent, so a tile's loads are
+    all in flight together; each costs registers even where it is masked off, and the kernel slows with K
+    (alone, fp32: 88% of copy with K = 2, 84-85% with K = 4; bf16 87-88% and 68-70%). Rows seen more often are
+    left to the sort/walk/merge chain (a frequent id has too many rows for one program)."""
+    rows = rb.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    cnt = tl.load(COUNTS + rows, mask=rows < V, other=K + 1)
+    own = cnt <= K
+    s0 = _row_slot(SLOTS, 0, rows, own, cnt, V)
+    if K >= 2:
+        s1 = _row_slot(SLOTS, 1, rows, own, cnt, V)
+    if K >= 4:
+        s2 = _row_slot(SLOTS, 2, rows, own, cnt, V)
+        s3 = _row_slot(SLOTS, 3, rows, own, cnt, V)
+    if K >= 8:
+        s4 = _row_slot(SLOTS, 4, rows, own, cnt, V)
+        s5 = _row_slot(SLOTS, 5, rows, own, cnt, V)
+        s6 = _row_slot(SLOTS, 6, rows, own, cnt, V)
+        s7 = _row_slot(SLOTS, 7, rows, own, cnt, V)
+    if K == 2:
+        s0, s1 = _cx(s0, s1)
+    if K == 4:  # 5 exchanges
+        s0, s1 = _cx(s0, s1)
+        s2, s3 = _cx(s2, s3)
+        s0, s2 = _cx(s0, s2)
+        s1, s3 = _cx(s1, s3)
+        s1, s2 = _cx(s1, s2)
+    if K == 8:  # Batcher's odd-even merge sort, 19 exchanges
+        s0, s1 = _cx(s0, s1)
+        s2, s3 = _cx(s2, s3)
+        s4, s5 = _cx(s4, s5)
+        s6, s7 = _cx(s6, s7)
+        s0, s2 = _cx(s0, s2)
+        s1, s3 = _cx(s1, s3)
+        s4, s6 = _cx(s4, s6)
+        s5, s7 = _cx(s5, s7)
+        s1, s2 = _cx(s1, s2)
+        s5, s6 = _cx(s5, s6)
+        s0, s4 = _cx(s0, s4)
+        s1, s5 = _cx(s1, s5)
+        s2, s6 = _cx(s2, s6)
+        s3, s7 = _cx(s3, s7)
+        s2, s4 = _cx(s2, s4)
+        s3, s5 = _cx(s3, s5)
+        s1, s2 = _cx(s1, s2)
+        s3, s4 = _cx(s3, s4)
+        s5, s6 = _cx(s5, s6)
+    acc = _row_add(tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32), DOUT, s0, own & (cnt > 0), cols, cmask, C)
+    if K >= 2:
+        acc = _row_add(acc, DOUT, s1, own & (cnt > 1), cols, cmask, C)
+    if K >= 4:
+        acc = _row_add(acc, DOUT, s2, own & (cnt > 2), cols, cmask, C)
+        acc = _row_add(acc, DOUT, s3, own & (cnt > 3), cols, cmask, C)
+    if K >= 8:
+        acc = _row_add(acc, DOUT, s4, own & (cnt > 4), cols, cmask, C)
+        acc = _row_add(acc, DOUT, s5, own & (cnt > 5), cols, cmask, C)
+        acc = _row_add(acc, DOUT, s6, own & (cnt > 6), cols, cmask, C)
+        acc = _row_add(acc, DOUT, s7, own & (cnt > 7), cols, cmask, C)
+    tl.store(DTABLE + rows[:, None] * C + cols[None, :], acc.to(DTABLE.dtype.element_ty),
+             mask=own[:, None] & cmask[None, :])
+
+
+@_jit
+def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles, K: tl.constexpr,
+                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr = False):
+    """The "rows" form's grid (``_rows_tile``): one program per (row block, column block), or PERSISTENT, a
+    fixed number of programs walking the tiles t = pid, pid + G, ... (row block t // n_cb, column block
+    t % n_cb). Persistent, the grid leaves room on every SM, so the side stream's chain kernels find an SM
+    slot at once instead of waiting for tiles to retire."""
+    if PERSISTENT:
+        for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+            _rows_tile(t // n_cb, t % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C)
+    else:
+        _rows_tile(tl.program_id(0), tl.program_id(1), DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C)
 
 
 CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[, chunk body]]]) override, for
@@ -299,28 +445,40 @@ CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[,
 # session 6 sweep (GPU time, host kept ahead; bench/RESULTS.md): the "side" streams, walk body, int16 keys where
 # V <= 65536: bf16 0.354 -> 0.312 ms (80 -> 91% of copy), fp32 0.162 -> 0.149 ms (58 -> 63%; the tile body and
 # chunks of 32 within 1%).
-DEFAULTS = {2: (16, 1024, 4, "side", 16, True), 4: (16, 512, 4, "side", 16, True)}
+# session 7 (GPU time): fp32 the "rows" form, 0.153-0.156 -> 0.133-0.137 ms (60 -> 68-70% of copy); bf16 stays
+# "side" (rows K2 0.344 ms against 0.312-0.314: there the table is 8x the tokens' rows and the zero fill hides
+# the whole chain already).
+DEFAULTS = {2: (16, 1024, 4, "side", 16, True), 4: (16, 512, 4, "rows", 16, True)}
 SIDE_HIGH_PRIORITY = True  # "side": the side stream of the highest priority (False: the default priority)
+# "rows" (zero fill mode): (slots per row K, BLOCK_R, BLOCK_C, num_warps[, programs per SM: persistent]) of
+# _embedding_bwd_rows_kernel, by dout element size; ROWS overrides for the bench's sweep
+ROWS_DEFAULTS = {2: (2, 4, 2048, 8), 4: (4, 8, 512, 8)}
+ROWS = None
+SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
+# 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 1  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
 # within the run-to-run spread of 1 (bf16 0.312-0.313 ms all three; fp32 0.147-0.156 ms)
 
 
-def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool):
+def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool, counts=None, heavy_k: int = 0):
     """(keys [N] to sort, ID_BIAS, present marks or None): ids as int16 / int32 / int64 sort keys, and the
-    [V] int8 present marks if ``mark``."""
+    [V] int8 present marks if ``mark``. ``heavy_k`` > 0 (the "rows" form): only ids seen more than heavy_k
+    times (``counts``) keep their key, the rest get the key dtype's largest value, whose id must be >= V."""
     N = ids.numel()
     flat = ids.reshape(-1)
-    if key_bits == 16 and V <= 2**16:
+    room = 1 if heavy_k else 0  # the sentinel's id (the dtype's top) must name no row
+    if key_bits == 16 and V <= 2**16 - room:
         kdt, bias = torch.int16, 2**15  # ids - 32768 fits int16 and keeps their order
-    elif key_bits and V <= 2**31 - 1:  # True or 32
+    elif key_bits and V <= 2**31 - 1 - room:  # True or 32
         kdt, bias = torch.int32, 0
     else:
         kdt, bias = torch.int64, 0
-    if not mark and bias == 0:
+    if not mark and bias == 0 and not heavy_k:
         return flat.to(kdt), 0, None
     present = torch.zeros(V, dtype=torch.int8, device=ids.device) if mark else None
     keys = torch.empty(N, dtype=kdt, device=ids.device)
-    _embedding_keys_kernel[(triton.cdiv(N, 1024),)](flat.contiguous(), keys, present, N, ID_BIAS=bias, MARK=mark,
+    _embedding_keys_kernel[(triton.cdiv(N, 1024),)](flat.contiguous(), keys, present, counts, N, ID_BIAS=bias,
+                                                    MARK=mark, HEAVY_K=heavy_k, SENTINEL=torch.iinfo(kdt).max,
                                                     BLOCK=1024, num_warps=4)
     return keys, bias, present
 
@@ -331,10 +489,12 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         raise ValueError(f"embedding_bwd: dout {tuple(dout.shape)} must be ids {tuple(ids.shape)} + [C]")
     d2 = dout.reshape(-1, C).contiguous()  # [N, C]
     N = ids.numel()
-    cfg = CONFIG if CONFIG is not None else DEFAULTS[2 if dout.element_size() <= 2 else 4]
+    esize = 2 if dout.element_size() <= 2 else 4
+    cfg = CONFIG if CONFIG is not None else DEFAULTS[esize]
     CHUNK, BLOCK_C, num_warps, zero = cfg[:4]
-    if zero not in ("torch", "absent", "fused", "side"):
-        raise ValueError(f"embedding_bwd: CONFIG zero fill must be 'torch', 'absent', 'fused' or 'side', got {zero!r}")
+    if zero not in ("torch", "absent", "fused", "side", "rows"):
+        raise ValueError(f"embedding_bwd: CONFIG zero fill must be 'torch', 'absent', 'fused', 'side' or 'rows', "
+                         f"got {zero!r}")
     key_bits = cfg[4] if len(cfg) > 4 else False
     idx_ahead = bool(cfg[5]) if len(cfg) > 5 else False
     tile = len(cfg) > 6 and cfg[6] == "tile"
@@ -346,50 +506,92 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
             return dtable
     else:
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
-    mark = zero in ("absent", "fused", "side")
-    keys, bias, present = _sort_keys(ids, V, key_bits, mark)
     n_chunks = triton.cdiv(N, CHUNK)
+    flat = ids.reshape(-1).contiguous()
+    heavy_k, counts, slots = 0, None, None
+    if zero == "rows":
+        rcfg = ROWS if ROWS is not None else ROWS_DEFAULTS[esize]
+        heavy_k, rbr, rbc, rwarps = rcfg[:4]
+        per_sm = rcfg[4] if len(rcfg) > 4 else 0
+        if heavy_k not in (1, 2, 4, 8):
+            raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
+        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
+        slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
+        _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
+                                                                BLOCK=SLOTS_BLOCK, num_warps=4)
+        rbc = min(rbc, triton.next_power_of_2(C))
+    mark = zero in ("absent", "fused", "side")
 
     def sort_walk_merge():
-        """The sort, the chunk walks (present rows and boundary partials) and the merge of cut runs."""
+        """The sort keys, the sort, the chunk walks (present rows and boundary partials) and the merge of cut
+        runs ("rows": only the ids seen more than heavy_k times)."""
+        keys, bias, present = _sort_keys(flat, V, key_bits, mark, counts, heavy_k)
         sorted_ids, order = torch.sort(keys, stable=True)
         part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
-        _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, C, CHUNK=CHUNK,
+        _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, V, C, CHUNK=CHUNK,
                                                       BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, TILE=tile,
                                                       ID_BIAS=bias, num_warps=num_warps)
-        _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, C, n_chunks,
+        _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, V, C, n_chunks,
                                                       CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias,
                                                       MERGE_BLOCK=MERGE_BLOCK, num_warps=4)
+        return present
 
-    if zero == "side":
-        # the absent rows' zero fill (a bandwidth-bound grid, most of the table) on this stream, while the
-        # sort, the walks and the merge (a chain of small latency-bound kernels) run on a high-priority side
-        # stream: their programs take an SM as soon as one frees, so the chain runs under the zero fill
-        # instead of before it. Disjoint rows: the walks and the merge write only rows ids name.
-        zbc = min(triton.next_power_of_2(C), 4096)
-        zbr = max(1, 8192 // zbc)
+    if zero in ("side", "rows"):
+        # a bandwidth-bound grid over the table on this stream ("side": the absent rows' zero fill; "rows":
+        # every row seen at most heavy_k times, zeros included), while the sort, the walks and the merge (a
+        # chain of small latency-bound kernels) run on a high-priority side stream: their programs take an SM
+        # as soon as one frees, so the chain runs under the grid instead of before it. Disjoint rows.
+        if zero == "side":
+            # the marks the zero fill needs come from the keys kernel: made here, on this stream
+            keys, bias, present = _sort_keys(flat, V, key_bits, True)
+            zbc = min(triton.next_power_of_2(C), 4096)
+            zbr = max(1, 8192 // zbc)
 
-        def zero_absent():
-            _embedding_zero_absent_kernel[(triton.cdiv(V, zbr), triton.cdiv(C, zbc))](
-                present, dtable, V, C, BLOCK_R=zbr, BLOCK_C=zbc, num_warps=8)
+            def grid_pass():
+                _embedding_zero_absent_kernel[(triton.cdiv(V, zbr), triton.cdiv(C, zbc))](
+                    present, dtable, V, C, BLOCK_R=zbr, BLOCK_C=zbc, num_warps=8)
+
+            def chain():
+                sorted_ids, order = torch.sort(keys, stable=True)
+                part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)
+                _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, V, C,
+                                                              CHUNK=CHUNK, BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead,
+                                                              TILE=tile, ID_BIAS=bias, num_warps=num_warps)
+                _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, V, C, n_chunks,
+                                                              CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias,
+                                                              MERGE_BLOCK=MERGE_BLOCK, num_warps=4)
+        else:
+            n_rb, n_rcb = triton.cdiv(V, rbr), triton.cdiv(C, rbc)
+
+            def grid_pass():
+                if per_sm:  # (the CPU interpreter: per_sm programs in all)
+                    n_sm = torch.cuda.get_device_properties(dout.device).multi_processor_count if dout.is_cuda else 1
+                    grid = (min(n_rb * n_rcb, per_sm * n_sm),)
+                else:
+                    grid = (n_rb, n_rcb)
+                _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k,
+                                                 BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
+                                                 num_warps=rwarps)
+            chain = sort_walk_merge
         if dout.is_cuda:
             main = torch.cuda.current_stream(dout.device)
             side = side_stream(dout.device, high_priority=SIDE_HIGH_PRIORITY)
-            side.wait_stream(main)  # keys, marks and dtable ready
+            side.wait_stream(main)  # keys / counts and dtable ready
             with torch.cuda.stream(side):
-                sort_walk_merge()
-            zero_absent()
+                chain()
+            grid_pass()
             main.wait_stream(side)  # dtable complete; later work (and memory reuse) ordered after both
         else:
-            zero_absent()
-            sort_walk_merge()
+            grid_pass()
+            chain()
         return dtable
-    if zero == "absent":
-        _embedding_zero_absent_kernel[(triton.cdiv(V, 8), n_cb)](present, dtable, V, C, BLOCK_R=8,
-                                                                 BLOCK_C=BLOCK_C, num_warps=4)
     if zero != "fused":
-        sort_walk_merge()
+        present = sort_walk_merge()
+        if zero == "absent":  # after the walks here: they write only rows ids name, this only the others
+            _embedding_zero_absent_kernel[(triton.cdiv(V, 8), n_cb)](present, dtable, V, C, BLOCK_R=8,
+                                                                     BLOCK_C=BLOCK_C, num_warps=4)
         return dtable
+    keys, bias, present = _sort_keys(flat, V, key_bits, True)
     sorted_ids, order = torch.sort(keys, stable=True)
     part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
     n_zr = triton.cdiv(V, 8)
@@ -397,7 +599,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         d2, order, sorted_ids, dtable, part, present, N, V, C, n_cb, n_chunks * n_cb, n_cb, CHUNK=CHUNK,
         BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, ZBLOCK_R=8, ZBLOCK_C=BLOCK_C, TILE=tile, ID_BIAS=bias,
         num_warps=num_warps)
-    _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, C, n_chunks,
+    _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, V, C, n_chunks,
                                                   CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias, MERGE_BLOCK=MERGE_BLOCK,
                                                   num_warps=4)
     return dtable
