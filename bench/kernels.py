@@ -543,13 +543,24 @@ def _v_embedding(N, V, C, dt, smoke=False):
     vs += [(f"rows K4 8x{rb[1]} w8, slots block {sb}", (16, bc, 4, "rows", 16, True, "walk", (4, 8, rb[1], 8), sb))
            for sb in (128, 256)]
     vs += [("rows K4 4x512 w4 persistent 3/SM", (16, bc, 4, "rows", 16, True, "walk", (4, 4, rb[1], 4, 3)))]
+    # the rows kernel: zero-only tiles skip the slots and gathers; the gathers with an evict-first L2 policy
+    vs += [(f"rows K4 {br}x{bcol} w{w}, {'zero fast path' if z else ''}{' evict_first' if ev else ''}",
+            (16, bc, 4, "rows", 16, True, "walk", (4, br, bcol, w), K.SLOTS_BLOCK, z, ev))
+           for br, bcol, w in ((1, rb[0], 4), (1, rb[1], 4), (2, rb[1], 4), (8, rb[1], 8))
+           for z, ev in ((True, ""), (False, "evict_first"), (True, "evict_first"))]
+    # the merge kernel launched as the walks' programmatic dependent (PDL, the default) or not
+    vs += [("side, walk, keys 16, no PDL", (16, bc, 4, "side", 16, True, "walk", "no pdl")),
+           ("rows (default ROWS), walk, keys 16, no PDL", (16, bc, 4, "rows", 16, True, "walk", "no pdl"))]
     for name, cfg in vs:
         def fn(cfg=cfg):
             extra = cfg[7] if cfg and len(cfg) > 7 else None
             with _knob(K, "CONFIG", cfg[:7] if cfg else cfg), _knob(K, "SIDE_HIGH_PRIORITY", extra != "equal"), \
                     _knob(K, "MERGE_BLOCK", extra if isinstance(extra, int) else 1), \
                     _knob(K, "ROWS", extra if isinstance(extra, tuple) else None), \
-                    _knob(K, "SLOTS_BLOCK", cfg[8] if cfg and len(cfg) > 8 else K.SLOTS_BLOCK):
+                    _knob(K, "SLOTS_BLOCK", cfg[8] if cfg and len(cfg) > 8 else K.SLOTS_BLOCK), \
+                    _knob(K, "PDL", extra != "no pdl"), \
+                    _knob(K, "ROWS_ZERO_FAST", cfg[9] if cfg and len(cfg) > 9 else K.ROWS_ZERO_FAST), \
+                    _knob(K, "ROWS_EVICT", cfg[10] if cfg and len(cfg) > 10 else K.ROWS_EVICT):
                 return K.embedding_bwd_triton(d, ids, V)
 
         def check(fn=fn):

@@ -378,6 +378,24 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
 
 
 @needs_cpu_interp
+def test_embedding_bwd_rows_knobs_cpu(monkeypatch):
+    """The rows kernel's zero-tile branch and eviction policy change no bit (grid and persistent forms)."""
+    ids = torch.cat([torch.tensor([5, 5, 5, 5, 5, 9]), (torch.rand(90) ** 3 * 70).long()])
+    d = torch.randn(ids.numel(), 21)
+    monkeypatch.setattr(K_emb, "CONFIG", (4, 32, 4, "rows", 16, True))
+    for rows in ((4, 2, 32, 4), (2, 1, 32, 4, 2)):
+        monkeypatch.setattr(K_emb, "ROWS", rows)
+        base = K_emb.embedding_bwd_triton(d, ids, 80)
+        for zero_fast, evict in ((True, ""), (True, "evict_first"), (False, "evict_first")):
+            monkeypatch.setattr(K_emb, "ROWS_ZERO_FAST", zero_fast)
+            monkeypatch.setattr(K_emb, "ROWS_EVICT", evict)
+            assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 80), base)
+        monkeypatch.setattr(K_emb, "ROWS_ZERO_FAST", False)
+        monkeypatch.setattr(K_emb, "ROWS_EVICT", "")
+        assert _max_err(base, K_emb.embedding_bwd_ref(d, ids, 80)) <= CPU_TOL
+
+
+@needs_cpu_interp
 def test_embedding_bwd_rows_sentinel_cpu(monkeypatch):
     """The rows form's sentinel key is the key dtype's largest value, which must name no row: int16 keys up to
     V = 65535 (id 65535 is the sentinel), int32 keys from V = 65536, where id 65535 is a row and frequent."""

@@ -62,6 +62,11 @@ import torch
 from xtrain.kernels._dispatch import jit as _jit
 from xtrain.kernels._dispatch import side_stream, tl, triton, use_triton
 
+try:  # programmatic dependent launch (sm_90+; triton >= 3.3)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except Exception:  # pragma: no cover - depends on the install
+    gdc_launch_dependents = gdc_wait = None
+
 
 def embedding_fwd(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return table[ids]
@@ -193,9 +198,12 @@ def _chunk_tile_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: t
 @_jit
 def _embedding_bwd_chunk_kernel(DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: tl.constexpr,
                                 BLOCK_C: tl.constexpr, IDX_AHEAD: tl.constexpr = False,
-                                TILE: tl.constexpr = False, ID_BIAS: tl.constexpr = 0):
+                                TILE: tl.constexpr = False, ID_BIAS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (chunk, column block): ``_chunk_tile_body`` (TILE) or ``_chunk_body``; a chunk that starts
-    with an id >= V (all sentinel keys: the ids are sorted) has nothing to do."""
+    with an id >= V (all sentinel keys: the ids are sorted) has nothing to do. PDL: let the merge kernel,
+    launched as its programmatic dependent, be scheduled as soon as every program here has started."""
+    if PDL:
+        gdc_launch_dependents()
     c = tl.program_id(0)
     if _load_id(SORTED, c.to(tl.int64) * CHUNK, True, ID_BIAS) < V:
         if TILE:
@@ -239,14 +247,18 @@ def _embedding_bwd_fused_kernel(DOUT, ORDER, SORTED, DTABLE, PART, PRESENT, N, V
 @_jit
 def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, V, C, n_chunks,
                                 CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, ID_BIAS: tl.constexpr = 0,
-                                MERGE_BLOCK: tl.constexpr = 1):
+                                MERGE_BLOCK: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Program (chunk, column block): if this chunk's last run starts here and continues into the next
     chunks, sum its partials (PART[c, 1], then PART[c', 0] of every later chunk c' the run reaches) and
     write the dtable row: one chunk per step (MERGE_BLOCK = 1), or MERGE_BLOCK chunks per step, their first
     ids and partial rows loaded together and the [MERGE_BLOCK, BLOCK_C] tile summed over its rows (the ids
     are sorted, so the chunks a run reaches are one unbroken stretch). A frequent id spans many chunks (one
     seen 521 times spans 33 chunks of 16 tokens): one chunk per step makes that a chain of dependent loads.
-    Fixed shapes, fixed order: the result does not depend on scheduling. Ids >= V (sentinels) are skipped."""
+    Fixed shapes, fixed order: the result does not depend on scheduling. Ids >= V (sentinels) are skipped.
+    PDL (launched as the chunk kernel's programmatic dependent): the programs may start while the chunk
+    kernel still runs, and wait here until its grid has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
     c = tl.program_id(0)
     s = c.to(tl.int64) * CHUNK
     e = tl.minimum(s + CHUNK, N)
@@ -338,16 +350,17 @@ def _row_slot(SLOTS, j: tl.constexpr, rows, own, cnt, V):
 
 
 @_jit
-def _row_add(acc, DOUT, src, take, cols, cmask, C):
-    """acc + the dout rows src (one per table row of the tile), where take."""
+def _row_add(acc, DOUT, src, take, cols, cmask, C, EVICT: tl.constexpr):
+    """acc + the dout rows src (one per table row of the tile), where take (EVICT: an L2 eviction policy for
+    these loads, "" for none)."""
     x = tl.load(DOUT + src.to(tl.int64)[:, None] * C + cols[None, :], mask=take[:, None] & cmask[None, :],
-                other=0.0)
+                other=0.0, eviction_policy=EVICT)
     return acc + x.to(tl.float32)
 
 
 @_jit
 def _rows_tile(rb, cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_C: tl.constexpr):
+               BLOCK_C: tl.constexpr, EVICT: tl.constexpr, ZERO_FAST: tl.constexpr):
     """Tile (row block rb, column block cb) of the "rows" form: every row seen at most K times (1, 2, 4 or 8) is
     written here, whole: zeros for a row no token names, else the sum of its tokens' dout rows in token
     order (fp32, ((0 + x0) + x1) + ..., rounded once). A row's K slots are put in token order by a sorting
@@ -362,6 +375,20 @@ def _rows_tile(rb, cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK
     cmask = cols < C
     cnt = tl.load(COUNTS + rows, mask=rows < V, other=K + 1)
     own = cnt <= K
+    if ZERO_FAST:  # a tile whose rows no token names (most of a large table): zeros, no slots, no gathers
+        if tl.max(tl.where(own, cnt, 0), axis=0) == 0:
+            tl.store(DTABLE + rows[:, None] * C + cols[None, :],
+                     tl.zeros([BLOCK_R, BLOCK_C], dtype=DTABLE.dtype.element_ty), mask=own[:, None] & cmask[None, :])
+        else:
+            _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT)
+    else:
+        _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT)
+
+
+@_jit
+def _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_C: tl.constexpr, EVICT: tl.constexpr):
+    """``_rows_tile``'s sums: the rows' slots in token order, the K gathers, the store."""
     s0 = _row_slot(SLOTS, 0, rows, own, cnt, V)
     if K >= 2:
         s1 = _row_slot(SLOTS, 1, rows, own, cnt, V)
@@ -401,33 +428,35 @@ def _rows_tile(rb, cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK
         s1, s2 = _cx(s1, s2)
         s3, s4 = _cx(s3, s4)
         s5, s6 = _cx(s5, s6)
-    acc = _row_add(tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32), DOUT, s0, own & (cnt > 0), cols, cmask, C)
+    acc = _row_add(tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32), DOUT, s0, own & (cnt > 0), cols, cmask, C, EVICT)
     if K >= 2:
-        acc = _row_add(acc, DOUT, s1, own & (cnt > 1), cols, cmask, C)
+        acc = _row_add(acc, DOUT, s1, own & (cnt > 1), cols, cmask, C, EVICT)
     if K >= 4:
-        acc = _row_add(acc, DOUT, s2, own & (cnt > 2), cols, cmask, C)
-        acc = _row_add(acc, DOUT, s3, own & (cnt > 3), cols, cmask, C)
+        acc = _row_add(acc, DOUT, s2, own & (cnt > 2), cols, cmask, C, EVICT)
+        acc = _row_add(acc, DOUT, s3, own & (cnt > 3), cols, cmask, C, EVICT)
     if K >= 8:
-        acc = _row_add(acc, DOUT, s4, own & (cnt > 4), cols, cmask, C)
-        acc = _row_add(acc, DOUT, s5, own & (cnt > 5), cols, cmask, C)
-        acc = _row_add(acc, DOUT, s6, own & (cnt > 6), cols, cmask, C)
-        acc = _row_add(acc, DOUT, s7, own & (cnt > 7), cols, cmask, C)
+        acc = _row_add(acc, DOUT, s4, own & (cnt > 4), cols, cmask, C, EVICT)
+        acc = _row_add(acc, DOUT, s5, own & (cnt > 5), cols, cmask, C, EVICT)
+        acc = _row_add(acc, DOUT, s6, own & (cnt > 6), cols, cmask, C, EVICT)
+        acc = _row_add(acc, DOUT, s7, own & (cnt > 7), cols, cmask, C, EVICT)
     tl.store(DTABLE + rows[:, None] * C + cols[None, :], acc.to(DTABLE.dtype.element_ty),
              mask=own[:, None] & cmask[None, :])
 
 
 @_jit
 def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles, K: tl.constexpr,
-                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr = False):
+                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr = False,
+                               EVICT: tl.constexpr = "", ZERO_FAST: tl.constexpr = False):
     """The "rows" form's grid (``_rows_tile``): one program per (row block, column block), or PERSISTENT, a
     fixed number of programs walking the tiles t = pid, pid + G, ... (row block t // n_cb, column block
     t % n_cb). Persistent, the grid leaves room on every SM, so the side stream's chain kernels find an SM
     slot at once instead of waiting for tiles to retire."""
     if PERSISTENT:
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-            _rows_tile(t // n_cb, t % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C)
+            _rows_tile(t // n_cb, t % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT, ZERO_FAST)
     else:
-        _rows_tile(tl.program_id(0), tl.program_id(1), DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C)
+        _rows_tile(tl.program_id(0), tl.program_id(1), DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C,
+                   EVICT, ZERO_FAST)
 
 
 CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[, chunk body]]]) override, for
@@ -454,6 +483,15 @@ SIDE_HIGH_PRIORITY = True  # "side": the side stream of the highest priority (Fa
 # _embedding_bwd_rows_kernel, by dout element size; ROWS overrides for the bench's sweep
 ROWS_DEFAULTS = {2: (2, 4, 2048, 8), 4: (4, 8, 512, 8)}
 ROWS = None
+# the rows kernel's gathers: "" or an L2 eviction policy ("evict_first": each row is read once); and a branch for
+# tiles whose rows no token names (zeros, no slots, no gathers). H200, session 7, fp32: every combination over
+# four tilings 0.132-0.137 ms against the default's 0.134 (within the spread), so both stay off; the zero branch
+# did help the rows form in bf16 with K = 4 (0.39-0.46 -> 0.35-0.37 ms), still behind "side" (0.313).
+ROWS_EVICT = ""
+ROWS_ZERO_FAST = False
+PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("side" and "rows" forms, sm_90+):
+# its programs are resident and waiting when the walks end, instead of waiting then for an SM (H200, session 7:
+# the chain ended ~17 us sooner in the timeline; the op 0.133-0.134 vs 0.136 ms fp32, 0.311-0.313 vs 0.314 bf16)
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 1  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -481,6 +519,32 @@ def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool, counts=None, hea
                                                     MARK=mark, HEAVY_K=heavy_k, SENTINEL=torch.iinfo(kdt).max,
                                                     BLOCK=1024, num_warps=4)
     return keys, bias, present
+
+
+_SM90 = {}  # device -> bool: compute capability 9 or above (asked once per device)
+
+
+def _use_pdl(t: torch.Tensor) -> bool:
+    """Programmatic dependent launch for the merge kernel: ``PDL`` on, a CUDA tensor of an sm_90+ device, and
+    a Triton that has it."""
+    if not (PDL and t.is_cuda and gdc_wait is not None):
+        return False
+    if t.device not in _SM90:
+        _SM90[t.device] = torch.cuda.get_device_capability(t.device)[0] >= 9
+    return _SM90[t.device]
+
+
+def _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
+                    tile, bias, num_warps):
+    """The chunk walks, then the merge of the runs they cut (PDL: the merge launched as the walks'
+    programmatic dependent, so its programs are resident and waiting when the walks end)."""
+    pdl = _use_pdl(d2)
+    _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, V, C, CHUNK=CHUNK,
+                                                  BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, TILE=tile, ID_BIAS=bias,
+                                                  PDL=pdl, num_warps=num_warps)
+    _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, V, C, n_chunks, CHUNK=CHUNK,
+                                                  BLOCK_C=BLOCK_C, ID_BIAS=bias, MERGE_BLOCK=MERGE_BLOCK, PDL=pdl,
+                                                  num_warps=4, **({"launch_pdl": True} if pdl else {}))
 
 
 def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
@@ -528,12 +592,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         keys, bias, present = _sort_keys(flat, V, key_bits, mark, counts, heavy_k)
         sorted_ids, order = torch.sort(keys, stable=True)
         part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
-        _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, V, C, CHUNK=CHUNK,
-                                                      BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, TILE=tile,
-                                                      ID_BIAS=bias, num_warps=num_warps)
-        _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, V, C, n_chunks,
-                                                      CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias,
-                                                      MERGE_BLOCK=MERGE_BLOCK, num_warps=4)
+        _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
+                        tile, bias, num_warps)
         return present
 
     if zero in ("side", "rows"):
@@ -554,12 +614,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
             def chain():
                 sorted_ids, order = torch.sort(keys, stable=True)
                 part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)
-                _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, V, C,
-                                                              CHUNK=CHUNK, BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead,
-                                                              TILE=tile, ID_BIAS=bias, num_warps=num_warps)
-                _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, V, C, n_chunks,
-                                                              CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias,
-                                                              MERGE_BLOCK=MERGE_BLOCK, num_warps=4)
+                _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C,
+                                idx_ahead, tile, bias, num_warps)
         else:
             n_rb, n_rcb = triton.cdiv(V, rbr), triton.cdiv(C, rbc)
 
@@ -571,7 +627,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                     grid = (n_rb, n_rcb)
                 _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k,
                                                  BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
-                                                 num_warps=rwarps)
+                                                 EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
             chain = sort_walk_merge
         if dout.is_cuda:
             main = torch.cuda.current_stream(dout.device)
