@@ -586,10 +586,12 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         rbc = min(rbc, triton.next_power_of_2(C))
     mark = zero in ("absent", "fused", "side")
 
-    def sort_walk_merge():
-        """The sort keys, the sort, the chunk walks (present rows and boundary partials) and the merge of cut
-        runs ("rows": only the ids seen more than heavy_k times)."""
-        keys, bias, present = _sort_keys(flat, V, key_bits, mark, counts, heavy_k)
+    def sort_walk_merge(keys=None, bias=0):
+        """The sort keys (unless given), the sort, the chunk walks (present rows and boundary partials) and the
+        merge of cut runs ("rows": only the ids seen more than heavy_k times); returns the present marks."""
+        present = None
+        if keys is None:
+            keys, bias, present = _sort_keys(flat, V, key_bits, mark, counts, heavy_k)
         sorted_ids, order = torch.sort(keys, stable=True)
         part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
         _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
@@ -612,10 +614,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                     present, dtable, V, C, BLOCK_R=zbr, BLOCK_C=zbc, num_warps=8)
 
             def chain():
-                sorted_ids, order = torch.sort(keys, stable=True)
-                part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)
-                _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C,
-                                idx_ahead, tile, bias, num_warps)
+                sort_walk_merge(keys, bias)
         else:
             n_rb, n_rcb = triton.cdiv(V, rbr), triton.cdiv(C, rbc)
 
