@@ -367,8 +367,8 @@ def _rows_tile(rb, cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK
     network on per-row vectors: elementwise min/max in the registers that hold the row (the first version
     sorted a [BLOCK_R, K] tile with tl.sort and took each column out with a min-reduction; on the H200 the two
     measured the same, so the sort was not the cost). The K gathers are independent, so a tile's loads are
-    all in flight together; each costs registers even where it is masked off, and the kernel slows with K
-    (alone, fp32: 88% of copy with K = 2, 84-85% with K = 4; bf16 87-88% and 68-70%). Rows seen more often are
+    all in flight together. The kernel slows with K (alone, fp32: 88% of copy with K = 2, 84-85% with K = 4;
+    bf16 87-88% and 68-70%; not profiled: the unrolled masked gathers are the suspect). Rows seen more often are
     left to the sort/walk/merge chain (a frequent id has too many rows for one program)."""
     rows = rb.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
