@@ -77,8 +77,9 @@ H200, causal bf16, B·T = 16k, H·D = 2048, TFLOP/s ratio to cuDNN at T = 1k / 2
 Session 5, same process (bench/gluon_flash_fwd.py --variants q2,w3 --head-dims 64): hd64 q2 0.95 / 0.98 /
 1.00 / 0.99 / 1.01, w3 0.60 / 0.76 / 0.98 / 1.04 / 1.07 with the partial item last; with the grid shifted
 so it comes first, another run: q2 0.95 / 0.99 / 1.02 / 1.02 / 0.99, w3 0.62 / 0.69 / 1.03 / 1.02 / 1.04
-(short T: the cause was not found; bench/RESULTS.md, fifth round).
-So ``VARIANT_BY_T`` picks q2 at hd64 up to T = 4k and w3 above, and, at hd128, pp up to T = 1k
+(short T: the cause was not found; bench/RESULTS.md, fifth round). Session 7, three processes at T = 2k / 4k:
+q2 0.98 / 0.99-1.00, w3 0.68 / 1.01 every time.
+So ``VARIANT_BY_T`` picks q2 at hd64 up to T = 2k and w3 above, and, at hd128, pp up to T = 1k
 and q2pp above (at hd128 T = 1k both two-Q-buffer variants fall to 0.68-0.69x; the cause was not
 profiled). Measured and slower (code in git history): one 8-warp consumer partition (0.62-0.87x), no warp
 specialisation with and without the wgmma/softmax overlap (0.63-0.91x), 64-wide K/V tiles in the per-item
@@ -559,7 +560,8 @@ VARIANT_HEAD_DIMS = {"w3": (64, )}
 # causal bf16, x cuDNN at T = 1k/2k/4k/8k/16k (module docstring): hd128 pp 1.02/1.09/1.07/1.08/1.07 and
 # q2pp 0.68/1.12/1.12/1.10/1.09; hd64 q2 0.94/1.02/0.97/0.98/1.05, the best or within 0.01 at every T but 8k
 # (pers 0.99 there), and ahead of the Triton kernel (0.86/0.91/0.88/0.92/0.96) everywhere.
-VARIANT_BY_T = {128: ((1024, "pp"), (math.inf, "q2pp")), 64: ((4096, "q2"), (math.inf, "w3"))}
+# hd64 from T = 4k: w3 (session 7: 1.01x against q2's 0.99-1.00x at 4k in three processes).
+VARIANT_BY_T = {128: ((1024, "pp"), (math.inf, "q2pp")), 64: ((2048, "q2"), (math.inf, "w3"))}
 _NUM_SMS: dict[int, int] = {}  # CUDA device index -> SM count (the persistent grid)
 
 
