@@ -529,38 +529,36 @@ def _v_embedding(N, V, C, dt, smoke=False):
         vs += [("tile, fused, chunk 32, 512 cols w4, keys 16", (32, 512, 4, "fused", 16, False, "tile")),
                ("walk, fused, chunk 32, keys 16", (32, bc, 4, "fused", 16, True))]
     # the same with the side stream at the default priority (does the priority matter?), and the merge pass
-    # taking 4 or 16 chunks per step (a frequent id spans dozens of chunks)
-    vs += [("side, walk, keys 16, equal priority", (16, bc, 4, "side", 16, True, "walk", "equal")),
-           ("side, walk, keys 16, merge 4", (16, bc, 4, "side", 16, True, "walk", 4)),
-           ("side, walk, keys 16, merge 16", (16, bc, 4, "side", 16, True, "walk", 16))]
+    # taking 4 or 16 chunks per step (a frequent id spans dozens of chunks). A third element: module knobs of
+    # the embedding module set for the variant (the rest keep their defaults).
+    walk = (16, bc, 4, "side", 16, True)
+    vs += [("side, walk, keys 16, equal priority", walk, {"SIDE_HIGH_PRIORITY": False}),
+           ("side, walk, keys 16, merge 4", walk, {"MERGE_BLOCK": 4}),
+           ("side, walk, keys 16, merge 16", walk, {"MERGE_BLOCK": 16})]
     # session 7: the rows kernel (every row seen at most K times, zeros included) beside the chain for the
-    # frequent ids; extra = (K, BLOCK_R, BLOCK_C, num_warps) of the rows kernel
+    # frequent ids; ROWS = (K, BLOCK_R, BLOCK_C, num_warps[, programs per SM]) of the rows kernel
     rb = (2048, 1024) if e <= 2 else (1024, 512)
-    vs += [(f"rows K{k} {br}x{bcol} w{w}, walk chain", (16, bc, 4, "rows", 16, True, "walk", (k, br, bcol, w)))
+    rows = (16, bc, 4, "rows", 16, True)
+    vs += [(f"rows K{k} {br}x{bcol} w{w}, walk chain", rows, {"ROWS": (k, br, bcol, w)})
            for k in (2, 4) for br, bcol, w in ((2, rb[0], 8), (4, rb[1], 4), (8, rb[1], 8))]
     # the slots pass with fewer tokens per program (more programs to spread the atomics); the rows kernel
     # persistent (2-6 programs per SM) measured 0.155-0.239 ms fp32 in session 7 and is not swept again
-    vs += [(f"rows K4 8x{rb[1]} w8, slots block {sb}", (16, bc, 4, "rows", 16, True, "walk", (4, 8, rb[1], 8), sb))
+    vs += [(f"rows K4 8x{rb[1]} w8, slots block {sb}", rows, {"ROWS": (4, 8, rb[1], 8), "SLOTS_BLOCK": sb})
            for sb in (128, 256)]
-    vs += [("rows K4 4x512 w4 persistent 3/SM", (16, bc, 4, "rows", 16, True, "walk", (4, 4, rb[1], 4, 3)))]
+    vs += [("rows K4 4x512 w4 persistent 3/SM", rows, {"ROWS": (4, 4, rb[1], 4, 3)})]
     # the rows kernel: zero-only tiles skip the slots and gathers; the gathers with an evict-first L2 policy
-    vs += [(f"rows K4 {br}x{bcol} w{w}, {'zero fast path' if z else ''}{' evict_first' if ev else ''}",
-            (16, bc, 4, "rows", 16, True, "walk", (4, br, bcol, w), K.SLOTS_BLOCK, z, ev))
+    vs += [(f"rows K4 {br}x{bcol} w{w}, {'zero fast path' if z else ''}{' evict_first' if ev else ''}", rows,
+            {"ROWS": (4, br, bcol, w), "ROWS_ZERO_FAST": z, "ROWS_EVICT": ev})
            for br, bcol, w in ((1, rb[0], 4), (1, rb[1], 4), (2, rb[1], 4), (8, rb[1], 8))
            for z, ev in ((True, ""), (False, "evict_first"), (True, "evict_first"))]
     # the merge kernel launched as the walks' programmatic dependent (PDL, the default) or not
-    vs += [("side, walk, keys 16, no PDL", (16, bc, 4, "side", 16, True, "walk", "no pdl")),
-           ("rows (default ROWS), walk, keys 16, no PDL", (16, bc, 4, "rows", 16, True, "walk", "no pdl"))]
-    for name, cfg in vs:
-        def fn(cfg=cfg):
-            extra = cfg[7] if cfg and len(cfg) > 7 else None
-            with _knob(K, "CONFIG", cfg[:7] if cfg else cfg), _knob(K, "SIDE_HIGH_PRIORITY", extra != "equal"), \
-                    _knob(K, "MERGE_BLOCK", extra if isinstance(extra, int) else 1), \
-                    _knob(K, "ROWS", extra if isinstance(extra, tuple) else None), \
-                    _knob(K, "SLOTS_BLOCK", cfg[8] if cfg and len(cfg) > 8 else K.SLOTS_BLOCK), \
-                    _knob(K, "PDL", extra != "no pdl"), \
-                    _knob(K, "ROWS_ZERO_FAST", cfg[9] if cfg and len(cfg) > 9 else K.ROWS_ZERO_FAST), \
-                    _knob(K, "ROWS_EVICT", cfg[10] if cfg and len(cfg) > 10 else K.ROWS_EVICT):
+    vs += [("side, walk, keys 16, no PDL", walk, {"PDL": False}),
+           ("rows (default ROWS), walk, keys 16, no PDL", rows, {"PDL": False})]
+    for name, cfg, *extra in vs:
+        def fn(knobs=tuple({"CONFIG": cfg, **(extra[0] if extra else {})}.items())):
+            with contextlib.ExitStack() as stack:
+                for knob, value in knobs:
+                    stack.enter_context(_knob(K, knob, value))
                 return K.embedding_bwd_triton(d, ids, V)
 
         def check(fn=fn):

@@ -35,6 +35,25 @@ except Exception:  # pragma: no cover - depends on the install
         return fn if fn is not None else (lambda f: f)
 
 
+try:  # grid dependency control (programmatic dependent launch): triton >= 3.4, sm_90+
+    from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
+except Exception:  # pragma: no cover - no Triton or an older one: programmatic dependent launch stays off
+    gdc_launch_dependents = gdc_wait = None
+
+_PDL_DEVICES: dict = {}  # device -> bool (compute capability 9 or above), asked once per device
+
+
+def pdl_ok(t: torch.Tensor) -> bool:
+    """Whether a kernel on ``t``'s device can be launched as a programmatic dependent (``launch_pdl=True``,
+    with ``gdc_wait`` in the kernel): a CUDA tensor on an sm_90+ device and a Triton with grid dependency
+    control."""
+    if gdc_wait is None or not t.is_cuda:
+        return False
+    if t.device not in _PDL_DEVICES:
+        _PDL_DEVICES[t.device] = torch.cuda.get_device_capability(t.device)[0] >= 9
+    return _PDL_DEVICES[t.device]
+
+
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype references compute in: fp64 for fp64 inputs (exact tests), fp32 for everything else."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -95,13 +114,14 @@ def side_stream(device, high_priority: bool = False) -> torch.cuda.Stream:
     return _SIDE_STREAMS[key]
 
 
-def run_side_by_side(device, main_launch, side_launch) -> None:
+def run_side_by_side(device, main_launch, side_launch, high_priority: bool = False) -> None:
     """Launch ``side_launch`` on the side stream and ``main_launch`` on the current one, concurrently: the
     side stream first waits for the current one (inputs and buffers ready), and the current one waits for
     the side stream before this returns, so later work on it (and the caching allocator's reuse of the
-    memory both read) is ordered after both launches."""
+    memory both read) is ordered after both launches. ``high_priority``: the side stream of the highest
+    priority (see ``side_stream``)."""
     main = torch.cuda.current_stream(device)
-    side = side_stream(device)
+    side = side_stream(device, high_priority=high_priority)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         side_launch()

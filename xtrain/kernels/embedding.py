@@ -59,13 +59,8 @@ from __future__ import annotations
 
 import torch
 
+from xtrain.kernels._dispatch import gdc_launch_dependents, gdc_wait, pdl_ok, run_side_by_side, tl, triton, use_triton
 from xtrain.kernels._dispatch import jit as _jit
-from xtrain.kernels._dispatch import side_stream, tl, triton, use_triton
-
-try:  # programmatic dependent launch (sm_90+; triton >= 3.3)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except Exception:  # pragma: no cover - depends on the install
-    gdc_launch_dependents = gdc_wait = None
 
 
 def embedding_fwd(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -521,30 +516,23 @@ def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool, counts=None, hea
     return keys, bias, present
 
 
-_SM90 = {}  # device -> bool: compute capability 9 or above (asked once per device)
-
-
-def _use_pdl(t: torch.Tensor) -> bool:
-    """Programmatic dependent launch for the merge kernel: ``PDL`` on, a CUDA tensor of an sm_90+ device, and
-    a Triton that has it."""
-    if not (PDL and t.is_cuda and gdc_wait is not None):
-        return False
-    if t.device not in _SM90:
-        _SM90[t.device] = torch.cuda.get_device_capability(t.device)[0] >= 9
-    return _SM90[t.device]
+def _merge(sorted_ids, part, dtable, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, bias, pdl=False):
+    """The merge pass over the runs the chunk pass cut (pdl: launched as the chunk pass's programmatic
+    dependent, its programs resident and waiting when the chunk pass ends)."""
+    _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, V, C, n_chunks, CHUNK=CHUNK,
+                                                  BLOCK_C=BLOCK_C, ID_BIAS=bias, MERGE_BLOCK=MERGE_BLOCK, PDL=pdl,
+                                                  num_warps=4, **({"launch_pdl": True} if pdl else {}))
 
 
 def _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
                     tile, bias, num_warps):
     """The chunk walks, then the merge of the runs they cut (PDL: the merge launched as the walks'
     programmatic dependent, so its programs are resident and waiting when the walks end)."""
-    pdl = _use_pdl(d2)
+    pdl = bool(PDL) and pdl_ok(d2)
     _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, V, C, CHUNK=CHUNK,
                                                   BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, TILE=tile, ID_BIAS=bias,
                                                   PDL=pdl, num_warps=num_warps)
-    _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, V, C, n_chunks, CHUNK=CHUNK,
-                                                  BLOCK_C=BLOCK_C, ID_BIAS=bias, MERGE_BLOCK=MERGE_BLOCK, PDL=pdl,
-                                                  num_warps=4, **({"launch_pdl": True} if pdl else {}))
+    _merge(sorted_ids, part, dtable, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, bias, pdl)
 
 
 def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
@@ -629,13 +617,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                                                  EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
             chain = sort_walk_merge
         if dout.is_cuda:
-            main = torch.cuda.current_stream(dout.device)
-            side = side_stream(dout.device, high_priority=SIDE_HIGH_PRIORITY)
-            side.wait_stream(main)  # keys / counts and dtable ready
-            with torch.cuda.stream(side):
-                chain()
-            grid_pass()
-            main.wait_stream(side)  # dtable complete; later work (and memory reuse) ordered after both
+            run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY)
         else:
             grid_pass()
             chain()
@@ -654,9 +636,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         d2, order, sorted_ids, dtable, part, present, N, V, C, n_cb, n_chunks * n_cb, n_cb, CHUNK=CHUNK,
         BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, ZBLOCK_R=8, ZBLOCK_C=BLOCK_C, TILE=tile, ID_BIAS=bias,
         num_warps=num_warps)
-    _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, V, C, n_chunks,
-                                                  CHUNK=CHUNK, BLOCK_C=BLOCK_C, ID_BIAS=bias, MERGE_BLOCK=MERGE_BLOCK,
-                                                  num_warps=4)
+    _merge(sorted_ids, part, dtable, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, bias)
     return dtable
 
 

@@ -38,13 +38,8 @@ from __future__ import annotations
 
 import torch
 
+from xtrain.kernels._dispatch import gdc_wait, pdl_ok, tl, triton, use_triton
 from xtrain.kernels._dispatch import jit as _jit
-from xtrain.kernels._dispatch import tl, triton, use_triton
-
-try:  # grid dependency control (programmatic dependent launch), triton >= 3.4; sm_90+
-    from triton.language.extra.cuda.gdc import gdc_wait
-except ImportError:  # pragma: no cover - older triton: DW_PDL stays off
-    gdc_wait = None
 
 
 def rms_norm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
@@ -269,7 +264,7 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     if DW_REDUCE == "triton":
         dw = torch.empty(C, dtype=w.dtype, device=x.device)
         max_p, bc, warps = DW_CONFIG
-        pdl = DW_PDL and gdc_wait is not None and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+        pdl = DW_PDL and pdl_ok(x)
         _rms_norm_dw_kernel[(triton.cdiv(C, bc),)](dw_partial, dw, P, C, BLOCK_P=min(max_p, triton.next_power_of_2(P)),
                                                    BLOCK_C=bc, num_warps=warps,
                                                    **(dict(PDL=True, launch_pdl=True) if pdl else {}))
