@@ -21,7 +21,7 @@ import torch
 
 from xtrain.kernels import embedding as K
 
-# name: (CONFIG, ROWS) for fp32; bf16 doubles the column blocks
+# name: (CONFIG, ROWS[, other module knobs]) for fp32; bf16 doubles the column blocks
 FORMS = {"side": ((16, 512, 4, "side", 16, True), None),
          "rows K4 8x512 w8": ((16, 512, 4, "rows", 16, True), (4, 8, 512, 8)),
          "rows K2 2x1024 w8": ((16, 512, 4, "rows", 16, True), (2, 2, 1024, 8)),
@@ -66,7 +66,10 @@ def main() -> int:
     torch.manual_seed(0)
     ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1)  # the bench's Zipf-like draw
     d = torch.randn(N, C, device="cuda").to(dt)
-    for name, (cfg, rows) in FORMS.items():
+    base = {k: getattr(K, k) for f in FORMS.values() if len(f) > 2 for k in f[2]}
+    for name, (cfg, rows, *knobs) in FORMS.items():
+        for k, v in {**base, **(knobs[0] if knobs else {})}.items():
+            setattr(K, k, v)
         if bf16:
             cfg = (cfg[0], 2 * cfg[1]) + cfg[2:]
             rows = rows and (rows[0], rows[1], 2 * rows[2]) + rows[3:]

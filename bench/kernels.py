@@ -551,6 +551,10 @@ def _v_embedding(N, V, C, dt, smoke=False):
             {"ROWS": (4, br, bcol, w), "ROWS_ZERO_FAST": z, "ROWS_EVICT": ev})
            for br, bcol, w in ((1, rb[0], 4), (1, rb[1], 4), (2, rb[1], 4), (8, rb[1], 8))
            for z, ev in ((True, ""), (False, "evict_first"), (True, "evict_first"))]
+    # session 8: the rows form's chain with other chunk sizes and the tile body (fewer, longer chain programs)
+    vs += [(f"rows K4 {rb[1]} cols, chain chunk {ch}{' tile' if t else ' walk'}",
+            (ch, tb if t else bc, 4, "rows", 16, not t) + (("tile",) if t else ()), {"ROWS": (4, 8, rb[1], 8)})
+           for ch in (8, 32, 64) for t in (False, True)]
     # the merge kernel launched as the walks' programmatic dependent (PDL, the default) or not
     vs += [("side, walk, keys 16, no PDL", walk, {"PDL": False}),
            ("rows (default ROWS), walk, keys 16, no PDL", rows, {"PDL": False})]
@@ -685,7 +689,12 @@ def _time(fn, smoke: bool) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def run_variants(bw: float, only=None, log=None, smoke: bool = False) -> list:
+def _matches(variant: str, match) -> bool:
+    """--match: the variant's name holds one of these substrings (None: every variant)."""
+    return match is None or any(m in variant for m in match)
+
+
+def run_variants(bw: float, only=None, log=None, smoke: bool = False, match=None) -> list:
     rows = []
     ref_ms_cache = {}
     gen = variant_cases(only, smoke)
@@ -697,7 +706,7 @@ def run_variants(bw: float, only=None, log=None, smoke: bool = False) -> list:
         except Exception:
             traceback.print_exc()
             break
-        if not _wanted(group, only):
+        if not _wanted(group, only) or not _matches(variant, match):
             continue
         row = dict(group=group, size=label, variant=variant)
         try:
@@ -727,12 +736,12 @@ def run_variants(bw: float, only=None, log=None, smoke: bool = False) -> list:
     return rows
 
 
-def compile_worker(only, rank: int, world: int, smoke: bool = False) -> int:
+def compile_worker(only, rank: int, world: int, smoke: bool = False, match=None) -> int:
     """--prewarm's worker: run variant k (k % world == rank) once, unchecked and untimed, so Triton compiles
     it into the shared on-disk cache; the timing process then finds every kernel already compiled."""
     n = failed = 0
-    for k, (group, _label, _variant, _nbytes, fn, _check, _ref) in enumerate(variant_cases(only, smoke)):
-        if k % world != rank or not _wanted(group, only):
+    for k, (group, _label, variant, _nbytes, fn, _check, _ref) in enumerate(variant_cases(only, smoke)):
+        if k % world != rank or not _wanted(group, only) or not _matches(variant, match):
             continue
         try:
             fn()
@@ -745,9 +754,10 @@ def compile_worker(only, rank: int, world: int, smoke: bool = False) -> int:
     return 0
 
 
-def prewarm(argv_only, world: int) -> None:
+def prewarm(argv_only, world: int, argv_match=None) -> None:
     t0 = time.perf_counter()
     cmd = [sys.executable, __file__, "--variants"] + (["--only", *argv_only] if argv_only else [])
+    cmd += ["--match", *argv_match] if argv_match else []
     procs = [subprocess.Popen(cmd + ["--compile-worker", f"{r}/{world}"]) for r in range(world)]
     codes = [p.wait() for p in procs]
     print(f"# prewarm: {world} compile workers, {time.perf_counter() - t0:.1f} s, exit codes {codes}", flush=True)
@@ -781,6 +791,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", action="store_true",
                     help="sweep each kernel's tiling variants instead (checked, then timed; --only filters groups)")
     ap.add_argument("--log", help="with --variants: also write the lines to this file")
+    ap.add_argument("--match", nargs="*", help="with --variants: only the variants whose name holds one of these "
+                    "substrings (comma-separated or repeated)")
     ap.add_argument("--prewarm", type=int, default=0, metavar="W",
                     help="with --variants: first compile every variant in W parallel processes (shared Triton cache)")
     ap.add_argument("--smoke", action="store_true",
@@ -790,6 +802,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     only = [x for o in (args.only or []) for x in o.split(",") if x] or None
+    match = [x for o in (args.match or []) for x in o.split(",") if x] or None
     if args.smoke:
         global _DEV
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
@@ -797,7 +810,7 @@ def main(argv=None) -> int:
             return 1
         os.environ["TRITON_INTERPRET"] = "1"
         _DEV = "cpu"
-        vrows = run_variants(float("nan"), only, smoke=True)
+        vrows = run_variants(float("nan"), only, smoke=True, match=match)
         _summary(vrows)
         bad = [r for r in vrows if not r["ok"]]
         print(f"# smoke: {len(vrows)} variants, {len(bad)} failed their check, {time.perf_counter() - t_start:.0f} s" +
@@ -808,13 +821,13 @@ def main(argv=None) -> int:
         return 1
     if args.compile_worker:
         rank, world = map(int, args.compile_worker.split("/"))
-        return compile_worker(only, rank, world)
+        return compile_worker(only, rank, world, match=match)
     import triton
 
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}")
     if args.variants and args.prewarm > 0:
-        prewarm(args.only, args.prewarm)
+        prewarm(args.only, args.prewarm, args.match)
     from bench._gpu import warm_up
 
     warm_up()  # cold clocks read the first rows slow (bench/_gpu.py)
@@ -822,7 +835,7 @@ def main(argv=None) -> int:
     print(f"# copy bandwidth (read + write): {bw / 1e12:.2f} TB/s")
     if args.variants:
         with open(args.log, "w") if args.log else contextlib.nullcontext() as log:
-            vrows = run_variants(bw, only, log)
+            vrows = run_variants(bw, only, log, match=match)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(device=dev, torch=torch.__version__, triton=triton.__version__, copy_tbps=bw / 1e12,

@@ -304,12 +304,13 @@ GLUON_VARIANTS = ["lib", "pers", "q2", "pp", "q2pp", "w3"]  # flash_attention_gl
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("B,H,Hkv,T,layout,dtype", GLUON_CASES)
 @pytest.mark.parametrize("variant", GLUON_VARIANTS)
-def test_gpu_gluon_forward(variant, B, H, Hkv, T, layout, dtype, D, causal):
+def test_gpu_gluon_forward(variant, B, H, Hkv, T, layout, dtype, D, causal, monkeypatch):
     """Each Gluon forward variant against the fp64 reference: outputs NaN-poisoned (unwritten elements show),
     both input layouts its descriptors take (kv_bthd: k, v as [B, T, Hkv, D] seen through a transpose, as
     the model passes v; bthd: q too, and o follows q), repeated runs bit-identical, also on a 5-program
     persistent grid (each program then walks several pairs of items, the mbarrier phases running on across
-    them; an item's numbers do not depend on which program computes it). Tolerance: the bf16 forward's 1e-2
+    them; an item's numbers do not depend on which program computes it), and in the orders of the schedule
+    tables ("tail", "lpt": the same bits). Tolerance: the bf16 forward's 1e-2
     (module docstring); fp16 rounds P and o at 2^-11, so the same bound holds with room."""
     from xtrain.kernels import flash_attention_gluon as G
 
@@ -317,7 +318,8 @@ def test_gpu_gluon_forward(variant, B, H, Hkv, T, layout, dtype, D, causal):
     if D not in G.VARIANT_HEAD_DIMS.get(variant, G.HEAD_DIMS):
         with pytest.raises(ValueError, match="takes head dims"):
             G.flash_attention_fwd_gluon(q, k, v, causal, variant=variant)
-        return  # [B, T, H, D] memory seen as [B, H, T, D]
+        return
+    if layout == "bthd":  # [B, T, H, D] memory seen as [B, H, T, D]
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
     if layout != "contiguous":
         k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
@@ -332,6 +334,11 @@ def test_gpu_gluon_forward(variant, B, H, Hkv, T, layout, dtype, D, causal):
     for programs in (None, 5):
         o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal, variant=variant, programs=programs)
         assert o2.stride() == q.stride() and torch.equal(o, o2) and torch.equal(lse, lse2), programs
+    if G.VARIANTS[variant] is not None:  # the persistent grid's order from a schedule table: the same bits
+        for sched, programs in (("tail", None), ("lpt", None), ("tail", 5), ("pairs", 7)):
+            monkeypatch.setattr(G, "SCHEDULE", sched)
+            o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal, variant=variant, programs=programs)
+            assert torch.equal(o, o2) and torch.equal(lse, lse2), (sched, programs)
     print(f"\nGPUERR gluon {variant} {layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} "
           f"T={T} o={eo:.2e} lse={el:.2e}")
 
@@ -377,6 +384,50 @@ def test_gluon_forward_variant_table():
     assert [G.pick_variant(64, T) for T in (128, 2048, 2176, 4096, 16384)] == ["q2", "q2", "w3", "w3", "w3"]
     for D in G.HEAD_DIMS:  # the table only names variants that take the head dim
         assert all(D in G.VARIANT_HEAD_DIMS.get(name, G.HEAD_DIMS) for _, name in G.VARIANT_BY_T[D])
+
+
+def _pair_rule(BH: int, n_m: int, G: int) -> list:
+    """The persistent kernel's own order, written out independently: heads one after another, each head's
+    query tiles heaviest / lightest alternately (n_m - 1, 0, n_m - 2, 1, ...), cut into pairs of consecutive
+    items, pair k to program k mod G; per program its codes bh * n_m + pid_m in order."""
+    flat = [bh * n_m + m for bh in range(BH)
+            for m in [x for i in range(n_m) for x in ((n_m - 1 - i // 2) if i % 2 == 0 else i // 2,)]]
+    per = [[] for _ in range(G)]
+    for k in range(0, len(flat), 2):
+        per[(k // 2) % G] += flat[k:k + 2]
+    return per
+
+
+def test_gluon_forward_schedule_tables():
+    """No GPU needed: the persistent forward's schedule tables. Every item exactly once; "pairs" is the kernel's
+    own rule; "tail" keeps the pairs of all rounds but the last SCHED_TAIL_ROUNDS full ones and the partial
+    one; "tail" and "lpt" never leave a program with more work than "pairs" does, and at the bench's shapes
+    (B·H = 512, hd64: 4096 items of 1-8 tiles on 132 programs) the most loaded program has less."""
+    G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
+    for BH, T, NW, causal, n_prog in ((512, 1024, 2, True, 132), (512, 2048, 2, True, 132), (512, 4096, 3, True, 132),
+                                      (3, 384, 2, True, 5), (1, 128, 2, False, 1), (7, 1152, 3, True, 4),
+                                      (2, 640, 2, False, 132)):
+        n_m = -(-T // (NW * 64))
+        U = BH * n_m
+        Gp = max(1, min(n_prog, (U + 1) // 2))  # the launcher's grid
+        cost = {}
+        for policy in ("pairs", "tail", "lpt"):
+            off, codes = G.schedule(BH, n_m, T, NW, causal, Gp, policy, tail_rounds=1, item_cost=1.0)
+            assert len(off) == Gp + 1 and off[0] == 0 and off[-1] == U and sorted(codes) == list(range(U))
+            per = [codes[off[p]:off[p + 1]] for p in range(Gp)]
+            if policy == "pairs" and NW == 2:
+                assert per == _pair_rule(BH, n_m, Gp)
+            if policy == "tail":  # the first rounds are the pairs' rounds, untouched
+                kept = max(0, (U + 1) // 2 // Gp - 1)
+                assert all(p[:2 * kept] == r[:2 * kept] for p, r in zip(per, _pair_rule(BH, n_m, Gp)))
+            cost[policy] = max(sum(G.item_tiles(c % n_m, n_m, T, NW, causal) + 1.0 for c in p) for p in per)
+        assert cost["tail"] <= cost["pairs"] and cost["lpt"] <= cost["pairs"], cost
+        if (BH, n_prog) == (512, 132):
+            assert cost["tail"] < cost["pairs"] and cost["lpt"] < cost["pairs"], (T, cost)
+    assert [G.item_tiles(m, 8, 1024, 2, True) for m in range(8)] == list(range(1, 9))
+    assert [G.item_tiles(m, 6, 1024, 3, True) for m in (0, 1, 5)] == [1, 2, 8]  # 192-row items, shifted grid
+    with pytest.raises(ValueError, match="schedule must be"):
+        G.schedule(4, 8, 1024, 2, True, 4, "greedy")
 
 
 _FWD_INSTRS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait")

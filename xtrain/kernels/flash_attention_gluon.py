@@ -49,6 +49,17 @@ Two kernels run that design (``VARIANTS``):
         about G / (n_m / 2) consecutive heads, so a head's K/V comes from DRAM about once and from L2 for
         its other query tiles (a tile-major order would sweep 128 MB of K/V between two reads of one head
         at the bench shapes, against 50 MB of L2).
+        The last round of pairs is where this loses (session 8): at T = 1k and B·H = 512, 2048 pairs on 132
+        programs leave 68 programs a 16th pair while 64 idle (3 % of the kernel). So by default
+        (``SCHEDULE = "tail"``) the host writes the order as a table (``schedule``; the kernel's TABLE
+        path reads it, each item's code loaded one item ahead): the pairs' rounds as above except the last
+        SCHED_TAIL_ROUNDS full rounds and the partial one, whose items are dealt one by one, heaviest
+        first, to the program with the least work so far (longest-processing-time first; an item costs
+        its K/V tiles + 1). Those items come from the last heads only, so L2 still serves their K/V.
+        H200, `bench/gluon_fwd_schedule.py` at the bench shapes, x cuDNN, pairs -> tail: hd64 q2 T = 1k
+        0.95 -> 1.00, 2k 0.98 -> 1.04, 4k w3 1.01 -> 1.04, 8k w3 1.00 -> 1.08; hd128 q2pp 2k-8k +1-3 %.
+        The same dealing for every item ("lpt") lost 1-12 %: it scatters a head's items over the whole
+        run, so their K/V come from DRAM each time.
   q2    pers with two Q buffers: the next item's Q lands while the current item still runs (hd128: 224 KB
         of shared memory, just under the 227 KB limit).
   pp    pers with FA3's enforced ping-pong of the two consumer warpgroups: one issues its wgmmas while the
@@ -389,15 +400,39 @@ if HAVE_GLUON:
         return u // n_m, odd * (r // 2) + (1 - odd) * (n_m - 1 - r // 2)
 
     @gluon.jit
+    def _items_begin(ord_off, ord_items, pid, n_prog, U, TABLE: gl.constexpr):
+        """(count, first index into ord_items, the first item's code) of the program's items: from the host's
+        schedule table (TABLE: program pid owns ord_items[ord_off[pid] .. ord_off[pid + 1]), each code
+        bh · n_m + pid_m, see ``schedule``) or from the pair rule of ``_n_local`` / ``_item``."""
+        if TABLE:
+            base = gl.load(ord_off + pid)
+            return gl.load(ord_off + pid + 1) - base, base, gl.load(ord_items + base)
+        else:
+            return _n_local(pid, n_prog, U), pid * 0, pid * 0
+
+    @gluon.jit
+    def _items_next(ord_items, base, idx, n_loc, code, pid, n_prog, n_m, TABLE: gl.constexpr):
+        """(batch·head, query tile) of the program's idx-th item and the next item's code. TABLE: the code of
+        item idx was loaded one item ahead, so no item start waits on the table; the next one is loaded now
+        (the table has one entry of padding past its end)."""
+        if TABLE:
+            nxt = gl.load(ord_items + base + gl.minimum(idx + 1, n_loc - 1))
+            return code // n_m, code % n_m, nxt
+        else:
+            bh, pid_m = _item(idx, pid, n_prog, n_m)
+            return bh, pid_m, code
+
+    @gluon.jit
     def _pers_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
-                       v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr,
-                       NW: gl.constexpr = 2):
+                       v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off,
+                       ord_items, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       NUM_Q: gl.constexpr, NW: gl.constexpr = 2, TABLE: gl.constexpr = False):
         """The TMA warp: per item, its NW Q tiles into Q slot idx % NUM_Q once every consumer released it,
         then the item's K/V tiles into the ring (running counter t, continued across items)."""
         t = pid * 0
-        for idx in range(_n_local(pid, n_prog, U)):
-            bh, pid_m = _item(idx, pid, n_prog, n_m)
+        n_loc, base, code = _items_begin(ord_off, ord_items, pid, n_prog, U, TABLE)
+        for idx in range(n_loc):
+            bh, pid_m, code = _items_next(ord_items, base, idx, n_loc, code, pid, n_prog, n_m, TABLE)
             start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
                 bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL, NW)
             qs = idx % NUM_Q
@@ -409,9 +444,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _pers_consumer(q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
                        o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                       kv_ch, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                       kv_ch, ord_off, ord_items, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
-                       HALF: gl.constexpr, NW: gl.constexpr = 2):
+                       HALF: gl.constexpr, NW: gl.constexpr = 2, TABLE: gl.constexpr = False):
         """Consumer warpgroup HALF: query rows 64·HALF .. +64 of every item of the program. NW = 3: its rows
         may lie before the sequence (a head's first item, ``_tile_coords``) and, causal, its diagonal may come
         before the item's last tile: it computes its own first n_mine tiles and only waits for and releases
@@ -422,8 +457,9 @@ if HAVE_GLUON:
         o_half = o_smem.index(HALF)
         t = pid * 0  # running K/V tile counter (ring slot and phase), continued across items
         sc = pid * 0  # running ping-pong step counter: n_tiles + 1 steps per item
-        for idx in range(_n_local(pid, n_prog, U)):
-            bh, pid_m = _item(idx, pid, n_prog, n_m)
+        n_loc, base, code = _items_begin(ord_off, ord_items, pid, n_prog, U, TABLE)
+        for idx in range(n_loc):
+            bh, pid_m, code = _items_next(ord_items, base, idx, n_loc, code, pid, n_prog, n_m, TABLE)
             start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
                 bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL, NW)
             qs = idx % NUM_Q
@@ -481,10 +517,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _flash_fwd_gluon_pers_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T, U, n_m,
-                                     q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
+                                     q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items,
                                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                      CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
-                                     NW: gl.constexpr = 2):
+                                     NW: gl.constexpr = 2, TABLE: gl.constexpr = False):
         """Persistent program over U = B·H·n_m items of NW·64 query rows (n_m = ceil(T / (NW·64))), grid <=
         ceil(U / 2). num_warps = 4 (default partition = consumer 0; workers: the other NW - 1 consumers (4 warps
         each), producer (1 warp))."""
@@ -515,32 +551,34 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                                   sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh,
-                                  q_ch, kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False,
-                                  0, 3)),
+                                  q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES,
+                                  CAUSAL, NUM_Q, False, 0, 3, TABLE)),
                 (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                                   sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh,
-                                  q_ch, kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False,
-                                  1, 3)),
+                                  q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES,
+                                  CAUSAL, NUM_Q, False, 1, 3, TABLE)),
                 (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                                   sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh,
-                                  q_ch, kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False,
-                                  2, 3)),
+                                  q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES,
+                                  CAUSAL, NUM_Q, False, 2, 3, TABLE)),
                 (_pers_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
                                   k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                                  kv_ch, BLOCK_N, STAGES, CAUSAL, NUM_Q, 3)),
+                                  kv_ch, ord_off, ord_items, BLOCK_N, STAGES, CAUSAL, NUM_Q, 3, TABLE)),
             ], [4, 4, 1], [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS])
             return
 
         gl.warp_specialize([
             (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                               sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
-                              kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 0)),
+                              kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q,
+                              PINGPONG, 0, 2, TABLE)),
             (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                               sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
-                              kv_rb, kv_rh, kv_ch, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 1)),
+                              kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q,
+                              PINGPONG, 1, 2, TABLE)),
             (_pers_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
                               k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                              kv_ch, BLOCK_N, STAGES, CAUSAL, NUM_Q)),
+                              kv_ch, ord_off, ord_items, BLOCK_N, STAGES, CAUSAL, NUM_Q, 2, TABLE)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
@@ -563,6 +601,15 @@ VARIANT_HEAD_DIMS = {"w3": (64, )}
 # hd64 from T = 4k: w3 (session 7: 1.01x against q2's 0.99-1.00x at 4k in three processes).
 VARIANT_BY_T = {128: ((1024, "pp"), (math.inf, "q2pp")), 64: ((2048, "q2"), (math.inf, "w3"))}
 _NUM_SMS: dict[int, int] = {}  # CUDA device index -> SM count (the persistent grid)
+# The persistent variants' order of work: "pairs" (the rule of ``_n_local`` / ``_item``, computed in the
+# kernel), or a table made by ``schedule`` and read by the kernel (TABLE): "tail" keeps the pairs for all but
+# the last SCHED_TAIL_ROUNDS full rounds and the partial round, whose items go one by one, heaviest first, each
+# to the program with the least work so far (longest-processing-time first); "lpt" does that for every item.
+# An item's cost is its K/V tiles + SCHED_ITEM_COST (its Q load and epilogue, in tiles).
+SCHEDULE = "tail"
+SCHED_TAIL_ROUNDS = 2
+SCHED_ITEM_COST = 1.0
+_SCHEDULES: dict = {}  # (device, shape of the work, grid, policy) -> (ord_off, ord_items) on the device
 
 
 def pick_variant(D: int, T: int) -> str:
@@ -575,6 +622,73 @@ def _num_sms(device: torch.device) -> int:
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _NUM_SMS[idx]
+
+
+def item_tiles(pid_m: int, n_m: int, T: int, NW: int, causal: bool) -> int:
+    """The K/V tiles item pid_m of a head reads (``_tile_coords``' n_tiles, on the host)."""
+    if not causal:
+        return T // BLOCK_N
+    start_m = pid_m * NW * HALF_M - (n_m * NW * HALF_M - T if NW != 2 else 0)
+    if NW == 2:
+        return (start_m + 2 * HALF_M) // BLOCK_N
+    return (start_m + NW * HALF_M + BLOCK_N - 1) // BLOCK_N
+
+
+def schedule(BH: int, n_m: int, T: int, NW: int, causal: bool, G: int, policy: str,
+             tail_rounds: int | None = None, item_cost: float | None = None) -> tuple[list, list]:
+    """(offsets [G + 1], codes) of the persistent grid's work: program p takes the items codes[offsets[p] ..
+    offsets[p + 1]) in order, code = bh · n_m + pid_m. "pairs": the kernel's own rule (pair k = items 2k, 2k + 1
+    of the heaviest/lightest order to program k mod G), as a table. "tail": those pairs for the first
+    max(0, P // G - tail_rounds) rounds, then the rest item by item, heaviest first, each to the program with
+    the least work (ties: the lower program), appended after its pairs. "lpt": every item that way (no pairs).
+    Tail items keep the heads of the last rounds in flight together, so their K/V still come from L2."""
+    tail_rounds = SCHED_TAIL_ROUNDS if tail_rounds is None else tail_rounds
+    item_cost = SCHED_ITEM_COST if item_cost is None else item_cost
+    if policy not in ("pairs", "tail", "lpt"):
+        raise ValueError(f"flash_attention_fwd_gluon: schedule must be 'pairs', 'tail' or 'lpt', got {policy!r}")
+    U = BH * n_m
+    P = (U + 1) // 2
+
+    def code(u: int) -> int:  # global item u of the pair rule -> bh * n_m + pid_m (``_item``)
+        r = u % n_m
+        pid_m = r // 2 if r % 2 else n_m - 1 - r // 2
+        return (u // n_m) * n_m + pid_m
+
+    def cost(c: int) -> float:
+        return item_tiles(c % n_m, n_m, T, NW, causal) + item_cost
+
+    rounds = P // G + 1 if policy == "pairs" else (0 if policy == "lpt" else max(0, P // G - tail_rounds))
+    per = [[] for _ in range(G)]
+    for k in range(min(P, rounds * G)):
+        per[k % G] += [code(u) for u in (2 * k, 2 * k + 1) if u < U]
+    tail = [code(u) for u in range(2 * min(P, rounds * G), U)]
+    if tail:
+        import heapq
+
+        heap = [(sum(cost(c) for c in per[p]), p) for p in range(G)]
+        heapq.heapify(heap)
+        for c in sorted(tail, key=lambda c: -cost(c)):  # stable: equal costs keep their order
+            load, p = heapq.heappop(heap)
+            per[p].append(c)
+            heapq.heappush(heap, (load + cost(c), p))
+    offsets = [0]
+    for items in per:
+        offsets.append(offsets[-1] + len(items))
+    return offsets, [c for items in per for c in items]
+
+
+def _schedule_tensors(device, BH: int, n_m: int, T: int, NW: int, causal: bool, G: int):
+    """``schedule`` under the module settings as device int32 tensors (the codes padded by one entry: the
+    kernel loads one item ahead), cached by everything that decides it."""
+    key = (str(device), BH, n_m, T, NW, bool(causal), G, SCHEDULE, SCHED_TAIL_ROUNDS, SCHED_ITEM_COST)
+    hit = _SCHEDULES.get(key)
+    if hit is None:
+        if len(_SCHEDULES) >= 64:
+            _SCHEDULES.clear()
+        off, codes = schedule(BH, n_m, T, NW, causal, G, SCHEDULE)
+        hit = _SCHEDULES[key] = (torch.tensor(off, dtype=torch.int32, device=device),
+                                 torch.tensor(codes + [0], dtype=torch.int32, device=device))
+    return hit
 
 
 def _row_view(x: torch.Tensor):
@@ -636,8 +750,14 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, variant: str, stages: i
     n_m = -(-T // (NW * HALF_M))  # items per head (NW = 3: the last may hold fewer than 192 rows)
     U = B * H * n_m  # work items; programs take them in pairs, so more than ceil(U / 2) would idle
     grid = (max(1, min(n_prog, (U + 1) // 2)), )
-    consts = {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG, "NW": NW}
-    return (_flash_fwd_gluon_pers_kernel, grid, {**args, "U": U, "n_m": n_m, **coords}, consts)
+    table = SCHEDULE != "pairs"
+    if table:
+        ord_off, ord_items = _schedule_tensors(q.device, B * H, n_m, T, NW, causal, grid[0])
+    else:  # unused by the kernel (TABLE False): any pointer
+        ord_off = ord_items = lse
+    consts = {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG, "NW": NW, "TABLE": table}
+    return (_flash_fwd_gluon_pers_kernel, grid, {**args, "U": U, "n_m": n_m, **coords, "ord_off": ord_off,
+                                                 "ord_items": ord_items}, consts)
 
 
 def flash_attention_fwd_gluon(q, k, v, causal: bool = True, scale: float | None = None, *, o=None, lse=None,
@@ -691,13 +811,16 @@ class _FwdPlan:
     of session 6 the full forward call took 0.12-0.33 ms of host time per call, as long as the kernel itself
     at T = 1k."""
 
-    __slots__ = ("launch", "descs", "shape", "contiguous")
+    __slots__ = ("launch", "descs", "shape", "contiguous", "order")
 
     def __init__(self, launch, args: dict, q: torch.Tensor):
         self.launch = launch
         self.descs = {name: (name[0], rebased(args[name], None)) for name in ("q_desc", "k_desc", "v_desc", "o_desc")}
         self.shape = tuple(q.shape)
         self.contiguous = q.is_contiguous()
+        # the schedule table (kept alive here), or None where the kernel reads none (lse stands in for it)
+        self.order = None if "ord_off" not in args or args["ord_off"] is args["lse_ptr"] else (
+            args["ord_off"], args["ord_items"])
 
     def __call__(self, q, k, v):
         B, H, T, D = self.shape
@@ -705,15 +828,17 @@ class _FwdPlan:
             B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
         ts = {"q": q, "k": k, "v": v, "o": o}
-        self.launch(lse_ptr=lse, **{name: rebased(tmpl, _row_view(ts[src])[0])
-                                    for name, (src, tmpl) in self.descs.items()})
+        order = {} if "ord_off" not in self.launch.per_call else (
+            dict(ord_off=lse, ord_items=lse) if self.order is None else dict(zip(("ord_off", "ord_items"), self.order)))
+        self.launch(lse_ptr=lse, **order, **{name: rebased(tmpl, _row_view(ts[src])[0])
+                                             for name, (src, tmpl) in self.descs.items()})
         return o, lse
 
 
 def plan_salt(D: int) -> tuple:
     """The module settings a cached forward plan depends on (part of its key): the variant and ring depth
     this head dim gets."""
-    return VARIANT_BY_T.get(D), STAGES.get(D), HAVE_GLUON
+    return VARIANT_BY_T.get(D), STAGES.get(D), HAVE_GLUON, SCHEDULE, SCHED_TAIL_ROUNDS, SCHED_ITEM_COST
 
 
 def compile_sm90(D: int = 128, causal: bool = True, stages: int | None = None, transposed_kv: bool = False,
