@@ -42,6 +42,10 @@ the walk, 0.312 ms at V = 128k, C = 4096 (91% of copy; session 6); fp32 the rows
 host kept ahead): the rows kernel alone takes 0.093-0.103 ms (84-88% of its bytes), but the chain beside it
 (keys, cub's radix sort in five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid,
 each of its kernels waiting 6-14 us for a grid program to retire before it gets an SM.
+Measured and dropped (session 8, fp32): the chain's keys + radix sort as one program's ``tl.sort`` of 16k packed
+(key, index) values (0.45-0.49 ms alone against 0.038 ms: a bitonic network that size is slow in one program);
+the rows kernel's slot loads issued beside its count load and masked after (0.103 vs 0.101 ms alone: the
+dependent load is not the bound); chain chunks of 8, 32 or 64 tokens, walk or tile body (0.133-0.141 ms).
 Measured and dropped (session 7): the rows kernel persistent (2-6 programs per SM, so there is always room
 for the chain): its programs never retire, so the radix sort's passes waited for the grid to drain, 0.155-0.239
 ms; K = 8 (0.141-0.187 ms fp32, 0.71-0.92 ms bf16); K = 1 (0.153-0.160 ms: more rows left to the chain); K = 2
