@@ -19,7 +19,9 @@ consumer warpgroups 0 and 1; ``py_n_local``/``py_item`` copy ``_n_local``/``_ite
 with TMA copies and O stores completing after random delays. It asserts that every (query tile, head) is
 done once, that each consumer wait hands over the tile it expects, that no copy lands in a slot still read,
 that the O buffer is not rewritten under an in-flight store, that the ping-pong alternates and that nothing
-deadlocks; four deliberately broken protocols (negative controls) must be caught. It ran before the
+deadlocks; four deliberately broken protocols (negative controls) must be caught. It follows the pair rule
+(``SCHEDULE = "pairs"``); the schedule tables (the default since session 8) change only which items a program
+takes and in what order, not the protocol per item (tests/test_flash_attention.py checks the tables). It ran before the
 persistent kernel's first GPU run. With nw = 3 (w3) the consumers skip the tiles past their own diagonal and
 the rows past T as the kernel does, waiting for each skipped tile to land before releasing it (the
 "skip_no_wait" control drops that wait).
