@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench import isolated  # noqa: E402
 from bench.isolated import check_one  # noqa: E402
 from xtrain.kernels import flash_attention_gluon as LIB  # noqa: E402
+from xtrain.kernels._dispatch import sm_count  # noqa: E402
 from xtrain.kernels.flash_attention_gluon import VARIANTS
 
 GRID = None  # --grid: cap on the persistent programs (default: the GPU's SM count)
@@ -502,7 +503,7 @@ def main(argv=None):
         return 0 if compile_only(variants, head_dims, args.dump) else 1
 
     print(f"torch {torch.__version__}  triton {triton.__version__}  device {torch.cuda.get_device_name()}  "
-          f"SMs {LIB._num_sms(torch.device('cuda'))}  grid {GRID or 'SMs'}")
+          f"SMs {sm_count('cuda')}  grid {GRID or 'SMs'}")
     sys.stdout.flush()
     return isolated.check_then_time(
         variants, head_dims, seqs, check_only=args.check_only, no_isolate=args.no_isolate, check_fn=_check_one,

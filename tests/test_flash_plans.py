@@ -153,7 +153,7 @@ def test_forward_plan_rebases_every_descriptor_cpu(transposed):
     _, _, args, _ = G._launch(q, k, k, q, lse, True, 0.125, "q2", None, 132)
     rec = _Recorder(args)
     plan = G._FwdPlan(rec, args, q)
-    assert all(t.base is None for _, t in plan.descs.values())  # the templates hold no tensor
+    assert all(t.base is None for t in plan.descs.values())  # the templates hold no tensor
     q2, k2 = GB.stand_ins(64, 256, 4, 2, transposed)
     v2 = k2.clone() if not transposed else k2.transpose(1, 2).contiguous().transpose(1, 2)
     o, lse2 = plan(q2, k2, v2)

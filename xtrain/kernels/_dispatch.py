@@ -40,18 +40,34 @@ try:  # grid dependency control (programmatic dependent launch): triton >= 3.4, 
 except Exception:  # pragma: no cover - no Triton or an older one: programmatic dependent launch stays off
     gdc_launch_dependents = gdc_wait = None
 
-_PDL_DEVICES: dict = {}  # device -> bool (compute capability 9 or above), asked once per device
+_DEVICE_FACTS: dict = {}  # CUDA device index -> (compute capability, SM count), asked once per device
+
+
+def _device_facts(device) -> tuple:
+    device = torch.device(device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _DEVICE_FACTS:
+        props = torch.cuda.get_device_properties(idx)
+        _DEVICE_FACTS[idx] = ((props.major, props.minor), props.multi_processor_count)
+    return _DEVICE_FACTS[idx]
+
+
+def capability(device) -> tuple:
+    """The CUDA device's compute capability (major, minor), looked up once per device (a host call per launch
+    otherwise)."""
+    return _device_facts(device)[0]
+
+
+def sm_count(device) -> int:
+    """The CUDA device's number of SMs (persistent grids), looked up once per device."""
+    return _device_facts(device)[1]
 
 
 def pdl_ok(t: torch.Tensor) -> bool:
     """Whether a kernel on ``t``'s device can be launched as a programmatic dependent (``launch_pdl=True``,
     with ``gdc_wait`` in the kernel): a CUDA tensor on an sm_90+ device and a Triton with grid dependency
     control."""
-    if gdc_wait is None or not t.is_cuda:
-        return False
-    if t.device not in _PDL_DEVICES:
-        _PDL_DEVICES[t.device] = torch.cuda.get_device_capability(t.device)[0] >= 9
-    return _PDL_DEVICES[t.device]
+    return gdc_wait is not None and t.is_cuda and capability(t.device)[0] >= 9
 
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:

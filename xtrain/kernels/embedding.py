@@ -63,7 +63,16 @@ from __future__ import annotations
 
 import torch
 
-from xtrain.kernels._dispatch import gdc_launch_dependents, gdc_wait, pdl_ok, run_side_by_side, tl, triton, use_triton
+from xtrain.kernels._dispatch import (
+    gdc_launch_dependents,
+    gdc_wait,
+    pdl_ok,
+    run_side_by_side,
+    sm_count,
+    tl,
+    triton,
+    use_triton,
+)
 from xtrain.kernels._dispatch import jit as _jit
 
 
@@ -612,7 +621,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
 
             def grid_pass():
                 if per_sm:  # (the CPU interpreter: per_sm programs in all)
-                    n_sm = torch.cuda.get_device_properties(dout.device).multi_processor_count if dout.is_cuda else 1
+                    n_sm = sm_count(dout.device) if dout.is_cuda else 1
                     grid = (min(n_rb * n_rcb, per_sm * n_sm),)
                 else:
                     grid = (n_rb, n_rcb)

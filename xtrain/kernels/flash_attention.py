@@ -81,7 +81,7 @@ import math
 
 import torch
 
-from xtrain.kernels._dispatch import HAVE_TRITON, PlanCache, run_side_by_side, use_triton
+from xtrain.kernels._dispatch import HAVE_TRITON, PlanCache, capability, run_side_by_side, use_triton
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln 2: natural log = log2 * LN2
@@ -651,20 +651,14 @@ _FWD_PLANS = PlanCache()
 _BWD_PLANS = PlanCache()
 
 
-_GLUON_DEVICES: dict = {}  # CUDA device -> whether the Gluon kernels can run there
-
-
 def _plannable(*ts) -> bool:
     """Whether a call with these arguments could take a Gluon path, so a plan key is worth computing: CUDA
-    tensors on an sm_90 device, with Triton and Gluon installed (cached per device)."""
+    tensors on an sm_90 device, with Triton and Gluon installed."""
     if not (HAVE_TRITON and all(isinstance(t, torch.Tensor) and t.is_cuda for t in ts)):
         return False
-    dev = ts[0].device
-    if dev not in _GLUON_DEVICES:
-        from xtrain.kernels import flash_attention_gluon as G
+    from xtrain.kernels import flash_attention_gluon as G
 
-        _GLUON_DEVICES[dev] = G.HAVE_GLUON and torch.cuda.get_device_capability(dev) == (9, 0)
-    return _GLUON_DEVICES[dev]
+    return G.HAVE_GLUON and capability(ts[0].device) == (9, 0)
 
 
 def _plan_key(kind: str, ts, scale) -> tuple | None:

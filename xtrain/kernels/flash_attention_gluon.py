@@ -127,7 +127,7 @@ try:  # Gluon and its Hopper module (tested: triton 3.6 on the GPU machines, 3.9
 except Exception:  # pragma: no cover - depends on the install
     HAVE_GLUON = False
 
-from xtrain.kernels._dispatch import launch_cached, rebased  # noqa: E402
+from xtrain.kernels._dispatch import PlanCache, capability, launch_cached, rebased, sm_count  # noqa: E402
 from xtrain.kernels.flash_attention import flash_attention_fwd_ref  # noqa: E402
 
 reference = flash_attention_fwd_ref  # the oracle: the plain-torch tiled reference of the same algorithm
@@ -600,7 +600,6 @@ VARIANT_HEAD_DIMS = {"w3": (64, )}
 # (pers 0.99 there), and ahead of the Triton kernel (0.86/0.91/0.88/0.92/0.96) everywhere.
 # hd64 from T = 4k: w3 (session 7: 1.01x against q2's 0.99-1.00x at 4k in three processes).
 VARIANT_BY_T = {128: ((1024, "pp"), (math.inf, "q2pp")), 64: ((2048, "q2"), (math.inf, "w3"))}
-_NUM_SMS: dict[int, int] = {}  # CUDA device index -> SM count (the persistent grid)
 # The persistent variants' order of work: "pairs" (the rule of ``_n_local`` / ``_item``, computed in the
 # kernel), or a table made by ``schedule`` and read by the kernel (TABLE): "tail" keeps the pairs for all but
 # the last SCHED_TAIL_ROUNDS full rounds and the partial round, whose items go one by one, heaviest first, each
@@ -609,19 +608,12 @@ _NUM_SMS: dict[int, int] = {}  # CUDA device index -> SM count (the persistent g
 SCHEDULE = "tail"
 SCHED_TAIL_ROUNDS = 2
 SCHED_ITEM_COST = 1.0
-_SCHEDULES: dict = {}  # (device, shape of the work, grid, policy) -> (ord_off, ord_items) on the device
+_SCHEDULES = PlanCache()  # (device, shape of the work, grid, policy) -> (ord_off, ord_items) on the device
 
 
 def pick_variant(D: int, T: int) -> str:
     """The variant ``VARIANT_BY_T`` gives head dim D at sequence length T."""
     return next(name for t_max, name in VARIANT_BY_T[D] if T <= t_max)
-
-
-def _num_sms(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 def item_tiles(pid_m: int, n_m: int, T: int, NW: int, causal: bool) -> int:
@@ -683,11 +675,10 @@ def _schedule_tensors(device, BH: int, n_m: int, T: int, NW: int, causal: bool, 
     key = (str(device), BH, n_m, T, NW, bool(causal), G, SCHEDULE, SCHED_TAIL_ROUNDS, SCHED_ITEM_COST)
     hit = _SCHEDULES.get(key)
     if hit is None:
-        if len(_SCHEDULES) >= 64:
-            _SCHEDULES.clear()
         off, codes = schedule(BH, n_m, T, NW, causal, G, SCHEDULE)
-        hit = _SCHEDULES[key] = (torch.tensor(off, dtype=torch.int32, device=device),
-                                 torch.tensor(codes + [0], dtype=torch.int32, device=device))
+        hit = (torch.tensor(off, dtype=torch.int32, device=device),
+               torch.tensor(codes + [0], dtype=torch.int32, device=device))
+        _SCHEDULES.put(key, hit)
     return hit
 
 
@@ -707,7 +698,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     multiple of 128, and q (k, v alike) in one of the two layouts of ``_row_view``."""
     if not (HAVE_GLUON and q.is_cuda) or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if capability(q.device) != (9, 0):
         return False
     B, H, T, D = q.shape
     if D not in HEAD_DIMS or T % BLOCK_M or T == 0:
@@ -728,6 +719,17 @@ def _desc(view: torch.Tensor, rows: int, D: int):
     if layout is None:
         layout = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([rows, D], _GL_DTYPES[view.dtype])
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
+
+
+def descriptor_templates(args: dict) -> dict:
+    """The tensor descriptors among a launch's arguments, as templates that hold no tensor (``rebased``)."""
+    return {name: rebased(val, None) for name, val in args.items() if name.endswith("_desc")}
+
+
+def rebase_all(descs: dict, ts: dict) -> dict:
+    """The descriptors ``descs`` ({"q_desc": template, ...}) re-based on the tensors ``ts`` ({"q": q, ...}; the
+    name before "_desc"), through the same 2-D views the templates were made over."""
+    return {name: rebased(tmpl, _row_view(ts[name[:-5]])[0]) for name, tmpl in descs.items()}
 
 
 def _launch(q, k, v, o, lse, causal: bool, scale: float, variant: str, stages: int | None, n_prog: int):
@@ -795,7 +797,7 @@ def flash_attention_fwd_gluon(q, k, v, causal: bool = True, scale: float | None 
     if lse.shape != (B, H, T) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"{op}: lse must be contiguous fp32 [B, H, T], got {tuple(lse.shape)} {lse.dtype}")
     kernel, grid, args, consts = _launch(q, k, v, o, lse, causal, s, variant, stages,
-                                         programs or _num_sms(q.device))
+                                         programs or sm_count(q.device))
     if not plan:
         kernel[grid](**args, **consts, num_warps=4)
         return o, lse
@@ -811,27 +813,25 @@ class _FwdPlan:
     of session 6 the full forward call took 0.12-0.33 ms of host time per call, as long as the kernel itself
     at T = 1k."""
 
-    __slots__ = ("launch", "descs", "shape", "contiguous", "order")
+    __slots__ = ("launch", "descs", "shape", "contiguous", "table", "lse_args")
 
     def __init__(self, launch, args: dict, q: torch.Tensor):
         self.launch = launch
-        self.descs = {name: (name[0], rebased(args[name], None)) for name in ("q_desc", "k_desc", "v_desc", "o_desc")}
+        self.descs = descriptor_templates(args)
         self.shape = tuple(q.shape)
         self.contiguous = q.is_contiguous()
-        # the schedule table (kept alive here), or None where the kernel reads none (lse stands in for it)
-        self.order = None if "ord_off" not in args or args["ord_off"] is args["lse_ptr"] else (
-            args["ord_off"], args["ord_items"])
+        # the persistent kernel's schedule table (kept alive here); where it reads none, lse stands in for it
+        order = [n for n in ("ord_off", "ord_items") if n in args]
+        self.table = {n: args[n] for n in order if args[n] is not args["lse_ptr"]}
+        self.lse_args = ("lse_ptr", *(n for n in order if n not in self.table))
 
     def __call__(self, q, k, v):
         B, H, T, D = self.shape
         o = torch.empty_like(q) if self.contiguous else torch.empty(
             B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-        ts = {"q": q, "k": k, "v": v, "o": o}
-        order = {} if "ord_off" not in self.launch.per_call else (
-            dict(ord_off=lse, ord_items=lse) if self.order is None else dict(zip(("ord_off", "ord_items"), self.order)))
-        self.launch(lse_ptr=lse, **order, **{name: rebased(tmpl, _row_view(ts[src])[0])
-                                             for name, (src, tmpl) in self.descs.items()})
+        self.launch(**self.table, **dict.fromkeys(self.lse_args, lse),
+                    **rebase_all(self.descs, {"q": q, "k": k, "v": v, "o": o}))
         return o, lse
 
 

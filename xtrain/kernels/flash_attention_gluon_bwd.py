@@ -91,9 +91,17 @@ from __future__ import annotations
 import torch
 
 from xtrain.kernels import flash_attention as FA
-from xtrain.kernels._dispatch import launch_cached, rebased, run_side_by_side
+from xtrain.kernels._dispatch import capability, launch_cached, run_side_by_side
 from xtrain.kernels.flash_attention import flash_attention_bwd_ref
-from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, HEAD_DIMS, LOG2E, _desc, _row_view
+from xtrain.kernels.flash_attention_gluon import (
+    HAVE_GLUON,
+    HEAD_DIMS,
+    LOG2E,
+    _desc,
+    _row_view,
+    descriptor_templates,
+    rebase_all,
+)
 
 reference = flash_attention_bwd_ref  # the oracle: the plain-torch tiled reference of the same algorithm
 
@@ -449,7 +457,7 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
         return False
     if k.shape[1] == 0 or H % k.shape[1] or not (do.is_floating_point() and o.stride(-1) == 1):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if capability(q.device) != (9, 0):
         return False
     if not all(buf is None or _buf_ok(buf, like) for buf, like in ((dq, q), (dk, k), (dv, v))):
         return False
@@ -544,12 +552,6 @@ def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk,
     return do, lse, dq, dk, dv, delta, s, None
 
 
-def rebase_all(descs: dict, ts: dict) -> dict:
-    """The descriptors ``descs`` ({"q_desc": template, ...}) re-based on the tensors ``ts`` ({"q": q, ...}; the
-    name before "_desc"), through the same 2-D views the templates were made over."""
-    return {name: rebased(tmpl, _row_view(ts[name[:-5]])[0]) for name, tmpl in descs.items()}
-
-
 def plan_outputs(pre, do, q, k, v, o):
     """What both backward plans do first: allocate dq, dk, dv (contiguous, as the full path's ``_grad_buf``)
     and delta, and launch the cached delta preprocess ``pre``. Returns (dq, dk, dv, delta)."""
@@ -560,11 +562,6 @@ def plan_outputs(pre, do, q, k, v, o):
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     pre(O=o, DO=do, DELTA=delta)
     return dq, dk, dv, delta
-
-
-def descriptor_templates(args: dict) -> dict:
-    """The tensor descriptors among a launch's arguments, as templates that hold no tensor (``rebased``)."""
-    return {name: rebased(val, None) for name, val in args.items() if name.endswith("_desc")}
 
 
 class _SplitPlan:

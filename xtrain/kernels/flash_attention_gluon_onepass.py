@@ -66,7 +66,7 @@ from xtrain.kernels import flash_attention as FA
 from xtrain.kernels import flash_attention_gluon_bwd as GB
 from xtrain.kernels._dispatch import launch_cached
 from xtrain.kernels.flash_attention import flash_attention_bwd_ref
-from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E, _desc, _row_view
+from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E, _desc, _row_view, descriptor_templates, rebase_all
 
 reference = flash_attention_bwd_ref  # the oracle: the plain-torch tiled reference of the same algorithm
 
@@ -451,13 +451,13 @@ class _OnepassPlan:
 
     def __init__(self, pre, main, conv, args: dict):
         self.pre, self.main, self.conv = pre, main, conv
-        self.descs = GB.descriptor_templates(args)
+        self.descs = descriptor_templates(args)
 
     def __call__(self, do, q, k, v, o, lse):
         dq, dk, dv, delta = GB.plan_outputs(self.pre, do, q, k, v, o)
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         ts = {"q": q, "do": do, "k": k, "v": v, "dk": dk, "dv": dv, "dq": acc}
-        self.main(lse_ptr=lse, delta_ptr=delta, **GB.rebase_all(self.descs, ts))
+        self.main(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.descs, ts))
         self.conv(ACC=acc, DQ=dq)
         return dq, dk, dv
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from xtrain.kernels._dispatch import gdc_wait, pdl_ok, tl, triton, use_triton
+from xtrain.kernels._dispatch import gdc_wait, pdl_ok, sm_count, tl, triton, use_triton
 from xtrain.kernels._dispatch import jit as _jit
 
 
@@ -226,8 +226,7 @@ def _bwd_config(C: int):
 
 def _num_programs(x: torch.Tensor, N: int, per_sm: int = 4) -> int:
     if x.is_cuda:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return max(1, min(N, per_sm * sms))
+        return max(1, min(N, per_sm * sm_count(x.device)))
     return max(1, min(N, 4))  # the interpreter: few programs, each several rows
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from xtrain.kernels._dispatch import jit as _jit
-from xtrain.kernels._dispatch import tl, triton, use_triton
+from xtrain.kernels._dispatch import sm_count, tl, triton, use_triton
 
 TABLE_DEFAULT = False  # in-kernel cos/sin measured faster on the H200 (bench/RESULTS.md)
 CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH) override, for the bench's sweep
@@ -185,7 +185,7 @@ def _rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float, inverse
     BLOCK_H = triton.next_power_of_2(HALF)
     BLOCK_T = max(1, min(triton.next_power_of_2(T), tile // BLOCK_H))
     n_t = triton.cdiv(T, BLOCK_T)
-    target = per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    target = per_sm * sm_count(x.device) if x.is_cuda else 4
     groups_per_program = max(1, (n_t * B * G) // max(1, target))  # a few groups each, still >= target programs
     # the same number of groups in every program (16 groups at 15 per program used to leave half of the
     # programs one group, each still paying for its cos/sin)
