@@ -566,6 +566,11 @@ def _v_embedding(N, V, C, dt, smoke=False):
                 {"ROWS": (k, br, bcol, w), "HEAVY_SUM": "atomic", "HEAVY_TOKENS": t, "HEAVY_BLOCK_C": c})
                for k, br, bcol, w in ((4, 8, 512, 8), (2, 8, 512, 8), (2, 2, 1024, 8), (4, 4, 512, 4))
                for t, c in ((16, 512), (32, 512), (8, 1024))]
+        vs += [(f"rows K{k} {br}x{bcol} w{w}, heavy atomic first t{t} c{c}", rows,
+                {"ROWS": (k, br, bcol, w), "HEAVY_SUM": "atomic", "HEAVY_FIRST": True, "HEAVY_TOKENS": t,
+                 "HEAVY_BLOCK_C": c})
+               for k, br, bcol, w in ((4, 8, 512, 8), (2, 8, 512, 8), (4, 4, 512, 4))
+               for t, c in ((16, 512), (8, 1024), (4, 2048))]
     for name, cfg, *extra in vs:
         knobs = tuple({"CONFIG": cfg, **(extra[0] if extra else {})}.items())
 

@@ -545,6 +545,7 @@ SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 2
 # "rows" form, the ids seen more than K times: "atomic" (fp32 dout only, and not under
 # torch.use_deterministic_algorithms(True): see heavy_sum_mode) or "sort" (the sort/walk/merge chain)
 HEAVY_SUM = "atomic"
+HEAVY_FIRST = False  # "atomic": its two passes before the rows kernel on the current stream (False: beside it)
 HEAVY_ZERO_ROWS = 64  # rows per program of the atomic form's zero pass
 HEAVY_TOKENS = 16  # tokens per program of the atomic form's add pass
 HEAVY_BLOCK_C = 512  # columns per program of both
@@ -702,6 +703,10 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                 _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k,
                                                  BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
                                                  EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
+            if heavy_sum == "atomic" and HEAVY_FIRST:  # the two short passes, then the grid, all on this stream
+                _heavy_atomic(flat, counts, d2, dtable, N, V, C, heavy_k)
+                grid_pass()
+                return dtable
             if heavy_sum == "atomic":
                 def chain():
                     _heavy_atomic(flat, counts, d2, dtable, N, V, C, heavy_k)
