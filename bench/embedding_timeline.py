@@ -22,20 +22,10 @@ import torch
 from xtrain.kernels import embedding as K
 
 # name: (CONFIG, ROWS[, other module knobs]) for fp32; bf16 doubles the column blocks
-# (the rows forms with the frequent ids summed by the sort chain, as in sessions 7-8, and by atomic adds,
-# session 9: HEAVY_SUM "atomic" is fp32 only, so --bf16 runs the chain for it too)
-SORT, ATOMIC = {"HEAVY_SUM": "sort", "HEAVY_FIRST": False}, {"HEAVY_SUM": "atomic", "HEAVY_FIRST": False}
 FORMS = {"side": ((16, 512, 4, "side", 16, True), None),
-         "rows K4 8x512 w8": ((16, 512, 4, "rows", 16, True), (4, 8, 512, 8), SORT),
-         "rows K2 2x1024 w8": ((16, 512, 4, "rows", 16, True), (2, 2, 1024, 8), SORT),
-         "rows K4 4x512 w4, persistent 3/SM": ((16, 512, 4, "rows", 16, True), (4, 4, 512, 4, 3), SORT),
-         "rows K4 8x512 w8, heavy atomic": ((16, 512, 4, "rows", 16, True), (4, 8, 512, 8), ATOMIC),
-         "rows K2 8x512 w8, heavy atomic": ((16, 512, 4, "rows", 16, True), (2, 8, 512, 8), ATOMIC),
-         "rows K4 8x512 w8, heavy atomic first": ((16, 512, 4, "rows", 16, True), (4, 8, 512, 8),
-                                                  {**ATOMIC, "HEAVY_FIRST": True}),
-         "rows K4 4x512 w4, heavy atomic first t8 c1024": ((16, 512, 4, "rows", 16, True), (4, 4, 512, 4),
-                                                           {**ATOMIC, "HEAVY_FIRST": True, "HEAVY_TOKENS": 8,
-                                                            "HEAVY_BLOCK_C": 1024})}
+         "rows K4 8x512 w8": ((16, 512, 4, "rows", 16, True), (4, 8, 512, 8)),
+         "rows K2 2x1024 w8": ((16, 512, 4, "rows", 16, True), (2, 2, 1024, 8)),
+         "rows K4 4x512 w4, persistent 3/SM": ((16, 512, 4, "rows", 16, True), (4, 4, 512, 4, 3))}
 
 
 def graph_us(fn) -> float:

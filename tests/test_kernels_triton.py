@@ -362,7 +362,6 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
     right, as the rows kernel does: then the two forms give the same bits as the walk."""
     K = rows[0]
     monkeypatch.setattr(K_emb, "ROWS", rows)
-    monkeypatch.setattr(K_emb, "HEAVY_SUM", "sort")
     cases = [torch.cat([torch.full((K,), 2), torch.full((K + 1,), 5), torch.tensor([0, 7, 2, 9])]),
              torch.full((23,), 3), torch.randperm(11), (torch.rand(150) ** 3 * 40).long()]
     for ids in cases:
@@ -376,68 +375,6 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
             if chunk == 1:
                 monkeypatch.setattr(K_emb, "CONFIG", (1, 32, 4, "torch", 16, True))
                 assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
-
-
-@needs_cpu_interp
-@pytest.mark.parametrize("rows", [(1, 1, 32, 4), (4, 4, 32, 4), (2, 2, 32, 4, 3)])
-def test_embedding_bwd_rows_atomic_cpu(rows, monkeypatch):
-    """The "rows" form with the frequent ids summed by atomic adds (HEAVY_SUM "atomic", fp32): counts of exactly
-    K and K + 1, every token one id, every token its own id, a Zipf-like draw, columns past one block; against
-    the reference. A spy shows the add pass ran exactly when some id is seen more than K times and that the sort
-    chain did not; skipping the add pass (the negative control) leaves those rows wrong."""
-    K = rows[0]
-    monkeypatch.setattr(K_emb, "ROWS", rows)
-    monkeypatch.setattr(K_emb, "CONFIG", (4, 32, 4, "rows", 16, True))
-    monkeypatch.setattr(K_emb, "HEAVY_SUM", "atomic")
-    monkeypatch.setattr(K_emb, "HEAVY_BLOCK_C", 16)
-    launched = []
-    real_add, real_sort = K_emb._heavy_atomic, K_emb._sort_keys
-    monkeypatch.setattr(K_emb, "_heavy_atomic", lambda *a: (launched.append("atomic"), real_add(*a)))
-    monkeypatch.setattr(K_emb, "_sort_keys", lambda *a: (launched.append("sort"), real_sort(*a))[1])
-    cases = [torch.cat([torch.full((K,), 2), torch.full((K + 1,), 5), torch.tensor([0, 7, 2, 9])]),
-             torch.full((23,), 3), torch.randperm(11), (torch.rand(150) ** 3 * 40).long()]
-    for ids in cases:
-        V = int(ids.max()) + 3
-        d = torch.randn(ids.numel(), 37)
-        launched.clear()
-        a = K_emb.embedding_bwd_triton(d, ids, V)
-        assert launched == ["atomic"]
-        ref = K_emb.embedding_bwd_ref(d, ids, V)
-        assert _max_err(a, ref) <= CPU_TOL
-        heavy = torch.bincount(ids, minlength=V) > K
-        if heavy.any():  # the negative control: without the add pass the frequent rows stay zero
-            kernel = K_emb._embedding_heavy_add_kernel
-            monkeypatch.setattr(K_emb, "_embedding_heavy_add_kernel", _NoLaunch())
-            b = K_emb.embedding_bwd_triton(d, ids, V)
-            monkeypatch.setattr(K_emb, "_embedding_heavy_add_kernel", kernel)
-            assert (b[heavy] == 0).all() and torch.equal(b[~heavy], a[~heavy])
-
-
-class _NoLaunch:
-    """A kernel stand-in whose launches do nothing (negative controls)."""
-
-    def __getitem__(self, grid):
-        return lambda *a, **k: None
-
-
-def test_embedding_heavy_sum_mode(monkeypatch):
-    """Atomic adds only for fp32 dout and never under torch.use_deterministic_algorithms(True); a bad knob
-    raises."""
-    monkeypatch.setattr(K_emb, "HEAVY_SUM", "atomic")
-    assert K_emb.heavy_sum_mode(torch.zeros(2, 3)) == "atomic"
-    assert K_emb.heavy_sum_mode(torch.zeros(2, 3, dtype=torch.bfloat16)) == "sort"
-    assert K_emb.heavy_sum_mode(torch.zeros(2, 3, dtype=torch.float16)) == "sort"
-    prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert K_emb.heavy_sum_mode(torch.zeros(2, 3)) == "sort"
-    finally:
-        torch.use_deterministic_algorithms(prev)
-    monkeypatch.setattr(K_emb, "HEAVY_SUM", "sort")
-    assert K_emb.heavy_sum_mode(torch.zeros(2, 3)) == "sort"
-    monkeypatch.setattr(K_emb, "HEAVY_SUM", "atomics")
-    with pytest.raises(ValueError, match="HEAVY_SUM"):
-        K_emb.heavy_sum_mode(torch.zeros(2, 3))
 
 
 @needs_cpu_interp
@@ -463,7 +400,6 @@ def test_embedding_bwd_rows_sentinel_cpu(monkeypatch):
     """The rows form's sentinel key is the key dtype's largest value, which must name no row: int16 keys up to
     V = 65535 (id 65535 is the sentinel), int32 keys from V = 65536, where id 65535 is a row and frequent."""
     monkeypatch.setattr(K_emb, "ROWS", (1, 1024, 8, 4))  # row blocks of 1024: few programs for the interpreter
-    monkeypatch.setattr(K_emb, "HEAVY_SUM", "sort")  # the sentinel keys are the sort chain's
     monkeypatch.setattr(K_emb, "CONFIG", (2, 8, 4, "rows", 16, True))
     ids = torch.tensor([65534, 0, 65534, 1, 65534, 32767, 32768, 32768])
     keys, bias, _ = K_emb._sort_keys(ids, 65535, 16, False, torch.zeros(65535, dtype=torch.int32), 1)
@@ -718,20 +654,15 @@ def test_adamw_gpu_bit_exact():
                                     (8, 512, 4, "absent", 16, False, "tile"), (16, 1024, 4, "side", 16, True),
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent"])
-@pytest.mark.parametrize("heavy", ["sort", "atomic"])
-def test_embedding_bwd_gpu(dtype, config, heavy, monkeypatch):
-    """NaN-poisoned output buffers, fp64 oracle; "side" runs its sort, walks and merge on a second stream beside
-    the zero fill, "rows" the frequent ids' sum beside the rows kernel (a missing order between the two would
-    leave NaN rows or zeros where sums belong; the rows kernel's slots are taken by atomics in a new order each
-    run). Bit for bit deterministic, except the rows form's atomic heavy sum in fp32 (HEAVY_SUM "atomic"):
-    there the rows no frequent id names are still bit for bit the same, the frequent ones agree within
-    ``runs_agree`` (a few ulps), and under torch.use_deterministic_algorithms(True) the op takes the sort chain
-    and is bit for bit repeatable again."""
+def test_embedding_bwd_gpu(dtype, config, monkeypatch):
+    """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
+    merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel
+    (a missing order between the two would leave NaN rows or zeros where sums belong; the rows kernel's
+    slots are taken by atomics in a new order each run)."""
     if config == "rows persistent":  # the rows kernel persistent, 2 programs per SM
         config = (16, 512, 4, "rows", 16, True)
         monkeypatch.setattr(K_emb, "ROWS", (4, 4, 512, 4, 2))
     monkeypatch.setattr(K_emb, "CONFIG", config)
-    monkeypatch.setattr(K_emb, "HEAVY_SUM", heavy)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text
     ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1).reshape(4, N // 4)
@@ -740,21 +671,4 @@ def test_embedding_bwd_gpu(dtype, config, heavy, monkeypatch):
         a = K_emb.embedding_bwd_triton(d, ids, V)
     b64 = K_emb.embedding_bwd_ref(d.double(), ids, V)
     assert _rel(a, b64) < _tol(dtype)
-    zero = (config or K_emb.DEFAULTS[d.element_size()])[3]
-    if zero == "rows" and K_emb.heavy_sum_mode(d) == "atomic":
-        from xtrain.kernels.flash_attention_gluon_onepass import runs_agree
-        heavy_rows = torch.bincount(ids.reshape(-1), minlength=V) > (K_emb.ROWS or K_emb.ROWS_DEFAULTS[4])[0]
-        assert heavy_rows.any()
-        for _ in range(3):
-            b = K_emb.embedding_bwd_triton(d, ids, V)
-            assert torch.equal(a[~heavy_rows], b[~heavy_rows]) and runs_agree(a[heavy_rows], b[heavy_rows])
-        torch.use_deterministic_algorithms(True)
-        try:
-            assert K_emb.heavy_sum_mode(d) == "sort"
-            a = K_emb.embedding_bwd_triton(d, ids, V)
-            assert _rel(a, b64) < _tol(dtype)
-            assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
-        finally:
-            torch.use_deterministic_algorithms(False)
-    else:
-        assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))  # deterministic
+    assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))  # deterministic

@@ -467,46 +467,6 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
                    EVICT, ZERO_FAST)
 
 
-@_jit
-def _embedding_heavy_zero_kernel(COUNTS, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
-                                 BLOCK_C: tl.constexpr):
-    """The atomic heavy sum's first pass: zero the dtable rows of ids seen more than K times (the rows kernel
-    leaves them alone). Program (row block, column block); a block without such a row stores nothing."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    heavy = tl.load(COUNTS + rows, mask=rows < V, other=0) > K
-    if tl.max(heavy.to(tl.int32), axis=0) > 0:
-        tl.store(DTABLE + rows[:, None] * C + cols[None, :],
-                 tl.zeros([BLOCK_R, BLOCK_C], dtype=DTABLE.dtype.element_ty),
-                 mask=heavy[:, None] & (cols < C)[None, :])
-
-
-@_jit
-def _embedding_heavy_add_kernel(IDS, COUNTS, DOUT, DTABLE, N, C, K: tl.constexpr, BLOCK_T: tl.constexpr,
-                                BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
-    """The atomic heavy sum's second pass: program (token block, column block) adds the dout rows of its
-    tokens whose id is seen more than K times into their (zeroed) dtable rows by fp32 atomic adds. The
-    additions land in whatever order the hardware serves them, so the last bits of those rows can differ from
-    run to run (``embedding_bwd_triton`` takes the sort chain instead under
-    ``torch.use_deterministic_algorithms(True)``). PDL (launched as the zero pass's programmatic dependent):
-    the ids, counts and dout rows are loaded at once, the adds wait until the zero pass's writes are
-    visible."""
-    toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = toks < N
-    ids = tl.load(IDS + toks, mask=m, other=0)
-    heavy = m & (tl.load(COUNTS + ids, mask=m, other=0) > K)
-    if tl.max(heavy.to(tl.int32), axis=0) > 0:
-        take = heavy[:, None] & (cols < C)[None, :]
-        x = tl.load(DOUT + toks[:, None] * C + cols[None, :], mask=take, other=0.0)
-        if PDL:
-            gdc_wait()
-        tl.atomic_add(DTABLE + ids.to(tl.int64)[:, None] * C + cols[None, :], x.to(tl.float32), mask=take,
-                      sem="relaxed")
-    elif PDL:
-        gdc_wait()
-
-
 CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[, chunk body]]]) override, for
 # the bench's sweep.
 # zero fill: "torch" (torch.zeros first), "absent" (_embedding_zero_absent_kernel, then the chunk pass),
@@ -542,42 +502,8 @@ PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("si
 # the chain ended ~17 us sooner in the timeline; the op 0.133-0.134 vs 0.136 ms fp32, 0.311-0.313 vs 0.314 bf16)
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
-# "rows" form, the ids seen more than K times: "atomic" (fp32 dout only, and not under
-# torch.use_deterministic_algorithms(True): see heavy_sum_mode) or "sort" (the sort/walk/merge chain)
-HEAVY_SUM = "atomic"
-HEAVY_FIRST = False  # "atomic": its two passes before the rows kernel on the current stream (False: beside it)
-HEAVY_ZERO_ROWS = 64  # rows per program of the atomic form's zero pass
-HEAVY_TOKENS = 16  # tokens per program of the atomic form's add pass
-HEAVY_BLOCK_C = 512  # columns per program of both
 MERGE_BLOCK = 1  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
 # within the run-to-run spread of 1 (bf16 0.312-0.313 ms all three; fp32 0.147-0.156 ms)
-
-
-def heavy_sum_mode(dout: torch.Tensor) -> str:
-    """How the "rows" form sums the ids seen more than K times: "atomic" (``HEAVY_SUM``'s choice for fp32 dout:
-    zero those rows, then fp32 atomic adds; the order of the adds varies, so the last bits of those rows may)
-    or "sort" (the sort/walk/merge chain: a fixed order, bit for bit repeatable). Atomic adds round in the
-    destination's dtype, so 16-bit dout always takes "sort", and so does every call under
-    ``torch.use_deterministic_algorithms(True)``."""
-    mode = HEAVY_SUM
-    if mode not in ("atomic", "sort"):
-        raise ValueError(f"embedding_bwd: HEAVY_SUM must be 'atomic' or 'sort', got {mode!r}")
-    if dout.dtype != torch.float32 or torch.are_deterministic_algorithms_enabled():
-        return "sort"
-    return mode
-
-
-def _heavy_atomic(flat, counts, d2, dtable, N, V, C, heavy_k):
-    """The "rows" form's atomic heavy sum: the rows of ids seen more than heavy_k times zeroed, then every
-    token of such an id added into its row (the add pass launched as the zero pass's programmatic dependent
-    where the device allows)."""
-    zbc = min(triton.next_power_of_2(C), HEAVY_BLOCK_C)
-    _embedding_heavy_zero_kernel[(triton.cdiv(V, HEAVY_ZERO_ROWS), triton.cdiv(C, zbc))](
-        counts, dtable, V, C, K=heavy_k, BLOCK_R=HEAVY_ZERO_ROWS, BLOCK_C=zbc, num_warps=4)
-    pdl = bool(PDL) and pdl_ok(d2)
-    _embedding_heavy_add_kernel[(triton.cdiv(N, HEAVY_TOKENS), triton.cdiv(C, zbc))](
-        flat, counts, d2, dtable, N, C, K=heavy_k, BLOCK_T=HEAVY_TOKENS, BLOCK_C=zbc, PDL=pdl, num_warps=4,
-        **({"launch_pdl": True} if pdl else {}))
 
 
 def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool, counts=None, heavy_k: int = 0):
@@ -647,7 +573,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
     n_chunks = triton.cdiv(N, CHUNK)
     flat = ids.reshape(-1).contiguous()
-    heavy_k, counts, slots, heavy_sum = 0, None, None, "sort"
+    heavy_k, counts, slots = 0, None, None
     if zero == "rows":
         rcfg = ROWS if ROWS is not None else ROWS_DEFAULTS[esize]
         heavy_k, rbr, rbc, rwarps = rcfg[:4]
@@ -659,7 +585,6 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
                                                                 BLOCK=SLOTS_BLOCK, num_warps=4)
         rbc = min(rbc, triton.next_power_of_2(C))
-        heavy_sum = heavy_sum_mode(dout)
     mark = zero in ("absent", "fused", "side")
 
     def sort_walk_merge(keys=None, bias=0):
@@ -703,15 +628,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                 _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k,
                                                  BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
                                                  EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
-            if heavy_sum == "atomic" and HEAVY_FIRST:  # the two short passes, then the grid, all on this stream
-                _heavy_atomic(flat, counts, d2, dtable, N, V, C, heavy_k)
-                grid_pass()
-                return dtable
-            if heavy_sum == "atomic":
-                def chain():
-                    _heavy_atomic(flat, counts, d2, dtable, N, V, C, heavy_k)
-            else:
-                chain = sort_walk_merge
+            chain = sort_walk_merge
         if dout.is_cuda:
             run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY)
         else:
