@@ -42,6 +42,12 @@ the walk, 0.312 ms at V = 128k, C = 4096 (91% of copy; session 6); fp32 the rows
 host kept ahead): the rows kernel alone takes 0.093-0.103 ms (84-88% of its bytes), but the chain beside it
 (keys, cub's radix sort in five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid,
 each of its kernels waiting 6-14 us for a grid program to retire before it gets an SM.
+Measured and dropped (session 9, fp32; code at commits 20c1b47 and d587f69): the frequent ids summed by fp32
+atomic adds instead of the chain (their rows zeroed by one pass, then every token of such an id added into its
+row; bit for bit repeatable no more, so it would have had to yield to the chain under deterministic mode):
+0.129-0.146 ms against the chain's 0.134 ms, beside the rows kernel or before it. The add pass alone took
+25-27 us for 30 MB (the atomics of the most frequent rows serialise), and the rows kernel beside it still
+stretched to 124-132 us.
 Measured and dropped (session 8, fp32): the chain's keys + radix sort as one program's ``tl.sort`` of 16k packed
 (key, index) values (0.45-0.49 ms alone against 0.038 ms: a bitonic network that size is slow in one program);
 the rows kernel's slot loads issued beside its count load and masked after (0.103 vs 0.101 ms alone: the
