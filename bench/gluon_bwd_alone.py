@@ -35,6 +35,11 @@ def measure(D: int, T: int, config: str) -> tuple:
     t_kv = gpu_time(lambda: k1[g1](**a1, **c1, num_warps=4))["ms"]
     t_dq = gpu_time(lambda: k2[g2](**a2, **c2, num_warps=4))["ms"]
     t_all = gpu_time(lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal=True, config=config))["ms"]
+    FA.BWD_TWO_STREAMS, two = False, FA.BWD_TWO_STREAMS
+    try:  # the same on one stream: the dK/dV kernel, then the dQ kernel
+        t_one = gpu_time(lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal=True, config=config))["ms"]
+    finally:
+        FA.BWD_TWO_STREAMS = two
     qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
@@ -42,7 +47,7 @@ def measure(D: int, T: int, config: str) -> tuple:
     prod = B * H * T * T * D  # one causal product: 2·B·H·T²·D / 2 FLOPs
     fwd = 2 * prod
     return (config, D, T, t_kv, 4 * prod / t_kv / 1e9, t_dq, 3 * prod / t_dq / 1e9, t_all, 2.5 * fwd / t_all / 1e9,
-            t_cu, 2.5 * fwd / t_cu / 1e9)
+            t_one, 2.5 * fwd / t_one / 1e9, t_cu, 2.5 * fwd / t_cu / 1e9)
 
 
 def main() -> int:
@@ -56,11 +61,12 @@ def main() -> int:
     warm_up()
     rows = [measure(int(D), int(T), c) for D in a.head_dims.split(",") for T in a.seqs.split(",")
             for c in a.configs.split(",")]
-    print(f"{'config':>10} {'D':>4} {'T':>6} | {'dK/dV ms':>8} {'TF/s':>5} | {'dQ ms':>7} {'TF/s':>5} | {'both ms':>7} "
-          f"{'nominal':>7} | {'cuDNN ms':>8} {'nominal':>7} | ratio")
-    for c, D, T, tk, fk, tq, fq, ta, fa, tc, fc in rows:
-        print(f"{c:>10} {D:>4} {T:>6} | {tk:8.3f} {fk:5.0f} | {tq:7.3f} {fq:5.0f} | {ta:7.3f} {fa:7.0f} | {tc:8.3f} "
-              f"{fc:7.0f} | {fa / fc:.2f}")
+    print(f"{'config':>10} {'D':>4} {'T':>6} | {'dK/dV ms':>8} {'TF/s':>5} | {'dQ ms':>7} {'TF/s':>5} | "
+          f"{'2 streams':>9} {'nominal':>7} | {'1 stream':>8} {'nominal':>7} | {'cuDNN ms':>8} {'nominal':>7} | "
+          "ratio 2 / 1 stream")
+    for c, D, T, tk, fk, tq, fq, ta, fa, t1, f1, tc, fc in rows:
+        print(f"{c:>10} {D:>4} {T:>6} | {tk:8.3f} {fk:5.0f} | {tq:7.3f} {fq:5.0f} | {ta:9.3f} {fa:7.0f} | {t1:8.3f} "
+              f"{f1:7.0f} | {tc:8.3f} {fc:7.0f} | {fa / fc:.2f} / {f1 / fc:.2f}")
     return 0
 
 
