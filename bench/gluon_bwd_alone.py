@@ -2,11 +2,12 @@
 
     PYTHONPATH=. python3 bench/gluon_bwd_alone.py [--seqs 2048,8192,16384] [--head-dims 128] [--configs split]
 
-Causal bf16, B·T = 16k, H·D = 2048 (the bench shapes). Per kernel: GPU time (``bench/_gpu.py``, host kept
-ahead, median) and its real tensor work in TFLOP/s — the dK/dV kernel does 4 products of B·H·T²·D/2 · 2
-FLOPs each (Sᵀ, dPᵀ, dV, dK), the dQ kernel 3 (S, dP, dQ) — so the two can be compared per product, and the
-whole backward's nominal TFLOP/s (2.5 x the forward's FLOPs, as ``xtrain bench attention``) as a ratio to
-cuDNN's. Tells which of the two kernels is further from the tensor cores' peak.
+Causal (or, with --noncausal, not) bf16, B·T = 16k, H·D = 2048 (the bench shapes). Per kernel: GPU time
+(``bench/_gpu.py``, host kept ahead, median) and its real tensor work in TFLOP/s — the dK/dV kernel does 4
+products of 2·B·H·T²·D FLOPs each (halved when causal: Sᵀ, dPᵀ, dV, dK), the dQ kernel 3 (S, dP, dQ) — so
+the two can be compared per product; the whole backward (two streams, as the library runs it, and one) as
+nominal TFLOP/s (2.5 x the forward's FLOPs, as ``xtrain bench attention``) and as a ratio to cuDNN's. Tells
+which of the two kernels is further from the tensor cores' peak.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import torch
 
 
-def measure(D: int, T: int, config: str) -> tuple:
+def measure(D: int, T: int, config: str, causal: bool = True) -> tuple:
     """(config, D, T, dK/dV ms, its TFLOP/s, dQ ms, its TFLOP/s, both ms, nominal TFLOP/s, cuDNN ms, its nominal)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -27,24 +28,24 @@ def measure(D: int, T: int, config: str) -> tuple:
     B, H = 16384 // T, 2048 // D
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=True)
+    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=causal)
     dob, lse32, dq, dk, dv, delta, s, _ = GB._prologue("probe", GB.supported_bwd, GB.HEAD_DIMS, do, q, k, v, o, lse,
                                                        None, None, None, None)
     cfg = GB._config("probe", config, D)
-    (k1, g1, a1, c1), (k2, g2, a2, c2) = GB._launches(q, k, v, dq, dk, dv, dob, lse32, delta, s, True, cfg)
+    (k1, g1, a1, c1), (k2, g2, a2, c2) = GB._launches(q, k, v, dq, dk, dv, dob, lse32, delta, s, causal, cfg)
     t_kv = gpu_time(lambda: k1[g1](**a1, **c1, num_warps=4))["ms"]
     t_dq = gpu_time(lambda: k2[g2](**a2, **c2, num_warps=4))["ms"]
-    t_all = gpu_time(lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal=True, config=config))["ms"]
+    t_all = gpu_time(lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal=causal, config=config))["ms"]
     FA.BWD_TWO_STREAMS, two = False, FA.BWD_TWO_STREAMS
     try:  # the same on one stream: the dK/dV kernel, then the dQ kernel
-        t_one = gpu_time(lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal=True, config=config))["ms"]
+        t_one = gpu_time(lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal=causal, config=config))["ms"]
     finally:
         FA.BWD_TWO_STREAMS = two
     qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
     t_cu = gpu_time(lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True))["ms"]
-    prod = B * H * T * T * D  # one causal product: 2·B·H·T²·D / 2 FLOPs
+    prod = B * H * T * T * D * (1 if causal else 2)  # one product: 2·B·H·T²·D FLOPs, halved when causal
     fwd = 2 * prod
     return (config, D, T, t_kv, 4 * prod / t_kv / 1e9, t_dq, 3 * prod / t_dq / 1e9, t_all, 2.5 * fwd / t_all / 1e9,
             t_one, 2.5 * fwd / t_one / 1e9, t_cu, 2.5 * fwd / t_cu / 1e9)
@@ -56,10 +57,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="2048,8192,16384")
     ap.add_argument("--head-dims", default="128")
+    ap.add_argument("--noncausal", action="store_true", help="non-causal attention (default causal)")
     ap.add_argument("--configs", default="split", help="names in flash_attention_gluon_bwd.CONFIGS")
     a = ap.parse_args()
     warm_up()
-    rows = [measure(int(D), int(T), c) for D in a.head_dims.split(",") for T in a.seqs.split(",")
+    rows = [measure(int(D), int(T), c, not a.noncausal) for D in a.head_dims.split(",") for T in a.seqs.split(",")
             for c in a.configs.split(",")]
     print(f"{'config':>10} {'D':>4} {'T':>6} | {'dK/dV ms':>8} {'TF/s':>5} | {'dQ ms':>7} {'TF/s':>5} | "
           f"{'2 streams':>9} {'nominal':>7} | {'1 stream':>8} {'nominal':>7} | {'cuDNN ms':>8} {'nominal':>7} | "
