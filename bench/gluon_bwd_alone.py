@@ -59,7 +59,15 @@ def main() -> int:
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--noncausal", action="store_true", help="non-causal attention (default causal)")
     ap.add_argument("--configs", default="split", help="names in flash_attention_gluon_bwd.CONFIGS")
+    ap.add_argument("--consumer-regs", type=int, default=None,
+                    help="setmaxnreg of the second consumer warpgroup of both kernels (the library's: "
+                         "flash_attention_gluon.CONSUMER_REGS); set before anything compiles")
     a = ap.parse_args()
+    if a.consumer_regs is not None:
+        from xtrain.kernels import flash_attention_gluon as G
+        from xtrain.kernels import flash_attention_gluon_bwd as GB
+
+        GB._CONSUMER_REGS = G.gl.constexpr(a.consumer_regs)  # the kernels read the module global at compile time
     warm_up()
     rows = [measure(int(D), int(T), c, not a.noncausal) for D in a.head_dims.split(",") for T in a.seqs.split(",")
             for c in a.configs.split(",")]
