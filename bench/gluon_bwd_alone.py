@@ -16,6 +16,8 @@ import argparse
 
 import torch
 
+_REPORTED: set = set()
+
 
 def measure(D: int, T: int, config: str, causal: bool = True) -> tuple:
     """(config, D, T, dK/dV ms, its TFLOP/s, dQ ms, its TFLOP/s, both ms, nominal TFLOP/s, cuDNN ms, its nominal)."""
@@ -33,6 +35,12 @@ def measure(D: int, T: int, config: str, causal: bool = True) -> tuple:
                                                        None, None, None, None)
     cfg = GB._config("probe", config, D)
     (k1, g1, a1, c1), (k2, g2, a2, c2) = GB._launches(q, k, v, dq, dk, dv, dob, lse32, delta, s, causal, cfg)
+    ck = k1[g1](**a1, **c1, num_warps=4)
+    if (config, D) not in _REPORTED:  # spills and wgmma serialisation of the dK/dV kernel, from its SASS
+        from bench.gluon_flash_bwd_onepass import ptxas_report
+
+        _REPORTED.add((config, D))
+        print(f"# dK/dV kernel {config} D={D} causal={causal}: {ptxas_report(ck)}", flush=True)
     t_kv = gpu_time(lambda: k1[g1](**a1, **c1, num_warps=4))["ms"]
     t_dq = gpu_time(lambda: k2[g2](**a2, **c2, num_warps=4))["ms"]
     t_all = gpu_time(lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal=causal, config=config))["ms"]
