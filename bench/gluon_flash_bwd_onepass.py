@@ -67,12 +67,6 @@ VARIANTS = {  # the library's configs; an experiment adds a tuple here
     "pf": {64: "pf"},
     "nopf": {64: "nopf"},
     "nopf_ds3": {64: "nopf_ds3"},
-    "k64": {64: "k64", 128: "k64"},  # one dK/dV warpgroup, 64 keys per program (session 9)
-    "k64_pf": {64: "k64_pf", 128: "k64_pf"},
-    "dvq": {64: "dvq", 128: "dvq"},  # k64 with the dV product moved to the dQ warpgroup
-    "dvq_s1": {64: "dvq_s1", 128: "dvq_s1"},
-    "dvq_st2": {64: "dvq_st2", 128: "dvq_st2"},
-    "dvq_pf": {64: "dvq_pf", 128: "dvq_pf"},
 }
 DEFAULT_VARIANTS = ["pf", "nopf"]
 PTX_KEYS = ["wgmma.mma_async", "cp.reduce.async.bulk.tensor", "cp.async.bulk.tensor", "cp.async.bulk.wait_group.read",

@@ -141,10 +141,10 @@ if HAVE_GLUON:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
 
     @gluon.jit
-    def _ring_init(ready, empty, STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 2):
+    def _ring_init(ready, empty, STAGES: gl.constexpr):
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
 
     # -----------------------------------------------------------------------------------------------------
     # dK/dV kernel
@@ -152,17 +152,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
                        q_empty, do_empty, k_row, k_col, v_row, v_col, q_base, q_rh, q_ch, do_base, do_rh, do_ch,
-                       h0, mt0, n_m, n_iter, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NKV: gl.constexpr = 2):
-        """The TMA warp: the NKV K and V halves (64 keys each) once, then the Q and dO tiles of every (group
-        head, query tile)."""
+                       h0, mt0, n_m, n_iter, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile)."""
         KH: gl.constexpr = k_desc.block_type.shape[0]
-        mbarrier.expect(kv_bar, 2 * NKV * k_desc.block_type.nbytes)
+        mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
-        if NKV == 2:
-            _tma_load(k_desc, [k_row + KH, k_col], kv_bar, k_smem.index(1))
+        _tma_load(k_desc, [k_row + KH, k_col], kv_bar, k_smem.index(1))
         _tma_load(v_desc, [v_row, v_col], kv_bar, v_smem.index(0))
-        if NKV == 2:
-            _tma_load(v_desc, [v_row + KH, v_col], kv_bar, v_smem.index(1))
+        _tma_load(v_desc, [v_row + KH, v_col], kv_bar, v_smem.index(1))
         for it in range(n_iter):
             h = h0 + it // n_m
             start_m = (mt0 + it % n_m) * BLOCK_M
@@ -296,7 +293,7 @@ if HAVE_GLUON:
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
                               do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
                               off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
-                              BLOCK_M, STAGES, 2)),
+                              BLOCK_M, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])  # worker_num_regs: required by Gluon 3.6
 
     # -----------------------------------------------------------------------------------------------------

@@ -80,13 +80,6 @@ CONFIGS = {
     "pf": (3, 2, 2, True, 208, 72),
     "nopf": (3, 2, 2, False, 200, 88),
     "nopf_ds3": (3, 2, 3, False, 200, 88),
-    # one dK/dV warpgroup, 64 keys per program (head dim 64 or 128): session 9's experiment
-    "k64": (3, 2, 2, False, 232, 152, 1),
-    "k64_pf": (3, 2, 2, True, 232, 152, 1),
-    "dvq": (3, 2, 2, False, 232, 192, 1, True),
-    "dvq_s1": (3, 1, 2, False, 232, 192, 1, True),
-    "dvq_st2": (2, 2, 2, False, 232, 192, 1, True),
-    "dvq_pf": (3, 2, 2, True, 232, 192, 1, True),
 }
 DEFAULT = "pf"
 CONVERT_ROWS = 64  # rows of dq per program of the convert kernel
@@ -95,7 +88,6 @@ if HAVE_GLUON:
     from xtrain.kernels.flash_attention_gluon import (
         _PRODUCER_REGS,
         _cta_barrier,
-        _tma_store,
         fence_async_shared,
         gl,
         gluon,
@@ -127,8 +119,8 @@ if HAVE_GLUON:
         return gl.load(lse_ptr + row + cols) * _LOG2E, gl.load(delta_ptr + row + cols)
 
     @gluon.jit
-    def _program(H, GROUP, T, KH: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, NKV: gl.constexpr):
-        """The program's place: key tile pid 0 of NKV·KH keys, (batch, kv head) pid 1. Returns off_b, off_kvh,
+    def _program(H, GROUP, T, KH: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """The program's place: key tile pid 0 of 2·KH keys, (batch, kv head) pid 1. Returns off_b, off_kvh,
         start_n, h0 (first query head of the group), lse_row0 (int64 row of the [B·H·T] lse / delta), dq_row0
         (int32 TMA row of the fp32 dQ accumulator), mt0 (first query tile), n_m (query tiles per head),
         n_iter (steps = GROUP·n_m)."""
@@ -137,7 +129,7 @@ if HAVE_GLUON:
         Hkv = H // GROUP
         off_b = off_bkv // Hkv
         off_kvh = off_bkv % Hkv
-        start_n = pid_n * (NKV * KH)
+        start_n = pid_n * (2 * KH)
         h0 = off_kvh * GROUP
         lse_row0 = (off_b * H + h0).to(gl.int64) * T
         dq_row0 = (off_b * H + h0) * T
@@ -152,7 +144,7 @@ if HAVE_GLUON:
     def _kv_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta,
                  dv, dk, mt0, n_m, k_lo, qk_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                 NDS: gl.constexpr, NKV: gl.constexpr):
+                 NDS: gl.constexpr):
         """Step ``it`` of dK/dV warpgroup HALF up to the dS hand-off (module docstring). Returns the in-flight
         dv, dk and the register A operand p_op that must stay alive until dV retires. Its first half repeats
         the split's ``_dkdv_consumer`` loop body on purpose: one shared function (tried in session 5) moved the
@@ -186,7 +178,7 @@ if HAVE_GLUON:
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         b = it % NDS
         mbarrier.wait(ds_empty.index(b), ((it // NDS) & 1) ^ 1)  # fresh barrier: the first lap passes
-        ds_half = ds_smem.index(NKV * b + HALF)
+        ds_half = ds_smem.index(2 * b + HALF)
         ds_half.store(ds16)
         fence_async_shared()
         _cta_barrier()  # every thread's store is fenced before the wgmma and the one arrival
@@ -199,7 +191,7 @@ if HAVE_GLUON:
                      ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                      mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                     PF: gl.constexpr, NDS: gl.constexpr, NKV: gl.constexpr):
+                     PF: gl.constexpr, NDS: gl.constexpr):
         """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Its only wait on another consumer is ds_empty
         (the dQ warpgroup NDS steps behind)."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
@@ -219,7 +211,7 @@ if HAVE_GLUON:
                 lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
             dv, dk, p_op = _kv_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full,
                                     lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES,
-                                    CAUSAL, HALF, NDS, NKV)
+                                    CAUSAL, HALF, NDS)
             dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op))
             slot = it % STAGES
             mbarrier.arrive(q_empty.index(slot), count=1)  # dV, dK were the last readers of Q, dO
@@ -234,20 +226,19 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dq_consumer(k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
-                     BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr, NKV: gl.constexpr):
+                     BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr):
         """The dQ warpgroup (module docstring): the only issuer of reduce-adds, so its own
         tma.store_wait(SLOTS - 1) frees a staging tile."""
         D: gl.constexpr = dq_desc.block_type.shape[1]
         dq_zero = gl.zeros([BLOCK_M, D], gl.float32, _acc_layout(D))
         mbarrier.wait(kv_bar, 0)
         k0 = k_smem.index(0)
-        k1 = k_smem.index(NKV - 1)
+        k1 = k_smem.index(1)
         for it in range(n_iter):
             b = it % NDS
             mbarrier.wait(ds_full.index(b), (it // NDS) & 1)
-            dq = warpgroup_mma(ds_smem.index(NKV * b).permute((1, 0)), k0, dq_zero, use_acc=False, is_async=True)
-            if NKV == 2:
-                dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1, dq, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0, dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1, dq, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
             mbarrier.arrive(ds_empty.index(b), count=1)
             s = it % SLOTS
@@ -261,142 +252,25 @@ if HAVE_GLUON:
         tma.store_wait(0)  # no CTA exit while a reduce-add still reads shared memory
 
     @gluon.jit
-    def _kv_step_dvq(it, q_smem, do_smem, k_half, v_half, ds_smem, p_smem, q_bars, do_bars, ds_empty, ds_full, lse2,
-                     delta, dk, mt0, n_m, k_lo, qk_scale, dtype: gl.constexpr, BLOCK_M: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, NDS: gl.constexpr):
-        """Step ``it`` of the one dK/dV warpgroup when the dQ warpgroup also does dV (DVQ): Sᵀ, dPᵀ, Pᵀ and dSᵀ
-        as in ``_kv_step``, but Pᵀ goes to shared memory beside dSᵀ (for the dQ warpgroup's dV product) and
-        only dK is issued here. Returns the in-flight dk."""
-        KH: gl.constexpr = k_half.shape[0]
-        s_layout: gl.constexpr = _acc_layout(BLOCK_M)
-        start_m = (mt0 + it % n_m) * BLOCK_M
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        q_t = q_smem.index(slot)
-        do_t = do_smem.index(slot)
-        s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
-        mbarrier.wait(q_bars.index(slot), phase)
-        st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_bars.index(slot), phase)
-        dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-        if CAUSAL:
-            if start_m < k_lo + KH:  # some query of the tile precedes some key of the tile: mask
-                offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
-                cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-                keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-                pt = gl.where(keep, pt, 0.0)
-        b = it % NDS
-        mbarrier.wait(ds_empty.index(b), ((it // NDS) & 1) ^ 1)  # fresh barrier: the first lap passes
-        p_smem.index(b).store(pt.to(dtype))
-        dpt = warpgroup_mma_wait(0, deps=(dpt, ))
-        ds_t = ds_smem.index(b)
-        ds_t.store((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype))
-        fence_async_shared()
-        _cta_barrier()  # every thread's stores are fenced before the wgmma and the one arrival
-        dk = warpgroup_mma(ds_t, q_t, dk, is_async=True)
-        mbarrier.arrive(ds_full.index(b), count=1)
-        return dk
-
-    @gluon.jit
-    def _kv_consumer_dvq(q_smem, do_smem, k_smem, v_smem, ds_smem, p_smem, kv_bar, q_bars, do_bars, q_empty,
-                         ds_full, ds_empty, dk_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, mt0, n_m,
-                         n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, NDS: gl.constexpr,
-                         PF: gl.constexpr):
-        """DVQ's dK/dV warpgroup (keys [start_n, +64)): Sᵀ, dPᵀ, Pᵀ, dSᵀ and dK; dK out at the end through the
-        dead K tile. PF: lse and delta of the next step loaded at the top of this one."""
-        KH: gl.constexpr = dk_desc.block_type.shape[0]
-        k_half = k_smem.index(0)
-        v_half = v_smem.index(0)
-        dk = gl.zeros([KH, HEAD_DIM], gl.float32, _acc_layout(HEAD_DIM))
-        lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, BLOCK_M)
-        mbarrier.wait(kv_bar, 0)
-        for it in range(n_iter):
-            if PF:
-                lse2n, deltan = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1),
-                                           BLOCK_M)
-            else:
-                lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
-            dk = _kv_step_dvq(it, q_smem, do_smem, k_half, v_half, ds_smem, p_smem, q_bars, do_bars, ds_empty,
-                              ds_full, lse2, delta, dk, mt0, n_m, start_n, qk_scale, dtype, BLOCK_M, STAGES, CAUSAL,
-                              NDS)
-            dk = warpgroup_mma_wait(0, deps=(dk, ))
-            mbarrier.arrive(q_empty.index(it % STAGES), count=1)  # dK was the last reader of Q
-            if PF:
-                lse2, delta = lse2n, deltan
-        last = n_iter - 1
-        mbarrier.wait(ds_empty.index(last % NDS), (last // NDS) & 1)  # the dQ warpgroup's last reads of K retired
-        k_half.store((dk * sm_scale).to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(dk_desc, [dk_row, dk_col], k_half)
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _dq_consumer_dvq(k_smem, v_smem, do_smem, ds_smem, p_smem, dq_smem, kv_bar, do_bars, do_empty, ds_full,
-                         ds_empty, dq_desc, dv_desc, dq_row0, dv_row, dv_col, T, mt0, n_m, n_iter,
-                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr):
-        """DVQ's dQ warpgroup: per step dV += Pᵀ dO (A = the stored Pᵀ, B = the resident dO tile, which it
-        releases) and dQ_step = dS K, staged and reduce-added as ``_dq_consumer``; dV out at the end through the
-        dead V tile (the dK/dV warpgroup's last dPᵀ read of V retired before its last ds_full arrival)."""
-        D: gl.constexpr = dq_desc.block_type.shape[1]
-        KH: gl.constexpr = dv_desc.block_type.shape[0]
-        dtype: gl.constexpr = dv_desc.dtype
-        dq_zero = gl.zeros([BLOCK_M, D], gl.float32, _acc_layout(D))
-        dv = gl.zeros([KH, D], gl.float32, _acc_layout(D))
-        mbarrier.wait(kv_bar, 0)
-        k0 = k_smem.index(0)
-        for it in range(n_iter):
-            b = it % NDS
-            slot = it % STAGES
-            mbarrier.wait(ds_full.index(b), (it // NDS) & 1)
-            mbarrier.wait(do_bars.index(slot), (it // STAGES) & 1)  # complete already; makes the dO tile visible here
-            do_t = do_smem.index(slot)
-            dv = warpgroup_mma(p_smem.index(b), do_t, dv, is_async=True)
-            dq = warpgroup_mma(ds_smem.index(b).permute((1, 0)), k0, dq_zero, use_acc=False, is_async=True)
-            dv, dq = warpgroup_mma_wait(0, deps=(dv, dq))
-            mbarrier.arrive(ds_empty.index(b), count=1)
-            mbarrier.arrive(do_empty.index(slot), count=1)  # dV was the last reader of dO
-            s = it % SLOTS
-            tma.store_wait(SLOTS - 1)  # the reduce-add of step it - SLOTS (same tile) has read it
-            _cta_barrier()
-            dq_smem.index(s).store(dq)
-            fence_async_shared()
-            _cta_barrier()
-            row = dq_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M
-            _tma_reduce_add(dq_desc, [row, 0], dq_smem.index(s))
-        v_half = v_smem.index(0)
-        v_half.store(dv.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(dv_desc, [dv_row, dv_col], v_half)
-        tma.store_wait(0)  # the dV store, and no CTA exit while a reduce-add still reads shared memory
-
-    @gluon.jit
     def _onepass_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale,
                         sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
                         v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, HEAD_DIM: gl.constexpr,
                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr, NDS: gl.constexpr,
-                        CAUSAL: gl.constexpr, PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
-                        NKV: gl.constexpr, DVQ: gl.constexpr):
-        """Program (key tile of NKV·64, batch·kv head); num_warps = 4 (the default partition is dK/dV warpgroup
-        0). dq_desc: the fp32 accumulator [B·H·T, D] with [BLOCK_M, D] tiles. NKV = 1: one dK/dV warpgroup
-        (64 keys per program), the dQ warpgroup and the producer (KV_REGS unused)."""
+                        CAUSAL: gl.constexpr, PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr):
+        """Program (key tile of 128, batch·kv head); num_warps = 4 (the default partition is dK/dV warpgroup
+        0). dq_desc: the fp32 accumulator [B·H·T, D] with [BLOCK_M, D] tiles."""
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         gl.static_assert(BLOCK_M == 64)
         gl.static_assert(dq_desc.block_type.shape[1] == HEAD_DIM)
-        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(H, GROUP, T, KH, BLOCK_M, CAUSAL,
-                                                                                    NKV)
+        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(H, GROUP, T, KH, BLOCK_M, CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [NKV, KH, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [NKV, KH, HEAD_DIM], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [NKV * NDS, KH, BLOCK_M], ds_layout)  # [buffer·NKV + half]
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
         dq_smem = gl.allocate_shared_memory(gl.float32, [SLOTS, BLOCK_M, HEAD_DIM], dq_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -406,10 +280,10 @@ if HAVE_GLUON:
         ds_full = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [NDS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
-        _ring_init(q_bars, q_empty, STAGES, NKV)
-        _ring_init(do_bars, do_empty, STAGES, NKV)
+        _ring_init(q_bars, q_empty, STAGES)
+        _ring_init(do_bars, do_empty, STAGES)
         for i in gl.static_range(NDS):
-            mbarrier.init(ds_full.index(i), count=NKV)  # one arrival per dK/dV warpgroup
+            mbarrier.init(ds_full.index(i), count=2)  # one arrival per dK/dV warpgroup
             mbarrier.init(ds_empty.index(i), count=1)  # the dQ warpgroup, once its dQ wgmmas retired
         fence_async_shared()
 
@@ -417,52 +291,22 @@ if HAVE_GLUON:
         v_row = off_b * v_rb + off_kvh * v_rh + start_n
         dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
         dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
-        if DVQ:
-            gl.static_assert(NKV == 1)
-            p_smem = gl.allocate_shared_memory(dtype, [NDS, KH, BLOCK_M], ds_layout)  # the stored Pᵀ tiles
-            gl.warp_specialize([
-                (_kv_consumer_dvq, (q_smem, do_smem, k_smem, v_smem, ds_smem, p_smem, kv_bar, q_bars, do_bars, q_empty,
-                                    ds_full, ds_empty, dk_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                                    off_kvh * dk_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM,
-                                    BLOCK_M, STAGES, CAUSAL, NDS, PF)),
-                (_dq_consumer_dvq, (k_smem, v_smem, do_smem, ds_smem, p_smem, dq_smem, kv_bar, do_bars, do_empty,
-                                    ds_full, ds_empty, dq_desc, dv_desc, dq_row0, dv_row, off_kvh * dv_ch, T, mt0, n_m,
-                                    n_iter, BLOCK_M, STAGES, NDS, SLOTS)),
-                (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
-                                  do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
-                                  off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
-                                  BLOCK_M, STAGES, NKV)),
-            ], [4, 1], [DQ_REGS, _PRODUCER_REGS])
-        elif NKV == 2:
-            gl.warp_specialize([
-                (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
-                                ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                                off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                                sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, NDS, NKV)),
-                (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
-                                ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                                off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                                sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, NDS, NKV)),
-                (_dq_consumer, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m,
-                                n_iter, BLOCK_M, NDS, SLOTS, NKV)),
-                (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
-                                  do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
-                                  off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
-                                  BLOCK_M, STAGES, NKV)),
-            ], [4, 4, 1], [KV_REGS, DQ_REGS, _PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
-                                ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                                off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                                sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, NDS, NKV)),
-                (_dq_consumer, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m,
-                                n_iter, BLOCK_M, NDS, SLOTS, NKV)),
-                (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
-                                  do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
-                                  off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
-                                  BLOCK_M, STAGES, NKV)),
-            ], [4, 1], [DQ_REGS, _PRODUCER_REGS])
+        gl.warp_specialize([
+            (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
+                            ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
+                            off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
+                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, NDS)),
+            (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
+                            ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
+                            off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
+                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, NDS)),
+            (_dq_consumer, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m,
+                            n_iter, BLOCK_M, NDS, SLOTS)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
+                              do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
+                              off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
+                              BLOCK_M, STAGES)),
+        ], [4, 4, 1], [KV_REGS, DQ_REGS, _PRODUCER_REGS])
 
 
 @triton.jit
@@ -524,54 +368,39 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float, cached: bool =
 # ---------------------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------------------
-def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None, head_dims=HEAD_DIMS) -> bool:
+def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
     """Whether these inputs take the one-pass backward: those of the two-kernel Gluon backward
-    (``flash_attention_gluon_bwd.supported_bwd``) with D in ``head_dims`` (the default config's: 64)."""
-    return (isinstance(q, torch.Tensor) and q.ndim == 4 and q.shape[-1] in head_dims
+    (``flash_attention_gluon_bwd.supported_bwd``) with D = 64."""
+    return (isinstance(q, torch.Tensor) and q.ndim == 4 and q.shape[-1] in HEAD_DIMS
             and GB.supported_bwd(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv))
 
 
 def _config(op: str, config):
-    """(STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS, NKV, DVQ) of a config name or tuple (a 6-field tuple: NKV = 2;
-    DVQ: with NKV = 1, the dQ warpgroup also does the dV product)."""
+    """(STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS) of a config name or tuple."""
     if config is None:
         config = DEFAULT
     if isinstance(config, str):
         if config not in CONFIGS:
             raise ValueError(f"{op}: unknown config {config!r}, have {sorted(CONFIGS)}")
-        config = CONFIGS[config]
+        return CONFIGS[config]
     try:
-        stages, slots, nds, pf, kv, dq, *rest = config
-        nkv = int(rest[0]) if rest else 2
-        dvq = bool(rest[1]) if len(rest) > 1 else False
-        if len(rest) > 2 or (dvq and nkv != 1):
-            raise ValueError
+        stages, slots, nds, pf, kv, dq = config
         stages, slots, nds, kv, dq, pf = int(stages), int(slots), int(nds), int(kv), int(dq), bool(pf)
     except (TypeError, ValueError):
         raise ValueError(f"{op}: config must be a name in {sorted(CONFIGS)} or (STAGES, SLOTS, NDS, PF, KV_REGS, "
-                         f"DQ_REGS[, NKV[, DVQ]]) (DVQ needs NKV = 1), got {config!r}") from None
-    if not (1 <= stages <= 4 and 1 <= slots <= 3 and 1 <= nds <= 3) or nkv not in (1, 2):
-        raise ValueError(f"{op}: config needs 1-4 stages, 1-3 slots, 1-3 dS buffers, 1 or 2 dK/dV warpgroups, got "
-                         f"{config!r}")
-    if kv % 8 or dq % 8 or not (24 <= dq <= kv <= 256) or (nkv == 2 and 2 * kv + dq > 488):
-        raise ValueError(f"{op}: register counts must be multiples of 8 with 24 <= DQ_REGS <= KV_REGS <= 256 and, "
-                         f"with two dK/dV warpgroups, 2·KV_REGS + DQ_REGS <= 488, got {config!r}")
-    return stages, slots, nds, pf, kv, dq, nkv, dvq
-
-
-def config_head_dims(cfg) -> tuple:
-    """The head dims a config tuple (``_config``) compiles for: two dK/dV warpgroups only at D = 64 (at 128 ptxas
-    serialises their wgmmas), one at 64 or 128."""
-    return HEAD_DIMS if cfg[6] == 2 else (64, 128)
+                         f"DQ_REGS), got {config!r}") from None
+    if not (1 <= stages <= 4 and 1 <= slots <= 3 and 1 <= nds <= 3):
+        raise ValueError(f"{op}: config needs 1-4 stages, 1-3 slots, 1-3 dS buffers, got {config!r}")
+    if kv % 8 or dq % 8 or not (24 <= dq <= kv <= 256) or 2 * kv + dq > 488:
+        raise ValueError(f"{op}: register counts must be multiples of 8 with 24 <= DQ_REGS <= KV_REGS <= 256 and "
+                         f"2·KV_REGS + DQ_REGS <= 488, got {config!r}")
+    return stages, slots, nds, pf, kv, dq
 
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg):
     """(kernel, grid, args, constexprs) of the one-pass kernel; CUDA tensors or CPU stand-ins."""
-    stages, slots, nds, pf, kv_regs, dq_regs, nkv, dvq = cfg
+    stages, slots, nds, pf, kv_regs, dq_regs = cfg
     B, H, T, D = q.shape
-    if D not in config_head_dims(cfg):
-        raise ValueError(f"flash_attention_bwd_gluon_onepass: config {cfg} takes head dims {config_head_dims(cfg)}, "
-                         f"got {D}")
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
     args = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
@@ -583,8 +412,8 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
                 dk_desc=_desc(views["dk"][0], HALF_M, D), dv_desc=_desc(views["dv"][0], HALF_M, D),
                 dq_desc=_desc(acc2, BLOCK_M, D))
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf,
-                  KV_REGS=kv_regs, DQ_REGS=dq_regs, NKV=nkv, DVQ=dvq)
-    return _onepass_kernel, (T // (nkv * HALF_M), B * Hkv), args, consts
+                  KV_REGS=kv_regs, DQ_REGS=dq_regs)
+    return _onepass_kernel, (T // RESIDENT, B * Hkv), args, consts
 
 
 def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
@@ -599,14 +428,9 @@ def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, 
     op = "flash_attention_bwd_gluon_onepass"
     if plan and (dq is not None or dk is not None or dv is not None):
         raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
+    do, lse, dq, dk, dv, delta, s, pre = GB._prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq,
+                                                      dk, dv, checked, plan)
     cfg = _config(op, config)
-    dims = config_head_dims(cfg)
-
-    def supported(*a, **kw):
-        return supported_bwd(*a, head_dims=dims, **kw)
-
-    do, lse, dq, dk, dv, delta, s, pre = GB._prologue(op, supported, dims, do, q, k, v, o, lse, scale, dq, dk, dv,
-                                                      checked, plan)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kern, grid, args, consts = _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s, causal, cfg)
     if not plan:
