@@ -40,6 +40,8 @@ hd64 Triton 1.05 / 0.96 / 0.92 / 0.91 / 0.89 at T = 1k / 2k / 4k / 8k / 16k, hd1
     or by the dQ warpgroup; dQ in 32-column pieces so the dQ warpgroup fits in 56 registers; at 40 ptxas
     serialises) compiled without serialisation (STL ~130) and passed the fp64 check, but ran at 0.54-0.62x
     at hd128 and 0.96-1.01x at hd64 (vs 1.04-1.09 with the producer warp): commit a587da2.
+  * One dK/dV warpgroup per 64-key program (session 9, commit 528aee6), which fits hd128 (256 / 152 / 24
+    registers, no spills), alone or with the dV product moved to the dQ warpgroup: 0.76-0.87x at hd128.
   * Why the two-kernel form cannot reach cuDNN at hd128: it runs 7 products per tile pair where cuDNN's
     backward is counted as 5, so tying cuDNN's 583 TFLOP/s (T = 16k) takes 816 TFLOP/s of real tensor work,
     82 % of the H200's dense bf16 peak; the split runs at ~74 % (0.89x).

@@ -42,7 +42,10 @@ single cost of the FA3 form here: 557 → 461 TFLOP/s at T = 16k). Four partitio
     step % SLOTS is done, store dQ_step there in fp32, fence, ONE [64, D] TMA reduce-add.
 Registers (setmaxnreg; 13 warps launch as 4 warpgroups, 512 per thread-slot in all): dK/dV warpgroup 1
 KV_REGS, the dQ warpgroup DQ_REGS, the producer 24; dK/dV warpgroup 0 (the default partition) what is left.
-At hd128 the two dK/dV warpgroups alone need ~232 each and ptxas serialises every wgmma: not offered.
+At hd128 the two dK/dV warpgroups alone need ~232 each and ptxas serialises every wgmma: not offered. Session 9
+fitted hd128 with ONE dK/dV warpgroup per 64-key program (with or without the dV product moved to the dQ
+warpgroup): correct, no spills, but 0.76-0.87x cuDNN against the split's 0.89-0.99 (bench/RESULTS.md; code at
+commit 528aee6).
 
 Protocol check without a GPU: bench/gluon_flash_bwd_onepass.py --replay plays the four partitions' barrier
 protocol under random interleavings (TMA loads, wgmmas and reduce-add reads completing as separate
