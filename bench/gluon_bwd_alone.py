@@ -67,6 +67,7 @@ def main() -> int:
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--noncausal", action="store_true", help="non-causal attention (default causal)")
     ap.add_argument("--configs", default="split", help="names in flash_attention_gluon_bwd.CONFIGS")
+    ap.add_argument("--tail-waves", default="2", help="values of flash_attention_gluon_bwd.TAIL_WAVES to compare")
     ap.add_argument("--consumer-regs", type=int, default=None,
                     help="setmaxnreg of the second consumer warpgroup of both kernels (the library's: "
                          "flash_attention_gluon.CONSUMER_REGS); set before anything compiles")
@@ -77,13 +78,21 @@ def main() -> int:
 
         GB._CONSUMER_REGS = G.gl.constexpr(a.consumer_regs)  # the kernels read the module global at compile time
     warm_up()
-    rows = [measure(int(D), int(T), c, not a.noncausal) for D in a.head_dims.split(",") for T in a.seqs.split(",")
-            for c in a.configs.split(",")]
-    print(f"{'config':>10} {'D':>4} {'T':>6} | {'dK/dV ms':>8} {'TF/s':>5} | {'dQ ms':>7} {'TF/s':>5} | "
+    from xtrain.kernels import flash_attention_gluon_bwd as GB
+
+    rows = []
+    for D in a.head_dims.split(","):
+        for T in a.seqs.split(","):
+            for c in a.configs.split(","):
+                for w in a.tail_waves.split(","):
+                    GB.TAIL_WAVES = int(w)  # a launch argument: no recompilation
+                    r = measure(int(D), int(T), c, not a.noncausal)
+                    rows.append((f"{c}/t{w}",) + r[1:])
+    print(f"{'config':>12} {'D':>4} {'T':>6} | {'dK/dV ms':>8} {'TF/s':>5} | {'dQ ms':>7} {'TF/s':>5} | "
           f"{'2 streams':>9} {'nominal':>7} | {'1 stream':>8} {'nominal':>7} | {'cuDNN ms':>8} {'nominal':>7} | "
           "ratio 2 / 1 stream")
     for c, D, T, tk, fk, tq, fq, ta, fa, t1, f1, tc, fc in rows:
-        print(f"{c:>10} {D:>4} {T:>6} | {tk:8.3f} {fk:5.0f} | {tq:7.3f} {fq:5.0f} | {ta:9.3f} {fa:7.0f} | {t1:8.3f} "
+        print(f"{c:>12} {D:>4} {T:>6} | {tk:8.3f} {fk:5.0f} | {tq:7.3f} {fq:5.0f} | {ta:9.3f} {fa:7.0f} | {t1:8.3f} "
               f"{f1:7.0f} | {tc:8.3f} {fc:7.0f} | {fa / fc:.2f} / {f1 / fc:.2f}")
     return 0
 

@@ -69,7 +69,9 @@ VARIANTS = {  # the library's configs; an experiment adds a tuple here
     "pf": {64: "pf"},
     "nopf": {64: "nopf"},
     "nopf_ds3": {64: "nopf_ds3"},
+    "pf_t0": {64: "pf"},  # pf with every head's tiles in turn (TAIL_WAVES = 0: the order before session 9)
 }
+TAIL_WAVES = {"pf_t0": 0}  # variant -> flash_attention_gluon_bwd.TAIL_WAVES while it runs (default: the library's)
 DEFAULT_VARIANTS = ["pf", "nopf"]
 PTX_KEYS = ["wgmma.mma_async", "cp.reduce.async.bulk.tensor", "cp.async.bulk.tensor", "cp.async.bulk.wait_group.read",
             "mbarrier.try_wait", "mbarrier.arrive", "setmaxnreg", "ld.local", "st.local"]
@@ -414,9 +416,17 @@ def replay(head_dims, variants) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # GPU check + benchmark
 # ---------------------------------------------------------------------------------------------------------
-def _run(cfg):
-    return lambda do, q, k, v, o, lse, dq, dk, dv: OP.flash_attention_bwd_gluon_onepass(
-        do, q, k, v, o, lse, True, dq=dq, dk=dk, dv=dv, config=cfg)
+def _run(cfg, waves=None):
+    from xtrain.kernels import flash_attention_gluon_bwd as GB
+
+    def run(do, q, k, v, o, lse, dq, dk, dv):
+        old = GB.TAIL_WAVES
+        GB.TAIL_WAVES = old if waves is None else waves
+        try:
+            return OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, True, dq=dq, dk=dk, dv=dv, config=cfg)
+        finally:
+            GB.TAIL_WAVES = old
+    return run
 
 
 def check_fn(name, head_dims):
@@ -425,7 +435,7 @@ def check_fn(name, head_dims):
     def check():
         worst = 0.0
         for D in dims:
-            worst = max(worst, isolated.bwd_worst_error(name, [D], _run(VARIANTS[name][D])))
+            worst = max(worst, isolated.bwd_worst_error(name, [D], _run(VARIANTS[name][D], TAIL_WAVES.get(name))))
         return worst < 1e-2, f"worst rel-norm err {worst:.2e}"
     return isolated.check_one(name, check)
 
@@ -436,7 +446,7 @@ def checks_fn(variants, head_dims):
 
 
 def bench_row(D, T, variants):
-    runs = [(name, _run(VARIANTS[name][D])) for name in variants if D in VARIANTS[name]]
+    runs = [(name, _run(VARIANTS[name][D], TAIL_WAVES.get(name))) for name in variants if D in VARIANTS[name]]
     return isolated.bwd_bench_row(D, T, runs, warmup=5, rep=30)
 
 

@@ -69,6 +69,39 @@ def test_gpu_gluon_bwd_long_16k():
 
 
 @pytest.mark.gpu
+def test_gpu_gluon_bwd_tail_order(monkeypatch):
+    """The programs' start order (``_tail_order``) changes no bit: 24 heads of 16 tiles, so with the default two
+    waves the last 17 heads start tile-major and the first 7 head by head; against every head in turn (0 waves),
+    one wave and all heads tile-major, causal and not, and against the fp64 reference."""
+    for causal in (True, False):
+        q, k, v, do, o, lse = inputs(2, 12, 12, 2048, 128, torch.bfloat16, causal, seed=11)
+        assert 0 < GB.tail_heads(16, 24, GB.sm_count(q.device)) < 24
+        base = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal)
+        want = GB.reference(do.double(), q.double(), k.double(), v.double(), o.double(), lse.double(), causal)
+        assert max(rel(a, b) for a, b in zip(base, want)) < 1e-2
+        for waves in (0, 1, 100):
+            monkeypatch.setattr(GB, "TAIL_WAVES", waves)
+            got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal)
+            assert all(torch.equal(a, b) for a, b in zip(got, base)), waves
+        monkeypatch.undo()
+
+
+def test_gluon_bwd_tail_order_is_a_permutation():
+    """The mirror of the kernels' program order: every (tile, head) once; the head-major part first, then the
+    last ``tail`` heads tile by tile (tile 0, the heaviest, of each of them first), for tails of 0, some and all
+    heads."""
+    for nb, heads in ((1, 5), (16, 24), (8, 3), (128, 16)):
+        for tail in sorted({0, 1, min(3, heads), heads, GB.tail_heads(nb, heads, 132)}):
+            order = [GB.tail_order(p, nb, heads, tail) for p in range(nb * heads)]
+            assert sorted(order) == [(t, h) for t in range(nb) for h in range(heads)]
+            first = (heads - tail) * nb
+            assert order[:first] == [(p % nb, p // nb) for p in range(first)]
+            tiles = [t for t, _ in order[first:]]
+            assert tiles == sorted(tiles) and {h for _, h in order[first:]} == set(range(heads - tail, heads))
+    assert GB.tail_heads(16, 1000, 132) == 17 and GB.tail_heads(128, 16, 132) == 3 and GB.tail_heads(8, 2, 132) == 2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", ["split3", "split_wide"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_gluon_bwd_configs(config, D):

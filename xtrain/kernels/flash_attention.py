@@ -677,7 +677,8 @@ def _plan_key(kind: str, ts, scale) -> tuple | None:
         from xtrain.kernels import flash_attention_gluon_onepass as OP
 
         salt = (BWD_GLUON, BWD_ONEPASS, BWD_TWO_STREAMS, tuple(GLUON_ONEPASS_MIN_T.items()),
-                tuple(GLUON_BWD_MIN_T.items()), torch.are_deterministic_algorithms_enabled(), GB.DEFAULT, OP.DEFAULT)
+                tuple(GLUON_BWD_MIN_T.items()), torch.are_deterministic_algorithms_enabled(), GB.DEFAULT, OP.DEFAULT,
+                GB.TAIL_WAVES)
     return (kind, scale, salt) + tuple((t.shape, t.stride(), t.dtype, t.device) for t in ts)
 
 

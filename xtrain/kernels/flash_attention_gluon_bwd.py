@@ -38,6 +38,14 @@ wgmma as its register A operand (no shared-memory round trip).
   * The two kernels are independent once delta exists and run concurrently on two CUDA streams (the
     discipline of flash_attention_bwd_triton: the side stream waits for the main one before the dQ launch,
     the main one waits for the side one before returning). 7 matrix products per (query, key) tile pair.
+  * Program order (``_tail_order``, session 9): each kernel's grid is 1-D; the hardware starts programs in id
+    order, so the id decides who runs last. Head by head (a head's tiles heaviest first, so the programs that
+    run together share that head's streamed tiles in L2) but for the last ``TAIL_WAVES`` waves' worth of heads,
+    whose tiles start tile-major: every such head's heaviest tile, then the next, so the grid ends on light
+    tiles. Before, the last head's heaviest tile started among the last programs and ran on alone: a list
+    scheduling replay put that at 6-7 % of each kernel at T = 1k-8k. Measured (bench/gluon_bwd_alone.py
+    --tail-waves 0,2): each kernel alone 4-6 % faster at T = 1k-8k (dK/dV 0.510 -> 0.487-0.491 ms at 2k), the
+    two-stream backward 1-2 % (the streams had been filling each other's tails), nothing at 16k.
 Tensor layouts: as the forward's, every TMA descriptor is a 2-D row view: contiguous [B, Hx, T, D] is
 [B·Hx·T, D] (row (b·Hx + h)·T + t, column 0), a transposed [B, T, Hx, D] is [B·T, Hx·D] (row b·T + t,
 column h·D); a kernel gets (rb, rh, ch) per tensor and addresses (b, h, t) at row b·rb + h·rh + t, column
@@ -91,7 +99,7 @@ from __future__ import annotations
 import torch
 
 from xtrain.kernels import flash_attention as FA
-from xtrain.kernels._dispatch import capability, launch_cached, run_side_by_side
+from xtrain.kernels._dispatch import capability, launch_cached, run_side_by_side, sm_count
 from xtrain.kernels.flash_attention import flash_attention_bwd_ref
 from xtrain.kernels.flash_attention_gluon import (
     HAVE_GLUON,
@@ -114,6 +122,9 @@ CONFIGS = {
     "split_wide": {64: (128, 2, 128, 2), 128: (64, 2, 128, 2)},
 }
 DEFAULT = "split"
+# the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
+# every head's tiles in turn, heaviest first within the head (the order before session 9)
+TAIL_WAVES = 2
 
 if HAVE_GLUON:
     # the Gluon names and Triton-version aliases the forward module already resolved
@@ -145,6 +156,22 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    @gluon.jit
+    def _tail_order(pid, nb, TAIL):
+        """(tile, head) of the linear program id ``pid`` of a grid of nb tiles x heads: head-major (a head's nb
+        tiles one after the other, so the programs running at once share that head's streamed tiles in L2) but
+        for the last TAIL heads, whose tiles go tile-major (tile 0 of each of them, then tile 1, ...). The
+        hardware starts programs in id order, and tile 0 is the heaviest (the caller maps it to its heaviest
+        causal tile), so the last programs to start are the lightest and the grid ends level."""
+        n_heads = gl.num_programs(0) // nb
+        first = (n_heads - TAIL) * nb
+        tile = pid % nb
+        head = pid // nb
+        if pid >= first:
+            tile = (pid - first) // TAIL
+            head = n_heads - TAIL + (pid - first) % TAIL
+        return tile, head
 
     # -----------------------------------------------------------------------------------------------------
     # dK/dV kernel
@@ -239,16 +266,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, qk_scale,
                          sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
-                         v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch,
+                         v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr):
-        """Program (key tile, batch·kv head); num_warps = 4 (the default partition is consumer warpgroup 0).
-        K/V/dK/dV descriptors have 64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
+        """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
+        one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
+        64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         gl.static_assert((2 * KH) % BLOCK_M == 0)
-        pid_n = gl.program_id(0)
-        off_bkv = gl.program_id(1)
+        pid_n, off_bkv = _tail_order(gl.program_id(0), T // (2 * KH), TAIL)
         Hkv = H // GROUP
         off_b = off_bkv // Hkv
         off_kvh = off_bkv % Hkv
@@ -371,17 +398,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP,
                        T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
-                       dq_rb, dq_rh, dq_ch, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr):
-        """Program (query tile, batch·head), heaviest causal tiles first; num_warps = 4. Q/dO/dQ descriptors
-        have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
+                       dq_rb, dq_rh, dq_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """Program (query tile, batch·head) of a 1-D grid in ``_tail_order``, heaviest causal tiles first;
+        num_warps = 4. Q/dO/dQ descriptors have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
         dtype: gl.constexpr = q_desc.dtype
         QH: gl.constexpr = q_desc.block_type.shape[0]
         gl.static_assert((2 * QH) % BLOCK_N == 0)
-        pid_m = gl.program_id(0)
-        off_bh = gl.program_id(1)
+        pid_m, off_bh = _tail_order(gl.program_id(0), T // (2 * QH), TAIL)
         if CAUSAL:
-            pid_m = gl.num_programs(0) - 1 - pid_m
+            pid_m = T // (2 * QH) - 1 - pid_m
         off_b = off_bh // H
         off_h = off_bh % H
         off_hk = off_h // GROUP
@@ -515,8 +541,26 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal))
-    return [(_bwd_dkdv_kernel, (T // RESIDENT, B * Hkv), dkdv, c1),
-            (_bwd_dq_kernel, (T // RESIDENT, B * H), dqa, c2)]
+    nb = T // RESIDENT
+    n_sm = sm_count(q.device) if q.is_cuda else 132  # (CPU stand-ins: compile_sm90)
+    dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm), tail_heads(nb, B * H, n_sm)
+    return [(_bwd_dkdv_kernel, (nb * B * Hkv,), dkdv, c1),
+            (_bwd_dq_kernel, (nb * B * H,), dqa, c2)]
+
+
+def tail_order(pid: int, nb: int, n_heads: int, tail: int) -> tuple:
+    """The host-side mirror of the kernels' ``_tail_order`` (tests/test_flash_gluon_bwd.py checks it is a
+    permutation that starts the last ``tail`` heads' tiles tile-major): (tile, head) of linear program pid."""
+    first = (n_heads - tail) * nb
+    if pid < first:
+        return pid % nb, pid // nb
+    return (pid - first) // tail, n_heads - tail + (pid - first) % tail
+
+
+def tail_heads(nb: int, heads: int, n_sm: int) -> int:
+    """How many of the last heads of a grid of nb tiles x heads start tile-major (``_tail_order``): enough for
+    ``TAIL_WAVES`` waves of n_sm programs, at most all of them."""
+    return min(heads, -(-TAIL_WAVES * n_sm // nb))
 
 
 def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False,

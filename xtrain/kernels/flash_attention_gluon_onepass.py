@@ -47,6 +47,10 @@ fitted hd128 with ONE dK/dV warpgroup per 64-key program (with or without the dV
 warpgroup): correct, no spills, but 0.76-0.87x cuDNN against the split's 0.89-0.99 (bench/RESULTS.md; code at
 commit 528aee6).
 
+Program order: the split's ``_tail_order`` (1-D grid, head by head but for the last waves, which start
+tile-major, heaviest first): +1-3 % over head-by-head order at hd64, T = 1k-16k (session 9, "pf" vs "pf_t0" in
+bench/gluon_flash_bwd_onepass.py).
+
 Protocol check without a GPU: bench/gluon_flash_bwd_onepass.py --replay plays the four partitions' barrier
 protocol under random interleavings (TMA loads, wgmmas and reduce-add reads completing as separate
 events), with each of the 8 waits removed in turn as a negative control.
@@ -67,7 +71,7 @@ import triton.language as tl
 
 from xtrain.kernels import flash_attention as FA
 from xtrain.kernels import flash_attention_gluon_bwd as GB
-from xtrain.kernels._dispatch import launch_cached
+from xtrain.kernels._dispatch import launch_cached, sm_count
 from xtrain.kernels.flash_attention import flash_attention_bwd_ref
 from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E, _desc, _row_view, descriptor_templates, rebase_all
 
@@ -99,7 +103,13 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from xtrain.kernels.flash_attention_gluon_bwd import _acc_layout, _dkdv_producer, _dkdv_store, _ring_init
+    from xtrain.kernels.flash_attention_gluon_bwd import (
+        _acc_layout,
+        _dkdv_producer,
+        _dkdv_store,
+        _ring_init,
+        _tail_order,
+    )
 
     _LOG2E = gl.constexpr(LOG2E)
     _tma_reduce_add = getattr(tma, "async_atomic_add", None)
@@ -122,13 +132,13 @@ if HAVE_GLUON:
         return gl.load(lse_ptr + row + cols) * _LOG2E, gl.load(delta_ptr + row + cols)
 
     @gluon.jit
-    def _program(H, GROUP, T, KH: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-        """The program's place: key tile pid 0 of 2·KH keys, (batch, kv head) pid 1. Returns off_b, off_kvh,
+    def _program(H, GROUP, T, TAIL, KH: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """The program's place: key tile of 2·KH keys and (batch, kv head), from the linear program id in the
+        split's ``_tail_order`` (key tile 0, the heaviest causal one, first). Returns off_b, off_kvh,
         start_n, h0 (first query head of the group), lse_row0 (int64 row of the [B·H·T] lse / delta), dq_row0
         (int32 TMA row of the fp32 dQ accumulator), mt0 (first query tile), n_m (query tiles per head),
         n_iter (steps = GROUP·n_m)."""
-        pid_n = gl.program_id(0)
-        off_bkv = gl.program_id(1)
+        pid_n, off_bkv = _tail_order(gl.program_id(0), T // (2 * KH), TAIL)
         Hkv = H // GROUP
         off_b = off_bkv // Hkv
         off_kvh = off_bkv % Hkv
@@ -257,7 +267,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _onepass_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale,
                         sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
-                        v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, HEAD_DIM: gl.constexpr,
+                        v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL, HEAD_DIM: gl.constexpr,
                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr, NDS: gl.constexpr,
                         CAUSAL: gl.constexpr, PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr):
         """Program (key tile of 128, batch·kv head); num_warps = 4 (the default partition is dK/dV warpgroup
@@ -266,7 +276,8 @@ if HAVE_GLUON:
         KH: gl.constexpr = k_desc.block_type.shape[0]
         gl.static_assert(BLOCK_M == 64)
         gl.static_assert(dq_desc.block_type.shape[1] == HEAD_DIM)
-        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(H, GROUP, T, KH, BLOCK_M, CAUSAL)
+        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(H, GROUP, T, TAIL, KH, BLOCK_M,
+                                                                                    CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -416,7 +427,9 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
                 dq_desc=_desc(acc2, BLOCK_M, D))
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf,
                   KV_REGS=kv_regs, DQ_REGS=dq_regs)
-    return _onepass_kernel, (T // RESIDENT, B * Hkv), args, consts
+    nb = T // RESIDENT
+    args["TAIL"] = GB.tail_heads(nb, B * Hkv, sm_count(q.device) if q.is_cuda else 132)  # (CPU: compile_sm90)
+    return _onepass_kernel, (nb * B * Hkv,), args, consts
 
 
 def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
