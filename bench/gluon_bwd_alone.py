@@ -21,8 +21,7 @@ _REPORTED: set = set()
 
 def measure(D: int, T: int, config: str, causal: bool = True) -> tuple:
     """(config, D, T, dK/dV ms, its TFLOP/s, dQ ms, its TFLOP/s, both ms, nominal TFLOP/s, cuDNN ms, its nominal)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    from bench import isolated
     from bench._gpu import gpu_time
     from xtrain.kernels import flash_attention as FA
     from xtrain.kernels import flash_attention_gluon_bwd as GB
@@ -49,10 +48,7 @@ def measure(D: int, T: int, config: str, causal: bool = True) -> tuple:
         t_one = gpu_time(lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal=causal, config=config))["ms"]
     finally:
         FA.BWD_TWO_STREAMS = two
-    qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
-    t_cu = gpu_time(lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True))["ms"]
+    t_cu = gpu_time(isolated.cudnn_bwd(q, k, v, do, causal))["ms"]
     prod = B * H * T * T * D * (1 if causal else 2)  # one product: 2·B·H·T²·D FLOPs, halved when causal
     fwd = 2 * prod
     return (config, D, T, t_kv, 4 * prod / t_kv / 1e9, t_dq, 3 * prod / t_dq / 1e9, t_all, 2.5 * fwd / t_all / 1e9,

@@ -232,6 +232,19 @@ def bwd_worst_error(name: str, head_dims, run) -> float:
     return worst
 
 
+def cudnn_bwd(q, k, v, do, causal: bool = True):
+    """cuDNN's attention backward alone, as a call: ``torch.autograd.grad`` on an SDPA graph saved once (the
+    caller drops the call to free the graph). Raises where cuDNN refuses the inputs."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+    return lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+
+
 def bwd_bench_row(D: int, T: int, runs, warmup: int, rep: int) -> dict:
     """Backward TFLOP/s of cuDNN (``torch.autograd.grad`` on a saved SDPA graph: the backward alone), the
     library default (``flash_attention_bwd_triton``) and each ``(column, run)`` of ``runs``, with
@@ -240,8 +253,6 @@ def bwd_bench_row(D: int, T: int, runs, warmup: int, rep: int) -> dict:
     FLOPs = 2.5 x forward FLOPs (4·B·H·T²·D/2). A column that raises is
     reported and left out."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from bench._gpu import gpu_time
     from xtrain.kernels.flash_attention import flash_attention_bwd_triton, flash_attention_fwd_triton
@@ -258,12 +269,8 @@ def bwd_bench_row(D: int, T: int, runs, warmup: int, rep: int) -> dict:
         except Exception as e:  # noqa: BLE001
             print(f"  {col} D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
 
-    try:  # cuDNN backward alone: autograd.grad on a saved graph
-        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
-        timed("cudnn", lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True))
-        out = qg = kg = vg = None  # free the graph before the other timings
+    try:
+        timed("cudnn", cudnn_bwd(q, k, v, do))  # the saved graph is freed with the call, before the other timings
     except Exception as e:  # noqa: BLE001
         print(f"  cudnn D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
     o, lse = flash_attention_fwd_triton(q, k, v, True)

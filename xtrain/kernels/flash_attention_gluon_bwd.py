@@ -542,7 +542,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal))
     nb = T // RESIDENT
-    n_sm = sm_count(q.device) if q.is_cuda else 132  # (CPU stand-ins: compile_sm90)
+    n_sm = grid_sms(q)
     dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm), tail_heads(nb, B * H, n_sm)
     return [(_bwd_dkdv_kernel, (nb * B * Hkv,), dkdv, c1),
             (_bwd_dq_kernel, (nb * B * H,), dqa, c2)]
@@ -555,6 +555,12 @@ def tail_order(pid: int, nb: int, n_heads: int, tail: int) -> tuple:
     if pid < first:
         return pid % nb, pid // nb
     return (pid - first) // tail, n_heads - tail + (pid - first) % tail
+
+
+def grid_sms(t: torch.Tensor) -> int:
+    """The SM count ``tail_heads`` plans for: that of t's device, or an H200's 132 for the CPU stand-ins of
+    ``compile_sm90`` (only a launch argument; the compiled code does not depend on it)."""
+    return sm_count(t.device) if t.is_cuda else 132
 
 
 def tail_heads(nb: int, heads: int, n_sm: int) -> int:

@@ -71,7 +71,7 @@ import triton.language as tl
 
 from xtrain.kernels import flash_attention as FA
 from xtrain.kernels import flash_attention_gluon_bwd as GB
-from xtrain.kernels._dispatch import launch_cached, sm_count
+from xtrain.kernels._dispatch import launch_cached
 from xtrain.kernels.flash_attention import flash_attention_bwd_ref
 from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E, _desc, _row_view, descriptor_templates, rebase_all
 
@@ -428,7 +428,7 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf,
                   KV_REGS=kv_regs, DQ_REGS=dq_regs)
     nb = T // RESIDENT
-    args["TAIL"] = GB.tail_heads(nb, B * Hkv, sm_count(q.device) if q.is_cuda else 132)  # (CPU: compile_sm90)
+    args["TAIL"] = GB.tail_heads(nb, B * Hkv, GB.grid_sms(q))
     return _onepass_kernel, (nb * B * Hkv,), args, consts
 
 
