@@ -199,6 +199,30 @@ def test_triton_matches_reference_fp32_tiny(B, H, Hkv, T, D, fcfg, bcfg, causal)
 
 
 @needs_triton
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_program_order_keeps_the_bits(causal, monkeypatch):
+    """The Triton kernels' program order (``_tail_order``) only decides which program runs when: head by head
+    (0 waves), the last 1 or 3 heads tile-major (an SM count of 2 stands in, so the tail is part of the grid),
+    or every head tile-major give the same bits in all five outputs. The last differs from the first in every
+    program's (tile, head), so a kernel that mapped ids wrongly would leave NaN or wrong rows."""
+    q, k, v, do = rand_qkv(2, 4, 2, 40, 32, dtype=torch.float32, device=DEV, seed=3)
+    fcfg, bcfg = (32, 16, 4, 1, False), ((16, 32, 4, 1, False), (32, 16, 4, 1, False))
+    runs = []
+    for waves, n_sm in ((0, 132), (1, 2), (3, 2), (100, 132)):
+        monkeypatch.setattr(FA, "TRITON_TAIL_WAVES", waves)
+        monkeypatch.setattr(FA, "grid_sms", lambda device, n=n_sm: n)
+        runs.append(_run_triton(q, k, v, do, causal, None, fcfg, bcfg))
+    assert FA.tail_heads(2, 8, 2, 1) == 1 and FA.tail_heads(2, 8, 2, 3) == 3 and FA.tail_heads(2, 8, 132, 100) == 8
+    for got in runs[1:]:
+        for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, runs[0]):
+            assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
+            assert torch.equal(a, b), name
+    qd, kd, vd, dod = (t.double() for t in (q, k, v, do))
+    o_ref, _ = FA.flash_attention_fwd_ref(qd, kd, vd, causal)
+    assert rel(runs[0][0], o_ref) < 1e-5
+
+
+@needs_triton
 def test_public_dispatch_runs_the_reference_on_cpu():
     if HAS_CUDA:
         pytest.skip("on CUDA the public functions run Triton (covered by the GPU tests)")

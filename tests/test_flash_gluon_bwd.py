@@ -75,7 +75,7 @@ def test_gpu_gluon_bwd_tail_order(monkeypatch):
     one wave and all heads tile-major, causal and not, and against the fp64 reference."""
     for causal in (True, False):
         q, k, v, do, o, lse = inputs(2, 12, 12, 2048, 128, torch.bfloat16, causal, seed=11)
-        assert 0 < GB.tail_heads(16, 24, GB.sm_count(q.device)) < 24
+        assert 0 < GB.tail_heads(16, 24, GB.grid_sms(q)) < 24
         base = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal)
         want = GB.reference(do.double(), q.double(), k.double(), v.double(), o.double(), lse.double(), causal)
         assert max(rel(a, b) for a, b in zip(base, want)) < 1e-2
@@ -102,7 +102,7 @@ def test_gluon_bwd_tail_order_is_a_permutation():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["split3", "split_wide"])
+@pytest.mark.parametrize("config", ["split3", "split_wide", "split_s9", (64, 2, 64, 3, 1), (64, 2, 64, 3, 2)])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_gluon_bwd_configs(config, D):
     """The bench's other configs stay correct (GQA, causal and not)."""
@@ -181,8 +181,13 @@ for D, causal, transposed in ((64, True, False), (128, False, True)):
 
 def test_gluon_bwd_module_contract():
     assert GB.reference is FA.flash_attention_bwd_ref
-    assert set(GB.CONFIGS) == {"split", "split3", "split_wide"}
+    assert set(GB.CONFIGS) == {"split", "split_s9", "split3", "split_wide"}
     assert GB.DEFAULT == "split"
+    assert GB._config("t", None, 128) == (64, 2, 64, 4, GB.OPT_PF | GB.OPT_DQP)
+    assert GB._config("t", (64, 2, 64, 2), 128) == (64, 2, 64, 2, 0)  # options may be left out
+    for bad in ((64, 2, 64, 2, 4), (64, 2, 64, 2, -1), (64, 2, 64, 2, 0, 0), (64, 2, 64), "nope"):
+        with pytest.raises(ValueError, match="t: "):
+            GB._config("t", bad, 128)
     assert math.isclose(GB.LOG2E, 1.0 / math.log(2.0))
 
 

@@ -81,7 +81,7 @@ import math
 
 import torch
 
-from xtrain.kernels._dispatch import HAVE_TRITON, PlanCache, capability, run_side_by_side, use_triton
+from xtrain.kernels._dispatch import HAVE_TRITON, PlanCache, capability, run_side_by_side, sm_count, use_triton
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln 2: natural log = log2 * LN2
@@ -293,6 +293,21 @@ if HAVE_TRITON:
         _HAVE_DESC = False
 
     @triton.jit
+    def _tail_order(pid, nb, n_heads, TAIL):
+        """(tile, head) of linear program id ``pid`` of a 1-D grid of nb tiles x n_heads: head by head (so the
+        programs running together share one head's streamed tiles in L2), except the last TAIL heads, whose
+        tiles go tile-major (tile 0 of each, then tile 1, ...). The hardware starts programs in id order and the
+        callers make tile 0 the heaviest causal tile, so the grid ends on light programs, not on the last head's
+        heaviest one (the Gluon backward's order, flash_attention_gluon_bwd._tail_order)."""
+        first = (n_heads - TAIL) * nb
+        tile = pid % nb
+        head = pid // nb
+        if pid >= first:
+            tile = (pid - first) // TAIL
+            head = n_heads - TAIL + (pid - first) % TAIL
+        return tile, head
+
+    @triton.jit
     def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m,
                    T, qk_scale, lo, hi,
                    MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -338,16 +353,17 @@ if HAVE_TRITON:
     def _flash_fwd_kernel(Q, K, V, O, LSE, desc_k, desc_v,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                           stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
-                          H, T, GROUP, qk_scale,
+                          H, T, GROUP, qk_scale, TAIL,
                           CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H).
-        With USE_TMA, K/V tiles come through host-built tensor descriptors over the [B*Hkv*T, D] rows."""
-        pid_m = tl.program_id(0)
-        off_bh = tl.program_id(1)
+        """One program: BLOCK_M query rows of one (batch, head); a 1-D grid of cdiv(T, BLOCK_M)·B·H programs
+        in ``_tail_order``. With USE_TMA, K/V tiles come through host-built tensor descriptors over the
+        [B*Hkv*T, D] rows."""
+        nb = tl.cdiv(T, BLOCK_M)
+        pid_m, off_bh = _tail_order(tl.program_id(0), nb, tl.num_programs(0) // nb, TAIL)
         if CAUSAL:  # heaviest query tiles first: the short ones fill the tail of the grid
-            pid_m = tl.num_programs(0) - 1 - pid_m
+            pid_m = nb - 1 - pid_m
         off_b = off_bh // H
         off_h = off_bh % H
         off_kvh = off_h // GROUP
@@ -462,14 +478,15 @@ if HAVE_TRITON:
                                stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                                stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                                stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
-                               H, Hkv, T, GROUP, qk_scale, sm_scale,
+                               H, Hkv, T, GROUP, qk_scale, sm_scale, TAIL,
                                CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-        """One program: BLOCK_N keys of one (batch, K/V head), over all query heads of its group.
-        grid = (cdiv(T, BLOCK_N), B*Hkv). Causal programs at small pid_n have the most work and start first."""
-        pid_n = tl.program_id(0)
-        off_bkv = tl.program_id(1)
+        """One program: BLOCK_N keys of one (batch, K/V head), over all query heads of its group; a 1-D grid
+        of cdiv(T, BLOCK_N)·B·Hkv programs in ``_tail_order``. Causal programs at small pid_n have the most
+        work and start first."""
+        nb = tl.cdiv(T, BLOCK_N)
+        pid_n, off_bkv = _tail_order(tl.program_id(0), nb, tl.num_programs(0) // nb, TAIL)
         off_b = off_bkv // Hkv
         off_kvh = off_bkv % Hkv
         start_n = pid_n * BLOCK_N
@@ -557,15 +574,16 @@ if HAVE_TRITON:
                              stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                              stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                              stride_dqb, stride_dqh, stride_dqt,
-                             H, T, GROUP, qk_scale, sm_scale,
+                             H, T, GROUP, qk_scale, sm_scale, TAIL,
                              CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-        """One program: BLOCK_M query rows of one (batch, head). grid = (cdiv(T, BLOCK_M), B*H)."""
-        pid_m = tl.program_id(0)
-        off_bh = tl.program_id(1)
+        """One program: BLOCK_M query rows of one (batch, head); a 1-D grid of cdiv(T, BLOCK_M)·B·H programs in
+        ``_tail_order``, heaviest causal tiles first."""
+        nb = tl.cdiv(T, BLOCK_M)
+        pid_m, off_bh = _tail_order(tl.program_id(0), nb, tl.num_programs(0) // nb, TAIL)
         if CAUSAL:
-            pid_m = tl.num_programs(0) - 1 - pid_m
+            pid_m = nb - 1 - pid_m
         off_b = off_bh // H
         off_h = off_bh % H
         off_kvh = off_h // GROUP
@@ -728,12 +746,12 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     even = T % BLOCK_M == 0 and T % BLOCK_N == 0
     use_tma = _tma_ok(tma, even, k, v)
     desc_k, desc_v = (_descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N)) if use_tma else (None, None)
-    grid = (triton.cdiv(T, BLOCK_M), B * H)
-    _flash_fwd_kernel[grid](
+    nb = triton.cdiv(T, BLOCK_M)
+    _flash_fwd_kernel[(nb * B * H,)](
         q, k, v, o, lse, desc_k, desc_v,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        H, T, H // Hkv, s * LOG2E,
+        H, T, H // Hkv, s * LOG2E, tail_heads(nb, B * H, q.device, TRITON_TAIL_WAVES),
         CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages)
     return o, lse
@@ -821,12 +839,13 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     desc_q, desc_do = (_descriptor(q, BM1), _descriptor(do, BM1)) if use_tma1 else (None, None)
 
     def launch_dkdv():
-        _flash_bwd_dkdv_kernel[(triton.cdiv(T, BN1), B * Hkv)](
+        nb = triton.cdiv(T, BN1)
+        _flash_bwd_dkdv_kernel[(nb * B * Hkv,)](
             q, k, v, do, lse, delta, dk, dv, desc_q, desc_do,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            H, Hkv, T, H // Hkv, s * LOG2E, s,
+            H, Hkv, T, H // Hkv, s * LOG2E, s, tail_heads(nb, B * Hkv, q.device, TRITON_TAIL_WAVES),
             CAUSAL=bool(causal), EVEN_T=even1, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1,
             DOT_PRECISION=prec, USE_TMA=use_tma1, num_warps=W1, num_stages=S1)
 
@@ -835,12 +854,13 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     desc_k, desc_v = (_descriptor(k, BN2), _descriptor(v, BN2)) if use_tma2 else (None, None)
 
     def launch_dq():
-        _flash_bwd_dq_kernel[(triton.cdiv(T, BM2), B * H)](
+        nb = triton.cdiv(T, BM2)
+        _flash_bwd_dq_kernel[(nb * B * H,)](
             q, k, v, do, lse, delta, dq, desc_k, desc_v,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            H, T, H // Hkv, s * LOG2E, s,
+            H, T, H // Hkv, s * LOG2E, s, tail_heads(nb, B * H, q.device, TRITON_TAIL_WAVES),
             CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
             DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2)
 
@@ -856,6 +876,25 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
 
 # Run the backward's dQ kernel on a second CUDA stream, concurrently with the dK/dV kernel.
 BWD_TWO_STREAMS = True
+# The Triton kernels' program order (``_tail_order``): the last TRITON_TAIL_WAVES x SM-count programs' heads
+# start tile-major; 0 = head by head throughout (the order before session 10).
+TRITON_TAIL_WAVES = 2
+
+
+def grid_sms(device) -> int:
+    """The SM count the program orders plan for: that of a CUDA ``device``, else an H200's 132 (the
+    interpreter, and the CPU stand-ins of the offline compiles: only a launch argument, the code does not
+    depend on it)."""
+    return sm_count(device) if device.type == "cuda" else 132
+
+
+def tail_heads(nb: int, heads: int, n_sm, waves: int) -> int:
+    """How many of the last heads of a grid of nb tiles x heads start tile-major (``_tail_order``): enough for
+    ``waves`` waves of one program per SM (``n_sm`` an int, or a device for ``grid_sms``), at most all of
+    them."""
+    if not isinstance(n_sm, int):
+        n_sm = grid_sms(n_sm)
+    return min(heads, -(-waves * n_sm // nb))
 # The causal 16-bit forward goes to the Gluon kernels (flash_attention_gluon.py: warp-specialised,
 # persistent, Hopper only) from these sequence lengths on, by head dim, where they measured faster than the
 # Triton kernel on the H200 (bench/RESULTS.md, T = 1k-16k, session 5: hd128 1.02-1.17x cuDNN against

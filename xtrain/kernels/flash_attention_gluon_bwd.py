@@ -99,7 +99,7 @@ from __future__ import annotations
 import torch
 
 from xtrain.kernels import flash_attention as FA
-from xtrain.kernels._dispatch import capability, launch_cached, run_side_by_side, sm_count
+from xtrain.kernels._dispatch import capability, launch_cached, run_side_by_side
 from xtrain.kernels.flash_attention import flash_attention_bwd_ref
 from xtrain.kernels.flash_attention_gluon import (
     HAVE_GLUON,
@@ -115,12 +115,17 @@ reference = flash_attention_bwd_ref  # the oracle: the plain-torch tiled referen
 
 RESIDENT = 128  # keys per dK/dV program, query rows per dQ program (two warpgroups of 64)
 HALF_M = 64
-# (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2) by head dim; see the module docstring
+# (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) by head dim; see the module docstring
 CONFIGS = {
-    "split": {64: (64, 2, 64, 2), 128: (64, 2, 64, 2)},
+    "split": {64: (64, 2, 64, 4, 3), 128: (64, 2, 64, 4, 3)},
+    "split_s9": {64: (64, 2, 64, 2, 0), 128: (64, 2, 64, 2, 0)},
     "split3": {64: (64, 3, 64, 3), 128: (64, 3, 64, 3)},
     "split_wide": {64: (128, 2, 128, 2), 128: (64, 2, 128, 2)},
 }
+# the optional fifth element of a config, a bit mask: OPT_PF the dK/dV kernel loads each step's lse and delta in
+# the step before (once its dK wgmma is issued); OPT_DQP the dQ kernel issues tile j - 1's dQ wgmma behind tile
+# j's S and dP (``_dq_loop_pipelined``). "split_s9" is "split" as it was before both (session 9).
+OPT_PF, OPT_DQP = 1, 2
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -215,11 +220,19 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
+    def _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, cols, BLOCK_M: gl.constexpr):
+        """lse·log2(e) and delta of step ``it``'s queries (``cols`` in the Sᵀ column layout)."""
+        row = lse_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M  # int64 row of the [B·H·T] lse / delta
+        return gl.load(lse_ptr + row + cols) * _LOG2E, gl.load(delta_ptr + row + cols)
+
+    @gluon.jit
     def _dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
                        dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter,
                        start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr):
-        """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring)."""
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
+                       PF: gl.constexpr):
+        """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
+        step's lse and delta are loaded in the step before, once its dK wgmma is issued."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_M)  # [KH, BLOCK_M] Sᵀ, dPᵀ
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
@@ -232,12 +245,13 @@ if HAVE_GLUON:
         s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
         dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
         dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
+        if PF:
+            lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, cols, BLOCK_M)
         mbarrier.wait(kv_bar, 0)
         for it in range(n_iter):
             start_m = (mt0 + it % n_m) * BLOCK_M
-            row = lse_row0 + (it // n_m) * T + start_m  # int64 row of the [B·H·T] lse / delta
-            lse2 = gl.load(lse_ptr + row + cols) * _LOG2E  # plain loads, issued before the barrier wait
-            delta = gl.load(delta_ptr + row + cols)
+            if not PF:  # plain loads, issued before the barrier wait
+                lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, cols, BLOCK_M)
             slot = it % STAGES
             phase = (it // STAGES) & 1
             q_t = q_smem.index(slot)
@@ -258,6 +272,9 @@ if HAVE_GLUON:
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             ds_op = gl.convert_layout(dst.to(dtype), op_layout)
             dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+            if PF:  # the next step's, while dV and dK run: Sᵀ, dPᵀ and their fp32 values are dead here
+                lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
+                                              gl.minimum(it + 1, n_iter - 1), cols, BLOCK_M)
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
             mbarrier.arrive(q_empty.index(slot), count=1)
             mbarrier.arrive(do_empty.index(slot), count=1)
@@ -268,7 +285,7 @@ if HAVE_GLUON:
                          sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr):
+                         CAUSAL: gl.constexpr, PF: gl.constexpr = False):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -312,11 +329,11 @@ if HAVE_GLUON:
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
                               dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
                               off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM,
-                              BLOCK_M, STAGES, CAUSAL, 0)),
+                              BLOCK_M, STAGES, CAUSAL, 0, PF)),
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
                               dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
                               off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM,
-                              BLOCK_M, STAGES, CAUSAL, 1)),
+                              BLOCK_M, STAGES, CAUSAL, 1, PF)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
                               do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
                               off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
@@ -348,11 +365,64 @@ if HAVE_GLUON:
             _tma_load(v_desc, [v_row0 + t * BLOCK_N, v_col], v_bars.index(slot), v_smem.index(slot))
 
     @gluon.jit
+    def _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES: gl.constexpr):
+        """Issue tile j's S = Q Kᵀ and dP = dO Vᵀ wgmmas (each once its tile has landed)."""
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_bars.index(slot), phase)
+        s = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_bars.index(slot), phase)
+        dp = warpgroup_mma(do_half, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        return s, dp
+
+    @gluon.jit
+    def _dq_p(s, lse2, q_lo, offs_q, cols, start_n, qk_scale, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """P of a retired S tile, causal mask applied."""
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        if CAUSAL:
+            if start_n + BLOCK_N > q_lo + 1:  # some key of the tile follows some query of this half
+                keep = gl.expand_dims(q_lo + offs_q, 1) >= gl.expand_dims(start_n + cols, 0)
+                p = gl.where(keep, p, 0.0)
+        return p
+
+    @gluon.jit
+    def _dq_loop_pipelined(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta, dq, s_zero,
+                           q_lo, offs_q, cols, n_tiles, qk_scale, dtype: gl.constexpr, op_layout: gl.constexpr,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """The dQ consumer's walk with tile j - 1's dQ wgmma issued behind tile j's S and dP, so it runs while S_j's
+        exponentials and dS_j are computed (FlashAttention-3's intra-warpgroup overlap). K_{j-1}'s slot is
+        released only when dQ_{j-1} retires, at the end of step j: give the ring 3 stages."""
+        s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, 0, STAGES)
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        p = _dq_p(s, lse2, q_lo, offs_q, cols, 0, qk_scale, BLOCK_N, CAUSAL)
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        mbarrier.arrive(v_empty.index(0), count=1)
+        ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
+        for j in range(1, n_tiles):
+            s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
+            prev = (j - 1) % STAGES
+            dq_tok = warpgroup_mma(ds_op, k_smem.index(prev), dq, is_async=True)
+            s = warpgroup_mma_wait(2, deps=(s, ))  # S_j retired; dP_j and dQ_{j-1} may run
+            p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N, CAUSAL)
+            dp = warpgroup_mma_wait(1, deps=(dp, ))
+            mbarrier.arrive(v_empty.index(j % STAGES), count=1)
+            ds_new = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
+            dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+            mbarrier.arrive(k_empty.index(prev), count=1)
+            ds_op = ds_new
+        last = (n_tiles - 1) % STAGES
+        dq_tok = warpgroup_mma(ds_op, k_smem.index(last), dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+        mbarrier.arrive(k_empty.index(last), count=1)
+        return dq
+
+    @gluon.jit
     def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr,
                      delta_ptr, lse_row, dq_row, dq_col, start_m, n_tiles, qk_scale, sm_scale,
                      dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, HALF: gl.constexpr):
-        """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring."""
+                     CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr):
+        """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring
+        (PIPE: ``_dq_loop_pipelined``)."""
         QH: gl.constexpr = dq_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_N)  # [QH, BLOCK_N] S, dP
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [QH, HEAD_DIM] dQ
@@ -367,28 +437,33 @@ if HAVE_GLUON:
         s_zero = gl.zeros([QH, BLOCK_N], gl.float32, s_layout)
         dq = gl.zeros([QH, HEAD_DIM], gl.float32, a_layout)
         mbarrier.wait(q_bar, 0)
-        for j in range(n_tiles):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            start_n = j * BLOCK_N
-            k_t = k_smem.index(slot)
-            mbarrier.wait(k_bars.index(slot), phase)
-            s = warpgroup_mma(q_half, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_bars.index(slot), phase)
-            dp = warpgroup_mma(do_half, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s, ))
-            p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-            if CAUSAL:
-                if start_n + BLOCK_N > q_lo + 1:  # some key of the tile follows some query of this half
-                    keep = gl.expand_dims(q_lo + offs_q, 1) >= gl.expand_dims(start_n + cols, 0)
-                    p = gl.where(keep, p, 0.0)
-            dp = warpgroup_mma_wait(0, deps=(dp, ))
-            mbarrier.arrive(v_empty.index(slot), count=1)
-            ds = p * (dp - gl.expand_dims(delta, 1))
-            ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-            dq_tok = warpgroup_mma(ds_op, k_t, dq, is_async=True)
-            dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
-            mbarrier.arrive(k_empty.index(slot), count=1)
+        if PIPE:
+            dq = _dq_loop_pipelined(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta,
+                                    dq, s_zero, q_lo, offs_q, cols, n_tiles, qk_scale, dtype, op_layout, BLOCK_N,
+                                    STAGES, CAUSAL)
+        else:
+            for j in range(n_tiles):
+                slot = j % STAGES
+                phase = (j // STAGES) & 1
+                start_n = j * BLOCK_N
+                k_t = k_smem.index(slot)
+                mbarrier.wait(k_bars.index(slot), phase)
+                s = warpgroup_mma(q_half, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(v_bars.index(slot), phase)
+                dp = warpgroup_mma(do_half, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s, ))
+                p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+                if CAUSAL:
+                    if start_n + BLOCK_N > q_lo + 1:  # some key of the tile follows some query of this half
+                        keep = gl.expand_dims(q_lo + offs_q, 1) >= gl.expand_dims(start_n + cols, 0)
+                        p = gl.where(keep, p, 0.0)
+                dp = warpgroup_mma_wait(0, deps=(dp, ))
+                mbarrier.arrive(v_empty.index(slot), count=1)
+                ds = p * (dp - gl.expand_dims(delta, 1))
+                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+                dq_tok = warpgroup_mma(ds_op, k_t, dq, is_async=True)
+                dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+                mbarrier.arrive(k_empty.index(slot), count=1)
         q_half.store((dq * sm_scale).to(dtype))  # through Q's dead half and a TMA store
         fence_async_shared()
         _cta_barrier()
@@ -399,7 +474,7 @@ if HAVE_GLUON:
     def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP,
                        T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
                        dq_rb, dq_rh, dq_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr = False):
         """Program (query tile, batch·head) of a 1-D grid in ``_tail_order``, heaviest causal tiles first;
         num_warps = 4. Q/dO/dQ descriptors have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
         dtype: gl.constexpr = q_desc.dtype
@@ -438,10 +513,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
                             k_empty, v_empty, q_row, off_h * q_ch, do_row, off_h * do_ch,
                             off_b * k_rb + off_hk * k_rh, off_hk * k_ch, off_b * v_rb + off_hk * v_rh,
@@ -491,21 +566,27 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
 
 
 def _config(op: str, config, D: int):
-    """(BLOCK_M1, STAGES1, BLOCK_N2, STAGES2) of a config name or tuple."""
+    """(BLOCK_M1, STAGES1, BLOCK_N2, STAGES2, OPTS) of a config name or tuple (OPTS, a mask of ``OPT_PF`` and
+    ``OPT_DQP``, may be left out: 0)."""
     if config is None:
         config = DEFAULT
     if isinstance(config, str):
         if config not in CONFIGS:
             raise ValueError(f"{op}: unknown config {config!r}, have {sorted(CONFIGS)}")
-        return CONFIGS[config][D]
+        config = CONFIGS[config][D]
     try:
-        bm1, st1, bn2, st2 = (int(c) for c in config)
+        vals = tuple(int(c) for c in config)
+        if len(vals) not in (4, 5):
+            raise ValueError
     except (TypeError, ValueError):
         raise ValueError(f"{op}: config must be a name in {sorted(CONFIGS)} or (BLOCK_M1, STAGES1, BLOCK_N2, "
-                         f"STAGES2), got {config!r}") from None
-    if bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128) and 1-4 stages, got {config!r}")
-    return bm1, st1, bn2, st2
+                         f"STAGES2[, PF]), got {config!r}") from None
+    bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
+    if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
+            or not 0 <= opts <= OPT_PF | OPT_DQP):
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-3, "
+                         f"got {config!r}")
+    return bm1, st1, bn2, st2, opts
 
 
 def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
@@ -525,7 +606,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
     CUDA tensors, or CPU tensors standing in for shapes and strides (``compile_sm90``)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    bm1, st1, bn2, st2 = cfg
+    bm1, st1, bn2, st2, opts = cfg
     (q2, *q_c), (do2, *do_c), (k2, *k_c), (v2, *v_c) = (_row_view(x) for x in (q, do, k, v))
     (dq2, *dq_c), (dk2, *dk_c), (dv2, *dv_c) = (_row_view(x) for x in (dq, dk, dv))
     common = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
@@ -539,8 +620,8 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
     dqa = dict(q_desc=_desc(q2, HALF_M, D), do_desc=_desc(do2, HALF_M, D), k_desc=_desc(k2, bn2, D),
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
-    c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal))
-    c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal))
+    c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF))
+    c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP))
     nb = T // RESIDENT
     n_sm = grid_sms(q)
     dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm), tail_heads(nb, B * H, n_sm)
@@ -558,15 +639,14 @@ def tail_order(pid: int, nb: int, n_heads: int, tail: int) -> tuple:
 
 
 def grid_sms(t: torch.Tensor) -> int:
-    """The SM count ``tail_heads`` plans for: that of t's device, or an H200's 132 for the CPU stand-ins of
-    ``compile_sm90`` (only a launch argument; the compiled code does not depend on it)."""
-    return sm_count(t.device) if t.is_cuda else 132
+    """The SM count ``tail_heads`` plans for (``flash_attention.grid_sms`` of t's device)."""
+    return FA.grid_sms(t.device)
 
 
 def tail_heads(nb: int, heads: int, n_sm: int) -> int:
     """How many of the last heads of a grid of nb tiles x heads start tile-major (``_tail_order``): enough for
     ``TAIL_WAVES`` waves of n_sm programs, at most all of them."""
-    return min(heads, -(-TAIL_WAVES * n_sm // nb))
+    return FA.tail_heads(nb, heads, n_sm, TAIL_WAVES)
 
 
 def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False,

@@ -1,0 +1,114 @@
+"""The SM clock while a kernel runs: xtrain's flash-attention backward against cuDNN's, under the same load.
+
+    PYTHONPATH=. python3 bench/clock_probe.py [--seqs 8192,16384] [--head-dims 128] [--reps 40]
+
+Under sustained tensor-core load the H200 lowers its SM clock (nvidia-smi sampling in session 10 read 1665-1725
+MHz during the long backward benchmarks against 1980 MHz at light load). If one backward runs at a lower clock
+than the other, part of the time ratio is power, not schedule. The probe: one single-warp Triton program on a
+side stream spins for a given time while the main stream runs ``reps`` back-to-back calls, and reads the SM's
+cycle counter (``%clock64``) and the global nanosecond timer (``%globaltimer``) at both ends; cycles / ns is
+the mean clock over the window. It takes one SM of 132 (both backwards lose it alike). Reports per backward:
+ms per call (CUDA events over the reps) and the mean clock, and the time ratio at equal clocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _read_clocks(dummy):
+    c = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [dummy], dtype=tl.int64, is_pure=False, pack=1)
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [dummy], dtype=tl.int64, is_pure=False,
+                                  pack=1)
+    return c, t
+
+
+@triton.jit
+def _spin_kernel(OUT, ns):
+    dummy = tl.zeros([1], tl.int64)
+    c0, t0 = _read_clocks(dummy)
+    t = t0
+    c = c0
+    while tl.max(t - t0) < ns:
+        c, t = _read_clocks(dummy)
+    tl.store(OUT + tl.arange(0, 1), c - c0)
+    tl.store(OUT + 1 + tl.arange(0, 1), t - t0)
+
+
+def mean_mhz_during(fn, reps: int, ms_guess: float) -> tuple:
+    """(ms per call of fn, mean SM MHz over a window inside the reps)."""
+    out = torch.zeros(2, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream(priority=-1)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(100_000_000)  # the host queues everything while the GPU sleeps (~50 ms)
+    s.record()
+    for i in range(reps):
+        fn()
+        if i == 1:  # after two calls: the window covers the middle of the run
+            ev = torch.cuda.Event()
+            ev.record()
+            side.wait_event(ev)
+            with torch.cuda.stream(side):
+                _spin_kernel[(1,)](out, int(ms_guess * (reps - 4) * 1e6), num_warps=1)
+    e.record()
+    torch.cuda.synchronize()
+    cycles, ns = out.tolist()
+    return s.elapsed_time(e) / reps, cycles / ns * 1e3
+
+
+def probe(D: int, T: int, reps: int) -> list:
+    """Two alternations of (xtrain, cuDNN): [(xtrain ms, MHz, cuDNN ms, MHz)] x 2."""
+    from bench import isolated
+    from xtrain.kernels import flash_attention as FA
+
+    B, H = 16384 // T, 2048 // D
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=True)
+    fns = {"xtrain": lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True),
+           "cudnn": isolated.cudnn_bwd(q, k, v, do, True)}
+    res = []
+    for _ in range(2):
+        row = ()
+        for fn in fns.values():
+            fn()
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            row += mean_mhz_during(fn, reps, s.elapsed_time(e))
+        res.append(row)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", default="8192,16384")
+    ap.add_argument("--head-dims", default="128")
+    ap.add_argument("--reps", type=int, default=40)
+    a = ap.parse_args()
+    from bench._gpu import warm_up
+
+    _spin_kernel[(1,)](torch.zeros(2, dtype=torch.int64, device="cuda"), 0, num_warps=1)  # compiled before timing
+    warm_up()
+    print(f"{'D':>4} {'T':>6} | {'xtrain ms':>9} {'MHz':>5} | {'cuDNN ms':>8} {'MHz':>5} | ratio | at equal clocks")
+    for D in (int(d) for d in a.head_dims.split(",")):
+        for T in (int(t) for t in a.seqs.split(",")):
+            for xm, xf, cm, cf in probe(D, T, a.reps):
+                print(f"{D:>4} {T:>6} | {xm:9.3f} {xf:5.0f} | {cm:8.3f} {cf:5.0f} | {cm / xm:.3f} | "
+                      f"{cm / xm * cf / xf:.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
