@@ -8,7 +8,8 @@ than the other, part of the time ratio is power, not schedule. The probe: one si
 side stream spins for a given time while the main stream runs ``reps`` back-to-back calls, and reads the SM's
 cycle counter (``%clock64``) and the global nanosecond timer (``%globaltimer``) at both ends; cycles / ns is
 the mean clock over the window. It takes one SM of 132 (both backwards lose it alike). Reports per backward:
-ms per call (CUDA events over the reps) and the mean clock, and the time ratio at equal clocks.
+ms per call (CUDA events over the reps) and the mean clock, and the time ratio at equal clocks; ``--parts``
+first times the Gluon split's two kernels alone the same way (is the whole slower than its parts?).
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def mean_mhz_during(fn, reps: int, ms_guess: float) -> tuple:
     return s.elapsed_time(e) / reps, cycles / ns * 1e3
 
 
-def probe(D: int, T: int, reps: int) -> list:
-    """Two alternations of (xtrain, cuDNN): [(xtrain ms, MHz, cuDNN ms, MHz)] x 2."""
+def probe(D: int, T: int, reps: int, parts: bool = False) -> list:
+    """Two alternations of (xtrain, cuDNN): [(xtrain ms, MHz, cuDNN ms, MHz)] x 2; ``parts``: the two Gluon
+    kernels alone first, [(dK/dV ms, MHz, dQ ms, MHz, xtrain ms, MHz, cuDNN ms, MHz)] x 2."""
     from bench import isolated
     from xtrain.kernels import flash_attention as FA
 
@@ -75,6 +77,15 @@ def probe(D: int, T: int, reps: int) -> list:
     o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=True)
     fns = {"xtrain": lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True),
            "cudnn": isolated.cudnn_bwd(q, k, v, do, True)}
+    if parts:  # the Gluon split's two kernels, each alone (as bench/gluon_bwd_alone.py launches them)
+        from xtrain.kernels import flash_attention_gluon_bwd as GB
+
+        dob, lse32, dq, dk, dv, delta, s, _ = GB._prologue("probe", GB.supported_bwd, GB.HEAD_DIMS, do, q, k, v, o,
+                                                           lse, None, None, None, None)
+        (k1, g1, a1, c1), (k2, g2, a2, c2) = GB._launches(q, k, v, dq, dk, dv, dob, lse32, delta, s, True,
+                                                          GB._config("probe", None, D))
+        fns = {"dK/dV alone": lambda: k1[g1](**a1, **c1, num_warps=4),
+               "dQ alone": lambda: k2[g2](**a2, **c2, num_warps=4), **fns}
     res = []
     for _ in range(2):
         row = ()
@@ -96,6 +107,7 @@ def main() -> int:
     ap.add_argument("--seqs", default="8192,16384")
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--parts", action="store_true", help="also the hd128 Gluon split's two kernels, each alone")
     a = ap.parse_args()
     from bench._gpu import warm_up
 
@@ -104,7 +116,11 @@ def main() -> int:
     print(f"{'D':>4} {'T':>6} | {'xtrain ms':>9} {'MHz':>5} | {'cuDNN ms':>8} {'MHz':>5} | ratio | at equal clocks")
     for D in (int(d) for d in a.head_dims.split(",")):
         for T in (int(t) for t in a.seqs.split(",")):
-            for xm, xf, cm, cf in probe(D, T, a.reps):
+            for row in probe(D, T, a.reps, a.parts):
+                *alone, xm, xf, cm, cf = row
+                if alone:
+                    print(f"{D:>4} {T:>6} | dK/dV alone {alone[0]:.3f} ms {alone[1]:.0f} MHz, dQ alone {alone[2]:.3f} "
+                          f"ms {alone[3]:.0f} MHz: sum {alone[0] + alone[2]:.3f} ms")
                 print(f"{D:>4} {T:>6} | {xm:9.3f} {xf:5.0f} | {cm:8.3f} {cf:5.0f} | {cm / xm:.3f} | "
                       f"{cm / xm * cf / xf:.3f}", flush=True)
     return 0

@@ -6,7 +6,7 @@
 
 The kernels are the library's (xtrain/kernels/flash_attention_gluon_bwd.py: design, credits, H200 numbers
 and the variants that lost); this file is the harness. A variant is a named config of that module
-(``CONFIGS``: split, split3, split_wide), launched through ``flash_attention_bwd_gluon(..., config=name)``.
+(``CONFIGS``: split, split_s9, split3, split_wide), launched through ``flash_attention_bwd_gluon(..., config=name)``.
 The default timing set is ``DEFAULT_BENCH`` (split, split_wide; cuDNN and the Triton kernel always).
 The one-pass variants (fused: dQ by TMA reduce-add, fused_atom: by fp32 atomics) and split_pipe (the dK/dV
 consumer software-pipelined across query tiles) measured slower on the H200 and are gone from here; their
@@ -70,7 +70,7 @@ def replay(variant, D=64, T=384, B=2, H=4, Hkv=2, causal=True, transposed=False,
     from xtrain.kernels.flash_attention import flash_attention_bwd_ref, flash_attention_fwd_ref
     from xtrain.kernels.flash_attention_gluon import _row_view
 
-    BM1, _, BN2, _ = VARIANTS[variant][D]
+    BM1, _, BN2 = VARIANTS[variant][D][:3]
     g = torch.Generator().manual_seed(seed)
 
     def mk(h, data=True):

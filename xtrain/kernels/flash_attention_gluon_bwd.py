@@ -30,11 +30,17 @@ wgmma as its register A operand (no shared-memory round trip).
     Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (A = the K/V half in shared memory, B = the permuted Q/dO tile), Pᵀ and
     dSᵀ in registers, dV += Pᵀ dO and dK += dSᵀ Q. So dK and dV accumulate in registers without
     transposes, and the group sum happens in registers (no atomics). Sᵀ is retired before dPᵀ so the
-    exp2 overlaps dPᵀ's wgmma, and the dV wgmma runs while dSᵀ is formed. dK·scale and dV leave through
-    the dead K/V shared tiles by TMA stores.
+    exp2 overlaps dPᵀ's wgmma, and the dV wgmma runs while dSᵀ is formed. Each step's lse and delta are
+    loaded in the step before, once its dK wgmma is issued (``OPT_PF``, session 10): Sᵀ, dPᵀ and their fp32
+    values are dead there, so the loads' L2 latency is hidden without raising the register peak. dK·scale
+    and dV leave through the dead K/V shared tiles by TMA stores.
   * dQ kernel: one program = 128 query rows of one (batch, head), Q and dO resident (warpgroup w owns
     rows w·64..+64), walking the K/V tiles (causal: up to the diagonal, heaviest programs first):
-    S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K; dQ·scale leaves through Q's dead shared tile.
+    S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K; dQ·scale leaves through Q's dead shared tile. Tile j - 1's dQ wgmma
+    is issued behind tile j's S and dP and retired at the end of step j (``OPT_DQP``, session 10; FA3's
+    intra-warpgroup overlap), so it runs under S_j's exponentials; K_{j-1}'s slot frees a step later, hence
+    a 4-deep K/V ring. (Left in flight across the loop's back edge instead, the dQ wgmma made ptxas
+    serialise every wgmma of the kernel.)
   * The two kernels are independent once delta exists and run concurrently on two CUDA streams (the
     discipline of flash_attention_bwd_triton: the side stream waits for the main one before the dQ launch,
     the main one waits for the side one before returning). 7 matrix products per (query, key) tile pair.
@@ -51,9 +57,16 @@ Tensor layouts: as the forward's, every TMA descriptor is a 2-D row view: contig
 column h·D); a kernel gets (rb, rh, ch) per tensor and addresses (b, h, t) at row b·rb + h·rh + t, column
 h·ch. T being a multiple of 128 keeps every tile inside one head.
 
-Configs (``CONFIGS``): (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2) = the dK/dV kernel's query step and ring
-depth, the dQ kernel's key step and ring depth; "split" is the default at both head dims, "split3" and
-"split_wide" stay selectable (``config="split_wide"`` or a tuple) for bench/gluon_flash_bwd.py.
+Configs (``CONFIGS``): (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) = the dK/dV kernel's query step and
+ring depth, the dQ kernel's key step and ring depth, and a mask of ``OPT_PF`` / ``OPT_DQP``; "split" is the
+default at both head dims, "split_s9" (the default before session 10), "split3" and "split_wide" stay
+selectable (``config="split_wide"`` or a tuple) for bench/gluon_flash_bwd.py and bench/gluon_bwd_alone.py.
+
+Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
+2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
+ring) 1.10 / 1.05 / 1.00-1.01 / 0.94-0.99 / 0.87-0.91; each kernel alone 2-7 % faster up to 8k. At 16k the gap is
+part clock: under sustained load the SM clock falls to ~1.6 GHz, this backward's 2-4 % below cuDNN's
+(bench/clock_probe.py; bench/RESULTS.md). The older numbers below predate the program order and these options.
 
 H200, causal bf16 backward alone, B·T = 16k, H·D = 2048, TFLOP/s as a ratio to cuDNN at T = 1k / 2k / 4k
 / 8k / 16k (bench/gluon_flash_bwd.py):
