@@ -42,6 +42,9 @@ the walk, 0.312 ms at V = 128k, C = 4096 (91% of copy; session 6); fp32 the rows
 host kept ahead): the rows kernel alone takes 0.093-0.103 ms (84-88% of its bytes), but the chain beside it
 (keys, cub's radix sort in five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid,
 each of its kernels waiting 6-14 us for a grid program to retire before it gets an SM.
+Measured and dropped (session 10, fp32): the rows kernel's stores streaming (.cs) or L2-only (.cg), 0.132-0.134 ms
+against 0.133 (the H200 writes 262 MB of zeros at 4.37 TB/s, above the 4.15-4.25 of a copy: writing is not the
+ceiling).
 Measured and dropped (session 9, fp32; code at commits 20c1b47 and d587f69): the frequent ids summed by fp32
 atomic adds instead of the chain (their rows zeroed by one pass, then every token of such an id added into its
 row; bit for bit repeatable no more, so it would have had to yield to the chain under deterministic mode):

@@ -40,7 +40,8 @@ wgmma as its register A operand (no shared-memory round trip).
     is issued behind tile j's S and dP and retired at the end of step j (``OPT_DQP``, session 10; FA3's
     intra-warpgroup overlap), so it runs under S_j's exponentials; K_{j-1}'s slot frees a step later, hence
     a 4-deep K/V ring. (Left in flight across the loop's back edge instead, the dQ wgmma made ptxas
-    serialise every wgmma of the kernel.)
+    serialise every wgmma of the kernel. The same overlap in the dK/dV kernel, dK behind the next step's Sᵀ
+    and dPᵀ, does not fit its registers: offline, every wgmma serialised and ~150 spill stores.)
   * The two kernels are independent once delta exists and run concurrently on two CUDA streams (the
     discipline of flash_attention_bwd_triton: the side stream waits for the main one before the dQ launch,
     the main one waits for the side one before returning). 7 matrix products per (query, key) tile pair.
@@ -64,7 +65,8 @@ selectable (``config="split_wide"`` or a tuple) for bench/gluon_flash_bwd.py and
 
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
-ring) 1.10 / 1.05 / 1.00-1.01 / 0.94-0.99 / 0.87-0.91; each kernel alone 2-7 % faster up to 8k. At 16k the gap is
+ring) 1.10 / 1.05 / 1.00-1.01 / 0.94-0.99 / 0.87-0.91 (xtrain bench attention, two processes: 1.09-1.11 / 1.05 /
+1.01 / 0.89-1.00 / 0.91-0.92); each kernel alone 2-7 % faster up to 8k. At 16k the gap is
 part clock: under sustained load the SM clock falls to ~1.6 GHz, this backward's 2-4 % below cuDNN's
 (bench/clock_probe.py; bench/RESULTS.md). The older numbers below predate the program order and these options.
 
