@@ -108,7 +108,9 @@ def test_gpu_onepass_rejects():
 @pytest.mark.gpu
 def test_gpu_dispatch_sends_hd64_backward_to_onepass(monkeypatch):
     """flash_attention_bwd_triton runs the one-pass kernel for causal 16-bit hd64 at T >= GLUON_ONEPASS_MIN_T,
-    and the Triton kernels in deterministic mode, with BWD_ONEPASS off, below the threshold, non-causal."""
+    and the kernels without atomics (the same bits run to run) in deterministic mode and with BWD_ONEPASS off:
+    the Triton kernels, and the Gluon two-kernel backward from GLUON_BWD_MIN_T[64] on; Triton below the
+    threshold and non-causal."""
     calls = []
     real = OP.flash_attention_bwd_gluon_onepass
 
@@ -128,12 +130,18 @@ def test_gpu_dispatch_sends_hd64_backward_to_onepass(monkeypatch):
         torch.use_deterministic_algorithms(True)
         assert FA.bwd_route(do, q, k, v, o, lse, True) == "triton"
         tri = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
+        again = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
+        long = [torch.empty(1, 2, FA.GLUON_BWD_MIN_T[64], 64, device="cuda", dtype=torch.bfloat16) for _ in range(5)]
+        lse_long = torch.empty(1, 2, FA.GLUON_BWD_MIN_T[64], device="cuda")
+        assert FA.bwd_route(*long[:4], long[4], lse_long, True) == "gluon"
     finally:
         torch.use_deterministic_algorithms(det)
     assert len(calls) == 1
     assert all(rel(a, b) < 1e-2 for a, b in zip(tri, want))
+    assert all(torch.equal(a, b) for a, b in zip(tri, again))
     monkeypatch.setattr(FA, "BWD_ONEPASS", False)
     assert FA.bwd_route(do, q, k, v, o, lse, True) == "triton"
+    assert FA.bwd_route(*long[:4], long[4], lse_long, True) == "gluon"
     monkeypatch.setattr(FA, "BWD_ONEPASS", True)
     assert FA.bwd_route(do, q, k, v, o, lse, False) == "triton"
     h = T // 2

@@ -62,11 +62,12 @@ Ideas used in the Triton kernels, with their record on Hopper:
   * On Hopper the causal 16-bit forward at the lengths of ``GLUON_FWD_MIN_T`` runs a Gluon kernel instead
     (flash_attention_gluon.py: FlashAttention-3's warp specialisation, a TMA producer warp and two
     consumer warpgroups overlapping softmax with async wgmma, persistent over (query tile, head) items),
-    which plain Triton 3.6 could not express; so does the hd128 backward at ``GLUON_BWD_MIN_T``
-    (flash_attention_gluon_bwd.py: the same two-kernel split as here, warp-specialised), and the hd64
-    backward at ``GLUON_ONEPASS_MIN_T`` (flash_attention_gluon_onepass.py: FlashAttention-3's one-pass form
-    with a third warpgroup doing every dQ product; dQ summed by fp32 reduce-adds, so not bit-identical run
-    to run, and skipped under ``torch.use_deterministic_algorithms(True)``). ``bwd_route`` says which runs.
+    which plain Triton 3.6 could not express; so does the backward at ``GLUON_BWD_MIN_T``
+    (flash_attention_gluon_bwd.py: the same two-kernel split as here, warp-specialised; hd128, and hd64 at
+    T >= 16k under ``torch.use_deterministic_algorithms(True)``), and the hd64 backward at ``GLUON_ONEPASS_MIN_T``
+    otherwise (flash_attention_gluon_onepass.py: FlashAttention-3's one-pass form with a third warpgroup
+    doing every dQ product; dQ summed by fp32 reduce-adds, so not bit-identical run to run).
+    ``bwd_route`` says which runs.
   * Host time: those Gluon paths keep a launch plan per input signature (``_plan_key``): the first call
     checks, dispatches, builds descriptors and launches through the JIT, and leaves the compiled kernels and
     argument lists behind (``_dispatch.CachedLaunch``); later calls allocate the outputs and launch them
@@ -766,8 +767,8 @@ def bwd_route(do, q, k, v, o, lse, causal: bool = True, *, config=None, dq=None,
     """Which backward ``flash_attention_bwd_triton`` runs for these inputs: "onepass" (the Gluon one-pass
     kernel, causal 16-bit hd64 from ``GLUON_ONEPASS_MIN_T``; its dQ is summed by fp32 reduce-adds, so never
     under ``torch.use_deterministic_algorithms(True)``), "gluon" (the Gluon two-kernel backward, causal 16-bit
-    hd128 from ``GLUON_BWD_MIN_T``) or "triton" (the rest, and hd64 in deterministic mode: the Triton
-    kernels measured faster than the Gluon two-kernel form at hd64).
+    from ``GLUON_BWD_MIN_T``: hd128, and hd64 at long T where the one-pass kernel does not run, as in
+    deterministic mode) or "triton" (the rest).
     Only without an explicit Triton ``config``; a route whose kernel cannot take the inputs (layout, GPU)
     falls through to the next."""
     if config is not None or not causal or not BWD_GLUON or not q.is_cuda:
@@ -908,10 +909,13 @@ def tail_heads(nb: int, heads: int, n_sm, waves: int) -> int:
 FWD_GLUON = True
 GLUON_FWD_MIN_T = {64: 1024, 128: 1024}
 # The causal 16-bit backward goes to the Gluon two-kernel backward (flash_attention_gluon_bwd.py) for hd128
-# from T = 1024 (H200: 0.90-1.06x cuDNN against the Triton kernel's 0.76-0.92x); hd64 stays on Triton, which
-# measured faster there (0.90-1.06x against 0.82-0.92x). BWD_GLUON = False keeps every call on Triton.
+# from T = 1024 (H200: 0.90-1.06x cuDNN against the Triton kernel's 0.76-0.92x), and for hd64 where the one-pass
+# kernel does not run (deterministic mode, BWD_ONEPASS off) from T = 16384: since session 10's latency fixes the
+# split beats the Triton kernels there (H200, bench shapes, bench/deterministic_bwd.py: 6.894 against 7.238 ms,
+# the same bits) but not below (T = 1k-8k: 0.686 / 1.065 / 1.839 / 3.537 against 0.639 / 1.036 / 1.836 / 3.497).
+# BWD_GLUON = False keeps every call on Triton.
 BWD_GLUON = True
-GLUON_BWD_MIN_T = {128: 1024}
+GLUON_BWD_MIN_T = {64: 16384, 128: 1024}
 # The causal 16-bit hd64 backward goes to the Gluon one-pass kernel (flash_attention_gluon_onepass.py: a third
 # warpgroup does the dQ products, fp32 reduce-adds) from these T on (H200: 1.06-1.09x cuDNN at T = 2k-16k
 # against the Triton kernel's 0.90-1.02x); not in deterministic mode (``bwd_route``). BWD_ONEPASS = False

@@ -75,7 +75,10 @@ H200, causal bf16 backward alone, B·T = 16k, H·D = 2048, TFLOP/s as a ratio to
   hd128  split 1.06 / 0.98 / 0.95 / 0.87 / 0.90     split_wide 1.06 / 0.95 / 0.95 / 0.88 / 0.90
          split3 1.03 / 0.93 / 0.90 / 0.82 / 0.84    Triton kernel 0.92 / 0.85 / 0.83 / 0.76 / 0.78
   hd64   split 0.92 / 0.86 / 0.84 / 0.83 / 0.82     Triton kernel 1.06 / 0.96 / 0.95 / 0.91 / 0.90
-So hd128 gains 11-16 % over the Triton kernel at every length and hd64 stays on Triton.
+So hd128 gains 11-16 % over the Triton kernel at every length and hd64 stayed on Triton. (Session 10: with the
+program order and OPT_PF / OPT_DQP the hd64 split runs 0.97-1.01x / 0.93x cuDNN at T = 1k-4k / 8k-16k, 10-17 %
+above split_s9, with the Triton kernels' bits; it passes them only at 16k (6.89 against 7.24 ms), so it is the
+deterministic hd64 backward from T = 16k: bench/deterministic_bwd.py.)
 Measured and slower (code in git history: bench/gluon_flash_bwd.py at commit 921bd50):
   * split_pipe, the dK/dV consumer software-pipelined across query tiles (FA3's intra-warpgroup overlap:
     tile i's dV/dK wgmmas in flight while tile i+1's Sᵀ/dPᵀ are issued): hd128 0.95 / 0.87 / 0.86 / 0.78 /
