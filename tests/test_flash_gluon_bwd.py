@@ -158,7 +158,9 @@ def test_gluon_bwd_compiles_for_sm90():
     causal, hd128 non-causal on the transposed layout: 4 compiles, in a child process without the Triton
     interpreter, tests/_child.py; the other configs: bench/gluon_flash_bwd.py --compile-only) and use what
     they are built on: wgmma, TMA bulk copies, setmaxnreg of the warp specialisation, mbarrier waits; and no
-    atomics (the backward is deterministic)."""
+    atomics (the backward is deterministic). Where cuobjdump is at hand (Triton's NVIDIA backend ships it), also
+    that ptxas did not serialise the wgmmas (a wait after every HGMMA in the SASS: what a wgmma left in flight
+    across a loop's back edge, or too few registers, make it do; session 10 met both)."""
     from _child import run_without_interpreter
 
     if not GB.HAVE_GLUON:
@@ -166,17 +168,20 @@ def test_gluon_bwd_compiles_for_sm90():
     instrs = ["wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait", "atom.global",
               "red.global"]
     got = run_without_interpreter(f"""
+from bench.gluon_flash_bwd_onepass import ptxas_report
 from xtrain.kernels import flash_attention_gluon_bwd as GB
 out = []
 for D, causal, transposed in ((64, True, False), (128, False, True)):
     for name, ck in GB.compile_sm90(D, causal, GB.DEFAULT, transposed=transposed).items():
-        out.append([D, name, {{i: i in ck.asm["ptx"] for i in {instrs!r}}}])
+        out.append([D, name, {{i: i in ck.asm["ptx"] for i in {instrs!r}}}, ptxas_report(ck)])
 """)
     assert len(got) == 4
-    for D, name, has in got:
+    for D, name, has, sass in got:
         for instr in instrs[:4]:
             assert has[instr], (D, name, instr)
         assert not has["atom.global"] and not has["red.global"], (D, name)
+        if not sass.startswith("SASS n/a"):
+            assert "not serialized" in sass, (D, name, sass)
 
 
 def test_gluon_bwd_module_contract():
