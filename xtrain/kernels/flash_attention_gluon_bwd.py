@@ -187,14 +187,7 @@ if HAVE_GLUON:
         for the last TAIL heads, whose tiles go tile-major (tile 0 of each of them, then tile 1, ...). The
         hardware starts programs in id order, and tile 0 is the heaviest (the caller maps it to its heaviest
         causal tile), so the last programs to start are the lightest and the grid ends level."""
-        n_heads = gl.num_programs(0) // nb
-        first = (n_heads - TAIL) * nb
-        tile = pid % nb
-        head = pid // nb
-        if pid >= first:
-            tile = (pid - first) // TAIL
-            head = n_heads - TAIL + (pid - first) % TAIL
-        return tile, head
+        return FA._tail_order(pid, nb, gl.num_programs(0) // nb, TAIL)  # the Triton kernels' arithmetic
 
     # -----------------------------------------------------------------------------------------------------
     # dK/dV kernel
