@@ -402,7 +402,8 @@ if HAVE_GLUON:
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
         """The dQ consumer's walk with tile j - 1's dQ wgmma issued behind tile j's S and dP, so it runs while S_j's
         exponentials and dS_j are computed (FlashAttention-3's intra-warpgroup overlap). K_{j-1}'s slot is
-        released only when dQ_{j-1} retires, at the end of step j: give the ring 3 stages."""
+        released only when dQ_{j-1} retires, at the end of step j: give the ring at least 3 stages (the default
+        has 4: 1-3 % faster than 3 on the H200)."""
         s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, 0, STAGES)
         s = warpgroup_mma_wait(1, deps=(s, ))
         p = _dq_p(s, lse2, q_lo, offs_q, cols, 0, qk_scale, BLOCK_N, CAUSAL)
