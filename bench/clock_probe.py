@@ -71,21 +71,15 @@ def probe(D: int, T: int, reps: int, parts: bool = False) -> list:
     from bench import isolated
     from xtrain.kernels import flash_attention as FA
 
-    B, H = 16384 // T, 2048 // D
-    torch.manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, do = isolated.bench_inputs(D, T)
     o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=True)
     fns = {"xtrain": lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True),
            "cudnn": isolated.cudnn_bwd(q, k, v, do, True)}
-    if parts:  # the Gluon split's two kernels, each alone (as bench/gluon_bwd_alone.py launches them)
-        from xtrain.kernels import flash_attention_gluon_bwd as GB
+    if parts:  # the Gluon split's two kernels, each alone
+        from bench.gluon_bwd_alone import split_kernels
 
-        dob, lse32, dq, dk, dv, delta, s, _ = GB._prologue("probe", GB.supported_bwd, GB.HEAD_DIMS, do, q, k, v, o,
-                                                           lse, None, None, None, None)
-        (k1, g1, a1, c1), (k2, g2, a2, c2) = GB._launches(q, k, v, dq, dk, dv, dob, lse32, delta, s, True,
-                                                          GB._config("probe", None, D))
-        fns = {"dK/dV alone": lambda: k1[g1](**a1, **c1, num_warps=4),
-               "dQ alone": lambda: k2[g2](**a2, **c2, num_warps=4), **fns}
+        dkdv, dq = split_kernels(q, k, v, do, o, lse, True)
+        fns = {"dK/dV alone": dkdv, "dQ alone": dq, **fns}
     res = []
     for _ in range(2):
         row = ()

@@ -22,9 +22,7 @@ def row(D: int, T: int) -> str:
     from xtrain.kernels import flash_attention as FA
     from xtrain.kernels import flash_attention_gluon_bwd as GB
 
-    B, H = 16384 // T, 2048 // D
-    torch.manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, do = isolated.bench_inputs(D, T)
     o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=True)
     tri_cfg = FA._BWD_CONFIGS[(D, FA._dtype_class(q.dtype))]
     fns = {

@@ -14,9 +14,19 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 _REPORTED: set = set()
+
+
+def split_kernels(q, k, v, do, o, lse, causal: bool = True, config=None) -> tuple:
+    """(dK/dV launch, dQ launch): the Gluon split's two kernels as calls, each launching one kernel alone (the
+    delta preprocess and the output buffers done once here); a call returns the compiled kernel."""
+    from xtrain.kernels import flash_attention_gluon_bwd as GB
+
+    dob, lse32, dq, dk, dv, delta, s, _ = GB._prologue("probe", GB.supported_bwd, GB.HEAD_DIMS, do, q, k, v, o, lse,
+                                                       None, None, None, None)
+    cfg = GB._config("probe", config, q.shape[-1])
+    (k1, g1, a1, c1), (k2, g2, a2, c2) = GB._launches(q, k, v, dq, dk, dv, dob, lse32, delta, s, causal, cfg)
+    return lambda: k1[g1](**a1, **c1, num_warps=4), lambda: k2[g2](**a2, **c2, num_warps=4)
 
 
 def measure(D: int, T: int, config: str, causal: bool = True) -> tuple:
@@ -27,21 +37,17 @@ def measure(D: int, T: int, config: str, causal: bool = True) -> tuple:
     from xtrain.kernels import flash_attention_gluon_bwd as GB
 
     B, H = 16384 // T, 2048 // D
-    torch.manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, do = isolated.bench_inputs(D, T)
     o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=causal)
-    dob, lse32, dq, dk, dv, delta, s, _ = GB._prologue("probe", GB.supported_bwd, GB.HEAD_DIMS, do, q, k, v, o, lse,
-                                                       None, None, None, None)
-    cfg = GB._config("probe", config, D)
-    (k1, g1, a1, c1), (k2, g2, a2, c2) = GB._launches(q, k, v, dq, dk, dv, dob, lse32, delta, s, causal, cfg)
-    ck = k1[g1](**a1, **c1, num_warps=4)
+    dkdv, dq = split_kernels(q, k, v, do, o, lse, causal, config)
+    ck = dkdv()
     if (config, D) not in _REPORTED:  # spills and wgmma serialisation of the dK/dV kernel, from its SASS
         from bench.gluon_flash_bwd_onepass import ptxas_report
 
         _REPORTED.add((config, D))
         print(f"# dK/dV kernel {config} D={D} causal={causal}: {ptxas_report(ck)}", flush=True)
-    t_kv = gpu_time(lambda: k1[g1](**a1, **c1, num_warps=4))["ms"]
-    t_dq = gpu_time(lambda: k2[g2](**a2, **c2, num_warps=4))["ms"]
+    t_kv = gpu_time(dkdv)["ms"]
+    t_dq = gpu_time(dq)["ms"]
     t_all = gpu_time(lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal=causal, config=config))["ms"]
     FA.BWD_TWO_STREAMS, two = False, FA.BWD_TWO_STREAMS
     try:  # the same on one stream: the dK/dV kernel, then the dQ kernel

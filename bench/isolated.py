@@ -232,6 +232,17 @@ def bwd_worst_error(name: str, head_dims, run) -> float:
     return worst
 
 
+def bench_inputs(D: int, T: int, dtype=None, seed: int = 0, tokens: int = 16384, width: int = 2048):
+    """q, k, v, do of the attention bench shapes on the GPU: B = tokens / T, H = Hkv = width / D, random normal
+    (bf16 unless ``dtype``), from a generator seeded with ``seed``."""
+    import torch
+
+    B, H = tokens // T, width // D
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(B, H, T, D, generator=g, device="cuda", dtype=dtype or torch.bfloat16)
+                 for _ in range(4))
+
+
 def cudnn_bwd(q, k, v, do, causal: bool = True):
     """cuDNN's attention backward alone, as a call: ``torch.autograd.grad`` on an SDPA graph saved once (the
     caller drops the call to free the graph). Raises where cuDNN refuses the inputs."""
@@ -258,8 +269,7 @@ def bwd_bench_row(D: int, T: int, runs, warmup: int, rep: int) -> dict:
     from xtrain.kernels.flash_attention import flash_attention_bwd_triton, flash_attention_fwd_triton
 
     B, H = 16384 // T, 2048 // D
-    g = torch.Generator(device="cuda").manual_seed(T * 7 + D)
-    q, k, v, do = (torch.randn(B, H, T, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, do = bench_inputs(D, T, seed=T * 7 + D)
     flops = 2.5 * 4.0 * B * H * T * T * D / 2
     row = {"D": D, "T": T}
 

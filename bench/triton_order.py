@@ -20,12 +20,11 @@ import torch
 
 def measure(D: int, T: int, dtype: torch.dtype, waves: list) -> list:
     """[(waves, fwd ms, bwd ms)] for each value, twice over, after checking they give the same bits."""
+    from bench import isolated
     from bench._gpu import gpu_time
     from xtrain.kernels import flash_attention as FA
 
-    B, H = 16384 // T, 2048 // D
-    torch.manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=dtype) for _ in range(4))
+    q, k, v, do = isolated.bench_inputs(D, T, dtype)
     first = None
     for w in waves:
         FA.TRITON_TAIL_WAVES = w

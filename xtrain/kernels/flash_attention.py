@@ -757,7 +757,7 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
         q, k, v, o, lse, desc_k, desc_v,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        H, T, H // Hkv, s * LOG2E, tail_heads(nb, B * H, q.device, TRITON_TAIL_WAVES),
+        H, T, H // Hkv, s * LOG2E, tail_heads(nb, B * H, grid_sms(q.device), TRITON_TAIL_WAVES),
         CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages)
     return o, lse
@@ -851,7 +851,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            H, Hkv, T, H // Hkv, s * LOG2E, s, tail_heads(nb, B * Hkv, q.device, TRITON_TAIL_WAVES),
+            H, Hkv, T, H // Hkv, s * LOG2E, s, tail_heads(nb, B * Hkv, grid_sms(q.device), TRITON_TAIL_WAVES),
             CAUSAL=bool(causal), EVEN_T=even1, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1,
             DOT_PRECISION=prec, USE_TMA=use_tma1, num_warps=W1, num_stages=S1)
 
@@ -866,7 +866,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            H, T, H // Hkv, s * LOG2E, s, tail_heads(nb, B * H, q.device, TRITON_TAIL_WAVES),
+            H, T, H // Hkv, s * LOG2E, s, tail_heads(nb, B * H, grid_sms(q.device), TRITON_TAIL_WAVES),
             CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
             DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2)
 
@@ -894,12 +894,9 @@ def grid_sms(device) -> int:
     return sm_count(device) if device.type == "cuda" else 132
 
 
-def tail_heads(nb: int, heads: int, n_sm, waves: int) -> int:
+def tail_heads(nb: int, heads: int, n_sm: int, waves: int) -> int:
     """How many of the last heads of a grid of nb tiles x heads start tile-major (``_tail_order``): enough for
-    ``waves`` waves of one program per SM (``n_sm`` an int, or a device for ``grid_sms``), at most all of
-    them."""
-    if not isinstance(n_sm, int):
-        n_sm = grid_sms(n_sm)
+    ``waves`` waves of one program per SM (``n_sm`` SMs, ``grid_sms``), at most all of them."""
     return min(heads, -(-waves * n_sm // nb))
 # The causal 16-bit forward goes to the Gluon kernels (flash_attention_gluon.py: warp-specialised,
 # persistent, Hopper only) from these sequence lengths on, by head dim, where they measured faster than the

@@ -456,19 +456,10 @@ if HAVE_GLUON:
         else:
             for j in range(n_tiles):
                 slot = j % STAGES
-                phase = (j // STAGES) & 1
-                start_n = j * BLOCK_N
                 k_t = k_smem.index(slot)
-                mbarrier.wait(k_bars.index(slot), phase)
-                s = warpgroup_mma(q_half, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(v_bars.index(slot), phase)
-                dp = warpgroup_mma(do_half, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
                 s = warpgroup_mma_wait(1, deps=(s, ))
-                p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-                if CAUSAL:
-                    if start_n + BLOCK_N > q_lo + 1:  # some key of the tile follows some query of this half
-                        keep = gl.expand_dims(q_lo + offs_q, 1) >= gl.expand_dims(start_n + cols, 0)
-                        p = gl.where(keep, p, 0.0)
+                p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N, CAUSAL)
                 dp = warpgroup_mma_wait(0, deps=(dp, ))
                 mbarrier.arrive(v_empty.index(slot), count=1)
                 ds = p * (dp - gl.expand_dims(delta, 1))
@@ -635,7 +626,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP))
     nb = T // RESIDENT
-    n_sm = grid_sms(q)
+    n_sm = FA.grid_sms(q.device)
     dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm), tail_heads(nb, B * H, n_sm)
     return [(_bwd_dkdv_kernel, (nb * B * Hkv,), dkdv, c1),
             (_bwd_dq_kernel, (nb * B * H,), dqa, c2)]
@@ -648,11 +639,6 @@ def tail_order(pid: int, nb: int, n_heads: int, tail: int) -> tuple:
     if pid < first:
         return pid % nb, pid // nb
     return (pid - first) // tail, n_heads - tail + (pid - first) % tail
-
-
-def grid_sms(t: torch.Tensor) -> int:
-    """The SM count ``tail_heads`` plans for (``flash_attention.grid_sms`` of t's device)."""
-    return FA.grid_sms(t.device)
 
 
 def tail_heads(nb: int, heads: int, n_sm: int) -> int:

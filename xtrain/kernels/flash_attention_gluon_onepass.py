@@ -428,7 +428,7 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf,
                   KV_REGS=kv_regs, DQ_REGS=dq_regs)
     nb = T // RESIDENT
-    args["TAIL"] = GB.tail_heads(nb, B * Hkv, GB.grid_sms(q))
+    args["TAIL"] = GB.tail_heads(nb, B * Hkv, FA.grid_sms(q.device))
     return _onepass_kernel, (nb * B * Hkv,), args, consts
 
 
