@@ -25,8 +25,7 @@ from xtrain.kernels import embedding as K
 FORMS = {"side": ((16, 512, 4, "side", 16, True), None),
          "rows K4 8x512 w8": ((16, 512, 4, "rows", 16, True), (4, 8, 512, 8)),
          "rows K2 2x1024 w8": ((16, 512, 4, "rows", 16, True), (2, 2, 1024, 8)),
-         "rows K4 4x512 w4, persistent 3/SM": ((16, 512, 4, "rows", 16, True), (4, 4, 512, 4, 3)),
-         "inline K4 8x512 w8": ((16, 512, 4, "inline", 16, True), (4, 8, 512, 8))}
+         "rows K4 4x512 w4, persistent 3/SM": ((16, 512, 4, "rows", 16, True), (4, 4, 512, 4, 3))}
 
 
 def graph_us(fn) -> float:

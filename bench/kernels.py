@@ -558,24 +558,6 @@ def _v_embedding(N, V, C, dt, smoke=False):
     # the merge kernel launched as the walks' programmatic dependent (PDL, the default) or not
     vs += [("side, walk, keys 16, no PDL", walk, {"PDL": False}),
            ("rows (default ROWS), walk, keys 16, no PDL", rows, {"PDL": False})]
-    # session 11: the "inline" form, the frequent rows listed by a scan of the ids and summed in segments by the
-    # first programs of the rows kernel's own launch; INLINE = (programs per SM, ids per scan step, tokens per
-    # segment, tokens per gather step, columns per unit)
-    inl = (16, bc, 4, "inline", 16, True)
-    rw = (4, 8, rb[1], 8)
-    ih = 1024 if e > 2 else 2048  # columns per unit: 16 bytes x 32 lanes x 8 warps
-    vs += [(f"inline K4 8x{rb[1]} w8, scan {sc} seg {sg} gather {tr}x{hb}{f' maxnreg {mr}' if mr else ''}", inl,
-            {"ROWS": rw, "INLINE": (1, sc, sg, tr, hb), "INLINE_MAXNREG": mr})
-           for sc, sg, tr, hb, mr in ((2048, 64, 8, ih, None), (2048, 32, 8, ih, None), (2048, 128, 8, ih, None),
-                                      (2048, 32, 4, ih, None), (1024, 64, 8, ih, None), (2048, 64, 4, ih, None),
-                                      (2048, 64, 8, ih // 2, None), (2048, 64, 8, ih, 80), (2048, 32, 4, ih, 72),
-                                      (1024, 32, 4, ih, 64))]
-    vs += [(f"inline K{k} {br}x{bcol} w{w}, scan 2048 seg {sg} gather {tr}x{hb}", inl,
-            {"ROWS": (k, br, bcol, w), "INLINE": (1, 2048, sg, tr, hb)})
-           for k, br, bcol, w, sg, tr, hb in ((2, 8, rb[1], 8, 64, 8, ih), (4, 4, rb[1], 4, 64, 8, ih // 2),
-                                              (4, 4, rb[1], 4, 32, 4, ih // 2), (4, 2, rb[1], 4, 32, 4, ih // 2))]
-    # a timing probe: the inline launch with no frequent-row programs (their rows unwritten: fails its check)
-    vs += [("probe, wrong result: inline tiles alone", inl, {"ROWS": rw, "INLINE": (0, 2048, 64, 8, ih)})]
     for name, cfg, *extra in vs:
         def fn(knobs=tuple({"CONFIG": cfg, **(extra[0] if extra else {})}.items())):
             with contextlib.ExitStack() as stack:

@@ -302,8 +302,7 @@ def test_embedding_bwd_cpu(ishape, V, C):
                                     (4, 64, 4, "absent", 16, False, "tile"), (2, 16, 4, "fused", 16, False, "tile"),
                                     (8, 32, 4, "torch", False, False, "tile"), (4, 64, 4, "side", 16, True),
                                     (2, 16, 4, "side", 16, False, "tile"), (4, 64, 4, "rows", 16, True),
-                                    (2, 16, 4, "rows", 16, False, "tile"), (8, 32, 4, "rows", False, False),
-                                    (16, 64, 4, "inline", 16, True)])
+                                    (2, 16, 4, "rows", 16, False, "tile"), (8, 32, 4, "rows", False, False)])
 def test_embedding_bwd_tilings_cpu(config, monkeypatch):
     """Chunk sizes and the zero fills (torch.zeros, a zero kernel for absent rows, zero tiles fused into the
     chunk launch, the zero kernel beside the sort/walk/merge chain, the rows kernel for ids seen at most K
@@ -376,31 +375,6 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
             if chunk == 1:
                 monkeypatch.setattr(K_emb, "CONFIG", (1, 32, 4, "torch", 16, True))
                 assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
-
-
-@needs_cpu_interp
-@pytest.mark.parametrize("rows,inline", [((4, 4, 32, 4), (1, 64, 8, 4, 16)), ((1, 2, 16, 4), (1, 16, 3, 2, 8)),
-                                         ((2, 8, 32, 4), (1, 128, 64, 16, 64)), ((8, 1, 64, 4), (1, 32, 2, 1, 32))])
-def test_embedding_bwd_inline_cpu(rows, inline, monkeypatch):
-    """The "inline" form: rows seen at most K times by the tiles, the others listed by a scan of the ids and
-    summed by the first program in segments (partials added by the last segment in), in one launch. Counts of
-    exactly K and K + 1, every token one id, every token its own id, lists longer than a gather step, a scan
-    step and a segment, more segments than a gather step (the partials' sum in several steps), segments not
-    a multiple of the gather step, column blocks narrower and wider than C; against the reference, bit for
-    bit repeatable."""
-    K = rows[0]
-    monkeypatch.setattr(K_emb, "ROWS", rows)
-    monkeypatch.setattr(K_emb, "INLINE", inline)
-    monkeypatch.setattr(K_emb, "CONFIG", (16, 64, 4, "inline", 16, True))
-    cases = [torch.cat([torch.full((K,), 2), torch.full((K + 1,), 5), torch.tensor([0, 7, 2, 9])]),
-             torch.full((75,), 3), torch.randperm(11), (torch.rand(300) ** 3 * 40).long()]
-    for ids in cases:
-        V = int(ids.max()) + 3
-        for C in (21, 70):
-            d = torch.randn(ids.numel(), C)
-            a = K_emb.embedding_bwd_triton(d, ids, V)
-            assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
-            assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
 
 
 @needs_cpu_interp
@@ -679,26 +653,19 @@ def test_adamw_gpu_bit_exact():
 @pytest.mark.parametrize("config", [None, (16, 1024, 4, "fused", 16, False, "tile"),
                                     (8, 512, 4, "absent", 16, False, "tile"), (16, 1024, 4, "side", 16, True),
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
-                                    (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
-                                    (16, 512, 4, "inline", 16, True), "inline many frequent"])
+                                    (16, 512, 4, "rows", 16, False, "tile"), "rows persistent"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel
     (a missing order between the two would leave NaN rows or zeros where sums belong; the rows kernel's
-    slots are taken by atomics in a new order each run); "inline" has programs wait for lists other programs
-    build in the same launch (a missing release / acquire would read stale list entries), and with "many
-    frequent" 3000 frequent rows, so each of the one-per-SM list programs builds and sums several."""
-    V, C, N = 32000, 1024, 16384
-    # a Zipf-like draw: many repeated ids, as in text
-    ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1).reshape(4, N // 4)
+    slots are taken by atomics in a new order each run)."""
     if config == "rows persistent":  # the rows kernel persistent, 2 programs per SM
         config = (16, 512, 4, "rows", 16, True)
         monkeypatch.setattr(K_emb, "ROWS", (4, 4, 512, 4, 2))
-    if config == "inline many frequent":  # 3000 ids seen 5 times each (K = 4), shuffled, then the Zipf draw
-        config = (16, 512, 4, "inline", 16, True)
-        many = torch.arange(3000, device="cuda").repeat(5)
-        ids = torch.cat([many, ids.flatten()[: N - many.numel()]])[torch.randperm(N, device="cuda")].reshape(4, -1)
     monkeypatch.setattr(K_emb, "CONFIG", config)
+    V, C, N = 32000, 1024, 16384
+    # a Zipf-like draw: many repeated ids, as in text
+    ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1).reshape(4, N // 4)
     d = torch.randn(4, N // 4, C, device="cuda").to(dtype)
     with poisoned():
         a = K_emb.embedding_bwd_triton(d, ids, V)

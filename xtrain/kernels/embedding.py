@@ -42,6 +42,15 @@ the walk, 0.312 ms at V = 128k, C = 4096 (91% of copy; session 6); fp32 the rows
 host kept ahead): the rows kernel alone takes 0.093-0.103 ms (84-88% of its bytes), but the chain beside it
 (keys, cub's radix sort in five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid,
 each of its kernels waiting 6-14 us for a grid program to retire before it gets an SM.
+Measured and dropped (session 11, fp32; code at commit 7ca4268): "inline", the frequent rows inside the rows
+kernel's own launch (the slots pass lists them; the first programs, one per SM, build each one's token list by a
+scan of the ids, meet at a barrier, and sum the rows in segments whose partials the last arrival adds in order;
+no sort, no side stream): 0.137-0.149 ms against 0.133. Its launch with no frequent-row work at all took 0.119
+ms: the list-building branch set the whole launch's registers (86, so 2 programs of 8 warps per SM, where the
+tiles alone fit 3), and the latency-bound programs held slots the tiles needed. The form's floor from its stages
+alone (slots pass 0.013 ms + rows kernel K = 4 0.101-0.103 ms) is 80-81 % of copy even if the frequent rows cost
+nothing, so 85 % needs a faster rows kernel. A register cap on the rows kernel (maxnreg 64 / 56: 4 programs per
+SM) changed nothing (0.133 ms).
 Measured and dropped (session 10, fp32): the rows kernel's stores streaming (.cs) or L2-only (.cg), 0.132-0.134 ms
 against 0.133 (the H200 writes 262 MB of zeros at 4.37 TB/s, above the 4.15-4.25 of a copy: writing is not the
 ceiling).
@@ -342,25 +351,16 @@ def _embedding_keys_kernel(IDS, KEYS, PRESENT, COUNTS, N, ID_BIAS: tl.constexpr,
 
 
 @_jit
-def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl.constexpr,
-                            IDS32=None, NHEAVY=None, HEAVY=None, INLINE: tl.constexpr = False):
+def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl.constexpr):
     """The "rows" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer
     atomic: the final counts do not depend on the order) and, if the slot is below K, writes its token
     index to SLOTS[slot, id]. Which token gets which slot depends on scheduling; the rows kernel sorts a
-    row's slots, so the sum it forms does not. INLINE (the "inline" form) also writes the ids as int32
-    (IDS32, what the frequent rows' list builders scan) and lists the frequent rows: the token that takes
-    slot K appends its id to HEAVY (NHEAVY[0] the count; the list's order depends on scheduling, the rows'
-    sums do not)."""
+    row's slots, so the sum it forms does not."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     ids = tl.load(IDS + i, mask=m, other=0)
     slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
     tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K))
-    if INLINE:
-        tl.store(IDS32 + i, ids.to(tl.int32), mask=m)
-        first_heavy = m & (slot == K)
-        h = tl.atomic_add(NHEAVY + tl.zeros([BLOCK], dtype=tl.int32), 1, mask=first_heavy)
-        tl.store(HEAVY + h, ids.to(tl.int32), mask=first_heavy)
 
 
 @_jit
@@ -485,107 +485,6 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
                    EVICT, ZERO_FAST)
 
 
-@_jit
-def _heavy_list(h, IDS32, COUNTS, HEAVY, HOFF, PBASE, WORK, LIST, CTRL, N, SCAN: tl.constexpr, SEG: tl.constexpr):
-    """The "inline" form's list of frequent row h (HEAVY[h], seen c > K times): its c token indices in token
-    order, found by one scan of the ids (SCAN per step, compacted by an exclusive prefix sum of the hits), in
-    a stretch of LIST from HOFF[h]; then its work: ceil(c / SEG) segments of SEG tokens, pushed to WORK as
-    h·2³² + segment, and, if more than one, as many partial rows from PBASE[h]. Every place is taken by an
-    integer atomic on a CTRL cursor (1: list, 2: partial rows, 3: work): where things lie depends on
-    scheduling, what they hold does not."""
-    r = tl.load(HEAVY + h)
-    c = tl.load(COUNTS + r)
-    off = tl.atomic_add(CTRL + 1, c)
-    base = off
-    for s in range(0, N, SCAN):
-        i = s + tl.arange(0, SCAN)
-        hit = (tl.load(IDS32 + i, mask=i < N, other=-1) == r).to(tl.int32)
-        tl.store(LIST + base + tl.cumsum(hit, 0) - hit, i, mask=hit != 0)
-        base += tl.sum(hit, 0)
-    tl.store(HOFF + h, off)
-    nseg = tl.cdiv(c, SEG)
-    tl.store(PBASE + h, tl.atomic_add(CTRL + 2, tl.where(nseg > 1, nseg, 0)))
-    w = tl.atomic_add(CTRL + 3, nseg)
-    for k in range(0, nseg, 128):
-        seg = k + tl.arange(0, 128)
-        tl.store(WORK + w + seg, (tl.zeros([128], dtype=tl.int64) + h) * 2**32 + seg, mask=seg < nseg)
-
-
-@_jit
-def _heavy_unit(k, cb, DOUT, COUNTS, HEAVY, HOFF, PBASE, WORK, LIST, PART, ARRIVE, DTABLE, C, n_hcb,
-                SEG: tl.constexpr, TR: tl.constexpr, HBC: tl.constexpr):
-    """Work unit k, column block cb: segment s of frequent row h, its dout rows summed TR at a time (the next TR
-    indices loaded while this step's rows are in flight). A row of one segment is written to dtable here;
-    otherwise the segment's sum goes to its partial row, and the program whose arrival completes the row's
-    count (ARRIVE, acq_rel) adds the partials in segment order and writes the row. Fixed shapes, fixed orders:
-    the sum does not depend on scheduling. What other programs wrote in this launch is read past L1 (.cg)."""
-    wv = tl.load(WORK + k, cache_modifier=".cg")
-    h = (wv >> 32).to(tl.int32)
-    s = (wv & 0xFFFFFFFF).to(tl.int32)
-    r = tl.load(HEAVY + h).to(tl.int64)
-    c = tl.load(COUNTS + r)
-    off = tl.load(HOFF + h, cache_modifier=".cg")
-    nseg = tl.cdiv(c, SEG)
-    hi = tl.minimum(c, (s + 1) * SEG)
-    cols = cb * HBC + tl.arange(0, HBC)
-    cmask = cols < C
-    t = tl.arange(0, TR)
-    lo = s * SEG
-    src = tl.load(LIST + off + lo + t, mask=lo + t < hi, other=0, cache_modifier=".cg")
-    acc = tl.zeros([HBC], dtype=tl.float32)
-    for j in range(lo, hi, TR):
-        x = tl.load(DOUT + src.to(tl.int64)[:, None] * C + cols[None, :], mask=((j + t) < hi)[:, None] & cmask[None, :],
-                    other=0.0)
-        src = tl.load(LIST + off + j + TR + t, mask=(j + TR + t) < hi, other=0, cache_modifier=".cg")
-        acc += tl.sum(x.to(tl.float32), axis=0)
-    if nseg == 1:
-        tl.store(DTABLE + r * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
-    else:
-        pb = tl.load(PBASE + h, cache_modifier=".cg")
-        tl.store(PART + (pb + s).to(tl.int64) * C + cols, acc, mask=cmask)
-        tl.debug_barrier()
-        if tl.atomic_add(ARRIVE + h * n_hcb + cb, 1, sem="acq_rel") == nseg - 1:  # the last segment in
-            tl.debug_barrier()
-            tot = tl.zeros([HBC], dtype=tl.float32)
-            for q in range(0, nseg, TR):
-                p = tl.load(PART + (pb + q + t).to(tl.int64)[:, None] * C + cols[None, :],
-                            mask=((q + t) < nseg)[:, None] & cmask[None, :], other=0.0, cache_modifier=".cg")
-                tot += tl.sum(p, axis=0)
-            tl.store(DTABLE + r * C + cols, tot.to(DTABLE.dtype.element_ty), mask=cmask)
-
-
-@_jit
-def _embedding_bwd_inline_kernel(DOUT, IDS32, COUNTS, SLOTS, DTABLE, CTRL, HEAVY, HOFF, PBASE, WORK, LIST, PART,
-                                 ARRIVE, N, V, C, n_cb, n_hcb, P, K: tl.constexpr, BLOCK_R: tl.constexpr,
-                                 BLOCK_C: tl.constexpr, SCAN: tl.constexpr, SEG: tl.constexpr, TR: tl.constexpr,
-                                 HBC: tl.constexpr):
-    """The "inline" form: the rows kernel and the frequent rows in ONE launch, no sort, no side stream. Programs
-    0..P-1 (started first: the hardware starts a grid's programs in id order, and all P fit at once) take
-    the frequent rows: program p builds the lists of rows p, p + P, ... (``_heavy_list``), the P programs meet
-    at a barrier (CTRL[4] counts the arrivals; the wait ends because all P are resident), then program p
-    takes the work units (segment, column block) p, p + P, ... (``_heavy_unit``). The other programs are the
-    rows kernel's tiles (``_rows_tile``: rows seen at most K times, zeros included), which stream around the
-    frequent rows' latency-bound work."""
-    pid = tl.program_id(0)
-    if pid < P:
-        n_heavy = tl.load(CTRL)
-        for h in range(pid, n_heavy, P):
-            _heavy_list(h, IDS32, COUNTS, HEAVY, HOFF, PBASE, WORK, LIST, CTRL, N, SCAN, SEG)
-        tl.debug_barrier()
-        tl.atomic_add(CTRL + 4, 1, sem="release")
-        done = tl.atomic_add(CTRL + 4, 0, sem="acquire")
-        while done < P:
-            done = tl.atomic_add(CTRL + 4, 0, sem="acquire")
-        tl.debug_barrier()
-        n_units = tl.atomic_add(CTRL + 3, 0, sem="acquire")
-        for u in range(pid, n_units * n_hcb, P):
-            _heavy_unit(u // n_hcb, u % n_hcb, DOUT, COUNTS, HEAVY, HOFF, PBASE, WORK, LIST, PART, ARRIVE, DTABLE, C,
-                        n_hcb, SEG, TR, HBC)
-    else:
-        t = pid - P
-        _rows_tile(t // n_cb, t % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, "", False)
-
-
 CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[, chunk body]]]) override, for
 # the bench's sweep.
 # zero fill: "torch" (torch.zeros first), "absent" (_embedding_zero_absent_kernel, then the chunk pass),
@@ -619,12 +518,6 @@ ROWS_ZERO_FAST = False
 PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("side" and "rows" forms, sm_90+):
 # its programs are resident and waiting when the walks end, instead of waiting then for an SM (H200, session 7:
 # the chain ended ~17 us sooner in the timeline; the op 0.133-0.134 vs 0.136 ms fp32, 0.311-0.313 vs 0.314 bf16)
-# "inline" (zero fill mode, session 11): (frequent-row programs per SM, ids per scan step, tokens per segment,
-# tokens per gather step, columns per unit) of _embedding_bwd_inline_kernel, by dout element size; the tiles
-# take ROWS; INLINE overrides for the bench's sweep
-INLINE_DEFAULTS = {2: (1, 2048, 64, 8, 2048), 4: (1, 2048, 64, 8, 1024)}
-INLINE = None
-INLINE_MAXNREG = None  # a register cap for the inline launch (its tiles' occupancy is set by the larger branch)
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 1  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -682,9 +575,9 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
     esize = 2 if dout.element_size() <= 2 else 4
     cfg = CONFIG if CONFIG is not None else DEFAULTS[esize]
     CHUNK, BLOCK_C, num_warps, zero = cfg[:4]
-    if zero not in ("torch", "absent", "fused", "side", "rows", "inline"):
-        raise ValueError(f"embedding_bwd: CONFIG zero fill must be 'torch', 'absent', 'fused', 'side', 'rows' or "
-                         f"'inline', got {zero!r}")
+    if zero not in ("torch", "absent", "fused", "side", "rows"):
+        raise ValueError(f"embedding_bwd: CONFIG zero fill must be 'torch', 'absent', 'fused', 'side' or 'rows', "
+                         f"got {zero!r}")
     key_bits = cfg[4] if len(cfg) > 4 else False
     idx_ahead = bool(cfg[5]) if len(cfg) > 5 else False
     tile = len(cfg) > 6 and cfg[6] == "tile"
@@ -698,9 +591,6 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
     n_chunks = triton.cdiv(N, CHUNK)
     flat = ids.reshape(-1).contiguous()
-    if zero == "inline":
-        _inline(d2, flat, dtable, N, V, C, esize)
-        return dtable
     heavy_k, counts, slots = 0, None, None
     if zero == "rows":
         rcfg = ROWS if ROWS is not None else ROWS_DEFAULTS[esize]
@@ -779,43 +669,6 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         num_warps=num_warps)
     _merge(sorted_ids, part, dtable, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, bias)
     return dtable
-
-
-def _inline(d2, flat, dtable, N, V, C, esize):
-    """The "inline" form (see ``_embedding_bwd_inline_kernel``): one zeroed int32 buffer (counts, arrival
-    counters, the CTRL cursors: one memset), the slots pass, then the one launch."""
-    heavy_k, rbr, rbc, rwarps = (ROWS if ROWS is not None else ROWS_DEFAULTS[esize])[:4]
-    per_sm, scan, seg, tr, hbc = INLINE if INLINE is not None else INLINE_DEFAULTS[esize]
-    if heavy_k not in (1, 2, 4, 8):
-        raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
-    dev = d2.device
-    rbc = min(rbc, triton.next_power_of_2(C))
-    hbc = min(hbc, triton.next_power_of_2(C))
-    n_rcb, n_hcb = triton.cdiv(C, rbc), triton.cdiv(C, hbc)
-    cap = max(1, min(V, N // (heavy_k + 1)))  # rows seen more than K times: at most N / (K + 1)
-    n_part = 2 * triton.cdiv(N, seg)  # partial rows: only rows of 2+ segments have them, at most 2N / SEG
-    n_work = triton.cdiv(N, seg) + cap  # segments: at most N / SEG + one per row
-    zbuf = torch.zeros(V + cap * n_hcb + 5, dtype=torch.int32, device=dev)
-    counts, arrive, ctrl = zbuf[:V], zbuf[V:V + cap * n_hcb], zbuf[V + cap * n_hcb:]
-    heavy, hoff, pbase = torch.empty(3, cap, dtype=torch.int32, device=dev)
-    lst, ids32 = torch.empty(2, N, dtype=torch.int32, device=dev)
-    work = torch.empty(n_work, dtype=torch.int64, device=dev)
-    part = torch.empty(n_part, C, dtype=torch.float32, device=dev)
-    slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dev)
-    _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k, BLOCK=SLOTS_BLOCK,
-                                                            IDS32=ids32, NHEAVY=ctrl, HEAVY=heavy, INLINE=True,
-                                                            num_warps=4)
-    # P frequent-row programs, all resident at once (their barrier needs it): one per SM, which every kernel
-    # that launches at all can hold (two per SM deadlocked on the H200 when the registers allowed two programs
-    # per SM in all); one in the interpreter, which runs programs one after another. per_sm = 0: none (a
-    # timing probe of the tiles alone: wrong result)
-    if per_sm not in (0, 1):
-        raise ValueError(f"embedding_bwd: INLINE programs per SM must be 0 (a probe) or 1, got {per_sm}")
-    P = per_sm * (sm_count(dev) if dev.type == "cuda" else 1)
-    _embedding_bwd_inline_kernel[(P + triton.cdiv(V, rbr) * n_rcb,)](
-        d2, ids32, counts, slots, dtable, ctrl, heavy, hoff, pbase, work, lst, part, arrive, N, V, C, n_rcb, n_hcb,
-        P, K=heavy_k, BLOCK_R=rbr, BLOCK_C=rbc, SCAN=scan, SEG=seg, TR=tr, HBC=hbc, num_warps=rwarps,
-        **({"maxnreg": INLINE_MAXNREG} if INLINE_MAXNREG and dev.type == "cuda" else {}))
 
 
 def embedding_bwd(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
