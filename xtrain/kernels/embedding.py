@@ -43,14 +43,14 @@ host kept ahead): the rows kernel alone takes 0.093-0.103 ms (84-88% of its byte
 (keys, cub's radix sort in five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid,
 each of its kernels waiting 6-14 us for a grid program to retire before it gets an SM.
 Measured and dropped (session 11, fp32; code at commit 7ca4268): "inline", the frequent rows inside the rows
-kernel's own launch (the slots pass lists them; the first programs, one per SM, build each one's token list by a
-scan of the ids, meet at a barrier, and sum the rows in segments whose partials the last arrival adds in order;
-no sort, no side stream): 0.137-0.149 ms against 0.133. Its launch with no frequent-row work at all took 0.119
-ms: the list-building branch set the whole launch's registers (86 in an offline sm_90 build, so 2 programs of 8
-warps per SM, where the tiles alone fit 3), and the latency-bound programs held slots the tiles needed. The form's floor from its stages
-alone (slots pass 0.013 ms + rows kernel K = 4 0.101-0.103 ms) is 80-81 % of copy even if the frequent rows cost
-nothing, so 85 % needs a faster rows kernel. A register cap on the rows kernel (maxnreg 64 / 56: 4 programs per
-SM) changed nothing (0.133 ms).
+kernel's own launch (the slots pass lists them; the first programs, one per SM, build each one's token list by
+a scan of the ids, meet at a barrier, and sum the rows in segments whose partials the last arrival adds in
+order; no sort, no side stream): 0.137-0.149 ms against 0.133. Its launch with no frequent-row work at all took
+0.119 ms: the list-building branch set the whole launch's registers (86 in an offline sm_90 build, so 2
+programs of 8 warps per SM, where the tiles alone fit 3), and the latency-bound programs held slots the tiles
+needed. The form's floor from its stages alone (slots pass 0.013 ms + rows kernel K = 4 0.101-0.103 ms) is
+80-81 % of copy even if the frequent rows cost nothing, so 85 % needs a faster rows kernel. A register cap on
+the rows kernel (maxnreg 64 / 56: 4 programs per SM) changed nothing (0.133 ms).
 Measured and dropped (session 10, fp32): the rows kernel's stores streaming (.cs) or L2-only (.cg), 0.132-0.134 ms
 against 0.133 (the H200 writes 262 MB of zeros at 4.37 TB/s, above the 4.15-4.25 of a copy: writing is not the
 ceiling).
