@@ -24,6 +24,10 @@ from xtrain.kernels import embedding as K
 # name: (CONFIG, ROWS[, other module knobs]) for fp32; bf16 doubles the column blocks
 FORMS = {"side": ((16, 512, 4, "side", 16, True), None),
          "rows K4 8x512 w8": ((16, 512, 4, "rows", 16, True), (4, 8, 512, 8)),
+         "rows K4 1x2048 w8": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8)),
+         "rows K4 1x2048 w8, blocks heavy": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8), {"HEAVY": "blocks"}),
+         "rows K4 2x2048 w16": ((16, 512, 4, "rows", 16, True), (4, 2, 2048, 16)),
+         "rows K4 4x2048 w16": ((16, 512, 4, "rows", 16, True), (4, 4, 2048, 16)),
          "rows K2 2x1024 w8": ((16, 512, 4, "rows", 16, True), (2, 2, 1024, 8)),
          "rows K4 4x512 w4, persistent 3/SM": ((16, 512, 4, "rows", 16, True), (4, 4, 512, 4, 3))}
 
@@ -85,8 +89,10 @@ def main() -> int:
         print(f"\n== {name}, N={N} V={V} C={C} {dt}: {len(ev)} kernels, first start to last end {end:.1f} us "
               f"(graph replay {g:.1f} us)")
         for e in ev:
-            print(f"  stream {e['args'].get('stream')!s:>4}  +{e['ts'] - t0:7.1f} us  {e['dur']:7.1f} us  "
-                  f"{e['name'][:70]}")
+            a = e["args"]
+            print(f"  stream {a.get('stream')!s:>4}  +{e['ts'] - t0:7.1f} us  {e['dur']:7.1f} us  "
+                  f"{e['name'][:60]:<60} block {a.get('block')} regs {a.get('registers per thread')} "
+                  f"smem {a.get('shared memory')}")
     return 0
 
 

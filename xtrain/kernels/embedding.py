@@ -364,6 +364,116 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
 
 
 @_jit
+def _embedding_slots_heavy_kernel(IDS, COUNTS, SLOTS, NHEAVY, HIDX, HID, N, V, K: tl.constexpr,
+                                  BLOCK: tl.constexpr):
+    """``_embedding_slots_kernel`` for the "blocks" frequent-row path: also, the token that takes slot K (its
+    id has just become frequent: more than K tokens) gives the id the next compact index h (an integer
+    atomic on NHEAVY): HIDX[id] = h, HID[h] = id. Which id gets which h depends on scheduling; h only places
+    the id's partial sums in memory, never orders an addition."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    ids = tl.load(IDS + i, mask=m, other=0)
+    slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
+    tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K))
+    new = m & (slot == K)
+    h = tl.atomic_add(NHEAVY + tl.zeros([BLOCK], dtype=tl.int32), 1, mask=new)
+    tl.store(HIDX + ids, h, mask=new)
+    tl.store(HID + h, ids.to(tl.int32), mask=new)
+
+
+@_jit
+def _embedding_heavy_blocks_kernel(IDS, COUNTS, HIDX, DOUT, PART, RUNMAP, SCR, N, C, nb, K: tl.constexpr,
+                                   TB: tl.constexpr, SUB: tl.constexpr, BLOCK_C: tl.constexpr,
+                                   PDL: tl.constexpr = False):
+    """The "blocks" frequent-row path, first pass. Program (b, cb) takes the TB tokens [b·TB, (b+1)·TB) and
+    the column block cb. Its frequent tokens (COUNTS[id] > K) are sorted by (id, token) within the block
+    (``tl.sort`` of TB keys id·TB + position; the other tokens get a key that sorts last), so each frequent
+    id's tokens in the block form one run, in token order. Each run's sum, ((x0 + x1) + x2) + ..., in fp32,
+    goes to PART row b·TB + r (r: the run's index in the block), and the (cb = 0) program records it in
+    RUNMAP[HIDX[id], b] = b·TB + r + 1 (0: the id has no run in block b). The runs are gathered SUB sorted
+    tokens at a time as one [SUB, BLOCK_C] tile and summed by a segmented scan; a run that spans tiles carries
+    its partial row into the next. No sort across blocks, no atomics: the merge pass adds an id's partials in
+    block order. SCR: TB int64 of scratch per program (the sorted keys, read back at other offsets)."""
+    if PDL:
+        gdc_launch_dependents()
+    b = tl.program_id(0)
+    cb = tl.program_id(1)
+    j = tl.arange(0, TB)
+    tok = b.to(tl.int64) * TB + j
+    m = tok < N
+    ids = tl.load(IDS + tok, mask=m, other=0).to(tl.int64)
+    heavy = m & (tl.load(COUNTS + ids, mask=m, other=0) > K)
+    nh = tl.sum(heavy.to(tl.int32), axis=0)
+    if nh > 0:
+        big = 2**62
+        key = tl.where(heavy, ids * TB + j, big)
+        skey = tl.sort(key)
+        scr = SCR + (b.to(tl.int64) * tl.num_programs(1) + cb) * TB
+        tl.store(scr + j, skey)
+        tl.debug_barrier()
+        sid = skey // TB
+        prev = tl.load(scr + j - 1, mask=j > 0, other=-1)
+        start = (j < nh) & ((j == 0) | (prev // TB != sid) | (prev < 0))
+        if cb == 0:
+            rid = tl.cumsum(start.to(tl.int32), axis=0) - 1
+            h = tl.load(HIDX + sid, mask=start, other=0).to(tl.int64)
+            tl.store(RUNMAP + h * nb + b, (b * TB + rid + 1).to(tl.int32), mask=start)
+        cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        e = tl.arange(0, SUB)
+        carry = tl.zeros([BLOCK_C], dtype=tl.float32)
+        nrun = tl.zeros([], dtype=tl.int32)  # runs started before this tile
+        for s0 in range(0, nh, SUB):
+            k = s0 + e
+            em = k < nh
+            ke = tl.load(scr + k, mask=em, other=big)
+            kp = tl.load(scr + k - 1, mask=em & (k > 0), other=-1)
+            kn = tl.load(scr + k + 1, mask=em & (k + 1 < nh), other=big)
+            ide = ke // TB
+            st = em & ((k == 0) | (kp // TB != ide) | (kp < 0))
+            end = em & ((k + 1 == nh) | (kn // TB != ide))
+            src = b.to(tl.int64) * TB + ke % TB
+            x = tl.load(DOUT + src[:, None] * C + cols[None, :], mask=em[:, None] & cmask[None, :],
+                        other=0.0).to(tl.float32)
+            # a run that began in an earlier tile: its partial goes first, (carry + x0) + x1 ...
+            x += tl.where(((e == 0) & ~st)[:, None], carry[None, :], 0.0)
+            seg = (st | (e == 0)).to(tl.int32)[:, None] + tl.zeros([SUB, BLOCK_C], dtype=tl.int32)
+            _, run = tl.associative_scan((seg, x), 0, _seg_add)
+            r = nrun + tl.cumsum(st.to(tl.int32), axis=0) - 1
+            tl.store(PART + (b.to(tl.int64) * TB + r)[:, None] * C + cols[None, :], run,
+                     mask=end[:, None] & cmask[None, :])
+            last = tl.minimum(nh - s0, SUB) - 1
+            carry = tl.sum(tl.where((e == last)[:, None], run, 0.0), axis=0)
+            nrun += tl.sum(st.to(tl.int32), axis=0)
+
+
+@_jit
+def _embedding_heavy_merge_kernel(NHEAVY, HID, RUNMAP, PART, DTABLE, C, n_cb, NB: tl.constexpr,
+                                  BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    """The "blocks" path's second pass: program p takes the (frequent id h, column block) pairs p, p + G, ...
+    (G programs; NHEAVY ids) and adds the id's run partials in block order, BLOCK_B blocks per step (a
+    [BLOCK_B, BLOCK_C] tile of the partial rows RUNMAP names, summed over its rows): a fixed order, whatever
+    the scheduling. The NB / BLOCK_B steps are unrolled, so their loads are in flight together. PDL: launched
+    as the first pass's programmatic dependent, it waits here for its writes."""
+    if PDL:
+        gdc_wait()
+    nheavy = tl.load(NHEAVY)
+    bb = tl.arange(0, BLOCK_B)
+    for t in range(tl.program_id(0), nheavy * n_cb, tl.num_programs(0)):
+        h = (t // n_cb).to(tl.int64)
+        cols = (t % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for b0 in tl.static_range(0, NB, BLOCK_B):
+            r = tl.load(RUNMAP + h * NB + b0 + bb, mask=b0 + bb < NB, other=0).to(tl.int64)
+            tile = tl.load(PART + (r - 1)[:, None] * C + cols[None, :], mask=(r > 0)[:, None] & cmask[None, :],
+                           other=0.0)
+            acc += tl.sum(tile, axis=0)
+        row = tl.load(HID + h).to(tl.int64)
+        tl.store(DTABLE + row * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
+
+
+@_jit
 def _cx(a, b):
     """A compare-exchange of a sorting network: (min, max), elementwise."""
     return tl.minimum(a, b), tl.maximum(a, b)
@@ -518,6 +628,15 @@ ROWS_ZERO_FAST = False
 PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("side" and "rows" forms, sm_90+):
 # its programs are resident and waiting when the walks end, instead of waiting then for an SM (H200, session 7:
 # the chain ended ~17 us sooner in the timeline; the op 0.133-0.134 vs 0.136 ms fp32, 0.311-0.313 vs 0.314 bf16)
+# the rows form's frequent rows (seen more than K times): "chain" (the keys, cub's radix sort, the walks and the
+# merge on the side stream) or "blocks" (session 12: per token block, a sort of the block's own frequent tokens
+# and their run sums into partial rows, then a merge of each id's partials in block order; two kernels, no sort
+# across blocks). HEAVY_BLOCKS = (tokens per block TB, sorted tokens per gather SUB, BLOCK_C, num_warps, merge
+# blocks per step, merge BLOCK_C, merge programs per SM)
+HEAVY = "chain"
+HEAVY_BLOCKS = (128, 16, 512, 4, 16, 512, 2)
+HEAVY_MAIN_FIRST = True  # "blocks": the rows grid is queued before the frequent-row kernels
+HEAVY_MERGE_PDL = False  # "blocks": the merge as the first pass's programmatic dependent
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 1  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -598,10 +717,25 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         per_sm = rcfg[4] if len(rcfg) > 4 else 0
         if heavy_k not in (1, 2, 4, 8):
             raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
-        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
-        _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
-                                                                BLOCK=SLOTS_BLOCK, num_warps=4)
+        if HEAVY == "blocks":
+            tb = HEAVY_BLOCKS[0]
+            nb = triton.cdiv(N, tb)
+            hmax = N // (heavy_k + 1)  # each frequent id has more than K tokens
+            # one zero fill: the counts, the frequent-id counter and the run map [hmax, nb]
+            zeroed = torch.zeros(V + 1 + hmax * nb, dtype=torch.int32, device=dout.device)
+            counts, nheavy, runmap = zeroed[:V], zeroed[V:V + 1], zeroed[V + 1:]
+            hidx = torch.empty(V, dtype=torch.int32, device=dout.device)
+            hid = torch.empty(max(hmax, 1), dtype=torch.int32, device=dout.device)
+            _embedding_slots_heavy_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, nheavy, hidx, hid,
+                                                                          N, V, K=heavy_k, BLOCK=SLOTS_BLOCK,
+                                                                          num_warps=4)
+        elif HEAVY == "chain":
+            counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
+            _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
+                                                                    BLOCK=SLOTS_BLOCK, num_warps=4)
+        else:
+            raise ValueError(f"embedding_bwd: HEAVY must be 'chain' or 'blocks', got {HEAVY!r}")
         rbc = min(rbc, triton.next_power_of_2(C))
     mark = zero in ("absent", "fused", "side")
 
@@ -647,8 +781,25 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                                                  BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
                                                  EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
             chain = sort_walk_merge
+            if HEAVY == "blocks":
+                def chain():
+                    tb, sub, hbc, hw, mbb, mbc, mper = HEAVY_BLOCKS
+                    hbc = min(hbc, triton.next_power_of_2(C))
+                    mbc = min(mbc, triton.next_power_of_2(C))
+                    n_hcb, n_mcb = triton.cdiv(C, hbc), triton.cdiv(C, mbc)
+                    part = torch.empty(nb * tb, C, dtype=torch.float32, device=dout.device)  # runs <= tokens
+                    scr = torch.empty(nb * n_hcb * tb, dtype=torch.int64, device=dout.device)
+                    pdl = bool(HEAVY_MERGE_PDL) and pdl_ok(d2)
+                    _embedding_heavy_blocks_kernel[(nb, n_hcb)](flat, counts, hidx, d2, part, runmap, scr, N, C, nb,
+                                                               K=heavy_k, TB=tb, SUB=sub, BLOCK_C=hbc, PDL=pdl,
+                                                               num_warps=hw)
+                    n_sm = sm_count(dout.device) if dout.is_cuda else 1
+                    _embedding_heavy_merge_kernel[(max(1, min(hmax * n_mcb, mper * n_sm)),)](
+                        nheavy, hid, runmap, part, dtable, C, n_mcb, NB=nb, BLOCK_B=mbb, BLOCK_C=mbc, PDL=pdl,
+                        num_warps=4, **({"launch_pdl": True} if pdl else {}))
         if dout.is_cuda:
-            run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY)
+            run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY,
+                             main_first=zero == "rows" and HEAVY == "blocks" and HEAVY_MAIN_FIRST)
         else:
             grid_pass()
             chain()
