@@ -130,23 +130,52 @@ def side_stream(device, high_priority: bool = False) -> torch.cuda.Stream:
     return _SIDE_STREAMS[key]
 
 
-def run_side_by_side(device, main_launch, side_launch, high_priority: bool = False, main_first: bool = False) -> None:
+def run_side_by_side(device, main_launch, side_launch, high_priority: bool = False) -> None:
     """Launch ``side_launch`` on the side stream and ``main_launch`` on the current one, concurrently: the
     side stream first waits for the current one (inputs and buffers ready), and the current one waits for
     the side stream before this returns, so later work on it (and the caching allocator's reuse of the
     memory both read) is ordered after both launches. ``high_priority``: the side stream of the highest
-    priority (see ``side_stream``). ``main_first``: ``main_launch`` is queued first (its grid takes the SMs
-    first; the side stream's programs start as its programs retire)."""
+    priority (see ``side_stream``)."""
     main = torch.cuda.current_stream(device)
     side = side_stream(device, high_priority=high_priority)
     side.wait_stream(main)
-    if main_first:
-        main_launch()
     with torch.cuda.stream(side):
         side_launch()
-    if not main_first:
-        main_launch()
+    main_launch()
     main.wait_stream(side)
+
+
+_CARVEOUT: dict = {}  # CUfunction handle -> the carveout last set on it
+_LIBCUDA = None
+
+
+def prefer_shared_memory(compiled, percent: int) -> bool:
+    """Set a compiled Triton kernel's preferred shared-memory carveout (the part of each SM's L1/shared storage
+    configured as shared memory while its programs run; CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) to
+    ``percent`` of the maximum (-1: the driver's default), if it differs from what was set last; it applies to
+    later launches. Why (session 12): an SM runs
+    programs of several kernels at once only under one carveout, so a kernel that uses no shared memory and
+    fills the SMs can keep a kernel that needs shared memory (cub's radix sort: 46 KB per block) waiting on a
+    side stream until an SM drains. Returns whether it was set (False without a CUDA driver or a handle)."""
+    global _LIBCUDA
+    handle = getattr(compiled, "function", None)
+    if handle is None:
+        return False
+    if _CARVEOUT.get(handle, -1) == percent:
+        return True
+    try:
+        if _LIBCUDA is None:
+            import ctypes
+
+            _LIBCUDA = ctypes.CDLL("libcuda.so.1")
+        import ctypes
+
+        ok = _LIBCUDA.cuFuncSetAttribute(ctypes.c_void_p(handle), 9, int(percent)) == 0  # 9: the carveout
+    except OSError:
+        return False
+    if ok:
+        _CARVEOUT[handle] = percent
+    return ok
 
 
 def is_per_call(value) -> bool:

@@ -38,10 +38,24 @@ Sort keys: int32 (half the radix passes of int64) or int16 (ids - 32768, V <= 65
 It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which accumulates a
 whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, GPU time): bf16 the side streams with
 the walk, 0.312 ms at V = 128k, C = 4096 (91% of copy; session 6); fp32 the rows form, 0.133-0.137 ms at V =
-32k, C = 2048 (68-70%; session 7; "side" 0.153-0.156 ms). What keeps fp32 short of the goal (a profile with the
+32k, C = 2048 (68-70%; session 7; "side" 0.153-0.156 ms; 0.129-0.131 ms, 71-73 %, with whole-row tiles, session 12).
+What keeps fp32 short of the goal (a profile with the
 host kept ahead): the rows kernel alone takes 0.093-0.103 ms (84-88% of its bytes), but the chain beside it
 (keys, cub's radix sort in five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid,
 each of its kernels waiting 6-14 us for a grid program to retire before it gets an SM.
+Session 12 (fp32, bench/embedding_rows_probe.py, GPU time): the rows kernel alone on its 372 MB reads 0.099 ms
+with one whole 2048-column row per program (1x2048 on 8 or 4 warps) against 0.109 ms for the 8x512 tiles of
+before; reading each row's tokens from consecutive dout rows instead (same bytes) gains only 0-3 us, and a
+scattered row-block order loses 5 us: the gathers' randomness is not the cost. With those tiles the rows kernel
+ran unstretched beside the chain (98.7 us), and the chain became the longer branch: its kernels wait 8-15 us
+each for room, because a waiting kernel needs more than one retiring rows program frees (cub's onesweep
+blocks: 512 threads x 64 registers and 46 KB of shared memory; a rows program: 256 x 36). Measured and dropped
+(code at commit aa815c1): "blocks", the frequent rows in two kernels with no global sort (per block of TB
+tokens a tl.sort of its frequent tokens, their runs summed into partial rows, then a merge of each id's
+partials in block order): 0.132-0.222 ms against the chain's 0.129-0.131. Its first kernel (168 registers,
+latency-bound) took the SMs ahead of the rows grid for 15-18 us under the side stream's priority, and its merge
+ran 81-136 us. Bound: every byte at the rows kernel's own rate (3.76 TB/s) is 0.107 ms, plus the counts and
+slots pass (~8 us to the rows kernel's start) 0.115 ms, so the 85 % line (0.111 ms) is out of this form's reach.
 Measured and dropped (session 11, fp32; code at commit 7ca4268): "inline", the frequent rows inside the rows
 kernel's own launch (the slots pass lists them; the first programs, one per SM, build each one's token list by
 a scan of the ids, meet at a barrier, and sum the rows in segments whose partials the last arrival adds in
@@ -85,6 +99,7 @@ from xtrain.kernels._dispatch import (
     gdc_launch_dependents,
     gdc_wait,
     pdl_ok,
+    prefer_shared_memory,
     run_side_by_side,
     sm_count,
     tl,
@@ -364,116 +379,6 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
 
 
 @_jit
-def _embedding_slots_heavy_kernel(IDS, COUNTS, SLOTS, NHEAVY, HIDX, HID, N, V, K: tl.constexpr,
-                                  BLOCK: tl.constexpr):
-    """``_embedding_slots_kernel`` for the "blocks" frequent-row path: also, the token that takes slot K (its
-    id has just become frequent: more than K tokens) gives the id the next compact index h (an integer
-    atomic on NHEAVY): HIDX[id] = h, HID[h] = id. Which id gets which h depends on scheduling; h only places
-    the id's partial sums in memory, never orders an addition."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    ids = tl.load(IDS + i, mask=m, other=0)
-    slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
-    tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K))
-    new = m & (slot == K)
-    h = tl.atomic_add(NHEAVY + tl.zeros([BLOCK], dtype=tl.int32), 1, mask=new)
-    tl.store(HIDX + ids, h, mask=new)
-    tl.store(HID + h, ids.to(tl.int32), mask=new)
-
-
-@_jit
-def _embedding_heavy_blocks_kernel(IDS, COUNTS, HIDX, DOUT, PART, RUNMAP, SCR, N, C, nb, K: tl.constexpr,
-                                   TB: tl.constexpr, SUB: tl.constexpr, BLOCK_C: tl.constexpr,
-                                   PDL: tl.constexpr = False):
-    """The "blocks" frequent-row path, first pass. Program (b, cb) takes the TB tokens [b·TB, (b+1)·TB) and
-    the column block cb. Its frequent tokens (COUNTS[id] > K) are sorted by (id, token) within the block
-    (``tl.sort`` of TB keys id·TB + position; the other tokens get a key that sorts last), so each frequent
-    id's tokens in the block form one run, in token order. Each run's sum, ((x0 + x1) + x2) + ..., in fp32,
-    goes to PART row b·TB + r (r: the run's index in the block), and the (cb = 0) program records it in
-    RUNMAP[HIDX[id], b] = b·TB + r + 1 (0: the id has no run in block b). The runs are gathered SUB sorted
-    tokens at a time as one [SUB, BLOCK_C] tile and summed by a segmented scan; a run that spans tiles carries
-    its partial row into the next. No sort across blocks, no atomics: the merge pass adds an id's partials in
-    block order. SCR: TB int64 of scratch per program (the sorted keys, read back at other offsets)."""
-    if PDL:
-        gdc_launch_dependents()
-    b = tl.program_id(0)
-    cb = tl.program_id(1)
-    j = tl.arange(0, TB)
-    tok = b.to(tl.int64) * TB + j
-    m = tok < N
-    ids = tl.load(IDS + tok, mask=m, other=0).to(tl.int64)
-    heavy = m & (tl.load(COUNTS + ids, mask=m, other=0) > K)
-    nh = tl.sum(heavy.to(tl.int32), axis=0)
-    if nh > 0:
-        big = 2**62
-        key = tl.where(heavy, ids * TB + j, big)
-        skey = tl.sort(key)
-        scr = SCR + (b.to(tl.int64) * tl.num_programs(1) + cb) * TB
-        tl.store(scr + j, skey)
-        tl.debug_barrier()
-        sid = skey // TB
-        prev = tl.load(scr + j - 1, mask=j > 0, other=-1)
-        start = (j < nh) & ((j == 0) | (prev // TB != sid) | (prev < 0))
-        if cb == 0:
-            rid = tl.cumsum(start.to(tl.int32), axis=0) - 1
-            h = tl.load(HIDX + sid, mask=start, other=0).to(tl.int64)
-            tl.store(RUNMAP + h * nb + b, (b * TB + rid + 1).to(tl.int32), mask=start)
-        cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        e = tl.arange(0, SUB)
-        carry = tl.zeros([BLOCK_C], dtype=tl.float32)
-        nrun = tl.zeros([], dtype=tl.int32)  # runs started before this tile
-        for s0 in range(0, nh, SUB):
-            k = s0 + e
-            em = k < nh
-            ke = tl.load(scr + k, mask=em, other=big)
-            kp = tl.load(scr + k - 1, mask=em & (k > 0), other=-1)
-            kn = tl.load(scr + k + 1, mask=em & (k + 1 < nh), other=big)
-            ide = ke // TB
-            st = em & ((k == 0) | (kp // TB != ide) | (kp < 0))
-            end = em & ((k + 1 == nh) | (kn // TB != ide))
-            src = b.to(tl.int64) * TB + ke % TB
-            x = tl.load(DOUT + src[:, None] * C + cols[None, :], mask=em[:, None] & cmask[None, :],
-                        other=0.0).to(tl.float32)
-            # a run that began in an earlier tile: its partial goes first, (carry + x0) + x1 ...
-            x += tl.where(((e == 0) & ~st)[:, None], carry[None, :], 0.0)
-            seg = (st | (e == 0)).to(tl.int32)[:, None] + tl.zeros([SUB, BLOCK_C], dtype=tl.int32)
-            _, run = tl.associative_scan((seg, x), 0, _seg_add)
-            r = nrun + tl.cumsum(st.to(tl.int32), axis=0) - 1
-            tl.store(PART + (b.to(tl.int64) * TB + r)[:, None] * C + cols[None, :], run,
-                     mask=end[:, None] & cmask[None, :])
-            last = tl.minimum(nh - s0, SUB) - 1
-            carry = tl.sum(tl.where((e == last)[:, None], run, 0.0), axis=0)
-            nrun += tl.sum(st.to(tl.int32), axis=0)
-
-
-@_jit
-def _embedding_heavy_merge_kernel(NHEAVY, HID, RUNMAP, PART, DTABLE, C, n_cb, NB: tl.constexpr,
-                                  BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
-    """The "blocks" path's second pass: program p takes the (frequent id h, column block) pairs p, p + G, ...
-    (G programs; NHEAVY ids) and adds the id's run partials in block order, BLOCK_B blocks per step (a
-    [BLOCK_B, BLOCK_C] tile of the partial rows RUNMAP names, summed over its rows): a fixed order, whatever
-    the scheduling. The NB / BLOCK_B steps are unrolled, so their loads are in flight together. PDL: launched
-    as the first pass's programmatic dependent, it waits here for its writes."""
-    if PDL:
-        gdc_wait()
-    nheavy = tl.load(NHEAVY)
-    bb = tl.arange(0, BLOCK_B)
-    for t in range(tl.program_id(0), nheavy * n_cb, tl.num_programs(0)):
-        h = (t // n_cb).to(tl.int64)
-        cols = (t % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for b0 in tl.static_range(0, NB, BLOCK_B):
-            r = tl.load(RUNMAP + h * NB + b0 + bb, mask=b0 + bb < NB, other=0).to(tl.int64)
-            tile = tl.load(PART + (r - 1)[:, None] * C + cols[None, :], mask=(r > 0)[:, None] & cmask[None, :],
-                           other=0.0)
-            acc += tl.sum(tile, axis=0)
-        row = tl.load(HID + h).to(tl.int64)
-        tl.store(DTABLE + row * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
-
-
-@_jit
 def _cx(a, b):
     """A compare-exchange of a sorting network: (min, max), elementwise."""
     return tl.minimum(a, b), tl.maximum(a, b)
@@ -595,6 +500,74 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
                    EVICT, ZERO_FAST)
 
 
+@_jit
+def _rows_meta(t, n_cb, n_tiles, COUNTS, SLOTS, V, K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Tile t's counts and its rows' K slots (2**31 - 1 for slots past a row's count), all loaded at once: the
+    slot loads do not wait on the count (a slot past the count is read, then replaced). A tile past n_tiles
+    reads nothing and owns no row (count K + 1)."""
+    rows = (t // n_cb).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < tl.where(t < n_tiles, V, 0)
+    cnt = tl.load(COUNTS + rows, mask=live, other=K + 1)
+    big = 2**31 - 1
+    s0 = tl.load(SLOTS + rows, mask=live, other=big)
+    s1 = s0
+    s2 = s0
+    s3 = s0
+    if K >= 2:
+        s1 = tl.load(SLOTS + V + rows, mask=live, other=big)
+    if K >= 4:
+        s2 = tl.load(SLOTS + 2 * V + rows, mask=live, other=big)
+        s3 = tl.load(SLOTS + 3 * V + rows, mask=live, other=big)
+    s0 = tl.where(cnt > 0, s0, big)
+    s1 = tl.where(cnt > 1, s1, big)
+    s2 = tl.where(cnt > 2, s2, big)
+    s3 = tl.where(cnt > 3, s3, big)
+    return cnt, s0, s1, s2, s3
+
+
+@_jit
+def _rows_emit(t, n_cb, cnt, s0, s1, s2, s3, DOUT, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    """Tile t of the rows form from its loaded counts and slots (``_rows_meta``): the same sums and stores as
+    ``_rows_sum``."""
+    rows = (t // n_cb).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (t % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    own = cnt <= K
+    if K == 2:
+        s0, s1 = _cx(s0, s1)
+    if K == 4:
+        s0, s1 = _cx(s0, s1)
+        s2, s3 = _cx(s2, s3)
+        s0, s2 = _cx(s0, s2)
+        s1, s3 = _cx(s1, s3)
+        s1, s2 = _cx(s1, s2)
+    acc = _row_add(tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32), DOUT, s0, own & (cnt > 0), cols, cmask, C, "")
+    if K >= 2:
+        acc = _row_add(acc, DOUT, s1, own & (cnt > 1), cols, cmask, C, "")
+    if K >= 4:
+        acc = _row_add(acc, DOUT, s2, own & (cnt > 2), cols, cmask, C, "")
+        acc = _row_add(acc, DOUT, s3, own & (cnt > 3), cols, cmask, C, "")
+    tl.store(DTABLE + rows[:, None] * C + cols[None, :], acc.to(DTABLE.dtype.element_ty),
+             mask=own[:, None] & cmask[None, :])
+
+
+@_jit
+def _embedding_bwd_rows_pipe_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles, K: tl.constexpr,
+                                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The rows form's grid, persistent and software-pipelined (session 12): program p takes tiles p, p + G, ...
+    and loads the next tile's counts and slots before it gathers and stores the current one, so each tile
+    waits on one round trip (its gathers) instead of three (count, slots, gathers). K = 1, 2 or 4. A small
+    grid (a few programs per SM) leaves room on every SM for the side stream's chain kernels."""
+    G = tl.num_programs(0)
+    t0 = tl.program_id(0)
+    cnt, s0, s1, s2, s3 = _rows_meta(t0, n_cb, n_tiles, COUNTS, SLOTS, V, K, BLOCK_R)
+    for t in range(t0, n_tiles, G):
+        cn, n0, n1, n2, n3 = _rows_meta(t + G, n_cb, n_tiles, COUNTS, SLOTS, V, K, BLOCK_R)
+        _rows_emit(t, n_cb, cnt, s0, s1, s2, s3, DOUT, DTABLE, V, C, K, BLOCK_R, BLOCK_C)
+        cnt, s0, s1, s2, s3 = cn, n0, n1, n2, n3
+
+
 CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[, chunk body]]]) override, for
 # the bench's sweep.
 # zero fill: "torch" (torch.zeros first), "absent" (_embedding_zero_absent_kernel, then the chunk pass),
@@ -615,28 +588,25 @@ CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[,
 # the whole chain already).
 DEFAULTS = {2: (16, 1024, 4, "side", 16, True), 4: (16, 512, 4, "rows", 16, True)}
 SIDE_HIGH_PRIORITY = True  # "side": the side stream of the highest priority (False: the default priority)
-# "rows" (zero fill mode): (slots per row K, BLOCK_R, BLOCK_C, num_warps[, programs per SM: persistent]) of
+# "rows" (zero fill mode): (slots per row K, BLOCK_R, BLOCK_C, num_warps[, programs per SM: persistent[, pipelined:
+# _embedding_bwd_rows_pipe_kernel]]) of
 # _embedding_bwd_rows_kernel, by dout element size; ROWS overrides for the bench's sweep
-ROWS_DEFAULTS = {2: (2, 4, 2048, 8), 4: (4, 8, 512, 8)}
+# fp32: whole 2048-column rows, one per program, since session 12 (the rows kernel alone 0.099 ms against 0.109 for
+# 8x512 tiles; the op 0.129-0.131 against 0.132-0.134 ms; bench/embedding_rows_probe.py, bench/RESULTS.md)
+ROWS_DEFAULTS = {2: (2, 4, 2048, 8), 4: (4, 1, 2048, 8)}
 ROWS = None
 # the rows kernel's gathers: "" or an L2 eviction policy ("evict_first": each row is read once); and a branch for
 # tiles whose rows no token names (zeros, no slots, no gathers). H200, session 7, fp32: every combination over
 # four tilings 0.132-0.137 ms against the default's 0.134 (within the spread), so both stay off; the zero branch
 # did help the rows form in bf16 with K = 4 (0.39-0.46 -> 0.35-0.37 ms), still behind "side" (0.313).
 ROWS_EVICT = ""
+# the rows kernel's preferred shared-memory carveout in percent (None: the driver's choice): see
+# _dispatch.prefer_shared_memory (the chain's radix sort needs 46 KB of shared memory per block)
+ROWS_CARVEOUT = None
 ROWS_ZERO_FAST = False
 PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("side" and "rows" forms, sm_90+):
 # its programs are resident and waiting when the walks end, instead of waiting then for an SM (H200, session 7:
 # the chain ended ~17 us sooner in the timeline; the op 0.133-0.134 vs 0.136 ms fp32, 0.311-0.313 vs 0.314 bf16)
-# the rows form's frequent rows (seen more than K times): "chain" (the keys, cub's radix sort, the walks and the
-# merge on the side stream) or "blocks" (session 12: per token block, a sort of the block's own frequent tokens
-# and their run sums into partial rows, then a merge of each id's partials in block order; two kernels, no sort
-# across blocks). HEAVY_BLOCKS = (tokens per block TB, sorted tokens per gather SUB, BLOCK_C, num_warps, merge
-# blocks per step, merge BLOCK_C, merge programs per SM)
-HEAVY = "chain"
-HEAVY_BLOCKS = (128, 16, 512, 4, 16, 512, 2)
-HEAVY_MAIN_FIRST = True  # "blocks": the rows grid is queued before the frequent-row kernels
-HEAVY_MERGE_PDL = False  # "blocks": the merge as the first pass's programmatic dependent
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 1  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -715,27 +685,16 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         rcfg = ROWS if ROWS is not None else ROWS_DEFAULTS[esize]
         heavy_k, rbr, rbc, rwarps = rcfg[:4]
         per_sm = rcfg[4] if len(rcfg) > 4 else 0
+        pipe = bool(rcfg[5]) if len(rcfg) > 5 else False
+        if pipe and (not per_sm or heavy_k not in (1, 2, 4)):
+            raise ValueError(f"embedding_bwd: the pipelined rows kernel needs programs per SM and K in (1, 2, 4), "
+                             f"got ROWS {rcfg}")
         if heavy_k not in (1, 2, 4, 8):
             raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
+        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
-        if HEAVY == "blocks":
-            tb = HEAVY_BLOCKS[0]
-            nb = triton.cdiv(N, tb)
-            hmax = N // (heavy_k + 1)  # each frequent id has more than K tokens
-            # one zero fill: the counts, the frequent-id counter and the run map [hmax, nb]
-            zeroed = torch.zeros(V + 1 + hmax * nb, dtype=torch.int32, device=dout.device)
-            counts, nheavy, runmap = zeroed[:V], zeroed[V:V + 1], zeroed[V + 1:]
-            hidx = torch.empty(V, dtype=torch.int32, device=dout.device)
-            hid = torch.empty(max(hmax, 1), dtype=torch.int32, device=dout.device)
-            _embedding_slots_heavy_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, nheavy, hidx, hid,
-                                                                          N, V, K=heavy_k, BLOCK=SLOTS_BLOCK,
-                                                                          num_warps=4)
-        elif HEAVY == "chain":
-            counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
-            _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
-                                                                    BLOCK=SLOTS_BLOCK, num_warps=4)
-        else:
-            raise ValueError(f"embedding_bwd: HEAVY must be 'chain' or 'blocks', got {HEAVY!r}")
+        _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
+                                                                BLOCK=SLOTS_BLOCK, num_warps=4)
         rbc = min(rbc, triton.next_power_of_2(C))
     mark = zero in ("absent", "fused", "side")
 
@@ -775,31 +734,23 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                 if per_sm:  # (the CPU interpreter: per_sm programs in all)
                     n_sm = sm_count(dout.device) if dout.is_cuda else 1
                     grid = (min(n_rb * n_rcb, per_sm * n_sm),)
+                    if pipe:
+                        k = _embedding_bwd_rows_pipe_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb,
+                                                                  n_rb * n_rcb, K=heavy_k, BLOCK_R=rbr, BLOCK_C=rbc,
+                                                                  num_warps=rwarps)
+                        if dout.is_cuda:
+                            prefer_shared_memory(k, -1 if ROWS_CARVEOUT is None else ROWS_CARVEOUT)
+                        return
                 else:
                     grid = (n_rb, n_rcb)
-                _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k,
-                                                 BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
-                                                 EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
+                k = _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb,
+                                                     K=heavy_k, BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
+                                                     EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
+                if dout.is_cuda:
+                    prefer_shared_memory(k, -1 if ROWS_CARVEOUT is None else ROWS_CARVEOUT)
             chain = sort_walk_merge
-            if HEAVY == "blocks":
-                def chain():
-                    tb, sub, hbc, hw, mbb, mbc, mper = HEAVY_BLOCKS
-                    hbc = min(hbc, triton.next_power_of_2(C))
-                    mbc = min(mbc, triton.next_power_of_2(C))
-                    n_hcb, n_mcb = triton.cdiv(C, hbc), triton.cdiv(C, mbc)
-                    part = torch.empty(nb * tb, C, dtype=torch.float32, device=dout.device)  # runs <= tokens
-                    scr = torch.empty(nb * n_hcb * tb, dtype=torch.int64, device=dout.device)
-                    pdl = bool(HEAVY_MERGE_PDL) and pdl_ok(d2)
-                    _embedding_heavy_blocks_kernel[(nb, n_hcb)](flat, counts, hidx, d2, part, runmap, scr, N, C, nb,
-                                                               K=heavy_k, TB=tb, SUB=sub, BLOCK_C=hbc, PDL=pdl,
-                                                               num_warps=hw)
-                    n_sm = sm_count(dout.device) if dout.is_cuda else 1
-                    _embedding_heavy_merge_kernel[(max(1, min(hmax * n_mcb, mper * n_sm)),)](
-                        nheavy, hid, runmap, part, dtable, C, n_mcb, NB=nb, BLOCK_B=mbb, BLOCK_C=mbc, PDL=pdl,
-                        num_warps=4, **({"launch_pdl": True} if pdl else {}))
         if dout.is_cuda:
-            run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY,
-                             main_first=zero == "rows" and HEAVY == "blocks" and HEAVY_MAIN_FIRST)
+            run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY)
         else:
             grid_pass()
             chain()
