@@ -126,20 +126,6 @@ def main() -> None:
             rows.append((f"rows kernel K{k} {br}x{bc} w{w} (max err {err:.1e})", gpu_time(run, reps=args.reps)["ms"],
                          nbytes))
         if k == 4:
-            # session 12: persistent and software-pipelined (the next tile's counts and slots loaded first)
-            for br, bc, w in ((1, 2048, 8), (2, 2048, 8), (1, 2048, 4), (2, 2048, 16), (4, 2048, 16)):
-                n_rb, n_cb = triton.cdiv(V, br), triton.cdiv(C, bc)
-                for per_sm in (1, 2, 3, 4, 6):
-                    grid = (min(n_rb * n_cb, per_sm * sm_count(d.device)),)
-
-                    def run(br=br, bc=bc, w=w, n_rb=n_rb, n_cb=n_cb, grid=grid, counts=counts, slots=slots):
-                        K._embedding_bwd_rows_pipe_kernel[grid](d, counts, slots, table, V, C, n_cb, n_rb * n_cb,
-                                                                K=4, BLOCK_R=br, BLOCK_C=bc, num_warps=w)
-                    table.fill_(float("nan"))
-                    run()
-                    err = (table[own] - ref[own]).abs().max().item()
-                    rows.append((f"pipelined K4 {br}x{bc} w{w} {per_sm}/SM (max err {err:.1e})",
-                                 gpu_time(run, reps=args.reps)["ms"], nbytes))
             for br, bc, w in ((8, 512, 8), (4, 512, 4), (2, 2048, 8)):
                 n_rb, n_cb = triton.cdiv(V, br), triton.cdiv(C, bc)
                 for per_sm in (1, 2, 3, 4):

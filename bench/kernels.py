@@ -550,14 +550,6 @@ def _v_embedding(N, V, C, dt, smoke=False):
     # 0.099 ms and 2x2048 w8 0.099 against 8x512 w8 0.109)
     vs += [(f"rows K{k} whole rows {br}x{C} w{w}", rows, {"ROWS": (k, br, C, w)})
            for k in (2, 4) for br, w in ((1, 4), (2, 8), (1, 8), (2, 4), (4, 8), (1, 16), (2, 16), (4, 16), (8, 16))]
-    # session 12: the rows kernel persistent and software-pipelined, a few programs per SM (room for the chain)
-    vs += [(f"rows K4 pipelined {br}x{C} w{w} {per_sm}/SM", rows, {"ROWS": (4, br, C, w, per_sm, True)})
-           for br, w in ((1, 8), (2, 8), (1, 4), (2, 16)) for per_sm in (2, 3, 4)]
-    # session 12: the rows kernel's shared-memory carveout (does the chain's sort wait for an SM to drain?)
-    vs += [(f"rows K4 {r[1]}x{r[2]} w{r[3]}{' pipelined ' + str(r[4]) + '/SM' if len(r) > 4 else ''} carveout {cv}",
-            rows, {"ROWS": r, "ROWS_CARVEOUT": cv})
-           for r in ((4, 1, C, 8), (4, 8, rb[1], 8), (4, 2, C, 16), (4, 1, C, 8, 3, True), (4, 2, C, 16, 4, True))
-           for cv in (100, 50, 0)]
     # the rows kernel: zero-only tiles skip the slots and gathers; the gathers with an evict-first L2 policy
     vs += [(f"rows K4 {br}x{bcol} w{w}, {'zero fast path' if z else ''}{' evict_first' if ev else ''}", rows,
             {"ROWS": (4, br, bcol, w), "ROWS_ZERO_FAST": z, "ROWS_EVICT": ev})

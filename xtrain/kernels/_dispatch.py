@@ -145,39 +145,6 @@ def run_side_by_side(device, main_launch, side_launch, high_priority: bool = Fal
     main.wait_stream(side)
 
 
-_CARVEOUT: dict = {}  # CUfunction handle -> the carveout last set on it
-_LIBCUDA = None
-
-
-def prefer_shared_memory(compiled, percent: int) -> bool:
-    """Set a compiled Triton kernel's preferred shared-memory carveout (the part of each SM's L1/shared storage
-    configured as shared memory while its programs run; CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) to
-    ``percent`` of the maximum (-1: the driver's default), if it differs from what was set last; it applies to
-    later launches. Why (session 12): an SM runs
-    programs of several kernels at once only under one carveout, so a kernel that uses no shared memory and
-    fills the SMs can keep a kernel that needs shared memory (cub's radix sort: 46 KB per block) waiting on a
-    side stream until an SM drains. Returns whether it was set (False without a CUDA driver or a handle)."""
-    global _LIBCUDA
-    handle = getattr(compiled, "function", None)
-    if handle is None:
-        return False
-    if _CARVEOUT.get(handle, -1) == percent:
-        return True
-    try:
-        if _LIBCUDA is None:
-            import ctypes
-
-            _LIBCUDA = ctypes.CDLL("libcuda.so.1")
-        import ctypes
-
-        ok = _LIBCUDA.cuFuncSetAttribute(ctypes.c_void_p(handle), 9, int(percent)) == 0  # 9: the carveout
-    except OSError:
-        return False
-    if ok:
-        _CARVEOUT[handle] = percent
-    return ok
-
-
 def is_per_call(value) -> bool:
     """Whether a launch argument is per-call data for ``CachedLaunch``: a tensor or a tensor descriptor."""
     return isinstance(value, torch.Tensor) or hasattr(value, "block_shape")

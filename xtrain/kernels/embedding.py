@@ -38,24 +38,30 @@ Sort keys: int32 (half the radix passes of int64) or int16 (ids - 32768, V <= 65
 It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which accumulates a
 whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, GPU time): bf16 the side streams with
 the walk, 0.312 ms at V = 128k, C = 4096 (91% of copy; session 6); fp32 the rows form, 0.133-0.137 ms at V =
-32k, C = 2048 (68-70%; session 7; "side" 0.153-0.156 ms; 0.129-0.131 ms, 71-73 %, with whole-row tiles, session 12).
-What keeps fp32 short of the goal (a profile with the
-host kept ahead): the rows kernel alone takes 0.093-0.103 ms (84-88% of its bytes), but the chain beside it
-(keys, cub's radix sort in five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid,
-each of its kernels waiting 6-14 us for a grid program to retire before it gets an SM.
-Session 12 (fp32, bench/embedding_rows_probe.py, GPU time): the rows kernel alone on its 372 MB reads 0.099 ms
-with one whole 2048-column row per program (1x2048 on 8 or 4 warps) against 0.109 ms for the 8x512 tiles of
-before; reading each row's tokens from consecutive dout rows instead (same bytes) gains only 0-3 us, and a
-scattered row-block order loses 5 us: the gathers' randomness is not the cost. With those tiles the rows kernel
-ran unstretched beside the chain (98.7 us), and the chain became the longer branch: its kernels wait 8-15 us
-each for room, because a waiting kernel needs more than one retiring rows program frees (cub's onesweep
-blocks: 512 threads x 64 registers and 46 KB of shared memory; a rows program: 256 x 36). Measured and dropped
-(code at commit aa815c1): "blocks", the frequent rows in two kernels with no global sort (per block of TB
-tokens a tl.sort of its frequent tokens, their runs summed into partial rows, then a merge of each id's
-partials in block order): 0.132-0.222 ms against the chain's 0.129-0.131. Its first kernel (168 registers,
-latency-bound) took the SMs ahead of the rows grid for 15-18 us under the side stream's priority, and its merge
-ran 81-136 us. Bound: every byte at the rows kernel's own rate (3.76 TB/s) is 0.107 ms, plus the counts and
-slots pass (~8 us to the rows kernel's start) 0.115 ms, so the 85 % line (0.111 ms) is out of this form's reach.
+32k, C = 2048 (68-70%; session 7; "side" 0.153-0.156 ms; 0.129-0.131 ms, 71-73 %, with whole-row tiles since
+session 12). What kept fp32 short of the goal in session 7 (a profile with the host kept ahead): the rows
+kernel alone takes 0.093-0.103 ms (84-88% of its bytes), but the chain beside it (keys, cub's radix sort in
+five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid, each of its kernels waiting
+6-14 us for a grid program to retire before it gets an SM.
+Session 12 (fp32; bench/embedding_rows_probe.py, bench/embedding_timeline.py; GPU time): the rows kernel alone
+takes 0.099-0.100 ms on its 372 MB with one whole 2048-column row per program, against 0.109-0.110 ms for the
+8x512 tiles before (now the default: the op 0.129-0.131 against 0.132-0.134 ms). Reading each row's tokens from
+consecutive dout rows (the same bytes) gains 0-3 us and a scattered row-block order loses 5-7 us, so the gathers'
+randomness is not the cost. Beside the chain the whole-row grid runs at its own speed (98.7 us, ending 107 us
+into the op), so the op would take ~0.108 ms (87 %) if the chain ended by then; it ends at ~128 us: its kernels
+are latency-bound, run 1.5-2x slower under the grid's traffic, and wait 5-15 us each to start. Measured and
+dropped: (1) "blocks" (code at commit aa815c1), the frequent rows in two kernels with no global sort (per block
+of TB tokens a tl.sort of its frequent tokens, their runs summed into partial rows, then each id's partials
+added in block order): 0.132-0.222 ms; its first kernel (168 registers) took the SMs ahead of the rows grid for
+15-18 us under the side stream's priority, and its merge ran 81-136 us. (2) the rows kernel persistent and
+software-pipelined (the next tile's counts and slots loaded first; commit 7e8083b): alone 0.105-0.27 ms at 1-6
+programs per SM, the op 0.147-0.192 ms. Its programs held every SM's shared-memory configuration: cub's onesweep
+blocks (46 KB of shared memory each) started only as the grid drained. With the rows kernel's preferred
+shared-memory carveout set to 100 % (cuFuncSetAttribute) they started 60 us sooner and the op took 0.131 ms,
+level with the default: it fits an SM running blocks of several kernels together only under one L1/shared
+split (an inference from these two timelines). For the default, whose programs are short, the carveout changed
+nothing (0.130-0.131 ms at 0, 50 and 100 %). What 85 % (0.111 ms) needs: the frequent rows finished within the
+rows grid's ~100 us, under its traffic, in few dependent steps; no form so far does that.
 Measured and dropped (session 11, fp32; code at commit 7ca4268): "inline", the frequent rows inside the rows
 kernel's own launch (the slots pass lists them; the first programs, one per SM, build each one's token list by
 a scan of the ids, meet at a barrier, and sum the rows in segments whose partials the last arrival adds in
@@ -99,7 +105,6 @@ from xtrain.kernels._dispatch import (
     gdc_launch_dependents,
     gdc_wait,
     pdl_ok,
-    prefer_shared_memory,
     run_side_by_side,
     sm_count,
     tl,
@@ -500,74 +505,6 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
                    EVICT, ZERO_FAST)
 
 
-@_jit
-def _rows_meta(t, n_cb, n_tiles, COUNTS, SLOTS, V, K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Tile t's counts and its rows' K slots (2**31 - 1 for slots past a row's count), all loaded at once: the
-    slot loads do not wait on the count (a slot past the count is read, then replaced). A tile past n_tiles
-    reads nothing and owns no row (count K + 1)."""
-    rows = (t // n_cb).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = rows < tl.where(t < n_tiles, V, 0)
-    cnt = tl.load(COUNTS + rows, mask=live, other=K + 1)
-    big = 2**31 - 1
-    s0 = tl.load(SLOTS + rows, mask=live, other=big)
-    s1 = s0
-    s2 = s0
-    s3 = s0
-    if K >= 2:
-        s1 = tl.load(SLOTS + V + rows, mask=live, other=big)
-    if K >= 4:
-        s2 = tl.load(SLOTS + 2 * V + rows, mask=live, other=big)
-        s3 = tl.load(SLOTS + 3 * V + rows, mask=live, other=big)
-    s0 = tl.where(cnt > 0, s0, big)
-    s1 = tl.where(cnt > 1, s1, big)
-    s2 = tl.where(cnt > 2, s2, big)
-    s3 = tl.where(cnt > 3, s3, big)
-    return cnt, s0, s1, s2, s3
-
-
-@_jit
-def _rows_emit(t, n_cb, cnt, s0, s1, s2, s3, DOUT, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_C: tl.constexpr):
-    """Tile t of the rows form from its loaded counts and slots (``_rows_meta``): the same sums and stores as
-    ``_rows_sum``."""
-    rows = (t // n_cb).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = (t % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    own = cnt <= K
-    if K == 2:
-        s0, s1 = _cx(s0, s1)
-    if K == 4:
-        s0, s1 = _cx(s0, s1)
-        s2, s3 = _cx(s2, s3)
-        s0, s2 = _cx(s0, s2)
-        s1, s3 = _cx(s1, s3)
-        s1, s2 = _cx(s1, s2)
-    acc = _row_add(tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32), DOUT, s0, own & (cnt > 0), cols, cmask, C, "")
-    if K >= 2:
-        acc = _row_add(acc, DOUT, s1, own & (cnt > 1), cols, cmask, C, "")
-    if K >= 4:
-        acc = _row_add(acc, DOUT, s2, own & (cnt > 2), cols, cmask, C, "")
-        acc = _row_add(acc, DOUT, s3, own & (cnt > 3), cols, cmask, C, "")
-    tl.store(DTABLE + rows[:, None] * C + cols[None, :], acc.to(DTABLE.dtype.element_ty),
-             mask=own[:, None] & cmask[None, :])
-
-
-@_jit
-def _embedding_bwd_rows_pipe_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles, K: tl.constexpr,
-                                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The rows form's grid, persistent and software-pipelined (session 12): program p takes tiles p, p + G, ...
-    and loads the next tile's counts and slots before it gathers and stores the current one, so each tile
-    waits on one round trip (its gathers) instead of three (count, slots, gathers). K = 1, 2 or 4. A small
-    grid (a few programs per SM) leaves room on every SM for the side stream's chain kernels."""
-    G = tl.num_programs(0)
-    t0 = tl.program_id(0)
-    cnt, s0, s1, s2, s3 = _rows_meta(t0, n_cb, n_tiles, COUNTS, SLOTS, V, K, BLOCK_R)
-    for t in range(t0, n_tiles, G):
-        cn, n0, n1, n2, n3 = _rows_meta(t + G, n_cb, n_tiles, COUNTS, SLOTS, V, K, BLOCK_R)
-        _rows_emit(t, n_cb, cnt, s0, s1, s2, s3, DOUT, DTABLE, V, C, K, BLOCK_R, BLOCK_C)
-        cnt, s0, s1, s2, s3 = cn, n0, n1, n2, n3
-
-
 CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[, chunk body]]]) override, for
 # the bench's sweep.
 # zero fill: "torch" (torch.zeros first), "absent" (_embedding_zero_absent_kernel, then the chunk pass),
@@ -588,8 +525,7 @@ CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[,
 # the whole chain already).
 DEFAULTS = {2: (16, 1024, 4, "side", 16, True), 4: (16, 512, 4, "rows", 16, True)}
 SIDE_HIGH_PRIORITY = True  # "side": the side stream of the highest priority (False: the default priority)
-# "rows" (zero fill mode): (slots per row K, BLOCK_R, BLOCK_C, num_warps[, programs per SM: persistent[, pipelined:
-# _embedding_bwd_rows_pipe_kernel]]) of
+# "rows" (zero fill mode): (slots per row K, BLOCK_R, BLOCK_C, num_warps[, programs per SM: persistent]) of
 # _embedding_bwd_rows_kernel, by dout element size; ROWS overrides for the bench's sweep
 # fp32: whole 2048-column rows, one per program, since session 12 (the rows kernel alone 0.099 ms against 0.109 for
 # 8x512 tiles; the op 0.129-0.131 against 0.132-0.134 ms; bench/embedding_rows_probe.py, bench/RESULTS.md)
@@ -600,9 +536,6 @@ ROWS = None
 # four tilings 0.132-0.137 ms against the default's 0.134 (within the spread), so both stay off; the zero branch
 # did help the rows form in bf16 with K = 4 (0.39-0.46 -> 0.35-0.37 ms), still behind "side" (0.313).
 ROWS_EVICT = ""
-# the rows kernel's preferred shared-memory carveout in percent (None: the driver's choice): see
-# _dispatch.prefer_shared_memory (the chain's radix sort needs 46 KB of shared memory per block)
-ROWS_CARVEOUT = None
 ROWS_ZERO_FAST = False
 PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("side" and "rows" forms, sm_90+):
 # its programs are resident and waiting when the walks end, instead of waiting then for an SM (H200, session 7:
@@ -685,10 +618,6 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         rcfg = ROWS if ROWS is not None else ROWS_DEFAULTS[esize]
         heavy_k, rbr, rbc, rwarps = rcfg[:4]
         per_sm = rcfg[4] if len(rcfg) > 4 else 0
-        pipe = bool(rcfg[5]) if len(rcfg) > 5 else False
-        if pipe and (not per_sm or heavy_k not in (1, 2, 4)):
-            raise ValueError(f"embedding_bwd: the pipelined rows kernel needs programs per SM and K in (1, 2, 4), "
-                             f"got ROWS {rcfg}")
         if heavy_k not in (1, 2, 4, 8):
             raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
         counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
@@ -734,20 +663,11 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                 if per_sm:  # (the CPU interpreter: per_sm programs in all)
                     n_sm = sm_count(dout.device) if dout.is_cuda else 1
                     grid = (min(n_rb * n_rcb, per_sm * n_sm),)
-                    if pipe:
-                        k = _embedding_bwd_rows_pipe_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb,
-                                                                  n_rb * n_rcb, K=heavy_k, BLOCK_R=rbr, BLOCK_C=rbc,
-                                                                  num_warps=rwarps)
-                        if dout.is_cuda:
-                            prefer_shared_memory(k, -1 if ROWS_CARVEOUT is None else ROWS_CARVEOUT)
-                        return
                 else:
                     grid = (n_rb, n_rcb)
-                k = _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb,
-                                                     K=heavy_k, BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
-                                                     EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
-                if dout.is_cuda:
-                    prefer_shared_memory(k, -1 if ROWS_CARVEOUT is None else ROWS_CARVEOUT)
+                _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k,
+                                                 BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
+                                                 EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
             chain = sort_walk_merge
         if dout.is_cuda:
             run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY)
