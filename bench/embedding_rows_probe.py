@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--N", type=int, default=16384)
     ap.add_argument("--V", type=int, default=32768)
     ap.add_argument("--C", type=int, default=2048)
+    ap.add_argument("--plan", action="store_true", help="only the op split at its ids-only preparation")
     args = ap.parse_args()
     N, V, C = args.N, args.V, args.C
     dev = "cuda"
@@ -109,6 +110,10 @@ def main() -> None:
 
     table_bytes = V * C * 4
     ref = K.embedding_bwd_ref(d, ids, V)
+    if args.plan:
+        rows += _plan_split(ids, d, V, C, args.reps)
+        _report(rows, copy_bw, N, V, C)
+        return
     for k in (2, 4):
         counts, slots = slots_for(k)
         light = int(counts[counts <= k].sum())
@@ -171,11 +176,63 @@ def main() -> None:
                 def run_copy(si=si, di=di, n_l=n_l):
                     _row_copy[(n_l, triton.cdiv(C, 2048))](d, si, big, di, C, BLOCK_C=2048, num_warps=4)
                 rows.append((f"{name} ({n_l} rows)", gpu_time(run_copy, reps=args.reps)["ms"], 2 * n_l * C * 4))
+    _report(rows, copy_bw, N, V, C)
+
+
+def _report(rows, copy_bw, N, V, C) -> None:
     print(f"\nGPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"N={N} V={V} C={C} fp32; copy {copy_bw:.2f} TB/s")
     print(f"{'probe':<64} {'ms':>7} {'MB':>6} {'of copy':>8}")
     for name, ms, nb in rows:
         print(f"{name:<64} {ms:7.4f} {nb / 1e6:6.0f} {nb / ms / 1e9 / copy_bw:8.1%}")
+
+
+def _plan_split(ids, d, V, C, reps) -> list:
+    """The default fp32 op (rows form, K = 4) split at its ids-only preparation: the counts and slots, the
+    frequent tokens' sort keys and the sort depend on the ids alone, so a training step could build them
+    before dout exists. Times the op, the preparation alone, and the rest (the rows grid beside the chain's
+    walks and merge) given a prepared plan; checks the split op's bits against the op's."""
+    from xtrain.kernels._dispatch import run_side_by_side
+
+    N = ids.numel()
+    k = 4
+    br, bc, w = K.ROWS_DEFAULTS[4][1:4]
+    CHUNK, BLOCK_C, nw = 16, 512, 4
+    n_chunks, n_cb = triton.cdiv(N, CHUNK), triton.cdiv(C, BLOCK_C)
+    n_rb, n_rcb = triton.cdiv(V, br), triton.cdiv(C, bc)
+    op_bytes = N * C * 4 + V * C * 4 + 8 * N
+
+    def prep():
+        counts = torch.zeros(V, dtype=torch.int32, device=ids.device)
+        slots = torch.empty(k, V, dtype=torch.int32, device=ids.device)
+        K._embedding_slots_kernel[(triton.cdiv(N, 256),)](ids, counts, slots, N, V, K=k, BLOCK=256, num_warps=4)
+        keys, bias, _ = K._sort_keys(ids, V, 16, False, counts, k)
+        srt, order = torch.sort(keys, stable=True)
+        return counts, slots, srt, order, bias
+
+    plan = prep()
+
+    def rest(plan=plan):
+        counts, slots, srt, order, bias = plan
+        dtable = torch.empty(V, C, device=d.device)
+        part = torch.empty(n_chunks, 2, C, device=d.device)
+
+        def grid_pass():
+            K._embedding_bwd_rows_kernel[(n_rb, n_rcb)](d, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=k,
+                                                        BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+
+        def chain():
+            K._walk_and_merge(d, order, srt, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, True, False,
+                              bias, nw)
+        run_side_by_side(d.device, grid_pass, chain, high_priority=True)
+        return dtable
+
+    same = torch.equal(rest(), K.embedding_bwd_triton(d, ids, V))
+    return [("the op (default, fp32)", gpu_time(lambda: K.embedding_bwd_triton(d, ids, V), reps=reps)["ms"],
+             op_bytes),
+            ("its ids-only preparation alone (counts, slots, keys, sort)", gpu_time(prep, reps=reps)["ms"], 8 * N),
+            (f"the rest given the preparation (rows grid + walks/merge; bits equal {same})",
+             gpu_time(rest, reps=reps)["ms"], op_bytes)]
 
 
 if __name__ == "__main__":

@@ -550,12 +550,6 @@ def _v_embedding(N, V, C, dt, smoke=False):
     # 0.099 ms and 2x2048 w8 0.099 against 8x512 w8 0.109)
     vs += [(f"rows K{k} whole rows {br}x{C} w{w}", rows, {"ROWS": (k, br, C, w)})
            for k in (2, 4) for br, w in ((1, 4), (2, 8), (1, 8), (2, 4), (4, 8), (1, 16), (2, 16), (4, 16), (8, 16))]
-    # session 12: the frequent rows by "pieces" (block-local sorts, run pieces, a merge; three kernels, no global
-    # sort). HEAVY_PIECES = (TB, SUB, BLOCK_C, warps, merge programs, merge warps, merge BLOCK_C)
-    vs += [(f"rows K4 1x{C} w8, pieces {hp}", rows, {"ROWS": (4, 1, C, 8), "HEAVY": "pieces", "HEAVY_PIECES": hp})
-           for hp in ((128, 16, 256, 4, 512, 4, 64), (128, 16, 512, 4, 512, 4, 64), (256, 16, 256, 4, 512, 4, 64),
-                      (256, 8, 256, 4, 512, 8, 64), (128, 8, 256, 4, 512, 4, 32), (128, 16, 256, 4, 300, 4, 128),
-                      (256, 16, 256, 4, 300, 8, 128), (512, 16, 256, 4, 512, 4, 128))]
     # the rows kernel: zero-only tiles skip the slots and gathers; the gathers with an evict-first L2 policy
     vs += [(f"rows K4 {br}x{bcol} w{w}, {'zero fast path' if z else ''}{' evict_first' if ev else ''}", rows,
             {"ROWS": (4, br, bcol, w), "ROWS_ZERO_FAST": z, "ROWS_EVICT": ev})

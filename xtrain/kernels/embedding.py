@@ -60,8 +60,16 @@ blocks (46 KB of shared memory each) started only as the grid drained. With the 
 shared-memory carveout set to 100 % (cuFuncSetAttribute) they started 60 us sooner and the op took 0.131 ms,
 level with the default: it fits an SM running blocks of several kernels together only under one L1/shared
 split (an inference from these two timelines). For the default, whose programs are short, the carveout changed
-nothing (0.130-0.131 ms at 0, 50 and 100 %). What 85 % (0.111 ms) needs: the frequent rows finished within the
-rows grid's ~100 us, under its traffic, in few dependent steps; no form so far does that.
+nothing (0.130-0.131 ms at 0, 50 and 100 %). (3) "pieces" (commit 7bdb3a7): three kernels, no global sort (per
+block of TB tokens a tl.sort of its frequent tokens; pieces of SUB sorted tokens gathered as one tile and
+summed by a segmented scan; each id's pieces added in a fixed order set by the data): its chain ended by 99 us,
+inside the rows grid, yet the op took 0.147-0.208 ms, because the grid stretched to 156-164 us: thousands of
+latency-bound programs, started first under the side stream's priority, held the SM slots the grid needed.
+The sort chain costs less there, being few blocks. (4) The ids-only part of the op (counts, slots, keys, sort:
+0.044 ms alone) depends on the ids alone and could be built before dout exists; given it, the rest (the rows
+grid beside the walks and merge) still takes 0.118 ms (80 %), so moving it out of the backward would not
+reach the goal either; not built. What 85 % (0.111 ms) needs: the frequent rows finished within the rows
+grid's ~100 us, under its traffic, at little cost in SM slots; no form so far does that.
 Measured and dropped (session 11, fp32; code at commit 7ca4268): "inline", the frequent rows inside the rows
 kernel's own launch (the slots pass lists them; the first programs, one per SM, build each one's token list by
 a scan of the ids, meet at a barrier, and sum the rows in segments whose partials the last arrival adds in
@@ -384,123 +392,6 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
 
 
 @_jit
-def _embedding_slots_heavy_kernel(IDS, COUNTS, SLOTS, NHEAVY, HIDX, HID, N, V, K: tl.constexpr,
-                                  BLOCK: tl.constexpr):
-    """``_embedding_slots_kernel`` for the "pieces" frequent-row path: also, the token that takes slot K (its
-    id has just become frequent: more than K tokens) gives the id the next compact index h (an integer atomic on
-    NHEAVY): HIDX[id] = h, HID[h] = id. Which id gets which h depends on scheduling; h only places the id's
-    partial sums in memory, never orders an addition."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    ids = tl.load(IDS + i, mask=m, other=0)
-    slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
-    tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K))
-    new = m & (slot == K)
-    h = tl.atomic_add(NHEAVY + tl.zeros([BLOCK], dtype=tl.int32), 1, mask=new)
-    tl.store(HIDX + ids, h, mask=new)
-    tl.store(HID + h, ids.to(tl.int32), mask=new)
-
-
-@_jit
-def _heavy_sort_kernel(IDS, COUNTS, NHEAVY, HIDX, SORTED, NH, RSTART, REND, N, K: tl.constexpr,
-                       TB: tl.constexpr, BLOCK_H: tl.constexpr):
-    """"pieces", pass 1: program b takes the TB tokens [b·TB, (b+1)·TB). Its frequent tokens (COUNTS[id] > K)
-    are sorted by (id, token) (``tl.sort`` of the keys id·TB + position; the others sort last) into SORTED[b·TB
-    + j], j < NH[b]; each frequent id's tokens in the block then form one run [RSTART - 1, REND) of that list,
-    recorded at [HIDX[id], b] (RSTART 0: the id has no run in this block; cleared first for every id)."""
-    b = tl.program_id(0)
-    j = tl.arange(0, TB)
-    tok = b.to(tl.int64) * TB + j
-    m = tok < N
-    ids = tl.load(IDS + tok, mask=m, other=0).to(tl.int64)
-    heavy = m & (tl.load(COUNTS + ids, mask=m, other=0) > K)
-    nh = tl.sum(heavy.to(tl.int32), axis=0)
-    tl.store(NH + b, nh)
-    nheavy = tl.load(NHEAVY)
-    nb = tl.num_programs(0)
-    hh = tl.arange(0, BLOCK_H)
-    for h0 in range(0, nheavy, BLOCK_H):
-        tl.store(RSTART + (h0 + hh).to(tl.int64) * nb + b, tl.zeros([BLOCK_H], dtype=tl.int32),
-                 mask=h0 + hh < nheavy)
-    if nh > 0:
-        skey = tl.sort(tl.where(heavy, ids * TB + j, 2**62))
-        base = SORTED + b.to(tl.int64) * TB
-        tl.store(base + j, skey)
-        tl.debug_barrier()  # the list is read back shifted, and RSTART's clearing must land first
-        prev = tl.load(base + j - 1, mask=j > 0, other=-1)
-        nxt = tl.load(base + j + 1, mask=j + 1 < nh, other=2**62)
-        sid = skey // TB
-        live = j < nh
-        start = live & ((j == 0) | (prev < 0) | (prev // TB != sid))
-        end = live & (nxt // TB != sid)
-        h = tl.load(HIDX + sid, mask=live, other=0).to(tl.int64)
-        tl.store(RSTART + h * nb + b, (j + 1).to(tl.int32), mask=start)
-        tl.store(REND + h * nb + b, (j + 1).to(tl.int32), mask=end)
-
-
-@_jit
-def _heavy_piece_kernel(DOUT, SORTED, NH, PART, C, TB: tl.constexpr, SUB: tl.constexpr, BLOCK_C: tl.constexpr):
-    """"pieces", pass 2: program (b, t, cb) takes entries [t·SUB, (t+1)·SUB) of block b's sorted frequent tokens
-    and column block cb: the SUB dout rows gathered as one tile, each run summed by a segmented scan in token
-    order, ((x0 + x1) + x2) + .... A run cut by the tile's edges is cut into pieces; each piece's sum goes to
-    PART row b·TB + (its last entry)."""
-    b = tl.program_id(0)
-    s0 = tl.program_id(1) * SUB
-    nh = tl.load(NH + b)
-    if s0 < nh:
-        e = tl.arange(0, SUB)
-        k = s0 + e
-        em = k < nh
-        base = SORTED + b.to(tl.int64) * TB
-        ke = tl.load(base + k, mask=em, other=0)
-        kp = tl.load(base + k - 1, mask=em & (k > 0), other=-1)
-        kn = tl.load(base + k + 1, mask=em & (k + 1 < nh), other=2**62)
-        ide = ke // TB
-        st = em & ((e == 0) | (kp // TB != ide))
-        last = em & ((k + 1 == nh) | (e == SUB - 1) | (kn // TB != ide))  # a piece ends here
-        cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        src = b.to(tl.int64) * TB + ke % TB
-        x = tl.load(DOUT + src[:, None] * C + cols[None, :], mask=em[:, None] & cmask[None, :],
-                    other=0.0).to(tl.float32)
-        seg = st.to(tl.int32)[:, None] + tl.zeros([SUB, BLOCK_C], dtype=tl.int32)
-        _, run = tl.associative_scan((seg, x), 0, _seg_add)
-        tl.store(PART + (b.to(tl.int64) * TB + k)[:, None] * C + cols[None, :], run,
-                 mask=last[:, None] & cmask[None, :])
-
-
-@_jit
-def _heavy_merge_pieces_kernel(NHEAVY, HID, RSTART, REND, PART, DTABLE, C, nb, TB: tl.constexpr,
-                               SUB: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_C: tl.constexpr):
-    """"pieces", pass 3: program (p, cb) takes the frequent ids h = p, p + G, ... and adds each one's pieces:
-    at step q, piece q of every block's run (all blocks at once, a [BLOCK_NB, BLOCK_C] tile summed over its
-    rows; BLOCK_NB >= the number of blocks): a fixed order set by the data alone, whatever the scheduling.
-    Writes the id's dtable row."""
-    nheavy = tl.load(NHEAVY)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    bb = tl.arange(0, BLOCK_NB)
-    bm = bb < nb
-    for h in range(tl.program_id(0), nheavy, tl.num_programs(0)):
-        hrow = (bb * 0 + h).to(tl.int64) * nb + bb
-        rs = tl.load(RSTART + hrow, mask=bm, other=0)
-        has = rs > 0
-        re = tl.load(REND + hrow, mask=has, other=1)
-        t0 = (rs - 1) // SUB  # the run's first and last tiles
-        t1 = (re - 1) // SUB
-        npc = tl.max(tl.where(has, t1 - t0 + 1, 0), axis=0)
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for q in range(0, npc):
-            ok = has & (t0 + q <= t1)
-            idx = tl.minimum(re - 1, (t0 + q + 1) * SUB - 1)
-            tile = tl.load(PART + (bb.to(tl.int64) * TB + idx)[:, None] * C + cols[None, :],
-                           mask=ok[:, None] & cmask[None, :], other=0.0)
-            acc += tl.sum(tile, axis=0)
-        row = tl.load(HID + h).to(tl.int64)
-        tl.store(DTABLE + row * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
-
-
-@_jit
 def _cx(a, b):
     """A compare-exchange of a sorting network: (min, max), elementwise."""
     return tl.minimum(a, b), tl.maximum(a, b)
@@ -657,11 +548,6 @@ ROWS_ZERO_FAST = False
 PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("side" and "rows" forms, sm_90+):
 # its programs are resident and waiting when the walks end, instead of waiting then for an SM (H200, session 7:
 # the chain ended ~17 us sooner in the timeline; the op 0.133-0.134 vs 0.136 ms fp32, 0.311-0.313 vs 0.314 bf16)
-# the rows form's frequent rows (seen more than K times): "chain" (keys, cub's radix sort, walks, merge on the side
-# stream) or "pieces" (session 12: three kernels, no global sort; HEAVY_PIECES = (tokens per block TB, sorted
-# tokens per gather tile SUB, BLOCK_C, warps, merge programs, merge warps, merge BLOCK_C)
-HEAVY = "chain"
-HEAVY_PIECES = (128, 16, 256, 4, 512, 4, 64)
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 1  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -742,22 +628,10 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         per_sm = rcfg[4] if len(rcfg) > 4 else 0
         if heavy_k not in (1, 2, 4, 8):
             raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
+        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
-        if HEAVY == "pieces":
-            zeroed = torch.zeros(V + 1, dtype=torch.int32, device=dout.device)
-            counts, nheavy = zeroed[:V], zeroed[V:]
-            hmax = max(1, N // (heavy_k + 1))  # each frequent id has more than K tokens
-            hidx = torch.empty(V, dtype=torch.int32, device=dout.device)
-            hid = torch.empty(hmax, dtype=torch.int32, device=dout.device)
-            _embedding_slots_heavy_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, nheavy, hidx, hid,
-                                                                          N, V, K=heavy_k, BLOCK=SLOTS_BLOCK,
-                                                                          num_warps=4)
-        elif HEAVY == "chain":
-            counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
-            _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
-                                                                    BLOCK=SLOTS_BLOCK, num_warps=4)
-        else:
-            raise ValueError(f"embedding_bwd: HEAVY must be 'chain' or 'pieces', got {HEAVY!r}")
+        _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
+                                                                BLOCK=SLOTS_BLOCK, num_warps=4)
         rbc = min(rbc, triton.next_power_of_2(C))
     mark = zero in ("absent", "fused", "side")
 
@@ -803,23 +677,6 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                                                  BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
                                                  EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
             chain = sort_walk_merge
-            if HEAVY == "pieces":
-                def chain():
-                    tb, sub, pbc, pw, mprog, mnb, mbc = HEAVY_PIECES
-                    nb = triton.cdiv(N, tb)
-                    pbc, mbc = min(pbc, triton.next_power_of_2(C)), min(mbc, triton.next_power_of_2(C))
-                    srt = torch.empty(nb * tb, dtype=torch.int64, device=dout.device)
-                    nh = torch.empty(nb, dtype=torch.int32, device=dout.device)
-                    rstart = torch.empty(nb * hmax, dtype=torch.int32, device=dout.device)
-                    rend = torch.empty(nb * hmax, dtype=torch.int32, device=dout.device)
-                    part = torch.empty(nb * tb, C, dtype=torch.float32, device=dout.device)  # pieces <= tokens
-                    _heavy_sort_kernel[(nb,)](flat, counts, nheavy, hidx, srt, nh, rstart, rend, N, K=heavy_k,
-                                              TB=tb, BLOCK_H=1024, num_warps=4)
-                    _heavy_piece_kernel[(nb, tb // sub, triton.cdiv(C, pbc))](d2, srt, nh, part, C, TB=tb, SUB=sub,
-                                                                              BLOCK_C=pbc, num_warps=pw)
-                    _heavy_merge_pieces_kernel[(min(hmax, mprog), triton.cdiv(C, mbc))](
-                        nheavy, hid, rstart, rend, part, dtable, C, nb, TB=tb, SUB=sub,
-                        BLOCK_NB=triton.next_power_of_2(nb), BLOCK_C=mbc, num_warps=mnb)
         if dout.is_cuda:
             run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY)
         else:
