@@ -62,7 +62,7 @@ level with the default: it fits an SM running blocks of several kernels together
 split (an inference from these two timelines). For the default, whose programs are short, the carveout changed
 nothing (0.130-0.131 ms at 0, 50 and 100 %). (3) "pieces" (commit 7bdb3a7): three kernels, no global sort (per
 block of TB tokens a tl.sort of its frequent tokens; pieces of SUB sorted tokens gathered as one tile and
-summed by a segmented scan; each id's pieces added in a fixed order set by the data): its chain ended by 99 us,
+summed by a segmented scan; each id's pieces added in a fixed order set by the data): its chain ended at 99-116 us,
 inside the rows grid, yet the op took 0.147-0.208 ms, because the grid stretched to 156-164 us: thousands of
 latency-bound programs, started first under the side stream's priority, held the SM slots the grid needed.
 The sort chain costs less there, being few blocks. (4) The ids-only part of the op (counts, slots, keys, sort:
