@@ -1,7 +1,7 @@
 """What bounds the fp32 embedding backward's rows kernel (session 12): the kernel alone against probes that
 move the same bytes with one thing changed.
 
-    PYTHONPATH=. python3 bench/embedding_rows_probe.py [--reps 30]
+    PYTHONPATH=. python3 bench/embedding_rows_probe.py [--reps 30] [--plan]
 
 The rows kernel (``xtrain/kernels/embedding.py``, the "rows" form) writes the whole [V, C] table and gathers
 the dout rows of every row seen at most K times (random rows of dout, in table-row order). Probes, all on the
@@ -13,7 +13,10 @@ same ids (the bench's Zipf-like ids, N = 16k, V = 32k, C = 2048, fp32) and GPU t
   swizzled          the rows kernel with its row blocks visited in a scattered order (frequent, read-heavy
                     low ids spread over the whole launch instead of all at its start)
   gather / scatter / copy   13k rows of 8 KB: random reads and sequential writes, the reverse, and a plain copy
-The last lines are a table: ms, the bytes moved, and the fraction of the copy bandwidth measured in the run.
+``--plan`` instead times only the default op split at its ids-only preparation (counts, slots, sort keys,
+sort): the op, the preparation alone, and the rest given a prepared plan (bits checked against the op).
+The last lines are a table: ms, the bytes moved, and the fraction of the copy bandwidth (a 1 GiB copy, measured
+in the run).
 Probes are timing only (their outputs are not the op's); the rows kernel's output is checked against the
 reference on the rows it owns.
 """
