@@ -352,12 +352,13 @@ def test_embedding_bwd_int16_keys_cpu(config, monkeypatch):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("rows", [(1, 1, 32, 4), (4, 4, 32, 4), (8, 2, 32, 4), (2, 2, 32, 4, 3)])
+@pytest.mark.parametrize("rows", [(1, 1, 32, 4), (4, 4, 32, 4), (8, 2, 32, 4), (2, 2, 32, 4, 3), (4, 1, 16, 4)])
 def test_embedding_bwd_rows_cpu(rows, monkeypatch):
     """The "rows" form: ids seen at most K times are summed by the rows kernel (slots taken by atomics, sorted
     per row), the others by the sort/walk/merge chain over their keys only (the rest sort last as a
     sentinel). Counts of exactly K and K + 1, every token one id, every token its own id, heavy and sentinel
-    tokens in one chunk; the rows kernel as a grid of tiles or persistent (3 programs walking the tiles);
+    tokens in one chunk; the rows kernel as a grid of tiles or persistent (3 programs walking the tiles), or
+    one row per program in column blocks narrower than the rows (the fp32 default's shape: whole rows of 2048);
     against the reference and bit for bit repeatable. With chunks of one token the chain sums a run left to
     right, as the rows kernel does: then the two forms give the same bits as the walk."""
     K = rows[0]
