@@ -550,9 +550,6 @@ def _v_embedding(N, V, C, dt, smoke=False):
     # 0.099 ms and 2x2048 w8 0.099 against 8x512 w8 0.109)
     vs += [(f"rows K{k} whole rows {br}x{C} w{w}", rows, {"ROWS": (k, br, C, w)})
            for k in (2, 4) for br, w in ((1, 4), (2, 8), (1, 8), (2, 4), (4, 8), (1, 16), (2, 16), (4, 16), (8, 16))]
-    # session 12: the frequent ids' sort replaced by one program per frequent id ("list"; the chain's bits)
-    vs += [(f"rows (default ROWS), list {hl}", rows, {"HEAVY": "list", "HEAVY_LIST": hl})
-           for hl in ((2048, 4), (4096, 8), (1024, 4), (8192, 8), (4096, 4), (16384, 16))]
     # the rows kernel: zero-only tiles skip the slots and gathers; the gathers with an evict-first L2 policy
     vs += [(f"rows K4 {br}x{bcol} w{w}, {'zero fast path' if z else ''}{' evict_first' if ev else ''}", rows,
             {"ROWS": (4, br, bcol, w), "ROWS_ZERO_FAST": z, "ROWS_EVICT": ev})

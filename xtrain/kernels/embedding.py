@@ -68,7 +68,13 @@ latency-bound programs, started first under the side stream's priority, held the
 The sort chain costs less there, being few blocks. (4) The ids-only part of the op (counts, slots, keys, sort:
 0.044 ms alone) depends on the ids alone and could be built before dout exists; given it, the rest (the rows
 grid beside the walks and merge) still takes 0.118 ms (80 %), so moving it out of the backward would not
-reach the goal either; not built. What 85 % (0.111 ms) needs: the frequent rows finished within the rows
+reach the goal either; not built. (5) "list" (commit 2902439): the chain's keys and cub sort replaced by one
+program per frequent id, which places the id's tokens, in token order, after those of the smaller frequent ids
+(one scan of the ids, compacted by a prefix sum): the chain's exact bits with two kernels fewer. The chain then
+ended at 87 us instead of 128, but the rows grid beside it stretched from 98 to 124 us (its walks and merge now
+ran inside the grid instead of after it): 0.131-0.152 ms fp32, bf16 0.357-0.388 against 0.313. Across these
+forms the frequent rows cost the op 25-30 us whether they run beside the grid or after it. What 85 % (0.111 ms)
+needs: the frequent rows finished within the rows
 grid's ~100 us, under its traffic, at little cost in SM slots; no form so far does that.
 Measured and dropped (session 11, fp32; code at commit 7ca4268): "inline", the frequent rows inside the rows
 kernel's own launch (the slots pass lists them; the first programs, one per SM, build each one's token list by
@@ -392,50 +398,6 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
 
 
 @_jit
-def _embedding_slots_heavy_kernel(IDS, COUNTS, SLOTS, NHEAVY, HID, N, V, K: tl.constexpr, BLOCK: tl.constexpr):
-    """``_embedding_slots_kernel`` for the "list" frequent-row path: also, the token that takes slot K (its id
-    has just become frequent: more than K tokens) appends the id to HID (an integer atomic on NHEAVY). The
-    list's order depends on scheduling; nothing is summed in that order."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    ids = tl.load(IDS + i, mask=m, other=0)
-    slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
-    tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K))
-    new = m & (slot == K)
-    h = tl.atomic_add(NHEAVY + tl.zeros([BLOCK], dtype=tl.int32), 1, mask=new)
-    tl.store(HID + h, ids.to(tl.int32), mask=new)
-
-
-@_jit
-def _embedding_heavy_list_kernel(IDS, COUNTS, NHEAVY, HID, ORDER, SORTED, N, BLOCK_T: tl.constexpr,
-                                 BLOCK_H: tl.constexpr):
-    """The "list" path's sort without a sort: program h takes the frequent id HID[h]; its tokens go to the
-    places [off, off + count) of ORDER / SORTED, off = the tokens of the frequent ids smaller than it, in token
-    order (one scan of the ids, compacted by a prefix sum). So ORDER / SORTED hold exactly what the chain's
-    stable sort gives for the frequent ids (the other places keep the sentinel key, set by the caller), and the
-    walks and the merge then give the chain's bits."""
-    h = tl.program_id(0)
-    nheavy = tl.load(NHEAVY)
-    if h < nheavy:
-        me = tl.load(HID + h)
-        hh = tl.arange(0, BLOCK_H)
-        off = tl.zeros([], dtype=tl.int32)
-        for h0 in range(0, nheavy, BLOCK_H):
-            other = tl.load(HID + h0 + hh, mask=h0 + hh < nheavy, other=2**31 - 1)
-            cnt = tl.load(COUNTS + other, mask=other < me, other=0)
-            off += tl.sum(cnt, axis=0)
-        tt = tl.arange(0, BLOCK_T)
-        run = tl.zeros([], dtype=tl.int32)
-        for t0 in range(0, N, BLOCK_T):
-            i = t0 + tt
-            hit = tl.load(IDS + i, mask=i < N, other=-1) == me
-            pos = (off + run + tl.cumsum(hit.to(tl.int32), axis=0) - 1).to(tl.int64)
-            tl.store(ORDER + pos, i.to(tl.int64), mask=hit)
-            tl.store(SORTED + pos, me, mask=hit)
-            run += tl.sum(hit.to(tl.int32), axis=0)
-
-
-@_jit
 def _cx(a, b):
     """A compare-exchange of a sorting network: (min, max), elementwise."""
     return tl.minimum(a, b), tl.maximum(a, b)
@@ -592,11 +554,6 @@ ROWS_ZERO_FAST = False
 PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("side" and "rows" forms, sm_90+):
 # its programs are resident and waiting when the walks end, instead of waiting then for an SM (H200, session 7:
 # the chain ended ~17 us sooner in the timeline; the op 0.133-0.134 vs 0.136 ms fp32, 0.311-0.313 vs 0.314 bf16)
-# the rows form's frequent rows (seen more than K times): "chain" (their keys, cub's radix sort, the walks and the
-# merge on the side stream) or "list" (session 12: the sort replaced by _embedding_heavy_list_kernel, one program
-# per frequent id; same bits). HEAVY_LIST = (BLOCK_T, num_warps) of that kernel
-HEAVY = "chain"
-HEAVY_LIST = (2048, 4)
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 1  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -677,20 +634,10 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         per_sm = rcfg[4] if len(rcfg) > 4 else 0
         if heavy_k not in (1, 2, 4, 8):
             raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
+        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
-        if HEAVY == "list":
-            zeroed = torch.zeros(V + 1, dtype=torch.int32, device=dout.device)
-            counts, nheavy = zeroed[:V], zeroed[V:]
-            hmax = max(1, N // (heavy_k + 1))  # each frequent id has more than K tokens
-            hid = torch.empty(hmax, dtype=torch.int32, device=dout.device)
-            _embedding_slots_heavy_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, nheavy, hid, N, V,
-                                                                          K=heavy_k, BLOCK=SLOTS_BLOCK, num_warps=4)
-        elif HEAVY == "chain":
-            counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
-            _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
-                                                                    BLOCK=SLOTS_BLOCK, num_warps=4)
-        else:
-            raise ValueError(f"embedding_bwd: HEAVY must be 'chain' or 'list', got {HEAVY!r}")
+        _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
+                                                                BLOCK=SLOTS_BLOCK, num_warps=4)
         rbc = min(rbc, triton.next_power_of_2(C))
     mark = zero in ("absent", "fused", "side")
 
@@ -698,18 +645,9 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         """The sort keys (unless given), the sort, the chunk walks (present rows and boundary partials) and the
         merge of cut runs ("rows": only the ids seen more than heavy_k times); returns the present marks."""
         present = None
-        if heavy_k and HEAVY == "list":
-            # the frequent ids' tokens placed in sorted order by one program per id; the rest: the sentinel
-            sorted_ids = torch.full((N,), 2**31 - 1, dtype=torch.int32, device=dout.device)
-            order = torch.zeros(N, dtype=torch.int64, device=dout.device)
-            bt, lw = HEAVY_LIST
-            _embedding_heavy_list_kernel[(hmax,)](flat, counts, nheavy, hid, order, sorted_ids, N, BLOCK_T=bt,
-                                                  BLOCK_H=1024, num_warps=lw)
-            bias = 0
-        else:
-            if keys is None:
-                keys, bias, present = _sort_keys(flat, V, key_bits, mark, counts, heavy_k)
-            sorted_ids, order = torch.sort(keys, stable=True)
+        if keys is None:
+            keys, bias, present = _sort_keys(flat, V, key_bits, mark, counts, heavy_k)
+        sorted_ids, order = torch.sort(keys, stable=True)
         part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
         _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
                         tile, bias, num_warps)
