@@ -44,37 +44,38 @@ kernel alone takes 0.093-0.103 ms (84-88% of its bytes), but the chain beside it
 five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid, each of its kernels waiting
 6-14 us for a grid program to retire before it gets an SM.
 Session 12 (fp32; bench/embedding_rows_probe.py, bench/embedding_timeline.py; GPU time): the rows kernel alone
-takes 0.099-0.100 ms on its 372 MB with one whole 2048-column row per program, against 0.109-0.110 ms for the 8x512
-tiles before (now the default: the op 0.129-0.131 against 0.132-0.134 ms). Reading each row's tokens from
-consecutive dout rows (the same bytes) gains 0-3 us and a scattered row-block order loses 5-7 us, so the gathers'
-randomness is not the cost. Beside the chain the whole-row grid runs at its own speed (98.7 us, ending 107 us into
-the op), so the op would take ~0.108 ms (87 %) if the chain ended by then; it ends at ~128 us: its kernels are
-latency-bound and each starts 2-13 us after the one before it ends. Measured and dropped: (1) "blocks" (code at
-commit aa815c1), the frequent rows in two kernels with no global sort (per block of TB tokens a tl.sort of its
-frequent tokens, their runs summed into partial rows, then each id's partials added in block order): 0.132-0.222
-ms; its first kernel (168 registers) took the SMs ahead of the rows grid for 15-18 us under the side stream's
-priority, and its merge ran 81-136 us. (2) the rows kernel persistent and software-pipelined (the next tile's
-counts and slots loaded first; commit 7e8083b): alone 0.105-0.27 ms at 1-6 programs per SM, the op 0.147-0.192 ms.
-Its programs held every SM's shared-memory configuration: cub's onesweep blocks (46 KB of shared memory each)
-started only as the grid drained. With the rows kernel's preferred shared-memory carveout set to 100 %
-(cuFuncSetAttribute) they started 60 us sooner and the op took 0.131 ms, level with the default: it fits an SM
-running blocks of several kernels together only under one L1/shared split (an inference from these two timelines).
-For the default, whose programs are short, the carveout changed nothing (0.130-0.131 ms at 0, 50 and 100 %). (3)
-"pieces" (commit 7bdb3a7): three kernels, no global sort (per block of TB tokens a tl.sort of its frequent tokens;
-pieces of SUB sorted tokens gathered as one tile and summed by a segmented scan; each id's pieces added in a fixed
-order set by the data): its chain ended at 99-116 us, inside the rows grid, yet the op took 0.147-0.208 ms, because
-the grid stretched to 156-164 us: thousands of latency-bound programs, started first under the side stream's
-priority, held the SM slots the grid needed. The sort chain costs less there, being few blocks. (4) The ids-only
-part of the op (counts, slots, keys, sort: 0.044 ms alone) depends on the ids alone and could be built before dout
-exists; given it, the rest (the rows grid beside the walks and merge) still takes 0.118 ms (80 %), so moving it out
-of the backward would not reach the goal either; not built. (5) "list" (commit 2902439): the chain's keys and cub
-sort replaced by one program per frequent id, which places the id's tokens, in token order, after those of the
-smaller frequent ids (one scan of the ids, compacted by a prefix sum): the chain's exact bits with two kernels
-fewer. The chain then ended at 87 us instead of 128, but the rows grid beside it stretched from 98 to 124 us (its
-walks and merge now ran inside the grid instead of after it): 0.131-0.152 ms fp32, bf16 0.357-0.388 against 0.313.
-Across these forms the frequent rows cost the op 22 us or more (against the grid's end at ~107 us) wherever they
-run. What 85 % (0.111 ms) needs: the frequent rows finished within the rows grid's ~100 us, under its traffic, at
-little cost in SM slots; no form so far does that.
+takes 0.099-0.101 ms on its 372 MB with whole 2048-column rows per program (1x2048 on 4 warps, 2x2048 on 8),
+against 0.109-0.110 ms for the 8x512 tiles before; the new default, 1x2048 on 8 warps, ran 98.4-98.7 us in the op's
+timelines, and the op takes 0.129-0.131 ms against 0.132-0.134. Reading each row's tokens from consecutive dout
+rows (the same bytes) gains 0-3 us and a scattered row-block order loses 5-7 us, so the gathers' randomness is not
+the cost. Beside the chain the whole-row grid runs at its own speed (98.7 us, ending 107 us into the op), so the op
+would take ~0.108 ms (87 %) if the chain ended by then; it ends at ~128 us: its kernels are latency-bound and each
+starts 2-13 us after the one before it ends. Measured and dropped: (1) "blocks" (code at commit aa815c1), the
+frequent rows in two kernels with no global sort (per block of TB tokens a tl.sort of its frequent tokens, their
+runs summed into partial rows, then each id's partials added in block order): 0.132-0.222 ms; its first kernel (168
+registers) took the SMs ahead of the rows grid for 15-18 us under the side stream's priority, and its merge ran
+81-136 us. (2) the rows kernel persistent and software-pipelined (the next tile's counts and slots loaded first;
+commit 7e8083b): alone 0.105-0.27 ms at 1-6 programs per SM, the op 0.147-0.192 ms. Its programs held every SM's
+shared-memory configuration: cub's onesweep blocks (46 KB of shared memory each) started only as the grid drained.
+With the rows kernel's preferred shared-memory carveout set to 100 % (cuFuncSetAttribute) they started 60 us sooner
+and the op took 0.131 ms, level with the default: it fits an SM running blocks of several kernels together only
+under one L1/shared split (an inference from these two timelines). For the default, whose programs are short, the
+carveout changed nothing (0.130-0.131 ms at 0, 50 and 100 %). (3) "pieces" (commit 7bdb3a7): three kernels, no
+global sort (per block of TB tokens a tl.sort of its frequent tokens; pieces of SUB sorted tokens gathered as one
+tile and summed by a segmented scan; each id's pieces added in a fixed order set by the data): its chain ended at
+99-116 us, inside the rows grid, yet the op took 0.147-0.208 ms, because the grid stretched to 156-164 us:
+thousands of latency-bound programs, started first under the side stream's priority, held the SM slots the grid
+needed. The sort chain costs less there, being few blocks. (4) The ids-only part of the op (counts, slots, keys,
+sort: 0.044 ms alone) depends on the ids alone and could be built before dout exists; given it, the rest (the rows
+grid beside the walks and merge) still takes 0.118 ms (80 %), so moving it out of the backward would not reach the
+goal either; not built. (5) "list" (commit 2902439): the chain's keys and cub sort replaced by one program per
+frequent id, which places the id's tokens, in token order, after those of the smaller frequent ids (one scan of the
+ids, compacted by a prefix sum): the chain's exact bits with two kernels fewer. The chain then ended at 87 us
+instead of 128, but the rows grid beside it stretched from 98 to 124 us (its walks and merge now ran inside the
+grid instead of after it): 0.131-0.152 ms fp32, bf16 0.357-0.388 against 0.313. Across these forms the frequent
+rows cost the op 22 us or more (against the grid's end at ~107 us) wherever they run. What 85 % (0.111 ms) needs:
+the frequent rows finished within the rows grid's ~100 us, under its traffic, at little cost in SM slots; no form
+so far does that.
 Measured and dropped (session 11, fp32; code at commit 7ca4268): "inline", the frequent rows inside the rows
 kernel's own launch (the slots pass lists them; the first programs, one per SM, build each one's token list by
 a scan of the ids, meet at a barrier, and sum the rows in segments whose partials the last arrival adds in
@@ -540,8 +541,8 @@ DEFAULTS = {2: (16, 1024, 4, "side", 16, True), 4: (16, 512, 4, "rows", 16, True
 SIDE_HIGH_PRIORITY = True  # "side": the side stream of the highest priority (False: the default priority)
 # "rows" (zero fill mode): (slots per row K, BLOCK_R, BLOCK_C, num_warps[, programs per SM: persistent]) of
 # _embedding_bwd_rows_kernel, by dout element size; ROWS overrides for the bench's sweep
-# fp32: whole 2048-column rows, one per program, since session 12 (the rows kernel alone 0.099 ms against 0.109 for
-# 8x512 tiles; the op 0.129-0.131 against 0.132-0.134 ms; bench/embedding_rows_probe.py, bench/RESULTS.md)
+# fp32: whole 2048-column rows, one per program, since session 12 (whole-row tiles alone 0.099-0.101 ms against
+# 0.109-0.110 for 8x512; the op 0.129-0.131 against 0.132-0.134 ms; bench/embedding_rows_probe.py, RESULTS.md)
 ROWS_DEFAULTS = {2: (2, 4, 2048, 8), 4: (4, 1, 2048, 8)}
 ROWS = None
 # the rows kernel's gathers: "" or an L2 eviction policy ("evict_first": each row is read once); and a branch for
