@@ -1,7 +1,7 @@
 """What bounds the fp32 embedding backward's rows kernel (session 12): the kernel alone against probes that
 move the same bytes with one thing changed.
 
-    PYTHONPATH=. python3 bench/embedding_rows_probe.py [--reps 30] [--plan]
+    PYTHONPATH=. python3 bench/embedding_rows_probe.py [--reps 30] [--plan | --tiles 8x512/8 1x2048/8 ...] [--C 2048]
 
 The rows kernel (``xtrain/kernels/embedding.py``, the "rows" form) writes the whole [V, C] table and gathers
 the dout rows of every row seen at most K times (random rows of dout, in table-row order). Probes, all on the
@@ -15,6 +15,7 @@ same ids (the bench's Zipf-like ids, N = 16k, V = 32k, C = 2048, fp32) and GPU t
   gather / scatter / copy   13k rows of 8 KB: random reads and sequential writes, the reverse, and a plain copy
 ``--plan`` instead times only the default op split at its ids-only preparation (counts, slots, sort keys,
 sort): the op, the preparation alone, and the rest given a prepared plan (bits checked against the op).
+``--tiles`` times the op with the given rows-kernel tiles (rows x columns / warps), for other widths C.
 The last lines are a table: ms, the bytes moved, and the fraction of the copy bandwidth (a 1 GiB copy, measured
 in the run).
 Probes are timing only (their outputs are not the op's); the rows kernel's output is checked against the
@@ -87,6 +88,8 @@ def main() -> None:
     ap.add_argument("--V", type=int, default=32768)
     ap.add_argument("--C", type=int, default=2048)
     ap.add_argument("--plan", action="store_true", help="only the op split at its ids-only preparation")
+    ap.add_argument("--tiles", nargs="*", default=None, metavar="BRxBC/W",
+                    help="only the op with these rows-kernel tiles (e.g. 8x512/8 1x2048/8), at --C")
     args = ap.parse_args()
     N, V, C = args.N, args.V, args.C
     dev = "cuda"
@@ -103,7 +106,8 @@ def main() -> None:
     copy_bw = copy_bytes / copy_ms / 1e9
     src = dst = None  # noqa: F841 (freed)
     rows = [("copy 1 GiB -> 1 GiB (the yardstick)", copy_ms, copy_bytes),
-            ("copy 134 MB -> 134 MB", gpu_time(lambda: big.copy_(d), reps=args.reps)["ms"], 2 * d.numel() * 4)]
+            (f"copy of dout, {d.numel() * 4 / 1e6:.0f} MB", gpu_time(lambda: big.copy_(d), reps=args.reps)["ms"],
+             2 * d.numel() * 4)]
 
     def slots_for(k):
         counts = torch.zeros(V, dtype=torch.int32, device=dev)
@@ -113,6 +117,19 @@ def main() -> None:
 
     table_bytes = V * C * 4
     ref = K.embedding_bwd_ref(d, ids, V)
+    if args.tiles is not None:
+        op_bytes = N * C * 4 + V * C * 4 + 8 * N
+        for t in args.tiles:
+            shape, w = t.split("/")
+            br, bc = (int(x) for x in shape.split("x"))
+            K.ROWS = (4, br, bc, int(w))
+            rows.append((f"the op, rows tiles {br}x{bc} on {w} warps", gpu_time(
+                lambda: K.embedding_bwd_triton(d, ids, V), reps=args.reps)["ms"], op_bytes))
+        K.ROWS = None
+        rows.append(("the op, the default", gpu_time(lambda: K.embedding_bwd_triton(d, ids, V), reps=args.reps)["ms"],
+                     op_bytes))
+        _report(rows, copy_bw, N, V, C)
+        return
     if args.plan:
         rows += _plan_split(ids, d, V, C, args.reps)
         _report(rows, copy_bw, N, V, C)

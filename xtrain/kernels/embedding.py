@@ -542,7 +542,10 @@ SIDE_HIGH_PRIORITY = True  # "side": the side stream of the highest priority (Fa
 # "rows" (zero fill mode): (slots per row K, BLOCK_R, BLOCK_C, num_warps[, programs per SM: persistent]) of
 # _embedding_bwd_rows_kernel, by dout element size; ROWS overrides for the bench's sweep
 # fp32: whole 2048-column rows, one per program, since session 12 (whole-row tiles alone 0.099-0.101 ms against
-# 0.109-0.110 for 8x512; the op 0.129-0.131 against 0.132-0.134 ms; bench/embedding_rows_probe.py, RESULTS.md)
+# 0.109-0.110 for 8x512; the op 0.129-0.131 against 0.132-0.134 ms; bench/embedding_rows_probe.py, RESULTS.md).
+# Narrower tables keep one row per program: at C = 512 / 1024 the op took 0.078 / 0.092 ms against 0.078 / 0.093
+# for 8x512, and keeping 2048 elements per program (4x512, 2x1024) was no better (0.078 / 0.099); C = 4096 (V =
+# 16k): 0.169 against 0.174.
 ROWS_DEFAULTS = {2: (2, 4, 2048, 8), 4: (4, 1, 2048, 8)}
 ROWS = None
 # the rows kernel's gathers: "" or an L2 eviction policy ("evict_first": each row is read once); and a branch for
