@@ -550,6 +550,12 @@ def _v_embedding(N, V, C, dt, smoke=False):
     # 0.099 ms and 2x2048 w8 0.099 against 8x512 w8 0.109)
     vs += [(f"rows K{k} whole rows {br}x{C} w{w}", rows, {"ROWS": (k, br, C, w)})
            for k in (2, 4) for br, w in ((1, 4), (2, 8), (1, 8), (2, 4), (4, 8), (1, 16), (2, 16), (4, 16), (8, 16))]
+    # session 12: with whole-row tiles the chain is the longer branch, its merge a serial walk over a frequent id's
+    # chunks: the merge MERGE_BLOCK chunks per step, and the walks' tile body, with the default rows tiling
+    for mb in (1, 4, 16):
+        vs += [(f"rows (default ROWS), merge {mb}, chain {ch} {body}", (ch, tb if body == "tile" else bc, 4, "rows", 16,
+                                                                        body == "walk", body), {"MERGE_BLOCK": mb})
+               for ch, body in ((16, "walk"), (16, "tile"), (32, "tile"), (8, "tile"))]
     # the rows kernel: zero-only tiles skip the slots and gathers; the gathers with an evict-first L2 policy
     vs += [(f"rows K4 {br}x{bcol} w{w}, {'zero fast path' if z else ''}{' evict_first' if ev else ''}", rows,
             {"ROWS": (4, br, bcol, w), "ROWS_ZERO_FAST": z, "ROWS_EVICT": ev})

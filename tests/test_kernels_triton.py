@@ -359,8 +359,9 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
     sentinel). Counts of exactly K and K + 1, every token one id, every token its own id, heavy and sentinel
     tokens in one chunk; the rows kernel as a grid of tiles or persistent (3 programs walking the tiles), or
     one row per program in column blocks narrower than the rows (the fp32 default's shape: whole rows of 2048);
-    against the reference and bit for bit repeatable. With chunks of one token the chain sums a run left to
-    right, as the rows kernel does: then the two forms give the same bits as the walk."""
+    against the reference and bit for bit repeatable. With chunks of one token and a merge of one chunk per step
+    the chain sums a run left to right, as the rows kernel does: then the two forms give the same bits as the
+    walk."""
     K = rows[0]
     monkeypatch.setattr(K_emb, "ROWS", rows)
     cases = [torch.cat([torch.full((K,), 2), torch.full((K + 1,), 5), torch.tensor([0, 7, 2, 9])]),
@@ -373,9 +374,12 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
             a = K_emb.embedding_bwd_triton(d, ids, V)
             assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
             assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
-            if chunk == 1:
+            if chunk == 1:  # with a merge that adds one chunk per step (MERGE_BLOCK = 1)
+                monkeypatch.setattr(K_emb, "MERGE_BLOCK", 1)
+                a = K_emb.embedding_bwd_triton(d, ids, V)
                 monkeypatch.setattr(K_emb, "CONFIG", (1, 32, 4, "torch", 16, True))
                 assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
+                monkeypatch.setattr(K_emb, "MERGE_BLOCK", 16)
 
 
 @needs_cpu_interp

@@ -38,11 +38,11 @@ Sort keys: int32 (half the radix passes of int64) or int16 (ids - 32768, V <= 65
 It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which accumulates a
 whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, GPU time): bf16 the side streams with
 the walk, 0.312 ms at V = 128k, C = 4096 (91% of copy; session 6); fp32 the rows form, 0.133-0.137 ms at V =
-32k, C = 2048 (68-70%; session 7; "side" 0.153-0.156 ms; 0.129-0.131 ms, 71-73 %, with whole-row tiles since
-session 12). What kept fp32 short of the goal in session 7 (a profile with the host kept ahead): the rows
-kernel alone takes 0.093-0.103 ms (84-88% of its bytes), but the chain beside it (keys, cub's radix sort in
-five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid, each of its kernels waiting
-6-14 us for a grid program to retire before it gets an SM.
+32k, C = 2048 (68-70%; session 7; "side" 0.153-0.156 ms; since session 12, with whole-row tiles and the merge
+taking 16 chunks per step, 0.127-0.128 ms, 74 %). What kept fp32 short of the goal in session 7 (a profile with
+the host kept ahead): the rows kernel alone takes 0.093-0.103 ms (84-88% of its bytes), but the chain beside
+it (keys, cub's radix sort in five kernels, walks, merge) stretches from ~65 us alone to ~128 us under the grid,
+each of its kernels waiting 6-14 us for a grid program to retire before it gets an SM.
 Session 12 (fp32; bench/embedding_rows_probe.py, bench/embedding_timeline.py; GPU time): the rows kernel alone
 takes 0.099-0.101 ms on its 372 MB with whole 2048-column rows per program (1x2048 on 4 warps, 2x2048 on 8),
 against 0.109-0.110 ms for the 8x512 tiles before; the new default, 1x2048 on 8 warps, ran 98.4-98.7 us in the op's
@@ -559,8 +559,10 @@ PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("si
 # the chain ended ~17 us sooner in the timeline; the op 0.133-0.134 vs 0.136 ms fp32, 0.311-0.313 vs 0.314 bf16)
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
-MERGE_BLOCK = 1  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
-# within the run-to-run spread of 1 (bf16 0.312-0.313 ms all three; fp32 0.147-0.156 ms)
+MERGE_BLOCK = 16  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
+# within the run-to-run spread of 1 (bf16 0.312-0.313 ms all three; fp32 0.147-0.156 ms, the "side" form). Session
+# 12: 16 since, with whole-row tiles the chain ends the fp32 op and its merge walked a frequent id's ~32 chunks one
+# by one: fp32 0.128-0.129 against 0.130-0.132 ms (four processes), bf16 "side" unchanged (0.312-0.313)
 
 
 def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool, counts=None, heavy_k: int = 0):
