@@ -109,12 +109,6 @@ def main() -> None:
             (f"copy of dout, {d.numel() * 4 / 1e6:.0f} MB", gpu_time(lambda: big.copy_(d), reps=args.reps)["ms"],
              2 * d.numel() * 4)]
 
-    def slots_for(k):
-        counts = torch.zeros(V, dtype=torch.int32, device=dev)
-        slots = torch.empty(k, V, dtype=torch.int32, device=dev)
-        K._embedding_slots_kernel[(triton.cdiv(N, 256),)](ids, counts, slots, N, V, K=k, BLOCK=256, num_warps=4)
-        return counts, slots
-
     table_bytes = V * C * 4
     ref = K.embedding_bwd_ref(d, ids, V)
     if args.tiles is not None:
@@ -135,7 +129,7 @@ def main() -> None:
         _report(rows, copy_bw, N, V, C)
         return
     for k in (2, 4):
-        counts, slots = slots_for(k)
+        counts, slots = _slots(ids, V, k)
         light = int(counts[counts <= k].sum())
         own = counts <= k
         nbytes = table_bytes + light * C * 4
@@ -199,6 +193,16 @@ def main() -> None:
     _report(rows, copy_bw, N, V, C)
 
 
+def _slots(ids, V, k):
+    """The rows form's counts and slots for these ids (the library's slots pass, K = k)."""
+    N = ids.numel()
+    counts = torch.zeros(V, dtype=torch.int32, device=ids.device)
+    slots = torch.empty(k, V, dtype=torch.int32, device=ids.device)
+    K._embedding_slots_kernel[(triton.cdiv(N, K.SLOTS_BLOCK),)](ids, counts, slots, N, V, K=k, BLOCK=K.SLOTS_BLOCK,
+                                                                num_warps=4)
+    return counts, slots
+
+
 def _report(rows, copy_bw, N, V, C) -> None:
     print(f"\nGPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"N={N} V={V} C={C} fp32; copy {copy_bw:.2f} TB/s")
@@ -217,16 +221,14 @@ def _plan_split(ids, d, V, C, reps) -> list:
     N = ids.numel()
     k = 4
     br, bc, w = K.ROWS_DEFAULTS[4][1:4]
-    CHUNK, BLOCK_C, nw = 16, 512, 4
+    CHUNK, BLOCK_C, nw, _, key_bits, idx_ahead = K.DEFAULTS[4]  # the op's own fp32 settings
     n_chunks, n_cb = triton.cdiv(N, CHUNK), triton.cdiv(C, BLOCK_C)
     n_rb, n_rcb = triton.cdiv(V, br), triton.cdiv(C, bc)
     op_bytes = N * C * 4 + V * C * 4 + 8 * N
 
     def prep():
-        counts = torch.zeros(V, dtype=torch.int32, device=ids.device)
-        slots = torch.empty(k, V, dtype=torch.int32, device=ids.device)
-        K._embedding_slots_kernel[(triton.cdiv(N, 256),)](ids, counts, slots, N, V, K=k, BLOCK=256, num_warps=4)
-        keys, bias, _ = K._sort_keys(ids, V, 16, False, counts, k)
+        counts, slots = _slots(ids, V, k)
+        keys, bias, _ = K._sort_keys(ids, V, key_bits, False, counts, k)
         srt, order = torch.sort(keys, stable=True)
         return counts, slots, srt, order, bias
 
@@ -242,8 +244,8 @@ def _plan_split(ids, d, V, C, reps) -> list:
                                                         BLOCK_R=br, BLOCK_C=bc, num_warps=w)
 
         def chain():
-            K._walk_and_merge(d, order, srt, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, True, False,
-                              bias, nw)
+            K._walk_and_merge(d, order, srt, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
+                              False, bias, nw)
         run_side_by_side(d.device, grid_pass, chain, high_priority=True)
         return dtable
 

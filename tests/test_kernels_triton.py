@@ -375,11 +375,11 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
             assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
             assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
             if chunk == 1:  # with a merge that adds one chunk per step (MERGE_BLOCK = 1)
-                monkeypatch.setattr(K_emb, "MERGE_BLOCK", 1)
-                a = K_emb.embedding_bwd_triton(d, ids, V)
-                monkeypatch.setattr(K_emb, "CONFIG", (1, 32, 4, "torch", 16, True))
-                assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
-                monkeypatch.setattr(K_emb, "MERGE_BLOCK", 16)
+                with monkeypatch.context() as m:
+                    m.setattr(K_emb, "MERGE_BLOCK", 1)
+                    a = K_emb.embedding_bwd_triton(d, ids, V)
+                    m.setattr(K_emb, "CONFIG", (1, 32, 4, "torch", 16, True))
+                    assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
 
 
 @needs_cpu_interp
