@@ -23,7 +23,7 @@ def split_kernels(q, k, v, do, o, lse, causal: bool = True, config=None) -> tupl
     from xtrain.kernels import flash_attention_gluon_bwd as GB
 
     dob, lse32, dq, dk, dv, delta, s, _ = GB._prologue("probe", GB.supported_bwd, GB.HEAD_DIMS, do, q, k, v, o, lse,
-                                                       None, None, None, None)
+                                                       None, None, None, None, base2=True)
     cfg = GB._config("probe", config, q.shape[-1])
     (k1, g1, a1, c1), (k2, g2, a2, c2) = GB._launches(q, k, v, dq, dk, dv, dob, lse32, delta, s, causal, cfg)
     return lambda: k1[g1](**a1, **c1, num_warps=4), lambda: k2[g2](**a2, **c2, num_warps=4)

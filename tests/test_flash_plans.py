@@ -141,7 +141,7 @@ def _base_is(desc, t) -> bool:
     return desc.base.data_ptr() == t.data_ptr() and desc.base.dtype == t.dtype
 
 
-_PRE = dict.fromkeys(("O", "DO", "DELTA"), torch.empty(0))  # the preprocess's tensors (GB._prologue)
+_PRE = dict.fromkeys(("O", "DO", "DELTA", "LSE", "LSE2"), torch.empty(0))  # the preprocess's tensors (GB._prologue)
 needs_gluon = pytest.mark.skipif(not G.HAVE_GLUON, reason="this Triton has no Gluon")
 
 
@@ -181,9 +181,10 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed):
     assert (gdq.shape, gdk.shape, gdv.shape) == (q2.shape, k2.shape, v2.shape)
     (p,), (c1,), (c2,) = pre.calls, r1.calls, r2.calls
     assert p["O"] is o2 and p["DO"] is do
-    assert c1["delta_ptr"] is p["DELTA"] is c2["delta_ptr"] and c1["lse_ptr"] is lse2 is c2["lse_ptr"]
+    assert c1["delta_ptr"] is p["DELTA"] is c2["delta_ptr"] and p["LSE"] is lse2
+    assert c1["lse_ptr"] is p["LSE2"] is c2["lse_ptr"] and p["LSE2"] is not lse2  # lse·log2(e), a new buffer
     for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dk_desc", gdk),
-                    ("dv_desc", gdv)):
+                    ("dv_desc", gdv), ("lse_desc", p["LSE2"]), ("delta_desc", p["DELTA"])):
         assert _base_is(c1[name], t), name
     for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dq_desc", gdq)):
         assert _base_is(c2[name], t), name
@@ -199,6 +200,7 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed):
     gdq, gdk, gdv = onepass(do, q2, k2, v2, torch.empty_like(q2), lse2)
     (p,), (m,), (c,) = pre.calls, main.calls, conv.calls
     assert m["delta_ptr"] is p["DELTA"] and m["lse_ptr"] is lse2
+    assert p["LSE"] is p["LSE2"] is p["DELTA"]  # the one-pass kernel reads the natural-log lse: no base-2 copy
     assert c["DQ"] is gdq and _base_is(m["dq_desc"], c["ACC"]) and c["ACC"].dtype == torch.float32
     assert not c["ACC"].any()  # the accumulator starts at zero
     for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dk_desc", gdk),

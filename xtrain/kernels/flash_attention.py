@@ -297,6 +297,7 @@ if HAVE_TRITON:
         _HAVE_DESC = True
     except ImportError:  # pragma: no cover
         _HAVE_DESC = False
+    _LOG2E_C = tl.constexpr(LOG2E)
 
     @triton.jit
     def _tail_order(pid, nb, n_heads, TAIL):
@@ -419,10 +420,11 @@ if HAVE_TRITON:
             tl.store(lse_ptrs, lse, mask=offs_m < T)
 
     @triton.jit
-    def _flash_bwd_preprocess_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_ot,
+    def _flash_bwd_preprocess_kernel(O, DO, DELTA, LSE, LSE2, stride_ob, stride_oh, stride_ot,
                                      stride_dob, stride_doh, stride_dot, H, T,
-                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-        """DELTA[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] in fp32."""
+                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCALE_LSE: tl.constexpr = False):
+        """DELTA[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] in fp32; SCALE_LSE: also LSE2 = LSE · log2(e)
+        (the Gluon split backward's base-2 row statistic; LSE, LSE2 contiguous fp32 [B, H, T])."""
         pid_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         off_b = off_bh // H
@@ -436,6 +438,9 @@ if HAVE_TRITON:
                      + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
         tl.store(DELTA + off_bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+        if SCALE_LSE:
+            lse = tl.load(LSE + off_bh.to(tl.int64) * T + offs_m, mask=offs_m < T)
+            tl.store(LSE2 + off_bh.to(tl.int64) * T + offs_m, lse * _LOG2E_C, mask=offs_m < T)
 
     @triton.jit
     def _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
@@ -837,7 +842,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     PRE_M = 64
     _flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        o, do, delta, delta, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
     prec = _precision(q.dtype)
     even1 = T % BM1 == 0 and T % BN1 == 0

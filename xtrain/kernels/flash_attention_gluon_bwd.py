@@ -135,7 +135,9 @@ RESIDENT = 128  # keys per dK/dV program, query rows per dQ program (two warpgro
 HALF_M = 64
 # (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) by head dim; see the module docstring
 CONFIGS = {
-    "split": {64: (64, 2, 64, 4, 3), 128: (64, 2, 64, 4, 3)},
+    "split": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
+    "split_s10": {64: (64, 2, 64, 4, 3), 128: (64, 2, 64, 4, 3)},
+    "split_late": {64: (64, 3, 64, 4, 30), 128: (64, 3, 64, 4, 30)},
     "split_s9": {64: (64, 2, 64, 2, 0), 128: (64, 2, 64, 2, 0)},
     "split3": {64: (64, 3, 64, 3), 128: (64, 3, 64, 3)},
     "split_wide": {64: (128, 2, 128, 2), 128: (64, 2, 128, 2)},
@@ -143,7 +145,7 @@ CONFIGS = {
 # the optional fifth element of a config, a bit mask: OPT_PF the dK/dV kernel loads each step's lse and delta in
 # the step before (once its dK wgmma is issued); OPT_DQP the dQ kernel issues tile j - 1's dQ wgmma behind tile
 # j's S and dP (``_dq_loop_pipelined``). "split_s9" is "split" as it was before both (session 9).
-OPT_PF, OPT_DQP = 1, 2
+OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_LATE = 1, 2, 4, 8, 16
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -193,28 +195,52 @@ if HAVE_GLUON:
     # dK/dV kernel
     # -----------------------------------------------------------------------------------------------------
     @gluon.jit
-    def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
-                       q_empty, do_empty, k_row, k_col, v_row, v_col, q_base, q_rh, q_ch, do_base, do_rh, do_ch,
-                       h0, mt0, n_m, n_iter, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile)."""
+    def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                       lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, k_col, v_row, v_col,
+                       q_base, q_rh, q_ch, do_base, do_rh, do_ch, h0, mt0, n_m, n_iter, T, lt0,
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr):
+        """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile).
+        LEAN: the (head, tile) of a step carried from the step before (no division), and one "empty" barrier
+        per slot for both tiles (``q_empty``). SMEM (with LEAN): each step's lse and delta rows too (row lt of
+        the [B·H·T / BLOCK_M, BLOCK_M] views, from lt0 on), beside Q and dO, on their barriers."""
         KH: gl.constexpr = k_desc.block_type.shape[0]
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
         _tma_load(k_desc, [k_row + KH, k_col], kv_bar, k_smem.index(1))
         _tma_load(v_desc, [v_row, v_col], kv_bar, v_smem.index(0))
         _tma_load(v_desc, [v_row + KH, v_col], kv_bar, v_smem.index(1))
+        h = h0
+        start_m = mt0 * BLOCK_M
+        lt = lt0
         for it in range(n_iter):
-            h = h0 + it // n_m
-            start_m = (mt0 + it % n_m) * BLOCK_M
+            if not LEAN:
+                h = h0 + it // n_m
+                start_m = (mt0 + it % n_m) * BLOCK_M
             slot = it % STAGES
             phase = ((it // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
             mbarrier.wait(q_empty.index(slot), phase)
-            mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes)
+            if SMEM:
+                mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+                _tma_load(lse_desc, [lt, 0], q_bars.index(slot), lse_smem.index(slot))
+            else:
+                mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes)
             _tma_load(q_desc, [q_base + h * q_rh + start_m, h * q_ch], q_bars.index(slot), q_smem.index(slot))
-            mbarrier.wait(do_empty.index(slot), phase)
-            mbarrier.expect(do_bars.index(slot), do_desc.block_type.nbytes)
+            if not LEAN:
+                mbarrier.wait(do_empty.index(slot), phase)
+            if SMEM:
+                mbarrier.expect(do_bars.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+                _tma_load(delta_desc, [lt, 0], do_bars.index(slot), delta_smem.index(slot))
+            else:
+                mbarrier.expect(do_bars.index(slot), do_desc.block_type.nbytes)
             _tma_load(do_desc, [do_base + h * do_rh + start_m, h * do_ch], do_bars.index(slot),
                       do_smem.index(slot))
+            if LEAN:
+                start_m += BLOCK_M
+                lt += 1
+                wrap = (start_m == T).to(gl.int32)  # the next head of the group, from tile mt0 again
+                start_m -= wrap * (T - mt0 * BLOCK_M)
+                lt += wrap * mt0
+                h += wrap
 
     @gluon.jit
     def _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
@@ -234,16 +260,28 @@ if HAVE_GLUON:
     def _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, cols, BLOCK_M: gl.constexpr):
         """lse·log2(e) and delta of step ``it``'s queries (``cols`` in the Sᵀ column layout)."""
         row = lse_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M  # int64 row of the [B·H·T] lse / delta
-        return gl.load(lse_ptr + row + cols) * _LOG2E, gl.load(delta_ptr + row + cols)
+        return _dkdv_lse_delta_at(lse_ptr, delta_ptr, row, cols)
 
     @gluon.jit
-    def _dkdv_consumer(q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
-                       dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter,
-                       start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
+    def _dkdv_lse_delta_at(lse_ptr, delta_ptr, row, cols):
+        """lse·log2(e) (the split's lse input is in base 2 already) and delta of the queries from int64 row ``row``
+        of the [B·H·T] lse / delta on."""
+        return gl.load(lse_ptr + row + cols), gl.load(delta_ptr + row + cols)
+
+    @gluon.jit
+    def _dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty,
+                       do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
+                       mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       PF: gl.constexpr):
+                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, LATE: gl.constexpr):
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
-        step's lse and delta are loaded in the step before, once its dK wgmma is issued."""
+        step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
+        step's query tile and lse row carried from the step before (no integer division in the loop), and one
+        arrival per step on one "empty" barrier for both of the slot's tiles. SMEM (with LEAN, instead of PF):
+        lse and delta read from the slot's shared rows (the producer's TMA) just before their use, so no
+        register holds them across the step. LATE (with SMEM): the slot of step it - 1 is released once step it's
+        dK wgmma is issued (its warpgroup barrier and arrival then run under dV and dK) instead of after step
+        it - 1's last wait; give the ring 3 stages."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_M)  # [KH, BLOCK_M] Sᵀ, dPᵀ
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
@@ -256,12 +294,15 @@ if HAVE_GLUON:
         s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
         dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
         dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
-        if PF:
+        start_m = mt0 * BLOCK_M
+        lrow = lse_row0 + start_m  # LEAN: int64 row of the step's first query in the [B·H·T] lse / delta
+        if PF and not SMEM:
             lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, cols, BLOCK_M)
         mbarrier.wait(kv_bar, 0)
         for it in range(n_iter):
-            start_m = (mt0 + it % n_m) * BLOCK_M
-            if not PF:  # plain loads, issued before the barrier wait
+            if not LEAN:
+                start_m = (mt0 + it % n_m) * BLOCK_M
+            if not PF and not SMEM:  # plain loads, issued before the barrier wait
                 lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, cols, BLOCK_M)
             slot = it % STAGES
             phase = (it // STAGES) & 1
@@ -271,32 +312,58 @@ if HAVE_GLUON:
             st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(do_bars.index(slot), phase)
             dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if SMEM:
+                lse_b = lse_smem.index(slot).load(s_layout)  # [1, BLOCK_M] lse·log2(e), broadcast over the keys
+            else:
+                lse_b = gl.expand_dims(lse2, 0)
             st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
-            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            pt = gl.exp2(st * qk_scale - lse_b)
             if CAUSAL:
                 if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
                     keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
                     pt = gl.where(keep, pt, 0.0)
             p_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
+            if SMEM:
+                delta_b = delta_smem.index(slot).load(s_layout)
+            else:
+                delta_b = gl.expand_dims(delta, 0)
             dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
-            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            dst = pt * (dpt - delta_b)
             ds_op = gl.convert_layout(dst.to(dtype), op_layout)
             dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-            if PF:  # the next step's, while dV and dK run: Sᵀ, dPᵀ and their fp32 values are dead here
+            if LATE:
+                if it > 0:
+                    mbarrier.arrive(q_empty.index((it + STAGES - 1) % STAGES), count=1)
+            if SMEM:
+                start_m += BLOCK_M
+                start_m -= (start_m == T).to(gl.int32) * (T - mt0 * BLOCK_M)
+            elif LEAN:  # the next step's query tile (the last step keeps its own: nothing is read past the end)
+                more = (it + 1 < n_iter).to(gl.int32)
+                start_m += more * BLOCK_M
+                lrow += more * BLOCK_M
+                wrap = (start_m == T).to(gl.int32)  # the next head of the group, from tile mt0 again
+                start_m -= wrap * (T - mt0 * BLOCK_M)
+                lrow += wrap * (mt0 * BLOCK_M)
+                lse2, delta = _dkdv_lse_delta_at(lse_ptr, delta_ptr, lrow, cols)
+            elif PF:  # the next step's, while dV and dK run: Sᵀ, dPᵀ and their fp32 values are dead here
                 lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
                                               gl.minimum(it + 1, n_iter - 1), cols, BLOCK_M)
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-            mbarrier.arrive(q_empty.index(slot), count=1)
-            mbarrier.arrive(do_empty.index(slot), count=1)
+            if not LATE:
+                mbarrier.arrive(q_empty.index(slot), count=1)
+            if not LEAN:
+                mbarrier.arrive(do_empty.index(slot), count=1)
         _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype, HALF)
 
     @gluon.jit
-    def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, qk_scale,
+    def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, delta_desc, lse_ptr, delta_ptr,
+                         qk_scale,
                          sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, PF: gl.constexpr = False):
+                         CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
+                         SMEM: gl.constexpr = False, LATE: gl.constexpr = False):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -321,6 +388,12 @@ if HAVE_GLUON:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
+        if SMEM:
+            lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+        else:  # stand-ins that no partition reads
+            lse_smem = q_smem
+            delta_smem = q_smem
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -337,18 +410,19 @@ if HAVE_GLUON:
         dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
         # (the partitions' argument lists are spelled out: Gluon 3.6 cannot build tuples holding constexprs)
         gl.warp_specialize([
-            (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
-                              dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
-                              off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM,
-                              BLOCK_M, STAGES, CAUSAL, 0, PF)),
-            (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
-                              dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
-                              off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM,
-                              BLOCK_M, STAGES, CAUSAL, 1, PF)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
-                              do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
-                              off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
-                              BLOCK_M, STAGES)),
+            (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
+                              q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
+                              off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, LATE)),
+            (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
+                              q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
+                              off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, LATE)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+                              v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row,
+                              off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh,
+                              do_ch, h0, mt0, n_m, n_iter, T, (off_b * H + h0) * (T // BLOCK_M) + mt0, BLOCK_M,
+                              STAGES, LEAN, SMEM)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])  # worker_num_regs: required by Gluon 3.6
 
     # -----------------------------------------------------------------------------------------------------
@@ -444,7 +518,7 @@ if HAVE_GLUON:
         q_lo = start_m + HALF * QH
         offs_q = gl.arange(0, QH, layout=gl.SliceLayout(1, s_layout))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        lse2 = gl.load(lse_ptr + lse_row + HALF * QH + offs_q) * _LOG2E
+        lse2 = gl.load(lse_ptr + lse_row + HALF * QH + offs_q)  # lse·log2(e)
         delta = gl.load(delta_ptr + lse_row + HALF * QH + offs_q)
         s_zero = gl.zeros([QH, BLOCK_N], gl.float32, s_layout)
         dq = gl.zeros([QH, HEAD_DIM], gl.float32, a_layout)
@@ -586,8 +660,12 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, PF]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= OPT_PF | OPT_DQP):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-3, "
+            or not 0 <= opts <= 31 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
+            or (opts & OPT_LATE and not opts & OPT_SMEM)):
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-31 "
+                         f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_LATE with "
+                         f"OPT_SMEM), "
                          f"got {config!r}")
     return bm1, st1, bn2, st2, opts
 
@@ -616,14 +694,18 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
     coords = {}
     for name, c in (("q", q_c), ("do", do_c), ("k", k_c), ("v", v_c)):
         coords.update({f"{name}_rb": c[0], f"{name}_rh": c[1], f"{name}_ch": c[2]})
+    # lse and delta as [B·H·T / BLOCK_M1, BLOCK_M1] rows for the SMEM option's TMA loads (passed in any case)
+    (lse2, *_), (delta2, *_) = (_row_view(x.view(B, H, T // bm1, bm1)) for x in (lse, delta))
     dkdv = dict(q_desc=_desc(q2, bm1, D), do_desc=_desc(do2, bm1, D), k_desc=_desc(k2, HALF_M, D),
+                lse_desc=_desc(lse2, 1, bm1), delta_desc=_desc(delta2, 1, bm1),
                 v_desc=_desc(v2, HALF_M, D), dk_desc=_desc(dk2, HALF_M, D), dv_desc=_desc(dv2, HALF_M, D),
                 **common, **coords, dk_rb=dk_c[0], dk_rh=dk_c[1], dk_ch=dk_c[2], dv_rb=dv_c[0], dv_rh=dv_c[1],
                 dv_ch=dv_c[2])
     dqa = dict(q_desc=_desc(q2, HALF_M, D), do_desc=_desc(do2, HALF_M, D), k_desc=_desc(k2, bn2, D),
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
-    c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF))
+    c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
+              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), LATE=bool(opts & OPT_LATE))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP))
     nb = T // RESIDENT
     n_sm = FA.grid_sms(q.device)
@@ -648,12 +730,14 @@ def tail_heads(nb: int, heads: int, n_sm: int) -> int:
 
 
 def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False,
-              plan: bool = False):
+              plan: bool = False, base2: bool = False):
     """What both Gluon backwards do before their kernels: check the inputs (``supported``: the backward's own
     predicate; a ValueError naming ``op`` otherwise; skipped when ``checked``: the caller has just run both
     checks, as flash_attention_bwd_triton's route does), the scale, the output buffers (``_grad_buf``), then
     the delta preprocess. Returns (do in q's dtype, lse fp32 contiguous, dq, dk, dv, delta, scale, the
-    preprocess as a ``CachedLaunch`` if ``plan``, else None)."""
+    preprocess as a ``CachedLaunch`` if ``plan``, else None). ``base2`` (the split's kernels): the returned lse
+    is a new buffer, lse·log2(e), written by the preprocess beside delta (session 13: the dK/dV kernel's TMA
+    rows then need no multiply between their shared-memory load and the exponentials)."""
     if not checked:
         FA._check_bwd(op, do, q, k, v, o, lse)
     if not checked and not supported(do, q, k, v, o, lse):
@@ -669,27 +753,35 @@ def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk,
     dk = _grad_buf(op, "dk", dk, k)
     dv = _grad_buf(op, "dv", dv, v)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta) if base2 else delta
     PRE_M = 64
-    pre_args = dict(O=o, DO=do, DELTA=delta, stride_ob=o.stride(0), stride_oh=o.stride(1), stride_ot=o.stride(2),
-                    stride_dob=do.stride(0), stride_doh=do.stride(1), stride_dot=do.stride(2), H=H, T=T, HEAD_DIM=D,
-                    BLOCK_M=PRE_M)
+    # LSE / LSE2 are read and written only with SCALE_LSE; otherwise delta stands in for both
+    pre_args = dict(O=o, DO=do, DELTA=delta, LSE=lse if base2 else delta, LSE2=lse2, SCALE_LSE=base2,
+                    stride_ob=o.stride(0), stride_oh=o.stride(1), stride_ot=o.stride(2), stride_dob=do.stride(0),
+                    stride_doh=do.stride(1), stride_dot=do.stride(2), H=H, T=T, HEAD_DIM=D, BLOCK_M=PRE_M)
     grid = (triton.cdiv(T, PRE_M), B * H)
+    out = lse2 if base2 else lse
     if plan:
-        return do, lse, dq, dk, dv, delta, s, launch_cached(FA._flash_bwd_preprocess_kernel, grid, pre_args)
+        return do, out, dq, dk, dv, delta, s, launch_cached(FA._flash_bwd_preprocess_kernel, grid, pre_args)
     FA._flash_bwd_preprocess_kernel[grid](**pre_args)
-    return do, lse, dq, dk, dv, delta, s, None
+    return do, out, dq, dk, dv, delta, s, None
 
 
-def plan_outputs(pre, do, q, k, v, o):
+def plan_outputs(pre, do, q, k, v, o, lse=None):
     """What both backward plans do first: allocate dq, dk, dv (contiguous, as the full path's ``_grad_buf``)
-    and delta, and launch the cached delta preprocess ``pre``. Returns (dq, dk, dv, delta)."""
+    and delta, and launch the cached delta preprocess ``pre``. Returns (dq, dk, dv, delta), and with ``lse``
+    (a plan made with ``_prologue(base2=True)``) also the lse·log2(e) buffer the preprocess writes from it."""
     B, H, T, _ = q.shape
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    pre(O=o, DO=do, DELTA=delta)
-    return dq, dk, dv, delta
+    if lse is None:
+        pre(O=o, DO=do, DELTA=delta, LSE=delta, LSE2=delta)  # (as _prologue without base2: not touched)
+        return dq, dk, dv, delta
+    lse2 = torch.empty_like(delta)
+    pre(O=o, DO=do, DELTA=delta, LSE=lse.to(torch.float32).contiguous(), LSE2=lse2)
+    return dq, dk, dv, delta, lse2
 
 
 class _SplitPlan:
@@ -697,16 +789,19 @@ class _SplitPlan:
     ``flash_attention_gluon._FwdPlan``): allocates dq, dk, dv and delta, then launches the compiled delta
     preprocess and the two kernels (on two streams as the full path does) with re-based descriptors."""
 
-    __slots__ = ("pre", "dkdv", "dq", "dkdv_descs", "dq_descs", "two_streams")
+    __slots__ = ("pre", "dkdv", "dq", "dkdv_descs", "dq_descs", "two_streams", "bm1")
 
     def __init__(self, pre, dkdv, dq, a1: dict, a2: dict, two_streams: bool):
         self.pre, self.dkdv, self.dq = pre, dkdv, dq
         self.dkdv_descs, self.dq_descs = descriptor_templates(a1), descriptor_templates(a2)
         self.two_streams = two_streams
+        self.bm1 = a1["lse_desc"].block_shape[1]  # the dK/dV kernel's query step: lse / delta rows per TMA tile
 
     def __call__(self, do, q, k, v, o, lse):
-        dq, dk, dv, delta = plan_outputs(self.pre, do, q, k, v, o)
-        ts = {"q": q, "do": do, "k": k, "v": v, "dq": dq, "dk": dk, "dv": dv}
+        dq, dk, dv, delta, lse = plan_outputs(self.pre, do, q, k, v, o, lse)  # lse·log2(e) from here on
+        B, H, T, _ = q.shape
+        ts = {"q": q, "do": do, "k": k, "v": v, "dq": dq, "dk": dk, "dv": dv,
+              "lse": lse.view(B, H, T // self.bm1, self.bm1), "delta": delta.view(B, H, T // self.bm1, self.bm1)}
 
         def launch_dkdv():
             self.dkdv(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.dkdv_descs, ts))
@@ -746,7 +841,7 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
     if plan and (dq is not None or dk is not None or dv is not None):
         raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
     do, lse, dq, dk, dv, delta, s, pre = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
-                                                   dv, checked, plan)
+                                                   dv, checked, plan, base2=True)
     cfg = _config(op, config, q.shape[-1])
     (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg)
     cached = {}

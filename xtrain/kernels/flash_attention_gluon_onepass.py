@@ -316,10 +316,10 @@ if HAVE_GLUON:
                             dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, NDS)),
             (_dq_consumer, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m,
                             n_iter, BLOCK_M, NDS, SLOTS)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars,
-                              do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
-                              off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter,
-                              BLOCK_M, STAGES)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
+                              q_smem, do_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, off_kvh * k_ch,
+                              v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0,
+                              n_m, n_iter, T, 0, BLOCK_M, STAGES, False, False)),  # (no lse/delta rows: LEAN, SMEM off)
         ], [4, 4, 1], [KV_REGS, DQ_REGS, _PRODUCER_REGS])
 
 
