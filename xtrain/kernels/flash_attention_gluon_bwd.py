@@ -137,7 +137,6 @@ HALF_M = 64
 CONFIGS = {
     "split": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
     "split_s10": {64: (64, 2, 64, 4, 3), 128: (64, 2, 64, 4, 3)},
-    "split_poly": {64: (64, 2, 64, 4, 30), 128: (64, 2, 64, 4, 30)},
     "split_s9": {64: (64, 2, 64, 2, 0), 128: (64, 2, 64, 2, 0)},
     "split3": {64: (64, 3, 64, 3), 128: (64, 3, 64, 3)},
     "split_wide": {64: (128, 2, 128, 2), 128: (64, 2, 128, 2)},
@@ -145,7 +144,7 @@ CONFIGS = {
 # the optional fifth element of a config, a bit mask: OPT_PF the dK/dV kernel loads each step's lse and delta in
 # the step before (once its dK wgmma is issued); OPT_DQP the dQ kernel issues tile j - 1's dQ wgmma behind tile
 # j's S and dP (``_dq_loop_pipelined``). "split_s9" is "split" as it was before both (session 9).
-OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_POLY = 1, 2, 4, 8, 16
+OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM = 1, 2, 4, 8
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -257,30 +256,6 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _exp2_poly(x):
-        """2^x without the MUFU unit (x <= 0, clamped at -126): j = round(x) by the 1.5·2^23 shifter, 2^(x - j)
-        by a degree-3 polynomial on [-0.5, 0.5] (near-minimax, fit in numpy; relative error 1.0e-4, exact at
-        x = 0), 2^j added to the exponent bits (the shifter's low bits are j, so its bits << 23 are j << 23).
-        Eight FMA-pipe instructions and a shift, no conversion (F2I would share the MUFU's quarter rate).
-        Computing a share of the exponentials this way is FlashAttention-4's idea."""
-        x = gl.maximum(x, -126.0)
-        y = x + 12582912.0
-        f = x - (y - 12582912.0)
-        p = gl.fma(gl.fma(gl.fma(f, 0.05502312, 0.24221095), f, 0.69328002), f, 1.0)
-        bits = p.to(gl.int32, bitcast=True) + (y.to(gl.int32, bitcast=True) << 23)
-        return bits.to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _exp2_split(x, layout: gl.constexpr):
-        """exp2 of a [M, N] tile in ``layout`` (a wgmma accumulator: each thread holds column pairs), the even
-        columns by the MUFU unit, the odd ones by ``_exp2_poly``, so the two pipes share the work."""
-        M: gl.constexpr = x.shape[0]
-        N: gl.constexpr = x.shape[1]
-        a, b = gl.split(gl.reshape(x, [M, N // 2, 2]))
-        y = gl.reshape(gl.join(gl.exp2(a), _exp2_poly(b)), [M, N])
-        return gl.convert_layout(y, layout)
-
-    @gluon.jit
     def _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, cols, BLOCK_M: gl.constexpr):
         """lse·log2(e) and delta of step ``it``'s queries (``cols`` in the Sᵀ column layout)."""
         row = lse_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M  # int64 row of the [B·H·T] lse / delta
@@ -297,7 +272,7 @@ if HAVE_GLUON:
                        do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                        mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, POLY: gl.constexpr):
+                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr):
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
         step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
@@ -339,10 +314,7 @@ if HAVE_GLUON:
             else:
                 lse_b = gl.expand_dims(lse2, 0)
             st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
-            if POLY:
-                pt = _exp2_split(st * qk_scale - lse_b, s_layout)
-            else:
-                pt = gl.exp2(st * qk_scale - lse_b)
+            pt = gl.exp2(st * qk_scale - lse_b)
             if CAUSAL:
                 if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
                     keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
@@ -384,7 +356,7 @@ if HAVE_GLUON:
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
-                         SMEM: gl.constexpr = False, POLY: gl.constexpr = False):
+                         SMEM: gl.constexpr = False):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -434,11 +406,11 @@ if HAVE_GLUON:
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, POLY)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM)),
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, POLY)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                               v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row,
                               off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh,
@@ -681,9 +653,9 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, PF]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 31 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or not 0 <= opts <= 15 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
             or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-31 "
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-15 "
                          f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF), "
                          f"got {config!r}")
     return bm1, st1, bn2, st2, opts
@@ -724,7 +696,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
-              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), POLY=bool(opts & OPT_POLY))
+              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP))
     nb = T // RESIDENT
     n_sm = FA.grid_sms(q.device)
