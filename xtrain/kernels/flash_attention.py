@@ -912,12 +912,13 @@ FWD_GLUON = True
 GLUON_FWD_MIN_T = {64: 1024, 128: 1024}
 # The causal 16-bit backward goes to the Gluon two-kernel backward (flash_attention_gluon_bwd.py) for hd128
 # from T = 1024 (H200: 0.90-1.06x cuDNN against the Triton kernel's 0.76-0.92x), and for hd64 where the one-pass
-# kernel does not run (deterministic mode, BWD_ONEPASS off) from T = 16384: since session 10's latency fixes the
-# split beats the Triton kernels there (H200, bench shapes, bench/deterministic_bwd.py: 6.894 against 7.238 ms,
-# the same bits) but not below (T = 1k-8k: 0.686 / 1.065 / 1.839 / 3.537 against 0.639 / 1.036 / 1.836 / 3.497).
-# BWD_GLUON = False keeps every call on Triton.
+# kernel does not run (deterministic mode, BWD_ONEPASS off) from T = 4096: since session 13's dK/dV changes
+# (lse/delta through shared memory) the split beats the Triton kernels there (H200, bench shapes,
+# bench/deterministic_bwd.py, the same bits: 1.768-1.778 / 3.375 / 6.783 ms against 1.814-1.869 / 3.681 / 7.047 at
+# T = 4k / 8k / 16k) but not below (1k / 2k: 0.661 / 1.028 against 0.634 / 1.022). Session 10 had set 16384 (the
+# split then: 1.839 / 3.537 / 6.894 ms). BWD_GLUON = False keeps every call on Triton.
 BWD_GLUON = True
-GLUON_BWD_MIN_T = {64: 16384, 128: 1024}
+GLUON_BWD_MIN_T = {64: 4096, 128: 1024}
 # The causal 16-bit hd64 backward goes to the Gluon one-pass kernel (flash_attention_gluon_onepass.py: a third
 # warpgroup does the dQ products, fp32 reduce-adds) from these T on (H200: 1.06-1.09x cuDNN at T = 2k-16k
 # against the Triton kernel's 0.90-1.02x); not in deterministic mode (``bwd_route``). BWD_ONEPASS = False
