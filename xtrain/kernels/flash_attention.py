@@ -64,7 +64,7 @@ Ideas used in the Triton kernels, with their record on Hopper:
     consumer warpgroups overlapping softmax with async wgmma, persistent over (query tile, head) items),
     which plain Triton 3.6 could not express; so does the backward at ``GLUON_BWD_MIN_T``
     (flash_attention_gluon_bwd.py: the same two-kernel split as here, warp-specialised; hd128, and hd64 at
-    T >= 16k under ``torch.use_deterministic_algorithms(True)``), and the hd64 backward at ``GLUON_ONEPASS_MIN_T``
+    T >= 4k under ``torch.use_deterministic_algorithms(True)``), and the hd64 backward at ``GLUON_ONEPASS_MIN_T``
     otherwise (flash_attention_gluon_onepass.py: FlashAttention-3's one-pass form with a third warpgroup
     doing every dQ product; dQ summed by fp32 reduce-adds, so not bit-identical run to run).
     ``bwd_route`` says which runs.

@@ -30,10 +30,14 @@ wgmma as its register A operand (no shared-memory round trip).
     Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (A = the K/V half in shared memory, B = the permuted Q/dO tile), Pᵀ and
     dSᵀ in registers, dV += Pᵀ dO and dK += dSᵀ Q. So dK and dV accumulate in registers without
     transposes, and the group sum happens in registers (no atomics). Sᵀ is retired before dPᵀ so the
-    exp2 overlaps dPᵀ's wgmma, and the dV wgmma runs while dSᵀ is formed. Each step's lse and delta are
-    loaded in the step before, once its dK wgmma is issued (``OPT_PF``, session 10): Sᵀ, dPᵀ and their fp32
-    values are dead there, so the loads' L2 latency is hidden without raising the register peak. dK·scale
-    and dV leave through the dead K/V shared tiles by TMA stores.
+    exp2 overlaps dPᵀ's wgmma, and the dV wgmma runs while dSᵀ is formed. Each step's 64 lse·log2(e) and
+    64 delta values come by TMA into the ring slot beside Q and dO, on their barriers, and each warpgroup
+    reads them from shared memory right before use (``OPT_SMEM``, session 13, as FlashAttention-3 keeps
+    LSE and dPsum): no register holds them across the step. The step's (head, query tile) is carried from
+    step to step, not divided out, and one "empty" barrier frees both of a slot's tiles (``OPT_LEAN``).
+    (Session 10's ``OPT_PF`` loaded them from global memory a step ahead instead: 32 registers live across
+    the step, hence spills; "split_s10".) dK·scale and dV leave through the dead K/V shared tiles by TMA
+    stores.
   * dQ kernel: one program = 128 query rows of one (batch, head), Q and dO resident (warpgroup w owns
     rows w·64..+64), walking the K/V tiles (causal: up to the diagonal, heaviest programs first):
     S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K; dQ·scale leaves through Q's dead shared tile. Tile j - 1's dQ wgmma
@@ -59,9 +63,22 @@ column h·D); a kernel gets (rb, rh, ch) per tensor and addresses (b, h, t) at r
 h·ch. T being a multiple of 128 keeps every tile inside one head.
 
 Configs (``CONFIGS``): (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) = the dK/dV kernel's query step and
-ring depth, the dQ kernel's key step and ring depth, and a mask of ``OPT_PF`` / ``OPT_DQP``; "split" is the
-default at both head dims, "split_s9" (the default before session 10), "split3" and "split_wide" stay
-selectable (``config="split_wide"`` or a tuple) for bench/gluon_flash_bwd.py and bench/gluon_bwd_alone.py.
+ring depth, the dQ kernel's key step and ring depth, and a mask of ``OPT_PF`` / ``OPT_DQP`` / ``OPT_LEAN`` /
+``OPT_SMEM``; "split" (DQP, LEAN, SMEM) is the default at both head dims, "split_s10" and "split_s9" (the
+defaults before sessions 13 and 10), "split3" and "split_wide" stay selectable (``config="split_wide"`` or a
+tuple) for bench/gluon_flash_bwd.py and bench/gluon_bwd_alone.py. The split's kernels take lse in base 2: the
+delta preprocess writes lse·log2(e) into a new [B, H, T] buffer (``_prologue(base2=True)``).
+
+Session 13, H200 (bench/RESULTS.md; Nsight Compute through bench/ncu_probe.py): the session-10 dK/dV kernel kept
+the tensor pipe 73 % busy (the dQ kernel 91 %), and its warpgroups were not waiting on their wgmmas (0.1 % of
+their stall samples at the Sᵀ and dPᵀ waits) but on their own instruction stream: spilled descriptor bases
+reloaded before a wgmma, two integer divisions per step, 16 64-bit global loads, and a multiply by log2(e) that
+the compiler put between dPᵀ's wgmmas. With ``OPT_LEAN | OPT_SMEM`` and the base-2 lse the kernel alone takes
+0.797-0.807 ms at T = 4k against 0.826-0.834 and 1.50-1.57 at 8k against 1.58-1.60; xtrain bench attention, hd128
+backward x cuDNN at T = 1k-16k: 1.10 / 1.06 / 1.03 / 0.95 / 0.98 (session 11: 1.10 / 1.05 / 1.01 / 0.96 / 0.88).
+Measured and slower: the slot released a step later, under dV and dK (commit d7e59ab, 0.84 against 0.80 ms at
+4k), and half the exponentials by a degree-3 polynomial on the FMA pipe (FlashAttention-4's idea; commit
+97d1d4f, 0.86 against 0.80 ms: the MUFU unit was not the bound, the extra instructions were).
 
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
@@ -77,8 +94,9 @@ H200, causal bf16 backward alone, B·T = 16k, H·D = 2048, TFLOP/s as a ratio to
   hd64   split 0.92 / 0.86 / 0.84 / 0.83 / 0.82     Triton kernel 1.06 / 0.96 / 0.95 / 0.91 / 0.90
 So hd128 gains 11-16 % over the Triton kernel at every length and hd64 stayed on Triton. (Session 10: with the
 program order and OPT_PF / OPT_DQP the hd64 split runs 0.97-1.01x / 0.93x cuDNN at T = 1k-4k / 8k-16k, 10-17 %
-above split_s9, with the Triton kernels' bits; it passes them only at 16k (6.89 against 7.24 ms), so it is the
-deterministic hd64 backward from T = 16k: bench/deterministic_bwd.py.)
+above split_s9, with the Triton kernels' bits; it passed them only at 16k (6.89 against 7.24 ms), so it was the
+deterministic hd64 backward from T = 16k. Session 13's split passes them from 4k (1.77 / 3.38 / 6.78 against 1.81-
+1.87 / 3.68 / 7.05 ms at 4k / 8k / 16k, the same bits), so from T = 4096 now: bench/deterministic_bwd.py.)
 Measured and slower (code in git history: bench/gluon_flash_bwd.py at commit 921bd50):
   * split_pipe, the dK/dV consumer software-pipelined across query tiles (FA3's intra-warpgroup overlap:
     tile i's dV/dK wgmmas in flight while tile i+1's Sᵀ/dPᵀ are issued): hd128 0.95 / 0.87 / 0.86 / 0.78 /
@@ -143,7 +161,10 @@ CONFIGS = {
 }
 # the optional fifth element of a config, a bit mask: OPT_PF the dK/dV kernel loads each step's lse and delta in
 # the step before (once its dK wgmma is issued); OPT_DQP the dQ kernel issues tile j - 1's dQ wgmma behind tile
-# j's S and dP (``_dq_loop_pipelined``). "split_s9" is "split" as it was before both (session 9).
+# j's S and dP (``_dq_loop_pipelined``); OPT_LEAN the dK/dV kernel carries each step's (head, query tile) from
+# the step before (no division) and frees a slot's Q and dO tiles with one barrier (with OPT_PF or OPT_SMEM);
+# OPT_SMEM its lse and delta come by TMA into shared memory beside Q and dO (with OPT_LEAN, without OPT_PF).
+# "split_s10" = PF | DQP (session 10), "split_s9" = neither (session 9).
 OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM = 1, 2, 4, 8
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
