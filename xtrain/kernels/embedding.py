@@ -554,7 +554,6 @@ ROWS = None
 # did help the rows form in bf16 with K = 4 (0.39-0.46 -> 0.35-0.37 ms), still behind "side" (0.313).
 ROWS_EVICT = ""
 ROWS_ZERO_FAST = False
-ROWS_MAXNREG = None  # a register cap for the rows kernel (Triton's maxnreg launch option); None: the compiler's
 PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("side" and "rows" forms, sm_90+):
 # its programs are resident and waiting when the walks end, instead of waiting then for an SM (H200, session 7:
 # the chain ended ~17 us sooner in the timeline; the op 0.133-0.134 vs 0.136 ms fp32, 0.311-0.313 vs 0.314 bf16)
@@ -687,8 +686,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                     grid = (n_rb, n_rcb)
                 _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k,
                                                  BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
-                                                 EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps,
-                                                 **({"maxnreg": ROWS_MAXNREG} if ROWS_MAXNREG else {}))
+                                                 EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
             chain = sort_walk_merge
         if dout.is_cuda:
             run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY)
