@@ -215,6 +215,16 @@ if HAVE_GLUON:
     # dK/dV kernel
     # -----------------------------------------------------------------------------------------------------
     @gluon.jit
+    def _dkdv_load(desc, row_desc, bar, dst, row_dst, row, col, lt, SMEM: gl.constexpr):
+        """One Q or dO tile into its ring slot, and (SMEM) row lt of the lse / delta view beside it, on one barrier."""
+        if SMEM:
+            mbarrier.expect(bar, desc.block_type.nbytes + row_desc.block_type.nbytes)
+            _tma_load(row_desc, [lt, 0], bar, row_dst)
+        else:
+            mbarrier.expect(bar, desc.block_type.nbytes)
+        _tma_load(desc, [row, col], bar, dst)
+
+    @gluon.jit
     def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                        lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, k_col, v_row, v_col,
                        q_base, q_rh, q_ch, do_base, do_rh, do_ch, h0, mt0, n_m, n_iter, T, lt0,
@@ -239,21 +249,12 @@ if HAVE_GLUON:
             slot = it % STAGES
             phase = ((it // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
             mbarrier.wait(q_empty.index(slot), phase)
-            if SMEM:
-                mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-                _tma_load(lse_desc, [lt, 0], q_bars.index(slot), lse_smem.index(slot))
-            else:
-                mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [q_base + h * q_rh + start_m, h * q_ch], q_bars.index(slot), q_smem.index(slot))
+            _dkdv_load(q_desc, lse_desc, q_bars.index(slot), q_smem.index(slot), lse_smem.index(slot),
+                       q_base + h * q_rh + start_m, h * q_ch, lt, SMEM)
             if not LEAN:
                 mbarrier.wait(do_empty.index(slot), phase)
-            if SMEM:
-                mbarrier.expect(do_bars.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-                _tma_load(delta_desc, [lt, 0], do_bars.index(slot), delta_smem.index(slot))
-            else:
-                mbarrier.expect(do_bars.index(slot), do_desc.block_type.nbytes)
-            _tma_load(do_desc, [do_base + h * do_rh + start_m, h * do_ch], do_bars.index(slot),
-                      do_smem.index(slot))
+            _dkdv_load(do_desc, delta_desc, do_bars.index(slot), do_smem.index(slot), delta_smem.index(slot),
+                       do_base + h * do_rh + start_m, h * do_ch, lt, SMEM)
             if LEAN:
                 start_m += BLOCK_M
                 lt += 1
