@@ -189,7 +189,6 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    _LOG2E = gl.constexpr(LOG2E)
 
     @gluon.constexpr_function
     def _acc_layout(N):
@@ -373,8 +372,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, delta_desc, lse_ptr, delta_ptr,
-                         qk_scale,
-                         sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
+                         qk_scale, sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
@@ -658,8 +656,8 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
 
 
 def _config(op: str, config, D: int):
-    """(BLOCK_M1, STAGES1, BLOCK_N2, STAGES2, OPTS) of a config name or tuple (OPTS, a mask of ``OPT_PF`` and
-    ``OPT_DQP``, may be left out: 0)."""
+    """(BLOCK_M1, STAGES1, BLOCK_N2, STAGES2, OPTS) of a config name or tuple (OPTS, a mask of ``OPT_PF``,
+    ``OPT_DQP``, ``OPT_LEAN`` and ``OPT_SMEM``, may be left out: 0)."""
     if config is None:
         config = DEFAULT
     if isinstance(config, str):
@@ -672,7 +670,7 @@ def _config(op: str, config, D: int):
             raise ValueError
     except (TypeError, ValueError):
         raise ValueError(f"{op}: config must be a name in {sorted(CONFIGS)} or (BLOCK_M1, STAGES1, BLOCK_N2, "
-                         f"STAGES2[, PF]), got {config!r}") from None
+                         f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
             or not 0 <= opts <= 15 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
