@@ -3,6 +3,10 @@
     ncu --profile-from-start off --clock-control none --set full -o $OUT/probe \
         python3 bench/ncu_probe.py [--parts attn128,attn64,embedding,copy] [--T 8192]
     ncu -i $OUT/probe.ncu-rep --page details > $OUT/details.txt
+    ncu -i $OUT/probe.ncu-rep --page raw --csv > $OUT/raw.csv      # every metric, one row per kernel
+Stall samples per SASS instruction (where a kernel's warps wait): profile with ``--section SourceCounters
+--section WarpStateStats -k regex:NAME`` instead of the full set, then ``ncu -i REPORT --page source
+--print-source sass --csv``. ``--config`` picks the Gluon backward's config for attn128 (default: the library's).
 
 Everything is built and run once outside the profiled range (compilation, autotuning, cuDNN's plan), then
 each part launches its kernels once between cudaProfilerStart and cudaProfilerStop, so ncu profiles exactly
@@ -12,7 +16,8 @@ those launches, each alone (ncu serialises kernels and, by default, flushes the 
   attn64     the hd64 one-pass backward (the form that beats cuDNN), for comparison, then cuDNN's hd64 backward
   embedding  the fp32 embedding backward (N = 16k, V = 32k, C = 2048, the bench's Zipf-like ids): every
              kernel of the op, the rows kernel among them
-  copy       a 1 GiB device-to-device copy (the bandwidth ceiling the kernels are measured against)
+  copy       1 GiB read and written by an elementwise kernel (``torch.mul(src, 1, out=dst)``; ``copy_`` itself
+             is a cudaMemcpy, which ncu does not profile): the bandwidth ceiling's counters
 Nothing is timed here: read the counters (tensor pipe, shared-memory and DRAM throughput, warp stall reasons).
 """
 
@@ -67,7 +72,7 @@ def embedding(T: int):
 def copy(T: int):
     src = torch.randn(1 << 28, device="cuda")
     dst = torch.empty_like(src)
-    return [("copy 1 GiB", lambda: dst.copy_(src))]
+    return [("copy 1 GiB", lambda: torch.mul(src, 1.0, out=dst))]
 
 
 PARTS = {"attn128": attn128, "attn64": attn64, "embedding": embedding, "copy": copy}
