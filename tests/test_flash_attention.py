@@ -512,3 +512,29 @@ def test_gpu_public_op_and_dispatch():
     assert rel(out.data, o_ref) < 1e-2
     for x, g in zip(vs, grads):
         assert x.grad.dtype == torch.bfloat16 and rel(x.grad, g) < 1e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 40, 130])
+def test_bwd_preprocess_delta_and_base2_lse(T):
+    """The backward's preprocess: delta = rowsum(dO ∘ O) always, and with SCALE_LSE also lse·log2(e) (the Gluon
+    split's base-2 row statistic, session 13), the same fp32 product as torch's. The ragged last block writes
+    nothing past the end (NaN sentinels after each buffer); without SCALE_LSE the lse2 buffer is not touched."""
+    B, H, D = 2, 3, 32
+    g = torch.Generator().manual_seed(T)
+    o, do = (torch.randn(B, H, T, D, generator=g).to(DEV) for _ in range(2))
+    lse = (torch.randn(B, H, T, generator=g) * 5).to(DEV)
+    args = dict(stride_ob=o.stride(0), stride_oh=o.stride(1), stride_ot=o.stride(2), stride_dob=do.stride(0),
+                stride_doh=do.stride(1), stride_dot=do.stride(2), H=H, T=T, HEAD_DIM=D, BLOCK_M=64)
+    grid = ((T + 63) // 64, B * H)
+    n = B * H * T
+    for scale in (True, False):
+        dbuf, lbuf = (torch.full((n + 64,), float("nan"), device=DEV) for _ in range(2))
+        delta, lse2 = dbuf[:n].view(B, H, T), lbuf[:n].view(B, H, T)
+        FA._flash_bwd_preprocess_kernel[grid](o, do, delta, lse, lse2, **args, SCALE_LSE=scale)
+        assert torch.isfinite(delta).all() and rel(delta, (o.double() * do.double()).sum(-1)) < 1e-6
+        assert torch.isnan(dbuf[n:]).all() and torch.isnan(lbuf[n:]).all()
+        if scale:
+            assert torch.equal(lse2, lse * FA.LOG2E)
+        else:
+            assert torch.isnan(lse2).all()
