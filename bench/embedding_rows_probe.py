@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._gpu import gpu_time, warm_up  # noqa: E402
+from bench.kernels import zipf_ids  # noqa: E402
 from xtrain.kernels import embedding as K  # noqa: E402
 from xtrain.kernels._dispatch import sm_count, tl, triton  # noqa: E402
 from xtrain.kernels.embedding import _row_add, _rows_tile  # noqa: E402
@@ -95,7 +96,7 @@ def main() -> None:
     dev = "cuda"
     torch.manual_seed(0)
     warm_up(3.0)
-    ids = (torch.rand(N, device=dev) ** 3 * V).long().clamp_max(V - 1)
+    ids = zipf_ids(N, V, dev)
     d = torch.randn(N, C, device=dev)
     table = torch.empty(V, C, device=dev)
     big = torch.empty(N, C, device=dev)

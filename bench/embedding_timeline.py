@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 
+from bench.kernels import zipf_ids
 from xtrain.kernels import embedding as K
 
 # name: (CONFIG, ROWS[, other module knobs]) for fp32; bf16 doubles the column blocks
@@ -70,7 +71,7 @@ def main() -> int:
     bf16 = "--bf16" in sys.argv
     N, V, C, dt = (16384, 131072, 4096, torch.bfloat16) if bf16 else (16384, 32000, 2048, torch.float32)
     torch.manual_seed(0)
-    ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1)  # the bench's Zipf-like draw
+    ids = zipf_ids(N, V)
     d = torch.randn(N, C, device="cuda").to(dt)
     base = {k: getattr(K, k) for f in FORMS.values() if len(f) > 2 for k in f[2]}
     for name, (cfg, rows, *knobs) in FORMS.items():

@@ -38,6 +38,12 @@ import torch
 from xtrain.testing import poisoned
 
 
+def zipf_ids(N: int, V: int, device="cuda", generator=None) -> torch.Tensor:
+    """The embedding bench's ids: N draws in [0, V) with Zipf-like repeats (u³·V, u uniform: id 0 about N / V^(1/3)
+    times), int64."""
+    return (torch.rand(N, device=device, generator=generator) ** 3 * V).long().clamp_max(V - 1)
+
+
 def _bench(fn, rep: int = 100) -> float:
     import triton.testing
 
@@ -196,7 +202,7 @@ def embedding_cases():
 def _embedding(N, V, C, dt):
     from xtrain.kernels import embedding as K
     e = _esize(dt)
-    ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1)  # Zipf-like repeats
+    ids = zipf_ids(N, V)
     d = _rand(N, C, dtype=dt)
     yield (f"embedding bwd N={N} V={V} C={C} {_name(dt)}", N * C * e + V * C * e + 8 * N,
            lambda: K.embedding_bwd_triton(d, ids, V), lambda: K.embedding_bwd_ref(d, ids, V))
@@ -505,7 +511,7 @@ def _v_embedding(N, V, C, dt, smoke=False):
     from xtrain.kernels import embedding as K
 
     e = _esize(dt)
-    ids = (torch.rand(N, device=_DEV) ** 3 * V).long().clamp_max(V - 1)
+    ids = zipf_ids(N, V, _DEV)
     d = _rand(N, C, dtype=dt)
     oracle = _Lazy(lambda: K.embedding_bwd_ref(d.double(), ids, V))
     lbl = f"N={N} V={V} C={C} {_name(dt)}"

@@ -60,11 +60,12 @@ def attn64(T: int):
 
 
 def embedding(T: int):
+    from bench.kernels import zipf_ids
     from xtrain.kernels import embedding as K
 
     N, V, C = 16384, 32000, 2048
     g = torch.Generator(device="cuda").manual_seed(0)
-    ids = (torch.rand(N, device="cuda", generator=g) ** 3 * V).long().clamp_max(V - 1)
+    ids = zipf_ids(N, V, generator=g)
     d = torch.randn(N, C, device="cuda", generator=g)
     return [("embedding bwd fp32", lambda: K.embedding_bwd_triton(d, ids, V))]
 

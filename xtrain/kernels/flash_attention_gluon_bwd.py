@@ -214,6 +214,14 @@ if HAVE_GLUON:
     # dK/dV kernel
     # -----------------------------------------------------------------------------------------------------
     @gluon.jit
+    def _next_query_tile(start_m, step, T, m0):
+        """(start_m + step, or m0 once that reaches T: the group's next head from its first tile again; 1 if it
+        wrapped, else 0): the LEAN dK/dV walk's next query tile, carried instead of divided out of the step."""
+        start_m += step
+        wrap = (start_m == T).to(gl.int32)
+        return start_m - wrap * (T - m0), wrap
+
+    @gluon.jit
     def _dkdv_load(desc, row_desc, bar, dst, row_dst, row, col, lt, SMEM: gl.constexpr):
         """One Q or dO tile into its ring slot, and (SMEM) row lt of the lse / delta view beside it, on one barrier."""
         if SMEM:
@@ -255,10 +263,8 @@ if HAVE_GLUON:
             _dkdv_load(do_desc, delta_desc, do_bars.index(slot), do_smem.index(slot), delta_smem.index(slot),
                        do_base + h * do_rh + start_m, h * do_ch, lt, SMEM)
             if LEAN:
-                start_m += BLOCK_M
+                start_m, wrap = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
                 lt += 1
-                wrap = (start_m == T).to(gl.int32)  # the next head of the group, from tile mt0 again
-                start_m -= wrap * (T - mt0 * BLOCK_M)
                 lt += wrap * mt0
                 h += wrap
 
@@ -351,14 +357,11 @@ if HAVE_GLUON:
             ds_op = gl.convert_layout(dst.to(dtype), op_layout)
             dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
             if SMEM:
-                start_m += BLOCK_M
-                start_m -= (start_m == T).to(gl.int32) * (T - mt0 * BLOCK_M)
+                start_m, _ = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
             elif LEAN:  # the next step's query tile (the last step keeps its own: nothing is read past the end)
                 more = (it + 1 < n_iter).to(gl.int32)
-                start_m += more * BLOCK_M
+                start_m, wrap = _next_query_tile(start_m, more * BLOCK_M, T, mt0 * BLOCK_M)
                 lrow += more * BLOCK_M
-                wrap = (start_m == T).to(gl.int32)  # the next head of the group, from tile mt0 again
-                start_m -= wrap * (T - mt0 * BLOCK_M)
                 lrow += wrap * (mt0 * BLOCK_M)
                 lse2, delta = _dkdv_lse_delta_at(lse_ptr, delta_ptr, lrow, cols)
             elif PF:  # the next step's, while dV and dK run: Sᵀ, dPᵀ and their fp32 values are dead here
@@ -780,8 +783,9 @@ def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk,
 
 def plan_outputs(pre, do, q, k, v, o, lse=None):
     """What both backward plans do first: allocate dq, dk, dv (contiguous, as the full path's ``_grad_buf``)
-    and delta, and launch the cached delta preprocess ``pre``. Returns (dq, dk, dv, delta), and with ``lse``
-    (a plan made with ``_prologue(base2=True)``) also the lse·log2(e) buffer the preprocess writes from it."""
+    and delta, and launch the cached delta preprocess ``pre``. Returns (dq, dk, dv, delta, lse2): with ``lse`` (a
+    plan made with ``_prologue(base2=True)``) lse2 is the lse·log2(e) buffer the preprocess writes from it, else
+    None."""
     B, H, T, _ = q.shape
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -789,7 +793,7 @@ def plan_outputs(pre, do, q, k, v, o, lse=None):
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     if lse is None:
         pre(O=o, DO=do, DELTA=delta, LSE=delta, LSE2=delta)  # (as _prologue without base2: not touched)
-        return dq, dk, dv, delta
+        return dq, dk, dv, delta, None
     lse2 = torch.empty_like(delta)
     pre(O=o, DO=do, DELTA=delta, LSE=lse.to(torch.float32).contiguous(), LSE2=lse2)
     return dq, dk, dv, delta, lse2
