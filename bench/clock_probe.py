@@ -9,7 +9,8 @@ side stream spins for a given time while the main stream runs ``reps`` back-to-b
 cycle counter (``%clock64``) and the global nanosecond timer (``%globaltimer``) at both ends; cycles / ns is
 the mean clock over the window. It takes one SM of 132 (both backwards lose it alike). Reports per backward:
 ms per call (CUDA events over the reps) and the mean clock, and the time ratio at equal clocks; ``--parts``
-first times the Gluon split's two kernels alone the same way (is the whole slower than its parts?).
+first times the Gluon split's two kernels alone the same way, then the two back to back on one stream (is the
+whole slower than its parts, and is it the sequence or the rest of the backward?).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def probe(D: int, T: int, reps: int, parts: bool = False) -> list:
         from bench.gluon_bwd_alone import split_kernels
 
         dkdv, dq = split_kernels(q, k, v, do, o, lse, True)
-        fns = {"dK/dV alone": dkdv, "dQ alone": dq, **fns}
+        fns = {"dK/dV alone": dkdv, "dQ alone": dq, "pair": lambda: (dkdv(), dq()), **fns}
     res = []
     for _ in range(2):
         row = ()
@@ -102,8 +103,16 @@ def main() -> int:
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--parts", action="store_true", help="also the hd128 Gluon split's two kernels, each alone")
+    ap.add_argument("--config", default=None, help="the Gluon backward's config for this run (a name in "
+                    "flash_attention_gluon_bwd.CONFIGS; default: the library's)")
     a = ap.parse_args()
     from bench._gpu import warm_up
+
+    if a.config is not None:
+        from xtrain.kernels import flash_attention_gluon_bwd as GB
+
+        GB._config("clock_probe", a.config, 128)  # a ValueError now for an unknown name
+        GB.DEFAULT = a.config  # read at each call when no config is given
 
     _spin_kernel[(1,)](torch.zeros(2, dtype=torch.int64, device="cuda"), 0, num_warps=1)  # compiled before timing
     warm_up()
@@ -114,7 +123,8 @@ def main() -> int:
                 *alone, xm, xf, cm, cf = row
                 if alone:
                     print(f"{D:>4} {T:>6} | dK/dV alone {alone[0]:.3f} ms {alone[1]:.0f} MHz, dQ alone {alone[2]:.3f} "
-                          f"ms {alone[3]:.0f} MHz: sum {alone[0] + alone[2]:.3f} ms")
+                          f"ms {alone[3]:.0f} MHz: sum {alone[0] + alone[2]:.3f} ms; the two back to back on one "
+                          f"stream (no preprocess) {alone[4]:.3f} ms {alone[5]:.0f} MHz")
                 print(f"{D:>4} {T:>6} | {xm:9.3f} {xf:5.0f} | {cm:8.3f} {cf:5.0f} | {cm / xm:.3f} | "
                       f"{cm / xm * cf / xf:.3f}", flush=True)
     return 0
