@@ -1,6 +1,7 @@
 """The SM clock while a kernel runs: xtrain's flash-attention backward against cuDNN's, under the same load.
 
-    PYTHONPATH=. python3 bench/clock_probe.py [--seqs 8192,16384] [--head-dims 128] [--reps 40]
+    PYTHONPATH=. python3 bench/clock_probe.py [--seqs 8192,16384] [--head-dims 128] [--reps 40] [--parts]
+    PYTHONPATH=. python3 bench/clock_probe.py --energy 3 [--seqs ...]   # mJ per call instead (NVML counter)
 
 Under sustained tensor-core load the H200 lowers its SM clock (nvidia-smi sampling in session 10 read 1665-1725
 MHz during the long backward benchmarks against 1980 MHz at light load). If one backward runs at a lower clock
@@ -10,7 +11,8 @@ cycle counter (``%clock64``) and the global nanosecond timer (``%globaltimer``) 
 the mean clock over the window. It takes one SM of 132 (both backwards lose it alike). Reports per backward:
 ms per call (CUDA events over the reps) and the mean clock, and the time ratio at equal clocks; ``--parts``
 first times the Gluon split's two kernels alone the same way, then the two back to back on one stream (is the
-whole slower than its parts, and is it the sequence or the rest of the backward?).
+whole slower than its parts, and is it the sequence or the rest of the backward?). ``--energy SECONDS``: energy
+per call from NVML's energy counter over SECONDS of back-to-back calls: under the power cap, time follows energy.
 """
 
 from __future__ import annotations
@@ -66,9 +68,88 @@ def mean_mhz_during(fn, reps: int, ms_guess: float) -> tuple:
     return s.elapsed_time(e) / reps, cycles / ns * 1e3
 
 
+_NVML = None
+
+
+def _nvml_energy_mj() -> int:
+    """The GPU's total energy counter (NVML ``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver loaded),
+    through ctypes: no Python NVML package needed. Device 0 (the probe runs on cuda:0)."""
+    global _NVML
+    import ctypes
+
+    if _NVML is None:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if lib.nvmlInit_v2() != 0:
+            raise RuntimeError("clock_probe: nvmlInit_v2 failed")
+        handle = ctypes.c_void_p()
+        if lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)) != 0:
+            raise RuntimeError("clock_probe: nvmlDeviceGetHandleByIndex_v2(0) failed")
+        _NVML = (lib, handle)
+    lib, handle = _NVML
+    mj = ctypes.c_ulonglong()
+    if lib.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) != 0:
+        raise RuntimeError("clock_probe: nvmlDeviceGetTotalEnergyConsumption failed")
+    return mj.value
+
+
+def energy_per_call(fn, seconds: float = 3.0) -> tuple:
+    """(ms per call, mJ per call, mean W) of ``fn`` run back to back for about ``seconds``: the energy counter read
+    around the whole run (synchronised at both ends, so the few ms of launching before the first kernel starts
+    count too, at idle power: well under 1 % of a 3 s run at 600 W)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    n = max(3, int(seconds / max(time.perf_counter() - t0, 1e-4)))
+    e0, t0 = _nvml_energy_mj(), time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    e1, t1 = _nvml_energy_mj(), time.perf_counter()
+    return (t1 - t0) * 1e3 / n, (e1 - e0) / n, (e1 - e0) / 1e3 / (t1 - t0)
+
+
+def energy_gemm(seconds: float) -> None:
+    """The yardstick: a bf16 8192^3 matmul back to back, pJ per FLOP (tensor work and little else)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms, mj, w = energy_per_call(lambda: a @ b, seconds)
+    flop = 2 * 8192**3
+    print(f"bf16 matmul 8192^3: {ms:.3f} ms ({flop / ms / 1e9:.0f} TFLOP/s), {mj:.0f} mJ per call, {w:.0f} W, "
+          f"{mj * 1e9 / flop:.2f} pJ per FLOP", flush=True)
+
+
+def energy(D: int, T: int, seconds: float) -> None:
+    """Energy per backward call: xtrain's (and its two kernels alone) against cuDNN's, twice, alternating. pJ per
+    FLOP: per FLOP a kernel executes (the Gluon split's kernels: 4 and 3 products of B·H·T²·D FLOPs each, causal),
+    and for the whole backwards per nominal FLOP (2.5 x the forward's: 5 products), the same denominator for
+    both, so that column compares their energies."""
+    from bench import isolated
+    from bench.gluon_bwd_alone import split_kernels
+    from xtrain.kernels import flash_attention as FA
+
+    q, k, v, do = isolated.bench_inputs(D, T)
+    B, H = q.shape[:2]
+    prod = B * H * T * T * D  # one causal product's FLOPs (2·B·H·T²·D halved)
+    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=True)
+    dkdv, dq = split_kernels(q, k, v, do, o, lse, True)
+    fns = {"dK/dV alone": (dkdv, 4), "dQ alone": (dq, 3),
+           "xtrain": (lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True), 5),
+           "cudnn": (isolated.cudnn_bwd(q, k, v, do, True), 5)}
+    for _ in range(2):
+        for name, (fn, n_prod) in fns.items():
+            ms, mj, w = energy_per_call(fn, seconds)
+            print(f"{D:>4} {T:>6} | energy {name:>12}: {ms:.3f} ms, {mj:.0f} mJ per call, {w:.0f} W, "
+                  f"{mj * 1e9 / (n_prod * prod):.2f} pJ per FLOP", flush=True)
+
+
 def probe(D: int, T: int, reps: int, parts: bool = False) -> list:
     """Two alternations of (xtrain, cuDNN): [(xtrain ms, MHz, cuDNN ms, MHz)] x 2; ``parts``: the two Gluon
-    kernels alone first, [(dK/dV ms, MHz, dQ ms, MHz, xtrain ms, MHz, cuDNN ms, MHz)] x 2."""
+    kernels alone and then back to back first, [(dK/dV ms, MHz, dQ ms, MHz, pair ms, MHz, xtrain ms, MHz, cuDNN
+    ms, MHz)] x 2."""
     from bench import isolated
     from xtrain.kernels import flash_attention as FA
 
@@ -103,6 +184,9 @@ def main() -> int:
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--parts", action="store_true", help="also the hd128 Gluon split's two kernels, each alone")
+    ap.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
+                    help="instead of the clock windows: energy per call from NVML's counter over SECONDS of "
+                         "back-to-back calls (xtrain's backward, its two kernels alone, cuDNN's)")
     ap.add_argument("--config", default=None, help="the Gluon backward's config for this run (a name in "
                     "flash_attention_gluon_bwd.CONFIGS; default: the library's)")
     a = ap.parse_args()
@@ -116,6 +200,12 @@ def main() -> int:
 
     _spin_kernel[(1,)](torch.zeros(2, dtype=torch.int64, device="cuda"), 0, num_warps=1)  # compiled before timing
     warm_up()
+    if a.energy:
+        energy_gemm(a.energy)
+        for D in (int(d) for d in a.head_dims.split(",")):
+            for T in (int(t) for t in a.seqs.split(",")):
+                energy(D, T, a.energy)
+        return 0
     print(f"{'D':>4} {'T':>6} | {'xtrain ms':>9} {'MHz':>5} | {'cuDNN ms':>8} {'MHz':>5} | ratio | at equal clocks")
     for D in (int(d) for d in a.head_dims.split(",")):
         for T in (int(t) for t in a.seqs.split(",")):

@@ -103,7 +103,7 @@ def test_gluon_bwd_tail_order_is_a_permutation():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["split3", "split_wide", "split_s9", "split_s10", (64, 2, 64, 3, 1),
-                                    (64, 2, 64, 3, 2), (64, 2, 64, 3, 7), (64, 3, 64, 2, 12), "split_half", "split_qreg"])
+                                    (64, 2, 64, 3, 2), (64, 2, 64, 3, 7), (64, 3, 64, 2, 12)])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_gluon_bwd_configs(config, D):
     """The bench's other configs stay correct (GQA, causal and not)."""

@@ -80,6 +80,14 @@ Measured and slower: the slot released a step later, under dV and dK (commit d7e
 4k), and half the exponentials by a degree-3 polynomial on the FMA pipe (FlashAttention-4's idea; commit
 97d1d4f, 0.86 against 0.80 ms: the MUFU unit was not the bound, the extra instructions were).
 
+Session 14 (bench/RESULTS.md; code at commit 8f3a1cf), measured and slower: each dK/dV step cut into two halves
+of 32 queries so a warpgroup's own wgmmas overlap its own exponentials (bit-identical, 14-24 % slower: N = 32
+wgmmas read each K/V half twice per step), and the dQ kernel's Q and dO as register A operands (ptxas serialised
+every wgmma with OPT_DQP; without it 4-7 % slower, and wrong at hd64). What bounds T = 8k-16k: under sustained load
+the H200 sits at its 700 W cap, so time follows energy (bench/clock_probe.py --energy). The two kernels spend
+0.98-1.10 pJ per executed FLOP, about a bf16 matmul's 1.06, but execute 7 products where cuDNN's count is 5; at 16k
+the backward took 3.9-4.0 J against cuDNN's 3.7, and 5 % more time.
+
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
 ring) 1.10 / 1.05 / 1.00-1.01 / 0.94-0.99 / 0.87-0.91 (xtrain bench attention, two processes: 1.09-1.11 / 1.05 /
@@ -154,9 +162,6 @@ HALF_M = 64
 # (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) by head dim; see the module docstring
 CONFIGS = {
     "split": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
-    "split_half": {64: (64, 2, 64, 4, 30), 128: (64, 2, 64, 4, 30)},
-    "split_qreg": {64: (64, 2, 64, 4, 44), 128: (64, 2, 64, 4, 44)},
-    "split_nodqp": {64: (64, 2, 64, 4, 12), 128: (64, 2, 64, 4, 12)},
     "split_s10": {64: (64, 2, 64, 4, 3), 128: (64, 2, 64, 4, 3)},
     "split_s9": {64: (64, 2, 64, 2, 0), 128: (64, 2, 64, 2, 0)},
     "split3": {64: (64, 3, 64, 3), 128: (64, 3, 64, 3)},
@@ -168,7 +173,7 @@ CONFIGS = {
 # the step before (no division) and frees a slot's Q and dO tiles with one barrier (with OPT_PF or OPT_SMEM);
 # OPT_SMEM its lse and delta come by TMA into shared memory beside Q and dO (with OPT_LEAN, without OPT_PF).
 # "split_s10" = PF | DQP (session 10), "split_s9" = neither (session 9).
-OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_HALF, OPT_QREG = 1, 2, 4, 8, 16, 32
+OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM = 1, 2, 4, 8
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -298,69 +303,11 @@ if HAVE_GLUON:
         return gl.load(lse_ptr + row + cols), gl.load(delta_ptr + row + cols)
 
     @gluon.jit
-    def _dkdv_half_p(st, lse_row, start_m, k_lo, qk_scale, dtype: gl.constexpr, KH: gl.constexpr,
-                     QS: gl.constexpr, CAUSAL: gl.constexpr):
-        """Pᵀ (fp32) of one retired [KH keys, QS queries] Sᵀ half whose first query is start_m, lse·log2(e) read from
-        its shared row, the causal mask applied."""
-        s_layout: gl.constexpr = _acc_layout(QS)
-        pt = gl.exp2(st * qk_scale - lse_row.load(s_layout))
-        if CAUSAL:
-            if start_m < k_lo + KH:  # some query of the half precedes some key of this warpgroup: mask
-                offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
-                cols = gl.arange(0, QS, layout=gl.SliceLayout(0, s_layout))
-                keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-                pt = gl.where(keep, pt, 0.0)
-        return pt
-
-    @gluon.jit
-    def _dkdv_step_halves(q_t, do_t, k_half, v_half, lse_t, delta_t, q_bar, do_bar, phase, dv, dk, start_m, k_lo,
-                          qk_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                          CAUSAL: gl.constexpr):
-        """One dK/dV step (``OPT_HALF``) with the query tile cut in two halves of QS = BLOCK_M / 2 queries: the four
-        Sᵀ and dPᵀ wgmmas issued at once, then each half's Pᵀ as soon as its Sᵀ retires and its dV wgmma issued
-        at once, then each half's dSᵀ and dK wgmma the same way. So the first half's exponentials run under the
-        second half's Sᵀ and both dPᵀ, and its dV wgmma under the second half's exponentials: the warpgroup's
-        own wgmmas overlap its own element work with no extra registers (the halves' accumulators are the
-        whole tile's, cut in two). Returns (dv, dk) retired."""
-        KH: gl.constexpr = k_half.shape[0]
-        QS: gl.constexpr = BLOCK_M // 2
-        s_layout: gl.constexpr = _acc_layout(QS)
-        a_layout: gl.constexpr = _acc_layout(HEAD_DIM)
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
-        s_zero = gl.zeros([KH, QS], gl.float32, s_layout)
-        q_a = q_t.slice(0, QS)
-        q_b = q_t.slice(QS, QS)
-        do_a = do_t.slice(0, QS)
-        do_b = do_t.slice(QS, QS)
-        mbarrier.wait(q_bar, phase)
-        st_a = warpgroup_mma(k_half, q_a.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st_b = warpgroup_mma(k_half, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_bar, phase)
-        dp_a = warpgroup_mma(v_half, do_a.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_b = warpgroup_mma(v_half, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st_a = warpgroup_mma_wait(3, deps=(st_a, ))
-        pt_a = _dkdv_half_p(st_a, lse_t.slice(0, QS, dim=1), start_m, k_lo, qk_scale, dtype, KH, QS, CAUSAL)
-        p_a = gl.convert_layout(pt_a.to(dtype), op_layout)
-        dv_tok = warpgroup_mma(p_a, do_a, dv, is_async=True)
-        st_b = warpgroup_mma_wait(3, deps=(st_b, ))  # dPᵀ a and b and dV a may still run
-        pt_b = _dkdv_half_p(st_b, lse_t.slice(QS, QS, dim=1), start_m + QS, k_lo, qk_scale, dtype, KH, QS, CAUSAL)
-        p_b = gl.convert_layout(pt_b.to(dtype), op_layout)
-        dv_tok = warpgroup_mma(p_b, do_b, dv_tok, is_async=True)
-        dp_a = warpgroup_mma_wait(3, deps=(dp_a, ))
-        ds_a = gl.convert_layout((pt_a * (dp_a - delta_t.slice(0, QS, dim=1).load(s_layout))).to(dtype), op_layout)
-        dk_tok = warpgroup_mma(ds_a, q_a, dk, is_async=True)
-        dp_b = warpgroup_mma_wait(3, deps=(dp_b, ))
-        ds_b = gl.convert_layout((pt_b * (dp_b - delta_t.slice(QS, QS, dim=1).load(s_layout))).to(dtype), op_layout)
-        dk_tok = warpgroup_mma(ds_b, q_b, dk_tok, is_async=True)
-        dv, dk, p_a, p_b, ds_a, ds_b = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_a, p_b, ds_a, ds_b))
-        return dv, dk
-
-    @gluon.jit
     def _dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty,
                        do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                        mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, HALVES: gl.constexpr = False):
+                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr):
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
         step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
@@ -393,52 +340,45 @@ if HAVE_GLUON:
             phase = (it // STAGES) & 1
             q_t = q_smem.index(slot)
             do_t = do_smem.index(slot)
-            if HALVES:
-                dv, dk = _dkdv_step_halves(q_t, do_t, k_half, v_half, lse_smem.index(slot), delta_smem.index(slot),
-                                           q_bars.index(slot), do_bars.index(slot), phase, dv, dk, start_m, k_lo,
-                                           qk_scale, dtype, HEAD_DIM, BLOCK_M, CAUSAL)
-                start_m, _ = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
-                mbarrier.arrive(q_empty.index(slot), count=1)
+            mbarrier.wait(q_bars.index(slot), phase)
+            st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_bars.index(slot), phase)
+            dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if SMEM:
+                lse_b = lse_smem.index(slot).load(s_layout)  # [1, BLOCK_M] lse·log2(e), broadcast over the keys
             else:
-                mbarrier.wait(q_bars.index(slot), phase)
-                st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(do_bars.index(slot), phase)
-                dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if SMEM:
-                    lse_b = lse_smem.index(slot).load(s_layout)  # [1, BLOCK_M] lse·log2(e), broadcast over the keys
-                else:
-                    lse_b = gl.expand_dims(lse2, 0)
-                st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
-                pt = gl.exp2(st * qk_scale - lse_b)
-                if CAUSAL:
-                    if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
-                        keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-                        pt = gl.where(keep, pt, 0.0)
-                p_op = gl.convert_layout(pt.to(dtype), op_layout)
-                dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
-                if SMEM:
-                    delta_b = delta_smem.index(slot).load(s_layout)
-                else:
-                    delta_b = gl.expand_dims(delta, 0)
-                dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
-                dst = pt * (dpt - delta_b)
-                ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-                dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-                if SMEM:
-                    start_m, _ = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
-                elif LEAN:  # the next step's query tile (the last step keeps its own: nothing is read past the end)
-                    more = (it + 1 < n_iter).to(gl.int32)
-                    start_m, wrap = _next_query_tile(start_m, more * BLOCK_M, T, mt0 * BLOCK_M)
-                    lrow += more * BLOCK_M
-                    lrow += wrap * (mt0 * BLOCK_M)
-                    lse2, delta = _dkdv_lse_delta_at(lse_ptr, delta_ptr, lrow, cols)
-                elif PF:  # the next step's, while dV and dK run: Sᵀ, dPᵀ and their fp32 values are dead here
-                    lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
-                                                  gl.minimum(it + 1, n_iter - 1), cols, BLOCK_M)
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-                mbarrier.arrive(q_empty.index(slot), count=1)
-                if not LEAN:
-                    mbarrier.arrive(do_empty.index(slot), count=1)
+                lse_b = gl.expand_dims(lse2, 0)
+            st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
+            pt = gl.exp2(st * qk_scale - lse_b)
+            if CAUSAL:
+                if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
+                    keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+                    pt = gl.where(keep, pt, 0.0)
+            p_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
+            if SMEM:
+                delta_b = delta_smem.index(slot).load(s_layout)
+            else:
+                delta_b = gl.expand_dims(delta, 0)
+            dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
+            dst = pt * (dpt - delta_b)
+            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+            dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+            if SMEM:
+                start_m, _ = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
+            elif LEAN:  # the next step's query tile (the last step keeps its own: nothing is read past the end)
+                more = (it + 1 < n_iter).to(gl.int32)
+                start_m, wrap = _next_query_tile(start_m, more * BLOCK_M, T, mt0 * BLOCK_M)
+                lrow += more * BLOCK_M
+                lrow += wrap * (mt0 * BLOCK_M)
+                lse2, delta = _dkdv_lse_delta_at(lse_ptr, delta_ptr, lrow, cols)
+            elif PF:  # the next step's, while dV and dK run: Sᵀ, dPᵀ and their fp32 values are dead here
+                lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
+                                              gl.minimum(it + 1, n_iter - 1), cols, BLOCK_M)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            if not LEAN:
+                mbarrier.arrive(do_empty.index(slot), count=1)
         _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype, HALF)
 
     @gluon.jit
@@ -447,7 +387,7 @@ if HAVE_GLUON:
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
-                         SMEM: gl.constexpr = False, HALVES: gl.constexpr = False):
+                         SMEM: gl.constexpr = False):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -497,11 +437,11 @@ if HAVE_GLUON:
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, HALVES)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM)),
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, HALVES)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                               v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row,
                               off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh,
@@ -590,18 +530,15 @@ if HAVE_GLUON:
     def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr,
                      delta_ptr, lse_row, dq_row, dq_col, start_m, n_tiles, qk_scale, sm_scale,
                      dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr, QREG: gl.constexpr = False):
+                     CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr):
         """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring
-        (PIPE: ``_dq_loop_pipelined``; QREG: the halves loaded once into registers as the S and dP wgmmas' A
-        operands, so those read only K and V from shared memory)."""
+        (PIPE: ``_dq_loop_pipelined``)."""
         QH: gl.constexpr = dq_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_N)  # [QH, BLOCK_N] S, dP
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [QH, HEAD_DIM] dQ
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
         q_half = q_smem.index(HALF)
         do_half = do_smem.index(HALF)
-        q_a = q_half  # the S and dP wgmmas' A operands: the resident halves in shared memory, or (QREG) registers
-        do_a = do_half
         q_lo = start_m + HALF * QH
         offs_q = gl.arange(0, QH, layout=gl.SliceLayout(1, s_layout))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -610,19 +547,15 @@ if HAVE_GLUON:
         s_zero = gl.zeros([QH, BLOCK_N], gl.float32, s_layout)
         dq = gl.zeros([QH, HEAD_DIM], gl.float32, a_layout)
         mbarrier.wait(q_bar, 0)
-        if QREG:
-            a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-            q_a = q_half.load(a_op)
-            do_a = do_half.load(a_op)
         if PIPE:
-            dq = _dq_loop_pipelined(q_a, do_a, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta,
+            dq = _dq_loop_pipelined(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta,
                                     dq, s_zero, q_lo, offs_q, cols, n_tiles, qk_scale, dtype, op_layout, BLOCK_N,
                                     STAGES, CAUSAL)
         else:
             for j in range(n_tiles):
                 slot = j % STAGES
                 k_t = k_smem.index(slot)
-                s, dp = _dq_issue_sdp(q_a, do_a, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
+                s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
                 s = warpgroup_mma_wait(1, deps=(s, ))
                 p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N, CAUSAL)
                 dp = warpgroup_mma_wait(0, deps=(dp, ))
@@ -642,8 +575,7 @@ if HAVE_GLUON:
     def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP,
                        T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
                        dq_rb, dq_rh, dq_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr = False,
-                       QREG: gl.constexpr = False):
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr = False):
         """Program (query tile, batch·head) of a 1-D grid in ``_tail_order``, heaviest causal tiles first;
         num_warps = 4. Q/dO/dQ descriptors have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
         dtype: gl.constexpr = q_desc.dtype
@@ -682,10 +614,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE, QREG)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE, QREG)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
                             k_empty, v_empty, q_row, off_h * q_ch, do_row, off_h * do_ch,
                             off_b * k_rb + off_hk * k_rh, off_hk * k_ch, off_b * v_rb + off_hk * v_rh,
@@ -752,9 +684,8 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 63 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
-            or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
-            or (opts & OPT_HALF and not opts & OPT_SMEM)):
+            or not 0 <= opts <= 15 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))):
         raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-15 "
                          f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF), "
                          f"got {config!r}")
@@ -796,9 +727,8 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
-              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), HALVES=bool(opts & OPT_HALF))
-    c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
-              QREG=bool(opts & OPT_QREG))
+              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM))
+    c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP))
     nb = T // RESIDENT
     n_sm = FA.grid_sms(q.device)
     dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm), tail_heads(nb, B * H, n_sm)
