@@ -68,7 +68,8 @@ def main() -> int:
     ap.add_argument("--seqs", default="2048,8192,16384")
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--noncausal", action="store_true", help="non-causal attention (default causal)")
-    ap.add_argument("--configs", default="split", help="names in flash_attention_gluon_bwd.CONFIGS")
+    ap.add_argument("--configs", default="split", help="names in flash_attention_gluon_bwd.CONFIGS, or tuples "
+                    "written with colons (64:3:64:4:14 = (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2, OPTS))")
     ap.add_argument("--tail-waves", default="2", help="values of flash_attention_gluon_bwd.TAIL_WAVES to compare")
     ap.add_argument("--consumer-regs", type=int, default=None,
                     help="setmaxnreg of the second consumer warpgroup of both kernels (the library's: "
@@ -88,7 +89,8 @@ def main() -> int:
             for c in a.configs.split(","):
                 for w in a.tail_waves.split(","):
                     GB.TAIL_WAVES = int(w)  # a launch argument: no recompilation
-                    r = measure(int(D), int(T), c, not a.noncausal)
+                    cfg = tuple(int(x) for x in c.split(":")) if ":" in c else c
+                    r = measure(int(D), int(T), cfg, not a.noncausal)
                     rows.append((f"{c}/t{w}",) + r[1:])
     print(f"{'config':>12} {'D':>4} {'T':>6} | {'dK/dV ms':>8} {'TF/s':>5} | {'dQ ms':>7} {'TF/s':>5} | "
           f"{'2 streams':>9} {'nominal':>7} | {'1 stream':>8} {'nominal':>7} | {'cuDNN ms':>8} {'nominal':>7} | "
