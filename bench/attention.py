@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+from xtrain.fileio import atomic_write_text
 from xtrain.kernels import flash_attention as FA
 
 F, TM = False, True  # pointer loads / tensor-descriptor (TMA) loads
@@ -298,10 +299,10 @@ def main(argv=None) -> int:
         two = lambda p: "-" if not p or len(p) < 2 else f"{p[0]:.0f}/{p[1]:.0f}"  # noqa: E731
         print(f"{r['D']:>4} {r['T']:>6} | {two(hx):>13} | {two(gx):>13} | {two(hc):>13} | {two(gc):>13}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "configs": {str(k): v for k, v in cfgs.items()},
-                       "log": log}, f, indent=1, default=str)
+        atomic_write_text(args.json, json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                                 "triton": triton.__version__,
+                                                 "configs": {str(k): v for k, v in cfgs.items()}, "log": log},
+                                                indent=1, default=str))
     return 0
 
 

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, ".")
 from bench.attention import _bench, _inputs, attn_flops, sdpa_backends, time_sdpa, verify  # noqa: E402
+from xtrain.fileio import atomic_write_text  # noqa: E402
 from xtrain.kernels import flash_attention as FA  # noqa: E402
 
 F, TM = False, True
@@ -104,8 +105,7 @@ def main(argv=None) -> int:
                     f"{r[part].get(n, float('nan')):>6.0f} ({r[part].get(n, float('nan')) / r['cudnn'][i]:.2f})"
                     for r in rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(log, f, indent=1)
+        atomic_write_text(args.json, json.dumps(log, indent=1))
     return 0
 
 

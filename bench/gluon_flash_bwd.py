@@ -40,6 +40,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from bench import isolated  # noqa: E402
 from bench.isolated import check_one  # noqa: E402
+from xtrain.fileio import atomic_write_text  # noqa: E402
 from xtrain.kernels import flash_attention_gluon_bwd as GB  # noqa: E402
 
 LOG2E = GB.LOG2E
@@ -169,8 +170,7 @@ def compile_only(variants, head_dims, dump=None):
                         import os
                         os.makedirs(dump, exist_ok=True)
                         for ext in ("ttgir", "ptx"):
-                            with open(f"{dump}/{name}_{kname}_d{D}.{ext}", "w") as f:
-                                f.write(ck.asm.get(ext, ""))
+                            atomic_write_text(f"{dump}/{name}_{kname}_d{D}.{ext}", ck.asm.get(ext, ""))
             except Exception as e:  # noqa: BLE001
                 ok = False
                 print(f"  {name:10s} D={D:3d}: FAIL {type(e).__name__}: {str(e)[:3000]}")

@@ -53,6 +53,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from bench import isolated  # noqa: E402
 from bench.isolated import check_one  # noqa: E402
+from xtrain.fileio import atomic_write_text  # noqa: E402
 from xtrain.kernels import flash_attention_gluon as LIB  # noqa: E402
 from xtrain.kernels._dispatch import sm_count  # noqa: E402
 from xtrain.kernels.flash_attention_gluon import VARIANTS
@@ -88,8 +89,7 @@ def compile_only(variants, head_dims, dump=None):
                     if dump:
                         os.makedirs(dump, exist_ok=True)
                         for ext in ("ttgir", "ptx"):
-                            with open(f"{dump}/{name}_d{D}_{int(causal)}.{ext}", "w") as f:
-                                f.write(ck.asm.get(ext, ""))
+                            atomic_write_text(f"{dump}/{name}_d{D}_{int(causal)}.{ext}", ck.asm.get(ext, ""))
                 except Exception as e:  # noqa: BLE001
                     ok = False
                     print(f"  {tag}: FAIL {type(e).__name__}: {str(e)[:2000]}")

@@ -35,6 +35,7 @@ import traceback
 
 import torch
 
+from xtrain.fileio import atomic_write_text
 from xtrain.testing import poisoned
 
 
@@ -853,9 +854,8 @@ def main(argv=None) -> int:
         with open(args.log, "w") if args.log else contextlib.nullcontext() as log:
             vrows = run_variants(bw, only, log, match=match)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(device=dev, torch=torch.__version__, triton=triton.__version__, copy_tbps=bw / 1e12,
-                               variants=vrows), f, indent=1)
+            atomic_write_text(args.json, json.dumps(dict(device=dev, torch=torch.__version__, triton=triton.__version__,
+                                                         copy_tbps=bw / 1e12, variants=vrows), indent=1))
         _summary(vrows)
         bad = [r for r in vrows if not r["ok"]]
         print(f"# {len(vrows)} variants, {len(bad)} failed their check, {time.perf_counter() - t_start:.0f} s" +
@@ -888,9 +888,9 @@ def main(argv=None) -> int:
         except Exception:
             traceback.print_exc()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=dev, torch=torch.__version__, triton=triton.__version__, copy_tbps=bw / 1e12,
-                           kernels=rows, linear_cross_entropy=lce), f, indent=1)
+        atomic_write_text(args.json, json.dumps(dict(device=dev, torch=torch.__version__, triton=triton.__version__,
+                                                     copy_tbps=bw / 1e12, kernels=rows, linear_cross_entropy=lce),
+                                                indent=1))
     print(f"\n## Fused kernels: {dev}, torch {torch.__version__}, triton {triton.__version__}, "
           f"copy {bw / 1e12:.2f} TB/s\n")
     print("| kernel | Triton ms | TB/s | of copy | host us/call | do_bench ms (of copy) | reference ms | speed-up |")
