@@ -81,12 +81,15 @@ Measured and slower: the slot released a step later, under dV and dK (commit d7e
 97d1d4f, 0.86 against 0.80 ms: the MUFU unit was not the bound, the extra instructions were).
 
 Session 14 (bench/RESULTS.md; code at commit 8f3a1cf), measured and slower: each dK/dV step cut into two halves
-of 32 queries so a warpgroup's own wgmmas overlap its own exponentials (bit-identical, 14-24 % slower: N = 32
-wgmmas read each K/V half twice per step), and the dQ kernel's Q and dO as register A operands (ptxas serialised
-every wgmma with OPT_DQP; without it 4-7 % slower, and wrong at hd64). What bounds T = 8k-16k: under sustained load
-the H200 sits at its 700 W cap, so time follows energy (bench/clock_probe.py --energy). The two kernels spend
-0.98-1.10 pJ per executed FLOP, about a bf16 matmul's 1.06, but execute 7 products where cuDNN's count is 5; at 16k
-the backward took 3.9-4.0 J against cuDNN's 3.7, and 5 % more time.
+of 32 queries so a warpgroup's own wgmmas overlap its own exponentials (bit-identical, 14-24 % slower; a guess,
+not measured: an N = 32 wgmma reads its K/V half for half the products), and the dQ kernel's Q and dO as register
+A operands (ptxas serialised every wgmma with OPT_DQP; without it 4-7 % slower than the default, and wrong at hd64).
+What bounds T = 8k-16k: under sustained load the H200 sits at its 700 W cap, so time follows energy
+(bench/clock_probe.py --energy). The two kernels spend 0.98-1.10 pJ per executed FLOP, about a bf16 matmul's 1.06,
+but execute 7 products where cuDNN's count is 5; at 16k the backward took 3.9-4.0 J against cuDNN's 3.7, and 5 %
+more time. A 5-product form whose registers fit, the head dim split across two product warpgroups fed by one
+softmax warpgroup (bench/gluon_bwd_dsplit.py), was correct but ran 0.56-0.62x cuDNN: its softmax warpgroup alone
+took longer than this whole backward.
 
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
