@@ -87,7 +87,7 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from xtrain.kernels.flash_attention_gluon_bwd import _acc_layout, _dkdv_producer, _next_query_tile, _tail_order
+    from xtrain.kernels.flash_attention_gluon_bwd import _acc_layout, _dkdv_producer, _kv_rows, _next_query_tile
 
     _RESIDENT, _KH, _BLOCK_M, _DH = (gl.constexpr(x) for x in (RESIDENT, KH, BLOCK_M, DH))  # for the kernels
 
@@ -218,19 +218,9 @@ if HAVE_GLUON:
                        ABL: gl.constexpr = 0):
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(HEAD_DIM == 2 * _DH)
-        pid_n, off_bkv = _tail_order(gl.program_id(0), T // _RESIDENT, TAIL)
-        Hkv = H // GROUP
-        off_b = off_bkv // Hkv
-        off_kvh = off_bkv % Hkv
-        start_n = pid_n * _RESIDENT
-        h0 = off_kvh * GROUP
-        dq_row0 = (off_b * H + h0) * T
-        if CAUSAL:
-            mt0 = start_n // _BLOCK_M
-        else:
-            mt0 = 0
-        n_m = T // _BLOCK_M - mt0
-        n_iter = GROUP * n_m
+        # the program's place, as the hd64 one-pass kernel's (key tile of 128 in the split's order)
+        off_b, off_kvh, start_n, h0, _, dq_row0, mt0, n_m, n_iter = OP._program(H, GROUP, T, TAIL, _KH, _BLOCK_M,
+                                                                                CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -259,10 +249,8 @@ if HAVE_GLUON:
             mbarrier.init(p_empty.index(i), count=2)
         fence_async_shared()
 
-        k_row = off_b * k_rb + off_kvh * k_rh + start_n
-        v_row = off_b * v_rb + off_kvh * v_rh + start_n
-        dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
-        dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
+        k_row, v_row, dk_row, dv_row = _kv_rows(off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb,
+                                                dv_rh)
         gl.warp_specialize([
             (_softmax_wg, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, p_smem, ds_smem, kv_bar, q_bars,
                            do_bars, q_empty, p_full, p_empty, T, mt0, n_iter, start_n, qk_scale, dtype, STAGES, NB,

@@ -233,6 +233,13 @@ if HAVE_GLUON:
         return start_m - wrap * (T - m0), wrap
 
     @gluon.jit
+    def _kv_rows(off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb, dv_rh):
+        """TMA rows of the first of a program's keys (start_n of batch off_b, kv head off_kvh) in the K, V, dK and dV
+        row views (module docstring, "Tensor layouts")."""
+        return (off_b * k_rb + off_kvh * k_rh + start_n, off_b * v_rb + off_kvh * v_rh + start_n,
+                off_b * dk_rb + off_kvh * dk_rh + start_n, off_b * dv_rb + off_kvh * dv_rh + start_n)
+
+    @gluon.jit
     def _dkdv_load(desc, row_desc, bar, dst, row_dst, row, col, lt, SMEM: gl.constexpr):
         """One Q or dO tile into its ring slot, and (SMEM) row lt of the lse / delta view beside it, on one barrier."""
         if SMEM:
@@ -431,10 +438,8 @@ if HAVE_GLUON:
         _ring_init(do_bars, do_empty, STAGES)
         fence_async_shared()
 
-        k_row = off_b * k_rb + off_kvh * k_rh + start_n
-        v_row = off_b * v_rb + off_kvh * v_rh + start_n
-        dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
-        dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
+        k_row, v_row, dk_row, dv_row = _kv_rows(off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb,
+                                                dv_rh)
         # (the partitions' argument lists are spelled out: Gluon 3.6 cannot build tuples holding constexprs)
         gl.warp_specialize([
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,

@@ -107,6 +107,7 @@ if HAVE_GLUON:
         _acc_layout,
         _dkdv_producer,
         _dkdv_store,
+        _kv_rows,
         _ring_init,
         _tail_order,
     )
@@ -301,10 +302,8 @@ if HAVE_GLUON:
             mbarrier.init(ds_empty.index(i), count=1)  # the dQ warpgroup, once its dQ wgmmas retired
         fence_async_shared()
 
-        k_row = off_b * k_rb + off_kvh * k_rh + start_n
-        v_row = off_b * v_rb + off_kvh * v_rh + start_n
-        dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
-        dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
+        k_row, v_row, dk_row, dv_row = _kv_rows(off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb,
+                                                dv_rh)
         gl.warp_specialize([
             (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
                             ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
