@@ -13,6 +13,8 @@ ms per call (CUDA events over the reps) and the mean clock, and the time ratio a
 first times the Gluon split's two kernels alone the same way, then the two back to back on one stream (is the
 whole slower than its parts, and is it the sequence or the rest of the backward?). ``--energy SECONDS``: energy
 per call from NVML's energy counter over SECONDS of back-to-back calls: under the power cap, time follows energy.
+Give it 3 s or more: a smoke run at 0.5 s (session 14) read 631-809 W and 1.03-1.30 pJ per FLOP for the same
+kernels that read 676-708 W and 1.03-1.10 over 3 s.
 """
 
 from __future__ import annotations
@@ -112,6 +114,25 @@ def energy_per_call(fn, seconds: float = 3.0) -> tuple:
     return (t1 - t0) * 1e3 / n, (e1 - e0) / n, (e1 - e0) / 1e3 / (t1 - t0)
 
 
+def backward_calls(D: int, T: int, parts: bool = False) -> tuple:
+    """The calls both probes time, on the bench shapes (causal bf16), and (B, H): ({"xtrain": the library's
+    backward, "cudnn": cuDNN's}, (B, H)); ``parts`` puts first the Gluon split's two kernels, each alone, and the two
+    back to back."""
+    from bench import isolated
+    from xtrain.kernels import flash_attention as FA
+
+    q, k, v, do = isolated.bench_inputs(D, T)
+    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=True)
+    fns = {"xtrain": lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True),
+           "cudnn": isolated.cudnn_bwd(q, k, v, do, True)}
+    if parts:
+        from bench.gluon_bwd_alone import split_kernels
+
+        dkdv, dq = split_kernels(q, k, v, do, o, lse, True)
+        fns = {"dK/dV alone": dkdv, "dQ alone": dq, "pair": lambda: (dkdv(), dq()), **fns}
+    return fns, tuple(q.shape[:2])
+
+
 def energy_gemm(seconds: float) -> None:
     """The yardstick: a bf16 8192^3 matmul back to back, pJ per FLOP (tensor work and little else)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -127,21 +148,12 @@ def energy(D: int, T: int, seconds: float) -> None:
     FLOP: per FLOP a kernel executes (the Gluon split's kernels: 4 and 3 products of B·H·T²·D FLOPs each, causal),
     and for the whole backwards per nominal FLOP (2.5 x the forward's: 5 products), the same denominator for
     both, so that column compares their energies."""
-    from bench import isolated
-    from bench.gluon_bwd_alone import split_kernels
-    from xtrain.kernels import flash_attention as FA
-
-    q, k, v, do = isolated.bench_inputs(D, T)
-    B, H = q.shape[:2]
+    fns, (B, H) = backward_calls(D, T, parts=True)
     prod = B * H * T * T * D  # one causal product's FLOPs (2·B·H·T²·D halved)
-    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=True)
-    dkdv, dq = split_kernels(q, k, v, do, o, lse, True)
-    fns = {"dK/dV alone": (dkdv, 4), "dQ alone": (dq, 3),
-           "xtrain": (lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True), 5),
-           "cudnn": (isolated.cudnn_bwd(q, k, v, do, True), 5)}
+    n_prods = {"dK/dV alone": 4, "dQ alone": 3, "xtrain": 5, "cudnn": 5}
     for _ in range(2):
-        for name, (fn, n_prod) in fns.items():
-            ms, mj, w = energy_per_call(fn, seconds)
+        for name, n_prod in n_prods.items():
+            ms, mj, w = energy_per_call(fns[name], seconds)
             print(f"{D:>4} {T:>6} | energy {name:>12}: {ms:.3f} ms, {mj:.0f} mJ per call, {w:.0f} W, "
                   f"{mj * 1e9 / (n_prod * prod):.2f} pJ per FLOP", flush=True)
 
@@ -150,18 +162,7 @@ def probe(D: int, T: int, reps: int, parts: bool = False) -> list:
     """Two alternations of (xtrain, cuDNN): [(xtrain ms, MHz, cuDNN ms, MHz)] x 2; ``parts``: the two Gluon
     kernels alone and then back to back first, [(dK/dV ms, MHz, dQ ms, MHz, pair ms, MHz, xtrain ms, MHz, cuDNN
     ms, MHz)] x 2."""
-    from bench import isolated
-    from xtrain.kernels import flash_attention as FA
-
-    q, k, v, do = isolated.bench_inputs(D, T)
-    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=True)
-    fns = {"xtrain": lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True),
-           "cudnn": isolated.cudnn_bwd(q, k, v, do, True)}
-    if parts:  # the Gluon split's two kernels, each alone
-        from bench.gluon_bwd_alone import split_kernels
-
-        dkdv, dq = split_kernels(q, k, v, do, o, lse, True)
-        fns = {"dK/dV alone": dkdv, "dQ alone": dq, "pair": lambda: (dkdv(), dq()), **fns}
+    fns, _ = backward_calls(D, T, parts)
     res = []
     for _ in range(2):
         row = ()

@@ -67,11 +67,11 @@ KH = 64  # keys per half
 BLOCK_M = 64  # queries per step
 DH = 64  # head-dim columns per product warpgroup
 # name -> (STAGES, NB (Pᵀ/dSᵀ buffers), PROD_REGS (each product warpgroup's setmaxnreg))
-# (with the product warpgroups at 160-184 registers, ptxas serialised every wgmma: offline, triton 3.9)
+# (with the product warpgroups at 160-184 or 200 registers, ptxas serialised every wgmma: offline, triton 3.9)
 # (a fourth element: timing-only ablations, wrong results by design: 1 no dQ reduce-add (the compiler then drops
 # the dQ products too), 2 no products in the product warpgroups, 4 no exponentials / mask / dS arithmetic in the
 # softmax warpgroup)
-CONFIGS = {"ds": (2, 2, 192), "ds_nb1": (2, 1, 192), "ds200": (2, 2, 200), "~nored": (2, 1, 192, 1),
+CONFIGS = {"ds": (2, 2, 192), "ds_nb1": (2, 1, 192), "~nored": (2, 1, 192, 1),
            "~noprod": (2, 1, 192, 2), "~noexp": (2, 1, 192, 4), "~nored_noexp": (2, 1, 192, 5)}
 
 if HAVE_GLUON:
@@ -192,15 +192,10 @@ if HAVE_GLUON:
         # out through this warpgroup's dead K / V column halves: the softmax warpgroup's last reads of K and V
         # came before its last p_full arrival, which this warpgroup waited on; the other product warpgroup reads
         # only its own columns of K
-        for kh in gl.static_range(2):
-            kt = k_smem.index(kh).slice(DHALF * _DH, _DH, dim=1)
-            vt = v_smem.index(kh).slice(DHALF * _DH, _DH, dim=1)
-            if kh == 0:
-                kt.store((dk0 * sm_scale).to(dtype))
-                vt.store(dv0.to(dtype))
-            else:
-                kt.store((dk1 * sm_scale).to(dtype))
-                vt.store(dv1.to(dtype))
+        k0.store((dk0 * sm_scale).to(dtype))
+        k1.store((dk1 * sm_scale).to(dtype))
+        v_smem.index(0).slice(DHALF * _DH, _DH, dim=1).store(dv0.to(dtype))
+        v_smem.index(1).slice(DHALF * _DH, _DH, dim=1).store(dv1.to(dtype))
         fence_async_shared()
         _cta_barrier()
         for kh in gl.static_range(2):
@@ -312,8 +307,6 @@ def compile_sm90(causal: bool = True, config: str = "ds", T: int = 1024):
 
 
 def check(configs) -> bool:
-    from bench.gluon_flash_bwd_onepass import ptxas_report  # noqa: F401 (imported for the report below)
-
     ok = True
     for cfg in configs:
         for (B, H, Hkv, T) in ((1, 4, 2, 1024), (2, 4, 4, 256), (1, 16, 16, 4096)):
@@ -325,7 +318,7 @@ def check(configs) -> bool:
                 bufs = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
                 got = bwd_dsplit(do, q, k, v, o, lse, causal, cfg, **bufs)
                 split = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal)
-                errs, serrs = [], []
+                errs = []
                 if T <= 1024:
                     want = FA.flash_attention_bwd_ref(do.double(), q.double(), k.double(), v.double(), o.double(),
                                                       lse.double(), causal)
