@@ -164,7 +164,10 @@ RESIDENT = 128  # keys per dK/dV program, query rows per dQ program (two warpgro
 HALF_M = 64
 # (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) by head dim; see the module docstring
 CONFIGS = {
-    "split": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
+    "split": {64: (64, 2, 64, 4, 62), 128: (64, 2, 64, 4, 62)},
+    "split_s14": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
+    "split_peel": {64: (64, 2, 64, 4, 30), 128: (64, 2, 64, 4, 30)},
+    "split_dqskip": {64: (64, 2, 64, 4, 46), 128: (64, 2, 64, 4, 46)},
     "split_s10": {64: (64, 2, 64, 4, 3), 128: (64, 2, 64, 4, 3)},
     "split_s9": {64: (64, 2, 64, 2, 0), 128: (64, 2, 64, 2, 0)},
     "split3": {64: (64, 3, 64, 3), 128: (64, 3, 64, 3)},
@@ -174,9 +177,14 @@ CONFIGS = {
 # the step before (once its dK wgmma is issued); OPT_DQP the dQ kernel issues tile j - 1's dQ wgmma behind tile
 # j's S and dP (``_dq_loop_pipelined``); OPT_LEAN the dK/dV kernel carries each step's (head, query tile) from
 # the step before (no division) and frees a slot's Q and dO tiles with one barrier (with OPT_PF or OPT_SMEM);
-# OPT_SMEM its lse and delta come by TMA into shared memory beside Q and dO (with OPT_LEAN, without OPT_PF).
-# "split_s10" = PF | DQP (session 10), "split_s9" = neither (session 9).
-OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM = 1, 2, 4, 8
+# OPT_SMEM its lse and delta come by TMA into shared memory beside Q and dO (with OPT_LEAN, without OPT_PF);
+# OPT_PEEL (with OPT_SMEM) the dK/dV walk takes each head's diagonal steps in a loop of their own (the mask a
+# compile-time choice) and skips the steps whose queries all precede the warpgroup's keys; OPT_DQSKIP the dQ
+# kernel's warpgroup 0 skips its causal tile whose keys all follow its queries (both: the same bits).
+# "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15), "split_s14" = DQP | LEAN | SMEM (session 13),
+# "split_peel" and "split_dqskip" one of the two skips each, "split_s10" = PF | DQP (session 10), "split_s9" =
+# neither (session 9).
+OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP = 1, 2, 4, 8, 16, 32
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -313,11 +321,52 @@ if HAVE_GLUON:
         return gl.load(lse_ptr + row + cols), gl.load(delta_ptr + row + cols)
 
     @gluon.jit
+    def _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero, it,
+                   start_m, offs_k, cols, qk_scale, dtype: gl.constexpr, s_layout: gl.constexpr,
+                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr):
+        """One step of the PEEL walk (LEAN and SMEM): ``_dkdv_consumer``'s loop body with the causal mask a
+        compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step."""
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        q_t = q_smem.index(slot)
+        do_t = do_smem.index(slot)
+        mbarrier.wait(q_bars.index(slot), phase)
+        st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_bars.index(slot), phase)
+        dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        lse_b = lse_smem.index(slot).load(s_layout)
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        pt = gl.exp2(st * qk_scale - lse_b)
+        if MASK:
+            keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+            pt = gl.where(keep, pt, 0.0)
+        p_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
+        delta_b = delta_smem.index(slot).load(s_layout)
+        dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+        dst = pt * (dpt - delta_b)
+        ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+        dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        return dk, dv
+
+    @gluon.jit
+    def _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES: gl.constexpr):
+        """A PEEL step whose queries all precede this half's keys (P = 0: nothing to add): the slot is only
+        waited for and released."""
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
+        mbarrier.wait(q_bars.index(slot), phase)
+        mbarrier.wait(do_bars.index(slot), phase)
+        mbarrier.arrive(q_empty.index(slot), count=1)
+
+    @gluon.jit
     def _dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty,
                        do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                        mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr):
+                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False):
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
         step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
@@ -341,7 +390,34 @@ if HAVE_GLUON:
         if PF and not SMEM:
             lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, cols, BLOCK_M)
         mbarrier.wait(kv_bar, 0)
-        for it in range(n_iter):
+        n_walk = n_iter
+        if PEEL:  # (LEAN and SMEM) per group head: its diagonal steps masked, then the rest with no mask code
+            gl.static_assert(SMEM and LEAN and not PF)
+            n_walk = 0
+            # causal: the first steps of each head's walk (start_m from start_n = mt0·BLOCK_M) hold queries before
+            # some key of this half; those entirely before it (the first HALF·KH / BLOCK_M) add nothing
+            if CAUSAL:
+                n_skip: gl.constexpr = (HALF * KH) // BLOCK_M
+                n_diag: gl.constexpr = ((HALF + 1) * KH + BLOCK_M - 1) // BLOCK_M - n_skip
+            else:
+                n_skip: gl.constexpr = 0
+                n_diag: gl.constexpr = 0
+            it = 0
+            for _g in range(n_iter // n_m):
+                for _i in gl.static_range(n_skip):
+                    _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES)
+                    it += 1
+                for i in gl.static_range(n_diag):
+                    dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
+                                        q_empty, dk, dv, s_zero, it, start_m + (n_skip + i) * BLOCK_M, offs_k, cols,
+                                        qk_scale, dtype, s_layout, op_layout, STAGES, True)
+                    it += 1
+                for _i in range(n_m - n_skip - n_diag):
+                    dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
+                                        q_empty, dk, dv, s_zero, it, start_m, offs_k, cols, qk_scale, dtype, s_layout,
+                                        op_layout, STAGES, False)
+                    it += 1
+        for it in range(n_walk):
             if not LEAN:
                 start_m = (mt0 + it % n_m) * BLOCK_M
             if not PF and not SMEM:  # plain loads, issued before the barrier wait
@@ -397,7 +473,7 @@ if HAVE_GLUON:
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
-                         SMEM: gl.constexpr = False):
+                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -445,11 +521,11 @@ if HAVE_GLUON:
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL)),
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                               v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row,
                               off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh,
@@ -538,9 +614,10 @@ if HAVE_GLUON:
     def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr,
                      delta_ptr, lse_row, dq_row, dq_col, start_m, n_tiles, qk_scale, sm_scale,
                      dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr):
+                     CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr, SKIP: gl.constexpr = False):
         """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring
-        (PIPE: ``_dq_loop_pipelined``)."""
+        (PIPE: ``_dq_loop_pipelined``). SKIP (causal): the tiles whose keys all follow this half's queries (P = 0)
+        are only waited for and released, not computed (with BLOCK_N = 64: warpgroup 0's last tile)."""
         QH: gl.constexpr = dq_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_N)  # [QH, BLOCK_N] S, dP
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [QH, HEAD_DIM] dQ
@@ -555,6 +632,10 @@ if HAVE_GLUON:
         s_zero = gl.zeros([QH, BLOCK_N], gl.float32, s_layout)
         dq = gl.zeros([QH, HEAD_DIM], gl.float32, a_layout)
         mbarrier.wait(q_bar, 0)
+        n_all = n_tiles
+        if SKIP and CAUSAL:
+            # tiles starting at or after this half's last query + 1 (q_lo + QH) add nothing
+            n_tiles = gl.minimum(n_tiles, (q_lo + QH + BLOCK_N - 1) // BLOCK_N)
         if PIPE:
             dq = _dq_loop_pipelined(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta,
                                     dq, s_zero, q_lo, offs_q, cols, n_tiles, qk_scale, dtype, op_layout, BLOCK_N,
@@ -573,6 +654,13 @@ if HAVE_GLUON:
                 dq_tok = warpgroup_mma(ds_op, k_t, dq, is_async=True)
                 dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
                 mbarrier.arrive(k_empty.index(slot), count=1)
+        for j in range(n_tiles, n_all):  # SKIP: the tiles past this half's queries, released unread
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_bars.index(slot), phase)
+            mbarrier.wait(v_bars.index(slot), phase)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            mbarrier.arrive(k_empty.index(slot), count=1)
         q_half.store((dq * sm_scale).to(dtype))  # through Q's dead half and a TMA store
         fence_async_shared()
         _cta_barrier()
@@ -583,7 +671,8 @@ if HAVE_GLUON:
     def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP,
                        T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
                        dq_rb, dq_rh, dq_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr = False):
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr = False,
+                       SKIP: gl.constexpr = False):
         """Program (query tile, batch·head) of a 1-D grid in ``_tail_order``, heaviest causal tiles first;
         num_warps = 4. Q/dO/dQ descriptors have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
         dtype: gl.constexpr = q_desc.dtype
@@ -622,10 +711,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE, SKIP)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE, SKIP)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
                             k_empty, v_empty, q_row, off_h * q_ch, do_row, off_h * do_ch,
                             off_b * k_rb + off_hk * k_rh, off_hk * k_ch, off_b * v_rb + off_hk * v_rh,
@@ -676,7 +765,7 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
 
 def _config(op: str, config, D: int):
     """(BLOCK_M1, STAGES1, BLOCK_N2, STAGES2, OPTS) of a config name or tuple (OPTS, a mask of ``OPT_PF``,
-    ``OPT_DQP``, ``OPT_LEAN`` and ``OPT_SMEM``, may be left out: 0)."""
+    ``OPT_DQP``, ``OPT_LEAN``, ``OPT_SMEM``, ``OPT_PEEL`` and ``OPT_DQSKIP``, may be left out: 0)."""
     if config is None:
         config = DEFAULT
     if isinstance(config, str):
@@ -692,11 +781,12 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 15 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
-            or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-15 "
-                         f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF), "
-                         f"got {config!r}")
+            or not 0 <= opts <= 63 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
+            or (opts & OPT_PEEL and not opts & OPT_SMEM)):
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-63 "
+                         f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
+                         f"with OPT_SMEM), got {config!r}")
     return bm1, st1, bn2, st2, opts
 
 
@@ -735,8 +825,9 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
-              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM))
-    c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP))
+              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL))
+    c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
+              SKIP=bool(opts & OPT_DQSKIP))
     nb = T // RESIDENT
     n_sm = FA.grid_sms(q.device)
     dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm), tail_heads(nb, B * H, n_sm)
