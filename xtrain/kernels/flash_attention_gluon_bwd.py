@@ -168,7 +168,6 @@ CONFIGS = {
     "split_s14": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
     "split_peel": {64: (64, 2, 64, 4, 30), 128: (64, 2, 64, 4, 30)},
     "split_dqskip": {64: (64, 2, 64, 4, 46), 128: (64, 2, 64, 4, 46)},
-    "split_dqpeel": {64: (64, 2, 64, 4, 126), 128: (64, 2, 64, 4, 126)},
     "split_s10": {64: (64, 2, 64, 4, 3), 128: (64, 2, 64, 4, 3)},
     "split_s9": {64: (64, 2, 64, 2, 0), 128: (64, 2, 64, 2, 0)},
     "split3": {64: (64, 3, 64, 3), 128: (64, 3, 64, 3)},
@@ -185,7 +184,7 @@ CONFIGS = {
 # "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15), "split_s14" = DQP | LEAN | SMEM (session 13),
 # "split_peel" and "split_dqskip" one of the two skips each, "split_s10" = PF | DQP (session 10), "split_s9" =
 # neither (session 9).
-OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP, OPT_DQPEEL = 1, 2, 4, 8, 16, 32, 64
+OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP = 1, 2, 4, 8, 16, 32
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -570,69 +569,41 @@ if HAVE_GLUON:
         return s, dp
 
     @gluon.jit
-    def _dq_p(s, lse2, q_lo, offs_q, cols, start_n, qk_scale, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-              MASK: gl.constexpr = 1):
-        """P of a retired S tile, causal mask applied (MASK 1: where the tile needs it, a branch; 2: always;
-        0: never, the caller knows the tile lies below the diagonal)."""
+    def _dq_p(s, lse2, q_lo, offs_q, cols, start_n, qk_scale, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """P of a retired S tile, causal mask applied."""
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-        if CAUSAL and MASK == 1:
+        if CAUSAL:
             if start_n + BLOCK_N > q_lo + 1:  # some key of the tile follows some query of this half
                 keep = gl.expand_dims(q_lo + offs_q, 1) >= gl.expand_dims(start_n + cols, 0)
                 p = gl.where(keep, p, 0.0)
-        if CAUSAL and MASK == 2:
-            keep = gl.expand_dims(q_lo + offs_q, 1) >= gl.expand_dims(start_n + cols, 0)
-            p = gl.where(keep, p, 0.0)
         return p
-
-    @gluon.jit
-    def _dq_pipe_step(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta, dq, ds_op,
-                      s_zero, q_lo, offs_q, cols, j, qk_scale, dtype: gl.constexpr, op_layout: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
-        """Step j of ``_dq_loop_pipelined``: S_j and dP_j issued, dQ_{j-1} behind them, then dS_j; returns (dq,
-        dS_j as the next step's operand)."""
-        s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
-        prev = (j - 1) % STAGES
-        dq_tok = warpgroup_mma(ds_op, k_smem.index(prev), dq, is_async=True)
-        s = warpgroup_mma_wait(2, deps=(s, ))  # S_j retired; dP_j and dQ_{j-1} may run
-        p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N, CAUSAL, MASK)
-        dp = warpgroup_mma_wait(1, deps=(dp, ))
-        mbarrier.arrive(v_empty.index(j % STAGES), count=1)
-        ds_new = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
-        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
-        mbarrier.arrive(k_empty.index(prev), count=1)
-        return dq, ds_new
 
     @gluon.jit
     def _dq_loop_pipelined(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta, dq, s_zero,
                            q_lo, offs_q, cols, n_tiles, qk_scale, dtype: gl.constexpr, op_layout: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                           PEEL: gl.constexpr = False):
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
         """The dQ consumer's walk with tile j - 1's dQ wgmma issued behind tile j's S and dP, so it runs while S_j's
         exponentials and dS_j are computed (FlashAttention-3's intra-warpgroup overlap). K_{j-1}'s slot is
         released only when dQ_{j-1} retires, at the end of step j: give the ring at least 3 stages (the default
-        has 4: 1-3 % faster than 3 on the H200). PEEL (causal, the caller's last tile the only one that holds
-        the diagonal: SKIP with BLOCK_N = 64): the loop's steps carry no mask code, the last one is masked."""
+        has 4: 1-3 % faster than 3 on the H200)."""
         s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, 0, STAGES)
         s = warpgroup_mma_wait(1, deps=(s, ))
         p = _dq_p(s, lse2, q_lo, offs_q, cols, 0, qk_scale, BLOCK_N, CAUSAL)
         dp = warpgroup_mma_wait(0, deps=(dp, ))
         mbarrier.arrive(v_empty.index(0), count=1)
         ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
-        if PEEL and CAUSAL:
-            for j in range(1, n_tiles - 1):
-                dq, ds_op = _dq_pipe_step(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2,
-                                          delta, dq, ds_op, s_zero, q_lo, offs_q, cols, j, qk_scale, dtype,
-                                          op_layout, BLOCK_N, STAGES, CAUSAL, 0)
-            # the last tile, unless it was the first: a loop of 0 or 1 steps (as an if, ptxas serialised every wgmma)
-            for j in range(gl.maximum(n_tiles - 1, 1), n_tiles):
-                dq, ds_op = _dq_pipe_step(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2,
-                                          delta, dq, ds_op, s_zero, q_lo, offs_q, cols, j, qk_scale, dtype,
-                                          op_layout, BLOCK_N, STAGES, CAUSAL, 2)
-        else:
-            for j in range(1, n_tiles):
-                dq, ds_op = _dq_pipe_step(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2,
-                                          delta, dq, ds_op, s_zero, q_lo, offs_q, cols, j, qk_scale, dtype,
-                                          op_layout, BLOCK_N, STAGES, CAUSAL, 1)
+        for j in range(1, n_tiles):
+            s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
+            prev = (j - 1) % STAGES
+            dq_tok = warpgroup_mma(ds_op, k_smem.index(prev), dq, is_async=True)
+            s = warpgroup_mma_wait(2, deps=(s, ))  # S_j retired; dP_j and dQ_{j-1} may run
+            p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N, CAUSAL)
+            dp = warpgroup_mma_wait(1, deps=(dp, ))
+            mbarrier.arrive(v_empty.index(j % STAGES), count=1)
+            ds_new = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
+            dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+            mbarrier.arrive(k_empty.index(prev), count=1)
+            ds_op = ds_new
         last = (n_tiles - 1) % STAGES
         dq_tok = warpgroup_mma(ds_op, k_smem.index(last), dq, is_async=True)
         dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
@@ -643,12 +614,10 @@ if HAVE_GLUON:
     def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr,
                      delta_ptr, lse_row, dq_row, dq_col, start_m, n_tiles, qk_scale, sm_scale,
                      dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr, SKIP: gl.constexpr = False,
-                     PEEL: gl.constexpr = False):
+                     CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr, SKIP: gl.constexpr = False):
         """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring
         (PIPE: ``_dq_loop_pipelined``). SKIP (causal): the tiles whose keys all follow this half's queries (P = 0)
-        are only waited for and released, not computed (with BLOCK_N = 64: warpgroup 0's last tile). PEEL (with
-        PIPE and SKIP, BLOCK_N = 64): the walk's mask only in its last step."""
+        are only waited for and released, not computed (with BLOCK_N = 64: warpgroup 0's last tile)."""
         QH: gl.constexpr = dq_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_N)  # [QH, BLOCK_N] S, dP
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [QH, HEAD_DIM] dQ
@@ -668,10 +637,9 @@ if HAVE_GLUON:
             # tiles starting at or after this half's last query + 1 (q_lo + QH) add nothing
             n_tiles = gl.minimum(n_tiles, (q_lo + QH + BLOCK_N - 1) // BLOCK_N)
         if PIPE:
-            gl.static_assert(not PEEL or (SKIP and BLOCK_N == QH))
             dq = _dq_loop_pipelined(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta,
                                     dq, s_zero, q_lo, offs_q, cols, n_tiles, qk_scale, dtype, op_layout, BLOCK_N,
-                                    STAGES, CAUSAL, PEEL)
+                                    STAGES, CAUSAL)
         else:
             for j in range(n_tiles):
                 slot = j % STAGES
@@ -704,7 +672,7 @@ if HAVE_GLUON:
                        T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
                        dq_rb, dq_rh, dq_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr = False,
-                       SKIP: gl.constexpr = False, PEEL: gl.constexpr = False):
+                       SKIP: gl.constexpr = False):
         """Program (query tile, batch·head) of a 1-D grid in ``_tail_order``, heaviest causal tiles first;
         num_warps = 4. Q/dO/dQ descriptors have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
         dtype: gl.constexpr = q_desc.dtype
@@ -743,10 +711,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE, SKIP, PEEL)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE, SKIP)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE, SKIP, PEEL)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE, SKIP)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
                             k_empty, v_empty, q_row, off_h * q_ch, do_row, off_h * do_ch,
                             off_b * k_rb + off_hk * k_rh, off_hk * k_ch, off_b * v_rb + off_hk * v_rh,
@@ -797,7 +765,7 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
 
 def _config(op: str, config, D: int):
     """(BLOCK_M1, STAGES1, BLOCK_N2, STAGES2, OPTS) of a config name or tuple (OPTS, a mask of ``OPT_PF``,
-    ``OPT_DQP``, ``OPT_LEAN``, ``OPT_SMEM``, ``OPT_PEEL``, ``OPT_DQSKIP`` and ``OPT_DQPEEL``, may be left out: 0)."""
+    ``OPT_DQP``, ``OPT_LEAN``, ``OPT_SMEM``, ``OPT_PEEL`` and ``OPT_DQSKIP``, may be left out: 0)."""
     if config is None:
         config = DEFAULT
     if isinstance(config, str):
@@ -813,13 +781,12 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 127 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or not 0 <= opts <= 63 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
             or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
-            or (opts & OPT_PEEL and not opts & OPT_SMEM)
-            or (opts & OPT_DQPEEL and (bn2 != HALF_M or not opts & OPT_DQSKIP or not opts & OPT_DQP))):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-127 "
+            or (opts & OPT_PEEL and not opts & OPT_SMEM)):
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-63 "
                          f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
-                         f"with OPT_SMEM; OPT_DQPEEL with OPT_DQSKIP, OPT_DQP and BLOCK_N2 64), got {config!r}")
+                         f"with OPT_SMEM), got {config!r}")
     return bm1, st1, bn2, st2, opts
 
 
@@ -860,7 +827,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
               LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
-              SKIP=bool(opts & OPT_DQSKIP), PEEL=bool(opts & OPT_DQPEEL))
+              SKIP=bool(opts & OPT_DQSKIP))
     nb = T // RESIDENT
     n_sm = FA.grid_sms(q.device)
     dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm), tail_heads(nb, B * H, n_sm)
