@@ -84,7 +84,6 @@ HEAD_DIMS = (64, )
 # name -> (STAGES = Q/dO ring depth, SLOTS = dQ staging tiles, NDS = dS buffers, PF = lse/delta prefetch,
 # KV_REGS = setmaxnreg of dK/dV warpgroup 1, DQ_REGS = of the dQ warpgroup)
 CONFIGS = {
-    "pf_peel": (3, 2, 2, True, 208, 72, True),
     "pf": (3, 2, 2, True, 208, 72),
     "nopf": (3, 2, 2, False, 200, 88),
     "nopf_ds3": (3, 2, 3, False, 200, 88),
@@ -159,10 +158,9 @@ if HAVE_GLUON:
     def _kv_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta,
                  dv, dk, mt0, n_m, k_lo, qk_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                 NDS: gl.constexpr, MASK: gl.constexpr = 1):
-        """Step ``it`` of dK/dV warpgroup HALF up to the dS hand-off (module docstring). MASK (causal): 1 where the
-        step needs it (a branch), 2 always, 0 never (the caller knows the step lies below the diagonal). Returns the
-        in-flight dv, dk and the register A operand p_op that must stay alive until dV retires. Its first half repeats
+                 NDS: gl.constexpr):
+        """Step ``it`` of dK/dV warpgroup HALF up to the dS hand-off (module docstring). Returns the in-flight
+        dv, dk and the register A operand p_op that must stay alive until dV retires. Its first half repeats
         the split's ``_dkdv_consumer`` loop body on purpose: one shared function (tried in session 5) moved the
         SASS spill stores of the split's hd128 causal dK/dV kernel from 37 to 39 (triton 3.6), or, with the
         mask indices hoisted as the split has them, this kernel's from 57 to 53 / 60 (3.6 / 3.9); both are
@@ -182,17 +180,12 @@ if HAVE_GLUON:
         dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-        if CAUSAL and MASK == 1:
+        if CAUSAL:
             if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
                 offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
                 cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
                 keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
                 pt = gl.where(keep, pt, 0.0)
-        if CAUSAL and MASK == 2:
-            offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
-            cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-            pt = gl.where(keep, pt, 0.0)
         p_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do_t, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
@@ -208,39 +201,13 @@ if HAVE_GLUON:
         return dv, dk, p_op
 
     @gluon.jit
-    def _kv_full_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, q_empty, do_empty, ds_empty,
-                      ds_full, lse_ptr, delta_ptr, lse_row0, T, lse2, delta, dv, dk, mt0, n_m, n_iter, k_lo, qk_scale,
-                      dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, HALF: gl.constexpr, PF: gl.constexpr, NDS: gl.constexpr,
-                      MASK: gl.constexpr):
-        """One whole step of ``_kv_consumer``: its lse and delta (PF: the next step's, loaded now), ``_kv_step``,
-        dV and dK retired, the Q/dO slot released. Returns dv, dk and the lse, delta the next step uses."""
-        if PF:
-            lse2n, deltan = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1),
-                                       BLOCK_M)
-        else:
-            lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
-        dv, dk, p_op = _kv_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full,
-                                lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES,
-                                CAUSAL, HALF, NDS, MASK)
-        dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op))
-        slot = it % STAGES
-        mbarrier.arrive(q_empty.index(slot), count=1)  # dV, dK were the last readers of Q, dO
-        mbarrier.arrive(do_empty.index(slot), count=1)
-        if PF:
-            lse2, delta = lse2n, deltan
-        return dv, dk, lse2, delta
-
-    @gluon.jit
     def _kv_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full,
                      ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                      mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                     PF: gl.constexpr, NDS: gl.constexpr, PEEL: gl.constexpr = False):
+                     PF: gl.constexpr, NDS: gl.constexpr):
         """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Its only wait on another consumer is ds_empty
-        (the dQ warpgroup NDS steps behind). PEEL (causal): each group head's diagonal steps in a loop of their
-        own, the mask a compile-time choice, and the rest with no mask code (session 15: the branch in every
-        step kept its values live across the loop, and ptxas spilled)."""
+        (the dQ warpgroup NDS steps behind)."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)
         k_half = k_smem.index(HALF)
@@ -250,31 +217,21 @@ if HAVE_GLUON:
         dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
         lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, BLOCK_M)
         mbarrier.wait(kv_bar, 0)
-        if PEEL and CAUSAL:
-            # each head's walk starts at start_m = start_n: its first (HALF + 1)·KH / BLOCK_M steps meet the diagonal
-            n_diag: gl.constexpr = ((HALF + 1) * KH + BLOCK_M - 1) // BLOCK_M
-            it = 0
-            for _g in range(n_iter // n_m):
-                for _i in gl.static_range(n_diag):
-                    dv, dk, lse2, delta = _kv_full_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars,
-                                                        q_empty, do_empty, ds_empty, ds_full, lse_ptr, delta_ptr,
-                                                        lse_row0, T, lse2, delta, dv, dk, mt0, n_m, n_iter, k_lo,
-                                                        qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, PF,
-                                                        NDS, 2)
-                    it += 1
-                for _i in range(n_m - n_diag):
-                    dv, dk, lse2, delta = _kv_full_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars,
-                                                        q_empty, do_empty, ds_empty, ds_full, lse_ptr, delta_ptr,
-                                                        lse_row0, T, lse2, delta, dv, dk, mt0, n_m, n_iter, k_lo,
-                                                        qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, PF,
-                                                        NDS, 0)
-                    it += 1
-        else:
-            for it in range(n_iter):
-                dv, dk, lse2, delta = _kv_full_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars,
-                                                    q_empty, do_empty, ds_empty, ds_full, lse_ptr, delta_ptr, lse_row0,
-                                                    T, lse2, delta, dv, dk, mt0, n_m, n_iter, k_lo, qk_scale, dtype,
-                                                    HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, PF, NDS, 1)
+        for it in range(n_iter):
+            if PF:
+                lse2n, deltan = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1),
+                                           BLOCK_M)
+            else:
+                lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
+            dv, dk, p_op = _kv_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full,
+                                    lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES,
+                                    CAUSAL, HALF, NDS)
+            dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op))
+            slot = it % STAGES
+            mbarrier.arrive(q_empty.index(slot), count=1)  # dV, dK were the last readers of Q, dO
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            if PF:
+                lse2, delta = lse2n, deltan
         # both K halves feed the dQ warpgroup's products: its ds_empty arrival of the last step comes after its
         # last dQ wgmmas retired (and, in its program order, every earlier one)
         last = n_iter - 1
@@ -313,8 +270,7 @@ if HAVE_GLUON:
                         sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
                         v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL, HEAD_DIM: gl.constexpr,
                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr, NDS: gl.constexpr,
-                        CAUSAL: gl.constexpr, PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
-                        PEEL: gl.constexpr = False):
+                        CAUSAL: gl.constexpr, PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr):
         """Program (key tile of 128, batch·kv head); num_warps = 4 (the default partition is dK/dV warpgroup
         0). dq_desc: the fp32 accumulator [B·H·T, D] with [BLOCK_M, D] tiles."""
         dtype: gl.constexpr = q_desc.dtype
@@ -352,11 +308,11 @@ if HAVE_GLUON:
             (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
                             ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                             off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
-                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, NDS, PEEL)),
+                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, NDS)),
             (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
                             ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                             off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
-                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, NDS, PEEL)),
+                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, NDS)),
             (_dq_consumer, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m,
                             n_iter, BLOCK_M, NDS, SLOTS)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
@@ -433,33 +389,30 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
 
 
 def _config(op: str, config):
-    """(STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS, PEEL) of a config name or tuple (PEEL may be left out:
-    False)."""
+    """(STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS) of a config name or tuple."""
     if config is None:
         config = DEFAULT
     if isinstance(config, str):
         if config not in CONFIGS:
             raise ValueError(f"{op}: unknown config {config!r}, have {sorted(CONFIGS)}")
-        config = CONFIGS[config]
+        return CONFIGS[config]
     try:
-        if len(config) not in (6, 7):
-            raise ValueError
-        stages, slots, nds, pf, kv, dq, peel = tuple(config) + (False,) * (7 - len(config))
-        stages, slots, nds, kv, dq, pf, peel = int(stages), int(slots), int(nds), int(kv), int(dq), bool(pf), bool(peel)
+        stages, slots, nds, pf, kv, dq = config
+        stages, slots, nds, kv, dq, pf = int(stages), int(slots), int(nds), int(kv), int(dq), bool(pf)
     except (TypeError, ValueError):
         raise ValueError(f"{op}: config must be a name in {sorted(CONFIGS)} or (STAGES, SLOTS, NDS, PF, KV_REGS, "
-                         f"DQ_REGS[, PEEL]), got {config!r}") from None
+                         f"DQ_REGS), got {config!r}") from None
     if not (1 <= stages <= 4 and 1 <= slots <= 3 and 1 <= nds <= 3):
         raise ValueError(f"{op}: config needs 1-4 stages, 1-3 slots, 1-3 dS buffers, got {config!r}")
     if kv % 8 or dq % 8 or not (24 <= dq <= kv <= 256) or 2 * kv + dq > 488:
         raise ValueError(f"{op}: register counts must be multiples of 8 with 24 <= DQ_REGS <= KV_REGS <= 256 and "
                          f"2·KV_REGS + DQ_REGS <= 488, got {config!r}")
-    return stages, slots, nds, pf, kv, dq, peel
+    return stages, slots, nds, pf, kv, dq
 
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg):
     """(kernel, grid, args, constexprs) of the one-pass kernel; CUDA tensors or CPU stand-ins."""
-    stages, slots, nds, pf, kv_regs, dq_regs, peel = cfg
+    stages, slots, nds, pf, kv_regs, dq_regs = cfg
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
@@ -472,7 +425,7 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
                 dk_desc=_desc(views["dk"][0], HALF_M, D), dv_desc=_desc(views["dv"][0], HALF_M, D),
                 dq_desc=_desc(acc2, BLOCK_M, D))
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf,
-                  KV_REGS=kv_regs, DQ_REGS=dq_regs, PEEL=peel)
+                  KV_REGS=kv_regs, DQ_REGS=dq_regs)
     nb = T // RESIDENT
     args["TAIL"] = GB.tail_heads(nb, B * Hkv, FA.grid_sms(q.device))
     return _onepass_kernel, (nb * B * Hkv,), args, consts
