@@ -168,7 +168,6 @@ CONFIGS = {
     "split_s14": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
     "split_peel": {64: (64, 2, 64, 4, 30), 128: (64, 2, 64, 4, 30)},
     "split_dqskip": {64: (64, 2, 64, 4, 46), 128: (64, 2, 64, 4, 46)},
-    "split_look": {64: (64, 2, 64, 4, 126), 128: (64, 2, 64, 4, 126)},
     "split_s10": {64: (64, 2, 64, 4, 3), 128: (64, 2, 64, 4, 3)},
     "split_s9": {64: (64, 2, 64, 2, 0), 128: (64, 2, 64, 2, 0)},
     "split3": {64: (64, 3, 64, 3), 128: (64, 3, 64, 3)},
@@ -185,7 +184,7 @@ CONFIGS = {
 # "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15), "split_s14" = DQP | LEAN | SMEM (session 13),
 # "split_peel" and "split_dqskip" one of the two skips each, "split_s10" = PF | DQP (session 10), "split_s9" =
 # neither (session 9).
-OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP, OPT_LOOK = 1, 2, 4, 8, 16, 32, 64
+OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP = 1, 2, 4, 8, 16, 32
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -353,55 +352,6 @@ if HAVE_GLUON:
         return dk, dv
 
     @gluon.jit
-    def _dkdv_pair(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero, it,
-                   qk_scale, dtype: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
-                   STAGES: gl.constexpr):
-        """Two unmasked steps (it, it + 1) of the PEEL walk in straight-line code, the second step's Sᵀ issued
-        behind the first step's dV and dK (OPT_LOOK: its wgmma runs while the warpgroup waits for them; kept out
-        of the loop's back edge, where an in-flight wgmma makes ptxas serialise every wgmma)."""
-        sa = it % STAGES
-        pa = (it // STAGES) & 1
-        sb = (it + 1) % STAGES
-        pb = ((it + 1) // STAGES) & 1
-        q_a = q_smem.index(sa)
-        do_a = do_smem.index(sa)
-        q_b = q_smem.index(sb)
-        do_b = do_smem.index(sb)
-        mbarrier.wait(q_bars.index(sa), pa)
-        st = warpgroup_mma(k_half, q_a.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_bars.index(sa), pa)
-        dpt = warpgroup_mma(v_half, do_a.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        lse_b = lse_smem.index(sa).load(s_layout)
-        st = warpgroup_mma_wait(1, deps=(st, ))
-        pt = gl.exp2(st * qk_scale - lse_b)
-        p_op = gl.convert_layout(pt.to(dtype), op_layout)
-        dv_tok = warpgroup_mma(p_op, do_a, dv, is_async=True)
-        delta_b = delta_smem.index(sa).load(s_layout)
-        dpt = warpgroup_mma_wait(1, deps=(dpt, ))
-        dst = pt * (dpt - delta_b)
-        ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-        dk_tok = warpgroup_mma(ds_op, q_a, dk, is_async=True)
-        mbarrier.wait(q_bars.index(sb), pb)  # step it + 1's Sᵀ behind dV and dK
-        st = warpgroup_mma(k_half, q_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(1, deps=(dv_tok, dk_tok, p_op, ds_op))
-        mbarrier.arrive(q_empty.index(sa), count=1)
-        mbarrier.wait(do_bars.index(sb), pb)
-        dpt = warpgroup_mma(v_half, do_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        lse_b = lse_smem.index(sb).load(s_layout)
-        st = warpgroup_mma_wait(1, deps=(st, ))
-        pt = gl.exp2(st * qk_scale - lse_b)
-        p_op = gl.convert_layout(pt.to(dtype), op_layout)
-        dv_tok = warpgroup_mma(p_op, do_b, dv, is_async=True)
-        delta_b = delta_smem.index(sb).load(s_layout)
-        dpt = warpgroup_mma_wait(1, deps=(dpt, ))
-        dst = pt * (dpt - delta_b)
-        ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-        dk_tok = warpgroup_mma(ds_op, q_b, dk, is_async=True)
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-        mbarrier.arrive(q_empty.index(sb), count=1)
-        return dk, dv
-
-    @gluon.jit
     def _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES: gl.constexpr):
         """A PEEL step whose queries all precede this half's keys (P = 0: nothing to add): the slot is only
         waited for and released."""
@@ -416,8 +366,7 @@ if HAVE_GLUON:
                        do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                        mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False,
-                       LOOK: gl.constexpr = False):
+                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False):
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
         step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
@@ -463,14 +412,7 @@ if HAVE_GLUON:
                                         q_empty, dk, dv, s_zero, it, start_m + (n_skip + i) * BLOCK_M, offs_k, cols,
                                         qk_scale, dtype, s_layout, op_layout, STAGES, True)
                     it += 1
-                n_u = n_m - n_skip - n_diag
-                if LOOK:
-                    for _i in range(n_u // 2):
-                        dk, dv = _dkdv_pair(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
-                                            q_empty, dk, dv, s_zero, it, qk_scale, dtype, s_layout, op_layout, STAGES)
-                        it += 2
-                    n_u = n_u % 2
-                for _i in range(n_u):
+                for _i in range(n_m - n_skip - n_diag):
                     dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
                                         q_empty, dk, dv, s_zero, it, start_m, offs_k, cols, qk_scale, dtype, s_layout,
                                         op_layout, STAGES, False)
@@ -531,8 +473,7 @@ if HAVE_GLUON:
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
-                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False, LOOK: gl.constexpr = False,
-                         KV_REGS: gl.constexpr = 232):
+                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -580,19 +521,17 @@ if HAVE_GLUON:
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL,
-                              LOOK)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL)),
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL,
-                              LOOK)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                               v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row,
                               off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh,
                               do_ch, h0, mt0, n_m, n_iter, T, (off_b * H + h0) * (T // BLOCK_M) + mt0, BLOCK_M,
                               STAGES, LEAN, SMEM)),
-        ], [4, 1], [KV_REGS, _PRODUCER_REGS])  # worker_num_regs: required by Gluon 3.6
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])  # worker_num_regs: required by Gluon 3.6
 
     # -----------------------------------------------------------------------------------------------------
     # dQ kernel
@@ -842,12 +781,12 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 127 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or not 0 <= opts <= 63 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
             or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
-            or (opts & OPT_PEEL and not opts & OPT_SMEM) or (opts & OPT_LOOK and not opts & OPT_PEEL)):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-127 "
+            or (opts & OPT_PEEL and not opts & OPT_SMEM)):
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-63 "
                          f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
-                         f"with OPT_SMEM; OPT_LOOK with OPT_PEEL), got {config!r}")
+                         f"with OPT_SMEM), got {config!r}")
     return bm1, st1, bn2, st2, opts
 
 
@@ -861,12 +800,6 @@ def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
                          f"contiguous or [B, T, H, D]-transposed, got "
                          f"{FA._shapes(buf) + f' strides {buf.stride()}' if torch.is_tensor(buf) else type(buf)}")
     return buf
-
-
-def _consumer_regs() -> int:
-    """The consumer warpgroups' setmaxnreg (this module's ``_CONSUMER_REGS``, the forward's unless a bench set it:
-    bench/gluon_bwd_alone.py --consumer-regs)."""
-    return int(getattr(_CONSUMER_REGS, "value", _CONSUMER_REGS))
 
 
 def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
@@ -892,11 +825,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
-              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL),
-              LOOK=bool(opts & OPT_LOOK))
-    # the dK/dV consumers' registers; OPT_LOOK (the next step's Sᵀ beside dV and dK) needs 240: at 232 ptxas
-    # serialised every wgmma
-    c1["KV_REGS"] = 240 if opts & OPT_LOOK else _consumer_regs()
+              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
               SKIP=bool(opts & OPT_DQSKIP))
     nb = T // RESIDENT
