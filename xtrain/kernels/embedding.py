@@ -76,6 +76,10 @@ grid instead of after it): 0.131-0.152 ms fp32, bf16 0.357-0.388 against 0.313. 
 rows cost the op 22 us or more (against the grid's end at ~107 us) wherever they run. What 85 % (0.111 ms) needs:
 the frequent rows finished within the rows grid's ~100 us, under its traffic, at little cost in SM slots; no form
 so far does that.
+Session 15 (bench/embedding_tma_probe.py, a probe): the lightest grid there is, TMA bulk stores of one shared zero
+tile into every row from one or two programs per SM, writes the table at 95-98 % of copy alone (0.063-0.065 ms) but
+beside the chain takes 0.100-0.102 ms, the chain slowing under its traffic (from 60 to 93 us) and it under the chain's
+(from 64 to 92 us); before the slots pass and the 110 MB of reads a real rows grid adds. So no TMA rows grid was built.
 Measured and dropped (session 11, fp32; code at commit 7ca4268): "inline", the frequent rows inside the rows
 kernel's own launch (the slots pass lists them; the first programs, one per SM, build each one's token list by
 a scan of the ids, meet at a barrier, and sum the rows in segments whose partials the last arrival adds in

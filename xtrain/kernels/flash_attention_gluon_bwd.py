@@ -26,7 +26,9 @@ async wgmma with fp32 accumulators; P and dS are rounded to 16 bits in registers
 wgmma as its register A operand (no shared-memory round trip).
   * dK/dV kernel: one program = 128 keys of one (batch, kv head), K and V resident in shared memory
     (warpgroup w owns keys w·64..+64). It walks the BLOCK_M-row query tiles of every query head of the
-    GQA group (causal: only tiles at or below the diagonal) working transposed, [keys, queries]:
+    GQA group (causal: only tiles at or below the diagonal; with ``OPT_PEEL``, the default since session 15,
+    each head's steps that meet the diagonal are masked in a loop of their own, those wholly above a warpgroup's
+    keys skipped, the rest unmasked) working transposed, [keys, queries]:
     Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (A = the K/V half in shared memory, B = the permuted Q/dO tile), Pᵀ and
     dSᵀ in registers, dV += Pᵀ dO and dK += dSᵀ Q. So dK and dV accumulate in registers without
     transposes, and the group sum happens in registers (no atomics). Sᵀ is retired before dPᵀ so the
@@ -90,6 +92,16 @@ but execute 7 products where cuDNN's count is 5; at 16k the backward took 3.9-4.
 more time. A 5-product form whose registers fit, the head dim split across two product warpgroups fed by one
 softmax warpgroup (bench/gluon_bwd_dsplit.py), was correct but ran 0.56-0.62x cuDNN: its softmax warpgroup alone
 took longer than this whole backward.
+
+Session 15 (bench/RESULTS.md): the causal mask out of the dK/dV walk's loop. With the mask in a branch of every
+step, the values it needed stayed live across the loop and ptxas spilled (18 spill stores in the device's MHA build).
+``OPT_PEEL`` walks each group head in three parts: the steps whose queries all precede the warpgroup's keys (only
+waited for and released: P = 0), the diagonal steps (the mask a compile-time choice, ``_dkdv_step``), the rest with
+no mask code. ``OPT_DQSKIP`` skips the dQ kernel's fully masked tile likewise (warpgroup 0's last). Same bits; the
+dK/dV kernel alone 3-9 % faster at T = 1k-8k; xtrain bench attention, hd128 backward x cuDNN 1.16 / 1.10-1.11 / 1.06 /
+1.00-1.04 / 0.92-0.94 at T = 1k-16k. Measured and dropped: the dQ walk peeled too (``OPT_DQPEEL``, commit 0dccddb: no
+gain); the next step's Sᵀ issued behind dV and dK within a two-step body (``OPT_LOOK``, commit 428f156: at 232
+registers every wgmma serialised; at 240 the MHA build spilled and ran 25-35 % slower); 3-stage rings.
 
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep

@@ -60,7 +60,10 @@ ratio to cuDNN, session 5): T = 2k 360 (1.09x), 8k 452 (1.06x), 16k 474 (1.07x);
 two-kernel backward 1.02 / 0.93 / 0.90x in the same process. Configs (``CONFIGS``): "pf" (default:
 lse/delta prefetch, kv208 + dq72; 57 spill stores in the SASS of the causal kernel (triton 3.6 and 3.9), but
 measured fastest), "nopf" (no prefetch, kv200 + dq88, no spills: 0.97-0.98x), "nopf_ds3" (three dS
-buffers: 0.97-0.99x).
+buffers: 0.97-0.99x). Session 15 (commit e7b8175, reverted): the dK/dV warpgroups' walk peeled as the split's
+(each head's diagonal steps masked in a loop of their own) took their hot-loop spill reloads / stores from 19 / 16
+to 2 / 2 and 6 / 3 with the same dK and dV bits, and gained nothing (bench/onepass_configs.py: 0.627 / 1.628 / 2.964
+/ 5.973 against 0.622 / 1.609 / 2.953 / 5.882 ms at T = 1k / 4k / 8k / 16k): this kernel's bound is not there.
 """
 
 from __future__ import annotations
