@@ -1,6 +1,7 @@
 """Each kernel of the hd128 Gluon two-kernel backward timed alone, against both together and cuDNN's backward.
 
     PYTHONPATH=. python3 bench/gluon_bwd_alone.py [--seqs 2048,8192,16384] [--head-dims 128] [--configs split]
+        [--group 4]   # GQA: 4 query heads per K/V head (the model's layout; cuDNN gets the K/V heads repeated)
 
 Causal (or, with --noncausal, not) bf16, B·T = 16k, H·D = 2048 (the bench shapes). Per kernel: GPU time
 (``bench/_gpu.py``, host kept ahead, median) and its real tensor work in TFLOP/s — the dK/dV kernel does 4
@@ -29,7 +30,7 @@ def split_kernels(q, k, v, do, o, lse, causal: bool = True, config=None) -> tupl
     return lambda: k1[g1](**a1, **c1, num_warps=4), lambda: k2[g2](**a2, **c2, num_warps=4)
 
 
-def measure(D: int, T: int, config: str, causal: bool = True) -> tuple:
+def measure(D: int, T: int, config: str, causal: bool = True, group: int = 1) -> tuple:
     """(config, D, T, dK/dV ms, its TFLOP/s, dQ ms, its TFLOP/s, both ms, nominal TFLOP/s, cuDNN ms, its nominal)."""
     from bench import isolated
     from bench._gpu import gpu_time
@@ -38,6 +39,10 @@ def measure(D: int, T: int, config: str, causal: bool = True) -> tuple:
 
     B, H = 16384 // T, 2048 // D
     q, k, v, do = isolated.bench_inputs(D, T)
+    k_mha, v_mha = k, v
+    if group > 1:  # GQA: the first H / group K/V heads, each read by `group` query heads (cuDNN: the same repeated)
+        k, v = k[:, :H // group].contiguous(), v[:, :H // group].contiguous()
+        k_mha, v_mha = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=causal)
     dkdv, dq = split_kernels(q, k, v, do, o, lse, causal, config)
     ck = dkdv()
@@ -54,7 +59,7 @@ def measure(D: int, T: int, config: str, causal: bool = True) -> tuple:
         t_one = gpu_time(lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal=causal, config=config))["ms"]
     finally:
         FA.BWD_TWO_STREAMS = two
-    t_cu = gpu_time(isolated.cudnn_bwd(q, k, v, do, causal))["ms"]
+    t_cu = gpu_time(isolated.cudnn_bwd(q, k_mha, v_mha, do, causal))["ms"]
     prod = B * H * T * T * D * (1 if causal else 2)  # one product: 2·B·H·T²·D FLOPs, halved when causal
     fwd = 2 * prod
     return (config, D, T, t_kv, 4 * prod / t_kv / 1e9, t_dq, 3 * prod / t_dq / 1e9, t_all, 2.5 * fwd / t_all / 1e9,
@@ -70,6 +75,8 @@ def main() -> int:
     ap.add_argument("--noncausal", action="store_true", help="non-causal attention (default causal)")
     ap.add_argument("--configs", default="split", help="names in flash_attention_gluon_bwd.CONFIGS, or tuples "
                     "written with colons (64:3:64:4:14 = (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2, OPTS))")
+    ap.add_argument("--group", type=int, default=1, help="query heads per K/V head (GQA; cuDNN runs the K/V heads "
+                    "repeated)")
     ap.add_argument("--tail-waves", default="2", help="values of flash_attention_gluon_bwd.TAIL_WAVES to compare")
     ap.add_argument("--consumer-regs", type=int, default=None,
                     help="setmaxnreg of the second consumer warpgroup of both kernels (the library's: "
@@ -90,7 +97,7 @@ def main() -> int:
                 for w in a.tail_waves.split(","):
                     GB.TAIL_WAVES = int(w)  # a launch argument: no recompilation
                     cfg = tuple(int(x) for x in c.split(":")) if ":" in c else c
-                    r = measure(int(D), int(T), cfg, not a.noncausal)
+                    r = measure(int(D), int(T), cfg, not a.noncausal, a.group)
                     rows.append((f"{c}/t{w}",) + r[1:])
     print(f"{'config':>12} {'D':>4} {'T':>6} | {'dK/dV ms':>8} {'TF/s':>5} | {'dQ ms':>7} {'TF/s':>5} | "
           f"{'2 streams':>9} {'nominal':>7} | {'1 stream':>8} {'nominal':>7} | {'cuDNN ms':>8} {'nominal':>7} | "
