@@ -4,7 +4,7 @@
 
 Causal bf16, bench shapes (B·T = 16k, H·D = 2048), GPU time (``bench/_gpu.py``, median), one process: the Triton
 kernels (``flash_attention_bwd_triton`` with an explicit Triton config, which never routes to Gluon), the Gluon
-two-kernel split (``flash_attention_bwd_gluon``: its default config and "split_s9", the one before session 10),
+two-kernel split (``flash_attention_bwd_gluon``: its default config and "split_s14", the default of sessions 13-14),
 the library's default route (the one-pass kernel at hd64, not deterministic) and cuDNN's backward; each as ms and
 x cuDNN. Also whether the split gives the same bits twice and against the Triton kernels.
 """
@@ -28,7 +28,7 @@ def row(D: int, T: int) -> str:
     fns = {
         "triton": lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=tri_cfg),
         "split": lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, True),
-        "split_s9": lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, True, config="split_s9"),
+        "split_s14": lambda: GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, True, config="split_s14"),
         "default route": lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True),
         "cuDNN": isolated.cudnn_bwd(q, k, v, do, True),
     }
@@ -49,7 +49,7 @@ def main() -> int:
 
     warm_up()
     print(f"D = {a.head_dim}: ms (x cuDNN)")
-    print("     T | Triton kernels | Gluon split | split_s9 | default route | cuDNN ms | split same bits twice | "
+    print("     T | Triton kernels | Gluon split | split_s14 | default route | cuDNN ms | split same bits twice | "
           "split == Triton")
     for T in (int(t) for t in a.seqs.split(",")):
         print(row(a.head_dim, T), flush=True)

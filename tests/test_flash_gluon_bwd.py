@@ -171,12 +171,14 @@ def test_gluon_bwd_rejects_on_cpu():
 
 def test_gluon_bwd_compiles_for_sm90():
     """No GPU needed: both kernels of the default config compile for sm_90 with the installed Triton (hd64
-    causal, hd128 non-causal on the transposed layout: 4 compiles, in a child process without the Triton
-    interpreter, tests/_child.py; the other configs: bench/gluon_flash_bwd.py --compile-only) and use what
+    causal, hd128 non-causal on the transposed layout, and the bench's causal MHA builds at both head dims, where
+    GROUP = 1 is a constant: 8 compiles, in a child process without the Triton interpreter, tests/_child.py; the
+    other configs: bench/gluon_flash_bwd.py --compile-only) and use what
     they are built on: wgmma, TMA bulk copies, setmaxnreg of the warp specialisation, mbarrier waits; and no
     atomics (the backward is deterministic). Where cuobjdump is at hand (Triton's NVIDIA backend ships it), also
     that ptxas did not serialise the wgmmas (a wait after every HGMMA in the SASS: what a wgmma left in flight
-    across a loop's back edge, or too few registers, make it do; session 10 met both)."""
+    across a loop's back edge, or too few registers, make it do; session 10 met both, and session 15 a peeled walk
+    whose hd64 MHA build alone was serialised)."""
     from _child import run_without_interpreter
 
     if not GB.HAVE_GLUON:
@@ -187,11 +189,12 @@ def test_gluon_bwd_compiles_for_sm90():
 from bench.gluon_flash_bwd_onepass import ptxas_report
 from xtrain.kernels import flash_attention_gluon_bwd as GB
 out = []
-for D, causal, transposed in ((64, True, False), (128, False, True)):
-    for name, ck in GB.compile_sm90(D, causal, GB.DEFAULT, transposed=transposed).items():
+for D, causal, transposed, mha in ((64, True, False, False), (128, False, True, False), (64, True, False, True),
+                                  (128, True, False, True)):
+    for name, ck in GB.compile_sm90(D, causal, GB.DEFAULT, transposed=transposed, mha=mha).items():
         out.append([D, name, {{i: i in ck.asm["ptx"] for i in {instrs!r}}}, ptxas_report(ck)])
 """)
-    assert len(got) == 4
+    assert len(got) == 8
     for D, name, has, sass in got:
         for instr in instrs[:4]:
             assert has[instr], (D, name, instr)

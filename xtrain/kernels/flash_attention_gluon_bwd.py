@@ -333,11 +333,9 @@ if HAVE_GLUON:
         return gl.load(lse_ptr + row + cols), gl.load(delta_ptr + row + cols)
 
     @gluon.jit
-    def _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero, it,
-                   start_m, offs_k, cols, qk_scale, dtype: gl.constexpr, s_layout: gl.constexpr,
-                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr):
-        """One step of the PEEL walk (LEAN and SMEM): ``_dkdv_consumer``'s loop body with the causal mask a
-        compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step."""
+    def _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES: gl.constexpr):
+        """Step ``it``'s Sᵀ = K Qᵀ and dPᵀ = V dOᵀ wgmmas, each once its tile has landed. Returns the ring slot,
+        its Q and dO tiles and the two in-flight products."""
         slot = it % STAGES
         phase = (it // STAGES) & 1
         q_t = q_smem.index(slot)
@@ -346,6 +344,15 @@ if HAVE_GLUON:
         st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_bars.index(slot), phase)
         dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        return slot, q_t, do_t, st, dpt
+
+    @gluon.jit
+    def _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero, it,
+                   start_m, offs_k, cols, qk_scale, dtype: gl.constexpr, s_layout: gl.constexpr,
+                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr):
+        """One step of the PEEL walk (LEAN and SMEM): ``_dkdv_consumer``'s loop body with the causal mask a
+        compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step."""
+        slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES)
         lse_b = lse_smem.index(slot).load(s_layout)
         st = warpgroup_mma_wait(1, deps=(st, ))
         pt = gl.exp2(st * qk_scale - lse_b)
@@ -434,14 +441,8 @@ if HAVE_GLUON:
                 start_m = (mt0 + it % n_m) * BLOCK_M
             if not PF and not SMEM:  # plain loads, issued before the barrier wait
                 lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, cols, BLOCK_M)
-            slot = it % STAGES
-            phase = (it // STAGES) & 1
-            q_t = q_smem.index(slot)
-            do_t = do_smem.index(slot)
-            mbarrier.wait(q_bars.index(slot), phase)
-            st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_bars.index(slot), phase)
-            dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it,
+                                                       STAGES)
             if SMEM:
                 lse_b = lse_smem.index(slot).load(s_layout)  # [1, BLOCK_M] lse·log2(e), broadcast over the keys
             else:
@@ -1014,13 +1015,18 @@ def _compile(kernel, args: dict, consts: dict):
                           options={"num_warps": 4})
 
 
-def compile_sm90(D: int = 128, causal: bool = True, config=None, transposed: bool = False, T: int = 256):
+def compile_sm90(D: int = 128, causal: bool = True, config=None, transposed: bool = False, T: int = 256,
+                 mha: bool = False):
     """Compile both kernels for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes): the CI
     check that a Triton upgrade has not broken them. ``transposed``: q, do, k, v, dk, dv as [B, T, Hx, D]
-    seen through a transpose (dq contiguous). Returns {"dkdv": CompiledKernel, "dq": CompiledKernel}."""
+    seen through a transpose (dq contiguous). GQA (4 query heads on 2 K/V heads) unless ``mha``: then GROUP = 1
+    is compiled in as a constant, as Triton's launcher specialises an argument equal to 1 (the bench's build;
+    session 15 saw the two differ from clean to every wgmma serialised). Returns {"dkdv": CompiledKernel, "dq":
+    CompiledKernel}."""
     cfg = _config("compile_sm90", config, D)
-    q, k = stand_ins(D, T, 4, 2, transposed)
+    q, k = stand_ins(D, T, 4, 4 if mha else 2, transposed)
     dq = torch.empty(1, 4, T, D, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, T)
     launches = _launches(q, k, k, dq, k, k, q, lse, lse, 0.125, causal, cfg)
-    return {name: _compile(kern, args, consts) for name, (kern, _, args, consts) in zip(("dkdv", "dq"), launches)}
+    return {name: _compile(kern, args, dict(consts, GROUP=1) if mha else consts)
+            for name, (kern, _, args, consts) in zip(("dkdv", "dq"), launches)}
