@@ -391,7 +391,9 @@ if HAVE_GLUON:
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
         arrival per step on one "empty" barrier for both of the slot's tiles. SMEM (with LEAN, instead of PF):
         lse and delta read from the slot's shared rows (the producer's TMA) just before their use, so no
-        register holds them across the step."""
+        register holds them across the step. PEEL (with SMEM; session 15): each group head's walk in three parts,
+        the steps wholly above this half's keys skipped (``_dkdv_skip``), the diagonal ones masked, the rest with
+        no mask code (``_dkdv_step``), instead of the mask's branch in every step."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_M)  # [KH, BLOCK_M] Sᵀ, dPᵀ
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
@@ -796,10 +798,10 @@ def _config(op: str, config, D: int):
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
             or not 0 <= opts <= 63 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
             or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
-            or (opts & OPT_PEEL and not opts & OPT_SMEM)):
+            or (opts & OPT_PEEL and (not opts & OPT_SMEM or bm1 != 64))):
         raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-63 "
                          f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
-                         f"with OPT_SMEM), got {config!r}")
+                         f"with OPT_SMEM and BLOCK_M1 64, the only step measured), got {config!r}")
     return bm1, st1, bn2, st2, opts
 
 
