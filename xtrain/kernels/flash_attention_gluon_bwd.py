@@ -101,7 +101,7 @@ no mask code. ``OPT_DQSKIP`` skips the dQ kernel's fully masked tile likewise (w
 dK/dV kernel alone 3-9 % faster at T = 1k-8k; xtrain bench attention, hd128 backward x cuDNN 1.16 / 1.10-1.11 / 1.06 /
 1.00-1.04 / 0.92-0.94 at T = 1k-16k. Measured and dropped: the dQ walk peeled too (``OPT_DQPEEL``, commit 0dccddb: no
 gain); the next step's Sᵀ issued behind dV and dK within a two-step body (``OPT_LOOK``, commit 428f156: at 232
-registers every wgmma serialised; at 240 the MHA build spilled and ran 25-35 % slower); 3-stage rings.
+registers every wgmma serialised; at 240 the MHA build spilled and ran 26-36 % slower); 3-stage rings.
 
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
