@@ -411,10 +411,8 @@ if HAVE_GLUON:
         if PF and not SMEM:
             lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, cols, BLOCK_M)
         mbarrier.wait(kv_bar, 0)
-        n_walk = n_iter
         if PEEL:  # (LEAN and SMEM) per group head: its diagonal steps masked, then the rest with no mask code
             gl.static_assert(SMEM and LEAN and not PF)
-            n_walk = 0
             # causal: the first steps of each head's walk (start_m from start_n = mt0·BLOCK_M) hold queries before
             # some key of this half; those entirely before it (the first HALF·KH / BLOCK_M) add nothing
             if CAUSAL:
@@ -438,48 +436,49 @@ if HAVE_GLUON:
                                         q_empty, dk, dv, s_zero, it, start_m, offs_k, cols, qk_scale, dtype, s_layout,
                                         op_layout, STAGES, False)
                     it += 1
-        for it in range(n_walk):
-            if not LEAN:
-                start_m = (mt0 + it % n_m) * BLOCK_M
-            if not PF and not SMEM:  # plain loads, issued before the barrier wait
-                lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, cols, BLOCK_M)
-            slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it,
-                                                       STAGES)
-            if SMEM:
-                lse_b = lse_smem.index(slot).load(s_layout)  # [1, BLOCK_M] lse·log2(e), broadcast over the keys
-            else:
-                lse_b = gl.expand_dims(lse2, 0)
-            st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
-            pt = gl.exp2(st * qk_scale - lse_b)
-            if CAUSAL:
-                if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
-                    keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-                    pt = gl.where(keep, pt, 0.0)
-            p_op = gl.convert_layout(pt.to(dtype), op_layout)
-            dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
-            if SMEM:
-                delta_b = delta_smem.index(slot).load(s_layout)
-            else:
-                delta_b = gl.expand_dims(delta, 0)
-            dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
-            dst = pt * (dpt - delta_b)
-            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-            dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-            if SMEM:
-                start_m, _ = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
-            elif LEAN:  # the next step's query tile (the last step keeps its own: nothing is read past the end)
-                more = (it + 1 < n_iter).to(gl.int32)
-                start_m, wrap = _next_query_tile(start_m, more * BLOCK_M, T, mt0 * BLOCK_M)
-                lrow += more * BLOCK_M
-                lrow += wrap * (mt0 * BLOCK_M)
-                lse2, delta = _dkdv_lse_delta_at(lse_ptr, delta_ptr, lrow, cols)
-            elif PF:  # the next step's, while dV and dK run: Sᵀ, dPᵀ and their fp32 values are dead here
-                lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
-                                              gl.minimum(it + 1, n_iter - 1), cols, BLOCK_M)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-            mbarrier.arrive(q_empty.index(slot), count=1)
-            if not LEAN:
-                mbarrier.arrive(do_empty.index(slot), count=1)
+        else:  # the walk with the mask in a branch of every step (session 13 and before)
+            for it in range(n_iter):
+                if not LEAN:
+                    start_m = (mt0 + it % n_m) * BLOCK_M
+                if not PF and not SMEM:  # plain loads, issued before the barrier wait
+                    lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, cols, BLOCK_M)
+                slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it,
+                                                           STAGES)
+                if SMEM:
+                    lse_b = lse_smem.index(slot).load(s_layout)  # [1, BLOCK_M] lse·log2(e), broadcast over the keys
+                else:
+                    lse_b = gl.expand_dims(lse2, 0)
+                st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
+                pt = gl.exp2(st * qk_scale - lse_b)
+                if CAUSAL:
+                    if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
+                        keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+                        pt = gl.where(keep, pt, 0.0)
+                p_op = gl.convert_layout(pt.to(dtype), op_layout)
+                dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
+                if SMEM:
+                    delta_b = delta_smem.index(slot).load(s_layout)
+                else:
+                    delta_b = gl.expand_dims(delta, 0)
+                dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
+                dst = pt * (dpt - delta_b)
+                ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+                dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+                if SMEM:
+                    start_m, _ = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
+                elif LEAN:  # the next step's query tile (the last step keeps its own: nothing is read past the end)
+                    more = (it + 1 < n_iter).to(gl.int32)
+                    start_m, wrap = _next_query_tile(start_m, more * BLOCK_M, T, mt0 * BLOCK_M)
+                    lrow += more * BLOCK_M
+                    lrow += wrap * (mt0 * BLOCK_M)
+                    lse2, delta = _dkdv_lse_delta_at(lse_ptr, delta_ptr, lrow, cols)
+                elif PF:  # the next step's, while dV and dK run: Sᵀ, dPᵀ and their fp32 values are dead here
+                    lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
+                                                  gl.minimum(it + 1, n_iter - 1), cols, BLOCK_M)
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+                mbarrier.arrive(q_empty.index(slot), count=1)
+                if not LEAN:
+                    mbarrier.arrive(do_empty.index(slot), count=1)
         _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype, HALF)
 
     @gluon.jit
