@@ -178,7 +178,6 @@ HALF_M = 64
 CONFIGS = {
     "split": {64: (64, 2, 64, 4, 62), 128: (64, 2, 64, 4, 62)},
     "split_s14": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
-    "split_ksplit": {64: (64, 2, 64, 4, 126), 128: (64, 2, 64, 4, 126)},
     "split_peel": {64: (64, 2, 64, 4, 30), 128: (64, 2, 64, 4, 30)},
     "split_dqskip": {64: (64, 2, 64, 4, 46), 128: (64, 2, 64, 4, 46)},
     "split_s10": {64: (64, 2, 64, 4, 3), 128: (64, 2, 64, 4, 3)},
@@ -197,7 +196,7 @@ CONFIGS = {
 # "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15), "split_s14" = DQP | LEAN | SMEM (session 13),
 # "split_peel" and "split_dqskip" one of the two skips each, "split_s10" = PF | DQP (session 10), "split_s9" =
 # neither (session 9).
-OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP, OPT_KSPLIT = 1, 2, 4, 8, 16, 32, 64
+OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP = 1, 2, 4, 8, 16, 32
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -348,75 +347,26 @@ if HAVE_GLUON:
         return slot, q_t, do_t, st, dpt
 
     @gluon.jit
-    def _halves(x, layout: gl.constexpr):
-        """Columns [0, N/2) and [N/2, N) of a [R, N] wgmma accumulator as two [R, N/2] tensors in ``layout`` (the
-        N/2 accumulator layout: each thread already holds the same elements, so no data moves)."""
-        R: gl.constexpr = x.shape[0]
-        N: gl.constexpr = x.shape[1]
-        x3 = gl.permute(gl.reshape(x, [R, 2, N // 2]), (0, 2, 1))
-        a, b = gl.split(x3)
-        return gl.convert_layout(a, layout), gl.convert_layout(b, layout)
-
-    @gluon.jit
-    def _dkdv_p(st, lse_smem, slot, c0, qk_scale, start_m, offs_k, cols, dtype: gl.constexpr, layout: gl.constexpr,
-                MASK: gl.constexpr):
-        """Pᵀ of the [keys, queries] columns from c0 on of one step (``st`` those columns of Sᵀ, ``cols`` their
-        offsets from c0): exp2(Sᵀ·scale − lse) in fp32, the causal mask a compile-time choice."""
-        W: gl.constexpr = st.shape[1]
-        lse_b = lse_smem.index(slot).slice(c0, W, dim=1).load(layout)
-        pt = gl.exp2(st * qk_scale - lse_b)
-        if MASK:
-            keep = gl.expand_dims(start_m + c0 + cols, 0) >= gl.expand_dims(offs_k, 1)
-            pt = gl.where(keep, pt, 0.0)
-        return pt
-
-    @gluon.jit
     def _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero, it,
                    start_m, offs_k, cols, qk_scale, dtype: gl.constexpr, s_layout: gl.constexpr,
-                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, KSPLIT: gl.constexpr = False):
+                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr):
         """One step of the PEEL walk (LEAN and SMEM): ``_dkdv_consumer``'s loop body with the causal mask a
-        compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step.
-        KSPLIT: the dV and dK products in two halves of the step's queries each, the first half's issued as soon
-        as its Pᵀ (dSᵀ) exists, so the second half's exponentials (dSᵀ) run under it."""
+        compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step."""
         slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES)
-        if KSPLIT:
-            HB: gl.constexpr = s_zero.shape[1] // 2
-            h_layout: gl.constexpr = _acc_layout(HB)
-            cols_h = gl.arange(0, HB, layout=gl.SliceLayout(0, h_layout))
-            offs_kh = gl.convert_layout(offs_k, gl.SliceLayout(1, h_layout))
-            st = warpgroup_mma_wait(1, deps=(st, ))
-            st_a, st_b = _halves(st, h_layout)
-            pa = _dkdv_p(st_a, lse_smem, slot, 0, qk_scale, start_m, offs_kh, cols_h, dtype, h_layout, MASK)
-            pa_op = gl.convert_layout(pa.to(dtype), op_layout)
-            dv_tok = warpgroup_mma(pa_op, do_t.slice(0, HB, dim=0), dv, is_async=True)
-            pb = _dkdv_p(st_b, lse_smem, slot, HB, qk_scale, start_m, offs_kh, cols_h, dtype, h_layout, MASK)
-            pb_op = gl.convert_layout(pb.to(dtype), op_layout)
-            dv_tok = warpgroup_mma(pb_op, do_t.slice(HB, HB, dim=0), dv_tok, is_async=True)
-            dpt = warpgroup_mma_wait(2, deps=(dpt, ))
-            dp_a, dp_b = _halves(dpt, h_layout)
-            delta_a = delta_smem.index(slot).slice(0, HB, dim=1).load(h_layout)
-            dsa_op = gl.convert_layout((pa * (dp_a - delta_a)).to(dtype), op_layout)
-            dk_tok = warpgroup_mma(dsa_op, q_t.slice(0, HB, dim=0), dk, is_async=True)
-            delta_b = delta_smem.index(slot).slice(HB, HB, dim=1).load(h_layout)
-            dsb_op = gl.convert_layout((pb * (dp_b - delta_b)).to(dtype), op_layout)
-            dk_tok = warpgroup_mma(dsb_op, q_t.slice(HB, HB, dim=0), dk_tok, is_async=True)
-            dv, dk, pa_op, pb_op, dsa_op, dsb_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pa_op, pb_op, dsa_op,
-                                                                               dsb_op))
-        else:
-            lse_b = lse_smem.index(slot).load(s_layout)
-            st = warpgroup_mma_wait(1, deps=(st, ))
-            pt = gl.exp2(st * qk_scale - lse_b)
-            if MASK:
-                keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-                pt = gl.where(keep, pt, 0.0)
-            p_op = gl.convert_layout(pt.to(dtype), op_layout)
-            dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
-            delta_b = delta_smem.index(slot).load(s_layout)
-            dpt = warpgroup_mma_wait(1, deps=(dpt, ))
-            dst = pt * (dpt - delta_b)
-            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-            dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+        lse_b = lse_smem.index(slot).load(s_layout)
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        pt = gl.exp2(st * qk_scale - lse_b)
+        if MASK:
+            keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+            pt = gl.where(keep, pt, 0.0)
+        p_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
+        delta_b = delta_smem.index(slot).load(s_layout)
+        dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+        dst = pt * (dpt - delta_b)
+        ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+        dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
         mbarrier.arrive(q_empty.index(slot), count=1)
         return dk, dv
 
@@ -435,8 +385,7 @@ if HAVE_GLUON:
                        do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                        mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False,
-                       KSPLIT: gl.constexpr = False):
+                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False):
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
         step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
@@ -480,12 +429,12 @@ if HAVE_GLUON:
                 for i in gl.static_range(n_diag):
                     dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
                                         q_empty, dk, dv, s_zero, it, start_m + (n_skip + i) * BLOCK_M, offs_k, cols,
-                                        qk_scale, dtype, s_layout, op_layout, STAGES, True, KSPLIT)
+                                        qk_scale, dtype, s_layout, op_layout, STAGES, True)
                     it += 1
                 for _i in range(n_m - n_skip - n_diag):
                     dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
                                         q_empty, dk, dv, s_zero, it, start_m, offs_k, cols, qk_scale, dtype, s_layout,
-                                        op_layout, STAGES, False, KSPLIT)
+                                        op_layout, STAGES, False)
                     it += 1
         else:  # the walk with the mask in a branch of every step (session 13 and before)
             for it in range(n_iter):
@@ -538,8 +487,7 @@ if HAVE_GLUON:
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
-                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False,
-                         KSPLIT: gl.constexpr = False):
+                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -587,13 +535,11 @@ if HAVE_GLUON:
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL,
-                              KSPLIT)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL)),
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL,
-                              KSPLIT)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                               v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row,
                               off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh,
@@ -849,10 +795,10 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 127 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or not 0 <= opts <= 63 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
             or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
-            or (opts & OPT_PEEL and (not opts & OPT_SMEM or bm1 != 64)) or (opts & OPT_KSPLIT and not opts & OPT_PEEL)):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-127 "
+            or (opts & OPT_PEEL and (not opts & OPT_SMEM or bm1 != 64))):
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-63 "
                          f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
                          f"with OPT_SMEM and BLOCK_M1 64, the only step measured), got {config!r}")
     return bm1, st1, bn2, st2, opts
@@ -893,8 +839,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
-              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL),
-              KSPLIT=bool(opts & OPT_KSPLIT))
+              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
               SKIP=bool(opts & OPT_DQSKIP))
     nb = T // RESIDENT
