@@ -32,9 +32,7 @@ FORMS = {"side": ((16, 512, 4, "side", 16, True), None),
          "rows K4 2x2048 w16": ((16, 512, 4, "rows", 16, True), (4, 2, 2048, 16)),
          "rows K4 4x2048 w16": ((16, 512, 4, "rows", 16, True), (4, 4, 2048, 16)),
          "rows K2 2x1024 w8": ((16, 512, 4, "rows", 16, True), (2, 2, 1024, 8)),
-         "rows K4 4x512 w4, persistent 3/SM": ((16, 512, 4, "rows", 16, True), (4, 4, 512, 4, 3)),
-         "rows K4 1x2048 w8, heavy sum (session 16)": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
-                                                       {"HEAVY": "sum"})}
+         "rows K4 4x512 w4, persistent 3/SM": ((16, 512, 4, "rows", 16, True), (4, 4, 512, 4, 3))}
 
 
 def graph_us(fn) -> float:

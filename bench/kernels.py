@@ -575,12 +575,6 @@ def _v_embedding(N, V, C, dt, smoke=False):
     # the merge kernel launched as the walks' programmatic dependent (PDL, the default) or not
     vs += [("side, walk, keys 16, no PDL", walk, {"PDL": False}),
            ("rows (default ROWS), walk, keys 16, no PDL", rows, {"PDL": False})]
-    # session 16: the frequent rows by token lists and gathered-tile sums (HEAVY "sum"): HEAVY_SUM = (grid cap along
-    # the ids, tokens per tile, BLOCK_C, num_warps of the sum kernel)
-    vs += [(f"rows (default ROWS), heavy sum {cap}/{tbk}/{hbc}/w{hw}", rows,
-            {"HEAVY": "sum", "HEAVY_SUM": (cap, tbk, hbc, hw)})
-           for cap, tbk, hbc, hw in ((512, 16, 512, 4), (512, 32, 256, 2), (512, 16, 256, 2), (256, 16, 512, 4),
-                                     (512, 8, 1024, 8), (1024, 16, 512, 4))]
     for name, cfg, *extra in vs:
         def fn(knobs=tuple({"CONFIG": cfg, **(extra[0] if extra else {})}.items())):
             with contextlib.ExitStack() as stack:

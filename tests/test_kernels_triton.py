@@ -658,7 +658,7 @@ def test_adamw_gpu_bit_exact():
 @pytest.mark.parametrize("config", [None, (16, 1024, 4, "fused", 16, False, "tile"),
                                     (8, 512, 4, "absent", 16, False, "tile"), (16, 1024, 4, "side", 16, True),
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
-                                    (16, 512, 4, "rows", 16, False, "tile"), "rows persistent", "rows heavy sum"])
+                                    (16, 512, 4, "rows", 16, False, "tile"), "rows persistent"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel
@@ -667,9 +667,6 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "rows persistent":  # the rows kernel persistent, 2 programs per SM
         config = (16, 512, 4, "rows", 16, True)
         monkeypatch.setattr(K_emb, "ROWS", (4, 4, 512, 4, 2))
-    if config == "rows heavy sum":  # the frequent rows by token lists and gathered-tile sums
-        config = (16, 512, 4, "rows", 16, True)
-        monkeypatch.setattr(K_emb, "HEAVY", "sum")
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text

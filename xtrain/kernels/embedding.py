@@ -402,73 +402,6 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
 
 
 @_jit
-def _embedding_slots_heavy_kernel(IDS, COUNTS, SLOTS, NHEAVY, HID, N, V, K: tl.constexpr, BLOCK: tl.constexpr):
-    """``_embedding_slots_kernel`` for the "sum" frequent-row path: besides, the token that takes slot K (its id
-    has just become frequent: more than K tokens) appends the id to HID (an integer atomic on NHEAVY). HID's
-    order depends on scheduling; it only decides where in ORDER an id's tokens are listed, never a sum's order."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    ids = tl.load(IDS + i, mask=m, other=0)
-    slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
-    tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K))
-    new = m & (slot == K)
-    h = tl.atomic_add(NHEAVY + tl.zeros([BLOCK], dtype=tl.int32), 1, mask=new)
-    tl.store(HID + h, ids.to(tl.int32), mask=new)
-
-
-@_jit
-def _embedding_heavy_list_kernel(IDS, COUNTS, NHEAVY, HID, ORDER, OFF, N, BLOCK_T: tl.constexpr,
-                                 BLOCK_H: tl.constexpr):
-    """The "sum" path's token lists, with no sort: program p takes the frequent ids HID[h], h = p, p + G, ...;
-    id HID[h]'s tokens go to ORDER[OFF[h] : OFF[h] + count] in token order, OFF[h] = the tokens of the frequent
-    ids smaller than it (one scan of the ids, compacted by a prefix sum). The lists depend on the ids alone."""
-    nheavy = tl.load(NHEAVY)
-    hh = tl.arange(0, BLOCK_H)
-    tt = tl.arange(0, BLOCK_T)
-    for h in range(tl.program_id(0), nheavy, tl.num_programs(0)):
-        me = tl.load(HID + h)
-        off = tl.zeros([], dtype=tl.int32)
-        for h0 in range(0, nheavy, BLOCK_H):
-            other = tl.load(HID + h0 + hh, mask=h0 + hh < nheavy, other=2**31 - 1)
-            off += tl.sum(tl.load(COUNTS + other, mask=other < me, other=0), axis=0)
-        tl.store(OFF + h, off)
-        run = tl.zeros([], dtype=tl.int32)
-        for t0 in range(0, N, BLOCK_T):
-            i = t0 + tt
-            hit = tl.load(IDS + i, mask=i < N, other=-1) == me
-            pos = off + run + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-            tl.store(ORDER + pos, i.to(tl.int32), mask=hit)
-            run += tl.sum(hit.to(tl.int32), axis=0)
-
-
-@_jit
-def _embedding_heavy_sum_kernel(DOUT, COUNTS, NHEAVY, HID, ORDER, OFF, DTABLE, C, TB: tl.constexpr,
-                                BLOCK_C: tl.constexpr):
-    """The "sum" path's rows: program (column block, p) writes the frequent rows HID[h], h = p, p + G, ..., over
-    its columns: the row's tokens (ORDER, in token order) gathered TB at a time as a [TB, BLOCK_C] tile (all
-    in flight together, the next tile's indices loaded a tile ahead) and summed over the tokens in fp32. Fixed
-    tile shapes and a fixed walk: the bits do not depend on scheduling (they are not the walk's left-to-right
-    sum: each tile is added as a reduction tree)."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    nheavy = tl.load(NHEAVY)
-    tt = tl.arange(0, TB)
-    for h in range(tl.program_id(1), nheavy, tl.num_programs(1)):
-        row = tl.load(HID + h).to(tl.int64)
-        off = tl.load(OFF + h)
-        cnt = tl.load(COUNTS + row)
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        src = tl.load(ORDER + off + tt, mask=tt < cnt, other=0)
-        for t0 in range(0, cnt, TB):
-            take = t0 + tt < cnt
-            x = tl.load(DOUT + src.to(tl.int64)[:, None] * C + cols[None, :], mask=take[:, None] & cmask[None, :],
-                        other=0.0)
-            src = tl.load(ORDER + off + t0 + TB + tt, mask=t0 + TB + tt < cnt, other=0)
-            acc += tl.sum(x.to(tl.float32), axis=0)
-        tl.store(DTABLE + row * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
-
-
-@_jit
 def _cx(a, b):
     """A compare-exchange of a sorting network: (min, max), elementwise."""
     return tl.minimum(a, b), tl.maximum(a, b)
@@ -628,13 +561,6 @@ ROWS_ZERO_FAST = False
 PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("side" and "rows" forms, sm_90+):
 # its programs are resident and waiting when the walks end, instead of waiting then for an SM (H200, session 7:
 # the chain ended ~17 us sooner in the timeline; the op 0.133-0.134 vs 0.136 ms fp32, 0.311-0.313 vs 0.314 bf16)
-# the rows form's frequent rows (seen more than K times): "chain" (their sort keys, cub's radix sort, the walks and
-# the merge, on the side stream) or "sum" (session 16: one program per frequent id lists its tokens in token order
-# (_embedding_heavy_list_kernel), then (column block, id) programs sum them by gathered tiles
-# (_embedding_heavy_sum_kernel): two kernels instead of seven, no sort, no merge). HEAVY_SUM = (programs along the
-# ids, i.e. the grids' cap, tokens per gathered tile TB, BLOCK_C, num_warps of the sum kernel)
-HEAVY = "chain"
-HEAVY_SUM = (512, 16, 512, 4)
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 16  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -717,19 +643,10 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         per_sm = rcfg[4] if len(rcfg) > 4 else 0
         if heavy_k not in (1, 2, 4, 8):
             raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
+        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
-        if HEAVY == "sum":
-            zeroed = torch.zeros(V + 1, dtype=torch.int32, device=dout.device)
-            counts, nheavy = zeroed[:V], zeroed[V:]
-            hid = torch.empty(max(1, N // (heavy_k + 1)), dtype=torch.int32, device=dout.device)  # > K tokens each
-            _embedding_slots_heavy_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, nheavy, hid, N, V,
-                                                                          K=heavy_k, BLOCK=SLOTS_BLOCK, num_warps=4)
-        elif HEAVY == "chain":
-            counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
-            _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
-                                                                    BLOCK=SLOTS_BLOCK, num_warps=4)
-        else:
-            raise ValueError(f"embedding_bwd: HEAVY must be 'chain' or 'sum', got {HEAVY!r}")
+        _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
+                                                                BLOCK=SLOTS_BLOCK, num_warps=4)
         rbc = min(rbc, triton.next_power_of_2(C))
     mark = zero in ("absent", "fused", "side")
 
@@ -775,19 +692,6 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                                                  BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
                                                  EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, num_warps=rwarps)
             chain = sort_walk_merge
-            if HEAVY == "sum":
-                def chain():
-                    """The frequent rows: their token lists, then their sums (two kernels)."""
-                    cap, tb, hbc, hwarps = HEAVY_SUM
-                    hbc = min(hbc, triton.next_power_of_2(C))
-                    g = min(cap, hid.numel())
-                    order = torch.empty(N, dtype=torch.int32, device=dout.device)
-                    off = torch.empty(hid.numel(), dtype=torch.int32, device=dout.device)
-                    _embedding_heavy_list_kernel[(g,)](flat, counts, nheavy, hid, order, off, N, BLOCK_T=1024,
-                                                       BLOCK_H=1024, num_warps=4)
-                    _embedding_heavy_sum_kernel[(triton.cdiv(C, hbc), g)](d2, counts, nheavy, hid, order, off,
-                                                                          dtable, C, TB=tb, BLOCK_C=hbc,
-                                                                          num_warps=hwarps)
         if dout.is_cuda:
             run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY)
         else:
