@@ -130,18 +130,22 @@ def side_stream(device, high_priority: bool = False) -> torch.cuda.Stream:
     return _SIDE_STREAMS[key]
 
 
-def run_side_by_side(device, main_launch, side_launch, high_priority: bool = False) -> None:
+def run_side_by_side(device, main_launch, side_launch, high_priority: bool = False, main_first: bool = False) -> None:
     """Launch ``side_launch`` on the side stream and ``main_launch`` on the current one, concurrently: the
     side stream first waits for the current one (inputs and buffers ready), and the current one waits for
     the side stream before this returns, so later work on it (and the caching allocator's reuse of the
     memory both read) is ordered after both launches. ``high_priority``: the side stream of the highest
-    priority (see ``side_stream``)."""
+    priority (see ``side_stream``). ``main_first``: the current stream's launch is issued first (the side stream
+    still waits only for the work before both)."""
     main = torch.cuda.current_stream(device)
     side = side_stream(device, high_priority=high_priority)
     side.wait_stream(main)
+    if main_first:
+        main_launch()
     with torch.cuda.stream(side):
         side_launch()
-    main_launch()
+    if not main_first:
+        main_launch()
     main.wait_stream(side)
 
 
