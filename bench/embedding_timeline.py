@@ -1,6 +1,7 @@
 """The GPU timeline of one embedding backward: each kernel's stream, start (from the call's first kernel) and
 duration, for the library's forms side by side (H200, session 7: how the rows kernel and the sort/walk/merge
-chain overlap on their two streams).
+chain overlap on their two streams; session 16: the rows grid's launch). The forms without their own launch
+knobs take the library's (since session 16 the rows grid a programmatic dependent, issued first).
 
     PYTHONPATH=. python3 bench/embedding_timeline.py [--bf16]
 
@@ -33,20 +34,12 @@ FORMS = {"side": ((16, 512, 4, "side", 16, True), None),
          "rows K4 4x2048 w16": ((16, 512, 4, "rows", 16, True), (4, 4, 2048, 16)),
          "rows K2 2x1024 w8": ((16, 512, 4, "rows", 16, True), (2, 2, 1024, 8)),
          "rows K4 4x512 w4, persistent 3/SM": ((16, 512, 4, "rows", 16, True), (4, 4, 512, 4, 3)),
-         "rows K4 1x2048 w8, pdl": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8), {"ROWS_PDL": True}),
-         "rows K4 1x2048 w8, main first": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8), {"ROWS_MAIN_FIRST": True}),
-         "rows K4 1x2048 w8, pdl + main first": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
-                                                 {"ROWS_PDL": True, "ROWS_MAIN_FIRST": True}),
-         "rows K4 1x2048 w8, heavy list, pdl + main first": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
-                                                             {"ROWS_PDL": True, "ROWS_MAIN_FIRST": True,
-                                                              "HEAVY": "list"}),
-         "rows K4 1x2048 w8, heavy list 4096/w8, pdl + main first": ((16, 512, 4, "rows", 16, True),
-                                                                     (4, 1, 2048, 8),
-                                                                     {"ROWS_PDL": True, "ROWS_MAIN_FIRST": True,
-                                                                      "HEAVY": "list", "HEAVY_LIST": (4096, 8, 512)}),
-         "rows K4 1x2048 w8, heavy list 1024/w4, tile chain, merge not pdl, pdl + main first": (
-             (16, 512, 4, "rows", 16, False, "tile"), (4, 1, 2048, 8),
-             {"ROWS_PDL": True, "ROWS_MAIN_FIRST": True, "HEAVY": "list", "HEAVY_LIST": (1024, 4, 512), "PDL": False})}
+         "rows K4 1x2048 w8, launched as before session 16": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
+                                                              {"ROWS_PDL": False, "ROWS_MAIN_FIRST": False}),
+         "rows K4 1x2048 w8, pdl": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
+                                    {"ROWS_PDL": True, "ROWS_MAIN_FIRST": False}),
+         "rows K4 1x2048 w8, main first": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
+                                           {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True})}
 
 
 def graph_us(fn) -> float:

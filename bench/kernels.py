@@ -576,25 +576,12 @@ def _v_embedding(N, V, C, dt, smoke=False):
     vs += [("side, walk, keys 16, no PDL", walk, {"PDL": False}),
            ("rows (default ROWS), walk, keys 16, no PDL", rows, {"PDL": False})]
     # session 16: the rows grid's launch as the slots pass's programmatic dependent, and issued before the chain
+    # (both the default since)
     vs += [(f"rows (default ROWS), launch {lbl_}", rows, knobs_)
-           for lbl_, knobs_ in (("as before", {}), ("pdl", {"ROWS_PDL": True}),
-                                ("main first", {"ROWS_MAIN_FIRST": True}),
+           for lbl_, knobs_ in (("as before", {"ROWS_PDL": False, "ROWS_MAIN_FIRST": False}),
+                                ("pdl", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": False}),
+                                ("main first", {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True}),
                                 ("pdl + main first", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": True}))]
-    # session 16: the chain's keys and sort replaced by one listing launch (HEAVY "list", HEAVY_LIST = (BLOCK_T,
-    # num_warps, programs at most)), with the launches above
-    pm = {"ROWS_PDL": True, "ROWS_MAIN_FIRST": True}
-    vs += [(f"rows (default ROWS), heavy list {bt}/w{lw}{', pdl + main first' if p_ else ''}", rows,
-            {"HEAVY": "list", "HEAVY_LIST": (bt, lw, 512), **(pm if p_ else {})})
-           for bt, lw, p_ in ((2048, 4, True), (1024, 4, True), (4096, 8, True), (8192, 8, True), (2048, 4, False))]
-    # ... and the walks and merge beside the grid's middle: the merge not a programmatic dependent (its programs
-    # would sit waiting on SM slots the grid needs), the walks' tile body (one gather per chunk), list blocks
-    tile = (16, tb, 4, "rows", 16, False, "tile")
-    vs += [(f"rows (default ROWS), heavy list {bt}/w{lw}, pdl + main first, merge pdl {mp}, {body} {cfg_[0]}",
-            cfg_, {"HEAVY": "list", "HEAVY_LIST": (bt, lw, 512), **pm, "PDL": mp})
-           for bt, lw, mp, body, cfg_ in ((1024, 4, False, "walk", rows), (1024, 4, False, "tile", tile),
-                                          (1024, 4, True, "tile", tile), (512, 4, False, "tile", tile),
-                                          (1024, 4, False, "tile", (32,) + tile[1:]),
-                                          (1024, 4, False, "tile", (8,) + tile[1:]))]
     for name, cfg, *extra in vs:
         def fn(knobs=tuple({"CONFIG": cfg, **(extra[0] if extra else {})}.items())):
             with contextlib.ExitStack() as stack:

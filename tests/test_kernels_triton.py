@@ -383,31 +383,6 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("listing", [(64, 4, 512), (16, 4, 2), (1024, 4, 1)])
-def test_embedding_bwd_heavy_list_cpu(listing, monkeypatch):
-    """HEAVY "list": the frequent ids' tokens placed in their stable sorted order by one launch (one program per
-    id, or fewer programs looping over the ids; the sentinel tail shared out among them), so the walks and the
-    merge see what the chain's sort gives: the chain's bits, no frequent id at all included."""
-    monkeypatch.setattr(K_emb, "HEAVY_LIST", listing)
-    for rows in ((4, 4, 32, 4), (1, 1, 16, 4), (2, 2, 32, 4, 3)):
-        monkeypatch.setattr(K_emb, "ROWS", rows)
-        cases = [torch.cat([torch.full((rows[0] + 1,), 5), torch.tensor([0, 7, 2, 9]), torch.full((rows[0] + 3,), 1)]),
-                 torch.randperm(11), (torch.rand(150) ** 3 * 40).long()]
-        for ids in cases:
-            V = int(ids.max()) + 3
-            d = torch.randn(ids.numel(), 21)
-            for chunk in (1, 4):
-                monkeypatch.setattr(K_emb, "CONFIG", (chunk, 32, 4, "rows", 16, True))
-                monkeypatch.setattr(K_emb, "HEAVY", "chain")
-                want = K_emb.embedding_bwd_triton(d, ids, V)
-                monkeypatch.setattr(K_emb, "HEAVY", "list")
-                assert torch.equal(K_emb.embedding_bwd_triton(d, ids, V), want)
-    monkeypatch.setattr(K_emb, "HEAVY", "sorted")
-    with pytest.raises(ValueError, match="embedding_bwd"):
-        K_emb.embedding_bwd_triton(d, ids, V)
-
-
-@needs_cpu_interp
 def test_embedding_bwd_rows_knobs_cpu(monkeypatch):
     """The rows kernel's zero-tile branch and eviction policy change no bit (grid and persistent forms)."""
     ids = torch.cat([torch.tensor([5, 5, 5, 5, 5, 9]), (torch.rand(90) ** 3 * 70).long()])
@@ -684,7 +659,7 @@ def test_adamw_gpu_bit_exact():
                                     (8, 512, 4, "absent", 16, False, "tile"), (16, 1024, 4, "side", 16, True),
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
-                                    "rows pdl main first", "rows heavy list"])
+                                    "rows launched as before"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel
@@ -693,24 +668,10 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "rows persistent":  # the rows kernel persistent, 2 programs per SM
         config = (16, 512, 4, "rows", 16, True)
         monkeypatch.setattr(K_emb, "ROWS", (4, 4, 512, 4, 2))
-    if config == "rows pdl main first":  # the rows grid a programmatic dependent of the slots pass, issued first
-        config = (16, 512, 4, "rows", 16, True)
-        monkeypatch.setattr(K_emb, "ROWS_PDL", True)
-        monkeypatch.setattr(K_emb, "ROWS_MAIN_FIRST", True)
-    if config == "rows heavy list":  # the chain's keys and sort replaced by one listing launch: the chain's bits
-        config = (16, 512, 4, "rows", 16, True)
-        monkeypatch.setattr(K_emb, "CONFIG", config)
-        ids = (torch.rand(16384, device="cuda") ** 3 * 32000).long().clamp_max(31999)
-        d = torch.randn(16384, 1024, device="cuda").to(dtype)
-        for heavy in ("chain", "list"):
-            monkeypatch.setattr(K_emb, "HEAVY", heavy)
-            with poisoned():
-                got = K_emb.embedding_bwd_triton(d, ids, 32000)
-            if heavy == "chain":
-                want = got
-        assert torch.equal(got, want)
-        monkeypatch.setattr(K_emb, "ROWS_PDL", True)
-        monkeypatch.setattr(K_emb, "ROWS_MAIN_FIRST", True)
+    if config == "rows launched as before":  # (the default since session 16: the rows grid a programmatic
+        config = (16, 512, 4, "rows", 16, True)  # dependent of the slots pass, issued before the chain)
+        monkeypatch.setattr(K_emb, "ROWS_PDL", False)
+        monkeypatch.setattr(K_emb, "ROWS_MAIN_FIRST", False)
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text

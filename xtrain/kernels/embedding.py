@@ -80,6 +80,16 @@ Session 15 (bench/embedding_tma_probe.py, a probe): the lightest grid there is, 
 tile into every row from one or two programs per SM, writes the table at 95-98 % of copy alone (0.063-0.065 ms) but
 beside the chain takes 0.100-0.102 ms, the chain slowing under its traffic (from 60 to 93 us) and it under the chain's
 (from 64 to 92 us); before the slots pass and the 110 MB of reads a real rows grid adds. So no TMA rows grid was built.
+Session 16 (fp32; bench/embedding_timeline.py): the rows grid, issued after the chain's launches, started ~5 us
+after the slots pass ended and ran 113-114 us beside the chain (99 us alone). Issued first and launched as the
+slots kernel's programmatic dependent (``ROWS_PDL``, ``ROWS_MAIN_FIRST``, the defaults since), it starts under the
+slots pass and runs at its own speed (99.8 us, ending at 104 us), and the chain, then the longer branch, ends the op:
+0.125-0.126 ms against 0.127 (74-75 %). Measured and dropped: "list" again, beside the early grid (code at commit
+c04c5c7): its listing launch took 36-69 us under the grid and the grid stretched to 122-130 us (0.127-0.143 ms);
+"sum" (commit 6af1aa2): the frequent rows summed by (column block, id) programs from per-id token lists, no walks
+and no merge: a frequent id's 553 tokens became one program's serial chain of tile gathers, 131 us under the grid
+(0.159-0.251 ms). What the timelines say: the frequent rows cost the op ~20 us wherever they run; inside the grid's
+lifetime their latency-bound programs take its SM slots, after it they are its tail.
 Measured and dropped (session 11, fp32; code at commit 7ca4268): "inline", the frequent rows inside the rows
 kernel's own launch (the slots pass lists them; the first programs, one per SM, build each one's token list by
 a scan of the ids, meet at a barrier, and sum the rows in segments whose partials the last arrival adds in
@@ -405,61 +415,6 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
 
 
 @_jit
-def _embedding_slots_heavy_kernel(IDS, COUNTS, SLOTS, NHEAVY, HID, N, V, K: tl.constexpr, BLOCK: tl.constexpr,
-                                  PDL: tl.constexpr = False):
-    """``_embedding_slots_kernel`` for the "list" frequent-row path: besides, the token that takes slot K (its id
-    has just become frequent: more than K tokens) appends the id to HID (an integer atomic on NHEAVY). HID's
-    order depends on scheduling; nothing depends on it but which program lists which id."""
-    if PDL:
-        gdc_launch_dependents()
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    ids = tl.load(IDS + i, mask=m, other=0)
-    slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
-    tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K))
-    new = m & (slot == K)
-    h = tl.atomic_add(NHEAVY + tl.zeros([BLOCK], dtype=tl.int32), 1, mask=new)
-    tl.store(HID + h, ids.to(tl.int32), mask=new)
-
-
-@_jit
-def _embedding_heavy_list_kernel(IDS, COUNTS, NHEAVY, HID, ORDER, SORTED, N, SENTINEL: tl.constexpr,
-                                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """The "list" path's sort without a sort: program p takes the frequent ids HID[h], h = p, p + G, ...; id
-    HID[h]'s tokens go to places [off, off + count) of ORDER / SORTED in token order, off = the tokens of the
-    frequent ids smaller than it (one scan of the ids, compacted by a prefix sum). The places from the frequent
-    tokens' total on get SENTINEL (SORTED) and token 0 (ORDER), shared out among the programs. So ORDER / SORTED
-    are exactly the stable sort of the chain's keys (frequent ids kept, the rest the sentinel), and the walks and
-    the merge give the chain's bits; one launch instead of the keys kernel, torch's index fill and cub's four."""
-    nheavy = tl.load(NHEAVY)
-    hh = tl.arange(0, BLOCK_H)
-    tt = tl.arange(0, BLOCK_T)
-    total = tl.zeros([], dtype=tl.int32)
-    for h0 in range(0, nheavy, BLOCK_H):
-        other = tl.load(HID + h0 + hh, mask=h0 + hh < nheavy, other=0)
-        total += tl.sum(tl.load(COUNTS + other, mask=h0 + hh < nheavy, other=0), axis=0)
-    G = tl.num_programs(0)
-    for t0 in range(total + tl.program_id(0) * BLOCK_T, N, G * BLOCK_T):
-        i = t0 + tt
-        tl.store(SORTED + i, tl.full([BLOCK_T], SENTINEL, SORTED.dtype.element_ty), mask=i < N)
-        tl.store(ORDER + i, tl.zeros([BLOCK_T], ORDER.dtype.element_ty), mask=i < N)
-    for h in range(tl.program_id(0), nheavy, G):
-        me = tl.load(HID + h)
-        off = tl.zeros([], dtype=tl.int32)
-        for h0 in range(0, nheavy, BLOCK_H):
-            other = tl.load(HID + h0 + hh, mask=h0 + hh < nheavy, other=2**31 - 1)
-            off += tl.sum(tl.load(COUNTS + other, mask=other < me, other=0), axis=0)
-        run = tl.zeros([], dtype=tl.int32)
-        for t0 in range(0, N, BLOCK_T):
-            i = t0 + tt
-            hit = tl.load(IDS + i, mask=i < N, other=-1) == me
-            pos = off + run + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-            tl.store(ORDER + pos, i.to(ORDER.dtype.element_ty), mask=hit)
-            tl.store(SORTED + pos, me.to(SORTED.dtype.element_ty), mask=hit)
-            run += tl.sum(hit.to(tl.int32), axis=0)
-
-
-@_jit
 def _cx(a, b):
     """A compare-exchange of a sorting network: (min, max), elementwise."""
     return tl.minimum(a, b), tl.maximum(a, b)
@@ -622,16 +577,12 @@ ROWS_ZERO_FAST = False
 PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("side" and "rows" forms, sm_90+):
 # its programs are resident and waiting when the walks end, instead of waiting then for an SM (H200, session 7:
 # the chain ended ~17 us sooner in the timeline; the op 0.133-0.134 vs 0.136 ms fp32, 0.311-0.313 vs 0.314 bf16)
-# the rows form's frequent rows (seen more than K times): "chain" (their sort keys, torch.sort: an index fill and
-# cub's four kernels; then the walks and the merge) or "list" (session 16: the keys and the sort replaced by one
-# launch of _embedding_heavy_list_kernel; the same order, so the same bits). HEAVY_LIST = (BLOCK_T, num_warps,
-# programs at most) of that kernel
-HEAVY = "chain"
-HEAVY_LIST = (2048, 4, 512)
-# the rows form's launches (session 16): ROWS_PDL the rows kernel as the slots kernel's programmatic dependent (its
-# launch overlaps the slots pass); ROWS_MAIN_FIRST the rows grid issued before the chain's kernels
-ROWS_PDL = False
-ROWS_MAIN_FIRST = False
+# the rows form's launches (session 16): ROWS_PDL the rows kernel as the slots kernel's programmatic dependent (sm_90+:
+# its launch overlaps the slots pass, its programs wait for that grid's end); ROWS_MAIN_FIRST the rows grid issued
+# before the chain's kernels. H200 fp32 (bench/RESULTS.md): the rows grid then starts ~7 us sooner and runs at its
+# own speed (99.8 us; 113.5 us when issued after the chain), the op 0.125-0.126 ms against 0.127 (three runs)
+ROWS_PDL = True
+ROWS_MAIN_FIRST = True
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 16  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -716,19 +667,9 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
             raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
         rows_pdl = bool(ROWS_PDL) and pdl_ok(d2)
-        if HEAVY == "list":
-            zeroed = torch.zeros(V + 1, dtype=torch.int32, device=dout.device)
-            counts, nheavy = zeroed[:V], zeroed[V:]
-            hid = torch.empty(max(1, N // (heavy_k + 1)), dtype=torch.int32, device=dout.device)  # > K tokens each
-            _embedding_slots_heavy_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, nheavy, hid, N, V,
-                                                                          K=heavy_k, BLOCK=SLOTS_BLOCK, PDL=rows_pdl,
-                                                                          num_warps=4)
-        elif HEAVY == "chain":
-            counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
-            _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
-                                                                    BLOCK=SLOTS_BLOCK, PDL=rows_pdl, num_warps=4)
-        else:
-            raise ValueError(f"embedding_bwd: HEAVY must be 'chain' or 'list', got {HEAVY!r}")
+        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
+        _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
+                                                                BLOCK=SLOTS_BLOCK, PDL=rows_pdl, num_warps=4)
         rbc = min(rbc, triton.next_power_of_2(C))
     mark = zero in ("absent", "fused", "side")
 
@@ -736,18 +677,9 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         """The sort keys (unless given), the sort, the chunk walks (present rows and boundary partials) and the
         merge of cut runs ("rows": only the ids seen more than heavy_k times); returns the present marks."""
         present = None
-        if heavy_k and HEAVY == "list":  # the frequent ids' tokens placed in sorted order, the rest the sentinel
-            bt, lw, cap = HEAVY_LIST
-            sorted_ids = torch.empty(N, dtype=torch.int32, device=dout.device)
-            order = torch.empty(N, dtype=torch.int64, device=dout.device)
-            _embedding_heavy_list_kernel[(min(cap, hid.numel()),)](flat, counts, nheavy, hid, order, sorted_ids, N,
-                                                                   SENTINEL=2**31 - 1, BLOCK_T=bt, BLOCK_H=1024,
-                                                                   num_warps=lw)
-            bias = 0
-        else:
-            if keys is None:
-                keys, bias, present = _sort_keys(flat, V, key_bits, mark, counts, heavy_k)
-            sorted_ids, order = torch.sort(keys, stable=True)
+        if keys is None:
+            keys, bias, present = _sort_keys(flat, V, key_bits, mark, counts, heavy_k)
+        sorted_ids, order = torch.sort(keys, stable=True)
         part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
         _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
                         tile, bias, num_warps)
