@@ -39,10 +39,7 @@ FORMS = {"side": ((16, 512, 4, "side", 16, True), None),
          "rows K4 1x2048 w8, pdl": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
                                     {"ROWS_PDL": True, "ROWS_MAIN_FIRST": False}),
          "rows K4 1x2048 w8, main first": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
-                                           {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True}),
-         "rows K4 1x2048 w8, early sort": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8), {"ROWS_EARLY_SORT": True}),
-         "rows K4 1x2048 w8, early sort 8192/w16": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
-                                                    {"ROWS_EARLY_SORT": True, "ROWS_EARLY_BLOCK": (8192, 16)})}
+                                           {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True})}
 
 
 def graph_us(fn) -> float:

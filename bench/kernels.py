@@ -582,12 +582,6 @@ def _v_embedding(N, V, C, dt, smoke=False):
                                 ("pdl", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": False}),
                                 ("main first", {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True}),
                                 ("pdl + main first", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": True}))]
-    # session 16: the sort of all ids made before the slots pass, then turned into the chain's (ROWS_EARLY_SORT;
-    # ROWS_EARLY_BLOCK = (BLOCK, num_warps) of that one program)
-    vs += [(f"rows (default ROWS), early sort {eb}/w{ew}{', tile chain' if t_ else ''}",
-            (16, tb, 4, "rows", 16, False, "tile") if t_ else rows,
-            {"ROWS_EARLY_SORT": True, "ROWS_EARLY_BLOCK": (eb, ew)})
-           for eb, ew, t_ in ((16384, 32, False), (8192, 16, False), (4096, 8, False), (16384, 32, True))]
     for name, cfg, *extra in vs:
         def fn(knobs=tuple({"CONFIG": cfg, **(extra[0] if extra else {})}.items())):
             with contextlib.ExitStack() as stack:

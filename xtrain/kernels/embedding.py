@@ -127,8 +127,6 @@ fused launch's 0.355 / 0.169 ms (code in git history, commit 59de5bf).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from xtrain.kernels._dispatch import (
@@ -136,7 +134,6 @@ from xtrain.kernels._dispatch import (
     gdc_wait,
     pdl_ok,
     run_side_by_side,
-    side_stream,
     sm_count,
     tl,
     triton,
@@ -418,32 +415,6 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
 
 
 @_jit
-def _embedding_heavy_first_kernel(SORTED, ORDER, COUNTS, SORTED2, ORDER2, N, K: tl.constexpr, ID_BIAS: tl.constexpr,
-                                  SENTINEL: tl.constexpr, BLOCK: tl.constexpr):
-    """``ROWS_EARLY_SORT``: the stable sort of all N keys, made before the counts existed, turned into the chain's
-    sort (frequent ids' tokens first, in the same order; the rest SENTINEL) by one program: a token of an id seen
-    more than K times goes to place (frequent tokens before it), any other token, keyed SENTINEL, to place N - 1 -
-    (other tokens before it), so its index stays a valid row for the walks' read-ahead. Only the frequent
-    tokens' places and the sentinel keys are read for sums, so the walks and the merge give the chain's bits."""
-    t = tl.arange(0, BLOCK)
-    hrun = tl.zeros([], dtype=tl.int32)
-    lrun = tl.zeros([], dtype=tl.int32)
-    for s0 in range(0, N, BLOCK):
-        i = s0 + t
-        m = i < N
-        key = tl.load(SORTED + i, mask=m, other=0)
-        src = tl.load(ORDER + i, mask=m, other=0)
-        cnt = tl.load(COUNTS + (key.to(tl.int64) + ID_BIAS), mask=m, other=0)
-        heavy = (m & (cnt > K)).to(tl.int32)
-        light = (m & (cnt <= K)).to(tl.int32)
-        pos = tl.where(heavy != 0, hrun + tl.cumsum(heavy, axis=0) - 1, N - lrun - tl.cumsum(light, axis=0))
-        tl.store(SORTED2 + pos, tl.where(heavy != 0, key, SENTINEL).to(SORTED2.dtype.element_ty), mask=m)
-        tl.store(ORDER2 + pos, src, mask=m)
-        hrun += tl.sum(heavy, axis=0)
-        lrun += tl.sum(light, axis=0)
-
-
-@_jit
 def _cx(a, b):
     """A compare-exchange of a sorting network: (min, max), elementwise."""
     return tl.minimum(a, b), tl.maximum(a, b)
@@ -612,11 +583,6 @@ PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("si
 # own speed (99.8 us; 113.5 us when issued after the chain), the op 0.125-0.126 ms against 0.127 (three runs)
 ROWS_PDL = True
 ROWS_MAIN_FIRST = True
-# ROWS_EARLY_SORT: the chain's sort made over all ids, on the side stream before the slots pass (it then needs no
-# counts), and turned into the chain's order after it by _embedding_heavy_first_kernel (ROWS_EARLY_BLOCK = (BLOCK,
-# num_warps) of that one program); the same bits
-ROWS_EARLY_SORT = False
-ROWS_EARLY_BLOCK = (16384, 32)
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 16  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -625,14 +591,13 @@ MERGE_BLOCK = 16  # later chunks per step of the merge pass (_embedding_bwd_merg
 # by one: fp32 0.128-0.129 against 0.130-0.132 ms (four processes), bf16 "side" unchanged (0.312-0.313)
 
 
-def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool, counts=None, heavy_k: int = 0, room: bool = False):
+def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool, counts=None, heavy_k: int = 0):
     """(keys [N] to sort, ID_BIAS, present marks or None): ids as int16 / int32 / int64 sort keys, and the
     [V] int8 present marks if ``mark``. ``heavy_k`` > 0 (the "rows" form): only ids seen more than heavy_k
-    times (``counts``) keep their key, the rest get the key dtype's largest value, whose id must be >= V.
-    ``room``: keys of a dtype whose largest value names no row either (for a sentinel written later)."""
+    times (``counts``) keep their key, the rest get the key dtype's largest value, whose id must be >= V."""
     N = ids.numel()
     flat = ids.reshape(-1)
-    room = 1 if heavy_k or room else 0  # the sentinel's id (the dtype's top) must name no row
+    room = 1 if heavy_k else 0  # the sentinel's id (the dtype's top) must name no row
     if key_bits == 16 and V <= 2**16 - room:
         kdt, bias = torch.int16, 2**15  # ids - 32768 fits int16 and keeps their order
     elif key_bits and V <= 2**31 - 1 - room:  # True or 32
@@ -702,13 +667,6 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
             raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
         rows_pdl = bool(ROWS_PDL) and pdl_ok(d2)
-        if ROWS_EARLY_SORT:  # the sort of all ids, on the side stream before the slots pass: it needs no counts
-            if dout.is_cuda:
-                side = side_stream(dout.device, high_priority=SIDE_HIGH_PRIORITY)
-                side.wait_stream(torch.cuda.current_stream(dout.device))
-            with torch.cuda.stream(side) if dout.is_cuda else contextlib.nullcontext():
-                ekeys, ebias, _ = _sort_keys(flat, V, key_bits, False, room=True)
-                esorted, eorder = torch.sort(ekeys, stable=True)
         counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
         _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
                                                                 BLOCK=SLOTS_BLOCK, PDL=rows_pdl, num_warps=4)
@@ -758,19 +716,6 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                                                  EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, PDL=rows_pdl,
                                                  num_warps=rwarps, **({"launch_pdl": True} if rows_pdl else {}))
             chain = sort_walk_merge
-            if ROWS_EARLY_SORT:
-                def chain():
-                    """The early sort made the chain's (frequent tokens first, the rest the sentinel), the walks,
-                    the merge."""
-                    eb, ew = ROWS_EARLY_BLOCK
-                    eb = min(eb, triton.next_power_of_2(N))
-                    s2, o2 = torch.empty_like(esorted), torch.empty_like(eorder)
-                    _embedding_heavy_first_kernel[(1,)](esorted, eorder, counts, s2, o2, N, K=heavy_k, ID_BIAS=ebias,
-                                                        SENTINEL=torch.iinfo(esorted.dtype).max, BLOCK=eb,
-                                                        num_warps=ew)
-                    part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)
-                    _walk_and_merge(d2, o2, s2, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
-                                    tile, ebias, num_warps)
         if dout.is_cuda:
             run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY,
                              main_first=zero == "rows" and ROWS_MAIN_FIRST)
