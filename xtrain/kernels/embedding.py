@@ -88,8 +88,10 @@ slots pass and runs at its own speed (99.8 us, ending at 104 us), and the chain,
 c04c5c7): its listing launch took 36-69 us under the grid and the grid stretched to 122-130 us (0.127-0.143 ms);
 "sum" (commit 6af1aa2): the frequent rows summed by (column block, id) programs from per-id token lists, no walks
 and no merge: a frequent id's 553 tokens became one program's serial chain of tile gathers, 131 us under the grid
-(0.159-0.251 ms). What the timelines say: the frequent rows cost the op ~20 us wherever they run; inside the grid's
-lifetime their latency-bound programs take its SM slots, after it they are its tail.
+(0.159-0.251 ms); the sort over all ids made on the side stream before the slots pass, then reordered by one
+program (commit 2e2418f, the chain's bits): the sort still ended at 83 us under the grid (0.139-0.158 ms). What the
+timelines say: the frequent rows cost the op ~20 us wherever they run; inside the grid's lifetime their
+latency-bound programs take its SM slots, after it they are its tail.
 Measured and dropped (session 11, fp32; code at commit 7ca4268): "inline", the frequent rows inside the rows
 kernel's own launch (the slots pass lists them; the first programs, one per SM, build each one's token list by
 a scan of the ids, meet at a barrier, and sum the rows in segments whose partials the last arrival adds in

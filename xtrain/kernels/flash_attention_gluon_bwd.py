@@ -103,6 +103,12 @@ dK/dV kernel alone 3-9 % faster at T = 1k-8k; xtrain bench attention, hd128 back
 gain); the next step's Sᵀ issued behind dV and dK within a two-step body (``OPT_LOOK``, commit 428f156: at 232
 registers every wgmma serialised; at 240 the MHA build spilled and ran 26-36 % slower); 3-stage rings.
 
+Session 16 (bench/RESULTS.md), measured and dropped: each step's dV and dK products as two wgmmas over the halves of
+its queries, the first issued once its half of Pᵀ (dSᵀ) exists (``OPT_KSPLIT``, commit 60d87b4: bit-identical, no
+spills, the dK/dV kernel 2-5 % slower at every length). At 16k this form is ~1 % ahead of split_s14 (three
+alternations), 0.92-0.95x cuDNN: at the 700 W cap time follows energy, and 7 products at ~1.0 pJ per FLOP cost
+about 5 % more than cuDNN's 5 at ~1.33.
+
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
 ring) 1.10 / 1.05 / 1.00-1.01 / 0.94-0.99 / 0.87-0.91 (xtrain bench attention, two processes: 1.09-1.11 / 1.05 /
