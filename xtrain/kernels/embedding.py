@@ -83,9 +83,10 @@ beside the chain takes 0.100-0.102 ms, the chain slowing under its traffic (from
 Session 16 (fp32; bench/embedding_timeline.py): the rows grid, issued after the chain's launches, started ~5 us
 after the slots pass ended and ran 113-114 us beside the chain (99 us alone). Issued first and launched as the
 slots kernel's programmatic dependent (``ROWS_PDL``, ``ROWS_MAIN_FIRST``, the defaults since), it starts under the
-slots pass and runs at its own speed (99.8 us, ending at 104 us), and the chain, then the longer branch, ends the op:
-0.125-0.126 ms against 0.127 (74-75 %). Measured and dropped: "list" again, beside the early grid (code at commit
-c04c5c7): its listing launch took 36-69 us under the grid and the grid stretched to 122-130 us (0.127-0.143 ms);
+slots pass and runs at its own speed (99.8 us, ending at 104 us), and the chain, then the longer branch, ends the op
+at ~122 us: 0.125-0.127 ms against 0.127-0.128 (four processes; 0-2 us, 73-75 %). Measured and dropped: "list"
+again, beside the early grid (code at commit c04c5c7): its listing launch took 36-69 us under the grid and the
+grid stretched to 122-130 us (0.127-0.143 ms);
 "sum" (commit 6af1aa2): the frequent rows summed by (column block, id) programs from per-id token lists, no walks
 and no merge: a frequent id's 553 tokens became one program's serial chain of tile gathers, 131 us under the grid
 (0.159-0.251 ms); the sort over all ids made on the side stream before the slots pass, then reordered by one
@@ -582,7 +583,7 @@ PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("si
 # the rows form's launches (session 16): ROWS_PDL the rows kernel as the slots kernel's programmatic dependent (sm_90+:
 # its launch overlaps the slots pass, its programs wait for that grid's end); ROWS_MAIN_FIRST the rows grid issued
 # before the chain's kernels. H200 fp32 (bench/RESULTS.md): the rows grid then starts ~7 us sooner and runs at its
-# own speed (99.8 us; 113.5 us when issued after the chain), the op 0.125-0.126 ms against 0.127 (three runs)
+# own speed (99.8 us; 113.5 us when issued after the chain), the op 0.125-0.127 ms against 0.127-0.128 (four processes)
 ROWS_PDL = True
 ROWS_MAIN_FIRST = True
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
