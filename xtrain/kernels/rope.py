@@ -25,7 +25,8 @@ Groups are split evenly between programs, and the next group's x is loaded befor
 stored (PREFETCH). With 1024-element tiles, 4 warps and 16 programs per SM, bf16 went from 70% (pos[T])
 and 37% (pos[B,T]) of copy to 86% and 85% on the H200 (2026-11-29). Most of the pos[B,T] gain came with
 the even split (G = 16 heads at 15 per program had left half the programs one head each, each paying for
-its cos/sin): at the old tiling, with the split, 78-79% with or without the prefetch.
+its cos/sin): at the old tiling, with the split, 78-79% with or without the prefetch. Session 16: 512-element
+tiles and 32 programs per SM, 86-87% bf16 and 91-93% fp32 against 84-85% / 88% for 1024 and 16 (same runs).
 """
 
 from __future__ import annotations
@@ -179,9 +180,10 @@ def _rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float, inverse
         cos, sin = ang.cos(), ang.sin()
     else:
         cos = sin = inv_freq  # unused
-    # (1024 elements per tile, 4 warps, 16 programs per SM, prefetch): the best of the tilings swept on the
-    # H200 (bench/RESULTS.md; 2048 x 4 warps x 8 per SM, the earlier default, was 77-79% of copy in bf16)
-    tile, num_warps, per_sm, prefetch = CONFIG if CONFIG is not None else (1024, 4, 16, True)
+    # (512 elements per tile, 4 warps, 32 programs per SM, prefetch) since session 16: the session-1 default (1024,
+    # 4, 16) had read 84-88 % of copy, this 86-93 % in the same runs (H200, bench/RESULTS.md); 2048 x 4 warps x 8
+    # per SM, the first default, 77-79 % in bf16
+    tile, num_warps, per_sm, prefetch = CONFIG if CONFIG is not None else (512, 4, 32, True)
     BLOCK_H = triton.next_power_of_2(HALF)
     BLOCK_T = max(1, min(triton.next_power_of_2(T), tile // BLOCK_H))
     n_t = triton.cdiv(T, BLOCK_T)
