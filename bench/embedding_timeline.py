@@ -39,10 +39,7 @@ FORMS = {"side": ((16, 512, 4, "side", 16, True), None),
          "rows K4 1x2048 w8, pdl": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
                                     {"ROWS_PDL": True, "ROWS_MAIN_FIRST": False}),
          "rows K4 1x2048 w8, main first": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
-                                           {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True}),
-         "rows K4 1x2048 w8, heavy place": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8), {"HEAVY": "place"}),
-         "rows K4 1x2048 w8, heavy place, tile chain 32": ((32, 512, 4, "rows", 16, False, "tile"), (4, 1, 2048, 8),
-                                                           {"HEAVY": "place"})}
+                                           {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True})}
 
 
 def graph_us(fn) -> float:

@@ -588,13 +588,6 @@ def _v_embedding(N, V, C, dt, smoke=False):
                                 ("pdl", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": False}),
                                 ("main first", {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True}),
                                 ("pdl + main first", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": True}))]
-    # session 16: the frequent tokens placed by one launch from per-block counts instead of the keys and the sort
-    # (HEAVY "place", PLACE = (tokens per program, num_warps)); the walks' tile body with chunks of 32 beside it
-    t32 = (32, tb, 4, "rows", 16, False, "tile")
-    vs += [(f"rows (default ROWS), heavy place {pb}/w{pw}, {body}", cfg_, {"HEAVY": "place", "PLACE": (pb, pw)})
-           for pb, pw, body, cfg_ in ((1024, 32, "walk 16", rows), (512, 16, "walk 16", rows),
-                                      (2048, 32, "walk 16", rows), (1024, 32, "tile 32", t32),
-                                      (512, 16, "tile 32", t32))]
     for name, cfg, *extra in vs:
         def fn(knobs=tuple({"CONFIG": cfg, **(extra[0] if extra else {})}.items())):
             with contextlib.ExitStack() as stack:

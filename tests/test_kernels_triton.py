@@ -383,33 +383,6 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("place", [(4, 4), (16, 4), (1024, 4)])
-def test_embedding_bwd_heavy_place_cpu(place, monkeypatch):
-    """HEAVY "place": each frequent token put where the chain's stable sort puts it (frequent tokens of smaller ids,
-    its id's tokens in earlier blocks, in its block before it), from the slots pass's per-block counts, by one
-    launch; blocks that divide N or not, one block or many, int16, int32 and int64 keys, both chunk bodies: the
-    sort's bits. And a bad HEAVY is refused."""
-    monkeypatch.setattr(K_emb, "PLACE", place)
-    for rows in ((4, 4, 32, 4), (1, 1, 16, 4), (2, 2, 32, 4, 3)):
-        monkeypatch.setattr(K_emb, "ROWS", rows)
-        cases = [torch.cat([torch.full((rows[0] + 1,), 5), torch.tensor([0, 7, 2, 9]), torch.full((rows[0] + 3,), 1)]),
-                 torch.randperm(11), (torch.rand(150) ** 3 * 40).long()]
-        for ids in cases:
-            V = int(ids.max()) + 3
-            d = torch.randn(ids.numel(), 21)
-            for cfg in ((1, 32, 4, "rows", 16, True), (4, 32, 4, "rows", 32, False, "tile"),
-                        (4, 32, 4, "rows", False, True)):
-                monkeypatch.setattr(K_emb, "CONFIG", cfg)
-                monkeypatch.setattr(K_emb, "HEAVY", "sort")
-                want = K_emb.embedding_bwd_triton(d, ids, V)
-                monkeypatch.setattr(K_emb, "HEAVY", "place")
-                assert torch.equal(K_emb.embedding_bwd_triton(d, ids, V), want)
-    monkeypatch.setattr(K_emb, "HEAVY", "sorted")
-    with pytest.raises(ValueError, match="embedding_bwd"):
-        K_emb.embedding_bwd_triton(d, ids, V)
-
-
-@needs_cpu_interp
 def test_embedding_bwd_rows_knobs_cpu(monkeypatch):
     """The rows kernel's zero-tile branch and eviction policy change no bit (grid and persistent forms)."""
     ids = torch.cat([torch.tensor([5, 5, 5, 5, 5, 9]), (torch.rand(90) ** 3 * 70).long()])
@@ -686,7 +659,7 @@ def test_adamw_gpu_bit_exact():
                                     (8, 512, 4, "absent", 16, False, "tile"), (16, 1024, 4, "side", 16, True),
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
-                                    "rows launched as before", "rows heavy place"])
+                                    "rows launched as before"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel
@@ -695,15 +668,6 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "rows persistent":  # the rows kernel persistent, 2 programs per SM
         config = (16, 512, 4, "rows", 16, True)
         monkeypatch.setattr(K_emb, "ROWS", (4, 4, 512, 4, 2))
-    if config == "rows heavy place":  # the frequent tokens placed from per-block counts: the sort's bits
-        config = (16, 512, 4, "rows", 16, True)
-        monkeypatch.setattr(K_emb, "CONFIG", config)
-        ids = (torch.rand(16384, device="cuda") ** 3 * 32000).long().clamp_max(31999)
-        d = torch.randn(16384, 1024, device="cuda").to(dtype)
-        want = K_emb.embedding_bwd_triton(d, ids, 32000)
-        monkeypatch.setattr(K_emb, "HEAVY", "place")
-        with poisoned():
-            assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 32000), want)
     if config == "rows launched as before":  # (the default since session 16: the rows grid a programmatic
         config = (16, 512, 4, "rows", 16, True)  # dependent of the slots pass, issued before the chain)
         monkeypatch.setattr(K_emb, "ROWS_PDL", False)

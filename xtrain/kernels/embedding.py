@@ -402,8 +402,7 @@ def _embedding_keys_kernel(IDS, KEYS, PRESENT, COUNTS, N, ID_BIAS: tl.constexpr,
 
 
 @_jit
-def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                            BCOUNTS=None, BT: tl.constexpr = 0):
+def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """The "rows" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer
     atomic: the final counts do not depend on the order) and, if the slot is below K, writes its token
     index to SLOTS[slot, id]. Which token gets which slot depends on scheduling; the rows kernel sorts a
@@ -416,59 +415,6 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
     ids = tl.load(IDS + i, mask=m, other=0)
     slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
     tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K))
-    if BT > 0:  # HEAVY "place": the tokens of each id per block of BT tokens, BCOUNTS[i // BT, id]
-        tl.atomic_add(BCOUNTS + (i // BT) * V + ids, 1, mask=m)
-
-
-@_jit
-def _embedding_place_kernel(IDS, COUNTS, BCOUNTS, OFFS, ORDER, SORTED, N, V, K: tl.constexpr, ID_BIAS: tl.constexpr,
-                            SENTINEL: tl.constexpr, BT: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-                            BJ: tl.constexpr):
-    """HEAVY "place": the chain's stable sort of the frequent ids' tokens without a sort. Program b takes tokens
-    [b·BT, (b+1)·BT); a token of an id seen more than K times goes to
-        (tokens of frequent ids smaller than its id) + (its id's tokens in earlier blocks) + (in this block before it)
-    i.e. its place in the stable sort of the chain's keys; the places from the frequent tokens' total on get
-    SENTINEL (and token 0), shared out among the programs. The first term is a prefix sum over the ids, which every
-    program makes itself into its own row of OFFS (then a barrier); the second sums BCOUNTS (the slots pass's per-
-    block counts) over the earlier blocks; the third compares the block's ids with each other. One launch instead
-    of the keys kernel, torch's index fill and cub's four, so the walks and the merge give the chain's bits."""
-    b = tl.program_id(0)
-    nb = tl.num_programs(0)
-    # (1) OFFS[b, v] = frequent tokens of the ids below v; total = all frequent tokens
-    vv = tl.arange(0, BLOCK_V)
-    total = tl.zeros([], dtype=tl.int32)
-    for v0 in range(0, V, BLOCK_V):
-        c = tl.load(COUNTS + v0 + vv, mask=v0 + vv < V, other=0)
-        h = tl.where(c > K, c, 0)
-        tl.store(OFFS + b.to(tl.int64) * V + v0 + vv, total + tl.cumsum(h, axis=0) - h, mask=v0 + vv < V)
-        total += tl.sum(h, axis=0)
-    tl.debug_barrier()
-    # (2) this block's frequent tokens
-    t = tl.arange(0, BT)
-    i = b.to(tl.int64) * BT + t
-    m = i < N
-    ids = tl.load(IDS + i, mask=m, other=0)
-    heavy = m & (tl.load(COUNTS + ids, mask=m, other=0) > K)
-    pos = tl.load(OFFS + b.to(tl.int64) * V + ids, mask=heavy, other=0)
-    bb = tl.arange(0, NB_PAD)
-    before = tl.load(BCOUNTS + bb[None, :].to(tl.int64) * V + ids[:, None], mask=heavy[:, None] & (bb < b)[None, :],
-                     other=0)
-    pos += tl.sum(before, axis=1)
-    for j0 in range(0, BT, BJ):  # the same id earlier in this block
-        j = j0 + tl.arange(0, BJ)
-        jid = tl.load(IDS + b.to(tl.int64) * BT + j, mask=b.to(tl.int64) * BT + j < N, other=-1)
-        same = (jid[None, :] == ids[:, None]) & (j[None, :] < t[:, None])
-        pos += tl.sum(same.to(tl.int32), axis=1)
-    tl.store(ORDER + pos, i, mask=heavy)
-    tl.store(SORTED + pos, (ids - ID_BIAS).to(SORTED.dtype.element_ty), mask=heavy)
-    # (3) the tail [total, N): the sentinel, token 0; program b takes its share
-    share = (N - total + nb - 1) // nb
-    lo = total + b * share
-    hi = tl.minimum(lo + share, N)
-    for p0 in range(lo, hi, BT):
-        p = p0 + t
-        tl.store(SORTED + p, tl.full([BT], SENTINEL, SORTED.dtype.element_ty), mask=p < hi)
-        tl.store(ORDER + p, tl.zeros([BT], ORDER.dtype.element_ty), mask=p < hi)
 
 
 @_jit
@@ -638,12 +584,6 @@ PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("si
 # its launch overlaps the slots pass, its programs wait for that grid's end); ROWS_MAIN_FIRST the rows grid issued
 # before the chain's kernels. H200 fp32 (bench/RESULTS.md): the rows grid then starts ~7 us sooner and runs at its
 # own speed (99.8 us; 113.5 us when issued after the chain), the op 0.125-0.127 ms against 0.127-0.128 (four processes)
-# HEAVY: how the rows form's chain orders the frequent ids' tokens: "sort" (their keys and torch.sort: the keys
-# kernel, an index fill and cub's four kernels) or "place" (session 16: _embedding_place_kernel, one launch, from
-# per-block counts the slots pass keeps; the same order, so the same bits). PLACE = (tokens per program, num_warps)
-HEAVY = "sort"
-PLACE = (1024, 32)
-PLACE_MAX_TABLE = 2**24  # per-block counts (N / tokens per program) x V at most, else "sort"
 ROWS_PDL = True
 ROWS_MAIN_FIRST = True
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
@@ -654,24 +594,19 @@ MERGE_BLOCK = 16  # later chunks per step of the merge pass (_embedding_bwd_merg
 # by one: fp32 0.128-0.129 against 0.130-0.132 ms (four processes), bf16 "side" unchanged (0.312-0.313)
 
 
-def _key_dtype(V: int, key_bits, room: bool) -> tuple:
-    """(sort keys' dtype, ID_BIAS): int16 ids - 32768 (key_bits 16, V <= 65536), int32 (key_bits True or 32) or
-    int64; ``room``: the dtype's largest value must name no row (a sentinel's id)."""
-    r = 1 if room else 0
-    if key_bits == 16 and V <= 2**16 - r:
-        return torch.int16, 2**15  # ids - 32768 fits int16 and keeps their order
-    if key_bits and V <= 2**31 - 1 - r:  # True or 32
-        return torch.int32, 0
-    return torch.int64, 0
-
-
 def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool, counts=None, heavy_k: int = 0):
     """(keys [N] to sort, ID_BIAS, present marks or None): ids as int16 / int32 / int64 sort keys, and the
     [V] int8 present marks if ``mark``. ``heavy_k`` > 0 (the "rows" form): only ids seen more than heavy_k
     times (``counts``) keep their key, the rest get the key dtype's largest value, whose id must be >= V."""
     N = ids.numel()
     flat = ids.reshape(-1)
-    kdt, bias = _key_dtype(V, key_bits, bool(heavy_k))
+    room = 1 if heavy_k else 0  # the sentinel's id (the dtype's top) must name no row
+    if key_bits == 16 and V <= 2**16 - room:
+        kdt, bias = torch.int16, 2**15  # ids - 32768 fits int16 and keeps their order
+    elif key_bits and V <= 2**31 - 1 - room:  # True or 32
+        kdt, bias = torch.int32, 0
+    else:
+        kdt, bias = torch.int64, 0
     if not mark and bias == 0 and not heavy_k:
         return flat.to(kdt), 0, None
     present = torch.zeros(V, dtype=torch.int8, device=ids.device) if mark else None
@@ -735,16 +670,9 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
             raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
         rows_pdl = bool(ROWS_PDL) and pdl_ok(d2)
-        if HEAVY not in ("sort", "place"):
-            raise ValueError(f"embedding_bwd: HEAVY must be 'sort' or 'place', got {HEAVY!r}")
-        pbt, pwarps = PLACE
-        place = HEAVY == "place" and triton.cdiv(N, pbt) * V <= PLACE_MAX_TABLE
-        nbk = triton.cdiv(N, pbt) if place else 0
-        zeroed = torch.zeros((nbk + 1) * V, dtype=torch.int32, device=dout.device)  # counts, then per-block counts
-        counts, bcounts = zeroed[:V], (zeroed[V:] if place else None)
+        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
         _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
-                                                                BLOCK=SLOTS_BLOCK, PDL=rows_pdl, BCOUNTS=bcounts,
-                                                                BT=pbt if place else 0, num_warps=4)
+                                                                BLOCK=SLOTS_BLOCK, PDL=rows_pdl, num_warps=4)
         rbc = min(rbc, triton.next_power_of_2(C))
     mark = zero in ("absent", "fused", "side")
 
@@ -752,18 +680,9 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         """The sort keys (unless given), the sort, the chunk walks (present rows and boundary partials) and the
         merge of cut runs ("rows": only the ids seen more than heavy_k times); returns the present marks."""
         present = None
-        if heavy_k and place:  # the frequent ids' tokens placed where the stable sort puts them, the rest the sentinel
-            kdt, bias = _key_dtype(V, key_bits, True)
-            sorted_ids = torch.empty(N, dtype=kdt, device=dout.device)
-            order = torch.empty(N, dtype=torch.int64, device=dout.device)
-            offs = torch.empty(nbk, V, dtype=torch.int32, device=dout.device)
-            _embedding_place_kernel[(nbk,)](flat, counts, bcounts, offs, order, sorted_ids, N, V, K=heavy_k,
-                                            ID_BIAS=bias, SENTINEL=torch.iinfo(kdt).max, BT=pbt,
-                                            NB_PAD=triton.next_power_of_2(nbk), BLOCK_V=4096, BJ=64, num_warps=pwarps)
-        else:
-            if keys is None:
-                keys, bias, present = _sort_keys(flat, V, key_bits, mark, counts, heavy_k)
-            sorted_ids, order = torch.sort(keys, stable=True)
+        if keys is None:
+            keys, bias, present = _sort_keys(flat, V, key_bits, mark, counts, heavy_k)
+        sorted_ids, order = torch.sort(keys, stable=True)
         part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
         _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
                         tile, bias, num_warps)
