@@ -90,7 +90,10 @@ grid stretched to 122-130 us (0.127-0.143 ms);
 "sum" (commit 6af1aa2): the frequent rows summed by (column block, id) programs from per-id token lists, no walks
 and no merge: a frequent id's 553 tokens became one program's serial chain of tile gathers, 131 us under the grid
 (0.159-0.251 ms); the sort over all ids made on the side stream before the slots pass, then reordered by one
-program (commit 2e2418f, the chain's bits): the sort still ended at 83 us under the grid (0.139-0.158 ms). What the
+program (commit 2e2418f, the chain's bits): the sort still ended at 83 us under the grid (0.139-0.158 ms); "place"
+(commit db530fd, the sort's bits): each frequent token put at its sorted place by one launch from per-block counts
+the slots pass kept, its programs of 512-1024 tokens on 16-32 warps slow to start and to run under the grid
+(0.131-0.434 ms). What the
 timelines say: the frequent rows cost the op ~20 us wherever they run; inside the grid's lifetime their
 latency-bound programs take its SM slots, after it they are its tail.
 Measured and dropped (session 11, fp32; code at commit 7ca4268): "inline", the frequent rows inside the rows
