@@ -377,7 +377,11 @@ def _v_rms(N, C, dt):
             dx64, dw64 = oracle()
             ex, ew = _rel(dx, dx64), _rel(dw, dw64)
             return ex < _tol(dt) and ew < _tol(dt) and dw.dtype == w.dtype, f"dx {ex:.1e} dw {ew:.1e}"
-        name = ("default" if cfg is None else str(cfg)) + f", dw {dw_reduce}" + (f" {extra[0]}" if extra else "")
+        if cfg is None and not extra and dw_reduce == K.DW_REDUCE:
+            name = "default"  # the library's path (the summary's "default" column)
+        else:
+            name = (("default tiling" if cfg is None else str(cfg)) + f", dw {dw_reduce}"
+                    + (f" {extra[0]}" if extra else ""))
         yield ("rms_norm bwd", f"{N}x{C} {_name(dt)}", name, 3 * N * C * e + C * e + 4 * N, fn, check,
                lambda: K.rms_norm_bwd_ref(dy, x, w, r))
 
@@ -796,7 +800,8 @@ def prewarm(argv_only, world: int, argv_match=None) -> None:
 def _summary(vrows) -> None:
     """The short table: per kernel and size, the current default and the fastest checked variant."""
     def is_default(v):
-        return v in ("None", "pairs 1024 w8", "BLOCK 4096 w8") or (v.startswith("default") and "only" not in v)
+        return v in ("None", "pairs 1024 w8", "BLOCK 4096 w8") or (v.startswith("default") and "only" not in v
+                                                                    and not v.startswith("default tiling"))
 
     def ranked(v):
         return "alone" not in v and "kernels only" not in v and not v.startswith("previous")
