@@ -671,9 +671,9 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         per_sm = rcfg[4] if len(rcfg) > 4 else 0
         if heavy_k not in (1, 2, 4, 8):
             raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
+        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
         rows_pdl = bool(ROWS_PDL) and pdl_ok(d2)
-        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
         _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
                                                                 BLOCK=SLOTS_BLOCK, PDL=rows_pdl, num_warps=4)
         rbc = min(rbc, triton.next_power_of_2(C))
