@@ -363,6 +363,12 @@ def test_gpu_gluon_forward(variant, B, H, Hkv, T, layout, dtype, D, causal, monk
             monkeypatch.setattr(G, "SCHEDULE", sched)
             o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal, variant=variant, programs=programs)
             assert torch.equal(o, o2) and torch.equal(lse, lse2), (sched, programs)
+        # the two-warpgroup variants' half-width diagonal step (HALF_DIAG_MAX_T) on at every T, then off: the
+        # keys it skips add exact zeros, so the same bits either way (non-causal: nothing changes)
+        for limit in (2**31, 0):
+            monkeypatch.setattr(G, "HALF_DIAG_MAX_T", {D: limit})
+            o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal, variant=variant)
+            assert torch.equal(o, o2) and torch.equal(lse, lse2), ("HALF_DIAG_MAX_T", limit)
     print(f"\nGPUERR gluon {variant} {layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} "
           f"T={T} o={eo:.2e} lse={el:.2e}")
 

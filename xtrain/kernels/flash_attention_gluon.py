@@ -28,7 +28,9 @@ share it:
     softmax of S_j while P·V still runs, then retires P·V and rescales O. P is rounded to 16 bits in
     registers and fed to the P·V wgmma as its register operand: it never touches shared memory.
   * Causal: the K/V tiles left of the diagonal run unmasked; only the tile on the diagonal pays for the
-    mask. The output is normalised in registers and leaves by a TMA store; lse by plain stores.
+    mask. Up to ``HALF_DIAG_MAX_T``, the first warpgroup's diagonal step takes the tile's first 64 keys only
+    (the rest are masked for all of its rows): hd64 T = 1k 1.006 -> 1.035x cuDNN, hd128 1k 1.014 -> 1.033x.
+    The output is normalised in registers and leaves by a TMA store; lse by plain stores.
 
 Two kernels run that design (``VARIANTS``):
   lib   one program per item, grid (T / 128, B·H), heaviest query tiles first; O leaves through the (dead)
@@ -221,13 +223,80 @@ if HAVE_GLUON:
     def _consumer_loop(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles,
                        qk_scale, start_m, s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       HALF: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr):
+                       HALF: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr,
+                       HALF_DIAG: gl.constexpr = False):
         """One warpgroup's pass over an item's n_tiles K/V tiles, ring tiles t0 .. t0 + n_tiles - 1 (slot
         t % STAGES, phase (t // STAGES) & 1). Step j issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; wait(1)
         retires S_j only, so the softmax of S_j overlaps the P·V wgmma; wait(0) retires P·V, then O is
         rescaled to the new max. A slot's empty barrier is arrived on once the wgmma that read it retired.
         PINGPONG: steps sc0 .. sc0 + n_tiles take turns with the other warpgroup (``_pp_enter``). RELEASE_Q:
-        arrive on q_empty once the last Q Kᵀ has retired (the persistent kernel's next Q may land)."""
+        arrive on q_empty once the last Q Kᵀ has retired (the persistent kernel's next Q may land).
+        HALF_DIAG (causal, the item's first 64 rows, whose diagonal is the first half of its last tile): the
+        last tile's keys past the warpgroup's own 64 are masked for every one of its rows, so its S and P·V
+        products take only the tile's first 64 keys (``_diag_only`` for a one-tile item, the end of
+        ``_consumer_steps`` otherwise): half the products and exponentials of that tile. The skipped keys would
+        add exact zeros (p = exp2(-inf)), so the bits are the same."""
+        if HALF_DIAG:
+            if n_tiles == 1:
+                acc, m_i, l_i = _diag_only(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched,
+                                           t0, sc0, qk_scale, start_m, s_layout, o_layout, dtype, HEAD_DIM, STAGES,
+                                           HALF, PINGPONG, RELEASE_Q)
+            else:
+                acc, m_i, l_i = _consumer_steps(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty,
+                                                sched, t0, sc0, n_tiles, qk_scale, start_m, s_layout, o_layout, dtype,
+                                                HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, RELEASE_Q, True)
+        else:
+            acc, m_i, l_i = _consumer_steps(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched,
+                                            t0, sc0, n_tiles, qk_scale, start_m, s_layout, o_layout, dtype, HEAD_DIM,
+                                            BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, RELEASE_Q, False)
+        return acc, m_i, l_i
+
+    @gluon.constexpr_function
+    def _half_layout():
+        """The wgmma accumulator layout of a [64, 64] S (the half-width diagonal step)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_M, 16])
+
+    @gluon.jit
+    def _diag_only(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, qk_scale,
+                   start_m, s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
+                   RELEASE_Q: gl.constexpr):
+        """``_consumer_loop`` with HALF_DIAG for an item of one tile (the head's first): S and P·V over the
+        tile's first 64 keys only."""
+        h_layout: gl.constexpr = _half_layout()
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        m_i = gl.full([HALF_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, h_layout))
+        l_i = gl.full([HALF_ROWS], 0.0, gl.float32, gl.SliceLayout(1, h_layout))
+        acc = gl.zeros([HALF_ROWS, HEAD_DIM], gl.float32, o_layout)
+        slot = t0 % STAGES
+        _pp_enter(sched, sc0, HALF, PINGPONG)
+        mbarrier.wait(k_full.index(slot), (t0 // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(slot).slice(0, HALF_ROWS).permute((1, 0)),
+                          gl.zeros([HALF_ROWS, HALF_ROWS], gl.float32, h_layout), use_acc=False, is_async=True)
+        _pp_leave(sched, HALF, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, start_m, h_layout, HALF_ROWS, HALF_ROWS,
+                                           True)
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        if RELEASE_Q:
+            mbarrier.arrive(q_empty, count=1)
+        _pp_enter(sched, sc0 + 1, HALF, PINGPONG)
+        mbarrier.wait(v_full.index(slot), (t0 // STAGES) & 1)
+        o_tok = warpgroup_mma(p16, v_smem.index(slot).slice(0, HALF_ROWS), acc, is_async=True)
+        _pp_leave(sched, HALF, PINGPONG)
+        acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        return (acc, gl.convert_layout(m_i, gl.SliceLayout(1, s_layout)),
+                gl.convert_layout(l_i, gl.SliceLayout(1, s_layout)))
+
+    @gluon.jit
+    def _consumer_steps(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles,
+                        qk_scale, start_m, s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
+                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        HALF: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr,
+                        HALF_DIAG: gl.constexpr):
+        """``_consumer_loop``'s steps (HALF_DIAG: n_tiles >= 2, the last tile a half-width step)."""
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         m_i = gl.full([HALF_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.full([HALF_ROWS], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
@@ -244,7 +313,8 @@ if HAVE_GLUON:
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, 0, s_layout, HALF_ROWS, BLOCK_N, CAUSAL)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
-        for j in range(1, n_tiles):
+        n_full = n_tiles - 1 if HALF_DIAG else n_tiles  # the full-width tiles
+        for j in range(1, n_full):
             t = t0 + j
             slot = t % STAGES
             prev = (t - 1) % STAGES
@@ -265,16 +335,48 @@ if HAVE_GLUON:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p16 = p16_next
 
-        if RELEASE_Q:  # every Q Kᵀ wgmma of the item has retired
-            mbarrier.arrive(q_empty, count=1)
         t_last = t0 + n_tiles - 1
         last = t_last % STAGES
-        _pp_enter(sched, sc0 + n_tiles, HALF, PINGPONG)
-        mbarrier.wait(v_full.index(last), (t_last // STAGES) & 1)
-        o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
-        _pp_leave(sched, HALF, PINGPONG)
-        acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
-        mbarrier.arrive(v_empty.index(last), count=1)
+        if HALF_DIAG:
+            # the diagonal tile: S over its first 64 keys, issued ahead of the previous tile's P·V as above
+            h_layout: gl.constexpr = _half_layout()
+            prev = (t_last - 1) % STAGES
+            _pp_enter(sched, sc0 + n_tiles - 1, HALF, PINGPONG)
+            mbarrier.wait(k_full.index(last), (t_last // STAGES) & 1)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(last).slice(0, HALF_ROWS).permute((1, 0)),
+                                  gl.zeros([HALF_ROWS, HALF_ROWS], gl.float32, h_layout), use_acc=False,
+                                  is_async=True)
+            mbarrier.wait(v_full.index(prev), ((t_last - 1) // STAGES) & 1)
+            o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+            _pp_leave(sched, HALF, PINGPONG)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(last), count=1)
+            ph, mh, lh, alpha = _softmax_tile(s, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
+                                              gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), qk_scale, start_m,
+                                              start_m, h_layout, HALF_ROWS, HALF_ROWS, True)
+            ph16 = gl.convert_layout(ph.to(dtype), p_layout)
+            acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            m_i = gl.convert_layout(mh, gl.SliceLayout(1, s_layout))
+            l_i = gl.convert_layout(lh, gl.SliceLayout(1, s_layout))
+            if RELEASE_Q:  # every Q Kᵀ wgmma of the item has retired
+                mbarrier.arrive(q_empty, count=1)
+            _pp_enter(sched, sc0 + n_tiles, HALF, PINGPONG)
+            mbarrier.wait(v_full.index(last), (t_last // STAGES) & 1)
+            o_tok = warpgroup_mma(ph16, v_smem.index(last).slice(0, HALF_ROWS), acc, is_async=True)
+            _pp_leave(sched, HALF, PINGPONG)
+            acc, ph16 = warpgroup_mma_wait(0, deps=(o_tok, ph16))
+            mbarrier.arrive(v_empty.index(last), count=1)
+        else:
+            if RELEASE_Q:  # every Q Kᵀ wgmma of the item has retired
+                mbarrier.arrive(q_empty, count=1)
+            _pp_enter(sched, sc0 + n_tiles, HALF, PINGPONG)
+            mbarrier.wait(v_full.index(last), (t_last // STAGES) & 1)
+            o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+            _pp_leave(sched, HALF, PINGPONG)
+            acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
+            mbarrier.arrive(v_empty.index(last), count=1)
         return acc, m_i, l_i
 
     @gluon.jit
@@ -446,7 +548,8 @@ if HAVE_GLUON:
                        o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
                        kv_ch, ord_off, ord_items, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
-                       HALF: gl.constexpr, NW: gl.constexpr = 2, TABLE: gl.constexpr = False):
+                       HALF: gl.constexpr, NW: gl.constexpr = 2, TABLE: gl.constexpr = False,
+                       HALF_DIAG: gl.constexpr = False):
         """Consumer warpgroup HALF: query rows 64·HALF .. +64 of every item of the program. NW = 3: its rows
         may lie before the sequence (a head's first item, ``_tile_coords``) and, causal, its diagonal may come
         before the item's last tile: it computes its own first n_mine tiles and only waits for and releases
@@ -468,7 +571,8 @@ if HAVE_GLUON:
                 acc, m_i, l_i = _consumer_loop(q_smem.index(2 * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty,
                                                v_empty, q_empty.index(qs), sched, t, sc, n_tiles, qk_scale,
                                                start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM,
-                                               BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, True)
+                                               BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, True,
+                                               CAUSAL and HALF_DIAG and HALF == 0)
                 _store_half(acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout, o_layout, dtype,
                             HALF)
             else:
@@ -520,7 +624,8 @@ if HAVE_GLUON:
                                      q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items,
                                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                      CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
-                                     NW: gl.constexpr = 2, TABLE: gl.constexpr = False):
+                                     NW: gl.constexpr = 2, TABLE: gl.constexpr = False,
+                                     HALF_DIAG: gl.constexpr = False):
         """Persistent program over U = B·H·n_m items of NW·64 query rows (n_m = ceil(T / (NW·64))), grid <=
         ceil(U / 2). num_warps = 4 (default partition = consumer 0; workers: the other NW - 1 consumers (4 warps
         each), producer (1 warp))."""
@@ -571,11 +676,11 @@ if HAVE_GLUON:
             (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                               sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
                               kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q,
-                              PINGPONG, 0, 2, TABLE)),
+                              PINGPONG, 0, 2, TABLE, HALF_DIAG)),
             (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                               sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
                               kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q,
-                              PINGPONG, 1, 2, TABLE)),
+                              PINGPONG, 1, 2, TABLE, HALF_DIAG)),
             (_pers_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
                               k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
                               kv_ch, ord_off, ord_items, BLOCK_N, STAGES, CAUSAL, NUM_Q, 2, TABLE)),
@@ -606,6 +711,12 @@ VARIANT_BY_T = {128: ((1024, "pp"), (math.inf, "q2pp")), 64: ((2048, "q2"), (mat
 # to the program with the least work so far (longest-processing-time first); "lpt" does that for every item.
 # An item's cost is its K/V tiles + SCHED_ITEM_COST (its Q load and epilogue, in tiles).
 SCHEDULE = "tail"
+# HALF_DIAG_MAX_T: causal, two consumer warpgroups (q2, pp, q2pp, pers), T <= this (by head dim): the first
+# warpgroup's diagonal step over the tile's first 64 keys only (``_consumer_loop``; the same bits). H200, session
+# 17 (bench/gluon_fwd_halfdiag.py, x cuDNN off -> on): hd64 q2 1k 1.006 -> 1.035, 2k 1.037 -> 1.047; hd128 pp 1k
+# 1.014 -> 1.033; but hd128 q2pp 2k 1.126 -> 1.124, 4k 1.126 -> 1.119, 8k 1.107 -> 1.102, 16k 1.095 -> 1.087, so
+# there it stays off
+HALF_DIAG_MAX_T = {64: 2048, 128: 1024}
 SCHED_TAIL_ROUNDS = 2
 SCHED_ITEM_COST = 1.0
 _SCHEDULES = PlanCache()  # (device, shape of the work, grid, policy) -> (ord_off, ord_items) on the device
@@ -757,7 +868,8 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, variant: str, stages: i
         ord_off, ord_items = _schedule_tensors(q.device, B * H, n_m, T, NW, causal, grid[0])
     else:  # unused by the kernel (TABLE False): any pointer
         ord_off = ord_items = lse
-    consts = {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG, "NW": NW, "TABLE": table}
+    consts = {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG, "NW": NW, "TABLE": table,
+              "HALF_DIAG": bool(causal and NW == 2 and T <= HALF_DIAG_MAX_T.get(D, 0))}
     return (_flash_fwd_gluon_pers_kernel, grid, {**args, "U": U, "n_m": n_m, **coords, "ord_off": ord_off,
                                                  "ord_items": ord_items}, consts)
 
@@ -838,7 +950,8 @@ class _FwdPlan:
 def plan_salt(D: int) -> tuple:
     """The module settings a cached forward plan depends on (part of its key): the variant and ring depth
     this head dim gets."""
-    return VARIANT_BY_T.get(D), STAGES.get(D), HAVE_GLUON, SCHEDULE, SCHED_TAIL_ROUNDS, SCHED_ITEM_COST
+    return (VARIANT_BY_T.get(D), STAGES.get(D), HAVE_GLUON, SCHEDULE, SCHED_TAIL_ROUNDS, SCHED_ITEM_COST,
+            tuple(sorted(HALF_DIAG_MAX_T.items())))
 
 
 def compile_sm90(D: int = 128, causal: bool = True, stages: int | None = None, transposed_kv: bool = False,

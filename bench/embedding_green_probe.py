@@ -1,0 +1,174 @@
+"""Session 17 probe for the fp32 embedding backward: the rows grid confined to part of the GPU by a CUDA green
+context, so the frequent rows' chain (keys, sort, walks, merge) has SMs of its own beside it.
+
+    PYTHONPATH=. python3 bench/embedding_green_probe.py [--sms 128,120,112,104,96] [--timeline]
+
+Why: since session 7 the chain's latency-bound kernels wait 2-13 us each for a grid program to retire before
+they get an SM, and the grid then loses the slots they hold; the op ends when the chain does (~122 us against
+the grid's ~100 us alone). A green context (``torch.cuda.green_contexts``, CUDA 12.8+) partitions the SMs: the
+grid's programs run only on its SMs, and the chain, on the ordinary high-priority side stream, finds the rest
+idle. Timing only; on the bench's Zipf-like ids (N = 16k, V = 32000, C = 2048, fp32), GPU time (``bench/_gpu.py``):
+  op                     the library's embedding_bwd_triton (the "rows" form)
+  rows grid [n SMs]      the rows kernel alone on prepared counts and slots, on all SMs or on a green context's n
+  chain                  keys, sort, walks and merge alone
+  grid [n] + chain       the two side by side: the grid on the green context's stream, the chain on the op's
+                         high-priority side stream
+How the green context's work is launched: ``GreenContext.Stream()`` where this torch has it, else the context
+is made current around the launch (``set_context`` / ``pop_context``: torch then uses its default stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench._gpu import gpu_time, warm_up  # noqa: E402
+from bench.kernels import zipf_ids  # noqa: E402
+from xtrain.kernels import embedding as K  # noqa: E402
+from xtrain.kernels._dispatch import side_stream, triton  # noqa: E402
+
+
+class Green:
+    """n SMs of the device as a green context; ``run(fn)`` launches fn's kernels there, ordered after the
+    current stream's work, and the current stream waits for them."""
+
+    def __init__(self, n_sms: int, mode: str):
+        from torch.cuda import green_contexts as G
+
+        self.gc = G.GreenContext.create(num_sms=n_sms, device_id=torch.cuda.current_device())
+        self.mode = mode
+        self.stream = self.gc.Stream() if mode == "stream" else None
+
+    def run(self, fn):
+        if self.mode == "stream":
+            main = torch.cuda.current_stream()
+            self.stream.wait_stream(main)
+            with torch.cuda.stream(self.stream):
+                fn()
+            main.wait_stream(self.stream)
+        else:
+            self.gc.set_context()
+            try:
+                fn()
+            finally:
+                self.gc.pop_context()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--N", type=int, default=16384)
+    ap.add_argument("--V", type=int, default=32000)
+    ap.add_argument("--C", type=int, default=2048)
+    ap.add_argument("--sms", default="128,120,112,104,96")
+    ap.add_argument("--timeline", action="store_true")
+    args = ap.parse_args(argv)
+    from torch.cuda import green_contexts as G
+
+    print(f"torch {torch.__version__}, green contexts supported: {G.SUPPORTED}; "
+          f"GreenContext has Stream: {hasattr(G.GreenContext, 'Stream')}", flush=True)
+    if not G.SUPPORTED:
+        return 1
+    mode = "stream" if hasattr(G.GreenContext, "Stream") else "push"
+    N, V, C = args.N, args.V, args.C
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    ids = zipf_ids(N, V)
+    d = torch.randn(N, C, device=dev)
+    ref = K.embedding_bwd_ref(d, ids, V)
+    warm_up()
+    copy_src = torch.empty(1 << 28, device=dev)  # 1 GiB
+    copy_dst = torch.empty_like(copy_src)
+    copy_ms = gpu_time(lambda: copy_dst.copy_(copy_src), reps=args.reps)["ms"]
+    copy_tbs = 2 * copy_src.numel() * 4 / copy_ms / 1e9
+    must = (N * C + V * C) * 4 + 8 * N
+
+    CHUNK, BLOCK_C, nw, _, key_bits, idx_ahead = K.DEFAULTS[4]
+    heavy_k, rbr, rbc, rwarps = K.ROWS_DEFAULTS[4][:4]
+    flat = ids.reshape(-1).contiguous()
+    counts = torch.zeros(V, dtype=torch.int32, device=dev)
+    slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dev)
+    K._embedding_slots_kernel[(triton.cdiv(N, K.SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
+                                                                BLOCK=K.SLOTS_BLOCK, num_warps=4)
+    dtable = torch.empty(V, C, device=dev)
+    n_chunks = triton.cdiv(N, CHUNK)
+    n_cb = triton.cdiv(C, BLOCK_C)
+    n_rb, n_rcb = triton.cdiv(V, rbr), triton.cdiv(C, rbc)
+
+    def rows_grid():
+        K._embedding_bwd_rows_kernel[(n_rb, n_rcb)](d, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k,
+                                                    BLOCK_R=rbr, BLOCK_C=rbc, num_warps=rwarps)
+
+    def chain():
+        keys, bias, _ = K._sort_keys(flat, V, key_bits, False, counts, heavy_k)
+        sorted_ids, order = torch.sort(keys, stable=True)
+        part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dev)
+        K._walk_and_merge(d, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
+                          False, bias, nw)
+
+    def side_by_side(grid_runner):
+        """The chain on the high-priority side stream, the grid through grid_runner, both after this stream."""
+        main = torch.cuda.current_stream()
+        side = side_stream(dev, high_priority=True)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            chain()
+        grid_runner(rows_grid)
+        main.wait_stream(side)
+
+    rows = []
+
+    def row(name, fn, nbytes=None):
+        ms = gpu_time(fn, reps=args.reps)["ms"]
+        frac = f"{nbytes / ms / 1e9 / copy_tbs:.0%}" if nbytes else ""
+        rows.append((name, ms, frac))
+        print(f"{name:36s} {ms:.4f} ms {frac}", flush=True)
+
+    row("op", lambda: K.embedding_bwd_triton(d, ids, V), must)
+    row("rows grid, all SMs", rows_grid)
+    row("chain", chain)
+    row("grid (all SMs) + chain", lambda: side_by_side(lambda f: f()))
+    greens = {}
+    for n in (int(s) for s in args.sms.split(",")):
+        try:
+            greens[n] = Green(n, mode)
+        except Exception as e:  # noqa: BLE001 (a probe: say why and go on)
+            print(f"green context of {n} SMs: {type(e).__name__}: {e}", flush=True)
+            continue
+        g = greens[n]
+        dtable.fill_(float("nan"))
+        try:
+            side_by_side(g.run)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            print(f"green {n} SMs ({mode}): {type(e).__name__}: {e}", flush=True)
+            return 1
+        err = (dtable - ref).abs().max().item()
+        print(f"green {n} SMs ({mode}): grid + chain max |err| vs reference {err:.3g}", flush=True)
+        row(f"rows grid, green {n} SMs", lambda g=g: g.run(rows_grid))
+        row(f"grid (green {n}) + chain", lambda g=g: side_by_side(g.run), must)
+    if args.timeline:
+        from bench.embedding_timeline import timeline
+
+        for n, g in greens.items():
+            ev = timeline(lambda g=g: side_by_side(g.run))
+            t0 = ev[0]["ts"]
+            print(f"\n== grid (green {n}) + chain: first start to last end "
+                  f"{max(e['ts'] + e['dur'] for e in ev) - t0:.1f} us")
+            for e in ev:
+                print(f"  stream {e['args'].get('stream')!s:>4}  +{e['ts'] - t0:7.1f} us  {e['dur']:7.1f} us  "
+                      f"{e['name'][:60]}")
+    print(f"\ncopy {copy_tbs:.2f} TB/s; op bytes {must / 1e6:.0f} MB")
+    print("| what | ms | of copy |\n|---|---:|---:|")
+    for name, ms, frac in rows:
+        print(f"| {name} | {ms:.4f} | {frac} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
