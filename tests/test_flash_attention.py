@@ -466,8 +466,8 @@ _FWD_INSTRS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrie
 @pytest.fixture(scope="module")
 def fwd_compiled():
     """Each Gluon forward variant compiled for sm_90 in ONE child process without the Triton interpreter
-    (tests/_child.py says why). Returns {repr([variant, D, causal, bthd]): {instr: present} or "ValueError:
-    ..."}."""
+    (tests/_child.py says why). Returns {repr([variant, D, causal, bthd]): {instr: present, "sass": the SASS
+    report} or "ValueError: ..."}."""
     from _child import run_without_interpreter
 
     G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
@@ -476,13 +476,15 @@ def fwd_compiled():
     keys = [[v, D, causal, bthd] for v in GLUON_VARIANTS
             for D, causal, bthd in ((64, False, False), (128, True, True), (64, True, True))]
     return run_without_interpreter(f"""
+from bench.gluon_flash_bwd_onepass import ptxas_report
 from xtrain.kernels import flash_attention_gluon as G
 out = {{}}
 for key in {keys!r}:
     variant, D, causal, bthd = key
     try:
-        ptx = G.compile_sm90(D, causal, transposed_kv=bthd, variant=variant).asm["ptx"]
-        out[repr(key)] = {{i: i in ptx for i in {list(_FWD_INSTRS)!r}}}
+        ck = G.compile_sm90(D, causal, transposed_kv=bthd, variant=variant)
+        out[repr(key)] = {{i: i in ck.asm["ptx"] for i in {list(_FWD_INSTRS)!r}}}
+        out[repr(key)]["sass"] = ptxas_report(ck)
     except ValueError as e:
         out[repr(key)] = "ValueError: " + str(e)
 """)
@@ -492,7 +494,8 @@ for key in {keys!r}:
 def test_gluon_forward_compiles_for_sm90(variant, fwd_compiled):
     """No GPU needed: each Gluon forward variant compiles for sm_90 with the installed Triton (both head dims,
     causal and not, both K/V layouts) and uses what it is built on: wgmma, TMA bulk copies, setmaxnreg of
-    the warp specialisation, mbarrier waits; a variant asked for a head dim it does not take raises."""
+    the warp specialisation, mbarrier waits; a variant asked for a head dim it does not take raises. Where
+    cuobjdump is at hand, also that ptxas did not serialise the wgmmas (as the backward's compile test)."""
     G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
     for D, causal, bthd in ((64, False, False), (128, True, True), (64, True, True)):
         got = fwd_compiled[repr([variant, D, causal, bthd])]
@@ -500,7 +503,10 @@ def test_gluon_forward_compiles_for_sm90(variant, fwd_compiled):
             assert isinstance(got, str) and "takes head dims" in got, got
             continue
         assert isinstance(got, dict), got
+        sass = got.pop("sass")
         assert all(got.values()), (variant, D, got)
+        if not sass.startswith("SASS n/a"):  # ptxas kept the wgmmas in flight (causal: the half-width diagonal
+            assert "not serialized" in sass, (variant, D, causal, sass)  # step included, at this T of 256)
 
 
 @pytest.mark.gpu
