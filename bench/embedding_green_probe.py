@@ -19,7 +19,6 @@ is made current around the launch (``set_context`` / ``pop_context``: torch then
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -27,10 +26,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._gpu import gpu_time, warm_up  # noqa: E402
+from bench import embedding_tma_probe as P  # noqa: E402
+from bench._gpu import warm_up  # noqa: E402
 from bench.kernels import zipf_ids  # noqa: E402
 from xtrain.kernels import embedding as K  # noqa: E402
-from xtrain.kernels._dispatch import side_stream, triton  # noqa: E402
+from xtrain.kernels._dispatch import side_stream  # noqa: E402
 
 
 class Green:
@@ -60,11 +60,7 @@ class Green:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--N", type=int, default=16384)
-    ap.add_argument("--V", type=int, default=32000)
-    ap.add_argument("--C", type=int, default=2048)
+    ap = P.probe_parser(__doc__)
     ap.add_argument("--sms", default="128,120,112,104,96")
     ap.add_argument("--timeline", action="store_true")
     args = ap.parse_args(argv)
@@ -82,34 +78,9 @@ def main(argv=None) -> int:
     d = torch.randn(N, C, device=dev)
     ref = K.embedding_bwd_ref(d, ids, V)
     warm_up()
-    copy_src = torch.empty(1 << 28, device=dev)  # 1 GiB
-    copy_dst = torch.empty_like(copy_src)
-    copy_ms = gpu_time(lambda: copy_dst.copy_(copy_src), reps=args.reps)["ms"]
-    copy_tbs = 2 * copy_src.numel() * 4 / copy_ms / 1e9
+    copy_tbs = P.copy_rate(args.reps)
     must = (N * C + V * C) * 4 + 8 * N
-
-    CHUNK, BLOCK_C, nw, _, key_bits, idx_ahead = K.DEFAULTS[4]
-    heavy_k, rbr, rbc, rwarps = K.ROWS_DEFAULTS[4][:4]
-    flat = ids.reshape(-1).contiguous()
-    counts = torch.zeros(V, dtype=torch.int32, device=dev)
-    slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dev)
-    K._embedding_slots_kernel[(triton.cdiv(N, K.SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
-                                                                BLOCK=K.SLOTS_BLOCK, num_warps=4)
-    dtable = torch.empty(V, C, device=dev)
-    n_chunks = triton.cdiv(N, CHUNK)
-    n_cb = triton.cdiv(C, BLOCK_C)
-    n_rb, n_rcb = triton.cdiv(V, rbr), triton.cdiv(C, rbc)
-
-    def rows_grid():
-        K._embedding_bwd_rows_kernel[(n_rb, n_rcb)](d, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k,
-                                                    BLOCK_R=rbr, BLOCK_C=rbc, num_warps=rwarps)
-
-    def chain():
-        keys, bias, _ = K._sort_keys(flat, V, key_bits, False, counts, heavy_k)
-        sorted_ids, order = torch.sort(keys, stable=True)
-        part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dev)
-        K._walk_and_merge(d, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
-                          False, bias, nw)
+    dtable, rows_grid, chain = P.rows_and_chain(d, ids, V)
 
     def side_by_side(grid_runner):
         """The chain on the high-priority side stream, the grid through grid_runner, both after this stream."""
@@ -121,13 +92,7 @@ def main(argv=None) -> int:
         grid_runner(rows_grid)
         main.wait_stream(side)
 
-    rows = []
-
-    def row(name, fn, nbytes=None):
-        ms = gpu_time(fn, reps=args.reps)["ms"]
-        frac = f"{nbytes / ms / 1e9 / copy_tbs:.0%}" if nbytes else ""
-        rows.append((name, ms, frac))
-        print(f"{name:36s} {ms:.4f} ms {frac}", flush=True)
+    row = P.Recorder(args.reps, copy_tbs, 36)
 
     row("op", lambda: K.embedding_bwd_triton(d, ids, V), must)
     row("rows grid, all SMs", rows_grid)
@@ -156,17 +121,9 @@ def main(argv=None) -> int:
         from bench.embedding_timeline import timeline
 
         for n, g in greens.items():
-            ev = timeline(lambda g=g: side_by_side(g.run))
-            t0 = ev[0]["ts"]
-            print(f"\n== grid (green {n}) + chain: first start to last end "
-                  f"{max(e['ts'] + e['dur'] for e in ev) - t0:.1f} us")
-            for e in ev:
-                print(f"  stream {e['args'].get('stream')!s:>4}  +{e['ts'] - t0:7.1f} us  {e['dur']:7.1f} us  "
-                      f"{e['name'][:60]}")
+            P.print_timeline(f"grid (green {n}) + chain", timeline(lambda g=g: side_by_side(g.run)))
     print(f"\ncopy {copy_tbs:.2f} TB/s; op bytes {must / 1e6:.0f} MB")
-    print("| what | ms | of copy |\n|---|---:|---:|")
-    for name, ms, frac in rows:
-        print(f"| {name} | {ms:.4f} | {frac} |")
+    P.print_table(row.rows)
     return 0
 
 

@@ -76,26 +76,20 @@ def tma_zero(dtable: torch.Tensor, per_sm: int, warps: int, carveout: int | None
     return run
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--N", type=int, default=16384)
-    ap.add_argument("--V", type=int, default=32000)
-    ap.add_argument("--C", type=int, default=2048)
-    ap.add_argument("--timeline", action="store_true", help="also print three GPU timelines (torch.profiler)")
-    args = ap.parse_args(argv)
-    N, V, C = args.N, args.V, args.C
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
-    ids = zipf_ids(N, V)
-    d = torch.randn(N, C, device=dev)
-    warm_up()
-    copy_src = torch.empty(1 << 28, device=dev)  # 1 GiB
+def copy_rate(reps: int) -> float:
+    """The GPU's copy bandwidth in TB/s (a 1 GiB device copy, GPU time), the bench's yardstick."""
+    copy_src = torch.empty(1 << 28, device="cuda")  # 1 GiB
     copy_dst = torch.empty_like(copy_src)
-    copy_ms = gpu_time(lambda: copy_dst.copy_(copy_src), reps=args.reps)["ms"]
-    copy_tbs = 2 * copy_src.numel() * 4 / copy_ms / 1e9
-    must = (N * C + V * C) * 4 + 8 * N
+    copy_ms = gpu_time(lambda: copy_dst.copy_(copy_src), reps=reps)["ms"]
+    return 2 * copy_src.numel() * 4 / copy_ms / 1e9
 
+
+def rows_and_chain(d: torch.Tensor, ids: torch.Tensor, V: int):
+    """The fp32 "rows" form's two branches as separate launches, at the library's defaults: the slots pass run
+    once here, then (dtable, rows_grid, chain): the rows kernel over the whole table, and the frequent rows'
+    keys, sort, walks and merge. Each writes its own rows of dtable."""
+    N, C = d.shape
+    dev = d.device
     CHUNK, BLOCK_C, nw, _, key_bits, idx_ahead = K.DEFAULTS[4]
     heavy_k, rbr, rbc, rwarps = K.ROWS_DEFAULTS[4][:4]
     flat = ids.reshape(-1).contiguous()
@@ -119,13 +113,34 @@ def main(argv=None) -> int:
         K._walk_and_merge(d, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
                           False, bias, nw)
 
-    rows = []
+    return dtable, rows_grid, chain
 
-    def row(name, fn, nbytes=None):
-        ms = gpu_time(fn, reps=args.reps)["ms"]
-        frac = f"{nbytes / ms / 1e9 / copy_tbs:.0%}" if nbytes else ""
-        rows.append((name, ms, frac))
-        print(f"{name:32s} {ms:.4f} ms {frac}", flush=True)
+
+def probe_parser(doc: str) -> argparse.ArgumentParser:
+    """The embedding probes' common options: timed calls per row and the bench's shape (N, V, C)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--N", type=int, default=16384)
+    ap.add_argument("--V", type=int, default=32000)
+    ap.add_argument("--C", type=int, default=2048)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = probe_parser(__doc__)
+    ap.add_argument("--timeline", action="store_true", help="also print three GPU timelines (torch.profiler)")
+    args = ap.parse_args(argv)
+    N, V, C = args.N, args.V, args.C
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    ids = zipf_ids(N, V)
+    d = torch.randn(N, C, device=dev)
+    warm_up()
+    copy_tbs = copy_rate(args.reps)
+    must = (N * C + V * C) * 4 + 8 * N
+    dtable, rows_grid, chain = rows_and_chain(d, ids, V)
+
+    row = Recorder(args.reps, copy_tbs, 32)
 
     row("op", lambda: K.embedding_bwd_triton(d, ids, V), must)
     row("rows grid", rows_grid)
@@ -153,17 +168,40 @@ def main(argv=None) -> int:
         for name, fn in (("chain alone", chain),
                          ("rows grid + chain", lambda: run_side_by_side(dev, rows_grid, chain, True)),
                          ("tma zero 1/SM w4 + chain", lambda: run_side_by_side(dev, z, chain, True))):
-            ev = timeline(fn)
-            t0 = ev[0]["ts"]
-            print(f"\n== {name}: first start to last end {max(e['ts'] + e['dur'] for e in ev) - t0:.1f} us")
-            for e in ev:
-                print(f"  stream {e['args'].get('stream')!s:>4}  +{e['ts'] - t0:7.1f} us  {e['dur']:7.1f} us  "
-                      f"{e['name'][:60]}")
+            print_timeline(name, timeline(fn))
     print(f"\ncopy {copy_tbs:.2f} TB/s; op bytes {must / 1e6:.0f} MB, zero bytes {V * C * 4 / 1e6:.0f} MB")
+    print_table(row.rows)
+    return 0
+
+
+class Recorder:
+    """``row(name, fn, nbytes=None)`` times fn (GPU time, ``reps`` calls), prints it and keeps (name, ms, the
+    fraction of copy bandwidth nbytes took) in ``rows``."""
+
+    def __init__(self, reps: int, copy_tbs: float, width: int = 32):
+        self.reps, self.copy_tbs, self.width, self.rows = reps, copy_tbs, width, []
+
+    def __call__(self, name: str, fn, nbytes: int | None = None) -> None:
+        ms = gpu_time(fn, reps=self.reps)["ms"]
+        frac = f"{nbytes / ms / 1e9 / self.copy_tbs:.0%}" if nbytes else ""
+        self.rows.append((name, ms, frac))
+        print(f"{name:{self.width}s} {ms:.4f} ms {frac}", flush=True)
+
+
+def print_timeline(name: str, ev: list) -> None:
+    """One call's kernels (``bench.embedding_timeline.timeline``): stream, start from the first, duration."""
+    t0 = ev[0]["ts"]
+    print(f"\n== {name}: first start to last end {max(e['ts'] + e['dur'] for e in ev) - t0:.1f} us")
+    for e in ev:
+        print(f"  stream {e['args'].get('stream')!s:>4}  +{e['ts'] - t0:7.1f} us  {e['dur']:7.1f} us  "
+              f"{e['name'][:60]}")
+
+
+def print_table(rows: list) -> None:
+    """(what, ms, fraction of copy) rows as a markdown table."""
     print("| what | ms | of copy |\n|---|---:|---:|")
     for name, ms, frac in rows:
         print(f"| {name} | {ms:.4f} | {frac} |")
-    return 0
 
 
 if __name__ == "__main__":
