@@ -13,8 +13,8 @@ idle. Timing only; on the bench's Zipf-like ids (N = 16k, V = 32000, C = 2048, f
   chain                  keys, sort, walks and merge alone
   grid [n] + chain       the two side by side: the grid on the green context's stream, the chain on the op's
                          high-priority side stream
-How the green context's work is launched: ``GreenContext.Stream()`` where this torch has it, else the context
-is made current around the launch (``set_context`` / ``pop_context``: torch then uses its default stream).
+The green context's work goes on its ``GreenContext.Stream()`` (torch 2.11 has it; the probe says so and stops
+where a torch does not).
 """
 
 from __future__ import annotations
@@ -28,35 +28,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import embedding_tma_probe as P  # noqa: E402
 from bench._gpu import warm_up  # noqa: E402
-from bench.kernels import zipf_ids  # noqa: E402
+from bench.kernels import copy_bandwidth, zipf_ids  # noqa: E402
 from xtrain.kernels import embedding as K  # noqa: E402
 from xtrain.kernels._dispatch import side_stream  # noqa: E402
 
 
 class Green:
-    """n SMs of the device as a green context; ``run(fn)`` launches fn's kernels there, ordered after the
+    """n SMs of the device as a green context; ``run(fn)`` launches fn's kernels on its stream, ordered after the
     current stream's work, and the current stream waits for them."""
 
-    def __init__(self, n_sms: int, mode: str):
+    def __init__(self, n_sms: int):
         from torch.cuda import green_contexts as G
 
         self.gc = G.GreenContext.create(num_sms=n_sms, device_id=torch.cuda.current_device())
-        self.mode = mode
-        self.stream = self.gc.Stream() if mode == "stream" else None
+        self.stream = self.gc.Stream()
 
     def run(self, fn):
-        if self.mode == "stream":
-            main = torch.cuda.current_stream()
-            self.stream.wait_stream(main)
-            with torch.cuda.stream(self.stream):
-                fn()
-            main.wait_stream(self.stream)
-        else:
-            self.gc.set_context()
-            try:
-                fn()
-            finally:
-                self.gc.pop_context()
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            fn()
+        main.wait_stream(self.stream)
 
 
 def main(argv=None) -> int:
@@ -68,9 +60,8 @@ def main(argv=None) -> int:
 
     print(f"torch {torch.__version__}, green contexts supported: {G.SUPPORTED}; "
           f"GreenContext has Stream: {hasattr(G.GreenContext, 'Stream')}", flush=True)
-    if not G.SUPPORTED:
+    if not (G.SUPPORTED and hasattr(G.GreenContext, "Stream")):
         return 1
-    mode = "stream" if hasattr(G.GreenContext, "Stream") else "push"
     N, V, C = args.N, args.V, args.C
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -78,7 +69,7 @@ def main(argv=None) -> int:
     d = torch.randn(N, C, device=dev)
     ref = K.embedding_bwd_ref(d, ids, V)
     warm_up()
-    copy_tbs = P.copy_rate(args.reps)
+    copy_tbs = copy_bandwidth() / 1e12
     must = (N * C + V * C) * 4 + 8 * N
     dtable, rows_grid, chain = P.rows_and_chain(d, ids, V)
 
@@ -101,7 +92,7 @@ def main(argv=None) -> int:
     greens = {}
     for n in (int(s) for s in args.sms.split(",")):
         try:
-            greens[n] = Green(n, mode)
+            greens[n] = Green(n)
         except Exception as e:  # noqa: BLE001 (a probe: say why and go on)
             print(f"green context of {n} SMs: {type(e).__name__}: {e}", flush=True)
             continue
@@ -111,17 +102,17 @@ def main(argv=None) -> int:
             side_by_side(g.run)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
-            print(f"green {n} SMs ({mode}): {type(e).__name__}: {e}", flush=True)
+            print(f"green {n} SMs: {type(e).__name__}: {e}", flush=True)
             return 1
         err = (dtable - ref).abs().max().item()
-        print(f"green {n} SMs ({mode}): grid + chain max |err| vs reference {err:.3g}", flush=True)
+        print(f"green {n} SMs: grid + chain max |err| vs reference {err:.3g}", flush=True)
         row(f"rows grid, green {n} SMs", lambda g=g: g.run(rows_grid))
         row(f"grid (green {n}) + chain", lambda g=g: side_by_side(g.run), must)
     if args.timeline:
-        from bench.embedding_timeline import timeline
+        from bench.embedding_timeline import print_timeline, timeline
 
         for n, g in greens.items():
-            P.print_timeline(f"grid (green {n}) + chain", timeline(lambda g=g: side_by_side(g.run)))
+            print_timeline(f"grid (green {n}) + chain", timeline(lambda g=g: side_by_side(g.run)))
     print(f"\ncopy {copy_tbs:.2f} TB/s; op bytes {must / 1e6:.0f} MB")
     P.print_table(row.rows)
     return 0

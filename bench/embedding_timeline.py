@@ -98,12 +98,29 @@ def main() -> int:
         end = max(e["ts"] + e["dur"] for e in ev) - t0
         print(f"\n== {name}, N={N} V={V} C={C} {dt}: {len(ev)} kernels, first start to last end {end:.1f} us "
               f"(graph replay {g:.1f} us)")
-        for e in ev:
-            a = e["args"]
-            print(f"  stream {a.get('stream')!s:>4}  +{e['ts'] - t0:7.1f} us  {e['dur']:7.1f} us  "
-                  f"{e['name'][:60]:<60} block {a.get('block')} regs {a.get('registers per thread')} "
-                  f"smem {a.get('shared memory')}")
+        print_kernels(ev, detail=True)
     return 0
+
+
+def print_kernels(ev: list, detail: bool = False) -> None:
+    """One line per kernel of a ``timeline``: stream, start from the first kernel's, duration, name (detail: and
+    its block, registers and shared memory)."""
+    t0 = ev[0]["ts"]
+    for e in ev:
+        a = e["args"]
+        line = f"  stream {a.get('stream')!s:>4}  +{e['ts'] - t0:7.1f} us  {e['dur']:7.1f} us  "
+        if detail:
+            line += (f"{e['name'][:60]:<60} block {a.get('block')} regs {a.get('registers per thread')} "
+                     f"smem {a.get('shared memory')}")
+        else:
+            line += e["name"][:60]
+        print(line)
+
+
+def print_timeline(name: str, ev: list) -> None:
+    """A ``timeline`` under a title: its first start to last end, then ``print_kernels``."""
+    print(f"\n== {name}: first start to last end {max(e['ts'] + e['dur'] for e in ev) - ev[0]['ts']:.1f} us")
+    print_kernels(ev)
 
 
 if __name__ == "__main__":

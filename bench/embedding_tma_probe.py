@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._gpu import gpu_time, warm_up  # noqa: E402
-from bench.kernels import zipf_ids  # noqa: E402
+from bench.kernels import copy_bandwidth, zipf_ids  # noqa: E402
 from xtrain.kernels import embedding as K  # noqa: E402
 from xtrain.kernels._dispatch import run_side_by_side, sm_count, triton  # noqa: E402
 from xtrain.kernels.flash_attention_gluon import HAVE_GLUON  # noqa: E402
@@ -74,14 +74,6 @@ def tma_zero(dtable: torch.Tensor, per_sm: int, warps: int, carveout: int | None
         k = _tma_zero_kernel[grid](desc, V, SUB=C // W, num_warps=warps)
         assert prefer_shared_memory(k, carveout)
     return run
-
-
-def copy_rate(reps: int) -> float:
-    """The GPU's copy bandwidth in TB/s (a 1 GiB device copy, GPU time), the bench's yardstick."""
-    copy_src = torch.empty(1 << 28, device="cuda")  # 1 GiB
-    copy_dst = torch.empty_like(copy_src)
-    copy_ms = gpu_time(lambda: copy_dst.copy_(copy_src), reps=reps)["ms"]
-    return 2 * copy_src.numel() * 4 / copy_ms / 1e9
 
 
 def rows_and_chain(d: torch.Tensor, ids: torch.Tensor, V: int):
@@ -136,7 +128,7 @@ def main(argv=None) -> int:
     ids = zipf_ids(N, V)
     d = torch.randn(N, C, device=dev)
     warm_up()
-    copy_tbs = copy_rate(args.reps)
+    copy_tbs = copy_bandwidth() / 1e12
     must = (N * C + V * C) * 4 + 8 * N
     dtable, rows_grid, chain = rows_and_chain(d, ids, V)
 
@@ -162,7 +154,7 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     assert int((dtable != 0).sum()) == 0, "the TMA zero kernel left nonzero elements"
     if args.timeline:
-        from bench.embedding_timeline import timeline
+        from bench.embedding_timeline import print_timeline, timeline
 
         z = tma_zero(dtable, 1, 4)
         for name, fn in (("chain alone", chain),
@@ -186,15 +178,6 @@ class Recorder:
         frac = f"{nbytes / ms / 1e9 / self.copy_tbs:.0%}" if nbytes else ""
         self.rows.append((name, ms, frac))
         print(f"{name:{self.width}s} {ms:.4f} ms {frac}", flush=True)
-
-
-def print_timeline(name: str, ev: list) -> None:
-    """One call's kernels (``bench.embedding_timeline.timeline``): stream, start from the first, duration."""
-    t0 = ev[0]["ts"]
-    print(f"\n== {name}: first start to last end {max(e['ts'] + e['dur'] for e in ev) - t0:.1f} us")
-    for e in ev:
-        print(f"  stream {e['args'].get('stream')!s:>4}  +{e['ts'] - t0:7.1f} us  {e['dur']:7.1f} us  "
-              f"{e['name'][:60]}")
 
 
 def print_table(rows: list) -> None:
