@@ -17,6 +17,12 @@ and cuDNN. (``triton.testing.do_bench`` lets the GPU wait for the host inside th
 H200 machine of session 6 xtrain's forward at T = 1k took 0.26-0.37 ms of host time per call for 0.16-0.21 ms
 of GPU time, so do_bench read it 15-40 % slow.) Random normal data.
 
+``--rounds R`` times every contender R times per size in alternating order (xtrain first, then last, ...) and
+takes medians; a second table gives the range of the per-round ratios. Under sustained load the H200 sits at its
+700 W power cap, so a long backward's time follows its energy and the GPU's temperature; one round per size (the
+default) compares contenders measured a few hundred milliseconds apart, which at hd128 T = 16k read anywhere
+from 0.89 to 1.00 across processes (bench/RESULTS.md).
+
 ``--sweep`` first times a few kernel configs per head dim at one T and uses the fastest in the table.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 import torch
@@ -110,6 +117,30 @@ def time_sdpa(backend, q, k, v, do, causal, host: list | None = None):
     except RuntimeError as e:  # backend not available for these inputs
         print(f"  sdpa {backend}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
         return None
+
+
+def timed_rounds(q, k, v, do, causal, cfg, rounds: int, host: dict) -> dict:
+    """{contender: [(fwd_ms, bwd_ms) per round]} for xtrain and every SDPA backend that runs these inputs.
+
+    Each round times every contender once, in alternating order (even rounds xtrain first, odd rounds xtrain
+    last), so that none is always measured on a GPU the others have just heated: under sustained load the H200
+    sits at its power cap and a kernel's time follows the energy it spends (bench/RESULTS.md, sessions 14-18).
+    The host cost of a call is recorded in the first round only (``host``: {name: [ms, ...]})."""
+    names = ["xtrain", *sdpa_backends()]
+    times: dict = {n: [] for n in names}
+    refused: set = set()
+    for rd in range(rounds):
+        for n in (names if rd % 2 == 0 else names[::-1]):
+            if n in refused:
+                continue
+            h = host.get(n) if rd == 0 else None
+            t = time_xtrain(q, k, v, do, causal, *cfg, host=h) if n == "xtrain" \
+                else time_sdpa(sdpa_backends()[n], q, k, v, do, causal, host=h)
+            if t is None:
+                refused.add(n)
+            else:
+                times[n].append(t)
+    return {n: ts for n, ts in times.items() if n not in refused}
 
 
 def time_composed(q, k, v, do, causal):
@@ -217,8 +248,13 @@ def main(argv=None) -> int:
                     help="skip the composed path when one [B, H, T, T] bf16 tensor exceeds this / 4")
     ap.add_argument("--sweep", action="store_true", help="sweep kernel configs first and use the fastest")
     ap.add_argument("--sweep-T", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every contender this many times per size, in alternating order; the table takes "
+                         "the medians and a second table gives the range of the per-round ratios")
     ap.add_argument("--json", default=None, help="write every measurement to this JSON file")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if not torch.cuda.is_available():
         print("xtrain bench attention: needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -249,15 +285,22 @@ def main(argv=None) -> int:
             tf = lambda ms, mult=1.0, fl=fl: mult * fl / ms * 1e-9
             r = {"D": D, "T": T, "B": B, "H": H}
             r["host_us"] = {"xtrain": [], "cudnn": []}
-            fwd_ms, bwd_ms = time_xtrain(q, k, v, do, causal, *cfgs[D], host=r["host_us"]["xtrain"])
+            times = timed_rounds(q, k, v, do, causal, cfgs[D], args.rounds, r["host_us"])
+            med = {n: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
+                   for n, ts in times.items()}
+            fwd_ms, bwd_ms = med["xtrain"]
             r["xtrain"] = (tf(fwd_ms), tf(bwd_ms, 2.5))
             r["gpu_us"] = {"xtrain": (fwd_ms * 1e3, bwd_ms * 1e3)}
             r["xtrain_peak_mib"] = xtrain_peak(q, k, v, do, causal, *cfgs[D]) / 2**20
-            for name, be in sdpa_backends().items():
-                t = time_sdpa(be, q, k, v, do, causal, host=r["host_us"].get(name))
+            for name in sdpa_backends():
+                t = med.get(name)
                 r[name] = None if t is None else (tf(t[0]), tf(t[1], 2.5))
                 if t is not None and name == "cudnn":
                     r["gpu_us"]["cudnn"] = (t[0] * 1e3, t[1] * 1e3)
+            # per round: xtrain's time against the fastest backend's in the same round (fwd, bwd)
+            backends = [n for n in sdpa_backends() if n in times]
+            r["ratio_rounds"] = [tuple(min(times[n][i][j] for n in backends) / times["xtrain"][i][j] for j in (0, 1))
+                                 for i in range(args.rounds)] if backends else []
             r["host_us"] = {n: [1e3 * h for h in hs] for n, hs in r["host_us"].items()}
             scores_gib = B * H * T * T * 2 / 2**30
             r["composed"], r["composed_peak_mib"] = None, None
@@ -291,6 +334,15 @@ def main(argv=None) -> int:
         cp = "-" if r["composed_peak_mib"] is None else f"{r['composed_peak_mib']:.0f}"
         print(f"{r['D']:>4} {r['T']:>6} | " + " | ".join(f"{c:>9}" for c in cells)
               + f" | {r['ratio'][0]:.2f}/{r['ratio'][1]:.2f} | {r['xtrain_peak_mib']:>8.0f} {cp:>9}")
+    if args.rounds > 1:
+        print(f"\nxtrain / fastest SDPA backend per round ({args.rounds} rounds, alternating order): min-max, "
+              "fwd | bwd")
+
+        def span(rr, j):
+            return f"{min(x[j] for x in rr):.2f}-{max(x[j] for x in rr):.2f}" if rr else "-"
+
+        for r in rows:
+            print(f"{r['D']:>4} {r['T']:>6} | {span(r['ratio_rounds'], 0):>9} | {span(r['ratio_rounds'], 1):>9}")
     print("\nHost time per call (us, the CPU's launch cost, GPU kept busy) next to GPU time (us), fwd / bwd")
     print(f"{'D':>4} {'T':>6} | {'xtrain host':>13} | {'xtrain GPU':>13} | {'cudnn host':>13} | {'cudnn GPU':>13}")
     for r in rows:
