@@ -299,6 +299,7 @@ def main(argv=None) -> int:
                     r["gpu_us"]["cudnn"] = (t[0] * 1e3, t[1] * 1e3)
             # per round: xtrain's time against the fastest backend's in the same round (fwd, bwd)
             backends = [n for n in sdpa_backends() if n in times]
+            r["rounds_ms"] = times
             r["ratio_rounds"] = [tuple(min(times[n][i][j] for n in backends) / times["xtrain"][i][j] for j in (0, 1))
                                  for i in range(args.rounds)] if backends else []
             r["host_us"] = {n: [1e3 * h for h in hs] for n, hs in r["host_us"].items()}
