@@ -550,3 +550,29 @@ def test_bwd_preprocess_delta_and_base2_lse(T):
             assert torch.equal(lse2, lse * FA.LOG2E)
         else:
             assert torch.isnan(lse2).all()
+
+
+def test_bench_rounds_alternate_and_drop_refused_backends(monkeypatch):
+    """``xtrain bench attention --rounds``: every contender once per round, xtrain first in even rounds and last in
+    odd ones; a backend that refuses the inputs is dropped; the host cost is recorded in the first round only."""
+    A = pytest.importorskip("bench.attention")
+    calls = []
+
+    def fake_xtrain(q, k, v, do, causal, fcfg=None, bcfg=None, host=None):
+        calls.append("xtrain")
+        if host is not None:
+            host.append(1.0)
+        return (1.0, 2.0 + len(calls))
+
+    def fake_sdpa(backend, q, k, v, do, causal, host=None):
+        name = {b: n for n, b in A.sdpa_backends().items()}[backend]
+        calls.append(name)
+        return None if name == "efficient" else (1.5, 3.0)
+
+    monkeypatch.setattr(A, "time_xtrain", fake_xtrain)
+    monkeypatch.setattr(A, "time_sdpa", fake_sdpa)
+    host = {"xtrain": [], "cudnn": []}
+    times = A.timed_rounds(None, None, None, None, True, (None, None), 3, host)
+    assert calls == ["xtrain", "flash", "cudnn", "efficient", "cudnn", "flash", "xtrain", "xtrain", "flash", "cudnn"]
+    assert set(times) == {"xtrain", "flash", "cudnn"} and all(len(t) == 3 for t in times.values())
+    assert [t[1] for t in times["xtrain"]] == [3.0, 9.0, 10.0] and host["xtrain"] == [1.0]
