@@ -592,6 +592,13 @@ def _v_embedding(N, V, C, dt, smoke=False):
                                 ("pdl", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": False}),
                                 ("main first", {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True}),
                                 ("pdl + main first", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": True}))]
+    # session 18: the "tiers" form (TIERS = (K2, MT, BLOCK_C, warps, per SM of tier A, HT, BLOCK_C, warps, per SM of
+    # tier B, SCAN); the default first)
+    tiers = (16, bc, 4, "tiers", 16, True)
+    vs += [(f"tiers {t}", tiers, {"TIERS": t}) for t in
+           (None, (64, 16, 1024, 8, 1, 128, 32, 4, 1, 4096), (32, 8, 2048, 4, 1, 256, 64, 4, 1, 4096),
+            (128, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), (64, 8, 2048, 4, 2, 256, 64, 4, 1, 4096),
+            (64, 8, 2048, 4, 1, 128, 32, 4, 2, 4096))]
     for name, cfg, *extra in vs:
         def fn(knobs=tuple({"CONFIG": cfg, **(extra[0] if extra else {})}.items())):
             with contextlib.ExitStack() as stack:

@@ -383,6 +383,39 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
 
 
 @needs_cpu_interp
+@pytest.mark.parametrize("tiers", [(8, 4, 16, 4, 1, 4, 16, 4, 1, 64), (16, 8, 32, 8, 2, 8, 8, 4, 3, 32),
+                                   (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096)])
+def test_embedding_bwd_tiers_cpu(tiers, monkeypatch):
+    """The "tiers" form: rows seen at most K times by the rows kernel, K < count <= K2 by tier A from their slots
+    (ranked into token order), more than K2 by the heavy lists (scans of the ids SCAN at a time, several heavy
+    ids, so their offsets add up) and tier B. Counts of exactly K, K + 1, K2, K2 + 1; every token one id; every
+    token its own id; Zipf-like draws; a table narrower than K2 (the slots capped at the table's width); against
+    the reference and bit for bit repeatable (the slots and list places are taken by atomics)."""
+    monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "tiers", 16, True))
+    monkeypatch.setattr(K_emb, "ROWS", (4, 1, 32, 4))
+    monkeypatch.setattr(K_emb, "TIERS", tiers)
+    k2 = tiers[0]
+    cases = [torch.cat([torch.full((4,), 2), torch.full((5,), 5), torch.full((k2,), 7), torch.full((k2 + 1,), 1),
+                        torch.full((3 * k2,), 4), torch.tensor([0, 9, 2, 7])])[torch.randperm(4 * k2 + 22)],
+             torch.full((2 * k2 + 3,), 3), torch.randperm(11), (torch.rand(300) ** 3 * 40).long()]
+    for ids in cases:
+        V = int(ids.max()) + 3
+        for C in (21, 6):
+            d = torch.randn(ids.numel(), C)
+            a = K_emb.embedding_bwd_triton(d, ids, V)
+            assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
+            assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
+
+
+@needs_cpu_interp
+def test_embedding_bwd_tiers_bad_config_cpu(monkeypatch):
+    monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "tiers", 16, True))
+    monkeypatch.setattr(K_emb, "TIERS", (8, 3, 16, 4, 1, 4, 16, 4, 1, 64))  # MT = 3: not a power of two
+    with pytest.raises(ValueError, match="TIERS"):
+        K_emb.embedding_bwd_triton(torch.randn(5, 8), torch.tensor([0, 1, 1, 2, 0]), 3)
+
+
+@needs_cpu_interp
 def test_embedding_bwd_rows_knobs_cpu(monkeypatch):
     """The rows kernel's zero-tile branch and eviction policy change no bit (grid and persistent forms)."""
     ids = torch.cat([torch.tensor([5, 5, 5, 5, 5, 9]), (torch.rand(90) ** 3 * 70).long()])
@@ -659,10 +692,11 @@ def test_adamw_gpu_bit_exact():
                                     (8, 512, 4, "absent", 16, False, "tile"), (16, 1024, 4, "side", 16, True),
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
-                                    "rows launched as before"])
+                                    "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
-    merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel
+    merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
+    "tiers" its medium rows and its heavy lists and sums on two streams beside the rows kernel
     (a missing order between the two would leave NaN rows or zeros where sums belong; the rows kernel's
     slots are taken by atomics in a new order each run)."""
     if config == "rows persistent":  # the rows kernel persistent, 2 programs per SM
@@ -672,6 +706,9 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
         config = (16, 512, 4, "rows", 16, True)  # dependent of the slots pass, issued before the chain)
         monkeypatch.setattr(K_emb, "ROWS_PDL", False)
         monkeypatch.setattr(K_emb, "ROWS_MAIN_FIRST", False)
+    if config == "tiers small K2":  # many heavy ids (seen more than 16 times), so many lists and offsets
+        config = (16, 512, 4, "tiers", 16, True)
+        monkeypatch.setattr(K_emb, "TIERS", (16, 8, 1024, 4, 1, 64, 64, 4, 1, 1024))
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text

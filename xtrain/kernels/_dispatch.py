@@ -113,18 +113,19 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 _SIDE_STREAMS: dict = {}
 
 
-def side_stream(device, high_priority: bool = False) -> torch.cuda.Stream:
+def side_stream(device, high_priority: bool = False, which: int = 0) -> torch.cuda.Stream:
     """One extra CUDA stream per device, for a kernel that can overlap another (created on first use).
     The caller makes the side stream wait for the main one before launching on it, and the main stream
     wait for the side one before returning, so everything after (and the caching allocator's reuse of the
     memory both touched) is ordered after both. ``high_priority``: a second side stream, of the highest
     priority CUDA offers: when programs of several kernels wait for a free SM, the hardware starts this
     stream's first, so a chain of small latency-bound kernels on it is not held back by a large bandwidth-
-    bound grid running beside it (which, on a stream of equal priority, fills every SM first)."""
+    bound grid running beside it (which, on a stream of equal priority, fills every SM first). ``which``: another
+    side stream of that priority (the embedding backward's "tiers" form runs two chains beside its grid)."""
     key = torch.device(device).index
     if key is None:
         key = torch.cuda.current_device()
-    key = (key, high_priority)
+    key = (key, high_priority, which)
     if key not in _SIDE_STREAMS:
         _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=-100 if high_priority else 0)
     return _SIDE_STREAMS[key]

@@ -140,6 +140,7 @@ from xtrain.kernels._dispatch import (
     gdc_wait,
     pdl_ok,
     run_side_by_side,
+    side_stream,
     sm_count,
     tl,
     triton,
@@ -545,6 +546,110 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
                    EVICT, ZERO_FAST)
 
 
+@_jit
+def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K: tl.constexpr, K2: tl.constexpr,
+                                 BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """The "tiers" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer atomic) and
+    writes its index to SLOTS[slot, id] if the slot is below K2. The token that takes slot K appends its id to the
+    medium list MED, the one that takes slot K2 to the heavy list HEAVY (NLIST[0] and NLIST[1] count them; one
+    atomic per program and list, positions within the program by a prefix sum). Which token takes which slot, and
+    where an id lands in a list, depend on scheduling; the later passes order each row's tokens by index, so the
+    sums do not. PDL: as ``_embedding_slots_kernel``."""
+    if PDL:
+        gdc_launch_dependents()
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    ids = tl.load(IDS + i, mask=m, other=0)
+    slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
+    tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K2))
+    mm = (m & (slot == K)).to(tl.int32)
+    pm = tl.atomic_add(NLIST, tl.sum(mm, axis=0)) + tl.cumsum(mm, axis=0) - 1
+    tl.store(MED + pm, ids.to(tl.int32), mask=mm != 0)
+    mh = (m & (slot == K2)).to(tl.int32)
+    ph = tl.atomic_add(NLIST + 1, tl.sum(mh, axis=0)) + tl.cumsum(mh, axis=0) - 1
+    tl.store(HEAVY + ph, ids.to(tl.int32), mask=mh != 0)
+
+
+@_jit
+def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST, HBASE, DTABLE, N, V, C,
+                             K2: tl.constexpr, MT: tl.constexpr, BLOCK_C: tl.constexpr, SCAN: tl.constexpr,
+                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr):
+    """Persistent over the lists. DO_HEAVY: each heavy id's token list, in token order, into HLIST from offset
+    HBASE[h] (the counts of the heavy ids listed before it): a scan of the ids SCAN at a time, each hit placed by a
+    running prefix sum. DO_MED: each medium row (K < count <= K2), whole: its K2 slots put in token order by their
+    ranks (a [K2, K2] comparison of token indices; an empty slot, the largest int32, ranks at the count), its
+    tokens gathered MT at a time in that order, each tile's rows added by a fixed reduction tree and the tiles in
+    order, in fp32, rounded once."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_med = 0
+    n_heavy = 0
+    if DO_MED:
+        n_med = tl.load(NLIST)
+    if DO_HEAVY:
+        n_heavy = tl.load(NLIST + 1)
+    for h in range(pid, n_heavy, P):
+        f = tl.load(HEAVY + h)
+        base = 0
+        for c0 in range(0, h, 1024):
+            hh = c0 + tl.arange(0, 1024)
+            before = hh < h
+            fs = tl.load(HEAVY + hh, mask=before, other=0)
+            base += tl.sum(tl.load(COUNTS + fs, mask=before, other=0), axis=0)
+        tl.store(HBASE + h, base)
+        run = base
+        for t0 in range(0, N, SCAN):
+            t = t0 + tl.arange(0, SCAN)
+            hit = (tl.load(IDS + t, mask=t < N, other=-1) == f).to(tl.int32)
+            tl.store(HLIST + run + tl.cumsum(hit, axis=0) - 1, t.to(tl.int32), mask=hit != 0)
+            run += tl.sum(hit, axis=0)
+    j = tl.arange(0, K2)
+    for e in range(pid, n_med, P):
+        f = tl.load(MED + e)
+        cnt = tl.load(COUNTS + f)
+        if cnt <= K2:
+            s = tl.load(SLOTS + j.to(tl.int64) * V + f, mask=j < cnt, other=2**31 - 1)
+            rank = tl.sum((s[None, :] < s[:, None]).to(tl.int32), axis=1)
+            row = f.to(tl.int64) * C
+            for c0 in range(0, C, BLOCK_C):
+                cols = c0 + tl.arange(0, BLOCK_C)
+                cm = cols < C
+                acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+                for t in range(0, cnt, MT):
+                    r = t + tl.arange(0, MT)
+                    src = tl.sum(tl.where(rank[None, :] == r[:, None], s[None, :], 0), axis=1)
+                    x = tl.load(DOUT + src.to(tl.int64)[:, None] * C + cols[None, :],
+                                mask=(r < cnt)[:, None] & cm[None, :], other=0.0)
+                    acc += tl.sum(x.to(tl.float32), axis=0)
+                tl.store(DTABLE + row + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
+
+
+@_jit
+def _embedding_tier_b_kernel(DOUT, COUNTS, HEAVY, NLIST, HLIST, HBASE, DTABLE, C, n_cb, HT: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+    """Persistent over (heavy id, column block) items: the id's listed tokens (HLIST, token order) gathered HT at
+    a time, each tile added by a fixed reduction tree and the tiles in order, in fp32, rounded once."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_heavy = tl.load(NLIST + 1)
+    for it in range(pid, n_heavy * n_cb, P):
+        h = it // n_cb
+        f = tl.load(HEAVY + h)
+        cnt = tl.load(COUNTS + f)
+        base = tl.load(HBASE + h)
+        cols = (it % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = cols < C
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for t in range(0, cnt, HT):
+            r = t + tl.arange(0, HT)
+            ok = r < cnt
+            tok = tl.load(HLIST + base + r, mask=ok, other=0)
+            x = tl.load(DOUT + tok.to(tl.int64)[:, None] * C + cols[None, :], mask=ok[:, None] & cm[None, :],
+                        other=0.0)
+            acc += tl.sum(x.to(tl.float32), axis=0)
+        tl.store(DTABLE + f.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
+
+
 CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[, chunk body]]]) override, for
 # the bench's sweep.
 # zero fill: "torch" (torch.zeros first), "absent" (_embedding_zero_absent_kernel, then the chunk pass),
@@ -563,7 +668,7 @@ CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[,
 # session 7 (GPU time): fp32 the "rows" form, 0.153-0.156 -> 0.133-0.137 ms (60 -> 68-70% of copy); bf16 stays
 # "side" (rows K2 0.344 ms against 0.312-0.314: there the table is 8x the tokens' rows and the zero fill hides
 # the whole chain already).
-DEFAULTS = {2: (16, 1024, 4, "side", 16, True), 4: (16, 512, 4, "rows", 16, True)}
+DEFAULTS = {2: (16, 1024, 4, "side", 16, True), 4: (16, 512, 4, "tiers", 16, True)}
 SIDE_HIGH_PRIORITY = True  # "side": the side stream of the highest priority (False: the default priority)
 # "rows" (zero fill mode): (slots per row K, BLOCK_R, BLOCK_C, num_warps[, programs per SM: persistent]) of
 # _embedding_bwd_rows_kernel, by dout element size; ROWS overrides for the bench's sweep
@@ -589,6 +694,13 @@ PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("si
 # own speed (99.8 us; 113.5 us when issued after the chain), the op 0.125-0.127 ms against 0.127-0.128 (four processes)
 ROWS_PDL = True
 ROWS_MAIN_FIRST = True
+# "tiers" (zero fill mode; the fp32 default since session 18): (K2, MT, BLOCK_C, num_warps, programs per SM of tier
+# A's medium rows, HT, BLOCK_C, num_warps, programs per SM of tier B, SCAN) by dout element size (the rows grid
+# takes ROWS_DEFAULTS); TIERS overrides for the bench's sweep. H200, fp32, N = 16k (bench/embedding_tiers_probe.py,
+# bench/RESULTS.md): 0.121-0.122 ms against the rows form's 0.128-0.130 at V = 32000, C = 2048; 0.076 against 0.088
+# at C = 1024; 0.664 against 0.674 at V = 128k, C = 4096.
+TIERS_DEFAULTS = {2: (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), 4: (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096)}
+TIERS = None
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 16  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -639,6 +751,99 @@ def _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb
     _merge(sorted_ids, part, dtable, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, bias, pdl)
 
 
+def _rows_config(esize: int) -> tuple:
+    """ROWS, or the defaults for this element size, checked."""
+    rcfg = ROWS if ROWS is not None else ROWS_DEFAULTS[esize]
+    if rcfg[0] not in (1, 2, 4, 8):
+        raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {rcfg[0]}")
+    return rcfg
+
+
+def _rows_grid(d2, counts, slots, dtable, V, rcfg, pdl: bool) -> None:
+    """The rows kernel over the whole table (the "rows" and "tiers" forms): a grid of tiles, or with a fifth ROWS
+    element, that many programs per SM walking them (the CPU interpreter: that many in all). pdl: launched as
+    the slots pass's programmatic dependent."""
+    C = d2.shape[1]
+    heavy_k, rbr, rbc, rwarps = rcfg[:4]
+    per_sm = rcfg[4] if len(rcfg) > 4 else 0
+    rbc = min(rbc, triton.next_power_of_2(C))
+    n_rb, n_rcb = triton.cdiv(V, rbr), triton.cdiv(C, rbc)
+    if per_sm:
+        n_sm = sm_count(d2.device) if d2.is_cuda else 1
+        grid = (min(n_rb * n_rcb, per_sm * n_sm),)
+    else:
+        grid = (n_rb, n_rcb)
+    _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k, BLOCK_R=rbr,
+                                     BLOCK_C=rbc, PERSISTENT=len(grid) == 1, EVICT=ROWS_EVICT,
+                                     ZERO_FAST=ROWS_ZERO_FAST, PDL=pdl, num_warps=rwarps,
+                                     **({"launch_pdl": True} if pdl else {}))
+
+
+def _pow2(x: int) -> bool:
+    return x >= 1 and x & (x - 1) == 0
+
+
+def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, esize: int) -> torch.Tensor:
+    """The "tiers" form (module docstring): the slots pass, then the rows grid (rows seen at most K times) on this
+    stream beside two high-priority side streams, one for the medium rows (tier A), one for the heavy ids' lists
+    (tier A) and sums (tier B). Every row is written once."""
+    N, C = d2.shape
+    dev = d2.device
+    k2, mt, abc, aw, aps, ht, bbc, bw, bps, scan = TIERS if TIERS is not None else TIERS_DEFAULTS[esize]
+    rcfg = _rows_config(esize)
+    heavy_k = rcfg[0]
+    # the [K2, V] slots stay no larger than the [V, C] table where C >= 2K
+    k2 = min(k2, max(2 * heavy_k, 1 << (C.bit_length() - 1)))
+    if not (k2 > heavy_k and all(_pow2(x) for x in (k2, mt, abc, ht, bbc, scan)) and aps >= 1 and bps >= 1):
+        raise ValueError(f"embedding_bwd: TIERS needs K2 above the rows' K = {heavy_k}, powers of two for K2, MT, the "
+                         f"column blocks, HT and SCAN, and programs per SM >= 1, got {TIERS!r}")
+    zeroed = torch.zeros(V + 2, dtype=torch.int32, device=dev)  # one fill: the counts and the two list lengths
+    counts, nlist = zeroed[:V], zeroed[V:]
+    slots = torch.empty(k2, V, dtype=torch.int32, device=dev)
+    med = torch.empty(N // (heavy_k + 1) + 1, dtype=torch.int32, device=dev)  # ids seen more than K times
+    hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
+    heavy = torch.empty(hcap, dtype=torch.int32, device=dev)
+    hbase = torch.empty(hcap, dtype=torch.int32, device=dev)
+    hlist = torch.empty(N, dtype=torch.int32, device=dev)
+    pdl = bool(ROWS_PDL) and pdl_ok(d2)
+    _embedding_tier_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, med, heavy, nlist, N, V,
+                                                                  K=heavy_k, K2=k2, BLOCK=SLOTS_BLOCK, PDL=pdl,
+                                                                  num_warps=4)
+    n_sm = sm_count(dev) if d2.is_cuda else 1
+    abc, bbc = min(abc, triton.next_power_of_2(C)), min(bbc, triton.next_power_of_2(C))
+    n_hcb = triton.cdiv(C, bbc)
+
+    def tier_a(programs: int, heavy_part: bool, med_part: bool):
+        _embedding_tier_a_kernel[(programs,)](flat, d2, counts, slots, med, heavy, nlist, hlist, hbase, dtable, N, V,
+                                              C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan, DO_HEAVY=heavy_part,
+                                              DO_MED=med_part, num_warps=aw)
+
+    def tier_b():
+        _embedding_tier_b_kernel[(bps * n_sm,)](d2, counts, heavy, nlist, hlist, hbase, dtable, C, n_hcb, HT=ht,
+                                                BLOCK_C=bbc, num_warps=bw)
+
+    def grid_pass():
+        _rows_grid(d2, counts, slots, dtable, V, rcfg, pdl)
+
+    def side():
+        here = torch.cuda.current_stream(dev)
+        second = side_stream(dev, high_priority=True, which=1)
+        second.wait_stream(here)
+        with torch.cuda.stream(second):
+            tier_a(aps * n_sm, False, True)
+        tier_a(min(hcap, n_sm), True, False)
+        tier_b()
+        here.wait_stream(second)
+
+    if d2.is_cuda:
+        run_side_by_side(dev, grid_pass, side, high_priority=True, main_first=bool(ROWS_MAIN_FIRST))
+    else:
+        grid_pass()
+        tier_a(aps * n_sm, True, True)
+        tier_b()
+    return dtable
+
+
 def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
     C = dout.shape[-1]
     if ids.shape != dout.shape[:-1]:
@@ -648,9 +853,9 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
     esize = 2 if dout.element_size() <= 2 else 4
     cfg = CONFIG if CONFIG is not None else DEFAULTS[esize]
     CHUNK, BLOCK_C, num_warps, zero = cfg[:4]
-    if zero not in ("torch", "absent", "fused", "side", "rows"):
-        raise ValueError(f"embedding_bwd: CONFIG zero fill must be 'torch', 'absent', 'fused', 'side' or 'rows', "
-                         f"got {zero!r}")
+    if zero not in ("torch", "absent", "fused", "side", "rows", "tiers"):
+        raise ValueError(f"embedding_bwd: CONFIG zero fill must be 'torch', 'absent', 'fused', 'side', 'rows' or "
+                         f"'tiers', got {zero!r}")
     key_bits = cfg[4] if len(cfg) > 4 else False
     idx_ahead = bool(cfg[5]) if len(cfg) > 5 else False
     tile = len(cfg) > 6 and cfg[6] == "tile"
@@ -664,19 +869,17 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
     n_chunks = triton.cdiv(N, CHUNK)
     flat = ids.reshape(-1).contiguous()
+    if zero == "tiers":
+        return _tiers(d2, flat, dtable, V, esize)
     heavy_k, counts, slots = 0, None, None
     if zero == "rows":
-        rcfg = ROWS if ROWS is not None else ROWS_DEFAULTS[esize]
-        heavy_k, rbr, rbc, rwarps = rcfg[:4]
-        per_sm = rcfg[4] if len(rcfg) > 4 else 0
-        if heavy_k not in (1, 2, 4, 8):
-            raise ValueError(f"embedding_bwd: ROWS slots per row must be 1, 2, 4 or 8, got {heavy_k}")
+        rcfg = _rows_config(esize)
+        heavy_k = rcfg[0]
         counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
         rows_pdl = bool(ROWS_PDL) and pdl_ok(d2)
         _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
                                                                 BLOCK=SLOTS_BLOCK, PDL=rows_pdl, num_warps=4)
-        rbc = min(rbc, triton.next_power_of_2(C))
     mark = zero in ("absent", "fused", "side")
 
     def sort_walk_merge(keys=None, bias=0):
@@ -709,18 +912,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
             def chain():
                 sort_walk_merge(keys, bias)
         else:
-            n_rb, n_rcb = triton.cdiv(V, rbr), triton.cdiv(C, rbc)
-
             def grid_pass():
-                if per_sm:  # (the CPU interpreter: per_sm programs in all)
-                    n_sm = sm_count(dout.device) if dout.is_cuda else 1
-                    grid = (min(n_rb * n_rcb, per_sm * n_sm),)
-                else:
-                    grid = (n_rb, n_rcb)
-                _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k,
-                                                 BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1,
-                                                 EVICT=ROWS_EVICT, ZERO_FAST=ROWS_ZERO_FAST, PDL=rows_pdl,
-                                                 num_warps=rwarps, **({"launch_pdl": True} if rows_pdl else {}))
+                _rows_grid(d2, counts, slots, dtable, V, rcfg, rows_pdl)
             chain = sort_walk_merge
         if dout.is_cuda:
             run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY,
