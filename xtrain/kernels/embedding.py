@@ -429,13 +429,30 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
     index to SLOTS[slot, id]. Which token gets which slot depends on scheduling; the rows kernel sorts a
     row's slots, so the sum it forms does not. PDL: the rows kernel, launched as this kernel's programmatic
     dependent, may be scheduled at once (it waits for this grid's end before its first load)."""
+    _take_slots(IDS, COUNTS, SLOTS, N, V, K, BLOCK, PDL)
+
+
+@_jit
+def _take_slots(IDS, COUNTS, SLOTS, N, V, KEEP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """The slots passes' common part: this program's BLOCK tokens each take the next slot of their id and write
+    their index to SLOTS[slot, id] below KEEP; returns (the valid-token mask, the ids, the slots)."""
     if PDL:
         gdc_launch_dependents()
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     ids = tl.load(IDS + i, mask=m, other=0)
     slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
-    tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K))
+    tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < KEEP))
+    return m, ids, slot
+
+
+@_jit
+def _append(LIST, COUNT, take, vals):
+    """vals where take, appended to LIST after the COUNT[0] entries there (one atomic for the program; places
+    within it by a prefix sum)."""
+    t = take.to(tl.int32)
+    pos = tl.atomic_add(COUNT, tl.sum(t, axis=0)) + tl.cumsum(t, axis=0) - 1
+    tl.store(LIST + pos, vals, mask=take)
 
 
 @_jit
@@ -572,19 +589,9 @@ def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K:
     atomic per program and list, positions within the program by a prefix sum). Which token takes which slot, and
     where an id lands in a list, depend on scheduling; the later passes order each row's tokens by index, so the
     sums do not. PDL: as ``_embedding_slots_kernel``."""
-    if PDL:
-        gdc_launch_dependents()
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    ids = tl.load(IDS + i, mask=m, other=0)
-    slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
-    tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < K2))
-    mm = (m & (slot == K)).to(tl.int32)
-    pm = tl.atomic_add(NLIST, tl.sum(mm, axis=0)) + tl.cumsum(mm, axis=0) - 1
-    tl.store(MED + pm, ids.to(tl.int32), mask=mm != 0)
-    mh = (m & (slot == K2)).to(tl.int32)
-    ph = tl.atomic_add(NLIST + 1, tl.sum(mh, axis=0)) + tl.cumsum(mh, axis=0) - 1
-    tl.store(HEAVY + ph, ids.to(tl.int32), mask=mh != 0)
+    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL)
+    _append(MED, NLIST, m & (slot == K), ids.to(tl.int32))
+    _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32))
 
 
 @_jit
