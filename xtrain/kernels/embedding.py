@@ -36,9 +36,10 @@ registers (the walk waits on an index load per token: the chunk + merge stage al
     key, all others get a sentinel that sorts last and that the walks and the merge skip.
 "tiers" form (CONFIG zero fill "tiers", the fp32 default since session 18): of the ~310 ids the chain above takes
 (N = 16k, V = 32k), only ~4 are seen more than K2 = 64 times, so the rest need no sort either:
-    _embedding_tier_slots_kernel the slots pass with K2 slots per id (SLOTS[K2, V], int32: no larger than the
-                                 table while C >= 2K, K2 capped there); the token taking slot K appends its id to
-                                 the medium list, the one taking slot K2 to the heavy list
+    _embedding_tier_slots_kernel the slots pass with K2 slots per id (SLOTS[K2, V] int32, K2 capped at the
+                                 table's width C but at least 2K: no larger than an fp32 table where C >= 2K);
+                                 the token taking slot K appends its id to the medium list, the one taking slot
+                                 K2 to the heavy list
     _embedding_bwd_rows_kernel   (current stream) as in the rows form: rows seen at most K times
     _embedding_tier_a_kernel     (side stream 2, persistent) each medium row (K < count <= K2): its slots ranked
                                  into token order by a [K2, K2] comparison, gathered MT tokens at a time, each tile
@@ -816,7 +817,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     k2, mt, abc, aw, aps, ht, bbc, bw, bps, scan = TIERS if TIERS is not None else TIERS_DEFAULTS[esize]
     rcfg = _rows_config(esize)
     heavy_k = rcfg[0]
-    # the [K2, V] slots stay no larger than the [V, C] table where C >= 2K
+    # the [K2, V] int32 slots stay no larger than an fp32 [V, C] table where C >= 2K
     k2 = min(k2, max(2 * heavy_k, 1 << (C.bit_length() - 1)))
     if not (k2 > heavy_k and all(_pow2(x) for x in (k2, mt, abc, ht, bbc, scan)) and aps >= 1 and bps >= 1):
         raise ValueError(f"embedding_bwd: TIERS needs K2 above the rows' K = {heavy_k}, powers of two for K2, MT, the "
