@@ -408,6 +408,22 @@ def test_embedding_bwd_tiers_cpu(tiers, monkeypatch):
 
 
 @needs_cpu_interp
+def test_embedding_bwd_tiers_large_batch_is_rows_cpu(monkeypatch):
+    """Above TIERS_MAX_N tokens the "tiers" CONFIG runs the rows form: the rows form's bits."""
+    monkeypatch.setattr(K_emb, "ROWS", (4, 1, 32, 4))
+    g = torch.Generator().manual_seed(0)
+    ids = (torch.rand(120, generator=g) ** 3 * 30).long()
+    d = torch.randn(120, 9, generator=g)
+    monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "rows", 16, True))
+    rows = K_emb.embedding_bwd_triton(d, ids, 30)
+    monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "tiers", 16, True))
+    monkeypatch.setattr(K_emb, "TIERS", (8, 4, 16, 4, 1, 4, 16, 4, 1, 64))
+    tiers = K_emb.embedding_bwd_triton(d, ids, 30)
+    monkeypatch.setattr(K_emb, "TIERS_MAX_N", 119)
+    assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 30), rows) and not torch.equal(tiers, rows)
+
+
+@needs_cpu_interp
 def test_embedding_bwd_tiers_bad_config_cpu(monkeypatch):
     monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "tiers", 16, True))
     monkeypatch.setattr(K_emb, "TIERS", (8, 3, 16, 4, 1, 4, 16, 4, 1, 64))  # MT = 3: not a power of two

@@ -49,7 +49,9 @@ registers (the walk waits on an index load per token: the chunk + merge stage al
     _embedding_tier_b_kernel     (side stream 1, persistent) each heavy row by (id, column block) items over its
                                  list, HT tokens a tile, tiles in order
 Every sum has an order fixed by the token indices alone, so the result is bit for bit repeatable (its bits are
-not the rows form's: a tile's rows are added by a tree, not left to right). H200, fp32 (bench/RESULTS.md): 0.120-
+not the rows form's: a tile's rows are added by a tree, not left to right). Each heavy id's list is a scan of all
+N ids, so the form is for batches of up to ``TIERS_MAX_N`` tokens; above that the rows form runs (its one sort
+scales better: at N = 64k-256k the tiers form took 1.1-1.5x its time). H200, fp32 (bench/RESULTS.md): 0.120-
 0.122 ms at V = 32k, C = 2048 (77-78 % of copy) against the rows form's 0.127-0.130; the side chains end inside the
 grid, which they stretch from ~99 to ~109 us with their ~30 MB of gathers.
 Sort keys: int32 (half the radix passes of int64) or int16 (ids - 32768, V <= 65536: half again).
@@ -726,6 +728,11 @@ ROWS_MAIN_FIRST = True
 # at C = 1024; 0.664 against 0.674 at V = 128k, C = 4096.
 TIERS_DEFAULTS = {2: (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), 4: (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096)}
 TIERS = None
+# the tiers form for at most this many tokens, the rows form above: each heavy id's list is a scan of all N ids, so
+# the listing grows as N x (ids seen more than K2 times). H200, fp32, V = 32000, C = 2048, Zipf-like ids
+# (bench/embedding_tiers_probe.py --N): tiers / rows 0.120 / 0.127 ms at N = 16k, 0.161-0.164 / 0.165-0.166 at 32k,
+# 0.274 / 0.246 at 64k (33 heavy ids), 0.51 / 0.42 at 128k, 1.24 / 0.80 at 256k (287 heavy ids)
+TIERS_MAX_N = 32768
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 16  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -894,6 +901,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
     n_chunks = triton.cdiv(N, CHUNK)
     flat = ids.reshape(-1).contiguous()
+    if zero == "tiers" and N > TIERS_MAX_N:
+        zero = "rows"
     if zero == "tiers":
         return _tiers(d2, flat, dtable, V, esize)
     heavy_k, counts, slots = 0, None, None
