@@ -26,17 +26,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.embedding_tma_probe import Recorder, probe_parser  # noqa: E402
+from bench.kernels import _knob  # noqa: E402
 from xtrain.kernels import embedding as K  # noqa: E402
 
 
 @contextlib.contextmanager
 def _form(config, tiers=None):
-    saved = K.CONFIG, K.TIERS
-    K.CONFIG, K.TIERS = config, tiers
-    try:
+    """The embedding module's CONFIG and TIERS set for the block (``bench.kernels._knob``)."""
+    with _knob(K, "CONFIG", config), _knob(K, "TIERS", tiers):
         yield
-    finally:
-        K.CONFIG, K.TIERS = saved
 
 
 def main(argv=None) -> int:

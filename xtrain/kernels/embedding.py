@@ -474,9 +474,15 @@ def _row_slot(SLOTS, j: tl.constexpr, rows, own, cnt, V):
 def _row_add(acc, DOUT, src, take, cols, cmask, C, EVICT: tl.constexpr):
     """acc + the dout rows src (one per table row of the tile), where take (EVICT: an L2 eviction policy for
     these loads, "" for none)."""
+    return acc + _dout_rows(DOUT, src, take, cols, cmask, C, EVICT)
+
+
+@_jit
+def _dout_rows(DOUT, src, take, cols, cmask, C, EVICT: tl.constexpr):
+    """The dout rows src, columns cols, in fp32: a [len(src), len(cols)] tile, zeros where not take."""
     x = tl.load(DOUT + src.to(tl.int64)[:, None] * C + cols[None, :], mask=take[:, None] & cmask[None, :],
                 other=0.0, eviction_policy=EVICT)
-    return acc + x.to(tl.float32)
+    return x.to(tl.float32)
 
 
 @_jit
@@ -645,9 +651,7 @@ def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST,
                 for t in range(0, cnt, MT):
                     r = t + tl.arange(0, MT)
                     src = tl.sum(tl.where(rank[None, :] == r[:, None], s[None, :], 0), axis=1)
-                    x = tl.load(DOUT + src.to(tl.int64)[:, None] * C + cols[None, :],
-                                mask=(r < cnt)[:, None] & cm[None, :], other=0.0)
-                    acc += tl.sum(x.to(tl.float32), axis=0)
+                    acc += tl.sum(_dout_rows(DOUT, src, r < cnt, cols, cm, C, ""), axis=0)
                 tl.store(DTABLE + row + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
 
 
@@ -671,9 +675,7 @@ def _embedding_tier_b_kernel(DOUT, COUNTS, HEAVY, NLIST, HLIST, HBASE, DTABLE, C
             r = t + tl.arange(0, HT)
             ok = r < cnt
             tok = tl.load(HLIST + base + r, mask=ok, other=0)
-            x = tl.load(DOUT + tok.to(tl.int64)[:, None] * C + cols[None, :], mask=ok[:, None] & cm[None, :],
-                        other=0.0)
-            acc += tl.sum(x.to(tl.float32), axis=0)
+            acc += tl.sum(_dout_rows(DOUT, tok, ok, cols, cm, C, ""), axis=0)
         tl.store(DTABLE + f.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
 
 
