@@ -69,7 +69,7 @@ def _rows_swizzled(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_rb, n_cb, STRIDE: tl.con
     STRIDE odd)."""
     pid = tl.program_id(0)
     rb = ((pid // n_cb).to(tl.int64) * STRIDE) % n_rb
-    _rows_tile(rb, pid % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, "", False, False)
+    _rows_tile(rb, pid % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, "", False)
 
 
 @triton.jit

@@ -465,16 +465,9 @@ def _cx(a, b):
 
 
 @_jit
-def _row_slot(SLOTS, j: tl.constexpr, rows, own, cnt, V, EAGER: tl.constexpr):
-    """Slot j of each row (a token index), or the largest int32 where the row has no j-th token. EAGER: the load
-    is masked by the table's end only, not by the count, so it is issued beside the count's load instead of
-    after it; the row's count then replaces what was read where there is no j-th token (the slots buffer's
-    first K rows are zero-filled, so nothing uninitialised is read)."""
-    if EAGER:
-        s = tl.load(SLOTS + j * V + rows, mask=rows < V, other=2**31 - 1)
-        return tl.where(own & (cnt > j), s, 2**31 - 1)
-    else:
-        return tl.load(SLOTS + j * V + rows, mask=own & (cnt > j), other=2**31 - 1)
+def _row_slot(SLOTS, j: tl.constexpr, rows, own, cnt, V):
+    """Slot j of each row (a token index), or the largest int32 where the row has no j-th token."""
+    return tl.load(SLOTS + j * V + rows, mask=own & (cnt > j), other=2**31 - 1)
 
 
 @_jit
@@ -494,7 +487,7 @@ def _dout_rows(DOUT, src, take, cols, cmask, C, EVICT: tl.constexpr):
 
 @_jit
 def _rows_tile(rb, cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_C: tl.constexpr, EVICT: tl.constexpr, ZERO_FAST: tl.constexpr, EAGER: tl.constexpr):
+               BLOCK_C: tl.constexpr, EVICT: tl.constexpr, ZERO_FAST: tl.constexpr):
     """Tile (row block rb, column block cb) of the "rows" form: every row seen at most K times (1, 2, 4 or 8) is
     written here, whole: zeros for a row no token names, else the sum of its tokens' dout rows in token
     order (fp32, ((0 + x0) + x1) + ..., rounded once). A row's K slots are put in token order by a sorting
@@ -514,26 +507,26 @@ def _rows_tile(rb, cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK
             tl.store(DTABLE + rows[:, None] * C + cols[None, :],
                      tl.zeros([BLOCK_R, BLOCK_C], dtype=DTABLE.dtype.element_ty), mask=own[:, None] & cmask[None, :])
         else:
-            _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT, EAGER)
+            _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT)
     else:
-        _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT, EAGER)
+        _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT)
 
 
 @_jit
 def _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
-              BLOCK_C: tl.constexpr, EVICT: tl.constexpr, EAGER: tl.constexpr):
+              BLOCK_C: tl.constexpr, EVICT: tl.constexpr):
     """``_rows_tile``'s sums: the rows' slots in token order, the K gathers, the store."""
-    s0 = _row_slot(SLOTS, 0, rows, own, cnt, V, EAGER)
+    s0 = _row_slot(SLOTS, 0, rows, own, cnt, V)
     if K >= 2:
-        s1 = _row_slot(SLOTS, 1, rows, own, cnt, V, EAGER)
+        s1 = _row_slot(SLOTS, 1, rows, own, cnt, V)
     if K >= 4:
-        s2 = _row_slot(SLOTS, 2, rows, own, cnt, V, EAGER)
-        s3 = _row_slot(SLOTS, 3, rows, own, cnt, V, EAGER)
+        s2 = _row_slot(SLOTS, 2, rows, own, cnt, V)
+        s3 = _row_slot(SLOTS, 3, rows, own, cnt, V)
     if K >= 8:
-        s4 = _row_slot(SLOTS, 4, rows, own, cnt, V, EAGER)
-        s5 = _row_slot(SLOTS, 5, rows, own, cnt, V, EAGER)
-        s6 = _row_slot(SLOTS, 6, rows, own, cnt, V, EAGER)
-        s7 = _row_slot(SLOTS, 7, rows, own, cnt, V, EAGER)
+        s4 = _row_slot(SLOTS, 4, rows, own, cnt, V)
+        s5 = _row_slot(SLOTS, 5, rows, own, cnt, V)
+        s6 = _row_slot(SLOTS, 6, rows, own, cnt, V)
+        s7 = _row_slot(SLOTS, 7, rows, own, cnt, V)
     if K == 2:
         s0, s1 = _cx(s0, s1)
     if K == 4:  # 5 exchanges
@@ -580,8 +573,7 @@ def _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K: tl.cons
 @_jit
 def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles, K: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr = False,
-                               EVICT: tl.constexpr = "", ZERO_FAST: tl.constexpr = False, PDL: tl.constexpr = False,
-                               EAGER: tl.constexpr = False):
+                               EVICT: tl.constexpr = "", ZERO_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
     """The "rows" form's grid (``_rows_tile``): one program per (row block, column block), or PERSISTENT, a
     fixed number of programs walking the tiles t = pid, pid + G, ... (row block t // n_cb, column block
     t % n_cb). Persistent, the grid leaves room on every SM, so the side stream's chain kernels find an SM
@@ -591,11 +583,10 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
         gdc_wait()
     if PERSISTENT:
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-            _rows_tile(t // n_cb, t % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT, ZERO_FAST,
-                       EAGER)
+            _rows_tile(t // n_cb, t % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT, ZERO_FAST)
     else:
         _rows_tile(tl.program_id(0), tl.program_id(1), DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C,
-                   EVICT, ZERO_FAST, EAGER)
+                   EVICT, ZERO_FAST)
 
 
 @_jit
@@ -732,9 +723,6 @@ PDL = True  # the merge kernel as the chunk kernel's programmatic dependent ("si
 # own speed (99.8 us; 113.5 us when issued after the chain), the op 0.125-0.127 ms against 0.127-0.128 (four processes)
 ROWS_PDL = True
 ROWS_MAIN_FIRST = True
-# the rows kernel loads a row's K slots beside its count instead of after it (``_row_slot``): one fewer memory
-# round trip in a row's chain of dependent loads (count -> slots -> dout rows -> store)
-ROWS_EAGER = True
 # "tiers" (zero fill mode; the fp32 default since session 18): (K2, MT, BLOCK_C, num_warps, programs per SM of tier
 # A's medium rows, HT, BLOCK_C, num_warps, programs per SM of tier B, SCAN) by dout element size (the rows grid
 # takes ROWS_DEFAULTS); TIERS overrides for the bench's sweep. H200, fp32, N = 16k (bench/embedding_tiers_probe.py,
@@ -821,17 +809,8 @@ def _rows_grid(d2, counts, slots, dtable, V, rcfg, pdl: bool) -> None:
         grid = (n_rb, n_rcb)
     _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k, BLOCK_R=rbr,
                                      BLOCK_C=rbc, PERSISTENT=len(grid) == 1, EVICT=ROWS_EVICT,
-                                     ZERO_FAST=ROWS_ZERO_FAST, PDL=pdl, EAGER=bool(ROWS_EAGER), num_warps=rwarps,
+                                     ZERO_FAST=ROWS_ZERO_FAST, PDL=pdl, num_warps=rwarps,
                                      **({"launch_pdl": True} if pdl else {}))
-
-
-def _counts_and_slots(V: int, keep: int, heavy_k: int, extra: int, dev) -> tuple:
-    """The slots passes' buffers, from one allocation and one zero fill: V counts and `extra` more zeroed int32
-    (the tiers' list lengths), and the [keep, V] slots, whose first heavy_k rows are zeroed too where the rows
-    grid loads them eagerly (ROWS_EAGER: it reads those rows whatever the counts say)."""
-    buf = torch.empty(V + extra + keep * V, dtype=torch.int32, device=dev)
-    buf[:V + extra + (heavy_k * V if ROWS_EAGER else 0)].zero_()
-    return buf[:V + extra], buf[V + extra:].view(keep, V)
 
 
 def _pow2(x: int) -> bool:
@@ -852,8 +831,9 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     if not (k2 > heavy_k and all(_pow2(x) for x in (k2, mt, abc, ht, bbc, scan)) and aps >= 1 and bps >= 1):
         raise ValueError(f"embedding_bwd: TIERS needs K2 above the rows' K = {heavy_k}, powers of two for K2, MT, the "
                          f"column blocks, HT and SCAN, and programs per SM >= 1, got {TIERS!r}")
-    counts, slots = _counts_and_slots(V, k2, heavy_k, 2, dev)
-    counts, nlist = counts[:V], counts[V:]
+    zeroed = torch.zeros(V + 2, dtype=torch.int32, device=dev)  # one fill: the counts and the two list lengths
+    counts, nlist = zeroed[:V], zeroed[V:]
+    slots = torch.empty(k2, V, dtype=torch.int32, device=dev)
     med = torch.empty(N // (heavy_k + 1) + 1, dtype=torch.int32, device=dev)  # ids seen more than K times
     hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
     heavy = torch.empty(hcap, dtype=torch.int32, device=dev)
@@ -931,7 +911,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
     if zero == "rows":
         rcfg = _rows_config(esize)
         heavy_k = rcfg[0]
-        counts, slots = _counts_and_slots(V, heavy_k, heavy_k, 0, dout.device)
+        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
+        slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
         rows_pdl = bool(ROWS_PDL) and pdl_ok(d2)
         _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
                                                                 BLOCK=SLOTS_BLOCK, PDL=rows_pdl, num_warps=4)
