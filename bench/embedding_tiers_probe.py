@@ -1,7 +1,7 @@
 """Session 18: the fp32 embedding backward's "tiers" form against the "rows" form, with its knobs.
 
     PYTHONPATH=. python3 bench/embedding_tiers_probe.py [--reps 30] [--timeline] [--V 32000 --C 2048]
-        [--tiers "64,8,2048,4,1,256,64,4,1,4096;..."]
+        [--tiers "64,8,2048,4,1,256,64,4,1,4096;..."] [--knobs "TIERS_LEAN=False,FILL_PDL=False;..."]
 
 The "rows" form (the fp32 default of sessions 7-17) writes every row seen at most K = 4 times from one grid and
 leaves the rest to a chain of the sort keys, cub's radix sort (four or five kernels), the chunk walks and the merge
@@ -12,11 +12,12 @@ ids seen 5-64 times to one persistent kernel that orders each row's slots by ran
 to a scan-built token list and a persistent sum: no global sort, two short chains. Each row of the table prints the
 op's GPU time and its fraction of the copy bandwidth, in alternating rounds; ``--timeline`` adds torch.profiler
 timelines (kernel start, duration, stream). ``--tiers`` takes ``TIERS`` tuples (see ``TIERS_DEFAULTS``) to time
-besides the default.
+besides the default; ``--knobs`` runs the tiers form with other module knobs (session 19).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import sys
@@ -31,9 +32,12 @@ from xtrain.kernels import embedding as K  # noqa: E402
 
 
 @contextlib.contextmanager
-def _form(config, tiers=None):
-    """The embedding module's CONFIG and TIERS set for the block (``bench.kernels._knob``)."""
-    with _knob(K, "CONFIG", config), _knob(K, "TIERS", tiers):
+def _form(config, knobs):
+    """The embedding module's CONFIG and the given knobs (name -> value) set for the block
+    (``bench.kernels._knob``)."""
+    with contextlib.ExitStack() as stack:
+        for name, value in {"CONFIG": config, **knobs}.items():
+            stack.enter_context(_knob(K, name, value))
         yield
 
 
@@ -44,6 +48,7 @@ def main(argv=None) -> int:
     ap = probe_parser(__doc__)
     ap.add_argument("--timeline", action="store_true")
     ap.add_argument("--tiers", default="", help="';'-separated TIERS tuples to time besides the default")
+    ap.add_argument("--knobs", default="", help="';'-separated variants of the tiers form, each NAME=VALUE,...")
     args = ap.parse_args(argv)
     N, V, C = args.N, args.V, args.C
     torch.manual_seed(0)
@@ -54,8 +59,10 @@ def main(argv=None) -> int:
           f"{int((cnt > 64).sum())} more than 64 ({int(cnt[cnt > 64].sum())} tokens), the most {int(cnt.max())}")
     rows = (16, 512, 4, "rows", 16, True)
     tiers = (16, 512, 4, "tiers", 16, True)
-    forms = [("rows", rows, None), ("tiers (default)", tiers, None)]
-    forms += [(f"tiers {t}", tiers, tuple(int(x) for x in t.split(","))) for t in args.tiers.split(";") if t]
+    forms = [("rows", rows, {}), ("tiers (default)", tiers, {})]
+    forms += [(f"tiers {t}", tiers, {"TIERS": tuple(int(x) for x in t.split(","))}) for t in args.tiers.split(";") if t]
+    forms += [(f"tiers {kv}", tiers, {k: ast.literal_eval(v) for k, v in (p.split("=") for p in kv.split(","))})
+              for kv in args.knobs.split(";") if kv]
     ref = K.embedding_bwd_ref(d.double(), ids, V)
     for name, cfg, t in forms:
         with _form(cfg, t):

@@ -405,6 +405,18 @@ def test_embedding_bwd_tiers_cpu(tiers, monkeypatch):
             a = K_emb.embedding_bwd_triton(d, ids, V)
             assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
             assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
+            # the lists made in the slots pass (until session 19) or found from the final counts: the same bits
+            monkeypatch.setattr(K_emb, "TIERS_LEAN", not K_emb.TIERS_LEAN)
+            assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
+            monkeypatch.setattr(K_emb, "TIERS_LEAN", not K_emb.TIERS_LEAN)
+
+
+@needs_cpu_interp
+def test_embedding_zero_fill_kernel_cpu():
+    """The tiers form's counts fill (``FILL_PDL`` on the GPU): exactly the first n of a poisoned buffer zeroed."""
+    x = torch.full((50,), 7, dtype=torch.int32)
+    K_emb._zero_i32_kernel[(3,)](x, 37, BLOCK=16, PDL=False)
+    assert (x[:37] == 0).all() and (x[37:] == 7).all()
 
 
 @needs_cpu_interp
@@ -708,7 +720,8 @@ def test_adamw_gpu_bit_exact():
                                     (8, 512, 4, "absent", 16, False, "tile"), (16, 1024, 4, "side", 16, True),
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
-                                    "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2"])
+                                    "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
+                                    "tiers lists in the slots pass"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
@@ -725,6 +738,10 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "tiers small K2":  # many heavy ids (seen more than 16 times), so many lists and offsets
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "TIERS", (16, 8, 1024, 4, 1, 64, 64, 4, 1, 1024))
+    if config == "tiers lists in the slots pass":  # as until session 19, the counts zeroed by torch
+        config = (16, 512, 4, "tiers", 16, True)
+        monkeypatch.setattr(K_emb, "TIERS_LEAN", False)
+        monkeypatch.setattr(K_emb, "FILL_PDL", False)
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text

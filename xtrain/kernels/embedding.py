@@ -432,18 +432,23 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
     index to SLOTS[slot, id]. Which token gets which slot depends on scheduling; the rows kernel sorts a
     row's slots, so the sum it forms does not. PDL: the rows kernel, launched as this kernel's programmatic
     dependent, may be scheduled at once (it waits for this grid's end before its first load)."""
-    _take_slots(IDS, COUNTS, SLOTS, N, V, K, BLOCK, PDL)
+    _take_slots(IDS, COUNTS, SLOTS, N, V, K, BLOCK, PDL, False)
 
 
 @_jit
-def _take_slots(IDS, COUNTS, SLOTS, N, V, KEEP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _take_slots(IDS, COUNTS, SLOTS, N, V, KEEP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                WAIT: tl.constexpr):
     """The slots passes' common part: this program's BLOCK tokens each take the next slot of their id and write
-    their index to SLOTS[slot, id] below KEEP; returns (the valid-token mask, the ids, the slots)."""
+    their index to SLOTS[slot, id] below KEEP; returns (the valid-token mask, the ids, the slots). WAIT: this
+    kernel was launched as the counts' zero fill's programmatic dependent; wait for that grid before the
+    atomics (the ids are loaded first)."""
     if PDL:
         gdc_launch_dependents()
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     ids = tl.load(IDS + i, mask=m, other=0)
+    if WAIT:
+        gdc_wait()
     slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
     tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < KEEP))
     return m, ids, slot
@@ -591,33 +596,58 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
 
 @_jit
 def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K: tl.constexpr, K2: tl.constexpr,
-                                 BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                                 BLOCK: tl.constexpr, PDL: tl.constexpr = False, LISTS: tl.constexpr = True,
+                                 WAIT: tl.constexpr = False):
     """The "tiers" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer atomic) and
     writes its index to SLOTS[slot, id] if the slot is below K2. The token that takes slot K appends its id to the
     medium list MED, the one that takes slot K2 to the heavy list HEAVY (NLIST[0] and NLIST[1] count them; one
     atomic per program and list, positions within the program by a prefix sum). Which token takes which slot, and
     where an id lands in a list, depend on scheduling; the later passes order each row's tokens by index, so the
-    sums do not. PDL: as ``_embedding_slots_kernel``."""
-    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL)
-    _append(MED, NLIST, m & (slot == K), ids.to(tl.int32))
-    _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32))
+    sums do not. PDL: as ``_embedding_slots_kernel``. LISTS = False (``TIERS_LEAN``): no lists here; the side
+    streams find the medium and heavy ids from the final counts, so the rows grid, which waits for this pass, waits
+    for the slots alone. WAIT: as ``_take_slots``."""
+    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL, WAIT)
+    if LISTS:
+        _append(MED, NLIST, m & (slot == K), ids.to(tl.int32))
+        _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32))
+
+
+@_jit
+def _zero_i32_kernel(X, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """X[:n] = 0 (int32). PDL: the kernel after it (the slots pass, launched as its programmatic dependent, waiting
+    with gdc_wait before its atomics) may be scheduled at once instead of after this grid's end."""
+    if PDL:
+        gdc_launch_dependents()
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(X + i, tl.zeros([BLOCK], dtype=tl.int32), mask=i < n)
+
+
+@_jit
+def _embedding_tier_heavy_list_kernel(COUNTS, HEAVY, NLIST, V, K2: tl.constexpr, BLOCK: tl.constexpr):
+    """``TIERS_LEAN``: the ids seen more than K2 times, from the final counts, appended to HEAVY (NLIST[1] counts
+    them; one atomic per program, places within it by a prefix sum)."""
+    v = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.load(COUNTS + v, mask=v < V, other=0)
+    _append(HEAVY, NLIST + 1, c > K2, v)
 
 
 @_jit
 def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST, HBASE, DTABLE, N, V, C,
                              K2: tl.constexpr, MT: tl.constexpr, BLOCK_C: tl.constexpr, SCAN: tl.constexpr,
-                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr):
+                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr, K: tl.constexpr = 0,
+                             MED_SPAN: tl.constexpr = 0):
     """Persistent over the lists. DO_HEAVY: each heavy id's token list, in token order, into HLIST from offset
     HBASE[h] (the counts of the heavy ids listed before it): a scan of the ids SCAN at a time, each hit placed by a
     running prefix sum. DO_MED: each medium row (K < count <= K2), whole: its K2 slots put in token order by their
     ranks (a [K2, K2] comparison of token indices; an empty slot, the largest int32, ranks at the count), its
     tokens gathered MT at a time in that order, each tile's rows added by a fixed reduction tree and the tiles in
-    order, in fp32, rounded once."""
+    order, in fp32, rounded once. MED_SPAN > 0 (``TIERS_LEAN``): no medium list; program p takes the medium rows
+    among ids p, p + P, ..., p + (MED_SPAN - 1) P, found from their counts (MED_SPAN * P >= V)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_med = 0
     n_heavy = 0
-    if DO_MED:
+    if DO_MED and MED_SPAN == 0:
         n_med = tl.load(NLIST)
     if DO_HEAVY:
         n_heavy = tl.load(NLIST + 1)
@@ -636,23 +666,40 @@ def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST,
             hit = (tl.load(IDS + t, mask=t < N, other=-1) == f).to(tl.int32)
             tl.store(HLIST + run + tl.cumsum(hit, axis=0) - 1, t.to(tl.int32), mask=hit != 0)
             run += tl.sum(hit, axis=0)
+    if DO_MED:
+        if MED_SPAN > 0:
+            vv = pid + P * tl.arange(0, MED_SPAN)
+            cv = tl.load(COUNTS + vv, mask=vv < V, other=0)
+            mine = (cv > K) & (cv <= K2)
+            pos = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+            for e in range(0, tl.sum(mine.to(tl.int32), axis=0)):
+                pick = mine & (pos == e)
+                _med_row(tl.sum(tl.where(pick, vv, 0), axis=0), tl.sum(tl.where(pick, cv, 0), axis=0), DOUT, SLOTS,
+                         DTABLE, V, C, K2, MT, BLOCK_C)
+        else:
+            for e in range(pid, n_med, P):
+                f = tl.load(MED + e)
+                cnt = tl.load(COUNTS + f)
+                if cnt <= K2:
+                    _med_row(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2, MT, BLOCK_C)
+
+
+@_jit
+def _med_row(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2: tl.constexpr, MT: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Tier A's medium row f (K < cnt <= K2), whole: its slots ranked into token order, gathered MT at a time."""
     j = tl.arange(0, K2)
-    for e in range(pid, n_med, P):
-        f = tl.load(MED + e)
-        cnt = tl.load(COUNTS + f)
-        if cnt <= K2:
-            s = tl.load(SLOTS + j.to(tl.int64) * V + f, mask=j < cnt, other=2**31 - 1)
-            rank = tl.sum((s[None, :] < s[:, None]).to(tl.int32), axis=1)
-            row = f.to(tl.int64) * C
-            for c0 in range(0, C, BLOCK_C):
-                cols = c0 + tl.arange(0, BLOCK_C)
-                cm = cols < C
-                acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-                for t in range(0, cnt, MT):
-                    r = t + tl.arange(0, MT)
-                    src = tl.sum(tl.where(rank[None, :] == r[:, None], s[None, :], 0), axis=1)
-                    acc += tl.sum(_dout_rows(DOUT, src, r < cnt, cols, cm, C, ""), axis=0)
-                tl.store(DTABLE + row + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
+    s = tl.load(SLOTS + j.to(tl.int64) * V + f, mask=j < cnt, other=2**31 - 1)
+    rank = tl.sum((s[None, :] < s[:, None]).to(tl.int32), axis=1)
+    row = f.to(tl.int64) * C
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cm = cols < C
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for t in range(0, cnt, MT):
+            r = t + tl.arange(0, MT)
+            src = tl.sum(tl.where(rank[None, :] == r[:, None], s[None, :], 0), axis=1)
+            acc += tl.sum(_dout_rows(DOUT, src, r < cnt, cols, cm, C, ""), axis=0)
+        tl.store(DTABLE + row + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
 
 
 @_jit
@@ -735,6 +782,11 @@ TIERS = None
 # (bench/embedding_tiers_probe.py --N): tiers / rows 0.120 / 0.127 ms at N = 16k, 0.161-0.164 / 0.165-0.166 at 32k,
 # 0.274 / 0.246 at 64k (33 heavy ids), 0.51 / 0.42 at 128k, 1.24 / 0.80 at 256k (287 heavy ids)
 TIERS_MAX_N = 32768
+# session 19: TIERS_LEAN, the slots pass keeps no lists (the medium rows are found by tier A from the final counts, the
+# heavy ids by a small kernel on the heavy chain), so the rows grid waits for a shorter pass; FILL_PDL, the counts'
+# zero fill is a Triton kernel whose programmatic dependent is the slots pass (tiers form)
+TIERS_LEAN = True
+FILL_PDL = True
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 16  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -831,7 +883,12 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     if not (k2 > heavy_k and all(_pow2(x) for x in (k2, mt, abc, ht, bbc, scan)) and aps >= 1 and bps >= 1):
         raise ValueError(f"embedding_bwd: TIERS needs K2 above the rows' K = {heavy_k}, powers of two for K2, MT, the "
                          f"column blocks, HT and SCAN, and programs per SM >= 1, got {TIERS!r}")
-    zeroed = torch.zeros(V + 2, dtype=torch.int32, device=dev)  # one fill: the counts and the two list lengths
+    fill_pdl = bool(FILL_PDL) and pdl_ok(d2)
+    zeroed = torch.empty(V + 2, dtype=torch.int32, device=dev)  # one fill: the counts and the two list lengths
+    if fill_pdl:
+        _zero_i32_kernel[(triton.cdiv(V + 2, 4096),)](zeroed, V + 2, BLOCK=4096, PDL=True, num_warps=4)
+    else:
+        zeroed.zero_()
     counts, nlist = zeroed[:V], zeroed[V:]
     slots = torch.empty(k2, V, dtype=torch.int32, device=dev)
     med = torch.empty(N // (heavy_k + 1) + 1, dtype=torch.int32, device=dev)  # ids seen more than K times
@@ -840,9 +897,11 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     hbase = torch.empty(hcap, dtype=torch.int32, device=dev)
     hlist = torch.empty(N, dtype=torch.int32, device=dev)
     pdl = bool(ROWS_PDL) and pdl_ok(d2)
+    lean = bool(TIERS_LEAN)
     _embedding_tier_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, med, heavy, nlist, N, V,
                                                                   K=heavy_k, K2=k2, BLOCK=SLOTS_BLOCK, PDL=pdl,
-                                                                  num_warps=4)
+                                                                  LISTS=not lean, WAIT=fill_pdl, num_warps=4,
+                                                                  **({"launch_pdl": True} if fill_pdl else {}))
     n_sm = sm_count(dev) if d2.is_cuda else 1
     abc, bbc = min(abc, triton.next_power_of_2(C)), min(bbc, triton.next_power_of_2(C))
     n_hcb = triton.cdiv(C, bbc)
@@ -850,7 +909,14 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     def tier_a(programs: int, heavy_part: bool, med_part: bool):
         _embedding_tier_a_kernel[(programs,)](flat, d2, counts, slots, med, heavy, nlist, hlist, hbase, dtable, N, V,
                                               C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan, DO_HEAVY=heavy_part,
-                                              DO_MED=med_part, num_warps=aw)
+                                              DO_MED=med_part, K=heavy_k,
+                                              MED_SPAN=triton.next_power_of_2(triton.cdiv(V, programs)) if lean else 0,
+                                              num_warps=aw)
+
+    def heavy_list():
+        if lean:
+            _embedding_tier_heavy_list_kernel[(triton.cdiv(V, 4096),)](counts, heavy, nlist, V, K2=k2, BLOCK=4096,
+                                                                       num_warps=4)
 
     def tier_b():
         _embedding_tier_b_kernel[(bps * n_sm,)](d2, counts, heavy, nlist, hlist, hbase, dtable, C, n_hcb, HT=ht,
@@ -865,6 +931,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         second.wait_stream(here)
         with torch.cuda.stream(second):
             tier_a(aps * n_sm, False, True)
+        heavy_list()
         tier_a(min(hcap, n_sm), True, False)
         tier_b()
         here.wait_stream(second)
@@ -873,6 +940,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         run_side_by_side(dev, grid_pass, side, high_priority=True, main_first=bool(ROWS_MAIN_FIRST))
     else:
         grid_pass()
+        heavy_list()
         tier_a(aps * n_sm, True, True)
         tier_b()
     return dtable
