@@ -405,10 +405,6 @@ def test_embedding_bwd_tiers_cpu(tiers, monkeypatch):
             a = K_emb.embedding_bwd_triton(d, ids, V)
             assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
             assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
-            # the lists made in the slots pass (until session 19) or found from the final counts: the same bits
-            monkeypatch.setattr(K_emb, "TIERS_LEAN", not K_emb.TIERS_LEAN)
-            assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
-            monkeypatch.setattr(K_emb, "TIERS_LEAN", not K_emb.TIERS_LEAN)
 
 
 @needs_cpu_interp
@@ -721,7 +717,7 @@ def test_adamw_gpu_bit_exact():
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
                                     "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
-                                    "tiers lists in the slots pass"])
+                                    "tiers, torch's fill"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
@@ -738,9 +734,8 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "tiers small K2":  # many heavy ids (seen more than 16 times), so many lists and offsets
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "TIERS", (16, 8, 1024, 4, 1, 64, 64, 4, 1, 1024))
-    if config == "tiers lists in the slots pass":  # as until session 19, the counts zeroed by torch
+    if config == "tiers, torch's fill":  # as until session 19: the counts zeroed by torch, no PDL to the slots
         config = (16, 512, 4, "tiers", 16, True)
-        monkeypatch.setattr(K_emb, "TIERS_LEAN", False)
         monkeypatch.setattr(K_emb, "FILL_PDL", False)
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384

@@ -596,20 +596,16 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
 
 @_jit
 def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K: tl.constexpr, K2: tl.constexpr,
-                                 BLOCK: tl.constexpr, PDL: tl.constexpr = False, LISTS: tl.constexpr = True,
-                                 WAIT: tl.constexpr = False):
+                                 BLOCK: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False):
     """The "tiers" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer atomic) and
     writes its index to SLOTS[slot, id] if the slot is below K2. The token that takes slot K appends its id to the
     medium list MED, the one that takes slot K2 to the heavy list HEAVY (NLIST[0] and NLIST[1] count them; one
     atomic per program and list, positions within the program by a prefix sum). Which token takes which slot, and
     where an id lands in a list, depend on scheduling; the later passes order each row's tokens by index, so the
-    sums do not. PDL: as ``_embedding_slots_kernel``. LISTS = False (``TIERS_LEAN``): no lists here; the side
-    streams find the medium and heavy ids from the final counts, so the rows grid, which waits for this pass, waits
-    for the slots alone. WAIT: as ``_take_slots``."""
+    sums do not. PDL: as ``_embedding_slots_kernel``. WAIT: as ``_take_slots``."""
     m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL, WAIT)
-    if LISTS:
-        _append(MED, NLIST, m & (slot == K), ids.to(tl.int32))
-        _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32))
+    _append(MED, NLIST, m & (slot == K), ids.to(tl.int32))
+    _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32))
 
 
 @_jit
@@ -623,31 +619,20 @@ def _zero_i32_kernel(X, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 
 @_jit
-def _embedding_tier_heavy_list_kernel(COUNTS, HEAVY, NLIST, V, K2: tl.constexpr, BLOCK: tl.constexpr):
-    """``TIERS_LEAN``: the ids seen more than K2 times, from the final counts, appended to HEAVY (NLIST[1] counts
-    them; one atomic per program, places within it by a prefix sum)."""
-    v = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    c = tl.load(COUNTS + v, mask=v < V, other=0)
-    _append(HEAVY, NLIST + 1, c > K2, v)
-
-
-@_jit
 def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST, HBASE, DTABLE, N, V, C,
                              K2: tl.constexpr, MT: tl.constexpr, BLOCK_C: tl.constexpr, SCAN: tl.constexpr,
-                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr, K: tl.constexpr = 0,
-                             MED_SPAN: tl.constexpr = 0):
+                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr):
     """Persistent over the lists. DO_HEAVY: each heavy id's token list, in token order, into HLIST from offset
     HBASE[h] (the counts of the heavy ids listed before it): a scan of the ids SCAN at a time, each hit placed by a
     running prefix sum. DO_MED: each medium row (K < count <= K2), whole: its K2 slots put in token order by their
     ranks (a [K2, K2] comparison of token indices; an empty slot, the largest int32, ranks at the count), its
     tokens gathered MT at a time in that order, each tile's rows added by a fixed reduction tree and the tiles in
-    order, in fp32, rounded once. MED_SPAN > 0 (``TIERS_LEAN``): no medium list; program p takes the medium rows
-    among ids p, p + P, ..., p + (MED_SPAN - 1) P, found from their counts (MED_SPAN * P >= V)."""
+    order, in fp32, rounded once."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_med = 0
     n_heavy = 0
-    if DO_MED and MED_SPAN == 0:
+    if DO_MED:
         n_med = tl.load(NLIST)
     if DO_HEAVY:
         n_heavy = tl.load(NLIST + 1)
@@ -666,22 +651,11 @@ def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST,
             hit = (tl.load(IDS + t, mask=t < N, other=-1) == f).to(tl.int32)
             tl.store(HLIST + run + tl.cumsum(hit, axis=0) - 1, t.to(tl.int32), mask=hit != 0)
             run += tl.sum(hit, axis=0)
-    if DO_MED:
-        if MED_SPAN > 0:
-            vv = pid + P * tl.arange(0, MED_SPAN)
-            cv = tl.load(COUNTS + vv, mask=vv < V, other=0)
-            mine = (cv > K) & (cv <= K2)
-            pos = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-            for e in range(0, tl.sum(mine.to(tl.int32), axis=0)):
-                pick = mine & (pos == e)
-                _med_row(tl.sum(tl.where(pick, vv, 0), axis=0), tl.sum(tl.where(pick, cv, 0), axis=0), DOUT, SLOTS,
-                         DTABLE, V, C, K2, MT, BLOCK_C)
-        else:
-            for e in range(pid, n_med, P):
-                f = tl.load(MED + e)
-                cnt = tl.load(COUNTS + f)
-                if cnt <= K2:
-                    _med_row(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2, MT, BLOCK_C)
+    for e in range(pid, n_med, P):
+        f = tl.load(MED + e)
+        cnt = tl.load(COUNTS + f)
+        if cnt <= K2:
+            _med_row(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2, MT, BLOCK_C)
 
 
 @_jit
@@ -782,10 +756,12 @@ TIERS = None
 # (bench/embedding_tiers_probe.py --N): tiers / rows 0.120 / 0.127 ms at N = 16k, 0.161-0.164 / 0.165-0.166 at 32k,
 # 0.274 / 0.246 at 64k (33 heavy ids), 0.51 / 0.42 at 128k, 1.24 / 0.80 at 256k (287 heavy ids)
 TIERS_MAX_N = 32768
-# session 19: TIERS_LEAN, the slots pass keeps no lists (the medium rows are found by tier A from the final counts, the
-# heavy ids by a small kernel on the heavy chain), so the rows grid waits for a shorter pass; FILL_PDL, the counts'
-# zero fill is a Triton kernel whose programmatic dependent is the slots pass (tiers form)
-TIERS_LEAN = True
+# the tiers form's counts zeroed by a Triton kernel whose programmatic dependent is the slots pass (session 19; H200,
+# fp32, V = 32000, C = 2048, three alternating rounds: 0.1184-0.1187 ms against 0.1205-0.1209 with torch's fill; the
+# slots pass starts 1.3 us into the op instead of 2.8). Measured and dropped there: no lists in the slots pass, the
+# medium rows found by tier A from the final counts (each program ids p, p + P, ...) and the heavy ids by a small
+# kernel on the heavy chain: the slots pass took 3.7 us instead of 5.4-5.7, but tier A ran 109-110 us instead of
+# 90-97 and ended the op (0.1253-0.1273 ms)
 FILL_PDL = True
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
@@ -897,10 +873,9 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     hbase = torch.empty(hcap, dtype=torch.int32, device=dev)
     hlist = torch.empty(N, dtype=torch.int32, device=dev)
     pdl = bool(ROWS_PDL) and pdl_ok(d2)
-    lean = bool(TIERS_LEAN)
     _embedding_tier_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, med, heavy, nlist, N, V,
                                                                   K=heavy_k, K2=k2, BLOCK=SLOTS_BLOCK, PDL=pdl,
-                                                                  LISTS=not lean, WAIT=fill_pdl, num_warps=4,
+                                                                  WAIT=fill_pdl, num_warps=4,
                                                                   **({"launch_pdl": True} if fill_pdl else {}))
     n_sm = sm_count(dev) if d2.is_cuda else 1
     abc, bbc = min(abc, triton.next_power_of_2(C)), min(bbc, triton.next_power_of_2(C))
@@ -909,14 +884,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     def tier_a(programs: int, heavy_part: bool, med_part: bool):
         _embedding_tier_a_kernel[(programs,)](flat, d2, counts, slots, med, heavy, nlist, hlist, hbase, dtable, N, V,
                                               C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan, DO_HEAVY=heavy_part,
-                                              DO_MED=med_part, K=heavy_k,
-                                              MED_SPAN=triton.next_power_of_2(triton.cdiv(V, programs)) if lean else 0,
-                                              num_warps=aw)
-
-    def heavy_list():
-        if lean:
-            _embedding_tier_heavy_list_kernel[(triton.cdiv(V, 4096),)](counts, heavy, nlist, V, K2=k2, BLOCK=4096,
-                                                                       num_warps=4)
+                                              DO_MED=med_part, num_warps=aw)
 
     def tier_b():
         _embedding_tier_b_kernel[(bps * n_sm,)](d2, counts, heavy, nlist, hlist, hbase, dtable, C, n_hcb, HT=ht,
@@ -931,7 +899,6 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         second.wait_stream(here)
         with torch.cuda.stream(second):
             tier_a(aps * n_sm, False, True)
-        heavy_list()
         tier_a(min(hcap, n_sm), True, False)
         tier_b()
         here.wait_stream(second)
@@ -940,7 +907,6 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         run_side_by_side(dev, grid_pass, side, high_priority=True, main_first=bool(ROWS_MAIN_FIRST))
     else:
         grid_pass()
-        heavy_list()
         tier_a(aps * n_sm, True, True)
         tier_b()
     return dtable
