@@ -36,6 +36,8 @@ registers (the walk waits on an index load per token: the chunk + merge stage al
     key, all others get a sentinel that sorts last and that the walks and the merge skip.
 "tiers" form (CONFIG zero fill "tiers", the fp32 default since session 18): of the ~310 ids the chain above takes
 (N = 16k, V = 32k), only ~4 are seen more than K2 = 64 times, so the rest need no sort either:
+    _zero_i32_kernel             the counts zeroed; its programmatic dependent is the slots pass, which loads its
+                                 ids before it waits for the fill (FILL_PDL: the pass starts ~1.5 us sooner)
     _embedding_tier_slots_kernel the slots pass with K2 slots per id (SLOTS[K2, V] int32, K2 capped at the
                                  table's width C but at least 2K: no larger than an fp32 table where C >= 2K);
                                  the token taking slot K appends its id to the medium list, the one taking slot
