@@ -747,3 +747,24 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     b64 = K_emb.embedding_bwd_ref(d.double(), ids, V)
     assert _rel(a, b64) < _tol(dtype)
     assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))  # deterministic
+
+
+@gpu
+def test_embedding_bwd_tiers_plan_gpu(monkeypatch):
+    """The tiers form's cached launch plan: a second and third call of the same shapes with new ids and dout (and
+    ids of another dtype, a new plan) each give their own sums, into poisoned outputs; a changed setting (TIERS) is a
+    new plan, not a stale one."""
+    monkeypatch.setattr(K_emb, "_TIER_PLANS", K_emb.PlanCache())
+    V, C, N = 5000, 384, 3000
+    for step in range(4):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        ids = (torch.rand(N, device="cuda", generator=g) ** 3 * V).long().clamp_max(V - 1)
+        if step == 2:
+            ids = ids.int()
+        if step == 3:
+            monkeypatch.setattr(K_emb, "TIERS", (16, 8, 1024, 4, 1, 64, 64, 4, 1, 1024))
+        d = torch.randn(N, C, device="cuda", generator=g)
+        with poisoned():
+            a = K_emb.embedding_bwd_triton(d, ids, V)
+        assert _rel(a, K_emb.embedding_bwd_ref(d.double(), ids, V)) < _tol(torch.float32), step
+    assert len(K_emb._TIER_PLANS) == 3  # int64 ids, int32 ids, the changed TIERS

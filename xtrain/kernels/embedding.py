@@ -158,8 +158,11 @@ from __future__ import annotations
 import torch
 
 from xtrain.kernels._dispatch import (
+    PlanCache,
     gdc_launch_dependents,
     gdc_wait,
+    is_per_call,
+    launch_cached,
     pdl_ok,
     run_side_by_side,
     side_stream,
@@ -823,10 +826,10 @@ def _rows_config(esize: int) -> tuple:
     return rcfg
 
 
-def _rows_grid(d2, counts, slots, dtable, V, rcfg, pdl: bool) -> None:
-    """The rows kernel over the whole table (the "rows" and "tiers" forms): a grid of tiles, or with a fifth ROWS
-    element, that many programs per SM walking them (the CPU interpreter: that many in all). pdl: launched as
-    the slots pass's programmatic dependent."""
+def _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl: bool) -> tuple:
+    """The rows kernel over the whole table (the "rows" and "tiers" forms) as (kernel, grid, arguments by name, launch
+    options): a grid of tiles, or with a fifth ROWS element, that many programs per SM walking them (the CPU
+    interpreter: that many in all). pdl: launched as the slots pass's programmatic dependent."""
     C = d2.shape[1]
     heavy_k, rbr, rbc, rwarps = rcfg[:4]
     per_sm = rcfg[4] if len(rcfg) > 4 else 0
@@ -837,23 +840,37 @@ def _rows_grid(d2, counts, slots, dtable, V, rcfg, pdl: bool) -> None:
         grid = (min(n_rb * n_rcb, per_sm * n_sm),)
     else:
         grid = (n_rb, n_rcb)
-    _embedding_bwd_rows_kernel[grid](d2, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k, BLOCK_R=rbr,
-                                     BLOCK_C=rbc, PERSISTENT=len(grid) == 1, EVICT=ROWS_EVICT,
-                                     ZERO_FAST=ROWS_ZERO_FAST, PDL=pdl, num_warps=rwarps,
-                                     **({"launch_pdl": True} if pdl else {}))
+    args = dict(DOUT=d2, COUNTS=counts, SLOTS=slots, DTABLE=dtable, V=V, C=C, n_cb=n_rcb, n_tiles=n_rb * n_rcb,
+                K=heavy_k, BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1, EVICT=ROWS_EVICT,
+                ZERO_FAST=ROWS_ZERO_FAST, PDL=pdl)
+    return _embedding_bwd_rows_kernel, grid, args, {"num_warps": rwarps, **({"launch_pdl": True} if pdl else {})}
+
+
+def _rows_grid(d2, counts, slots, dtable, V, rcfg, pdl: bool) -> None:
+    """Launch ``_rows_launch``'s rows kernel."""
+    kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl)
+    kernel[grid](**args, **options)
 
 
 def _pow2(x: int) -> bool:
     return x >= 1 and x & (x - 1) == 0
 
 
+_TIER_PLANS = PlanCache()  # the tiers form's launches on CUDA, by everything that decides them (``_tiers``)
+
+
 def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, esize: int) -> torch.Tensor:
     """The "tiers" form (module docstring): the slots pass, then the rows grid (rows seen at most K times) on this
     stream beside two high-priority side streams, one for the medium rows (tier A), one for the heavy ids' lists
-    (tier A) and sums (tier B). Every row is written once."""
+    (tier A) and sums (tier B). Every row is written once.
+    On CUDA the six launches are kept as a plan (``_dispatch.CachedLaunch``) under a key of the shapes, dtypes,
+    device, pointer alignments and every module setting read here; later calls with that key pass only their
+    tensors (the JIT's binding and specialisation cost tens of microseconds of host time per launch). The int32
+    buffers are views of one allocation, each at a 128-byte boundary."""
     N, C = d2.shape
     dev = d2.device
-    k2, mt, abc, aw, aps, ht, bbc, bw, bps, scan = TIERS if TIERS is not None else TIERS_DEFAULTS[esize]
+    tiers = TIERS if TIERS is not None else TIERS_DEFAULTS[esize]
+    k2, mt, abc, aw, aps, ht, bbc, bw, bps, scan = tiers
     rcfg = _rows_config(esize)
     heavy_k = rcfg[0]
     # the [K2, V] int32 slots stay no larger than an fp32 [V, C] table where C >= 2K
@@ -862,46 +879,66 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         raise ValueError(f"embedding_bwd: TIERS needs K2 above the rows' K = {heavy_k}, powers of two for K2, MT, the "
                          f"column blocks, HT and SCAN, and programs per SM >= 1, got {TIERS!r}")
     fill_pdl = bool(FILL_PDL) and pdl_ok(d2)
-    zeroed = torch.empty(V + 2, dtype=torch.int32, device=dev)  # one fill: the counts and the two list lengths
-    if fill_pdl:
-        _zero_i32_kernel[(triton.cdiv(V + 2, 4096),)](zeroed, V + 2, BLOCK=4096, PDL=True, num_warps=4)
-    else:
-        zeroed.zero_()
-    counts, nlist = zeroed[:V], zeroed[V:]
-    slots = torch.empty(k2, V, dtype=torch.int32, device=dev)
-    med = torch.empty(N // (heavy_k + 1) + 1, dtype=torch.int32, device=dev)  # ids seen more than K times
-    hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
-    heavy = torch.empty(hcap, dtype=torch.int32, device=dev)
-    hbase = torch.empty(hcap, dtype=torch.int32, device=dev)
-    hlist = torch.empty(N, dtype=torch.int32, device=dev)
     pdl = bool(ROWS_PDL) and pdl_ok(d2)
-    _embedding_tier_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, med, heavy, nlist, N, V,
-                                                                  K=heavy_k, K2=k2, BLOCK=SLOTS_BLOCK, PDL=pdl,
-                                                                  WAIT=fill_pdl, num_warps=4,
-                                                                  **({"launch_pdl": True} if fill_pdl else {}))
+    hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
+    # one int32 workspace: the counts and the two list lengths (zeroed), the slots, the medium ids (seen more than K
+    # times), the heavy ids, their list offsets, the heavy lists
+    sizes = [V + 2, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N]
+    padded = [-(-n // 32) * 32 for n in sizes]
+    ws = torch.empty(sum(padded), dtype=torch.int32, device=dev)
+    zeroed, slots, med, heavy, hbase, hlist = (v[:n] for v, n in zip(torch.split(ws, padded), sizes))
+    slots = slots.view(k2, V)
+    counts, nlist = zeroed[:V], zeroed[V:]
     n_sm = sm_count(dev) if d2.is_cuda else 1
     abc, bbc = min(abc, triton.next_power_of_2(C)), min(bbc, triton.next_power_of_2(C))
     n_hcb = triton.cdiv(C, bbc)
+    key = None
+    if d2.is_cuda:
+        key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
+               ROWS_ZERO_FAST, SLOTS_BLOCK, d2.stride(), flat.stride(), d2.data_ptr() % 16, flat.data_ptr() % 16,
+               dtable.data_ptr() % 16, ws.data_ptr() % 128)
+    plan = _TIER_PLANS.get(key) if key is not None else None
+    made = {}
 
-    def tier_a(programs: int, heavy_part: bool, med_part: bool):
-        _embedding_tier_a_kernel[(programs,)](flat, d2, counts, slots, med, heavy, nlist, hlist, hbase, dtable, N, V,
-                                              C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan, DO_HEAVY=heavy_part,
-                                              DO_MED=med_part, num_warps=aw)
+    def launch(name, kernel, grid, args, **options):
+        if plan is not None:
+            plan[name](**{k: v for k, v in args.items() if is_per_call(v)})
+        elif key is not None:
+            made[name] = launch_cached(kernel, grid, args, **options)
+        else:
+            kernel[grid](**args, **options)
+
+    if fill_pdl:
+        launch("fill", _zero_i32_kernel, (triton.cdiv(V + 2, 4096),), dict(X=zeroed, n=V + 2, BLOCK=4096, PDL=True),
+               num_warps=4)
+    else:
+        zeroed.zero_()
+    launch("slots", _embedding_tier_slots_kernel, (triton.cdiv(N, SLOTS_BLOCK),),
+           dict(IDS=flat, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, N=N, V=V, K=heavy_k, K2=k2,
+                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl), num_warps=4, **({"launch_pdl": True} if fill_pdl else {}))
+    a_args = dict(IDS=flat, DOUT=d2, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, HLIST=hlist,
+                  HBASE=hbase, DTABLE=dtable, N=N, V=V, C=C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan)
+
+    def tier_a(name: str, programs: int, heavy_part: bool, med_part: bool):
+        launch(name, _embedding_tier_a_kernel, (programs,), dict(a_args, DO_HEAVY=heavy_part, DO_MED=med_part),
+               num_warps=aw)
 
     def tier_b():
-        _embedding_tier_b_kernel[(bps * n_sm,)](d2, counts, heavy, nlist, hlist, hbase, dtable, C, n_hcb, HT=ht,
-                                                BLOCK_C=bbc, num_warps=bw)
+        launch("tier b", _embedding_tier_b_kernel, (bps * n_sm,),
+               dict(DOUT=d2, COUNTS=counts, HEAVY=heavy, NLIST=nlist, HLIST=hlist, HBASE=hbase, DTABLE=dtable, C=C,
+                    n_cb=n_hcb, HT=ht, BLOCK_C=bbc), num_warps=bw)
 
     def grid_pass():
-        _rows_grid(d2, counts, slots, dtable, V, rcfg, pdl)
+        kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl)
+        launch("rows", kernel, grid, args, **options)
 
     def side():
         here = torch.cuda.current_stream(dev)
         second = side_stream(dev, high_priority=True, which=1)
         second.wait_stream(here)
         with torch.cuda.stream(second):
-            tier_a(aps * n_sm, False, True)
-        tier_a(min(hcap, n_sm), True, False)
+            tier_a("tier a, medium", aps * n_sm, False, True)
+        tier_a("tier a, heavy", min(hcap, n_sm), True, False)
         tier_b()
         here.wait_stream(second)
 
@@ -909,8 +946,10 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         run_side_by_side(dev, grid_pass, side, high_priority=True, main_first=bool(ROWS_MAIN_FIRST))
     else:
         grid_pass()
-        tier_a(aps * n_sm, True, True)
+        tier_a("tier a", aps * n_sm, True, True)
         tier_b()
+    if key is not None and plan is None:
+        _TIER_PLANS.put(key, made)
     return dtable
 
 
