@@ -50,6 +50,16 @@ def main(argv=None) -> int:
     prof.disable()
     torch.cuda.synchronize()
     print(f"host time per call, unprofiled: {plain:.1f} us")
+    for rnd in range(3):
+        for plans in (True, False):
+            K.TIER_PLANS = plans
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(_cycles_per_ms() * 60))
+            t0 = time.perf_counter()
+            for _ in range(20):
+                K.embedding_bwd(d, ids, V)
+            print(f"round {rnd}: cached plans {plans}: {(time.perf_counter() - t0) / 20 * 1e6:.1f} us per call")
+    K.TIER_PLANS = True
     pstats.Stats(prof).sort_stats("cumulative").print_stats(args.top)
     return 0
 

@@ -857,6 +857,7 @@ def _pow2(x: int) -> bool:
 
 
 _TIER_PLANS = PlanCache()  # the tiers form's launches on CUDA, by everything that decides them (``_tiers``)
+TIER_PLANS = True  # use them (False: every call launches through the JIT)
 
 
 def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, esize: int) -> torch.Tensor:
@@ -893,7 +894,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     abc, bbc = min(abc, triton.next_power_of_2(C)), min(bbc, triton.next_power_of_2(C))
     n_hcb = triton.cdiv(C, bbc)
     key = None
-    if d2.is_cuda:
+    if d2.is_cuda and TIER_PLANS:
         key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
                ROWS_ZERO_FAST, SLOTS_BLOCK, d2.stride(), flat.stride(), d2.data_ptr() % 16, flat.data_ptr() % 16,
                dtable.data_ptr() % 16, ws.data_ptr() % 128)
