@@ -70,9 +70,9 @@ def gpu_time(fn, reps: int = 30, warmup: int = 5, flush_mb: int = 256, host_call
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    cache = torch.empty(flush_mb << 18, dtype=torch.int32, device="cuda")  # flush_mb MiB
     if flush not in ("write", "read", "none"):
         raise ValueError(f"gpu_time: flush must be 'write', 'read' or 'none', got {flush!r}")
+    cache = torch.empty(flush_mb << 18, dtype=torch.int32, device="cuda")  # flush_mb MiB
     sink = torch.empty((), dtype=torch.int32, device="cuda")
     do_flush = {"write": cache.zero_, "read": lambda: torch.amax(cache, dim=0, out=sink),
                 "none": lambda: None}[flush]

@@ -1,7 +1,7 @@
 """Session 18: the fp32 embedding backward's "tiers" form against the "rows" form, with its knobs.
 
     PYTHONPATH=. python3 bench/embedding_tiers_probe.py [--reps 30] [--timeline] [--V 32000 --C 2048]
-        [--tiers "64,8,2048,4,1,256,64,4,1,4096;..."] [--knobs "TIERS_LEAN=False,FILL_PDL=False;..."]
+        [--tiers "64,8,2048,4,1,256,64,4,1,4096;..."] [--knobs "FILL_PDL=False;SLOTS_BLOCK=128,...;..."]
 
 The "rows" form (the fp32 default of sessions 7-17) writes every row seen at most K = 4 times from one grid and
 leaves the rest to a chain of the sort keys, cub's radix sort (four or five kernels), the chunk walks and the merge
@@ -18,7 +18,6 @@ besides the default; ``--knobs`` runs the tiers form with other module knobs (se
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import sys
 
@@ -27,18 +26,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.embedding_tma_probe import Recorder, probe_parser  # noqa: E402
-from bench.kernels import _knob  # noqa: E402
+from bench.kernels import _knobs  # noqa: E402
 from xtrain.kernels import embedding as K  # noqa: E402
 
 
-@contextlib.contextmanager
 def _form(config, knobs):
-    """The embedding module's CONFIG and the given knobs (name -> value) set for the block
-    (``bench.kernels._knob``)."""
-    with contextlib.ExitStack() as stack:
-        for name, value in {"CONFIG": config, **knobs}.items():
-            stack.enter_context(_knob(K, name, value))
-        yield
+    """The embedding module's CONFIG and the given knobs (name -> value) set for a block."""
+    return _knobs(K, {"CONFIG": config, **knobs})
 
 
 def main(argv=None) -> int:

@@ -277,6 +277,15 @@ def _knob(module, name, value):
         setattr(module, name, old)
 
 
+@contextlib.contextmanager
+def _knobs(module, knobs: dict):
+    """``_knob`` for each (name, value) of knobs."""
+    with contextlib.ExitStack() as stack:
+        for name, value in knobs.items():
+            stack.enter_context(_knob(module, name, value))
+        yield
+
+
 def _rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -601,9 +610,7 @@ def _v_embedding(N, V, C, dt, smoke=False):
             (64, 8, 2048, 4, 1, 128, 32, 4, 2, 4096))]
     for name, cfg, *extra in vs:
         def fn(knobs=tuple({"CONFIG": cfg, **(extra[0] if extra else {})}.items())):
-            with contextlib.ExitStack() as stack:
-                for knob, value in knobs:
-                    stack.enter_context(_knob(K, knob, value))
+            with _knobs(K, dict(knobs)):
                 return K.embedding_bwd_triton(d, ids, V)
 
         def check(fn=fn):
