@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 
 import torch
@@ -55,7 +56,8 @@ def main(argv=None) -> int:
     tiers = (16, 512, 4, "tiers", 16, True)
     forms = [("rows", rows, {}), ("tiers (default)", tiers, {})]
     forms += [(f"tiers {t}", tiers, {"TIERS": tuple(int(x) for x in t.split(","))}) for t in args.tiers.split(";") if t]
-    forms += [(f"tiers {kv}", tiers, {k: ast.literal_eval(v) for k, v in (p.split("=") for p in kv.split(","))})
+    forms += [(f"tiers {kv}", tiers, {k: ast.literal_eval(v) for k, v in (p.split("=", 1) for p in
+                                                                          re.split(r",(?=[A-Z_][A-Z0-9_]*=)", kv))})
               for kv in args.knobs.split(";") if kv]
     ref = K.embedding_bwd_ref(d.double(), ids, V)
     for name, cfg, t in forms:

@@ -383,17 +383,27 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("tiers", [(8, 4, 16, 4, 1, 4, 16, 4, 1, 64), (16, 8, 32, 8, 2, 8, 8, 4, 3, 32),
-                                   (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096)])
-def test_embedding_bwd_tiers_cpu(tiers, monkeypatch):
+@pytest.mark.parametrize("tiers,rows_med", [((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), None),
+                                            ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), None),
+                                            ((64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), None),
+                                            ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), (2, 4, 8)),
+                                            ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), (1, 2, 2048)),
+                                            ((16, 4, 8, 8, 2, 8, 8, 4, 3, 32), "tier a seq")])
+def test_embedding_bwd_tiers_cpu(tiers, rows_med, monkeypatch):
     """The "tiers" form: rows seen at most K times by the rows kernel, K < count <= K2 by tier A from their slots
-    (ranked into token order), more than K2 by the heavy lists (scans of the ids SCAN at a time, several heavy
-    ids, so their offsets add up) and tier B. Counts of exactly K, K + 1, K2, K2 + 1; every token one id; every
-    token its own id; Zipf-like draws; a table narrower than K2 (the slots capped at the table's width); against
-    the reference and bit for bit repeatable (the slots and list places are taken by atomics)."""
+    (ranked into token order; or, with ROWS_MED, by the rows grid's first programs, or TIER_A_SEQ, sorted in place
+    and added one by one), more than K2 by the heavy lists
+    (scans of the ids SCAN at a time, several heavy ids, so their offsets add up) and tier B. Counts of exactly K,
+    K + 1, K2, K2 + 1; every token one id; every token its own id; Zipf-like draws; a table narrower than K2 (the
+    slots capped at the table's width); against the reference and bit for bit repeatable (the slots and list places
+    are taken by atomics)."""
     monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "tiers", 16, True))
     monkeypatch.setattr(K_emb, "ROWS", (4, 1, 32, 4))
     monkeypatch.setattr(K_emb, "TIERS", tiers)
+    if rows_med == "tier a seq":  # tier A's medium rows sorted in place and added one by one
+        monkeypatch.setattr(K_emb, "TIER_A_SEQ", True)
+    else:
+        monkeypatch.setattr(K_emb, "ROWS_MED", rows_med)
     k2 = tiers[0]
     cases = [torch.cat([torch.full((4,), 2), torch.full((5,), 5), torch.full((k2,), 7), torch.full((k2 + 1,), 1),
                         torch.full((3 * k2,), 4), torch.tensor([0, 9, 2, 7])])[torch.randperm(4 * k2 + 22)],
@@ -717,7 +727,7 @@ def test_adamw_gpu_bit_exact():
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
                                     "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
-                                    "tiers, torch's fill"])
+                                    "tiers, torch's fill", "tiers, medium rows in the grid"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
@@ -737,6 +747,9 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "tiers, torch's fill":  # as until session 19: the counts zeroed by torch, no PDL to the slots
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "FILL_PDL", False)
+    if config == "tiers, medium rows in the grid":  # ROWS_MED: the medium rows by the rows grid's first programs
+        config = (16, 512, 4, "tiers", 16, True)
+        monkeypatch.setattr(K_emb, "ROWS_MED", (1, 4, 2048))
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text
