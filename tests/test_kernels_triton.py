@@ -388,11 +388,16 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
                                             ((64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), None),
                                             ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), (2, 4, 8)),
                                             ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), (1, 2, 2048)),
-                                            ((16, 4, 8, 8, 2, 8, 8, 4, 3, 32), "tier a seq")])
+                                            ((16, 4, 8, 8, 2, 8, 8, 4, 3, 32), "tier a seq"),
+                                            ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), "roles 3"),
+                                            ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), "roles 1"),
+                                            ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), (2, 2, 8, "roles")),
+                                            ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), (3, 4, 32, "roles"))])
 def test_embedding_bwd_tiers_cpu(tiers, rows_med, monkeypatch):
     """The "tiers" form: rows seen at most K times by the rows kernel, K < count <= K2 by tier A from their slots
     (ranked into token order; or, with ROWS_MED, by the rows grid's first programs, or TIER_A_SEQ, sorted in place
-    and added one by one), more than K2 by the heavy lists
+    and added one by one; ROWS_ROLES: the rows grid's named rows from the slots pass's list, then its zero rows),
+    more than K2 by the heavy lists
     (scans of the ids SCAN at a time, several heavy ids, so their offsets add up) and tier B. Counts of exactly K,
     K + 1, K2, K2 + 1; every token one id; every token its own id; Zipf-like draws; a table narrower than K2 (the
     slots capped at the table's width); against the reference and bit for bit repeatable (the slots and list places
@@ -402,6 +407,10 @@ def test_embedding_bwd_tiers_cpu(tiers, rows_med, monkeypatch):
     monkeypatch.setattr(K_emb, "TIERS", tiers)
     if rows_med == "tier a seq":  # tier A's medium rows sorted in place and added one by one
         monkeypatch.setattr(K_emb, "TIER_A_SEQ", True)
+    elif isinstance(rows_med, str):  # ROWS_ROLES: the named rows first (n programs), then the zero rows
+        monkeypatch.setattr(K_emb, "ROWS_ROLES", int(rows_med.split()[1]))
+    elif rows_med and rows_med[-1] == "roles":  # and the medium rows by those first programs too
+        monkeypatch.setattr(K_emb, "ROWS_ROLES", rows_med[:3])
     else:
         monkeypatch.setattr(K_emb, "ROWS_MED", rows_med)
     k2 = tiers[0]
@@ -727,7 +736,8 @@ def test_adamw_gpu_bit_exact():
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
                                     "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
-                                    "tiers, torch's fill", "tiers, medium rows in the grid"])
+                                    "tiers, torch's fill", "tiers, medium rows in the grid",
+                                    "tiers, rows grid in roles", "tiers, rows grid in roles with the medium rows"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
@@ -750,6 +760,14 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "tiers, medium rows in the grid":  # ROWS_MED: the medium rows by the rows grid's first programs
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_MED", (1, 4, 2048))
+    if config == "tiers, rows grid in roles":  # ROWS_ROLES: the named rows first, then the zero rows
+        config = (16, 512, 4, "tiers", 16, True)
+        monkeypatch.setattr(K_emb, "ROWS_ROLES", 8)
+        monkeypatch.setattr(K_emb, "ROWS", (4, 1, 2048, 8))  # one row per program (bf16's default has 4)
+    if config == "tiers, rows grid in roles with the medium rows":
+        config = (16, 512, 4, "tiers", 16, True)
+        monkeypatch.setattr(K_emb, "ROWS_ROLES", (4, 2, 2048))
+        monkeypatch.setattr(K_emb, "ROWS", (4, 1, 2048, 8))
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text

@@ -585,7 +585,7 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr = False,
                                EVICT: tl.constexpr = "", ZERO_FAST: tl.constexpr = False, PDL: tl.constexpr = False,
                                MED=None, NLIST=None, MEDP: tl.constexpr = 0, K2: tl.constexpr = 0,
-                               MED_MT: tl.constexpr = 1, MED_BC: tl.constexpr = 1):
+                               MED_MT: tl.constexpr = 1, MED_BC: tl.constexpr = 1, NAMED=None, GP: tl.constexpr = 0):
     """The "rows" form's grid (``_rows_tile``): one program per (row block, column block), or PERSISTENT, a
     fixed number of programs walking the tiles t = pid, pid + G, ... (row block t // n_cb, column block
     t % n_cb). Persistent, the grid leaves room on every SM, so the side stream's chain kernels find an SM
@@ -593,10 +593,35 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
     dependent): wait here for that grid's end and its writes. MEDP > 0 (the "tiers" form with ``ROWS_MED``, not
     persistent): the first MEDP programs of axis 0 (column block 0) take the medium rows (the list MED, NLIST[0]
     long: rows seen K < count <= K2 times; program p rows p, p + MEDP, ...), MED_MT tokens x
-    MED_BC columns at a time (``_med_row_seq``); they are the first programs started, and the tiles follow them."""
+    MED_BC columns at a time (``_med_row_seq``); they are the first programs started, and the tiles follow them.
+    GP > 0 (``ROWS_ROLES``, BLOCK_R = 1, not persistent): the first GP programs of axis 0 write the named rows (the
+    list NAMED, NLIST[2] long) seen at most K times, program p entries p, p + GP, ...; the rest, one per row, write
+    zeros where the row's count is 0. So the gathers come first and the zero rows after them, not interleaved: on
+    the H200 that order moved the same bytes 9 % faster (bench/mix_probe.py). With K2 > 0 the first GP programs also
+    write the medium rows (``_med_row_seq``, MED_MT x MED_BC), which tier A then leaves alone."""
     if PDL:
         gdc_wait()
-    if PERSISTENT:
+    if GP > 0:
+        pid = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        if pid < GP:
+            for e in range(pid, tl.load(NLIST + 2), GP):
+                rows = tl.load(NAMED + e).to(tl.int64) + tl.arange(0, 1)
+                cnt = tl.load(COUNTS + rows)
+                own = cnt <= K
+                if tl.max(own.to(tl.int32), axis=0) > 0:
+                    _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, 1, BLOCK_C, EVICT)
+                elif K2 > 0:  # and the medium rows (K < count <= K2), whole, in column block 0's programs
+                    c1 = tl.max(cnt, axis=0)
+                    if (c1 <= K2) & (tl.program_id(1) == 0):
+                        _med_row_seq(tl.max(rows, axis=0), c1, DOUT, SLOTS, DTABLE, V, C, K2, MED_MT, MED_BC)
+        else:
+            r = (pid - GP).to(tl.int64)
+            zero = tl.load(COUNTS + r) == 0
+            tl.store(DTABLE + r * C + cols, tl.zeros([BLOCK_C], dtype=DTABLE.dtype.element_ty),
+                     mask=cmask & (cols < tl.where(zero, C, 0)))
+    elif PERSISTENT:
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
             _rows_tile(t // n_cb, t % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT, ZERO_FAST)
     elif MEDP > 0:
@@ -618,16 +643,20 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
 
 @_jit
 def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K: tl.constexpr, K2: tl.constexpr,
-                                 BLOCK: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False):
+                                 BLOCK: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False,
+                                 NAMED=None, LIST_NAMED: tl.constexpr = False):
     """The "tiers" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer atomic) and
     writes its index to SLOTS[slot, id] if the slot is below K2. The token that takes slot K appends its id to the
     medium list MED, the one that takes slot K2 to the heavy list HEAVY (NLIST[0] and NLIST[1] count them; one
     atomic per program and list, positions within the program by a prefix sum). Which token takes which slot, and
     where an id lands in a list, depend on scheduling; the later passes order each row's tokens by index, so the
-    sums do not. PDL: as ``_embedding_slots_kernel``. WAIT: as ``_take_slots``."""
+    sums do not. PDL: as ``_embedding_slots_kernel``. WAIT: as ``_take_slots``. LIST_NAMED (``ROWS_ROLES``): the token
+    that takes slot 0 appends its id to NAMED (NLIST[2] counts them): every id the batch names, once."""
     m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL, WAIT)
     _append(MED, NLIST, m & (slot == K), ids.to(tl.int32))
     _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32))
+    if LIST_NAMED:
+        _append(NAMED, NLIST + 2, m & (slot == 0), ids.to(tl.int32))
 
 
 @_jit
@@ -834,6 +863,10 @@ FILL_PDL = True
 # the tiers form's medium rows inside the rows grid (session 20): (programs per SM, MT, BLOCK_C) of ``_med_row`` run by
 # the grid's first programs instead of tier A's persistent kernel on a second side stream; None: tier A
 ROWS_MED = None
+# the tiers form's rows grid in two roles (session 20): programs per SM that write the named rows (a list the slots
+# pass makes) first, then one program per row writing the zero rows; None: one program per row, both kinds mixed;
+# (programs per SM, MT, BLOCK_C): the first programs write the medium rows too (``_med_row_seq``), not tier A
+ROWS_ROLES = None
 TIER_A_SEQ = False  # tier A's medium rows by ``_med_row_seq`` (sorted in place, added one by one; MT 1, 2 or 4)
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
@@ -897,19 +930,24 @@ def _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl: bool, med: dict | None
     """The rows kernel over the whole table (the "rows" and "tiers" forms) as (kernel, grid, arguments by name, launch
     options): a grid of tiles, or with a fifth ROWS element, that many programs per SM walking them (the CPU
     interpreter: that many in all). pdl: launched as the slots pass's programmatic dependent. med (the "tiers" form
-    with ``ROWS_MED``): the medium-row arguments (MED, NLIST, MEDP, K2, MED_MT, MED_BC); MEDP programs go first."""
+    with ``ROWS_MED``): the medium-row arguments (MED, NLIST, MEDP, K2, MED_MT, MED_BC), MEDP programs first; or with
+    ``ROWS_ROLES``: (NAMED, NLIST, GP), GP programs for the named rows first."""
     C = d2.shape[1]
     heavy_k, rbr, rbc, rwarps = rcfg[:4]
     per_sm = rcfg[4] if len(rcfg) > 4 else 0
     rbc = min(rbc, triton.next_power_of_2(C))
     n_rb, n_rcb = triton.cdiv(V, rbr), triton.cdiv(C, rbc)
     if per_sm and med:
-        raise ValueError("embedding_bwd: ROWS_MED needs the rows kernel's grid of tiles, not a persistent ROWS")
+        raise ValueError("embedding_bwd: ROWS_MED and ROWS_ROLES need the rows kernel's grid of tiles, not a "
+                         "persistent ROWS")
+    if med and "GP" in med and (rbr != 1 or "MEDP" in med):
+        raise ValueError(f"embedding_bwd: ROWS_ROLES needs one row per program (ROWS BLOCK_R = 1, got {rbr}) and no "
+                         f"ROWS_MED")
     if per_sm:
         n_sm = sm_count(d2.device) if d2.is_cuda else 1
         grid = (min(n_rb * n_rcb, per_sm * n_sm),)
     else:
-        grid = (n_rb + (med["MEDP"] if med else 0), n_rcb)
+        grid = (n_rb + (med or {}).get("MEDP", 0) + (med or {}).get("GP", 0), n_rcb)
     args = dict(DOUT=d2, COUNTS=counts, SLOTS=slots, DTABLE=dtable, V=V, C=C, n_cb=n_rcb, n_tiles=n_rb * n_rcb,
                 K=heavy_k, BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1, EVICT=ROWS_EVICT,
                 ZERO_FAST=ROWS_ZERO_FAST, PDL=pdl, **(med or {}))
@@ -956,10 +994,12 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
     # one int32 workspace: the counts and the two list lengths (zeroed), the slots, the medium ids (seen more than K
     # times), the heavy ids, their list offsets, the heavy lists
-    sizes = [V + 2, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N]
+    roles = bool(ROWS_ROLES)
+    sizes = [V + 3, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else [])
     padded = [-(-n // 32) * 32 for n in sizes]
     ws = torch.empty(sum(padded), dtype=torch.int32, device=dev)
-    zeroed, slots, med_ids, heavy, hbase, hlist = (v[:n] for v, n in zip(torch.split(ws, padded), sizes))
+    zeroed, slots, med_ids, heavy, hbase, hlist, *named = (v[:n] for v, n in zip(torch.split(ws, padded), sizes))
+    named = named[0] if roles else None
     slots = slots.view(k2, V)
     counts, nlist = zeroed[:V], zeroed[V:]
     n_sm = sm_count(dev) if d2.is_cuda else 1
@@ -968,8 +1008,8 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     key = None
     if d2.is_cuda and TIER_PLANS:
         key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
-               ROWS_ZERO_FAST, SLOTS_BLOCK, ROWS_MED, TIER_A_SEQ, d2.stride(), flat.stride(), d2.data_ptr() % 16,
-               flat.data_ptr() % 16, dtable.data_ptr() % 16, ws.data_ptr() % 128)
+               ROWS_ZERO_FAST, SLOTS_BLOCK, ROWS_MED, TIER_A_SEQ, ROWS_ROLES, d2.stride(), flat.stride(),
+               d2.data_ptr() % 16, flat.data_ptr() % 16, dtable.data_ptr() % 16, ws.data_ptr() % 128)
     plan = _TIER_PLANS.get(key) if key is not None else None
     made = {}
 
@@ -982,13 +1022,14 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
             kernel[grid](**args, **options)
 
     if fill_pdl:
-        launch("fill", _zero_i32_kernel, (triton.cdiv(V + 2, 4096),), dict(X=zeroed, n=V + 2, BLOCK=4096, PDL=True),
+        launch("fill", _zero_i32_kernel, (triton.cdiv(V + 3, 4096),), dict(X=zeroed, n=V + 3, BLOCK=4096, PDL=True),
                num_warps=4)
     else:
         zeroed.zero_()
     launch("slots", _embedding_tier_slots_kernel, (triton.cdiv(N, SLOTS_BLOCK),),
            dict(IDS=flat, COUNTS=counts, SLOTS=slots, MED=med_ids, HEAVY=heavy, NLIST=nlist, N=N, V=V, K=heavy_k, K2=k2,
-                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl), num_warps=4, **({"launch_pdl": True} if fill_pdl else {}))
+                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles), num_warps=4,
+           **({"launch_pdl": True} if fill_pdl else {}))
     a_args = dict(IDS=flat, DOUT=d2, COUNTS=counts, SLOTS=slots, MED=med_ids, HEAVY=heavy, NLIST=nlist, HLIST=hlist,
                   HBASE=hbase, DTABLE=dtable, N=N, V=V, C=C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan)
 
@@ -1010,8 +1051,21 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         med = dict(MED=med_ids, NLIST=nlist, MEDP=mps * n_sm, K2=k2, MED_MT=mmt,
                    MED_BC=min(mbc, triton.next_power_of_2(C)))
 
+    extra = med
+    if roles:
+        gps, *rmed = ROWS_ROLES if isinstance(ROWS_ROLES, tuple) else (ROWS_ROLES,)
+        med_ok = not rmed or (len(rmed) == 2 and rmed[0] in (1, 2, 4) and _pow2(rmed[1]))
+        if med is not None or (gps < 1 and gps != -1) or not med_ok:
+            raise ValueError(f"embedding_bwd: ROWS_ROLES is programs per SM >= 1 (-1: one per token), or (that, MT 1, "
+                             f"2 or 4, BLOCK_C a "
+                             f"power of two) for the medium rows too, and not with ROWS_MED; got {ROWS_ROLES!r}")
+        extra = dict(NAMED=named, NLIST=nlist, GP=gps * n_sm if gps > 0 else N)  # -1: a program per list place
+        if rmed:
+            extra.update(K2=k2, MED_MT=rmed[0], MED_BC=min(rmed[1], triton.next_power_of_2(C)))
+            med = extra  # tier A leaves the medium rows to the grid
+
     def grid_pass():
-        kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl, med)
+        kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl, extra)
         launch("rows", kernel, grid, args, **options)
 
     def side():
