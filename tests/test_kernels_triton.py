@@ -391,6 +391,7 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
                                             ((16, 4, 8, 8, 2, 8, 8, 4, 3, 32), "tier a seq"),
                                             ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), "roles 3"),
                                             ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), "roles 1"),
+                                            ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), "roles -1"),
                                             ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), (2, 2, 8, "roles")),
                                             ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), (3, 4, 32, "roles"))])
 def test_embedding_bwd_tiers_cpu(tiers, rows_med, monkeypatch):
@@ -405,6 +406,7 @@ def test_embedding_bwd_tiers_cpu(tiers, rows_med, monkeypatch):
     monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "tiers", 16, True))
     monkeypatch.setattr(K_emb, "ROWS", (4, 1, 32, 4))
     monkeypatch.setattr(K_emb, "TIERS", tiers)
+    monkeypatch.setattr(K_emb, "ROWS_ROLES", None)  # the mixed rows grid unless a case sets a form
     if rows_med == "tier a seq":  # tier A's medium rows sorted in place and added one by one
         monkeypatch.setattr(K_emb, "TIER_A_SEQ", True)
     elif isinstance(rows_med, str):  # ROWS_ROLES: the named rows first (n programs), then the zero rows
@@ -737,7 +739,8 @@ def test_adamw_gpu_bit_exact():
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
                                     "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
                                     "tiers, torch's fill", "tiers, medium rows in the grid",
-                                    "tiers, rows grid in roles", "tiers, rows grid in roles with the medium rows"])
+                                    "tiers, rows grid in roles", "tiers, rows grid in roles with the medium rows",
+                                    "tiers, mixed rows grid"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
@@ -760,10 +763,13 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "tiers, medium rows in the grid":  # ROWS_MED: the medium rows by the rows grid's first programs
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_MED", (1, 4, 2048))
-    if config == "tiers, rows grid in roles":  # ROWS_ROLES: the named rows first, then the zero rows
+    if config == "tiers, rows grid in roles":  # ROWS_ROLES persistent: the named rows first, then the zero rows
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_ROLES", 8)
         monkeypatch.setattr(K_emb, "ROWS", (4, 1, 2048, 8))  # one row per program (bf16's default has 4)
+    if config == "tiers, mixed rows grid":  # until session 20: zero and named rows in one order
+        config = (16, 512, 4, "tiers", 16, True)
+        monkeypatch.setattr(K_emb, "ROWS_ROLES", None)
     if config == "tiers, rows grid in roles with the medium rows":
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_ROLES", (4, 2, 2048))

@@ -863,10 +863,14 @@ FILL_PDL = True
 # the tiers form's medium rows inside the rows grid (session 20): (programs per SM, MT, BLOCK_C) of ``_med_row`` run by
 # the grid's first programs instead of tier A's persistent kernel on a second side stream; None: tier A
 ROWS_MED = None
-# the tiers form's rows grid in two roles (session 20): programs per SM that write the named rows (a list the slots
-# pass makes) first, then one program per row writing the zero rows; None: one program per row, both kinds mixed;
-# (programs per SM, MT, BLOCK_C): the first programs write the medium rows too (``_med_row_seq``), not tier A
-ROWS_ROLES = None
+# the tiers form's rows grid in two roles (session 20): the named rows first, from a list the slots pass makes (-1:
+# one program per list place, those past the list's end exit at once; n > 0: n persistent programs per SM), then one
+# program per row writing the zero rows; None: one program per row, both kinds mixed. (n, MT, BLOCK_C): the first
+# programs write the medium rows too (``_med_row_seq``), not tier A. Used where ROWS has one row per program (the fp32
+# default). H200, fp32, V = 32000, C = 2048 (bench/RESULTS.md, session 20): -1 0.1165-0.1175 ms against the mixed
+# grid's 0.1181-0.1184 (three alternating rounds); 4 persistent per SM 0.121, 2 / 6 / 8 / 12 0.124-0.143; with the
+# medium rows 0.140-0.177
+ROWS_ROLES = -1
 TIER_A_SEQ = False  # tier A's medium rows by ``_med_row_seq`` (sorted in place, added one by one; MT 1, 2 or 4)
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
@@ -994,7 +998,8 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
     # one int32 workspace: the counts and the two list lengths (zeroed), the slots, the medium ids (seen more than K
     # times), the heavy ids, their list offsets, the heavy lists
-    roles = bool(ROWS_ROLES)
+    # the two roles need a grid of one row per program (the fp32 rows default); other ROWS keep the mixed grid
+    roles = bool(ROWS_ROLES) and rcfg[1] == 1 and len(rcfg) == 4
     sizes = [V + 3, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else [])
     padded = [-(-n // 32) * 32 for n in sizes]
     ws = torch.empty(sum(padded), dtype=torch.int32, device=dev)
