@@ -383,38 +383,24 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("tiers,rows_med", [((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), None),
-                                            ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), None),
-                                            ((64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), None),
-                                            ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), (2, 4, 8)),
-                                            ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), (1, 2, 2048)),
-                                            ((16, 4, 8, 8, 2, 8, 8, 4, 3, 32), "tier a seq"),
-                                            ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), "roles 3"),
-                                            ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), "roles 1"),
-                                            ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), "roles -1"),
-                                            ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), (2, 2, 8, "roles")),
-                                            ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), (3, 4, 32, "roles"))])
-def test_embedding_bwd_tiers_cpu(tiers, rows_med, monkeypatch):
+@pytest.mark.parametrize("tiers,roles", [((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), None),
+                                         ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), None),
+                                         ((64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), None),
+                                         ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), 3),
+                                         ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), 1),
+                                         ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), -1)])
+def test_embedding_bwd_tiers_cpu(tiers, roles, monkeypatch):
     """The "tiers" form: rows seen at most K times by the rows kernel, K < count <= K2 by tier A from their slots
-    (ranked into token order; or, with ROWS_MED, by the rows grid's first programs, or TIER_A_SEQ, sorted in place
-    and added one by one; ROWS_ROLES: the rows grid's named rows from the slots pass's list, then its zero rows),
-    more than K2 by the heavy lists
-    (scans of the ids SCAN at a time, several heavy ids, so their offsets add up) and tier B. Counts of exactly K,
-    K + 1, K2, K2 + 1; every token one id; every token its own id; Zipf-like draws; a table narrower than K2 (the
-    slots capped at the table's width); against the reference and bit for bit repeatable (the slots and list places
-    are taken by atomics)."""
+    (ranked into token order), more than K2 by the heavy lists (scans of the ids SCAN at a time, several heavy ids, so
+    their offsets add up) and tier B. Counts of exactly K, K + 1, K2, K2 + 1; every token one id; every token its own
+    id; Zipf-like draws; a table narrower than K2 (the slots capped at the table's width); against the reference and
+    bit for bit repeatable (the slots and list places are taken by atomics). The rows grid with ROWS_ROLES: the named
+    rows first from the slots pass's list (one program per list place, or n persistent ones), then the zero rows;
+    None: the rows in row order."""
     monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "tiers", 16, True))
     monkeypatch.setattr(K_emb, "ROWS", (4, 1, 32, 4))
     monkeypatch.setattr(K_emb, "TIERS", tiers)
-    monkeypatch.setattr(K_emb, "ROWS_ROLES", None)  # the mixed rows grid unless a case sets a form
-    if rows_med == "tier a seq":  # tier A's medium rows sorted in place and added one by one
-        monkeypatch.setattr(K_emb, "TIER_A_SEQ", True)
-    elif isinstance(rows_med, str):  # ROWS_ROLES: the named rows first (n programs), then the zero rows
-        monkeypatch.setattr(K_emb, "ROWS_ROLES", int(rows_med.split()[1]))
-    elif rows_med and rows_med[-1] == "roles":  # and the medium rows by those first programs too
-        monkeypatch.setattr(K_emb, "ROWS_ROLES", rows_med[:3])
-    else:
-        monkeypatch.setattr(K_emb, "ROWS_MED", rows_med)
+    monkeypatch.setattr(K_emb, "ROWS_ROLES", roles)
     k2 = tiers[0]
     cases = [torch.cat([torch.full((4,), 2), torch.full((5,), 5), torch.full((k2,), 7), torch.full((k2 + 1,), 1),
                         torch.full((3 * k2,), 4), torch.tensor([0, 9, 2, 7])])[torch.randperm(4 * k2 + 22)],
@@ -457,6 +443,10 @@ def test_embedding_bwd_tiers_bad_config_cpu(monkeypatch):
     monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "tiers", 16, True))
     monkeypatch.setattr(K_emb, "TIERS", (8, 3, 16, 4, 1, 4, 16, 4, 1, 64))  # MT = 3: not a power of two
     with pytest.raises(ValueError, match="TIERS"):
+        K_emb.embedding_bwd_triton(torch.randn(5, 8), torch.tensor([0, 1, 1, 2, 0]), 3)
+    monkeypatch.setattr(K_emb, "TIERS", None)
+    monkeypatch.setattr(K_emb, "ROWS_ROLES", -2)  # neither -1 (a program per list place) nor programs per SM
+    with pytest.raises(ValueError, match="ROWS_ROLES"):
         K_emb.embedding_bwd_triton(torch.randn(5, 8), torch.tensor([0, 1, 1, 2, 0]), 3)
 
 
@@ -738,9 +728,7 @@ def test_adamw_gpu_bit_exact():
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
                                     "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
-                                    "tiers, torch's fill", "tiers, medium rows in the grid",
-                                    "tiers, rows grid in roles", "tiers, rows grid in roles with the medium rows",
-                                    "tiers, mixed rows grid"])
+                                    "tiers, torch's fill", "tiers, rows grid in roles", "tiers, mixed rows grid"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
@@ -760,9 +748,6 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "tiers, torch's fill":  # as until session 19: the counts zeroed by torch, no PDL to the slots
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "FILL_PDL", False)
-    if config == "tiers, medium rows in the grid":  # ROWS_MED: the medium rows by the rows grid's first programs
-        config = (16, 512, 4, "tiers", 16, True)
-        monkeypatch.setattr(K_emb, "ROWS_MED", (1, 4, 2048))
     if config == "tiers, rows grid in roles":  # ROWS_ROLES persistent: the named rows first, then the zero rows
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_ROLES", 8)
@@ -770,10 +755,6 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "tiers, mixed rows grid":  # until session 20: zero and named rows in one order
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_ROLES", None)
-    if config == "tiers, rows grid in roles with the medium rows":
-        config = (16, 512, 4, "tiers", 16, True)
-        monkeypatch.setattr(K_emb, "ROWS_ROLES", (4, 2, 2048))
-        monkeypatch.setattr(K_emb, "ROWS", (4, 1, 2048, 8))
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text

@@ -584,21 +584,17 @@ def _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K: tl.cons
 def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles, K: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr = False,
                                EVICT: tl.constexpr = "", ZERO_FAST: tl.constexpr = False, PDL: tl.constexpr = False,
-                               MED=None, NLIST=None, MEDP: tl.constexpr = 0, K2: tl.constexpr = 0,
-                               MED_MT: tl.constexpr = 1, MED_BC: tl.constexpr = 1, NAMED=None, GP: tl.constexpr = 0):
+                               NAMED=None, NLIST=None, GP: tl.constexpr = 0):
     """The "rows" form's grid (``_rows_tile``): one program per (row block, column block), or PERSISTENT, a
     fixed number of programs walking the tiles t = pid, pid + G, ... (row block t // n_cb, column block
     t % n_cb). Persistent, the grid leaves room on every SM, so the side stream's chain kernels find an SM
     slot at once instead of waiting for tiles to retire. PDL (launched as the slots kernel's programmatic
-    dependent): wait here for that grid's end and its writes. MEDP > 0 (the "tiers" form with ``ROWS_MED``, not
-    persistent): the first MEDP programs of axis 0 (column block 0) take the medium rows (the list MED, NLIST[0]
-    long: rows seen K < count <= K2 times; program p rows p, p + MEDP, ...), MED_MT tokens x
-    MED_BC columns at a time (``_med_row_seq``); they are the first programs started, and the tiles follow them.
-    GP > 0 (``ROWS_ROLES``, BLOCK_R = 1, not persistent): the first GP programs of axis 0 write the named rows (the
-    list NAMED, NLIST[2] long) seen at most K times, program p entries p, p + GP, ...; the rest, one per row, write
-    zeros where the row's count is 0. So the gathers come first and the zero rows after them, not interleaved: on
-    the H200 that order moved the same bytes 9 % faster (bench/mix_probe.py). With K2 > 0 the first GP programs also
-    write the medium rows (``_med_row_seq``, MED_MT x MED_BC), which tier A then leaves alone."""
+    dependent): wait here for that grid's end and its writes.
+    GP > 0 (the "tiers" form with ``ROWS_ROLES``; one row per program, not persistent): the grid in two roles. The
+    first GP programs of axis 0 write the named rows (the list NAMED, NLIST[2] long, made by the slots pass) seen at
+    most K times, program p the list's entries p, p + GP, ...; the rest, one per row, write zeros where the row's
+    count is 0. So the gathers come first and the zero rows after them instead of interleaved in row order: on the
+    H200 the same bytes moved 9 % faster in that order (bench/mix_probe.py, session 20)."""
     if PDL:
         gdc_wait()
     if GP > 0:
@@ -612,10 +608,6 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
                 own = cnt <= K
                 if tl.max(own.to(tl.int32), axis=0) > 0:
                     _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, 1, BLOCK_C, EVICT)
-                elif K2 > 0:  # and the medium rows (K < count <= K2), whole, in column block 0's programs
-                    c1 = tl.max(cnt, axis=0)
-                    if (c1 <= K2) & (tl.program_id(1) == 0):
-                        _med_row_seq(tl.max(rows, axis=0), c1, DOUT, SLOTS, DTABLE, V, C, K2, MED_MT, MED_BC)
         else:
             r = (pid - GP).to(tl.int64)
             zero = tl.load(COUNTS + r) == 0
@@ -624,18 +616,6 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
     elif PERSISTENT:
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
             _rows_tile(t // n_cb, t % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT, ZERO_FAST)
-    elif MEDP > 0:
-        pid = tl.program_id(0)
-        if pid < MEDP:
-            if tl.program_id(1) == 0:
-                for e in range(pid, tl.load(NLIST), MEDP):
-                    f = tl.load(MED + e)
-                    cnt = tl.load(COUNTS + f)
-                    if cnt <= K2:
-                        _med_row_seq(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2, MED_MT, MED_BC)
-        else:
-            _rows_tile(pid - MEDP, tl.program_id(1), DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C,
-                       EVICT, ZERO_FAST)
     else:
         _rows_tile(tl.program_id(0), tl.program_id(1), DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C,
                    EVICT, ZERO_FAST)
@@ -672,13 +652,13 @@ def _zero_i32_kernel(X, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
 @_jit
 def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST, HBASE, DTABLE, N, V, C,
                              K2: tl.constexpr, MT: tl.constexpr, BLOCK_C: tl.constexpr, SCAN: tl.constexpr,
-                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr, SEQ: tl.constexpr = False):
+                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr):
     """Persistent over the lists. DO_HEAVY: each heavy id's token list, in token order, into HLIST from offset
     HBASE[h] (the counts of the heavy ids listed before it): a scan of the ids SCAN at a time, each hit placed by a
     running prefix sum. DO_MED: each medium row (K < count <= K2), whole: its K2 slots put in token order by their
     ranks (a [K2, K2] comparison of token indices; an empty slot, the largest int32, ranks at the count), its
     tokens gathered MT at a time in that order, each tile's rows added by a fixed reduction tree and the tiles in
-    order, in fp32, rounded once. SEQ (``TIER_A_SEQ``): the medium rows by ``_med_row_seq`` instead (MT 1, 2 or 4)."""
+    order, in fp32, rounded once."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_med = 0
@@ -706,10 +686,7 @@ def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST,
         f = tl.load(MED + e)
         cnt = tl.load(COUNTS + f)
         if cnt <= K2:
-            if SEQ:
-                _med_row_seq(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2, MT, BLOCK_C)
-            else:
-                _med_row(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2, MT, BLOCK_C)
+            _med_row(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2, MT, BLOCK_C)
 
 
 @_jit
@@ -727,49 +704,6 @@ def _med_row(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2: tl.constexpr, MT: tl.constex
             r = t + tl.arange(0, MT)
             src = tl.sum(tl.where(rank[None, :] == r[:, None], s[None, :], 0), axis=1)
             acc += tl.sum(_dout_rows(DOUT, src, r < cnt, cols, cm, C, ""), axis=0)
-        tl.store(DTABLE + row + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
-
-
-@_jit
-def _med_tok(DOUT, SLOTS, f, u, cnt, V, C, cols):
-    """Token u (in token order) of medium row f's slots: its dout row's columns cols (< C) in fp32, zeros if
-    u >= cnt."""
-    u = tl.cast(u, tl.int64)
-    ok = u < cnt
-    src = tl.load(SLOTS + u * V + f, mask=ok, other=0)
-    return tl.load(DOUT + src.to(tl.int64) * C + cols, mask=cols < tl.where(ok, C, 0), other=0.0).to(tl.float32)
-
-
-@_jit
-def _med_row_seq(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2: tl.constexpr, MT: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The rows grid's medium row f (``ROWS_MED``; K < cnt <= K2), whole: its slots sorted into token order
-    (``tl.sort``; tier A's [K2, K2] ranks took 80 registers here offline) and written back to SLOTS, then its tokens'
-    rows added one by one, ((0 + x0) + x1) + ... in fp32 as in the rows tiles, MT rows loaded before their adds. No
-    [K2] vector or [MT, BLOCK_C] tile stays live across the gathers: the grid's register count is every one of its
-    programs' (tier A's tile form here took 80-180 registers against the tiles' 32; this one 46-64, offline)."""
-    j = tl.arange(0, K2)
-    ordered = tl.sort(tl.load(SLOTS + j.to(tl.int64) * V + f, mask=j < cnt, other=2**31 - 1))
-    tl.debug_barrier()  # every thread's loads of the row's slots before any store over them
-    tl.store(SLOTS + j.to(tl.int64) * V + f, ordered, mask=j < cnt)
-    tl.debug_barrier()  # and the stores before the loads below (one program, one row)
-    row = f.to(tl.int64) * C
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        cm = cols < C
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for t in range(0, cnt, MT):
-            x0 = _med_tok(DOUT, SLOTS, f, t, cnt, V, C, cols)
-            if MT >= 2:
-                x1 = _med_tok(DOUT, SLOTS, f, t + 1, cnt, V, C, cols)
-            if MT >= 4:
-                x2 = _med_tok(DOUT, SLOTS, f, t + 2, cnt, V, C, cols)
-                x3 = _med_tok(DOUT, SLOTS, f, t + 3, cnt, V, C, cols)
-            acc += x0
-            if MT >= 2:
-                acc += x1
-            if MT >= 4:
-                acc += x2
-                acc += x3
         tl.store(DTABLE + row + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
 
 
@@ -860,18 +794,14 @@ TIERS_MAX_N = 32768
 # kernel on the heavy chain: the slots pass took 3.7 us instead of 5.4-5.7, but tier A ran 109-110 us instead of
 # 90-97 and ended the op (0.1253-0.1273 ms)
 FILL_PDL = True
-# the tiers form's medium rows inside the rows grid (session 20): (programs per SM, MT, BLOCK_C) of ``_med_row`` run by
-# the grid's first programs instead of tier A's persistent kernel on a second side stream; None: tier A
-ROWS_MED = None
 # the tiers form's rows grid in two roles (session 20): the named rows first, from a list the slots pass makes (-1:
-# one program per list place, those past the list's end exit at once; n > 0: n persistent programs per SM), then one
-# program per row writing the zero rows; None: one program per row, both kinds mixed. (n, MT, BLOCK_C): the first
-# programs write the medium rows too (``_med_row_seq``), not tier A. Used where ROWS has one row per program (the fp32
-# default). H200, fp32, V = 32000, C = 2048 (bench/RESULTS.md, session 20): -1 0.1165-0.1175 ms against the mixed
-# grid's 0.1181-0.1184 (three alternating rounds); 4 persistent per SM 0.121, 2 / 6 / 8 / 12 0.124-0.143; with the
-# medium rows 0.140-0.177
+# one program per list place, those past the list's end exit at once; n > 0: n persistent programs per SM walking the
+# list), then one program per row writing the zero rows; None: one program per row, zero and named rows in row order.
+# Used where ROWS has one row per program (the fp32 default). H200, fp32, N = 16k, three alternating rounds each
+# (bench/embedding_tiers_probe.py, bench/RESULTS.md): V = 32000, C = 2048 -1 0.1165-0.1175 / 0.1167-0.1169 ms against
+# None's 0.1181-0.1184 / 0.1173-0.1175 (two processes), n = 4 per SM 0.120-0.121, 2 / 6 / 8 / 12 0.124-0.143; V = 128k,
+# C = 4096 0.588 ms (97 % of copy) against 0.653; N = 32k level (0.160-0.161)
 ROWS_ROLES = -1
-TIER_A_SEQ = False  # tier A's medium rows by ``_med_row_seq`` (sorted in place, added one by one; MT 1, 2 or 4)
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 16  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -930,31 +860,24 @@ def _rows_config(esize: int) -> tuple:
     return rcfg
 
 
-def _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl: bool, med: dict | None = None) -> tuple:
+def _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl: bool, roles: dict | None = None) -> tuple:
     """The rows kernel over the whole table (the "rows" and "tiers" forms) as (kernel, grid, arguments by name, launch
     options): a grid of tiles, or with a fifth ROWS element, that many programs per SM walking them (the CPU
-    interpreter: that many in all). pdl: launched as the slots pass's programmatic dependent. med (the "tiers" form
-    with ``ROWS_MED``): the medium-row arguments (MED, NLIST, MEDP, K2, MED_MT, MED_BC), MEDP programs first; or with
-    ``ROWS_ROLES``: (NAMED, NLIST, GP), GP programs for the named rows first."""
+    interpreter: that many in all). pdl: launched as the slots pass's programmatic dependent. roles (the "tiers" form
+    with ``ROWS_ROLES``, one row per program): NAMED, NLIST and GP, the GP named-row programs ahead of the rows."""
     C = d2.shape[1]
     heavy_k, rbr, rbc, rwarps = rcfg[:4]
     per_sm = rcfg[4] if len(rcfg) > 4 else 0
     rbc = min(rbc, triton.next_power_of_2(C))
     n_rb, n_rcb = triton.cdiv(V, rbr), triton.cdiv(C, rbc)
-    if per_sm and med:
-        raise ValueError("embedding_bwd: ROWS_MED and ROWS_ROLES need the rows kernel's grid of tiles, not a "
-                         "persistent ROWS")
-    if med and "GP" in med and (rbr != 1 or "MEDP" in med):
-        raise ValueError(f"embedding_bwd: ROWS_ROLES needs one row per program (ROWS BLOCK_R = 1, got {rbr}) and no "
-                         f"ROWS_MED")
     if per_sm:
         n_sm = sm_count(d2.device) if d2.is_cuda else 1
         grid = (min(n_rb * n_rcb, per_sm * n_sm),)
     else:
-        grid = (n_rb + (med or {}).get("MEDP", 0) + (med or {}).get("GP", 0), n_rcb)
+        grid = (n_rb + (roles["GP"] if roles else 0), n_rcb)
     args = dict(DOUT=d2, COUNTS=counts, SLOTS=slots, DTABLE=dtable, V=V, C=C, n_cb=n_rcb, n_tiles=n_rb * n_rcb,
                 K=heavy_k, BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1, EVICT=ROWS_EVICT,
-                ZERO_FAST=ROWS_ZERO_FAST, PDL=pdl, **(med or {}))
+                ZERO_FAST=ROWS_ZERO_FAST, PDL=pdl, **(roles or {}))
     return _embedding_bwd_rows_kernel, grid, args, {"num_warps": rwarps, **({"launch_pdl": True} if pdl else {})}
 
 
@@ -988,22 +911,22 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     heavy_k = rcfg[0]
     # the [K2, V] int32 slots stay no larger than an fp32 [V, C] table where C >= 2K
     k2 = min(k2, max(2 * heavy_k, 1 << (C.bit_length() - 1)))
-    if not (k2 > heavy_k and all(_pow2(x) for x in (k2, mt, abc, ht, bbc, scan)) and aps >= 1 and bps >= 1
-            and (mt <= 4 or not TIER_A_SEQ)):
+    if not (k2 > heavy_k and all(_pow2(x) for x in (k2, mt, abc, ht, bbc, scan)) and aps >= 1 and bps >= 1):
         raise ValueError(f"embedding_bwd: TIERS needs K2 above the rows' K = {heavy_k}, powers of two for K2, MT, the "
-                         f"column blocks, HT and SCAN, programs per SM >= 1, and MT <= 4 with TIER_A_SEQ, "
-                         f"got {tiers!r}")
+                         f"column blocks, HT and SCAN, and programs per SM >= 1, got {TIERS!r}")
     fill_pdl = bool(FILL_PDL) and pdl_ok(d2)
     pdl = bool(ROWS_PDL) and pdl_ok(d2)
     hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
     # one int32 workspace: the counts and the two list lengths (zeroed), the slots, the medium ids (seen more than K
     # times), the heavy ids, their list offsets, the heavy lists
-    # the two roles need a grid of one row per program (the fp32 rows default); other ROWS keep the mixed grid
+    # the two roles need a grid of one row per program (the fp32 rows default); other ROWS keep the rows in order
     roles = bool(ROWS_ROLES) and rcfg[1] == 1 and len(rcfg) == 4
+    if roles and not (ROWS_ROLES == -1 or ROWS_ROLES >= 1):
+        raise ValueError(f"embedding_bwd: ROWS_ROLES must be -1, None or programs per SM >= 1, got {ROWS_ROLES!r}")
     sizes = [V + 3, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else [])
     padded = [-(-n // 32) * 32 for n in sizes]
     ws = torch.empty(sum(padded), dtype=torch.int32, device=dev)
-    zeroed, slots, med_ids, heavy, hbase, hlist, *named = (v[:n] for v, n in zip(torch.split(ws, padded), sizes))
+    zeroed, slots, med, heavy, hbase, hlist, *named = (v[:n] for v, n in zip(torch.split(ws, padded), sizes))
     named = named[0] if roles else None
     slots = slots.view(k2, V)
     counts, nlist = zeroed[:V], zeroed[V:]
@@ -1013,8 +936,8 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     key = None
     if d2.is_cuda and TIER_PLANS:
         key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
-               ROWS_ZERO_FAST, SLOTS_BLOCK, ROWS_MED, TIER_A_SEQ, ROWS_ROLES, d2.stride(), flat.stride(),
-               d2.data_ptr() % 16, flat.data_ptr() % 16, dtable.data_ptr() % 16, ws.data_ptr() % 128)
+               ROWS_ZERO_FAST, SLOTS_BLOCK, ROWS_ROLES, d2.stride(), flat.stride(), d2.data_ptr() % 16,
+               flat.data_ptr() % 16, dtable.data_ptr() % 16, ws.data_ptr() % 128)
     plan = _TIER_PLANS.get(key) if key is not None else None
     made = {}
 
@@ -1032,64 +955,42 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     else:
         zeroed.zero_()
     launch("slots", _embedding_tier_slots_kernel, (triton.cdiv(N, SLOTS_BLOCK),),
-           dict(IDS=flat, COUNTS=counts, SLOTS=slots, MED=med_ids, HEAVY=heavy, NLIST=nlist, N=N, V=V, K=heavy_k, K2=k2,
+           dict(IDS=flat, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, N=N, V=V, K=heavy_k, K2=k2,
                 BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles), num_warps=4,
            **({"launch_pdl": True} if fill_pdl else {}))
-    a_args = dict(IDS=flat, DOUT=d2, COUNTS=counts, SLOTS=slots, MED=med_ids, HEAVY=heavy, NLIST=nlist, HLIST=hlist,
+    a_args = dict(IDS=flat, DOUT=d2, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, HLIST=hlist,
                   HBASE=hbase, DTABLE=dtable, N=N, V=V, C=C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan)
 
     def tier_a(name: str, programs: int, heavy_part: bool, med_part: bool):
-        launch(name, _embedding_tier_a_kernel, (programs,), dict(a_args, DO_HEAVY=heavy_part, DO_MED=med_part,
-                                                                 SEQ=bool(TIER_A_SEQ)), num_warps=aw)
+        launch(name, _embedding_tier_a_kernel, (programs,), dict(a_args, DO_HEAVY=heavy_part, DO_MED=med_part),
+               num_warps=aw)
 
     def tier_b():
         launch("tier b", _embedding_tier_b_kernel, (bps * n_sm,),
                dict(DOUT=d2, COUNTS=counts, HEAVY=heavy, NLIST=nlist, HLIST=hlist, HBASE=hbase, DTABLE=dtable, C=C,
                     n_cb=n_hcb, HT=ht, BLOCK_C=bbc), num_warps=bw)
 
-    med = None
-    if ROWS_MED:
-        mps, mmt, mbc = ROWS_MED
-        if not (mps >= 1 and mmt in (1, 2, 4) and _pow2(mbc)):
-            raise ValueError(f"embedding_bwd: ROWS_MED needs (programs per SM >= 1, MT 1, 2 or 4, BLOCK_C a power "
-                             f"of two), got {ROWS_MED!r}")
-        med = dict(MED=med_ids, NLIST=nlist, MEDP=mps * n_sm, K2=k2, MED_MT=mmt,
-                   MED_BC=min(mbc, triton.next_power_of_2(C)))
-
-    extra = med
-    if roles:
-        gps, *rmed = ROWS_ROLES if isinstance(ROWS_ROLES, tuple) else (ROWS_ROLES,)
-        med_ok = not rmed or (len(rmed) == 2 and rmed[0] in (1, 2, 4) and _pow2(rmed[1]))
-        if med is not None or (gps < 1 and gps != -1) or not med_ok:
-            raise ValueError(f"embedding_bwd: ROWS_ROLES is programs per SM >= 1 (-1: one per token), or (that, MT 1, "
-                             f"2 or 4, BLOCK_C a "
-                             f"power of two) for the medium rows too, and not with ROWS_MED; got {ROWS_ROLES!r}")
-        extra = dict(NAMED=named, NLIST=nlist, GP=gps * n_sm if gps > 0 else N)  # -1: a program per list place
-        if rmed:
-            extra.update(K2=k2, MED_MT=rmed[0], MED_BC=min(rmed[1], triton.next_power_of_2(C)))
-            med = extra  # tier A leaves the medium rows to the grid
+    rargs = dict(NAMED=named, NLIST=nlist, GP=N if ROWS_ROLES == -1 else ROWS_ROLES * n_sm) if roles else None
 
     def grid_pass():
-        kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl, extra)
+        kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl, rargs)
         launch("rows", kernel, grid, args, **options)
 
     def side():
         here = torch.cuda.current_stream(dev)
-        if med is None:
-            second = side_stream(dev, high_priority=True, which=1)
-            second.wait_stream(here)
-            with torch.cuda.stream(second):
-                tier_a("tier a, medium", aps * n_sm, False, True)
+        second = side_stream(dev, high_priority=True, which=1)
+        second.wait_stream(here)
+        with torch.cuda.stream(second):
+            tier_a("tier a, medium", aps * n_sm, False, True)
         tier_a("tier a, heavy", min(hcap, n_sm), True, False)
         tier_b()
-        if med is None:
-            here.wait_stream(second)
+        here.wait_stream(second)
 
     if d2.is_cuda:
         run_side_by_side(dev, grid_pass, side, high_priority=True, main_first=bool(ROWS_MAIN_FIRST))
     else:
         grid_pass()
-        tier_a("tier a", aps * n_sm, True, med is None)
+        tier_a("tier a", aps * n_sm, True, True)
         tier_b()
     if key is not None and plan is None:
         _TIER_PLANS.put(key, made)
