@@ -41,8 +41,11 @@ registers (the walk waits on an index load per token: the chunk + merge stage al
     _embedding_tier_slots_kernel the slots pass with K2 slots per id (SLOTS[K2, V] int32, K2 capped at the
                                  table's width C but at least 2K: no larger than an fp32 table where C >= 2K);
                                  the token taking slot K appends its id to the medium list, the one taking slot
-                                 K2 to the heavy list
-    _embedding_bwd_rows_kernel   (current stream) as in the rows form: rows seen at most K times
+                                 K2 to the heavy list (and with ROWS_ROLES the one taking slot 0 to the named list)
+    _embedding_bwd_rows_kernel   (current stream) rows seen at most K times, as in the rows form; with ROWS_ROLES
+                                 (the default where ROWS has one row per program, since session 20) in two roles:
+                                 the named rows first, one program per place of the named list, then one program
+                                 per row writing the zero rows (not the two kinds interleaved in row order)
     _embedding_tier_a_kernel     (side stream 2, persistent) each medium row (K < count <= K2): its slots ranked
                                  into token order by a [K2, K2] comparison, gathered MT tokens at a time, each tile
                                  added by a fixed reduction tree and the tiles in order
@@ -55,7 +58,13 @@ not the rows form's: a tile's rows are added by a tree, not left to right). Each
 N ids, so the form is for batches of up to ``TIERS_MAX_N`` tokens; above that the rows form runs (its one sort
 scales better: at N = 64k-256k the tiers form took 1.1-1.5x its time). H200, fp32 (bench/RESULTS.md): 0.120-
 0.122 ms at V = 32k, C = 2048 (77-78 % of copy) against the rows form's 0.127-0.130; the side chains end inside the
-grid, which they stretch from ~99 to ~109 us with their ~30 MB of gathers.
+grid, which they stretch from ~99 to ~109 us with their ~30 MB of gathers. Session 20 (bench/mix_probe.py): a
+grid of the same bytes ran 85 us with its gathering programs first and 93 us with them interleaved among the
+zero-row programs; in the op the roles took 0.5-1.5 us off at V = 32000 (0.116-0.118 ms, 79-80 %) and brought V = 128k,
+C = 4096 from 0.653 to 0.588-0.596 ms (87 -> 95-97 %). Measured there and removed: the medium rows by the rows grid's
+first programs (sorted by ``tl.sort`` and written back in place, then added one by one: the grid's registers went
+from 32 to 46-94, 0.119-0.177 ms), tier A with that medium-row body (0.127-0.138). Persistent named-row programs
+(ROWS_ROLES = 2-12 per SM) took 0.120-0.143 ms and stay a setting only.
 Sort keys: int32 (half the radix passes of int64) or int16 (ids - 32768, V <= 65536: half again).
 It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which accumulates a
 whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, GPU time): bf16 the side streams with
