@@ -60,7 +60,7 @@ scales better: at N = 64k-256k the tiers form took 1.1-1.5x its time). H200, fp3
 0.122 ms at V = 32k, C = 2048 (77-78 % of copy) against the rows form's 0.127-0.130; the side chains end inside the
 grid, which they stretch from ~99 to ~109 us with their ~30 MB of gathers. Session 20 (bench/mix_probe.py): a
 grid of the same bytes ran 85 us with its gathering programs first and 93 us with them interleaved among the
-zero-row programs; in the op the roles took 0.5-1.5 us off at V = 32000 (0.116-0.118 ms, 79-80 %) and brought V = 128k,
+zero-row programs; in the op the roles took 0.8-1.4 us off at V = 32000 (0.116-0.118 ms, 79-80 %) and brought V = 128k,
 C = 4096 from 0.653 to 0.588-0.596 ms (87 -> 95-97 %). Measured there and removed: the medium rows by the rows grid's
 first programs (sorted by ``tl.sort`` and written back in place, then added one by one: the grid's registers went
 from 32 to 46-94, 0.119-0.177 ms), tier A with that medium-row body (0.127-0.138). Persistent named-row programs
@@ -807,9 +807,9 @@ FILL_PDL = True
 # one program per list place, those past the list's end exit at once; n > 0: n persistent programs per SM walking the
 # list), then one program per row writing the zero rows; None: one program per row, zero and named rows in row order.
 # Used where ROWS has one row per program (the fp32 default). H200, fp32, N = 16k, three alternating rounds each
-# (bench/embedding_tiers_probe.py, bench/RESULTS.md): V = 32000, C = 2048 -1 0.1165-0.1175 / 0.1167-0.1169 ms against
-# None's 0.1181-0.1184 / 0.1173-0.1175 (two processes), n = 4 per SM 0.120-0.121, 2 / 6 / 8 / 12 0.124-0.143; V = 128k,
-# C = 4096 0.588 ms (97 % of copy) against 0.653; N = 32k level (0.160-0.161)
+# (bench/embedding_tiers_probe.py, bench/RESULTS.md): V = 32000, C = 2048 -1 0.1163-0.1179 ms against None's
+# 0.1173-0.1186 (three processes, faster in every round), n = 4 per SM 0.120-0.122, 2 / 6 / 8 / 12 0.124-0.143;
+# V = 128k, C = 4096 0.588-0.596 ms (95-97 % of copy) against 0.653; N = 32k level (0.160-0.162)
 ROWS_ROLES = -1
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
@@ -926,11 +926,11 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     fill_pdl = bool(FILL_PDL) and pdl_ok(d2)
     pdl = bool(ROWS_PDL) and pdl_ok(d2)
     hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
-    # one int32 workspace: the counts and the two list lengths (zeroed), the slots, the medium ids (seen more than K
-    # times), the heavy ids, their list offsets, the heavy lists
+    # one int32 workspace: the counts and the three list lengths (zeroed), the slots, the medium ids (seen more than K
+    # times), the heavy ids, their list offsets, the heavy lists, and with ROWS_ROLES the named ids
     # the two roles need a grid of one row per program (the fp32 rows default); other ROWS keep the rows in order
     roles = bool(ROWS_ROLES) and rcfg[1] == 1 and len(rcfg) == 4
-    if roles and not (ROWS_ROLES == -1 or ROWS_ROLES >= 1):
+    if roles and not (isinstance(ROWS_ROLES, int) and (ROWS_ROLES == -1 or ROWS_ROLES >= 1)):
         raise ValueError(f"embedding_bwd: ROWS_ROLES must be -1, None or programs per SM >= 1, got {ROWS_ROLES!r}")
     sizes = [V + 3, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else [])
     padded = [-(-n // 32) * 32 for n in sizes]
