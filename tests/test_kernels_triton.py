@@ -415,6 +415,33 @@ def test_embedding_bwd_tiers_cpu(tiers, roles, monkeypatch):
 
 
 @needs_cpu_interp
+@pytest.mark.parametrize("form,name", [("tiers", "ROWS_ROLES"), ("rows", "ROWS_FORM_ROLES")])
+def test_embedding_bwd_roles_same_bits_cpu(form, name, monkeypatch):
+    """The rows grid in two roles (the named rows first, from the slots pass's list, then the zero rows) sums each row
+    exactly as the grid in row order does: the same bits, for both forms, with a program per list place (-1) and with
+    persistent named-row programs (2); a grid of more than one row per program keeps the row order (the knob is
+    ignored there) and a bad value raises."""
+    monkeypatch.setattr(K_emb, "CONFIG", (4, 32, 4, form, 16, True))
+    monkeypatch.setattr(K_emb, "TIERS", (8, 4, 16, 4, 1, 4, 16, 4, 1, 64))
+    monkeypatch.setattr(K_emb, "ROWS", (4, 1, 16, 4))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.cat([(torch.rand(200, generator=g) ** 3 * 60).long(), torch.full((12,), 5), torch.tensor([61])])
+    d = torch.randn(ids.numel(), 37, generator=g)
+    monkeypatch.setattr(K_emb, name, None)
+    mixed = K_emb.embedding_bwd_triton(d, ids, 64)
+    assert _max_err(mixed, K_emb.embedding_bwd_ref(d, ids, 64)) <= CPU_TOL
+    for value in (-1, 2):
+        monkeypatch.setattr(K_emb, name, value)
+        assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed), value
+    monkeypatch.setattr(K_emb, "ROWS", (4, 2, 16, 4))  # two rows per program: the row order, whatever the knob
+    assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed)
+    monkeypatch.setattr(K_emb, "ROWS", (4, 1, 16, 4))
+    monkeypatch.setattr(K_emb, name, -3)
+    with pytest.raises(ValueError, match=name):
+        K_emb.embedding_bwd_triton(d, ids, 64)
+
+
+@needs_cpu_interp
 def test_embedding_zero_fill_kernel_cpu():
     """The tiers form's counts fill (``FILL_PDL`` on the GPU): exactly the first n of a poisoned buffer zeroed."""
     x = torch.full((50,), 7, dtype=torch.int32)
@@ -728,7 +755,8 @@ def test_adamw_gpu_bit_exact():
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
                                     "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
-                                    "tiers, torch's fill", "tiers, rows grid in roles", "tiers, mixed rows grid"])
+                                    "tiers, torch's fill", "tiers, rows grid in roles", "tiers, mixed rows grid",
+                                    "rows, grid in roles"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
@@ -752,6 +780,10 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_ROLES", 8)
         monkeypatch.setattr(K_emb, "ROWS", (4, 1, 2048, 8))  # one row per program (bf16's default has 4)
+    if config == "rows, grid in roles":  # ROWS_FORM_ROLES: the rows form's grid, named rows first
+        config = (16, 1024, 4, "rows", 16, True)
+        monkeypatch.setattr(K_emb, "ROWS_FORM_ROLES", -1)
+        monkeypatch.setattr(K_emb, "ROWS", (4, 1, 1024, 8))
     if config == "tiers, mixed rows grid":  # until session 20: zero and named rows in one order
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_ROLES", None)

@@ -440,13 +440,16 @@ def _embedding_keys_kernel(IDS, KEYS, PRESENT, COUNTS, N, ID_BIAS: tl.constexpr,
 
 
 @_jit
-def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                            NAMED=None, NAMED_N=None, LIST_NAMED: tl.constexpr = False):
     """The "rows" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer
     atomic: the final counts do not depend on the order) and, if the slot is below K, writes its token
     index to SLOTS[slot, id]. Which token gets which slot depends on scheduling; the rows kernel sorts a
     row's slots, so the sum it forms does not. PDL: the rows kernel, launched as this kernel's programmatic
     dependent, may be scheduled at once (it waits for this grid's end before its first load)."""
-    _take_slots(IDS, COUNTS, SLOTS, N, V, K, BLOCK, PDL, False)
+    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K, BLOCK, PDL, False)
+    if LIST_NAMED:  # ROWS_FORM_ROLES: the token taking slot 0 lists its id (NAMED_N[0] counts them)
+        _append(NAMED, NAMED_N, m & (slot == 0), ids.to(tl.int32))
 
 
 @_jit
@@ -593,15 +596,15 @@ def _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K: tl.cons
 def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles, K: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr = False,
                                EVICT: tl.constexpr = "", ZERO_FAST: tl.constexpr = False, PDL: tl.constexpr = False,
-                               NAMED=None, NLIST=None, GP: tl.constexpr = 0):
+                               NAMED=None, NAMED_N=None, GP: tl.constexpr = 0):
     """The "rows" form's grid (``_rows_tile``): one program per (row block, column block), or PERSISTENT, a
     fixed number of programs walking the tiles t = pid, pid + G, ... (row block t // n_cb, column block
     t % n_cb). Persistent, the grid leaves room on every SM, so the side stream's chain kernels find an SM
     slot at once instead of waiting for tiles to retire. PDL (launched as the slots kernel's programmatic
     dependent): wait here for that grid's end and its writes.
-    GP > 0 (the "tiers" form with ``ROWS_ROLES``; one row per program, not persistent): the grid in two roles. The
-    first GP programs of axis 0 write the named rows (the list NAMED, NLIST[2] long, made by the slots pass) seen at
-    most K times, program p the list's entries p, p + GP, ...; the rest, one per row, write zeros where the row's
+    GP > 0 (``ROWS_ROLES``, ``ROWS_FORM_ROLES``; one row per program, not persistent): the grid in two roles. The
+    first GP programs of axis 0 write the named rows (the list NAMED, NAMED_N[0] long, made by the slots pass) seen
+    at most K times, program p the list's entries p, p + GP, ...; the rest, one per row, write zeros where the row's
     count is 0. So the gathers come first and the zero rows after them instead of interleaved in row order: on the
     H200 the same bytes moved 9 % faster in that order (bench/mix_probe.py, session 20)."""
     if PDL:
@@ -611,7 +614,7 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
         if pid < GP:
-            for e in range(pid, tl.load(NLIST + 2), GP):
+            for e in range(pid, tl.load(NAMED_N), GP):
                 rows = tl.load(NAMED + e).to(tl.int64) + tl.arange(0, 1)
                 cnt = tl.load(COUNTS + rows)
                 own = cnt <= K
@@ -811,6 +814,9 @@ FILL_PDL = True
 # 0.1173-0.1186 (three processes, faster in every round), n = 4 per SM 0.120-0.122, 2 / 6 / 8 / 12 0.124-0.143;
 # V = 128k, C = 4096 0.588-0.596 ms (95-97 % of copy) against 0.653; N = 32k level (0.160-0.162)
 ROWS_ROLES = -1
+# the same two roles for the "rows" form's grid (the fp32 form above TIERS_MAX_N tokens): -1, n per SM or None. Not
+# measured yet (session 20 had no device time left), so off
+ROWS_FORM_ROLES = None
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
 MERGE_BLOCK = 16  # later chunks per step of the merge pass (_embedding_bwd_merge_kernel); H200, session 6: 4 and 16
@@ -873,7 +879,8 @@ def _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl: bool, roles: dict | No
     """The rows kernel over the whole table (the "rows" and "tiers" forms) as (kernel, grid, arguments by name, launch
     options): a grid of tiles, or with a fifth ROWS element, that many programs per SM walking them (the CPU
     interpreter: that many in all). pdl: launched as the slots pass's programmatic dependent. roles (the "tiers" form
-    with ``ROWS_ROLES``, one row per program): NAMED, NLIST and GP, the GP named-row programs ahead of the rows."""
+    with ``ROWS_ROLES``, the "rows" form with ``ROWS_FORM_ROLES``; one row per program): NAMED, NAMED_N and GP, the GP
+    named-row programs ahead of the rows."""
     C = d2.shape[1]
     heavy_k, rbr, rbc, rwarps = rcfg[:4]
     per_sm = rcfg[4] if len(rcfg) > 4 else 0
@@ -890,10 +897,26 @@ def _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl: bool, roles: dict | No
     return _embedding_bwd_rows_kernel, grid, args, {"num_warps": rwarps, **({"launch_pdl": True} if pdl else {})}
 
 
-def _rows_grid(d2, counts, slots, dtable, V, rcfg, pdl: bool) -> None:
+def _rows_grid(d2, counts, slots, dtable, V, rcfg, pdl: bool, roles: dict | None = None) -> None:
     """Launch ``_rows_launch``'s rows kernel."""
-    kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl)
+    kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl, roles)
     kernel[grid](**args, **options)
+
+
+def _roles_on(value, name: str, rcfg) -> bool:
+    """Whether the rows grid runs in two roles (``ROWS_ROLES``, ``ROWS_FORM_ROLES``): set, and a grid of one row per
+    program (the fp32 rows default; other ROWS keep the rows in order); a value that is neither -1 nor programs per SM
+    >= 1 raises."""
+    on = bool(value) and rcfg[1] == 1 and len(rcfg) == 4
+    if on and not (isinstance(value, int) and (value == -1 or value >= 1)):
+        raise ValueError(f"embedding_bwd: {name} must be -1, None or programs per SM >= 1, got {value!r}")
+    return on
+
+
+def _roles_args(named, named_n, value: int, N: int, n_sm: int) -> dict:
+    """The rows kernel's arguments for its two roles: the named list, its length's address, and GP (-1: a program
+    per list place, N of them; else value programs per SM)."""
+    return dict(NAMED=named, NAMED_N=named_n, GP=N if value == -1 else value * n_sm)
 
 
 def _pow2(x: int) -> bool:
@@ -928,10 +951,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
     # one int32 workspace: the counts and the three list lengths (zeroed), the slots, the medium ids (seen more than K
     # times), the heavy ids, their list offsets, the heavy lists, and with ROWS_ROLES the named ids
-    # the two roles need a grid of one row per program (the fp32 rows default); other ROWS keep the rows in order
-    roles = bool(ROWS_ROLES) and rcfg[1] == 1 and len(rcfg) == 4
-    if roles and not (isinstance(ROWS_ROLES, int) and (ROWS_ROLES == -1 or ROWS_ROLES >= 1)):
-        raise ValueError(f"embedding_bwd: ROWS_ROLES must be -1, None or programs per SM >= 1, got {ROWS_ROLES!r}")
+    roles = _roles_on(ROWS_ROLES, "ROWS_ROLES", rcfg)
     sizes = [V + 3, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else [])
     padded = [-(-n // 32) * 32 for n in sizes]
     ws = torch.empty(sum(padded), dtype=torch.int32, device=dev)
@@ -979,7 +999,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
                dict(DOUT=d2, COUNTS=counts, HEAVY=heavy, NLIST=nlist, HLIST=hlist, HBASE=hbase, DTABLE=dtable, C=C,
                     n_cb=n_hcb, HT=ht, BLOCK_C=bbc), num_warps=bw)
 
-    rargs = dict(NAMED=named, NLIST=nlist, GP=N if ROWS_ROLES == -1 else ROWS_ROLES * n_sm) if roles else None
+    rargs = _roles_args(named, nlist[2:], ROWS_ROLES, N, n_sm) if roles else None
 
     def grid_pass():
         kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl, rargs)
@@ -1039,11 +1059,17 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
     if zero == "rows":
         rcfg = _rows_config(esize)
         heavy_k = rcfg[0]
-        counts = torch.zeros(V, dtype=torch.int32, device=dout.device)
+        roles = _roles_on(ROWS_FORM_ROLES, "ROWS_FORM_ROLES", rcfg)
+        counts = torch.zeros(V + 1, dtype=torch.int32, device=dout.device)  # and the named list's length
+        counts, named_n = counts[:V], counts[V:]
+        named = torch.empty(N if roles else 0, dtype=torch.int32, device=dout.device)
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
         rows_pdl = bool(ROWS_PDL) and pdl_ok(d2)
         _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
-                                                                BLOCK=SLOTS_BLOCK, PDL=rows_pdl, num_warps=4)
+                                                                BLOCK=SLOTS_BLOCK, PDL=rows_pdl, NAMED=named,
+                                                                NAMED_N=named_n, LIST_NAMED=roles, num_warps=4)
+        n_sm = sm_count(d2.device) if d2.is_cuda else 1
+        rargs = _roles_args(named, named_n, ROWS_FORM_ROLES, N, n_sm) if roles else None
     mark = zero in ("absent", "fused", "side")
 
     def sort_walk_merge(keys=None, bias=0):
@@ -1077,7 +1103,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
                 sort_walk_merge(keys, bias)
         else:
             def grid_pass():
-                _rows_grid(d2, counts, slots, dtable, V, rcfg, rows_pdl)
+                _rows_grid(d2, counts, slots, dtable, V, rcfg, rows_pdl, rargs)
             chain = sort_walk_merge
         if dout.is_cuda:
             run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY,
