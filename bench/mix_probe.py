@@ -12,6 +12,8 @@ stand-in (their outputs are not the gradient, except where said):
 - "mimic": one Triton program per table row, zeros or one dout row copied (sel[row] >= 0), one load of sel and one
   of the row: the rows grid less its slots and sorting network;
 - "split": the zero rows and the copied rows as two Triton grids over lists, on two streams at once;
+- "roles": one Triton grid whose programs copy rows (from a list in row order, or shuffled as the library's named
+  list is) and whose other programs write zeros, in either order or interleaved;
 - the library's rows kernel alone on prepared counts and slots, and the whole op.
 
 Each prints GPU time (``bench/_gpu.py``: L2 flushed by a write before each call) and its bytes against the 1 GiB
@@ -153,10 +155,14 @@ def main(argv=None) -> int:
             _list_kernel[(n_few,)](d, few_i, src_few, table, C, BLOCK_C=2048, COPY=True, num_warps=8)
         here.wait_stream(side)
 
-    def roles(order):
+    def roles(order, rows=few_i, srcs=src_few):
         n = V + n_few if order < 2 else 13 * max(triton.cdiv(n_few, 3), triton.cdiv(V, 10))
-        return lambda: _roles_kernel[(n,)](d, cnt32, few_i, src_few, table, V, n_few, C, BLOCK_C=2048, ORDER=order,
+        return lambda: _roles_kernel[(n,)](d, cnt32, rows, srcs, table, V, n_few, C, BLOCK_C=2048, ORDER=order,
                                            num_warps=8)
+
+    # the library's named list is in the order the slots pass met the ids (token order of first use), not row order
+    shuffle = torch.randperm(n_few, device="cuda")
+    few_shuffled, src_shuffled = few_i[shuffle], src_few[shuffle]
 
     def copy_only():
         _list_kernel[(few_i.numel(),)](d, few_i, src_few, table, C, BLOCK_C=2048, COPY=True, num_warps=8)
@@ -188,6 +194,8 @@ def main(argv=None) -> int:
         ("triton split: zero grid over all rows || copy list", split_all_rows,
          (zero_rows.numel() + 2 * few.numel()) * row_b),
         ("triton one grid, roles: copies first", roles(0), (zero_rows.numel() + 2 * few.numel()) * row_b),
+        ("triton one grid, roles: copies first, rows shuffled", roles(0, few_shuffled, src_shuffled),
+         (zero_rows.numel() + 2 * few.numel()) * row_b),
         ("triton one grid, roles: zeros first", roles(1), (zero_rows.numel() + 2 * few.numel()) * row_b),
         ("triton one grid, roles: interleaved 3 : 10", roles(2), (zero_rows.numel() + 2 * few.numel()) * row_b),
         ("triton mimic, 1 row per program", mimic(1), ntab + few.numel() * row_b),
