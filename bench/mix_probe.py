@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     from bench._gpu import gpu_time, warm_up
     from bench.kernels import zipf_ids
     from xtrain.kernels import embedding as K
+    from xtrain.kernels._dispatch import run_side_by_side
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -117,43 +118,29 @@ def main(argv=None) -> int:
           f"{zero_rows.numel()}")
     big = torch.randn(1 << 28, device="cuda")
     big_out = torch.empty_like(big)
-    side = torch.cuda.Stream()
     row_b = C * 4
     dpart = d[: reads_few // row_b]
+    cnt32 = cnt.int()
+    n_few = few_i.numel()
 
-    def both_torch():
-        here = torch.cuda.current_stream()
-        side.wait_stream(here)
-        table.zero_()
-        with torch.cuda.stream(side):
-            dpart.amax()
-        here.wait_stream(side)
+    def side_by_side(main, other):  # the library's two-stream launch (the side stream of default priority)
+        return lambda: run_side_by_side(d.device, main, other)
 
     def mimic(rows):
         return lambda: _mimic_kernel[(V // rows,)](d, sel, table, C, BLOCK_C=2048, ROWS=rows, num_warps=8)
 
-    def split():
-        here = torch.cuda.current_stream()
-        side.wait_stream(here)
+    def copy_only():
+        _list_kernel[(n_few,)](d, few_i, src_few, table, C, BLOCK_C=2048, COPY=True, num_warps=8)
+
+    def zero_only():
         _list_kernel[(zero_rows.numel(),)](d, zero_rows, zero_rows, table, C, BLOCK_C=2048, COPY=False, num_warps=8)
-        with torch.cuda.stream(side):
-            _list_kernel[(few_i.numel(),)](d, few_i, src_few, table, C, BLOCK_C=2048, COPY=True, num_warps=8)
-        here.wait_stream(side)
 
     def split_seq():
-        _list_kernel[(zero_rows.numel(),)](d, zero_rows, zero_rows, table, C, BLOCK_C=2048, COPY=False, num_warps=8)
-        _list_kernel[(few_i.numel(),)](d, few_i, src_few, table, C, BLOCK_C=2048, COPY=True, num_warps=8)
+        zero_only()
+        copy_only()
 
-    cnt32 = cnt.int()
-    n_few = few_i.numel()
-
-    def split_all_rows():  # the zero grid over every row, no list (a named row's program exits)
-        here = torch.cuda.current_stream()
-        side.wait_stream(here)
+    def zero_all_rows():  # the zero grid over every row, no list (a named row's program exits)
         _roles_kernel[(V,)](d, cnt32, few_i, src_few, table, V, 0, C, BLOCK_C=2048, ORDER=1, num_warps=8)
-        with torch.cuda.stream(side):
-            _list_kernel[(n_few,)](d, few_i, src_few, table, C, BLOCK_C=2048, COPY=True, num_warps=8)
-        here.wait_stream(side)
 
     def roles(order, rows=few_i, srcs=src_few):
         n = V + n_few if order < 2 else 13 * max(triton.cdiv(n_few, 3), triton.cdiv(V, 10))
@@ -163,12 +150,6 @@ def main(argv=None) -> int:
     # the library's named list is in the order the slots pass met the ids (token order of first use), not row order
     shuffle = torch.randperm(n_few, device="cuda")
     few_shuffled, src_shuffled = few_i[shuffle], src_few[shuffle]
-
-    def copy_only():
-        _list_kernel[(few_i.numel(),)](d, few_i, src_few, table, C, BLOCK_C=2048, COPY=True, num_warps=8)
-
-    def zero_only():
-        _list_kernel[(zero_rows.numel(),)](d, zero_rows, zero_rows, table, C, BLOCK_C=2048, COPY=False, num_warps=8)
 
     # the library's rows kernel alone, on counts and slots the tiers form's slots pass made
     counts = torch.zeros(V + 2, dtype=torch.int32, device="cuda")
@@ -180,24 +161,23 @@ def main(argv=None) -> int:
         K._rows_grid(d, counts, slots, table, V, rcfg, False)
 
     ntab = V * C * 4
+    split_b = (zero_rows.numel() + 2 * n_few) * row_b
     cases = [
         ("copy 1 GiB (the yardstick)", lambda: big_out.copy_(big), 2 * big.numel() * 4),
         ("torch zero_ of the table", lambda: table.zero_(), ntab),
         ("torch amax over all dout (read only)", lambda: d.amax(), N * row_b),
-        ("torch zero_ table || amax over the few rows' bytes", both_torch, ntab + reads_few),
+        ("torch zero_ table || amax over the few rows' bytes", side_by_side(table.zero_, dpart.amax), ntab + reads_few),
         ("torch index_select of the few rows' first tokens", lambda: torch.index_select(d, 0, first[few]),
          2 * few.numel() * row_b),
-        ("triton list: copy the few rows", copy_only, 2 * few.numel() * row_b),
+        ("triton list: copy the few rows", copy_only, 2 * n_few * row_b),
         ("triton list: zero rows only", zero_only, zero_rows.numel() * row_b),
-        ("triton split: zero list || copy list", split, (zero_rows.numel() + 2 * few.numel()) * row_b),
-        ("triton split, one stream (zeros, then copies)", split_seq, (zero_rows.numel() + 2 * few.numel()) * row_b),
-        ("triton split: zero grid over all rows || copy list", split_all_rows,
-         (zero_rows.numel() + 2 * few.numel()) * row_b),
-        ("triton one grid, roles: copies first", roles(0), (zero_rows.numel() + 2 * few.numel()) * row_b),
-        ("triton one grid, roles: copies first, rows shuffled", roles(0, few_shuffled, src_shuffled),
-         (zero_rows.numel() + 2 * few.numel()) * row_b),
-        ("triton one grid, roles: zeros first", roles(1), (zero_rows.numel() + 2 * few.numel()) * row_b),
-        ("triton one grid, roles: interleaved 3 : 10", roles(2), (zero_rows.numel() + 2 * few.numel()) * row_b),
+        ("triton split: zero list || copy list", side_by_side(zero_only, copy_only), split_b),
+        ("triton split, one stream (zeros, then copies)", split_seq, split_b),
+        ("triton split: zero grid over all rows || copy list", side_by_side(zero_all_rows, copy_only), split_b),
+        ("triton one grid, roles: copies first", roles(0), split_b),
+        ("triton one grid, roles: copies first, rows shuffled", roles(0, few_shuffled, src_shuffled), split_b),
+        ("triton one grid, roles: zeros first", roles(1), split_b),
+        ("triton one grid, roles: interleaved 3 : 10", roles(2), split_b),
         ("triton mimic, 1 row per program", mimic(1), ntab + few.numel() * row_b),
         ("triton mimic, 2 rows per program", mimic(2), ntab + few.numel() * row_b),
         ("library rows kernel alone (K = 4 sums)", rows_alone, ntab + reads_few),

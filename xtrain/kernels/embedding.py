@@ -1062,14 +1062,15 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         roles = _roles_on(ROWS_FORM_ROLES, "ROWS_FORM_ROLES", rcfg)
         counts = torch.zeros(V + 1, dtype=torch.int32, device=dout.device)  # and the named list's length
         counts, named_n = counts[:V], counts[V:]
-        named = torch.empty(N if roles else 0, dtype=torch.int32, device=dout.device)
+        named = torch.empty(N, dtype=torch.int32, device=dout.device) if roles else None
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
         rows_pdl = bool(ROWS_PDL) and pdl_ok(d2)
         _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
                                                                 BLOCK=SLOTS_BLOCK, PDL=rows_pdl, NAMED=named,
                                                                 NAMED_N=named_n, LIST_NAMED=roles, num_warps=4)
-        n_sm = sm_count(d2.device) if d2.is_cuda else 1
-        rargs = _roles_args(named, named_n, ROWS_FORM_ROLES, N, n_sm) if roles else None
+        rargs = None
+        if roles:
+            rargs = _roles_args(named, named_n, ROWS_FORM_ROLES, N, sm_count(d2.device) if d2.is_cuda else 1)
     mark = zero in ("absent", "fused", "side")
 
     def sort_walk_merge(keys=None, bias=0):
