@@ -58,36 +58,50 @@ def _list_kernel(DOUT, ROWS_OF, SRC_OF, OUT, C, BLOCK_C: tl.constexpr, COPY: tl.
 
 
 @triton.jit
-def _roles_kernel(DOUT, CNT, FEW, SRC_OF, OUT, V, n_few, C, BLOCK_C: tl.constexpr, ORDER: tl.constexpr):
-    """One grid, two roles: n_few copy programs (table row FEW[i] gets dout row SRC_OF[i]) and V zero programs (row r
-    gets zeros if CNT[r] == 0, else nothing). ORDER 0: copies first; 1: zeros first; 2: interleaved, 3 copies then 10
-    zero programs in every group of 13."""
+def _roles_kernel(DOUT, CNT, FEW, SRC_OF, OUT, V, n_few, n_copy, C, BLOCK_C: tl.constexpr, ORDER: tl.constexpr,
+                  ZR: tl.constexpr = 1):
+    """One grid, two roles: n_copy copy places (place i < n_few: table row FEW[i] gets dout row SRC_OF[i]; places
+    past n_few exit, as the library's named-row programs past its list's end) and zero programs, each over ZR rows
+    (row r gets zeros if CNT[r] == 0, else nothing). ORDER 0: copies first; 1: zeros first; 2: interleaved, 3 copies
+    then 10 zero programs in every group of 13; 3: two passes in row order, the first over every row copying the
+    few rows (SRC_OF[r] >= 0, FEW unused), the second writing the zero rows."""
     p = tl.program_id(0)
+    n_zero = tl.cdiv(V, ZR)
     if ORDER == 0:
-        is_copy = p < n_few
+        is_copy = p < n_copy
         i = p
-        r = p - n_few
+        z = p - n_copy
     elif ORDER == 1:
-        is_copy = p >= V
-        i = p - V
-        r = p
-    else:
+        is_copy = p >= n_zero
+        i = p - n_zero
+        z = p
+    elif ORDER == 2:
         g = p // 13
         k = p % 13
-        is_copy = (k < 3) & (g * 3 + k < n_few)
+        is_copy = k < 3
         i = g * 3 + k
-        r = g * 10 + k - 3
-        if k < 3:
-            if g * 3 + k >= n_few:  # no copy left: the slot idles
-                r = V
+        z = g * 10 + k - 3
+    else:
+        is_copy = p < V
+        i = p
+        z = p - V
     cols = tl.arange(0, BLOCK_C)
     if is_copy:
-        row = tl.load(FEW + i).to(tl.int64)
-        x = tl.load(DOUT + tl.load(SRC_OF + i).to(tl.int64) * C + cols, mask=cols < C, other=0.0)
-        tl.store(OUT + row * C + cols, x, mask=cols < C)
-    elif r < V:
-        if tl.load(CNT + r) == 0:
-            tl.store(OUT + r.to(tl.int64) * C + cols, tl.zeros([BLOCK_C], dtype=tl.float32), mask=cols < C)
+        if ORDER == 3:
+            s = tl.load(SRC_OF + i)
+            if s >= 0:
+                x = tl.load(DOUT + s.to(tl.int64) * C + cols, mask=cols < C, other=0.0)
+                tl.store(OUT + i.to(tl.int64) * C + cols, x, mask=cols < C)
+        elif i < n_few:
+            row = tl.load(FEW + i).to(tl.int64)
+            x = tl.load(DOUT + tl.load(SRC_OF + i).to(tl.int64) * C + cols, mask=cols < C, other=0.0)
+            tl.store(OUT + row * C + cols, x, mask=cols < C)
+    elif z < n_zero:
+        for j in tl.static_range(ZR):
+            r = z * ZR + j
+            if r < V:
+                if tl.load(CNT + r) == 0:
+                    tl.store(OUT + r.to(tl.int64) * C + cols, tl.zeros([BLOCK_C], dtype=tl.float32), mask=cols < C)
 
 
 def main(argv=None) -> int:
@@ -112,6 +126,7 @@ def main(argv=None) -> int:
         0, ids, torch.arange(N, device="cuda"), "amin")
     sel = torch.where(cnt > 0, first, -1).int()
     src_few = first[few].int()
+    sel_few = torch.where((cnt > 0) & (cnt <= 4), first, -1).int()
     few_i = few.int()
     reads_few = int(cnt[few].sum()) * C * 4
     print(f"rows named {named.numel()}, at most 4 times {few.numel()} ({int(cnt[few].sum())} tokens), zero "
@@ -140,12 +155,15 @@ def main(argv=None) -> int:
         copy_only()
 
     def zero_all_rows():  # the zero grid over every row, no list (a named row's program exits)
-        _roles_kernel[(V,)](d, cnt32, few_i, src_few, table, V, 0, C, BLOCK_C=2048, ORDER=1, num_warps=8)
+        _roles_kernel[(V,)](d, cnt32, few_i, src_few, table, V, 0, 0, C, BLOCK_C=2048, ORDER=1, num_warps=8)
 
-    def roles(order, rows=few_i, srcs=src_few):
-        n = V + n_few if order < 2 else 13 * max(triton.cdiv(n_few, 3), triton.cdiv(V, 10))
-        return lambda: _roles_kernel[(n,)](d, cnt32, rows, srcs, table, V, n_few, C, BLOCK_C=2048, ORDER=order,
-                                           num_warps=8)
+    def roles(order, rows=few_i, srcs=src_few, n_copy=None, zr=1):
+        n_copy = n_few if n_copy is None else n_copy
+        n_zero = triton.cdiv(V, zr)
+        n = {0: n_copy + n_zero, 1: n_copy + n_zero, 2: 13 * max(triton.cdiv(n_copy, 3), triton.cdiv(n_zero, 10)),
+             3: 2 * V}[order]
+        return lambda: _roles_kernel[(n,)](d, cnt32, rows, srcs, table, V, n_few, n_copy, C, BLOCK_C=2048,
+                                           ORDER=order, ZR=zr, num_warps=8)
 
     # the library's named list is in the order the slots pass met the ids (token order of first use), not row order
     shuffle = torch.randperm(n_few, device="cuda")
@@ -159,6 +177,13 @@ def main(argv=None) -> int:
 
     def rows_alone():
         K._rows_grid(d, counts, slots, table, V, rcfg, False)
+
+    # ... and in the tiers form's two roles, on a named list of every named row in first-use order
+    named_fu = named[torch.argsort(first[named])].int()
+    named_n = torch.tensor([named_fu.numel()], dtype=torch.int32, device="cuda")
+
+    def rows_roles_alone():
+        K._rows_grid(d, counts, slots, table, V, rcfg, False, K._roles_args(named_fu, named_n, -1, N, 0))
 
     ntab = V * C * 4
     split_b = (zero_rows.numel() + 2 * n_few) * row_b
@@ -176,11 +201,17 @@ def main(argv=None) -> int:
         ("triton split: zero grid over all rows || copy list", side_by_side(zero_all_rows, copy_only), split_b),
         ("triton one grid, roles: copies first", roles(0), split_b),
         ("triton one grid, roles: copies first, rows shuffled", roles(0, few_shuffled, src_shuffled), split_b),
+        ("triton roles: copies first, shuffled, N copy places", roles(0, few_shuffled, src_shuffled, N), split_b),
+        ("triton roles: copies first, shuffled, N places, 4 zero rows/prog",
+         roles(0, few_shuffled, src_shuffled, N, 4), split_b),
+        ("triton roles: copies first, in order, 4 zero rows/prog", roles(0, zr=4), split_b),
+        ("triton roles: two row-order passes (copies, then zeros)", roles(3, srcs=sel_few), split_b),
         ("triton one grid, roles: zeros first", roles(1), split_b),
         ("triton one grid, roles: interleaved 3 : 10", roles(2), split_b),
         ("triton mimic, 1 row per program", mimic(1), ntab + few.numel() * row_b),
         ("triton mimic, 2 rows per program", mimic(2), ntab + few.numel() * row_b),
         ("library rows kernel alone (K = 4 sums)", rows_alone, ntab + reads_few),
+        ("library rows kernel alone, roles (named list first-use order)", rows_roles_alone, ntab + reads_few),
         ("library op (tiers)", lambda: K.embedding_bwd_triton(d, ids, V), (N * C + V * C) * 4),
     ]
     warm_up()

@@ -383,24 +383,27 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("tiers,roles", [((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), None),
-                                         ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), None),
-                                         ((64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), None),
-                                         ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), 3),
-                                         ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), 1),
-                                         ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), -1)])
-def test_embedding_bwd_tiers_cpu(tiers, roles, monkeypatch):
+@pytest.mark.parametrize("tiers,roles,ahead", [((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), None, 0),
+                                               ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), None, 0),
+                                               ((64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), None, 0),
+                                               ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), 3, 2),
+                                               ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), 1, 0),
+                                               ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), -1, 4),
+                                               ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), -4, 0)])
+def test_embedding_bwd_tiers_cpu(tiers, roles, ahead, monkeypatch):
     """The "tiers" form: rows seen at most K times by the rows kernel, K < count <= K2 by tier A from their slots
     (ranked into token order), more than K2 by the heavy lists (scans of the ids SCAN at a time, several heavy ids, so
     their offsets add up) and tier B. Counts of exactly K, K + 1, K2, K2 + 1; every token one id; every token its own
     id; Zipf-like draws; a table narrower than K2 (the slots capped at the table's width); against the reference and
     bit for bit repeatable (the slots and list places are taken by atomics). The rows grid with ROWS_ROLES: the named
     rows first from the slots pass's list (one program per list place, or n persistent ones), then the zero rows;
-    None: the rows in row order."""
+    None: the rows in row order. Tier A's medium rows walked AHEAD rows a step (TIER_A_AHEAD) give the bits of the
+    row-by-row walk."""
     monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "tiers", 16, True))
     monkeypatch.setattr(K_emb, "ROWS", (4, 1, 32, 4))
     monkeypatch.setattr(K_emb, "TIERS", tiers)
     monkeypatch.setattr(K_emb, "ROWS_ROLES", roles)
+    monkeypatch.setattr(K_emb, "TIER_A_AHEAD", ahead)
     k2 = tiers[0]
     cases = [torch.cat([torch.full((4,), 2), torch.full((5,), 5), torch.full((k2,), 7), torch.full((k2 + 1,), 1),
                         torch.full((3 * k2,), 4), torch.tensor([0, 9, 2, 7])])[torch.randperm(4 * k2 + 22)],
@@ -412,14 +415,19 @@ def test_embedding_bwd_tiers_cpu(tiers, roles, monkeypatch):
             a = K_emb.embedding_bwd_triton(d, ids, V)
             assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
             assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
+            if ahead:
+                with monkeypatch.context() as m:
+                    m.setattr(K_emb, "TIER_A_AHEAD", 0)
+                    assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
 
 
 @needs_cpu_interp
 @pytest.mark.parametrize("form,name", [("tiers", "ROWS_ROLES"), ("rows", "ROWS_FORM_ROLES")])
 def test_embedding_bwd_roles_same_bits_cpu(form, name, monkeypatch):
     """The rows grid in two roles (the named rows first, from the slots pass's list, then the zero rows) sums each row
-    exactly as the grid in row order does: the same bits, for both forms, with a program per list place (-1) and with
-    persistent named-row programs (2); a grid of more than one row per program keeps the row order (the knob is
+    exactly as the grid in row order does: the same bits, for both forms, with a program per list place (-1), per 8
+    places (-8: the list of the 213 tokens' 54 ids is longer than the 27 programs) and with persistent named-row programs (2);
+    a grid of more than one row per program keeps the row order (the knob is
     ignored there) and a bad value raises."""
     monkeypatch.setattr(K_emb, "CONFIG", (4, 32, 4, form, 16, True))
     monkeypatch.setattr(K_emb, "TIERS", (8, 4, 16, 4, 1, 4, 16, 4, 1, 64))
@@ -430,13 +438,14 @@ def test_embedding_bwd_roles_same_bits_cpu(form, name, monkeypatch):
     monkeypatch.setattr(K_emb, name, None)
     mixed = K_emb.embedding_bwd_triton(d, ids, 64)
     assert _max_err(mixed, K_emb.embedding_bwd_ref(d, ids, 64)) <= CPU_TOL
-    for value in (-1, 2):
+    assert int((torch.bincount(ids) > 0).sum()) > -(ids.numel() // -8)
+    for value in (-1, -8, 2):
         monkeypatch.setattr(K_emb, name, value)
         assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed), value
     monkeypatch.setattr(K_emb, "ROWS", (4, 2, 16, 4))  # two rows per program: the row order, whatever the knob
     assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed)
     monkeypatch.setattr(K_emb, "ROWS", (4, 1, 16, 4))
-    monkeypatch.setattr(K_emb, name, -3)
+    monkeypatch.setattr(K_emb, name, "-1")
     with pytest.raises(ValueError, match=name):
         K_emb.embedding_bwd_triton(d, ids, 64)
 
@@ -472,7 +481,11 @@ def test_embedding_bwd_tiers_bad_config_cpu(monkeypatch):
     with pytest.raises(ValueError, match="TIERS"):
         K_emb.embedding_bwd_triton(torch.randn(5, 8), torch.tensor([0, 1, 1, 2, 0]), 3)
     monkeypatch.setattr(K_emb, "TIERS", None)
-    monkeypatch.setattr(K_emb, "ROWS_ROLES", -2)  # neither -1 (a program per list place) nor programs per SM
+    monkeypatch.setattr(K_emb, "TIER_A_AHEAD", 3)  # not a power of two
+    with pytest.raises(ValueError, match="TIER_A_AHEAD"):
+        K_emb.embedding_bwd_triton(torch.randn(5, 8), torch.tensor([0, 1, 1, 2, 0]), 3)
+    monkeypatch.setattr(K_emb, "TIER_A_AHEAD", 0)
+    monkeypatch.setattr(K_emb, "ROWS_ROLES", 1.5)  # neither -k (a program per k list places) nor programs per SM
     with pytest.raises(ValueError, match="ROWS_ROLES"):
         K_emb.embedding_bwd_triton(torch.randn(5, 8), torch.tensor([0, 1, 1, 2, 0]), 3)
 
@@ -756,7 +769,7 @@ def test_adamw_gpu_bit_exact():
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
                                     "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
                                     "tiers, torch's fill", "tiers, rows grid in roles", "tiers, mixed rows grid",
-                                    "rows, grid in roles"])
+                                    "rows, grid in roles", "tiers, tier A's other walk"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
@@ -784,6 +797,9 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
         config = (16, 1024, 4, "rows", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_FORM_ROLES", -1)
         monkeypatch.setattr(K_emb, "ROWS", (4, 1, 1024, 8))
+    if config == "tiers, tier A's other walk":  # medium rows walked several a step, or (if that is the default) one
+        config = (16, 512, 4, "tiers", 16, True)
+        monkeypatch.setattr(K_emb, "TIER_A_AHEAD", 0 if K_emb.TIER_A_AHEAD else 4)
     if config == "tiers, mixed rows grid":  # until session 20: zero and named rows in one order
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_ROLES", None)

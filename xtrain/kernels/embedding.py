@@ -664,7 +664,7 @@ def _zero_i32_kernel(X, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
 @_jit
 def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST, HBASE, DTABLE, N, V, C,
                              K2: tl.constexpr, MT: tl.constexpr, BLOCK_C: tl.constexpr, SCAN: tl.constexpr,
-                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr):
+                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr, AHEAD: tl.constexpr = 0):
     """Persistent over the lists. DO_HEAVY: each heavy id's token list, in token order, into HLIST from offset
     HBASE[h] (the counts of the heavy ids listed before it): a scan of the ids SCAN at a time, each hit placed by a
     running prefix sum. DO_MED: each medium row (K < count <= K2), whole: its K2 slots put in token order by their
@@ -694,18 +694,38 @@ def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST,
             hit = (tl.load(IDS + t, mask=t < N, other=-1) == f).to(tl.int32)
             tl.store(HLIST + run + tl.cumsum(hit, axis=0) - 1, t.to(tl.int32), mask=hit != 0)
             run += tl.sum(hit, axis=0)
-    for e in range(pid, n_med, P):
-        f = tl.load(MED + e)
-        cnt = tl.load(COUNTS + f)
-        if cnt <= K2:
-            _med_row(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2, MT, BLOCK_C)
+    j = tl.arange(0, K2)
+    if AHEAD == 0:
+        for e in range(pid, n_med, P):
+            f = tl.load(MED + e)
+            cnt = tl.load(COUNTS + f)
+            if cnt <= K2:
+                s = tl.load(SLOTS + j.to(tl.int64) * V + f, mask=j < cnt, other=2**31 - 1)
+                _med_row(f, cnt, s, DOUT, DTABLE, C, K2, MT, BLOCK_C)
+    else:
+        # AHEAD rows of this program's share at once: their ids and counts in one step each, every row's slots
+        # loaded before the row ahead of it is gathered (a chain of dependent loads per step, not per row)
+        q = tl.arange(0, AHEAD)
+        for e0 in range(pid, n_med, P * AHEAD):
+            e = e0 + q * P
+            ok = e < n_med
+            fs = tl.load(MED + e, mask=ok, other=0)
+            cnts = tl.load(COUNTS + fs, mask=ok, other=0)
+            raw = tl.load(SLOTS + j.to(tl.int64) * V + tl.sum(tl.where(q == 0, fs, 0), axis=0))
+            for i in range(0, tl.sum(ok.to(tl.int32), axis=0)):
+                f = tl.sum(tl.where(q == i, fs, 0), axis=0)
+                cnt = tl.sum(tl.where(q == i, cnts, 0), axis=0)
+                # the next row's slots (row 0's, unused, after the last): in flight during this row's gathers
+                raw_next = tl.load(SLOTS + j.to(tl.int64) * V + tl.sum(tl.where(q == i + 1, fs, 0), axis=0))
+                if cnt <= K2:
+                    _med_row(f, cnt, tl.where(j < cnt, raw, 2**31 - 1), DOUT, DTABLE, C, K2, MT, BLOCK_C)
+                raw = raw_next
 
 
 @_jit
-def _med_row(f, cnt, DOUT, SLOTS, DTABLE, V, C, K2: tl.constexpr, MT: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Tier A's medium row f (K < cnt <= K2), whole: its slots ranked into token order, gathered MT at a time."""
-    j = tl.arange(0, K2)
-    s = tl.load(SLOTS + j.to(tl.int64) * V + f, mask=j < cnt, other=2**31 - 1)
+def _med_row(f, cnt, s, DOUT, DTABLE, C, K2: tl.constexpr, MT: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Tier A's medium row f (K < cnt <= K2), whole: its slots s (K2 token indices, the largest int32 past cnt)
+    ranked into token order, gathered MT at a time."""
     rank = tl.sum((s[None, :] < s[:, None]).to(tl.int32), axis=1)
     row = f.to(tl.int64) * C
     for c0 in range(0, C, BLOCK_C):
@@ -794,6 +814,10 @@ ROWS_MAIN_FIRST = True
 # at C = 1024; 0.664 against 0.674 at V = 128k, C = 4096.
 TIERS_DEFAULTS = {2: (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), 4: (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096)}
 TIERS = None
+# tier A's medium rows: 0, each row's id, count, slots and tokens loaded one after the other (four dependent loads a
+# row, under the rows grid's traffic); n (a power of two), n rows of a program's share listed at once and each row's
+# slots loaded while the row before it is gathered. Same bits either way
+TIER_A_AHEAD = 0
 # the tiers form for at most this many tokens, the rows form above: each heavy id's list is a scan of all N ids, so
 # the listing grows as N x (ids seen more than K2 times). H200, fp32, V = 32000, C = 2048, Zipf-like ids
 # (bench/embedding_tiers_probe.py --N): tiers / rows 0.120 / 0.127 ms at N = 16k, 0.161-0.164 / 0.165-0.166 at 32k,
@@ -908,15 +932,16 @@ def _roles_on(value, name: str, rcfg) -> bool:
     program (the fp32 rows default; other ROWS keep the rows in order); a value that is neither -1 nor programs per SM
     >= 1 raises."""
     on = bool(value) and rcfg[1] == 1 and len(rcfg) == 4
-    if on and not (isinstance(value, int) and (value == -1 or value >= 1)):
-        raise ValueError(f"embedding_bwd: {name} must be -1, None or programs per SM >= 1, got {value!r}")
+    if on and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise ValueError(f"embedding_bwd: {name} must be None, -k (a program per k list places) or programs per SM "
+                         f"n >= 1, got {value!r}")
     return on
 
 
 def _roles_args(named, named_n, value: int, N: int, n_sm: int) -> dict:
-    """The rows kernel's arguments for its two roles: the named list, its length's address, and GP (-1: a program
-    per list place, N of them; else value programs per SM)."""
-    return dict(NAMED=named, NAMED_N=named_n, GP=N if value == -1 else value * n_sm)
+    """The rows kernel's arguments for its two roles: the named list, its length's address, and GP (-k: a program per
+    k places of the list, which is at most N long: ceil(N / k) programs; else value programs per SM)."""
+    return dict(NAMED=named, NAMED_N=named_n, GP=-(N // value) if value < 0 else value * n_sm)
 
 
 def _pow2(x: int) -> bool:
@@ -946,6 +971,8 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     if not (k2 > heavy_k and all(_pow2(x) for x in (k2, mt, abc, ht, bbc, scan)) and aps >= 1 and bps >= 1):
         raise ValueError(f"embedding_bwd: TIERS needs K2 above the rows' K = {heavy_k}, powers of two for K2, MT, the "
                          f"column blocks, HT and SCAN, and programs per SM >= 1, got {TIERS!r}")
+    if not (TIER_A_AHEAD == 0 or (isinstance(TIER_A_AHEAD, int) and _pow2(TIER_A_AHEAD))):
+        raise ValueError(f"embedding_bwd: TIER_A_AHEAD must be 0 or a power of two, got {TIER_A_AHEAD!r}")
     fill_pdl = bool(FILL_PDL) and pdl_ok(d2)
     pdl = bool(ROWS_PDL) and pdl_ok(d2)
     hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
@@ -965,7 +992,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     key = None
     if d2.is_cuda and TIER_PLANS:
         key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
-               ROWS_ZERO_FAST, SLOTS_BLOCK, ROWS_ROLES, d2.stride(), flat.stride(), d2.data_ptr() % 16,
+               ROWS_ZERO_FAST, SLOTS_BLOCK, ROWS_ROLES, TIER_A_AHEAD, d2.stride(), flat.stride(), d2.data_ptr() % 16,
                flat.data_ptr() % 16, dtable.data_ptr() % 16, ws.data_ptr() % 128)
     plan = _TIER_PLANS.get(key) if key is not None else None
     made = {}
@@ -991,7 +1018,8 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
                   HBASE=hbase, DTABLE=dtable, N=N, V=V, C=C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan)
 
     def tier_a(name: str, programs: int, heavy_part: bool, med_part: bool):
-        launch(name, _embedding_tier_a_kernel, (programs,), dict(a_args, DO_HEAVY=heavy_part, DO_MED=med_part),
+        launch(name, _embedding_tier_a_kernel, (programs,),
+               dict(a_args, DO_HEAVY=heavy_part, DO_MED=med_part, AHEAD=TIER_A_AHEAD if med_part else 0),
                num_warps=aw)
 
     def tier_b():
