@@ -426,9 +426,9 @@ def test_embedding_bwd_tiers_cpu(tiers, roles, ahead, monkeypatch):
 def test_embedding_bwd_roles_same_bits_cpu(form, name, monkeypatch):
     """The rows grid in two roles (the named rows first, from the slots pass's list, then the zero rows) sums each row
     exactly as the grid in row order does: the same bits, for both forms, with a program per list place (-1), per 8
-    places (-8: the list of the 213 tokens' 54 ids is longer than the 27 programs) and with persistent named-row programs (2);
-    a grid of more than one row per program keeps the row order (the knob is
-    ignored there) and a bad value raises."""
+    places (-8: the list of the 213 tokens' 54 ids is longer than the 27 programs) and with persistent named-row
+    programs (2); a grid of more than one row per program keeps the row order (the knob is ignored there) and a bad
+    value raises."""
     monkeypatch.setattr(K_emb, "CONFIG", (4, 32, 4, form, 16, True))
     monkeypatch.setattr(K_emb, "TIERS", (8, 4, 16, 4, 1, 4, 16, 4, 1, 64))
     monkeypatch.setattr(K_emb, "ROWS", (4, 1, 16, 4))

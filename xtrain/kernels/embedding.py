@@ -441,20 +441,21 @@ def _embedding_keys_kernel(IDS, KEYS, PRESENT, COUNTS, N, ID_BIAS: tl.constexpr,
 
 @_jit
 def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                            NAMED=None, NAMED_N=None, LIST_NAMED: tl.constexpr = False):
+                            NAMED=None, NAMED_N=None, LIST_NAMED: tl.constexpr = False,
+                            SEM: tl.constexpr = "acq_rel"):
     """The "rows" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer
     atomic: the final counts do not depend on the order) and, if the slot is below K, writes its token
     index to SLOTS[slot, id]. Which token gets which slot depends on scheduling; the rows kernel sorts a
     row's slots, so the sum it forms does not. PDL: the rows kernel, launched as this kernel's programmatic
     dependent, may be scheduled at once (it waits for this grid's end before its first load)."""
-    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K, BLOCK, PDL, False)
+    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K, BLOCK, PDL, False, SEM)
     if LIST_NAMED:  # ROWS_FORM_ROLES: the token taking slot 0 lists its id (NAMED_N[0] counts them)
-        _append(NAMED, NAMED_N, m & (slot == 0), ids.to(tl.int32))
+        _append(NAMED, NAMED_N, m & (slot == 0), ids.to(tl.int32), SEM)
 
 
 @_jit
 def _take_slots(IDS, COUNTS, SLOTS, N, V, KEEP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                WAIT: tl.constexpr):
+                WAIT: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
     """The slots passes' common part: this program's BLOCK tokens each take the next slot of their id and write
     their index to SLOTS[slot, id] below KEEP; returns (the valid-token mask, the ids, the slots). WAIT: this
     kernel was launched as the counts' zero fill's programmatic dependent; wait for that grid before the
@@ -466,18 +467,20 @@ def _take_slots(IDS, COUNTS, SLOTS, N, V, KEEP: tl.constexpr, BLOCK: tl.constexp
     ids = tl.load(IDS + i, mask=m, other=0)
     if WAIT:
         gdc_wait()
-    slot = tl.atomic_add(COUNTS + ids, 1, mask=m)
+    slot = tl.atomic_add(COUNTS + ids, 1, mask=m, sem=SEM)
     tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < KEEP))
     return m, ids, slot
 
 
 @_jit
-def _append(LIST, COUNT, take, vals):
+def _append(LIST, COUNT, take, vals, SEM: tl.constexpr = "acq_rel"):
     """vals where take, appended to LIST after the COUNT[0] entries there (one atomic for the program; places
     within it by a prefix sum)."""
     t = take.to(tl.int32)
-    pos = tl.atomic_add(COUNT, tl.sum(t, axis=0)) + tl.cumsum(t, axis=0) - 1
-    tl.store(LIST + pos, vals, mask=take)
+    n = tl.sum(t, axis=0)
+    if n > 0:  # (most programs add no heavy id: no atomic)
+        pos = tl.atomic_add(COUNT, n, sem=SEM) + tl.cumsum(t, axis=0) - 1
+        tl.store(LIST + pos, vals, mask=take)
 
 
 @_jit
@@ -636,7 +639,7 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
 @_jit
 def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K: tl.constexpr, K2: tl.constexpr,
                                  BLOCK: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False,
-                                 NAMED=None, LIST_NAMED: tl.constexpr = False):
+                                 NAMED=None, LIST_NAMED: tl.constexpr = False, SEM: tl.constexpr = "acq_rel"):
     """The "tiers" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer atomic) and
     writes its index to SLOTS[slot, id] if the slot is below K2. The token that takes slot K appends its id to the
     medium list MED, the one that takes slot K2 to the heavy list HEAVY (NLIST[0] and NLIST[1] count them; one
@@ -644,11 +647,11 @@ def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K:
     where an id lands in a list, depend on scheduling; the later passes order each row's tokens by index, so the
     sums do not. PDL: as ``_embedding_slots_kernel``. WAIT: as ``_take_slots``. LIST_NAMED (``ROWS_ROLES``): the token
     that takes slot 0 appends its id to NAMED (NLIST[2] counts them): every id the batch names, once."""
-    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL, WAIT)
-    _append(MED, NLIST, m & (slot == K), ids.to(tl.int32))
-    _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32))
+    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL, WAIT, SEM)
+    _append(MED, NLIST, m & (slot == K), ids.to(tl.int32), SEM)
+    _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32), SEM)
     if LIST_NAMED:
-        _append(NAMED, NLIST + 2, m & (slot == 0), ids.to(tl.int32))
+        _append(NAMED, NLIST + 2, m & (slot == 0), ids.to(tl.int32), SEM)
 
 
 @_jit
@@ -817,7 +820,11 @@ TIERS = None
 # tier A's medium rows: 0, each row's id, count, slots and tokens loaded one after the other (four dependent loads a
 # row, under the rows grid's traffic); n (a power of two), n rows of a program's share listed at once and each row's
 # slots loaded while the row before it is gathered. Same bits either way
-TIER_A_AHEAD = 0
+TIER_A_AHEAD = 4
+# the memory order of the slots passes' integer atomics (the counts and the list lengths): "acq_rel" (Triton's
+# default) or "relaxed". Only their atomicity is needed: the passes that read the slots and lists run after this
+# grid's end, so no order among this kernel's own loads and stores matters
+SLOTS_SEM = "acq_rel"
 # the tiers form for at most this many tokens, the rows form above: each heavy id's list is a scan of all N ids, so
 # the listing grows as N x (ids seen more than K2 times). H200, fp32, V = 32000, C = 2048, Zipf-like ids
 # (bench/embedding_tiers_probe.py --N): tiers / rows 0.120 / 0.127 ms at N = 16k, 0.161-0.164 / 0.165-0.166 at 32k,
@@ -837,7 +844,7 @@ FILL_PDL = True
 # (bench/embedding_tiers_probe.py, bench/RESULTS.md): V = 32000, C = 2048 -1 0.1163-0.1179 ms against None's
 # 0.1173-0.1186 (three processes, faster in every round), n = 4 per SM 0.120-0.122, 2 / 6 / 8 / 12 0.124-0.143;
 # V = 128k, C = 4096 0.588-0.596 ms (95-97 % of copy) against 0.653; N = 32k level (0.160-0.162)
-ROWS_ROLES = -1
+ROWS_ROLES = -2
 # the same two roles for the "rows" form's grid (the fp32 form above TIERS_MAX_N tokens): -1, n per SM or None. Not
 # measured yet (session 20 had no device time left), so off
 ROWS_FORM_ROLES = None
@@ -992,8 +999,8 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     key = None
     if d2.is_cuda and TIER_PLANS:
         key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
-               ROWS_ZERO_FAST, SLOTS_BLOCK, ROWS_ROLES, TIER_A_AHEAD, d2.stride(), flat.stride(), d2.data_ptr() % 16,
-               flat.data_ptr() % 16, dtable.data_ptr() % 16, ws.data_ptr() % 128)
+               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, ROWS_ROLES, TIER_A_AHEAD, d2.stride(), flat.stride(),
+               d2.data_ptr() % 16, flat.data_ptr() % 16, dtable.data_ptr() % 16, ws.data_ptr() % 128)
     plan = _TIER_PLANS.get(key) if key is not None else None
     made = {}
 
@@ -1012,7 +1019,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         zeroed.zero_()
     launch("slots", _embedding_tier_slots_kernel, (triton.cdiv(N, SLOTS_BLOCK),),
            dict(IDS=flat, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, N=N, V=V, K=heavy_k, K2=k2,
-                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles), num_warps=4,
+                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles, SEM=SLOTS_SEM), num_warps=4,
            **({"launch_pdl": True} if fill_pdl else {}))
     a_args = dict(IDS=flat, DOUT=d2, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, HLIST=hlist,
                   HBASE=hbase, DTABLE=dtable, N=N, V=V, C=C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan)
@@ -1095,7 +1102,8 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         rows_pdl = bool(ROWS_PDL) and pdl_ok(d2)
         _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
                                                                 BLOCK=SLOTS_BLOCK, PDL=rows_pdl, NAMED=named,
-                                                                NAMED_N=named_n, LIST_NAMED=roles, num_warps=4)
+                                                                NAMED_N=named_n, LIST_NAMED=roles, SEM=SLOTS_SEM,
+                                                                num_warps=4)
         rargs = None
         if roles:
             rargs = _roles_args(named, named_n, ROWS_FORM_ROLES, N, sm_count(d2.device) if d2.is_cuda else 1)
