@@ -490,11 +490,8 @@ def _cx(a, b):
 
 
 @_jit
-def _row_slot(SLOTS, j: tl.constexpr, rows, own, cnt, V, EAGER: tl.constexpr = False):
-    """Slot j of each row (a token index), or the largest int32 where the row has no j-th token. EAGER (rows all
-    below V): loaded whatever the count, so the load need not wait for it, and masked after."""
-    if EAGER:
-        return tl.where(own & (cnt > j), tl.load(SLOTS + j * V + rows), 2**31 - 1)
+def _row_slot(SLOTS, j: tl.constexpr, rows, own, cnt, V):
+    """Slot j of each row (a token index), or the largest int32 where the row has no j-th token."""
     return tl.load(SLOTS + j * V + rows, mask=own & (cnt > j), other=2**31 - 1)
 
 
@@ -542,19 +539,19 @@ def _rows_tile(rb, cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK
 
 @_jit
 def _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
-              BLOCK_C: tl.constexpr, EVICT: tl.constexpr, EAGER: tl.constexpr = False):
-    """``_rows_tile``'s sums: the rows' slots in token order, the K gathers, the store. EAGER: ``_row_slot``'s."""
-    s0 = _row_slot(SLOTS, 0, rows, own, cnt, V, EAGER)
+              BLOCK_C: tl.constexpr, EVICT: tl.constexpr):
+    """``_rows_tile``'s sums: the rows' slots in token order, the K gathers, the store."""
+    s0 = _row_slot(SLOTS, 0, rows, own, cnt, V)
     if K >= 2:
-        s1 = _row_slot(SLOTS, 1, rows, own, cnt, V, EAGER)
+        s1 = _row_slot(SLOTS, 1, rows, own, cnt, V)
     if K >= 4:
-        s2 = _row_slot(SLOTS, 2, rows, own, cnt, V, EAGER)
-        s3 = _row_slot(SLOTS, 3, rows, own, cnt, V, EAGER)
+        s2 = _row_slot(SLOTS, 2, rows, own, cnt, V)
+        s3 = _row_slot(SLOTS, 3, rows, own, cnt, V)
     if K >= 8:
-        s4 = _row_slot(SLOTS, 4, rows, own, cnt, V, EAGER)
-        s5 = _row_slot(SLOTS, 5, rows, own, cnt, V, EAGER)
-        s6 = _row_slot(SLOTS, 6, rows, own, cnt, V, EAGER)
-        s7 = _row_slot(SLOTS, 7, rows, own, cnt, V, EAGER)
+        s4 = _row_slot(SLOTS, 4, rows, own, cnt, V)
+        s5 = _row_slot(SLOTS, 5, rows, own, cnt, V)
+        s6 = _row_slot(SLOTS, 6, rows, own, cnt, V)
+        s7 = _row_slot(SLOTS, 7, rows, own, cnt, V)
     if K == 2:
         s0, s1 = _cx(s0, s1)
     if K == 4:  # 5 exchanges
@@ -602,7 +599,7 @@ def _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K: tl.cons
 def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles, K: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr = False,
                                EVICT: tl.constexpr = "", ZERO_FAST: tl.constexpr = False, PDL: tl.constexpr = False,
-                               NAMED=None, NAMED_N=None, GP: tl.constexpr = 0, NAMED_EAGER: tl.constexpr = False):
+                               NAMED=None, NAMED_N=None, GP: tl.constexpr = 0):
     """The "rows" form's grid (``_rows_tile``): one program per (row block, column block), or PERSISTENT, a
     fixed number of programs walking the tiles t = pid, pid + G, ... (row block t // n_cb, column block
     t % n_cb). Persistent, the grid leaves room on every SM, so the side stream's chain kernels find an SM
@@ -624,9 +621,7 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
                 rows = tl.load(NAMED + e).to(tl.int64) + tl.arange(0, 1)
                 cnt = tl.load(COUNTS + rows)
                 own = cnt <= K
-                if NAMED_EAGER:  # no branch on the count: its load and the slots' go out together
-                    _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, 1, BLOCK_C, EVICT, True)
-                elif tl.max(own.to(tl.int32), axis=0) > 0:
+                if tl.max(own.to(tl.int32), axis=0) > 0:
                     _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, 1, BLOCK_C, EVICT)
         else:
             r = (pid - GP).to(tl.int64)
@@ -830,9 +825,6 @@ TIER_A_AHEAD = 4
 # default) or "relaxed". Only their atomicity is needed: the passes that read the slots and lists run after this
 # grid's end, so no order among this kernel's own loads and stores matters
 SLOTS_SEM = "relaxed"
-# the rows grid's named-row programs (ROWS_ROLES, ROWS_FORM_ROLES) load a row's K slots beside its count instead of
-# after it (masked by the count after the loads; a row seen more than K times makes no load of dout and no store)
-ROWS_NAMED_EAGER = False
 # the tiers form for at most this many tokens, the rows form above: each heavy id's list is a scan of all N ids, so
 # the listing grows as N x (ids seen more than K2 times). H200, fp32, V = 32000, C = 2048, Zipf-like ids
 # (bench/embedding_tiers_probe.py --N): tiers / rows 0.120 / 0.127 ms at N = 16k, 0.161-0.164 / 0.165-0.166 at 32k,
@@ -956,8 +948,7 @@ def _roles_on(value, name: str, rcfg) -> bool:
 def _roles_args(named, named_n, value: int, N: int, n_sm: int) -> dict:
     """The rows kernel's arguments for its two roles: the named list, its length's address, and GP (-k: a program per
     k places of the list, which is at most N long: ceil(N / k) programs; else value programs per SM)."""
-    return dict(NAMED=named, NAMED_N=named_n, GP=-(N // value) if value < 0 else value * n_sm,
-                NAMED_EAGER=ROWS_NAMED_EAGER)
+    return dict(NAMED=named, NAMED_N=named_n, GP=-(N // value) if value < 0 else value * n_sm)
 
 
 def _pow2(x: int) -> bool:
@@ -1008,7 +999,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     key = None
     if d2.is_cuda and TIER_PLANS:
         key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
-               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, ROWS_NAMED_EAGER, ROWS_ROLES, TIER_A_AHEAD, d2.stride(),
+               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, ROWS_ROLES, TIER_A_AHEAD, d2.stride(),
                flat.stride(), d2.data_ptr() % 16, flat.data_ptr() % 16, dtable.data_ptr() % 16, ws.data_ptr() % 128)
     plan = _TIER_PLANS.get(key) if key is not None else None
     made = {}
