@@ -427,8 +427,7 @@ def test_embedding_bwd_roles_same_bits_cpu(form, name, monkeypatch):
     """The rows grid in two roles (the named rows first, from the slots pass's list, then the zero rows) sums each row
     exactly as the grid in row order does: the same bits, for both forms, with a program per list place (-1), per 8
     places (-8: the list of the 213 tokens' 54 ids is longer than the 27 programs) and with persistent named-row
-    programs (2), in the tiers form with zero rows ahead of the named ones (ROWS_ZERO_AHEAD); a grid of more than one
-    row per program keeps the row order (the knob is ignored there) and a bad
+    programs (2); a grid of more than one row per program keeps the row order (the knob is ignored there) and a bad
     value raises."""
     monkeypatch.setattr(K_emb, "CONFIG", (4, 32, 4, form, 16, True))
     monkeypatch.setattr(K_emb, "TIERS", (8, 4, 16, 4, 1, 4, 16, 4, 1, 64))
@@ -443,11 +442,6 @@ def test_embedding_bwd_roles_same_bits_cpu(form, name, monkeypatch):
     for value in (-1, -8, 2):
         monkeypatch.setattr(K_emb, name, value)
         assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed), value
-    if form == "tiers":  # zero rows ahead of the named ones: the first 10, every row (capped at V), none
-        for ahead in (10, 1000, 0):
-            monkeypatch.setattr(K_emb, "ROWS_ZERO_AHEAD", ahead)
-            with poisoned():
-                assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed), ahead
     monkeypatch.setattr(K_emb, "ROWS", (4, 2, 16, 4))  # two rows per program: the row order, whatever the knob
     assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed)
     monkeypatch.setattr(K_emb, "ROWS", (4, 1, 16, 4))
@@ -775,7 +769,7 @@ def test_adamw_gpu_bit_exact():
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
                                     "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
                                     "tiers, torch's fill", "tiers, rows grid in roles", "tiers, mixed rows grid",
-                                    "rows, grid in roles", "tiers, tier A's other walk", "tiers, zero rows ahead"])
+                                    "rows, grid in roles", "tiers, tier A's other walk"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
@@ -806,10 +800,6 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "tiers, tier A's other walk":  # medium rows walked several a step, or (if that is the default) one
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "TIER_A_AHEAD", 0 if K_emb.TIER_A_AHEAD else 4)
-    if config == "tiers, zero rows ahead":  # zero rows started on the slots pass's counter (or, default, not)
-        config = (16, 512, 4, "tiers", 16, True)
-        monkeypatch.setattr(K_emb, "ROWS_ZERO_AHEAD", 0 if K_emb.ROWS_ZERO_AHEAD else 3000)
-        monkeypatch.setattr(K_emb, "ROWS", (4, 1, 2048, 8))  # one row per program (bf16's default has 4)
     if config == "tiers, mixed rows grid":  # until session 20: zero and named rows in one order
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_ROLES", None)

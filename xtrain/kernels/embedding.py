@@ -455,26 +455,19 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
 
 @_jit
 def _take_slots(IDS, COUNTS, SLOTS, N, V, KEEP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                WAIT: tl.constexpr, SEM: tl.constexpr = "acq_rel", DONE=None, SIGNAL: tl.constexpr = False):
+                WAIT: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
     """The slots passes' common part: this program's BLOCK tokens each take the next slot of their id and write
     their index to SLOTS[slot, id] below KEEP; returns (the valid-token mask, the ids, the slots). WAIT: this
     kernel was launched as the counts' zero fill's programmatic dependent; wait for that grid before the
-    atomics (the ids are loaded first). SIGNAL (``ROWS_ZERO_AHEAD``): once this program's counts are in, DONE[0] + 1
-    (a release after a barrier of the program's threads), so the rows grid's first zero rows can start before this
-    grid ends; the dependents are then launched only after the wait for the fill, which zeroes DONE."""
-    if PDL and not SIGNAL:
+    atomics (the ids are loaded first)."""
+    if PDL:
         gdc_launch_dependents()
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     ids = tl.load(IDS + i, mask=m, other=0)
     if WAIT:
         gdc_wait()
-    if PDL and SIGNAL:
-        gdc_launch_dependents()
     slot = tl.atomic_add(COUNTS + ids, 1, mask=m, sem=SEM)
-    if SIGNAL:
-        tl.debug_barrier()
-        tl.atomic_add(DONE, 1, sem="release")
     tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < KEEP))
     return m, ids, slot
 
@@ -606,8 +599,7 @@ def _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K: tl.cons
 def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles, K: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr = False,
                                EVICT: tl.constexpr = "", ZERO_FAST: tl.constexpr = False, PDL: tl.constexpr = False,
-                               NAMED=None, NAMED_N=None, GP: tl.constexpr = 0, ZP: tl.constexpr = 0, DONE=None,
-                               n_sig=0):
+                               NAMED=None, NAMED_N=None, GP: tl.constexpr = 0):
     """The "rows" form's grid (``_rows_tile``): one program per (row block, column block), or PERSISTENT, a
     fixed number of programs walking the tiles t = pid, pid + G, ... (row block t // n_cb, column block
     t % n_cb). Persistent, the grid leaves room on every SM, so the side stream's chain kernels find an SM
@@ -617,40 +609,25 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
     first GP programs of axis 0 write the named rows (the list NAMED, NAMED_N[0] long, made by the slots pass) seen
     at most K times, program p the list's entries p, p + GP, ...; the rest, one per row, write zeros where the row's
     count is 0. So the gathers come first and the zero rows after them instead of interleaved in row order: on the
-    H200 the same bytes moved 9 % faster in that order (bench/mix_probe.py, session 20).
-    ZP > 0 (``ROWS_ZERO_AHEAD``, with GP): ZP programs ahead of those write the zero rows among rows 0 .. ZP - 1, each
-    as soon as DONE[0] reaches n_sig (every program of the slots pass has its counts in: an acquire, spinning), not
-    after the slots pass's end: they fill the microseconds in which the pass's slots and lists are still being
-    written. The rows after ZP are the zero role's as before."""
-    if PDL and GP == 0:
+    H200 the same bytes moved 9 % faster in that order (bench/mix_probe.py, session 20)."""
+    if PDL:
         gdc_wait()
     if GP > 0:
         pid = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
-        if pid < ZP:
-            seen = tl.atomic_add(DONE, 0, sem="acquire")
-            while seen < n_sig:
-                seen = tl.atomic_add(DONE, 0, sem="acquire")
-            r = pid.to(tl.int64)
-            zero = tl.load(COUNTS + r, cache_modifier=".cg") == 0
+        if pid < GP:
+            for e in range(pid, tl.load(NAMED_N), GP):
+                rows = tl.load(NAMED + e).to(tl.int64) + tl.arange(0, 1)
+                cnt = tl.load(COUNTS + rows)
+                own = cnt <= K
+                if tl.max(own.to(tl.int32), axis=0) > 0:
+                    _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, 1, BLOCK_C, EVICT)
+        else:
+            r = (pid - GP).to(tl.int64)
+            zero = tl.load(COUNTS + r) == 0
             tl.store(DTABLE + r * C + cols, tl.zeros([BLOCK_C], dtype=DTABLE.dtype.element_ty),
                      mask=cmask & (cols < tl.where(zero, C, 0)))
-        else:
-            if PDL:
-                gdc_wait()
-            if pid < ZP + GP:
-                for e in range(pid - ZP, tl.load(NAMED_N), GP):
-                    rows = tl.load(NAMED + e).to(tl.int64) + tl.arange(0, 1)
-                    cnt = tl.load(COUNTS + rows)
-                    own = cnt <= K
-                    if tl.max(own.to(tl.int32), axis=0) > 0:
-                        _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, 1, BLOCK_C, EVICT)
-            else:
-                r = (pid - GP).to(tl.int64)
-                zero = tl.load(COUNTS + r) == 0
-                tl.store(DTABLE + r * C + cols, tl.zeros([BLOCK_C], dtype=DTABLE.dtype.element_ty),
-                         mask=cmask & (cols < tl.where(zero, C, 0)))
     elif PERSISTENT:
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
             _rows_tile(t // n_cb, t % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT, ZERO_FAST)
@@ -662,8 +639,7 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
 @_jit
 def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K: tl.constexpr, K2: tl.constexpr,
                                  BLOCK: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False,
-                                 NAMED=None, LIST_NAMED: tl.constexpr = False, SEM: tl.constexpr = "acq_rel",
-                                 DONE=None, SIGNAL: tl.constexpr = False):
+                                 NAMED=None, LIST_NAMED: tl.constexpr = False, SEM: tl.constexpr = "acq_rel"):
     """The "tiers" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer atomic) and
     writes its index to SLOTS[slot, id] if the slot is below K2. The token that takes slot K appends its id to the
     medium list MED, the one that takes slot K2 to the heavy list HEAVY (NLIST[0] and NLIST[1] count them; one
@@ -671,7 +647,7 @@ def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K:
     where an id lands in a list, depend on scheduling; the later passes order each row's tokens by index, so the
     sums do not. PDL: as ``_embedding_slots_kernel``. WAIT: as ``_take_slots``. LIST_NAMED (``ROWS_ROLES``): the token
     that takes slot 0 appends its id to NAMED (NLIST[2] counts them): every id the batch names, once."""
-    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL, WAIT, SEM, DONE, SIGNAL)
+    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL, WAIT, SEM)
     _append(MED, NLIST, m & (slot == K), ids.to(tl.int32), SEM)
     _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32), SEM)
     if LIST_NAMED:
@@ -849,10 +825,6 @@ TIER_A_AHEAD = 4
 # default) or "relaxed". Only their atomicity is needed: the passes that read the slots and lists run after this
 # grid's end, so no order among this kernel's own loads and stores matters
 SLOTS_SEM = "relaxed"
-# with ROWS_ROLES: the rows grid's zero rows among rows 0 .. n - 1 written by programs ahead of the named rows', each
-# starting as soon as every program of the slots pass has its counts in (a counter the pass raises, the programs
-# spinning on it), before the pass's slots and lists are written and its grid has ended. 0: none
-ROWS_ZERO_AHEAD = 0
 # the tiers form for at most this many tokens, the rows form above: each heavy id's list is a scan of all N ids, so
 # the listing grows as N x (ids seen more than K2 times). H200, fp32, V = 32000, C = 2048, Zipf-like ids
 # (bench/embedding_tiers_probe.py --N): tiers / rows 0.120 / 0.127 ms at N = 16k, 0.161-0.164 / 0.165-0.166 at 32k,
@@ -973,12 +945,10 @@ def _roles_on(value, name: str, rcfg) -> bool:
     return on
 
 
-def _roles_args(named, named_n, value: int, N: int, n_sm: int, zp: int = 0, done=None, n_sig: int = 0) -> dict:
+def _roles_args(named, named_n, value: int, N: int, n_sm: int) -> dict:
     """The rows kernel's arguments for its two roles: the named list, its length's address, and GP (-k: a program per
-    k places of the list, which is at most N long: ceil(N / k) programs; else value programs per SM); zp zero rows
-    ahead of them, started when done[0] reaches n_sig (``ROWS_ZERO_AHEAD``)."""
-    return dict(NAMED=named, NAMED_N=named_n, GP=-(N // value) if value < 0 else value * n_sm, ZP=zp, DONE=done,
-                n_sig=n_sig)
+    k places of the list, which is at most N long: ceil(N / k) programs; else value programs per SM)."""
+    return dict(NAMED=named, NAMED_N=named_n, GP=-(N // value) if value < 0 else value * n_sm)
 
 
 def _pow2(x: int) -> bool:
@@ -1016,22 +986,20 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     # one int32 workspace: the counts and the three list lengths (zeroed), the slots, the medium ids (seen more than K
     # times), the heavy ids, their list offsets, the heavy lists, and with ROWS_ROLES the named ids
     roles = _roles_on(ROWS_ROLES, "ROWS_ROLES", rcfg)
-    sizes = [V + 4, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else [])
+    sizes = [V + 3, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else [])
     padded = [-(-n // 32) * 32 for n in sizes]
     ws = torch.empty(sum(padded), dtype=torch.int32, device=dev)
     zeroed, slots, med, heavy, hbase, hlist, *named = (v[:n] for v, n in zip(torch.split(ws, padded), sizes))
     named = named[0] if roles else None
     slots = slots.view(k2, V)
-    counts, nlist, done = zeroed[:V], zeroed[V:V + 3], zeroed[V + 3:]
-    n_slots = triton.cdiv(N, SLOTS_BLOCK)
-    zp = min(int(ROWS_ZERO_AHEAD), V) if roles else 0
+    counts, nlist = zeroed[:V], zeroed[V:]
     n_sm = sm_count(dev) if d2.is_cuda else 1
     abc, bbc = min(abc, triton.next_power_of_2(C)), min(bbc, triton.next_power_of_2(C))
     n_hcb = triton.cdiv(C, bbc)
     key = None
     if d2.is_cuda and TIER_PLANS:
         key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
-               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, ROWS_ROLES, ROWS_ZERO_AHEAD, TIER_A_AHEAD, d2.stride(),
+               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, ROWS_ROLES, TIER_A_AHEAD, d2.stride(),
                flat.stride(), d2.data_ptr() % 16, flat.data_ptr() % 16, dtable.data_ptr() % 16, ws.data_ptr() % 128)
     plan = _TIER_PLANS.get(key) if key is not None else None
     made = {}
@@ -1045,14 +1013,13 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
             kernel[grid](**args, **options)
 
     if fill_pdl:
-        launch("fill", _zero_i32_kernel, (triton.cdiv(V + 4, 4096),), dict(X=zeroed, n=V + 4, BLOCK=4096, PDL=True),
+        launch("fill", _zero_i32_kernel, (triton.cdiv(V + 3, 4096),), dict(X=zeroed, n=V + 3, BLOCK=4096, PDL=True),
                num_warps=4)
     else:
         zeroed.zero_()
-    launch("slots", _embedding_tier_slots_kernel, (n_slots,),
+    launch("slots", _embedding_tier_slots_kernel, (triton.cdiv(N, SLOTS_BLOCK),),
            dict(IDS=flat, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, N=N, V=V, K=heavy_k, K2=k2,
-                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles, SEM=SLOTS_SEM, DONE=done,
-                SIGNAL=zp > 0), num_warps=4,
+                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles, SEM=SLOTS_SEM), num_warps=4,
            **({"launch_pdl": True} if fill_pdl else {}))
     a_args = dict(IDS=flat, DOUT=d2, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, HLIST=hlist,
                   HBASE=hbase, DTABLE=dtable, N=N, V=V, C=C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan)
@@ -1067,7 +1034,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
                dict(DOUT=d2, COUNTS=counts, HEAVY=heavy, NLIST=nlist, HLIST=hlist, HBASE=hbase, DTABLE=dtable, C=C,
                     n_cb=n_hcb, HT=ht, BLOCK_C=bbc), num_warps=bw)
 
-    rargs = _roles_args(named, nlist[2:3], ROWS_ROLES, N, n_sm, zp, done, n_slots) if roles else None
+    rargs = _roles_args(named, nlist[2:], ROWS_ROLES, N, n_sm) if roles else None
 
     def grid_pass():
         kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl, rargs)
