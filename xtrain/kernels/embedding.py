@@ -44,11 +44,12 @@ registers (the walk waits on an index load per token: the chunk + merge stage al
                                  K2 to the heavy list (and with ROWS_ROLES the one taking slot 0 to the named list)
     _embedding_bwd_rows_kernel   (current stream) rows seen at most K times, as in the rows form; with ROWS_ROLES
                                  (the default where ROWS has one row per program, since session 20) in two roles:
-                                 the named rows first, one program per place of the named list, then one program
-                                 per row writing the zero rows (not the two kinds interleaved in row order)
+                                 the named rows first, one program per two places of the named list, then one
+                                 program per row writing the zero rows (not the two kinds interleaved in row order)
     _embedding_tier_a_kernel     (side stream 2, persistent) each medium row (K < count <= K2): its slots ranked
                                  into token order by a [K2, K2] comparison, gathered MT tokens at a time, each tile
-                                 added by a fixed reduction tree and the tiles in order
+                                 added by a fixed reduction tree and the tiles in order; a program lists 4 of its rows
+                                 at a time and loads each row's slots while the row before it is gathered
                                  (side stream 1, persistent) each heavy id's tokens listed in token order by a
                                  scan of the ids with a running prefix sum
     _embedding_tier_b_kernel     (side stream 1, persistent) each heavy row by (id, column block) items over its
@@ -64,7 +65,13 @@ zero-row programs; in the op the roles took 0.8-1.4 us off at V = 32000 (0.116-0
 C = 4096 from 0.653 to 0.588-0.596 ms (87 -> 95-97 %). Measured there and removed: the medium rows by the rows grid's
 first programs (sorted by ``tl.sort`` and written back in place, then added one by one: the grid's registers went
 from 32 to 46-94, 0.119-0.177 ms), tier A with that medium-row body (0.127-0.138). Persistent named-row programs
-(ROWS_ROLES = 2-12 per SM) took 0.120-0.143 ms and stay a setting only.
+(ROWS_ROLES = 2-12 per SM) took 0.120-0.143 ms and stay a setting only. Session 21 (V = 32000, fp32): a named-row
+program per two list places instead of one (-1 left ~6600 of its 16k programs nothing to do), tier A's medium rows
+listed four at a time with the next row's slots in flight (its kernel ~60 us instead of ~90 beside the grid), and the
+slots pass's atomics relaxed (4.6 us instead of 6.1) took the op from 0.117 to 0.112 ms (83 %). Measured and removed:
+the named rows' slots loaded beside their counts (0.1156 ms), zero rows started on a counter the slots pass raises
+once its counts are in, ahead of the named rows (level; the pass slowed by 1-2 us), the list lengths 128 bytes apart
+(level).
 Sort keys: int32 (half the radix passes of int64) or int16 (ids - 32768, V <= 65536: half again).
 It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which accumulates a
 whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, GPU time): bf16 the side streams with
@@ -819,11 +826,14 @@ TIERS_DEFAULTS = {2: (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), 4: (64, 8, 2048, 
 TIERS = None
 # tier A's medium rows: 0, each row's id, count, slots and tokens loaded one after the other (four dependent loads a
 # row, under the rows grid's traffic); n (a power of two), n rows of a program's share listed at once and each row's
-# slots loaded while the row before it is gathered. Same bits either way
+# slots loaded while the row before it is gathered. Same bits either way. H200, session 21 (with ROWS_ROLES = -2): tier
+# A's medium kernel 55-65 us instead of 86-102 in the timelines; op 0.1134-0.1138 ms at 4, 0.1135-0.1136 at 8,
+# 0.1138-0.1142 at 2, 0.1142-0.1148 at 0 (one process)
 TIER_A_AHEAD = 4
 # the memory order of the slots passes' integer atomics (the counts and the list lengths): "acq_rel" (Triton's
 # default) or "relaxed". Only their atomicity is needed: the passes that read the slots and lists run after this
-# grid's end, so no order among this kernel's own loads and stores matters
+# grid's end, so no order among this kernel's own loads and stores matters. H200, session 21: the tiers slots pass
+# 4.6 us instead of 6.1 in the timelines, op 0.1121-0.1129 ms against 0.1135-0.1139 (two processes)
 SLOTS_SEM = "relaxed"
 # the tiers form for at most this many tokens, the rows form above: each heavy id's list is a scan of all N ids, so
 # the listing grows as N x (ids seen more than K2 times). H200, fp32, V = 32000, C = 2048, Zipf-like ids
@@ -837,16 +847,19 @@ TIERS_MAX_N = 32768
 # kernel on the heavy chain: the slots pass took 3.7 us instead of 5.4-5.7, but tier A ran 109-110 us instead of
 # 90-97 and ended the op (0.1253-0.1273 ms)
 FILL_PDL = True
-# the tiers form's rows grid in two roles (session 20): the named rows first, from a list the slots pass makes (-1:
-# one program per list place, those past the list's end exit at once; n > 0: n persistent programs per SM walking the
-# list), then one program per row writing the zero rows; None: one program per row, zero and named rows in row order.
-# Used where ROWS has one row per program (the fp32 default). H200, fp32, N = 16k, three alternating rounds each
-# (bench/embedding_tiers_probe.py, bench/RESULTS.md): V = 32000, C = 2048 -1 0.1163-0.1179 ms against None's
-# 0.1173-0.1186 (three processes, faster in every round), n = 4 per SM 0.120-0.122, 2 / 6 / 8 / 12 0.124-0.143;
-# V = 128k, C = 4096 0.588-0.596 ms (95-97 % of copy) against 0.653; N = 32k level (0.160-0.162)
+# the tiers form's rows grid in two roles (session 20): the named rows first, from a list the slots pass makes (-k:
+# one program per k places of the list, which is at most N long, so ceil(N / k) programs, program p taking places p,
+# p + ceil(N / k), ...; n > 0: n persistent programs per SM walking the list), then one program per row writing the
+# zero rows; None: one program per row, zero and named rows in row order. Used where ROWS has one row per program (the
+# fp32 default). H200, fp32, N = 16k, three alternating rounds each (bench/embedding_tiers_probe.py, bench/RESULTS.md):
+# V = 32000, C = 2048 -1 0.1163-0.1179 ms against None's 0.1173-0.1186 (session 20, three processes, faster in every
+# round), n = 4 per SM 0.120-0.122, 2 / 6 / 8 / 12 0.124-0.143; V = 128k, C = 4096 -1 0.588-0.596 ms (95-97 % of copy)
+# against 0.653; N = 32k level (0.160-0.162). Session 21: -2 0.1148-0.1156 against -1's 0.1169-0.1174 (-1 leaves
+# ~6600 of its 16k named-row programs nothing to do: bench/mix_probe.py timed such empty programs at 2.5 us), -3
+# 0.1150-0.1160, -4 0.1158-0.1171, -8 0.1219-0.1224
 ROWS_ROLES = -2
-# the same two roles for the "rows" form's grid (the fp32 form above TIERS_MAX_N tokens): -1, n per SM or None. Not
-# measured yet (session 20 had no device time left), so off
+# the same two roles for the "rows" form's grid (the fp32 form above TIERS_MAX_N tokens): -k, n per SM or None.
+# Session 21, N = 64k: -1 0.269-0.270 ms, -4 0.244-0.245, None 0.243-0.245, so off
 ROWS_FORM_ROLES = None
 SLOTS_BLOCK = 256  # tokens per program of _embedding_slots_kernel (H200 fp32: 256 and 128 0.133-0.134 ms, 1024
 # 0.137 ms: more programs spread the atomics)
