@@ -13,8 +13,10 @@ stand-in (their outputs are not the gradient, except where said):
   of the row: the rows grid less its slots and sorting network;
 - "split": the zero rows and the copied rows as two Triton grids over lists, on two streams at once;
 - "roles": one Triton grid whose programs copy rows (from a list in row order, or shuffled as the library's named
-  list is) and whose other programs write zeros, in either order or interleaved;
-- the library's rows kernel alone on prepared counts and slots, and the whole op.
+  list is) and whose other programs write zeros, in either order or interleaved; with N copy places, those past the
+  list's end exiting at once (as the library's grid at ``ROWS_ROLES = -1``), with several zero rows per program, or
+  as two passes over all rows in row order (session 21);
+- the library's rows kernel alone on prepared counts and slots, in row order and in its two roles, and the whole op.
 
 Each prints GPU time (``bench/_gpu.py``: L2 flushed by a write before each call) and its bytes against the 1 GiB
 copy's rate, in alternating rounds.
