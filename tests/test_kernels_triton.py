@@ -485,6 +485,10 @@ def test_embedding_bwd_tiers_bad_config_cpu(monkeypatch):
     with pytest.raises(ValueError, match="TIER_A_AHEAD"):
         K_emb.embedding_bwd_triton(torch.randn(5, 8), torch.tensor([0, 1, 1, 2, 0]), 3)
     monkeypatch.setattr(K_emb, "TIER_A_AHEAD", 0)
+    monkeypatch.setattr(K_emb, "SLOTS_SEM", "seq_cst")  # not an order the slots passes take
+    with pytest.raises(ValueError, match="SLOTS_SEM"):
+        K_emb.embedding_bwd_triton(torch.randn(5, 8), torch.tensor([0, 1, 1, 2, 0]), 3)
+    monkeypatch.setattr(K_emb, "SLOTS_SEM", "relaxed")
     monkeypatch.setattr(K_emb, "ROWS_ROLES", 1.5)  # neither -k (a program per k list places) nor programs per SM
     with pytest.raises(ValueError, match="ROWS_ROLES"):
         K_emb.embedding_bwd_triton(torch.randn(5, 8), torch.tensor([0, 1, 1, 2, 0]), 3)

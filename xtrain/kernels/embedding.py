@@ -964,6 +964,13 @@ def _roles_args(named, named_n, value: int, N: int, n_sm: int) -> dict:
     return dict(NAMED=named, NAMED_N=named_n, GP=-(N // value) if value < 0 else value * n_sm)
 
 
+def _slots_sem() -> str:
+    """SLOTS_SEM, checked."""
+    if SLOTS_SEM not in ("relaxed", "acq_rel"):
+        raise ValueError(f"embedding_bwd: SLOTS_SEM must be 'relaxed' or 'acq_rel', got {SLOTS_SEM!r}")
+    return SLOTS_SEM
+
+
 def _pow2(x: int) -> bool:
     return x >= 1 and x & (x - 1) == 0
 
@@ -1032,8 +1039,8 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         zeroed.zero_()
     launch("slots", _embedding_tier_slots_kernel, (triton.cdiv(N, SLOTS_BLOCK),),
            dict(IDS=flat, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, N=N, V=V, K=heavy_k, K2=k2,
-                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles, SEM=SLOTS_SEM), num_warps=4,
-           **({"launch_pdl": True} if fill_pdl else {}))
+                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles, SEM=_slots_sem()),
+           num_warps=4, **({"launch_pdl": True} if fill_pdl else {}))
     a_args = dict(IDS=flat, DOUT=d2, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, HLIST=hlist,
                   HBASE=hbase, DTABLE=dtable, N=N, V=V, C=C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan)
 
@@ -1115,7 +1122,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         rows_pdl = bool(ROWS_PDL) and pdl_ok(d2)
         _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
                                                                 BLOCK=SLOTS_BLOCK, PDL=rows_pdl, NAMED=named,
-                                                                NAMED_N=named_n, LIST_NAMED=roles, SEM=SLOTS_SEM,
+                                                                NAMED_N=named_n, LIST_NAMED=roles, SEM=_slots_sem(),
                                                                 num_warps=4)
         rargs = None
         if roles:
