@@ -475,6 +475,37 @@ def test_embedding_bwd_tiers_large_batch_is_rows_cpu(monkeypatch):
 
 
 @needs_cpu_interp
+def test_embedding_bwd_tier_b_segments_cpu(monkeypatch):
+    """TIER_B_SEG: heavy ids (more than K2 = 8 tokens) summed in segments of SEG tokens, those longer than one segment
+    as fp32 partial rows added in order by the merge kernel. Counts of SEG, SEG + 1, 3 SEG + 5 and most of the batch
+    (one id 150 times), in several heavy ids so their partial rows' places add up; against the reference, repeatable,
+    and where no heavy id is longer than a segment the bits of the unsegmented sum."""
+    monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "tiers", 16, True))
+    monkeypatch.setattr(K_emb, "ROWS", (4, 1, 32, 4))
+    monkeypatch.setattr(K_emb, "TIERS", (8, 4, 16, 4, 1, 4, 16, 4, 2, 64))  # K2 = 8, HT = 4, tier B 2 programs
+    g = torch.Generator().manual_seed(5)
+    seg = 8
+    ids = torch.cat([torch.full((seg,), 1), torch.full((seg + 1,), 2), torch.full((3 * seg + 5,), 4),
+                     torch.full((150,), 6), torch.randint(0, 30, (40,), generator=g)])
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    d = torch.randn(ids.numel(), 21, generator=g)
+    V = 33
+    monkeypatch.setattr(K_emb, "TIER_B_SEG", 0)
+    whole = K_emb.embedding_bwd_triton(d, ids, V)
+    monkeypatch.setattr(K_emb, "TIER_B_SEG", seg)
+    with poisoned():
+        a = K_emb.embedding_bwd_triton(d, ids, V)
+    assert _max_err(a, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
+    assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V))
+    assert not torch.equal(a, whole)  # ids 2, 4 and 6 summed in segments: another order of the same sums
+    monkeypatch.setattr(K_emb, "TIER_B_SEG", 256)  # no id longer than a segment: the unsegmented bits
+    assert torch.equal(K_emb.embedding_bwd_triton(d, ids, V), whole)
+    monkeypatch.setattr(K_emb, "TIER_B_SEG", 6)  # not a power of two
+    with pytest.raises(ValueError, match="TIER_B_SEG"):
+        K_emb.embedding_bwd_triton(d, ids, V)
+
+
+@needs_cpu_interp
 def test_embedding_bwd_tiers_bad_config_cpu(monkeypatch):
     monkeypatch.setattr(K_emb, "CONFIG", (16, 32, 4, "tiers", 16, True))
     monkeypatch.setattr(K_emb, "TIERS", (8, 3, 16, 4, 1, 4, 16, 4, 1, 64))  # MT = 3: not a power of two
@@ -773,7 +804,8 @@ def test_adamw_gpu_bit_exact():
                                     (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
                                     "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
                                     "tiers, torch's fill", "tiers, rows grid in roles", "tiers, mixed rows grid",
-                                    "rows, grid in roles", "tiers, tier A's other walk"])
+                                    "rows, grid in roles", "tiers, tier A's other walk",
+                                    "tiers, tier B in segments"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
@@ -804,6 +836,9 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "tiers, tier A's other walk":  # medium rows walked several a step, or (if that is the default) one
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "TIER_A_AHEAD", 0 if K_emb.TIER_A_AHEAD else 4)
+    if config == "tiers, tier B in segments":  # the heavy ids (~500 tokens at most here) in segments of 256
+        config = (16, 512, 4, "tiers", 16, True)
+        monkeypatch.setattr(K_emb, "TIER_B_SEG", 256)
     if config == "tiers, mixed rows grid":  # until session 20: zero and named rows in one order
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_ROLES", None)

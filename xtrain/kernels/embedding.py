@@ -751,9 +751,65 @@ def _med_row(f, cnt, s, DOUT, DTABLE, C, K2: tl.constexpr, MT: tl.constexpr, BLO
 
 @_jit
 def _embedding_tier_b_kernel(DOUT, COUNTS, HEAVY, NLIST, HLIST, HBASE, DTABLE, C, n_cb, HT: tl.constexpr,
-                             BLOCK_C: tl.constexpr):
+                             BLOCK_C: tl.constexpr, PART=None, MAXSEG=1, SEG: tl.constexpr = 0):
     """Persistent over (heavy id, column block) items: the id's listed tokens (HLIST, token order) gathered HT at
-    a time, each tile added by a fixed reduction tree and the tiles in order, in fp32, rounded once."""
+    a time, each tile added by a fixed reduction tree and the tiles in order, in fp32, rounded once.
+    SEG > 0 (``TIER_B_SEG``, a multiple of HT): items (heavy id, segment, column block), a segment SEG consecutive
+    tokens of the id's list (MAXSEG segments per id at most; those past the id's count exit). An id of at most SEG
+    tokens is written as above (the same bits); a longer one's segments go to fp32 rows of PART, at row
+    HBASE[h] // SEG + h + segment (no two ids' segments share a row), which ``_embedding_tier_b_merge_kernel`` adds in
+    order: a single id with most of the batch's tokens is then summed by many programs, not by one per column block."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_heavy = tl.load(NLIST + 1)
+    if SEG == 0:
+        for it in range(pid, n_heavy * n_cb, P):
+            h = it // n_cb
+            f = tl.load(HEAVY + h)
+            cnt = tl.load(COUNTS + f)
+            base = tl.load(HBASE + h)
+            cols = (it % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+            cm = cols < C
+            acc = _heavy_tiles(DOUT, HLIST, base, 0, cnt, cols, cm, C, HT, BLOCK_C)
+            tl.store(DTABLE + f.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
+    else:
+        for it in range(pid, n_heavy * MAXSEG * n_cb, P):
+            hs = it // n_cb
+            h = hs // MAXSEG
+            seg = hs % MAXSEG
+            f = tl.load(HEAVY + h)
+            cnt = tl.load(COUNTS + f)
+            if seg * SEG < cnt:
+                base = tl.load(HBASE + h)
+                cols = (it % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+                cm = cols < C
+                acc = _heavy_tiles(DOUT, HLIST, base, seg * SEG, tl.minimum(cnt, (seg + 1) * SEG), cols, cm, C,
+                                   HT, BLOCK_C)
+                if cnt <= SEG:
+                    tl.store(DTABLE + f.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
+                else:
+                    row = (base // SEG + h + seg).to(tl.int64)
+                    tl.store(PART + row * C + cols, acc, mask=cm)
+
+
+@_jit
+def _heavy_tiles(DOUT, HLIST, base, t0, t1, cols, cm, C, HT: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The fp32 sum of the dout rows of list places base + t0 .. base + t1 - 1, HT at a time (each tile by a fixed
+    reduction tree, the tiles in order)."""
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for t in range(t0, t1, HT):
+        r = t + tl.arange(0, HT)
+        ok = r < t1
+        tok = tl.load(HLIST + base + r, mask=ok, other=0)
+        acc += tl.sum(_dout_rows(DOUT, tok, ok, cols, cm, C, ""), axis=0)
+    return acc
+
+
+@_jit
+def _embedding_tier_b_merge_kernel(COUNTS, HEAVY, NLIST, HBASE, PART, DTABLE, C, n_cb, SEG: tl.constexpr,
+                                   BLOCK_C: tl.constexpr):
+    """After ``_embedding_tier_b_kernel`` with SEG: each heavy id of more than SEG tokens, by (id, column block) items,
+    its segments' fp32 partial rows added in segment order and rounded once."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_heavy = tl.load(NLIST + 1)
@@ -761,16 +817,14 @@ def _embedding_tier_b_kernel(DOUT, COUNTS, HEAVY, NLIST, HLIST, HBASE, DTABLE, C
         h = it // n_cb
         f = tl.load(HEAVY + h)
         cnt = tl.load(COUNTS + f)
-        base = tl.load(HBASE + h)
-        cols = (it % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cm = cols < C
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for t in range(0, cnt, HT):
-            r = t + tl.arange(0, HT)
-            ok = r < cnt
-            tok = tl.load(HLIST + base + r, mask=ok, other=0)
-            acc += tl.sum(_dout_rows(DOUT, tok, ok, cols, cm, C, ""), axis=0)
-        tl.store(DTABLE + f.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
+        if cnt > SEG:
+            first = (tl.load(HBASE + h) // SEG + h).to(tl.int64)
+            cols = (it % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
+            cm = cols < C
+            acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+            for seg in range(0, tl.cdiv(cnt, SEG)):
+                acc += tl.load(PART + (first + seg) * C + cols, mask=cm, other=0.0)
+            tl.store(DTABLE + f.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
 
 
 CONFIG = None  # (CHUNK, BLOCK_C, num_warps, zero fill[, sort keys[, idx_ahead[, chunk body]]]) override, for
@@ -830,6 +884,12 @@ TIERS = None
 # A's medium kernel 55-65 us instead of 86-102 in the timelines; op 0.1134-0.1138 ms at 4, 0.1135-0.1136 at 8,
 # 0.1138-0.1142 at 2, 0.1142-0.1148 at 0 (one process)
 TIER_A_AHEAD = 4
+# tier B's heavy ids (seen more than K2 times) in segments of this many of their tokens (0: each id whole, by one
+# program per column block), an id longer than one segment summed as fp32 partial rows that a second small kernel
+# adds in order: otherwise a batch of mostly one id (padding, say) is summed by only C / BLOCK_C programs. H200,
+# session 21 (bench/slots_probe.py): every token one id, N = 16k, V = 32000, C = 2048: 0.387 ms with 0. Not measured
+# with segments yet, so off
+TIER_B_SEG = 0
 # the memory order of the slots passes' integer atomics (the counts and the list lengths): "acq_rel" (Triton's
 # default) or "relaxed". Only their atomicity is needed: the passes that read the slots and lists run after this
 # grid's end, so no order among this kernel's own loads and stores matters. H200, session 21: the tiers slots pass
@@ -1019,7 +1079,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     key = None
     if d2.is_cuda and TIER_PLANS:
         key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
-               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, ROWS_ROLES, TIER_A_AHEAD, d2.stride(),
+               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, ROWS_ROLES, TIER_A_AHEAD, TIER_B_SEG, d2.stride(),
                flat.stride(), d2.data_ptr() % 16, flat.data_ptr() % 16, dtable.data_ptr() % 16, ws.data_ptr() % 128)
     plan = _TIER_PLANS.get(key) if key is not None else None
     made = {}
@@ -1049,10 +1109,22 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
                dict(a_args, DO_HEAVY=heavy_part, DO_MED=med_part, AHEAD=TIER_A_AHEAD if med_part else 0),
                num_warps=aw)
 
+    seg = TIER_B_SEG
+    if seg and not (_pow2(seg) and seg % ht == 0):
+        raise ValueError(f"embedding_bwd: TIER_B_SEG must be 0 or a power of two and a multiple of HT = {ht}, got "
+                         f"{seg!r}")
+    # fp32 partial rows of the segments of ids longer than seg (rows HBASE[h] // seg + h + segment: N // seg + hcap)
+    part = torch.empty(N // seg + hcap + 1, C, dtype=torch.float32, device=dev) if seg else None
+
     def tier_b():
         launch("tier b", _embedding_tier_b_kernel, (bps * n_sm,),
                dict(DOUT=d2, COUNTS=counts, HEAVY=heavy, NLIST=nlist, HLIST=hlist, HBASE=hbase, DTABLE=dtable, C=C,
-                    n_cb=n_hcb, HT=ht, BLOCK_C=bbc), num_warps=bw)
+                    n_cb=n_hcb, HT=ht, BLOCK_C=bbc, PART=part, MAXSEG=triton.cdiv(N, seg) if seg else 1, SEG=seg),
+               num_warps=bw)
+        if seg:
+            launch("tier b merge", _embedding_tier_b_merge_kernel, (bps * n_sm,),
+                   dict(COUNTS=counts, HEAVY=heavy, NLIST=nlist, HBASE=hbase, PART=part, DTABLE=dtable, C=C,
+                        n_cb=n_hcb, SEG=seg, BLOCK_C=bbc), num_warps=bw)
 
     rargs = _roles_args(named, nlist[2:], ROWS_ROLES, N, n_sm) if roles else None
 
