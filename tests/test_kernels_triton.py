@@ -427,8 +427,8 @@ def test_embedding_bwd_roles_same_bits_cpu(form, name, monkeypatch):
     """The rows grid in two roles (the named rows first, from the slots pass's list, then the zero rows) sums each row
     exactly as the grid in row order does: the same bits, for both forms, with a program per list place (-1), per 8
     places (-8: the list of the 213 tokens' 54 ids is longer than the 27 programs) and with persistent named-row
-    programs (2); a grid of more than one row per program keeps the row order (the knob is ignored there) and a bad
-    value raises."""
+    programs (2), and with the tiers slots pass's list atomics issued together (SLOTS_APPEND_TOGETHER); a grid of more
+    than one row per program keeps the row order (the knob is ignored there) and a bad value raises."""
     monkeypatch.setattr(K_emb, "CONFIG", (4, 32, 4, form, 16, True))
     monkeypatch.setattr(K_emb, "TIERS", (8, 4, 16, 4, 1, 4, 16, 4, 1, 64))
     monkeypatch.setattr(K_emb, "ROWS", (4, 1, 16, 4))
@@ -442,6 +442,9 @@ def test_embedding_bwd_roles_same_bits_cpu(form, name, monkeypatch):
     for value in (-1, -8, 2):
         monkeypatch.setattr(K_emb, name, value)
         assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed), value
+    with monkeypatch.context() as m:  # the slots pass's list atomics issued before their stores (the tiers form)
+        m.setattr(K_emb, "SLOTS_APPEND_TOGETHER", not K_emb.SLOTS_APPEND_TOGETHER)
+        assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed)
     monkeypatch.setattr(K_emb, "ROWS", (4, 2, 16, 4))  # two rows per program: the row order, whatever the knob
     assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed)
     monkeypatch.setattr(K_emb, "ROWS", (4, 1, 16, 4))

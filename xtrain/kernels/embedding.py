@@ -646,19 +646,37 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
 @_jit
 def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K: tl.constexpr, K2: tl.constexpr,
                                  BLOCK: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False,
-                                 NAMED=None, LIST_NAMED: tl.constexpr = False, SEM: tl.constexpr = "acq_rel"):
+                                 NAMED=None, LIST_NAMED: tl.constexpr = False, SEM: tl.constexpr = "acq_rel",
+                                 TOGETHER: tl.constexpr = False):
     """The "tiers" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer atomic) and
     writes its index to SLOTS[slot, id] if the slot is below K2. The token that takes slot K appends its id to the
     medium list MED, the one that takes slot K2 to the heavy list HEAVY (NLIST[0] and NLIST[1] count them; one
     atomic per program and list, positions within the program by a prefix sum). Which token takes which slot, and
     where an id lands in a list, depend on scheduling; the later passes order each row's tokens by index, so the
     sums do not. PDL: as ``_embedding_slots_kernel``. WAIT: as ``_take_slots``. LIST_NAMED (``ROWS_ROLES``): the token
-    that takes slot 0 appends its id to NAMED (NLIST[2] counts them): every id the batch names, once."""
+    that takes slot 0 appends its id to NAMED (NLIST[2] counts them): every id the batch names, once. TOGETHER
+    (``SLOTS_APPEND_TOGETHER``): the lists' atomics issued one after the other before any of their stores (masked
+    where the program adds nothing), not each list's atomic, then its stores, then the next list's."""
     m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL, WAIT, SEM)
-    _append(MED, NLIST, m & (slot == K), ids.to(tl.int32), SEM)
-    _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32), SEM)
-    if LIST_NAMED:
-        _append(NAMED, NLIST + 2, m & (slot == 0), ids.to(tl.int32), SEM)
+    if TOGETHER:
+        tm = (m & (slot == K)).to(tl.int32)
+        th = (m & (slot == K2)).to(tl.int32)
+        nm = tl.sum(tm, axis=0)
+        nh = tl.sum(th, axis=0)
+        bm = tl.atomic_add(NLIST, nm, mask=nm > 0, sem=SEM)
+        bh = tl.atomic_add(NLIST + 1, nh, mask=nh > 0, sem=SEM)
+        if LIST_NAMED:
+            tn = (m & (slot == 0)).to(tl.int32)
+            nn = tl.sum(tn, axis=0)
+            bn = tl.atomic_add(NLIST + 2, nn, mask=nn > 0, sem=SEM)
+            tl.store(NAMED + bn + tl.cumsum(tn, axis=0) - 1, ids.to(tl.int32), mask=tn != 0)
+        tl.store(MED + bm + tl.cumsum(tm, axis=0) - 1, ids.to(tl.int32), mask=tm != 0)
+        tl.store(HEAVY + bh + tl.cumsum(th, axis=0) - 1, ids.to(tl.int32), mask=th != 0)
+    else:
+        _append(MED, NLIST, m & (slot == K), ids.to(tl.int32), SEM)
+        _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32), SEM)
+        if LIST_NAMED:
+            _append(NAMED, NLIST + 2, m & (slot == 0), ids.to(tl.int32), SEM)
 
 
 @_jit
@@ -895,6 +913,11 @@ TIER_B_SEG = 0
 # grid's end, so no order among this kernel's own loads and stores matters. H200, session 21: the tiers slots pass
 # 4.6 us instead of 6.1 in the timelines, op 0.1121-0.1129 ms against 0.1135-0.1139 (two processes)
 SLOTS_SEM = "relaxed"
+# the tiers slots pass's three list appends (medium, heavy, named ids): False, each list's atomic then its stores,
+# then the next list's (each store waits for its atomic's answer, so the three round trips follow one another);
+# True, the three atomics first. bench/slots_probe.py (session 21): the pass took 4.9 us on the bench's Zipf-like
+# ids (most programs append to two lists), 3.5 on uniform ids and 2.9 on distinct ones (one list). Not measured yet
+SLOTS_APPEND_TOGETHER = False
 # the tiers form for at most this many tokens, the rows form above: each heavy id's list is a scan of all N ids, so
 # the listing grows as N x (ids seen more than K2 times). H200, fp32, V = 32000, C = 2048, Zipf-like ids
 # (bench/embedding_tiers_probe.py --N): tiers / rows 0.120 / 0.127 ms at N = 16k, 0.161-0.164 / 0.165-0.166 at 32k,
@@ -1079,8 +1102,9 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     key = None
     if d2.is_cuda and TIER_PLANS:
         key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
-               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, ROWS_ROLES, TIER_A_AHEAD, TIER_B_SEG, d2.stride(),
-               flat.stride(), d2.data_ptr() % 16, flat.data_ptr() % 16, dtable.data_ptr() % 16, ws.data_ptr() % 128)
+               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, SLOTS_APPEND_TOGETHER, ROWS_ROLES, TIER_A_AHEAD,
+               TIER_B_SEG, d2.stride(), flat.stride(), d2.data_ptr() % 16, flat.data_ptr() % 16,
+               dtable.data_ptr() % 16, ws.data_ptr() % 128)
     plan = _TIER_PLANS.get(key) if key is not None else None
     made = {}
 
@@ -1099,7 +1123,8 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         zeroed.zero_()
     launch("slots", _embedding_tier_slots_kernel, (triton.cdiv(N, SLOTS_BLOCK),),
            dict(IDS=flat, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, N=N, V=V, K=heavy_k, K2=k2,
-                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles, SEM=_slots_sem()),
+                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles, SEM=_slots_sem(),
+                TOGETHER=bool(SLOTS_APPEND_TOGETHER)),
            num_warps=4, **({"launch_pdl": True} if fill_pdl else {}))
     a_args = dict(IDS=flat, DOUT=d2, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, HLIST=hlist,
                   HBASE=hbase, DTABLE=dtable, N=N, V=V, C=C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan)
