@@ -71,7 +71,8 @@ listed four at a time with the next row's slots in flight (its kernel ~60 us ins
 slots pass's atomics relaxed (4.6 us instead of 6.1) took the op from 0.117 to 0.112 ms (83 %). Measured and removed:
 the named rows' slots loaded beside their counts (0.1156 ms), zero rows started on a counter the slots pass raises
 once its counts are in, ahead of the named rows (level; the pass slowed by 1-2 us), the list lengths 128 bytes apart
-(level).
+(level). A batch of one id takes 0.387 ms (bench/slots_probe.py): tier B walks that id's 16k tokens with one
+program per 64 columns; TIER_B_SEG (segments, then an ordered merge) is written for it, not yet measured.
 Sort keys: int32 (half the radix passes of int64) or int16 (ids - 32768, V <= 65536: half again).
 It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which accumulates a
 whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, GPU time): bf16 the side streams with
