@@ -693,7 +693,8 @@ def _zero_i32_kernel(X, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
 @_jit
 def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST, HBASE, DTABLE, N, V, C,
                              K2: tl.constexpr, MT: tl.constexpr, BLOCK_C: tl.constexpr, SCAN: tl.constexpr,
-                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr, AHEAD: tl.constexpr = 0):
+                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr, AHEAD: tl.constexpr = 0,
+                             MAXC: tl.constexpr = False):
     """Persistent over the lists. DO_HEAVY: each heavy id's token list, in token order, into HLIST from offset
     HBASE[h] (the counts of the heavy ids listed before it): a scan of the ids SCAN at a time, each hit placed by a
     running prefix sum. DO_MED: each medium row (K < count <= K2), whole: its K2 slots put in token order by their
@@ -710,6 +711,8 @@ def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST,
         n_heavy = tl.load(NLIST + 1)
     for h in range(pid, n_heavy, P):
         f = tl.load(HEAVY + h)
+        if MAXC:  # the largest heavy count, for tier B's segments
+            tl.atomic_max(NLIST + 3, tl.load(COUNTS + f), sem="relaxed")
         base = 0
         for c0 in range(0, h, 1024):
             hh = c0 + tl.arange(0, 1024)
@@ -770,11 +773,12 @@ def _med_row(f, cnt, s, DOUT, DTABLE, C, K2: tl.constexpr, MT: tl.constexpr, BLO
 
 @_jit
 def _embedding_tier_b_kernel(DOUT, COUNTS, HEAVY, NLIST, HLIST, HBASE, DTABLE, C, n_cb, HT: tl.constexpr,
-                             BLOCK_C: tl.constexpr, PART=None, MAXSEG=1, SEG: tl.constexpr = 0):
+                             BLOCK_C: tl.constexpr, PART=None, SEG: tl.constexpr = 0):
     """Persistent over (heavy id, column block) items: the id's listed tokens (HLIST, token order) gathered HT at
     a time, each tile added by a fixed reduction tree and the tiles in order, in fp32, rounded once.
     SEG > 0 (``TIER_B_SEG``, a multiple of HT): items (heavy id, segment, column block), a segment SEG consecutive
-    tokens of the id's list (MAXSEG segments per id at most; those past the id's count exit). An id of at most SEG
+    tokens of the id's list (as many segments per id as the longest id has, NLIST[3] being the largest count, which
+    tier A's heavy part wrote; those past an id's count exit). An id of at most SEG
     tokens is written as above (the same bits); a longer one's segments go to fp32 rows of PART, at row
     HBASE[h] // SEG + h + segment (no two ids' segments share a row), which ``_embedding_tier_b_merge_kernel`` adds in
     order: a single id with most of the batch's tokens is then summed by many programs, not by one per column block."""
@@ -792,10 +796,11 @@ def _embedding_tier_b_kernel(DOUT, COUNTS, HEAVY, NLIST, HLIST, HBASE, DTABLE, C
             acc = _heavy_tiles(DOUT, HLIST, base, 0, cnt, cols, cm, C, HT, BLOCK_C)
             tl.store(DTABLE + f.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
     else:
-        for it in range(pid, n_heavy * MAXSEG * n_cb, P):
+        nseg = tl.cdiv(tl.load(NLIST + 3), SEG)
+        for it in range(pid, n_heavy * nseg * n_cb, P):
             hs = it // n_cb
-            h = hs // MAXSEG
-            seg = hs % MAXSEG
+            h = hs // nseg
+            seg = hs % nseg
             f = tl.load(HEAVY + h)
             cnt = tl.load(COUNTS + f)
             if seg * SEG < cnt:
@@ -1087,10 +1092,11 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     fill_pdl = bool(FILL_PDL) and pdl_ok(d2)
     pdl = bool(ROWS_PDL) and pdl_ok(d2)
     hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
-    # one int32 workspace: the counts and the three list lengths (zeroed), the slots, the medium ids (seen more than K
-    # times), the heavy ids, their list offsets, the heavy lists, and with ROWS_ROLES the named ids
+    # one int32 workspace: the counts, the three list lengths and the largest heavy count (zeroed), the slots, the
+    # medium ids (seen more than K times), the heavy ids, their list offsets, the heavy lists, and with ROWS_ROLES the
+    # named ids
     roles = _roles_on(ROWS_ROLES, "ROWS_ROLES", rcfg)
-    sizes = [V + 3, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else [])
+    sizes = [V + 4, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else [])
     padded = [-(-n // 32) * 32 for n in sizes]
     ws = torch.empty(sum(padded), dtype=torch.int32, device=dev)
     zeroed, slots, med, heavy, hbase, hlist, *named = (v[:n] for v, n in zip(torch.split(ws, padded), sizes))
@@ -1118,7 +1124,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
             kernel[grid](**args, **options)
 
     if fill_pdl:
-        launch("fill", _zero_i32_kernel, (triton.cdiv(V + 3, 4096),), dict(X=zeroed, n=V + 3, BLOCK=4096, PDL=True),
+        launch("fill", _zero_i32_kernel, (triton.cdiv(V + 4, 4096),), dict(X=zeroed, n=V + 4, BLOCK=4096, PDL=True),
                num_warps=4)
     else:
         zeroed.zero_()
@@ -1132,7 +1138,8 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
 
     def tier_a(name: str, programs: int, heavy_part: bool, med_part: bool):
         launch(name, _embedding_tier_a_kernel, (programs,),
-               dict(a_args, DO_HEAVY=heavy_part, DO_MED=med_part, AHEAD=TIER_A_AHEAD if med_part else 0),
+               dict(a_args, DO_HEAVY=heavy_part, DO_MED=med_part, AHEAD=TIER_A_AHEAD if med_part else 0,
+                    MAXC=heavy_part and TIER_B_SEG > 0),
                num_warps=aw)
 
     seg = TIER_B_SEG
@@ -1145,7 +1152,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     def tier_b():
         launch("tier b", _embedding_tier_b_kernel, (bps * n_sm,),
                dict(DOUT=d2, COUNTS=counts, HEAVY=heavy, NLIST=nlist, HLIST=hlist, HBASE=hbase, DTABLE=dtable, C=C,
-                    n_cb=n_hcb, HT=ht, BLOCK_C=bbc, PART=part, MAXSEG=triton.cdiv(N, seg) if seg else 1, SEG=seg),
+                    n_cb=n_hcb, HT=ht, BLOCK_C=bbc, PART=part, SEG=seg),
                num_warps=bw)
         if seg:
             launch("tier b merge", _embedding_tier_b_merge_kernel, (bps * n_sm,),
