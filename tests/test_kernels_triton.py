@@ -427,8 +427,9 @@ def test_embedding_bwd_roles_same_bits_cpu(form, name, monkeypatch):
     """The rows grid in two roles (the named rows first, from the slots pass's list, then the zero rows) sums each row
     exactly as the grid in row order does: the same bits, for both forms, with a program per list place (-1), per 8
     places (-8: the list of the 213 tokens' 54 ids is longer than the 27 programs) and with persistent named-row
-    programs (2), and with the tiers slots pass's list atomics issued together (SLOTS_APPEND_TOGETHER); a grid of more
-    than one row per program keeps the row order (the knob is ignored there) and a bad value raises."""
+    programs (2), and with the tiers slots pass's list atomics issued together (SLOTS_APPEND_TOGETHER) and the rows of
+    one token written from the list of slot-0 tokens (ROWS_FIRST); a grid of more than one row per program keeps the
+    row order (the knob is ignored there) and a bad value raises."""
     monkeypatch.setattr(K_emb, "CONFIG", (4, 32, 4, form, 16, True))
     monkeypatch.setattr(K_emb, "TIERS", (8, 4, 16, 4, 1, 4, 16, 4, 1, 64))
     monkeypatch.setattr(K_emb, "ROWS", (4, 1, 16, 4))
@@ -442,9 +443,12 @@ def test_embedding_bwd_roles_same_bits_cpu(form, name, monkeypatch):
     for value in (-1, -8, 2):
         monkeypatch.setattr(K_emb, name, value)
         assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed), value
-    with monkeypatch.context() as m:  # the slots pass's list atomics issued before their stores (the tiers form)
-        m.setattr(K_emb, "SLOTS_APPEND_TOGETHER", not K_emb.SLOTS_APPEND_TOGETHER)
-        assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed)
+    for together, first in ((True, False), (False, True), (True, True)):
+        with monkeypatch.context() as m:  # the tiers form's list atomics before their stores; one-token rows
+            m.setattr(K_emb, "SLOTS_APPEND_TOGETHER", together)
+            m.setattr(K_emb, "ROWS_FIRST", first)
+            with poisoned():
+                assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed), (together, first)
     monkeypatch.setattr(K_emb, "ROWS", (4, 2, 16, 4))  # two rows per program: the row order, whatever the knob
     assert torch.equal(K_emb.embedding_bwd_triton(d, ids, 64), mixed)
     monkeypatch.setattr(K_emb, "ROWS", (4, 1, 16, 4))
@@ -808,7 +812,7 @@ def test_adamw_gpu_bit_exact():
                                     "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
                                     "tiers, torch's fill", "tiers, rows grid in roles", "tiers, mixed rows grid",
                                     "rows, grid in roles", "tiers, tier A's other walk",
-                                    "tiers, tier B in segments"])
+                                    "tiers, tier B in segments", "tiers, lists together, one-token rows"])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
@@ -842,6 +846,11 @@ def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     if config == "tiers, tier B in segments":  # the heavy ids (~500 tokens at most here) in segments of 256
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "TIER_B_SEG", 256)
+    if config == "tiers, lists together, one-token rows":  # SLOTS_APPEND_TOGETHER and ROWS_FIRST flipped
+        config = (16, 512, 4, "tiers", 16, True)
+        monkeypatch.setattr(K_emb, "SLOTS_APPEND_TOGETHER", not K_emb.SLOTS_APPEND_TOGETHER)
+        monkeypatch.setattr(K_emb, "ROWS_FIRST", not K_emb.ROWS_FIRST)
+        monkeypatch.setattr(K_emb, "ROWS", (4, 1, 2048, 8))  # one row per program (bf16's default has 4)
     if config == "tiers, mixed rows grid":  # until session 20: zero and named rows in one order
         config = (16, 512, 4, "tiers", 16, True)
         monkeypatch.setattr(K_emb, "ROWS_ROLES", None)

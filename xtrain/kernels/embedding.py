@@ -481,14 +481,16 @@ def _take_slots(IDS, COUNTS, SLOTS, N, V, KEEP: tl.constexpr, BLOCK: tl.constexp
 
 
 @_jit
-def _append(LIST, COUNT, take, vals, SEM: tl.constexpr = "acq_rel"):
+def _append(LIST, COUNT, take, vals, SEM: tl.constexpr = "acq_rel", LIST2=None, vals2=None):
     """vals where take, appended to LIST after the COUNT[0] entries there (one atomic for the program; places
-    within it by a prefix sum)."""
+    within it by a prefix sum); LIST2: vals2 at the same places of a second list."""
     t = take.to(tl.int32)
     n = tl.sum(t, axis=0)
     if n > 0:  # (most programs add no heavy id: no atomic)
         pos = tl.atomic_add(COUNT, n, sem=SEM) + tl.cumsum(t, axis=0) - 1
         tl.store(LIST + pos, vals, mask=take)
+        if LIST2 is not None:
+            tl.store(LIST2 + pos, vals2, mask=take)
 
 
 @_jit
@@ -607,7 +609,7 @@ def _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K: tl.cons
 def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles, K: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr = False,
                                EVICT: tl.constexpr = "", ZERO_FAST: tl.constexpr = False, PDL: tl.constexpr = False,
-                               NAMED=None, NAMED_N=None, GP: tl.constexpr = 0):
+                               NAMED=None, NAMED_N=None, GP: tl.constexpr = 0, FIRST=None):
     """The "rows" form's grid (``_rows_tile``): one program per (row block, column block), or PERSISTENT, a
     fixed number of programs walking the tiles t = pid, pid + G, ... (row block t // n_cb, column block
     t % n_cb). Persistent, the grid leaves room on every SM, so the side stream's chain kernels find an SM
@@ -626,11 +628,24 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
         cmask = cols < C
         if pid < GP:
             for e in range(pid, tl.load(NAMED_N), GP):
-                rows = tl.load(NAMED + e).to(tl.int64) + tl.arange(0, 1)
-                cnt = tl.load(COUNTS + rows)
-                own = cnt <= K
-                if tl.max(own.to(tl.int32), axis=0) > 0:
-                    _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, 1, BLOCK_C, EVICT)
+                if FIRST is not None:  # a row of one token: its index from the list, no slot to load
+                    f = tl.load(NAMED + e).to(tl.int64)
+                    tok = tl.load(FIRST + e).to(tl.int64)
+                    c1 = tl.load(COUNTS + f)
+                    if c1 == 1:
+                        x = tl.load(DOUT + tok * C + cols, mask=cmask, other=0.0, eviction_policy=EVICT)
+                        acc = tl.zeros([BLOCK_C], dtype=tl.float32) + x.to(tl.float32)  # (0 + x: _rows_sum's bits)
+                        tl.store(DTABLE + f * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cmask)
+                    elif c1 <= K:
+                        rows = f + tl.arange(0, 1)
+                        cnt = c1 + tl.zeros([1], dtype=tl.int32)
+                        _rows_sum(rows, cols, cmask, cnt, cnt <= K, DOUT, SLOTS, DTABLE, V, C, K, 1, BLOCK_C, EVICT)
+                else:
+                    rows = tl.load(NAMED + e).to(tl.int64) + tl.arange(0, 1)
+                    cnt = tl.load(COUNTS + rows)
+                    own = cnt <= K
+                    if tl.max(own.to(tl.int32), axis=0) > 0:
+                        _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, 1, BLOCK_C, EVICT)
         else:
             r = (pid - GP).to(tl.int64)
             zero = tl.load(COUNTS + r) == 0
@@ -648,7 +663,7 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
 def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K: tl.constexpr, K2: tl.constexpr,
                                  BLOCK: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False,
                                  NAMED=None, LIST_NAMED: tl.constexpr = False, SEM: tl.constexpr = "acq_rel",
-                                 TOGETHER: tl.constexpr = False):
+                                 TOGETHER: tl.constexpr = False, FIRST=None):
     """The "tiers" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer atomic) and
     writes its index to SLOTS[slot, id] if the slot is below K2. The token that takes slot K appends its id to the
     medium list MED, the one that takes slot K2 to the heavy list HEAVY (NLIST[0] and NLIST[1] count them; one
@@ -657,7 +672,9 @@ def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K:
     sums do not. PDL: as ``_embedding_slots_kernel``. WAIT: as ``_take_slots``. LIST_NAMED (``ROWS_ROLES``): the token
     that takes slot 0 appends its id to NAMED (NLIST[2] counts them): every id the batch names, once. TOGETHER
     (``SLOTS_APPEND_TOGETHER``): the lists' atomics issued one after the other before any of their stores (masked
-    where the program adds nothing), not each list's atomic, then its stores, then the next list's."""
+    where the program adds nothing), not each list's atomic, then its stores, then the next list's. FIRST
+    (``ROWS_FIRST``): the token that appends an id to NAMED also writes its own index to FIRST at the same place."""
+    tok = (tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
     m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL, WAIT, SEM)
     if TOGETHER:
         tm = (m & (slot == K)).to(tl.int32)
@@ -671,13 +688,15 @@ def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K:
             nn = tl.sum(tn, axis=0)
             bn = tl.atomic_add(NLIST + 2, nn, mask=nn > 0, sem=SEM)
             tl.store(NAMED + bn + tl.cumsum(tn, axis=0) - 1, ids.to(tl.int32), mask=tn != 0)
+            if FIRST is not None:
+                tl.store(FIRST + bn + tl.cumsum(tn, axis=0) - 1, tok, mask=tn != 0)
         tl.store(MED + bm + tl.cumsum(tm, axis=0) - 1, ids.to(tl.int32), mask=tm != 0)
         tl.store(HEAVY + bh + tl.cumsum(th, axis=0) - 1, ids.to(tl.int32), mask=th != 0)
     else:
         _append(MED, NLIST, m & (slot == K), ids.to(tl.int32), SEM)
         _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32), SEM)
         if LIST_NAMED:
-            _append(NAMED, NLIST + 2, m & (slot == 0), ids.to(tl.int32), SEM)
+            _append(NAMED, NLIST + 2, m & (slot == 0), ids.to(tl.int32), SEM, FIRST, tok)
 
 
 @_jit
@@ -924,6 +943,10 @@ SLOTS_SEM = "relaxed"
 # True, the three atomics first. bench/slots_probe.py (session 21): the pass took 4.9 us on the bench's Zipf-like
 # ids (most programs append to two lists), 3.5 on uniform ids and 2.9 on distinct ones (one list). Not measured yet
 SLOTS_APPEND_TOGETHER = False
+# with ROWS_ROLES: the slots pass also lists each named id's slot-0 token beside it, and the rows grid writes a row of
+# one token (~3 in 4 of the named rows on the bench's ids) from that list, without loading the row's slots (one
+# dependent load fewer per program). Same bits. Not measured yet
+ROWS_FIRST = False
 # the tiers form for at most this many tokens, the rows form above: each heavy id's list is a scan of all N ids, so
 # the listing grows as N x (ids seen more than K2 times). H200, fp32, V = 32000, C = 2048, Zipf-like ids
 # (bench/embedding_tiers_probe.py --N): tiers / rows 0.120 / 0.127 ms at N = 16k, 0.161-0.164 / 0.165-0.166 at 32k,
@@ -1047,10 +1070,11 @@ def _roles_on(value, name: str, rcfg) -> bool:
     return on
 
 
-def _roles_args(named, named_n, value: int, N: int, n_sm: int) -> dict:
+def _roles_args(named, named_n, value: int, N: int, n_sm: int, first=None) -> dict:
     """The rows kernel's arguments for its two roles: the named list, its length's address, and GP (-k: a program per
-    k places of the list, which is at most N long: ceil(N / k) programs; else value programs per SM)."""
-    return dict(NAMED=named, NAMED_N=named_n, GP=-(N // value) if value < 0 else value * n_sm)
+    k places of the list, which is at most N long: ceil(N / k) programs; else value programs per SM); first: the list
+    of each named id's slot-0 token (``ROWS_FIRST``) or None."""
+    return dict(NAMED=named, NAMED_N=named_n, GP=-(N // value) if value < 0 else value * n_sm, FIRST=first)
 
 
 def _slots_sem() -> str:
@@ -1096,11 +1120,13 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     # medium ids (seen more than K times), the heavy ids, their list offsets, the heavy lists, and with ROWS_ROLES the
     # named ids
     roles = _roles_on(ROWS_ROLES, "ROWS_ROLES", rcfg)
-    sizes = [V + 4, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else [])
+    first_on = roles and bool(ROWS_FIRST)
+    sizes = [V + 4, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else []) + ([N] if first_on else [])
     padded = [-(-n // 32) * 32 for n in sizes]
     ws = torch.empty(sum(padded), dtype=torch.int32, device=dev)
-    zeroed, slots, med, heavy, hbase, hlist, *named = (v[:n] for v, n in zip(torch.split(ws, padded), sizes))
-    named = named[0] if roles else None
+    zeroed, slots, med, heavy, hbase, hlist, *lists = (v[:n] for v, n in zip(torch.split(ws, padded), sizes))
+    named = lists[0] if roles else None
+    first = lists[1] if first_on else None
     slots = slots.view(k2, V)
     counts, nlist = zeroed[:V], zeroed[V:]
     n_sm = sm_count(dev) if d2.is_cuda else 1
@@ -1109,7 +1135,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     key = None
     if d2.is_cuda and TIER_PLANS:
         key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
-               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, SLOTS_APPEND_TOGETHER, ROWS_ROLES, TIER_A_AHEAD,
+               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, SLOTS_APPEND_TOGETHER, ROWS_FIRST, ROWS_ROLES, TIER_A_AHEAD,
                TIER_B_SEG, d2.stride(), flat.stride(), d2.data_ptr() % 16, flat.data_ptr() % 16,
                dtable.data_ptr() % 16, ws.data_ptr() % 128)
     plan = _TIER_PLANS.get(key) if key is not None else None
@@ -1131,7 +1157,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     launch("slots", _embedding_tier_slots_kernel, (triton.cdiv(N, SLOTS_BLOCK),),
            dict(IDS=flat, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, N=N, V=V, K=heavy_k, K2=k2,
                 BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles, SEM=_slots_sem(),
-                TOGETHER=bool(SLOTS_APPEND_TOGETHER)),
+                TOGETHER=bool(SLOTS_APPEND_TOGETHER), FIRST=first),
            num_warps=4, **({"launch_pdl": True} if fill_pdl else {}))
     a_args = dict(IDS=flat, DOUT=d2, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, HLIST=hlist,
                   HBASE=hbase, DTABLE=dtable, N=N, V=V, C=C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan)
@@ -1159,7 +1185,7 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
                    dict(COUNTS=counts, HEAVY=heavy, NLIST=nlist, HBASE=hbase, PART=part, DTABLE=dtable, C=C,
                         n_cb=n_hcb, SEG=seg, BLOCK_C=bbc), num_warps=bw)
 
-    rargs = _roles_args(named, nlist[2:], ROWS_ROLES, N, n_sm) if roles else None
+    rargs = _roles_args(named, nlist[2:], ROWS_ROLES, N, n_sm, first) if roles else None
 
     def grid_pass():
         kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl, rargs)
