@@ -31,6 +31,11 @@ from bench.kernels import _knobs  # noqa: E402
 from xtrain.kernels import embedding as K  # noqa: E402
 
 
+def parse_knobs(kv: str) -> dict:
+    """"NAME=VALUE,NAME=VALUE" -> {name: value}: each value a Python literal (tuples may hold commas)."""
+    return {k: ast.literal_eval(v) for k, v in (p.split("=", 1) for p in re.split(r",(?=[A-Z_][A-Z0-9_]*=)", kv))}
+
+
 def _form(config, knobs):
     """The embedding module's CONFIG and the given knobs (name -> value) set for a block."""
     return _knobs(K, {"CONFIG": config, **knobs})
@@ -56,9 +61,7 @@ def main(argv=None) -> int:
     tiers = (16, 512, 4, "tiers", 16, True)
     forms = [("rows", rows, {}), ("tiers (default)", tiers, {})]
     forms += [(f"tiers {t}", tiers, {"TIERS": tuple(int(x) for x in t.split(","))}) for t in args.tiers.split(";") if t]
-    forms += [(f"tiers {kv}", tiers, {k: ast.literal_eval(v) for k, v in (p.split("=", 1) for p in
-                                                                          re.split(r",(?=[A-Z_][A-Z0-9_]*=)", kv))})
-              for kv in args.knobs.split(";") if kv]
+    forms += [(f"tiers {kv}", tiers, parse_knobs(kv)) for kv in args.knobs.split(";") if kv]
     ref = K.embedding_bwd_ref(d.double(), ids, V)
     for name, cfg, t in forms:
         with _form(cfg, t):

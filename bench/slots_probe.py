@@ -15,7 +15,6 @@ ids do not. ``--knobs "NAME=VALUE,..."`` sets module knobs of ``xtrain.kernels.e
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv=None) -> int:
     from bench._gpu import gpu_time, warm_up
+    from bench.embedding_tiers_probe import parse_knobs
     from bench.embedding_timeline import timeline
     from bench.kernels import copy_bandwidth, zipf_ids
     from xtrain.kernels import embedding as K
@@ -37,11 +37,10 @@ def main(argv=None) -> int:
     ap.add_argument("--C", type=int, default=2048)
     ap.add_argument("--knobs", default="", help="NAME=VALUE,... set in xtrain.kernels.embedding first")
     args = ap.parse_args(argv)
-    for kv in filter(None, args.knobs.split(",")):
-        k, v = kv.split("=", 1)
+    for k, v in (parse_knobs(args.knobs) if args.knobs else {}).items():
         if not hasattr(K, k):
             raise SystemExit(f"slots_probe: xtrain.kernels.embedding has no knob {k}")
-        setattr(K, k, ast.literal_eval(v))
+        setattr(K, k, v)
     N, V, C = args.N, args.V, args.C
     if N > V:
         raise SystemExit("slots_probe: the distinct draw needs N <= V")
