@@ -456,7 +456,7 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
     index to SLOTS[slot, id]. Which token gets which slot depends on scheduling; the rows kernel sorts a
     row's slots, so the sum it forms does not. PDL: the rows kernel, launched as this kernel's programmatic
     dependent, may be scheduled at once (it waits for this grid's end before its first load)."""
-    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K, BLOCK, PDL, False, SEM)
+    m, ids, slot, _ = _take_slots(IDS, COUNTS, SLOTS, N, V, K, BLOCK, PDL, False, SEM)
     if LIST_NAMED:  # ROWS_FORM_ROLES: the token taking slot 0 lists its id (NAMED_N[0] counts them)
         _append(NAMED, NAMED_N, m & (slot == 0), ids.to(tl.int32), SEM)
 
@@ -465,7 +465,8 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
 def _take_slots(IDS, COUNTS, SLOTS, N, V, KEEP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                 WAIT: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
     """The slots passes' common part: this program's BLOCK tokens each take the next slot of their id and write
-    their index to SLOTS[slot, id] below KEEP; returns (the valid-token mask, the ids, the slots). WAIT: this
+    their index to SLOTS[slot, id] below KEEP; returns (the valid-token mask, the ids, the slots, the token
+    indices). WAIT: this
     kernel was launched as the counts' zero fill's programmatic dependent; wait for that grid before the
     atomics (the ids are loaded first)."""
     if PDL:
@@ -477,20 +478,27 @@ def _take_slots(IDS, COUNTS, SLOTS, N, V, KEEP: tl.constexpr, BLOCK: tl.constexp
         gdc_wait()
     slot = tl.atomic_add(COUNTS + ids, 1, mask=m, sem=SEM)
     tl.store(SLOTS + slot.to(tl.int64) * V + ids, i.to(tl.int32), mask=m & (slot < KEEP))
-    return m, ids, slot
+    return m, ids, slot, i
 
 
 @_jit
 def _append(LIST, COUNT, take, vals, SEM: tl.constexpr = "acq_rel", LIST2=None, vals2=None):
     """vals where take, appended to LIST after the COUNT[0] entries there (one atomic for the program; places
     within it by a prefix sum); LIST2: vals2 at the same places of a second list."""
-    t = take.to(tl.int32)
-    n = tl.sum(t, axis=0)
-    if n > 0:  # (most programs add no heavy id: no atomic)
-        pos = tl.atomic_add(COUNT, n, sem=SEM) + tl.cumsum(t, axis=0) - 1
+    if tl.sum(take.to(tl.int32), axis=0) > 0:  # (most programs add no heavy id: no atomic)
+        pos = _places(COUNT, take, SEM)
         tl.store(LIST + pos, vals, mask=take)
         if LIST2 is not None:
             tl.store(LIST2 + pos, vals2, mask=take)
+
+
+@_jit
+def _places(COUNT, take, SEM: tl.constexpr):
+    """The list places of the entries where take, after the COUNT[0] entries there: one atomic for the program (none
+    where it adds nothing), places within it by a prefix sum."""
+    t = take.to(tl.int32)
+    n = tl.sum(t, axis=0)
+    return tl.atomic_add(COUNT, n, mask=n > 0, sem=SEM) + tl.cumsum(t, axis=0) - 1
 
 
 @_jit
@@ -674,24 +682,18 @@ def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K:
     (``SLOTS_APPEND_TOGETHER``): the lists' atomics issued one after the other before any of their stores (masked
     where the program adds nothing), not each list's atomic, then its stores, then the next list's. FIRST
     (``ROWS_FIRST``): the token that appends an id to NAMED also writes its own index to FIRST at the same place."""
-    tok = (tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
-    m, ids, slot = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL, WAIT, SEM)
+    m, ids, slot, i = _take_slots(IDS, COUNTS, SLOTS, N, V, K2, BLOCK, PDL, WAIT, SEM)
+    tok = i.to(tl.int32)
     if TOGETHER:
-        tm = (m & (slot == K)).to(tl.int32)
-        th = (m & (slot == K2)).to(tl.int32)
-        nm = tl.sum(tm, axis=0)
-        nh = tl.sum(th, axis=0)
-        bm = tl.atomic_add(NLIST, nm, mask=nm > 0, sem=SEM)
-        bh = tl.atomic_add(NLIST + 1, nh, mask=nh > 0, sem=SEM)
+        pm = _places(NLIST, m & (slot == K), SEM)
+        ph = _places(NLIST + 1, m & (slot == K2), SEM)
         if LIST_NAMED:
-            tn = (m & (slot == 0)).to(tl.int32)
-            nn = tl.sum(tn, axis=0)
-            bn = tl.atomic_add(NLIST + 2, nn, mask=nn > 0, sem=SEM)
-            tl.store(NAMED + bn + tl.cumsum(tn, axis=0) - 1, ids.to(tl.int32), mask=tn != 0)
+            pn = _places(NLIST + 2, m & (slot == 0), SEM)
+            tl.store(NAMED + pn, ids.to(tl.int32), mask=m & (slot == 0))
             if FIRST is not None:
-                tl.store(FIRST + bn + tl.cumsum(tn, axis=0) - 1, tok, mask=tn != 0)
-        tl.store(MED + bm + tl.cumsum(tm, axis=0) - 1, ids.to(tl.int32), mask=tm != 0)
-        tl.store(HEAVY + bh + tl.cumsum(th, axis=0) - 1, ids.to(tl.int32), mask=th != 0)
+                tl.store(FIRST + pn, tok, mask=m & (slot == 0))
+        tl.store(MED + pm, ids.to(tl.int32), mask=m & (slot == K))
+        tl.store(HEAVY + ph, ids.to(tl.int32), mask=m & (slot == K2))
     else:
         _append(MED, NLIST, m & (slot == K), ids.to(tl.int32), SEM)
         _append(HEAVY, NLIST + 1, m & (slot == K2), ids.to(tl.int32), SEM)
@@ -1116,6 +1118,12 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     fill_pdl = bool(FILL_PDL) and pdl_ok(d2)
     pdl = bool(ROWS_PDL) and pdl_ok(d2)
     hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
+    seg = TIER_B_SEG
+    if seg and not (_pow2(seg) and seg % ht == 0):
+        raise ValueError(f"embedding_bwd: TIER_B_SEG must be 0 or a power of two and a multiple of HT = {ht}, got "
+                         f"{seg!r}")
+    # fp32 partial rows of the segments of ids longer than seg (rows HBASE[h] // seg + h + segment: N // seg + hcap)
+    part = torch.empty(N // seg + hcap + 1, C, dtype=torch.float32, device=dev) if seg else None
     # one int32 workspace: the counts, the three list lengths and the largest heavy count (zeroed), the slots, the
     # medium ids (seen more than K times), the heavy ids, their list offsets, the heavy lists, and with ROWS_ROLES the
     # named ids
@@ -1165,15 +1173,8 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     def tier_a(name: str, programs: int, heavy_part: bool, med_part: bool):
         launch(name, _embedding_tier_a_kernel, (programs,),
                dict(a_args, DO_HEAVY=heavy_part, DO_MED=med_part, AHEAD=TIER_A_AHEAD if med_part else 0,
-                    MAXC=heavy_part and TIER_B_SEG > 0),
+                    MAXC=heavy_part and seg > 0),
                num_warps=aw)
-
-    seg = TIER_B_SEG
-    if seg and not (_pow2(seg) and seg % ht == 0):
-        raise ValueError(f"embedding_bwd: TIER_B_SEG must be 0 or a power of two and a multiple of HT = {ht}, got "
-                         f"{seg!r}")
-    # fp32 partial rows of the segments of ids longer than seg (rows HBASE[h] // seg + h + segment: N // seg + hcap)
-    part = torch.empty(N // seg + hcap + 1, C, dtype=torch.float32, device=dev) if seg else None
 
     def tier_b():
         launch("tier b", _embedding_tier_b_kernel, (bps * n_sm,),
