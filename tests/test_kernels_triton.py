@@ -803,57 +803,49 @@ def test_adamw_gpu_bit_exact():
     assert not report
 
 
+_ROWS_CFG, _TIERS_CFG = (16, 512, 4, "rows", 16, True), (16, 512, 4, "tiers", 16, True)
+_ONE_ROW = (4, 1, 2048, 8)  # the rows grid with one row per program (bf16's default has 4), as the roles need
+# the named GPU cases of test_embedding_bwd_gpu: (CONFIG, other module knobs)
+_EMB_GPU_CASES = {
+    "rows persistent": (_ROWS_CFG, {"ROWS": (4, 4, 512, 4, 2)}),  # the rows kernel persistent, 2 programs per SM
+    # (the default since session 16: the rows grid a programmatic dependent of the slots pass, issued before the chain)
+    "rows launched as before": (_ROWS_CFG, {"ROWS_PDL": False, "ROWS_MAIN_FIRST": False}),
+    # many heavy ids (seen more than 16 times), so many lists and offsets
+    "tiers small K2": (_TIERS_CFG, {"TIERS": (16, 8, 1024, 4, 1, 64, 64, 4, 1, 1024)}),
+    # as until session 19: the counts zeroed by torch, no PDL to the slots
+    "tiers, torch's fill": (_TIERS_CFG, {"FILL_PDL": False}),
+    # ROWS_ROLES persistent: the named rows first, then the zero rows
+    "tiers, rows grid in roles": (_TIERS_CFG, {"ROWS_ROLES": 8, "ROWS": _ONE_ROW}),
+    # until session 20: zero and named rows in one order
+    "tiers, mixed rows grid": (_TIERS_CFG, {"ROWS_ROLES": None}),
+    # ROWS_FORM_ROLES: the rows form's grid, named rows first
+    "rows, grid in roles": ((16, 1024, 4, "rows", 16, True), {"ROWS_FORM_ROLES": -1, "ROWS": (4, 1, 1024, 8)}),
+    # medium rows walked several a step, or (if that is the default) one
+    "tiers, tier A's other walk": (_TIERS_CFG, {"TIER_A_AHEAD": 0 if K_emb.TIER_A_AHEAD else 4}),
+    # the heavy ids (~500 tokens at most here) in segments of 256
+    "tiers, tier B in segments": (_TIERS_CFG, {"TIER_B_SEG": 256}),
+    # SLOTS_APPEND_TOGETHER and ROWS_FIRST flipped
+    "tiers, lists together, one-token rows": (_TIERS_CFG, {"SLOTS_APPEND_TOGETHER": not K_emb.SLOTS_APPEND_TOGETHER,
+                                                          "ROWS_FIRST": not K_emb.ROWS_FIRST, "ROWS": _ONE_ROW}),
+}
+
+
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [None, (16, 1024, 4, "fused", 16, False, "tile"),
                                     (8, 512, 4, "absent", 16, False, "tile"), (16, 1024, 4, "side", 16, True),
                                     (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
-                                    (16, 512, 4, "rows", 16, False, "tile"), "rows persistent",
-                                    "rows launched as before", (16, 512, 4, "tiers", 16, True), "tiers small K2",
-                                    "tiers, torch's fill", "tiers, rows grid in roles", "tiers, mixed rows grid",
-                                    "rows, grid in roles", "tiers, tier A's other walk",
-                                    "tiers, tier B in segments", "tiers, lists together, one-token rows"])
+                                    (16, 512, 4, "rows", 16, False, "tile"), _TIERS_CFG, *_EMB_GPU_CASES])
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,
     "tiers" its medium rows and its heavy lists and sums on two streams beside the rows kernel
     (a missing order between the two would leave NaN rows or zeros where sums belong; the rows kernel's
     slots are taken by atomics in a new order each run)."""
-    if config == "rows persistent":  # the rows kernel persistent, 2 programs per SM
-        config = (16, 512, 4, "rows", 16, True)
-        monkeypatch.setattr(K_emb, "ROWS", (4, 4, 512, 4, 2))
-    if config == "rows launched as before":  # (the default since session 16: the rows grid a programmatic
-        config = (16, 512, 4, "rows", 16, True)  # dependent of the slots pass, issued before the chain)
-        monkeypatch.setattr(K_emb, "ROWS_PDL", False)
-        monkeypatch.setattr(K_emb, "ROWS_MAIN_FIRST", False)
-    if config == "tiers small K2":  # many heavy ids (seen more than 16 times), so many lists and offsets
-        config = (16, 512, 4, "tiers", 16, True)
-        monkeypatch.setattr(K_emb, "TIERS", (16, 8, 1024, 4, 1, 64, 64, 4, 1, 1024))
-    if config == "tiers, torch's fill":  # as until session 19: the counts zeroed by torch, no PDL to the slots
-        config = (16, 512, 4, "tiers", 16, True)
-        monkeypatch.setattr(K_emb, "FILL_PDL", False)
-    if config == "tiers, rows grid in roles":  # ROWS_ROLES persistent: the named rows first, then the zero rows
-        config = (16, 512, 4, "tiers", 16, True)
-        monkeypatch.setattr(K_emb, "ROWS_ROLES", 8)
-        monkeypatch.setattr(K_emb, "ROWS", (4, 1, 2048, 8))  # one row per program (bf16's default has 4)
-    if config == "rows, grid in roles":  # ROWS_FORM_ROLES: the rows form's grid, named rows first
-        config = (16, 1024, 4, "rows", 16, True)
-        monkeypatch.setattr(K_emb, "ROWS_FORM_ROLES", -1)
-        monkeypatch.setattr(K_emb, "ROWS", (4, 1, 1024, 8))
-    if config == "tiers, tier A's other walk":  # medium rows walked several a step, or (if that is the default) one
-        config = (16, 512, 4, "tiers", 16, True)
-        monkeypatch.setattr(K_emb, "TIER_A_AHEAD", 0 if K_emb.TIER_A_AHEAD else 4)
-    if config == "tiers, tier B in segments":  # the heavy ids (~500 tokens at most here) in segments of 256
-        config = (16, 512, 4, "tiers", 16, True)
-        monkeypatch.setattr(K_emb, "TIER_B_SEG", 256)
-    if config == "tiers, lists together, one-token rows":  # SLOTS_APPEND_TOGETHER and ROWS_FIRST flipped
-        config = (16, 512, 4, "tiers", 16, True)
-        monkeypatch.setattr(K_emb, "SLOTS_APPEND_TOGETHER", not K_emb.SLOTS_APPEND_TOGETHER)
-        monkeypatch.setattr(K_emb, "ROWS_FIRST", not K_emb.ROWS_FIRST)
-        monkeypatch.setattr(K_emb, "ROWS", (4, 1, 2048, 8))  # one row per program (bf16's default has 4)
-    if config == "tiers, mixed rows grid":  # until session 20: zero and named rows in one order
-        config = (16, 512, 4, "tiers", 16, True)
-        monkeypatch.setattr(K_emb, "ROWS_ROLES", None)
+    if config in _EMB_GPU_CASES:
+        config, knobs = _EMB_GPU_CASES[config]
+        for name, value in knobs.items():
+            monkeypatch.setattr(K_emb, name, value)
     monkeypatch.setattr(K_emb, "CONFIG", config)
     V, C, N = 32000, 1024, 16384
     # a Zipf-like draw: many repeated ids, as in text
