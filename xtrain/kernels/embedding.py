@@ -932,8 +932,11 @@ TIER_A_AHEAD = 4
 # tier B's heavy ids (seen more than K2 times) in segments of this many of their tokens (0: each id whole, by one
 # program per column block), an id longer than one segment summed as fp32 partial rows that a second small kernel
 # adds in order: otherwise a batch of mostly one id (padding, say) is summed by only C / BLOCK_C programs. H200,
-# session 21 (bench/slots_probe.py): every token one id, N = 16k, V = 32000, C = 2048: 0.387 ms with 0. Not measured
-# with segments yet, so off
+# session 21 (bench/slots_probe.py): every token one id, N = 16k, V = 32000, C = 2048: 0.387 ms with 0. Session 22:
+# 0.185-0.191 ms with 256, 512, 1024 or 2048 (the same with each: the rest is the one id's 13.7 us slots pass on one
+# counter and the listing); on the bench's Zipf-like ids 1024 / 256 took 0.1125-0.1129 / 0.1125-0.1127 ms against
+# 0.1124-0.1126 off, and 512 with the two list settings below 0.1124-0.1128 against their 0.1114-0.1117 (the merge
+# launch ends the heavy chain). So off by default: a batch dominated by one id (padding) should set it
 TIER_B_SEG = 0
 # the memory order of the slots passes' integer atomics (the counts and the list lengths): "acq_rel" (Triton's
 # default) or "relaxed". Only their atomicity is needed: the passes that read the slots and lists run after this
@@ -943,12 +946,14 @@ SLOTS_SEM = "relaxed"
 # the tiers slots pass's three list appends (medium, heavy, named ids): False, each list's atomic then its stores,
 # then the next list's (each store waits for its atomic's answer, so the three round trips follow one another);
 # True, the three atomics first. bench/slots_probe.py (session 21): the pass took 4.9 us on the bench's Zipf-like
-# ids (most programs append to two lists), 3.5 on uniform ids and 2.9 on distinct ones (one list). Not measured yet
-SLOTS_APPEND_TOGETHER = False
+# ids (most programs append to two lists), 3.5 on uniform ids and 2.9 on distinct ones (one list). Session 22, with
+# ROWS_FIRST (bench/embedding_tiers_probe.py, two processes, three alternating rounds): 0.1114-0.1117 / 0.1122-0.1126 ms
+# against 0.1124-0.1126 / 0.1131-0.1132 for both off; ROWS_FIRST alone 0.1123-0.1128, this alone 0.1129-0.1130
+SLOTS_APPEND_TOGETHER = True
 # with ROWS_ROLES: the slots pass also lists each named id's slot-0 token beside it, and the rows grid writes a row of
 # one token (~3 in 4 of the named rows on the bench's ids) from that list, without loading the row's slots (one
-# dependent load fewer per program). Same bits. Not measured yet
-ROWS_FIRST = False
+# dependent load fewer per program). Same bits. Measured with SLOTS_APPEND_TOGETHER (above): both on took ~1 us off
+ROWS_FIRST = True
 # the tiers form for at most this many tokens, the rows form above: each heavy id's list is a scan of all N ids, so
 # the listing grows as N x (ids seen more than K2 times). H200, fp32, V = 32000, C = 2048, Zipf-like ids
 # (bench/embedding_tiers_probe.py --N): tiers / rows 0.120 / 0.127 ms at N = 16k, 0.161-0.164 / 0.165-0.166 at 32k,
