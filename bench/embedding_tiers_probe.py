@@ -12,7 +12,8 @@ ids seen 5-64 times to one persistent kernel that orders each row's slots by ran
 to a scan-built token list and a persistent sum: no global sort, two short chains. Each row of the table prints the
 op's GPU time and its fraction of the copy bandwidth, in alternating rounds; ``--timeline`` adds torch.profiler
 timelines (kernel start, duration, stream). ``--tiers`` takes ``TIERS`` tuples (see ``TIERS_DEFAULTS``) to time
-besides the default; ``--knobs`` runs the tiers form with other module knobs (session 19).
+besides the default; ``--knobs`` runs the tiers form with other module knobs (session 19); the pseudo-knob PLAN=True
+gives the backward the ids-only part made ahead (``embedding_bwd_plan``, session 22).
 """
 
 from __future__ import annotations
@@ -63,10 +64,14 @@ def main(argv=None) -> int:
     forms += [(f"tiers {t}", tiers, {"TIERS": tuple(int(x) for x in t.split(","))}) for t in args.tiers.split(";") if t]
     forms += [(f"tiers {kv}", tiers, parse_knobs(kv)) for kv in args.knobs.split(";") if kv]
     ref = K.embedding_bwd_ref(d.double(), ids, V)
+    # the pseudo-knob PLAN=True: the backward given the plan (embedding_bwd_plan) made once, ahead
+    wants = {name: bool(t.pop("PLAN", False)) for name, cfg, t in forms}
+    plans = {}
     for name, cfg, t in forms:
         with _form(cfg, t):
-            a = K.embedding_bwd_triton(d, ids, V)
-            same = torch.equal(a, K.embedding_bwd_triton(d, ids, V))
+            plans[name] = K.embedding_bwd_plan(ids, V, C, d.dtype) if wants[name] else None
+            a = K.embedding_bwd_triton(d, ids, V, plans[name])
+            same = torch.equal(a, K.embedding_bwd_triton(d, ids, V, plans[name]))
         print(f"{name}: max abs error {float((a.double() - ref).abs().max()):.2e} against fp64, "
               f"{'the same bits twice' if same else 'NOT the same bits twice'}")
     warm_up()
@@ -75,16 +80,16 @@ def main(argv=None) -> int:
     row = Recorder(args.reps, copy_tbs, 60)
     for rnd in range(3):
         for name, cfg, t in (forms if rnd % 2 == 0 else forms[::-1]):
-            def call(cfg=cfg, t=t):
+            def call(cfg=cfg, t=t, plan=plans[name]):
                 with _form(cfg, t):
-                    return K.embedding_bwd_triton(d, ids, V)
+                    return K.embedding_bwd_triton(d, ids, V, plan)
             row(f"{name}, round {rnd}", call, must)
     if args.timeline:
         from bench.embedding_timeline import print_timeline, timeline
 
         for name, cfg, t in forms:
             with _form(cfg, t):
-                print_timeline(name, timeline(lambda: K.embedding_bwd_triton(d, ids, V)))
+                print_timeline(name, timeline(lambda plan=plans[name]: K.embedding_bwd_triton(d, ids, V, plan)))
     return 0
 
 

@@ -209,6 +209,23 @@ def _embedding(N, V, C, dt):
     d = _rand(N, C, dtype=dt)
     yield (f"embedding bwd N={N} V={V} C={C} {_name(dt)}", N * C * e + V * C * e + 8 * N,
            lambda: K.embedding_bwd_triton(d, ids, V), lambda: K.embedding_bwd_ref(d, ids, V))
+    plan = K.embedding_bwd_plan(ids, V, C, dt)
+    if plan is None:  # the backward's form here takes no plan (bf16)
+        return
+    # session 22: what ops.embedding runs in training: the forward launches the backward's ids-only part (the slots
+    # pass and lists) on a side stream beside its gather, and the backward starts at its rows grid. First the backward
+    # given a plan made before; then forward + backward, the plan made in the forward, against both without a plan
+    yield (f"embedding bwd N={N} V={V} C={C} {_name(dt)}, plan made before", N * C * e + V * C * e + 8 * N,
+           lambda: K.embedding_bwd_triton(d, ids, V, plan), lambda: K.embedding_bwd_ref(d, ids, V))
+    table = _rand(V, C, dtype=dt)
+
+    def planned():
+        out, p = K.embedding_fwd_planned(ids, table)
+        return out, K.embedding_bwd_triton(d, ids, V, p)
+
+    yield (f"embedding fwd + bwd N={N} V={V} C={C} {_name(dt)}, plan made in the fwd (ref: Triton, no plan)",
+           3 * N * C * e + V * C * e + 16 * N, planned,
+           lambda: (K.embedding_fwd(ids, table), K.embedding_bwd_triton(d, ids, V)))
 
 
 GROUPS = {"rms_norm": rms_cases, "rope": rope_cases, "swiglu": swiglu_cases, "dropout": dropout_cases,

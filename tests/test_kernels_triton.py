@@ -458,6 +458,51 @@ def test_embedding_bwd_roles_same_bits_cpu(form, name, monkeypatch):
 
 
 @needs_cpu_interp
+def test_embedding_bwd_plan_same_bits_cpu(monkeypatch):
+    """The backward given the ids-only part made ahead (``embedding_bwd_plan_triton``) writes every row and gives
+    the same bits as the backward that makes it itself, with heavy ids (the heavy lists are the plan's), the
+    one-token rows (ROWS_FIRST) on and off and tier B in segments; the plan is only read, so a second backward with
+    it gives the same bits again; a plan for other ids, sizes or settings raises, as does a plan that is not one;
+    forms that do not use a plan (bf16's "side", above TIERS_MAX_N tokens) get None."""
+    monkeypatch.setattr(K_emb, "CONFIG", (4, 32, 4, "tiers", 16, True))
+    monkeypatch.setattr(K_emb, "TIERS", (8, 4, 16, 4, 1, 4, 16, 4, 1, 64))
+    monkeypatch.setattr(K_emb, "ROWS", (4, 1, 16, 4))
+    g = torch.Generator().manual_seed(5)
+    ids = torch.cat([(torch.rand(150, generator=g) ** 3 * 60).long(), torch.full((30,), 7), torch.tensor([63, 64, 69])])
+    ids = ids[torch.randperm(ids.numel(), generator=g)].view(3, -1)
+    d = torch.randn(*ids.shape, 37, generator=g)
+    V = 70
+    assert int(torch.bincount(ids.flatten()).max()) > 8  # a heavy id (more than K2 = 8 tokens)
+    for first, seg in ((True, 0), (False, 0), (True, 4)):
+        with monkeypatch.context() as m:
+            m.setattr(K_emb, "ROWS_FIRST", first)
+            m.setattr(K_emb, "TIER_B_SEG", seg)
+            ref = K_emb.embedding_bwd_triton(d, ids, V)
+            assert _max_err(ref, K_emb.embedding_bwd_ref(d, ids, V)) <= CPU_TOL
+            plan = K_emb.embedding_bwd_plan_triton(ids, V, 37, torch.float32)
+            assert isinstance(plan, K_emb.EmbeddingBwdPlan)
+            for _ in range(2):
+                with poisoned():
+                    assert torch.equal(K_emb.embedding_bwd_triton(d, ids, V, plan), ref), (first, seg)
+    plan = K_emb.embedding_bwd_plan_triton(ids, V, 37, torch.float32)
+    for bad in ((d, ids.clone(), V), (d, ids, V + 1), (d[..., :36], ids, V), (d.half(), ids, V)):
+        with pytest.raises(ValueError, match="plan was made for"):
+            K_emb.embedding_bwd_triton(*bad, plan=plan)
+    with pytest.raises(ValueError, match="must be an EmbeddingBwdPlan"):
+        K_emb.embedding_bwd_triton(d, ids, V, plan="plan")
+    monkeypatch.setattr(K_emb, "ROWS_FIRST", not K_emb.ROWS_FIRST)
+    with pytest.raises(ValueError, match="settings changed since"):
+        K_emb.embedding_bwd_triton(d, ids, V, plan)
+    with pytest.raises(ValueError, match="positive integers"):
+        K_emb.embedding_bwd_plan_triton(ids, 0, 37, torch.float32)
+    monkeypatch.setattr(K_emb, "CONFIG", None)
+    assert K_emb.embedding_bwd_plan_triton(ids, V, 37, torch.bfloat16) is None  # bf16: the "side" form
+    monkeypatch.setattr(K_emb, "TIERS_MAX_N", ids.numel() - 1)
+    assert K_emb.embedding_bwd_plan_triton(ids, V, 37, torch.float32) is None  # the rows form
+    assert K_emb.embedding_bwd_plan(ids, V, 37, torch.float32) is None  # CPU tensors: the reference, no plan
+
+
+@needs_cpu_interp
 def test_embedding_zero_fill_kernel_cpu():
     """The tiers form's counts fill (``FILL_PDL`` on the GPU): exactly the first n of a poisoned buffer zeroed."""
     x = torch.full((50,), 7, dtype=torch.int32)
@@ -877,3 +922,40 @@ def test_embedding_bwd_tiers_plan_gpu(monkeypatch):
             a = K_emb.embedding_bwd_triton(d, ids, V)
         assert _rel(a, K_emb.embedding_bwd_ref(d.double(), ids, V)) < _tol(torch.float32), step
     assert len(K_emb._TIER_PLANS) == 3  # int64 ids, int32 ids, the changed TIERS
+
+
+@gpu
+@pytest.mark.parametrize("case", ["default", "segments, no one-token rows"])
+def test_embedding_fwd_planned_gpu(case, monkeypatch):
+    """The fp32 backward given the plan the forward launched on a side stream beside its gather
+    (``embedding_fwd_planned``; the backward, called at once, must wait for it): the forward's rows are table[ids],
+    the backward's bits are those of the backward that makes the plan itself (poisoned output, the plan read twice,
+    with a heavy id of 3000 tokens), across calls of new ids and dout with the launch plans cached; the op
+    (``ops.embedding``) uses it and its gradient matches the fp64 reference; bf16 gets no plan."""
+    from xtrain import ops
+    from xtrain.autograd import Var
+
+    if case != "default":
+        monkeypatch.setattr(K_emb, "TIER_B_SEG", 1024)
+        monkeypatch.setattr(K_emb, "ROWS_FIRST", False)
+    V, C, N = 32000, 1024, 16384
+    for step in range(3):
+        g = torch.Generator(device="cuda").manual_seed(10 + step)
+        ids = (torch.rand(N, device="cuda", generator=g) ** 3 * V).long().clamp_max(V - 1)
+        ids[torch.randperm(N, device="cuda", generator=g)[:3000]] = 11  # a heavy id (tier B)
+        ids = ids.reshape(4, N // 4)
+        table = torch.randn(V, C, device="cuda", generator=g)
+        d = torch.randn(4, N // 4, C, device="cuda", generator=g)
+        out, plan = K_emb.embedding_fwd_planned(ids, table)
+        assert plan is not None and plan.ready is not None and torch.equal(out, table[ids])
+        with poisoned():
+            ref = K_emb.embedding_bwd_triton(d, ids, V)
+        for _ in range(2):
+            with poisoned():
+                assert torch.equal(K_emb.embedding_bwd_triton(d, ids, V, plan), ref), step
+    assert _rel(ref, K_emb.embedding_bwd_ref(d.double(), ids, V)) < _tol(torch.float32)
+    w = Var(table, requires_grad=True)
+    y = ops.embedding(ids, w)
+    y.backward(d)
+    assert torch.equal(w.grad, ref)
+    assert K_emb.embedding_fwd_planned(ids, table.bfloat16())[1] is None  # bf16: the "side" form

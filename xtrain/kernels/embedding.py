@@ -1099,102 +1099,242 @@ _TIER_PLANS = PlanCache()  # the tiers form's launches on CUDA, by everything th
 TIER_PLANS = True  # use them (False: every call launches through the JIT)
 
 
-def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, esize: int) -> torch.Tensor:
+def _tiers_settings(esize: int) -> tuple:
+    """Every module setting the tiers form reads, for its launch-plan keys and to check a made-ahead plan."""
+    return (CONFIG, TIERS_MAX_N, TIERS if TIERS is not None else TIERS_DEFAULTS[esize], _rows_config(esize),
+            bool(FILL_PDL), bool(ROWS_PDL),
+            bool(ROWS_MAIN_FIRST), ROWS_EVICT, ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, bool(SLOTS_APPEND_TOGETHER),
+            bool(ROWS_FIRST), ROWS_ROLES, TIER_A_AHEAD, TIER_B_SEG)
+
+
+class _Tiers:
+    """The tiers form's settings for one (N, V, C, element size), checked, and its int32 workspace: one allocation
+    holding the counts, the three list lengths and the largest heavy count (zeroed), the slots, the medium ids (seen
+    more than K times), the heavy ids, their list offsets, the heavy lists, and with ROWS_ROLES the named ids (and with
+    ROWS_FIRST their slot-0 tokens), each at a 128-byte boundary."""
+
+    def __init__(self, N: int, V: int, C: int, esize: int, dev: torch.device):
+        self.N, self.V, self.C, self.esize = N, V, C, esize
+        self.settings = _tiers_settings(esize)
+        tiers = self.settings[2]
+        k2, self.mt, abc, self.aw, self.aps, self.ht, bbc, self.bw, self.bps, self.scan = tiers
+        self.rcfg = rcfg = _rows_config(esize)
+        self.heavy_k = heavy_k = rcfg[0]
+        # the [K2, V] int32 slots stay no larger than an fp32 [V, C] table where C >= 2K
+        self.k2 = k2 = min(k2, max(2 * heavy_k, 1 << (C.bit_length() - 1)))
+        if not (k2 > heavy_k and all(_pow2(x) for x in (k2, self.mt, abc, self.ht, bbc, self.scan))
+                and self.aps >= 1 and self.bps >= 1):
+            raise ValueError(f"embedding_bwd: TIERS needs K2 above the rows' K = {heavy_k}, powers of two for K2, MT, "
+                             f"the column blocks, HT and SCAN, and programs per SM >= 1, got {TIERS!r}")
+        if not (TIER_A_AHEAD == 0 or (isinstance(TIER_A_AHEAD, int) and _pow2(TIER_A_AHEAD))):
+            raise ValueError(f"embedding_bwd: TIER_A_AHEAD must be 0 or a power of two, got {TIER_A_AHEAD!r}")
+        self.seg = seg = TIER_B_SEG
+        if seg and not (_pow2(seg) and seg % self.ht == 0):
+            raise ValueError(f"embedding_bwd: TIER_B_SEG must be 0 or a power of two and a multiple of HT = {self.ht}, "
+                             f"got {seg!r}")
+        self.sem = _slots_sem()
+        self.hcap = hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
+        self.roles = roles = _roles_on(ROWS_ROLES, "ROWS_ROLES", rcfg)
+        first_on = roles and bool(ROWS_FIRST)
+        sizes = [V + 4, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else []) + ([N] if first_on
+                                                                                                  else [])
+        padded = [-(-n // 32) * 32 for n in sizes]
+        self.ws = torch.empty(sum(padded), dtype=torch.int32, device=dev)
+        self.zeroed, slots, self.med, self.heavy, self.hbase, self.hlist, *lists = (
+            v[:n] for v, n in zip(torch.split(self.ws, padded), sizes))
+        self.named = lists[0] if roles else None
+        self.first = lists[1] if first_on else None
+        self.slots = slots.view(k2, V)
+        self.counts, self.nlist = self.zeroed[:V], self.zeroed[V:]
+        self.fill_pdl = bool(FILL_PDL) and pdl_ok(self.ws)
+        self.pdl = bool(ROWS_PDL) and pdl_ok(self.ws)
+        self.n_sm = sm_count(dev) if self.ws.is_cuda else 1
+        self.abc, self.bbc = min(abc, triton.next_power_of_2(C)), min(bbc, triton.next_power_of_2(C))
+        self.n_hcb = triton.cdiv(C, self.bbc)
+
+    def launcher(self, key):
+        """(launch, done): launch(name, kernel, grid, args, **options) runs a launch, on CUDA through the plan cached
+        under key (``CachedLaunch``: only the per-call tensors are passed) or, the first time, through the JIT while
+        keeping the plan, which done() stores; key None (the CPU interpreter, TIER_PLANS off): the JIT every time."""
+        plan = _TIER_PLANS.get(key) if key is not None else None
+        made = {}
+
+        def launch(name, kernel, grid, args, **options):
+            if plan is not None:
+                plan[name](**{k: v for k, v in args.items() if is_per_call(v)})
+            elif key is not None:
+                made[name] = launch_cached(kernel, grid, args, **options)
+            else:
+                kernel[grid](**args, **options)
+
+        def done():
+            if key is not None and plan is None:
+                _TIER_PLANS.put(key, made)
+
+        return launch, done
+
+    def key(self, *parts):
+        """A launch-plan key: the settings, the sizes, the workspace's alignment and the given parts (None on the CPU
+        interpreter or with TIER_PLANS off)."""
+        if self.ws.is_cuda and TIER_PLANS:
+            return (self.N, self.V, self.C, self.esize, self.ws.device, self.settings, self.ws.data_ptr() % 128) + parts
+        return None
+
+    def tier_a(self, launch, name: str, programs: int, heavy_part: bool, med_part: bool, flat, d2=None, dtable=None):
+        """Tier A's kernel: heavy_part, the heavy ids' token lists (ids only: with no d2, the gradient pointers are
+        the counts, which that part never reads through them); med_part, the medium rows."""
+        launch(name, _embedding_tier_a_kernel, (programs,),
+               dict(IDS=flat, DOUT=self.counts if d2 is None else d2, COUNTS=self.counts, SLOTS=self.slots,
+                    MED=self.med, HEAVY=self.heavy, NLIST=self.nlist, HLIST=self.hlist, HBASE=self.hbase,
+                    DTABLE=self.counts if dtable is None else dtable, N=self.N, V=self.V, C=self.C, K2=self.k2,
+                    MT=self.mt, BLOCK_C=self.abc, SCAN=self.scan, DO_HEAVY=heavy_part, DO_MED=med_part,
+                    AHEAD=TIER_A_AHEAD if med_part else 0, MAXC=heavy_part and self.seg > 0),
+               num_warps=self.aw)
+
+    def ids_part(self, launch, flat, rows_pdl: bool) -> None:
+        """The counts zeroed and the slots pass (rows_pdl: the rows grid comes next, as its programmatic dependent)."""
+        N, V = self.N, self.V
+        if self.fill_pdl:
+            launch("fill", _zero_i32_kernel, (triton.cdiv(V + 4, 4096),),
+                   dict(X=self.zeroed, n=V + 4, BLOCK=4096, PDL=True), num_warps=4)
+        else:
+            self.zeroed.zero_()
+        launch("slots", _embedding_tier_slots_kernel, (triton.cdiv(N, SLOTS_BLOCK),),
+               dict(IDS=flat, COUNTS=self.counts, SLOTS=self.slots, MED=self.med, HEAVY=self.heavy, NLIST=self.nlist,
+                    N=N, V=V, K=self.heavy_k, K2=self.k2, BLOCK=SLOTS_BLOCK, PDL=rows_pdl, WAIT=self.fill_pdl,
+                    NAMED=self.named, LIST_NAMED=self.roles, SEM=self.sem, TOGETHER=bool(SLOTS_APPEND_TOGETHER),
+                    FIRST=self.first),
+               num_warps=4, **({"launch_pdl": True} if self.fill_pdl else {}))
+
+
+class EmbeddingBwdPlan:
+    """The ids-only part of the fp32 backward's tiers form, made ahead of the backward (``embedding_bwd_plan``,
+    ``embedding_fwd_planned``): the counts, slots and lists of the slots pass and the heavy ids' token lists. The
+    backward given it launches only the rows grid and the medium and heavy sums, and reads it without writing, so one
+    plan serves any number of backward calls with the same ids (which must not change in between). It holds the
+    form's int32 workspace: (V + 4 + K2 V + ~3 N) x 4 bytes, 8.5 MB at N = 16k, V = 32000."""
+
+    __slots__ = ("_t", "flat", "ready")
+
+    def __init__(self, t: _Tiers, flat: torch.Tensor):
+        self._t, self.flat = t, flat
+        self.ready = None  # made on a side stream (``embedding_fwd_planned``): its end, for the backward to wait for
+
+    def check(self, dout: torch.Tensor, flat: torch.Tensor, V: int, esize: int) -> None:
+        t = self._t
+        if (t.N, t.V, t.C, t.esize) != (flat.numel(), V, dout.shape[-1], esize) or flat.data_ptr() != \
+                self.flat.data_ptr():
+            raise ValueError(f"embedding_bwd: the plan was made for {t.N} ids at {self.flat.data_ptr():#x}, V = {t.V}, "
+                             f"C = {t.C}, {t.esize}-byte elements; got dout {tuple(dout.shape)} ({dout.dtype}), ids "
+                             f"{tuple(flat.shape)} at {flat.data_ptr():#x}, V = {V}")
+        if t.settings != _tiers_settings(esize):
+            raise ValueError("embedding_bwd: the tiers settings changed since the plan was made; make a new one")
+
+
+def _plans_for(N: int, esize: int) -> bool:
+    """Whether the backward takes the tiers form (so a plan has a use) for N tokens of this element size."""
+    cfg = CONFIG if CONFIG is not None else DEFAULTS[esize]
+    return cfg[3] == "tiers" and 0 < N <= TIERS_MAX_N
+
+
+def embedding_bwd_plan_triton(ids: torch.Tensor, V: int, C: int, dtype: torch.dtype) -> EmbeddingBwdPlan | None:
+    """The ids-only part of ``embedding_bwd_triton`` for dout of [..., C] in dtype, launched now on the current stream
+    (fill, slots pass, heavy lists: ~6 us on the H200 at N = 16k), or None where the backward takes another form."""
+    plan = _plan_start(ids, V, C, dtype)
+    if plan is not None:
+        _plan_launches(plan)
+    return plan
+
+
+def _plan_start(ids: torch.Tensor, V: int, C: int, dtype: torch.dtype):
+    """(the plan, its launches' closure arguments) with the workspace allocated on the current stream, or None."""
+    if not isinstance(V, int) or not isinstance(C, int) or V < 1 or C < 1:
+        raise ValueError(f"embedding_bwd_plan: V and C must be positive integers, got V = {V!r}, C = {C!r} for ids "
+                         f"{tuple(ids.shape)}")
+    esize = 2 if torch.empty(0, dtype=dtype).element_size() <= 2 else 4
+    flat = ids.reshape(-1).contiguous()
+    if not _plans_for(flat.numel(), esize):
+        return None
+    return EmbeddingBwdPlan(_Tiers(flat.numel(), V, C, esize, ids.device), flat)
+
+
+def _plan_launches(plan: EmbeddingBwdPlan) -> None:
+    t, flat = plan._t, plan.flat
+    launch, done = t.launcher(t.key("plan", flat.dtype, flat.stride(), flat.data_ptr() % 16))
+    t.ids_part(launch, flat, rows_pdl=False)
+    t.tier_a(launch, "tier a, heavy", min(t.hcap, t.n_sm), True, False, flat)
+    done()
+
+
+def embedding_bwd_plan(ids: torch.Tensor, V: int, C: int, dtype: torch.dtype) -> EmbeddingBwdPlan | None:
+    """``embedding_bwd_plan_triton`` where the backward runs Triton (CUDA), else None (the reference needs no plan)."""
+    if dtype == torch.float64 or not use_triton(ids):
+        return None
+    return embedding_bwd_plan_triton(ids, V, C, dtype)
+
+
+def embedding_fwd_planned(ids: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, EmbeddingBwdPlan | None]:
+    """(``embedding_fwd(ids, table)``, ``embedding_bwd_plan(ids, V, C, table.dtype)``). On CUDA the plan's launches
+    (small and latency-bound) go to a high-priority side stream beside the gather, and this stream does not wait for
+    them: the backward given the plan waits for its event instead, so the steps after the forward overlap the plan
+    too. The plan's workspace (and a contiguous copy of the ids, if one was made) is allocated on this stream before
+    and marked as used by the side stream, so the caching allocator reuses neither before the side stream is done."""
+    V, C = table.shape
+    if table.dtype == torch.float64 or not use_triton(ids, table):
+        return embedding_fwd(ids, table), None
+    plan = _plan_start(ids, int(V), int(C), table.dtype)
+    if plan is None:
+        return embedding_fwd(ids, table), None
+    main = torch.cuda.current_stream(table.device)
+    side = side_stream(table.device, high_priority=True)
+    side.wait_stream(main)
+    out = embedding_fwd(ids, table)
+    with torch.cuda.stream(side):
+        _plan_launches(plan)
+        plan.ready = torch.cuda.Event()
+        plan.ready.record(side)
+    plan._t.ws.record_stream(side)
+    plan.flat.record_stream(side)
+    return out, plan
+
+
+def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, esize: int,
+           plan: EmbeddingBwdPlan | None = None) -> torch.Tensor:
     """The "tiers" form (module docstring): the slots pass, then the rows grid (rows seen at most K times) on this
     stream beside two high-priority side streams, one for the medium rows (tier A), one for the heavy ids' lists
-    (tier A) and sums (tier B). Every row is written once.
-    On CUDA the six launches are kept as a plan (``_dispatch.CachedLaunch``) under a key of the shapes, dtypes,
+    (tier A) and sums (tier B). Every row is written once. Given a plan (``embedding_bwd_plan``), the slots pass and
+    the heavy lists are its, made before: the rows grid starts at once.
+    On CUDA the launches are kept as a plan (``_dispatch.CachedLaunch``) under a key of the shapes, dtypes,
     device, pointer alignments and every module setting read here; later calls with that key pass only their
-    tensors (the JIT's binding and specialisation cost tens of microseconds of host time per launch). The int32
-    buffers are views of one allocation, each at a 128-byte boundary."""
+    tensors (the JIT's binding and specialisation cost tens of microseconds of host time per launch)."""
     N, C = d2.shape
     dev = d2.device
-    tiers = TIERS if TIERS is not None else TIERS_DEFAULTS[esize]
-    k2, mt, abc, aw, aps, ht, bbc, bw, bps, scan = tiers
-    rcfg = _rows_config(esize)
-    heavy_k = rcfg[0]
-    # the [K2, V] int32 slots stay no larger than an fp32 [V, C] table where C >= 2K
-    k2 = min(k2, max(2 * heavy_k, 1 << (C.bit_length() - 1)))
-    if not (k2 > heavy_k and all(_pow2(x) for x in (k2, mt, abc, ht, bbc, scan)) and aps >= 1 and bps >= 1):
-        raise ValueError(f"embedding_bwd: TIERS needs K2 above the rows' K = {heavy_k}, powers of two for K2, MT, the "
-                         f"column blocks, HT and SCAN, and programs per SM >= 1, got {TIERS!r}")
-    if not (TIER_A_AHEAD == 0 or (isinstance(TIER_A_AHEAD, int) and _pow2(TIER_A_AHEAD))):
-        raise ValueError(f"embedding_bwd: TIER_A_AHEAD must be 0 or a power of two, got {TIER_A_AHEAD!r}")
-    fill_pdl = bool(FILL_PDL) and pdl_ok(d2)
-    pdl = bool(ROWS_PDL) and pdl_ok(d2)
-    hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
-    seg = TIER_B_SEG
-    if seg and not (_pow2(seg) and seg % ht == 0):
-        raise ValueError(f"embedding_bwd: TIER_B_SEG must be 0 or a power of two and a multiple of HT = {ht}, got "
-                         f"{seg!r}")
+    t = _Tiers(N, V, C, esize, dev) if plan is None else plan._t
+    seg, hcap = t.seg, t.hcap
     # fp32 partial rows of the segments of ids longer than seg (rows HBASE[h] // seg + h + segment: N // seg + hcap)
     part = torch.empty(N // seg + hcap + 1, C, dtype=torch.float32, device=dev) if seg else None
-    # one int32 workspace: the counts, the three list lengths and the largest heavy count (zeroed), the slots, the
-    # medium ids (seen more than K times), the heavy ids, their list offsets, the heavy lists, and with ROWS_ROLES the
-    # named ids
-    roles = _roles_on(ROWS_ROLES, "ROWS_ROLES", rcfg)
-    first_on = roles and bool(ROWS_FIRST)
-    sizes = [V + 4, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else []) + ([N] if first_on else [])
-    padded = [-(-n // 32) * 32 for n in sizes]
-    ws = torch.empty(sum(padded), dtype=torch.int32, device=dev)
-    zeroed, slots, med, heavy, hbase, hlist, *lists = (v[:n] for v, n in zip(torch.split(ws, padded), sizes))
-    named = lists[0] if roles else None
-    first = lists[1] if first_on else None
-    slots = slots.view(k2, V)
-    counts, nlist = zeroed[:V], zeroed[V:]
-    n_sm = sm_count(dev) if d2.is_cuda else 1
-    abc, bbc = min(abc, triton.next_power_of_2(C)), min(bbc, triton.next_power_of_2(C))
-    n_hcb = triton.cdiv(C, bbc)
-    key = None
-    if d2.is_cuda and TIER_PLANS:
-        key = (N, V, C, d2.dtype, flat.dtype, dev, tiers, rcfg, fill_pdl, pdl, bool(ROWS_MAIN_FIRST), ROWS_EVICT,
-               ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, SLOTS_APPEND_TOGETHER, ROWS_FIRST, ROWS_ROLES, TIER_A_AHEAD,
-               TIER_B_SEG, d2.stride(), flat.stride(), d2.data_ptr() % 16, flat.data_ptr() % 16,
-               dtable.data_ptr() % 16, ws.data_ptr() % 128)
-    plan = _TIER_PLANS.get(key) if key is not None else None
-    made = {}
-
-    def launch(name, kernel, grid, args, **options):
-        if plan is not None:
-            plan[name](**{k: v for k, v in args.items() if is_per_call(v)})
-        elif key is not None:
-            made[name] = launch_cached(kernel, grid, args, **options)
-        else:
-            kernel[grid](**args, **options)
-
-    if fill_pdl:
-        launch("fill", _zero_i32_kernel, (triton.cdiv(V + 4, 4096),), dict(X=zeroed, n=V + 4, BLOCK=4096, PDL=True),
-               num_warps=4)
-    else:
-        zeroed.zero_()
-    launch("slots", _embedding_tier_slots_kernel, (triton.cdiv(N, SLOTS_BLOCK),),
-           dict(IDS=flat, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, N=N, V=V, K=heavy_k, K2=k2,
-                BLOCK=SLOTS_BLOCK, PDL=pdl, WAIT=fill_pdl, NAMED=named, LIST_NAMED=roles, SEM=_slots_sem(),
-                TOGETHER=bool(SLOTS_APPEND_TOGETHER), FIRST=first),
-           num_warps=4, **({"launch_pdl": True} if fill_pdl else {}))
-    a_args = dict(IDS=flat, DOUT=d2, COUNTS=counts, SLOTS=slots, MED=med, HEAVY=heavy, NLIST=nlist, HLIST=hlist,
-                  HBASE=hbase, DTABLE=dtable, N=N, V=V, C=C, K2=k2, MT=mt, BLOCK_C=abc, SCAN=scan)
-
-    def tier_a(name: str, programs: int, heavy_part: bool, med_part: bool):
-        launch(name, _embedding_tier_a_kernel, (programs,),
-               dict(a_args, DO_HEAVY=heavy_part, DO_MED=med_part, AHEAD=TIER_A_AHEAD if med_part else 0,
-                    MAXC=heavy_part and seg > 0),
-               num_warps=aw)
+    pdl = t.pdl and plan is None
+    launch, done = t.launcher(t.key("bwd", plan is not None, d2.dtype, flat.dtype, d2.stride(), flat.stride(),
+                                    d2.data_ptr() % 16, flat.data_ptr() % 16, dtable.data_ptr() % 16))
+    if plan is None:
+        t.ids_part(launch, flat, pdl)
+    elif plan.ready is not None:
+        torch.cuda.current_stream(dev).wait_event(plan.ready)  # the plan's launches, on another stream
 
     def tier_b():
-        launch("tier b", _embedding_tier_b_kernel, (bps * n_sm,),
-               dict(DOUT=d2, COUNTS=counts, HEAVY=heavy, NLIST=nlist, HLIST=hlist, HBASE=hbase, DTABLE=dtable, C=C,
-                    n_cb=n_hcb, HT=ht, BLOCK_C=bbc, PART=part, SEG=seg),
-               num_warps=bw)
+        launch("tier b", _embedding_tier_b_kernel, (t.bps * t.n_sm,),
+               dict(DOUT=d2, COUNTS=t.counts, HEAVY=t.heavy, NLIST=t.nlist, HLIST=t.hlist, HBASE=t.hbase,
+                    DTABLE=dtable, C=C, n_cb=t.n_hcb, HT=t.ht, BLOCK_C=t.bbc, PART=part, SEG=seg),
+               num_warps=t.bw)
         if seg:
-            launch("tier b merge", _embedding_tier_b_merge_kernel, (bps * n_sm,),
-                   dict(COUNTS=counts, HEAVY=heavy, NLIST=nlist, HBASE=hbase, PART=part, DTABLE=dtable, C=C,
-                        n_cb=n_hcb, SEG=seg, BLOCK_C=bbc), num_warps=bw)
+            launch("tier b merge", _embedding_tier_b_merge_kernel, (t.bps * t.n_sm,),
+                   dict(COUNTS=t.counts, HEAVY=t.heavy, NLIST=t.nlist, HBASE=t.hbase, PART=part, DTABLE=dtable, C=C,
+                        n_cb=t.n_hcb, SEG=seg, BLOCK_C=t.bbc), num_warps=t.bw)
 
-    rargs = _roles_args(named, nlist[2:], ROWS_ROLES, N, n_sm, first) if roles else None
+    rargs = _roles_args(t.named, t.nlist[2:], ROWS_ROLES, N, t.n_sm, t.first) if t.roles else None
 
     def grid_pass():
-        kernel, grid, args, options = _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl, rargs)
+        kernel, grid, args, options = _rows_launch(d2, t.counts, t.slots, dtable, V, t.rcfg, pdl, rargs)
         launch("rows", kernel, grid, args, **options)
 
     def side():
@@ -1202,8 +1342,9 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         second = side_stream(dev, high_priority=True, which=1)
         second.wait_stream(here)
         with torch.cuda.stream(second):
-            tier_a("tier a, medium", aps * n_sm, False, True)
-        tier_a("tier a, heavy", min(hcap, n_sm), True, False)
+            t.tier_a(launch, "tier a, medium", t.aps * t.n_sm, False, True, flat, d2, dtable)
+        if plan is None:
+            t.tier_a(launch, "tier a, heavy", min(hcap, t.n_sm), True, False, flat, d2, dtable)
         tier_b()
         here.wait_stream(second)
 
@@ -1211,14 +1352,15 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
         run_side_by_side(dev, grid_pass, side, high_priority=True, main_first=bool(ROWS_MAIN_FIRST))
     else:
         grid_pass()
-        tier_a("tier a", aps * n_sm, True, True)
+        t.tier_a(launch, "tier a", t.aps * t.n_sm, plan is None, True, flat, d2, dtable)
         tier_b()
-    if key is not None and plan is None:
-        _TIER_PLANS.put(key, made)
+    done()
     return dtable
 
 
-def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
+def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int,
+                         plan: EmbeddingBwdPlan | None = None) -> torch.Tensor:
+    """The Triton backward (module docstring); plan: ``embedding_bwd_plan``'s for these ids (checked), or None."""
     C = dout.shape[-1]
     if ids.shape != dout.shape[:-1]:
         raise ValueError(f"embedding_bwd: dout {tuple(dout.shape)} must be ids {tuple(ids.shape)} + [C]")
@@ -1243,10 +1385,14 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
     n_chunks = triton.cdiv(N, CHUNK)
     flat = ids.reshape(-1).contiguous()
+    if plan is not None:
+        if not isinstance(plan, EmbeddingBwdPlan):
+            raise ValueError(f"embedding_bwd: plan must be an EmbeddingBwdPlan or None, got {type(plan).__name__}")
+        plan.check(d2, flat, V, esize)  # so the tiers form below
     if zero == "tiers" and N > TIERS_MAX_N:
         zero = "rows"
     if zero == "tiers":
-        return _tiers(d2, flat, dtable, V, esize)
+        return _tiers(d2, flat, dtable, V, esize, plan)
     heavy_k, counts, slots = 0, None, None
     if zero == "rows":
         rcfg = _rows_config(esize)
@@ -1324,7 +1470,9 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch
     return dtable
 
 
-def embedding_bwd(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
+def embedding_bwd(dout: torch.Tensor, ids: torch.Tensor, V: int, plan: EmbeddingBwdPlan | None = None) -> torch.Tensor:
+    """dtable from dout; plan (optional): ``embedding_bwd_plan``'s or ``embedding_fwd_planned``'s for these ids, which
+    the Triton backward then need not make (the reference needs none)."""
     if dout.dtype != torch.float64 and use_triton(dout, ids):
-        return embedding_bwd_triton(dout, ids, V)
+        return embedding_bwd_triton(dout, ids, V, plan)
     return embedding_bwd_ref(dout, ids, V)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from xtrain.autograd import Var
+from xtrain.autograd import Var, is_grad_enabled
 from xtrain.kernels import cross_entropy as K_ce
 from xtrain.kernels import dropout as K_dropout
 from xtrain.kernels import embedding as K_emb
@@ -32,8 +32,12 @@ def embedding(ids: torch.Tensor, table: Var) -> Var:
         lo, hi = int(ids.min()), int(ids.max())
         check(lo >= 0 and hi < V, "embedding", f"ids must lie in [0, {V}), got range [{lo}, {hi}]", ids, table)
 
-    return Var.from_op(K_emb.embedding_fwd(ids, table.data), (table,),
-                       lambda d: (K_emb.embedding_bwd(d, ids, V).to(table.dtype),), "embedding")
+    if is_grad_enabled() and table.requires_grad:
+        # the backward's ids-only part (its slots pass and lists), made beside the gather where the backward uses it
+        out, plan = K_emb.embedding_fwd_planned(ids, table.data)
+    else:
+        out, plan = K_emb.embedding_fwd(ids, table.data), None
+    return Var.from_op(out, (table,), lambda d: (K_emb.embedding_bwd(d, ids, V, plan).to(table.dtype),), "embedding")
 
 
 def rms_norm(x: Var, weight: Var, eps: float = 1e-6) -> Var:
