@@ -462,7 +462,8 @@ def test_embedding_bwd_plan_same_bits_cpu(monkeypatch):
     """The backward given the ids-only part made ahead (``embedding_bwd_plan_triton``) writes every row and gives
     the same bits as the backward that makes it itself, with heavy ids (the heavy lists are the plan's), the
     one-token rows (ROWS_FIRST) on and off and tier B in segments; the plan is only read, so a second backward with
-    it gives the same bits again; a plan for other ids, sizes or settings raises, as does a plan that is not one;
+    it gives the same bits again, also for ids that are not contiguous; a plan for other ids (another tensor, or the
+    same memory with other strides), sizes or settings raises, as does a plan that is not one;
     forms that do not use a plan (bf16's "side", above TIERS_MAX_N tokens) get None."""
     monkeypatch.setattr(K_emb, "CONFIG", (4, 32, 4, "tiers", 16, True))
     monkeypatch.setattr(K_emb, "TIERS", (8, 4, 16, 4, 1, 4, 16, 4, 1, 64))
@@ -484,6 +485,11 @@ def test_embedding_bwd_plan_same_bits_cpu(monkeypatch):
             for _ in range(2):
                 with poisoned():
                     assert torch.equal(K_emb.embedding_bwd_triton(d, ids, V, plan), ref), (first, seg)
+    ids_t, d_t = ids.t(), d.transpose(0, 1)  # ids not contiguous: the plan keeps its contiguous copy
+    plan = K_emb.embedding_bwd_plan_triton(ids_t, V, 37, torch.float32)
+    assert torch.equal(K_emb.embedding_bwd_triton(d_t, ids_t, V, plan), K_emb.embedding_bwd_triton(d_t, ids_t, V))
+    with pytest.raises(ValueError, match="plan was made for"):  # the same memory, other strides
+        K_emb.embedding_bwd_triton(d, ids, V, plan)
     plan = K_emb.embedding_bwd_plan_triton(ids, V, 37, torch.float32)
     for bad in ((d, ids.clone(), V), (d, ids, V + 1), (d[..., :36], ids, V), (d.half(), ids, V)):
         with pytest.raises(ValueError, match="plan was made for"):

@@ -1214,19 +1214,21 @@ class EmbeddingBwdPlan:
     plan serves any number of backward calls with the same ids (which must not change in between). It holds the
     form's int32 workspace: (V + 4 + K2 V + ~3 N) x 4 bytes, 8.5 MB at N = 16k, V = 32000."""
 
-    __slots__ = ("_t", "flat", "ready")
+    __slots__ = ("_t", "ids", "flat", "ready")
 
-    def __init__(self, t: _Tiers, flat: torch.Tensor):
-        self._t, self.flat = t, flat
+    def __init__(self, t: _Tiers, ids: torch.Tensor, flat: torch.Tensor):
+        self._t, self.ids, self.flat = t, ids, flat  # flat: the ids contiguous (a copy where ids are not)
         self.ready = None  # made on a side stream (``embedding_fwd_planned``): its end, for the backward to wait for
 
-    def check(self, dout: torch.Tensor, flat: torch.Tensor, V: int, esize: int) -> None:
-        t = self._t
-        if (t.N, t.V, t.C, t.esize) != (flat.numel(), V, dout.shape[-1], esize) or flat.data_ptr() != \
-                self.flat.data_ptr():
-            raise ValueError(f"embedding_bwd: the plan was made for {t.N} ids at {self.flat.data_ptr():#x}, V = {t.V}, "
-                             f"C = {t.C}, {t.esize}-byte elements; got dout {tuple(dout.shape)} ({dout.dtype}), ids "
-                             f"{tuple(flat.shape)} at {flat.data_ptr():#x}, V = {V}")
+    def check(self, dout: torch.Tensor, ids: torch.Tensor, V: int, esize: int) -> None:
+        """ValueError unless the backward's ids are the plan's (the same tensor: its memory, shape and strides; not
+        compared by value), V, C, the element size and the tiers settings as when it was made."""
+        t, mine = self._t, self.ids
+        if (t.N, t.V, t.C, t.esize) != (ids.numel(), V, dout.shape[-1], esize) or (
+                ids.data_ptr(), ids.shape, ids.stride()) != (mine.data_ptr(), mine.shape, mine.stride()):
+            raise ValueError(f"embedding_bwd: the plan was made for ids {tuple(mine.shape)} at {mine.data_ptr():#x}, "
+                             f"V = {t.V}, C = {t.C}, {t.esize}-byte elements; got dout {tuple(dout.shape)} "
+                             f"({dout.dtype}), ids {tuple(ids.shape)} at {ids.data_ptr():#x}, V = {V}")
         if t.settings != _tiers_settings(esize):
             raise ValueError("embedding_bwd: the tiers settings changed since the plan was made; make a new one")
 
@@ -1255,7 +1257,7 @@ def _plan_start(ids: torch.Tensor, V: int, C: int, dtype: torch.dtype):
     flat = ids.reshape(-1).contiguous()
     if not _plans_for(flat.numel(), esize):
         return None
-    return EmbeddingBwdPlan(_Tiers(flat.numel(), V, C, esize, ids.device), flat)
+    return EmbeddingBwdPlan(_Tiers(flat.numel(), V, C, esize, ids.device), ids, flat)
 
 
 def _plan_launches(plan: EmbeddingBwdPlan) -> None:
@@ -1384,11 +1386,13 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int,
     else:
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
     n_chunks = triton.cdiv(N, CHUNK)
-    flat = ids.reshape(-1).contiguous()
     if plan is not None:
         if not isinstance(plan, EmbeddingBwdPlan):
             raise ValueError(f"embedding_bwd: plan must be an EmbeddingBwdPlan or None, got {type(plan).__name__}")
-        plan.check(d2, flat, V, esize)  # so the tiers form below
+        plan.check(d2, ids, V, esize)  # so the tiers form below
+        flat = plan.flat
+    else:
+        flat = ids.reshape(-1).contiguous()
     if zero == "tiers" and N > TIERS_MAX_N:
         zero = "rows"
     if zero == "tiers":
