@@ -3,6 +3,9 @@
 Contract: embedding_fwd(ids[...], table[V, C]) -> out[..., C] (table.dtype)
           embedding_bwd(dout[..., C], ids, V) -> dtable[V, C] (dout.dtype): rows of dout added into the
           rows their ids name (an id seen k times gets k rows summed). No [N, V] one-hot is ever built.
+          embedding_bwd(dout, ids, V, plan): the same, given ``embedding_bwd_plan(ids, V, C, dtype)`` or the plan of
+          ``embedding_fwd_planned(ids, table) -> (out, plan)`` (None where the backward takes no plan: CPU, bf16's
+          form, more than TIERS_MAX_N tokens), the backward's ids-only part made ahead.
 
 Triton backward (deterministic: no floating-point atomics; no [V, C] temporary besides the gradient itself):
     order, sorted = stable sort of the N ids   (torch.sort, stable: a fixed summation order)
@@ -72,7 +75,14 @@ slots pass's atomics relaxed (4.6 us instead of 6.1) took the op from 0.117 to 0
 the named rows' slots loaded beside their counts (0.1156 ms), zero rows started on a counter the slots pass raises
 once its counts are in, ahead of the named rows (level; the pass slowed by 1-2 us), the list lengths 128 bytes apart
 (level). A batch of one id takes 0.387 ms (bench/slots_probe.py): tier B walks that id's 16k tokens with one
-program per 64 columns; TIER_B_SEG (segments, then an ordered merge) is written for it, not yet measured.
+program per 64 columns; with TIER_B_SEG (segments, then an ordered merge; off by default) 0.185-0.191 ms (session 22).
+Session 22: the slots pass's three list atomics issued before their stores and the one-token rows written from a list
+of slot-0 tokens (SLOTS_APPEND_TOGETHER, ROWS_FIRST): 0.111-0.113 ms (83-84 %). And the plan (``EmbeddingBwdPlan``):
+the fill, the slots pass and the heavy lists read only the ids, so the forward can make them
+(``embedding_fwd_planned``, which ``ops.embedding`` uses when the table needs a gradient) on a high-priority side
+stream beside its gather, without waiting for them; the backward given the plan waits for its event and launches only
+the rows grid and the tier A / tier B sums: 0.106 ms (88 %), the rows grid starting at once instead of ~5 us in, and
+forward + backward 0.174 ms against 0.177-0.179 without a plan.
 Sort keys: int32 (half the radix passes of int64) or int16 (ids - 32768, V <= 65536: half again).
 It is written in dout.dtype directly: the fp32 sum is rounded once, as in the reference, which accumulates a
 whole fp32 [V, C] table instead. Defaults (H200, bench/RESULTS.md, GPU time): bf16 the side streams with
