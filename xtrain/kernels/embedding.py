@@ -1259,7 +1259,7 @@ def embedding_bwd_plan_triton(ids: torch.Tensor, V: int, C: int, dtype: torch.dt
 
 
 def _plan_start(ids: torch.Tensor, V: int, C: int, dtype: torch.dtype):
-    """(the plan, its launches' closure arguments) with the workspace allocated on the current stream, or None."""
+    """The plan, its workspace allocated on the current stream and nothing launched yet, or None (no plan's use)."""
     if not isinstance(V, int) or not isinstance(C, int) or V < 1 or C < 1:
         raise ValueError(f"embedding_bwd_plan: V and C must be positive integers, got V = {V!r}, C = {C!r} for ids "
                          f"{tuple(ids.shape)}")
@@ -1379,6 +1379,10 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int,
     d2 = dout.reshape(-1, C).contiguous()  # [N, C]
     N = ids.numel()
     esize = 2 if dout.element_size() <= 2 else 4
+    if plan is not None:
+        if not isinstance(plan, EmbeddingBwdPlan):
+            raise ValueError(f"embedding_bwd: plan must be an EmbeddingBwdPlan or None, got {type(plan).__name__}")
+        plan.check(d2, ids, V, esize)  # so the tiers form below, and the plan's contiguous ids
     cfg = CONFIG if CONFIG is not None else DEFAULTS[esize]
     CHUNK, BLOCK_C, num_warps, zero = cfg[:4]
     if zero not in ("torch", "absent", "fused", "side", "rows", "tiers"):
@@ -1396,13 +1400,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int,
     else:
         dtable = torch.empty(V, C, dtype=dout.dtype, device=dout.device)
     n_chunks = triton.cdiv(N, CHUNK)
-    if plan is not None:
-        if not isinstance(plan, EmbeddingBwdPlan):
-            raise ValueError(f"embedding_bwd: plan must be an EmbeddingBwdPlan or None, got {type(plan).__name__}")
-        plan.check(d2, ids, V, esize)  # so the tiers form below
-        flat = plan.flat
-    else:
-        flat = ids.reshape(-1).contiguous()
+    flat = plan.flat if plan is not None else ids.reshape(-1).contiguous()
     if zero == "tiers" and N > TIERS_MAX_N:
         zero = "rows"
     if zero == "tiers":
