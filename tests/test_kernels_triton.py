@@ -873,8 +873,9 @@ _EMB_GPU_CASES = {
     "rows, grid in roles": ((16, 1024, 4, "rows", 16, True), {"ROWS_FORM_ROLES": -1, "ROWS": (4, 1, 1024, 8)}),
     # medium rows walked several a step, or (if that is the default) one
     "tiers, tier A's other walk": (_TIERS_CFG, {"TIER_A_AHEAD": 0 if K_emb.TIER_A_AHEAD else 4}),
-    # the heavy ids (~500 tokens at most here) in segments of 256
+    # the heavy ids (~500 tokens at most here) in segments of 256 (so some ids in two), or each id whole
     "tiers, tier B in segments": (_TIERS_CFG, {"TIER_B_SEG": 256}),
+    "tiers, tier B ids whole": (_TIERS_CFG, {"TIER_B_SEG": 0}),
     # SLOTS_APPEND_TOGETHER and ROWS_FIRST flipped
     "tiers, lists together, one-token rows": (_TIERS_CFG, {"SLOTS_APPEND_TOGETHER": not K_emb.SLOTS_APPEND_TOGETHER,
                                                           "ROWS_FIRST": not K_emb.ROWS_FIRST, "ROWS": _ONE_ROW}),
@@ -931,7 +932,7 @@ def test_embedding_bwd_tiers_plan_gpu(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("case", ["default", "segments, no one-token rows"])
+@pytest.mark.parametrize("case", ["default", "tier B's other form, no one-token rows"])
 def test_embedding_fwd_planned_gpu(case, monkeypatch):
     """The fp32 backward given the plan the forward launched on a side stream beside its gather
     (``embedding_fwd_planned``; the backward, called at once, must wait for it): the forward's rows are table[ids],
@@ -941,8 +942,8 @@ def test_embedding_fwd_planned_gpu(case, monkeypatch):
     from xtrain import ops
     from xtrain.autograd import Var
 
-    if case != "default":
-        monkeypatch.setattr(K_emb, "TIER_B_SEG", 1024)
+    if case != "default":  # the heavy id (3000 tokens) in segments or whole, whichever is not the default
+        monkeypatch.setattr(K_emb, "TIER_B_SEG", 0 if K_emb.TIER_B_SEG else 1024)
         monkeypatch.setattr(K_emb, "ROWS_FIRST", False)
     V, C, N = 32000, 1024, 16384
     for step in range(3):

@@ -75,7 +75,8 @@ slots pass's atomics relaxed (4.6 us instead of 6.1) took the op from 0.117 to 0
 the named rows' slots loaded beside their counts (0.1156 ms), zero rows started on a counter the slots pass raises
 once its counts are in, ahead of the named rows (level; the pass slowed by 1-2 us), the list lengths 128 bytes apart
 (level). A batch of one id takes 0.387 ms (bench/slots_probe.py): tier B walks that id's 16k tokens with one
-program per 64 columns; with TIER_B_SEG (segments, then an ordered merge; off by default) 0.185-0.191 ms (session 22).
+program per 64 columns; with TIER_B_SEG (segments, then an ordered merge; 1024 by default since session 22) 0.185-0.191
+ms, and a batch half padding 0.160 ms instead of 0.252.
 Session 22: the slots pass's three list atomics issued before their stores and the one-token rows written from a list
 of slot-0 tokens (SLOTS_APPEND_TOGETHER, ROWS_FIRST): 0.111-0.113 ms (83-84 %). And the plan (``EmbeddingBwdPlan``):
 the fill, the slots pass and the heavy lists read only the ids, so the forward can make them
@@ -946,8 +947,12 @@ TIER_A_AHEAD = 4
 # 0.185-0.191 ms with 256, 512, 1024 or 2048 (the same with each: the rest is the one id's 13.7 us slots pass on one
 # counter and the listing); on the bench's Zipf-like ids 1024 / 256 took 0.1125-0.1129 / 0.1125-0.1127 ms against
 # 0.1124-0.1126 off, and 512 with the two list settings below 0.1124-0.1128 against their 0.1114-0.1117 (the merge
-# launch ends the heavy chain). So off by default: a batch dominated by one id (padding) should set it
-TIER_B_SEG = 0
+# launch ends the heavy chain). Then (bench/slots_probe.py [--plan], one process each) 1024 against 0: Zipf-like ids
+# 0.1122-0.1125 / 0.1120-0.1123 ms (three rounds), with the plan made before 0.1065-0.1068 / 0.1061-0.1065; half the
+# tokens one id (padding) 0.160 / 0.252 ms, with the plan 0.140 / 0.232; every token one id 0.186 / 0.387. So 1024
+# (at most 0.3 us on the bench's ids, 1.6-2.1x on a padded batch); tier B's segments then read at ~1 TB/s (one id:
+# 129 us for its 134 MB), not yet tuned
+TIER_B_SEG = 1024
 # the memory order of the slots passes' integer atomics (the counts and the list lengths): "acq_rel" (Triton's
 # default) or "relaxed". Only their atomicity is needed: the passes that read the slots and lists run after this
 # grid's end, so no order among this kernel's own loads and stores matters. H200, session 21: the tiers slots pass
