@@ -1268,10 +1268,10 @@ def _plan_start(ids: torch.Tensor, V: int, C: int, dtype: torch.dtype):
     if not isinstance(V, int) or not isinstance(C, int) or V < 1 or C < 1:
         raise ValueError(f"embedding_bwd_plan: V and C must be positive integers, got V = {V!r}, C = {C!r} for ids "
                          f"{tuple(ids.shape)}")
-    esize = 2 if torch.empty(0, dtype=dtype).element_size() <= 2 else 4
-    flat = ids.reshape(-1).contiguous()
-    if not _plans_for(flat.numel(), esize):
+    esize = 2 if dtype.itemsize <= 2 else 4
+    if not _plans_for(ids.numel(), esize):
         return None
+    flat = ids.reshape(-1).contiguous()
     return EmbeddingBwdPlan(_Tiers(flat.numel(), V, C, esize, ids.device), ids, flat)
 
 
