@@ -131,13 +131,16 @@ def side_stream(device, high_priority: bool = False, which: int = 0) -> torch.cu
     return _SIDE_STREAMS[key]
 
 
-def run_side_by_side(device, main_launch, side_launch, high_priority: bool = False, main_first: bool = False) -> None:
+def run_side_by_side(device, main_launch, side_launch, high_priority: bool = False, main_first: bool = False,
+                     join: bool = True) -> torch.cuda.Event | None:
     """Launch ``side_launch`` on the side stream and ``main_launch`` on the current one, concurrently: the
     side stream first waits for the current one (inputs and buffers ready), and the current one waits for
     the side stream before this returns, so later work on it (and the caching allocator's reuse of the
     memory both read) is ordered after both launches. ``high_priority``: the side stream of the highest
     priority (see ``side_stream``). ``main_first``: the current stream's launch is issued first (the side stream
-    still waits only for the work before both)."""
+    still waits only for the work before both). ``join=False``: the current stream does not wait; the side
+    launches' end is returned as an event for a later consumer to wait on (the caller keeps the memory they use
+    from reuse, e.g. by ``record_stream``)."""
     main = torch.cuda.current_stream(device)
     side = side_stream(device, high_priority=high_priority)
     side.wait_stream(main)
@@ -147,7 +150,12 @@ def run_side_by_side(device, main_launch, side_launch, high_priority: bool = Fal
         side_launch()
     if not main_first:
         main_launch()
-    main.wait_stream(side)
+    if join:
+        main.wait_stream(side)
+        return None
+    done = torch.cuda.Event()
+    done.record(side)
+    return done
 
 
 def is_per_call(value) -> bool:

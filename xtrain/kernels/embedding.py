@@ -817,35 +817,29 @@ def _embedding_tier_b_kernel(DOUT, COUNTS, HEAVY, NLIST, HLIST, HBASE, DTABLE, C
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_heavy = tl.load(NLIST + 1)
-    if SEG == 0:
-        for it in range(pid, n_heavy * n_cb, P):
-            h = it // n_cb
-            f = tl.load(HEAVY + h)
-            cnt = tl.load(COUNTS + f)
+    nseg = 1  # SEG == 0: one segment, the whole id
+    if SEG > 0:
+        nseg = tl.cdiv(tl.load(NLIST + 3), SEG)
+    for it in range(pid, n_heavy * nseg * n_cb, P):
+        hs = it // n_cb
+        h = hs // nseg
+        seg = hs % nseg
+        f = tl.load(HEAVY + h)
+        cnt = tl.load(COUNTS + f)
+        t0 = seg * SEG
+        if t0 < cnt:
+            t1 = cnt
+            if SEG > 0:
+                t1 = tl.minimum(cnt, t0 + SEG)
             base = tl.load(HBASE + h)
             cols = (it % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
             cm = cols < C
-            acc = _heavy_tiles(DOUT, HLIST, base, 0, cnt, cols, cm, C, HT, BLOCK_C)
-            tl.store(DTABLE + f.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
-    else:
-        nseg = tl.cdiv(tl.load(NLIST + 3), SEG)
-        for it in range(pid, n_heavy * nseg * n_cb, P):
-            hs = it // n_cb
-            h = hs // nseg
-            seg = hs % nseg
-            f = tl.load(HEAVY + h)
-            cnt = tl.load(COUNTS + f)
-            if seg * SEG < cnt:
-                base = tl.load(HBASE + h)
-                cols = (it % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
-                cm = cols < C
-                acc = _heavy_tiles(DOUT, HLIST, base, seg * SEG, tl.minimum(cnt, (seg + 1) * SEG), cols, cm, C,
-                                   HT, BLOCK_C)
-                if cnt <= SEG:
-                    tl.store(DTABLE + f.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
-                else:
-                    row = (base // SEG + h + seg).to(tl.int64)
-                    tl.store(PART + row * C + cols, acc, mask=cm)
+            acc = _heavy_tiles(DOUT, HLIST, base, t0, t1, cols, cm, C, HT, BLOCK_C)
+            if t1 - t0 == cnt:  # the whole id in this segment (always where SEG == 0)
+                tl.store(DTABLE + f.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
+            else:
+                row = (base // SEG + h + seg).to(tl.int64)
+                tl.store(PART + row * C + cols, acc, mask=cm)
 
 
 @_jit
@@ -1302,17 +1296,13 @@ def embedding_fwd_planned(ids: torch.Tensor, table: torch.Tensor) -> tuple[torch
     plan = _plan_start(ids, int(V), int(C), table.dtype)
     if plan is None:
         return embedding_fwd(ids, table), None
-    main = torch.cuda.current_stream(table.device)
+    out = []
+    plan.ready = run_side_by_side(table.device, lambda: out.append(embedding_fwd(ids, table)),
+                                  lambda: _plan_launches(plan), high_priority=True, main_first=True, join=False)
     side = side_stream(table.device, high_priority=True)
-    side.wait_stream(main)
-    out = embedding_fwd(ids, table)
-    with torch.cuda.stream(side):
-        _plan_launches(plan)
-        plan.ready = torch.cuda.Event()
-        plan.ready.record(side)
     plan._t.ws.record_stream(side)
     plan.flat.record_stream(side)
-    return out, plan
+    return out[0], plan
 
 
 def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, esize: int,
