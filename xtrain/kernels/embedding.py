@@ -835,11 +835,15 @@ def _embedding_tier_b_kernel(DOUT, COUNTS, HEAVY, NLIST, HLIST, HBASE, DTABLE, C
             cols = (it % n_cb) * BLOCK_C + tl.arange(0, BLOCK_C)
             cm = cols < C
             acc = _heavy_tiles(DOUT, HLIST, base, t0, t1, cols, cm, C, HT, BLOCK_C)
-            if t1 - t0 == cnt:  # the whole id in this segment (always where SEG == 0)
-                tl.store(DTABLE + f.to(tl.int64) * C + cols, acc.to(DTABLE.dtype.element_ty), mask=cm)
+            dst = DTABLE + f.to(tl.int64) * C + cols
+            if SEG == 0:  # one segment, the whole id (a compile-time branch: PART is None here, which triton 3.6
+                tl.store(dst, acc.to(DTABLE.dtype.element_ty), mask=cm)  # will not compile even where dead)
             else:
-                row = (base // SEG + h + seg).to(tl.int64)
-                tl.store(PART + row * C + cols, acc, mask=cm)
+                if t1 - t0 == cnt:  # the whole id in this segment
+                    tl.store(dst, acc.to(DTABLE.dtype.element_ty), mask=cm)
+                else:
+                    row = (base // SEG + h + seg).to(tl.int64)
+                    tl.store(PART + row * C + cols, acc, mask=cm)
 
 
 @_jit
