@@ -929,8 +929,13 @@ ROWS_MAIN_FIRST = True
 # A's medium rows, HT, BLOCK_C, num_warps, programs per SM of tier B, SCAN) by dout element size (the rows grid
 # takes ROWS_DEFAULTS); TIERS overrides for the bench's sweep. H200, fp32, N = 16k (bench/embedding_tiers_probe.py,
 # bench/RESULTS.md): 0.121-0.122 ms against the rows form's 0.128-0.130 at V = 32000, C = 2048; 0.076 against 0.088
-# at C = 1024; 0.664 against 0.674 at V = 128k, C = 4096.
-TIERS_DEFAULTS = {2: (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), 4: (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096)}
+# at C = 1024; 0.664 against 0.674 at V = 128k, C = 4096. Session 23, tier B (the heavy ids, with TIER_B_SEG = 1024)
+# at 8 warps and 4 programs per SM instead of 4 and 1 (bench/slots_probe.py --knobs, one process each, ms): padding
+# (half the tokens one id) 0.128 against 0.160-0.162, every token one id 0.131 against 0.186; the bench's Zipf-like,
+# uniform and distinct ids 0.1117 / 0.1113 / 0.1128 against 0.1128-0.1141 / 0.1105-0.1106 / 0.1119-0.1127. (4, 4):
+# 0.135 / 0.135; (4, 8): 0.134 / 0.135; (8, 2): 0.131-0.132 / 0.144-0.145; 128 columns per program or HT = 64 at
+# (4, 4): Zipf-like ids 0.121-0.122. fp32 only (bf16's default form is "side")
+TIERS_DEFAULTS = {2: (64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), 4: (64, 8, 2048, 4, 1, 256, 64, 8, 4, 4096)}
 TIERS = None
 # tier A's medium rows: 0, each row's id, count, slots and tokens loaded one after the other (four dependent loads a
 # row, under the rows grid's traffic); n (a power of two), n rows of a program's share listed at once and each row's
@@ -949,7 +954,7 @@ TIER_A_AHEAD = 4
 # 0.1122-0.1125 / 0.1120-0.1123 ms (three rounds), with the plan made before 0.1065-0.1068 / 0.1061-0.1065; half the
 # tokens one id (padding) 0.160 / 0.252 ms, with the plan 0.140 / 0.232; every token one id 0.186 / 0.387. So 1024
 # (at most 0.3 us on the bench's ids, 1.6-2.1x on a padded batch); tier B's segments then read at ~1 TB/s (one id:
-# 129 us for its 134 MB), not yet tuned
+# 129 us for its 134 MB); session 23's tier B launch shape (TIERS_DEFAULTS) took the one id to 0.131 ms
 TIER_B_SEG = 1024
 # the memory order of the slots passes' integer atomics (the counts and the list lengths): "acq_rel" (Triton's
 # default) or "relaxed". Only their atomicity is needed: the passes that read the slots and lists run after this
