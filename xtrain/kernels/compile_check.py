@@ -1,0 +1,236 @@
+"""Compile every Triton kernel the library launches for a GPU target, with no GPU: ``python -m
+xtrain.kernels.compile_check [--arch 90] [--only NAME]``.
+
+Why: the CPU tests run the kernels through the Triton interpreter, which executes Python, not compiled code, so a
+kernel can pass them and still fail to compile on a GPU. Session 23 met one: a store into an argument that is
+``None`` in one specialisation, under a branch decided at run time. The interpreter never took the branch, Triton
+3.9 compiled it, and the device's Triton 3.6 refused it (``AttributeError: 'NoneType' object has no attribute
+'type'``), which only the GPU tests showed. This check catches that class of failure on a CPU machine, with
+whichever Triton is installed. CI runs it with its own; to check against another (the H200 image has 3.6), make a
+venv with that Triton and run the command there.
+
+How: Triton's launcher is asked to compile and not launch (``JITFunction.run`` with ``warmup=True``), and its
+driver is replaced by a stand-in that names the target (``cuda``, ``--arch``, warp size 32). Then each op's Triton
+entry point (``*_triton``) is called on small CPU tensors in fp32 and bf16, with the knob settings that choose other
+kernel specialisations (the embedding's forms, tier B's whole-id walk). The wrappers run as they would on a GPU,
+up to the launch: every specialisation they ask for is compiled down to a cubin with ptxas. Nothing they compute is
+used, and their outputs are never written. Each case reports the kernels it compiled, or the first error.
+
+Where the wrappers choose differently on CUDA tensors, the CPU run can miss a specialisation. The embedding's
+bf16 "side" form and the forward's side-stream plan need CUDA streams. The flash-attention wrappers send
+hd64 / hd128 16-bit inputs on sm_90 to the Gluon kernels, which have their own offline compile
+(``flash_attention_gluon_bwd.compile_sm90``, ``tests/test_flash_gluon_bwd.py``). Run this in a process that has not
+set TRITON_INTERPRET (``tests/_child.py`` does so for the test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+
+@contextlib.contextmanager
+def compile_only(arch: int = 90):
+    """Within: a Triton launch compiles for ``cuda`` sm_``arch`` and returns without running; yields the list
+    that each compile (or cache hit) appends the kernel's name to. Restores Triton's driver and launcher after."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compile_check: TRITON_INTERPRET=1 is set; the kernels would be interpreted, not compiled")
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class _Target:  # the part of Triton's driver a compile-only launch asks for
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    names: list = []
+    run = JITFunction.run
+
+    def compile_run(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        if not getattr(kernel, "asm", {}).get("cubin"):
+            raise RuntimeError(f"compile_check: {self.__name__} gave no cubin")
+        names.append(self.__name__)
+        return kernel
+
+    old = driver._active  # None until a driver was asked for (none is active on a machine without a GPU)
+    driver.set_active(_Target())
+    JITFunction.run = compile_run
+    try:
+        yield names
+    finally:
+        JITFunction.run = run
+        driver._active = old
+
+
+@contextlib.contextmanager
+def _knobs(module, **values):
+    """Module attributes set for the block, then restored."""
+    old = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+def cases() -> dict[str, Callable[[], None]]:
+    """name -> a call of one op's Triton entry point on small CPU tensors (each a distinct specialisation set)."""
+    from xtrain.kernels import (
+        adamw,
+        cross_entropy,
+        dropout,
+        embedding,
+        flash_attention,
+        linear_cross_entropy,
+        rms_norm,
+        rope,
+        swiglu,
+    )
+
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    out: dict[str, Callable[[], None]] = {}
+    for dt, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        def norm(dt=dt):
+            x, w = r(8, 96, dtype=dt), r(96, dtype=dt)
+            y, inv = rms_norm.rms_norm_fwd_triton(x, w, 1e-6)
+            rms_norm.rms_norm_bwd_triton(r(8, 96, dtype=dt), x, w, inv)
+
+        def rope_(dt=dt):
+            x, pos = r(2, 4, 16, 64, dtype=dt), torch.arange(16)
+            for table in (False, True):
+                rope.rope_fwd_triton(x, pos, table=table)
+                rope.rope_bwd_triton(x, pos, table=table)
+
+        def swiglu_(dt=dt):
+            a, b, dy = r(8, 96, dtype=dt), r(8, 96, dtype=dt), r(8, 96, dtype=dt)
+            swiglu.silu_fwd_triton(a)
+            swiglu.silu_bwd_triton(dy, a)
+            swiglu.swiglu_fwd_triton(a, b)
+            swiglu.swiglu_bwd_triton(dy, a, b)
+
+        def dropout_(dt=dt):
+            x = r(8, 96, dtype=dt)
+            dropout.dropout_fwd_triton(x, 0.1, 7)
+            dropout.dropout_bwd_triton(x, 0.1, 7)
+
+        def xent(dt=dt):
+            logits, t = r(8, 1000, dtype=dt), torch.randint(0, 1000, (8,), generator=g)
+            cross_entropy.cross_entropy_fwd_lse_triton(logits, t)
+            loss, lse = cross_entropy.cross_entropy_fwd_triton(logits, t)[:2]
+            cross_entropy.cross_entropy_bwd_triton(torch.ones(()), logits, t, lse)
+            cross_entropy.cross_entropy_fwd_bwd_triton(logits, t)
+
+        def lin_xent(dt=dt):
+            x, w, t = r(16, 64, dtype=dt), r(500, 64, dtype=dt), torch.randint(0, 500, (16,), generator=g)
+            linear_cross_entropy.linear_cross_entropy_fwd_triton(x, w, t)
+
+        def emb(dt=dt):
+            ids, d = torch.randint(0, 100, (64,), generator=g), r(64, 32, dtype=dt)
+            embedding.embedding_bwd_triton(d, ids, 100)
+
+        def attn(D, dt=dt):  # T = 128 takes the short-sequence configs, 1024 the others; GQA, causal and not
+            for T in (128, 1024):
+                q, k = r(1, 4, T, D, dtype=dt), r(1, 2, T, D, dtype=dt)
+                for causal in (True, False):
+                    o, lse = flash_attention.flash_attention_fwd_triton(q, k, k, causal=causal)[:2]
+                    flash_attention.flash_attention_bwd_triton(q, q, k, k, o, lse, causal)
+
+        for name, fn in (("rms_norm", norm), ("rope", rope_), ("swiglu", swiglu_), ("dropout", dropout_),
+                         ("cross_entropy", xent), ("linear_cross_entropy", lin_xent), ("embedding bwd", emb)):
+            out[f"{name} {tag}"] = fn
+        for D in (32, 64, 128):
+            out[f"flash_attention hd{D} {tag}"] = lambda D=D, dt=dt: attn(D, dt)
+
+    def emb_whole():  # tier B's whole-id walk (no segments): the specialisation session 23's 3.6 failure was in
+        ids, d = torch.randint(0, 100, (64,), generator=g), r(64, 32)
+        with _knobs(embedding, TIER_B_SEG=0):
+            embedding.embedding_bwd_triton(d, ids, 100)
+
+    def emb_plan():
+        ids, d = torch.randint(0, 100, (64,), generator=g), r(64, 32)
+        plan = embedding.embedding_bwd_plan_triton(ids, 100, 32, torch.float32)
+        embedding.embedding_bwd_triton(d, ids, 100, plan=plan)
+
+    def adamw_():
+        ps = [r(300), r(17, 5)]
+        copies = [torch.empty(p.shape, dtype=torch.bfloat16) for p in ps]
+        for cp in (None, copies):
+            adamw.adamw_step_triton(ps, [r(*p.shape) for p in ps], [torch.zeros_like(p) for p in ps],
+                                    [torch.zeros_like(p) for p in ps], step=1, lr=1e-3, beta1=0.9, beta2=0.95,
+                                    eps=1e-8, weight_decays=[0.1, 0.0], copies=cp)
+
+    out["embedding bwd fp32, tier B ids whole"] = emb_whole
+    out["embedding bwd fp32, plan made before"] = emb_plan
+    out["adamw fp32 (and bf16 copies)"] = adamw_
+    return out
+
+
+def run(arch: int = 90, only: str | None = None, progress: bool = False) -> list[dict]:
+    """Compile every case (or those whose name contains ``only``); one dict per case: name, ok, kernels (the
+    names compiled, in launch order), error (the last line of the exception, or None), seconds."""
+    rows = []
+    all_cases = cases()
+    picked = [n for n in all_cases if only is None or only in n]
+    if not picked:
+        raise ValueError(f"compile_check: no case matches {only!r}; cases: {sorted(all_cases)}")
+    for i, name in enumerate(picked):
+        t0 = time.perf_counter()
+        with compile_only(arch) as names:
+            try:
+                all_cases[name]()
+                err = None
+            except Exception as e:  # noqa: BLE001 - reported per case, the run goes on
+                tb = traceback.format_exception_only(type(e), e)
+                err = " ".join(line.strip() for line in tb)[-600:]
+        rows.append(dict(name=name, ok=err is None, kernels=list(names), error=err,
+                         seconds=round(time.perf_counter() - t0, 1)))
+        if progress:
+            print(f"[{i + 1}/{len(picked)}] {name}: {'ok' if err is None else 'FAILED'} "
+                  f"({len(names)} launches, {rows[-1]['seconds']} s)", file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    import triton
+
+    ap = argparse.ArgumentParser(prog="python -m xtrain.kernels.compile_check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 to compile for (default 90)")
+    ap.add_argument("--only", default=None, help="only the cases whose name contains this")
+    a = ap.parse_args(argv)
+    rows = run(a.arch, a.only, progress=True)
+    print(f"# Triton {triton.__version__}, target cuda sm_{a.arch}, torch {torch.__version__}")
+    for row in rows:
+        kernels = sorted(set(row["kernels"]))
+        print(f"{'ok    ' if row['ok'] else 'FAILED'} {row['name']:<40} {row['seconds']:>5.1f} s  "
+              f"{', '.join(kernels) if row['ok'] else row['error']}")
+    bad = [row["name"] for row in rows if not row["ok"]]
+    print(f"{len(rows) - len(bad)} of {len(rows)} cases compiled" + (f"; failed: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
