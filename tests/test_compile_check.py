@@ -20,7 +20,8 @@ def test_every_triton_kernel_compiles_for_sm90():
     want = {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_rope_kernel", "_swiglu_bwd_kernel", "_dropout_kernel",
             "_cross_entropy_fwd_bwd_kernel", "_embedding_tier_b_kernel", "_embedding_tier_b_merge_kernel",
             "_embedding_bwd_chunk_kernel", "_flash_fwd_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel",
-            "_adamw_kernel"}
+            "_adamw_kernel",
+            "_zero_i32_kernel"}  # launched only as a programmatic dependent (pdl_ok answered as on sm_90)
     assert want <= compiled, want - compiled
     whole = next(r for r in rows if r["name"] == "embedding bwd fp32, tier B ids whole")
     assert "_embedding_tier_b_kernel" in whole["kernels"] and "_embedding_tier_b_merge_kernel" not in whole["kernels"]

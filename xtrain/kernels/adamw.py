@@ -233,6 +233,13 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
+def _recip_div(t: torch.Tensor) -> bool:
+    """RECIP_DIV: whether the reference, on ``t``'s device, divides by the bias-correction scalar as a multiply by its
+    reciprocal (torch does on CUDA, module docstring), which the kernel then does too. (xtrain.kernels.compile_check
+    answers True to build the CUDA form on a CPU.)"""
+    return t.is_cuda
+
+
 def adamw_step_triton(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float,
                       beta2: float, eps: float, weight_decays, copies=None) -> None:
     if not params:
@@ -253,7 +260,7 @@ def adamw_step_triton(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: fl
         table, decay,
         _f32(lerp_w), _f32(beta2), _f32(1 - beta2), _f32(-(lr / bias_correction1)), inv_bc2, _f32(eps),
         HAS_COPY=copy_base is not None, ALIGNED=aligned, LERP_SMALL=abs(lerp_w) < 0.5,
-        RECIP_DIV=params[0].is_cuda, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        RECIP_DIV=_recip_div(params[0]), BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
     for i in leftover:
         copies[i].copy_(params[i])
 

@@ -16,11 +16,14 @@ kernel specialisations (the embedding's forms, tier B's whole-id walk). The wrap
 up to the launch: every specialisation they ask for is compiled down to a cubin with ptxas. Nothing they compute is
 used, and their outputs are never written. Each case reports the kernels it compiled, or the first error.
 
-Where the wrappers choose differently on CUDA tensors, the CPU run can miss a specialisation. The embedding's
-bf16 "side" form and the forward's side-stream plan need CUDA streams. The flash-attention wrappers send
-hd64 / hd128 16-bit inputs on sm_90 to the Gluon kernels, which have their own offline compile
-(``flash_attention_gluon_bwd.compile_sm90``, ``tests/test_flash_gluon_bwd.py``). Run this in a process that has not
-set TRITON_INTERPRET (``tests/_child.py`` does so for the test).
+Where a wrapper's choice of specialisation depends on the tensors being on CUDA, the CPU run answers as the
+target would where it can: ``pdl_ok`` (whether a kernel is launched as a programmatic dependent, a compile-time
+flag) says yes for sm_90 and later, and AdamW's ``_recip_div`` (the division of the device's reference) gives both
+forms. What it cannot reach: the flash-attention wrappers send hd64 / hd128 16-bit inputs on sm_90 to the Gluon
+kernels, which have their own offline compile (``flash_attention_gluon_bwd.compile_sm90``,
+``tests/test_flash_gluon_bwd.py``). Streams are not compiled code: the forms that run two chains side by side on
+CUDA launch the same kernels one after the other here. Run this in a process that has not set TRITON_INTERPRET
+(``tests/_child.py`` does so for the test).
 """
 
 from __future__ import annotations
@@ -69,12 +72,23 @@ def compile_only(arch: int = 90):
         names.append(self.__name__)
         return kernel
 
+    # the wrappers ask pdl_ok (a CUDA tensor on sm_90+) whether to launch a kernel as a programmatic dependent, which
+    # is a compile-time flag of the kernel: answered as the target would, so those specialisations are built too
+    from xtrain.kernels import _dispatch, embedding, rms_norm
+
+    pdl = (lambda t: _dispatch.gdc_wait is not None and arch >= 90)
+    modules = [m for m in (_dispatch, embedding, rms_norm) if hasattr(m, "pdl_ok")]
+    old_pdl = [m.pdl_ok for m in modules]
     old = driver._active  # None until a driver was asked for (none is active on a machine without a GPU)
     driver.set_active(_Target())
     JITFunction.run = compile_run
+    for m in modules:
+        m.pdl_ok = pdl
     try:
         yield names
     finally:
+        for m, f in zip(modules, old_pdl):
+            m.pdl_ok = f
         JITFunction.run = run
         driver._active = old
 
@@ -184,7 +198,12 @@ def cases() -> dict[str, Callable[[], None]]:
 
     out["embedding bwd fp32, tier B ids whole"] = emb_whole
     out["embedding bwd fp32, plan made before"] = emb_plan
+    def adamw_cuda():  # the division the kernel does on CUDA (RECIP_DIV, chosen by the tensors' device)
+        with _knobs(adamw, _recip_div=lambda t: True):
+            adamw_()
+
     out["adamw fp32 (and bf16 copies)"] = adamw_
+    out["adamw fp32, CUDA's division"] = adamw_cuda
     return out
 
 
