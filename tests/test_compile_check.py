@@ -53,3 +53,15 @@ out["names"] = names
 """)
     assert out["names"] == ["good"]
     assert out["bad"] != "compiled"
+
+
+def test_check_kernels_cli_refuses_clearly(monkeypatch, capsys):
+    """`xtrain check --kernels ARCH` exits 2 with a message, not a traceback, where it cannot compile."""
+    from xtrain.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["check", "--kernels", "90"]) == 2
+    assert "unset TRITON_INTERPRET" in capsys.readouterr().err
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert main(["check", "--kernels", "0"]) == 2
+    assert "compute capability" in capsys.readouterr().err

@@ -119,4 +119,15 @@ def add_parser(subparsers) -> None:
                               description="Grad-check every op (float64 central differences) and print a table; "
                                           "exits non-zero on any failure.")
     p.add_argument("--seed", type=int, default=0, help="seed for the random inputs (default 0)")
-    p.set_defaults(func=lambda a: 1 if run_all(a.seed) else 0)
+    p.add_argument("--kernels", type=int, default=None, metavar="ARCH",
+                   help="instead: compile every Triton kernel the library launches for CUDA sm_ARCH (e.g. 90) with "
+                        "no GPU, and report the kernels each op compiled or its error (xtrain.kernels.compile_check)")
+    p.set_defaults(func=_run)
+
+
+def _run(a) -> int:
+    if a.kernels is not None:
+        from xtrain.kernels import compile_check
+
+        return compile_check.main(["--arch", str(a.kernels)])
+    return 1 if run_all(a.seed) else 0

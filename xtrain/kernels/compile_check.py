@@ -1,5 +1,5 @@
-"""Compile every Triton kernel the library launches for a GPU target, with no GPU: ``python -m
-xtrain.kernels.compile_check [--arch 90] [--only NAME]``.
+"""Compile every Triton kernel the library launches for a GPU target, with no GPU: ``xtrain check --kernels 90``, or
+``python -m xtrain.kernels.compile_check [--arch 90] [--only NAME]``.
 
 Why: the CPU tests run the kernels through the Triton interpreter, which executes Python, not compiled code, so a
 kernel can pass them and still fail to compile on a GPU. Session 23 met one: a store into an argument that is
@@ -233,13 +233,24 @@ def run(arch: int = 90, only: str | None = None, progress: bool = False) -> list
 
 
 def main(argv=None) -> int:
-    import triton
-
     ap = argparse.ArgumentParser(prog="python -m xtrain.kernels.compile_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 to compile for (default 90)")
     ap.add_argument("--only", default=None, help="only the cases whose name contains this")
     a = ap.parse_args(argv)
+    try:
+        import triton
+    except ImportError:
+        print("compile_check: needs Triton (pip install triton)", file=sys.stderr)
+        return 2
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("compile_check: unset TRITON_INTERPRET first (the interpreter runs kernels, it does not compile them)",
+              file=sys.stderr)
+        return 2
+    if a.arch <= 0:
+        print(f"compile_check: --arch must be a CUDA compute capability x 10 (90 for sm_90), got {a.arch}",
+              file=sys.stderr)
+        return 2
     rows = run(a.arch, a.only, progress=True)
     print(f"# Triton {triton.__version__}, target cuda sm_{a.arch}, torch {torch.__version__}")
     for row in rows:
