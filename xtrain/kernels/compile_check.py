@@ -35,6 +35,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
@@ -73,37 +74,23 @@ def compile_only(arch: int = 90):
         return kernel
 
     # the wrappers ask pdl_ok (a CUDA tensor on sm_90+) whether to launch a kernel as a programmatic dependent, which
-    # is a compile-time flag of the kernel: answered as the target would, so those specialisations are built too
-    from xtrain.kernels import _dispatch, embedding, rms_norm
+    # is a compile-time flag of the kernel: answered as the target would, in every kernel module that imported it
+    from xtrain.kernels import _dispatch
 
-    pdl = (lambda t: _dispatch.gdc_wait is not None and arch >= 90)
-    modules = [m for m in (_dispatch, embedding, rms_norm) if hasattr(m, "pdl_ok")]
-    old_pdl = [m.pdl_ok for m in modules]
+    real_pdl_ok = _dispatch.pdl_ok
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("xtrain.kernels") and getattr(m, "pdl_ok", None) is real_pdl_ok]
     old = driver._active  # None until a driver was asked for (none is active on a machine without a GPU)
     driver.set_active(_Target())
     JITFunction.run = compile_run
-    for m in modules:
-        m.pdl_ok = pdl
-    try:
-        yield names
-    finally:
-        for m, f in zip(modules, old_pdl):
-            m.pdl_ok = f
-        JITFunction.run = run
-        driver._active = old
-
-
-@contextlib.contextmanager
-def _knobs(module, **values):
-    """Module attributes set for the block, then restored."""
-    old = {k: getattr(module, k) for k in values}
-    for k, v in values.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
+    with contextlib.ExitStack() as stack:
+        for m in modules:
+            stack.enter_context(mock.patch.object(m, "pdl_ok", lambda t: _dispatch.gdc_wait is not None and arch >= 90))
+        try:
+            yield names
+        finally:
+            JITFunction.run = run
+            driver._active = old
 
 
 def cases() -> dict[str, Callable[[], None]]:
@@ -180,7 +167,7 @@ def cases() -> dict[str, Callable[[], None]]:
 
     def emb_whole():  # tier B's whole-id walk (no segments): the specialisation session 23's 3.6 failure was in
         ids, d = torch.randint(0, 100, (64,), generator=g), r(64, 32)
-        with _knobs(embedding, TIER_B_SEG=0):
+        with mock.patch.object(embedding, "TIER_B_SEG", 0):
             embedding.embedding_bwd_triton(d, ids, 100)
 
     def emb_plan():
@@ -199,7 +186,7 @@ def cases() -> dict[str, Callable[[], None]]:
     out["embedding bwd fp32, tier B ids whole"] = emb_whole
     out["embedding bwd fp32, plan made before"] = emb_plan
     def adamw_cuda():  # the division the kernel does on CUDA (RECIP_DIV, chosen by the tensors' device)
-        with _knobs(adamw, _recip_div=lambda t: True):
+        with mock.patch.object(adamw, "_recip_div", lambda t: True):
             adamw_()
 
     out["adamw fp32 (and bf16 copies)"] = adamw_

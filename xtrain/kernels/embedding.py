@@ -1109,6 +1109,11 @@ def _slots_sem() -> str:
     return SLOTS_SEM
 
 
+def _esize(dtype: torch.dtype) -> int:
+    """The key of the settings tables (DEFAULTS, TIERS_DEFAULTS, ...): 2 for 16-bit gradients, 4 otherwise."""
+    return 2 if dtype.itemsize <= 2 else 4
+
+
 def _pow2(x: int) -> bool:
     return x >= 1 and x & (x - 1) == 0
 
@@ -1271,7 +1276,7 @@ def _plan_start(ids: torch.Tensor, V: int, C: int, dtype: torch.dtype):
     if not isinstance(V, int) or not isinstance(C, int) or V < 1 or C < 1:
         raise ValueError(f"embedding_bwd_plan: V and C must be positive integers, got V = {V!r}, C = {C!r} for ids "
                          f"{tuple(ids.shape)}")
-    esize = 2 if dtype.itemsize <= 2 else 4
+    esize = _esize(dtype)
     if not _plans_for(ids.numel(), esize):
         return None
     flat = ids.reshape(-1).contiguous()
@@ -1382,7 +1387,7 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int,
         raise ValueError(f"embedding_bwd: dout {tuple(dout.shape)} must be ids {tuple(ids.shape)} + [C]")
     d2 = dout.reshape(-1, C).contiguous()  # [N, C]
     N = ids.numel()
-    esize = 2 if dout.element_size() <= 2 else 4
+    esize = _esize(dout.dtype)
     if plan is not None:
         if not isinstance(plan, EmbeddingBwdPlan):
             raise ValueError(f"embedding_bwd: plan must be an EmbeddingBwdPlan or None, got {type(plan).__name__}")
