@@ -103,7 +103,7 @@ def test_gluon_bwd_tail_order_is_a_permutation():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["split3", "split_wide", "split_s9", "split_s10", "split_s14", "split_peel",
-                                    "split_dqskip", "split_dkp", "split_dkp3", (64, 2, 64, 3, 1),
+                                    "split_dqskip", "split_dkp", "split_dkp3", (64, 4, 64, 4, 126), (64, 2, 64, 3, 1),
                                     (64, 2, 64, 3, 2), (64, 2, 64, 3, 7), (64, 3, 64, 2, 12)])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_gluon_bwd_configs(config, D):
