@@ -183,6 +183,7 @@ HALF_M = 64
 # (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) by head dim; see the module docstring
 CONFIGS = {
     "split": {64: (64, 2, 64, 4, 62), 128: (64, 2, 64, 4, 62)},
+    "split_pp": {64: (64, 2, 64, 4, 126), 128: (64, 2, 64, 4, 126)},
     "split_s14": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
     "split_peel": {64: (64, 2, 64, 4, 30), 128: (64, 2, 64, 4, 30)},
     "split_dqskip": {64: (64, 2, 64, 4, 46), 128: (64, 2, 64, 4, 46)},
@@ -202,7 +203,7 @@ CONFIGS = {
 # "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15), "split_s14" = DQP | LEAN | SMEM (session 13),
 # "split_peel" and "split_dqskip" one of the two skips each, "split_s10" = PF | DQP (session 10), "split_s9" =
 # neither (session 9).
-OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP = 1, 2, 4, 8, 16, 32
+OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP, OPT_PP = 1, 2, 4, 8, 16, 32, 64
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -212,6 +213,8 @@ if HAVE_GLUON:
     # the Gluon names and Triton-version aliases the forward module already resolved
     from xtrain.kernels.flash_attention_gluon import (
         _CONSUMER_REGS,
+        _pp_enter,
+        _pp_leave,
         _PRODUCER_REGS,
         _cta_barrier,
         _tma_load,
@@ -355,14 +358,20 @@ if HAVE_GLUON:
     @gluon.jit
     def _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero, it,
                    start_m, offs_k, cols, qk_scale, dtype: gl.constexpr, s_layout: gl.constexpr,
-                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr):
+                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, sched=None,
+                   HALF: gl.constexpr = 0, PP: gl.constexpr = False):
         """One step of the PEEL walk (LEAN and SMEM): ``_dkdv_consumer``'s loop body with the causal mask a
         compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step."""
+        _pp_enter(sched, it, HALF, PP)  # PP: the two warpgroups take turns to issue a step's Sᵀ and dPᵀ
         slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES)
+        _pp_leave(sched, HALF, PP)
         lse_b = lse_smem.index(slot).load(s_layout)
         st = warpgroup_mma_wait(1, deps=(st, ))
+        if MASK and PP:  # masked before the exponential (after it, ptxas serialised every wgmma of the PP build)
+            keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+            st = gl.where(keep, st, float("-inf"))
         pt = gl.exp2(st * qk_scale - lse_b)
-        if MASK:
+        if MASK and not PP:
             keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
             pt = gl.where(keep, pt, 0.0)
         p_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -377,11 +386,14 @@ if HAVE_GLUON:
         return dk, dv
 
     @gluon.jit
-    def _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES: gl.constexpr):
+    def _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES: gl.constexpr, sched=None, HALF: gl.constexpr = 0,
+                   PP: gl.constexpr = False):
         """A PEEL step whose queries all precede this half's keys (P = 0: nothing to add): the slot is only
         waited for and released."""
         slot = it % STAGES
         phase = (it // STAGES) & 1
+        _pp_enter(sched, it, HALF, PP)  # the turn is taken and passed on, so both warpgroups count every step
+        _pp_leave(sched, HALF, PP)
         mbarrier.wait(q_bars.index(slot), phase)
         mbarrier.wait(do_bars.index(slot), phase)
         mbarrier.arrive(q_empty.index(slot), count=1)
@@ -391,7 +403,8 @@ if HAVE_GLUON:
                        do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                        mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False):
+                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False,
+                       sched=None, PP: gl.constexpr = False):
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
         step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
@@ -430,17 +443,17 @@ if HAVE_GLUON:
             it = 0
             for _g in range(n_iter // n_m):
                 for _i in gl.static_range(n_skip):
-                    _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES)
+                    _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES, sched, HALF, PP)
                     it += 1
                 for i in gl.static_range(n_diag):
                     dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
                                         q_empty, dk, dv, s_zero, it, start_m + (n_skip + i) * BLOCK_M, offs_k, cols,
-                                        qk_scale, dtype, s_layout, op_layout, STAGES, True)
+                                        qk_scale, dtype, s_layout, op_layout, STAGES, True, sched, HALF, PP)
                     it += 1
                 for _i in range(n_m - n_skip - n_diag):
                     dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
                                         q_empty, dk, dv, s_zero, it, start_m, offs_k, cols, qk_scale, dtype, s_layout,
-                                        op_layout, STAGES, False)
+                                        op_layout, STAGES, False, sched, HALF, PP)
                     it += 1
         else:  # the walk with the mask in a branch of every step (session 13 and before)
             for it in range(n_iter):
@@ -493,7 +506,7 @@ if HAVE_GLUON:
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
-                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False):
+                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False, PP: gl.constexpr = False):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -529,6 +542,9 @@ if HAVE_GLUON:
         do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        sched = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PP: the turn barriers
+        mbarrier.init(sched.index(0), count=1)
+        mbarrier.init(sched.index(1), count=1)
         mbarrier.init(kv_bar, count=1)
         _ring_init(q_bars, q_empty, STAGES)
         _ring_init(do_bars, do_empty, STAGES)
@@ -541,11 +557,13 @@ if HAVE_GLUON:
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL, sched,
+                              PP)),
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL, sched,
+                              PP)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                               v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row,
                               off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh,
@@ -801,7 +819,8 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 63 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or not 0 <= opts <= 127 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or (opts & OPT_PP and not opts & OPT_PEEL)
             or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
             or (opts & OPT_PEEL and (not opts & OPT_SMEM or bm1 != 64))):
         raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-63 "
@@ -845,7 +864,8 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
-              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL))
+              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL),
+              PP=bool(opts & OPT_PP))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
               SKIP=bool(opts & OPT_DQSKIP))
     nb = T // RESIDENT
