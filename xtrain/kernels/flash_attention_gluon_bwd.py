@@ -183,8 +183,6 @@ HALF_M = 64
 # (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) by head dim; see the module docstring
 CONFIGS = {
     "split": {64: (64, 2, 64, 4, 62), 128: (64, 2, 64, 4, 62)},
-    "split_dkp": {64: (64, 2, 64, 4, 126), 128: (64, 2, 64, 4, 126)},
-    "split_dkp3": {64: (64, 3, 64, 4, 126), 128: (64, 3, 64, 4, 126)},
     "split_s14": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
     "split_peel": {64: (64, 2, 64, 4, 30), 128: (64, 2, 64, 4, 30)},
     "split_dqskip": {64: (64, 2, 64, 4, 46), 128: (64, 2, 64, 4, 46)},
@@ -204,7 +202,7 @@ CONFIGS = {
 # "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15), "split_s14" = DQP | LEAN | SMEM (session 13),
 # "split_peel" and "split_dqskip" one of the two skips each, "split_s10" = PF | DQP (session 10), "split_s9" =
 # neither (session 9).
-OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP, OPT_DKP = 1, 2, 4, 8, 16, 32, 64
+OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP = 1, 2, 4, 8, 16, 32
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -281,14 +279,11 @@ if HAVE_GLUON:
     def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                        lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, k_col, v_row, v_col,
                        q_base, q_rh, q_ch, do_base, do_rh, do_ch, h0, mt0, n_m, n_iter, T, lt0,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr,
-                       QSTAGES: gl.constexpr = 0):
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr):
         """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile).
         LEAN: the (head, tile) of a step carried from the step before (no division), and one "empty" barrier
         per slot for both tiles (``q_empty``). SMEM (with LEAN): each step's lse and delta rows too (row lt of
-        the [B·H·T / BLOCK_M, BLOCK_M] views, from lt0 on), beside Q and dO, on their barriers. QSTAGES (the DKP
-        walk; with LEAN and SMEM): Q (with lse) has a ring of its own, QSTAGES deep, freed by ``q_empty``; dO (with
-        delta) the STAGES-deep ring freed by ``do_empty``."""
+        the [B·H·T / BLOCK_M, BLOCK_M] views, from lt0 on), beside Q and dO, on their barriers."""
         KH: gl.constexpr = k_desc.block_type.shape[0]
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
@@ -299,37 +294,23 @@ if HAVE_GLUON:
         start_m = mt0 * BLOCK_M
         lt = lt0
         for it in range(n_iter):
-            if QSTAGES > 0:
-                qslot = it % QSTAGES
-                mbarrier.wait(q_empty.index(qslot), ((it // QSTAGES) & 1) ^ 1)
-                _dkdv_load(q_desc, lse_desc, q_bars.index(qslot), q_smem.index(qslot), lse_smem.index(qslot),
-                           q_base + h * q_rh + start_m, h * q_ch, lt, SMEM)
-                slot = it % STAGES
-                mbarrier.wait(do_empty.index(slot), ((it // STAGES) & 1) ^ 1)
-                _dkdv_load(do_desc, delta_desc, do_bars.index(slot), do_smem.index(slot), delta_smem.index(slot),
-                           do_base + h * do_rh + start_m, h * do_ch, lt, SMEM)
+            if not LEAN:
+                h = h0 + it // n_m
+                start_m = (mt0 + it % n_m) * BLOCK_M
+            slot = it % STAGES
+            phase = ((it // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
+            mbarrier.wait(q_empty.index(slot), phase)
+            _dkdv_load(q_desc, lse_desc, q_bars.index(slot), q_smem.index(slot), lse_smem.index(slot),
+                       q_base + h * q_rh + start_m, h * q_ch, lt, SMEM)
+            if not LEAN:
+                mbarrier.wait(do_empty.index(slot), phase)
+            _dkdv_load(do_desc, delta_desc, do_bars.index(slot), do_smem.index(slot), delta_smem.index(slot),
+                       do_base + h * do_rh + start_m, h * do_ch, lt, SMEM)
+            if LEAN:
                 start_m, wrap = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
                 lt += 1
                 lt += wrap * mt0
                 h += wrap
-            else:
-                if not LEAN:
-                    h = h0 + it // n_m
-                    start_m = (mt0 + it % n_m) * BLOCK_M
-                slot = it % STAGES
-                phase = ((it // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
-                mbarrier.wait(q_empty.index(slot), phase)
-                _dkdv_load(q_desc, lse_desc, q_bars.index(slot), q_smem.index(slot), lse_smem.index(slot),
-                           q_base + h * q_rh + start_m, h * q_ch, lt, SMEM)
-                if not LEAN:
-                    mbarrier.wait(do_empty.index(slot), phase)
-                _dkdv_load(do_desc, delta_desc, do_bars.index(slot), do_smem.index(slot), delta_smem.index(slot),
-                           do_base + h * do_rh + start_m, h * do_ch, lt, SMEM)
-                if LEAN:
-                    start_m, wrap = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
-                    lt += 1
-                    lt += wrap * mt0
-                    h += wrap
 
     @gluon.jit
     def _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
@@ -396,71 +377,6 @@ if HAVE_GLUON:
         return dk, dv
 
     @gluon.jit
-    def _dkdv_step_dkp(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, ds_smem, q_bars, do_bars, q_empty,
-                       do_empty, dk, dv, s_zero, it, start_m, offs_k, cols, qk_scale, dtype: gl.constexpr,
-                       s_layout: gl.constexpr, op_layout: gl.constexpr, STAGES: gl.constexpr, QSTAGES: gl.constexpr,
-                       MASK: gl.constexpr, PENDING: gl.constexpr):
-        """One step of the DKP walk (PEEL and more): as ``_dkdv_step``, but the step's dSᵀ goes to the warpgroup's
-        shared tile and its dK product is issued in the NEXT step, between that step's Sᵀ and dPᵀ (PENDING: step
-        it - 1's dK is issued here), so it runs under the exponentials, as the dQ kernel's OPT_DQP does. It retires
-        with dPᵀ, before this step's dSᵀ overwrites the tile, and step it - 1's Q slot is released then (Q and
-        lse: a QSTAGES ring of their own; dO and delta: the STAGES ring, released at the end of the step)."""
-        qslot = it % QSTAGES
-        slot = it % STAGES
-        q_t = q_smem.index(qslot)
-        do_t = do_smem.index(slot)
-        mbarrier.wait(q_bars.index(qslot), (it // QSTAGES) & 1)
-        st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if PENDING:
-            pslot = (it - 1) % QSTAGES
-            dk_tok = warpgroup_mma(ds_smem, q_smem.index(pslot), dk, is_async=True)
-        mbarrier.wait(do_bars.index(slot), (it // STAGES) & 1)
-        dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        lse_b = lse_smem.index(qslot).load(s_layout)
-        if PENDING:
-            st = warpgroup_mma_wait(2, deps=(st, ))  # Sᵀ retired; the previous dK and dPᵀ may run
-        else:
-            st = warpgroup_mma_wait(1, deps=(st, ))
-        if MASK:  # (masked before the exponential: a gl.where after it made ptxas serialise every wgmma)
-            keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-            st = gl.where(keep, st, float("-inf"))
-        pt = gl.exp2(st * qk_scale - lse_b)
-        p_op = gl.convert_layout(pt.to(dtype), op_layout)
-        dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
-        delta_b = delta_smem.index(slot).load(s_layout)
-        if PENDING:
-            dk, dpt = warpgroup_mma_wait(1, deps=(dk_tok, dpt))  # the previous dK and dPᵀ retired; dV may run
-            mbarrier.arrive(q_empty.index(pslot), count=1)
-        else:
-            dpt = warpgroup_mma_wait(1, deps=(dpt, ))
-        dst = pt * (dpt - delta_b)
-        ds_smem.store(dst.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-        dv, p_op = warpgroup_mma_wait(0, deps=(dv_tok, p_op))
-        mbarrier.arrive(do_empty.index(slot), count=1)
-        return dk, dv
-
-    @gluon.jit
-    def _dkdv_flush(q_smem, ds_smem, q_empty, dk, it, QSTAGES: gl.constexpr):
-        """The DKP walk's last pending dK (step it's), issued, retired and its Q slot released."""
-        slot = it % QSTAGES
-        dk_tok = warpgroup_mma(ds_smem, q_smem.index(slot), dk, is_async=True)
-        dk = warpgroup_mma_wait(0, deps=(dk_tok, ))
-        mbarrier.arrive(q_empty.index(slot), count=1)
-        return dk
-
-    @gluon.jit
-    def _dkdv_skip_dkp(q_bars, do_bars, q_empty, do_empty, it, STAGES: gl.constexpr, QSTAGES: gl.constexpr):
-        """``_dkdv_skip`` on the DKP walk's two rings."""
-        qslot = it % QSTAGES
-        slot = it % STAGES
-        mbarrier.wait(q_bars.index(qslot), (it // QSTAGES) & 1)
-        mbarrier.wait(do_bars.index(slot), (it // STAGES) & 1)
-        mbarrier.arrive(q_empty.index(qslot), count=1)
-        mbarrier.arrive(do_empty.index(slot), count=1)
-
-    @gluon.jit
     def _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES: gl.constexpr):
         """A PEEL step whose queries all precede this half's keys (P = 0: nothing to add): the slot is only
         waited for and released."""
@@ -475,8 +391,7 @@ if HAVE_GLUON:
                        do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                        mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False,
-                       ds_smem=None, DKP: gl.constexpr = False, QSTAGES: gl.constexpr = 0):
+                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False):
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
         step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
@@ -513,32 +428,7 @@ if HAVE_GLUON:
                 n_skip: gl.constexpr = 0
                 n_diag: gl.constexpr = 0
             it = 0
-            if DKP:  # every head: its first computed step has no pending dK, its last one is flushed after the loop
-                for _g in range(n_iter // n_m):
-                    for _i in gl.static_range(n_skip):
-                        _dkdv_skip_dkp(q_bars, do_bars, q_empty, do_empty, it, STAGES, QSTAGES)
-                        it += 1
-                    if n_diag == 0:  # (not causal) the first step on its own
-                        dk, dv = _dkdv_step_dkp(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, ds_smem, q_bars,
-                                                do_bars, q_empty, do_empty, dk, dv, s_zero, it, start_m, offs_k, cols,
-                                                qk_scale, dtype, s_layout, op_layout, STAGES, QSTAGES, False, False)
-                        it += 1
-                        n_rest = n_m - 1
-                    else:
-                        n_rest = n_m - n_skip - n_diag
-                    for i in gl.static_range(n_diag):
-                        dk, dv = _dkdv_step_dkp(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, ds_smem, q_bars,
-                                                do_bars, q_empty, do_empty, dk, dv, s_zero, it,
-                                                start_m + (n_skip + i) * BLOCK_M, offs_k, cols, qk_scale, dtype,
-                                                s_layout, op_layout, STAGES, QSTAGES, True, i > 0)
-                        it += 1
-                    for _i in range(n_rest):
-                        dk, dv = _dkdv_step_dkp(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, ds_smem, q_bars,
-                                                do_bars, q_empty, do_empty, dk, dv, s_zero, it, start_m, offs_k, cols,
-                                                qk_scale, dtype, s_layout, op_layout, STAGES, QSTAGES, False, True)
-                        it += 1
-                    dk = _dkdv_flush(q_smem, ds_smem, q_empty, dk, it - 1, QSTAGES)
-            for _g in range(0 if DKP else n_iter // n_m):
+            for _g in range(n_iter // n_m):
                 for _i in gl.static_range(n_skip):
                     _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES)
                     it += 1
@@ -603,8 +493,7 @@ if HAVE_GLUON:
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
-                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False, DKP: gl.constexpr = False,
-                         QSTAGES: gl.constexpr = 0):
+                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -625,35 +514,23 @@ if HAVE_GLUON:
         n_m = T // BLOCK_M - mt0
         n_iter = GROUP * n_m
 
-        if DKP:  # Q (and lse) on a ring of their own
-            gl.static_assert(QSTAGES > 0)
-            QST: gl.constexpr = QSTAGES
-        else:
-            QST: gl.constexpr = STAGES
-        q_smem = gl.allocate_shared_memory(dtype, [QST, BLOCK_M, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
         if SMEM:
-            lse_smem = gl.allocate_shared_memory(gl.float32, [QST, 1, BLOCK_M], lse_desc.layout)
+            lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
             delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
         else:  # stand-ins that no partition reads
             lse_smem = q_smem
             delta_smem = q_smem
-        if DKP:  # each warpgroup's dSᵀ tile
-            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
-            ds0 = gl.allocate_shared_memory(dtype, [KH, BLOCK_M], ds_layout)
-            ds1 = gl.allocate_shared_memory(dtype, [KH, BLOCK_M], ds_layout)
-        else:  # stand-ins that no partition reads
-            ds0 = k_smem.index(0)
-            ds1 = k_smem.index(0)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_bars = gl.allocate_shared_memory(gl.int64, [QST, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [QST, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
-        _ring_init(q_bars, q_empty, QST)
+        _ring_init(q_bars, q_empty, STAGES)
         _ring_init(do_bars, do_empty, STAGES)
         fence_async_shared()
 
@@ -664,18 +541,16 @@ if HAVE_GLUON:
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL, ds0,
-                              DKP, QSTAGES)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL)),
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL, ds1,
-                              DKP, QSTAGES)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                               v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row,
                               off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh,
                               do_ch, h0, mt0, n_m, n_iter, T, (off_b * H + h0) * (T // BLOCK_M) + mt0, BLOCK_M,
-                              STAGES, LEAN, SMEM, QSTAGES if DKP else 0)),
+                              STAGES, LEAN, SMEM)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])  # worker_num_regs: required by Gluon 3.6
 
     # -----------------------------------------------------------------------------------------------------
@@ -926,13 +801,12 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 127 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
-            or (opts & OPT_DKP and not opts & OPT_PEEL)
+            or not 0 <= opts <= 63 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
             or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
             or (opts & OPT_PEEL and (not opts & OPT_SMEM or bm1 != 64))):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-127 "
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-63 "
                          f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
-                         f"with OPT_SMEM and BLOCK_M1 64, the only step measured; OPT_DKP with OPT_PEEL), got {config!r}")
+                         f"with OPT_SMEM and BLOCK_M1 64, the only step measured), got {config!r}")
     return bm1, st1, bn2, st2, opts
 
 
@@ -971,8 +845,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
-              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL),
-              DKP=bool(opts & OPT_DKP), QSTAGES=st1 + 1 if opts & OPT_DKP else 0)
+              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
               SKIP=bool(opts & OPT_DQSKIP))
     nb = T // RESIDENT
