@@ -109,6 +109,13 @@ spills, the dK/dV kernel 2-5 % slower at every length). At 16k this form is ~1 %
 alternations), 0.92-0.95x cuDNN: at the 700 W cap time follows energy, and 7 products at ~1.0 pJ per FLOP cost
 about 5 % more than cuDNN's 5 at ~1.33.
 
+Session 24 (bench/RESULTS.md), measured and dropped, both bit-identical: the dK product issued a step later, between the
+next step's Sᵀ and dPᵀ, from dSᵀ kept in a shared tile (``OPT_DKP``, commits 2bcf023 / ecf1def): 6-9 % faster than
+the split on the same 3-deep ring, but any ring deeper than two costs the split 7-21 % (not its shared-memory size: a
+padded 2-deep kernel ran as fast), so 3-6 % slower than the library at 1k-8k; FA3's ping-pong of the two warpgroups'
+Sᵀ/dPᵀ issue (``OPT_PP``, commit 936de50): 10-15 % slower. In both, ptxas serialised every wgmma of the causal MHA build
+until the mask was applied to S (-inf) before the exponential rather than to P after it.
+
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
 ring) 1.10 / 1.05 / 1.00-1.01 / 0.94-0.99 / 0.87-0.91 (xtrain bench attention, two processes: 1.09-1.11 / 1.05 /
