@@ -110,7 +110,7 @@ alternations), 0.92-0.95x cuDNN: at the 700 W cap time follows energy, and 7 pro
 about 5 % more than cuDNN's 5 at ~1.33.
 
 Session 24 (bench/RESULTS.md), measured and dropped, both bit-identical: the dK product issued a step later, between the
-next step's Sᵀ and dPᵀ, from dSᵀ kept in a shared tile (``OPT_DKP``, commits 2bcf023 / ecf1def): 6-9 % faster than
+next step's Sᵀ and dPᵀ, from dSᵀ kept in a shared tile (``OPT_DKP``, commits 2bcf023 / ecf1def): 2-14 % faster than
 the split on the same 3-deep ring, but any ring deeper than two costs the split 7-21 % (not its shared-memory size: a
 padded 2-deep kernel ran as fast), so 3-6 % slower than the library at 1k-8k; FA3's ping-pong of the two warpgroups'
 Sᵀ/dPᵀ issue (``OPT_PP``, commit 936de50): 10-15 % slower. In both, ptxas serialised every wgmma of the causal MHA build
