@@ -49,9 +49,19 @@ from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E, _desc, _row_
 
 KH = 64  # keys per program
 BLOCK_M = 64  # queries per step
-# name -> (STAGES, NDS, SLOTS, KV_REGS, Q_REGS, EARLYP, NORED, NODQ); the S warpgroup gets 512 - 24 - KV - Q
+# name -> (STAGES, NDS, SLOTS, KV_REGS, Q_REGS, EARLYP, NORED, NODQ[, KREG[, DQATOM]]); the S warpgroup gets
+# 512 - 24 - KV - Q. KREG: K and V loaded once into the S warpgroup's registers (register A operands of Sᵀ, dPᵀ:
+# each of those wgmmas then reads only its B tile from shared memory). DQATOM: dQ added from registers by
+# per-element fp32 atomics (relaxed), no staging tile, no TMA reduce-add (SLOTS unused).
 VARIANTS = {
     "roles": (3, 2, 1, 192, 120, True, False, False),
+    "kreg": (3, 2, 1, 184, 120, True, False, False, True),
+    "kreg_s2": (3, 2, 2, 184, 120, True, False, False, True),
+    "kreg_atom": (3, 2, 1, 184, 120, True, False, False, True, True),
+    "atom": (3, 2, 1, 192, 120, True, False, False, False, True),
+    "kreg_red2": (3, 2, 1, 184, 120, True, False, False, True, 2),
+    "kreg_nored": (3, 2, 1, 184, 120, True, True, False, True),  # PROBE
+    "kreg_nodq": (3, 2, 1, 184, 120, True, True, True, True),  # PROBE
     "roles_late": (3, 2, 1, 192, 120, False, False, False),  # dV waits for dSᵀ too (one barrier less in S)
     "roles_s2": (3, 2, 2, 192, 120, True, False, False),  # two dQ staging tiles
     "roles_nds3": (3, 3, 1, 192, 120, True, False, False),  # S may run three steps ahead
@@ -77,6 +87,10 @@ if HAVE_GLUON:
     from xtrain.kernels.flash_attention_gluon_bwd import _acc_layout, _tail_order
     from xtrain.kernels.flash_attention_gluon_onepass import _tma_reduce_add
 
+    # fp32 reduction of a column pair into global memory; $1 is the second element's address (unused: the pair
+    # is contiguous), the results are dummies
+    RED_V2 = gl.constexpr("red.global.add.v2.f32 [$2], {$4, $5};\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;")
+
     @gluon.jit
     def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
                   slot_empty, k_row, k_col, v_row, v_col, q_base, q_rh, q_ch, do_base, do_rh, do_ch, h0, mt0, n_m,
@@ -98,13 +112,20 @@ if HAVE_GLUON:
     def _s_role(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_bars, do_bars, slot_empty, p_full,
                 ds_full, buf_empty, lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, n_iter, start_n, qk_scale,
                 dtype: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr,
-                CAUSAL: gl.constexpr, EARLYP: gl.constexpr):
+                CAUSAL: gl.constexpr, EARLYP: gl.constexpr, KREG: gl.constexpr):
         KH: gl.constexpr = k_smem.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_M)
         cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         offs_k = start_n + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
         s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
         mbarrier.wait(kv_bar, 0)
+        if KREG:
+            op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+            k_a = k_smem.load(op_layout)
+            v_a = v_smem.load(op_layout)
+        else:
+            k_a = k_smem
+            v_a = v_smem
         for it in range(n_iter):
             start_m = (mt0 + it % n_m) * BLOCK_M
             row = lse_row0 + (it // n_m) * T + start_m
@@ -113,9 +134,9 @@ if HAVE_GLUON:
             slot = it % STAGES
             phase = (it // STAGES) & 1
             mbarrier.wait(q_bars.index(slot), phase)
-            st = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma(k_a, q_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(do_bars.index(slot), phase)
-            dpt = warpgroup_mma(v_smem, do_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_a, do_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
             if CAUSAL:
                 if start_m < start_n + KH:  # the diagonal step: mask S before the exponential
@@ -175,11 +196,28 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _q_role(k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
+    def _dq_stage(dq, dq_smem, dq_desc, row, it, SLOTS: gl.constexpr, NORED: gl.constexpr):
+        """dQ_step into staging tile it % SLOTS, then one TMA reduce-add of it (NORED: not issued)."""
+        s = it % SLOTS
+        if not NORED:
+            tma.store_wait(SLOTS - 1)  # the reduce-add that last read this staging tile is done
+        _cta_barrier()
+        dq_smem.index(s).store(dq)
+        fence_async_shared()
+        _cta_barrier()
+        if not NORED:
+            _tma_reduce_add(dq_desc, [row, 0], dq_smem.index(s))
+
+    @gluon.jit
+    def _q_role(k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_ptr, dq_row0, T, mt0, n_m, n_iter,
                 BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr, NORED: gl.constexpr,
-                NODQ: gl.constexpr):
+                NODQ: gl.constexpr, DQATOM: gl.constexpr):
         D: gl.constexpr = dq_desc.block_type.shape[1]
-        dq_zero = gl.zeros([BLOCK_M, D], gl.float32, _acc_layout(D))
+        a_layout: gl.constexpr = _acc_layout(D)
+        dq_zero = gl.zeros([BLOCK_M, D], gl.float32, a_layout)
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_layout))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, a_layout))
+        tile_offs = gl.expand_dims(offs_m, 1) * D + gl.expand_dims(offs_d, 0)
         mbarrier.wait(kv_bar, 0)
         for it in range(n_iter):
             b = it % NDS
@@ -190,25 +228,23 @@ if HAVE_GLUON:
                 dq = warpgroup_mma(ds_smem.index(b).permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq, ))
                 mbarrier.arrive(buf_empty.index(b), count=1)
-                s = it % SLOTS
-                if not NORED:
-                    tma.store_wait(SLOTS - 1)  # the reduce-add that last read this staging tile is done
-                _cta_barrier()
-                dq_smem.index(s).store(dq)
-                fence_async_shared()
-                _cta_barrier()
-                if not NORED:
-                    row = dq_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M
-                    _tma_reduce_add(dq_desc, [row, 0], dq_smem.index(s))
+                row = dq_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M
+                if DQATOM == 2:  # two adjacent columns per instruction (each thread holds column pairs)
+                    gl.inline_asm_elementwise(RED_V2, "=r,=r,l,l,f,f", [(dq_ptr + row.to(gl.int64) * D + tile_offs).to(gl.int64), dq],
+                                              dtype=gl.int32, is_pure=False, pack=2)
+                elif DQATOM:
+                    gl.atomic_add(dq_ptr + row.to(gl.int64) * D + tile_offs, dq, sem="relaxed")
+                else:
+                    _dq_stage(dq, dq_smem, dq_desc, row, it, SLOTS, NORED)
         tma.store_wait(0)
 
     @gluon.jit
-    def _roles_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale,
+    def _roles_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, dq_ptr, lse_ptr, delta_ptr, qk_scale,
                       sm_scale, H, GROUP, T, TAIL, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb,
                       v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr,
                       CAUSAL: gl.constexpr, EARLYP: gl.constexpr, NORED: gl.constexpr, NODQ: gl.constexpr,
-                      KV_REGS: gl.constexpr, Q_REGS: gl.constexpr):
+                      KV_REGS: gl.constexpr, Q_REGS: gl.constexpr, KREG: gl.constexpr, DQATOM: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         pid_n, off_bkv = _tail_order(gl.program_id(0), T // KH, TAIL)  # key tile 0 (heaviest when causal) first
@@ -259,12 +295,12 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_s_role, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_bars, do_bars, slot_empty, p_full,
                        ds_full, buf_empty, lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, n_iter, start_n, qk_scale,
-                       dtype, BLOCK_M, STAGES, NDS, CAUSAL, EARLYP)),
+                       dtype, BLOCK_M, STAGES, NDS, CAUSAL, EARLYP, KREG)),
             (_kv_role, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_bars, do_bars, slot_empty, p_full,
                         ds_full, buf_empty, dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch,
                         n_iter, sm_scale, dtype, HEAD_DIM, STAGES, NDS, EARLYP)),
-            (_q_role, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
-                       BLOCK_M, NDS, SLOTS, NORED, NODQ)),
+            (_q_role, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_ptr, dq_row0, T, mt0, n_m,
+                       n_iter, BLOCK_M, NDS, SLOTS, NORED, NODQ, DQATOM)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
                          slot_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch,
                          off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, BLOCK_M, STAGES)),
@@ -273,11 +309,12 @@ if HAVE_GLUON:
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cfg):
     """(kernel, grid, args, constexprs); CUDA tensors or CPU stand-ins."""
-    stages, nds, slots, kv_regs, q_regs, earlyp, nored, nodq = cfg
+    stages, nds, slots, kv_regs, q_regs, earlyp, nored, nodq, *rest = cfg
+    kreg, dqatom = (list(rest) + [False, 0])[:2]
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
-    args = dict(lse_ptr=lse2, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
+    args = dict(dq_ptr=dq_acc, lse_ptr=lse2, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
     for n, (_, rb, rh, ch) in views.items():
         args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
     args.update(q_desc=_desc(views["q"][0], BLOCK_M, D), do_desc=_desc(views["do"][0], BLOCK_M, D),
@@ -287,7 +324,8 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cf
     nb = T // KH
     args["TAIL"] = GB.tail_heads(nb, B * Hkv, FA.grid_sms(q.device))
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, NDS=nds, SLOTS=slots, CAUSAL=bool(causal),
-                  EARLYP=bool(earlyp), NORED=bool(nored), NODQ=bool(nodq), KV_REGS=kv_regs, Q_REGS=q_regs)
+                  EARLYP=bool(earlyp), NORED=bool(nored), NODQ=bool(nodq), KV_REGS=kv_regs, Q_REGS=q_regs,
+                  KREG=bool(kreg), DQATOM=int(dqatom))
     return _roles_kernel, (nb * B * Hkv,), args, consts
 
 
