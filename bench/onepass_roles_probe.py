@@ -60,6 +60,8 @@ VARIANTS = {
     "kreg_atom": (3, 2, 1, 184, 120, True, False, False, True, True),
     "atom": (3, 2, 1, 192, 120, True, False, False, False, True),
     "kreg_red2": (3, 2, 1, 184, 120, True, False, False, True, 2),
+    "spipe": (3, 2, 2, 160, 120, True, False, False, True, 0, True),  # S software-pipelined (S gets 208)
+    "spipe_kv168": (3, 2, 2, 168, 120, True, False, False, True, 0, True),
     "kreg_nored": (3, 2, 1, 184, 120, True, True, False, True),  # PROBE
     "kreg_nodq": (3, 2, 1, 184, 120, True, True, True, True),  # PROBE
     "roles_late": (3, 2, 1, 192, 120, False, False, False),  # dV waits for dSᵀ too (one barrier less in S)
@@ -158,6 +160,81 @@ if HAVE_GLUON:
             mbarrier.arrive(ds_full.index(b), count=1)
 
     @gluon.jit
+    def _s_p_out(st, start_m, lse2, p_smem, p_full, buf_empty, b, lap, offs_k, cols, start_n, qk_scale,
+                 KH: gl.constexpr, CAUSAL: gl.constexpr, dtype: gl.constexpr):
+        """Pᵀ of a step from its retired Sᵀ (masked before the exponential on the diagonal step) into buffer b,
+        fenced, and announced on p_full[b]. Returns Pᵀ in fp32."""
+        if CAUSAL:
+            if start_m < start_n + KH:
+                keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+                st = gl.where(keep, st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        mbarrier.wait(buf_empty.index(b), (lap & 1) ^ 1)  # fresh barriers: the first lap passes
+        p_smem.index(b).store(pt.to(dtype))
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(p_full.index(b), count=1)
+        return pt
+
+    @gluon.jit
+    def _s_ds_out(pt, dpt, delta, ds_smem, ds_full, b, dtype: gl.constexpr):
+        """dSᵀ = Pᵀ (dPᵀ − delta) into buffer b, fenced, announced on ds_full[b]."""
+        ds_smem.index(b).store((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype))
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(ds_full.index(b), count=1)
+
+    @gluon.jit
+    def _s_role_pipe(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_bars, do_bars, slot_empty, p_full,
+                     ds_full, buf_empty, lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, n_iter, start_n, qk_scale,
+                     dtype: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr,
+                     CAUSAL: gl.constexpr):
+        """The S warpgroup, software-pipelined (SPIPE, with KREG and EARLYP): step it's Sᵀ is issued before step
+        it − 1's dSᵀ is computed and stored, so that product runs under that arithmetic; then dPᵀ, and step it's
+        exponentials run under dPᵀ."""
+        KH: gl.constexpr = k_smem.shape[0]
+        s_layout: gl.constexpr = _acc_layout(BLOCK_M)
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        offs_k = start_n + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
+        s_zero = gl.zeros([KH, BLOCK_M], gl.float32, s_layout)
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        mbarrier.wait(kv_bar, 0)
+        k_a = k_smem.load(op_layout)
+        v_a = v_smem.load(op_layout)
+        # step 0
+        start_m = mt0 * BLOCK_M
+        lse2 = gl.load(lse_ptr + lse_row0 + start_m + cols)
+        delta = gl.load(delta_ptr + lse_row0 + start_m + cols)
+        mbarrier.wait(q_bars.index(0), 0)
+        st = warpgroup_mma(k_a, q_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_bars.index(0), 0)
+        dpt = warpgroup_mma(v_a, do_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        pt = _s_p_out(st, start_m, lse2, p_smem, p_full, buf_empty, 0, 0, offs_k, cols, start_n, qk_scale, KH, CAUSAL,
+                      dtype)
+        dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+        mbarrier.arrive(slot_empty.index(0), count=1)
+        for it in range(1, n_iter):
+            start_m = (mt0 + it % n_m) * BLOCK_M
+            row = lse_row0 + (it // n_m) * T + start_m
+            lse2 = gl.load(lse_ptr + row + cols)
+            delta_n = gl.load(delta_ptr + row + cols)
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            mbarrier.wait(q_bars.index(slot), phase)
+            st = warpgroup_mma(k_a, q_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            _s_ds_out(pt, dpt, delta, ds_smem, ds_full, (it - 1) % NDS, dtype)  # step it - 1's, under Sᵀ
+            mbarrier.wait(do_bars.index(slot), phase)
+            dpt = warpgroup_mma(v_a, do_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st, ))
+            pt = _s_p_out(st, start_m, lse2, p_smem, p_full, buf_empty, it % NDS, it // NDS, offs_k, cols, start_n,
+                          qk_scale, KH, CAUSAL, dtype)
+            dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+            mbarrier.arrive(slot_empty.index(slot), count=1)
+            delta = delta_n
+        _s_ds_out(pt, dpt, delta, ds_smem, ds_full, (n_iter - 1) % NDS, dtype)
+
+    @gluon.jit
     def _kv_role(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_bars, do_bars, slot_empty, p_full, ds_full,
                  buf_empty, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, n_iter, sm_scale, dtype: gl.constexpr,
                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr, EARLYP: gl.constexpr):
@@ -244,7 +321,8 @@ if HAVE_GLUON:
                       v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr,
                       CAUSAL: gl.constexpr, EARLYP: gl.constexpr, NORED: gl.constexpr, NODQ: gl.constexpr,
-                      KV_REGS: gl.constexpr, Q_REGS: gl.constexpr, KREG: gl.constexpr, DQATOM: gl.constexpr):
+                      KV_REGS: gl.constexpr, Q_REGS: gl.constexpr, KREG: gl.constexpr, DQATOM: gl.constexpr,
+                      SPIPE: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         pid_n, off_bkv = _tail_order(gl.program_id(0), T // KH, TAIL)  # key tile 0 (heaviest when causal) first
@@ -292,25 +370,41 @@ if HAVE_GLUON:
         v_row = off_b * v_rb + off_kvh * v_rh + start_n
         dk_row = off_b * dk_rb + off_kvh * dk_rh + start_n
         dv_row = off_b * dv_rb + off_kvh * dv_rh + start_n
-        gl.warp_specialize([
-            (_s_role, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_bars, do_bars, slot_empty, p_full,
-                       ds_full, buf_empty, lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, n_iter, start_n, qk_scale,
-                       dtype, BLOCK_M, STAGES, NDS, CAUSAL, EARLYP, KREG)),
-            (_kv_role, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_bars, do_bars, slot_empty, p_full,
-                        ds_full, buf_empty, dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch,
-                        n_iter, sm_scale, dtype, HEAD_DIM, STAGES, NDS, EARLYP)),
-            (_q_role, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_ptr, dq_row0, T, mt0, n_m,
-                       n_iter, BLOCK_M, NDS, SLOTS, NORED, NODQ, DQATOM)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
-                         slot_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch,
-                         off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, BLOCK_M, STAGES)),
-        ], [4, 4, 1], [KV_REGS, Q_REGS, _PRODUCER_REGS])
+        if SPIPE:
+            gl.static_assert(KREG and EARLYP)
+            gl.warp_specialize([
+                (_s_role_pipe, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_bars, do_bars, slot_empty, p_full,
+                           ds_full, buf_empty, lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, n_iter, start_n, qk_scale,
+                           dtype, BLOCK_M, STAGES, NDS, CAUSAL)),
+                (_kv_role, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_bars, do_bars, slot_empty, p_full,
+                            ds_full, buf_empty, dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch,
+                            n_iter, sm_scale, dtype, HEAD_DIM, STAGES, NDS, EARLYP)),
+                (_q_role, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_ptr, dq_row0, T, mt0, n_m,
+                           n_iter, BLOCK_M, NDS, SLOTS, NORED, NODQ, DQATOM)),
+                (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
+                             slot_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch,
+                             off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, BLOCK_M, STAGES)),
+            ], [4, 4, 1], [KV_REGS, Q_REGS, _PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_s_role, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_bars, do_bars, slot_empty, p_full,
+                           ds_full, buf_empty, lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, n_iter, start_n, qk_scale,
+                           dtype, BLOCK_M, STAGES, NDS, CAUSAL, EARLYP, KREG)),
+                (_kv_role, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_bars, do_bars, slot_empty, p_full,
+                            ds_full, buf_empty, dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch,
+                            n_iter, sm_scale, dtype, HEAD_DIM, STAGES, NDS, EARLYP)),
+                (_q_role, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_ptr, dq_row0, T, mt0, n_m,
+                           n_iter, BLOCK_M, NDS, SLOTS, NORED, NODQ, DQATOM)),
+                (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
+                             slot_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch,
+                             off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, BLOCK_M, STAGES)),
+            ], [4, 4, 1], [KV_REGS, Q_REGS, _PRODUCER_REGS])
 
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cfg):
     """(kernel, grid, args, constexprs); CUDA tensors or CPU stand-ins."""
     stages, nds, slots, kv_regs, q_regs, earlyp, nored, nodq, *rest = cfg
-    kreg, dqatom = (list(rest) + [False, 0])[:2]
+    kreg, dqatom, spipe = (list(rest) + [False, 0, False])[:3]
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
@@ -325,7 +419,7 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cf
     args["TAIL"] = GB.tail_heads(nb, B * Hkv, FA.grid_sms(q.device))
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, NDS=nds, SLOTS=slots, CAUSAL=bool(causal),
                   EARLYP=bool(earlyp), NORED=bool(nored), NODQ=bool(nodq), KV_REGS=kv_regs, Q_REGS=q_regs,
-                  KREG=bool(kreg), DQATOM=int(dqatom))
+                  KREG=bool(kreg), DQATOM=int(dqatom), SPIPE=bool(spipe))
     return _roles_kernel, (nb * B * Hkv,), args, consts
 
 
