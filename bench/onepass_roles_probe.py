@@ -62,6 +62,8 @@ VARIANTS = {
     "kreg_red2": (3, 2, 1, 184, 120, True, False, False, True, 2),
     "spipe": (3, 2, 2, 160, 120, True, False, False, True, 0, True),  # S software-pipelined (S gets 208)
     "spipe_kv168": (3, 2, 2, 168, 120, True, False, False, True, 0, True),
+    "spipe_nds3": (2, 3, 2, 160, 120, True, False, False, True, 0, True),  # S up to three steps ahead
+    "spipe_nodq": (3, 2, 2, 160, 120, True, True, True, True, 0, True),  # PROBE
     "kreg_nored": (3, 2, 1, 184, 120, True, True, False, True),  # PROBE
     "kreg_nodq": (3, 2, 1, 184, 120, True, True, True, True),  # PROBE
     "roles_late": (3, 2, 1, 192, 120, False, False, False),  # dV waits for dSᵀ too (one barrier less in S)
