@@ -64,6 +64,8 @@ VARIANTS = {
     "spipe_kv168": (3, 2, 2, 168, 120, True, False, False, True, 0, True),
     "spipe_nds3": (2, 3, 2, 160, 120, True, False, False, True, 0, True),  # S up to three steps ahead
     "spipe_nodq": (3, 2, 2, 160, 120, True, True, True, True, 0, True),  # PROBE
+    "kvlag": (3, 2, 2, 184, 120, True, False, False, True, 0, False, True),  # KV's products retire a step late
+    "kvlag_nds3": (2, 3, 2, 184, 120, True, False, False, True, 0, False, True),
     "kreg_nored": (3, 2, 1, 184, 120, True, True, False, True),  # PROBE
     "kreg_nodq": (3, 2, 1, 184, 120, True, True, True, True),  # PROBE
     "roles_late": (3, 2, 1, 192, 120, False, False, False),  # dV waits for dSᵀ too (one barrier less in S)
@@ -239,7 +241,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _kv_role(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_bars, do_bars, slot_empty, p_full, ds_full,
                  buf_empty, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, n_iter, sm_scale, dtype: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr, EARLYP: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr, EARLYP: gl.constexpr,
+                 KVLAG: gl.constexpr):
+        """KVLAG: step it's dV and dK stay in flight while step it + 1's are issued; a step's buffers are released
+        once its products retire, one step later."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)
         dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
@@ -259,9 +264,19 @@ if HAVE_GLUON:
                 mbarrier.wait(ds_full.index(b), bph)
             mbarrier.wait(q_bars.index(slot), phase)
             dk = warpgroup_mma(ds_smem.index(b), q_smem.index(slot), dk, is_async=True)
+            if KVLAG:
+                dv, dk = warpgroup_mma_wait(2, deps=(dv, dk))  # retires step it - 1's pair
+                if it > 0:
+                    mbarrier.arrive(buf_empty.index((it - 1) % NDS), count=1)
+                    mbarrier.arrive(slot_empty.index((it - 1) % STAGES), count=1)
+            else:
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                mbarrier.arrive(buf_empty.index(b), count=1)
+                mbarrier.arrive(slot_empty.index(slot), count=1)
+        if KVLAG:
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-            mbarrier.arrive(buf_empty.index(b), count=1)
-            mbarrier.arrive(slot_empty.index(slot), count=1)
+            mbarrier.arrive(buf_empty.index((n_iter - 1) % NDS), count=1)
+            mbarrier.arrive(slot_empty.index((n_iter - 1) % STAGES), count=1)
         # K and V are dead once the S warpgroup's last Sᵀ, dPᵀ retired (before its last ds_full arrival, waited
         # above) and the Q warpgroup's last dQ retired (its arrival on the last step's buf_empty)
         last = n_iter - 1
@@ -324,7 +339,7 @@ if HAVE_GLUON:
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr,
                       CAUSAL: gl.constexpr, EARLYP: gl.constexpr, NORED: gl.constexpr, NODQ: gl.constexpr,
                       KV_REGS: gl.constexpr, Q_REGS: gl.constexpr, KREG: gl.constexpr, DQATOM: gl.constexpr,
-                      SPIPE: gl.constexpr):
+                      SPIPE: gl.constexpr, KVLAG: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         pid_n, off_bkv = _tail_order(gl.program_id(0), T // KH, TAIL)  # key tile 0 (heaviest when causal) first
@@ -380,7 +395,7 @@ if HAVE_GLUON:
                            dtype, BLOCK_M, STAGES, NDS, CAUSAL)),
                 (_kv_role, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_bars, do_bars, slot_empty, p_full,
                             ds_full, buf_empty, dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch,
-                            n_iter, sm_scale, dtype, HEAD_DIM, STAGES, NDS, EARLYP)),
+                            n_iter, sm_scale, dtype, HEAD_DIM, STAGES, NDS, EARLYP, KVLAG)),
                 (_q_role, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_ptr, dq_row0, T, mt0, n_m,
                            n_iter, BLOCK_M, NDS, SLOTS, NORED, NODQ, DQATOM)),
                 (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
@@ -394,7 +409,7 @@ if HAVE_GLUON:
                            dtype, BLOCK_M, STAGES, NDS, CAUSAL, EARLYP, KREG)),
                 (_kv_role, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_bars, do_bars, slot_empty, p_full,
                             ds_full, buf_empty, dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch,
-                            n_iter, sm_scale, dtype, HEAD_DIM, STAGES, NDS, EARLYP)),
+                            n_iter, sm_scale, dtype, HEAD_DIM, STAGES, NDS, EARLYP, KVLAG)),
                 (_q_role, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_ptr, dq_row0, T, mt0, n_m,
                            n_iter, BLOCK_M, NDS, SLOTS, NORED, NODQ, DQATOM)),
                 (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
@@ -406,7 +421,7 @@ if HAVE_GLUON:
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cfg):
     """(kernel, grid, args, constexprs); CUDA tensors or CPU stand-ins."""
     stages, nds, slots, kv_regs, q_regs, earlyp, nored, nodq, *rest = cfg
-    kreg, dqatom, spipe = (list(rest) + [False, 0, False])[:3]
+    kreg, dqatom, spipe, kvlag = (list(rest) + [False, 0, False, False])[:4]
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
@@ -421,7 +436,7 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cf
     args["TAIL"] = GB.tail_heads(nb, B * Hkv, FA.grid_sms(q.device))
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, NDS=nds, SLOTS=slots, CAUSAL=bool(causal),
                   EARLYP=bool(earlyp), NORED=bool(nored), NODQ=bool(nodq), KV_REGS=kv_regs, Q_REGS=q_regs,
-                  KREG=bool(kreg), DQATOM=int(dqatom), SPIPE=bool(spipe))
+                  KREG=bool(kreg), DQATOM=int(dqatom), SPIPE=bool(spipe), KVLAG=bool(kvlag))
     return _roles_kernel, (nb * B * Hkv,), args, consts
 
 
@@ -452,6 +467,9 @@ def main() -> None:
     ap.add_argument("--seqs", default="1024,2048,4096,8192,16384")
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--ncu", type=int, default=0, metavar="T",
+                    help="launch each variant once at this T inside cudaProfilerStart/Stop (run under ncu "
+                         "--profile-from-start off -k regex:_roles_kernel); nothing is timed")
     args = ap.parse_args()
     variants = args.variants.split(",")
     dims = [int(x) for x in args.head_dims.split(",")]
@@ -467,6 +485,18 @@ def main() -> None:
         return
     from bench import isolated
 
+    if args.ncu:
+        q, k, v, do = isolated.bench_inputs(dims[0], args.ncu)
+        o, lse = FA.flash_attention_fwd_triton(q, k, v, True)
+        for name in variants:  # compile outside the profiled range
+            roles_bwd(do, q, k, v, o, lse, variant=name)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        for name in variants:
+            roles_bwd(do, q, k, v, o, lse, variant=name)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return
     for name in [v for v in variants if v in CORRECT]:
         err = isolated.bwd_worst_error(name, dims, lambda *a, name=name: roles_bwd(*a[:6], *a[6:], variant=name))
         print(f"{name}: worst rel-norm error {err:.2e} {'PASS' if err < 1e-2 else 'FAIL'}", flush=True)
