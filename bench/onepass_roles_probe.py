@@ -66,6 +66,8 @@ VARIANTS = {
     "spipe_nodq": (3, 2, 2, 160, 120, True, True, True, True, 0, True),  # PROBE
     "kvlag": (3, 2, 2, 184, 120, True, False, False, True, 0, False, True),  # KV's products retire a step late
     "kvlag_nds3": (2, 3, 2, 184, 120, True, False, False, True, 0, False, True),
+    "split4": (3, 2, 2, 184, 120, True, False, False, True, 0, False, False, True),  # dQ staged as 4 [64, 32]
+    "split4_kvlag": (3, 2, 2, 184, 120, True, False, False, True, 0, False, True, True),
     "kreg_nored": (3, 2, 1, 184, 120, True, True, False, True),  # PROBE
     "kreg_nodq": (3, 2, 1, 184, 120, True, True, True, True),  # PROBE
     "roles_late": (3, 2, 1, 192, 120, False, False, False),  # dV waits for dSᵀ too (one barrier less in S)
@@ -290,6 +292,36 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
+    def _col_halves(x):
+        """The left and right column halves of a [R, N] register tensor (no data movement: each thread's
+        accumulator registers already fall into the two halves)."""
+        R: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        return gl.split(gl.permute(gl.reshape(x, [R, 2, N // 2]), (0, 2, 1)))
+
+    @gluon.jit
+    def _dq_stage4(dq, dq_smem, dq_desc, row, it, SLOTS: gl.constexpr):
+        """DQSPLIT: dQ_step [64, 128] staged as four [64, 32] fp32 tiles (rows of one 128-byte swizzle span, so
+        the accumulator's 8-byte stores meet no bank conflicts), four TMA reduce-adds of [64, 32] boxes."""
+        s = it % SLOTS
+        tma.store_wait(4 * SLOTS - 4)  # the four reduce-adds that last read these staging tiles are done
+        _cta_barrier()
+        lo, hi = _col_halves(dq)
+        c0, c1 = _col_halves(lo)
+        c2, c3 = _col_halves(hi)
+        dq_smem.index(4 * s).store(c0)
+        dq_smem.index(4 * s + 1).store(c1)
+        dq_smem.index(4 * s + 2).store(c2)
+        dq_smem.index(4 * s + 3).store(c3)
+        fence_async_shared()
+        _cta_barrier()
+        W: gl.constexpr = dq_desc.block_type.shape[1]
+        _tma_reduce_add(dq_desc, [row, 0], dq_smem.index(4 * s))
+        _tma_reduce_add(dq_desc, [row, W], dq_smem.index(4 * s + 1))
+        _tma_reduce_add(dq_desc, [row, 2 * W], dq_smem.index(4 * s + 2))
+        _tma_reduce_add(dq_desc, [row, 3 * W], dq_smem.index(4 * s + 3))
+
+    @gluon.jit
     def _dq_stage(dq, dq_smem, dq_desc, row, it, SLOTS: gl.constexpr, NORED: gl.constexpr):
         """dQ_step into staging tile it % SLOTS, then one TMA reduce-add of it (NORED: not issued)."""
         s = it % SLOTS
@@ -305,8 +337,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _q_role(k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_ptr, dq_row0, T, mt0, n_m, n_iter,
                 BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr, NORED: gl.constexpr,
-                NODQ: gl.constexpr, DQATOM: gl.constexpr):
-        D: gl.constexpr = dq_desc.block_type.shape[1]
+                NODQ: gl.constexpr, DQATOM: gl.constexpr, DQSPLIT: gl.constexpr):
+        D: gl.constexpr = k_smem.shape[1]
         a_layout: gl.constexpr = _acc_layout(D)
         dq_zero = gl.zeros([BLOCK_M, D], gl.float32, a_layout)
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_layout))
@@ -328,6 +360,8 @@ if HAVE_GLUON:
                                               dtype=gl.int32, is_pure=False, pack=2)
                 elif DQATOM:
                     gl.atomic_add(dq_ptr + row.to(gl.int64) * D + tile_offs, dq, sem="relaxed")
+                elif DQSPLIT:
+                    _dq_stage4(dq, dq_smem, dq_desc, row, it, SLOTS)
                 else:
                     _dq_stage(dq, dq_smem, dq_desc, row, it, SLOTS, NORED)
         tma.store_wait(0)
@@ -339,7 +373,7 @@ if HAVE_GLUON:
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr,
                       CAUSAL: gl.constexpr, EARLYP: gl.constexpr, NORED: gl.constexpr, NODQ: gl.constexpr,
                       KV_REGS: gl.constexpr, Q_REGS: gl.constexpr, KREG: gl.constexpr, DQATOM: gl.constexpr,
-                      SPIPE: gl.constexpr, KVLAG: gl.constexpr):
+                      SPIPE: gl.constexpr, KVLAG: gl.constexpr, DQSPLIT: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         pid_n, off_bkv = _tail_order(gl.program_id(0), T // KH, TAIL)  # key tile 0 (heaviest when causal) first
@@ -364,7 +398,11 @@ if HAVE_GLUON:
         t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [NDS, KH, BLOCK_M], t_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [NDS, KH, BLOCK_M], t_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [SLOTS, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        if DQSPLIT:
+            gl.static_assert(dq_desc.block_type.shape[1] * 4 == HEAD_DIM)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [4 * SLOTS, BLOCK_M, HEAD_DIM // 4], dq_desc.layout)
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [SLOTS, BLOCK_M, HEAD_DIM], dq_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -397,7 +435,7 @@ if HAVE_GLUON:
                             ds_full, buf_empty, dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch,
                             n_iter, sm_scale, dtype, HEAD_DIM, STAGES, NDS, EARLYP, KVLAG)),
                 (_q_role, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_ptr, dq_row0, T, mt0, n_m,
-                           n_iter, BLOCK_M, NDS, SLOTS, NORED, NODQ, DQATOM)),
+                           n_iter, BLOCK_M, NDS, SLOTS, NORED, NODQ, DQATOM, DQSPLIT)),
                 (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
                              slot_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch,
                              off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, BLOCK_M, STAGES)),
@@ -411,7 +449,7 @@ if HAVE_GLUON:
                             ds_full, buf_empty, dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch,
                             n_iter, sm_scale, dtype, HEAD_DIM, STAGES, NDS, EARLYP, KVLAG)),
                 (_q_role, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, buf_empty, dq_desc, dq_ptr, dq_row0, T, mt0, n_m,
-                           n_iter, BLOCK_M, NDS, SLOTS, NORED, NODQ, DQATOM)),
+                           n_iter, BLOCK_M, NDS, SLOTS, NORED, NODQ, DQATOM, DQSPLIT)),
                 (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bars, do_bars,
                              slot_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch,
                              off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, BLOCK_M, STAGES)),
@@ -421,7 +459,7 @@ if HAVE_GLUON:
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cfg):
     """(kernel, grid, args, constexprs); CUDA tensors or CPU stand-ins."""
     stages, nds, slots, kv_regs, q_regs, earlyp, nored, nodq, *rest = cfg
-    kreg, dqatom, spipe, kvlag = (list(rest) + [False, 0, False, False])[:4]
+    kreg, dqatom, spipe, kvlag, dqsplit = (list(rest) + [False, 0, False, False, False])[:5]
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
@@ -431,12 +469,12 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cf
     args.update(q_desc=_desc(views["q"][0], BLOCK_M, D), do_desc=_desc(views["do"][0], BLOCK_M, D),
                 k_desc=_desc(views["k"][0], KH, D), v_desc=_desc(views["v"][0], KH, D),
                 dk_desc=_desc(views["dk"][0], KH, D), dv_desc=_desc(views["dv"][0], KH, D),
-                dq_desc=_desc(dq_acc.view(B * H * T, D), BLOCK_M, D))
+                dq_desc=_desc(dq_acc.view(B * H * T, D), BLOCK_M, D // 4 if dqsplit else D))
     nb = T // KH
     args["TAIL"] = GB.tail_heads(nb, B * Hkv, FA.grid_sms(q.device))
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, NDS=nds, SLOTS=slots, CAUSAL=bool(causal),
                   EARLYP=bool(earlyp), NORED=bool(nored), NODQ=bool(nodq), KV_REGS=kv_regs, Q_REGS=q_regs,
-                  KREG=bool(kreg), DQATOM=int(dqatom), SPIPE=bool(spipe), KVLAG=bool(kvlag))
+                  KREG=bool(kreg), DQATOM=int(dqatom), SPIPE=bool(spipe), KVLAG=bool(kvlag), DQSPLIT=bool(dqsplit))
     return _roles_kernel, (nb * B * Hkv,), args, consts
 
 
