@@ -68,6 +68,11 @@ VARIANTS = {
     "kvlag_nds3": (2, 3, 2, 184, 120, True, False, False, True, 0, False, True),
     "split4": (3, 2, 2, 184, 120, True, False, False, True, 0, False, False, True),  # dQ staged as 4 [64, 32]
     "split4_kvlag": (3, 2, 2, 184, 120, True, False, False, True, 0, False, True, True),
+    "pf": (3, 2, 2, 184, 120, True, False, False, True, 0, False, False, False, True),  # kreg_s2 + lse/delta prefetch
+    "pf_kv168": (3, 2, 2, 168, 120, True, False, False, True, 0, False, False, False, True),
+    "pf_s216": (3, 2, 2, 160, 112, True, False, False, True, 0, False, False, False, True),
+    "pf_kvlag": (3, 2, 2, 168, 120, True, False, False, True, 0, False, True, False, True),
+    "pf_nodq": (3, 2, 2, 184, 120, True, True, True, True, 0, False, False, False, True),  # PROBE
     "kreg_nored": (3, 2, 1, 184, 120, True, True, False, True),  # PROBE
     "kreg_nodq": (3, 2, 1, 184, 120, True, True, True, True),  # PROBE
     "roles_late": (3, 2, 1, 192, 120, False, False, False),  # dV waits for dSᵀ too (one barrier less in S)
@@ -120,7 +125,8 @@ if HAVE_GLUON:
     def _s_role(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_bars, do_bars, slot_empty, p_full,
                 ds_full, buf_empty, lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, n_iter, start_n, qk_scale,
                 dtype: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr,
-                CAUSAL: gl.constexpr, EARLYP: gl.constexpr, KREG: gl.constexpr):
+                CAUSAL: gl.constexpr, EARLYP: gl.constexpr, KREG: gl.constexpr, PF: gl.constexpr):
+        """PF: step it + 1's lse and delta are loaded at the top of step it (their latency hidden by its work)."""
         KH: gl.constexpr = k_smem.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_M)
         cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -134,11 +140,19 @@ if HAVE_GLUON:
         else:
             k_a = k_smem
             v_a = v_smem
+        lse2 = gl.load(lse_ptr + lse_row0 + mt0 * BLOCK_M + cols)
+        delta = gl.load(delta_ptr + lse_row0 + mt0 * BLOCK_M + cols)
         for it in range(n_iter):
             start_m = (mt0 + it % n_m) * BLOCK_M
-            row = lse_row0 + (it // n_m) * T + start_m
-            lse2 = gl.load(lse_ptr + row + cols)  # lse·log2(e) (the prologue's base2 buffer)
-            delta = gl.load(delta_ptr + row + cols)
+            if PF:
+                nxt = gl.minimum(it + 1, n_iter - 1)
+                row_n = lse_row0 + (nxt // n_m) * T + (mt0 + nxt % n_m) * BLOCK_M
+                lse2_n = gl.load(lse_ptr + row_n + cols)
+                delta_n = gl.load(delta_ptr + row_n + cols)
+            else:
+                row = lse_row0 + (it // n_m) * T + start_m
+                lse2 = gl.load(lse_ptr + row + cols)  # lse·log2(e) (the prologue's base2 buffer)
+                delta = gl.load(delta_ptr + row + cols)
             slot = it % STAGES
             phase = (it // STAGES) & 1
             mbarrier.wait(q_bars.index(slot), phase)
@@ -164,6 +178,9 @@ if HAVE_GLUON:
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(ds_full.index(b), count=1)
+            if PF:
+                lse2 = lse2_n
+                delta = delta_n
 
     @gluon.jit
     def _s_p_out(st, start_m, lse2, p_smem, p_full, buf_empty, b, lap, offs_k, cols, start_n, qk_scale,
@@ -373,7 +390,7 @@ if HAVE_GLUON:
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr,
                       CAUSAL: gl.constexpr, EARLYP: gl.constexpr, NORED: gl.constexpr, NODQ: gl.constexpr,
                       KV_REGS: gl.constexpr, Q_REGS: gl.constexpr, KREG: gl.constexpr, DQATOM: gl.constexpr,
-                      SPIPE: gl.constexpr, KVLAG: gl.constexpr, DQSPLIT: gl.constexpr):
+                      SPIPE: gl.constexpr, KVLAG: gl.constexpr, DQSPLIT: gl.constexpr, PF: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         pid_n, off_bkv = _tail_order(gl.program_id(0), T // KH, TAIL)  # key tile 0 (heaviest when causal) first
@@ -444,7 +461,7 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_s_role, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_bars, do_bars, slot_empty, p_full,
                            ds_full, buf_empty, lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, n_iter, start_n, qk_scale,
-                           dtype, BLOCK_M, STAGES, NDS, CAUSAL, EARLYP, KREG)),
+                           dtype, BLOCK_M, STAGES, NDS, CAUSAL, EARLYP, KREG, PF)),
                 (_kv_role, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_bars, do_bars, slot_empty, p_full,
                             ds_full, buf_empty, dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch,
                             n_iter, sm_scale, dtype, HEAD_DIM, STAGES, NDS, EARLYP, KVLAG)),
@@ -459,7 +476,7 @@ if HAVE_GLUON:
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cfg):
     """(kernel, grid, args, constexprs); CUDA tensors or CPU stand-ins."""
     stages, nds, slots, kv_regs, q_regs, earlyp, nored, nodq, *rest = cfg
-    kreg, dqatom, spipe, kvlag, dqsplit = (list(rest) + [False, 0, False, False, False])[:5]
+    kreg, dqatom, spipe, kvlag, dqsplit, pf = (list(rest) + [False, 0, False, False, False, False])[:6]
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
@@ -474,7 +491,7 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cf
     args["TAIL"] = GB.tail_heads(nb, B * Hkv, FA.grid_sms(q.device))
     consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, NDS=nds, SLOTS=slots, CAUSAL=bool(causal),
                   EARLYP=bool(earlyp), NORED=bool(nored), NODQ=bool(nodq), KV_REGS=kv_regs, Q_REGS=q_regs,
-                  KREG=bool(kreg), DQATOM=int(dqatom), SPIPE=bool(spipe), KVLAG=bool(kvlag), DQSPLIT=bool(dqsplit))
+                  KREG=bool(kreg), DQATOM=int(dqatom), SPIPE=bool(spipe), KVLAG=bool(kvlag), DQSPLIT=bool(dqsplit), PF=bool(pf))
     return _roles_kernel, (nb * B * Hkv,), args, consts
 
 
