@@ -48,15 +48,21 @@ from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E, _desc, _row_
 
 KH = 64  # keys per warpgroup (two per program)
 BLOCK_M = 64  # pass B's query step
-# name -> (BLOCK_MA, STAGES_A, PIPE_A, STAGES_B, NDS, SLOTS, KV_REGS, DQ_REGS); pass B's dK warpgroup 0 gets
-# 488 - KV_REGS - DQ_REGS registers (512 per thread-slot, 24 for the producer warp)
+# name -> (BLOCK_MA, STAGES_A, PIPE_A, STAGES_B, NDS, SLOTS, KV_REGS, DQ_REGS[, DQH[, ABL]]) (``_b_dq``); pass B's
+# dK warpgroup 0 gets 488 - KV_REGS - DQ_REGS registers (512 per thread-slot, 24 for the producer warp)
 VARIANTS = {
     "six": (64, 2, False, 2, 2, 2, 192, 104),
     "six_a128": (128, 2, False, 2, 2, 2, 192, 104),
     "six_pipe": (64, 2, True, 2, 2, 2, 192, 104),
-    "six_a128p": (128, 2, True, 2, 2, 2, 192, 104),
     "six_b3": (64, 2, False, 3, 2, 1, 192, 104),
+    "six_dqh": (128, 2, False, 2, 2, 2, 192, 104, True),
+    "six_dqh_ds3": (128, 2, False, 2, 3, 1, 192, 104, True),
+    # timing-only ablations of pass B's dQ warpgroup (wrong dq): no reduce-add / no staging / no dQ product
+    "abl_nored": (128, 2, False, 2, 2, 2, 192, 104, False, 1),
+    "abl_nostage": (128, 2, False, 2, 2, 2, 192, 104, False, 2),
+    "abl_nodq": (128, 2, False, 2, 2, 2, 192, 104, False, 3),
 }
+CORRECT = [n for n, c in VARIANTS.items() if len(c) < 10 or not c[9]]
 
 if HAVE_GLUON:
     from xtrain.kernels.flash_attention_gluon import (
@@ -82,7 +88,6 @@ if HAVE_GLUON:
         _ring_init,
         _tail_order,
     )
-    from xtrain.kernels.flash_attention_gluon_onepass import _dq_consumer
 
     @gluon.jit
     def _place(H, GROUP, T, TAIL, KH: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
@@ -369,10 +374,74 @@ if HAVE_GLUON:
         _store_half(k_half, (dk * sm_scale).to(dtype), dk_desc, dk_row + HALF * KH, dk_col)
 
     @gluon.jit
+    def _b_dq(k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
+              BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr, DQH: gl.constexpr, ABL: gl.constexpr):
+        """Pass B's dQ warpgroup. DQH: the step's dQ as two head-dim halves (dq_desc has [64, D/2] tiles, two staging
+        tiles per slot): both halves' wgmmas issued at once, the first half staged while the second runs. ABL
+        (timing-only ablations, wrong dq): 1 no reduce-add, 2 neither staging store nor reduce-add, 3 no dQ
+        product either (the warpgroup only waits ds_full and arrives ds_empty)."""
+        DC: gl.constexpr = dq_desc.block_type.shape[1]
+        mbarrier.wait(kv_bar, 0)
+        k0 = k_smem.index(0)
+        k1 = k_smem.index(1)
+        zero = gl.zeros([BLOCK_M, DC], gl.float32, _acc_layout(DC))
+        keep = zero
+        for it in range(n_iter):
+            b = it % NDS
+            mbarrier.wait(ds_full.index(b), (it // NDS) & 1)
+            row = dq_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M
+            s = it % SLOTS
+            if ABL == 3:
+                mbarrier.arrive(ds_empty.index(b), count=1)
+            elif DQH:
+                dsl = ds_smem.index(2 * b).permute((1, 0))
+                dsh = ds_smem.index(2 * b + 1).permute((1, 0))
+                a0 = warpgroup_mma(dsl, k0.slice(0, DC, dim=1), zero, use_acc=False, is_async=True)
+                a0 = warpgroup_mma(dsh, k1.slice(0, DC, dim=1), a0, is_async=True)
+                a1 = warpgroup_mma(dsl, k0.slice(DC, DC, dim=1), zero, use_acc=False, is_async=True)
+                a1 = warpgroup_mma(dsh, k1.slice(DC, DC, dim=1), a1, is_async=True)
+                a0 = warpgroup_mma_wait(2, deps=(a0, ))
+                if ABL < 2:
+                    tma.store_wait(2 * (SLOTS - 1))  # the reduce-adds of step it - SLOTS (same tiles) have read them
+                    _cta_barrier()
+                    dq_smem.index(2 * s).store(a0)
+                a1 = warpgroup_mma_wait(0, deps=(a1, ))
+                mbarrier.arrive(ds_empty.index(b), count=1)
+                if ABL < 2:
+                    dq_smem.index(2 * s + 1).store(a1)
+                    fence_async_shared()
+                    _cta_barrier()
+                    if ABL == 0:
+                        OP._tma_reduce_add(dq_desc, [row, 0], dq_smem.index(2 * s))
+                        OP._tma_reduce_add(dq_desc, [row, DC], dq_smem.index(2 * s + 1))
+            elif ABL == 2:  # the products kept live by accumulating across steps, stored once at the end
+                keep = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0, keep, is_async=True)
+                keep = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1, keep, is_async=True)
+                keep = warpgroup_mma_wait(0, deps=(keep, ))
+                mbarrier.arrive(ds_empty.index(b), count=1)
+            else:
+                dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0, zero, use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1, dq, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq, ))
+                mbarrier.arrive(ds_empty.index(b), count=1)
+                if ABL < 2:
+                    tma.store_wait(SLOTS - 1)
+                    _cta_barrier()
+                    dq_smem.index(s).store(dq)
+                    fence_async_shared()
+                    _cta_barrier()
+                    if ABL == 0:
+                        OP._tma_reduce_add(dq_desc, [row, 0], dq_smem.index(s))
+        if ABL == 2:
+            dq_smem.index(0).store(keep)
+        tma.store_wait(0)  # no CTA exit while a reduce-add still reads shared memory
+
+    @gluon.jit
     def _b_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dq_desc, lse_desc, delta_desc, qk_scale, sm_scale, H, GROUP,
                   T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch,
                   TAIL, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
-                  NDS: gl.constexpr, CAUSAL: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr):
+                  NDS: gl.constexpr, CAUSAL: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
+                  DQH: gl.constexpr, ABL: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         gl.static_assert(BLOCK_M == 64)
@@ -386,7 +455,8 @@ if HAVE_GLUON:
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KH, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, KH, BLOCK_M], ds_layout)  # [buffer·2 + half]
-        dq_smem = gl.allocate_shared_memory(gl.float32, [SLOTS, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        DC: gl.constexpr = dq_desc.block_type.shape[1]
+        dq_smem = gl.allocate_shared_memory(gl.float32, [SLOTS * (HEAD_DIM // DC), BLOCK_M, DC], dq_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -411,8 +481,8 @@ if HAVE_GLUON:
             (_b_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, q_bars, do_bars,
                            q_empty, ds_full, ds_empty, dk_desc, dk_row, off_kvh * dk_ch, mt0, n_m, n_iter, start_n,
                            qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, NDS)),
-            (_dq_consumer, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m,
-                            n_iter, BLOCK_M, NDS, SLOTS)),
+            (_b_dq, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
+                     BLOCK_M, NDS, SLOTS, DQH, ABL)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                               lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, off_kvh * k_ch,
                               v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0,
@@ -425,7 +495,8 @@ if HAVE_GLUON:
 # ----------------------------------------------------------------------------------------------------------
 def _launches(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cfg):
     """[(kernel, grid, args, constexprs)] of pass A and pass B; CUDA tensors or CPU stand-ins."""
-    bma, sta, pipe, stb, nds, slots, kv_regs, dq_regs = cfg
+    bma, sta, pipe, stb, nds, slots, kv_regs, dq_regs, *rest = cfg
+    dqh, abl = (list(rest) + [False, 0])[:2]
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
@@ -444,11 +515,12 @@ def _launches(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, 
     delta_b = _row_view(delta.view(B, H, T // BLOCK_M, BLOCK_M))[0]
     b = dict(q_desc=_desc(views["q"][0], BLOCK_M, D), do_desc=_desc(views["do"][0], BLOCK_M, D),
              k_desc=_desc(views["k"][0], KH, D), v_desc=_desc(views["v"][0], KH, D),
-             dk_desc=_desc(views["dk"][0], KH, D), dq_desc=_desc(dq_acc.view(B * H * T, D), BLOCK_M, D),
+             dk_desc=_desc(views["dk"][0], KH, D),
+             dq_desc=_desc(dq_acc.view(B * H * T, D), BLOCK_M, D // 2 if dqh else D),
              lse_desc=_desc(lse_b, 1, BLOCK_M), delta_desc=_desc(delta_b, 1, BLOCK_M), sm_scale=s, **common,
              **{x: co[x] for x in co if x[:2] in ("q_", "do", "k_", "v_", "dk")})
     cb = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stb, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), KV_REGS=kv_regs,
-              DQ_REGS=dq_regs)
+              DQ_REGS=dq_regs, DQH=bool(dqh), ABL=int(abl))
     grid = (nb * B * Hkv, )
     return [(_a_kernel, grid, a, ca), (_b_kernel, grid, b, cb)]
 
@@ -531,7 +603,7 @@ def main() -> None:
     from bench import isolated
 
     if not args.no_check:
-        for name in variants:
+        for name in [v for v in variants if v in CORRECT]:
             err = isolated.bwd_worst_error(name, dims, lambda *a, name=name: six_bwd(*a[:6], *a[6:], variant=name))
             print(f"{name}: worst rel-norm error {err:.2e} {'PASS' if err < 1e-2 else 'FAIL'}", flush=True)
             if not err < 1e-2:
