@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 bench/clock_probe.py [--seqs 8192,16384] [--head-dims 128] [--reps 40] [--parts]
     PYTHONPATH=. python3 bench/clock_probe.py --energy 3 [--seqs ...]   # mJ per call instead (NVML counter)
+    PYTHONPATH=. python3 bench/clock_probe.py --timeline 60 [--block 20] [--quiet]   # time, W, MHz, C per block
 
 Under sustained tensor-core load the H200 lowers its SM clock (nvidia-smi sampling in session 10 read 1665-1725
 MHz during the long backward benchmarks against 1980 MHz at light load). If one backward runs at a lower clock
@@ -14,7 +15,11 @@ first times the Gluon split's two kernels alone the same way, then the two back 
 whole slower than its parts, and is it the sequence or the rest of the backward?). ``--energy SECONDS``: energy
 per call from NVML's energy counter over SECONDS of back-to-back calls: under the power cap, time follows energy.
 Give it 3 s or more: a smoke run at 0.5 s (session 14) read 631-809 W and 1.03-1.30 pJ per FLOP for the same
-kernels that read 676-708 W and 1.03-1.10 over 3 s.
+kernels that read 676-708 W and 1.03-1.10 over 3 s. ``--timeline SECONDS``: blocks of ``--block`` back-to-back calls,
+xtrain's and cuDNN's in turn, for SECONDS; per block the ms per call (CUDA events), and from NVML the mean power
+over the block, the SM clock and the temperature at its end. Prints every block (or, with ``--quiet``, a histogram
+per contender) and whether the two contenders' fast blocks come at the same times: is a time's bimodal spread the
+GPU's state (both move together) or the contender's own?
 """
 
 from __future__ import annotations
@@ -92,6 +97,79 @@ def _nvml_energy_mj() -> int:
     if lib.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) != 0:
         raise RuntimeError("clock_probe: nvmlDeviceGetTotalEnergyConsumption failed")
     return mj.value
+
+
+def _nvml_state() -> tuple:
+    """(SM clock MHz, temperature C) of device 0 now, from NVML."""
+    import ctypes
+
+    _nvml_energy_mj()  # initialises _NVML
+    lib, handle = _NVML
+    mhz, temp = ctypes.c_uint(), ctypes.c_uint()
+    if lib.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(mhz)) != 0:  # NVML_CLOCK_SM
+        raise RuntimeError("clock_probe: nvmlDeviceGetClockInfo failed")
+    if lib.nvmlDeviceGetTemperature(handle, 0, ctypes.byref(temp)) != 0:  # NVML_TEMPERATURE_GPU
+        raise RuntimeError("clock_probe: nvmlDeviceGetTemperature failed")
+    return mhz.value, temp.value
+
+
+def timeline(D: int, T: int, seconds: float, block: int, quiet: bool = False) -> None:
+    """Alternating blocks of ``block`` calls of xtrain's and cuDNN's backward for ``seconds`` (module docstring)."""
+    import statistics
+    import time
+
+    fns, _ = backward_calls(D, T)
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    rows = []  # (seconds since start, name, ms per call, W, MHz, C)
+    t_start = time.perf_counter()
+    i = 0
+    while time.perf_counter() - t_start < seconds:
+        name = names[i % 2]
+        i += 1
+        fn = fns[name]
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        e0, t0 = _nvml_energy_mj(), time.perf_counter()
+        s.record()
+        for _ in range(block):
+            fn()
+        e.record()
+        e.synchronize()
+        e1, t1 = _nvml_energy_mj(), time.perf_counter()
+        mhz, temp = _nvml_state()
+        rows.append((t0 - t_start, name, s.elapsed_time(e) / block, (e1 - e0) / 1e3 / (t1 - t0), mhz, temp))
+    if not quiet:
+        for t, name, ms, w, mhz, temp in rows:
+            print(f"{D:>4} {T:>6} | t {t:7.2f} s {name:>7}: {ms:.3f} ms/call {w:4.0f} W {mhz:5d} MHz {temp:3d} C")
+    for name in names:
+        ms = sorted(r[2] for r in rows if r[1] == name)
+        lo, hi = ms[0], ms[-1]
+        edges = [lo + (hi - lo) * k / 8 for k in range(9)]
+        counts = [sum(1 for m in ms if edges[k] <= m and (m < edges[k + 1] or (k == 7 and m <= hi))) for k in range(8)]
+        print(f"{D:>4} {T:>6} | {name:>7}: {len(ms)} blocks, ms/call median {statistics.median(ms):.3f}, min {lo:.3f}, "
+              f"max {hi:.3f}; histogram (8 bins from min to max) {counts}", flush=True)
+    # do the contenders' fast blocks coincide? each block against the median of its own contender, paired with the
+    # other contender's next block
+    med = {n: statistics.median(r[2] for r in rows if r[1] == n) for n in names}
+    pairs = [(rows[j][2] / med[rows[j][1]], rows[j + 1][2] / med[rows[j + 1][1]]) for j in range(0, len(rows) - 1, 2)]
+    fast_a = [p for p in pairs if p[0] < 0.97]
+    fast_b = [p for p in pairs if p[1] < 0.97]
+    both = [p for p in pairs if p[0] < 0.97 and p[1] < 0.97]
+    print(f"{D:>4} {T:>6} | pairs of adjacent blocks: {len(pairs)}; {names[0]} fast (< 0.97 of its median) in "
+          f"{len(fast_a)}, {names[1]} fast in {len(fast_b)}, both in {len(both)}", flush=True)
+    for name in names:
+        sel = [r for r in rows if r[1] == name]
+        fast = [r for r in sel if r[2] < 0.97 * med[name]]
+        slow = [r for r in sel if r[2] >= 0.97 * med[name]]
+        for label, grp in (("fast", fast), ("rest", slow)):
+            if grp:
+                w = statistics.mean(r[3] for r in grp)
+                print(f"{D:>4} {T:>6} | {name:>7} {label}: {len(grp)} blocks, mean {w:.0f} W, "
+                      f"{statistics.mean(r[4] for r in grp):.0f} MHz, {statistics.mean(r[5] for r in grp):.1f} C, "
+                      f"first at {grp[0][0]:.1f} s", flush=True)
 
 
 def energy_per_call(fn, seconds: float = 3.0) -> tuple:
@@ -188,6 +266,11 @@ def main() -> int:
     ap.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
                     help="instead of the clock windows: energy per call from NVML's counter over SECONDS of "
                          "back-to-back calls (xtrain's backward, its two kernels alone, cuDNN's)")
+    ap.add_argument("--timeline", type=float, default=0.0, metavar="SECONDS",
+                    help="alternating blocks of xtrain's and cuDNN's backward for SECONDS: time, power, clock and "
+                         "temperature per block")
+    ap.add_argument("--block", type=int, default=20, help="calls per --timeline block")
+    ap.add_argument("--quiet", action="store_true", help="--timeline: the summary only, not every block")
     ap.add_argument("--config", default=None, help="the Gluon backward's config for this run (a name in "
                     "flash_attention_gluon_bwd.CONFIGS; default: the library's)")
     a = ap.parse_args()
@@ -201,6 +284,11 @@ def main() -> int:
 
     _spin_kernel[(1,)](torch.zeros(2, dtype=torch.int64, device="cuda"), 0, num_warps=1)  # compiled before timing
     warm_up()
+    if a.timeline:
+        for D in (int(d) for d in a.head_dims.split(",")):
+            for T in (int(t) for t in a.seqs.split(",")):
+                timeline(D, T, a.timeline, a.block, a.quiet)
+        return 0
     if a.energy:
         energy_gemm(a.energy)
         for D in (int(d) for d in a.head_dims.split(",")):
