@@ -141,6 +141,9 @@ def timeline(D: int, T: int, seconds: float, block: int, quiet: bool = False) ->
         e1, t1 = _nvml_energy_mj(), time.perf_counter()
         mhz, temp = _nvml_state()
         rows.append((t0 - t_start, name, s.elapsed_time(e) / block, (e1 - e0) / 1e3 / (t1 - t0), mhz, temp))
+    if len(rows) < 4:
+        print(f"{D:>4} {T:>6} | --timeline {seconds} s ran {len(rows)} blocks: too few to compare, give it longer")
+        return
     if not quiet:
         for t, name, ms, w, mhz, temp in rows:
             print(f"{D:>4} {T:>6} | t {t:7.2f} s {name:>7}: {ms:.3f} ms/call {w:4.0f} W {mhz:5d} MHz {temp:3d} C")
