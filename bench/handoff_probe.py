@@ -12,8 +12,10 @@ costs the dK/dV CTAs under about 15-20 %. This probe prices the producer side al
      and sent to global memory by one TMA store; the staging tile is reused once its store of two steps before
      has read it (``tma.store_wait(1)``);
   2: as 1, and before each new store the previous step's store is waited for to completion (``cp.async.bulk.
-     wait_group 0``), then a gpu-scope release fence and one ``red.release.gpu`` on the warpgroup's flag: what a
-     consumer on another SM needs before it may read the tile.
+     wait_group 0``), then a gpu-scope fence and one release atomic add on the warpgroup's flag: what a
+     consumer on another SM needs before it may read the tile;
+  3: as 2 without the gpu-scope fence (the completion wait and the release atomic);
+  4: as 2, every fourth step only.
 No consumer exists here; each (program, warpgroup) writes its own two ring slots. The outputs dk, dv are the
 library's, bit for bit (the probe checks that), so the extra work is all the difference in time.
 
@@ -63,12 +65,16 @@ if HAVE_GLUON:
     )
 
     @gluon.jit
-    def _publish(flag_ptr):
+    def _publish(flag_ptr, FENCE: gl.constexpr):
         """Wait for this thread's bulk stores to complete and fence at gpu scope (inline PTX), then add 1 to the flag
         with release semantics (one atomic per warpgroup): what a consumer SM needs before it reads the tiles."""
         one = gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [one],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        if FENCE:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [one],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, $1;", "=r,r", [one], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
 
     @gluon.jit
@@ -76,7 +82,12 @@ if HAVE_GLUON:
         """Step ``it``'s dSᵀ of warpgroup HALF out to its ring slot it % 2 in global memory (module docstring)."""
         s = it % 2
         if HANDOFF == 2:
-            _publish(flag_ptr)
+            _publish(flag_ptr, True)
+        elif HANDOFF == 3:  # no gpu-scope fence: the completion wait and the release atomic only
+            _publish(flag_ptr, False)
+        elif HANDOFF == 4:  # as 2, every fourth step (a consumer then trails by up to four steps)
+            if it % 4 == 0:
+                _publish(flag_ptr, True)
         tma.store_wait(1)  # the store of step it - 2 has read staging tile s
         _cta_barrier()
         stage = stage_smem.index(2 * s + HALF)
@@ -94,10 +105,10 @@ if HAVE_GLUON:
         slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES)
         lse_b = lse_smem.index(slot).load(s_layout)
         st = warpgroup_mma_wait(1, deps=(st, ))
-        pt = gl.exp2(st * qk_scale - lse_b)
-        if MASK:
+        if MASK:  # on S, before the exponential (session 24: the same bits, and ptxas does not serialise)
             keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-            pt = gl.where(keep, pt, 0.0)
+            st = gl.where(keep, st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - lse_b)
         p_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
         delta_b = delta_smem.index(slot).load(s_layout)
