@@ -18,8 +18,9 @@ Give it 3 s or more: a smoke run at 0.5 s (session 14) read 631-809 W and 1.03-1
 kernels that read 676-708 W and 1.03-1.10 over 3 s. ``--timeline SECONDS``: blocks of ``--block`` back-to-back calls,
 xtrain's and cuDNN's in turn, for SECONDS; per block the ms per call (CUDA events), and from NVML the mean power
 over the block, the SM clock and the temperature at its end. Prints every block (or, with ``--quiet``, a histogram
-per contender) and whether the two contenders' fast blocks come at the same times: is a time's bimodal spread the
-GPU's state (both move together) or the contender's own?
+per contender), the per-pair ratio, and whether the two contenders' times move together and with the temperature
+and clock: is a time's spread the GPU's state or the contender's own? NVML's energy counter updates too coarsely for
+blocks of ~0.1 s (single blocks read 0 W or 1100+ W); only the power means over many blocks say anything.
 """
 
 from __future__ import annotations
@@ -163,8 +164,23 @@ def timeline(D: int, T: int, seconds: float, block: int, quiet: bool = False) ->
     both = [p for p in pairs if p[0] < 0.97 and p[1] < 0.97]
     print(f"{D:>4} {T:>6} | pairs of adjacent blocks: {len(pairs)}; {names[0]} fast (< 0.97 of its median) in "
           f"{len(fast_a)}, {names[1]} fast in {len(fast_b)}, both in {len(both)}", flush=True)
+    def corr(a, b):
+        ma, mb = statistics.mean(a), statistics.mean(b)
+        den = (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
+        return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / den if den else float("nan")
+
+    adj = [(rows[j][2], rows[j + 1][2]) for j in range(0, len(rows) - 1, 2)]  # (names[0]'s block, names[1]'s next)
+    ratios = sorted(b / a for a, b in adj)
+    n = len(ratios)
+    print(f"{D:>4} {T:>6} | {names[1]} / {names[0]} ms per adjacent pair: median {ratios[n // 2]:.3f}, 10-90 % "
+          f"{ratios[n // 10]:.3f}-{ratios[(9 * n) // 10]:.3f}; correlation of the pair's times "
+          f"{corr([a for a, _ in adj], [b for _, b in adj]):.2f}", flush=True)
     for name in names:
         sel = [r for r in rows if r[1] == name]
+        ms_sel = [r[2] for r in sel]
+        print(f"{D:>4} {T:>6} | {name:>7}: correlation of ms with the temperature "
+              f"{corr(ms_sel, [r[5] for r in sel]):.2f}, with the clock {corr(ms_sel, [r[4] for r in sel]):.2f}",
+              flush=True)
         fast = [r for r in sel if r[2] < 0.97 * med[name]]
         slow = [r for r in sel if r[2] >= 0.97 * med[name]]
         for label, grp in (("fast", fast), ("rest", slow)):
@@ -277,6 +293,8 @@ def main() -> int:
     ap.add_argument("--config", default=None, help="the Gluon backward's config for this run (a name in "
                     "flash_attention_gluon_bwd.CONFIGS; default: the library's)")
     a = ap.parse_args()
+    if a.block < 1:
+        ap.error(f"--block must be at least 1, got {a.block}")
     from bench._gpu import warm_up
 
     if a.config is not None:
