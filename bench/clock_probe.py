@@ -79,9 +79,8 @@ def mean_mhz_during(fn, reps: int, ms_guess: float) -> tuple:
 _NVML = None
 
 
-def _nvml_energy_mj() -> int:
-    """The GPU's total energy counter (NVML ``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver loaded),
-    through ctypes: no Python NVML package needed. Device 0 (the probe runs on cuda:0)."""
+def _nvml() -> tuple:
+    """(libnvidia-ml, handle of device 0), through ctypes: no Python NVML package needed (the probe runs on cuda:0)."""
     global _NVML
     import ctypes
 
@@ -93,7 +92,14 @@ def _nvml_energy_mj() -> int:
         if lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)) != 0:
             raise RuntimeError("clock_probe: nvmlDeviceGetHandleByIndex_v2(0) failed")
         _NVML = (lib, handle)
-    lib, handle = _NVML
+    return _NVML
+
+
+def _nvml_energy_mj() -> int:
+    """The GPU's total energy counter (NVML ``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver loaded)."""
+    import ctypes
+
+    lib, handle = _nvml()
     mj = ctypes.c_ulonglong()
     if lib.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) != 0:
         raise RuntimeError("clock_probe: nvmlDeviceGetTotalEnergyConsumption failed")
@@ -104,8 +110,7 @@ def _nvml_state() -> tuple:
     """(SM clock MHz, temperature C) of device 0 now, from NVML."""
     import ctypes
 
-    _nvml_energy_mj()  # initialises _NVML
-    lib, handle = _NVML
+    lib, handle = _nvml()
     mhz, temp = ctypes.c_uint(), ctypes.c_uint()
     if lib.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(mhz)) != 0:  # NVML_CLOCK_SM
         raise RuntimeError("clock_probe: nvmlDeviceGetClockInfo failed")
@@ -164,10 +169,11 @@ def timeline(D: int, T: int, seconds: float, block: int, quiet: bool = False) ->
     both = [p for p in pairs if p[0] < 0.97 and p[1] < 0.97]
     print(f"{D:>4} {T:>6} | pairs of adjacent blocks: {len(pairs)}; {names[0]} fast (< 0.97 of its median) in "
           f"{len(fast_a)}, {names[1]} fast in {len(fast_b)}, both in {len(both)}", flush=True)
-    def corr(a, b):
-        ma, mb = statistics.mean(a), statistics.mean(b)
-        den = (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
-        return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / den if den else float("nan")
+    def corr(a, b):  # Pearson's r; nan where one side never changed
+        try:
+            return statistics.correlation(a, b)
+        except statistics.StatisticsError:
+            return float("nan")
 
     adj = [(rows[j][2], rows[j + 1][2]) for j in range(0, len(rows) - 1, 2)]  # (names[0]'s block, names[1]'s next)
     ratios = sorted(b / a for a, b in adj)
