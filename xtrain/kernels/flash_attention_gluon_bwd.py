@@ -209,7 +209,7 @@ CONFIGS = {
 # "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15), "split_s14" = DQP | LEAN | SMEM (session 13),
 # "split_peel" and "split_dqskip" one of the two skips each, "split_s10" = PF | DQP (session 10), "split_s9" =
 # neither (session 9).
-OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP, OPT_EARLY, OPT_EARLY2 = 1, 2, 4, 8, 16, 32, 64, 128
+OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP = 1, 2, 4, 8, 16, 32
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -362,38 +362,19 @@ if HAVE_GLUON:
     @gluon.jit
     def _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero, it,
                    start_m, offs_k, cols, qk_scale, dtype: gl.constexpr, s_layout: gl.constexpr,
-                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, EARLY: gl.constexpr = 0):
+                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr):
         """One step of the PEEL walk (LEAN and SMEM): ``_dkdv_consumer``'s loop body with the causal mask a
-        compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step.
-        EARLY (``OPT_EARLY``, 1): the slot's lse is read from shared memory before the Sᵀ wgmma is issued and delta
-        before the dV wgmma, instead of right after them; 2 (``OPT_EARLY2``): delta before dPᵀ too."""
-        if EARLY > 0:
-            slot = it % STAGES
-            phase = (it // STAGES) & 1
-            q_t = q_smem.index(slot)
-            do_t = do_smem.index(slot)
-            mbarrier.wait(q_bars.index(slot), phase)
-            lse_b = lse_smem.index(slot).load(s_layout)
-            st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(do_bars.index(slot), phase)
-            if EARLY > 1:
-                delta_b = delta_smem.index(slot).load(s_layout)
-            dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        else:
-            slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it,
-                                                       STAGES)
-            lse_b = lse_smem.index(slot).load(s_layout)
+        compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step."""
+        slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES)
+        lse_b = lse_smem.index(slot).load(s_layout)
         st = warpgroup_mma_wait(1, deps=(st, ))
         pt = gl.exp2(st * qk_scale - lse_b)
         if MASK:
             keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
             pt = gl.where(keep, pt, 0.0)
         p_op = gl.convert_layout(pt.to(dtype), op_layout)
-        if EARLY == 1:
-            delta_b = delta_smem.index(slot).load(s_layout)
         dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
-        if EARLY == 0:
-            delta_b = delta_smem.index(slot).load(s_layout)
+        delta_b = delta_smem.index(slot).load(s_layout)
         dpt = warpgroup_mma_wait(1, deps=(dpt, ))
         dst = pt * (dpt - delta_b)
         ds_op = gl.convert_layout(dst.to(dtype), op_layout)
@@ -417,8 +398,7 @@ if HAVE_GLUON:
                        do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                        mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False,
-                       EARLY: gl.constexpr = 0):
+                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False):
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
         step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
@@ -462,12 +442,12 @@ if HAVE_GLUON:
                 for i in gl.static_range(n_diag):
                     dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
                                         q_empty, dk, dv, s_zero, it, start_m + (n_skip + i) * BLOCK_M, offs_k, cols,
-                                        qk_scale, dtype, s_layout, op_layout, STAGES, True, EARLY)
+                                        qk_scale, dtype, s_layout, op_layout, STAGES, True)
                     it += 1
                 for _i in range(n_m - n_skip - n_diag):
                     dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
                                         q_empty, dk, dv, s_zero, it, start_m, offs_k, cols, qk_scale, dtype, s_layout,
-                                        op_layout, STAGES, False, EARLY)
+                                        op_layout, STAGES, False)
                     it += 1
         else:  # the walk with the mask in a branch of every step (session 13 and before)
             for it in range(n_iter):
@@ -520,7 +500,7 @@ if HAVE_GLUON:
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
-                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False, EARLY: gl.constexpr = 0):
+                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -568,13 +548,11 @@ if HAVE_GLUON:
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL,
-                              EARLY)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL)),
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL,
-                              EARLY)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                               v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row,
                               off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh,
@@ -830,13 +808,12 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 255 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
-            or (opts & (OPT_EARLY | OPT_EARLY2) and not opts & OPT_PEEL) or (opts & OPT_EARLY and opts & OPT_EARLY2)
+            or not 0 <= opts <= 63 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
             or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
             or (opts & OPT_PEEL and (not opts & OPT_SMEM or bm1 != 64))):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-255 "
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-63 "
                          f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
-                         f"with OPT_SMEM and BLOCK_M1 64, the only step measured; OPT_EARLY or OPT_EARLY2 with OPT_PEEL), got {config!r}")
+                         f"with OPT_SMEM and BLOCK_M1 64, the only step measured), got {config!r}")
     return bm1, st1, bn2, st2, opts
 
 
@@ -875,8 +852,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
-              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL),
-              EARLY=2 if opts & OPT_EARLY2 else int(bool(opts & OPT_EARLY)))
+              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
               SKIP=bool(opts & OPT_DQSKIP))
     nb = T // RESIDENT
