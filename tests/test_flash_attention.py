@@ -531,7 +531,8 @@ def test_gpu_public_op_and_dispatch():
 def test_bwd_preprocess_delta_and_base2_lse(T):
     """The backward's preprocess: delta = rowsum(dO ∘ O) always, and with SCALE_LSE also lse·log2(e) (the Gluon
     split's base-2 row statistic, session 13), the same fp32 product as torch's. The ragged last block writes
-    nothing past the end (NaN sentinels after each buffer); without SCALE_LSE the lse2 buffer is not touched."""
+    nothing past the end (NaN sentinels after each buffer); without SCALE_LSE the lse2 buffer is not touched. COLS:
+    the Gluon split's lse and delta columns (OPT_LSEMMA), three bf16 parts that sum to the fp32 value."""
     B, H, D = 2, 3, 32
     g = torch.Generator().manual_seed(T)
     o, do = (torch.randn(B, H, T, D, generator=g).to(DEV) for _ in range(2))
@@ -543,13 +544,24 @@ def test_bwd_preprocess_delta_and_base2_lse(T):
     for scale in (True, False):
         dbuf, lbuf = (torch.full((n + 64,), float("nan"), device=DEV) for _ in range(2))
         delta, lse2 = dbuf[:n].view(B, H, T), lbuf[:n].view(B, H, T)
-        FA._flash_bwd_preprocess_kernel[grid](o, do, delta, lse, lse2, **args, SCALE_LSE=scale)
+        FA._flash_bwd_preprocess_kernel[grid](o, do, delta, lse, lse2, delta, delta, 1.0, **args, SCALE_LSE=scale)
         assert torch.isfinite(delta).all() and rel(delta, (o.double() * do.double()).sum(-1)) < 1e-6
         assert torch.isnan(dbuf[n:]).all() and torch.isnan(lbuf[n:]).all()
         if scale:
             assert torch.equal(lse2, lse * FA.LOG2E)
         else:
             assert torch.isnan(lse2).all()
+    # COLS: -lse / scale and -delta as three bf16 parts (columns 0-2) summing to the fp32 value, zeros after
+    C, inv = 16, 1 / 0.125
+    cbufs = [torch.full((n * C + 64,), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    lsec, deltac = (b[:n * C].view(B, H, T, C) for b in cbufs)
+    FA._flash_bwd_preprocess_kernel[grid](o, do, delta, lse, lse2, lsec, deltac, inv, **args, SCALE_LSE=True,
+                                          COLS=C)
+    for got, want in ((lsec, -lse.double() * inv), (deltac, -delta.double())):
+        assert torch.isfinite(got).all() and not got[..., 3:].any()
+        assert ((got[..., :3].double().sum(-1) - want).abs() <= 2.0 ** -20 * want.abs()).all()
+        assert (got[..., 1].double().abs() <= 2.0 ** -7 * got[..., 0].double().abs()).all()  # within hi's ulp
+    assert all(torch.isnan(b[n * C:].float()).all() for b in cbufs)
 
 
 def test_bench_rounds_alternate_and_drop_refused_backends(monkeypatch):

@@ -103,7 +103,7 @@ def test_gluon_bwd_tail_order_is_a_permutation():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["split3", "split_wide", "split_s9", "split_s10", "split_s14", "split_peel",
-                                    "split_dqskip", (64, 2, 64, 3, 1),
+                                    "split_dqskip", (64, 2, 64, 4, 126), (64, 2, 64, 4, 254), (64, 2, 64, 3, 1),
                                     (64, 2, 64, 3, 2), (64, 2, 64, 3, 7), (64, 3, 64, 2, 12)])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_gluon_bwd_configs(config, D):
@@ -213,9 +213,11 @@ def test_gluon_bwd_module_contract():
     assert GB._config("t", "split_s14", 128) == (64, 2, 64, 4, GB.OPT_DQP | GB.OPT_LEAN | GB.OPT_SMEM)
     assert GB._config("t", "split_s10", 128) == (64, 2, 64, 4, GB.OPT_PF | GB.OPT_DQP)
     assert GB._config("t", (64, 2, 64, 2), 128) == (64, 2, 64, 2, 0)  # options may be left out
-    # LEAN needs PF or SMEM; SMEM needs LEAN and excludes PF; PEEL (16) needs SMEM and BLOCK_M1 64; 64 is no option
+    # LEAN needs PF or SMEM; SMEM needs LEAN and excludes PF; PEEL (16) needs SMEM and BLOCK_M1 64; LSEMMA (64)
+    # needs PEEL, DMMA (128) LSEMMA; 256 is no option
     for bad in ((64, 2, 64, 2, 4), (64, 2, 64, 2, 8), (64, 2, 64, 2, 13), (64, 2, 64, 2, 16), (64, 2, 64, 2, 64),
-                (64, 2, 64, 2, 23), (128, 2, 64, 2, 30), (64, 2, 64, 2, -1),
+                (64, 2, 64, 2, 23), (128, 2, 64, 2, 30), (64, 2, 64, 2, -1), (64, 2, 64, 4, 62 | 128),
+                (64, 2, 64, 4, 14 | 64), (64, 2, 64, 4, 256),
                 (64, 2, 64, 2, 0, 0), (64, 2, 64), "nope"):
         with pytest.raises(ValueError, match="t: "):
             GB._config("t", bad, 128)

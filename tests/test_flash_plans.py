@@ -141,7 +141,8 @@ def _base_is(desc, t) -> bool:
     return desc.base.data_ptr() == t.data_ptr() and desc.base.dtype == t.dtype
 
 
-_PRE = dict.fromkeys(("O", "DO", "DELTA", "LSE", "LSE2"), torch.empty(0))  # the preprocess's tensors (GB._prologue)
+# the preprocess's tensors (GB._prologue)
+_PRE = dict.fromkeys(("O", "DO", "DELTA", "LSE", "LSE2", "LSEC", "DELTAC"), torch.empty(0))
 needs_gluon = pytest.mark.skipif(not G.HAVE_GLUON, reason="this Triton has no Gluon")
 
 
@@ -166,14 +167,17 @@ def test_forward_plan_rebases_every_descriptor_cpu(transposed):
 
 @needs_gluon
 @pytest.mark.parametrize("transposed", [False, True])
-def test_backward_plans_rebase_every_descriptor_cpu(transposed):
+@pytest.mark.parametrize("config", [None, (64, 2, 64, 4, 62 | GB.OPT_LSEMMA | GB.OPT_DMMA)])
+def test_backward_plans_rebase_every_descriptor_cpu(transposed, config):
     q, k = GB.stand_ins(128, 256, 4, 2, transposed)
     dq = torch.empty(1, 4, 256, 128, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, 256)
-    (_, _, a1, _), (_, _, a2, _) = GB._launches(q, k, k, dq, k, k, q, lse, lse, 0.125, True,
-                                                 GB._config("t", None, 128))
+    cfg = GB._config("t", config, 128)
+    cols = bool(cfg[4] & GB.OPT_LSEMMA)
+    (_, _, a1, _), (_, _, a2, _) = GB._launches(q, k, k, dq, k, k, q, lse, lse, 0.125, True, cfg,
+                                                 GB.new_columns(q) if cols else None)
     pre, r1, r2 = _Recorder(_PRE), _Recorder(a1), _Recorder(a2)
-    split = GB._SplitPlan(pre, r1, r2, a1, a2, two_streams=False)
+    split = GB._SplitPlan(pre, r1, r2, a1, a2, two_streams=False, cols=cols)
     do, q2 = GB.stand_ins(128, 256, 4, 2, transposed)[0], GB.stand_ins(128, 256, 4, 2, transposed)[0]
     k2, v2 = (GB.stand_ins(128, 256, 4, 2, transposed)[1] for _ in range(2))
     o2, lse2 = torch.empty_like(q2), torch.empty(1, 4, 256)
@@ -183,8 +187,14 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed):
     assert p["O"] is o2 and p["DO"] is do
     assert c1["delta_ptr"] is p["DELTA"] is c2["delta_ptr"] and p["LSE"] is lse2
     assert c1["lse_ptr"] is p["LSE2"] is c2["lse_ptr"] and p["LSE2"] is not lse2  # lse·log2(e), a new buffer
+    if cols:  # the dK/dV kernel's lse and delta come from the column buffers the preprocess fills in this call
+        assert p["LSEC"].shape == p["DELTAC"].shape == (1, 4, 256, GB.LSE_COLS) and p["LSEC"].dtype == q2.dtype
+        assert p["LSEC"] is not p["DELTAC"]
+    else:  # stand-ins the preprocess does not touch
+        assert p["LSEC"] is p["DELTAC"] is p["DELTA"]
     for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dk_desc", gdk),
-                    ("dv_desc", gdv), ("lse_desc", p["LSE2"]), ("delta_desc", p["DELTA"])):
+                    ("dv_desc", gdv), ("lse_desc", p["LSEC"] if cols else p["LSE2"]),
+                    ("delta_desc", p["DELTAC"] if cols else p["DELTA"])):
         assert _base_is(c1[name], t), name
     for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dq_desc", gdq)):
         assert _base_is(c2[name], t), name

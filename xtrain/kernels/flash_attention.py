@@ -420,11 +420,15 @@ if HAVE_TRITON:
             tl.store(lse_ptrs, lse, mask=offs_m < T)
 
     @triton.jit
-    def _flash_bwd_preprocess_kernel(O, DO, DELTA, LSE, LSE2, stride_ob, stride_oh, stride_ot,
-                                     stride_dob, stride_doh, stride_dot, H, T,
-                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCALE_LSE: tl.constexpr = False):
+    def _flash_bwd_preprocess_kernel(O, DO, DELTA, LSE, LSE2, LSEC, DELTAC, INV_SCALE, stride_ob, stride_oh,
+                                     stride_ot, stride_dob, stride_doh, stride_dot, H, T,
+                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCALE_LSE: tl.constexpr = False,
+                                     COLS: tl.constexpr = 0):
         """DELTA[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] in fp32; SCALE_LSE: also LSE2 = LSE · log2(e)
-        (the Gluon split backward's base-2 row statistic; LSE, LSE2 contiguous fp32 [B, H, T])."""
+        (the Gluon split backward's base-2 row statistic; LSE, LSE2 contiguous fp32 [B, H, T]). COLS (> 0, with
+        SCALE_LSE): also LSEC and DELTAC, contiguous [B, H, T, COLS] in O's dtype, row i holding -LSE[i] · INV_SCALE
+        (INV_SCALE = 1 / softmax scale) and -DELTA[i] each as three parts in that dtype (columns 0-2, the parts
+        summing to the fp32 value to ~24 bits; zeros after): the Gluon split's OPT_LSEMMA columns."""
         pid_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         off_b = off_bh // H
@@ -441,6 +445,24 @@ if HAVE_TRITON:
         if SCALE_LSE:
             lse = tl.load(LSE + off_bh.to(tl.int64) * T + offs_m, mask=offs_m < T)
             tl.store(LSE2 + off_bh.to(tl.int64) * T + offs_m, lse * _LOG2E_C, mask=offs_m < T)
+            if COLS > 0:
+                cols = tl.arange(0, COLS)
+                at = (off_bh.to(tl.int64) * T + offs_m)[:, None] * COLS + cols[None, :]
+                ok = row_ok & (cols[None, :] < COLS)
+                tl.store(LSEC + at, _three_parts(-lse * INV_SCALE, cols, LSEC.dtype.element_ty), mask=ok)
+                tl.store(DELTAC + at, _three_parts(-delta, cols, DELTAC.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _three_parts(x, cols, dtype: tl.constexpr):
+        """[BLOCK_M, COLS] in dtype: row i = (hi, mid, lo, 0, ...) with hi + mid + lo = x[i] to ~24 bits (each part
+        the dtype rounding of what the ones before it leave)."""
+        hi = x.to(dtype)
+        r = x - hi.to(tl.float32)
+        mid = r.to(dtype)
+        lo = (r - mid.to(tl.float32)).to(dtype)
+        c = cols[None, :]
+        zero = tl.zeros_like(hi)[:, None]
+        return tl.where(c == 0, hi[:, None], tl.where(c == 1, mid[:, None], tl.where(c == 2, lo[:, None], zero)))
 
     @triton.jit
     def _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
@@ -842,8 +864,8 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     PRE_M = 64
     _flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
-        o, do, delta, delta, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
+        o, do, delta, delta, delta, delta, delta, 1.0, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
+        do.stride(1), do.stride(2), H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
     prec = _precision(q.dtype)
     even1 = T % BM1 == 0 and T % BN1 == 0
     use_tma1 = _tma_ok(tma1, even1, q, do)

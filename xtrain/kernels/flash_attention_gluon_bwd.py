@@ -209,7 +209,8 @@ CONFIGS = {
 # "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15), "split_s14" = DQP | LEAN | SMEM (session 13),
 # "split_peel" and "split_dqskip" one of the two skips each, "split_s10" = PF | DQP (session 10), "split_s9" =
 # neither (session 9).
-OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP = 1, 2, 4, 8, 16, 32
+OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP, OPT_LSEMMA, OPT_DMMA = 1, 2, 4, 8, 16, 32, 64, 128
+LSE_COLS = 16  # OPT_LSEMMA: the lse columns' tile width (one k16 slice of the Sᵀ wgmma), 3 of them used
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
 # every head's tiles in turn, heaviest first within the head (the order before session 9)
@@ -233,6 +234,8 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
+
+    _LSE_COLS = gl.constexpr(LSE_COLS)
 
     @gluon.constexpr_function
     def _acc_layout(N):
@@ -273,11 +276,16 @@ if HAVE_GLUON:
                 off_b * dk_rb + off_kvh * dk_rh + start_n, off_b * dv_rb + off_kvh * dv_rh + start_n)
 
     @gluon.jit
-    def _dkdv_load(desc, row_desc, bar, dst, row_dst, row, col, lt, SMEM: gl.constexpr):
-        """One Q or dO tile into its ring slot, and (SMEM) row lt of the lse / delta view beside it, on one barrier."""
+    def _dkdv_load(desc, row_desc, bar, dst, row_dst, row, col, lt, SMEM: gl.constexpr, COLS: gl.constexpr = False):
+        """One Q or dO tile into its ring slot, and (SMEM) row lt of the lse / delta view beside it, on one barrier.
+        COLS (``OPT_LSEMMA``): row_desc is the [B·H·T, LSE_COLS] lse-column view, and its [BLOCK_M, LSE_COLS] tile
+        of the step's queries comes instead."""
         if SMEM:
             mbarrier.expect(bar, desc.block_type.nbytes + row_desc.block_type.nbytes)
-            _tma_load(row_desc, [lt, 0], bar, row_dst)
+            if COLS:
+                _tma_load(row_desc, [lt * desc.block_type.shape[0], 0], bar, row_dst)
+            else:
+                _tma_load(row_desc, [lt, 0], bar, row_dst)
         else:
             mbarrier.expect(bar, desc.block_type.nbytes)
         _tma_load(desc, [row, col], bar, dst)
@@ -286,7 +294,8 @@ if HAVE_GLUON:
     def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                        lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, k_col, v_row, v_col,
                        q_base, q_rh, q_ch, do_base, do_rh, do_ch, h0, mt0, n_m, n_iter, T, lt0,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr):
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr,
+                       LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False):
         """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile).
         LEAN: the (head, tile) of a step carried from the step before (no division), and one "empty" barrier
         per slot for both tiles (``q_empty``). SMEM (with LEAN): each step's lse and delta rows too (row lt of
@@ -308,11 +317,11 @@ if HAVE_GLUON:
             phase = ((it // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
             mbarrier.wait(q_empty.index(slot), phase)
             _dkdv_load(q_desc, lse_desc, q_bars.index(slot), q_smem.index(slot), lse_smem.index(slot),
-                       q_base + h * q_rh + start_m, h * q_ch, lt, SMEM)
+                       q_base + h * q_rh + start_m, h * q_ch, lt, SMEM, LSEMMA)
             if not LEAN:
                 mbarrier.wait(do_empty.index(slot), phase)
             _dkdv_load(do_desc, delta_desc, do_bars.index(slot), do_smem.index(slot), delta_smem.index(slot),
-                       do_base + h * do_rh + start_m, h * do_ch, lt, SMEM)
+                       do_base + h * do_rh + start_m, h * do_ch, lt, SMEM, DMMA)
             if LEAN:
                 start_m, wrap = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
                 lt += 1
@@ -362,21 +371,45 @@ if HAVE_GLUON:
     @gluon.jit
     def _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero, it,
                    start_m, offs_k, cols, qk_scale, dtype: gl.constexpr, s_layout: gl.constexpr,
-                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr):
+                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, ones_smem=None,
+                   LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False):
         """One step of the PEEL walk (LEAN and SMEM): ``_dkdv_consumer``'s loop body with the causal mask a
-        compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step."""
-        slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES)
-        lse_b = lse_smem.index(slot).load(s_layout)
-        st = warpgroup_mma_wait(1, deps=(st, ))
-        pt = gl.exp2(st * qk_scale - lse_b)
+        compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step.
+        LSEMMA (``OPT_LSEMMA``): Sᵀ's wgmma chain takes one more k16 slice, the shared [64, LSE_COLS] tile
+        ``ones_smem`` (1 in its first three columns) against the slot's lse columns (-lse·log2(e) / qk_scale in
+        three bf16 parts), so Sᵀ arrives with the lse subtracted and no thread reads lse from shared memory."""
+        if LSEMMA:
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            q_t = q_smem.index(slot)
+            do_t = do_smem.index(slot)
+            mbarrier.wait(q_bars.index(slot), phase)
+            st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma(ones_smem, lse_smem.index(slot).permute((1, 0)), st, is_async=True)
+            mbarrier.wait(do_bars.index(slot), phase)
+            dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if DMMA:
+                dpt = warpgroup_mma(ones_smem, delta_smem.index(slot).permute((1, 0)), dpt, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st, ))
+            pt = gl.exp2(st * qk_scale)
+        else:
+            slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it,
+                                                       STAGES)
+            lse_b = lse_smem.index(slot).load(s_layout)
+            st = warpgroup_mma_wait(1, deps=(st, ))
+            pt = gl.exp2(st * qk_scale - lse_b)
         if MASK:
             keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
             pt = gl.where(keep, pt, 0.0)
         p_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
-        delta_b = delta_smem.index(slot).load(s_layout)
-        dpt = warpgroup_mma_wait(1, deps=(dpt, ))
-        dst = pt * (dpt - delta_b)
+        if DMMA:  # dPᵀ arrives with delta subtracted (the ones tile against the slot's delta columns)
+            dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+            dst = pt * dpt
+        else:
+            delta_b = delta_smem.index(slot).load(s_layout)
+            dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+            dst = pt * (dpt - delta_b)
         ds_op = gl.convert_layout(dst.to(dtype), op_layout)
         dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
@@ -398,7 +431,8 @@ if HAVE_GLUON:
                        do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
                        mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False):
+                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False,
+                       ones_smem=None, LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False):
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
         step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
@@ -442,12 +476,13 @@ if HAVE_GLUON:
                 for i in gl.static_range(n_diag):
                     dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
                                         q_empty, dk, dv, s_zero, it, start_m + (n_skip + i) * BLOCK_M, offs_k, cols,
-                                        qk_scale, dtype, s_layout, op_layout, STAGES, True)
+                                        qk_scale, dtype, s_layout, op_layout, STAGES, True, ones_smem, LSEMMA,
+                                        DMMA)
                     it += 1
                 for _i in range(n_m - n_skip - n_diag):
                     dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
                                         q_empty, dk, dv, s_zero, it, start_m, offs_k, cols, qk_scale, dtype, s_layout,
-                                        op_layout, STAGES, False)
+                                        op_layout, STAGES, False, ones_smem, LSEMMA, DMMA)
                     it += 1
         else:  # the walk with the mask in a branch of every step (session 13 and before)
             for it in range(n_iter):
@@ -500,7 +535,8 @@ if HAVE_GLUON:
                          v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
-                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False):
+                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False, LSEMMA: gl.constexpr = False,
+                         DMMA: gl.constexpr = False):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -525,7 +561,25 @@ if HAVE_GLUON:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
-        if SMEM:
+        ones_smem = k_smem  # a stand-in unless LSEMMA
+        if LSEMMA or DMMA:  # the lse / delta column tiles in the ring, and the constant [KH, LSE_COLS] tile
+            gl.static_assert(SMEM and PEEL and KH == BLOCK_M)
+            LC: gl.constexpr = _LSE_COLS
+            if LSEMMA:
+                lse_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, LC], lse_desc.layout)
+                ones_smem = gl.allocate_shared_memory(dtype, [KH, LC], lse_desc.layout)
+            else:
+                lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
+            if DMMA:
+                delta_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, LC], delta_desc.layout)
+                ones_smem = gl.allocate_shared_memory(dtype, [KH, LC], delta_desc.layout)
+            else:
+                delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+            ones_l: gl.constexpr = gl.BlockedLayout([1, LC], [32, 1], [4, 1], [1, 0])
+            c = gl.arange(0, LC, layout=gl.SliceLayout(0, ones_l))
+            one_row = gl.expand_dims((c < 3).to(gl.float32), 0)
+            ones_smem.store((gl.zeros([KH, LC], gl.float32, ones_l) + one_row).to(dtype))
+        elif SMEM:
             lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
             delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
         else:  # stand-ins that no partition reads
@@ -548,16 +602,18 @@ if HAVE_GLUON:
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL,
+                              ones_smem, LSEMMA, DMMA)),
             (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
                               q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
                               off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL)),
+                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL,
+                              ones_smem, LSEMMA, DMMA)),
             (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
                               v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row,
                               off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh,
                               do_ch, h0, mt0, n_m, n_iter, T, (off_b * H + h0) * (T // BLOCK_M) + mt0, BLOCK_M,
-                              STAGES, LEAN, SMEM)),
+                              STAGES, LEAN, SMEM, LSEMMA, DMMA)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])  # worker_num_regs: required by Gluon 3.6
 
     # -----------------------------------------------------------------------------------------------------
@@ -808,13 +864,27 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 63 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or not 0 <= opts <= 255 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or (opts & OPT_LSEMMA and not opts & OPT_PEEL) or (opts & OPT_DMMA and not opts & OPT_LSEMMA)
             or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
             or (opts & OPT_PEEL and (not opts & OPT_SMEM or bm1 != 64))):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-63 "
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-255 "
                          f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
-                         f"with OPT_SMEM and BLOCK_M1 64, the only step measured), got {config!r}")
+                         f"with OPT_SMEM and BLOCK_M1 64, the only step measured; OPT_LSEMMA with OPT_PEEL; OPT_DMMA "
+                         f"with OPT_LSEMMA), got {config!r}")
     return bm1, st1, bn2, st2, opts
+
+
+def columns(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``OPT_LSEMMA`` / ``OPT_DMMA``'s [..., LSE_COLS] tensor of fp32 x (-lse2 / qk_scale, lse2 the base-2 lse;
+    or -delta): x in three parts of ``dtype`` (x ~ hi + mid + lo to ~24 bits, columns 0-2), zeros after. A wgmma of
+    a tile of ones against it adds x to Sᵀ (dPᵀ)."""
+    out = torch.zeros(*x.shape, LSE_COLS, dtype=dtype, device=x.device)
+    for i in range(3):
+        part = x.to(dtype)
+        out[..., i] = part
+        x = x - part.float()
+    return out
 
 
 def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
@@ -829,9 +899,10 @@ def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
     return buf
 
 
-def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
+def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg, cols=None):
     """[(kernel, grid, args, constexprs)] of the dK/dV and the dQ kernel of config tuple ``cfg`` (``_config``);
-    CUDA tensors, or CPU tensors standing in for shapes and strides (``compile_sm90``)."""
+    CUDA tensors, or CPU tensors standing in for shapes and strides (``compile_sm90``). ``cols``: OPT_LSEMMA's
+    (lse, delta) column buffers as the preprocess wrote them; None: made here from lse and delta (``columns``)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     bm1, st1, bn2, st2, opts = cfg
@@ -843,8 +914,18 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
         coords.update({f"{name}_rb": c[0], f"{name}_rh": c[1], f"{name}_ch": c[2]})
     # lse and delta as [B·H·T / BLOCK_M1, BLOCK_M1] rows for the SMEM option's TMA loads (passed in any case)
     (lse2, *_), (delta2, *_) = (_row_view(x.view(B, H, T // bm1, bm1)) for x in (lse, delta))
+    if opts & OPT_LSEMMA:  # -lse·log2(e) / qk_scale and -delta as columns of a k16 slice, [B·H·T, LSE_COLS]
+        if cols is None:
+            cols = (columns(lse.float() * (-1.0 / (s * LOG2E)), q.dtype), columns(-delta.float(), q.dtype))
+        lse_d = _desc(cols[0].view(B * H * T, LSE_COLS), bm1, LSE_COLS)
+    else:
+        lse_d = _desc(lse2, 1, bm1)
+    if opts & OPT_DMMA:
+        delta_d = _desc(cols[1].view(B * H * T, LSE_COLS), bm1, LSE_COLS)
+    else:
+        delta_d = _desc(delta2, 1, bm1)
     dkdv = dict(q_desc=_desc(q2, bm1, D), do_desc=_desc(do2, bm1, D), k_desc=_desc(k2, HALF_M, D),
-                lse_desc=_desc(lse2, 1, bm1), delta_desc=_desc(delta2, 1, bm1),
+                lse_desc=lse_d, delta_desc=delta_d,
                 v_desc=_desc(v2, HALF_M, D), dk_desc=_desc(dk2, HALF_M, D), dv_desc=_desc(dv2, HALF_M, D),
                 **common, **coords, dk_rb=dk_c[0], dk_rh=dk_c[1], dk_ch=dk_c[2], dv_rb=dv_c[0], dv_rh=dv_c[1],
                 dv_ch=dv_c[2])
@@ -852,7 +933,8 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg):
                v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
                dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
     c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
-              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL))
+              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL),
+              LSEMMA=bool(opts & OPT_LSEMMA), DMMA=bool(opts & OPT_DMMA))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
               SKIP=bool(opts & OPT_DQSKIP))
     nb = T // RESIDENT
@@ -878,14 +960,16 @@ def tail_heads(nb: int, heads: int, n_sm: int) -> int:
 
 
 def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False,
-              plan: bool = False, base2: bool = False):
+              plan: bool = False, base2: bool = False, cols=None):
     """What both Gluon backwards do before their kernels: check the inputs (``supported``: the backward's own
     predicate; a ValueError naming ``op`` otherwise; skipped when ``checked``: the caller has just run both
     checks, as flash_attention_bwd_triton's route does), the scale, the output buffers (``_grad_buf``), then
     the delta preprocess. Returns (do in q's dtype, lse fp32 contiguous, dq, dk, dv, delta, scale, the
     preprocess as a ``CachedLaunch`` if ``plan``, else None). ``base2`` (the split's kernels): the returned lse
     is a new buffer, lse·log2(e), written by the preprocess beside delta (session 13: the dK/dV kernel's TMA
-    rows then need no multiply between their shared-memory load and the exponentials)."""
+    rows then need no multiply between their shared-memory load and the exponentials). ``cols`` (with base2): the
+    (lse, delta) column buffers of ``OPT_LSEMMA`` ([B, H, T, LSE_COLS] in q's dtype, ``new_columns``) for the
+    preprocess to fill as well."""
     if not checked:
         FA._check_bwd(op, do, q, k, v, o, lse)
     if not checked and not supported(do, q, k, v, o, lse):
@@ -904,7 +988,9 @@ def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk,
     lse2 = torch.empty_like(delta) if base2 else delta
     PRE_M = 64
     # LSE / LSE2 are read and written only with SCALE_LSE; otherwise delta stands in for both
-    pre_args = dict(O=o, DO=do, DELTA=delta, LSE=lse if base2 else delta, LSE2=lse2, SCALE_LSE=base2,
+    lsec, deltac = cols if cols is not None else (delta, delta)  # stand-ins the preprocess does not touch
+    pre_args = dict(O=o, DO=do, DELTA=delta, LSE=lse if base2 else delta, LSE2=lse2, LSEC=lsec, DELTAC=deltac,
+                    INV_SCALE=1.0 / s, SCALE_LSE=base2, COLS=LSE_COLS if cols is not None else 0,
                     stride_ob=o.stride(0), stride_oh=o.stride(1), stride_ot=o.stride(2), stride_dob=do.stride(0),
                     stride_doh=do.stride(1), stride_dot=do.stride(2), H=H, T=T, HEAD_DIM=D, BLOCK_M=PRE_M)
     grid = (triton.cdiv(T, PRE_M), B * H)
@@ -915,22 +1001,31 @@ def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk,
     return do, out, dq, dk, dv, delta, s, None
 
 
-def plan_outputs(pre, do, q, k, v, o, lse=None):
+def plan_outputs(pre, do, q, k, v, o, lse=None, cols: bool = False):
     """What both backward plans do first: allocate dq, dk, dv (contiguous, as the full path's ``_grad_buf``)
-    and delta, and launch the cached delta preprocess ``pre``. Returns (dq, dk, dv, delta, lse2): with ``lse`` (a
-    plan made with ``_prologue(base2=True)``) lse2 is the lse·log2(e) buffer the preprocess writes from it, else
-    None."""
+    and delta, and launch the cached delta preprocess ``pre``. Returns (dq, dk, dv, delta, lse2, cols): with ``lse``
+    (a plan made with ``_prologue(base2=True)``) lse2 is the lse·log2(e) buffer the preprocess writes from it, else
+    None; with ``cols`` (a plan made with ``_prologue(cols=...)``) cols is the (lse, delta) column buffers it fills,
+    else None."""
     B, H, T, _ = q.shape
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    if lse is None:
-        pre(O=o, DO=do, DELTA=delta, LSE=delta, LSE2=delta)  # (as _prologue without base2: not touched)
-        return dq, dk, dv, delta, None
+    if lse is None:  # (as _prologue without base2: LSE, LSE2, LSEC, DELTAC not touched)
+        pre(O=o, DO=do, DELTA=delta, LSE=delta, LSE2=delta, LSEC=delta, DELTAC=delta)
+        return dq, dk, dv, delta, None, None
     lse2 = torch.empty_like(delta)
-    pre(O=o, DO=do, DELTA=delta, LSE=lse.to(torch.float32).contiguous(), LSE2=lse2)
-    return dq, dk, dv, delta, lse2
+    c = new_columns(q) if cols else None
+    lsec, deltac = c if cols else (delta, delta)
+    pre(O=o, DO=do, DELTA=delta, LSE=lse.to(torch.float32).contiguous(), LSE2=lse2, LSEC=lsec, DELTAC=deltac)
+    return dq, dk, dv, delta, lse2, c
+
+
+def new_columns(q: torch.Tensor) -> tuple:
+    """Empty (lse, delta) column buffers of ``OPT_LSEMMA`` for q [B, H, T, D]: [B, H, T, LSE_COLS] in q's dtype."""
+    B, H, T, _ = q.shape
+    return tuple(torch.empty((B, H, T, LSE_COLS), dtype=q.dtype, device=q.device) for _ in range(2))
 
 
 class _SplitPlan:
@@ -938,19 +1033,22 @@ class _SplitPlan:
     ``flash_attention_gluon._FwdPlan``): allocates dq, dk, dv and delta, then launches the compiled delta
     preprocess and the two kernels (on two streams as the full path does) with re-based descriptors."""
 
-    __slots__ = ("pre", "dkdv", "dq", "dkdv_descs", "dq_descs", "two_streams", "bm1")
+    __slots__ = ("pre", "dkdv", "dq", "dkdv_descs", "dq_descs", "two_streams", "bm1", "cols")
 
-    def __init__(self, pre, dkdv, dq, a1: dict, a2: dict, two_streams: bool):
+    def __init__(self, pre, dkdv, dq, a1: dict, a2: dict, two_streams: bool, cols: bool = False):
         self.pre, self.dkdv, self.dq = pre, dkdv, dq
         self.dkdv_descs, self.dq_descs = descriptor_templates(a1), descriptor_templates(a2)
         self.two_streams = two_streams
-        self.bm1 = a1["lse_desc"].block_shape[1]  # the dK/dV kernel's query step: lse / delta rows per TMA tile
+        self.cols = cols  # OPT_LSEMMA: the dK/dV kernel's lse / delta descriptors are over the column buffers
+        self.bm1 = a1["q_desc"].block_shape[0]  # the dK/dV kernel's query step: lse / delta rows per TMA tile
 
     def __call__(self, do, q, k, v, o, lse):
-        dq, dk, dv, delta, lse = plan_outputs(self.pre, do, q, k, v, o, lse)  # lse·log2(e) from here on
+        dq, dk, dv, delta, lse, c = plan_outputs(self.pre, do, q, k, v, o, lse, self.cols)  # lse·log2(e) from here
         B, H, T, _ = q.shape
         ts = {"q": q, "do": do, "k": k, "v": v, "dq": dq, "dk": dk, "dv": dv,
               "lse": lse.view(B, H, T // self.bm1, self.bm1), "delta": delta.view(B, H, T // self.bm1, self.bm1)}
+        if self.cols:
+            ts["lse"], ts["delta"] = c
 
         def launch_dkdv():
             self.dkdv(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.dkdv_descs, ts))
@@ -989,10 +1087,15 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
     op = "flash_attention_bwd_gluon"
     if plan and (dq is not None or dk is not None or dv is not None):
         raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
-    do, lse, dq, dk, dv, delta, s, pre = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
-                                                   dv, checked, plan, base2=True)
     cfg = _config(op, config, q.shape[-1])
-    (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg)
+    cols = None
+    if cfg[4] & OPT_LSEMMA:  # the preprocess also writes the lse / delta columns the dK/dV kernel multiplies
+        if not checked:
+            FA._check_bwd(op, do, q, k, v, o, lse)  # (before new_columns reads q's shape; _prologue checks the rest)
+        cols = new_columns(q)
+    do, lse, dq, dk, dv, delta, s, pre = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
+                                                   dv, checked, plan, base2=True, cols=cols)
+    (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg, cols)
     cached = {}
 
     def launch_dkdv():
@@ -1014,7 +1117,7 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
         launch_dkdv()
         launch_dq()
     if plan:
-        return dq, dk, dv, _SplitPlan(pre, cached["dkdv"], cached["dq"], a1, a2, two_streams)
+        return dq, dk, dv, _SplitPlan(pre, cached["dkdv"], cached["dq"], a1, a2, two_streams, cols is not None)
     return dq, dk, dv
 
 

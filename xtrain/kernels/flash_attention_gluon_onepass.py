@@ -472,7 +472,7 @@ class _OnepassPlan:
         self.descs = descriptor_templates(args)
 
     def __call__(self, do, q, k, v, o, lse):
-        dq, dk, dv, delta, _ = GB.plan_outputs(self.pre, do, q, k, v, o)
+        dq, dk, dv, delta, _, _ = GB.plan_outputs(self.pre, do, q, k, v, o)
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         ts = {"q": q, "do": do, "k": k, "v": v, "dk": dk, "dv": dv, "dq": acc}
         self.main(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.descs, ts))
