@@ -103,7 +103,7 @@ def test_gluon_bwd_tail_order_is_a_permutation():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["split3", "split_wide", "split_s9", "split_s10", "split_s14", "split_peel",
-                                    "split_dqskip", (64, 2, 64, 4, 126), (64, 2, 64, 4, 254), (64, 2, 64, 3, 1),
+                                    "split_dqskip", "split_s26", "split_lse", "split_lsed", (64, 2, 64, 3, 1),
                                     (64, 2, 64, 3, 2), (64, 2, 64, 3, 7), (64, 3, 64, 2, 12)])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_gluon_bwd_configs(config, D):
@@ -117,10 +117,10 @@ def test_gpu_gluon_bwd_configs(config, D):
 def test_gpu_gluon_bwd_skip_is_bit_identical(D):
     """Skipping the causal steps whose keys all follow their queries (P = 0) changes no bit: those steps add
     exact zeros. OPT_PEEL (the dK/dV walk's diagonal steps in a loop of their own), OPT_DQSKIP and both (the
-    default since session 15) against session 13's default, GQA, T not a power of two."""
+    default from session 15 to 26, and still at hd64) against session 13's default, GQA, T not a power of two."""
     q, k, v, do, o, lse = inputs(2, 4, 2, 1408, D, torch.bfloat16, True, seed=D + 7)
     ref = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, config="split_s14")
-    for config in ("split_peel", "split_dqskip", "split"):
+    for config in ("split_peel", "split_dqskip", "split_s26"):
         got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, config=config)
         for name, a, b in zip(("dq", "dk", "dv"), got, ref):
             assert torch.equal(a, b), (config, name, (a.float() - b.float()).abs().max().item())
@@ -206,10 +206,11 @@ for D, causal, transposed, mha in ((64, True, False, False), (128, False, True, 
 def test_gluon_bwd_module_contract():
     assert GB.reference is FA.flash_attention_bwd_ref
     assert set(GB.CONFIGS) == {"split", "split_s14", "split_s10", "split_s9", "split3", "split_wide", "split_peel",
-                               "split_dqskip"}
+                               "split_dqskip", "split_s26", "split_lse", "split_lsed"}
     assert GB.DEFAULT == "split"
-    assert GB._config("t", None, 128) == (64, 2, 64, 4, GB.OPT_DQP | GB.OPT_LEAN | GB.OPT_SMEM | GB.OPT_PEEL
-                                          | GB.OPT_DQSKIP)
+    s26 = GB.OPT_DQP | GB.OPT_LEAN | GB.OPT_SMEM | GB.OPT_PEEL | GB.OPT_DQSKIP
+    assert GB._config("t", None, 64) == GB._config("t", "split_s26", 128) == (64, 2, 64, 4, s26)
+    assert GB._config("t", None, 128) == (64, 2, 64, 4, s26 | GB.OPT_LSEMMA | GB.OPT_DMMA)
     assert GB._config("t", "split_s14", 128) == (64, 2, 64, 4, GB.OPT_DQP | GB.OPT_LEAN | GB.OPT_SMEM)
     assert GB._config("t", "split_s10", 128) == (64, 2, 64, 4, GB.OPT_PF | GB.OPT_DQP)
     assert GB._config("t", (64, 2, 64, 2), 128) == (64, 2, 64, 2, 0)  # options may be left out

@@ -167,13 +167,13 @@ def test_forward_plan_rebases_every_descriptor_cpu(transposed):
 
 @needs_gluon
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("config", [None, (64, 2, 64, 4, 62 | GB.OPT_LSEMMA | GB.OPT_DMMA)])
+@pytest.mark.parametrize("config", [None, "split_s26", "split_lse"])
 def test_backward_plans_rebase_every_descriptor_cpu(transposed, config):
     q, k = GB.stand_ins(128, 256, 4, 2, transposed)
     dq = torch.empty(1, 4, 256, 128, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, 256)
     cfg = GB._config("t", config, 128)
-    cols = bool(cfg[4] & GB.OPT_LSEMMA)
+    cols, dcols = bool(cfg[4] & GB.OPT_LSEMMA), bool(cfg[4] & GB.OPT_DMMA)
     (_, _, a1, _), (_, _, a2, _) = GB._launches(q, k, k, dq, k, k, q, lse, lse, 0.125, True, cfg,
                                                  GB.new_columns(q) if cols else None)
     pre, r1, r2 = _Recorder(_PRE), _Recorder(a1), _Recorder(a2)
@@ -194,7 +194,7 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed, config):
         assert p["LSEC"] is p["DELTAC"] is p["DELTA"]
     for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dk_desc", gdk),
                     ("dv_desc", gdv), ("lse_desc", p["LSEC"] if cols else p["LSE2"]),
-                    ("delta_desc", p["DELTAC"] if cols else p["DELTA"])):
+                    ("delta_desc", p["DELTAC"] if dcols else p["DELTA"])):
         assert _base_is(c1[name], t), name
     for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dq_desc", gdq)):
         assert _base_is(c2[name], t), name

@@ -189,7 +189,10 @@ RESIDENT = 128  # keys per dK/dV program, query rows per dQ program (two warpgro
 HALF_M = 64
 # (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) by head dim; see the module docstring
 CONFIGS = {
-    "split": {64: (64, 2, 64, 4, 62), 128: (64, 2, 64, 4, 62)},
+    "split": {64: (64, 2, 64, 4, 62), 128: (64, 2, 64, 4, 254)},
+    "split_s26": {64: (64, 2, 64, 4, 62), 128: (64, 2, 64, 4, 62)},
+    "split_lse": {64: (64, 2, 64, 4, 126), 128: (64, 2, 64, 4, 126)},
+    "split_lsed": {64: (64, 2, 64, 4, 254), 128: (64, 2, 64, 4, 254)},
     "split_s14": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
     "split_peel": {64: (64, 2, 64, 4, 30), 128: (64, 2, 64, 4, 30)},
     "split_dqskip": {64: (64, 2, 64, 4, 46), 128: (64, 2, 64, 4, 46)},
@@ -959,6 +962,17 @@ def tail_heads(nb: int, heads: int, n_sm: int) -> int:
     return FA.tail_heads(nb, heads, n_sm, TAIL_WAVES)
 
 
+def check_inputs(op: str, supported, head_dims, do, q, k, v, o, lse) -> None:
+    """The backward's input check: the contract (``FA._check_bwd``), then ``supported`` (the Gluon backward's own
+    predicate); a ValueError naming ``op`` otherwise."""
+    FA._check_bwd(op, do, q, k, v, o, lse)
+    if not supported(do, q, k, v, o, lse):
+        raise ValueError(f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU with Gluon, D in {head_dims}, T a "
+                         f"multiple of {RESIDENT}, q/k/v/do contiguous or [B, T, H, D]-transposed (16-byte "
+                         f"aligned), o with unit last stride; got do/q/k/v/o/lse {FA._shapes(do, q, k, v, o, lse)}, "
+                         f"strides q {q.stride()} k {k.stride()} v {v.stride()} do {do.stride()} o {o.stride()}")
+
+
 def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False,
               plan: bool = False, base2: bool = False, cols=None):
     """What both Gluon backwards do before their kernels: check the inputs (``supported``: the backward's own
@@ -971,12 +985,7 @@ def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk,
     (lse, delta) column buffers of ``OPT_LSEMMA`` ([B, H, T, LSE_COLS] in q's dtype, ``new_columns``) for the
     preprocess to fill as well."""
     if not checked:
-        FA._check_bwd(op, do, q, k, v, o, lse)
-    if not checked and not supported(do, q, k, v, o, lse):
-        raise ValueError(f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU with Gluon, D in {head_dims}, T a "
-                         f"multiple of {RESIDENT}, q/k/v/do contiguous or [B, T, H, D]-transposed (16-byte "
-                         f"aligned), o with unit last stride; got do/q/k/v/o/lse {FA._shapes(do, q, k, v, o, lse)}, "
-                         f"strides q {q.stride()} k {k.stride()} v {v.stride()} do {do.stride()} o {o.stride()}")
+        check_inputs(op, supported, head_dims, do, q, k, v, o, lse)
     B, H, T, D = q.shape
     s = FA._scale(op, scale, D)
     do = do.to(q.dtype)  # a dense tensor keeps its strides (its layout was checked above)
@@ -1039,16 +1048,21 @@ class _SplitPlan:
         self.pre, self.dkdv, self.dq = pre, dkdv, dq
         self.dkdv_descs, self.dq_descs = descriptor_templates(a1), descriptor_templates(a2)
         self.two_streams = two_streams
-        self.cols = cols  # OPT_LSEMMA: the dK/dV kernel's lse / delta descriptors are over the column buffers
+        # OPT_LSEMMA (OPT_DMMA): the dK/dV kernel's lse (delta) descriptor is over a column buffer
+        self.cols = (a1["lse_desc"].block_shape[1] == LSE_COLS, a1["delta_desc"].block_shape[1] == LSE_COLS) \
+            if cols else None
         self.bm1 = a1["q_desc"].block_shape[0]  # the dK/dV kernel's query step: lse / delta rows per TMA tile
 
     def __call__(self, do, q, k, v, o, lse):
-        dq, dk, dv, delta, lse, c = plan_outputs(self.pre, do, q, k, v, o, lse, self.cols)  # lse·log2(e) from here
+        dq, dk, dv, delta, lse, c = plan_outputs(self.pre, do, q, k, v, o, lse, self.cols is not None)  # lse·log2(e)
         B, H, T, _ = q.shape
         ts = {"q": q, "do": do, "k": k, "v": v, "dq": dq, "dk": dk, "dv": dv,
               "lse": lse.view(B, H, T // self.bm1, self.bm1), "delta": delta.view(B, H, T // self.bm1, self.bm1)}
-        if self.cols:
-            ts["lse"], ts["delta"] = c
+        if self.cols is not None:
+            if self.cols[0]:
+                ts["lse"] = c[0]
+            if self.cols[1]:
+                ts["delta"] = c[1]
 
         def launch_dkdv():
             self.dkdv(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.dkdv_descs, ts))
@@ -1087,14 +1101,13 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
     op = "flash_attention_bwd_gluon"
     if plan and (dq is not None or dk is not None or dv is not None):
         raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
+    if not checked:
+        check_inputs(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse)
     cfg = _config(op, config, q.shape[-1])
-    cols = None
-    if cfg[4] & OPT_LSEMMA:  # the preprocess also writes the lse / delta columns the dK/dV kernel multiplies
-        if not checked:
-            FA._check_bwd(op, do, q, k, v, o, lse)  # (before new_columns reads q's shape; _prologue checks the rest)
-        cols = new_columns(q)
+    # OPT_LSEMMA: the preprocess also writes the lse / delta columns the dK/dV kernel multiplies
+    cols = new_columns(q) if cfg[4] & OPT_LSEMMA else None
     do, lse, dq, dk, dv, delta, s, pre = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
-                                                   dv, checked, plan, base2=True, cols=cols)
+                                                   dv, True, plan, base2=True, cols=cols)
     (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg, cols)
     cached = {}
 
