@@ -32,10 +32,18 @@ wgmma as its register A operand (no shared-memory round trip).
     Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (A = the K/V half in shared memory, B = the permuted Q/dO tile), Pᵀ and
     dSᵀ in registers, dV += Pᵀ dO and dK += dSᵀ Q. So dK and dV accumulate in registers without
     transposes, and the group sum happens in registers (no atomics). Sᵀ is retired before dPᵀ so the
-    exp2 overlaps dPᵀ's wgmma, and the dV wgmma runs while dSᵀ is formed. Each step's 64 lse·log2(e) and
-    64 delta values come by TMA into the ring slot beside Q and dO, on their barriers, and each warpgroup
-    reads them from shared memory right before use (``OPT_SMEM``, session 13, as FlashAttention-3 keeps
-    LSE and dPsum): no register holds them across the step. The step's (head, query tile) is carried from
+    exp2 overlaps dPᵀ's wgmma, and the dV wgmma runs while dSᵀ is formed. The row statistics reach the step
+    through the tensor cores (``OPT_LSEMMA | OPT_DMMA``, session 27, the hd128 default): the preprocess writes
+    x = -lse·log2(e) / qk_scale and -delta per query as three 16-bit parts (hi + mid + lo = x to ~24 bits) in
+    the first columns of a [B·H·T, 16] buffer each; each step's [BLOCK_M, 16] tiles of them come by TMA into
+    the ring slot beside Q and dO, and Sᵀ's and dPᵀ's wgmma chains take one more k16 slice, a constant
+    [64, 16] shared tile of ones (first three columns) against those tiles. So Sᵀ arrives as Sᵀ + x and dPᵀ as
+    dPᵀ - delta (fp32 accumulation), P = exp2(Sᵀ·qk_scale) and dS = P·dPᵀ, and no thread loads a statistic.
+    Before (``OPT_SMEM``, session 13, as FlashAttention-3 keeps LSE and dPsum; still the hd64 split's form)
+    each warpgroup read the 64 lse and delta values from the slot's shared rows right before use: 16 8-byte
+    loads per thread per step, 14 % of the kernel's shared-memory wavefronts, that had not returned when the
+    step's Sᵀ wgmma had (a guess at why: they queue behind the wgmmas' operand reads); together they cost the
+    kernel ~9-10 % wherever they were placed, the lse loads most of it. The step's (head, query tile) is carried from
     step to step, not divided out, and one "empty" barrier frees both of a slot's tiles (``OPT_LEAN``).
     (Session 10's ``OPT_PF`` loaded them from global memory a step ahead instead: 32 registers live across
     the step, hence spills; "split_s10".) dK·scale and dV leave through the dead K/V shared tiles by TMA
@@ -65,8 +73,10 @@ column h·D); a kernel gets (rb, rh, ch) per tensor and addresses (b, h, t) at r
 h·ch. T being a multiple of 128 keeps every tile inside one head.
 
 Configs (``CONFIGS``): (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) = the dK/dV kernel's query step and
-ring depth, the dQ kernel's key step and ring depth, and a mask of ``OPT_PF`` / ``OPT_DQP`` / ``OPT_LEAN`` /
-``OPT_SMEM``; "split" (DQP, LEAN, SMEM) is the default at both head dims, "split_s10" and "split_s9" (the
+ring depth, the dQ kernel's key step and ring depth, and a mask of the ``OPT_*`` flags below; "split" is the
+default (hd128: DQP, LEAN, SMEM, PEEL, DQSKIP, LSEMMA, DMMA; hd64, where it is the deterministic backward, without
+the last two, measured only at hd128), "split_s26" the hd128 default before session 27, "split_lse" / "split_lsed"
+the lse columns alone / with delta's at both head dims, "split_s10" and "split_s9" (the
 defaults before sessions 13 and 10), "split3" and "split_wide" stay selectable (``config="split_wide"`` or a
 tuple) for bench/gluon_flash_bwd.py and bench/gluon_bwd_alone.py. The split's kernels take lse in base 2: the
 delta preprocess writes lse·log2(e) into a new [B, H, T] buffer (``_prologue(base2=True)``).
@@ -115,6 +125,15 @@ the split on the same 3-deep ring, but any ring deeper than two costs the split 
 padded 2-deep kernel ran as fast), so 3-6 % slower than the library at 1k-8k; FA3's ping-pong of the two warpgroups'
 Sᵀ/dPᵀ issue (``OPT_PP``, commit 936de50): 10-15 % slower. In both, ptxas serialised every wgmma of the causal MHA build
 until the mask was applied to S (-inf) before the exponential rather than to P after it.
+
+Session 27 (bench/RESULTS.md): ``OPT_LSEMMA`` (lse through the tensor cores) and ``OPT_DMMA`` (delta too). Nsight
+Compute had the first FFMA after the lse loads waiting on them in 7-12 % of all stall samples; reading them before
+Sᵀ's issue instead (``OPT_EARLY``, commit edbf0e4) changed nothing, and dropping the loads (wrong results, a probe)
+took the dK/dV kernel from 0.761-0.764 to 0.684-0.687 ms at T = 4k. With the extra k16 slices (+1/8 of Sᵀ's and
+dPᵀ's tensor work) the kernel alone takes 0.725-0.728 ms at 4k (split_s26: 0.761-0.769), 1.384-1.385 at 8k
+(1.449), 2.72-2.88 at 16k (3.09-3.15); the fp64 errors are the old ones to three digits (2.36e-3 / 2.37e-3 /
+2.35e-3 for dq / dk / dv at 4k). xtrain bench attention, hd128 backward x cuDNN, medians of 3 rounds: 1.18 / 1.12 /
+1.08 / 1.06 / 0.99 at T = 1k-16k (session 25: 1.16 / 1.10 / 1.06 / 0.98 / 0.95).
 
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
@@ -208,7 +227,9 @@ CONFIGS = {
 # OPT_SMEM its lse and delta come by TMA into shared memory beside Q and dO (with OPT_LEAN, without OPT_PF);
 # OPT_PEEL (with OPT_SMEM) the dK/dV walk takes each head's diagonal steps in a loop of their own (the mask a
 # compile-time choice) and skips the steps whose queries all precede the warpgroup's keys; OPT_DQSKIP the dQ
-# kernel's warpgroup 0 skips its causal tile whose keys all follow its queries (both: the same bits).
+# kernel's warpgroup 0 skips its causal tile whose keys all follow its queries (both: the same bits); OPT_LSEMMA
+# (with OPT_PEEL) the dK/dV kernel's Sᵀ takes lse through one more k16 slice of its wgmma chain (the preprocess's lse
+# columns against a tile of ones), OPT_DMMA (with OPT_LSEMMA) dPᵀ takes delta likewise (module docstring).
 # "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15), "split_s14" = DQP | LEAN | SMEM (session 13),
 # "split_peel" and "split_dqskip" one of the two skips each, "split_s10" = PF | DQP (session 10), "split_s9" =
 # neither (session 9).
