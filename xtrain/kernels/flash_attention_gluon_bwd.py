@@ -230,7 +230,8 @@ CONFIGS = {
 # kernel's warpgroup 0 skips its causal tile whose keys all follow its queries (both: the same bits); OPT_LSEMMA
 # (with OPT_PEEL) the dK/dV kernel's Sᵀ takes lse through one more k16 slice of its wgmma chain (the preprocess's lse
 # columns against a tile of ones), OPT_DMMA (with OPT_LSEMMA) dPᵀ takes delta likewise (module docstring).
-# "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15), "split_s14" = DQP | LEAN | SMEM (session 13),
+# "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15; "split_s26") and at hd128 also LSEMMA | DMMA (session 27),
+# "split_s14" = DQP | LEAN | SMEM (session 13),
 # "split_peel" and "split_dqskip" one of the two skips each, "split_s10" = PF | DQP (session 10), "split_s9" =
 # neither (session 9).
 OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP, OPT_LSEMMA, OPT_DMMA = 1, 2, 4, 8, 16, 32, 64, 128
@@ -323,7 +324,8 @@ if HAVE_GLUON:
         """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile).
         LEAN: the (head, tile) of a step carried from the step before (no division), and one "empty" barrier
         per slot for both tiles (``q_empty``). SMEM (with LEAN): each step's lse and delta rows too (row lt of
-        the [B·H·T / BLOCK_M, BLOCK_M] views, from lt0 on), beside Q and dO, on their barriers."""
+        the [B·H·T / BLOCK_M, BLOCK_M] views, from lt0 on), beside Q and dO, on their barriers; with LSEMMA (DMMA)
+        the step's [BLOCK_M, LSE_COLS] tile of the lse (delta) columns instead of its row."""
         KH: gl.constexpr = k_desc.block_type.shape[0]
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
@@ -586,17 +588,13 @@ if HAVE_GLUON:
         k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
         ones_smem = k_smem  # a stand-in unless LSEMMA
-        if LSEMMA or DMMA:  # the lse / delta column tiles in the ring, and the constant [KH, LSE_COLS] tile
+        if LSEMMA:  # the lse (and DMMA: delta) column tiles in the ring, and the constant [KH, LSE_COLS] tile
             gl.static_assert(SMEM and PEEL and KH == BLOCK_M)
             LC: gl.constexpr = _LSE_COLS
-            if LSEMMA:
-                lse_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, LC], lse_desc.layout)
-                ones_smem = gl.allocate_shared_memory(dtype, [KH, LC], lse_desc.layout)
-            else:
-                lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
+            lse_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, LC], lse_desc.layout)  # (DMMA needs LSEMMA)
+            ones_smem = gl.allocate_shared_memory(dtype, [KH, LC], lse_desc.layout)
             if DMMA:
                 delta_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, LC], delta_desc.layout)
-                ones_smem = gl.allocate_shared_memory(dtype, [KH, LC], delta_desc.layout)
             else:
                 delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
             ones_l: gl.constexpr = gl.BlockedLayout([1, LC], [32, 1], [4, 1], [1, 0])
