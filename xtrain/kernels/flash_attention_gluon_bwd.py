@@ -381,8 +381,11 @@ if HAVE_GLUON:
         return gl.load(lse_ptr + row + cols), gl.load(delta_ptr + row + cols)
 
     @gluon.jit
-    def _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES: gl.constexpr):
-        """Step ``it``'s Sᵀ = K Qᵀ and dPᵀ = V dOᵀ wgmmas, each once its tile has landed. Returns the ring slot,
+    def _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES: gl.constexpr,
+                        ones_smem=None, lse_smem=None, delta_smem=None, LSEMMA: gl.constexpr = False,
+                        DMMA: gl.constexpr = False):
+        """Step ``it``'s Sᵀ = K Qᵀ and dPᵀ = V dOᵀ wgmmas, each once its tile has landed; LSEMMA (DMMA): Sᵀ's (dPᵀ's)
+        chain with one more k16 slice, ``ones_smem`` against the slot's lse (delta) columns. Returns the ring slot,
         its Q and dO tiles and the two in-flight products."""
         slot = it % STAGES
         phase = (it // STAGES) & 1
@@ -390,8 +393,12 @@ if HAVE_GLUON:
         do_t = do_smem.index(slot)
         mbarrier.wait(q_bars.index(slot), phase)
         st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if LSEMMA:
+            st = warpgroup_mma(ones_smem, lse_smem.index(slot).permute((1, 0)), st, is_async=True)
         mbarrier.wait(do_bars.index(slot), phase)
         dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if DMMA:
+            dpt = warpgroup_mma(ones_smem, delta_smem.index(slot).permute((1, 0)), dpt, is_async=True)
         return slot, q_t, do_t, st, dpt
 
     @gluon.jit
@@ -404,23 +411,12 @@ if HAVE_GLUON:
         LSEMMA (``OPT_LSEMMA``): Sᵀ's wgmma chain takes one more k16 slice, the shared [64, LSE_COLS] tile
         ``ones_smem`` (1 in its first three columns) against the slot's lse columns (-lse·log2(e) / qk_scale in
         three bf16 parts), so Sᵀ arrives with the lse subtracted and no thread reads lse from shared memory."""
+        slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES,
+                                                   ones_smem, lse_smem, delta_smem, LSEMMA, DMMA)
         if LSEMMA:
-            slot = it % STAGES
-            phase = (it // STAGES) & 1
-            q_t = q_smem.index(slot)
-            do_t = do_smem.index(slot)
-            mbarrier.wait(q_bars.index(slot), phase)
-            st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            st = warpgroup_mma(ones_smem, lse_smem.index(slot).permute((1, 0)), st, is_async=True)
-            mbarrier.wait(do_bars.index(slot), phase)
-            dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if DMMA:
-                dpt = warpgroup_mma(ones_smem, delta_smem.index(slot).permute((1, 0)), dpt, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st, ))
             pt = gl.exp2(st * qk_scale)
         else:
-            slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it,
-                                                       STAGES)
             lse_b = lse_smem.index(slot).load(s_layout)
             st = warpgroup_mma_wait(1, deps=(st, ))
             pt = gl.exp2(st * qk_scale - lse_b)
