@@ -211,6 +211,10 @@ def test_gluon_bwd_module_contract():
     s26 = GB.OPT_DQP | GB.OPT_LEAN | GB.OPT_SMEM | GB.OPT_PEEL | GB.OPT_DQSKIP
     assert GB._config("t", None, 64) == GB._config("t", "split_s26", 128) == (64, 2, 64, 4, s26)
     assert GB._config("t", None, 128) == (64, 2, 64, 4, s26 | GB.OPT_LSEMMA | GB.OPT_DMMA)
+    # the column options run for bf16 only (fp16's range cannot hold every -delta); the rest of a config stays
+    assert GB.for_dtype(GB._config("t", None, 128), torch.bfloat16) == GB._config("t", None, 128)
+    assert GB.for_dtype(GB._config("t", None, 128), torch.float16) == (64, 2, 64, 4, s26)
+    assert GB.for_dtype(GB._config("t", "split_s10", 128), torch.float16) == GB._config("t", "split_s10", 128)
     assert GB._config("t", "split_s14", 128) == (64, 2, 64, 4, GB.OPT_DQP | GB.OPT_LEAN | GB.OPT_SMEM)
     assert GB._config("t", "split_s10", 128) == (64, 2, 64, 4, GB.OPT_PF | GB.OPT_DQP)
     assert GB._config("t", (64, 2, 64, 2), 128) == (64, 2, 64, 2, 0)  # options may be left out

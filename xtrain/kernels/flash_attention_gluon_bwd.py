@@ -76,7 +76,8 @@ Configs (``CONFIGS``): (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) = the dK/d
 ring depth, the dQ kernel's key step and ring depth, and a mask of the ``OPT_*`` flags below; "split" is the
 default (hd128: DQP, LEAN, SMEM, PEEL, DQSKIP, LSEMMA, DMMA; hd64, where it is the deterministic backward, without
 the last two, measured only at hd128), "split_s26" the hd128 default before session 27, "split_lse" / "split_lsed"
-the lse columns alone / with delta's at both head dims, "split_s10" and "split_s9" (the
+the lse columns alone / with delta's at both head dims (the column options run for bf16 inputs only: ``for_dtype``),
+"split_s10" and "split_s9" (the
 defaults before sessions 13 and 10), "split3" and "split_wide" stay selectable (``config="split_wide"`` or a
 tuple) for bench/gluon_flash_bwd.py and bench/gluon_bwd_alone.py. The split's kernels take lse in base 2: the
 delta preprocess writes lse·log2(e) into a new [B, H, T] buffer (``_prologue(base2=True)``).
@@ -893,6 +894,15 @@ def _config(op: str, config, D: int):
     return bm1, st1, bn2, st2, opts
 
 
+def for_dtype(cfg: tuple, dtype: torch.dtype) -> tuple:
+    """The config tuple as it runs for inputs of ``dtype``: the column options (``OPT_LSEMMA``, ``OPT_DMMA``) only for
+    bf16, whose exponent range holds any fp32 lse / scale and delta; fp16's does not (|delta| over 65504 would turn
+    the columns to inf where the shared-memory rows keep fp32), and the columns were measured in bf16 only."""
+    if dtype == torch.bfloat16:
+        return cfg
+    return cfg[:4] + (cfg[4] & ~(OPT_LSEMMA | OPT_DMMA),)
+
+
 def columns(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``OPT_LSEMMA`` / ``OPT_DMMA``'s [..., LSE_COLS] tensor of fp32 x (-lse2 / qk_scale, lse2 the base-2 lse;
     or -delta): x in three parts of ``dtype`` (x ~ hi + mid + lo to ~24 bits, columns 0-2), zeros after. A wgmma of
@@ -1118,7 +1128,7 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
         raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
     if not checked:
         check_inputs(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse)
-    cfg = _config(op, config, q.shape[-1])
+    cfg = for_dtype(_config(op, config, q.shape[-1]), q.dtype)
     # OPT_LSEMMA: the preprocess also writes the lse / delta columns the dK/dV kernel multiplies
     cols = new_columns(q) if cfg[4] & OPT_LSEMMA else None
     do, lse, dq, dk, dv, delta, s, pre = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
