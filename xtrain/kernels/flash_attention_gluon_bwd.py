@@ -903,18 +903,6 @@ def for_dtype(cfg: tuple, dtype: torch.dtype) -> tuple:
     return cfg[:4] + (cfg[4] & ~(OPT_LSEMMA | OPT_DMMA),)
 
 
-def columns(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``OPT_LSEMMA`` / ``OPT_DMMA``'s [..., LSE_COLS] tensor of fp32 x (-lse2 / qk_scale, lse2 the base-2 lse;
-    or -delta): x in three parts of ``dtype`` (x ~ hi + mid + lo to ~24 bits, columns 0-2), zeros after. A wgmma of
-    a tile of ones against it adds x to Sᵀ (dPᵀ)."""
-    out = torch.zeros(*x.shape, LSE_COLS, dtype=dtype, device=x.device)
-    for i in range(3):
-        part = x.to(dtype)
-        out[..., i] = part
-        x = x - part.float()
-    return out
-
-
 def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
     """A caller's output buffer (tests pass NaN-poisoned ones) in a layout the descriptors take, or a fresh
     contiguous one (as flash_attention_bwd_triton returns)."""
@@ -930,7 +918,7 @@ def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
 def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg, cols=None):
     """[(kernel, grid, args, constexprs)] of the dK/dV and the dQ kernel of config tuple ``cfg`` (``_config``);
     CUDA tensors, or CPU tensors standing in for shapes and strides (``compile_sm90``). ``cols``: OPT_LSEMMA's
-    (lse, delta) column buffers as the preprocess wrote them; None: made here from lse and delta (``columns``)."""
+    (lse, delta) column buffers (``new_columns``) as the preprocess wrote them (``_prologue(cols=...)``)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     bm1, st1, bn2, st2, opts = cfg
@@ -943,8 +931,6 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg, 
     # lse and delta as [B·H·T / BLOCK_M1, BLOCK_M1] rows for the SMEM option's TMA loads (passed in any case)
     (lse2, *_), (delta2, *_) = (_row_view(x.view(B, H, T // bm1, bm1)) for x in (lse, delta))
     if opts & OPT_LSEMMA:  # -lse·log2(e) / qk_scale and -delta as columns of a k16 slice, [B·H·T, LSE_COLS]
-        if cols is None:
-            cols = (columns(lse.float() * (-1.0 / (s * LOG2E)), q.dtype), columns(-delta.float(), q.dtype))
         lse_d = _desc(cols[0].view(B * H * T, LSE_COLS), bm1, LSE_COLS)
     else:
         lse_d = _desc(lse2, 1, bm1)
@@ -1182,6 +1168,7 @@ def compile_sm90(D: int = 128, causal: bool = True, config=None, transposed: boo
     q, k = stand_ins(D, T, 4, 4 if mha else 2, transposed)
     dq = torch.empty(1, 4, T, D, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, T)
-    launches = _launches(q, k, k, dq, k, k, q, lse, lse, 0.125, causal, cfg)
+    launches = _launches(q, k, k, dq, k, k, q, lse, lse, 0.125, causal, cfg,
+                         new_columns(q) if cfg[4] & OPT_LSEMMA else None)
     return {name: _compile(kern, args, dict(consts, GROUP=1) if mha else consts)
             for name, (kern, _, args, consts) in zip(("dkdv", "dq"), launches)}
