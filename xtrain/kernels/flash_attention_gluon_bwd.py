@@ -136,6 +136,14 @@ dPᵀ's tensor work) the kernel alone takes 0.725-0.728 ms at 4k (split_s26: 0.7
 2.35e-3 for dq / dk / dv at 4k). xtrain bench attention, hd128 backward x cuDNN, medians of 3 rounds: 1.18 / 1.12 /
 1.08 / 1.06 / 0.99 at T = 1k-16k (session 25: 1.16 / 1.10 / 1.06 / 0.98 / 0.95).
 
+Session 28 (bench/RESULTS.md): ``OPT_DOREG``, the dQ kernel's resident dO half as dP's A operand in registers
+(32 per thread, loaded once), so each dP k16 slice reads only V from shared memory. Bit-identical; the dQ kernel
+alone 1-1.5 % faster (0.538-0.540 against 0.544-0.545 ms at T = 4k, 1.025-1.029 against 1.042-1.045 at 8k) and
+2-3 % less energy at 16k (1556-1561 against 1590-1605 mJ per call). The same for the resident Q half (S's A
+operand) compiled clean but changed nothing; both at once serialise every wgmma, and so does any register A
+operand in the dK/dV kernel (K or V half: spills and serialisation; even the 4-register ones tile of
+``OPT_LSEMMA`` serialised the causal MHA build unless kept out of the diagonal steps, and then gained nothing).
+
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
 ring) 1.10 / 1.05 / 1.00-1.01 / 0.94-0.99 / 0.87-0.91 (xtrain bench attention, two processes: 1.09-1.11 / 1.05 /
@@ -209,10 +217,12 @@ RESIDENT = 128  # keys per dK/dV program, query rows per dQ program (two warpgro
 HALF_M = 64
 # (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) by head dim; see the module docstring
 CONFIGS = {
-    "split": {64: (64, 2, 64, 4, 62), 128: (64, 2, 64, 4, 254)},
+    "split": {64: (64, 2, 64, 4, 62), 128: (64, 2, 64, 4, 510)},
+    "split_s27": {64: (64, 2, 64, 4, 62), 128: (64, 2, 64, 4, 254)},
     "split_s26": {64: (64, 2, 64, 4, 62), 128: (64, 2, 64, 4, 62)},
     "split_lse": {64: (64, 2, 64, 4, 126), 128: (64, 2, 64, 4, 126)},
     "split_lsed": {64: (64, 2, 64, 4, 254), 128: (64, 2, 64, 4, 254)},
+    "split_doreg": {64: (64, 2, 64, 4, 318), 128: (64, 2, 64, 4, 510)},
     "split_s14": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
     "split_peel": {64: (64, 2, 64, 4, 30), 128: (64, 2, 64, 4, 30)},
     "split_dqskip": {64: (64, 2, 64, 4, 46), 128: (64, 2, 64, 4, 46)},
@@ -230,12 +240,15 @@ CONFIGS = {
 # compile-time choice) and skips the steps whose queries all precede the warpgroup's keys; OPT_DQSKIP the dQ
 # kernel's warpgroup 0 skips its causal tile whose keys all follow its queries (both: the same bits); OPT_LSEMMA
 # (with OPT_PEEL) the dK/dV kernel's Sᵀ takes lse through one more k16 slice of its wgmma chain (the preprocess's lse
-# columns against a tile of ones), OPT_DMMA (with OPT_LSEMMA) dPᵀ takes delta likewise (module docstring).
-# "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15; "split_s26") and at hd128 also LSEMMA | DMMA (session 27),
+# columns against a tile of ones), OPT_DMMA (with OPT_LSEMMA) dPᵀ takes delta likewise (module docstring); OPT_DOREG
+# the dQ kernel's resident dO half is dP's A operand from registers, loaded once, not read from shared memory per step.
+# "split" = DQP | LEAN | SMEM | PEEL | DQSKIP (session 15; "split_s26") and at hd128 also LSEMMA | DMMA (session 27;
+# "split_s27") and DOREG (session 28),
 # "split_s14" = DQP | LEAN | SMEM (session 13),
 # "split_peel" and "split_dqskip" one of the two skips each, "split_s10" = PF | DQP (session 10), "split_s9" =
 # neither (session 9).
 OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP, OPT_LSEMMA, OPT_DMMA = 1, 2, 4, 8, 16, 32, 64, 128
+OPT_DOREG = 256
 LSE_COLS = 16  # OPT_LSEMMA: the lse columns' tile width (one k16 slice of the Sᵀ wgmma), 3 of them used
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
@@ -716,7 +729,8 @@ if HAVE_GLUON:
     def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr,
                      delta_ptr, lse_row, dq_row, dq_col, start_m, n_tiles, qk_scale, sm_scale,
                      dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr, SKIP: gl.constexpr = False):
+                     CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr, SKIP: gl.constexpr = False,
+                     DOREG: gl.constexpr = False):
         """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring
         (PIPE: ``_dq_loop_pipelined``). SKIP (causal): the tiles whose keys all follow this half's queries (P = 0)
         are only waited for and released, not computed (with BLOCK_N = 64: warpgroup 0's last tile)."""
@@ -734,19 +748,22 @@ if HAVE_GLUON:
         s_zero = gl.zeros([QH, BLOCK_N], gl.float32, s_layout)
         dq = gl.zeros([QH, HEAD_DIM], gl.float32, a_layout)
         mbarrier.wait(q_bar, 0)
+        do_a = do_half
+        if DOREG:  # the resident dO half as dP's A operand in registers (32 per thread), read from shared memory once
+            do_a = do_half.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         n_all = n_tiles
         if SKIP and CAUSAL:
             # tiles starting at or after this half's last query + 1 (q_lo + QH) add nothing
             n_tiles = gl.minimum(n_tiles, (q_lo + QH + BLOCK_N - 1) // BLOCK_N)
         if PIPE:
-            dq = _dq_loop_pipelined(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta,
+            dq = _dq_loop_pipelined(q_half, do_a, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta,
                                     dq, s_zero, q_lo, offs_q, cols, n_tiles, qk_scale, dtype, op_layout, BLOCK_N,
                                     STAGES, CAUSAL)
         else:
             for j in range(n_tiles):
                 slot = j % STAGES
                 k_t = k_smem.index(slot)
-                s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
+                s, dp = _dq_issue_sdp(q_half, do_a, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
                 s = warpgroup_mma_wait(1, deps=(s, ))
                 p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N, CAUSAL)
                 dp = warpgroup_mma_wait(0, deps=(dp, ))
@@ -774,7 +791,7 @@ if HAVE_GLUON:
                        T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
                        dq_rb, dq_rh, dq_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr = False,
-                       SKIP: gl.constexpr = False):
+                       SKIP: gl.constexpr = False, DOREG: gl.constexpr = False):
         """Program (query tile, batch·head) of a 1-D grid in ``_tail_order``, heaviest causal tiles first;
         num_warps = 4. Q/dO/dQ descriptors have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
         dtype: gl.constexpr = q_desc.dtype
@@ -813,10 +830,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE, SKIP)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE, SKIP, DOREG)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE, SKIP)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE, SKIP, DOREG)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
                             k_empty, v_empty, q_row, off_h * q_ch, do_row, off_h * do_ch,
                             off_b * k_rb + off_hk * k_rh, off_hk * k_ch, off_b * v_rb + off_hk * v_rh,
@@ -883,11 +900,11 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 255 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or not 0 <= opts <= 511 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
             or (opts & OPT_LSEMMA and not opts & OPT_PEEL) or (opts & OPT_DMMA and not opts & OPT_LSEMMA)
             or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
             or (opts & OPT_PEEL and (not opts & OPT_SMEM or bm1 != 64))):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-255 "
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-511 "
                          f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
                          f"with OPT_SMEM and BLOCK_M1 64, the only step measured; OPT_LSEMMA with OPT_PEEL; OPT_DMMA "
                          f"with OPT_LSEMMA), got {config!r}")
@@ -950,7 +967,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg, 
               LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL),
               LSEMMA=bool(opts & OPT_LSEMMA), DMMA=bool(opts & OPT_DMMA))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
-              SKIP=bool(opts & OPT_DQSKIP))
+              SKIP=bool(opts & OPT_DQSKIP), DOREG=bool(opts & OPT_DOREG))
     nb = T // RESIDENT
     n_sm = FA.grid_sms(q.device)
     dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm), tail_heads(nb, B * H, n_sm)
