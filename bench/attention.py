@@ -64,6 +64,22 @@ def attn_flops(B, H, T, D, causal=True) -> float:
     return f / 2 if causal else f
 
 
+def ratio_cell(fwd: float, bwd: float) -> str:
+    """The table's ratio cell: xtrain / fastest backend, fwd/bwd, to three decimals, with a '*' on any below 1.0
+    (the goal), so that a 0.998 does not print as 1.00."""
+    return "/".join(f"{x:.3f}" + ("*" if x < 1.0 else "") for x in (fwd, bwd))
+
+
+def goal_summary(rows: list) -> str:
+    """One line on the goal (forward and backward each >= 1.0x the fastest SDPA backend, medians): how many of the
+    rows' cells meet it, and each one that does not (D, T, direction, ratio)."""
+    missed = [f"D={r['D']} T={r['T']} {name} {r['ratio'][i]:.3f}" for r in rows for i, name in enumerate(("fwd", "bwd"))
+              if not r["ratio"][i] >= 1.0]
+    n = 2 * len(rows)
+    head = f"goal (>= 1.0x the fastest SDPA backend, medians): met at {n - len(missed)} of {n} cells"
+    return head + (f"; missed at {', '.join(missed)}" if missed else "")
+
+
 def _bench(fn, host: list | None = None, **kw) -> float:
     """GPU ms per call of ``fn`` (``bench._gpu.gpu_time``, ``kw`` passed on); appends the host's ms per call to
     ``host``."""
@@ -326,7 +342,7 @@ def main(argv=None) -> int:
 
     print("\nTFLOP/s fwd / bwd (causal bf16; ratio = xtrain / fastest SDPA backend); peak MiB of fwd+bwd")
     hdr = (f"{'D':>4} {'T':>6} | {'xtrain':>9} | {'flash':>9} | {'cudnn':>9} | {'efficient':>9} | "
-           f"{'composed':>9} | {'ratio':>11} | {'peak xt':>8} {'peak comp':>9}")
+           f"{'composed':>9} | {'ratio':>13} | {'peak xt':>8} {'peak comp':>9}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -334,7 +350,8 @@ def main(argv=None) -> int:
                                                               "composed")]
         cp = "-" if r["composed_peak_mib"] is None else f"{r['composed_peak_mib']:.0f}"
         print(f"{r['D']:>4} {r['T']:>6} | " + " | ".join(f"{c:>9}" for c in cells)
-              + f" | {r['ratio'][0]:.2f}/{r['ratio'][1]:.2f} | {r['xtrain_peak_mib']:>8.0f} {cp:>9}")
+              + f" | {ratio_cell(*r['ratio']):>13} | {r['xtrain_peak_mib']:>8.0f} {cp:>9}")
+    print(goal_summary(rows))
     if args.rounds > 1:
         print(f"\nxtrain / fastest SDPA backend per round ({args.rounds} rounds, alternating order): min-max, "
               "fwd | bwd")

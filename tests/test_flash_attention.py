@@ -588,3 +588,16 @@ def test_bench_rounds_alternate_and_drop_refused_backends(monkeypatch):
     assert calls == ["xtrain", "flash", "cudnn", "efficient", "cudnn", "flash", "xtrain", "xtrain", "flash", "cudnn"]
     assert set(times) == {"xtrain", "flash", "cudnn"} and all(len(t) == 3 for t in times.values())
     assert [t[1] for t in times["xtrain"]] == [3.0, 9.0, 10.0] and host["xtrain"] == [1.0]
+
+
+def test_bench_goal_line_shows_a_miss_that_rounds_to_one():
+    """``xtrain bench attention`` prints ratios to three decimals, starred below 1.0, and a goal line naming every
+    cell under 1.0x: 0.998 (session 28's hd128 backward at 16k) must not read as met."""
+    A = pytest.importorskip("bench.attention")
+    assert A.ratio_cell(1.1, 0.998) == "1.100/0.998*"
+    assert A.ratio_cell(1.0, 1.004) == "1.000/1.004"
+    rows = [{"D": 128, "T": 8192, "ratio": (1.11, 1.01)}, {"D": 128, "T": 16384, "ratio": (1.10, 0.998)}]
+    line = A.goal_summary(rows)
+    assert line.endswith("met at 3 of 4 cells; missed at D=128 T=16384 bwd 0.998"), line
+    assert A.goal_summary(rows[:1]).endswith("met at 2 of 2 cells")
+    assert "missed at D=64 T=1 fwd nan" in A.goal_summary([{"D": 64, "T": 1, "ratio": (float("nan"), 1.2)}])
