@@ -5,7 +5,9 @@ For every size: forward and backward TFLOP/s of xtrain's Triton kernels, of ever
 ``scaled_dot_product_attention`` backend that runs (flash, cuDNN, efficient, chosen with
 ``torch.nn.attention.sdpa_kernel``; their backward through torch.autograd), and of xtrain's composed
 ``ops.attention`` where its T×T tensors fit; the ratio of xtrain to the fastest SDPA backend; and the peak
-memory of one forward + backward (beyond the inputs) for xtrain and for the composed path.
+memory of one forward + backward (beyond the inputs) for xtrain and for the composed path. Ratios print to three
+decimals, starred below 1.0, and a goal line under the table names every cell where xtrain is under 1.0x
+(``goal_summary``).
 
 FLOPs (the convention of the FlashAttention papers and the Triton tutorial):
     forward  = 4 · B · H · T² · D      (two matmuls of 2·T²·D each), halved when causal
