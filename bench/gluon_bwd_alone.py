@@ -24,7 +24,7 @@ def split_kernels(q, k, v, do, o, lse, causal: bool = True, config=None) -> tupl
     from xtrain.kernels import flash_attention_gluon_bwd as GB
 
     cfg = GB.for_dtype(GB._config("probe", config, q.shape[-1]), q.dtype)
-    cols = GB.new_columns(q) if cfg[4] & GB.OPT_LSEMMA else None  # the preprocess fills them, as the library's does
+    cols = GB.new_columns(q, cfg[4])  # the preprocess fills them, as the library's does
     dob, lse32, dq, dk, dv, delta, s, _ = GB._prologue("probe", GB.supported_bwd, GB.HEAD_DIMS, do, q, k, v, o, lse,
                                                        None, None, None, None, base2=True, cols=cols)
     (k1, g1, a1, c1), (k2, g2, a2, c2) = GB._launches(q, k, v, dq, dk, dv, dob, lse32, delta, s, causal, cfg, cols)

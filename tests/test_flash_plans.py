@@ -175,9 +175,9 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed, config):
     cfg = GB._config("t", config, 128)
     cols, dcols = bool(cfg[4] & GB.OPT_LSEMMA), bool(cfg[4] & GB.OPT_DMMA)
     (_, _, a1, _), (_, _, a2, _) = GB._launches(q, k, k, dq, k, k, q, lse, lse, 0.125, True, cfg,
-                                                 GB.new_columns(q) if cols else None)
+                                                 GB.new_columns(q, cfg[4]))
     pre, r1, r2 = _Recorder(_PRE), _Recorder(a1), _Recorder(a2)
-    split = GB._SplitPlan(pre, r1, r2, a1, a2, two_streams=False, cols=cols)
+    split = GB._SplitPlan(pre, r1, r2, a1, a2, two_streams=False, opts=cfg[4])
     do, q2 = GB.stand_ins(128, 256, 4, 2, transposed)[0], GB.stand_ins(128, 256, 4, 2, transposed)[0]
     k2, v2 = (GB.stand_ins(128, 256, 4, 2, transposed)[1] for _ in range(2))
     o2, lse2 = torch.empty_like(q2), torch.empty(1, 4, 256)

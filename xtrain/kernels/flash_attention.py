@@ -448,9 +448,8 @@ if HAVE_TRITON:
             if COLS > 0:
                 cols = tl.arange(0, COLS)
                 at = (off_bh.to(tl.int64) * T + offs_m)[:, None] * COLS + cols[None, :]
-                ok = row_ok & (cols[None, :] < COLS)
-                tl.store(LSEC + at, _three_parts(-lse * INV_SCALE, cols, LSEC.dtype.element_ty), mask=ok)
-                tl.store(DELTAC + at, _three_parts(-delta, cols, DELTAC.dtype.element_ty), mask=ok)
+                tl.store(LSEC + at, _three_parts(-lse * INV_SCALE, cols, LSEC.dtype.element_ty), mask=row_ok)
+                tl.store(DELTAC + at, _three_parts(-delta, cols, DELTAC.dtype.element_ty), mask=row_ok)
 
     @triton.jit
     def _three_parts(x, cols, dtype: tl.constexpr):

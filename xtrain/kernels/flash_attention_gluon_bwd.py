@@ -74,8 +74,9 @@ h·ch. T being a multiple of 128 keeps every tile inside one head.
 
 Configs (``CONFIGS``): (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2[, OPTS]) = the dK/dV kernel's query step and
 ring depth, the dQ kernel's key step and ring depth, and a mask of the ``OPT_*`` flags below; "split" is the
-default (hd128: DQP, LEAN, SMEM, PEEL, DQSKIP, LSEMMA, DMMA; hd64, where it is the deterministic backward, without
-the last two, measured only at hd128), "split_s26" the hd128 default before session 27, "split_lse" / "split_lsed"
+default (hd128: DQP, LEAN, SMEM, PEEL, DQSKIP, LSEMMA, DMMA, DOREG; hd64, where it is the deterministic backward,
+the first five, the rest measured only at hd128), "split_s27" and "split_s26" the hd128 defaults before sessions 28
+and 27, "split_doreg" DOREG on split_s27 at both head dims, "split_lse" / "split_lsed"
 the lse columns alone / with delta's at both head dims (the column options run for bf16 inputs only: ``for_dtype``),
 "split_s10" and "split_s9" (the
 defaults before sessions 13 and 10), "split3" and "split_wide" stay selectable (``config="split_wide"`` or a
@@ -1038,12 +1039,12 @@ def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk,
     return do, out, dq, dk, dv, delta, s, None
 
 
-def plan_outputs(pre, do, q, k, v, o, lse=None, cols: bool = False):
+def plan_outputs(pre, do, q, k, v, o, lse=None, opts: int = 0):
     """What both backward plans do first: allocate dq, dk, dv (contiguous, as the full path's ``_grad_buf``)
     and delta, and launch the cached delta preprocess ``pre``. Returns (dq, dk, dv, delta, lse2, cols): with ``lse``
     (a plan made with ``_prologue(base2=True)``) lse2 is the lse·log2(e) buffer the preprocess writes from it, else
-    None; with ``cols`` (a plan made with ``_prologue(cols=...)``) cols is the (lse, delta) column buffers it fills,
-    else None."""
+    None; with ``OPT_LSEMMA`` in ``opts`` (a plan made with ``_prologue(cols=...)``) cols is the (lse, delta) column
+    buffers it fills, else None."""
     B, H, T, _ = q.shape
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -1053,14 +1054,17 @@ def plan_outputs(pre, do, q, k, v, o, lse=None, cols: bool = False):
         pre(O=o, DO=do, DELTA=delta, LSE=delta, LSE2=delta, LSEC=delta, DELTAC=delta)
         return dq, dk, dv, delta, None, None
     lse2 = torch.empty_like(delta)
-    c = new_columns(q) if cols else None
-    lsec, deltac = c if cols else (delta, delta)
+    c = new_columns(q, opts)
+    lsec, deltac = c or (delta, delta)
     pre(O=o, DO=do, DELTA=delta, LSE=lse.to(torch.float32).contiguous(), LSE2=lse2, LSEC=lsec, DELTAC=deltac)
     return dq, dk, dv, delta, lse2, c
 
 
-def new_columns(q: torch.Tensor) -> tuple:
-    """Empty (lse, delta) column buffers of ``OPT_LSEMMA`` for q [B, H, T, D]: [B, H, T, LSE_COLS] in q's dtype."""
+def new_columns(q: torch.Tensor, opts: int) -> tuple | None:
+    """Empty (lse, delta) column buffers for q [B, H, T, D], [B, H, T, LSE_COLS] in q's dtype, if the config options
+    ``opts`` have ``OPT_LSEMMA``; else None."""
+    if not opts & OPT_LSEMMA:
+        return None
     B, H, T, _ = q.shape
     return tuple(torch.empty((B, H, T, LSE_COLS), dtype=q.dtype, device=q.device) for _ in range(2))
 
@@ -1070,27 +1074,24 @@ class _SplitPlan:
     ``flash_attention_gluon._FwdPlan``): allocates dq, dk, dv and delta, then launches the compiled delta
     preprocess and the two kernels (on two streams as the full path does) with re-based descriptors."""
 
-    __slots__ = ("pre", "dkdv", "dq", "dkdv_descs", "dq_descs", "two_streams", "bm1", "cols")
+    __slots__ = ("pre", "dkdv", "dq", "dkdv_descs", "dq_descs", "two_streams", "bm1", "opts")
 
-    def __init__(self, pre, dkdv, dq, a1: dict, a2: dict, two_streams: bool, cols: bool = False):
+    def __init__(self, pre, dkdv, dq, a1: dict, a2: dict, two_streams: bool, opts: int = 0):
         self.pre, self.dkdv, self.dq = pre, dkdv, dq
         self.dkdv_descs, self.dq_descs = descriptor_templates(a1), descriptor_templates(a2)
         self.two_streams = two_streams
-        # OPT_LSEMMA (OPT_DMMA): the dK/dV kernel's lse (delta) descriptor is over a column buffer
-        self.cols = (a1["lse_desc"].block_shape[1] == LSE_COLS, a1["delta_desc"].block_shape[1] == LSE_COLS) \
-            if cols else None
+        self.opts = opts  # OPT_LSEMMA (OPT_DMMA) puts lse's (delta's) descriptor on a column buffer
         self.bm1 = a1["q_desc"].block_shape[0]  # the dK/dV kernel's query step: lse / delta rows per TMA tile
 
     def __call__(self, do, q, k, v, o, lse):
-        dq, dk, dv, delta, lse, c = plan_outputs(self.pre, do, q, k, v, o, lse, self.cols is not None)  # lse·log2(e)
+        dq, dk, dv, delta, lse, c = plan_outputs(self.pre, do, q, k, v, o, lse, self.opts)  # lse·log2(e)
         B, H, T, _ = q.shape
         ts = {"q": q, "do": do, "k": k, "v": v, "dq": dq, "dk": dk, "dv": dv,
               "lse": lse.view(B, H, T // self.bm1, self.bm1), "delta": delta.view(B, H, T // self.bm1, self.bm1)}
-        if self.cols is not None:
-            if self.cols[0]:
-                ts["lse"] = c[0]
-            if self.cols[1]:
-                ts["delta"] = c[1]
+        if self.opts & OPT_LSEMMA:
+            ts["lse"] = c[0]
+        if self.opts & OPT_DMMA:
+            ts["delta"] = c[1]
 
         def launch_dkdv():
             self.dkdv(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.dkdv_descs, ts))
@@ -1133,7 +1134,7 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
         check_inputs(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse)
     cfg = for_dtype(_config(op, config, q.shape[-1]), q.dtype)
     # OPT_LSEMMA: the preprocess also writes the lse / delta columns the dK/dV kernel multiplies
-    cols = new_columns(q) if cfg[4] & OPT_LSEMMA else None
+    cols = new_columns(q, cfg[4])
     do, lse, dq, dk, dv, delta, s, pre = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
                                                    dv, True, plan, base2=True, cols=cols)
     (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg, cols)
@@ -1158,7 +1159,7 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
         launch_dkdv()
         launch_dq()
     if plan:
-        return dq, dk, dv, _SplitPlan(pre, cached["dkdv"], cached["dq"], a1, a2, two_streams, cols is not None)
+        return dq, dk, dv, _SplitPlan(pre, cached["dkdv"], cached["dq"], a1, a2, two_streams, cfg[4])
     return dq, dk, dv
 
 
@@ -1186,6 +1187,6 @@ def compile_sm90(D: int = 128, causal: bool = True, config=None, transposed: boo
     dq = torch.empty(1, 4, T, D, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, T)
     launches = _launches(q, k, k, dq, k, k, q, lse, lse, 0.125, causal, cfg,
-                         new_columns(q) if cfg[4] & OPT_LSEMMA else None)
+                         new_columns(q, cfg[4]))
     return {name: _compile(kern, args, dict(consts, GROUP=1) if mha else consts)
             for name, (kern, _, args, consts) in zip(("dkdv", "dq"), launches)}
