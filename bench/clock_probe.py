@@ -297,7 +297,8 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=20, help="calls per --timeline block")
     ap.add_argument("--quiet", action="store_true", help="--timeline: the summary only, not every block")
     ap.add_argument("--config", default=None, help="the Gluon backward's config for this run (a name in "
-                    "flash_attention_gluon_bwd.CONFIGS; default: the library's)")
+                    "flash_attention_gluon_bwd.CONFIGS or a tuple written with colons, 64:2:64:4:510; default: the "
+                    "library's)")
     a = ap.parse_args()
     if a.block < 1:
         ap.error(f"--block must be at least 1, got {a.block}")
@@ -306,8 +307,9 @@ def main() -> int:
     if a.config is not None:
         from xtrain.kernels import flash_attention_gluon_bwd as GB
 
-        GB._config("clock_probe", a.config, 128)  # a ValueError now for an unknown name
-        GB.DEFAULT = a.config  # read at each call when no config is given
+        cfg = tuple(int(x) for x in a.config.split(":")) if ":" in a.config else a.config
+        GB._config("clock_probe", cfg, 128)  # a ValueError now for an unknown name or a bad tuple
+        GB.DEFAULT = cfg  # read at each call when no config is given
 
     _spin_kernel[(1,)](torch.zeros(2, dtype=torch.int64, device="cuda"), 0, num_warps=1)  # compiled before timing
     warm_up()
