@@ -145,6 +145,13 @@ operand) compiled clean but changed nothing; both at once serialise every wgmma,
 operand in the dK/dV kernel (K or V half: spills and serialisation; even the 4-register ones tile of
 ``OPT_LSEMMA`` serialised the causal MHA build unless kept out of the diagonal steps, and then gained nothing).
 
+Session 29 (bench/RESULTS.md; Nsight Compute, each kernel alone, bench shapes): at T = 16k both kernels read from DRAM
+only what they must (286 / 278 MB: Q, dO, K, V once, plus the statistics; L2 hit rates 96 / 95 %), so the walk order
+costs nothing there, and both keep the tensor pipe busy 96.5 % of the time. cuDNN's main kernel keeps it busy 64 %:
+it executes 5 products where these two execute 7.25 (with the statistics' slices), and gets about 8 % more work out of
+each busy tensor cycle (an estimate from the counters: ~935 against ~860 TFLOP/s of busy pipe). So what is left at 16k
+is the product count and the N = 64 wgmmas, not memory.
+
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
 ring) 1.10 / 1.05 / 1.00-1.01 / 0.94-0.99 / 0.87-0.91 (xtrain bench attention, two processes: 1.09-1.11 / 1.05 /
