@@ -150,10 +150,11 @@ only what they must (286 / 278 MB: Q, dO, K, V once, plus the statistics; L2 hit
 costs nothing there, and both keep the tensor pipe busy 96.5 % of the time. cuDNN's main kernel keeps it busy 64 %:
 it executes 5 products where these two execute 7.25 (with the statistics' slices), and gets about 8 % more work out of
 each busy tensor cycle (an estimate from the counters: ~935 against ~860 TFLOP/s of busy pipe). So what is left at 16k
-is the product count and the N = 64 wgmmas, not memory.
+is the product count and (a guess, not confirmed below) the N = 64 wgmmas, not memory.
 Measured and dropped: the dQ kernel with 128-key steps (S and dP at N = 128; it then fits neither ``OPT_DQP`` nor
 ``OPT_DOREG``: offline every wgmma serialised) was 5-6 % slower alone and took 5 % more energy at 16k, with the same
-bits; the hd128 default without ``OPT_DMMA`` (delta from shared memory again) changed nothing at 4k-8k.
+bits; the hd128 default without ``OPT_DMMA`` (delta from shared memory again) changed nothing at 4k-8k, nor the
+energy per call at 16k.
 
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
