@@ -305,9 +305,10 @@ def main() -> int:
     from bench._gpu import warm_up
 
     if a.config is not None:
+        from bench.gluon_bwd_alone import config_arg
         from xtrain.kernels import flash_attention_gluon_bwd as GB
 
-        cfg = tuple(int(x) for x in a.config.split(":")) if ":" in a.config else a.config
+        cfg = config_arg(a.config)
         GB._config("clock_probe", cfg, 128)  # a ValueError now for an unknown name or a bad tuple
         GB.DEFAULT = cfg  # read at each call when no config is given
 

@@ -18,6 +18,12 @@ import argparse
 _REPORTED: set = set()
 
 
+def config_arg(text: str | None):
+    """A command line's Gluon backward config: a name in ``flash_attention_gluon_bwd.CONFIGS`` as it is, or a tuple
+    written with colons (64:2:64:4:510 = (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2, OPTS)); None stays None."""
+    return tuple(int(x) for x in text.split(":")) if text and ":" in text else text
+
+
 def split_kernels(q, k, v, do, o, lse, causal: bool = True, config=None) -> tuple:
     """(dK/dV launch, dQ launch): the Gluon split's two kernels as calls, each launching one kernel alone (the
     delta preprocess and the output buffers done once here); a call returns the compiled kernel."""
@@ -97,7 +103,7 @@ def main() -> int:
             for c in a.configs.split(","):
                 for w in a.tail_waves.split(","):
                     GB.TAIL_WAVES = int(w)  # a launch argument: no recompilation
-                    cfg = tuple(int(x) for x in c.split(":")) if ":" in c else c
+                    cfg = config_arg(c)
                     r = measure(int(D), int(T), cfg, not a.noncausal, a.group)
                     rows.append((f"{c}/t{w}",) + r[1:])
     print(f"{'config':>12} {'D':>4} {'T':>6} | {'dK/dV ms':>8} {'TF/s':>5} | {'dQ ms':>7} {'TF/s':>5} | "

@@ -88,7 +88,9 @@ def main() -> int:
                     "BLOCK_N2, STAGES2, OPTS)")
     a = ap.parse_args()
     global CONFIG
-    CONFIG = tuple(int(x) for x in a.config.split(":")) if a.config and ":" in a.config else a.config
+    from bench.gluon_bwd_alone import config_arg
+
+    CONFIG = config_arg(a.config)
     calls = []
     for p in a.parts.split(","):
         calls += PARTS[p](a.T)
