@@ -104,7 +104,7 @@ def test_gluon_bwd_tail_order_is_a_permutation():
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["split3", "split_wide", "split_s9", "split_s10", "split_s14", "split_peel",
                                     "split_dqskip", "split_s26", "split_lse", "split_lsed", "split_s27",
-                                    "split_doreg", "split_qreg0", "split_qreg", (64, 2, 64, 3, 1),
+                                    "split_doreg", (64, 2, 64, 3, 1),
                                     (64, 2, 64, 3, 2), (64, 2, 64, 3, 7), (64, 3, 64, 2, 12)])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_gluon_bwd_configs(config, D):
@@ -135,14 +135,10 @@ def test_gpu_gluon_bwd_doreg_is_bit_identical(D, causal):
     shared-memory operand it replaces, so every bit stays: against the config without it, GQA."""
     q, k, v, do, o, lse = inputs(2, 4, 2, 1024, D, torch.bfloat16, causal, seed=D + 11)
     ref = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config="split_s27")
+    got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config="split_doreg")
     assert GB._config("t", "split_doreg", D)[4] == GB._config("t", "split_s27", D)[4] | GB.OPT_DOREG
-    # OPT_QREG0 / OPT_QREG1: the resident Q half as S's A operand from registers likewise (warpgroup 0 / 1)
-    assert GB._config("t", "split_qreg", D)[4] == GB._config("t", "split_qreg0", D)[4] | GB.OPT_QREG1
-    assert GB._config("t", "split_qreg0", D)[4] == GB._config("t", "split_doreg", D)[4] | GB.OPT_QREG0
-    for config in ("split_doreg", "split_qreg0", "split_qreg"):
-        got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=config)
-        for name, a, b in zip(("dq", "dk", "dv"), got, ref):
-            assert torch.equal(a, b), (config, name, (a.float() - b.float()).abs().max().item())
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
 
 
 @pytest.mark.gpu
@@ -225,8 +221,7 @@ for D, causal, transposed, mha in ((64, True, False, False), (128, False, True, 
 def test_gluon_bwd_module_contract():
     assert GB.reference is FA.flash_attention_bwd_ref
     assert set(GB.CONFIGS) == {"split", "split_s14", "split_s10", "split_s9", "split3", "split_wide", "split_peel",
-                               "split_dqskip", "split_s26", "split_lse", "split_lsed", "split_s27", "split_doreg",
-                               "split_qreg0", "split_qreg"}
+                               "split_dqskip", "split_s26", "split_lse", "split_lsed", "split_s27", "split_doreg"}
     assert GB.DEFAULT == "split"
     s26 = GB.OPT_DQP | GB.OPT_LEAN | GB.OPT_SMEM | GB.OPT_PEEL | GB.OPT_DQSKIP
     assert GB._config("t", None, 64) == GB._config("t", "split_s26", 128) == (64, 2, 64, 4, s26)
@@ -244,7 +239,7 @@ def test_gluon_bwd_module_contract():
     # needs PEEL, DMMA (128) LSEMMA; 512 is no option
     for bad in ((64, 2, 64, 2, 4), (64, 2, 64, 2, 8), (64, 2, 64, 2, 13), (64, 2, 64, 2, 16), (64, 2, 64, 2, 64),
                 (64, 2, 64, 2, 23), (128, 2, 64, 2, 30), (64, 2, 64, 2, -1), (64, 2, 64, 4, 62 | 128),
-                (64, 2, 64, 4, 14 | 64), (64, 2, 64, 4, 2048),
+                (64, 2, 64, 4, 14 | 64), (64, 2, 64, 4, 512),
                 (64, 2, 64, 2, 0, 0), (64, 2, 64), "nope"):
         with pytest.raises(ValueError, match="t: "):
             GB._config("t", bad, 128)

@@ -214,7 +214,6 @@ from xtrain.kernels import flash_attention as FA
 from xtrain.kernels._dispatch import capability, launch_cached, run_side_by_side
 from xtrain.kernels.flash_attention import flash_attention_bwd_ref
 from xtrain.kernels.flash_attention_gluon import (
-    CONSUMER_REGS,
     HAVE_GLUON,
     HEAD_DIMS,
     LOG2E,
@@ -236,8 +235,6 @@ CONFIGS = {
     "split_lse": {64: (64, 2, 64, 4, 126), 128: (64, 2, 64, 4, 126)},
     "split_lsed": {64: (64, 2, 64, 4, 254), 128: (64, 2, 64, 4, 254)},
     "split_doreg": {64: (64, 2, 64, 4, 318), 128: (64, 2, 64, 4, 510)},
-    "split_qreg0": {64: (64, 2, 64, 4, 830), 128: (64, 2, 64, 4, 1022)},
-    "split_qreg": {64: (64, 2, 64, 4, 1854), 128: (64, 2, 64, 4, 2046)},
     "split_s14": {64: (64, 2, 64, 4, 14), 128: (64, 2, 64, 4, 14)},
     "split_peel": {64: (64, 2, 64, 4, 30), 128: (64, 2, 64, 4, 30)},
     "split_dqskip": {64: (64, 2, 64, 4, 46), 128: (64, 2, 64, 4, 46)},
@@ -264,8 +261,6 @@ CONFIGS = {
 # neither (session 9).
 OPT_PF, OPT_DQP, OPT_LEAN, OPT_SMEM, OPT_PEEL, OPT_DQSKIP, OPT_LSEMMA, OPT_DMMA = 1, 2, 4, 8, 16, 32, 64, 128
 OPT_DOREG = 256
-OPT_QREG0, OPT_QREG1 = 512, 1024  # the dQ kernel's resident Q half as S's A operand in registers, warpgroup 0 (1)
-DQ_QREG1_REGS = 240  # OPT_QREG1: both dQ consumers at 240 (setmaxnreg; else 248 / 232, and QREG1 does not fit 232)
 LSE_COLS = 16  # OPT_LSEMMA: the lse columns' tile width (one k16 slice of the Sᵀ wgmma), 3 of them used
 DEFAULT = "split"
 # the last TAIL_WAVES waves of each kernel's programs start lightest-last across heads (``_tail_order``); 0 =
@@ -747,7 +742,7 @@ if HAVE_GLUON:
                      delta_ptr, lse_row, dq_row, dq_col, start_m, n_tiles, qk_scale, sm_scale,
                      dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr, SKIP: gl.constexpr = False,
-                     DOREG: gl.constexpr = False, QREG: gl.constexpr = False):
+                     DOREG: gl.constexpr = False):
         """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring
         (PIPE: ``_dq_loop_pipelined``). SKIP (causal): the tiles whose keys all follow this half's queries (P = 0)
         are only waited for and released, not computed (with BLOCK_N = 64: warpgroup 0's last tile)."""
@@ -768,22 +763,19 @@ if HAVE_GLUON:
         do_a = do_half
         if DOREG:  # the resident dO half as dP's A operand in registers (32 per thread), read from shared memory once
             do_a = do_half.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-        q_a = q_half
-        if QREG:  # the resident Q half as S's A operand likewise
-            q_a = q_half.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         n_all = n_tiles
         if SKIP and CAUSAL:
             # tiles starting at or after this half's last query + 1 (q_lo + QH) add nothing
             n_tiles = gl.minimum(n_tiles, (q_lo + QH + BLOCK_N - 1) // BLOCK_N)
         if PIPE:
-            dq = _dq_loop_pipelined(q_a, do_a, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta,
+            dq = _dq_loop_pipelined(q_half, do_a, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta,
                                     dq, s_zero, q_lo, offs_q, cols, n_tiles, qk_scale, dtype, op_layout, BLOCK_N,
                                     STAGES, CAUSAL)
         else:
             for j in range(n_tiles):
                 slot = j % STAGES
                 k_t = k_smem.index(slot)
-                s, dp = _dq_issue_sdp(q_a, do_a, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
+                s, dp = _dq_issue_sdp(q_half, do_a, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
                 s = warpgroup_mma_wait(1, deps=(s, ))
                 p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N, CAUSAL)
                 dp = warpgroup_mma_wait(0, deps=(dp, ))
@@ -811,8 +803,7 @@ if HAVE_GLUON:
                        T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
                        dq_rb, dq_rh, dq_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr = False,
-                       SKIP: gl.constexpr = False, DOREG: gl.constexpr = False, QREG0: gl.constexpr = False,
-                       QREG1: gl.constexpr = False, CREGS: gl.constexpr = _CONSUMER_REGS):
+                       SKIP: gl.constexpr = False, DOREG: gl.constexpr = False):
         """Program (query tile, batch·head) of a 1-D grid in ``_tail_order``, heaviest causal tiles first;
         num_warps = 4. Q/dO/dQ descriptors have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
         dtype: gl.constexpr = q_desc.dtype
@@ -851,15 +842,15 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE, SKIP, DOREG, QREG0)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE, SKIP, DOREG)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
                             lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE, SKIP, DOREG, QREG1)),
+                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE, SKIP, DOREG)),
             (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
                             k_empty, v_empty, q_row, off_h * q_ch, do_row, off_h * do_ch,
                             off_b * k_rb + off_hk * k_rh, off_hk * k_ch, off_b * v_rb + off_hk * v_rh,
                             off_hk * v_ch, n_tiles, BLOCK_N, STAGES)),
-        ], [4, 1], [CREGS, _PRODUCER_REGS])
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -921,11 +912,11 @@ def _config(op: str, config, D: int):
                          f"STAGES2[, OPTS]), got {config!r}") from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
     if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 2047 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+            or not 0 <= opts <= 511 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
             or (opts & OPT_LSEMMA and not opts & OPT_PEEL) or (opts & OPT_DMMA and not opts & OPT_LSEMMA)
             or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
             or (opts & OPT_PEEL and (not opts & OPT_SMEM or bm1 != 64))):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-2047 "
+        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-511 "
                          f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
                          f"with OPT_SMEM and BLOCK_M1 64, the only step measured; OPT_LSEMMA with OPT_PEEL; OPT_DMMA "
                          f"with OPT_LSEMMA), got {config!r}")
@@ -988,9 +979,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg, 
               LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL),
               LSEMMA=bool(opts & OPT_LSEMMA), DMMA=bool(opts & OPT_DMMA))
     c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
-              SKIP=bool(opts & OPT_DQSKIP), DOREG=bool(opts & OPT_DOREG),
-              QREG0=bool(opts & OPT_QREG0), QREG1=bool(opts & OPT_QREG1),
-              CREGS=DQ_QREG1_REGS if opts & OPT_QREG1 else CONSUMER_REGS)
+              SKIP=bool(opts & OPT_DQSKIP), DOREG=bool(opts & OPT_DOREG))
     nb = T // RESIDENT
     n_sm = FA.grid_sms(q.device)
     dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm), tail_heads(nb, B * H, n_sm)
