@@ -156,6 +156,13 @@ Measured and dropped: the dQ kernel with 128-key steps (S and dP at N = 128; it 
 bits; the hd128 default without ``OPT_DMMA`` (delta from shared memory again) changed nothing at 4k-8k, nor the
 energy per call at 16k.
 
+Session 30 (bench/RESULTS.md): the resident Q half in registers beside ``OPT_DOREG`` does fit, in both dQ
+warpgroups, once both run at 240 registers (setmaxnreg; at the usual 248 / 232 only warpgroup 0's build is clean,
+warpgroup 1's serialises every wgmma). Offline clean (no spills, nothing serialised), bit-identical on the GPU, and
+no faster: the dQ kernel alone 0.543-0.544 against 0.537-0.538 ms at T = 4k, and at 16k the same energy per call
+(1584-1595 against 1563-1578 mJ) and the same whole backward (3694-3841 against 3700-3796 mJ). Commit c84095f,
+reverted. Session 28's gain from ``OPT_DOREG`` was the last that register A operands give this kernel.
+
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
 ring) 1.10 / 1.05 / 1.00-1.01 / 0.94-0.99 / 0.87-0.91 (xtrain bench attention, two processes: 1.09-1.11 / 1.05 /
