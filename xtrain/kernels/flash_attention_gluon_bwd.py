@@ -161,7 +161,9 @@ warpgroups, once both run at 240 registers (setmaxnreg; at the usual 248 / 232 o
 warpgroup 1's serialises every wgmma). Offline clean (no spills, nothing serialised), bit-identical on the GPU, and
 no faster: the dQ kernel alone 0.543-0.544 against 0.537-0.538 ms at T = 4k, and at 16k the same energy per call
 (1584-1595 against 1563-1578 mJ) and the same whole backward (3694-3841 against 3700-3796 mJ). Commit c84095f,
-reverted. Session 28's gain from ``OPT_DOREG`` was the last that register A operands give this kernel.
+reverted. Session 28's gain from ``OPT_DOREG`` was the last that register A operands give this kernel. With both,
+S and dP read half the shared-memory bytes per k16 slice, and the kernel was no faster. So session 29's guess about
+the N = 64 wgmmas does not hold for the dQ kernel: its shared-memory port is not what limits it.
 
 Session 10, H200, hd128 causal, bench shapes, the library's two-stream backward as a ratio to cuDNN at T = 1k /
 2k / 4k / 8k / 16k (bench/gluon_bwd_alone.py): split_s9 1.03 / 1.00 / 0.97 / 0.96 / 0.88, split (PF, DQP, 4-deep
