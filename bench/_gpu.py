@@ -47,8 +47,9 @@ def _cycles_per_ms() -> float:
     return _SLEEP_CYCLES_PER_MS
 
 
-def gpu_time(fn, reps: int = 30, warmup: int = 5, flush_mb: int = 256, host_calls: int = 5,
-             flush: str = "write") -> dict:
+def gpu_time(
+    fn, reps: int = 30, warmup: int = 5, flush_mb: int = 256, host_calls: int = 5, flush: str = "write"
+) -> dict:
     """Time ``fn`` on the GPU alone, with the host kept ahead of it; returns ms per call (median), the
     host's ms per call, and whether the launch queue stayed full.
 
@@ -74,8 +75,7 @@ def gpu_time(fn, reps: int = 30, warmup: int = 5, flush_mb: int = 256, host_call
         raise ValueError(f"gpu_time: flush must be 'write', 'read' or 'none', got {flush!r}")
     cache = torch.empty(flush_mb << 18, dtype=torch.int32, device="cuda")  # flush_mb MiB
     sink = torch.empty((), dtype=torch.int32, device="cuda")
-    do_flush = {"write": cache.zero_, "read": lambda: torch.amax(cache, dim=0, out=sink),
-                "none": lambda: None}[flush]
+    do_flush = {"write": cache.zero_, "read": lambda: torch.amax(cache, dim=0, out=sink), "none": lambda: None}[flush]
     cpm = _cycles_per_ms()
     # the host's cost of one call, measured while the GPU is busy (so no launch waits on a full queue)
     torch.cuda._sleep(int(cpm * 50))

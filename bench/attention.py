@@ -42,22 +42,60 @@ from xtrain.kernels import flash_attention as FA
 
 F, TM = False, True  # pointer loads / tensor-descriptor (TMA) loads
 FWD_SWEEP = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
-    64: [(128, 64, 4, 3, F), (128, 64, 4, 3, TM), (128, 64, 4, 4, TM), (128, 128, 8, 3, TM),
-         (128, 32, 4, 4, TM), (64, 64, 4, 3, TM), (256, 64, 8, 3, TM)],
-    128: [(128, 128, 8, 3, F), (128, 128, 8, 3, TM), (128, 64, 8, 3, TM), (128, 64, 8, 4, TM),
-          (64, 64, 4, 3, TM), (256, 64, 8, 2, TM)],
+    64: [
+        (128, 64, 4, 3, F),
+        (128, 64, 4, 3, TM),
+        (128, 64, 4, 4, TM),
+        (128, 128, 8, 3, TM),
+        (128, 32, 4, 4, TM),
+        (64, 64, 4, 3, TM),
+        (256, 64, 8, 3, TM),
+    ],
+    128: [
+        (128, 128, 8, 3, F),
+        (128, 128, 8, 3, TM),
+        (128, 64, 8, 3, TM),
+        (128, 64, 8, 4, TM),
+        (64, 64, 4, 3, TM),
+        (256, 64, 8, 2, TM),
+    ],
 }
 DKDV_SWEEP = {  # (BLOCK_M1, BLOCK_N1, num_warps, num_stages, TMA), timed with the default dQ kernel
-    64: [(64, 64, 4, 3, F), (64, 64, 4, 3, TM), (32, 64, 4, 3, TM), (64, 128, 8, 3, TM), (32, 128, 4, 3, TM),
-         (64, 128, 4, 3, TM), (128, 128, 8, 2, TM)],
-    128: [(64, 64, 4, 2, F), (64, 64, 4, 2, TM), (64, 64, 4, 3, TM), (32, 64, 4, 3, TM), (64, 128, 8, 2, TM),
-          (32, 128, 8, 3, TM)],
+    64: [
+        (64, 64, 4, 3, F),
+        (64, 64, 4, 3, TM),
+        (32, 64, 4, 3, TM),
+        (64, 128, 8, 3, TM),
+        (32, 128, 4, 3, TM),
+        (64, 128, 4, 3, TM),
+        (128, 128, 8, 2, TM),
+    ],
+    128: [
+        (64, 64, 4, 2, F),
+        (64, 64, 4, 2, TM),
+        (64, 64, 4, 3, TM),
+        (32, 64, 4, 3, TM),
+        (64, 128, 8, 2, TM),
+        (32, 128, 8, 3, TM),
+    ],
 }
 DQ_SWEEP = {  # (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA), timed with the best dK/dV kernel
-    64: [(64, 64, 4, 3, F), (64, 64, 4, 3, TM), (128, 64, 8, 3, TM), (128, 32, 4, 3, TM), (64, 32, 4, 3, TM),
-         (128, 128, 8, 2, TM)],
-    128: [(64, 64, 4, 2, F), (64, 64, 4, 2, TM), (64, 64, 4, 3, TM), (128, 64, 8, 2, TM), (128, 32, 8, 3, TM),
-          (64, 32, 4, 3, TM)],
+    64: [
+        (64, 64, 4, 3, F),
+        (64, 64, 4, 3, TM),
+        (128, 64, 8, 3, TM),
+        (128, 32, 4, 3, TM),
+        (64, 32, 4, 3, TM),
+        (128, 128, 8, 2, TM),
+    ],
+    128: [
+        (64, 64, 4, 2, F),
+        (64, 64, 4, 2, TM),
+        (64, 64, 4, 3, TM),
+        (128, 64, 8, 2, TM),
+        (128, 32, 8, 3, TM),
+        (64, 32, 4, 3, TM),
+    ],
 }
 
 
@@ -75,8 +113,12 @@ def ratio_cell(fwd: float, bwd: float) -> str:
 def goal_summary(rows: list) -> str:
     """One line on the goal (forward and backward each >= 1.0x the fastest SDPA backend, medians): how many of the
     rows' cells meet it, and each one that does not (D, T, direction, ratio)."""
-    missed = [f"D={r['D']} T={r['T']} {name} {r['ratio'][i]:.3f}" for r in rows for i, name in enumerate(("fwd", "bwd"))
-              if not r["ratio"][i] >= 1.0]
+    missed = [
+        f"D={r['D']} T={r['T']} {name} {r['ratio'][i]:.3f}"
+        for r in rows
+        for i, name in enumerate(("fwd", "bwd"))
+        if not r["ratio"][i] >= 1.0
+    ]
     n = 2 * len(rows)
     head = f"goal (>= 1.0x the fastest SDPA backend, medians): met at {n - len(missed)} of {n} cells"
     return head + (f"; missed at {', '.join(missed)}" if missed else "")
@@ -89,8 +131,11 @@ def _bench(fn, host: list | None = None, **kw) -> float:
 
     g = gpu_time(fn, **kw)
     if not g["queue_full"]:
-        print("# warning: the host did not stay ahead of the GPU; this time may include launch overhead",
-              file=sys.stderr, flush=True)
+        print(
+            "# warning: the host did not stay ahead of the GPU; this time may include launch overhead",
+            file=sys.stderr,
+            flush=True,
+        )
     if host is not None:
         host.append(g["host_ms"])
     return g["ms"]
@@ -112,8 +157,11 @@ def time_xtrain(q, k, v, do, causal, fcfg=None, bcfg=None, host: list | None = N
 def sdpa_backends():
     from torch.nn.attention import SDPBackend
 
-    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
 
 
 def time_sdpa(backend, q, k, v, do, causal, host: list | None = None):
@@ -148,12 +196,15 @@ def timed_rounds(q, k, v, do, causal, cfg, rounds: int, host: dict) -> dict:
     times: dict = {n: [] for n in names}
     refused: set = set()
     for rd in range(rounds):
-        for n in (names if rd % 2 == 0 else names[::-1]):
+        for n in names if rd % 2 == 0 else names[::-1]:
             if n in refused:
                 continue
             h = host.get(n) if rd == 0 else None
-            t = time_xtrain(q, k, v, do, causal, *cfg, host=h) if n == "xtrain" \
+            t = (
+                time_xtrain(q, k, v, do, causal, *cfg, host=h)
+                if n == "xtrain"
                 else time_sdpa(sdpa_backends()[n], q, k, v, do, causal, host=h)
+            )
             if t is None:
                 refused.add(n)
             else:
@@ -223,8 +274,7 @@ def sweep(D, T, tokens, width, dtype, causal, log):
         for c in cands:
             cfg = (c, default_dq) if part == "dkdv" else (best_dkdv[0], c)
             try:
-                ms = _bench(lambda cfg=cfg: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal,
-                                                                          config=cfg))
+                ms = _bench(lambda cfg=cfg: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=cfg))
             except Exception as e:
                 print(f"sweep D={D} T={T} bwd {part} {c}: failed {type(e).__name__}: {str(e)[:120]}")
                 continue
@@ -244,10 +294,10 @@ def verify(D, fcfg, bcfg, causal, T=4096, B=1, H=4, Hkv=2):
     q, k, v, do = _inputs(B, H, T, D, torch.bfloat16, seed=99)
     k, v = k[:, :Hkv].contiguous(), v[:, :Hkv].contiguous()
     nan = lambda t: torch.full_like(t, float("nan"))
-    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal, config=fcfg, o=nan(q),
-                                           lse=torch.full((B, H, T), float("nan"), device="cuda"))
-    got = (o, *FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=bcfg, dq=nan(q), dk=nan(k),
-                                             dv=nan(v)))
+    o, lse = FA.flash_attention_fwd_triton(
+        q, k, v, causal, config=fcfg, o=nan(q), lse=torch.full((B, H, T), float("nan"), device="cuda")
+    )
+    got = (o, *FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=bcfg, dq=nan(q), dk=nan(k), dv=nan(v)))
     qd, kd, vd, dod = (t.double() for t in (q, k, v, do))
     o_ref, lse_ref = FA.flash_attention_fwd_ref(qd, kd, vd, causal)
     want = (o_ref, *FA.flash_attention_bwd_ref(dod, qd, kd, vd, o_ref, lse_ref, causal))
@@ -262,13 +312,21 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=2048, help="H·D")
     ap.add_argument("--non-causal", action="store_true")
     ap.add_argument("--no-composed", action="store_true", help="skip xtrain's composed path")
-    ap.add_argument("--composed-max-gib", type=float, default=40.0,
-                    help="skip the composed path when one [B, H, T, T] bf16 tensor exceeds this / 4")
+    ap.add_argument(
+        "--composed-max-gib",
+        type=float,
+        default=40.0,
+        help="skip the composed path when one [B, H, T, T] bf16 tensor exceeds this / 4",
+    )
     ap.add_argument("--sweep", action="store_true", help="sweep kernel configs first and use the fastest")
     ap.add_argument("--sweep-T", type=int, default=4096)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="time every contender this many times per size, in alternating order; the table takes "
-                         "the medians and a second table gives the range of the per-round ratios")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every contender this many times per size, in alternating order; the table takes "
+        "the medians and a second table gives the range of the per-round ratios",
+    )
     ap.add_argument("--json", default=None, help="write every measurement to this JSON file")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -283,17 +341,22 @@ def main(argv=None) -> int:
     from bench._gpu import warm_up
 
     warm_up()  # cold clocks read the first sizes slow (bench/_gpu.py)
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"{'causal' if causal else 'non-causal'} bf16, B·T={args.tokens}, H·D={args.width}", flush=True)
+    print(
+        f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+        f"{'causal' if causal else 'non-causal'} bf16, B·T={args.tokens}, H·D={args.width}",
+        flush=True,
+    )
     cfgs = {}
     for D in args.head_dims:
-        cfgs[D] = sweep(D, args.sweep_T, args.tokens, args.width, dtype, causal, log) if args.sweep \
-            else (None, None)
+        cfgs[D] = sweep(D, args.sweep_T, args.tokens, args.width, dtype, causal, log) if args.sweep else (None, None)
         print(f"# D={D}: fwd config {cfgs[D][0] or 'default'}, bwd config {cfgs[D][1] or 'default'}")
         for T in (1000, 2048, 4096):  # ragged and even, short-T and long-T config paths
             err = verify(D, *cfgs[D], causal, T=T)
-            print(f"# D={D}: configs vs fp64 reference (T={T}, GQA 4/2, NaN-poisoned outputs): max rel error "
-                  f"{err:.2e} {'OK' if err < 1e-2 else 'FAILED'}", flush=True)
+            print(
+                f"# D={D}: configs vs fp64 reference (T={T}, GQA 4/2, NaN-poisoned outputs): max rel error "
+                f"{err:.2e} {'OK' if err < 1e-2 else 'FAILED'}",
+                flush=True,
+            )
     rows = []
     for D in args.head_dims:
         for T in args.seqs:
@@ -304,8 +367,9 @@ def main(argv=None) -> int:
             r = {"D": D, "T": T, "B": B, "H": H}
             r["host_us"] = {"xtrain": [], "cudnn": []}
             times = timed_rounds(q, k, v, do, causal, cfgs[D], args.rounds, r["host_us"])
-            med = {n: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
-                   for n, ts in times.items()}
+            med = {
+                n: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for n, ts in times.items()
+            }
             fwd_ms, bwd_ms = med["xtrain"]
             r["xtrain"] = (tf(fwd_ms), tf(bwd_ms, 2.5))
             r["gpu_us"] = {"xtrain": (fwd_ms * 1e3, bwd_ms * 1e3)}
@@ -318,8 +382,14 @@ def main(argv=None) -> int:
             # per round: xtrain's time against the fastest backend's in the same round (fwd, bwd)
             backends = [n for n in sdpa_backends() if n in times]
             r["rounds_ms"] = times
-            r["ratio_rounds"] = [tuple(min(times[n][i][j] for n in backends) / times["xtrain"][i][j] for j in (0, 1))
-                                 for i in range(args.rounds)] if backends else []
+            r["ratio_rounds"] = (
+                [
+                    tuple(min(times[n][i][j] for n in backends) / times["xtrain"][i][j] for j in (0, 1))
+                    for i in range(args.rounds)
+                ]
+                if backends
+                else []
+            )
             r["host_us"] = {n: [1e3 * h for h in hs] for n, hs in r["host_us"].items()}
             scores_gib = B * H * T * T * 2 / 2**30
             r["composed"], r["composed_peak_mib"] = None, None
@@ -334,8 +404,7 @@ def main(argv=None) -> int:
             r["ratio"] = (r["xtrain"][0] / best[0], r["xtrain"][1] / best[1])
             rows.append(r)
             log.append({"kind": "row", **{k2: v2 for k2, v2 in r.items()}})
-            print(f"  D={D} T={T} done: xtrain fwd {r['xtrain'][0]:.0f} bwd {r['xtrain'][1]:.0f} TFLOP/s",
-                  flush=True)
+            print(f"  D={D} T={T} done: xtrain fwd {r['xtrain'][0]:.0f} bwd {r['xtrain'][1]:.0f} TFLOP/s", flush=True)
             del q, k, v, do
             torch.cuda.empty_cache()
 
@@ -343,20 +412,25 @@ def main(argv=None) -> int:
         return "-" if x is None else ("oom" if x == "oom" else f"{x[i]:.0f}")
 
     print("\nTFLOP/s fwd / bwd (causal bf16; ratio = xtrain / fastest SDPA backend); peak MiB of fwd+bwd")
-    hdr = (f"{'D':>4} {'T':>6} | {'xtrain':>9} | {'flash':>9} | {'cudnn':>9} | {'efficient':>9} | "
-           f"{'composed':>9} | {'ratio':>13} | {'peak xt':>8} {'peak comp':>9}")
+    hdr = (
+        f"{'D':>4} {'T':>6} | {'xtrain':>9} | {'flash':>9} | {'cudnn':>9} | {'efficient':>9} | "
+        f"{'composed':>9} | {'ratio':>13} | {'peak xt':>8} {'peak comp':>9}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        cells = [f"{cell(r[n], 0)}/{cell(r[n], 1)}" for n in ("xtrain", "flash", "cudnn", "efficient",
-                                                              "composed")]
+        cells = [f"{cell(r[n], 0)}/{cell(r[n], 1)}" for n in ("xtrain", "flash", "cudnn", "efficient", "composed")]
         cp = "-" if r["composed_peak_mib"] is None else f"{r['composed_peak_mib']:.0f}"
-        print(f"{r['D']:>4} {r['T']:>6} | " + " | ".join(f"{c:>9}" for c in cells)
-              + f" | {ratio_cell(*r['ratio']):>13} | {r['xtrain_peak_mib']:>8.0f} {cp:>9}")
+        print(
+            f"{r['D']:>4} {r['T']:>6} | "
+            + " | ".join(f"{c:>9}" for c in cells)
+            + f" | {ratio_cell(*r['ratio']):>13} | {r['xtrain_peak_mib']:>8.0f} {cp:>9}"
+        )
     print(goal_summary(rows))
     if args.rounds > 1:
-        print(f"\nxtrain / fastest SDPA backend per round ({args.rounds} rounds, alternating order): min-max, "
-              "fwd | bwd")
+        print(
+            f"\nxtrain / fastest SDPA backend per round ({args.rounds} rounds, alternating order): min-max, fwd | bwd"
+        )
 
         def span(rr, j):
             return f"{min(x[j] for x in rr):.2f}-{max(x[j] for x in rr):.2f}" if rr else "-"
@@ -371,10 +445,20 @@ def main(argv=None) -> int:
         two = lambda p: "-" if not p or len(p) < 2 else f"{p[0]:.0f}/{p[1]:.0f}"  # noqa: E731
         print(f"{r['D']:>4} {r['T']:>6} | {two(hx):>13} | {two(gx):>13} | {two(hc):>13} | {two(gc):>13}")
     if args.json:
-        atomic_write_text(args.json, json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                                 "triton": triton.__version__,
-                                                 "configs": {str(k): v for k, v in cfgs.items()}, "log": log},
-                                                indent=1, default=str))
+        atomic_write_text(
+            args.json,
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "triton": triton.__version__,
+                    "configs": {str(k): v for k, v in cfgs.items()},
+                    "log": log,
+                },
+                indent=1,
+                default=str,
+            ),
+        )
     return 0
 
 

@@ -35,8 +35,7 @@ import triton.language as tl
 @triton.jit
 def _read_clocks(dummy):
     c = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [dummy], dtype=tl.int64, is_pure=False, pack=1)
-    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [dummy], dtype=tl.int64, is_pure=False,
-                                  pack=1)
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [dummy], dtype=tl.int64, is_pure=False, pack=1)
     return c, t
 
 
@@ -158,8 +157,11 @@ def timeline(D: int, T: int, seconds: float, block: int, quiet: bool = False) ->
         lo, hi = ms[0], ms[-1]
         edges = [lo + (hi - lo) * k / 8 for k in range(9)]
         counts = [sum(1 for m in ms if edges[k] <= m and (m < edges[k + 1] or (k == 7 and m <= hi))) for k in range(8)]
-        print(f"{D:>4} {T:>6} | {name:>7}: {len(ms)} blocks, ms/call median {statistics.median(ms):.3f}, min {lo:.3f}, "
-              f"max {hi:.3f}; histogram (8 bins from min to max) {counts}", flush=True)
+        print(
+            f"{D:>4} {T:>6} | {name:>7}: {len(ms)} blocks, ms/call median {statistics.median(ms):.3f}, min {lo:.3f}, "
+            f"max {hi:.3f}; histogram (8 bins from min to max) {counts}",
+            flush=True,
+        )
     # do the contenders' fast blocks coincide? each block against the median of its own contender, paired with the
     # other contender's next block
     med = {n: statistics.median(r[2] for r in rows if r[1] == n) for n in names}
@@ -167,8 +169,12 @@ def timeline(D: int, T: int, seconds: float, block: int, quiet: bool = False) ->
     fast_a = [p for p in pairs if p[0] < 0.97]
     fast_b = [p for p in pairs if p[1] < 0.97]
     both = [p for p in pairs if p[0] < 0.97 and p[1] < 0.97]
-    print(f"{D:>4} {T:>6} | pairs of adjacent blocks: {len(pairs)}; {names[0]} fast (< 0.97 of its median) in "
-          f"{len(fast_a)}, {names[1]} fast in {len(fast_b)}, both in {len(both)}", flush=True)
+    print(
+        f"{D:>4} {T:>6} | pairs of adjacent blocks: {len(pairs)}; {names[0]} fast (< 0.97 of its median) in "
+        f"{len(fast_a)}, {names[1]} fast in {len(fast_b)}, both in {len(both)}",
+        flush=True,
+    )
+
     def corr(a, b):  # Pearson's r; nan where one side never changed
         try:
             return statistics.correlation(a, b)
@@ -178,23 +184,31 @@ def timeline(D: int, T: int, seconds: float, block: int, quiet: bool = False) ->
     adj = [(rows[j][2], rows[j + 1][2]) for j in range(0, len(rows) - 1, 2)]  # (names[0]'s block, names[1]'s next)
     ratios = sorted(b / a for a, b in adj)
     n = len(ratios)
-    print(f"{D:>4} {T:>6} | {names[1]} / {names[0]} ms per adjacent pair: median {ratios[n // 2]:.3f}, 10-90 % "
-          f"{ratios[n // 10]:.3f}-{ratios[(9 * n) // 10]:.3f}; correlation of the pair's times "
-          f"{corr([a for a, _ in adj], [b for _, b in adj]):.2f}", flush=True)
+    print(
+        f"{D:>4} {T:>6} | {names[1]} / {names[0]} ms per adjacent pair: median {ratios[n // 2]:.3f}, 10-90 % "
+        f"{ratios[n // 10]:.3f}-{ratios[(9 * n) // 10]:.3f}; correlation of the pair's times "
+        f"{corr([a for a, _ in adj], [b for _, b in adj]):.2f}",
+        flush=True,
+    )
     for name in names:
         sel = [r for r in rows if r[1] == name]
         ms_sel = [r[2] for r in sel]
-        print(f"{D:>4} {T:>6} | {name:>7}: correlation of ms with the temperature "
-              f"{corr(ms_sel, [r[5] for r in sel]):.2f}, with the clock {corr(ms_sel, [r[4] for r in sel]):.2f}",
-              flush=True)
+        print(
+            f"{D:>4} {T:>6} | {name:>7}: correlation of ms with the temperature "
+            f"{corr(ms_sel, [r[5] for r in sel]):.2f}, with the clock {corr(ms_sel, [r[4] for r in sel]):.2f}",
+            flush=True,
+        )
         fast = [r for r in sel if r[2] < 0.97 * med[name]]
         slow = [r for r in sel if r[2] >= 0.97 * med[name]]
         for label, grp in (("fast", fast), ("rest", slow)):
             if grp:
                 w = statistics.mean(r[3] for r in grp)
-                print(f"{D:>4} {T:>6} | {name:>7} {label}: {len(grp)} blocks, mean {w:.0f} W, "
-                      f"{statistics.mean(r[4] for r in grp):.0f} MHz, {statistics.mean(r[5] for r in grp):.1f} C, "
-                      f"first at {grp[0][0]:.1f} s", flush=True)
+                print(
+                    f"{D:>4} {T:>6} | {name:>7} {label}: {len(grp)} blocks, mean {w:.0f} W, "
+                    f"{statistics.mean(r[4] for r in grp):.0f} MHz, {statistics.mean(r[5] for r in grp):.1f} C, "
+                    f"first at {grp[0][0]:.1f} s",
+                    flush=True,
+                )
 
 
 def energy_per_call(fn, seconds: float = 3.0) -> tuple:
@@ -226,8 +240,10 @@ def backward_calls(D: int, T: int, parts: bool = False) -> tuple:
 
     q, k, v, do = isolated.bench_inputs(D, T)
     o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=True)
-    fns = {"xtrain": lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True),
-           "cudnn": isolated.cudnn_bwd(q, k, v, do, True)}
+    fns = {
+        "xtrain": lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True),
+        "cudnn": isolated.cudnn_bwd(q, k, v, do, True),
+    }
     if parts:
         from bench.gluon_bwd_alone import split_kernels
 
@@ -242,8 +258,11 @@ def energy_gemm(seconds: float) -> None:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms, mj, w = energy_per_call(lambda: a @ b, seconds)
     flop = 2 * 8192**3
-    print(f"bf16 matmul 8192^3: {ms:.3f} ms ({flop / ms / 1e9:.0f} TFLOP/s), {mj:.0f} mJ per call, {w:.0f} W, "
-          f"{mj * 1e9 / flop:.2f} pJ per FLOP", flush=True)
+    print(
+        f"bf16 matmul 8192^3: {ms:.3f} ms ({flop / ms / 1e9:.0f} TFLOP/s), {mj:.0f} mJ per call, {w:.0f} W, "
+        f"{mj * 1e9 / flop:.2f} pJ per FLOP",
+        flush=True,
+    )
 
 
 def energy(D: int, T: int, seconds: float) -> None:
@@ -257,8 +276,11 @@ def energy(D: int, T: int, seconds: float) -> None:
     for _ in range(2):
         for name, n_prod in n_prods.items():
             ms, mj, w = energy_per_call(fns[name], seconds)
-            print(f"{D:>4} {T:>6} | energy {name:>12}: {ms:.3f} ms, {mj:.0f} mJ per call, {w:.0f} W, "
-                  f"{mj * 1e9 / (n_prod * prod):.2f} pJ per FLOP", flush=True)
+            print(
+                f"{D:>4} {T:>6} | energy {name:>12}: {ms:.3f} ms, {mj:.0f} mJ per call, {w:.0f} W, "
+                f"{mj * 1e9 / (n_prod * prod):.2f} pJ per FLOP",
+                flush=True,
+            )
 
 
 def probe(D: int, T: int, reps: int, parts: bool = False) -> list:
@@ -288,17 +310,31 @@ def main() -> int:
     ap.add_argument("--head-dims", default="128")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--parts", action="store_true", help="also the hd128 Gluon split's two kernels, each alone")
-    ap.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
-                    help="instead of the clock windows: energy per call from NVML's counter over SECONDS of "
-                         "back-to-back calls (xtrain's backward, its two kernels alone, cuDNN's)")
-    ap.add_argument("--timeline", type=float, default=0.0, metavar="SECONDS",
-                    help="alternating blocks of xtrain's and cuDNN's backward for SECONDS: time, power, clock and "
-                         "temperature per block")
+    ap.add_argument(
+        "--energy",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="instead of the clock windows: energy per call from NVML's counter over SECONDS of "
+        "back-to-back calls (xtrain's backward, its two kernels alone, cuDNN's)",
+    )
+    ap.add_argument(
+        "--timeline",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="alternating blocks of xtrain's and cuDNN's backward for SECONDS: time, power, clock and "
+        "temperature per block",
+    )
     ap.add_argument("--block", type=int, default=20, help="calls per --timeline block")
     ap.add_argument("--quiet", action="store_true", help="--timeline: the summary only, not every block")
-    ap.add_argument("--config", default=None, help="the Gluon backward's config for this run (a name in "
-                    "flash_attention_gluon_bwd.CONFIGS or a tuple written with colons, 64:2:64:4:510; default: the "
-                    "library's)")
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="the Gluon backward's config for this run (a name in "
+        "flash_attention_gluon_bwd.CONFIGS or a tuple written with colons, 64:2:64:4:510; default: the "
+        "library's)",
+    )
     a = ap.parse_args()
     if a.block < 1:
         ap.error(f"--block must be at least 1, got {a.block}")
@@ -331,11 +367,16 @@ def main() -> int:
             for row in probe(D, T, a.reps, a.parts):
                 *alone, xm, xf, cm, cf = row
                 if alone:
-                    print(f"{D:>4} {T:>6} | dK/dV alone {alone[0]:.3f} ms {alone[1]:.0f} MHz, dQ alone {alone[2]:.3f} "
-                          f"ms {alone[3]:.0f} MHz: sum {alone[0] + alone[2]:.3f} ms; the two back to back on one "
-                          f"stream (no preprocess) {alone[4]:.3f} ms {alone[5]:.0f} MHz")
-                print(f"{D:>4} {T:>6} | {xm:9.3f} {xf:5.0f} | {cm:8.3f} {cf:5.0f} | {cm / xm:.3f} | "
-                      f"{cm / xm * cf / xf:.3f}", flush=True)
+                    print(
+                        f"{D:>4} {T:>6} | dK/dV alone {alone[0]:.3f} ms {alone[1]:.0f} MHz, dQ alone {alone[2]:.3f} "
+                        f"ms {alone[3]:.0f} MHz: sum {alone[0] + alone[2]:.3f} ms; the two back to back on one "
+                        f"stream (no preprocess) {alone[4]:.3f} ms {alone[5]:.0f} MHz"
+                    )
+                print(
+                    f"{D:>4} {T:>6} | {xm:9.3f} {xf:5.0f} | {cm:8.3f} {cf:5.0f} | {cm / xm:.3f} | "
+                    f"{cm / xm * cf / xf:.3f}",
+                    flush=True,
+                )
     return 0
 
 

@@ -49,8 +49,10 @@ def main() -> int:
 
     warm_up()
     print(f"D = {a.head_dim}: ms (x cuDNN)")
-    print("     T | Triton kernels | Gluon split | split_s14 | default route | cuDNN ms | split same bits twice | "
-          "split == Triton")
+    print(
+        "     T | Triton kernels | Gluon split | split_s14 | default route | cuDNN ms | split same bits twice | "
+        "split == Triton"
+    )
     for T in (int(t) for t in a.seqs.split(",")):
         print(row(a.head_dim, T), flush=True)
     return 0

@@ -58,8 +58,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from torch.cuda import green_contexts as G
 
-    print(f"torch {torch.__version__}, green contexts supported: {G.SUPPORTED}; "
-          f"GreenContext has Stream: {hasattr(G.GreenContext, 'Stream')}", flush=True)
+    print(
+        f"torch {torch.__version__}, green contexts supported: {G.SUPPORTED}; "
+        f"GreenContext has Stream: {hasattr(G.GreenContext, 'Stream')}",
+        flush=True,
+    )
     if not (G.SUPPORTED and hasattr(G.GreenContext, "Stream")):
         return 1
     N, V, C = args.N, args.V, args.C

@@ -43,8 +43,11 @@ from xtrain.kernels.embedding import _row_add, _rows_tile  # noqa: E402
 def _zero_tiles(DTABLE, V, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    tl.store(DTABLE + rows[:, None] * C + cols[None, :], tl.zeros([BLOCK_R, BLOCK_C], tl.float32),
-             mask=(rows < V)[:, None] & (cols < C)[None, :])
+    tl.store(
+        DTABLE + rows[:, None] * C + cols[None, :],
+        tl.zeros([BLOCK_R, BLOCK_C], tl.float32),
+        mask=(rows < V)[:, None] & (cols < C)[None, :],
+    )
 
 
 @triton.jit
@@ -63,8 +66,20 @@ def _rows_seq(DOUT, COUNTS, BASE, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.con
 
 
 @triton.jit
-def _rows_swizzled(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_rb, n_cb, STRIDE: tl.constexpr, K: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _rows_swizzled(
+    DOUT,
+    COUNTS,
+    SLOTS,
+    DTABLE,
+    V,
+    C,
+    n_rb,
+    n_cb,
+    STRIDE: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """The rows kernel's tile, its row block (pid // n_cb) * STRIDE mod n_rb (a bijection: n_rb a power of two,
     STRIDE odd)."""
     pid = tl.program_id(0)
@@ -89,8 +104,13 @@ def main() -> None:
     ap.add_argument("--V", type=int, default=32768)
     ap.add_argument("--C", type=int, default=2048)
     ap.add_argument("--plan", action="store_true", help="only the op split at its ids-only preparation")
-    ap.add_argument("--tiles", nargs="*", default=None, metavar="BRxBC/W",
-                    help="only the op with these rows-kernel tiles (e.g. 8x512/8 1x2048/8), at --C")
+    ap.add_argument(
+        "--tiles",
+        nargs="*",
+        default=None,
+        metavar="BRxBC/W",
+        help="only the op with these rows-kernel tiles (e.g. 8x512/8 1x2048/8), at --C",
+    )
     args = ap.parse_args()
     N, V, C = args.N, args.V, args.C
     dev = "cuda"
@@ -106,9 +126,14 @@ def main() -> None:
     copy_ms = gpu_time(lambda: dst.copy_(src), reps=args.reps)["ms"]
     copy_bw = copy_bytes / copy_ms / 1e9
     src = dst = None  # noqa: F841 (freed)
-    rows = [("copy 1 GiB -> 1 GiB (the yardstick)", copy_ms, copy_bytes),
-            (f"copy of dout, {d.numel() * 4 / 1e6:.0f} MB", gpu_time(lambda: big.copy_(d), reps=args.reps)["ms"],
-             2 * d.numel() * 4)]
+    rows = [
+        ("copy 1 GiB -> 1 GiB (the yardstick)", copy_ms, copy_bytes),
+        (
+            f"copy of dout, {d.numel() * 4 / 1e6:.0f} MB",
+            gpu_time(lambda: big.copy_(d), reps=args.reps)["ms"],
+            2 * d.numel() * 4,
+        ),
+    ]
 
     table_bytes = V * C * 4
     ref = K.embedding_bwd_ref(d, ids, V)
@@ -118,11 +143,17 @@ def main() -> None:
             shape, w = t.split("/")
             br, bc = (int(x) for x in shape.split("x"))
             K.ROWS = (4, br, bc, int(w))
-            rows.append((f"the op, rows tiles {br}x{bc} on {w} warps", gpu_time(
-                lambda: K.embedding_bwd_triton(d, ids, V), reps=args.reps)["ms"], op_bytes))
+            rows.append(
+                (
+                    f"the op, rows tiles {br}x{bc} on {w} warps",
+                    gpu_time(lambda: K.embedding_bwd_triton(d, ids, V), reps=args.reps)["ms"],
+                    op_bytes,
+                )
+            )
         K.ROWS = None
-        rows.append(("the op, the default", gpu_time(lambda: K.embedding_bwd_triton(d, ids, V), reps=args.reps)["ms"],
-                     op_bytes))
+        rows.append(
+            ("the op, the default", gpu_time(lambda: K.embedding_bwd_triton(d, ids, V), reps=args.reps)["ms"], op_bytes)
+        )
         _report(rows, copy_bw, N, V, C)
         return
     if args.plan:
@@ -134,17 +165,28 @@ def main() -> None:
         light = int(counts[counts <= k].sum())
         own = counts <= k
         nbytes = table_bytes + light * C * 4
-        for br, bc, w in ((8, 512, 8), (4, 512, 4), (2, 1024, 8), (2, 2048, 8), (1, 2048, 4), (4, 1024, 8),
-                          (16, 512, 8), (8, 256, 4)):
+        for br, bc, w in (
+            (8, 512, 8),
+            (4, 512, 4),
+            (2, 1024, 8),
+            (2, 2048, 8),
+            (1, 2048, 4),
+            (4, 1024, 8),
+            (16, 512, 8),
+            (8, 256, 4),
+        ):
             n_rb, n_cb = triton.cdiv(V, br), triton.cdiv(C, bc)
 
             def run(br=br, bc=bc, w=w, n_rb=n_rb, n_cb=n_cb, counts=counts, slots=slots, k=k):
-                K._embedding_bwd_rows_kernel[(n_rb, n_cb)](d, counts, slots, table, V, C, n_cb, n_rb * n_cb, K=k,
-                                                           BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+                K._embedding_bwd_rows_kernel[(n_rb, n_cb)](
+                    d, counts, slots, table, V, C, n_cb, n_rb * n_cb, K=k, BLOCK_R=br, BLOCK_C=bc, num_warps=w
+                )
+
             run()
             err = (table[own] - ref[own]).abs().max().item()
-            rows.append((f"rows kernel K{k} {br}x{bc} w{w} (max err {err:.1e})", gpu_time(run, reps=args.reps)["ms"],
-                         nbytes))
+            rows.append(
+                (f"rows kernel K{k} {br}x{bc} w{w} (max err {err:.1e})", gpu_time(run, reps=args.reps)["ms"], nbytes)
+            )
         if k == 4:
             for br, bc, w in ((8, 512, 8), (4, 512, 4), (2, 2048, 8)):
                 n_rb, n_cb = triton.cdiv(V, br), triton.cdiv(C, bc)
@@ -152,10 +194,29 @@ def main() -> None:
                     grid = (min(n_rb * n_cb, per_sm * sm_count(d.device)),)
 
                     def run(br=br, bc=bc, w=w, n_rb=n_rb, n_cb=n_cb, grid=grid, counts=counts, slots=slots):
-                        K._embedding_bwd_rows_kernel[grid](d, counts, slots, table, V, C, n_cb, n_rb * n_cb, K=4,
-                                                           BLOCK_R=br, BLOCK_C=bc, PERSISTENT=True, num_warps=w)
-                    rows.append((f"rows kernel K4 {br}x{bc} w{w} persistent {per_sm}/SM",
-                                 gpu_time(run, reps=args.reps)["ms"], nbytes))
+                        K._embedding_bwd_rows_kernel[grid](
+                            d,
+                            counts,
+                            slots,
+                            table,
+                            V,
+                            C,
+                            n_cb,
+                            n_rb * n_cb,
+                            K=4,
+                            BLOCK_R=br,
+                            BLOCK_C=bc,
+                            PERSISTENT=True,
+                            num_warps=w,
+                        )
+
+                    rows.append(
+                        (
+                            f"rows kernel K4 {br}x{bc} w{w} persistent {per_sm}/SM",
+                            gpu_time(run, reps=args.reps)["ms"],
+                            nbytes,
+                        )
+                    )
                 # the same bytes with the reads consecutive
                 base = torch.zeros(V, dtype=torch.int32, device=dev)
                 c_own = torch.where(own, counts, torch.zeros_like(counts))
@@ -163,33 +224,60 @@ def main() -> None:
 
                 def run_seq(br=br, bc=bc, w=w, n_rb=n_rb, n_cb=n_cb, base=base, counts=counts):
                     _rows_seq[(n_rb, n_cb)](d, counts, base, table, V, C, K=4, BLOCK_R=br, BLOCK_C=bc, num_warps=w)
-                rows.append((f"probe: sequential reads K4 {br}x{bc} w{w}", gpu_time(run_seq, reps=args.reps)["ms"],
-                             nbytes))
+
+                rows.append(
+                    (f"probe: sequential reads K4 {br}x{bc} w{w}", gpu_time(run_seq, reps=args.reps)["ms"], nbytes)
+                )
 
                 def run_zero(br=br, bc=bc, w=w, n_rb=n_rb, n_cb=n_cb):
                     _zero_tiles[(n_rb, n_cb)](table, V, C, BLOCK_R=br, BLOCK_C=bc, num_warps=w)
-                rows.append((f"probe: zero tiles {br}x{bc} w{w}", gpu_time(run_zero, reps=args.reps)["ms"],
-                             table_bytes))
+
+                rows.append(
+                    (f"probe: zero tiles {br}x{bc} w{w}", gpu_time(run_zero, reps=args.reps)["ms"], table_bytes)
+                )
                 if n_rb & (n_rb - 1) == 0:
                     for stride in (1, 97, 1021):
-                        def run_swz(br=br, bc=bc, w=w, n_rb=n_rb, n_cb=n_cb, stride=stride, counts=counts,
-                                    slots=slots):
-                            _rows_swizzled[(n_rb * n_cb,)](d, counts, slots, table, V, C, n_rb, n_cb, STRIDE=stride,
-                                                           K=4, BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+
+                        def run_swz(br=br, bc=bc, w=w, n_rb=n_rb, n_cb=n_cb, stride=stride, counts=counts, slots=slots):
+                            _rows_swizzled[(n_rb * n_cb,)](
+                                d,
+                                counts,
+                                slots,
+                                table,
+                                V,
+                                C,
+                                n_rb,
+                                n_cb,
+                                STRIDE=stride,
+                                K=4,
+                                BLOCK_R=br,
+                                BLOCK_C=bc,
+                                num_warps=w,
+                            )
+
                         run_swz()
                         err = (table[own] - ref[own]).abs().max().item()
-                        rows.append((f"swizzled K4 {br}x{bc} w{w} stride {stride} (max err {err:.1e})",
-                                     gpu_time(run_swz, reps=args.reps)["ms"], nbytes))
+                        rows.append(
+                            (
+                                f"swizzled K4 {br}x{bc} w{w} stride {stride} (max err {err:.1e})",
+                                gpu_time(run_swz, reps=args.reps)["ms"],
+                                nbytes,
+                            )
+                        )
             rows.append(("zero_() of the table", gpu_time(table.zero_, reps=args.reps)["ms"], table_bytes))
             # 13k rows of 8 KB: random reads / random writes / neither
             n_l = light
             perm = torch.randperm(N, device=dev)[:n_l].to(torch.int32)
             seq = torch.arange(n_l, device=dev, dtype=torch.int32)
-            for name, si, di in (("gather: random reads, sequential writes", perm, seq),
-                                 ("scatter: sequential reads, random writes", seq, perm),
-                                 ("copy: both sequential", seq, seq)):
+            for name, si, di in (
+                ("gather: random reads, sequential writes", perm, seq),
+                ("scatter: sequential reads, random writes", seq, perm),
+                ("copy: both sequential", seq, seq),
+            ):
+
                 def run_copy(si=si, di=di, n_l=n_l):
                     _row_copy[(n_l, triton.cdiv(C, 2048))](d, si, big, di, C, BLOCK_C=2048, num_warps=4)
+
                 rows.append((f"{name} ({n_l} rows)", gpu_time(run_copy, reps=args.reps)["ms"], 2 * n_l * C * 4))
     _report(rows, copy_bw, N, V, C)
 
@@ -199,14 +287,17 @@ def _slots(ids, V, k):
     N = ids.numel()
     counts = torch.zeros(V, dtype=torch.int32, device=ids.device)
     slots = torch.empty(k, V, dtype=torch.int32, device=ids.device)
-    K._embedding_slots_kernel[(triton.cdiv(N, K.SLOTS_BLOCK),)](ids, counts, slots, N, V, K=k, BLOCK=K.SLOTS_BLOCK,
-                                                                num_warps=4)
+    K._embedding_slots_kernel[(triton.cdiv(N, K.SLOTS_BLOCK),)](
+        ids, counts, slots, N, V, K=k, BLOCK=K.SLOTS_BLOCK, num_warps=4
+    )
     return counts, slots
 
 
 def _report(rows, copy_bw, N, V, C) -> None:
-    print(f"\nGPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"N={N} V={V} C={C} fp32; copy {copy_bw:.2f} TB/s")
+    print(
+        f"\nGPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+        f"N={N} V={V} C={C} fp32; copy {copy_bw:.2f} TB/s"
+    )
     print(f"{'probe':<64} {'ms':>7} {'MB':>6} {'of copy':>8}")
     for name, ms, nb in rows:
         print(f"{name:<64} {ms:7.4f} {nb / 1e6:6.0f} {nb / ms / 1e9 / copy_bw:8.1%}")
@@ -241,21 +332,28 @@ def _plan_split(ids, d, V, C, reps) -> list:
         part = torch.empty(n_chunks, 2, C, device=d.device)
 
         def grid_pass():
-            K._embedding_bwd_rows_kernel[(n_rb, n_rcb)](d, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=k,
-                                                        BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+            K._embedding_bwd_rows_kernel[(n_rb, n_rcb)](
+                d, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=k, BLOCK_R=br, BLOCK_C=bc, num_warps=w
+            )
 
         def chain():
-            K._walk_and_merge(d, order, srt, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
-                              False, bias, nw)
+            K._walk_and_merge(
+                d, order, srt, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead, False, bias, nw
+            )
+
         run_side_by_side(d.device, grid_pass, chain, high_priority=True)
         return dtable
 
     same = torch.equal(rest(), K.embedding_bwd_triton(d, ids, V))
-    return [("the op (default, fp32)", gpu_time(lambda: K.embedding_bwd_triton(d, ids, V), reps=reps)["ms"],
-             op_bytes),
-            ("its ids-only preparation alone (counts, slots, keys, sort)", gpu_time(prep, reps=reps)["ms"], 8 * N),
-            (f"the rest given the preparation (rows grid + walks/merge; bits equal {same})",
-             gpu_time(rest, reps=reps)["ms"], op_bytes)]
+    return [
+        ("the op (default, fp32)", gpu_time(lambda: K.embedding_bwd_triton(d, ids, V), reps=reps)["ms"], op_bytes),
+        ("its ids-only preparation alone (counts, slots, keys, sort)", gpu_time(prep, reps=reps)["ms"], 8 * N),
+        (
+            f"the rest given the preparation (rows grid + walks/merge; bits equal {same})",
+            gpu_time(rest, reps=reps)["ms"],
+            op_bytes,
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from xtrain.kernels import embedding as K  # noqa: E402
 
 
 def parse_knobs(kv: str) -> dict:
-    """"NAME=VALUE,NAME=VALUE" -> {name: value}: each value a Python literal (tuples may hold commas)."""
+    """ "NAME=VALUE,NAME=VALUE" -> {name: value}: each value a Python literal (tuples may hold commas)."""
     return {k: ast.literal_eval(v) for k, v in (p.split("=", 1) for p in re.split(r",(?=[A-Z_][A-Z0-9_]*=)", kv))}
 
 
@@ -56,8 +56,10 @@ def main(argv=None) -> int:
     ids = zipf_ids(N, V)
     d = torch.randn(N, C, device="cuda")
     cnt = torch.bincount(ids, minlength=V)
-    print(f"ids: {int((cnt > 4).sum())} seen more than 4 times ({int(cnt[cnt > 4].sum())} tokens), "
-          f"{int((cnt > 64).sum())} more than 64 ({int(cnt[cnt > 64].sum())} tokens), the most {int(cnt.max())}")
+    print(
+        f"ids: {int((cnt > 4).sum())} seen more than 4 times ({int(cnt[cnt > 4].sum())} tokens), "
+        f"{int((cnt > 64).sum())} more than 64 ({int(cnt[cnt > 64].sum())} tokens), the most {int(cnt.max())}"
+    )
     rows = (16, 512, 4, "rows", 16, True)
     tiers = (16, 512, 4, "tiers", 16, True)
     forms = [("rows", rows, {}), ("tiers (default)", tiers, {})]
@@ -72,17 +74,21 @@ def main(argv=None) -> int:
             plans[name] = K.embedding_bwd_plan(ids, V, C, d.dtype) if wants[name] else None
             a = K.embedding_bwd_triton(d, ids, V, plans[name])
             same = torch.equal(a, K.embedding_bwd_triton(d, ids, V, plans[name]))
-        print(f"{name}: max abs error {float((a.double() - ref).abs().max()):.2e} against fp64, "
-              f"{'the same bits twice' if same else 'NOT the same bits twice'}")
+        print(
+            f"{name}: max abs error {float((a.double() - ref).abs().max()):.2e} against fp64, "
+            f"{'the same bits twice' if same else 'NOT the same bits twice'}"
+        )
     warm_up()
     copy_tbs = copy_bandwidth() / 1e12
     must = (N * C + V * C) * 4 + 8 * N
     row = Recorder(args.reps, copy_tbs, 60)
     for rnd in range(3):
-        for name, cfg, t in (forms if rnd % 2 == 0 else forms[::-1]):
+        for name, cfg, t in forms if rnd % 2 == 0 else forms[::-1]:
+
             def call(cfg=cfg, t=t, plan=plans[name]):
                 with _form(cfg, t):
                     return K.embedding_bwd_triton(d, ids, V, plan)
+
             row(f"{name}, round {rnd}", call, must)
     if args.timeline:
         from bench.embedding_timeline import print_timeline, timeline

@@ -24,22 +24,36 @@ from bench.kernels import zipf_ids
 from xtrain.kernels import embedding as K
 
 # name: (CONFIG, ROWS[, other module knobs]) for fp32; bf16 doubles the column blocks
-FORMS = {"side": ((16, 512, 4, "side", 16, True), None),
-         "rows K4 8x512 w8": ((16, 512, 4, "rows", 16, True), (4, 8, 512, 8)),
-         "rows K4 1x2048 w8": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8)),
-         "rows K4 1x2048 w8, merge 1 (before session 12)": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
-                                                            {"MERGE_BLOCK": 1}),
-         "rows K4 1x2048 w8, tile chain": ((16, 512, 4, "rows", 16, False, "tile"), (4, 1, 2048, 8)),
-         "rows K4 2x2048 w16": ((16, 512, 4, "rows", 16, True), (4, 2, 2048, 16)),
-         "rows K4 4x2048 w16": ((16, 512, 4, "rows", 16, True), (4, 4, 2048, 16)),
-         "rows K2 2x1024 w8": ((16, 512, 4, "rows", 16, True), (2, 2, 1024, 8)),
-         "rows K4 4x512 w4, persistent 3/SM": ((16, 512, 4, "rows", 16, True), (4, 4, 512, 4, 3)),
-         "rows K4 1x2048 w8, launched as before session 16": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
-                                                              {"ROWS_PDL": False, "ROWS_MAIN_FIRST": False}),
-         "rows K4 1x2048 w8, pdl": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
-                                    {"ROWS_PDL": True, "ROWS_MAIN_FIRST": False}),
-         "rows K4 1x2048 w8, main first": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8),
-                                           {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True})}
+FORMS = {
+    "side": ((16, 512, 4, "side", 16, True), None),
+    "rows K4 8x512 w8": ((16, 512, 4, "rows", 16, True), (4, 8, 512, 8)),
+    "rows K4 1x2048 w8": ((16, 512, 4, "rows", 16, True), (4, 1, 2048, 8)),
+    "rows K4 1x2048 w8, merge 1 (before session 12)": (
+        (16, 512, 4, "rows", 16, True),
+        (4, 1, 2048, 8),
+        {"MERGE_BLOCK": 1},
+    ),
+    "rows K4 1x2048 w8, tile chain": ((16, 512, 4, "rows", 16, False, "tile"), (4, 1, 2048, 8)),
+    "rows K4 2x2048 w16": ((16, 512, 4, "rows", 16, True), (4, 2, 2048, 16)),
+    "rows K4 4x2048 w16": ((16, 512, 4, "rows", 16, True), (4, 4, 2048, 16)),
+    "rows K2 2x1024 w8": ((16, 512, 4, "rows", 16, True), (2, 2, 1024, 8)),
+    "rows K4 4x512 w4, persistent 3/SM": ((16, 512, 4, "rows", 16, True), (4, 4, 512, 4, 3)),
+    "rows K4 1x2048 w8, launched as before session 16": (
+        (16, 512, 4, "rows", 16, True),
+        (4, 1, 2048, 8),
+        {"ROWS_PDL": False, "ROWS_MAIN_FIRST": False},
+    ),
+    "rows K4 1x2048 w8, pdl": (
+        (16, 512, 4, "rows", 16, True),
+        (4, 1, 2048, 8),
+        {"ROWS_PDL": True, "ROWS_MAIN_FIRST": False},
+    ),
+    "rows K4 1x2048 w8, main first": (
+        (16, 512, 4, "rows", 16, True),
+        (4, 1, 2048, 8),
+        {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True},
+    ),
+}
 
 
 def graph_us(fn) -> float:
@@ -71,7 +85,7 @@ def timeline(fn, calls: int = 3) -> list[dict]:
         with open(path) as f:
             ev = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel" and "sleep" not in e["name"]]
     ev.sort(key=lambda e: e["ts"])
-    return ev[-(len(ev) // calls):]
+    return ev[-(len(ev) // calls) :]
 
 
 def main() -> int:
@@ -96,8 +110,10 @@ def main() -> int:
         ev = timeline(fn)
         t0 = ev[0]["ts"]
         end = max(e["ts"] + e["dur"] for e in ev) - t0
-        print(f"\n== {name}, N={N} V={V} C={C} {dt}: {len(ev)} kernels, first start to last end {end:.1f} us "
-              f"(graph replay {g:.1f} us)")
+        print(
+            f"\n== {name}, N={N} V={V} C={C} {dt}: {len(ev)} kernels, first start to last end {end:.1f} us "
+            f"(graph replay {g:.1f} us)"
+        )
         print_kernels(ev, detail=True)
     return 0
 
@@ -110,8 +126,10 @@ def print_kernels(ev: list, detail: bool = False) -> None:
         a = e["args"]
         line = f"  stream {a.get('stream')!s:>4}  +{e['ts'] - t0:7.1f} us  {e['dur']:7.1f} us  "
         if detail:
-            line += (f"{e['name'][:60]:<60} block {a.get('block')} regs {a.get('registers per thread')} "
-                     f"smem {a.get('shared memory')}")
+            line += (
+                f"{e['name'][:60]:<60} block {a.get('block')} regs {a.get('registers per thread')} "
+                f"smem {a.get('shared memory')}"
+            )
         else:
             line += e["name"][:60]
         print(line)

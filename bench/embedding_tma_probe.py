@@ -70,6 +70,7 @@ def tma_zero(dtable: torch.Tensor, per_sm: int, warps: int, carveout: int | None
 
     def run():
         _tma_zero_kernel[grid](desc, V, SUB=C // W, num_warps=warps)
+
     if carveout is not None:
         k = _tma_zero_kernel[grid](desc, V, SUB=C // W, num_warps=warps)
         assert prefer_shared_memory(k, carveout)
@@ -87,23 +88,26 @@ def rows_and_chain(d: torch.Tensor, ids: torch.Tensor, V: int):
     flat = ids.reshape(-1).contiguous()
     counts = torch.zeros(V, dtype=torch.int32, device=dev)
     slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dev)
-    K._embedding_slots_kernel[(triton.cdiv(N, K.SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
-                                                                BLOCK=K.SLOTS_BLOCK, num_warps=4)
+    K._embedding_slots_kernel[(triton.cdiv(N, K.SLOTS_BLOCK),)](
+        flat, counts, slots, N, V, K=heavy_k, BLOCK=K.SLOTS_BLOCK, num_warps=4
+    )
     dtable = torch.empty(V, C, device=dev)
     n_chunks = triton.cdiv(N, CHUNK)
     n_cb = triton.cdiv(C, BLOCK_C)
     n_rb, n_rcb = triton.cdiv(V, rbr), triton.cdiv(C, rbc)
 
     def rows_grid():
-        K._embedding_bwd_rows_kernel[(n_rb, n_rcb)](d, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k,
-                                                    BLOCK_R=rbr, BLOCK_C=rbc, num_warps=rwarps)
+        K._embedding_bwd_rows_kernel[(n_rb, n_rcb)](
+            d, counts, slots, dtable, V, C, n_rcb, n_rb * n_rcb, K=heavy_k, BLOCK_R=rbr, BLOCK_C=rbc, num_warps=rwarps
+        )
 
     def chain():
         keys, bias, _ = K._sort_keys(flat, V, key_bits, False, counts, heavy_k)
         sorted_ids, order = torch.sort(keys, stable=True)
         part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dev)
-        K._walk_and_merge(d, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
-                          False, bias, nw)
+        K._walk_and_merge(
+            d, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead, False, bias, nw
+        )
 
     return dtable, rows_grid, chain
 
@@ -145,8 +149,10 @@ def main(argv=None) -> int:
     for cv in (None, 100, 50):
         for per_sm, warps in ((1, 1), (1, 4), (2, 4)):
             z = tma_zero(dtable, per_sm, warps, cv)
-            row(f"tma zero {per_sm}/SM w{warps} cv{cv} + chain",
-                lambda z=z: run_side_by_side(dev, z, chain, high_priority=True))
+            row(
+                f"tma zero {per_sm}/SM w{warps} cv{cv} + chain",
+                lambda z=z: run_side_by_side(dev, z, chain, high_priority=True),
+            )
     z = tma_zero(dtable, 1, 4, 100)
     row("tma zero 1/SM w4 cv100 + chain, low prio", lambda: run_side_by_side(dev, z, chain, high_priority=False))
     z = tma_zero(dtable, 1, 4)
@@ -157,9 +163,11 @@ def main(argv=None) -> int:
         from bench.embedding_timeline import print_timeline, timeline
 
         z = tma_zero(dtable, 1, 4)
-        for name, fn in (("chain alone", chain),
-                         ("rows grid + chain", lambda: run_side_by_side(dev, rows_grid, chain, True)),
-                         ("tma zero 1/SM w4 + chain", lambda: run_side_by_side(dev, z, chain, True))):
+        for name, fn in (
+            ("chain alone", chain),
+            ("rows grid + chain", lambda: run_side_by_side(dev, rows_grid, chain, True)),
+            ("tma zero 1/SM w4 + chain", lambda: run_side_by_side(dev, z, chain, True)),
+        ):
             print_timeline(name, timeline(fn))
     print(f"\ncopy {copy_tbs:.2f} TB/s; op bytes {must / 1e6:.0f} MB, zero bytes {V * C * 4 / 1e6:.0f} MB")
     print_table(row.rows)

@@ -31,6 +31,7 @@ import torch
 def _ours_chain(x0, n):
     import xtrain.ops as ops
     from xtrain import Var
+
     x = Var(x0, requires_grad=True)
     y = x
     for _ in range(n):
@@ -41,6 +42,7 @@ def _ours_chain(x0, n):
 
 def _torch_chain(x0, n):
     import torch.nn.functional as F
+
     x = x0.clone().requires_grad_()
     y = x
     for _ in range(n):
@@ -52,6 +54,7 @@ def _torch_chain(x0, n):
 def _ours_affine(x0, w, b, n):
     import xtrain.ops as ops
     from xtrain import Var
+
     x = Var(x0, requires_grad=True)
     y = x
     for _ in range(n):
@@ -72,6 +75,7 @@ def _torch_affine(x0, w, b, n):
 def _ours_fanout(x0, ws, n):
     import xtrain.ops as ops
     from xtrain import Var
+
     x = Var(x0, requires_grad=True)
     h = ops.scale(x, 1.0001)
     acc = None
@@ -115,12 +119,14 @@ def _peak_child(engine: str, device: str, numel: int, n: int) -> float:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="xtrain bench engine", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="xtrain bench engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--nodes", type=int, default=20000, help="ops per graph (default 20000)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--device", default="cpu")
@@ -137,6 +143,7 @@ def main(argv=None) -> int:
     ws = [torch.randn(16, device=a.device) for _ in range(n // 2)]
     from xtrain import Var
     from xtrain.autograd import gc_paused
+
     wv = [Var(w) for w in ws]
     g1, g2 = _ours_chain(x0, n // 2), _torch_chain(x0, n // 2)
     assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-6), "chain gradients differ"
@@ -159,20 +166,39 @@ def main(argv=None) -> int:
         rows.append((name, nodes, t_o / nodes * 1e6, t_p / nodes * 1e6, t_t / nodes * 1e6, t_o / t_t, t_p / t_t))
     peaks = {}
     for eng in ("xtrain", "torch"):
-        out = subprocess.run([sys.executable, "-m", "bench.engine", "--_peak", eng, "--device", a.device,
-                              "--mem-numel", str(a.mem_numel), "--mem-nodes", str(a.mem_nodes)],
-                             capture_output=True, text=True, check=True,
-                             cwd=str(pathlib.Path(__file__).resolve().parents[1]))
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.engine",
+                "--_peak",
+                eng,
+                "--device",
+                a.device,
+                "--mem-numel",
+                str(a.mem_numel),
+                "--mem-nodes",
+                str(a.mem_nodes),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=str(pathlib.Path(__file__).resolve().parents[1]),
+        )
         peaks[eng] = float(out.stdout.strip().splitlines()[-1])
     print(f"engine overhead, {a.device}, torch {torch.__version__}, forward+backward on 16-element tensors")
-    print(f"{'graph':<8} {'nodes':>7} {'xtrain us/node':>15} {'gc paused':>10} {'torch us/node':>14} "
-          f"{'ratio':>7} {'ratio paused':>13}")
+    print(
+        f"{'graph':<8} {'nodes':>7} {'xtrain us/node':>15} {'gc paused':>10} {'torch us/node':>14} "
+        f"{'ratio':>7} {'ratio paused':>13}"
+    )
     for name, nodes, uo, up, ut, ratio, ratio_p in rows:
         print(f"{name:<8} {nodes:>7} {uo:>15.2f} {up:>10.2f} {ut:>14.2f} {ratio:>6.2f}x {ratio_p:>12.2f}x")
     what = "max_memory_allocated" if a.device == "cuda" else "peak RSS of a fresh process"
-    print(f"peak memory, chain of {a.mem_nodes} silu(scale) pairs on {a.mem_numel} floats ({what}): "
-          f"xtrain {peaks['xtrain']:.0f} MiB, torch {peaks['torch']:.0f} MiB, "
-          f"ratio {peaks['xtrain'] / peaks['torch']:.2f}x")
+    print(
+        f"peak memory, chain of {a.mem_nodes} silu(scale) pairs on {a.mem_numel} floats ({what}): "
+        f"xtrain {peaks['xtrain']:.0f} MiB, torch {peaks['torch']:.0f} MiB, "
+        f"ratio {peaks['xtrain'] / peaks['torch']:.2f}x"
+    )
     return 0
 
 

@@ -54,14 +54,19 @@ def one_size(D, T, ok_f, ok_b, cudnn):
     for c in ok_f:
         row["fwd"][str(c)] = fl / _bench(lambda c=c: FA.flash_attention_fwd_triton(q, k, v, True, config=c)) * 1e-9
     for c in ok_b:
-        row["bwd"][str(c or "default")] = 2.5 * fl / _bench(
-            lambda c=c: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=c)) * 1e-9
+        row["bwd"][str(c or "default")] = (
+            2.5 * fl / _bench(lambda c=c: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=c)) * 1e-9
+        )
     FA.BWD_TWO_STREAMS = False
-    row["bwd"]["default, one stream"] = 2.5 * fl / _bench(
-        lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)) * 1e-9
+    row["bwd"]["default, one stream"] = (
+        2.5 * fl / _bench(lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)) * 1e-9
+    )
     FA.BWD_TWO_STREAMS = True
-    print(f"D={D} T={T} cudnn {ref_tf[0]:.0f}/{ref_tf[1]:.0f}  "
-          f"best fwd {max(row['fwd'].values()):.0f}  best bwd {max(row['bwd'].values()):.0f}", flush=True)
+    print(
+        f"D={D} T={T} cudnn {ref_tf[0]:.0f}/{ref_tf[1]:.0f}  "
+        f"best fwd {max(row['fwd'].values()):.0f}  best bwd {max(row['bwd'].values()):.0f}",
+        flush=True,
+    )
     return row
 
 
@@ -81,8 +86,9 @@ def main(argv=None) -> int:
         for cands, ok, part in ((FWD[D], ok_f, "fwd"), (BWD[D], ok_b, "bwd")):
             for c in cands:
                 try:
-                    err = max(check(D, c if part == "fwd" else None, c if part == "bwd" else None, T)
-                              for T in (1000, 2048))
+                    err = max(
+                        check(D, c if part == "fwd" else None, c if part == "bwd" else None, T) for T in (1000, 2048)
+                    )
                     print(f"check D={D} {part} {c}: max rel err {err:.2e}", flush=True)
                     if err < 1e-2:
                         ok.append(c)
@@ -101,9 +107,13 @@ def main(argv=None) -> int:
             print(f"\nD={D} {part}: TFLOP/s (ratio to cuDNN) at T = " + ", ".join(str(r["T"]) for r in rows))
             print(f"  {'cudnn':<52} " + " ".join(f"{r['cudnn'][i]:>13.0f}" for r in rows))
             for n in names:
-                print(f"  {n:<52} " + " ".join(
-                    f"{r[part].get(n, float('nan')):>6.0f} ({r[part].get(n, float('nan')) / r['cudnn'][i]:.2f})"
-                    for r in rows))
+                print(
+                    f"  {n:<52} "
+                    + " ".join(
+                        f"{r[part].get(n, float('nan')):>6.0f} ({r[part].get(n, float('nan')) / r['cudnn'][i]:.2f})"
+                        for r in rows
+                    )
+                )
     if args.json:
         atomic_write_text(args.json, json.dumps(log, indent=1))
     return 0

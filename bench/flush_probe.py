@@ -43,17 +43,22 @@ def main(argv=None) -> int:
     dy = torch.randn_like(x)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     _, rstd = R.rms_norm_fwd(x, w, 1e-6)
-    calls = [("copy 1 GiB", lambda: big_out.copy_(big), 2 * big.numel() * 4),
-             ("copy 128 MiB", lambda: mid_out.copy_(mid), 2 * mid.numel() * 4),
-             ("zero 262 MB table", table.zero_, V * C * 4),
-             ("embedding bwd fp32 (library)", lambda: K.embedding_bwd(d, ids, V), (N * C + V * C) * 4 + 8 * N),
-             ("rms_norm bwd 16384x4096 bf16", lambda: R.rms_norm_bwd(dy, x, w, rstd),
-              3 * x.numel() * 2 + 4096 * 2 + 4 * 16384)]
+    calls = [
+        ("copy 1 GiB", lambda: big_out.copy_(big), 2 * big.numel() * 4),
+        ("copy 128 MiB", lambda: mid_out.copy_(mid), 2 * mid.numel() * 4),
+        ("zero 262 MB table", table.zero_, V * C * 4),
+        ("embedding bwd fp32 (library)", lambda: K.embedding_bwd(d, ids, V), (N * C + V * C) * 4 + 8 * N),
+        (
+            "rms_norm bwd 16384x4096 bf16",
+            lambda: R.rms_norm_bwd(dy, x, w, rstd),
+            3 * x.numel() * 2 + 4096 * 2 + 4 * 16384,
+        ),
+    ]
     warm_up()
     modes = ("write", "read", "none")
     res = {(m, n): [] for m in modes for n, _, _ in calls}
     for rnd in range(args.rounds):
-        for m in (modes if rnd % 2 == 0 else modes[::-1]):
+        for m in modes if rnd % 2 == 0 else modes[::-1]:
             for name, fn, _ in calls:
                 res[m, name].append(gpu_time(fn, flush=m)["ms"])
     med = {k: sorted(v)[len(v) // 2] for k, v in res.items()}
@@ -64,8 +69,10 @@ def main(argv=None) -> int:
             copy_bw = 2 * big.numel() * 4 / med[m, "copy 1 GiB"]
             cells.append(f"{med[m, name] * 1e3:9.1f} us {nbytes / med[m, name] / copy_bw:6.1%}")
         print(f"{name:34s}" + "".join(f"{c:>24s}" for c in cells))
-    print(f"(% = bytes that must move / time, against the 1 GiB copy timed with the same flush; median of "
-          f"{args.rounds} rounds)")
+    print(
+        f"(% = bytes that must move / time, against the 1 GiB copy timed with the same flush; median of "
+        f"{args.rounds} rounds)"
+    )
     for (m, n), v in res.items():
         print(f"  {m} flush, {n}: " + " ".join(f"{t * 1e3:.1f}" for t in v) + " us")
     return 0

@@ -71,8 +71,14 @@ DH = 64  # head-dim columns per product warpgroup
 # (a fourth element: timing-only ablations, wrong results by design: 1 no dQ reduce-add (the compiler then drops
 # the dQ products too), 2 no products in the product warpgroups, 4 no exponentials / mask / dS arithmetic in the
 # softmax warpgroup)
-CONFIGS = {"ds": (2, 2, 192), "ds_nb1": (2, 1, 192), "~nored": (2, 1, 192, 1),
-           "~noprod": (2, 1, 192, 2), "~noexp": (2, 1, 192, 4), "~nored_noexp": (2, 1, 192, 5)}
+CONFIGS = {
+    "ds": (2, 2, 192),
+    "ds_nb1": (2, 1, 192),
+    "~nored": (2, 1, 192, 1),
+    "~noprod": (2, 1, 192, 2),
+    "~noexp": (2, 1, 192, 4),
+    "~nored_noexp": (2, 1, 192, 5),
+}
 
 if HAVE_GLUON:
     from xtrain.kernels.flash_attention_gluon import (
@@ -92,9 +98,32 @@ if HAVE_GLUON:
     _RESIDENT, _KH, _BLOCK_M, _DH = (gl.constexpr(x) for x in (RESIDENT, KH, BLOCK_M, DH))  # for the kernels
 
     @gluon.jit
-    def _softmax_wg(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, p_smem, ds_smem, kv_bar, q_bars, do_bars,
-                    q_empty, p_full, p_empty, T, mt0, n_iter, start_n, qk_scale, dtype: gl.constexpr,
-                    STAGES: gl.constexpr, NB: gl.constexpr, CAUSAL: gl.constexpr, ABL: gl.constexpr):
+    def _softmax_wg(
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        lse_smem,
+        delta_smem,
+        p_smem,
+        ds_smem,
+        kv_bar,
+        q_bars,
+        do_bars,
+        q_empty,
+        p_full,
+        p_empty,
+        T,
+        mt0,
+        n_iter,
+        start_n,
+        qk_scale,
+        dtype: gl.constexpr,
+        STAGES: gl.constexpr,
+        NB: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        ABL: gl.constexpr,
+    ):
         s_layout: gl.constexpr = _acc_layout(_BLOCK_M)  # [_KH keys, _BLOCK_M queries]
         s_zero = gl.zeros([_KH, _BLOCK_M], gl.float32, s_layout)
         cols = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -111,7 +140,7 @@ if HAVE_GLUON:
             for kh in gl.static_range(2):
                 st = warpgroup_mma(k_smem.index(kh), q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 dpt = warpgroup_mma(v_smem.index(kh), do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                st = warpgroup_mma_wait(1, deps=(st, ))
+                st = warpgroup_mma_wait(1, deps=(st,))
                 if ABL & 4:  # timing only: no exponentials, mask or dS arithmetic
                     pt = st
                 else:
@@ -122,7 +151,7 @@ if HAVE_GLUON:
                         offs_k = k_lo + gl.arange(0, _KH, layout=gl.SliceLayout(1, s_layout))
                         keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
                         pt = gl.where(keep, pt, 0.0)
-                dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+                dpt = warpgroup_mma_wait(0, deps=(dpt,))
                 if ABL & 4:
                     ds16 = dpt.to(dtype)
                 else:
@@ -138,10 +167,39 @@ if HAVE_GLUON:
             start_m, _ = _next_query_tile(start_m, _BLOCK_M, T, mt0 * _BLOCK_M)
 
     @gluon.jit
-    def _product_wg(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_bars, do_bars, q_empty,
-                    p_full, p_empty, dq_desc, dk_desc, dv_desc, dq_row0, T, mt0, n_m, n_iter, dk_row, dk_col, dv_row,
-                    dv_col, sm_scale, dtype: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr,
-                    DHALF: gl.constexpr, ABL: gl.constexpr):
+    def _product_wg(
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        p_smem,
+        ds_smem,
+        dq_smem,
+        kv_bar,
+        q_bars,
+        do_bars,
+        q_empty,
+        p_full,
+        p_empty,
+        dq_desc,
+        dk_desc,
+        dv_desc,
+        dq_row0,
+        T,
+        mt0,
+        n_m,
+        n_iter,
+        dk_row,
+        dk_col,
+        dv_row,
+        dv_col,
+        sm_scale,
+        dtype: gl.constexpr,
+        STAGES: gl.constexpr,
+        NB: gl.constexpr,
+        DHALF: gl.constexpr,
+        ABL: gl.constexpr,
+    ):
         a_layout: gl.constexpr = _acc_layout(_DH)  # [64, _DH]
         zero = gl.zeros([_KH, _DH], gl.float32, a_layout)
         dv0 = zero
@@ -174,8 +232,13 @@ if HAVE_GLUON:
                 dv1 = warpgroup_mma(p1, do_h, dv1, is_async=True)
                 dk0 = warpgroup_mma(s0, q_h, dk0, is_async=True)
                 dk1 = warpgroup_mma(s1, q_h, dk1, is_async=True)
-                dq = warpgroup_mma(s0.permute((1, 0)), k0, gl.zeros([_BLOCK_M, _DH], gl.float32, a_layout),
-                                   use_acc=False, is_async=True)
+                dq = warpgroup_mma(
+                    s0.permute((1, 0)),
+                    k0,
+                    gl.zeros([_BLOCK_M, _DH], gl.float32, a_layout),
+                    use_acc=False,
+                    is_async=True,
+                )
                 dq = warpgroup_mma(s1.permute((1, 0)), k1, dq, is_async=True)
                 dv0, dv1, dk0, dk1, dq = warpgroup_mma_wait(0, deps=(dv0, dv1, dk0, dk1, dq))
                 mbarrier.arrive(p_empty.index(b), count=1)
@@ -199,23 +262,62 @@ if HAVE_GLUON:
         fence_async_shared()
         _cta_barrier()
         for kh in gl.static_range(2):
-            _tma_store(dk_desc, [dk_row + kh * _KH, dk_col + DHALF * _DH],
-                       k_smem.index(kh).slice(DHALF * _DH, _DH, dim=1))
-            _tma_store(dv_desc, [dv_row + kh * _KH, dv_col + DHALF * _DH],
-                       v_smem.index(kh).slice(DHALF * _DH, _DH, dim=1))
+            _tma_store(
+                dk_desc, [dk_row + kh * _KH, dk_col + DHALF * _DH], k_smem.index(kh).slice(DHALF * _DH, _DH, dim=1)
+            )
+            _tma_store(
+                dv_desc, [dv_row + kh * _KH, dv_col + DHALF * _DH], v_smem.index(kh).slice(DHALF * _DH, _DH, dim=1)
+            )
         tma.store_wait(0)
 
     @gluon.jit
-    def _dsplit_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, qk_scale,
-                       sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
-                       v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL, HEAD_DIM: gl.constexpr,
-                       STAGES: gl.constexpr, NB: gl.constexpr, CAUSAL: gl.constexpr, PROD_REGS: gl.constexpr,
-                       ABL: gl.constexpr = 0):
+    def _dsplit_kernel(
+        q_desc,
+        do_desc,
+        k_desc,
+        v_desc,
+        dk_desc,
+        dv_desc,
+        dq_desc,
+        lse_desc,
+        delta_desc,
+        qk_scale,
+        sm_scale,
+        H,
+        GROUP,
+        T,
+        q_rb,
+        q_rh,
+        q_ch,
+        do_rb,
+        do_rh,
+        do_ch,
+        k_rb,
+        k_rh,
+        k_ch,
+        v_rb,
+        v_rh,
+        v_ch,
+        dk_rb,
+        dk_rh,
+        dk_ch,
+        dv_rb,
+        dv_rh,
+        dv_ch,
+        TAIL,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+        NB: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        PROD_REGS: gl.constexpr,
+        ABL: gl.constexpr = 0,
+    ):
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(HEAD_DIM == 2 * _DH)
         # the program's place, as the hd64 one-pass kernel's (key tile of 128 in the split's order)
-        off_b, off_kvh, start_n, h0, _, dq_row0, mt0, n_m, n_iter = OP._program(H, GROUP, T, TAIL, _KH, _BLOCK_M,
-                                                                                CAUSAL)
+        off_b, off_kvh, start_n, h0, _, dq_row0, mt0, n_m, n_iter = OP._program(
+            H, GROUP, T, TAIL, _KH, _BLOCK_M, CAUSAL
+        )
 
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -244,27 +346,162 @@ if HAVE_GLUON:
             mbarrier.init(p_empty.index(i), count=2)
         fence_async_shared()
 
-        k_row, v_row, dk_row, dv_row = _kv_rows(off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb,
-                                                dv_rh)
-        gl.warp_specialize([
-            (_softmax_wg, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, p_smem, ds_smem, kv_bar, q_bars,
-                           do_bars, q_empty, p_full, p_empty, T, mt0, n_iter, start_n, qk_scale, dtype, STAGES, NB,
-                           CAUSAL, ABL)),
-            (_product_wg, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem0, kv_bar, q_bars, do_bars,
-                           q_empty, p_full, p_empty, dq_desc, dk_desc, dv_desc, dq_row0, T, mt0, n_m, n_iter, dk_row,
-                           off_kvh * dk_ch, dv_row, off_kvh * dv_ch, sm_scale, dtype, STAGES, NB, 0, ABL)),
-            (_product_wg, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem1, kv_bar, q_bars, do_bars,
-                           q_empty, p_full, p_empty, dq_desc, dk_desc, dv_desc, dq_row0, T, mt0, n_m, n_iter, dk_row,
-                           off_kvh * dk_ch, dv_row, off_kvh * dv_ch, sm_scale, dtype, STAGES, NB, 1, ABL)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                              lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, q_empty, k_row, off_kvh * k_ch,
-                              v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0,
-                              n_m, n_iter, T, (off_b * H + h0) * (T // _BLOCK_M) + mt0, _BLOCK_M, STAGES, True, True)),
-        ], [4, 4, 1], [PROD_REGS, PROD_REGS, _PRODUCER_REGS])
+        k_row, v_row, dk_row, dv_row = _kv_rows(
+            off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb, dv_rh
+        )
+        gl.warp_specialize(
+            [
+                (
+                    _softmax_wg,
+                    (
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        lse_smem,
+                        delta_smem,
+                        p_smem,
+                        ds_smem,
+                        kv_bar,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        p_full,
+                        p_empty,
+                        T,
+                        mt0,
+                        n_iter,
+                        start_n,
+                        qk_scale,
+                        dtype,
+                        STAGES,
+                        NB,
+                        CAUSAL,
+                        ABL,
+                    ),
+                ),
+                (
+                    _product_wg,
+                    (
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        p_smem,
+                        ds_smem,
+                        dq_smem0,
+                        kv_bar,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        p_full,
+                        p_empty,
+                        dq_desc,
+                        dk_desc,
+                        dv_desc,
+                        dq_row0,
+                        T,
+                        mt0,
+                        n_m,
+                        n_iter,
+                        dk_row,
+                        off_kvh * dk_ch,
+                        dv_row,
+                        off_kvh * dv_ch,
+                        sm_scale,
+                        dtype,
+                        STAGES,
+                        NB,
+                        0,
+                        ABL,
+                    ),
+                ),
+                (
+                    _product_wg,
+                    (
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        p_smem,
+                        ds_smem,
+                        dq_smem1,
+                        kv_bar,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        p_full,
+                        p_empty,
+                        dq_desc,
+                        dk_desc,
+                        dv_desc,
+                        dq_row0,
+                        T,
+                        mt0,
+                        n_m,
+                        n_iter,
+                        dk_row,
+                        off_kvh * dk_ch,
+                        dv_row,
+                        off_kvh * dv_ch,
+                        sm_scale,
+                        dtype,
+                        STAGES,
+                        NB,
+                        1,
+                        ABL,
+                    ),
+                ),
+                (
+                    _dkdv_producer,
+                    (
+                        q_desc,
+                        do_desc,
+                        k_desc,
+                        v_desc,
+                        lse_desc,
+                        delta_desc,
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        lse_smem,
+                        delta_smem,
+                        kv_bar,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        q_empty,
+                        k_row,
+                        off_kvh * k_ch,
+                        v_row,
+                        off_kvh * v_ch,
+                        off_b * q_rb,
+                        q_rh,
+                        q_ch,
+                        off_b * do_rb,
+                        do_rh,
+                        do_ch,
+                        h0,
+                        mt0,
+                        n_m,
+                        n_iter,
+                        T,
+                        (off_b * H + h0) * (T // _BLOCK_M) + mt0,
+                        _BLOCK_M,
+                        STAGES,
+                        True,
+                        True,
+                    ),
+                ),
+            ],
+            [4, 4, 1],
+            [PROD_REGS, PROD_REGS, _PRODUCER_REGS],
+        )
 
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cfg):
-    stages, nb, prod_regs, abl = (tuple(cfg) + (0, ))[:4]
+    stages, nb, prod_regs, abl = (tuple(cfg) + (0,))[:4]
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
@@ -272,11 +509,17 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, s: float, causal: bool, cf
     for n, (_, rb, rh, ch) in views.items():
         args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
     (l2, *_), (d2, *_) = (_row_view(x.view(B, H, T // BLOCK_M, BLOCK_M)) for x in (lse2, delta))
-    args.update(q_desc=_desc(views["q"][0], BLOCK_M, D), do_desc=_desc(views["do"][0], BLOCK_M, D),
-                k_desc=_desc(views["k"][0], KH, D), v_desc=_desc(views["v"][0], KH, D),
-                dk_desc=_desc(views["dk"][0], KH, DH), dv_desc=_desc(views["dv"][0], KH, DH),
-                dq_desc=_desc(dq_acc.view(B * H * T, D), BLOCK_M, DH), lse_desc=_desc(l2, 1, BLOCK_M),
-                delta_desc=_desc(d2, 1, BLOCK_M))
+    args.update(
+        q_desc=_desc(views["q"][0], BLOCK_M, D),
+        do_desc=_desc(views["do"][0], BLOCK_M, D),
+        k_desc=_desc(views["k"][0], KH, D),
+        v_desc=_desc(views["v"][0], KH, D),
+        dk_desc=_desc(views["dk"][0], KH, DH),
+        dv_desc=_desc(views["dv"][0], KH, DH),
+        dq_desc=_desc(dq_acc.view(B * H * T, D), BLOCK_M, DH),
+        lse_desc=_desc(l2, 1, BLOCK_M),
+        delta_desc=_desc(d2, 1, BLOCK_M),
+    )
     consts = dict(HEAD_DIM=D, STAGES=stages, NB=nb, CAUSAL=bool(causal), PROD_REGS=prod_regs, ABL=abl)
     nb_tiles = T // RESIDENT
     args["TAIL"] = GB.tail_heads(nb_tiles, B * Hkv, FA.grid_sms(q.device))
@@ -289,8 +532,9 @@ def bwd_dsplit(do, q, k, v, o, lse, causal: bool = True, config: str = "ds", dq=
     op = "bwd_dsplit"
     if q.shape[-1] != 128:
         raise ValueError(f"{op}: head dim 128 only, got {tuple(q.shape)}")
-    do, lse2, dq, dk, dv, delta, s, _ = GB._prologue(op, GB.supported_bwd, GB.HEAD_DIMS, do, q, k, v, o, lse, None,
-                                                     dq, dk, dv, base2=True)
+    do, lse2, dq, dk, dv, delta, s, _ = GB._prologue(
+        op, GB.supported_bwd, GB.HEAD_DIMS, do, q, k, v, o, lse, None, dq, dk, dv, base2=True
+    )
     acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kern, grid, args, consts = _launch(q, k, v, do, dk, dv, acc, lse2, delta, s, causal, CONFIGS[config])
     kern[grid](**args, **consts, num_warps=4)
@@ -309,26 +553,32 @@ def compile_sm90(causal: bool = True, config: str = "ds", T: int = 1024):
 def check(configs) -> bool:
     ok = True
     for cfg in configs:
-        for (B, H, Hkv, T) in ((1, 4, 2, 1024), (2, 4, 4, 256), (1, 16, 16, 4096)):
+        for B, H, Hkv, T in ((1, 4, 2, 1024), (2, 4, 4, 256), (1, 16, 16, 4096)):
             for causal in (True, False):
                 g = torch.Generator(device="cuda").manual_seed(T + H)
-                q, k, v, do = (torch.randn(B, h, T, 128, generator=g, device="cuda", dtype=torch.bfloat16)
-                               for h in (H, Hkv, Hkv, H))
+                q, k, v, do = (
+                    torch.randn(B, h, T, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+                    for h in (H, Hkv, Hkv, H)
+                )
                 o, lse = FA.flash_attention_fwd_triton(q, k, v, causal=causal)
                 bufs = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
                 got = bwd_dsplit(do, q, k, v, o, lse, causal, cfg, **bufs)
                 split = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal)
                 errs = []
                 if T <= 1024:
-                    want = FA.flash_attention_bwd_ref(do.double(), q.double(), k.double(), v.double(), o.double(),
-                                                      lse.double(), causal)
+                    want = FA.flash_attention_bwd_ref(
+                        do.double(), q.double(), k.double(), v.double(), o.double(), lse.double(), causal
+                    )
                     errs = [float((a.double() - w).norm() / w.norm()) for a, w in zip(got, want)]
                 serrs = [float((a.double() - w.double()).norm() / w.double().norm()) for a, w in zip(got, split)]
                 finite = all(bool(torch.isfinite(a).all()) for a in got)
                 good = finite and all(e < 1e-2 for e in errs + serrs)
                 ok &= good
-                print(f"{cfg} B={B} H={H} Hkv={Hkv} T={T} causal={causal}: {'OK' if good else 'FAIL'} finite={finite} "
-                      f"vs fp64 {[f'{e:.2e}' for e in errs]} vs split {[f'{e:.2e}' for e in serrs]}", flush=True)
+                print(
+                    f"{cfg} B={B} H={H} Hkv={Hkv} T={T} causal={causal}: {'OK' if good else 'FAIL'} finite={finite} "
+                    f"vs fp64 {[f'{e:.2e}' for e in errs]} vs split {[f'{e:.2e}' for e in serrs]}",
+                    flush=True,
+                )
     return ok
 
 
@@ -343,12 +593,19 @@ def timing(seqs, configs) -> None:
         B, H = q.shape[:2]
         nominal = 2.5 * 2 * B * H * T * T * 128  # 2.5 x the causal forward's FLOPs
         xs = (do, q, k, v, o, lse)
-        rows = {"split": lambda xs=xs: GB.flash_attention_bwd_gluon(*xs, True),
-                **{c: (lambda c=c, xs=xs: bwd_dsplit(*xs, True, c)) for c in configs},
-                "cudnn": isolated.cudnn_bwd(q, k, v, do, True)}
+        rows = {
+            "split": lambda xs=xs: GB.flash_attention_bwd_gluon(*xs, True),
+            **{c: (lambda c=c, xs=xs: bwd_dsplit(*xs, True, c)) for c in configs},
+            "cudnn": isolated.cudnn_bwd(q, k, v, do, True),
+        }
         res = {n: gpu_time(f)["ms"] for n, f in rows.items()}
-        print(f"T={T}: " + ", ".join(f"{n} {ms:.3f} ms ({nominal / ms / 1e9:.0f} TFLOP/s, x{res['cudnn'] / ms:.2f})"
-                                     for n, ms in res.items()), flush=True)
+        print(
+            f"T={T}: "
+            + ", ".join(
+                f"{n} {ms:.3f} ms ({nominal / ms / 1e9:.0f} TFLOP/s, x{res['cudnn'] / ms:.2f})" for n, ms in res.items()
+            ),
+            flush=True,
+        )
 
 
 def main() -> int:
@@ -366,8 +623,10 @@ def main() -> int:
             for causal in (True, False):
                 t0 = time.time()
                 ck = compile_sm90(causal, c)
-                print(f"{c} causal={causal}: {ptxas_report(ck)}, smem {ck.metadata.shared} B, "
-                      f"{time.time() - t0:.0f} s", flush=True)
+                print(
+                    f"{c} causal={causal}: {ptxas_report(ck)}, smem {ck.metadata.shared} B, {time.time() - t0:.0f} s",
+                    flush=True,
+                )
         return 0
     ok = True
     if a.check:

@@ -52,8 +52,9 @@ DEFAULT_VARIANT = GB.DEFAULT
 DEFAULT_BENCH = ["split", "split_wide"]
 
 
-def gluon_flash_bwd(do, q, k, v, o, lse, causal=True, scale=None, variant=DEFAULT_VARIANT, *,
-                    dq=None, dk=None, dv=None):
+def gluon_flash_bwd(
+    do, q, k, v, o, lse, causal=True, scale=None, variant=DEFAULT_VARIANT, *, dq=None, dk=None, dv=None
+):
     """The library backward with the config named ``variant``. Returns (dq, dk, dv)."""
     return GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, scale, dq=dq, dk=dk, dv=dv, config=variant)
 
@@ -75,8 +76,11 @@ def replay(variant, D=64, T=384, B=2, H=4, Hkv=2, causal=True, transposed=False,
     g = torch.Generator().manual_seed(seed)
 
     def mk(h, data=True):
-        x = torch.randn(B, T, h, D, generator=g, dtype=torch.float64) if data else torch.zeros(B, T, h, D,
-                                                                                              dtype=torch.float64)
+        x = (
+            torch.randn(B, T, h, D, generator=g, dtype=torch.float64)
+            if data
+            else torch.zeros(B, T, h, D, dtype=torch.float64)
+        )
         return x.transpose(1, 2) if transposed else x.transpose(1, 2).contiguous()
 
     q, k, v, do = mk(H), mk(Hkv), mk(Hkv), mk(H)
@@ -92,7 +96,7 @@ def replay(variant, D=64, T=384, B=2, H=4, Hkv=2, causal=True, transposed=False,
 
     def tile(x2, c, b, h, t, n):  # rows [t, t + n) of head h of batch b, through the 2-D view
         row, col = b * c[0] + h * c[1] + t, h * c[2]
-        return x2[row:row + n, col:col + D]
+        return x2[row : row + n, col : col + D]
 
     for pid_n in range(T // RESIDENT):  # dK/dV kernel grid
         for off_bkv in range(B * Hkv):
@@ -109,12 +113,12 @@ def replay(variant, D=64, T=384, B=2, H=4, Hkv=2, causal=True, transposed=False,
                     h, start_m = h0 + it // n_m, (mt0 + it % n_m) * BM1
                     row = (off_b * H + h) * T + start_m  # lse / delta
                     qt, dot = tile(q2, qc, off_b, h, start_m, BM1), tile(do2, doc, off_b, h, start_m, BM1)
-                    pt = torch.exp2((kh @ qt.T) * qk - (lse_f[row:row + BM1] * LOG2E)[None, :])
+                    pt = torch.exp2((kh @ qt.T) * qk - (lse_f[row : row + BM1] * LOG2E)[None, :])
                     if causal and start_m < k_lo + HALF_ROWS:
                         keep = (start_m + torch.arange(BM1))[None, :] >= (k_lo + torch.arange(HALF_ROWS))[:, None]
                         pt = torch.where(keep, pt, 0.0)
                     dvh += pt @ dot
-                    dkh += (pt * (vh @ dot.T - delta[row:row + BM1][None, :])) @ qt
+                    dkh += (pt * (vh @ dot.T - delta[row : row + BM1][None, :])) @ qt
                 tile(dk2, dkc, off_b, off_kvh, k_lo, HALF_ROWS)[:] = dkh * s
                 tile(dv2, dvc, off_b, off_kvh, k_lo, HALF_ROWS)[:] = dvh
     for pid in range(T // RESIDENT):  # dQ kernel grid (heaviest first)
@@ -128,7 +132,7 @@ def replay(variant, D=64, T=384, B=2, H=4, Hkv=2, causal=True, transposed=False,
                 q_lo = start_m + half * HALF_ROWS
                 row0 = off_bh * T + q_lo
                 qh, doh = tile(q2, qc, off_b, off_h, q_lo, HALF_ROWS), tile(do2, doc, off_b, off_h, q_lo, HALF_ROWS)
-                lse2 = lse_f[row0:row0 + HALF_ROWS] * LOG2E
+                lse2 = lse_f[row0 : row0 + HALF_ROWS] * LOG2E
                 dqh = torch.zeros_like(qh)
                 for j in range(n_tiles):
                     sn = j * BN2
@@ -137,7 +141,7 @@ def replay(variant, D=64, T=384, B=2, H=4, Hkv=2, causal=True, transposed=False,
                     if causal and sn + BN2 > q_lo + 1:
                         keep = (q_lo + torch.arange(HALF_ROWS))[:, None] >= (sn + torch.arange(BN2))[None, :]
                         p = torch.where(keep, p, 0.0)
-                    dqh += (p * (doh @ vt.T - delta[row0:row0 + HALF_ROWS][:, None])) @ kt
+                    dqh += (p * (doh @ vt.T - delta[row0 : row0 + HALF_ROWS][:, None])) @ kt
                 tile(dq2, dqc, off_b, off_h, q_lo, HALF_ROWS)[:] = dqh * s
     ref = flash_attention_bwd_ref(do, q, k, v, o, lse, causal)
     return [((x - r).norm() / r.norm()).item() for x, r in zip((dq, dk, dv), ref)]
@@ -152,8 +156,19 @@ def compile_variant(name, D, causal=True):
 
 
 def _ptx_summary(ck):
-    return isolated.ptx_summary(ck, ["wgmma.mma_async", "cp.async.bulk.tensor", "red.global", "atom.global",
-                                     "mbarrier.try_wait", "setmaxnreg", "ld.local", "st.local"])
+    return isolated.ptx_summary(
+        ck,
+        [
+            "wgmma.mma_async",
+            "cp.async.bulk.tensor",
+            "red.global",
+            "atom.global",
+            "mbarrier.try_wait",
+            "setmaxnreg",
+            "ld.local",
+            "st.local",
+        ],
+    )
 
 
 def compile_only(variants, head_dims, dump=None):
@@ -168,6 +183,7 @@ def compile_only(variants, head_dims, dump=None):
                     print(f"  {name:10s} D={D:3d} {kname:4s}: OK {time.time() - t0:5.1f}s  {_ptx_summary(ck)}")
                     if dump:
                         import os
+
                         os.makedirs(dump, exist_ok=True)
                         for ext in ("ttgir", "ptx"):
                             atomic_write_text(f"{dump}/{name}_{kname}_d{D}.{ext}", ck.asm.get(ext, ""))
@@ -183,9 +199,12 @@ def compile_only(variants, head_dims, dump=None):
 def check_variant(name, head_dims):
     """Worst relative-norm error of dq, dk, dv against the fp64 reference (causal, T = 1024 and 2048)."""
     return isolated.bwd_worst_error(
-        name, head_dims,
-        lambda do, q, k, v, o, lse, dq, dk, dv: gluon_flash_bwd(do, q, k, v, o, lse, True, None, name, dq=dq, dk=dk,
-                                                                dv=dv))
+        name,
+        head_dims,
+        lambda do, q, k, v, o, lse, dq, dk, dv: gluon_flash_bwd(
+            do, q, k, v, o, lse, True, None, name, dq=dq, dk=dk, dv=dv
+        ),
+    )
 
 
 def _check_one(name, head_dims):
@@ -195,30 +214,40 @@ def _check_one(name, head_dims):
     def check():
         err = check_variant(name, head_dims)
         return err < 1e-2, f"worst rel-norm err {err:.2e}"
+
     return check_one(name, check)
 
 
 def run_checks(variants, head_dims, startup_s=180.0, per_variant_s=120.0):
     """The checks in child processes (bench/isolated.py). Returns the passing variants."""
-    return isolated.run_checks(os.path.abspath(__file__), variants, ["--head-dims", ",".join(map(str, head_dims))],
-                               startup_s, per_variant_s)
+    return isolated.run_checks(
+        os.path.abspath(__file__), variants, ["--head-dims", ",".join(map(str, head_dims))], startup_s, per_variant_s
+    )
 
 
 def bench_row(D, T, variants):
     """Backward TFLOP/s of cuDNN, xtrain's Triton backward and each variant (``isolated.bwd_bench_row``)."""
+
     def run(name):
-        return lambda do, q, k, v, o, lse, dq, dk, dv: gluon_flash_bwd(do, q, k, v, o, lse, True, None, name,
-                                                                       dq=dq, dk=dk, dv=dv)
+        return lambda do, q, k, v, o, lse, dq, dk, dv: gluon_flash_bwd(
+            do, q, k, v, o, lse, True, None, name, dq=dq, dk=dk, dv=dv
+        )
+
     return isolated.bwd_bench_row(D, T, [(name, run(name)) for name in variants], warmup=5, rep=30)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    isolated.add_variant_args(ap, seqs="1024,2048,4096,8192,16384", head_dims="64,128", variants=None,
-                              variants_help=f"any of {','.join(VARIANTS)} (default: the timing set "
-                                            f"{','.join(DEFAULT_BENCH)}; every config with --compile-only / "
-                                            f"--replay)",
-                              replay_help="CPU replay of the tile schedule (no GPU)")
+    isolated.add_variant_args(
+        ap,
+        seqs="1024,2048,4096,8192,16384",
+        head_dims="64,128",
+        variants=None,
+        variants_help=f"any of {','.join(VARIANTS)} (default: the timing set "
+        f"{','.join(DEFAULT_BENCH)}; every config with --compile-only / "
+        f"--replay)",
+        replay_help="CPU replay of the tile schedule (no GPU)",
+    )
     ap.add_argument("--dump", default=None, help="with --compile-only: write ttgir/ptx into this folder")
     args = ap.parse_args(argv)
     if args.variants is None:
@@ -235,18 +264,27 @@ def main(argv=None):
                         errs = replay(name, D, causal=causal, transposed=transposed)
                         good = max(errs) < 1e-10
                         ok &= good
-                        print(f"  replay {name:10s} D={D:3d} causal={causal!s:5s} "
-                              f"{'bthd' if transposed else 'bhtd'}: rel-norm err dq {errs[0]:.1e} "
-                              f"dk {errs[1]:.1e} dv {errs[2]:.1e} {'OK' if good else 'MISMATCH'}")
+                        print(
+                            f"  replay {name:10s} D={D:3d} causal={causal!s:5s} "
+                            f"{'bthd' if transposed else 'bhtd'}: rel-norm err dq {errs[0]:.1e} "
+                            f"dk {errs[1]:.1e} dv {errs[2]:.1e} {'OK' if good else 'MISMATCH'}"
+                        )
         return 0 if ok else 1
 
     print(f"torch {torch.__version__}  triton {triton.__version__}  device {torch.cuda.get_device_name()}")
     sys.stdout.flush()
     return isolated.check_then_time(
-        variants, head_dims, seqs, check_only=args.check_only, no_isolate=args.no_isolate, check_fn=_check_one,
-        checks_fn=run_checks, bench_row=bench_row,
+        variants,
+        head_dims,
+        seqs,
+        check_only=args.check_only,
+        no_isolate=args.no_isolate,
+        check_fn=_check_one,
+        checks_fn=run_checks,
+        bench_row=bench_row,
         title="causal bf16 BACKWARD, TFLOP/s (x cuDNN); B = 16384 / T, H = 2048 / D; backward alone "
-              "(cuDNN: autograd.grad on a saved SDPA graph)")
+        "(cuDNN: autograd.grad on a saved SDPA graph)",
+    )
 
 
 if __name__ == "__main__":

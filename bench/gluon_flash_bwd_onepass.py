@@ -73,8 +73,17 @@ VARIANTS = {  # the library's configs; an experiment adds a tuple here
 }
 TAIL_WAVES = {"pf_t0": 0}  # variant -> flash_attention_gluon_bwd.TAIL_WAVES while it runs (default: the library's)
 DEFAULT_VARIANTS = ["pf", "nopf"]
-PTX_KEYS = ["wgmma.mma_async", "cp.reduce.async.bulk.tensor", "cp.async.bulk.tensor", "cp.async.bulk.wait_group.read",
-            "mbarrier.try_wait", "mbarrier.arrive", "setmaxnreg", "ld.local", "st.local"]
+PTX_KEYS = [
+    "wgmma.mma_async",
+    "cp.reduce.async.bulk.tensor",
+    "cp.async.bulk.tensor",
+    "cp.async.bulk.wait_group.read",
+    "mbarrier.try_wait",
+    "mbarrier.arrive",
+    "setmaxnreg",
+    "ld.local",
+    "st.local",
+]
 
 
 def _cfg(name, D):
@@ -109,8 +118,7 @@ def ptxas_report(ck) -> str:
         n_stl = len(re.findall(r"\bSTL\b", sass))
         stack = re.search(r"STACK:(\d+)", res)
         ser = "wgmma SERIALIZED" if n_mma and n_dep >= n_mma else "not serialized"
-        return (f"SASS: HGMMA {n_mma}, DEPBAR {n_dep} ({ser}), STL {n_stl}, "
-                f"stack {stack.group(1) if stack else '?'} B")
+        return f"SASS: HGMMA {n_mma}, DEPBAR {n_dep} ({ser}), STL {n_stl}, stack {stack.group(1) if stack else '?'} B"
     except Exception as e:  # noqa: BLE001
         return f"SASS n/a ({type(e).__name__})"
 
@@ -131,8 +139,10 @@ def compile_only(variants, head_dims) -> bool:
                     ok = False
                     continue
                 regs = re.findall(r"setmaxnreg\S*\s+(\d+)", ck.asm["ptx"])
-                print(f"  {name:10s} D={D} causal={causal!s:5s}: OK {time.time() - t0:5.1f}s  "
-                      f"{isolated.ptx_summary(ck, PTX_KEYS)}; {ptxas_report(ck)}; setmaxnreg {regs}")
+                print(
+                    f"  {name:10s} D={D} causal={causal!s:5s}: OK {time.time() - t0:5.1f}s  "
+                    f"{isolated.ptx_summary(ck, PTX_KEYS)}; {ptxas_report(ck)}; setmaxnreg {regs}"
+                )
     return ok
 
 
@@ -149,7 +159,7 @@ def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0):
     q, do = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64) for _ in range(2))
     o, lse = flash_attention_fwd_ref(q, k, v, causal)
-    s = D ** -0.5
+    s = D**-0.5
     qk = s * LOG2E
     GROUP = H // Hkv
     delta = (do * o).sum(-1).reshape(-1)
@@ -164,28 +174,28 @@ def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0):
             h0 = off_kvh * GROUP
             mt0 = start_n // BLOCK_M if causal else 0
             n_m = T // BLOCK_M - mt0
-            khs = [k[off_b, off_kvh, start_n + w * KH:start_n + (w + 1) * KH] for w in range(2)]
-            vhs = [v[off_b, off_kvh, start_n + w * KH:start_n + (w + 1) * KH] for w in range(2)]
+            khs = [k[off_b, off_kvh, start_n + w * KH : start_n + (w + 1) * KH] for w in range(2)]
+            vhs = [v[off_b, off_kvh, start_n + w * KH : start_n + (w + 1) * KH] for w in range(2)]
             dks, dvs = [torch.zeros_like(khs[0]) for _ in range(2)], [torch.zeros_like(khs[0]) for _ in range(2)]
             for it in range(GROUP * n_m):
                 gg, start_m = it // n_m, (mt0 + it % n_m) * BLOCK_M
                 row = (off_b * H + h0 + gg) * T + start_m
-                qt, dot = q2[row:row + BLOCK_M], do2[row:row + BLOCK_M]
+                qt, dot = q2[row : row + BLOCK_M], do2[row : row + BLOCK_M]
                 ds_buf = [None, None]
                 for w in range(2):
                     k_lo = start_n + w * KH
-                    pt = torch.exp2((khs[w] @ qt.T) * qk - (lse_f[row:row + BLOCK_M] * LOG2E)[None, :])
+                    pt = torch.exp2((khs[w] @ qt.T) * qk - (lse_f[row : row + BLOCK_M] * LOG2E)[None, :])
                     if causal and start_m < k_lo + KH:
                         keep = (start_m + torch.arange(BLOCK_M))[None, :] >= (k_lo + torch.arange(KH))[:, None]
                         pt = torch.where(keep, pt, 0.0)
-                    dst = pt * (vhs[w] @ dot.T - delta[row:row + BLOCK_M][None, :])
+                    dst = pt * (vhs[w] @ dot.T - delta[row : row + BLOCK_M][None, :])
                     dvs[w] += pt @ dot
                     dks[w] += dst @ qt
                     ds_buf[w] = dst
-                acc[row:row + BLOCK_M] += ds_buf[0].T @ khs[0] + ds_buf[1].T @ khs[1]
+                acc[row : row + BLOCK_M] += ds_buf[0].T @ khs[0] + ds_buf[1].T @ khs[1]
             for w in range(2):
-                dk[off_b, off_kvh, start_n + w * KH:start_n + (w + 1) * KH] = dks[w] * s
-                dv[off_b, off_kvh, start_n + w * KH:start_n + (w + 1) * KH] = dvs[w]
+                dk[off_b, off_kvh, start_n + w * KH : start_n + (w + 1) * KH] = dks[w] * s
+                dv[off_b, off_kvh, start_n + w * KH : start_n + (w + 1) * KH] = dvs[w]
     dq = (acc * s).view(B, H, T, D)
     ref = flash_attention_bwd_ref(do, q, k, v, o, lse, causal)
     return [((x - r).norm() / r.norm()).item() for x, r in zip((dq, dk, dv), ref)]
@@ -288,6 +298,7 @@ def replay_protocol_dqwg(n_iter, stages, nds, slots, seed, drop=None, max_events
                 assert not slot_users[slot], f"Q/dO slot {slot} reloaded while {slot_users[slot]} read it"
                 slot_content[slot] = it
                 ready[slot].arrive()
+
             pending_async.append(land)
             yield
 
@@ -310,6 +321,7 @@ def replay_protocol_dqwg(n_iter, stages, nds, slots, seed, drop=None, max_events
                 ds_readers[b][w].discard(("dk", it))
                 slot_users[slot].discard((w, it))
                 flags["kv", w, it] = True
+
             pending_async.append(mma_done)
             yield from wait(lambda w=w, it=it: flags["kv", w, it], "kv_wait")
             empty[slot].arrive()
@@ -336,10 +348,11 @@ def replay_protocol_dqwg(n_iter, stages, nds, slots, seed, drop=None, max_events
                     ds_readers[b][w].discard(("dq", it))
                 k_readers.discard(it)
                 flags["dq", it] = True
+
             pending_async.append(dq_done)
             yield from wait(lambda it=it: flags["dq", it], "dq_wait")
             ds_empty[b].arrive()
-            older = issued[:max(0, len(issued) - (slots - 1))]
+            older = issued[: max(0, len(issued) - (slots - 1))]
             yield from wait(lambda older=older: all(f[0] for f in older), "store_wait")
             assert stage_readers[s] == 0, f"staging tile {s} rewritten while its reduce-add reads it"
             assert flags["dq", it], f"dQ of step {it} staged before its wgmmas retired"
@@ -354,6 +367,7 @@ def replay_protocol_dqwg(n_iter, stages, nds, slots, seed, drop=None, max_events
                 stage_readers[s] -= 1
                 flag[0] = True
                 reduced.append(it)
+
             pending_async.append(read_done)
         while not all(f[0] for f in issued):  # tma.store_wait(0)
             yield BLOCKED
@@ -376,12 +390,15 @@ def replay_dqwg(configs, seeds=60, n_iters=(1, 2, 3, 4, 5, 7, 16)):
                     n_ev += replay_protocol_dqwg(n_iter, stages, nds, slots, seed)
                 except AssertionError as e:
                     good = False
-                    print(f"  replay dqwg STAGES={stages} NDS={nds} SLOTS={slots} n_iter={n_iter} seed={seed}: "
-                          f"FAIL {e}")
+                    print(
+                        f"  replay dqwg STAGES={stages} NDS={nds} SLOTS={slots} n_iter={n_iter} seed={seed}: FAIL {e}"
+                    )
                     break
         ok &= good
-        print(f"  replay dqwg STAGES={stages} NDS={nds} SLOTS={slots}: n_iter {n_iters} x {seeds} interleavings, "
-              f"{n_ev} events: {'OK' if good else 'FAIL'}")
+        print(
+            f"  replay dqwg STAGES={stages} NDS={nds} SLOTS={slots}: n_iter {n_iters} x {seeds} interleavings, "
+            f"{n_ev} events: {'OK' if good else 'FAIL'}"
+        )
         for drop in DQWG_WAITS:
             caught, runs, first = 0, 0, None
             for n_iter in (3, 4, 7, 16):
@@ -394,8 +411,10 @@ def replay_dqwg(configs, seeds=60, n_iters=(1, 2, 3, 4, 5, 7, 16)):
                         first = first or str(e)
             good = caught > 0
             ok &= good
-            print(f"  negative control dqwg STAGES={stages} NDS={nds} SLOTS={slots} without the {drop:10s} wait: "
-                  f"caught in {caught:3d}/{runs} runs {'OK' if good else 'NOT CAUGHT'}  ({first})")
+            print(
+                f"  negative control dqwg STAGES={stages} NDS={nds} SLOTS={slots} without the {drop:10s} wait: "
+                f"caught in {caught:3d}/{runs} runs {'OK' if good else 'NOT CAUGHT'}  ({first})"
+            )
     return ok
 
 
@@ -406,10 +425,13 @@ def replay(head_dims, variants) -> bool:
             errs = replay_math(D, causal=causal)
             good = max(errs) < 1e-10
             ok &= good
-            print(f"  replay math D={D:3d} causal={causal!s:5s}: rel-norm err dq {errs[0]:.1e} dk {errs[1]:.1e} "
-                  f"dv {errs[2]:.1e} {'OK' if good else 'MISMATCH'}")
-    cfgs = sorted({(c[0], c[2], c[1]) for v in variants for D in head_dims if D in VARIANTS[v]
-                   for c in [_cfg(v, D)]})  # (STAGES, NDS, SLOTS)
+            print(
+                f"  replay math D={D:3d} causal={causal!s:5s}: rel-norm err dq {errs[0]:.1e} dk {errs[1]:.1e} "
+                f"dv {errs[2]:.1e} {'OK' if good else 'MISMATCH'}"
+            )
+    cfgs = sorted(
+        {(c[0], c[2], c[1]) for v in variants for D in head_dims if D in VARIANTS[v] for c in [_cfg(v, D)]}
+    )  # (STAGES, NDS, SLOTS)
     return ok & replay_dqwg(cfgs + [(2, 2, 1)])  # + the tightest rings (SLOTS 1: store_wait(0))
 
 
@@ -426,6 +448,7 @@ def _run(cfg, waves=None):
             return OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, True, dq=dq, dk=dk, dv=dv, config=cfg)
         finally:
             GB.TAIL_WAVES = old
+
     return run
 
 
@@ -437,12 +460,18 @@ def check_fn(name, head_dims):
         for D in dims:
             worst = max(worst, isolated.bwd_worst_error(name, [D], _run(VARIANTS[name][D], TAIL_WAVES.get(name))))
         return worst < 1e-2, f"worst rel-norm err {worst:.2e}"
+
     return isolated.check_one(name, check)
 
 
 def checks_fn(variants, head_dims):
-    return isolated.run_checks(os.path.abspath(__file__), variants, ["--head-dims", ",".join(map(str, head_dims))],
-                               startup_s=120.0, per_variant_s=90.0)
+    return isolated.run_checks(
+        os.path.abspath(__file__),
+        variants,
+        ["--head-dims", ",".join(map(str, head_dims))],
+        startup_s=120.0,
+        per_variant_s=90.0,
+    )
 
 
 def bench_row(D, T, variants):
@@ -452,9 +481,14 @@ def bench_row(D, T, variants):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    isolated.add_variant_args(ap, seqs="2048,8192,16384", head_dims="64", variants=",".join(DEFAULT_VARIANTS),
-                              variants_help=f"any of {','.join(VARIANTS)}",
-                              replay_help="CPU replay of the math and barrier protocol (no GPU)")
+    isolated.add_variant_args(
+        ap,
+        seqs="2048,8192,16384",
+        head_dims="64",
+        variants=",".join(DEFAULT_VARIANTS),
+        variants_help=f"any of {','.join(VARIANTS)}",
+        replay_help="CPU replay of the math and barrier protocol (no GPU)",
+    )
     args = ap.parse_args(argv)
     seqs, head_dims, variants = isolated.variant_lists(ap, args, VARIANTS)
     if args.compile_only:
@@ -466,10 +500,17 @@ def main(argv=None):
     print(f"torch {torch.__version__}  triton {triton.__version__}  device {torch.cuda.get_device_name()}")
     sys.stdout.flush()
     return isolated.check_then_time(
-        variants, head_dims, seqs, check_only=args.check_only, no_isolate=args.no_isolate, check_fn=check_fn,
-        checks_fn=checks_fn, bench_row=bench_row,
+        variants,
+        head_dims,
+        seqs,
+        check_only=args.check_only,
+        no_isolate=args.no_isolate,
+        check_fn=check_fn,
+        checks_fn=checks_fn,
+        bench_row=bench_row,
         title="causal bf16 BACKWARD, TFLOP/s (x cuDNN); B = 16384 / T, H = 2048 / D; backward alone; "
-              "triton = library default")
+        "triton = library default",
+    )
 
 
 if __name__ == "__main__":

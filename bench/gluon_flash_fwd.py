@@ -64,8 +64,9 @@ STAGES = None  # --stages: K/V ring slots (default: the library's by head dim)
 
 def gluon_flash_fwd(q, k, v, causal=True, scale=None, variant="pp", *, o=None, lse=None):
     """The library forward by ``variant``, with this run's --grid / --stages. Returns (o, lse)."""
-    return LIB.flash_attention_fwd_gluon(q, k, v, causal, scale, o=o, lse=lse, variant=variant, stages=STAGES,
-                                         programs=GRID)
+    return LIB.flash_attention_fwd_gluon(
+        q, k, v, causal, scale, o=o, lse=lse, variant=variant, stages=STAGES, programs=GRID
+    )
 
 
 # =========================================================================================================
@@ -147,8 +148,14 @@ def replay_schedule(BH, T, n_prog, block_n=128, causal=True, nw=2):
             seen[it] = pid
     want = {(m, bh) for m in range(n_m) for bh in range(BH)}
     assert set(seen) == want, f"missing {sorted(want - set(seen))[:5]} extra {sorted(set(seen) - want)[:5]}"
-    rows = sorted(r for m in range(n_m) for w in range(nw) for r0 in [py_start_m(m, T, nw) + w * LIB.HALF_M]
-                  if r0 >= 0 for r in range(r0, r0 + LIB.HALF_M))  # the rows the computing warpgroups own
+    rows = sorted(
+        r
+        for m in range(n_m)
+        for w in range(nw)
+        for r0 in [py_start_m(m, T, nw) + w * LIB.HALF_M]
+        if r0 >= 0
+        for r in range(r0, r0 + LIB.HALF_M)
+    )  # the rows the computing warpgroups own
     assert rows == list(range(T)), f"query rows not covered exactly once (nw={nw}, T={T})"
     return loads, sched, G
 
@@ -199,6 +206,7 @@ def replay_program(pid, G, BH, T, block_n, stages, num_q, pingpong, causal, rng,
         def land():
             content[buf, slot] = tag
             b.arrive()
+
         inflight.append([rng.randint(1, 6), land])
 
     def producer():
@@ -298,6 +306,7 @@ def replay_program(pid, G, BH, T, block_n, stages, num_q, pingpong, causal, rng,
 
             def done(h=half):
                 o_store[h] = False
+
             inflight.append([rng.randint(1, 12), done])
         yield "ostore", half
 
@@ -322,8 +331,10 @@ def replay_program(pid, G, BH, T, block_n, stages, num_q, pingpong, causal, rng,
                 inflight.pop(ev)[1]()
             continue
         if not runnable:
-            raise AssertionError(f"DEADLOCK pid {pid}: " + ", ".join(
-                f"{n} on {b if isinstance(b, str) else b.name} parity {p}" for n, (b, p) in waiting.items()))
+            raise AssertionError(
+                f"DEADLOCK pid {pid}: "
+                + ", ".join(f"{n} on {b if isinstance(b, str) else b.name} parity {p}" for n, (b, p) in waiting.items())
+            )
         name = rng.choice(runnable)
         try:
             waiting[name] = next(agents[name])
@@ -345,9 +356,11 @@ def replay(seed=0):
             loads, sched, G = replay_schedule(BH, T, 132)
             # heads in flight: the heads of the items the G programs hold at their k-th item, over k
             n_conc = [len({sched[p][k][1] for p in range(G) if k < len(sched[p])}) for k in range(len(sched[0]))]
-            print(f"  D={D:3d} T={T:5d} B·H={BH:4d}: {len(loads)} programs, max {max(loads)} mean "
-                  f"{sum(loads) / len(loads):.1f} -> balance {sum(loads) / len(loads) / max(loads):.3f}; "
-                  f"heads in flight per lap {min(n_conc)}..{max(n_conc)} of {BH}")
+            print(
+                f"  D={D:3d} T={T:5d} B·H={BH:4d}: {len(loads)} programs, max {max(loads)} mean "
+                f"{sum(loads) / len(loads):.1f} -> balance {sum(loads) / len(loads) / max(loads):.3f}; "
+                f"heads in flight per lap {min(n_conc)}..{max(n_conc)} of {BH}"
+            )
     for BH, T, G, bn in ((4, 384, 5, 128), (3, 384, 4, 128), (4, 256, 3, 256), (1, 640, 2, 64), (7, 1024, 9, 128)):
         for nw in (2, 3):
             replay_schedule(BH, T, G, bn, True, nw)
@@ -359,8 +372,8 @@ def replay(seed=0):
     for name, cfg in VARIANTS.items():
         if cfg is None:  # lib: not persistent
             continue
-        nq, pp, nw = (cfg + (2, ))[:3]
-        for D in LIB.HEAD_DIMS if nw == 2 else (64, ):
+        nq, pp, nw = (cfg + (2,))[:3]
+        for D in LIB.HEAD_DIMS if nw == 2 else (64,):
             bn, st = LIB.BLOCK_N, STAGES or LIB.STAGES[D]
             for BH, T, G in ((4, 256, 3), (2, 384, 2), (3, 1024, 5), (1, 640, 1), (2, 128, 1), (3, 2048, 4)):
                 for causal in (True, False):
@@ -392,8 +405,15 @@ def replay(seed=0):
 # GPU check + benchmark
 # =========================================================================================================
 # (B, T, causal, transposed k/v) of the correctness cases; H = 4, Hkv = 2 always
-CHECK_CASES = ((1, 1024, True, False), (2, 2048, True, False), (2, 256, True, False), (1, 384, True, False),
-               (2, 1024, False, False), (1, 2048, False, False), (2, 1024, True, True))
+CHECK_CASES = (
+    (1, 1024, True, False),
+    (2, 2048, True, False),
+    (2, 256, True, False),
+    (1, 384, True, False),
+    (2, 1024, False, False),
+    (1, 2048, False, False),
+    (2, 1024, True, True),
+)
 
 
 def _rel_err(x, ref):
@@ -430,8 +450,10 @@ def check_variant(name, head_dims):
             eo, el = _rel_err(o, o_ref), _rel_err(lse, lse_ref)
             good = eo < 1e-2 and el < 1e-5
             ok &= good
-            print(f"    {name} D={D} B={B} T={T} {'causal' if causal else 'full'}{' kvT' if transposed else ''}: "
-                  f"o {eo:.2e} lse {el:.2e} {'ok' if good else 'FAIL'}")
+            print(
+                f"    {name} D={D} B={B} T={T} {'causal' if causal else 'full'}{' kvT' if transposed else ''}: "
+                f"o {eo:.2e} lse {el:.2e} {'ok' if good else 'FAIL'}"
+            )
             sys.stdout.flush()
     return ok
 
@@ -488,9 +510,14 @@ def bench_row(D, T, variants):
 def main(argv=None):
     global GRID, STAGES
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    isolated.add_variant_args(ap, seqs="1024,2048,4096,8192,16384", head_dims="64,128", variants=",".join(VARIANTS),
-                              variants_help=f"any of {','.join(VARIANTS)}",
-                              replay_help="CPU replay of the persistent schedule/barriers")
+    isolated.add_variant_args(
+        ap,
+        seqs="1024,2048,4096,8192,16384",
+        head_dims="64,128",
+        variants=",".join(VARIANTS),
+        variants_help=f"any of {','.join(VARIANTS)}",
+        replay_help="CPU replay of the persistent schedule/barriers",
+    )
     ap.add_argument("--grid", type=int, default=None, help="persistent programs (default: the SM count)")
     ap.add_argument("--stages", type=int, default=None, help="K/V ring slots (default: the library's)")
     ap.add_argument("--dump", default=None, help="with --compile-only: write ttgir/ptx into this folder")
@@ -502,13 +529,22 @@ def main(argv=None):
     if args.compile_only:
         return 0 if compile_only(variants, head_dims, args.dump) else 1
 
-    print(f"torch {torch.__version__}  triton {triton.__version__}  device {torch.cuda.get_device_name()}  "
-          f"SMs {sm_count('cuda')}  grid {GRID or 'SMs'}")
+    print(
+        f"torch {torch.__version__}  triton {triton.__version__}  device {torch.cuda.get_device_name()}  "
+        f"SMs {sm_count('cuda')}  grid {GRID or 'SMs'}"
+    )
     sys.stdout.flush()
     return isolated.check_then_time(
-        variants, head_dims, seqs, check_only=args.check_only, no_isolate=args.no_isolate, check_fn=_check_one,
-        checks_fn=run_checks, bench_row=bench_row,
-        title="causal bf16 forward, TFLOP/s (x cuDNN); B = 16384 / T, H = 2048 / D")
+        variants,
+        head_dims,
+        seqs,
+        check_only=args.check_only,
+        no_isolate=args.no_isolate,
+        check_fn=_check_one,
+        checks_fn=run_checks,
+        bench_row=bench_row,
+        title="causal bf16 forward, TFLOP/s (x cuDNN); B = 16384 / T, H = 2048 / D",
+    )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     table = []
     for D, T in ((D, T) for D in map(int, args.head_dims.split(",")) for T in map(int, args.seqs.split(","))):
         variant = args.variant or G.pick_variant(D, T)
-        if (G.VARIANTS[variant] + (2, ))[2] != 2:
+        if (G.VARIANTS[variant] + (2,))[2] != 2:
             print(f"D={D} T={T}: {variant} has three warpgroups, HALF_DIAG does not apply", flush=True)
             continue
         B, H = 16384 // T, 2048 // D
@@ -61,23 +61,41 @@ def main(argv=None) -> int:
         ms = {"cudnn": [], False: [], True: []}
         for _ in range(args.passes):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                ms["cudnn"].append(gpu_time(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True))["ms"])
+                ms["cudnn"].append(
+                    gpu_time(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True))["ms"]
+                )
             for hd in (False, True):
                 G.HALF_DIAG_MAX_T = {D: T if hd else 0}
-                ms[hd].append(gpu_time(lambda q=q, k=k, v=v, var=variant: G.flash_attention_fwd_gluon(
-                    q, k, v, True, variant=var))["ms"])
+                ms[hd].append(
+                    gpu_time(
+                        lambda q=q, k=k, v=v, var=variant: G.flash_attention_fwd_gluon(q, k, v, True, variant=var)
+                    )["ms"]
+                )
         G.HALF_DIAG_MAX_T = dict(default)
         cud = min(ms["cudnn"])
-        row = (D, T, variant, same, errs[False], errs[True], flops / cud / 1e9, flops / min(ms[False]) / 1e9,
-               flops / min(ms[True]) / 1e9, cud / min(ms[False]), cud / min(ms[True]), ms)
+        row = (
+            D,
+            T,
+            variant,
+            same,
+            errs[False],
+            errs[True],
+            flops / cud / 1e9,
+            flops / min(ms[False]) / 1e9,
+            flops / min(ms[True]) / 1e9,
+            cud / min(ms[False]),
+            cud / min(ms[True]),
+            ms,
+        )
         table.append(row)
         print(row, flush=True)
     print("\n| D | T | variant | same bits | rel err o, lse off / on | cuDNN | off | on | ratio off | ratio on |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for D, T, var, same, eo, en, ct, xo, xn, ro, rn, _ in table:
-        print(f"| {D} | {T} | {var} | {same} | {eo[0]:.2e}, {eo[1]:.2e} / {en[0]:.2e}, {en[1]:.2e} | {ct:.0f} | "
-              f"{xo:.0f} | {xn:.0f} | {ro:.3f} | {rn:.3f} |")
+        print(
+            f"| {D} | {T} | {var} | {same} | {eo[0]:.2e}, {eo[1]:.2e} / {en[0]:.2e}, {en[1]:.2e} | {ct:.0f} | "
+            f"{xo:.0f} | {xn:.0f} | {ro:.3f} | {rn:.3f} |"
+        )
     print("\nms per pass (cuDNN / off / on):")
     for D, T, _var, *_, ms in table:
         print(f"  D={D} T={T}: " + "  ".join(f"{k}: {' '.join(f'{m:.4f}' for m in v)}" for k, v in ms.items()))

@@ -26,8 +26,11 @@ FORMS = [("pairs", 1, 1.0), ("tail", 1, 1.0), ("tail", 2, 1.0), ("tail", 2, 2.0)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", default="1024,2048,4096,8192,16384")
-    ap.add_argument("--bh", default="issue",
-                    help="B·H values, comma-separated, or 'issue': B·T = 16k and H·D = 2048 (xtrain bench attention)")
+    ap.add_argument(
+        "--bh",
+        default="issue",
+        help="B·H values, comma-separated, or 'issue': B·T = 16k and H·D = 2048 (xtrain bench attention)",
+    )
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--forms", help="schedules to time, e.g. pairs:1:1,tail:2:1 (policy:tail rounds:item cost)")
     args = ap.parse_args(argv)
@@ -38,8 +41,11 @@ def main(argv=None) -> int:
     table = []
     for D, T in ((D, T) for D in map(int, args.head_dims.split(",")) for T in map(int, args.seqs.split(","))):
         variants = [G.pick_variant(D, T)] + (["q2"] if D == 64 and G.pick_variant(D, T) == "w3" and T <= 4096 else [])
-        shapes = ([(16384 // T, 2048 // D)] if args.bh == "issue" else
-                  [(bh // h, h) for bh in map(int, args.bh.split(",")) for h in (32 if bh % 32 == 0 else 33,)])
+        shapes = (
+            [(16384 // T, 2048 // D)]
+            if args.bh == "issue"
+            else [(bh // h, h) for bh in map(int, args.bh.split(",")) for h in (32 if bh % 32 == 0 else 33,)]
+        )
         for B, H in shapes:
             BH = B * H
             q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -56,26 +62,48 @@ def main(argv=None) -> int:
                     res[(sched, tail, cost)] = [same]
                 for _ in range(2):  # two interleaved passes
                     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                        res.setdefault("cudnn", []).append(gpu_time(
-                            lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True))["ms"])
+                        res.setdefault("cudnn", []).append(
+                            gpu_time(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True))[
+                                "ms"
+                            ]
+                        )
                     for sched, tail, cost in FORMS:
                         G.SCHEDULE, G.SCHED_TAIL_ROUNDS, G.SCHED_ITEM_COST = sched, tail, cost
-                        res[(sched, tail, cost)].append(gpu_time(
-                            lambda q=q, k=k, v=v, var=variant: G.flash_attention_fwd_gluon(q, k, v, True,
-                                                                                           variant=var))["ms"])
+                        res[(sched, tail, cost)].append(
+                            gpu_time(
+                                lambda q=q, k=k, v=v, var=variant: G.flash_attention_fwd_gluon(
+                                    q, k, v, True, variant=var
+                                )
+                            )["ms"]
+                        )
                 G.SCHEDULE, G.SCHED_TAIL_ROUNDS, G.SCHED_ITEM_COST = "pairs", 1, 1.0
                 cud = min(res["cudnn"])
                 for form in FORMS:
                     same, *ms = res[form]
-                    table.append((T, variant, BH, f"{form[0]} {form[1]} {form[2]}", same, flops / min(ms) / 1e9,
-                                  flops / cud / 1e9, cud / min(ms), ms))
+                    table.append(
+                        (
+                            T,
+                            variant,
+                            BH,
+                            f"{form[0]} {form[1]} {form[2]}",
+                            same,
+                            flops / min(ms) / 1e9,
+                            flops / cud / 1e9,
+                            cud / min(ms),
+                            ms,
+                        )
+                    )
                     print(table[-1], flush=True)
-    print("\n| T | variant | B·H | schedule (policy, tail rounds, item cost) | same bits | TFLOP/s | cuDNN | ratio "
-          "| ms (two passes) |")
+    print(
+        "\n| T | variant | B·H | schedule (policy, tail rounds, item cost) | same bits | TFLOP/s | cuDNN | ratio "
+        "| ms (two passes) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for T, var, BH, name, same, xt, ct, r, ms in table:
-        print(f"| {T} | {var} | {BH} | {name} | {same} | {xt:.0f} | {ct:.0f} | {r:.3f} | "
-              f"{' / '.join(f'{m:.4f}' for m in ms)} |")
+        print(
+            f"| {T} | {var} | {BH} | {name} | {same} | {xt:.0f} | {ct:.0f} | {r:.3f} | "
+            f"{' / '.join(f'{m:.4f}' for m in ms)} |"
+        )
     return 0
 
 

@@ -68,8 +68,7 @@ def run_checks(script: str, variants, extra_args=(), startup_s: float = 180.0, p
                 child.kill()  # the child this function started, by its handle
                 child.wait()
                 victim = current or todo[0]
-                print(f"[{victim}] HANG: no result within {per_variant_s if current else startup_s:.0f}s, "
-                      f"child killed")
+                print(f"[{victim}] HANG: no result within {per_variant_s if current else startup_s:.0f}s, child killed")
                 todo.remove(victim)
                 break
             if ln is None:
@@ -120,8 +119,9 @@ def variant_lists(ap, args, known):
     return seqs, head_dims, variants
 
 
-def check_then_time(variants, head_dims, seqs, *, check_only: bool, no_isolate: bool, check_fn, checks_fn,
-                    bench_row, title: str) -> int:
+def check_then_time(
+    variants, head_dims, seqs, *, check_only: bool, no_isolate: bool, check_fn, checks_fn, bench_row, title: str
+) -> int:
     """The main flow of a variant bench. As the child (check_only): check each variant, stop at the first
     exception. Else: check (in child processes unless no_isolate), time the passing variants with
     ``bench_row(D, T, passing) -> {"D", "T", "cudnn", "triton", variant: TFLOP/s}`` and print the table
@@ -192,8 +192,10 @@ def ptx_summary(ck, keys) -> str:
     ptx = ck.asm.get("ptx", "")
     counts = ", ".join(f"{key} x{ptx.count(key)}" for key in keys if ptx.count(key))
     regs = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
-    return (f"smem {getattr(ck.metadata, 'shared', '?')} B; {res_usage(ck.asm.get('cubin', b''))}; "
-            f"setmaxnreg {regs}; PTX: {counts}")
+    return (
+        f"smem {getattr(ck.metadata, 'shared', '?')} B; {res_usage(ck.asm.get('cubin', b''))}; "
+        f"setmaxnreg {regs}; PTX: {counts}"
+    )
 
 
 def rel_norm(x, ref) -> float:
@@ -217,15 +219,17 @@ def bwd_worst_error(name: str, head_dims, run) -> float:
         for T in (1024, 2048):
             B, H, Hkv = 1, 4, 2
             g = torch.Generator(device="cuda").manual_seed(T + D)
-            q, k, v, do = (torch.randn(B, h, T, D, generator=g, device="cuda", dtype=torch.bfloat16)
-                           for h in (H, Hkv, Hkv, H))
+            q, k, v, do = (
+                torch.randn(B, h, T, D, generator=g, device="cuda", dtype=torch.bfloat16) for h in (H, Hkv, Hkv, H)
+            )
             o64, lse64 = flash_attention_fwd_ref(q.double(), k.double(), v.double(), True)
             o, lse = o64.to(torch.bfloat16), lse64.float()
             dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
             run(do, q, k, v, o, lse, dq, dk, dv)
             torch.cuda.synchronize()
-            ref = flash_attention_bwd_ref(do.double(), q.double(), k.double(), v.double(), o.double(),
-                                          lse.double(), True)
+            ref = flash_attention_bwd_ref(
+                do.double(), q.double(), k.double(), v.double(), o.double(), lse.double(), True
+            )
             errs = [rel_norm(x, r) for x, r in zip((dq, dk, dv), ref)]
             print(f"    {name} D={D} T={T} causal: rel-norm err dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}")
             worst = max(worst, *errs)
@@ -239,8 +243,7 @@ def bench_inputs(D: int, T: int, dtype=None, seed: int = 0, tokens: int = 16384,
 
     B, H = tokens // T, width // D
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return tuple(torch.randn(B, H, T, D, generator=g, device="cuda", dtype=dtype or torch.bfloat16)
-                 for _ in range(4))
+    return tuple(torch.randn(B, H, T, D, generator=g, device="cuda", dtype=dtype or torch.bfloat16) for _ in range(4))
 
 
 def cudnn_bwd(q, k, v, do, causal: bool = True):

@@ -57,8 +57,7 @@ def _gpu(fn) -> dict:
 
     g = gpu_time(fn)
     if not g["queue_full"]:
-        print("# warning: the host did not stay ahead of the GPU; this time may include launch overhead",
-              flush=True)
+        print("# warning: the host did not stay ahead of the GPU; this time may include launch overhead", flush=True)
     return g
 
 
@@ -87,31 +86,49 @@ def _name(dtype) -> str:
 
 # Each case builder returns (label, bytes that must move, triton fn, reference fn).
 
+
 def rms_cases():
-    for N, C, dt in [(16384, 4096, torch.bfloat16), (65536, 768, torch.bfloat16), (8192, 8192, torch.bfloat16),
-                     (16384, 4096, torch.float32)]:
+    for N, C, dt in [
+        (16384, 4096, torch.bfloat16),
+        (65536, 768, torch.bfloat16),
+        (8192, 8192, torch.bfloat16),
+        (16384, 4096, torch.float32),
+    ]:
         yield from _rms(N, C, dt)
 
 
 def _rms(N, C, dt):
     from xtrain.kernels import rms_norm as K
+
     e = _esize(dt)
     x, dy, w = _rand(N, C, dtype=dt), _rand(N, C, dtype=dt), _rand(C, dtype=dt)
     _, r = K.rms_norm_fwd_triton(x, w, 1e-6)
-    yield (f"rms_norm fwd {N}x{C} {_name(dt)}", 2 * N * C * e + C * e + 4 * N,
-           lambda: K.rms_norm_fwd_triton(x, w, 1e-6), lambda: K.rms_norm_fwd_ref(x, w, 1e-6))
-    yield (f"rms_norm bwd {N}x{C} {_name(dt)}", 3 * N * C * e + C * e + 4 * N,
-           lambda: K.rms_norm_bwd_triton(dy, x, w, r), lambda: K.rms_norm_bwd_ref(dy, x, w, r))
+    yield (
+        f"rms_norm fwd {N}x{C} {_name(dt)}",
+        2 * N * C * e + C * e + 4 * N,
+        lambda: K.rms_norm_fwd_triton(x, w, 1e-6),
+        lambda: K.rms_norm_fwd_ref(x, w, 1e-6),
+    )
+    yield (
+        f"rms_norm bwd {N}x{C} {_name(dt)}",
+        3 * N * C * e + C * e + 4 * N,
+        lambda: K.rms_norm_bwd_triton(dy, x, w, r),
+        lambda: K.rms_norm_bwd_ref(dy, x, w, r),
+    )
 
 
 def rope_cases():
-    for shape, batched, dt in [((4, 32, 4096, 128), False, torch.bfloat16), ((4, 32, 4096, 128), False, torch.float32),
-                               ((2, 16, 16384, 128), True, torch.bfloat16)]:
+    for shape, batched, dt in [
+        ((4, 32, 4096, 128), False, torch.bfloat16),
+        ((4, 32, 4096, 128), False, torch.float32),
+        ((2, 16, 16384, 128), True, torch.bfloat16),
+    ]:
         yield from _rope(shape, batched, dt)
 
 
 def _rope(shape, batched, dt):
     from xtrain.kernels import rope as K
+
     x = _rand(*shape, dtype=dt)
     T = shape[-2]
     pos = torch.randint(0, 16384, (shape[0], T), device="cuda") if batched else torch.arange(T, device="cuda")
@@ -119,10 +136,18 @@ def _rope(shape, batched, dt):
     lbl = f"{'x'.join(map(str, shape))} {'pos[B,T]' if batched else 'pos[T]'} {_name(dt)}"
     for table in (True, False):
         tag = "table" if table else "in-kernel"
-        yield (f"rope fwd ({tag}) {lbl}", nbytes,
-               lambda table=table: K.rope_fwd_triton(x, pos, 1e6, table=table), lambda: K.rope_fwd_ref(x, pos, 1e6))
-    yield (f"rope bwd (in-kernel) {lbl}", nbytes, lambda: K.rope_bwd_triton(x, pos, 1e6, table=False),
-           lambda: K.rope_bwd_ref(x, pos, 1e6))
+        yield (
+            f"rope fwd ({tag}) {lbl}",
+            nbytes,
+            lambda table=table: K.rope_fwd_triton(x, pos, 1e6, table=table),
+            lambda: K.rope_fwd_ref(x, pos, 1e6),
+        )
+    yield (
+        f"rope bwd (in-kernel) {lbl}",
+        nbytes,
+        lambda: K.rope_bwd_triton(x, pos, 1e6, table=False),
+        lambda: K.rope_bwd_ref(x, pos, 1e6),
+    )
 
 
 def swiglu_cases():
@@ -132,14 +157,14 @@ def swiglu_cases():
 
 def _swiglu(shape, dt):
     from xtrain.kernels import swiglu as K
+
     n, e = shape[0] * shape[1], _esize(dt)
     g, u, dy = _rand(*shape, dtype=dt), _rand(*shape, dtype=dt), _rand(*shape, dtype=dt)
     lbl = f"{shape[0]}x{shape[1]} {_name(dt)}"
     yield (f"silu fwd {lbl}", 2 * n * e, lambda: K.silu_fwd_triton(g), lambda: K.silu_fwd_ref(g))
     yield (f"silu bwd {lbl}", 3 * n * e, lambda: K.silu_bwd_triton(dy, g), lambda: K.silu_bwd_ref(dy, g))
     yield (f"swiglu fwd {lbl}", 3 * n * e, lambda: K.swiglu_fwd_triton(g, u), lambda: K.swiglu_fwd_ref(g, u))
-    yield (f"swiglu bwd {lbl}", 5 * n * e, lambda: K.swiglu_bwd_triton(dy, g, u),
-           lambda: K.swiglu_bwd_ref(dy, g, u))
+    yield (f"swiglu bwd {lbl}", 5 * n * e, lambda: K.swiglu_bwd_triton(dy, g, u), lambda: K.swiglu_bwd_ref(dy, g, u))
 
 
 def dropout_cases():
@@ -149,9 +174,14 @@ def dropout_cases():
 
 def _dropout(shape, dt):
     from xtrain.kernels import dropout as K
+
     x = _rand(*shape, dtype=dt)
-    yield (f"dropout fwd {shape[0]}x{shape[1]} {_name(dt)}", 2 * x.numel() * _esize(dt),
-           lambda: K.dropout_fwd_triton(x, 0.1, 1234), lambda: K.dropout_fwd_ref(x, 0.1, 1234))
+    yield (
+        f"dropout fwd {shape[0]}x{shape[1]} {_name(dt)}",
+        2 * x.numel() * _esize(dt),
+        lambda: K.dropout_fwd_triton(x, 0.1, 1234),
+        lambda: K.dropout_fwd_ref(x, 0.1, 1234),
+    )
 
 
 def ce_cases():
@@ -161,21 +191,30 @@ def ce_cases():
 
 def _ce(N, V, dt):
     from xtrain.kernels import cross_entropy as K
+
     e = _esize(dt)
     logits = _rand(N, V, dtype=dt, scale=3.0)
     t = torch.randint(0, V, (N,), device="cuda")
     _, lse, denom = K.cross_entropy_fwd_triton(logits, t)
     dl = torch.tensor(1.0, device="cuda")
     lbl = f"{N}x{V} {_name(dt)}"
-    yield (f"cross_entropy fwd {lbl}", N * V * e + 16 * N,
-           lambda: K.cross_entropy_fwd_triton(logits, t), lambda: K.cross_entropy_fwd_ref(logits, t))
-    yield (f"cross_entropy bwd {lbl}", 2 * N * V * e + 12 * N,
-           lambda: K.cross_entropy_bwd_triton(dl, logits, t, lse, -100, denom),
-           lambda: K.cross_entropy_bwd_ref(dl, logits, t, lse, -100, denom))
+    yield (
+        f"cross_entropy fwd {lbl}",
+        N * V * e + 16 * N,
+        lambda: K.cross_entropy_fwd_triton(logits, t),
+        lambda: K.cross_entropy_fwd_ref(logits, t),
+    )
+    yield (
+        f"cross_entropy bwd {lbl}",
+        2 * N * V * e + 12 * N,
+        lambda: K.cross_entropy_bwd_triton(dl, logits, t, lse, -100, denom),
+        lambda: K.cross_entropy_bwd_ref(dl, logits, t, lse, -100, denom),
+    )
 
 
 def adamw_cases():
     from xtrain.kernels import adamw as K
+
     # a 24-layer, width-1024 model: ~340M parameters in 217 tensors
     shapes = [(32000, 1024)] + 24 * ([(1024, 1024)] * 4 + [(2816, 1024)] * 3 + [(1024,)] * 2)
     n = sum(torch.Size(s).numel() for s in shapes)
@@ -190,46 +229,71 @@ def adamw_cases():
 
     st = state()
     kw = dict(step=10, lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decays=[0.1] * len(shapes))
-    yield (f"adamw {n / 1e6:.0f}M params / {len(shapes)} tensors, +bf16 copies", 30 * n,
-           lambda: K.adamw_step_triton(*st[:4], copies=st[4], **kw),
-           lambda: K.adamw_step_ref(*st[:4], copies=st[4], **kw))
+    yield (
+        f"adamw {n / 1e6:.0f}M params / {len(shapes)} tensors, +bf16 copies",
+        30 * n,
+        lambda: K.adamw_step_triton(*st[:4], copies=st[4], **kw),
+        lambda: K.adamw_step_ref(*st[:4], copies=st[4], **kw),
+    )
 
 
 def embedding_cases():
     # fp32 at the bf16 row's shape too (session 16): a table 8x the tokens' rows, where the zero rows dominate
-    for N, V, C, dt in [(16384, 131072, 4096, torch.bfloat16), (16384, 32000, 2048, torch.float32),
-                        (16384, 131072, 4096, torch.float32)]:
+    for N, V, C, dt in [
+        (16384, 131072, 4096, torch.bfloat16),
+        (16384, 32000, 2048, torch.float32),
+        (16384, 131072, 4096, torch.float32),
+    ]:
         yield from _embedding(N, V, C, dt)
 
 
 def _embedding(N, V, C, dt):
     from xtrain.kernels import embedding as K
+
     e = _esize(dt)
     ids = zipf_ids(N, V)
     d = _rand(N, C, dtype=dt)
-    yield (f"embedding bwd N={N} V={V} C={C} {_name(dt)}", N * C * e + V * C * e + 8 * N,
-           lambda: K.embedding_bwd_triton(d, ids, V), lambda: K.embedding_bwd_ref(d, ids, V))
+    yield (
+        f"embedding bwd N={N} V={V} C={C} {_name(dt)}",
+        N * C * e + V * C * e + 8 * N,
+        lambda: K.embedding_bwd_triton(d, ids, V),
+        lambda: K.embedding_bwd_ref(d, ids, V),
+    )
     plan = K.embedding_bwd_plan(ids, V, C, dt)
     if plan is None:  # the backward's form here takes no plan (bf16)
         return
     # session 22: what ops.embedding runs in training: the forward launches the backward's ids-only part (the slots
     # pass and lists) on a side stream beside its gather, and the backward starts at its rows grid. First the backward
     # given a plan made before; then forward + backward, the plan made in the forward, against both without a plan
-    yield (f"embedding bwd N={N} V={V} C={C} {_name(dt)}, plan made before", N * C * e + V * C * e + 8 * N,
-           lambda: K.embedding_bwd_triton(d, ids, V, plan), lambda: K.embedding_bwd_ref(d, ids, V))
+    yield (
+        f"embedding bwd N={N} V={V} C={C} {_name(dt)}, plan made before",
+        N * C * e + V * C * e + 8 * N,
+        lambda: K.embedding_bwd_triton(d, ids, V, plan),
+        lambda: K.embedding_bwd_ref(d, ids, V),
+    )
     table = _rand(V, C, dtype=dt)
 
     def planned():
         out, p = K.embedding_fwd_planned(ids, table)
         return out, K.embedding_bwd_triton(d, ids, V, p)
 
-    yield (f"embedding fwd + bwd N={N} V={V} C={C} {_name(dt)}, plan made in the fwd (ref: Triton, no plan)",
-           3 * N * C * e + V * C * e + 16 * N, planned,
-           lambda: (K.embedding_fwd(ids, table), K.embedding_bwd_triton(d, ids, V)))
+    yield (
+        f"embedding fwd + bwd N={N} V={V} C={C} {_name(dt)}, plan made in the fwd (ref: Triton, no plan)",
+        3 * N * C * e + V * C * e + 16 * N,
+        planned,
+        lambda: (K.embedding_fwd(ids, table), K.embedding_bwd_triton(d, ids, V)),
+    )
 
 
-GROUPS = {"rms_norm": rms_cases, "rope": rope_cases, "swiglu": swiglu_cases, "dropout": dropout_cases,
-          "cross_entropy": ce_cases, "adamw": adamw_cases, "embedding": embedding_cases}
+GROUPS = {
+    "rms_norm": rms_cases,
+    "rope": rope_cases,
+    "swiglu": swiglu_cases,
+    "dropout": dropout_cases,
+    "cross_entropy": ce_cases,
+    "adamw": adamw_cases,
+    "embedding": embedding_cases,
+}
 
 
 def linear_ce_rows(sizes):
@@ -274,15 +338,21 @@ def _linear_ce_row(N, C, V):
         del out
         ms = _bench(fn, rep=400)
         res[name] = (peak, ms)
-    return dict(N=N, C=C, V=V, **{f"{k}_peak_gib": v[0] / 2**30 for k, v in res.items()},
-                **{f"{k}_ms": v[1] for k, v in res.items()},
-                time_ratio=res["fused"][1] / res["unfused"][1],
-                mem_saved_gib=(res["unfused"][0] - res["fused"][0]) / 2**30)
+    return dict(
+        N=N,
+        C=C,
+        V=V,
+        **{f"{k}_peak_gib": v[0] / 2**30 for k, v in res.items()},
+        **{f"{k}_ms": v[1] for k, v in res.items()},
+        time_ratio=res["fused"][1] / res["unfused"][1],
+        mem_saved_gib=(res["unfused"][0] - res["fused"][0]) / 2**30,
+    )
 
 
 # ------------------------------------------------------------------------------ variant sweep (--variants)
 # Each kernel's tiling knobs (module-level overrides) swept at the bench's sizes: every variant is first
 # checked against the float64 oracle with its outputs poisoned (NaN), then timed next to the reference.
+
 
 @contextlib.contextmanager
 def _knob(module, name, value):
@@ -322,28 +392,39 @@ def variant_cases(only=None, smoke=False):
     Only the groups ``only`` names build their data. smoke: tiny fp32 sizes (the CPU interpreter run)."""
     f32, bf16 = torch.float32, torch.bfloat16
     if _wanted("rms_norm bwd", only):
-        sizes = ([(37, 768, f32), (5, 4096, f32), (3, 8192, f32)] if smoke else
-                 [(16384, 4096, bf16), (65536, 768, bf16), (8192, 8192, bf16), (16384, 4096, f32)])
+        sizes = (
+            [(37, 768, f32), (5, 4096, f32), (3, 8192, f32)]
+            if smoke
+            else [(16384, 4096, bf16), (65536, 768, bf16), (8192, 8192, bf16), (16384, 4096, f32)]
+        )
         for N, C, dt in sizes:
             yield from _v_rms(N, C, dt)
     if _wanted("rope fwd", only) and not smoke:
-        for shape, batched, dt in [((4, 32, 4096, 128), False, torch.bfloat16),
-                                   ((4, 32, 4096, 128), False, torch.float32),
-                                   ((2, 16, 16384, 128), True, torch.bfloat16)]:
+        for shape, batched, dt in [
+            ((4, 32, 4096, 128), False, torch.bfloat16),
+            ((4, 32, 4096, 128), False, torch.float32),
+            ((2, 16, 16384, 128), True, torch.bfloat16),
+        ]:
             yield from _v_rope(shape, batched, dt)
     if _wanted("dropout fwd", only) and not smoke:
         for shape, dt in [((8192, 14336), torch.bfloat16), ((4096, 14336), torch.float32)]:
             yield from _v_dropout(shape, dt)
     if _wanted("cross_entropy fwd", only):
-        sizes = ([(9, 4096, f32), (5, 1000, f32)] if smoke else
-                 [(8192, 32768, bf16), (8192, 131072, bf16), (4096, 131072, f32)])
+        sizes = (
+            [(9, 4096, f32), (5, 1000, f32)]
+            if smoke
+            else [(8192, 32768, bf16), (8192, 131072, bf16), (4096, 131072, f32)]
+        )
         for N, V, dt in sizes:
             yield from _v_ce(N, V, dt, smoke)
     if _wanted("adamw", only) and not smoke:
         yield from _v_adamw()
     if _wanted("embedding bwd", only):
-        sizes = ([(100, 50, 2048, f32), (64, 1000, 300, f32)] if smoke else
-                 [(16384, 131072, 4096, bf16), (16384, 32000, 2048, f32)])
+        sizes = (
+            [(100, 50, 2048, f32), (64, 1000, 300, f32)]
+            if smoke
+            else [(16384, 131072, 4096, bf16), (16384, 32000, 2048, f32)]
+        )
         for N, V, C, dt in sizes:
             yield from _v_embedding(N, V, C, dt, smoke)
 
@@ -371,29 +452,53 @@ def _v_rms(N, C, dt):
     def oracle():
         _, r64 = K.rms_norm_fwd_ref(x.double(), w.double(), 1e-6)
         return K.rms_norm_bwd_ref(dy.double(), x.double(), w.double(), r64)
+
     oracle = _Lazy(oracle)
     # (elements per tile, num_warps, programs per SM, prefetch: True = by hand, int = Triton num_stages), dw pass
     if C >= 2048:
-        cfgs = [(None, "torch"), (None, "triton"), ((8192, 16, 1, 3), "triton"), ((8192, 16, 1, 4), "triton"),
-                ((4096, 8, 2, 3), "triton"), ((4096, 8, 2, 4), "triton")]
+        cfgs = [
+            (None, "torch"),
+            (None, "triton"),
+            ((8192, 16, 1, 3), "triton"),
+            ((8192, 16, 1, 4), "triton"),
+            ((4096, 8, 2, 3), "triton"),
+            ((4096, 8, 2, 4), "triton"),
+        ]
         if dt == torch.float32:
             cfgs = cfgs[:3] + cfgs[4:5]
         elif C >= 8192:  # a [1, 8192] tile on 8 warps needs ~208 registers a thread (sm_90 compile): dropped
             cfgs = cfgs[:4]
     else:
-        cfgs = [(None, "torch"), (None, "triton"), ((4096, 8, 2, 3), "triton"), ((4096, 8, 2, 4), "triton"),
-                ((2048, 4, 4, 3), "triton"), ((2048, 4, 4, 4), "triton"), ((1024, 1, 8, 4), "triton")]
+        cfgs = [
+            (None, "torch"),
+            (None, "triton"),
+            ((4096, 8, 2, 3), "triton"),
+            ((4096, 8, 2, 4), "triton"),
+            ((2048, 4, 4, 3), "triton"),
+            ((2048, 4, 4, 4), "triton"),
+            ((1024, 1, 8, 4), "triton"),
+        ]
     # the dw pass's (partial rows per step, columns per program, warps); (512, 16, 4) is the default now
     cfgs += [(None, "triton", dwc) for dwc in ((32, 128, 4), (256, 32, 4))]
     # 5th field: INTERLEAVE (tiles pid, pid + P, ...; the defaults have it on)
     if C < 2048:
-        cfgs += [((4096, 8, 2, 4, False), "triton"), ((4096, 8, 2, 5), "triton"), ((4096, 8, 3, 4), "triton"),
-                 ((2048, 4, 4, 4, True), "triton"), ((2048, 4, 6, 4), "triton"), ((2048, 4, 8, 3), "triton"),
-                 ((2048, 2, 8, 4), "triton"), ((1024, 2, 12, 4), "triton"), ((1024, 1, 16, 4), "triton"),
-                 ((8192, 16, 1, 4, True), "triton"), ((4096, 4, 4, 4, True), "triton")]
+        cfgs += [
+            ((4096, 8, 2, 4, False), "triton"),
+            ((4096, 8, 2, 5), "triton"),
+            ((4096, 8, 3, 4), "triton"),
+            ((2048, 4, 4, 4, True), "triton"),
+            ((2048, 4, 6, 4), "triton"),
+            ((2048, 4, 8, 3), "triton"),
+            ((2048, 2, 8, 4), "triton"),
+            ((1024, 2, 12, 4), "triton"),
+            ((1024, 1, 16, 4), "triton"),
+            ((8192, 16, 1, 4, True), "triton"),
+            ((4096, 4, 4, 4, True), "triton"),
+        ]
     else:
         cfgs += [((8192, 16, 1, 3, False), "triton")]
     for cfg, dw_reduce, *extra in cfgs:
+
         def fn(cfg=cfg, dw_reduce=dw_reduce, dwc=(extra or [K.DW_CONFIG])[0]):
             with _knob(K, "BWD_CONFIG", cfg), _knob(K, "DW_REDUCE", dw_reduce), _knob(K, "DW_CONFIG", dwc):
                 return K.rms_norm_bwd_triton(dy, x, w, r)
@@ -403,13 +508,24 @@ def _v_rms(N, C, dt):
             dx64, dw64 = oracle()
             ex, ew = _rel(dx, dx64), _rel(dw, dw64)
             return ex < _tol(dt) and ew < _tol(dt) and dw.dtype == w.dtype, f"dx {ex:.1e} dw {ew:.1e}"
+
         if cfg is None and not extra and dw_reduce == K.DW_REDUCE:
             name = "default"  # the library's path (the summary's "default" column)
         else:
-            name = (("default tiling" if cfg is None else str(cfg)) + f", dw {dw_reduce}"
-                    + (f" {extra[0]}" if extra else ""))
-        yield ("rms_norm bwd", f"{N}x{C} {_name(dt)}", name, 3 * N * C * e + C * e + 4 * N, fn, check,
-               lambda: K.rms_norm_bwd_ref(dy, x, w, r))
+            name = (
+                ("default tiling" if cfg is None else str(cfg))
+                + f", dw {dw_reduce}"
+                + (f" {extra[0]}" if extra else "")
+            )
+        yield (
+            "rms_norm bwd",
+            f"{N}x{C} {_name(dt)}",
+            name,
+            3 * N * C * e + C * e + 4 * N,
+            fn,
+            check,
+            lambda: K.rms_norm_bwd_ref(dy, x, w, r),
+        )
 
 
 def _v_rope(shape, batched, dt):
@@ -421,11 +537,25 @@ def _v_rope(shape, batched, dt):
     y32 = K.rope_fwd_ref(x.float(), pos, 1e6)
     lbl = f"{'x'.join(map(str, shape))} {'pos[B,T]' if batched else 'pos[T]'} {_name(dt)}"
     # session 16: smaller tiles, fewer warps and more programs per SM (the default sits at 85-88 %)
-    more = [((512, 4, 16, True), False), ((512, 2, 32, True), False), ((1024, 4, 24, True), False),
-            ((1024, 4, 32, True), False), ((1024, 8, 8, True), False), ((2048, 8, 8, True), False),
-            ((1024, 2, 32, True), False), ((512, 4, 32, True), False)]
-    for cfg, table in [(None, False), (None, True), ((2048, 4, 8, False), False), ((4096, 8, 4, True), False),
-                       ((1024, 4, 16, True), False), ((4096, 4, 8, True), False)] + more:
+    more = [
+        ((512, 4, 16, True), False),
+        ((512, 2, 32, True), False),
+        ((1024, 4, 24, True), False),
+        ((1024, 4, 32, True), False),
+        ((1024, 8, 8, True), False),
+        ((2048, 8, 8, True), False),
+        ((1024, 2, 32, True), False),
+        ((512, 4, 32, True), False),
+    ]
+    for cfg, table in [
+        (None, False),
+        (None, True),
+        ((2048, 4, 8, False), False),
+        ((4096, 8, 4, True), False),
+        ((1024, 4, 16, True), False),
+        ((4096, 4, 8, True), False),
+    ] + more:
+
         def fn(cfg=cfg, table=table):
             with _knob(K, "CONFIG", cfg):
                 return K.rope_fwd_triton(x, pos, 1e6, table=table)
@@ -433,8 +563,16 @@ def _v_rope(shape, batched, dt):
         def check(fn=fn):
             err = _rel(fn(), y32)
             return err < _tol(dt), f"{err:.1e}"
-        yield ("rope fwd", lbl, f"{cfg}{' table' if table else ''}", 2 * x.numel() * _esize(dt), fn, check,
-               lambda: K.rope_fwd_ref(x, pos, 1e6))
+
+        yield (
+            "rope fwd",
+            lbl,
+            f"{cfg}{' table' if table else ''}",
+            2 * x.numel() * _esize(dt),
+            fn,
+            check,
+            lambda: K.rope_fwd_ref(x, pos, 1e6),
+        )
 
 
 def _v_dropout(shape, dt):
@@ -443,6 +581,7 @@ def _v_dropout(shape, dt):
     x = _rand(*shape, dtype=dt)
     y0 = K.dropout_fwd_ref(x, 0.1, 1234)
     for block, warps in [(1024, 8), (512, 4), (2048, 8), (1024, 4)]:
+
         def fn(block=block, warps=warps):
             with _knob(K, "BLOCK", block), _knob(K, "NUM_WARPS", warps):
                 return K.dropout_fwd_triton(x, 0.1, 1234)
@@ -450,8 +589,16 @@ def _v_dropout(shape, dt):
         def check(fn=fn):
             same = torch.equal(fn(), y0)
             return same, f"equal {same}"
-        yield ("dropout fwd", f"{shape[0]}x{shape[1]} {_name(dt)}", f"pairs {block} w{warps}",
-               2 * x.numel() * _esize(dt), fn, check, lambda: K.dropout_fwd_ref(x, 0.1, 1234))
+
+        yield (
+            "dropout fwd",
+            f"{shape[0]}x{shape[1]} {_name(dt)}",
+            f"pairs {block} w{warps}",
+            2 * x.numel() * _esize(dt),
+            fn,
+            check,
+            lambda: K.dropout_fwd_ref(x, 0.1, 1234),
+        )
 
 
 def _v_ce(N, V, dt, smoke=False):
@@ -464,33 +611,42 @@ def _v_ce(N, V, dt, smoke=False):
     oracle = _Lazy(lambda: K.cross_entropy_fwd_ref(logits.double(), t))
     lbl = f"{N}x{V} {_name(dt)}"
     # (label, FWD_CONFIG = (BLOCK_V, num_warps, blocks per program, rows per program, stages), EPILOGUE, host read)
-    vs = [("default (split kernel, kernel epilogue)", None, "kernel", False),
-          ("previous: torch epilogue + host read of denom", None, "torch", True),
-          ("torch epilogue, no host read", None, "torch", False)]
+    vs = [
+        ("default (split kernel, kernel epilogue)", None, "kernel", False),
+        ("previous: torch epilogue + host read of denom", None, "torch", True),
+        ("torch epilogue, no host read", None, "torch", False),
+    ]
     # group g: _ce_fwd_group_kernel, per-group online log-sum-exp (no block reduction in the loop);
     # loss (BLOCK, warps): the epilogue kernel's step
     if smoke:
-        vs += [("group 16, whole row 256 w4", (256, 4, 0, 1, 0, 16), "kernel", False),
-               ("group 16, split 2x128 w4 + combine", (128, 4, 2, 1, 0, 16), "kernel", False)]
+        vs += [
+            ("group 16, whole row 256 w4", (256, 4, 0, 1, 0, 16), "kernel", False),
+            ("group 16, split 2x128 w4 + combine", (128, 4, 2, 1, 0, 16), "kernel", False),
+        ]
     elif dt == torch.float32:
-        vs += [("split 4x4096 w8 + combine, stages 3", (4096, 8, 4, 1, 3), "kernel", False),
-               ("group 16, split 4x4096 w8 + combine", (4096, 8, 4, 1, 0, 16), "kernel", False),
-               ("group 8, split 4x4096 w8 + combine", (4096, 8, 4, 1, 0, 8), "kernel", False),
-               ("group 16, whole row 4096 w8", (4096, 8, 0, 1, 0, 16), "kernel", False),
-               ("default, loss step 8192 w16", None, "kernel", False, (8192, 16))]
+        vs += [
+            ("split 4x4096 w8 + combine, stages 3", (4096, 8, 4, 1, 3), "kernel", False),
+            ("group 16, split 4x4096 w8 + combine", (4096, 8, 4, 1, 0, 16), "kernel", False),
+            ("group 8, split 4x4096 w8 + combine", (4096, 8, 4, 1, 0, 8), "kernel", False),
+            ("group 16, whole row 4096 w8", (4096, 8, 0, 1, 0, 16), "kernel", False),
+            ("default, loss step 8192 w16", None, "kernel", False, (8192, 16)),
+        ]
     else:
-        vs += [("split whole row 4096 w8, stages 3", (4096, 8, 0, 1, 3), "kernel", False),
-               ("group 8, whole row 4096 w8", (4096, 8, 0, 1, 0, 8), "kernel", False),
-               ("group 16, whole row 4096 w8", (4096, 8, 0, 1, 0, 16), "kernel", False),
-               ("group 32, whole row 4096 w8", (4096, 8, 0, 1, 0, 32), "kernel", False),
-               ("group 16, whole row 4096 w4", (4096, 4, 0, 1, 0, 16), "kernel", False),
-               ("group 16, whole row 8192 w16", (8192, 16, 0, 1, 0, 16), "kernel", False),
-               ("group 16, whole row 2048 w4", (2048, 4, 0, 1, 0, 16), "kernel", False),
-               ("group 16, split 4x4096 w8 + combine", (4096, 8, 4, 1, 0, 16), "kernel", False),
-               ("group 16 w8, loss step 4096 w8", (4096, 8, 0, 1, 0, 16), "kernel", False, (4096, 8)),
-               ("group 16 w8, loss step 8192 w16", (4096, 8, 0, 1, 0, 16), "kernel", False, (8192, 16)),
-               ("default, loss step 8192 w16", None, "kernel", False, (8192, 16))]
+        vs += [
+            ("split whole row 4096 w8, stages 3", (4096, 8, 0, 1, 3), "kernel", False),
+            ("group 8, whole row 4096 w8", (4096, 8, 0, 1, 0, 8), "kernel", False),
+            ("group 16, whole row 4096 w8", (4096, 8, 0, 1, 0, 16), "kernel", False),
+            ("group 32, whole row 4096 w8", (4096, 8, 0, 1, 0, 32), "kernel", False),
+            ("group 16, whole row 4096 w4", (4096, 4, 0, 1, 0, 16), "kernel", False),
+            ("group 16, whole row 8192 w16", (8192, 16, 0, 1, 0, 16), "kernel", False),
+            ("group 16, whole row 2048 w4", (2048, 4, 0, 1, 0, 16), "kernel", False),
+            ("group 16, split 4x4096 w8 + combine", (4096, 8, 4, 1, 0, 16), "kernel", False),
+            ("group 16 w8, loss step 4096 w8", (4096, 8, 0, 1, 0, 16), "kernel", False, (4096, 8)),
+            ("group 16 w8, loss step 8192 w16", (4096, 8, 0, 1, 0, 16), "kernel", False, (8192, 16)),
+            ("default, loss step 8192 w16", None, "kernel", False, (8192, 16)),
+        ]
     for name, cfg, epi, sync, *loss_cfg in vs:
+
         def fn(cfg=cfg, epi=epi, sync=sync, loss_cfg=(loss_cfg or [K.LOSS_CONFIG])[0]):
             with _knob(K, "FWD_CONFIG", cfg), _knob(K, "EPILOGUE", epi), _knob(K, "LOSS_CONFIG", loss_cfg):
                 out = K.cross_entropy_fwd_triton(logits, t)
@@ -504,8 +660,16 @@ def _v_ce(N, V, dt, smoke=False):
             el, es = abs(loss.item() - loss64.item()) / loss64.item(), _rel(lse, lse64)
             dn = denom.item() == denom64.item()
             return el < 1e-5 and es < 1e-6 and dn, f"loss {el:.1e} lse {es:.1e} denom {dn}"
-        yield ("cross_entropy fwd", lbl, name, N * V * e + 16 * N, fn, check,
-               lambda: K.cross_entropy_fwd_ref(logits, t))
+
+        yield (
+            "cross_entropy fwd",
+            lbl,
+            name,
+            N * V * e + 16 * N,
+            fn,
+            check,
+            lambda: K.cross_entropy_fwd_ref(logits, t),
+        )
 
     def kern_only():
         return K.cross_entropy_fwd_lse_triton(logits, t)
@@ -513,8 +677,16 @@ def _v_ce(N, V, dt, smoke=False):
     def check_k():
         es = _rel(kern_only()[0], oracle()[1])
         return es < 1e-6, f"lse {es:.1e}"
-    yield ("cross_entropy fwd", lbl, "default, kernels only (no epilogue)", N * V * e + 16 * N, kern_only,
-           check_k, None)
+
+    yield (
+        "cross_entropy fwd",
+        lbl,
+        "default, kernels only (no epilogue)",
+        N * V * e + 16 * N,
+        kern_only,
+        check_k,
+        None,
+    )
 
 
 def _v_adamw():
@@ -522,12 +694,16 @@ def _v_adamw():
 
     shapes = [(32000, 1024)] + 24 * ([(1024, 1024)] * 4 + [(2816, 1024)] * 3 + [(1024,)] * 2)
     n = sum(torch.Size(sh).numel() for sh in shapes)
-    st = ([_rand(*sh, dtype=torch.float32) for sh in shapes], [_rand(*sh, dtype=torch.float32) for sh in shapes],
-          [_rand(*sh, dtype=torch.float32, scale=0.1) for sh in shapes],
-          [torch.rand(*sh, device=_DEV) * 0.01 for sh in shapes],
-          [torch.empty(sh, device=_DEV, dtype=torch.bfloat16) for sh in shapes])
+    st = (
+        [_rand(*sh, dtype=torch.float32) for sh in shapes],
+        [_rand(*sh, dtype=torch.float32) for sh in shapes],
+        [_rand(*sh, dtype=torch.float32, scale=0.1) for sh in shapes],
+        [torch.rand(*sh, device=_DEV) * 0.01 for sh in shapes],
+        [torch.empty(sh, device=_DEV, dtype=torch.bfloat16) for sh in shapes],
+    )
     kw = dict(step=10, lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decays=[0.1] * len(shapes))
     for block, warps in [(4096, 8), (8192, 8), (2048, 4), (8192, 16)]:
+
         def fn(block=block, warps=warps):
             with _knob(K, "BLOCK", block), _knob(K, "NUM_WARPS", warps):
                 K.adamw_step_triton(*st[:4], copies=st[4], **kw)
@@ -540,8 +716,16 @@ def _v_adamw():
             K.adamw_step_ref(*b[:4], copies=b[4], **kw)
             bad = sum(int(not torch.equal(p, q)) for la, lb in zip(a, b) for p, q in zip(la, lb))
             return bad == 0, f"{bad} tensors differ"
-        yield ("adamw", f"{n / 1e6:.0f}M params / {len(shapes)} tensors +bf16", f"BLOCK {block} w{warps}", 30 * n,
-               fn, check, lambda: K.adamw_step_ref(*st[:4], copies=st[4], **kw))
+
+        yield (
+            "adamw",
+            f"{n / 1e6:.0f}M params / {len(shapes)} tensors +bf16",
+            f"BLOCK {block} w{warps}",
+            30 * n,
+            fn,
+            check,
+            lambda: K.adamw_step_ref(*st[:4], copies=st[4], **kw),
+        )
 
 
 def _v_embedding(N, V, C, dt, smoke=False):
@@ -561,71 +745,118 @@ def _v_embedding(N, V, C, dt, smoke=False):
     # block must be 16 bytes x 32 lanes x warps (in-thread scan): 1024 bf16 / 512 fp32 on 4 warps.
     # Sort keys 16: int16 where V <= 65536 (fp32 case), else int32.
     tb, tb8 = (1024, 2048) if e <= 2 else (512, 1024)
-    vs += [(f"tile, {z}, chunk {ch}, {b} cols w{w}, keys 16", (ch, b, w, z, 16, False, "tile"))
-           for z in ("fused", "absent") for ch, b, w in ((16, tb, 4), (8, tb, 4), (16, tb8, 8), (8, tb8, 8))]
+    vs += [
+        (f"tile, {z}, chunk {ch}, {b} cols w{w}, keys 16", (ch, b, w, z, 16, False, "tile"))
+        for z in ("fused", "absent")
+        for ch, b, w in ((16, tb, 4), (8, tb, 4), (16, tb8, 8), (8, tb8, 8))
+    ]
     # session 6: the sort, walks and merge on a high-priority side stream while the absent rows are zeroed
-    vs += [("side, walk, keys 16", (16, bc, 4, "side", 16, True)),
-           ("side, tile, keys 16", (16, tb, 4, "side", 16, False, "tile")),
-           ("side, tile, chunk 8, keys 16", (8, tb, 4, "side", 16, False, "tile")),
-           ("side, tile, chunk 32, keys 16", (32, tb, 4, "side", 16, False, "tile"))]
+    vs += [
+        ("side, walk, keys 16", (16, bc, 4, "side", 16, True)),
+        ("side, tile, keys 16", (16, tb, 4, "side", 16, False, "tile")),
+        ("side, tile, chunk 8, keys 16", (8, tb, 4, "side", 16, False, "tile")),
+        ("side, tile, chunk 32, keys 16", (32, tb, 4, "side", 16, False, "tile")),
+    ]
     if e > 2:
-        vs += [("tile, fused, chunk 32, 512 cols w4, keys 16", (32, 512, 4, "fused", 16, False, "tile")),
-               ("walk, fused, chunk 32, keys 16", (32, bc, 4, "fused", 16, True))]
+        vs += [
+            ("tile, fused, chunk 32, 512 cols w4, keys 16", (32, 512, 4, "fused", 16, False, "tile")),
+            ("walk, fused, chunk 32, keys 16", (32, bc, 4, "fused", 16, True)),
+        ]
     # the same with the side stream at the default priority (does the priority matter?), and the merge pass
     # taking 4 or 16 chunks per step (a frequent id spans dozens of chunks). A third element: module knobs of
     # the embedding module set for the variant (the rest keep their defaults).
     walk = (16, bc, 4, "side", 16, True)
-    vs += [("side, walk, keys 16, equal priority", walk, {"SIDE_HIGH_PRIORITY": False}),
-           ("side, walk, keys 16, merge 4", walk, {"MERGE_BLOCK": 4}),
-           ("side, walk, keys 16, merge 16", walk, {"MERGE_BLOCK": 16})]
+    vs += [
+        ("side, walk, keys 16, equal priority", walk, {"SIDE_HIGH_PRIORITY": False}),
+        ("side, walk, keys 16, merge 4", walk, {"MERGE_BLOCK": 4}),
+        ("side, walk, keys 16, merge 16", walk, {"MERGE_BLOCK": 16}),
+    ]
     # session 7: the rows kernel (every row seen at most K times, zeros included) beside the chain for the
     # frequent ids; ROWS = (K, BLOCK_R, BLOCK_C, num_warps[, programs per SM]) of the rows kernel
     rb = (2048, 1024) if e <= 2 else (1024, 512)
     rows = (16, bc, 4, "rows", 16, True)
-    vs += [(f"rows K{k} {br}x{bcol} w{w}, walk chain", rows, {"ROWS": (k, br, bcol, w)})
-           for k in (2, 4) for br, bcol, w in ((2, rb[0], 8), (4, rb[1], 4), (8, rb[1], 8))]
+    vs += [
+        (f"rows K{k} {br}x{bcol} w{w}, walk chain", rows, {"ROWS": (k, br, bcol, w)})
+        for k in (2, 4)
+        for br, bcol, w in ((2, rb[0], 8), (4, rb[1], 4), (8, rb[1], 8))
+    ]
     # the slots pass with fewer tokens per program (more programs to spread the atomics); the rows kernel
     # persistent (2-6 programs per SM) measured 0.155-0.239 ms fp32 in session 7 and is not swept again
-    vs += [(f"rows K4 8x{rb[1]} w8, slots block {sb}", rows, {"ROWS": (4, 8, rb[1], 8), "SLOTS_BLOCK": sb})
-           for sb in (128, 256)]
+    vs += [
+        (f"rows K4 8x{rb[1]} w8, slots block {sb}", rows, {"ROWS": (4, 8, rb[1], 8), "SLOTS_BLOCK": sb})
+        for sb in (128, 256)
+    ]
     vs += [("rows K4 4x512 w4 persistent 3/SM", rows, {"ROWS": (4, 4, rb[1], 4, 3)})]
     # session 12: whole-row tiles (bench/embedding_rows_probe.py: the rows kernel alone, fp32 K = 4, 1x2048 w4
     # 0.099 ms and 2x2048 w8 0.099 against 8x512 w8 0.109)
-    vs += [(f"rows K{k} whole rows {br}x{C} w{w}", rows, {"ROWS": (k, br, C, w)})
-           for k in (2, 4) for br, w in ((1, 4), (2, 8), (1, 8), (2, 4), (4, 8), (1, 16), (2, 16), (4, 16), (8, 16))]
+    vs += [
+        (f"rows K{k} whole rows {br}x{C} w{w}", rows, {"ROWS": (k, br, C, w)})
+        for k in (2, 4)
+        for br, w in ((1, 4), (2, 8), (1, 8), (2, 4), (4, 8), (1, 16), (2, 16), (4, 16), (8, 16))
+    ]
     # session 12: with whole-row tiles the chain is the longer branch, its merge a serial walk over a frequent id's
     # chunks: the merge MERGE_BLOCK chunks per step, and the walks' tile body, with the default rows tiling
     for mb in (1, 4, 16):
-        vs += [(f"rows (default ROWS), merge {mb}, chain {ch} {body}", (ch, tb if body == "tile" else bc, 4, "rows", 16,
-                                                                        body == "walk", body), {"MERGE_BLOCK": mb})
-               for ch, body in ((16, "walk"), (16, "tile"), (32, "tile"), (8, "tile"))]
+        vs += [
+            (
+                f"rows (default ROWS), merge {mb}, chain {ch} {body}",
+                (ch, tb if body == "tile" else bc, 4, "rows", 16, body == "walk", body),
+                {"MERGE_BLOCK": mb},
+            )
+            for ch, body in ((16, "walk"), (16, "tile"), (32, "tile"), (8, "tile"))
+        ]
     # the rows kernel: zero-only tiles skip the slots and gathers; the gathers with an evict-first L2 policy
-    vs += [(f"rows K4 {br}x{bcol} w{w}, {'zero fast path' if z else ''}{' evict_first' if ev else ''}", rows,
-            {"ROWS": (4, br, bcol, w), "ROWS_ZERO_FAST": z, "ROWS_EVICT": ev})
-           for br, bcol, w in ((1, rb[0], 4), (1, rb[1], 4), (2, rb[1], 4), (8, rb[1], 8))
-           for z, ev in ((True, ""), (False, "evict_first"), (True, "evict_first"))]
+    vs += [
+        (
+            f"rows K4 {br}x{bcol} w{w}, {'zero fast path' if z else ''}{' evict_first' if ev else ''}",
+            rows,
+            {"ROWS": (4, br, bcol, w), "ROWS_ZERO_FAST": z, "ROWS_EVICT": ev},
+        )
+        for br, bcol, w in ((1, rb[0], 4), (1, rb[1], 4), (2, rb[1], 4), (8, rb[1], 8))
+        for z, ev in ((True, ""), (False, "evict_first"), (True, "evict_first"))
+    ]
     # session 8: the rows form's chain with other chunk sizes and the tile body (fewer, longer chain programs)
-    vs += [(f"rows K4 {rb[1]} cols, chain chunk {ch}{' tile' if t else ' walk'}",
-            (ch, tb if t else bc, 4, "rows", 16, not t) + (("tile",) if t else ()), {"ROWS": (4, 8, rb[1], 8)})
-           for ch in (8, 32, 64) for t in (False, True)]
+    vs += [
+        (
+            f"rows K4 {rb[1]} cols, chain chunk {ch}{' tile' if t else ' walk'}",
+            (ch, tb if t else bc, 4, "rows", 16, not t) + (("tile",) if t else ()),
+            {"ROWS": (4, 8, rb[1], 8)},
+        )
+        for ch in (8, 32, 64)
+        for t in (False, True)
+    ]
     # the merge kernel launched as the walks' programmatic dependent (PDL, the default) or not
-    vs += [("side, walk, keys 16, no PDL", walk, {"PDL": False}),
-           ("rows (default ROWS), walk, keys 16, no PDL", rows, {"PDL": False})]
+    vs += [
+        ("side, walk, keys 16, no PDL", walk, {"PDL": False}),
+        ("rows (default ROWS), walk, keys 16, no PDL", rows, {"PDL": False}),
+    ]
     # session 16: the rows grid's launch as the slots pass's programmatic dependent, and issued before the chain
     # (both the default since)
-    vs += [(f"rows (default ROWS), launch {lbl_}", rows, knobs_)
-           for lbl_, knobs_ in (("as before", {"ROWS_PDL": False, "ROWS_MAIN_FIRST": False}),
-                                ("pdl", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": False}),
-                                ("main first", {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True}),
-                                ("pdl + main first", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": True}))]
+    vs += [
+        (f"rows (default ROWS), launch {lbl_}", rows, knobs_)
+        for lbl_, knobs_ in (
+            ("as before", {"ROWS_PDL": False, "ROWS_MAIN_FIRST": False}),
+            ("pdl", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": False}),
+            ("main first", {"ROWS_PDL": False, "ROWS_MAIN_FIRST": True}),
+            ("pdl + main first", {"ROWS_PDL": True, "ROWS_MAIN_FIRST": True}),
+        )
+    ]
     # session 18: the "tiers" form (TIERS = (K2, MT, BLOCK_C, warps, per SM of tier A, HT, BLOCK_C, warps, per SM of
     # tier B, SCAN); the default first)
     tiers = (16, bc, 4, "tiers", 16, True)
-    vs += [(f"tiers {t}", tiers, {"TIERS": t}) for t in
-           (None, (64, 16, 1024, 8, 1, 128, 32, 4, 1, 4096), (32, 8, 2048, 4, 1, 256, 64, 4, 1, 4096),
-            (128, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), (64, 8, 2048, 4, 2, 256, 64, 4, 1, 4096),
-            (64, 8, 2048, 4, 1, 128, 32, 4, 2, 4096))]
+    vs += [
+        (f"tiers {t}", tiers, {"TIERS": t})
+        for t in (
+            None,
+            (64, 16, 1024, 8, 1, 128, 32, 4, 1, 4096),
+            (32, 8, 2048, 4, 1, 256, 64, 4, 1, 4096),
+            (128, 8, 2048, 4, 1, 256, 64, 4, 1, 4096),
+            (64, 8, 2048, 4, 2, 256, 64, 4, 1, 4096),
+            (64, 8, 2048, 4, 1, 128, 32, 4, 2, 4096),
+        )
+    ]
     for name, cfg, *extra in vs:
+
         def fn(knobs=tuple({"CONFIG": cfg, **(extra[0] if extra else {})}.items())):
             with _knobs(K, dict(knobs)):
                 return K.embedding_bwd_triton(d, ids, V)
@@ -634,20 +865,42 @@ def _v_embedding(N, V, C, dt, smoke=False):
             a = fn()
             err, det = _rel(a, oracle()), torch.equal(a, fn())
             return err < _tol(dt) and det, f"{err:.1e} deterministic {det}"
-        yield ("embedding bwd", lbl, f"{name} {cfg}" if cfg else name, N * C * e + V * C * e + 8 * N, fn, check,
-               lambda: K.embedding_bwd_ref(d, ids, V))
+
+        yield (
+            "embedding bwd",
+            lbl,
+            f"{name} {cfg}" if cfg else name,
+            N * C * e + V * C * e + 8 * N,
+            fn,
+            check,
+            lambda: K.embedding_bwd_ref(d, ids, V),
+        )
     # the stages on their own (not the op: no check, not ranked)
     flat = ids.reshape(-1)
     ids32 = flat.to(torch.int32)
     ok = lambda: (True, "-")  # noqa: E731
-    yield ("embedding bwd", lbl, "stage alone: torch.zeros(V, C)", V * C * e,
-           lambda: torch.zeros(V, C, dtype=dt, device=_DEV), ok, None)
+    yield (
+        "embedding bwd",
+        lbl,
+        "stage alone: torch.zeros(V, C)",
+        V * C * e,
+        lambda: torch.zeros(V, C, dtype=dt, device=_DEV),
+        ok,
+        None,
+    )
     # write-only bandwidth: what bounds a kernel that must write the whole [V, C] gradient
     buf = torch.empty(V, C, dtype=dt, device=_DEV)
     yield ("embedding bwd", lbl, "stage alone: buf.zero_() (no allocation)", V * C * e, buf.zero_, ok, None)
     for blk, warps in ((4096, 4), (8192, 8), (16384, 8), (32768, 16)):
-        yield ("embedding bwd", lbl, f"stage alone: Triton zero store {blk} w{warps}", V * C * e,
-               lambda blk=blk, warps=warps: _zero_store(buf, blk, warps), ok, None)
+        yield (
+            "embedding bwd",
+            lbl,
+            f"stage alone: Triton zero store {blk} w{warps}",
+            V * C * e,
+            lambda blk=blk, warps=warps: _zero_store(buf, blk, warps),
+            ok,
+            None,
+        )
     ms = _memset_fn(buf) if buf.is_cuda else None
     if ms is not None:
         yield ("embedding bwd", lbl, "stage alone: cudaMemsetAsync", V * C * e, ms, ok, None)
@@ -658,28 +911,59 @@ def _v_embedding(N, V, C, dt, smoke=False):
     def chunk_merge():
         bcc = min(bc, 1 << (C - 1).bit_length())
         grid = (n_chunks, (C + bcc - 1) // bcc)
-        K._embedding_bwd_chunk_kernel[grid](d, order, srt, buf, part, N, V, C, CHUNK=16, BLOCK_C=bcc,
-                                            IDX_AHEAD=e > 2, num_warps=4)
+        K._embedding_bwd_chunk_kernel[grid](
+            d, order, srt, buf, part, N, V, C, CHUNK=16, BLOCK_C=bcc, IDX_AHEAD=e > 2, num_warps=4
+        )
         K._embedding_bwd_merge_kernel[grid](srt, part, buf, N, V, C, n_chunks, CHUNK=16, BLOCK_C=bcc, num_warps=4)
-    yield ("embedding bwd", lbl, "stage alone: chunk + merge kernels (ids sorted)", N * C * e, chunk_merge, ok,
-           None)
+
+    yield ("embedding bwd", lbl, "stage alone: chunk + merge kernels (ids sorted)", N * C * e, chunk_merge, ok, None)
 
     def tile_merge(ch=16):
         grid = (n_tc, (C + tb - 1) // tb)
-        K._embedding_bwd_chunk_kernel[grid](d, order, srt, buf, part, N, V, C, CHUNK=ch, BLOCK_C=tb, TILE=True,
-                                            num_warps=4)
+        K._embedding_bwd_chunk_kernel[grid](
+            d, order, srt, buf, part, N, V, C, CHUNK=ch, BLOCK_C=tb, TILE=True, num_warps=4
+        )
         K._embedding_bwd_merge_kernel[grid](srt, part, buf, N, V, C, n_tc, CHUNK=ch, BLOCK_C=tb, num_warps=4)
+
     n_tc = (N + 15) // 16
-    yield ("embedding bwd", lbl, f"stage alone: tile chunk + merge kernels (ids sorted), {tb} cols w4",
-           N * C * e, tile_merge, ok, None)
+    yield (
+        "embedding bwd",
+        lbl,
+        f"stage alone: tile chunk + merge kernels (ids sorted), {tb} cols w4",
+        N * C * e,
+        tile_merge,
+        ok,
+        None,
+    )
     if V <= 2**16:
         keys16 = (flat - 2**15).to(torch.int16)
-        yield ("embedding bwd", lbl, "stage alone: torch.sort int16 keys (no cast)", 10 * N,
-               lambda: torch.sort(keys16, stable=True), ok, None)
-    yield ("embedding bwd", lbl, "stage alone: torch.sort int64 ids", 16 * N,
-           lambda: torch.sort(flat, stable=True), ok, None)
-    yield ("embedding bwd", lbl, "stage alone: torch.sort int32 ids (+ the cast)", 12 * N,
-           lambda: torch.sort(flat.to(torch.int32), stable=True), ok, None)
+        yield (
+            "embedding bwd",
+            lbl,
+            "stage alone: torch.sort int16 keys (no cast)",
+            10 * N,
+            lambda: torch.sort(keys16, stable=True),
+            ok,
+            None,
+        )
+    yield (
+        "embedding bwd",
+        lbl,
+        "stage alone: torch.sort int64 ids",
+        16 * N,
+        lambda: torch.sort(flat, stable=True),
+        ok,
+        None,
+    )
+    yield (
+        "embedding bwd",
+        lbl,
+        "stage alone: torch.sort int32 ids (+ the cast)",
+        12 * N,
+        lambda: torch.sort(flat.to(torch.int32), stable=True),
+        ok,
+        None,
+    )
 
     # the rows form's parts: the slots pass (counts zeroed + atomics), the rows kernel alone on its result
     def slots_pass(k=4):
@@ -687,22 +971,34 @@ def _v_embedding(N, V, C, dt, smoke=False):
         slots = torch.empty(k, V, dtype=torch.int32, device=_DEV)
         K._embedding_slots_kernel[((N + 1023) // 1024,)](flat, counts, slots, N, V, K=k, BLOCK=1024, num_warps=4)
         return counts, slots
+
     yield ("embedding bwd", lbl, "stage alone: rows form's slots pass (K4)", 8 * N + 4 * V, slots_pass, ok, None)
     for k in (2, 4):
         cs = slots_pass(k)
         for br, bcol, w in ((4, rb[0], 8), (4, rb[1], 4)):
+
             def rows_alone(cs=cs, k=k, br=br, bcol=bcol, w=w):
                 n_rb, n_cb = (V + br - 1) // br, (C + bcol - 1) // bcol
-                K._embedding_bwd_rows_kernel[(n_rb, n_cb)](d, cs[0], cs[1], buf, V, C, n_cb, n_rb * n_cb, K=k,
-                                                           BLOCK_R=br, BLOCK_C=bcol, num_warps=w)
+                K._embedding_bwd_rows_kernel[(n_rb, n_cb)](
+                    d, cs[0], cs[1], buf, V, C, n_cb, n_rb * n_cb, K=k, BLOCK_R=br, BLOCK_C=bcol, num_warps=w
+                )
+
             light = int(cs[0][(cs[0] <= k)].sum())
-            yield ("embedding bwd", lbl, f"stage alone: rows kernel K{k} {br}x{bcol} w{w} (its bytes)",
-                   V * C * e + light * C * e, rows_alone, ok, None)
+            yield (
+                "embedding bwd",
+                lbl,
+                f"stage alone: rows kernel K{k} {br}x{bcol} w{w} (its bytes)",
+                V * C * e + light * C * e,
+                rows_alone,
+                ok,
+                None,
+            )
 
     def present():
         p = torch.zeros(V, dtype=torch.int8, device=_DEV)
         p[ids32] = 1
         return p
+
     yield ("embedding bwd", lbl, "stage alone: present marks (zeros + index_put)", V + N * 4, present, ok, None)
 
 
@@ -712,10 +1008,12 @@ def _zero_store(buf, block, warps):
 
     global _ZERO_KERNEL
     if _ZERO_KERNEL is None:
+
         @triton.jit
         def _zero_kernel(P, n, BLOCK: tl.constexpr):
             offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             tl.store(P + offs, tl.zeros([BLOCK], dtype=P.dtype.element_ty), mask=offs < n)
+
         _ZERO_KERNEL = _zero_kernel
     n = buf.numel()
     _ZERO_KERNEL[(triton.cdiv(n, block),)](buf, n, BLOCK=block, num_warps=warps)
@@ -730,8 +1028,9 @@ def _memset_fn(buf):
     import ctypes
     import glob
 
-    cands = ["libcudart.so"] + sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*",
-                                                             "lib", "libcudart.so*")))
+    cands = ["libcudart.so"] + sorted(
+        glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "lib", "libcudart.so*"))
+    )
     for name in cands:
         try:
             lib = ctypes.CDLL(name)
@@ -784,14 +1083,28 @@ def run_variants(bw: float, only=None, log=None, smoke: bool = False, match=None
                 r_ms = ref_ms_cache[(group, label)]
             else:
                 r_ms = ref_ms_cache[(group, label)] = _time(ref_fn, smoke)
-            row.update(ok=bool(ok), detail=detail, ms=t_ms, ref_ms=r_ms, of_copy=nbytes / (t_ms * 1e-3) / bw,
-                       speedup=r_ms / t_ms)
+            row.update(
+                ok=bool(ok),
+                detail=detail,
+                ms=t_ms,
+                ref_ms=r_ms,
+                of_copy=nbytes / (t_ms * 1e-3) / bw,
+                speedup=r_ms / t_ms,
+            )
         except Exception as exc:
-            row.update(ok=False, detail=f"{type(exc).__name__}: {exc}"[:300], ms=float("nan"), ref_ms=float("nan"),
-                       of_copy=float("nan"), speedup=float("nan"))
+            row.update(
+                ok=False,
+                detail=f"{type(exc).__name__}: {exc}"[:300],
+                ms=float("nan"),
+                ref_ms=float("nan"),
+                of_copy=float("nan"),
+                speedup=float("nan"),
+            )
         rows.append(row)
-        line = (f"{group:18s} {label:34s} {variant:44s} {'ok ' if row['ok'] else 'BAD'} {row['ms']:8.3f} ms "
-                f"{row['of_copy']:5.0%}  x{row['speedup']:5.1f}  {row['detail']}")
+        line = (
+            f"{group:18s} {label:34s} {variant:44s} {'ok ' if row['ok'] else 'BAD'} {row['ms']:8.3f} ms "
+            f"{row['of_copy']:5.0%}  x{row['speedup']:5.1f}  {row['detail']}"
+        )
         print(line, flush=True)
         if log is not None:
             log.write(line + "\n")
@@ -830,9 +1143,11 @@ def prewarm(argv_only, world: int, argv_match=None) -> None:
 
 def _summary(vrows) -> None:
     """The short table: per kernel and size, the current default and the fastest checked variant."""
+
     def is_default(v):
-        return v in ("None", "pairs 1024 w8", "BLOCK 4096 w8") or (v.startswith("default") and "only" not in v
-                                                                    and not v.startswith("default tiling"))
+        return v in ("None", "pairs 1024 w8", "BLOCK 4096 w8") or (
+            v.startswith("default") and "only" not in v and not v.startswith("default tiling")
+        )
 
     def ranked(v):
         return "alone" not in v and "kernels only" not in v and not v.startswith("previous")
@@ -854,16 +1169,31 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="xtrain bench kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="*", help=f"run these groups only ({', '.join(sorted(GROUPS))}, linear_ce)")
     ap.add_argument("--json", help="write every row to this JSON file")
-    ap.add_argument("--variants", action="store_true",
-                    help="sweep each kernel's tiling variants instead (checked, then timed; --only filters groups)")
+    ap.add_argument(
+        "--variants",
+        action="store_true",
+        help="sweep each kernel's tiling variants instead (checked, then timed; --only filters groups)",
+    )
     ap.add_argument("--log", help="with --variants: also write the lines to this file")
-    ap.add_argument("--match", nargs="*", help="with --variants: only the variants whose name holds one of these "
-                    "substrings (comma-separated or repeated)")
-    ap.add_argument("--prewarm", type=int, default=0, metavar="W",
-                    help="with --variants: first compile every variant in W parallel processes (shared Triton cache)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="with --variants: tiny fp32 sizes on the CPU through the Triton interpreter (checks only; "
-                         "the times are not measurements)")
+    ap.add_argument(
+        "--match",
+        nargs="*",
+        help="with --variants: only the variants whose name holds one of these "
+        "substrings (comma-separated or repeated)",
+    )
+    ap.add_argument(
+        "--prewarm",
+        type=int,
+        default=0,
+        metavar="W",
+        help="with --variants: first compile every variant in W parallel processes (shared Triton cache)",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="with --variants: tiny fp32 sizes on the CPU through the Triton interpreter (checks only; "
+        "the times are not measurements)",
+    )
     ap.add_argument("--compile-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -879,8 +1209,10 @@ def main(argv=None) -> int:
         vrows = run_variants(float("nan"), only, smoke=True, match=match)
         _summary(vrows)
         bad = [r for r in vrows if not r["ok"]]
-        print(f"# smoke: {len(vrows)} variants, {len(bad)} failed their check, {time.perf_counter() - t_start:.0f} s" +
-              "".join(f"\n#  BAD {r['group']} {r['size']} {r['variant']}: {r['detail']}" for r in bad))
+        print(
+            f"# smoke: {len(vrows)} variants, {len(bad)} failed their check, {time.perf_counter() - t_start:.0f} s"
+            + "".join(f"\n#  BAD {r['group']} {r['size']} {r['variant']}: {r['detail']}" for r in bad)
+        )
         return 1 if bad else 0
     if not torch.cuda.is_available():
         print("xtrain bench kernels: needs a CUDA GPU", file=sys.stderr)
@@ -903,12 +1235,25 @@ def main(argv=None) -> int:
         with open(args.log, "w") if args.log else contextlib.nullcontext() as log:
             vrows = run_variants(bw, only, log, match=match)
         if args.json:
-            atomic_write_text(args.json, json.dumps(dict(device=dev, torch=torch.__version__, triton=triton.__version__,
-                                                         copy_tbps=bw / 1e12, variants=vrows), indent=1))
+            atomic_write_text(
+                args.json,
+                json.dumps(
+                    dict(
+                        device=dev,
+                        torch=torch.__version__,
+                        triton=triton.__version__,
+                        copy_tbps=bw / 1e12,
+                        variants=vrows,
+                    ),
+                    indent=1,
+                ),
+            )
         _summary(vrows)
         bad = [r for r in vrows if not r["ok"]]
-        print(f"# {len(vrows)} variants, {len(bad)} failed their check, {time.perf_counter() - t_start:.0f} s" +
-              "".join(f"\n#  BAD {r['group']} {r['size']} {r['variant']}: {r['detail']}" for r in bad))
+        print(
+            f"# {len(vrows)} variants, {len(bad)} failed their check, {time.perf_counter() - t_start:.0f} s"
+            + "".join(f"\n#  BAD {r['group']} {r['size']} {r['variant']}: {r['detail']}" for r in bad)
+        )
         return 0
     rows = []
     for gname, builder in GROUPS.items():
@@ -919,14 +1264,26 @@ def main(argv=None) -> int:
                 g = _gpu(f_tri)
                 t_ms, db_ms = g["ms"], _bench(f_tri)
                 r_ms = _gpu(f_ref)["ms"]
-                rows.append(dict(kernel=label, triton_ms=t_ms, ref_ms=r_ms, speedup=r_ms / t_ms,
-                                 tbps=nbytes / (t_ms * 1e-3) / 1e12, of_copy=nbytes / (t_ms * 1e-3) / bw,
-                                 host_us=g["host_ms"] * 1e3, do_bench_ms=db_ms,
-                                 do_bench_of_copy=nbytes / (db_ms * 1e-3) / bw))
+                rows.append(
+                    dict(
+                        kernel=label,
+                        triton_ms=t_ms,
+                        ref_ms=r_ms,
+                        speedup=r_ms / t_ms,
+                        tbps=nbytes / (t_ms * 1e-3) / 1e12,
+                        of_copy=nbytes / (t_ms * 1e-3) / bw,
+                        host_us=g["host_ms"] * 1e3,
+                        do_bench_ms=db_ms,
+                        do_bench_of_copy=nbytes / (db_ms * 1e-3) / bw,
+                    )
+                )
                 r = rows[-1]
-                print(f"{label:58s} {t_ms:8.3f} ms  {r['tbps']:5.2f} TB/s  {r['of_copy']:5.0%}  "
-                      f"host {r['host_us']:6.1f} us  do_bench {db_ms:8.3f} ms {r['do_bench_of_copy']:5.0%}  "
-                      f"ref {r_ms:8.3f} ms  x{r['speedup']:.1f}", flush=True)
+                print(
+                    f"{label:58s} {t_ms:8.3f} ms  {r['tbps']:5.2f} TB/s  {r['of_copy']:5.0%}  "
+                    f"host {r['host_us']:6.1f} us  do_bench {db_ms:8.3f} ms {r['do_bench_of_copy']:5.0%}  "
+                    f"ref {r_ms:8.3f} ms  x{r['speedup']:.1f}",
+                    flush=True,
+                )
         except Exception:  # keep the table going; the traceback says what broke
             traceback.print_exc()
         torch.cuda.empty_cache()
@@ -937,24 +1294,43 @@ def main(argv=None) -> int:
         except Exception:
             traceback.print_exc()
     if args.json:
-        atomic_write_text(args.json, json.dumps(dict(device=dev, torch=torch.__version__, triton=triton.__version__,
-                                                     copy_tbps=bw / 1e12, kernels=rows, linear_cross_entropy=lce),
-                                                indent=1))
-    print(f"\n## Fused kernels: {dev}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"copy {bw / 1e12:.2f} TB/s\n")
+        atomic_write_text(
+            args.json,
+            json.dumps(
+                dict(
+                    device=dev,
+                    torch=torch.__version__,
+                    triton=triton.__version__,
+                    copy_tbps=bw / 1e12,
+                    kernels=rows,
+                    linear_cross_entropy=lce,
+                ),
+                indent=1,
+            ),
+        )
+    print(
+        f"\n## Fused kernels: {dev}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"copy {bw / 1e12:.2f} TB/s\n"
+    )
     print("| kernel | Triton ms | TB/s | of copy | host us/call | do_bench ms (of copy) | reference ms | speed-up |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['kernel']} | {r['triton_ms']:.3f} | {r['tbps']:.2f} | {r['of_copy']:.0%} | {r['host_us']:.0f} "
-              f"| {r['do_bench_ms']:.3f} ({r['do_bench_of_copy']:.0%}) | {r['ref_ms']:.3f} | {r['speedup']:.1f}x |")
+        print(
+            f"| {r['kernel']} | {r['triton_ms']:.3f} | {r['tbps']:.2f} | {r['of_copy']:.0%} | {r['host_us']:.0f} "
+            f"| {r['do_bench_ms']:.3f} ({r['do_bench_of_copy']:.0%}) | {r['ref_ms']:.3f} | {r['speedup']:.1f}x |"
+        )
     if lce:
-        print("\n| linear+CE (bf16) N x C x V | fused peak GiB | unfused peak GiB | torch-ref peak GiB | fused ms "
-              "| unfused ms | torch-ref ms | fused/unfused time |")
+        print(
+            "\n| linear+CE (bf16) N x C x V | fused peak GiB | unfused peak GiB | torch-ref peak GiB | fused ms "
+            "| unfused ms | torch-ref ms | fused/unfused time |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in lce:
-            print(f"| {r['N']}x{r['C']}x{r['V']} | {r['fused_peak_gib']:.2f} | {r['unfused_peak_gib']:.2f} | "
-                  f"{r['unfused_ref_peak_gib']:.2f} | {r['fused_ms']:.2f} | {r['unfused_ms']:.2f} | "
-                  f"{r['unfused_ref_ms']:.2f} | {r['time_ratio']:.2f} |")
+            print(
+                f"| {r['N']}x{r['C']}x{r['V']} | {r['fused_peak_gib']:.2f} | {r['unfused_peak_gib']:.2f} | "
+                f"{r['unfused_ref_peak_gib']:.2f} | {r['fused_ms']:.2f} | {r['unfused_ms']:.2f} | "
+                f"{r['unfused_ref_ms']:.2f} | {r['time_ratio']:.2f} |"
+            )
     return 0
 
 

@@ -60,8 +60,9 @@ def _list_kernel(DOUT, ROWS_OF, SRC_OF, OUT, C, BLOCK_C: tl.constexpr, COPY: tl.
 
 
 @triton.jit
-def _roles_kernel(DOUT, CNT, FEW, SRC_OF, OUT, V, n_few, n_copy, C, BLOCK_C: tl.constexpr, ORDER: tl.constexpr,
-                  ZR: tl.constexpr = 1):
+def _roles_kernel(
+    DOUT, CNT, FEW, SRC_OF, OUT, V, n_few, n_copy, C, BLOCK_C: tl.constexpr, ORDER: tl.constexpr, ZR: tl.constexpr = 1
+):
     """One grid, two roles: n_copy copy places (place i < n_few: table row FEW[i] gets dout row SRC_OF[i]; places
     past n_few exit, as the library's named-row programs past its list's end) and zero programs, each over ZR rows
     (row r gets zeros if CNT[r] == 0, else nothing). ORDER 0: copies first; 1: zeros first; 2: interleaved, 3 copies
@@ -125,14 +126,17 @@ def main(argv=None) -> int:
     few = torch.nonzero((cnt > 0) & (cnt <= 4)).flatten()
     zero_rows = torch.nonzero(cnt == 0).flatten().int()
     first = torch.full((V,), N, dtype=torch.int64, device="cuda").scatter_reduce_(
-        0, ids, torch.arange(N, device="cuda"), "amin")
+        0, ids, torch.arange(N, device="cuda"), "amin"
+    )
     sel = torch.where(cnt > 0, first, -1).int()
     src_few = first[few].int()
     sel_few = torch.where((cnt > 0) & (cnt <= 4), first, -1).int()
     few_i = few.int()
     reads_few = int(cnt[few].sum()) * C * 4
-    print(f"rows named {named.numel()}, at most 4 times {few.numel()} ({int(cnt[few].sum())} tokens), zero "
-          f"{zero_rows.numel()}")
+    print(
+        f"rows named {named.numel()}, at most 4 times {few.numel()} ({int(cnt[few].sum())} tokens), zero "
+        f"{zero_rows.numel()}"
+    )
     big = torch.randn(1 << 28, device="cuda")
     big_out = torch.empty_like(big)
     row_b = C * 4
@@ -162,10 +166,15 @@ def main(argv=None) -> int:
     def roles(order, rows=few_i, srcs=src_few, n_copy=None, zr=1):
         n_copy = n_few if n_copy is None else n_copy
         n_zero = triton.cdiv(V, zr)
-        n = {0: n_copy + n_zero, 1: n_copy + n_zero, 2: 13 * max(triton.cdiv(n_copy, 3), triton.cdiv(n_zero, 10)),
-             3: 2 * V}[order]
-        return lambda: _roles_kernel[(n,)](d, cnt32, rows, srcs, table, V, n_few, n_copy, C, BLOCK_C=2048,
-                                           ORDER=order, ZR=zr, num_warps=8)
+        n = {
+            0: n_copy + n_zero,
+            1: n_copy + n_zero,
+            2: 13 * max(triton.cdiv(n_copy, 3), triton.cdiv(n_zero, 10)),
+            3: 2 * V,
+        }[order]
+        return lambda: _roles_kernel[(n,)](
+            d, cnt32, rows, srcs, table, V, n_few, n_copy, C, BLOCK_C=2048, ORDER=order, ZR=zr, num_warps=8
+        )
 
     # the library's named list is in the order the slots pass met the ids (token order of first use), not row order
     shuffle = torch.randperm(n_few, device="cuda")
@@ -194,8 +203,11 @@ def main(argv=None) -> int:
         ("torch zero_ of the table", lambda: table.zero_(), ntab),
         ("torch amax over all dout (read only)", lambda: d.amax(), N * row_b),
         ("torch zero_ table || amax over the few rows' bytes", side_by_side(table.zero_, dpart.amax), ntab + reads_few),
-        ("torch index_select of the few rows' first tokens", lambda: torch.index_select(d, 0, first[few]),
-         2 * few.numel() * row_b),
+        (
+            "torch index_select of the few rows' first tokens",
+            lambda: torch.index_select(d, 0, first[few]),
+            2 * few.numel() * row_b,
+        ),
         ("triton list: copy the few rows", copy_only, 2 * n_few * row_b),
         ("triton list: zero rows only", zero_only, zero_rows.numel() * row_b),
         ("triton split: zero list || copy list", side_by_side(zero_only, copy_only), split_b),
@@ -204,8 +216,11 @@ def main(argv=None) -> int:
         ("triton one grid, roles: copies first", roles(0), split_b),
         ("triton one grid, roles: copies first, rows shuffled", roles(0, few_shuffled, src_shuffled), split_b),
         ("triton roles: copies first, shuffled, N copy places", roles(0, few_shuffled, src_shuffled, N), split_b),
-        ("triton roles: copies first, shuffled, N places, 4 zero rows/prog",
-         roles(0, few_shuffled, src_shuffled, N, 4), split_b),
+        (
+            "triton roles: copies first, shuffled, N places, 4 zero rows/prog",
+            roles(0, few_shuffled, src_shuffled, N, 4),
+            split_b,
+        ),
         ("triton roles: copies first, in order, 4 zero rows/prog", roles(0, zr=4), split_b),
         ("triton roles: two row-order passes (copies, then zeros)", roles(3, srcs=sel_few), split_b),
         ("triton one grid, roles: zeros first", roles(1), split_b),
@@ -219,7 +234,7 @@ def main(argv=None) -> int:
     warm_up()
     res = {name: [] for name, _, _ in cases}
     for rnd in range(args.rounds):
-        for name, fn, _ in (cases if rnd % 2 == 0 else cases[::-1]):
+        for name, fn, _ in cases if rnd % 2 == 0 else cases[::-1]:
             res[name].append(gpu_time(fn)["ms"])
     copy_ms = sorted(res[cases[0][0]])[len(res[cases[0][0]]) // 2]
     copy_bw = cases[0][2] / copy_ms
@@ -227,8 +242,10 @@ def main(argv=None) -> int:
     for name, _, nbytes in cases:
         ts = res[name]
         med = sorted(ts)[len(ts) // 2]
-        print(f"{name:55s} {' / '.join(f'{t:.4f}' for t in ts):>30s}  {nbytes / 1e6:5.0f} "
-              f"{nbytes / med / copy_bw * 100:5.1f} %")
+        print(
+            f"{name:55s} {' / '.join(f'{t:.4f}' for t in ts):>30s}  {nbytes / 1e6:5.0f} "
+            f"{nbytes / med / copy_bw * 100:5.1f} %"
+        )
     return 0
 
 

@@ -83,9 +83,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="attn128,attn64,embedding,copy")
     ap.add_argument("--T", type=int, default=8192)
-    ap.add_argument("--config", default=None, help="flash_attention_gluon_bwd config for attn128 (default: its own): "
-                    "a name in its CONFIGS or a tuple written with colons, 64:3:64:4:62 = (BLOCK_M1, STAGES1, "
-                    "BLOCK_N2, STAGES2, OPTS)")
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="flash_attention_gluon_bwd config for attn128 (default: its own): "
+        "a name in its CONFIGS or a tuple written with colons, 64:3:64:4:62 = (BLOCK_M1, STAGES1, "
+        "BLOCK_N2, STAGES2, OPTS)",
+    )
     a = ap.parse_args()
     global CONFIG
     from bench.gluon_bwd_alone import config_arg

@@ -47,8 +47,12 @@ def main() -> int:
     print(f"{'T':>6} | " + " | ".join(f"{n:>16}" for n in calls))
     for T, ms, nominal in rows:
         cells = [f"{ms[n]:.3f} ms {nominal / ms[n] / 1e9:4.0f}" for n in calls]
-        print(f"{T:>6} | " + " | ".join(f"{c:>16}" for c in cells) + " | x cuDNN "
-              + " ".join(f"{ms['cudnn'] / ms[c]:.2f}" for c in configs))
+        print(
+            f"{T:>6} | "
+            + " | ".join(f"{c:>16}" for c in cells)
+            + " | x cuDNN "
+            + " ".join(f"{ms['cudnn'] / ms[c]:.2f}" for c in configs)
+        )
     return 0
 
 

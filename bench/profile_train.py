@@ -23,8 +23,9 @@ from xtrain.train.optim import AdamW, clip_grads_, grad_norm
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="xtrain bench profile_train", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="xtrain bench profile_train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=None)
@@ -71,8 +72,7 @@ def main(argv=None) -> int:
         kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
         busy = sum(e.self_device_time_total for e in kernels) / 1e3 / a.steps  # ms
         launches = sum(e.count for e in kernels) / a.steps
-        print(f"wall {wall * 1e3:.1f} ms/step (profiled), GPU busy {busy:.1f} ms/step, "
-              f"{launches:.0f} kernels/step")
+        print(f"wall {wall * 1e3:.1f} ms/step (profiled), GPU busy {busy:.1f} ms/step, {launches:.0f} kernels/step")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
     return 0

@@ -55,16 +55,21 @@ def main(argv=None) -> int:
         "uniform": torch.randint(0, V, (N,), device="cuda"),
         "distinct": torch.randperm(V, device="cuda")[:N],
         "half one id (padding)": torch.cat([zipf_ids(N - N // 2, V), torch.full((N // 2,), 7, device="cuda")])[
-            torch.randperm(N, device="cuda")],
+            torch.randperm(N, device="cuda")
+        ],
         "one id": torch.full((N,), 7, device="cuda"),
     }
     warm_up()
     copy_tbs = copy_bandwidth() / 1e12
     must = (N * C + V * C) * 4 + 8 * N
-    print(f"N = {N}, V = {V}, C = {C}, fp32; copy {copy_tbs:.2f} TB/s; knobs: {args.knobs or 'defaults'}"
-          f"{'; plan made before' if args.plan else ''}")
-    print(f"{'ids':26s} {'named':>6s} {'>4':>5s} {'>64':>4s} {'op ms':>7s} {'of copy':>7s} {'err':>8s} {'bits':>5s} "
-          f"{'fill us':>7s} {'slots us':>8s} {'grid us':>7s} {'span us':>7s}")
+    print(
+        f"N = {N}, V = {V}, C = {C}, fp32; copy {copy_tbs:.2f} TB/s; knobs: {args.knobs or 'defaults'}"
+        f"{'; plan made before' if args.plan else ''}"
+    )
+    print(
+        f"{'ids':26s} {'named':>6s} {'>4':>5s} {'>64':>4s} {'op ms':>7s} {'of copy':>7s} {'err':>8s} {'bits':>5s} "
+        f"{'fill us':>7s} {'slots us':>8s} {'grid us':>7s} {'span us':>7s}"
+    )
     for name, ids in draws.items():
         cnt = torch.bincount(ids, minlength=V)
         plan = K.embedding_bwd_plan(ids, V, C, d.dtype) if args.plan else None
@@ -78,10 +83,13 @@ def main(argv=None) -> int:
         def dur(key, per_call=per_call):  # nan where the call has no such kernel (--plan: no fill, no slots pass)
             found = [e["dur"] for c in per_call for e in c if key in e["name"]]
             return statistics.median(found) if found else float("nan")
+
         span = statistics.median(max(e["ts"] + e["dur"] for e in c) - c[0]["ts"] for c in per_call)
-        print(f"{name:26s} {int((cnt > 0).sum()):6d} {int((cnt > 4).sum()):5d} {int((cnt > 64).sum()):4d} {ms:7.4f} "
-              f"{must / (ms * 1e-3) / 1e12 / copy_tbs * 100:6.1f}% {err:8.1e} {'same' if same else 'DIFF':>5s} "
-              f"{dur('_zero_i32'):7.1f} {dur('tier_slots'):8.1f} {dur('bwd_rows'):7.1f} {span:7.1f}")
+        print(
+            f"{name:26s} {int((cnt > 0).sum()):6d} {int((cnt > 4).sum()):5d} {int((cnt > 64).sum()):4d} {ms:7.4f} "
+            f"{must / (ms * 1e-3) / 1e12 / copy_tbs * 100:6.1f}% {err:8.1e} {'same' if same else 'DIFF':>5s} "
+            f"{dur('_zero_i32'):7.1f} {dur('tier_slots'):8.1f} {dur('bwd_rows'):7.1f} {span:7.1f}"
+        )
         if args.timeline:
             print_timeline(name, per_call[-1])
     return 0

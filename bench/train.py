@@ -139,6 +139,7 @@ class TorchQwen3(nn.Module):
 
 # -- the benchmark -------------------------------------------------------------------------------------
 
+
 def flops_per_token(c, T: int) -> float:
     n = c.num_params() - c.vocab_size * c.n_embd * (0 if c.tie_embeddings else 1)  # head counted once
     return 6.0 * n + 6.0 * c.n_layer * T * c.n_head * c.head_dim
@@ -153,24 +154,37 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
-    ap.add_argument("--attention", default="auto", choices=["composed", "math", "flash", "auto"],
-                    help="xtrain attention op (auto: the model's rule, flash on CUDA and on CPU for T >= 192)")
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        choices=["composed", "math", "flash", "auto"],
+        help="xtrain attention op (auto: the model's rule, flash on CUDA and on CPU for T >= 192)",
+    )
     ap.add_argument("--loss", default="auto", choices=["composed", "fused", "auto"], help="xtrain loss op")
     ap.add_argument("--torch-attention", default="sdpa", choices=["sdpa", "composed"])
     ap.add_argument("--recompute", action="store_true")
-    ap.add_argument("--no-copies", action="store_true",
-                    help="cast every weight in every forward instead of reading AdamW's compute copies")
-    ap.add_argument("--compare-copies", action="store_true",
-                    help="also time a second xtrain model with the copies the other way, interleaved")
+    ap.add_argument(
+        "--no-copies",
+        action="store_true",
+        help="cast every weight in every forward instead of reading AdamW's compute copies",
+    )
+    ap.add_argument(
+        "--compare-copies",
+        action="store_true",
+        help="also time a second xtrain model with the copies the other way, interleaved",
+    )
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="compute dtype: xtrain's compute_dtype (fp32 masters) vs torch autocast to the same dtype")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="compute dtype: xtrain's compute_dtype (fp32 masters) vs torch autocast to the same dtype",
+    )
     args = ap.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    over = {"attention": args.attention, "loss": args.loss, "recompute": args.recompute,
-            "compute_dtype": args.dtype}
+    over = {"attention": args.attention, "loss": args.loss, "recompute": args.recompute, "compute_dtype": args.dtype}
     if args.vocab:
         over["vocab_size"] = args.vocab
     c = dataclasses.replace(PRESETS[args.preset], **over).validate()
@@ -184,14 +198,16 @@ def main(argv=None) -> int:
     ref = TorchQwen3(c, args.torch_attention).to(dev)
     ref.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, strict=True)
     named = dict(ref.named_parameters())
-    groups = [{"params": [p for n, p in named.items() if decays(n, p.shape)], "weight_decay": 0.1},
-              {"params": [p for n, p in named.items() if not decays(n, p.shape)], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in named.items() if decays(n, p.shape)], "weight_decay": 0.1},
+        {"params": [p for n, p in named.items() if not decays(n, p.shape)], "weight_decay": 0.0},
+    ]
     # the strongest stock optimizer on each device: the fused CUDA kernel on GPU, the plain loop on CPU
     fused = dev.type == "cuda"
-    topt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False if not fused else None,
-                             fused=fused or None)
-    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
-                else contextlib.nullcontext())
+    topt = torch.optim.AdamW(
+        groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False if not fused else None, fused=fused or None
+    )
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else contextlib.nullcontext()
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=g).to(dev)
@@ -211,6 +227,7 @@ def main(argv=None) -> int:
                 opt.step()
                 opt.zero_grad()
                 return float(loss.data)
+
         return step
 
     step_xtrain = xtrain_step(model, opt)
@@ -247,17 +264,23 @@ def main(argv=None) -> int:
     mt = med["torch eager"]
     tok = B * T
     fpt = flops_per_token(c, T)
-    print(f"xtrain bench train: preset={args.preset} params={model.num_params() / 1e6:.2f}M B={B} T={T} "
-          f"V={c.vocab_size} device={dev} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"torch={torch.__version__}")
-    print(f"  xtrain attention={args.attention} loss={args.loss} recompute={args.recompute} "
-          f"compute copies={'on' if model.weight_copy is not None else 'off'}; "
-          f"torch attention={args.torch_attention}; first-step loss xtrain {first[0]:.6f} torch {first[1]:.6f}")
+    print(
+        f"xtrain bench train: preset={args.preset} params={model.num_params() / 1e6:.2f}M B={B} T={T} "
+        f"V={c.vocab_size} device={dev} dtype={args.dtype} threads={torch.get_num_threads()} "
+        f"torch={torch.__version__}"
+    )
+    print(
+        f"  xtrain attention={args.attention} loss={args.loss} recompute={args.recompute} "
+        f"compute copies={'on' if model.weight_copy is not None else 'off'}; "
+        f"torch attention={args.torch_attention}; first-step loss xtrain {first[0]:.6f} torch {first[1]:.6f}"
+    )
     print(f"{'impl':<22}{'step ms':>10}{'p25-p75 ms':>14}{'tokens/s':>12}{'GFLOP/s':>10}{'ratio':>8}")
     for name, _ in sides:
         m = med[name]
-        print(f"{name:<22}{m * 1e3:>10.1f}{f'{q[name][0] * 1e3:.1f}-{q[name][2] * 1e3:.1f}':>14}{tok / m:>12.0f}"
-              f"{tok * fpt / m / 1e9:>10.1f}{mt / m:>8.2f}")
+        print(
+            f"{name:<22}{m * 1e3:>10.1f}{f'{q[name][0] * 1e3:.1f}-{q[name][2] * 1e3:.1f}':>14}{tok / m:>12.0f}"
+            f"{tok * fpt / m / 1e9:>10.1f}{mt / m:>8.2f}"
+        )
     return 0
 
 

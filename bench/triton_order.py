@@ -58,14 +58,16 @@ def main() -> int:
     warm_up()
     waves = [int(w) for w in a.waves.split(",")]
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    print(f"{'dtype':>5} {'D':>4} {'T':>6} | " + " | ".join(f"w{w} fwd / bwd ms" for w in waves)
-          + " | best fwd / bwd vs w0")
+    print(
+        f"{'dtype':>5} {'D':>4} {'T':>6} | "
+        + " | ".join(f"w{w} fwd / bwd ms" for w in waves)
+        + " | best fwd / bwd vs w0"
+    )
     for name in a.dtypes.split(","):
         for D in (int(d) for d in a.head_dims.split(",")):
             for T in (int(t) for t in a.seqs.split(",")):
                 rows = measure(D, T, dtypes[name], waves)
-                best = {w: (min(r[1] for r in rows if r[0] == w), min(r[2] for r in rows if r[0] == w))
-                        for w in waves}
+                best = {w: (min(r[1] for r in rows if r[0] == w), min(r[2] for r in rows if r[0] == w)) for w in waves}
                 f0, b0 = best[waves[0]]
                 cells = " | ".join(f"{best[w][0]:.3f} / {best[w][1]:.3f}" for w in waves)
                 gain = min(best[w][0] for w in waves[1:]) / f0, min(best[w][1] for w in waves[1:]) / b0

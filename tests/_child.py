@@ -22,8 +22,7 @@ def run_without_interpreter(snippet: str, timeout: float = 1800.0):
     code = snippet + "\nimport json as _json\nprint('@@' + _json.dumps(out))\n"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout,
-                       cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")]
     assert r.returncode == 0 and lines, f"child failed (exit {r.returncode}):\n{r.stderr[-4000:]}"
     return json.loads(lines[-1][2:])

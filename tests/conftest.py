@@ -45,7 +45,7 @@ def corpus(tmp_path):
     d.mkdir()
     src = "".join(inspect.getsource(m)[:40_000] for m in (json, pathlib, inspect))
     for i in range(60):
-        (d / f"doc{i:02d}.py").write_text(src[i * 2000:(i + 1) * 2000])
+        (d / f"doc{i:02d}.py").write_text(src[i * 2000 : (i + 1) * 2000])
     return d
 
 

@@ -193,15 +193,20 @@ def test_library_never_uses_torch_autograd():
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             bad = None
-            if isinstance(node, ast.Attribute) and node.attr in ("autograd", "enable_grad", "set_grad_enabled") \
-                    and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("autograd", "enable_grad", "set_grad_enabled")
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "torch"
+            ):
                 bad = f"torch.{node.attr}"
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 if node.func.attr == "requires_grad_":
                     bad = ".requires_grad_()"
                 elif _rooted_at_torch(node.func) and any(
-                        k.arg == "requires_grad" and not (isinstance(k.value, ast.Constant) and not k.value.value)
-                        for k in node.keywords):
+                    k.arg == "requires_grad" and not (isinstance(k.value, ast.Constant) and not k.value.value)
+                    for k in node.keywords
+                ):
                     bad = "torch.*(requires_grad=...)"
             if bad:
                 offenders.append(f"{path.relative_to(root.parent)}:{node.lineno}: {bad}")
@@ -238,6 +243,7 @@ def test_everything_imports_and_trains_without_triton():
     """A CPU-only install without Triton: every module imports and a step runs on the references."""
     import subprocess
     import sys
+
     code = (
         "import sys\n"
         "class Block:\n"
@@ -253,7 +259,8 @@ def test_everything_imports_and_trains_without_triton():
         "m = Model(preset('tiny', vocab_size=64, n_layer=1, max_seq_len=16))\n"
         "ids = torch.randint(0, 64, (2, 9))\n"
         "m.loss(ids[:, :-1], ids[:, 1:]).backward()\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 

@@ -17,11 +17,22 @@ def test_every_triton_kernel_compiles_for_sm90():
     assert not bad, bad
     compiled = {k for r in rows for k in r["kernels"]}
     # one kernel of every module, and tier B's whole-id specialisation (the one Triton 3.6 refused in session 23)
-    want = {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_rope_kernel", "_swiglu_bwd_kernel", "_dropout_kernel",
-            "_cross_entropy_fwd_bwd_kernel", "_embedding_tier_b_kernel", "_embedding_tier_b_merge_kernel",
-            "_embedding_bwd_chunk_kernel", "_flash_fwd_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel",
-            "_adamw_kernel",
-            "_zero_i32_kernel"}  # launched only as a programmatic dependent (pdl_ok answered as on sm_90)
+    want = {
+        "_rms_norm_fwd_kernel",
+        "_rms_norm_bwd_kernel",
+        "_rope_kernel",
+        "_swiglu_bwd_kernel",
+        "_dropout_kernel",
+        "_cross_entropy_fwd_bwd_kernel",
+        "_embedding_tier_b_kernel",
+        "_embedding_tier_b_merge_kernel",
+        "_embedding_bwd_chunk_kernel",
+        "_flash_fwd_kernel",
+        "_flash_bwd_dkdv_kernel",
+        "_flash_bwd_dq_kernel",
+        "_adamw_kernel",
+        "_zero_i32_kernel",
+    }  # launched only as a programmatic dependent (pdl_ok answered as on sm_90)
     assert want <= compiled, want - compiled
     whole = next(r for r in rows if r["name"] == "embedding bwd fp32, tier B ids whole")
     assert "_embedding_tier_b_kernel" in whole["kernels"] and "_embedding_tier_b_merge_kernel" not in whole["kernels"]
@@ -34,7 +45,8 @@ def test_compile_check_reports_a_kernel_that_does_not_compile(tmp_path):
     mod.write_text(
         "import triton\nimport triton.language as tl\n\n"
         "@triton.jit\ndef good(X, N: tl.constexpr):\n    tl.store(X + tl.arange(0, N), 1.0)\n\n"
-        "@triton.jit\ndef bad(X, N: tl.constexpr):\n    tl.store(X + tl.arange(0, N - 1), 1.0)\n")
+        "@triton.jit\ndef bad(X, N: tl.constexpr):\n    tl.store(X + tl.arange(0, N - 1), 1.0)\n"
+    )
     out = run_without_interpreter(f"""
 import sys, torch
 sys.path.insert(0, {str(tmp_path)!r})

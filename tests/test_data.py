@@ -34,8 +34,18 @@ def stdlib_texts():
     """A few real stdlib sources, including non-ASCII ones (the pystdlib slice starts with ASCII files)."""
     root, files = stdlib_files()
     by_name = {f.relative_to(root).as_posix(): f for f in files}
-    names = [n for n in ("json/decoder.py", "textwrap.py", "encodings/cp1252.py", "unicodedata.py",
-                         "html/entities.py", "email/_header_value_parser.py") if n in by_name]
+    names = [
+        n
+        for n in (
+            "json/decoder.py",
+            "textwrap.py",
+            "encodings/cp1252.py",
+            "unicodedata.py",
+            "html/entities.py",
+            "email/_header_value_parser.py",
+        )
+        if n in by_name
+    ]
     return [by_name[n].read_bytes().decode("utf-8", "replace") for n in names]
 
 
@@ -114,8 +124,12 @@ def test_jsonl_parquet_and_directory(tmp_path):
     (d / "a.py").write_text("aa")
     (d / "c.txt").write_text(f"c1{EOT_TEXT}c2")
     (d / "skip.bin").write_bytes(b"\0")
-    assert [(x.key, x.text) for x in read_path(d)] == [("a.py", "aa"), ("b/z.md", "zz"), ("c.txt#0", "c1"),
-                                                        ("c.txt#1", "c2")]
+    assert [(x.key, x.text) for x in read_path(d)] == [
+        ("a.py", "aa"),
+        ("b/z.md", "zz"),
+        ("c.txt#0", "c1"),
+        ("c.txt#1", "c2"),
+    ]
 
 
 def test_corpus_errors(tmp_path, monkeypatch):
@@ -221,9 +235,10 @@ def test_byte_tokenizer(stdlib_texts):
 # shards
 
 
-@pytest.mark.parametrize("vocab,dtype,magic,version", [(50257, np.uint16, 20240520, 1),
-                                                        (65536, np.uint16, 20240520, 1),
-                                                        (128256, np.uint32, 20240801, 7)])
+@pytest.mark.parametrize(
+    "vocab,dtype,magic,version",
+    [(50257, np.uint16, 20240520, 1), (65536, np.uint16, 20240520, 1), (128256, np.uint32, 20240801, 7)],
+)
 def test_shard_round_trip(tmp_path, vocab, dtype, magic, version):
     toks = rng_tokens(12_345, vocab)
     toks[0], toks[1] = 0, vocab - 1  # the extremes survive
@@ -234,8 +249,12 @@ def test_shard_round_trip(tmp_path, vocab, dtype, magic, version):
     got = read_shard(p, vocab_size=vocab)
     assert isinstance(got, np.memmap) and got.dtype == dtype
     np.testing.assert_array_equal(got, toks)
-    assert read_header(p) == {"magic": magic, "version": version, "num_tokens": toks.size,
-                              "dtype": np.dtype(dtype).name}
+    assert read_header(p) == {
+        "magic": magic,
+        "version": version,
+        "num_tokens": toks.size,
+        "dtype": np.dtype(dtype).name,
+    }
     assert [x.name for x in tmp_path.iterdir()] == ["s.bin"]
 
 
@@ -318,8 +337,7 @@ def test_prepare_tiny_corpus(tmp_path):
     src = _tiny_corpus(tmp_path)
     out = tmp_path / "out"
     meta = prepare(str(src), out, vocab_size=300, shard_tokens=2000, log=quiet)
-    assert set(p.name for p in out.iterdir()) >= {"tokenizer.json", "meta.json", "train_000000.bin",
-                                                   "val_000000.bin"}
+    assert set(p.name for p in out.iterdir()) >= {"tokenizer.json", "meta.json", "train_000000.bin", "val_000000.bin"}
     assert not list(out.glob(".*tmp*"))
     assert meta == {**load_meta(out), "dir": str(out)}
     assert meta["vocab_size"] == 300 and meta["tokenizer_kind"] == "bpe"
@@ -545,8 +563,23 @@ def test_cli_prepare_and_info(tmp_path, capsys, monkeypatch):
 
     src = _tiny_corpus(tmp_path, n_docs=40)
     out = tmp_path / "out"
-    rc = main(["data", "prepare", "--corpus", str(src), "--vocab-size", "300", "--out", str(out),
-               "--max-bytes", "100k", "--workers", "2", "--no-progress"])
+    rc = main(
+        [
+            "data",
+            "prepare",
+            "--corpus",
+            str(src),
+            "--vocab-size",
+            "300",
+            "--out",
+            str(out),
+            "--max-bytes",
+            "100k",
+            "--workers",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert rc == 0 and (out / "meta.json").exists()
     assert capsys.readouterr().out.strip().endswith(str(out))
     assert main(["data", "info", str(out), "--check"]) == 0
@@ -556,6 +589,20 @@ def test_cli_prepare_and_info(tmp_path, capsys, monkeypatch):
     assert main(["data", "prepare", "--corpus", str(tmp_path / "missing"), "--out", str(out)]) == 1
     assert "missing" in capsys.readouterr().err
     assert main(["data", "info", str(tmp_path / "missing")]) == 1
-    assert main(["data", "prepare", "--corpus", str(src), "--vocab-size", "256", "--out",
-                 str(tmp_path / "b"), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--corpus",
+                str(src),
+                "--vocab-size",
+                "256",
+                "--out",
+                str(tmp_path / "b"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert load_meta(tmp_path / "b")["tokenizer_kind"] == "bytes"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import sys
     import torch
     from safetensors.torch import save_file
@@ -47,7 +47,7 @@ WORKER = textwrap.dedent('''
         save_file({k: p.data.contiguous().cpu() for k, p in m.params.items()}, sys.argv[1])
         print("losses", [round(h["loss"], 12) for h in hist if h["kind"] == "train"])
     D.shutdown()
-''')
+""")
 
 
 def _env():
@@ -57,16 +57,27 @@ def _env():
 
 
 def _torchrun(n, *args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(n), *args], capture_output=True, text=True, timeout=300, env=_env(), cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=cwd,
+    )
 
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_fp64(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    one = subprocess.run([sys.executable, str(script), str(tmp_path / "one.safetensors")], capture_output=True,
-                         text=True, timeout=300, env=_env())
+    one = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "one.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert one.returncode == 0, one.stderr
     two = _torchrun(2, str(script), str(tmp_path / "two.safetensors"))
     assert two.returncode == 0, two.stderr[-3000:]
@@ -78,8 +89,9 @@ def test_two_ranks_equal_one_process_fp64(tmp_path):
         assert float((a[k] - b[k]).abs().max()) <= 1e-10 * max(float(a[k].abs().max()), 1e-3), k
     l1 = one.stdout.split("losses")[1].strip()
     l2 = two.stdout.split("losses")[1].strip()
-    assert [round(float(v), 9) for v in l1.strip("[]").split(",")] == \
-        [round(float(v), 9) for v in l2.strip("[]").split(",")]
+    assert [round(float(v), 9) for v in l1.strip("[]").split(",")] == [
+        round(float(v), 9) for v in l2.strip("[]").split(",")
+    ]
 
 
 @pytest.mark.slow
@@ -87,9 +99,31 @@ def test_train_command_under_torchrun(tmp_path, corpus):
     env_cache = tmp_path / "cache"
     os.environ["XTRAIN_CACHE"] = str(env_cache)
     try:
-        out = _torchrun(2, "-m", "xtrain.cli", "train", "--data", str(corpus), "--vocab-size", "300", "--steps", "3",
-                        "--batch-size", "2", "--seq-len", "16", "--eval-every", "3", "--eval-batches", "1",
-                        "--no-progress", "--sample-tokens", "0", "--out", str(tmp_path / "run"))
+        out = _torchrun(
+            2,
+            "-m",
+            "xtrain.cli",
+            "train",
+            "--data",
+            str(corpus),
+            "--vocab-size",
+            "300",
+            "--steps",
+            "3",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--eval-every",
+            "3",
+            "--eval-batches",
+            "1",
+            "--no-progress",
+            "--sample-tokens",
+            "0",
+            "--out",
+            str(tmp_path / "run"),
+        )
     finally:
         del os.environ["XTRAIN_CACHE"]
     assert out.returncode == 0, out.stderr[-3000:]
@@ -109,8 +143,13 @@ def test_two_gpus_nccl_equal_one_gpu_fp32(tmp_path):
     four AdamW steps keep the weights within 1e-4 relative of each other."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    one = subprocess.run([sys.executable, str(script), str(tmp_path / "one.safetensors"), "cuda", "float32"],
-                         capture_output=True, text=True, timeout=300, env=_env())
+    one = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "one.safetensors"), "cuda", "float32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     two = _torchrun(2, str(script), str(tmp_path / "two.safetensors"), "cuda", "float32")
     assert two.returncode == 0, two.stderr[-3000:]

@@ -11,8 +11,20 @@ from xtrain.model import Model
 
 
 def cfg(tie):
-    return ModelConfig(vocab_size=97, n_layer=2, n_embd=48, n_head=6, n_kv_head=2, head_dim=16, ffn_dim=80,
-                       max_seq_len=32, init_std=0.2, tie_embeddings=tie, attention="composed", loss="composed")
+    return ModelConfig(
+        vocab_size=97,
+        n_layer=2,
+        n_embd=48,
+        n_head=6,
+        n_kv_head=2,
+        head_dim=16,
+        ffn_dim=80,
+        max_seq_len=32,
+        init_std=0.2,
+        tie_embeddings=tie,
+        attention="composed",
+        loss="composed",
+    )
 
 
 def _perturbed(c):

@@ -79,7 +79,7 @@ def test_reference_matches_composed_fp64(B, H, Hkv, T, D, tile, causal):
     o, lse = FA.flash_attention_fwd_ref(q, k, v, causal, scale, tile=tile)
     assert o.dtype == torch.float64 and lse.shape == (B, H, T)
     assert (o - o_ref).abs().max() < 1e-10
-    s = (1.0 / math.sqrt(D) if scale is None else scale)
+    s = 1.0 / math.sqrt(D) if scale is None else scale
     g = H // Hkv
     sc = (q @ k.repeat_interleave(g, 1).transpose(-1, -2)) * s
     if causal:
@@ -116,8 +116,7 @@ def test_gradcheck_finite_differences():
 
     q, k, v, _ = rand_qkv(1, 4, 2, 6, 4, seed=5)
     for causal in (True, False):
-        errs = gradcheck(lambda a, b, c, causal=causal: flash_attention(a, b, c, causal=causal, scale=0.7),
-                         [q, k, v])
+        errs = gradcheck(lambda a, b, c, causal=causal: flash_attention(a, b, c, causal=causal, scale=0.7), [q, k, v])
         assert max(errs) < TOL_SMOOTH, errs
 
 
@@ -177,8 +176,7 @@ def _run_triton(q, k, v, do, causal, scale, fcfg, bcfg):
     B, H, T, D = q.shape
     o, lse = _poisoned(((B, H, T, D), q.dtype, q.device), ((B, H, T), torch.float32, q.device))
     FA.flash_attention_fwd_triton(q, k, v, causal, scale, o=o, lse=lse, config=fcfg)
-    dq, dk, dv = _poisoned((q.shape, q.dtype, q.device), (k.shape, k.dtype, q.device),
-                           (v.shape, v.dtype, q.device))
+    dq, dk, dv = _poisoned((q.shape, q.dtype, q.device), (k.shape, k.dtype, q.device), (v.shape, v.dtype, q.device))
     FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, scale, dq=dq, dk=dk, dv=dv, config=bcfg)
     return o, lse, dq, dk, dv
 
@@ -277,8 +275,10 @@ def _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=0, fcfg=None, bcfg=None):
 @pytest.mark.parametrize("B,H,Hkv,T", GPU_SHAPES)
 def test_gpu_matches_reference(B, H, Hkv, T, D, dtype, causal):
     errs = _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=T)
-    print(f"\nGPUERR {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} T={T} "
-          + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    print(
+        f"\nGPUERR {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} T={T} "
+        + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+    )
 
 
 @pytest.mark.gpu
@@ -287,8 +287,10 @@ def test_gpu_matches_reference(B, H, Hkv, T, D, dtype, causal):
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_long_16k(D, dtype, causal):
     errs = _check_gpu(1, 2, 1, 16384, D, dtype, causal, seed=7)
-    print(f"\nGPUERR {str(dtype)[6:]} D={D} causal={causal} B=1 H=2 Hkv=1 T=16384 "
-          + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    print(
+        f"\nGPUERR {str(dtype)[6:]} D={D} causal={causal} B=1 H=2 Hkv=1 T=16384 "
+        + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+    )
 
 
 TMA_CONFIGS = {  # both load paths must stay correct whichever the defaults pick
@@ -309,8 +311,10 @@ PTR_CONFIGS = {
 def test_gpu_load_paths(path, causal, D, dtype):
     fcfg, bcfg = (TMA_CONFIGS if path == "tma" else PTR_CONFIGS)[dtype]
     errs = _check_gpu(2, 4, 2, 1024, D, dtype, causal, seed=D, fcfg=fcfg, bcfg=bcfg)
-    print(f"\nGPUERR {path} {str(dtype)[6:]} D={D} causal={causal} B=2 H=4 Hkv=2 T=1024 "
-          + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    print(
+        f"\nGPUERR {path} {str(dtype)[6:]} D={D} causal={causal} B=2 H=4 Hkv=2 T=1024 "
+        + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+    )
 
 
 GLUON_CASES = [  # B, H, Hkv, T, layout, dtype: MHA, GQA, MQA; one and several query tiles; an odd item count
@@ -369,8 +373,10 @@ def test_gpu_gluon_forward(variant, B, H, Hkv, T, layout, dtype, D, causal, monk
             monkeypatch.setattr(G, "HALF_DIAG_MAX_T", {D: limit})
             o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal, variant=variant)
             assert torch.equal(o, o2) and torch.equal(lse, lse2), ("HALF_DIAG_MAX_T", limit)
-    print(f"\nGPUERR gluon {variant} {layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} "
-          f"T={T} o={eo:.2e} lse={el:.2e}")
+    print(
+        f"\nGPUERR gluon {variant} {layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} "
+        f"T={T} o={eo:.2e} lse={el:.2e}"
+    )
 
 
 @pytest.mark.gpu
@@ -394,7 +400,7 @@ def test_gpu_gluon_dispatch_and_rejects():
     assert not torch.equal(o, o_t) and rel(o_t, o.double()) < 1e-2  # another kernel, the same attention
     for bad in (q[..., :1000, :], q.float(), q[..., :32]):  # ragged T, fp32, head dim 32
         with pytest.raises(ValueError, match="flash_attention_fwd_gluon"):
-            kk = k[..., :bad.shape[2], :bad.shape[3]].to(bad.dtype).contiguous()
+            kk = k[..., : bad.shape[2], : bad.shape[3]].to(bad.dtype).contiguous()
             G.flash_attention_fwd_gluon(bad.contiguous(), kk, kk)
     with pytest.raises(ValueError, match="unknown variant"):
         G.flash_attention_fwd_gluon(q, k, v, True, variant="pers_n64")
@@ -420,11 +426,14 @@ def _pair_rule(BH: int, n_m: int, G: int) -> list:
     """The persistent kernel's own order, written out independently: heads one after another, each head's
     query tiles heaviest / lightest alternately (n_m - 1, 0, n_m - 2, 1, ...), cut into pairs of consecutive
     items, pair k to program k mod G; per program its codes bh * n_m + pid_m in order."""
-    flat = [bh * n_m + m for bh in range(BH)
-            for m in [x for i in range(n_m) for x in ((n_m - 1 - i // 2) if i % 2 == 0 else i // 2,)]]
+    flat = [
+        bh * n_m + m
+        for bh in range(BH)
+        for m in [x for i in range(n_m) for x in ((n_m - 1 - i // 2) if i % 2 == 0 else i // 2,)]
+    ]
     per = [[] for _ in range(G)]
     for k in range(0, len(flat), 2):
-        per[(k // 2) % G] += flat[k:k + 2]
+        per[(k // 2) % G] += flat[k : k + 2]
     return per
 
 
@@ -434,9 +443,15 @@ def test_gluon_forward_schedule_tables():
     one; "tail" and "lpt" never leave a program with more work than "pairs" does, and at the bench's shapes
     (B·H = 512, hd64: 4096 items of 1-8 tiles on 132 programs) the most loaded program has less."""
     G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
-    for BH, T, NW, causal, n_prog in ((512, 1024, 2, True, 132), (512, 2048, 2, True, 132), (512, 4096, 3, True, 132),
-                                      (3, 384, 2, True, 5), (1, 128, 2, False, 1), (7, 1152, 3, True, 4),
-                                      (2, 640, 2, False, 132)):
+    for BH, T, NW, causal, n_prog in (
+        (512, 1024, 2, True, 132),
+        (512, 2048, 2, True, 132),
+        (512, 4096, 3, True, 132),
+        (3, 384, 2, True, 5),
+        (1, 128, 2, False, 1),
+        (7, 1152, 3, True, 4),
+        (2, 640, 2, False, 132),
+    ):
         n_m = -(-T // (NW * 64))
         U = BH * n_m
         Gp = max(1, min(n_prog, (U + 1) // 2))  # the launcher's grid
@@ -444,12 +459,12 @@ def test_gluon_forward_schedule_tables():
         for policy in ("pairs", "tail", "lpt"):
             off, codes = G.schedule(BH, n_m, T, NW, causal, Gp, policy, tail_rounds=1, item_cost=1.0)
             assert len(off) == Gp + 1 and off[0] == 0 and off[-1] == U and sorted(codes) == list(range(U))
-            per = [codes[off[p]:off[p + 1]] for p in range(Gp)]
+            per = [codes[off[p] : off[p + 1]] for p in range(Gp)]
             if policy == "pairs" and NW == 2:
                 assert per == _pair_rule(BH, n_m, Gp)
             if policy == "tail":  # the first rounds are the pairs' rounds, untouched
                 kept = max(0, (U + 1) // 2 // Gp - 1)
-                assert all(p[:2 * kept] == r[:2 * kept] for p, r in zip(per, _pair_rule(BH, n_m, Gp)))
+                assert all(p[: 2 * kept] == r[: 2 * kept] for p, r in zip(per, _pair_rule(BH, n_m, Gp)))
             cost[policy] = max(sum(G.item_tiles(c % n_m, n_m, T, NW, causal) + 1.0 for c in p) for p in per)
         assert cost["tail"] <= cost["pairs"] and cost["lpt"] <= cost["pairs"], cost
         if (BH, n_prog) == (512, 132):
@@ -473,8 +488,11 @@ def fwd_compiled():
     G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
     if not G.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon Hopper module")
-    keys = [[v, D, causal, bthd] for v in GLUON_VARIANTS
-            for D, causal, bthd in ((64, False, False), (128, True, True), (64, True, True))]
+    keys = [
+        [v, D, causal, bthd]
+        for v in GLUON_VARIANTS
+        for D, causal, bthd in ((64, False, False), (128, True, True), (64, True, True))
+    ]
     return run_without_interpreter(f"""
 from bench.gluon_flash_bwd_onepass import ptxas_report
 from xtrain.kernels import flash_attention_gluon as G
@@ -537,8 +555,18 @@ def test_bwd_preprocess_delta_and_base2_lse(T):
     g = torch.Generator().manual_seed(T)
     o, do = (torch.randn(B, H, T, D, generator=g).to(DEV) for _ in range(2))
     lse = (torch.randn(B, H, T, generator=g) * 5).to(DEV)
-    args = dict(stride_ob=o.stride(0), stride_oh=o.stride(1), stride_ot=o.stride(2), stride_dob=do.stride(0),
-                stride_doh=do.stride(1), stride_dot=do.stride(2), H=H, T=T, HEAD_DIM=D, BLOCK_M=64)
+    args = dict(
+        stride_ob=o.stride(0),
+        stride_oh=o.stride(1),
+        stride_ot=o.stride(2),
+        stride_dob=do.stride(0),
+        stride_doh=do.stride(1),
+        stride_dot=do.stride(2),
+        H=H,
+        T=T,
+        HEAD_DIM=D,
+        BLOCK_M=64,
+    )
     grid = ((T + 63) // 64, B * H)
     n = B * H * T
     for scale in (True, False):
@@ -554,14 +582,13 @@ def test_bwd_preprocess_delta_and_base2_lse(T):
     # COLS: -lse / scale and -delta as three bf16 parts (columns 0-2) summing to the fp32 value, zeros after
     C, inv = 16, 1 / 0.125
     cbufs = [torch.full((n * C + 64,), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(2)]
-    lsec, deltac = (b[:n * C].view(B, H, T, C) for b in cbufs)
-    FA._flash_bwd_preprocess_kernel[grid](o, do, delta, lse, lse2, lsec, deltac, inv, **args, SCALE_LSE=True,
-                                          COLS=C)
+    lsec, deltac = (b[: n * C].view(B, H, T, C) for b in cbufs)
+    FA._flash_bwd_preprocess_kernel[grid](o, do, delta, lse, lse2, lsec, deltac, inv, **args, SCALE_LSE=True, COLS=C)
     for got, want in ((lsec, -lse.double() * inv), (deltac, -delta.double())):
         assert torch.isfinite(got).all() and not got[..., 3:].any()
-        assert ((got[..., :3].double().sum(-1) - want).abs() <= 2.0 ** -20 * want.abs()).all()
-        assert (got[..., 1].double().abs() <= 2.0 ** -7 * got[..., 0].double().abs()).all()  # within hi's ulp
-    assert all(torch.isnan(b[n * C:].float()).all() for b in cbufs)
+        assert ((got[..., :3].double().sum(-1) - want).abs() <= 2.0**-20 * want.abs()).all()
+        assert (got[..., 1].double().abs() <= 2.0**-7 * got[..., 0].double().abs()).all()  # within hi's ulp
+    assert all(torch.isnan(b[n * C :].float()).all() for b in cbufs)
 
 
 def test_bench_rounds_alternate_and_drop_refused_backends(monkeypatch):

@@ -29,8 +29,9 @@ def _check(B, H, Hkv, T, D, dtype, causal, layout, seed, config=None):
     tr = LAYOUTS[layout]
     q, k, v, do, o = (in_layout(x, name in tr) for name, x in zip("q k v do o".split(), (q, k, v, do, o)))
     assert GB.supported_bwd(do, q, k, v, o, lse)
-    bufs = {name: in_layout(torch.full_like(x, float("nan")), name in tr) for name, x in (("dq", q), ("dk", k),
-                                                                                       ("dv", v))}
+    bufs = {
+        name: in_layout(torch.full_like(x, float("nan")), name in tr) for name, x in (("dq", q), ("dk", k), ("dv", v))
+    }
     got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=config, **bufs)
     assert all(a is bufs[n] for a, n in zip(got, ("dq", "dk", "dv")))
     want = GB.reference(do.double(), q.double(), k.double(), v.double(), o.double(), lse.double(), causal)
@@ -42,8 +43,10 @@ def _check(B, H, Hkv, T, D, dtype, causal, layout, seed, config=None):
     again = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=config)
     for name, a, b in zip(("dq", "dk", "dv"), got, again):
         assert torch.equal(a, b), f"{name}: repeated runs differ (race?)"
-    print(f"\nGPUERR gluon-bwd {layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} T={T} "
-          f"config={config} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    print(
+        f"\nGPUERR gluon-bwd {layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} T={T} "
+        f"config={config} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+    )
 
 
 SHAPES = [  # B, H, Hkv, T: MHA with one tile, GQA, MQA over several tiles and batches
@@ -102,10 +105,27 @@ def test_gluon_bwd_tail_order_is_a_permutation():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["split3", "split_wide", "split_s9", "split_s10", "split_s14", "split_peel",
-                                    "split_dqskip", "split_s26", "split_lse", "split_lsed", "split_s27",
-                                    "split_doreg", (64, 2, 64, 3, 1),
-                                    (64, 2, 64, 3, 2), (64, 2, 64, 3, 7), (64, 3, 64, 2, 12)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "split3",
+        "split_wide",
+        "split_s9",
+        "split_s10",
+        "split_s14",
+        "split_peel",
+        "split_dqskip",
+        "split_s26",
+        "split_lse",
+        "split_lsed",
+        "split_s27",
+        "split_doreg",
+        (64, 2, 64, 3, 1),
+        (64, 2, 64, 3, 2),
+        (64, 2, 64, 3, 7),
+        (64, 3, 64, 2, 12),
+    ],
+)
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_gluon_bwd_configs(config, D):
     """The bench's other configs stay correct (GQA, causal and not)."""
@@ -150,9 +170,9 @@ def test_gpu_gluon_bwd_rejects():
     op = "flash_attention_bwd_gluon"
     sub = lambda x, t, d: x[..., :t, :d].contiguous()  # noqa: E731
     bad = [  # (do, q, k, v, o, lse): ragged T, fp32, head dim 32, a layout the descriptors do not take
-        tuple(sub(x, 200, 128) for x in (do, q, k, v, o)) + (lse[..., :200].contiguous(), ),
+        tuple(sub(x, 200, 128) for x in (do, q, k, v, o)) + (lse[..., :200].contiguous(),),
         (do.float(), q.float(), k.float(), v.float(), o.float(), lse),
-        tuple(sub(x, 256, 32) for x in (do, q, k, v, o)) + (lse, ),
+        tuple(sub(x, 256, 32) for x in (do, q, k, v, o)) + (lse,),
         (do, q.transpose(2, 3).contiguous().transpose(2, 3), k, v, o, lse),
     ]
     for args in bad:
@@ -198,8 +218,7 @@ def test_gluon_bwd_compiles_for_sm90():
 
     if not GB.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon Hopper module")
-    instrs = ["wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait", "atom.global",
-              "red.global"]
+    instrs = ["wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait", "atom.global", "red.global"]
     got = run_without_interpreter(f"""
 from bench.gluon_flash_bwd_onepass import ptxas_report
 from xtrain.kernels import flash_attention_gluon_bwd as GB
@@ -220,8 +239,21 @@ for D, causal, transposed, mha in ((64, True, False, False), (128, False, True, 
 
 def test_gluon_bwd_module_contract():
     assert GB.reference is FA.flash_attention_bwd_ref
-    assert set(GB.CONFIGS) == {"split", "split_s14", "split_s10", "split_s9", "split3", "split_wide", "split_peel",
-                               "split_dqskip", "split_s26", "split_lse", "split_lsed", "split_s27", "split_doreg"}
+    assert set(GB.CONFIGS) == {
+        "split",
+        "split_s14",
+        "split_s10",
+        "split_s9",
+        "split3",
+        "split_wide",
+        "split_peel",
+        "split_dqskip",
+        "split_s26",
+        "split_lse",
+        "split_lsed",
+        "split_s27",
+        "split_doreg",
+    }
     assert GB.DEFAULT == "split"
     s26 = GB.OPT_DQP | GB.OPT_LEAN | GB.OPT_SMEM | GB.OPT_PEEL | GB.OPT_DQSKIP
     assert GB._config("t", None, 64) == GB._config("t", "split_s26", 128) == (64, 2, 64, 4, s26)
@@ -237,10 +269,22 @@ def test_gluon_bwd_module_contract():
     assert GB._config("t", (64, 2, 64, 2), 128) == (64, 2, 64, 2, 0)  # options may be left out
     # LEAN needs PF or SMEM; SMEM needs LEAN and excludes PF; PEEL (16) needs SMEM and BLOCK_M1 64; LSEMMA (64)
     # needs PEEL, DMMA (128) LSEMMA; 512 is no option
-    for bad in ((64, 2, 64, 2, 4), (64, 2, 64, 2, 8), (64, 2, 64, 2, 13), (64, 2, 64, 2, 16), (64, 2, 64, 2, 64),
-                (64, 2, 64, 2, 23), (128, 2, 64, 2, 30), (64, 2, 64, 2, -1), (64, 2, 64, 4, 62 | 128),
-                (64, 2, 64, 4, 14 | 64), (64, 2, 64, 4, 512),
-                (64, 2, 64, 2, 0, 0), (64, 2, 64), "nope"):
+    for bad in (
+        (64, 2, 64, 2, 4),
+        (64, 2, 64, 2, 8),
+        (64, 2, 64, 2, 13),
+        (64, 2, 64, 2, 16),
+        (64, 2, 64, 2, 64),
+        (64, 2, 64, 2, 23),
+        (128, 2, 64, 2, 30),
+        (64, 2, 64, 2, -1),
+        (64, 2, 64, 4, 62 | 128),
+        (64, 2, 64, 4, 14 | 64),
+        (64, 2, 64, 4, 512),
+        (64, 2, 64, 2, 0, 0),
+        (64, 2, 64),
+        "nope",
+    ):
         with pytest.raises(ValueError, match="t: "):
             GB._config("t", bad, 128)
     assert math.isclose(GB.LOG2E, 1.0 / math.log(2.0))
@@ -257,6 +301,7 @@ def test_gpu_dispatch_sends_hd128_backward_to_gluon(monkeypatch):
     def counted(*a, **kw):
         calls.append(1)
         return real(*a, **kw)
+
     monkeypatch.setattr(GB, "flash_attention_bwd_gluon", counted)
     q, k, v, do, o, lse = inputs(1, 4, 2, 1024, 128, torch.bfloat16, True, seed=5)
     got = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
@@ -268,6 +313,13 @@ def test_gpu_dispatch_sends_hd128_backward_to_gluon(monkeypatch):
     assert len(calls) == 1
     assert all(rel(a, b.double()) < 1e-2 for a, b in zip(tri, got))
     monkeypatch.setattr(FA, "BWD_GLUON", True)
-    FA.flash_attention_bwd_triton(do[..., :512, :], q[..., :512, :], k[..., :512, :], v[..., :512, :],
-                                  o[..., :512, :], lse[..., :512].contiguous(), True)
+    FA.flash_attention_bwd_triton(
+        do[..., :512, :],
+        q[..., :512, :],
+        k[..., :512, :],
+        v[..., :512, :],
+        o[..., :512, :],
+        lse[..., :512].contiguous(),
+        True,
+    )
     assert len(calls) == 1  # T < GLUON_BWD_MIN_T: Triton

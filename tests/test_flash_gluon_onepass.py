@@ -30,8 +30,9 @@ def _check(B, H, Hkv, T, dtype, causal, layout, seed, config=None):
     tr = LAYOUTS[layout]
     q, k, v, do, o = (in_layout(x, name in tr) for name, x in zip("q k v do o".split(), (q, k, v, do, o)))
     assert OP.supported_bwd(do, q, k, v, o, lse)
-    bufs = {name: in_layout(torch.full_like(x, float("nan")), name in tr) for name, x in (("dq", q), ("dk", k),
-                                                                                       ("dv", v))}
+    bufs = {
+        name: in_layout(torch.full_like(x, float("nan")), name in tr) for name, x in (("dq", q), ("dk", k), ("dv", v))
+    }
     got = OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal, config=config, **bufs)
     assert all(a is bufs[n] for a, n in zip(got, ("dq", "dk", "dv")))
     want = OP.reference(do.double(), q.double(), k.double(), v.double(), o.double(), lse.double(), causal)
@@ -44,8 +45,10 @@ def _check(B, H, Hkv, T, dtype, causal, layout, seed, config=None):
         again = OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal, config=config)
         assert OP.runs_agree(again[0], got[0]), "dq: repeated runs differ by more than the summation order can"
         assert torch.equal(again[1], got[1]) and torch.equal(again[2], got[2]), "dk/dv: repeated runs differ"
-    print(f"\nGPUERR gluon-onepass {layout} {str(dtype)[6:]} causal={causal} B={B} H={H} Hkv={Hkv} T={T} "
-          f"config={config} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    print(
+        f"\nGPUERR gluon-onepass {layout} {str(dtype)[6:]} causal={causal} B={B} H={H} Hkv={Hkv} T={T} "
+        f"config={config} " + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+    )
 
 
 SHAPES = [  # B, H, Hkv, T: one key tile (one step per head), GQA, MQA over several tiles and batches
@@ -83,9 +86,9 @@ def test_gpu_onepass_rejects():
     op = "flash_attention_bwd_gluon_onepass"
     sub = lambda x, t, d: x[..., :t, :d].contiguous()  # noqa: E731
     bad = [  # ragged T, fp32, head dim 32, a layout the descriptors do not take
-        tuple(sub(x, 200, 64) for x in (do, q, k, v, o)) + (lse[..., :200].contiguous(), ),
+        tuple(sub(x, 200, 64) for x in (do, q, k, v, o)) + (lse[..., :200].contiguous(),),
         (do.float(), q.float(), k.float(), v.float(), o.float(), lse),
-        tuple(sub(x, 256, 32) for x in (do, q, k, v, o)) + (lse, ),
+        tuple(sub(x, 256, 32) for x in (do, q, k, v, o)) + (lse,),
         (do, q.transpose(2, 3).contiguous().transpose(2, 3), k, v, o, lse),
     ]
     for args in bad:
@@ -117,6 +120,7 @@ def test_gpu_dispatch_sends_hd64_backward_to_onepass(monkeypatch):
     def counted(*a, **kw):
         calls.append(1)
         return real(*a, **kw)
+
     monkeypatch.setattr(OP, "flash_attention_bwd_gluon_onepass", counted)
     T = FA.GLUON_ONEPASS_MIN_T[64]
     q, k, v, do, o, lse = inputs(1, 4, 2, T, 64, torch.bfloat16, True, seed=5)
@@ -145,8 +149,12 @@ def test_gpu_dispatch_sends_hd64_backward_to_onepass(monkeypatch):
     monkeypatch.setattr(FA, "BWD_ONEPASS", True)
     assert FA.bwd_route(do, q, k, v, o, lse, False) == "triton"
     h = T // 2
-    assert FA.bwd_route(do[..., :h, :], q[..., :h, :], k[..., :h, :], v[..., :h, :], o[..., :h, :],
-                        lse[..., :h].contiguous(), True) == "triton"
+    assert (
+        FA.bwd_route(
+            do[..., :h, :], q[..., :h, :], k[..., :h, :], v[..., :h, :], o[..., :h, :], lse[..., :h].contiguous(), True
+        )
+        == "triton"
+    )
     FA.flash_attention_bwd_triton(do, q, k, v, o, lse, False)
     assert len(calls) == 1
 
@@ -174,8 +182,15 @@ def test_onepass_compiles_for_sm90():
 
     if not OP.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon Hopper module")
-    instrs = ["wgmma.mma_async", "cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor", "setmaxnreg",
-              "mbarrier.try_wait", "atom.global", "red.global"]
+    instrs = [
+        "wgmma.mma_async",
+        "cp.async.bulk.tensor",
+        "cp.reduce.async.bulk.tensor",
+        "setmaxnreg",
+        "mbarrier.try_wait",
+        "atom.global",
+        "red.global",
+    ]
     got = run_without_interpreter(f"""
 from xtrain.kernels import flash_attention_gluon_onepass as OP
 out = []
@@ -192,7 +207,7 @@ for causal, transposed in ((True, False), (False, True)):
 
 def test_onepass_module_contract():
     assert OP.reference is FA.flash_attention_bwd_ref
-    assert OP.DEFAULT in OP.CONFIGS and OP.HEAD_DIMS == (64, )
+    assert OP.DEFAULT in OP.CONFIGS and OP.HEAD_DIMS == (64,)
     with pytest.raises(ValueError, match="compile_sm90"):
         OP._config("compile_sm90", "nope")
     with pytest.raises(ValueError, match="x"):
@@ -215,8 +230,9 @@ def test_runs_agree_is_tight():
     assert not OP.runs_agree(a.float(), a)
 
 
-needs_interp = pytest.mark.skipif(HAS_CUDA or os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                  reason="CPU check through the Triton interpreter")
+needs_interp = pytest.mark.skipif(
+    HAS_CUDA or os.environ.get("TRITON_INTERPRET", "0") != "1", reason="CPU check through the Triton interpreter"
+)
 
 
 @needs_interp

@@ -31,6 +31,7 @@ def _layout(ts, layout):
 def _forbid(monkeypatch, module, name):
     def boom(*a, **kw):
         raise AssertionError(f"{name} called: the plan was not used")
+
     monkeypatch.setattr(module, name, boom)
 
 
@@ -67,8 +68,11 @@ def test_gpu_backward_plan_equals_full_path(D, route, layout, monkeypatch):
     q, k, v, do, o = _layout((q, k, v, do, o), layout)
     bufs = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
     full = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, **bufs)  # buffers given: no plan
-    for module, name in ((OP, "flash_attention_bwd_gluon_onepass"), (GB, "flash_attention_bwd_gluon"),
-                         (GB, "_prologue")):
+    for module, name in (
+        (OP, "flash_attention_bwd_gluon_onepass"),
+        (GB, "flash_attention_bwd_gluon"),
+        (GB, "_prologue"),
+    ):
         _forbid(monkeypatch, module, name)
     with poisoned():
         got = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
@@ -99,7 +103,7 @@ def test_gpu_plan_key_follows_settings(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(det)
     flat = torch.empty(q.numel() + 8, dtype=q.dtype, device=q.device)
-    q_off = flat[1:1 + q.numel()].view(q.shape)  # 2 bytes past an aligned base
+    q_off = flat[1 : 1 + q.numel()].view(q.shape)  # 2 bytes past an aligned base
     assert FA._plan_key("fwd", (q_off, k, v), None) is None
 
 
@@ -174,8 +178,9 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed, config):
     lse = torch.empty(1, 4, 256)
     cfg = GB._config("t", config, 128)
     cols, dcols = bool(cfg[4] & GB.OPT_LSEMMA), bool(cfg[4] & GB.OPT_DMMA)
-    (_, _, a1, _), (_, _, a2, _) = GB._launches(q, k, k, dq, k, k, q, lse, lse, 0.125, True, cfg,
-                                                 GB.new_columns(q, cfg[4]))
+    (_, _, a1, _), (_, _, a2, _) = GB._launches(
+        q, k, k, dq, k, k, q, lse, lse, 0.125, True, cfg, GB.new_columns(q, cfg[4])
+    )
     pre, r1, r2 = _Recorder(_PRE), _Recorder(a1), _Recorder(a2)
     split = GB._SplitPlan(pre, r1, r2, a1, a2, two_streams=False, opts=cfg[4])
     do, q2 = GB.stand_ins(128, 256, 4, 2, transposed)[0], GB.stand_ins(128, 256, 4, 2, transposed)[0]
@@ -192,9 +197,16 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed, config):
         assert p["LSEC"] is not p["DELTAC"]
     else:  # stand-ins the preprocess does not touch
         assert p["LSEC"] is p["DELTAC"] is p["DELTA"]
-    for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dk_desc", gdk),
-                    ("dv_desc", gdv), ("lse_desc", p["LSEC"] if cols else p["LSE2"]),
-                    ("delta_desc", p["DELTAC"] if dcols else p["DELTA"])):
+    for name, t in (
+        ("q_desc", q2),
+        ("do_desc", do),
+        ("k_desc", k2),
+        ("v_desc", v2),
+        ("dk_desc", gdk),
+        ("dv_desc", gdv),
+        ("lse_desc", p["LSEC"] if cols else p["LSE2"]),
+        ("delta_desc", p["DELTAC"] if dcols else p["DELTA"]),
+    ):
         assert _base_is(c1[name], t), name
     for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dq_desc", gdq)):
         assert _base_is(c2[name], t), name
@@ -213,6 +225,12 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed, config):
     assert p["LSE"] is p["LSE2"] is p["DELTA"]  # the one-pass kernel reads the natural-log lse: no base-2 copy
     assert c["DQ"] is gdq and _base_is(m["dq_desc"], c["ACC"]) and c["ACC"].dtype == torch.float32
     assert not c["ACC"].any()  # the accumulator starts at zero
-    for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dk_desc", gdk),
-                    ("dv_desc", gdv)):
+    for name, t in (
+        ("q_desc", q2),
+        ("do_desc", do),
+        ("k_desc", k2),
+        ("v_desc", v2),
+        ("dk_desc", gdk),
+        ("dv_desc", gdv),
+    ):
         assert _base_is(m[name], t), name

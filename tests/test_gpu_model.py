@@ -27,8 +27,20 @@ def _rel(a, b):
 
 
 def _cfg(dtype, attention, loss="composed"):
-    return preset("tiny", vocab_size=512, n_layer=2, n_embd=256, n_head=4, n_kv_head=2, head_dim=64,
-                  ffn_dim=512, max_seq_len=512, compute_dtype=dtype, attention=attention, loss=loss)
+    return preset(
+        "tiny",
+        vocab_size=512,
+        n_layer=2,
+        n_embd=256,
+        n_head=4,
+        n_kv_head=2,
+        head_dim=64,
+        ffn_dim=512,
+        max_seq_len=512,
+        compute_dtype=dtype,
+        attention=attention,
+        loss=loss,
+    )
 
 
 def _run(cfg, ids, seed=0):
@@ -133,11 +145,23 @@ def test_gluon_attention_paths_equal_composed_in_the_model(head_dim, monkeypatch
             def planned(*pa):
                 calls.append("plan")
                 return plan(*pa)
+
             out = (*out[:3], planned)
         return out
+
     monkeypatch.setattr(mod, name, counted)
-    cfg = dict(vocab_size=512, n_layer=2, n_embd=256, n_head=4, n_kv_head=2, head_dim=head_dim, ffn_dim=512,
-               max_seq_len=1024, compute_dtype="bfloat16", loss="composed")
+    cfg = dict(
+        vocab_size=512,
+        n_layer=2,
+        n_embd=256,
+        n_head=4,
+        n_kv_head=2,
+        head_dim=head_dim,
+        ffn_dim=512,
+        max_seq_len=1024,
+        compute_dtype="bfloat16",
+        loss="composed",
+    )
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 512, (2, 1025), generator=g).cuda()
     lf, Lf, gf = _run(preset("tiny", attention="flash", **cfg), ids)

@@ -39,8 +39,9 @@ if HAVE_TRITON:
 
 CPU_TOL = 1e-5
 gpu = pytest.mark.gpu
-needs_cpu_interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                      reason="CPU tests run Triton through the interpreter")
+needs_cpu_interp = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") != "1", reason="CPU tests run Triton through the interpreter"
+)
 
 
 def _max_err(a, b):
@@ -53,6 +54,7 @@ def _rel(a, b):
 
 
 # ============================================================================ CPU, through the interpreter
+
 
 @needs_cpu_interp
 @pytest.mark.parametrize("shape", [(5, 123), (3, 7, 64), (1, 1)])
@@ -131,10 +133,25 @@ def test_cross_entropy_cpu(N, V, reduction):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("config", [(256, 4, 1), (256, 4, 3), (512, 4, 0), (8192, 4, 0), (128, 4, 0, 4),
-                                    (256, 2, 0, 8), (64, 1, 0, 2), (128, 4, 0, 4, 3), (256, 4, 2, 1, 3),
-                                    (256, 4, 0, 1, 4), (256, 4, 0, 1, 0, 16), (128, 4, 2, 1, 0, 8),
-                                    (64, 4, 0, 1, 0, 64), (512, 4, 1, 1, 0, 32)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        (256, 4, 1),
+        (256, 4, 3),
+        (512, 4, 0),
+        (8192, 4, 0),
+        (128, 4, 0, 4),
+        (256, 2, 0, 8),
+        (64, 1, 0, 2),
+        (128, 4, 0, 4, 3),
+        (256, 4, 2, 1, 3),
+        (256, 4, 0, 1, 4),
+        (256, 4, 0, 1, 0, 16),
+        (128, 4, 2, 1, 0, 8),
+        (64, 4, 0, 1, 0, 64),
+        (512, 4, 1, 1, 0, 32),
+    ],
+)
 @pytest.mark.parametrize("epilogue", ["kernel", "torch"])
 def test_cross_entropy_fwd_tilings_cpu(config, epilogue, monkeypatch):
     """Every forward tiling the bench sweeps: one block per program (split + combine), several blocks
@@ -294,15 +311,31 @@ def test_embedding_bwd_cpu(ishape, V, C):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("config", [(4, 64, 4, "torch"), (8, 32, 4, "absent"), (1, 16, 4, "absent"),
-                                    (16, 8, 4, "torch"), (4, 64, 4, "fused"), (8, 32, 4, "fused", True, True),
-                                    (1, 16, 4, "absent", True, False), (16, 8, 4, "torch", False, True),
-                                    (2, 16, 4, "fused", False, True), (4, 64, 4, "absent", 16, True),
-                                    (8, 32, 4, "torch", 16, False, "tile"), (1, 16, 4, "absent", 32, False, "tile"),
-                                    (4, 64, 4, "absent", 16, False, "tile"), (2, 16, 4, "fused", 16, False, "tile"),
-                                    (8, 32, 4, "torch", False, False, "tile"), (4, 64, 4, "side", 16, True),
-                                    (2, 16, 4, "side", 16, False, "tile"), (4, 64, 4, "rows", 16, True),
-                                    (2, 16, 4, "rows", 16, False, "tile"), (8, 32, 4, "rows", False, False)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        (4, 64, 4, "torch"),
+        (8, 32, 4, "absent"),
+        (1, 16, 4, "absent"),
+        (16, 8, 4, "torch"),
+        (4, 64, 4, "fused"),
+        (8, 32, 4, "fused", True, True),
+        (1, 16, 4, "absent", True, False),
+        (16, 8, 4, "torch", False, True),
+        (2, 16, 4, "fused", False, True),
+        (4, 64, 4, "absent", 16, True),
+        (8, 32, 4, "torch", 16, False, "tile"),
+        (1, 16, 4, "absent", 32, False, "tile"),
+        (4, 64, 4, "absent", 16, False, "tile"),
+        (2, 16, 4, "fused", 16, False, "tile"),
+        (8, 32, 4, "torch", False, False, "tile"),
+        (4, 64, 4, "side", 16, True),
+        (2, 16, 4, "side", 16, False, "tile"),
+        (4, 64, 4, "rows", 16, True),
+        (2, 16, 4, "rows", 16, False, "tile"),
+        (8, 32, 4, "rows", False, False),
+    ],
+)
 def test_embedding_bwd_tilings_cpu(config, monkeypatch):
     """Chunk sizes and the zero fills (torch.zeros, a zero kernel for absent rows, zero tiles fused into the
     chunk launch, the zero kernel beside the sort/walk/merge chain, the rows kernel for ids seen at most K
@@ -364,8 +397,12 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
     walk."""
     K = rows[0]
     monkeypatch.setattr(K_emb, "ROWS", rows)
-    cases = [torch.cat([torch.full((K,), 2), torch.full((K + 1,), 5), torch.tensor([0, 7, 2, 9])]),
-             torch.full((23,), 3), torch.randperm(11), (torch.rand(150) ** 3 * 40).long()]
+    cases = [
+        torch.cat([torch.full((K,), 2), torch.full((K + 1,), 5), torch.tensor([0, 7, 2, 9])]),
+        torch.full((23,), 3),
+        torch.randperm(11),
+        (torch.rand(150) ** 3 * 40).long(),
+    ]
     for ids in cases:
         V = int(ids.max()) + 3
         d = torch.randn(ids.numel(), 21)
@@ -383,13 +420,18 @@ def test_embedding_bwd_rows_cpu(rows, monkeypatch):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("tiers,roles,ahead", [((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), None, 0),
-                                               ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), None, 0),
-                                               ((64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), None, 0),
-                                               ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), 3, 2),
-                                               ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), 1, 0),
-                                               ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), -1, 4),
-                                               ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), -4, 0)])
+@pytest.mark.parametrize(
+    "tiers,roles,ahead",
+    [
+        ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), None, 0),
+        ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), None, 0),
+        ((64, 8, 2048, 4, 1, 256, 64, 4, 1, 4096), None, 0),
+        ((8, 4, 16, 4, 1, 4, 16, 4, 1, 64), 3, 2),
+        ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), 1, 0),
+        ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), -1, 4),
+        ((16, 8, 32, 8, 2, 8, 8, 4, 3, 32), -4, 0),
+    ],
+)
 def test_embedding_bwd_tiers_cpu(tiers, roles, ahead, monkeypatch):
     """The "tiers" form: rows seen at most K times by the rows kernel, K < count <= K2 by tier A from their slots
     (ranked into token order), more than K2 by the heavy lists (scans of the ids SCAN at a time, several heavy ids, so
@@ -405,9 +447,21 @@ def test_embedding_bwd_tiers_cpu(tiers, roles, ahead, monkeypatch):
     monkeypatch.setattr(K_emb, "ROWS_ROLES", roles)
     monkeypatch.setattr(K_emb, "TIER_A_AHEAD", ahead)
     k2 = tiers[0]
-    cases = [torch.cat([torch.full((4,), 2), torch.full((5,), 5), torch.full((k2,), 7), torch.full((k2 + 1,), 1),
-                        torch.full((3 * k2,), 4), torch.tensor([0, 9, 2, 7])])[torch.randperm(4 * k2 + 22)],
-             torch.full((2 * k2 + 3,), 3), torch.randperm(11), (torch.rand(300) ** 3 * 40).long()]
+    cases = [
+        torch.cat(
+            [
+                torch.full((4,), 2),
+                torch.full((5,), 5),
+                torch.full((k2,), 7),
+                torch.full((k2 + 1,), 1),
+                torch.full((3 * k2,), 4),
+                torch.tensor([0, 9, 2, 7]),
+            ]
+        )[torch.randperm(4 * k2 + 22)],
+        torch.full((2 * k2 + 3,), 3),
+        torch.randperm(11),
+        (torch.rand(300) ** 3 * 40).long(),
+    ]
     for ids in cases:
         V = int(ids.max()) + 3
         for C in (21, 6):
@@ -543,8 +597,15 @@ def test_embedding_bwd_tier_b_segments_cpu(monkeypatch):
     monkeypatch.setattr(K_emb, "TIERS", (8, 4, 16, 4, 1, 4, 16, 4, 2, 64))  # K2 = 8, HT = 4, tier B 2 programs
     g = torch.Generator().manual_seed(5)
     seg = 8
-    ids = torch.cat([torch.full((seg,), 1), torch.full((seg + 1,), 2), torch.full((3 * seg + 5,), 4),
-                     torch.full((150,), 6), torch.randint(0, 30, (40,), generator=g)])
+    ids = torch.cat(
+        [
+            torch.full((seg,), 1),
+            torch.full((seg + 1,), 2),
+            torch.full((3 * seg + 5,), 4),
+            torch.full((150,), 6),
+            torch.randint(0, 30, (40,), generator=g),
+        ]
+    )
     ids = ids[torch.randperm(ids.numel(), generator=g)]
     d = torch.randn(ids.numel(), 21, generator=g)
     V = 33
@@ -631,9 +692,19 @@ def test_embedding_bwd_tile_equals_walk_cpu(monkeypatch):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("config", [(64, 4, 2, True), (64, 4, 2, False), (2048, 4, 4, True), (64, 4, 2, 3),
-                                    (2048, 4, 4, 4), (64, 4, 3, 2, False), (64, 4, 3, 3, True),
-                                    (128, 4, 2, 4, True)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        (64, 4, 2, True),
+        (64, 4, 2, False),
+        (2048, 4, 4, True),
+        (64, 4, 2, 3),
+        (2048, 4, 4, 4),
+        (64, 4, 3, 2, False),
+        (64, 4, 3, 3, True),
+        (128, 4, 2, 4, True),
+    ],
+)
 @pytest.mark.parametrize("dw_reduce", ["torch", "triton"])
 def test_rms_norm_bwd_tilings_cpu(config, dw_reduce, monkeypatch):
     _rms_bwd_cases(config, dw_reduce, monkeypatch)
@@ -681,6 +752,7 @@ def test_bad_inputs():
 
 
 # ================================================================================== GPU, realistic shapes
+
 
 def _tol(dtype):
     return 1e-5 if dtype == torch.float32 else 1e-2
@@ -740,6 +812,7 @@ def test_rms_norm_bwd_pdl_gpu(N, C, monkeypatch):
             dx, dw = K_rms.rms_norm_bwd_triton(dy, x, w, r)
         assert torch.equal(dx, dx0) and torch.equal(dw, dw0)
 
+
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("table", [True, False])
@@ -747,8 +820,7 @@ def test_rms_norm_bwd_pdl_gpu(N, C, monkeypatch):
 def test_rope_gpu(xshape, batched, table, dtype):
     x = torch.randn(xshape, device="cuda").to(dtype)
     T = xshape[-2]
-    pos = (torch.randint(0, 16384, (xshape[0], T), device="cuda") if batched
-           else torch.arange(T, device="cuda"))
+    pos = torch.randint(0, 16384, (xshape[0], T), device="cuda") if batched else torch.arange(T, device="cuda")
     with poisoned():
         y = K_rope.rope_fwd_triton(x, pos, 1e6, table=table)
         dx = K_rope.rope_bwd_triton(x, pos, 1e6, table=table)
@@ -877,17 +949,33 @@ _EMB_GPU_CASES = {
     "tiers, tier B in segments": (_TIERS_CFG, {"TIER_B_SEG": 256}),
     "tiers, tier B ids whole": (_TIERS_CFG, {"TIER_B_SEG": 0}),
     # SLOTS_APPEND_TOGETHER and ROWS_FIRST flipped
-    "tiers, lists together, one-token rows": (_TIERS_CFG, {"SLOTS_APPEND_TOGETHER": not K_emb.SLOTS_APPEND_TOGETHER,
-                                                          "ROWS_FIRST": not K_emb.ROWS_FIRST, "ROWS": _ONE_ROW}),
+    "tiers, lists together, one-token rows": (
+        _TIERS_CFG,
+        {
+            "SLOTS_APPEND_TOGETHER": not K_emb.SLOTS_APPEND_TOGETHER,
+            "ROWS_FIRST": not K_emb.ROWS_FIRST,
+            "ROWS": _ONE_ROW,
+        },
+    ),
 }
 
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [None, (16, 1024, 4, "fused", 16, False, "tile"),
-                                    (8, 512, 4, "absent", 16, False, "tile"), (16, 1024, 4, "side", 16, True),
-                                    (16, 512, 4, "side", 16, False, "tile"), (16, 1024, 4, "rows", 16, True),
-                                    (16, 512, 4, "rows", 16, False, "tile"), _TIERS_CFG, *_EMB_GPU_CASES])
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        (16, 1024, 4, "fused", 16, False, "tile"),
+        (8, 512, 4, "absent", 16, False, "tile"),
+        (16, 1024, 4, "side", 16, True),
+        (16, 512, 4, "side", 16, False, "tile"),
+        (16, 1024, 4, "rows", 16, True),
+        (16, 512, 4, "rows", 16, False, "tile"),
+        _TIERS_CFG,
+        *_EMB_GPU_CASES,
+    ],
+)
 def test_embedding_bwd_gpu(dtype, config, monkeypatch):
     """NaN-poisoned output buffers, fp64 oracle, bit for bit deterministic; "side" runs its sort, walks and
     merge on a second stream beside the zero fill, "rows" the chain for frequent ids beside the rows kernel,

@@ -25,32 +25,77 @@ def _train(args, tmp_path, monkeypatch):
     return main(["train", *args])
 
 
-COMMON = ["--vocab-size", "300", "--batch-size", "4", "--seq-len", "32", "--eval-every", "2", "--eval-batches", "1",
-          "--no-progress", "--warmup", "2"]
+COMMON = [
+    "--vocab-size",
+    "300",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "32",
+    "--eval-every",
+    "2",
+    "--eval-batches",
+    "1",
+    "--no-progress",
+    "--warmup",
+    "2",
+]
 
 
 def test_train_resume_sample_plot_offline(corpus, tmp_path, monkeypatch, no_network, capsys):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert _train(["--data", str(corpus), "--steps", "6", "--out", str(straight), "--sample-tokens", "0",
-                   *COMMON], tmp_path, monkeypatch) == 0
-    assert _train(["--data", str(corpus), "--steps", "6", "--stop-after", "4", "--out", str(split),
-                   "--sample-tokens", "8", *COMMON],
-                  tmp_path, monkeypatch) == 0
+    assert (
+        _train(
+            ["--data", str(corpus), "--steps", "6", "--out", str(straight), "--sample-tokens", "0", *COMMON],
+            tmp_path,
+            monkeypatch,
+        )
+        == 0
+    )
+    assert (
+        _train(
+            [
+                "--data",
+                str(corpus),
+                "--steps",
+                "6",
+                "--stop-after",
+                "4",
+                "--out",
+                str(split),
+                "--sample-tokens",
+                "8",
+                *COMMON,
+            ],
+            tmp_path,
+            monkeypatch,
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "unigram baseline" in out and "--- sample" in out
-    for name in ("config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json",
-                 "metrics.jsonl", "loss.png", "tokenizer.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+        "metrics.jsonl",
+        "loss.png",
+        "tokenizer.json",
+    ):
         assert (split / name).is_file(), name
     assert json.loads((split / "trainer_state.json").read_text())["step"] == 4
     # a run directory is never overwritten by a new run
     assert _train(["--data", str(corpus), "--steps", "4", "--out", str(split), *COMMON], tmp_path, monkeypatch) == 2
     # resume 4 -> 6 equals 6 straight, bit for bit
-    assert _train(["--resume", str(split), "--no-progress", "--sample-tokens", "0"],
-                  tmp_path, monkeypatch) == 0
+    assert _train(["--resume", str(split), "--no-progress", "--sample-tokens", "0"], tmp_path, monkeypatch) == 0
     a, b = load_file(str(straight / "model.safetensors")), load_file(str(split / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    steps = [json.loads(line)["step"] for line in (split / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
+    steps = [
+        json.loads(line)["step"]
+        for line in (split / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
     assert steps == [1, 2, 3, 4, 5, 6]
     # sampling: greedy is deterministic; seeded sampling is reproducible
     capsys.readouterr()
@@ -69,8 +114,9 @@ def test_train_resume_sample_plot_offline(corpus, tmp_path, monkeypatch, no_netw
 
 
 def test_bad_flags_fail_before_work(corpus, tmp_path, monkeypatch, capsys):
-    assert _train(["--data", str(corpus), "--lr", "-1", "--out", str(tmp_path / "r"), *COMMON],
-                  tmp_path, monkeypatch) == 2
+    assert (
+        _train(["--data", str(corpus), "--lr", "-1", "--out", str(tmp_path / "r"), *COMMON], tmp_path, monkeypatch) == 2
+    )
     assert "lr" in capsys.readouterr().err
     assert not (tmp_path / "r" / "model.safetensors").exists()
     assert main(["sample", str(tmp_path / "missing")]) == 2

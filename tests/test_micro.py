@@ -19,8 +19,27 @@ from xtrain.micro.gpt import Adam, MicroConfig, MicroGPT, train
 
 # -- Value vs torch.autograd on random expression graphs -------------------------------------------
 
-OPS = ["add", "mul", "pow", "log", "exp", "relu", "neg", "sub", "div", "radd", "rsub", "rmul", "rdiv",
-       "add_const", "mul_const", "sub_const", "div_const", "vsum", "dot"]
+OPS = [
+    "add",
+    "mul",
+    "pow",
+    "log",
+    "exp",
+    "relu",
+    "neg",
+    "sub",
+    "div",
+    "radd",
+    "rsub",
+    "rmul",
+    "rdiv",
+    "add_const",
+    "mul_const",
+    "sub_const",
+    "div_const",
+    "vsum",
+    "dot",
+]
 
 
 def _random_graph(seed: int, n_leaves: int = 6, n_ops: int = 60):
@@ -53,7 +72,7 @@ def _random_graph(seed: int, n_leaves: int = 6, n_ops: int = 60):
             n = rng.choice([2, 3, -1, 0.5, -0.5, 1.5, -2])
             if abs(a.data) < 0.2 or (a.data < 0 and not float(n).is_integer()):
                 continue
-            r, rt = a ** n, at ** n
+            r, rt = a**n, at**n
         elif op == "log":
             if a.data <= 0.05:
                 continue
@@ -149,7 +168,7 @@ def test_deep_chain_no_recursion_error():
         y = y * 1.000001 + 0.001  # 2 nodes per step: a 400k-node chain
     assert sys.getrecursionlimit() < n
     y.backward()
-    assert x.grad == pytest.approx(1.000001 ** n, rel=1e-9)
+    assert x.grad == pytest.approx(1.000001**n, rel=1e-9)
 
 
 def test_backward_twice_with_and_without_zero_grad():
@@ -172,30 +191,33 @@ def test_backward_twice_with_and_without_zero_grad():
     assert h[2].grad == inner_first
 
 
-@pytest.mark.parametrize("fn, exc, match", [
-    (lambda: Value(0.0).log(), ValueError, "log"),
-    (lambda: Value(-1.0).log(), ValueError, "log"),
-    (lambda: Value(2.0) ** Value(2.0), TypeError, r"\*\*"),
-    (lambda: 2.0 ** Value(2.0), TypeError, r"\*\*"),
-    (lambda: Value(0.0) ** -1, ZeroDivisionError, r"\*\*"),
-    (lambda: Value(-8.0) ** (1 / 3), ValueError, r"\*\*"),
-    (lambda: Value(1.0) / Value(0.0), ZeroDivisionError, r"\*\*"),
-    (lambda: Value(1.0) / 0, ZeroDivisionError, "/"),
-    (lambda: Value(1.0) + "a", TypeError, r"\+"),
-    (lambda: "a" + Value(1.0), TypeError, r"\+"),
-    (lambda: Value(1.0) * None, TypeError, r"\*"),
-    (lambda: [1.0] * Value(1.0), TypeError, r"\*"),
-    (lambda: Value(1.0) - "a", TypeError, "-"),
-    (lambda: "a" / Value(1.0), TypeError, "/"),
-    (lambda: Value("1.0"), TypeError, "leaf"),
-    (lambda: Value(True), TypeError, "leaf"),
-    (lambda: Value(1000.0).exp(), OverflowError, "exp"),
-    (lambda: Value(1e200) ** 2, OverflowError, r"\*\*"),
-    (lambda: vsum([]), ValueError, "vsum"),
-    (lambda: vsum([Value(1.0), 2.0]), TypeError, "vsum"),
-    (lambda: dot([Value(1.0)], [Value(1.0), Value(2.0)]), ValueError, "dot"),
-    (lambda: dot([Value(1.0)], [1.0]), TypeError, "dot"),
-])
+@pytest.mark.parametrize(
+    "fn, exc, match",
+    [
+        (lambda: Value(0.0).log(), ValueError, "log"),
+        (lambda: Value(-1.0).log(), ValueError, "log"),
+        (lambda: Value(2.0) ** Value(2.0), TypeError, r"\*\*"),
+        (lambda: 2.0 ** Value(2.0), TypeError, r"\*\*"),
+        (lambda: Value(0.0) ** -1, ZeroDivisionError, r"\*\*"),
+        (lambda: Value(-8.0) ** (1 / 3), ValueError, r"\*\*"),
+        (lambda: Value(1.0) / Value(0.0), ZeroDivisionError, r"\*\*"),
+        (lambda: Value(1.0) / 0, ZeroDivisionError, "/"),
+        (lambda: Value(1.0) + "a", TypeError, r"\+"),
+        (lambda: "a" + Value(1.0), TypeError, r"\+"),
+        (lambda: Value(1.0) * None, TypeError, r"\*"),
+        (lambda: [1.0] * Value(1.0), TypeError, r"\*"),
+        (lambda: Value(1.0) - "a", TypeError, "-"),
+        (lambda: "a" / Value(1.0), TypeError, "/"),
+        (lambda: Value("1.0"), TypeError, "leaf"),
+        (lambda: Value(True), TypeError, "leaf"),
+        (lambda: Value(1000.0).exp(), OverflowError, "exp"),
+        (lambda: Value(1e200) ** 2, OverflowError, r"\*\*"),
+        (lambda: vsum([]), ValueError, "vsum"),
+        (lambda: vsum([Value(1.0), 2.0]), TypeError, "vsum"),
+        (lambda: dot([Value(1.0)], [Value(1.0), Value(2.0)]), ValueError, "dot"),
+        (lambda: dot([Value(1.0)], [1.0]), TypeError, "dot"),
+    ],
+)
 def test_bad_input_raises_clear_errors(fn, exc, match):
     with pytest.raises(exc, match=match):
         fn()
@@ -208,12 +230,13 @@ def test_numbers_accepted_as_operands():
     assert (v + 1).data == 3.0 and (v * fractions.Fraction(1, 2)).data == 1.0
     assert (1 - v).data == -1.0 and (8 / v).data == 4.0 and (3 * v).data == 6.0
     z = Value(0.0)
-    y = z ** 0 + z ** 1 + z ** 2  # edge exponents at 0: finite slopes 0, 1, 0
+    y = z**0 + z**1 + z**2  # edge exponents at 0: finite slopes 0, 1, 0
     y.backward()
     assert y.data == 1.0 and z.grad == 1.0
 
 
 # -- microGPT vs the tensor engine ------------------------------------------------------------------
+
 
 def _tensor_gpt_loss(model: MicroGPT, tokens: list[int]):
     """The microGPT of xtrain/micro/gpt.py written with xtrain.ops on the whole sequence at once (the
@@ -223,11 +246,13 @@ def _tensor_gpt_loss(model: MicroGPT, tokens: list[int]):
 
     c = model.config
     f64 = torch.float64
-    P = {name: Var(torch.tensor([[p.data for p in row] for row in mat], dtype=f64), requires_grad=True)
-         for name, mat in model.state.items()}
+    P = {
+        name: Var(torch.tensor([[p.data for p in row] for row in mat], dtype=f64), requires_grad=True)
+        for name, mat in model.state.items()
+    }
     T, C, H, D = min(c.block_size, len(tokens) - 1), c.n_embd, c.n_head, c.head_dim
     ids = torch.tensor(tokens[:T])
-    tgt = torch.tensor(tokens[1:T + 1])
+    tgt = torch.tensor(tokens[1 : T + 1])
     ones = Var(torch.ones(C, dtype=f64))
 
     def relu(x):  # xtrain.ops has no relu (the Qwen3 model uses swiglu)
@@ -296,6 +321,7 @@ def test_microgpt_matches_tensor_engine(n_layer, n_head, seq_len):
 
 # -- data, training, sampling ----------------------------------------------------------------------
 
+
 def test_names_corpus_and_tokenizer():
     docs = load_names()
     assert len(docs) == len(set(docs)) > 5000
@@ -361,8 +387,10 @@ def test_training_reduces_loss_below_unigram_and_sampling_is_reproducible():
     losses = train(model, train_ids, 300, lr=0.01)
     after = _mean_loss(model, eval_ids)
     unigram = _unigram_loss(train_ids, eval_ids, tok.vocab_size)
-    print(f"eval loss before {before:.4f}, after {after:.4f}, unigram {unigram:.4f}, "
-          f"train first/last 50 {sum(losses[:50]) / 50:.4f} {sum(losses[-50:]) / 50:.4f}")
+    print(
+        f"eval loss before {before:.4f}, after {after:.4f}, unigram {unigram:.4f}, "
+        f"train first/last 50 {sum(losses[:50]) / 50:.4f} {sum(losses[-50:]) / 50:.4f}"
+    )
     assert unigram > 2.7
     assert after < 2.60 < unigram
     assert sum(losses[-50:]) / 50 < sum(losses[:50]) / 50 - 0.3
@@ -400,8 +428,9 @@ def test_adam_matches_torch_adam():
         (pt * pt * torch.arange(1.0, 6.0, dtype=torch.float64)).exp().sum().backward()
         opt_t.step()
     assert all(p.grad == 0.0 for p in ps)
-    torch.testing.assert_close(torch.tensor([p.data for p in ps], dtype=torch.float64), pt.detach(),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        torch.tensor([p.data for p in ps], dtype=torch.float64), pt.detach(), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_config_validation():
@@ -418,6 +447,7 @@ def test_config_validation():
 
 # -- CLI --------------------------------------------------------------------------------------------
 
+
 def _cli(argv):
     from xtrain.micro import cli
 
@@ -430,8 +460,7 @@ def _cli(argv):
 def test_cli_trains_and_samples_from_a_file(tmp_path, capsys):
     data = tmp_path / "words.txt"
     data.write_text("\n".join(["abba", "baba", "abab", "bbaa", "aabb"]) + "\n")
-    rc = _cli(["--data", str(data), "--steps", "6", "--embd", "8", "--heads", "2", "--samples", "3",
-               "--seed", "1"])
+    rc = _cli(["--data", str(data), "--steps", "6", "--embd", "8", "--heads", "2", "--samples", "3", "--seed", "1"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "5 documents" in out and "step     6/6" in out and "sample  3:" in out

@@ -114,8 +114,19 @@ class RefQwen3(nn.Module):
 
 
 def small_cfg(**kw):
-    base = dict(vocab_size=97, n_layer=2, n_embd=48, n_head=6, n_kv_head=2, head_dim=8, ffn_dim=80,
-                max_seq_len=16, init_std=0.1, attention="composed", loss="composed")
+    base = dict(
+        vocab_size=97,
+        n_layer=2,
+        n_embd=48,
+        n_head=6,
+        n_kv_head=2,
+        head_dim=8,
+        ffn_dim=80,
+        max_seq_len=16,
+        init_std=0.1,
+        attention="composed",
+        loss="composed",
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -143,8 +154,9 @@ def run_both(c, ids, tg, ref_dtype=None):
     return m, loss, logits, rloss, rlogits, rgrads
 
 
-@pytest.mark.parametrize("tie,attention", [(False, "composed"), (True, "composed"), (False, "math"),
-                                           (True, "flash"), (False, "auto")])
+@pytest.mark.parametrize(
+    "tie,attention", [(False, "composed"), (True, "composed"), (False, "math"), (True, "flash"), (False, "auto")]
+)
 def test_parity_fp64(tie, attention):
     c = small_cfg(compute_dtype="float64", tie_embeddings=tie, attention=attention)
     ids, tg = batch(c)
@@ -218,8 +230,15 @@ def test_init_documented_and_deterministic():
 def test_presets():
     assert set(PRESETS) >= {"tiny", "seed", "gpt2-small"}
     t = PRESETS["tiny"]
-    assert (t.n_embd, t.n_layer, t.n_head, t.n_kv_head, t.head_dim, t.ffn_dim, t.max_seq_len) == \
-        (256, 4, 4, 2, 64, 768, 256)
+    assert (t.n_embd, t.n_layer, t.n_head, t.n_kv_head, t.head_dim, t.ffn_dim, t.max_seq_len) == (
+        256,
+        4,
+        4,
+        2,
+        64,
+        768,
+        256,
+    )
     assert 2e6 < t.num_params() < 8e6
     s = PRESETS["seed"]
     assert (s.n_embd, s.n_layer, s.n_head, s.head_dim, s.ffn_dim) == (768, 8, 12, 64, 3072)
@@ -231,15 +250,18 @@ def test_presets():
     assert preset("tiny", vocab_size=300).vocab_size == 300
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(n_head=6, n_kv_head=4), "n_kv_head"),
-    (dict(head_dim=7), "head_dim"),
-    (dict(n_embd=0), "n_embd"),
-    (dict(dropout=1.0), "dropout"),
-    (dict(attention="fast"), "attention"),
-    (dict(compute_dtype="float16"), "compute_dtype"),
-    (dict(rope_theta=-1.0), "rope_theta"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(n_head=6, n_kv_head=4), "n_kv_head"),
+        (dict(head_dim=7), "head_dim"),
+        (dict(n_embd=0), "n_embd"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(attention="fast"), "attention"),
+        (dict(compute_dtype="float16"), "compute_dtype"),
+        (dict(rope_theta=-1.0), "rope_theta"),
+    ],
+)
 def test_bad_model_config_rejected_before_work(bad, field):
     c = small_cfg(**bad)
     with pytest.raises(ConfigError, match=field):
@@ -248,11 +270,19 @@ def test_bad_model_config_rejected_before_work(bad, field):
         Model(c)
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(lr=0.0), "lr"), (dict(lr=-1e-3), "lr"), (dict(lr=float("nan")), "lr"),
-    (dict(batch_size=6, grad_accum=4), "grad_accum"), (dict(beta2=1.0), "beta2"),
-    (dict(min_lr=1.0, lr=1e-3), "min_lr"), (dict(steps=0), "steps"), (dict(grad_clip=-1.0), "grad_clip"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(lr=0.0), "lr"),
+        (dict(lr=-1e-3), "lr"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(batch_size=6, grad_accum=4), "grad_accum"),
+        (dict(beta2=1.0), "beta2"),
+        (dict(min_lr=1.0, lr=1e-3), "min_lr"),
+        (dict(steps=0), "steps"),
+        (dict(grad_clip=-1.0), "grad_clip"),
+    ],
+)
 def test_bad_train_config_rejected(bad, field):
     with pytest.raises(ConfigError, match=field):
         TrainConfig(**bad).validate()
@@ -277,6 +307,7 @@ def test_config_json_roundtrip_rejects_unknown_keys():
 
 # -- batching -----------------------------------------------------------------------------------------
 
+
 def test_batched_equals_per_sequence():
     """One causal mask per sequence: B sequences together give each sequence's own logits."""
     c = small_cfg(compute_dtype="float64")
@@ -285,7 +316,7 @@ def test_batched_equals_per_sequence():
     with no_grad():
         full = m.forward(ids).data
         for b in range(3):
-            torch.testing.assert_close(full[b:b + 1], m.forward(ids[b:b + 1]).data, rtol=0, atol=1e-12)
+            torch.testing.assert_close(full[b : b + 1], m.forward(ids[b : b + 1]).data, rtol=0, atol=1e-12)
         # causality: changing a later token leaves earlier logits untouched
         ids2 = ids.clone()
         ids2[:, 7] = (ids2[:, 7] + 1) % c.vocab_size
@@ -305,6 +336,7 @@ def test_ignored_targets():
 
 
 # -- dropout ------------------------------------------------------------------------------------------
+
 
 def _graph_ops(root: Var) -> list[str]:
     seen, stack, names = set(), [root], []
@@ -377,6 +409,7 @@ def test_dropout_seeds_per_site_and_step():
 
 # -- activation recompute -----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("p", [0.0, 0.25])
 def test_recompute_bit_identical(p):
     c = small_cfg(dropout=p, n_layer=3)
@@ -408,6 +441,7 @@ def test_recompute_reduces_retained_memory():
 
 # -- fused / flash paths agree with the composed ones (when those ops exist) ---------------------------
 
+
 def _maybe(name):
     try:
         return getattr(ops, name)
@@ -415,8 +449,9 @@ def _maybe(name):
         return None
 
 
-@pytest.mark.parametrize("field, value, op", [("attention", "flash", "flash_attention"),
-                                             ("loss", "fused", "linear_cross_entropy")])
+@pytest.mark.parametrize(
+    "field, value, op", [("attention", "flash", "flash_attention"), ("loss", "fused", "linear_cross_entropy")]
+)
 def test_fast_paths_match_composed(field, value, op):
     if _maybe(op) is None:
         pytest.skip(f"xtrain.ops.{op} not available")

@@ -26,6 +26,7 @@ def test_gradcheck(case, seed):
 
 # --- parity with torch.autograd -------------------------------------------------------------------
 
+
 def _rope_torch(x, pos, theta=10000.0):
     D = x.shape[-1]
     inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
@@ -33,7 +34,7 @@ def _rope_torch(x, pos, theta=10000.0):
     ang = torch.cat([ang, ang], -1).to(x.dtype)
     if ang.dim() == 3:
         ang = ang[:, None]
-    rot = torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1)
+    rot = torch.cat([-x[..., D // 2 :], x[..., : D // 2]], -1)
     return x * ang.cos() + rot * ang.sin()
 
 
@@ -51,30 +52,64 @@ PARITY = [
     ("add", lambda a, b: ops.add(a, b), lambda a, b: a + b, [(5, 1, 7), (3, 7)], []),
     ("sub", lambda a, b: ops.sub(a, b), lambda a, b: a - b, [(4, 9), (9,)], []),
     ("mul", lambda a, b: ops.mul(a, b), lambda a, b: a * b, [(2, 3, 5), (2, 1, 5)], []),
-    ("div", lambda a, b: ops.div(a, ops.add(ops.mul(b, b), 1.0)), lambda a, b: a / (b * b + 1.0),
-     [(6, 5), (6, 5)], []),
+    ("div", lambda a, b: ops.div(a, ops.add(ops.mul(b, b), 1.0)), lambda a, b: a / (b * b + 1.0), [(6, 5), (6, 5)], []),
     ("matmul", ops.matmul, torch.matmul, [(3, 5, 7), (7, 11)], []),
     ("linear", ops.linear, F.linear, [(2, 9, 13), (5, 13), (5,)], []),
     ("add_bias", ops.add_bias, lambda x, b: x + b, [(3, 4, 6), (6,)], []),
     ("sum", lambda x: ops.sum(x, dim=(0, 2)), lambda x: x.sum(dim=(0, 2)), [(3, 4, 5)], []),
     ("mean", lambda x: ops.mean(x, dim=-1, keepdim=True), lambda x: x.mean(-1, keepdim=True), [(3, 7)], []),
-    ("reshape+transpose", lambda x: ops.transpose(ops.reshape(x, (5, 3, 4)), 0, 2),
-     lambda x: x.reshape(5, 3, 4).transpose(0, 2), [(3, 20)], []),
-    ("rms_norm", lambda x, w: ops.rms_norm(x, w, 1e-6), lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
-     [(3, 5, 33), (33,)], []),
+    (
+        "reshape+transpose",
+        lambda x: ops.transpose(ops.reshape(x, (5, 3, 4)), 0, 2),
+        lambda x: x.reshape(5, 3, 4).transpose(0, 2),
+        [(3, 20)],
+        [],
+    ),
+    (
+        "rms_norm",
+        lambda x, w: ops.rms_norm(x, w, 1e-6),
+        lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
+        [(3, 5, 33), (33,)],
+        [],
+    ),
     ("silu", ops.silu, F.silu, [(7, 13)], []),
     ("swiglu", ops.swiglu, lambda g, u: F.silu(g) * u, [(5, 17), (5, 17)], []),
     ("softmax", lambda x: ops.softmax(x, 1), lambda x: x.softmax(1), [(3, 9, 2)], []),
-    ("rope", lambda x: ops.rope(x, torch.arange(3, 10)), lambda x: _rope_torch(x, torch.arange(3, 10)),
-     [(2, 3, 7, 16)], []),
-    ("attention-gqa-causal", lambda q, k, v: ops.attention(q, k, v, True),
-     lambda q, k, v: _attn_torch(q, k, v, True), [(2, 6, 9, 8), (2, 3, 9, 8), (2, 3, 9, 8)], []),
-    ("math_attention-gqa-causal", lambda q, k, v: ops.math_attention(q, k, v, True),
-     lambda q, k, v: _attn_torch(q, k, v, True), [(2, 6, 9, 8), (2, 2, 9, 8), (2, 2, 9, 8)], []),
-    ("math_attention-mha", lambda q, k, v: ops.math_attention(q, k, v, False),
-     lambda q, k, v: _attn_torch(q, k, v, False), [(1, 3, 7, 16), (1, 3, 7, 16), (1, 3, 7, 16)], []),
-    ("attention-mha", lambda q, k, v: ops.attention(q, k, v, False),
-     lambda q, k, v: _attn_torch(q, k, v, False), [(1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4)], []),
+    (
+        "rope",
+        lambda x: ops.rope(x, torch.arange(3, 10)),
+        lambda x: _rope_torch(x, torch.arange(3, 10)),
+        [(2, 3, 7, 16)],
+        [],
+    ),
+    (
+        "attention-gqa-causal",
+        lambda q, k, v: ops.attention(q, k, v, True),
+        lambda q, k, v: _attn_torch(q, k, v, True),
+        [(2, 6, 9, 8), (2, 3, 9, 8), (2, 3, 9, 8)],
+        [],
+    ),
+    (
+        "math_attention-gqa-causal",
+        lambda q, k, v: ops.math_attention(q, k, v, True),
+        lambda q, k, v: _attn_torch(q, k, v, True),
+        [(2, 6, 9, 8), (2, 2, 9, 8), (2, 2, 9, 8)],
+        [],
+    ),
+    (
+        "math_attention-mha",
+        lambda q, k, v: ops.math_attention(q, k, v, False),
+        lambda q, k, v: _attn_torch(q, k, v, False),
+        [(1, 3, 7, 16), (1, 3, 7, 16), (1, 3, 7, 16)],
+        [],
+    ),
+    (
+        "attention-mha",
+        lambda q, k, v: ops.attention(q, k, v, False),
+        lambda q, k, v: _attn_torch(q, k, v, False),
+        [(1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4)],
+        [],
+    ),
 ]
 
 
@@ -159,6 +194,7 @@ def test_bf16_inputs_keep_fp32_statistics():
 
 # --- dropout ---------------------------------------------------------------------------------------
 
+
 def test_dropout_keep_ratio_and_expectation():
     x = torch.randn(1_000_000, dtype=torch.float64)
     p = 0.3
@@ -197,6 +233,7 @@ def test_dropout_backward_uses_the_forward_mask():
 def test_dropout_hash_is_pinned():
     # The mask is part of the checkpoint/resume contract: pin a few bits so a change to the hash is noticed.
     from xtrain.kernels.dropout import dropout_mask_ref
+
     m = dropout_mask_ref(16, 0.5, 12345, "cpu").int().tolist()
     assert m == PINNED_MASK
 
@@ -206,6 +243,7 @@ PINNED_MASK = [0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0]
 
 
 # --- bad inputs -----------------------------------------------------------------------------------
+
 
 def V(*shape, dtype=torch.float32):
     return Var(torch.randn(*shape, dtype=dtype))

@@ -17,8 +17,17 @@ from xtrain.serve.server import Service, make_server
 
 
 def small(**kw):
-    base = dict(vocab_size=257, n_layer=2, n_embd=48, n_head=6, n_kv_head=2, head_dim=16, ffn_dim=80,
-                max_seq_len=48, init_std=0.2)
+    base = dict(
+        vocab_size=257,
+        n_layer=2,
+        n_embd=48,
+        n_head=6,
+        n_kv_head=2,
+        head_dim=16,
+        ffn_dim=80,
+        max_seq_len=48,
+        init_std=0.2,
+    )
     base.update(kw)
     return Model(ModelConfig(**base), seed=5)
 
@@ -32,7 +41,7 @@ def test_cached_logits_equal_full_window_logits(tie):
         ref = m.forward(ids).data  # [B, T, V], every position from the full window
     caches = e.new_caches(3, 20)
     got = [e._forward(ids[:, :7], caches, 0)]  # prefill 7, then one position at a time
-    got += [e._forward(ids[:, t:t + 1], caches, t) for t in range(7, 20)]
+    got += [e._forward(ids[:, t : t + 1], caches, t) for t in range(7, 20)]
     got = torch.stack(got, dim=1)  # [B, 14, V] for positions 6..19
     assert (got - ref[:, 6:]).abs().max() <= 1e-5 * ref.abs().max()
 

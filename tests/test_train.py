@@ -21,8 +21,18 @@ from xtrain.train.trainer import NonFiniteError, Trainer, build_trainer, evaluat
 
 
 def mcfg(**kw):
-    base = dict(vocab_size=61, n_layer=2, n_embd=32, n_head=4, n_kv_head=2, head_dim=8, ffn_dim=64,
-                max_seq_len=16, attention="composed", loss="composed")
+    base = dict(
+        vocab_size=61,
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        n_kv_head=2,
+        head_dim=8,
+        ffn_dim=64,
+        max_seq_len=16,
+        attention="composed",
+        loss="composed",
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -62,15 +72,22 @@ def weights(m):
 
 # -- optimizer, clipping, schedule --------------------------------------------------------------------
 
+
 def test_adamw_matches_torch_bit_for_bit():
     g = torch.Generator().manual_seed(0)
-    shapes = {"model.embed_tokens.weight": (11, 6), "model.layers.0.mlp.up_proj.weight": (7, 6),
-              "model.layers.0.input_layernorm.weight": (6,), "lm_head.weight": (11, 6)}
+    shapes = {
+        "model.embed_tokens.weight": (11, 6),
+        "model.layers.0.mlp.up_proj.weight": (7, 6),
+        "model.layers.0.input_layernorm.weight": (6,),
+        "lm_head.weight": (11, 6),
+    }
     mine = {n: Var(torch.randn(s, generator=g), requires_grad=True, name=n) for n, s in shapes.items()}
     theirs = {n: torch.nn.Parameter(v.data.clone()) for n, v in mine.items()}
     opt = AdamW(mine, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    groups = [{"params": [p for n, p in theirs.items() if decays(n, p.shape)], "weight_decay": 0.1},
-              {"params": [p for n, p in theirs.items() if not decays(n, p.shape)], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in theirs.items() if decays(n, p.shape)], "weight_decay": 0.1},
+        {"params": [p for n, p in theirs.items() if not decays(n, p.shape)], "weight_decay": 0.0},
+    ]
     assert [len(gr["params"]) for gr in groups] == [2, 2]  # up_proj and lm_head decay; embedding, norm not
     topt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     for step in range(6):
@@ -121,6 +138,7 @@ def test_schedule():
 
 # -- gradient accumulation ----------------------------------------------------------------------------
 
+
 def _grads_after(model_cfg, k, ignore_frac, B=8):
     m = Model(model_cfg, seed=0)
     tr = Trainer(m, tcfg(batch_size=B, grad_accum=k), Source(B, 12, model_cfg.vocab_size))
@@ -167,6 +185,7 @@ def test_grad_accumulation_same_update_through_steps():
 
 # -- resume -------------------------------------------------------------------------------------------
 
+
 def test_resume_is_bit_identical(tmp_path):
     """N steps straight == k steps, save, fresh process state, resume, N - k steps (dropout and grad
     accumulation on, so the masks and the data position must be restored exactly)."""
@@ -199,7 +218,7 @@ def test_checkpoint_files_are_safetensors_and_json(tmp_path):
     for f in (ck.MODEL, ck.OPTIMIZER):
         raw = (tmp_path / f).read_bytes()
         n = int.from_bytes(raw[:8], "little")
-        assert json.loads(raw[8:8 + n])["__metadata__"]["step"] == "2"
+        assert json.loads(raw[8 : 8 + n])["__metadata__"]["step"] == "2"
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
     cfg = json.loads((tmp_path / ck.CONFIG).read_text())
     assert ModelConfig.from_dict(cfg["model"]) == m.config and TrainConfig.from_dict(cfg["train"]) == tr.config
@@ -299,6 +318,7 @@ def test_atomic_write_keeps_old_file_on_crash(tmp_path, monkeypatch):
 
 
 # -- bad values ----------------------------------------------------------------------------------------
+
 
 def test_bad_config_rejected_before_any_work(tmp_path):
     calls = []
@@ -402,12 +422,18 @@ def test_update_defers_sigint():
 
 # -- training works -----------------------------------------------------------------------------------
 
+
 def test_metrics_each_step_and_eval():
     seen = []
     m = Model(mcfg(), seed=0)
     val = [Source(4, 12, 61, seed=5).next_batch() for _ in range(2)]
-    tr = Trainer(m, tcfg(steps=4, eval_every=2), Source(4, 12, 61), on_metrics=seen.append,
-                 eval_fn=lambda model: evaluate(model, val))
+    tr = Trainer(
+        m,
+        tcfg(steps=4, eval_every=2),
+        Source(4, 12, 61),
+        on_metrics=seen.append,
+        eval_fn=lambda model: evaluate(model, val),
+    )
     tr.fit()
     train = [r for r in seen if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
@@ -425,8 +451,11 @@ def test_overfit_one_batch():
     c = mcfg(max_seq_len=16)
     batch = Source(4, 16, 61, seed=1).next_batch()
     m = Model(c, seed=0)
-    tr = Trainer(m, tcfg(steps=80, seq_len=16, lr=1e-2, min_lr=1e-2, warmup_steps=10, weight_decay=0.0,
-                         schedule="constant"), lambda: batch)
+    tr = Trainer(
+        m,
+        tcfg(steps=80, seq_len=16, lr=1e-2, min_lr=1e-2, warmup_steps=10, weight_decay=0.0, schedule="constant"),
+        lambda: batch,
+    )
     hist = tr.fit()
     assert hist[0]["loss"] > 3.5 and hist[-1]["loss"] < 0.1, (hist[0]["loss"], hist[-1]["loss"])
 
@@ -435,8 +464,9 @@ def test_dropout_training_is_finite_and_learns():
     c = mcfg(dropout=0.2, max_seq_len=16)
     batch = Source(4, 16, 61, seed=1).next_batch()
     m = Model(c, seed=0)
-    hist = Trainer(m, tcfg(steps=60, seq_len=16, lr=1e-2, min_lr=1e-2, warmup_steps=5, schedule="constant"),
-                   lambda: batch).fit()
+    hist = Trainer(
+        m, tcfg(steps=60, seq_len=16, lr=1e-2, min_lr=1e-2, warmup_steps=5, schedule="constant"), lambda: batch
+    ).fit()
     assert all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in hist)
     assert hist[-1]["loss"] < 0.6 * hist[0]["loss"]
 
@@ -526,8 +556,27 @@ def test_bench_train_smoke(capsys):
 
     if not (BENCH_DIR / "train.py").is_file():
         pytest.skip("bench/ is not part of this checkout")
-    assert main(["bench", "train", "--preset", "tiny", "--batch-size", "1", "--seq-len", "16", "--vocab", "128",
-                 "--steps", "1", "--warmup", "0"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "train",
+                "--preset",
+                "tiny",
+                "--batch-size",
+                "1",
+                "--seq-len",
+                "16",
+                "--vocab",
+                "128",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tokens/s" in out and "xtrain" in out and "torch eager" in out
     # same model, same batch: the two first-step losses agree

@@ -12,5 +12,6 @@ __all__ = ["Var", "checkpoint", "enable_grad", "no_grad", "__version__"]
 def __getattr__(name):
     if name in ("Var", "checkpoint", "enable_grad", "no_grad"):
         from xtrain import autograd
+
         return getattr(autograd, name)
     raise AttributeError(f"module 'xtrain' has no attribute {name!r}")

@@ -174,64 +174,78 @@ class Var:
     def backward(self, grad: torch.Tensor | None = None, retain_graph: bool = False) -> None:
         """Reverse-mode sweep from this Var. ``grad`` is dL/d(self); it may be omitted for a scalar."""
         if not self.requires_grad:
-            raise RuntimeError(f"backward: {self!r} does not require grad (no leaf that requires grad "
-                               "reaches it, or it was computed under no_grad)")
+            raise RuntimeError(
+                f"backward: {self!r} does not require grad (no leaf that requires grad "
+                "reaches it, or it was computed under no_grad)"
+            )
         if grad is None:
             if self.data.numel() != 1:
-                raise RuntimeError(f"backward: an explicit grad is needed for a non-scalar output of shape "
-                                   f"{tuple(self.data.shape)}; pass grad= with that shape")
+                raise RuntimeError(
+                    f"backward: an explicit grad is needed for a non-scalar output of shape "
+                    f"{tuple(self.data.shape)}; pass grad= with that shape"
+                )
             grad = torch.ones_like(self.data)
         else:
             if isinstance(grad, Var):
                 grad = grad.data
             if grad.shape != self.data.shape:
-                raise ValueError(f"backward: grad shape {tuple(grad.shape)} != output shape "
-                                 f"{tuple(self.data.shape)}")
+                raise ValueError(f"backward: grad shape {tuple(grad.shape)} != output shape {tuple(self.data.shape)}")
         run_backward(self, grad, retain_graph)
 
     # -- operators map to xtrain.ops (imported lazily: ops imports this module) -----------------
     def __add__(self, other):
         from xtrain.ops import add
+
         return add(self, other)
 
     def __radd__(self, other):
         from xtrain.ops import add
+
         return add(other, self)
 
     def __sub__(self, other):
         from xtrain.ops import sub
+
         return sub(self, other)
 
     def __rsub__(self, other):
         from xtrain.ops import sub
+
         return sub(other, self)
 
     def __mul__(self, other):
         from xtrain.ops import mul
+
         return mul(self, other)
 
     def __rmul__(self, other):
         from xtrain.ops import mul
+
         return mul(other, self)
 
     def __truediv__(self, other):
         from xtrain.ops import div
+
         return div(self, other)
 
     def __rtruediv__(self, other):
         from xtrain.ops import div
+
         return div(other, self)
 
     def __matmul__(self, other):
         from xtrain.ops import matmul
+
         return matmul(self, other)
 
     def __rmatmul__(self, other):
         from xtrain.ops import matmul
+
         return matmul(other, self)
 
     def __neg__(self):
         from xtrain.ops import neg
+
         return neg(self)
 
     # Vars are graph nodes, hashed by identity (the engine keys on id()).
@@ -266,7 +280,8 @@ def _topological_order(root: Var) -> list[Var]:
         if node._freed:
             raise RuntimeError(
                 f"backward: the graph through '{node.name}' was already freed by an earlier backward; "
-                "pass retain_graph=True to the first backward() to go through it twice")
+                "pass retain_graph=True to the first backward() to go through it twice"
+            )
         visited.add(id(node))
         stack.append((node, True))
         for p in node._parents:
@@ -303,24 +318,31 @@ def _run_backward(root: Var, grad: torch.Tensor, retain_graph: bool) -> None:
             continue
         grads = fn(g)
         if len(grads) != len(parents):
-            raise RuntimeError(f"backward of '{node.name}' returned {len(grads)} gradients for "
-                               f"{len(parents)} parents")
+            raise RuntimeError(f"backward of '{node.name}' returned {len(grads)} gradients for {len(parents)} parents")
         for i, (p, pg) in enumerate(zip(parents, grads)):
             if pg is None or not p.requires_grad:
                 continue
             if pg.shape != p.data.shape:
-                raise RuntimeError(f"backward of '{node.name}' returned a gradient of shape "
-                                   f"{tuple(pg.shape)} for a parent of shape {tuple(p.data.shape)}")
+                raise RuntimeError(
+                    f"backward of '{node.name}' returned a gradient of shape "
+                    f"{tuple(pg.shape)} for a parent of shape {tuple(p.data.shape)}"
+                )
             leaf = p._backward is None
             # A gradient the op computed afresh (not the upstream g, not a view, not handed to another
             # parent too) is owned by its leaf outright; anything else is copied on first arrival. With
             # retain_graph the closure lives on and may return the same tensor again, so it is copied.
-            owned = leaf and not retain_graph and pg is not g and pg._base is None and not any(
-                pg is other for j, other in enumerate(grads) if j != i)
+            owned = (
+                leaf
+                and not retain_graph
+                and pg is not g
+                and pg._base is None
+                and not any(pg is other for j, other in enumerate(grads) if j != i)
+            )
             _accumulate(p, pg, leaf, owned)
 
 
 # -- activation recompute ---------------------------------------------------------------------------
+
 
 def checkpoint(fn: Callable[..., Var], *inputs):
     """Run ``fn(*inputs)`` keeping only its inputs; re-run its forward during backward.
@@ -344,8 +366,9 @@ def checkpoint(fn: Callable[..., Var], *inputs):
     if not any(x.requires_grad for x in var_inputs):
         # Parameters read only inside fn make the output need a gradient even when no input does: a
         # sentinel parent that requires grad keeps the node on the tape (its gradient is always None).
-        parents.append(Var(torch.zeros((), dtype=out.data.dtype, device=out.data.device), True,
-                           name="checkpoint-sentinel"))
+        parents.append(
+            Var(torch.zeros((), dtype=out.data.dtype, device=out.data.device), True, name="checkpoint-sentinel")
+        )
 
     def backward(dout: torch.Tensor):
         fresh = {id(x): Var(x.data, requires_grad=x.requires_grad, name=x.name) for x in var_inputs}

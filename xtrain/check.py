@@ -48,42 +48,75 @@ def cases() -> list[Case]:
         Case("scale", "[3,5] * 0.7", lambda g: ([_r(g, 3, 5)], [0.7]), ops.scale),
         Case("neg", "[7]", lambda g: ([_r(g, 7)], []), ops.neg),
         Case("matmul", "[2,3,4] @ [4,5]", lambda g: ([_r(g, 2, 3, 4), _r(g, 4, 5)], []), ops.matmul),
-        Case("matmul", "[2,1,3,4] @ [3,4,2] (batch bcast)", lambda g: ([_r(g, 2, 1, 3, 4), _r(g, 3, 4, 2)], []),
-             ops.matmul),
-        Case("linear", "[2,3,5] x [4,5] + b[4]", lambda g: ([_r(g, 2, 3, 5), _r(g, 4, 5), _r(g, 4)], []),
-             ops.linear),
+        Case(
+            "matmul",
+            "[2,1,3,4] @ [3,4,2] (batch bcast)",
+            lambda g: ([_r(g, 2, 1, 3, 4), _r(g, 3, 4, 2)], []),
+            ops.matmul,
+        ),
+        Case("linear", "[2,3,5] x [4,5] + b[4]", lambda g: ([_r(g, 2, 3, 5), _r(g, 4, 5), _r(g, 4)], []), ops.linear),
         Case("add_bias", "[2,3,4] + [4]", lambda g: ([_r(g, 2, 3, 4), _r(g, 4)], []), ops.add_bias),
         Case("sum", "[3,4,5] dim=1", lambda g: ([_r(g, 3, 4, 5)], [1]), ops.sum),
         Case("sum", "[3,4] all", lambda g: ([_r(g, 3, 4)], []), ops.sum),
         Case("mean", "[3,4,5] dim=(0,2) keepdim", lambda g: ([_r(g, 3, 4, 5)], [(0, 2), True]), ops.mean),
         Case("reshape", "[2,6] -> [3,4]", lambda g: ([_r(g, 2, 6)], [(3, 4)]), ops.reshape),
         Case("transpose", "[2,3,4] (1,2)", lambda g: ([_r(g, 2, 3, 4)], [1, 2]), ops.transpose),
-        Case("embedding", "ids[2,3] into [7,4]", lambda g: ([_r(g, 7, 4)], [_ids(g, 7, 2, 3)]),
-             lambda t, ids: ops.embedding(ids, t)),
+        Case(
+            "embedding",
+            "ids[2,3] into [7,4]",
+            lambda g: ([_r(g, 7, 4)], [_ids(g, 7, 2, 3)]),
+            lambda t, ids: ops.embedding(ids, t),
+        ),
         Case("rms_norm", "[3,5,8] w[8]", lambda g: ([_r(g, 3, 5, 8), _r(g, 8)], [1e-6]), ops.rms_norm),
         Case("silu", "[4,6]", lambda g: ([_r(g, 4, 6)], []), ops.silu),
         Case("swiglu", "[3,7] x2", lambda g: ([_r(g, 3, 7), _r(g, 3, 7)], []), ops.swiglu),
         Case("softmax", "[3,6] dim=-1", lambda g: ([_r(g, 3, 6)], [-1]), ops.softmax),
         Case("softmax", "[4,3,2] dim=1", lambda g: ([_r(g, 4, 3, 2)], [1]), ops.softmax),
-        Case("cross_entropy", "[6,11], 2 ignored",
-             lambda g: ([_r(g, 6, 11)], [torch.tensor([3, -100, 0, 10, -100, 5])]), ops.cross_entropy),
+        Case(
+            "cross_entropy",
+            "[6,11], 2 ignored",
+            lambda g: ([_r(g, 6, 11)], [torch.tensor([3, -100, 0, 10, -100, 5])]),
+            ops.cross_entropy,
+        ),
         Case("rope", "[2,3,5,8] pos[5]", lambda g: ([_r(g, 2, 3, 5, 8)], [torch.arange(5)]), ops.rope),
         Case("rope", "[2,3,4,6] pos[2,4]", lambda g: ([_r(g, 2, 3, 4, 6)], [_ids(g, 50, 2, 4)]), ops.rope),
         Case("dropout", "[5,7] p=0.3 seed=1234", lambda g: ([_r(g, 5, 7)], [0.3, 1234]), ops.dropout),
-        Case("attention", "MHA causal [2,2,5,4]",
-             lambda g: ([_r(g, 2, 2, 5, 4), _r(g, 2, 2, 5, 4), _r(g, 2, 2, 5, 4)], [True]), ops.attention),
-        Case("attention", "GQA H=4 Hkv=2 non-causal",
-             lambda g: ([_r(g, 1, 4, 3, 4), _r(g, 1, 2, 3, 4), _r(g, 1, 2, 3, 4)], [False]), ops.attention),
-        Case("math_attention", "GQA H=4 Hkv=2 causal [2,.,5,4]",
-             lambda g: ([_r(g, 2, 4, 5, 4), _r(g, 2, 2, 5, 4), _r(g, 2, 2, 5, 4)], [True]), ops.math_attention),
-        Case("math_attention", "MHA non-causal [1,2,3,4]",
-             lambda g: ([_r(g, 1, 2, 3, 4), _r(g, 1, 2, 3, 4), _r(g, 1, 2, 3, 4)], [False]), ops.math_attention),
-        Case("flash_attention", "GQA causal [1,4,5,32] (tiled reference)",
-             lambda g: ([_r(g, 1, 4, 5, 32), _r(g, 1, 2, 5, 32), _r(g, 1, 2, 5, 32)], [True]),
-             lambda q, k, v, causal: ops.flash_attention(q, k, v, causal)),
-        Case("linear_cross_entropy", "x[7,5] w[11,5], 1 ignored",
-             lambda g: ([_r(g, 7, 5), _r(g, 11, 5)], [torch.tensor([1, 0, -100, 10, 3, 3, 7])]),
-             lambda x, w, t: ops.linear_cross_entropy(x, w, t)),
+        Case(
+            "attention",
+            "MHA causal [2,2,5,4]",
+            lambda g: ([_r(g, 2, 2, 5, 4), _r(g, 2, 2, 5, 4), _r(g, 2, 2, 5, 4)], [True]),
+            ops.attention,
+        ),
+        Case(
+            "attention",
+            "GQA H=4 Hkv=2 non-causal",
+            lambda g: ([_r(g, 1, 4, 3, 4), _r(g, 1, 2, 3, 4), _r(g, 1, 2, 3, 4)], [False]),
+            ops.attention,
+        ),
+        Case(
+            "math_attention",
+            "GQA H=4 Hkv=2 causal [2,.,5,4]",
+            lambda g: ([_r(g, 2, 4, 5, 4), _r(g, 2, 2, 5, 4), _r(g, 2, 2, 5, 4)], [True]),
+            ops.math_attention,
+        ),
+        Case(
+            "math_attention",
+            "MHA non-causal [1,2,3,4]",
+            lambda g: ([_r(g, 1, 2, 3, 4), _r(g, 1, 2, 3, 4), _r(g, 1, 2, 3, 4)], [False]),
+            ops.math_attention,
+        ),
+        Case(
+            "flash_attention",
+            "GQA causal [1,4,5,32] (tiled reference)",
+            lambda g: ([_r(g, 1, 4, 5, 32), _r(g, 1, 2, 5, 32), _r(g, 1, 2, 5, 32)], [True]),
+            lambda q, k, v, causal: ops.flash_attention(q, k, v, causal),
+        ),
+        Case(
+            "linear_cross_entropy",
+            "x[7,5] w[11,5], 1 ignored",
+            lambda g: ([_r(g, 7, 5), _r(g, 11, 5)], [torch.tensor([1, 0, -100, 10, 3, 3, 7])]),
+            lambda x, w, t: ops.linear_cross_entropy(x, w, t),
+        ),
     ]
 
 
@@ -109,19 +142,29 @@ def run_all(seed: int = 0, verbose: bool = True) -> int:
         print(f"{'op':<{w0}}  {'inputs':<{w1}}  {'max rel err (per input)':<{w2}}  {'tol':>7}  result")
         for op, desc, errs, tol, ok in rows:
             print(f"{op:<{w0}}  {desc:<{w1}}  {errs:<{w2}}  {tol:>7.0e}  {'pass' if ok else 'FAIL'}")
-        print(f"{len(rows) - failures} passed, {failures} failed  "
-              f"(float64 central differences, h=1e-6; {time.perf_counter() - t0:.1f}s)")
+        print(
+            f"{len(rows) - failures} passed, {failures} failed  "
+            f"(float64 central differences, h=1e-6; {time.perf_counter() - t0:.1f}s)"
+        )
     return failures
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("check", help="grad-check every op against finite differences",
-                              description="Grad-check every op (float64 central differences) and print a table; "
-                                          "exits non-zero on any failure.")
+    p = subparsers.add_parser(
+        "check",
+        help="grad-check every op against finite differences",
+        description="Grad-check every op (float64 central differences) and print a table; "
+        "exits non-zero on any failure.",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for the random inputs (default 0)")
-    p.add_argument("--kernels", type=int, default=None, metavar="ARCH",
-                   help="instead: compile every Triton kernel the library launches for CUDA sm_ARCH (e.g. 90) with "
-                        "no GPU, and report the kernels each op compiled or its error (xtrain.kernels.compile_check)")
+    p.add_argument(
+        "--kernels",
+        type=int,
+        default=None,
+        metavar="ARCH",
+        help="instead: compile every Triton kernel the library launches for CUDA sm_ARCH (e.g. 90) with "
+        "no GPU, and report the kernels each op compiled or its error (xtrain.kernels.compile_check)",
+    )
     p.set_defaults(func=_run)
 
 

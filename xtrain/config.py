@@ -78,18 +78,20 @@ class ModelConfig:
 
     def validate(self) -> ModelConfig:
         p: list[str] = []
-        for name in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "ffn_dim",
-                     "max_seq_len"):
+        for name in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "ffn_dim", "max_seq_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 p.append(f"{name}={v!r} must be a positive integer")
-        if isinstance(self.n_head, int) and isinstance(self.n_kv_head, int) and self.n_kv_head > 0 \
-                and self.n_head % self.n_kv_head != 0:
+        if (
+            isinstance(self.n_head, int)
+            and isinstance(self.n_kv_head, int)
+            and self.n_kv_head > 0
+            and self.n_head % self.n_kv_head != 0
+        ):
             p.append(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (grouped-query attention)")
         if isinstance(self.head_dim, int) and self.head_dim % 2 != 0:
             p.append(f"head_dim={self.head_dim} must be even (RoPE rotates pairs of features)")
-        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta)
-                and self.rope_theta > 0):
+        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 0):
             p.append(f"rope_theta={self.rope_theta!r} must be a finite number > 0")
         if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
             p.append(f"norm_eps={self.norm_eps!r} must lie in (0, 1)")
@@ -129,14 +131,33 @@ class ModelConfig:
 # Named presets (STYLE.md 11). Parameter counts from ModelConfig.num_params().
 PRESETS: dict[str, ModelConfig] = {
     # CPU default, ~4.2M parameters with V=4096 (tied): learns character/BPE statistics in minutes on 2 cores.
-    "tiny": ModelConfig(vocab_size=4096, n_layer=4, n_embd=256, n_head=4, n_kv_head=2, head_dim=64,
-                        ffn_dim=768, max_seq_len=256, tie_embeddings=True),
+    "tiny": ModelConfig(
+        vocab_size=4096,
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_kv_head=2,
+        head_dim=64,
+        ffn_dim=768,
+        max_seq_len=256,
+        tie_embeddings=True,
+    ),
     # the reference project's model size: ~120M parameters with V=32768 (untied), GQA 12/4
-    "seed": ModelConfig(vocab_size=32768, n_layer=8, n_embd=768, n_head=12, n_kv_head=4, head_dim=64,
-                        ffn_dim=3072, max_seq_len=1024),
+    "seed": ModelConfig(
+        vocab_size=32768, n_layer=8, n_embd=768, n_head=12, n_kv_head=4, head_dim=64, ffn_dim=3072, max_seq_len=1024
+    ),
     # the GPT-2 small class: MHA, tied embeddings, ~110M parameters with V=32768
-    "gpt2-small": ModelConfig(vocab_size=32768, n_layer=12, n_embd=768, n_head=12, n_kv_head=12, head_dim=64,
-                              ffn_dim=2048, max_seq_len=1024, tie_embeddings=True),
+    "gpt2-small": ModelConfig(
+        vocab_size=32768,
+        n_layer=12,
+        n_embd=768,
+        n_head=12,
+        n_kv_head=12,
+        head_dim=64,
+        ffn_dim=2048,
+        max_seq_len=1024,
+        tie_embeddings=True,
+    ),
 }
 
 
@@ -190,8 +211,12 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 p.append(f"{name}={v!r} must be an integer >= 0")
-        if isinstance(self.batch_size, int) and isinstance(self.grad_accum, int) and self.grad_accum > 0 \
-                and self.batch_size % self.grad_accum != 0:
+        if (
+            isinstance(self.batch_size, int)
+            and isinstance(self.grad_accum, int)
+            and self.grad_accum > 0
+            and self.batch_size % self.grad_accum != 0
+        ):
             p.append(f"grad_accum={self.grad_accum} must divide batch_size={self.batch_size}")
 
         def finite(v):
@@ -239,5 +264,6 @@ def check_compatible(model: ModelConfig, train: TrainConfig) -> None:
     model.validate()
     train.validate()
     if train.seq_len > model.max_seq_len:
-        raise ConfigError(f"invalid TrainConfig: seq_len={train.seq_len} exceeds the model's "
-                          f"max_seq_len={model.max_seq_len}")
+        raise ConfigError(
+            f"invalid TrainConfig: seq_len={train.seq_len} exceeds the model's max_seq_len={model.max_seq_len}"
+        )

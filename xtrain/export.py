@@ -29,12 +29,27 @@ from xtrain.fileio import atomic_write_bytes, atomic_write_json
 
 # xtrain parameter name (per layer, after "model.layers.{i}.") -> Hugging Face Qwen3 name. The same strings
 # today (xtrain adopted the HF names), kept as an explicit table so a rename on either side is one edit here.
-LAYER_KEYS = {k: k for k in (
-    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.weight",
-    "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
-TOP_KEYS = {"model.embed_tokens.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight",
-            "lm_head.weight": "lm_head.weight"}
+LAYER_KEYS = {
+    k: k
+    for k in (
+        "input_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "self_attn.o_proj.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    )
+}
+TOP_KEYS = {
+    "model.embed_tokens.weight": "model.embed_tokens.weight",
+    "model.norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 
 
 def hf_key(name: str) -> str:
@@ -49,13 +64,26 @@ def hf_key(name: str) -> str:
 
 def hf_config(cfg: ModelConfig, dtype: str) -> dict:
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False, "attention_dropout": 0.0, "use_cache": True, "initializer_range": cfg.init_std,
-        "torch_dtype": dtype, "use_sliding_window": False,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": dtype,
+        "use_sliding_window": False,
     }
 
 
@@ -66,12 +94,21 @@ def hf_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
-                       p + "self_attn.q_proj.weight": (H * D, C), p + "self_attn.k_proj.weight": (Hkv * D, C),
-                       p + "self_attn.v_proj.weight": (Hkv * D, C), p + "self_attn.o_proj.weight": (C, H * D),
-                       p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
-                       p + "mlp.gate_proj.weight": (F, C), p + "mlp.up_proj.weight": (F, C),
-                       p + "mlp.down_proj.weight": (C, F)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (C,),
+                p + "post_attention_layernorm.weight": (C,),
+                p + "self_attn.q_proj.weight": (H * D, C),
+                p + "self_attn.k_proj.weight": (Hkv * D, C),
+                p + "self_attn.v_proj.weight": (Hkv * D, C),
+                p + "self_attn.o_proj.weight": (C, H * D),
+                p + "self_attn.q_norm.weight": (D,),
+                p + "self_attn.k_norm.weight": (D,),
+                p + "mlp.gate_proj.weight": (F, C),
+                p + "mlp.up_proj.weight": (F, C),
+                p + "mlp.down_proj.weight": (C, F),
+            }
+        )
     if not hf["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (V, C)
     return shapes
@@ -80,8 +117,14 @@ def hf_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def export_hf(model_config: ModelConfig, state: dict[str, torch.Tensor], out_dir: str | Path,
-              dtype: str = "bfloat16", tokenizer_json: str | Path | None = None, eos_id: int | None = None) -> Path:
+def export_hf(
+    model_config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    tokenizer_json: str | Path | None = None,
+    eos_id: int | None = None,
+) -> Path:
     """Write a Hugging Face Qwen3 checkpoint of ``state`` (xtrain names -> tensors) into out_dir."""
     if dtype not in _DTYPES:
         raise ValueError(f"export: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -104,8 +147,10 @@ def export_hf(model_config: ModelConfig, state: dict[str, torch.Tensor], out_dir
     if eos_id is not None:
         hf["eos_token_id"] = hf["bos_token_id"] = eos_id
     atomic_write_json(out / "config.json", hf)
-    atomic_write_json(out / "generation_config.json", {k: v for k, v in (("eos_token_id", eos_id),
-                                                                          ("bos_token_id", eos_id)) if v is not None})
+    atomic_write_json(
+        out / "generation_config.json",
+        {k: v for k, v in (("eos_token_id", eos_id), ("bos_token_id", eos_id)) if v is not None},
+    )
     if tokenizer_json is not None and Path(tokenizer_json).is_file():
         shutil.copyfile(tokenizer_json, out / "tokenizer.json")
         tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_config.max_seq_len}
@@ -124,11 +169,19 @@ def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     hf = json.loads((hf_dir / "config.json").read_text())
     if hf.get("model_type") != "qwen3":
         raise ValueError(f"{hf_dir / 'config.json'}: model_type {hf.get('model_type')!r}, expected 'qwen3'")
-    cfg = ModelConfig(vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"],
-                      n_head=hf["num_attention_heads"], n_kv_head=hf["num_key_value_heads"], head_dim=hf["head_dim"],
-                      ffn_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-                      rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=hf.get("rms_norm_eps", 1e-6),
-                      tie_embeddings=bool(hf.get("tie_word_embeddings", False))).validate()
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"],
+        n_embd=hf["hidden_size"],
+        n_head=hf["num_attention_heads"],
+        n_kv_head=hf["num_key_value_heads"],
+        head_dim=hf["head_dim"],
+        ffn_dim=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    ).validate()
     expected = hf_shapes(hf)
     raw = load_file(str(hf_dir / "model.safetensors"))
     from xtrain.model import param_shapes
@@ -139,15 +192,20 @@ def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         if key not in raw:
             raise ValueError(f"{hf_dir / 'model.safetensors'}: missing {key}")
         if tuple(raw[key].shape) != shape:
-            raise ValueError(f"{hf_dir / 'model.safetensors'}: {key} has shape {tuple(raw[key].shape)}, "
-                             f"config.json needs {shape}")
+            raise ValueError(
+                f"{hf_dir / 'model.safetensors'}: {key} has shape {tuple(raw[key].shape)}, config.json needs {shape}"
+            )
         state[inverse[key]] = raw[key].float()
     return cfg, state
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("export", help="export a run as a Hugging Face Qwen3 checkpoint",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "export",
+        help="export a run as a Hugging Face Qwen3 checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run", help="run directory (written by xtrain train)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="stored dtype (default bfloat16)")
@@ -164,12 +222,15 @@ def run(args) -> int:
         tok_path = run_dir / "tokenizer.json"
         if tok_path.is_file():
             from xtrain.data.tokenizer import load_tokenizer
+
             eos = load_tokenizer(tok_path).eot_id
         out = export_hf(ck.model_config, ck.model_state, args.out, args.dtype, tok_path, eos)
     except (ValueError, FileNotFoundError) as e:
         print(f"xtrain export: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out}/ (config.json, model.safetensors, generation_config.json"
-          f"{', tokenizer.json' if tok_path.is_file() else ''}): load with "
-          f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    print(
+        f"wrote {out}/ (config.json, model.safetensors, generation_config.json"
+        f"{', tokenizer.json' if tok_path.is_file() else ''}): load with "
+        f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
+    )
     return 0

@@ -31,8 +31,14 @@ def _loss(fn, tensors, others, W) -> float:
     return float((W * out.data.to(torch.float64)).sum())
 
 
-def gradcheck(fn: Callable[..., Var], inputs: Sequence[torch.Tensor], others: Sequence = (), h: float = 1e-6,
-              seed: int = 0, which: Sequence[bool] | None = None) -> list[float | None]:
+def gradcheck(
+    fn: Callable[..., Var],
+    inputs: Sequence[torch.Tensor],
+    others: Sequence = (),
+    h: float = 1e-6,
+    seed: int = 0,
+    which: Sequence[bool] | None = None,
+) -> list[float | None]:
     """Max normwise relative error of our gradient vs central differences, one entry per input.
 
     ``inputs`` are float64 tensors passed as Vars that require grad; ``others`` are passed as they are

@@ -182,11 +182,17 @@ class Model:
         self._attention = _resolve_attention(config.attention, self.device)
         self._fused_loss = _resolve_loss(config.loss, self.device)
         self.params: OrderedDict[str, Var] = OrderedDict(
-            (name, Var(torch.empty(shape, dtype=self.master_dtype, device=self.device), True,  # requires grad
-                       name=name))
-            for name, shape in param_shapes(config).items())
-        self._layers = [{k: self.params[f"model.layers.{i}.{k}"] for k in BLOCK_KEYS}
-                        for i in range(config.n_layer)]
+            (
+                name,
+                Var(
+                    torch.empty(shape, dtype=self.master_dtype, device=self.device),
+                    True,  # requires grad
+                    name=name,
+                ),
+            )
+            for name, shape in param_shapes(config).items()
+        )
+        self._layers = [{k: self.params[f"model.layers.{i}.{k}"] for k in BLOCK_KEYS} for i in range(config.n_layer)]
         self.init_weights(seed)
 
     # -- parameters -----------------------------------------------------------------------------------
@@ -228,9 +234,11 @@ class Model:
         missing = [k for k in want if k not in sd]
         extra = [k for k in sd if k not in want]
         if missing or extra:
-            raise ValueError(f"{source}: parameter names do not match the model config (missing {missing[:5]}"
-                             f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
-                             f"{'...' if len(extra) > 5 else ''})")
+            raise ValueError(
+                f"{source}: parameter names do not match the model config (missing {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+                f"{'...' if len(extra) > 5 else ''})"
+            )
         for k, shape in want.items():
             t = sd[k]
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -293,8 +301,10 @@ class Model:
 
     def _check_ids(self, ids: torch.Tensor, what: str = "ids") -> None:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"Model: {what} must be an int32/int64 tensor [B, T], got "
-                             f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+            raise ValueError(
+                f"Model: {what} must be an int32/int64 tensor [B, T], got "
+                f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
+            )
         if ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"Model: sequence length {ids.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
 
@@ -318,8 +328,14 @@ class Model:
     def head_weight(self) -> Var:
         return self.params["model.embed_tokens.weight" if self.config.tie_embeddings else "lm_head.weight"]
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, *, reduction: str = "mean",
-                ignore_index: int = -100) -> Var:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+    ) -> Var:
         """ids [B, T] -> logits [B, T, V] (compute dtype), or, with targets [B, T], the scalar fp32 loss
         (cross-entropy, "mean" over counted targets or "sum"; targets equal to ignore_index count for
         nothing)."""
@@ -329,8 +345,10 @@ class Model:
         if targets is None:
             return ops.linear(x, w)  # [B, T, V]
         if not isinstance(targets, torch.Tensor) or targets.shape != ids.shape:
-            raise ValueError(f"Model: targets must be a tensor of the ids' shape {tuple(ids.shape)}, got "
-                             f"{tuple(getattr(targets, 'shape', ()))}")
+            raise ValueError(
+                f"Model: targets must be a tensor of the ids' shape {tuple(ids.shape)}, got "
+                f"{tuple(getattr(targets, 'shape', ()))}"
+            )
         x2 = ops.reshape(x, (B * T, C))  # [N, C]
         t = targets.reshape(B * T)  # [N]
         if self._fused_loss is not None:
@@ -339,13 +357,20 @@ class Model:
 
     __call__ = forward
 
-    def loss(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
-             ignore_index: int = -100) -> Var:
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", ignore_index: int = -100) -> Var:
         return self.forward(ids, targets, reduction=reduction, ignore_index=ignore_index)
 
-    def generate(self, ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 eos_id: int | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        eos_id: int | None = None,
+    ) -> torch.Tensor:
         """Sample continuations of ids [B, T0] (no KV cache: the whole window is re-run each token).
         temperature 0 is greedy; top_k / top_p filter as in ``xtrain.sampling``. Never applies dropout."""
         self._check_ids(ids)
@@ -356,7 +381,7 @@ class Model:
         try:
             with no_grad():
                 for _ in range(int(max_new_tokens)):
-                    window = out[:, -self.config.max_seq_len:]
+                    window = out[:, -self.config.max_seq_len :]
                     logits = self.forward(window).data[:, -1, :].float().cpu()  # [B, V]
                     nxt = next_token(logits, temperature, top_k, top_p, g)
                     out = torch.cat([out, nxt.to(out.device, out.dtype)[:, None]], dim=1)

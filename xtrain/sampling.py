@@ -24,8 +24,9 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
     return logits
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-               generator: torch.Generator) -> torch.Tensor:
+def next_token(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator
+) -> torch.Tensor:
     """The next token id per row of fp32 CPU logits [B, V]; temperature 0 is greedy (argmax)."""
     if temperature < 0:
         raise ValueError(f"sample: temperature must be >= 0, got {temperature}")

@@ -24,8 +24,11 @@ def available() -> list[str]:
 
 def add_parser(subparsers) -> None:
     names = available()
-    p = subparsers.add_parser("bench", help="run a benchmark: " + (", ".join(names) or "(needs a source checkout)"),
-                              description="Run a benchmark from the checkout's bench/ folder.")
+    p = subparsers.add_parser(
+        "bench",
+        help="run a benchmark: " + (", ".join(names) or "(needs a source checkout)"),
+        description="Run a benchmark from the checkout's bench/ folder.",
+    )
     p.add_argument("name", choices=names or None, help="which benchmark")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=run)

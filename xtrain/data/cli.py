@@ -1,10 +1,10 @@
 """xtrain data: prepare a corpus into token shards, and inspect prepared data.
 
-    xtrain data prepare                              # pystdlib, BPE vocab 4096, into the cache dir
-    xtrain data prepare --corpus tinystories --vocab-size 8192 --max-bytes 200M
-    xtrain data prepare --corpus my_texts/ --vocab-size 256 --out runs/data   # byte tokenizer
-    xtrain data info ~/.cache/xtrain/data/pystdlib-v4096       # meta + shard headers
-    xtrain data info train_000000.bin                          # one shard's header
+xtrain data prepare                              # pystdlib, BPE vocab 4096, into the cache dir
+xtrain data prepare --corpus tinystories --vocab-size 8192 --max-bytes 200M
+xtrain data prepare --corpus my_texts/ --vocab-size 256 --out runs/data   # byte tokenizer
+xtrain data info ~/.cache/xtrain/data/pystdlib-v4096       # meta + shard headers
+xtrain data info train_000000.bin                          # one shard's header
 """
 
 from __future__ import annotations
@@ -32,30 +32,55 @@ def parse_size(text: str) -> int:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("data", help="prepare corpora into token shards; inspect them",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "data",
+        help="prepare corpora into token shards; inspect them",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="data_command", metavar="ACTION")
 
     pp = sub.add_parser("prepare", help="train a tokenizer and write train/val token shards + meta.json")
-    pp.add_argument("--corpus", default="pystdlib",
-                    help="pystdlib (default: this Python's standard library source), tinystories "
-                         "(download via huggingface_hub), or a local .txt/.jsonl/.parquet file or directory")
-    pp.add_argument("--val-corpus", default=None,
-                    help="explicit val file/dir (default: a hash split of the corpus, or its own val file)")
-    pp.add_argument("--vocab-size", type=int, default=None,
-                    help="tokenizer vocab incl. <|endoftext|> (default 4096; 256 selects the byte tokenizer)")
-    pp.add_argument("--tokenizer", choices=["auto", "bpe", "bytes"], default="auto",
-                    help="auto: bytes when --vocab-size is 256/257, else BPE")
+    pp.add_argument(
+        "--corpus",
+        default="pystdlib",
+        help="pystdlib (default: this Python's standard library source), tinystories "
+        "(download via huggingface_hub), or a local .txt/.jsonl/.parquet file or directory",
+    )
+    pp.add_argument(
+        "--val-corpus",
+        default=None,
+        help="explicit val file/dir (default: a hash split of the corpus, or its own val file)",
+    )
+    pp.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="tokenizer vocab incl. <|endoftext|> (default 4096; 256 selects the byte tokenizer)",
+    )
+    pp.add_argument(
+        "--tokenizer",
+        choices=["auto", "bpe", "bytes"],
+        default="auto",
+        help="auto: bytes when --vocab-size is 256/257, else BPE",
+    )
     pp.add_argument("--tokenizer-path", default=None, help="use this tokenizer.json instead of training one")
-    pp.add_argument("--out", default=None,
-                    help="output dir (default $XTRAIN_CACHE/data/<corpus>-v<vocab>, "
-                         "XTRAIN_CACHE defaults to ~/.cache/xtrain)")
-    pp.add_argument("--max-bytes", type=parse_size, default=None,
-                    help="cap on corpus text, e.g. 300k, 16M (default: 16M for pystdlib, none otherwise; 0: none)")
+    pp.add_argument(
+        "--out",
+        default=None,
+        help="output dir (default $XTRAIN_CACHE/data/<corpus>-v<vocab>, XTRAIN_CACHE defaults to ~/.cache/xtrain)",
+    )
+    pp.add_argument(
+        "--max-bytes",
+        type=parse_size,
+        default=None,
+        help="cap on corpus text, e.g. 300k, 16M (default: 16M for pystdlib, none otherwise; 0: none)",
+    )
     pp.add_argument("--val-fraction", type=float, default=None, help="hash-split val fraction (default 0.02)")
     pp.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 100M)")
-    pp.add_argument("--workers", type=int, default=None,
-                    help="encoding threads (the tokenizers library's pool; default: all cores)")
+    pp.add_argument(
+        "--workers", type=int, default=None, help="encoding threads (the tokenizers library's pool; default: all cores)"
+    )
     pp.add_argument("--force", action="store_true", help="rebuild even if matching data exists")
     pp.add_argument("--no-progress", action="store_true", help="no progress bar")
     pp.set_defaults(func=run)
@@ -90,17 +115,28 @@ def _prepare(args) -> int:
         vocab = 257 if args.tokenizer == "bytes" else DEFAULT_VOCAB_SIZE
     from xtrain.data.corpus import DEFAULT_VAL_FRACTION, open_corpus
 
-    corpus = open_corpus(args.corpus, max_bytes=args.max_bytes,
-                         val_fraction=args.val_fraction if args.val_fraction is not None else DEFAULT_VAL_FRACTION,
-                         val_path=args.val_corpus)
+    corpus = open_corpus(
+        args.corpus,
+        max_bytes=args.max_bytes,
+        val_fraction=args.val_fraction if args.val_fraction is not None else DEFAULT_VAL_FRACTION,
+        val_path=args.val_corpus,
+    )
     out = args.out
     if out is None:
         from xtrain.data.prepare import default_data_dir
 
         out = default_data_dir(vocab, args.corpus)
-    meta = prepare(corpus, out, vocab, tokenizer=args.tokenizer, tokenizer_path=args.tokenizer_path,
-                   shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS, workers=args.workers,
-                   force=args.force, progress=not args.no_progress)
+    meta = prepare(
+        corpus,
+        out,
+        vocab,
+        tokenizer=args.tokenizer,
+        tokenizer_path=args.tokenizer_path,
+        shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+        workers=args.workers,
+        force=args.force,
+        progress=not args.no_progress,
+    )
     print(meta["dir"])
     return 0
 
@@ -116,14 +152,19 @@ def _info(args) -> int:
         meta = load_meta(path)
         print(f"data dir   {path}")
         print(f"corpus     {json.dumps(meta['config']['corpus'])}")
-        print(f"tokenizer  {meta['tokenizer_kind']} vocab {meta['vocab_size']} eot {meta['eot_id']} "
-              f"({meta['tokenizer']})")
+        print(
+            f"tokenizer  {meta['tokenizer_kind']} vocab {meta['vocab_size']} eot {meta['eot_id']} ({meta['tokenizer']})"
+        )
         for split in ("train", "val"):
             s = meta[split]
-            print(f"{split:<10} {s['tokens']:,} tokens, {s['docs']:,} docs, {s['bytes']:,} bytes "
-                  f"({s['bytes_per_token']} bytes/token), {len(s['files'])} shard(s)")
-        print(f"baseline   unigram val loss {meta['unigram_val_loss']:.4f} nats/token "
-              f"(uniform ln V = {meta['uniform_loss']:.4f})")
+            print(
+                f"{split:<10} {s['tokens']:,} tokens, {s['docs']:,} docs, {s['bytes']:,} bytes "
+                f"({s['bytes_per_token']} bytes/token), {len(s['files'])} shard(s)"
+            )
+        print(
+            f"baseline   unigram val loss {meta['unigram_val_loss']:.4f} nats/token "
+            f"(uniform ln V = {meta['uniform_loss']:.4f})"
+        )
         shards = [path / name for split in ("train", "val") for name, _ in meta[split]["files"]]
         vocab = meta["vocab_size"]
     elif path.is_file():

@@ -137,9 +137,7 @@ def read_parquet(path: Path) -> Iterator[Document]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(
-            f"reading {path} needs pyarrow: pip install pyarrow (or convert it to .jsonl/.txt)"
-        ) from None
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow (or convert it to .jsonl/.txt)") from None
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises its own ArrowInvalid for non-parquet files
@@ -239,8 +237,13 @@ class Corpus:
     def describe(self) -> dict:
         """JSON-able description, recorded in meta.json and compared to decide whether prepared data can
         be reused (it includes a fingerprint of the source files)."""
-        return {"name": self.name, "kind": self.kind, "max_bytes": self.max_bytes,
-                "val_fraction": self.val_fraction, **(self._describe or {})}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "max_bytes": self.max_bytes,
+            "val_fraction": self.val_fraction,
+            **(self._describe or {}),
+        }
 
 
 def _capped(docs: Iterator[Document], max_bytes: int | None) -> Iterator[Document]:
@@ -296,56 +299,85 @@ def open_corpus(
                 yield Document(f.relative_to(root).as_posix(), f.read_bytes().decode("utf-8", "replace"))
 
         total = sum(f.stat().st_size for f in files)
-        info = {"python": sys.version.split()[0], "include_tests": include_tests, "num_files": len(files),
-                "fingerprint": _files_fingerprint(files, root, with_mtime=False)}
-        corpus = Corpus(spec, "pystdlib", cap, val_fraction, source, None, info,
-                        size_hint=min(total, cap) if cap else total)
+        info = {
+            "python": sys.version.split()[0],
+            "include_tests": include_tests,
+            "num_files": len(files),
+            "fingerprint": _files_fingerprint(files, root, with_mtime=False),
+        }
+        corpus = Corpus(
+            spec, "pystdlib", cap, val_fraction, source, None, info, size_hint=min(total, cap) if cap else total
+        )
     elif spec == "tinystories":
         cap = max_bytes or None
         train_file, val_file = download_tinystories()
-        info = {"files": [train_file.name, val_file.name],
-                "fingerprint": _files_fingerprint([train_file, val_file], train_file.parent, with_mtime=False)}
-        corpus = Corpus(spec, "tinystories", cap, val_fraction,
-                        lambda: read_text_file(train_file), lambda: read_text_file(val_file), info,
-                        size_hint=cap or train_file.stat().st_size)
+        info = {
+            "files": [train_file.name, val_file.name],
+            "fingerprint": _files_fingerprint([train_file, val_file], train_file.parent, with_mtime=False),
+        }
+        corpus = Corpus(
+            spec,
+            "tinystories",
+            cap,
+            val_fraction,
+            lambda: read_text_file(train_file),
+            lambda: read_text_file(val_file),
+            info,
+            size_hint=cap or train_file.stat().st_size,
+        )
     else:
         cap = max_bytes or None
         path = Path(spec).expanduser().resolve()
         if not path.exists():
-            raise FileNotFoundError(
-                f"corpus {spec!r} is not 'pystdlib', 'tinystories' or an existing file/directory")
+            raise FileNotFoundError(f"corpus {spec!r} is not 'pystdlib', 'tinystories' or an existing file/directory")
         files = _walk_sorted(path, TEXT_SUFFIXES, frozenset({"__pycache__"})) if path.is_dir() else [path]
         if not files:
             raise ValueError(f"corpus directory {path} has no {'/'.join(TEXT_SUFFIXES)} files")
         info = {"path": str(path), "fingerprint": _files_fingerprint(files, path, with_mtime=True)}
         total = sum(f.stat().st_size for f in files)
-        corpus = Corpus(str(path), "path", cap, val_fraction, lambda: read_path(path), None, info,
-                        size_hint=min(total, cap) if cap else total)
+        corpus = Corpus(
+            str(path),
+            "path",
+            cap,
+            val_fraction,
+            lambda: read_path(path),
+            None,
+            info,
+            size_hint=min(total, cap) if cap else total,
+        )
     if val_path is not None:
         vp = Path(val_path).expanduser().resolve()
         if not vp.exists():
             raise FileNotFoundError(f"val corpus path {vp} does not exist")
         corpus._val_source = lambda: read_path(vp)
-        corpus._describe = {**corpus._describe, "val_path": str(vp),
-                            "val_fingerprint": _files_fingerprint([vp], vp, with_mtime=True)}
+        corpus._describe = {
+            **corpus._describe,
+            "val_path": str(vp),
+            "val_fingerprint": _files_fingerprint([vp], vp, with_mtime=True),
+        }
     return corpus
 
 
 def download_tinystories() -> tuple[Path, Path]:
     """(train file, valid file) of TinyStories V2 (GPT-4), fetched through the huggingface_hub cache."""
-    hint = ("download TinyStoriesV2-GPT4-train.txt and -valid.txt from "
-            f"https://huggingface.co/datasets/{TINYSTORIES_REPO} yourself and pass the local path: "
-            "--corpus /path/TinyStoriesV2-GPT4-train.txt --val-corpus /path/TinyStoriesV2-GPT4-valid.txt")
+    hint = (
+        "download TinyStoriesV2-GPT4-train.txt and -valid.txt from "
+        f"https://huggingface.co/datasets/{TINYSTORIES_REPO} yourself and pass the local path: "
+        "--corpus /path/TinyStoriesV2-GPT4-train.txt --val-corpus /path/TinyStoriesV2-GPT4-valid.txt"
+    )
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
-        raise RuntimeError(f"--corpus tinystories needs huggingface_hub (pip install huggingface_hub), "
-                           f"or {hint}") from None
+        raise RuntimeError(
+            f"--corpus tinystories needs huggingface_hub (pip install huggingface_hub), or {hint}"
+        ) from None
     paths = []
     for split in ("train", "val"):
         try:
             paths.append(Path(hf_hub_download(TINYSTORIES_REPO, TINYSTORIES_FILES[split], repo_type="dataset")))
         except Exception as e:  # offline, no such file, auth: all end the same way for the user
-            raise RuntimeError(f"could not fetch {TINYSTORIES_FILES[split]} from the Hugging Face hub "
-                               f"({type(e).__name__}: {e}); {hint}") from None
+            raise RuntimeError(
+                f"could not fetch {TINYSTORIES_FILES[split]} from the Hugging Face hub "
+                f"({type(e).__name__}: {e}); {hint}"
+            ) from None
     return paths[0], paths[1]

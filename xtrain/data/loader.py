@@ -90,8 +90,10 @@ class TokenLoader:
         self._first_window = np.concatenate([[0], np.cumsum(per_shard)])  # (num_shards+1,)
         self.num_windows = int(self._first_window[-1])
         if self.num_windows == 0:
-            raise ValueError(f"TokenLoader: shards {[str(f) for f in self.files]} hold {self.num_tokens} tokens, "
-                             f"no shard has the {seq_len + 1} needed for one window of seq_len {seq_len}")
+            raise ValueError(
+                f"TokenLoader: shards {[str(f) for f in self.files]} hold {self.num_tokens} tokens, "
+                f"no shard has the {seq_len + 1} needed for one window of seq_len {seq_len}"
+            )
         self.epoch = 0
         self.position = 0  # windows of this epoch already handed out, over all ranks
         self._perm: np.ndarray | None = None
@@ -127,8 +129,10 @@ class TokenLoader:
         """The next training batch, ``torch.int64 [B, T+1]``; advances the state."""
         gb = self.global_batch
         if gb > self.num_windows:
-            raise ValueError(f"TokenLoader: one global batch needs {gb} windows (B={self.B} x world_size="
-                             f"{self.world_size}) but the shards hold only {self.num_windows} of T+1={self.T + 1}")
+            raise ValueError(
+                f"TokenLoader: one global batch needs {gb} windows (B={self.B} x world_size="
+                f"{self.world_size}) but the shards hold only {self.num_windows} of T+1={self.T + 1}"
+            )
         if self.position + gb > self.num_windows:  # not enough left for a full global batch
             self.epoch += 1
             self.position = 0
@@ -143,8 +147,15 @@ class TokenLoader:
 
     def state_dict(self) -> dict:
         """JSON-able position in the stream (same on every rank)."""
-        return {"version": STATE_VERSION, "seed": self.seed, "epoch": self.epoch, "position": self.position,
-                "seq_len": self.T, "num_windows": self.num_windows, "num_tokens": self.num_tokens}
+        return {
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "position": self.position,
+            "seq_len": self.T,
+            "num_windows": self.num_windows,
+            "num_tokens": self.num_tokens,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (seed, epoch and position are taken from it). Raises ValueError if the
@@ -153,8 +164,10 @@ class TokenLoader:
             raise ValueError(f"TokenLoader state: unknown version {state.get('version')!r}")
         for key, mine in (("seq_len", self.T), ("num_windows", self.num_windows), ("num_tokens", self.num_tokens)):
             if state.get(key) != mine:
-                raise ValueError(f"TokenLoader state: {key} was {state.get(key)} when saved, now {mine} "
-                                 "(different data or seq_len; cannot resume the same stream)")
+                raise ValueError(
+                    f"TokenLoader state: {key} was {state.get(key)} when saved, now {mine} "
+                    "(different data or seq_len; cannot resume the same stream)"
+                )
         self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
 
     # -- evaluation ----------------------------------------------------------------------------------
@@ -164,8 +177,10 @@ class TokenLoader:
         gb = self.global_batch
         n = self.num_windows // gb
         if n == 0:
-            raise ValueError(f"TokenLoader: val shards {[str(f) for f in self.files]} hold {self.num_windows} "
-                             f"windows of T+1={self.T + 1}, fewer than one global batch of {gb}")
+            raise ValueError(
+                f"TokenLoader: val shards {[str(f) for f in self.files]} hold {self.num_windows} "
+                f"windows of T+1={self.T + 1}, fewer than one global batch of {gb}"
+            )
         if max_batches is not None:
             n = min(n, max_batches)
         for k in range(n):
@@ -173,5 +188,7 @@ class TokenLoader:
             yield self._gather(windows)
 
     def __repr__(self) -> str:
-        return (f"TokenLoader({len(self.files)} shards, {self.num_tokens:,} tokens, {self.num_windows:,} windows, "
-                f"B={self.B}, T={self.T}, rank {self.rank}/{self.world_size}, seed={self.seed})")
+        return (
+            f"TokenLoader({len(self.files)} shards, {self.num_tokens:,} tokens, {self.num_windows:,} windows, "
+            f"B={self.B}, T={self.T}, rank {self.rank}/{self.world_size}, seed={self.seed})"
+        )

@@ -153,8 +153,10 @@ def prepare(
 
     if tokenizer_path is not None:
         tok = load_tokenizer(tokenizer_path)
-        tok_source = {"path": str(Path(tokenizer_path).resolve()),
-                      "sha256": hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest()[:16]}
+        tok_source = {
+            "path": str(Path(tokenizer_path).resolve()),
+            "sha256": hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest()[:16],
+        }
     else:
         tok, tok_source = None, None
         if tokenizer == "auto":
@@ -171,8 +173,10 @@ def prepare(
     if not force:
         meta = _complete(out_dir, config)
         if meta is not None:
-            log(f"data: reusing {out_dir} ({meta['train']['tokens']:,} train / {meta['val']['tokens']:,} "
-                f"val tokens, vocab {meta['vocab_size']})")
+            log(
+                f"data: reusing {out_dir} ({meta['train']['tokens']:,} train / {meta['val']['tokens']:,} "
+                f"val tokens, vocab {meta['vocab_size']})"
+            )
             return {**meta, "dir": str(out_dir)}
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -202,8 +206,7 @@ def prepare(
 
     from tqdm import tqdm
 
-    bar = tqdm(total=corpus.size_hint, unit="B", unit_scale=True, desc="encode",
-               disable=None if progress else True)
+    bar = tqdm(total=corpus.size_hint, unit="B", unit_scale=True, desc="encode", disable=None if progress else True)
     try:
         for split, doc in corpus.documents():
             n = len(doc.text.encode("utf-8"))
@@ -245,18 +248,30 @@ def prepare(
         "tokenizer": "tokenizer.json",
         "tokenizer_kind": tok.kind,
         "token_dtype": token_dtype(tok.vocab_size).name,
-        **{s: {"files": [list(x) for x in files[s]], "tokens": n_tok[s], **stats[s],
-               "bytes_per_token": round(stats[s]["bytes"] / max(n_tok[s], 1), 4)} for s in ("train", "val")},
+        **{
+            s: {
+                "files": [list(x) for x in files[s]],
+                "tokens": n_tok[s],
+                **stats[s],
+                "bytes_per_token": round(stats[s]["bytes"] / max(n_tok[s], 1), 4),
+            }
+            for s in ("train", "val")
+        },
         "unigram_val_loss": round(unigram_loss(counts["train"], counts["val"]), 6),
         "uniform_loss": round(math.log(tok.vocab_size), 6),
-        "seconds": {"tokenizer": round(t_tok, 3), "encode": round(t_enc, 3),
-                    "total": round(time.perf_counter() - t_start, 3)},
+        "seconds": {
+            "tokenizer": round(t_tok, 3),
+            "encode": round(t_enc, 3),
+            "total": round(time.perf_counter() - t_start, 3),
+        },
     }
     atomic_write_text(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
-    log(f"data: wrote {out_dir}: {n_tok['train']:,} train / {n_tok['val']:,} val tokens "
+    log(
+        f"data: wrote {out_dir}: {n_tok['train']:,} train / {n_tok['val']:,} val tokens "
         f"({stats['train']['docs']} / {stats['val']['docs']} docs), vocab {tok.vocab_size}, "
         f"unigram val loss {meta['unigram_val_loss']:.4f} nats (uniform {meta['uniform_loss']:.4f}), "
-        f"{meta['seconds']['total']:.1f}s")
+        f"{meta['seconds']['total']:.1f}s"
+    )
     if n_tok["val"] == 0:
         log("data: warning: the val split is empty (corpus too small for val_fraction)")
     return {**meta, "dir": str(out_dir)}

@@ -86,8 +86,7 @@ class ShardWriter:
     histogram of the ids written (``counts``, shape (vocab_size,)), for the unigram baseline.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, prefix: str, vocab_size: int,
-                 shard_tokens: int = 100_000_000):
+    def __init__(self, out_dir: str | os.PathLike, prefix: str, vocab_size: int, shard_tokens: int = 100_000_000):
         if not 1 <= shard_tokens <= MAX_TOKENS_PER_SHARD:
             raise ValueError(f"shard_tokens must be in [1, {MAX_TOKENS_PER_SHARD}], got {shard_tokens}")
         self.out_dir = Path(out_dir)
@@ -185,8 +184,9 @@ def read_header(path: str | os.PathLike) -> dict:
         header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
     magic, version, n = int(header[0]), int(header[1]), int(header[2])
     if magic not in FORMATS:
-        raise ValueError(f"shard {path}: bad magic {magic} (expected one of {sorted(FORMATS)}); "
-                         "not an llm.c token shard")
+        raise ValueError(
+            f"shard {path}: bad magic {magic} (expected one of {sorted(FORMATS)}); not an llm.c token shard"
+        )
     want_version, dtype = FORMATS[magic]
     if version != want_version:
         raise ValueError(f"shard {path}: magic {magic} needs version {want_version}, header says {version}")
@@ -196,8 +196,10 @@ def read_header(path: str | os.PathLike) -> dict:
     if size < expected:
         raise ValueError(f"shard {path}: truncated: header says {n} tokens ({expected} bytes), file has {size}")
     if size > expected:
-        raise ValueError(f"shard {path}: too long: header says {n} tokens ({expected} bytes), "
-                         f"file has {size} (trailing {size - expected} bytes)")
+        raise ValueError(
+            f"shard {path}: too long: header says {n} tokens ({expected} bytes), "
+            f"file has {size} (trailing {size - expected} bytes)"
+        )
     return {"magic": magic, "version": version, "num_tokens": n, "dtype": dtype.name}
 
 

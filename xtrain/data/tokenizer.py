@@ -52,16 +52,19 @@ class Tokenizer:
 
     # -- training ------------------------------------------------------------------------------------
     @classmethod
-    def train(cls, docs: Iterable[str], vocab_size: int, *, min_frequency: int = 2,
-              show_progress: bool = False) -> Tokenizer:
+    def train(
+        cls, docs: Iterable[str], vocab_size: int, *, min_frequency: int = 2, show_progress: bool = False
+    ) -> Tokenizer:
         """Learn BPE merges from ``docs`` until the vocab (256 bytes + eot + merges) has ``vocab_size``
         entries (fewer if the text runs out of pairs seen ``min_frequency`` times)."""
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
         if vocab_size <= 257:
-            raise ValueError(f"BPE needs vocab_size > 257 (256 bytes + {EOT_TOKEN}); got {vocab_size}. "
-                             "Use ByteTokenizer (vocab 257) for a byte-level model.")
+            raise ValueError(
+                f"BPE needs vocab_size > 257 (256 bytes + {EOT_TOKEN}); got {vocab_size}. "
+                "Use ByteTokenizer (vocab 257) for a byte-level model."
+            )
         tok = HFTokenizer(models.BPE())
         # add_prefix_space=False keeps the round trip exact (no space invented at the start of a text)
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -145,8 +148,13 @@ class ByteTokenizer:
         return cls()
 
     def save(self, path: str | os.PathLike) -> None:
-        doc = {"xtrain_tokenizer": self.FORMAT, "version": 1, "vocab_size": self.vocab_size,
-               "eot_id": self.eot_id, "eot_token": EOT_TOKEN}
+        doc = {
+            "xtrain_tokenizer": self.FORMAT,
+            "version": 1,
+            "vocab_size": self.vocab_size,
+            "eot_id": self.eot_id,
+            "eot_token": EOT_TOKEN,
+        }
         atomic_write_text(Path(path), json.dumps(doc, indent=2) + "\n")
 
     @classmethod

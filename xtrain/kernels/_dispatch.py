@@ -131,8 +131,9 @@ def side_stream(device, high_priority: bool = False, which: int = 0) -> torch.cu
     return _SIDE_STREAMS[key]
 
 
-def run_side_by_side(device, main_launch, side_launch, high_priority: bool = False, main_first: bool = False,
-                     join: bool = True) -> torch.cuda.Event | None:
+def run_side_by_side(
+    device, main_launch, side_launch, high_priority: bool = False, main_first: bool = False, join: bool = True
+) -> torch.cuda.Event | None:
     """Launch ``side_launch`` on the side stream and ``main_launch`` on the current one, concurrently: the
     side stream first waits for the current one (inputs and buffers ready), and the current one waits for
     the side stream before this returns, so later work on it (and the caching allocator's reuse of the
@@ -194,16 +195,26 @@ class CachedLaunch:
         from triton.runtime import driver
 
         if per_call.keys() != self.per_call:
-            raise ValueError(f"CachedLaunch: pass exactly the per-call arguments {sorted(self.per_call)}, got "
-                             f"{sorted(per_call)}")
+            raise ValueError(
+                f"CachedLaunch: pass exactly the per-call arguments {sorted(self.per_call)}, got {sorted(per_call)}"
+            )
         argv = self.argv.copy()
         for name, value in per_call.items():
             argv[self.slot[name]] = value
         ck, grid = self.ck, self.grid
         stream = driver.active.get_current_stream(driver.active.get_current_device())
-        ck.run(grid[0], grid[1], grid[2], stream, ck.function, ck.packed_metadata,
-               ck.launch_metadata(grid, stream, *argv), knobs.runtime.launch_enter_hook,
-               knobs.runtime.launch_exit_hook, *argv)
+        ck.run(
+            grid[0],
+            grid[1],
+            grid[2],
+            stream,
+            ck.function,
+            ck.packed_metadata,
+            ck.launch_metadata(grid, stream, *argv),
+            knobs.runtime.launch_enter_hook,
+            knobs.runtime.launch_exit_hook,
+            *argv,
+        )
 
 
 def launch_cached(kernel, grid, args: dict, **options) -> CachedLaunch:

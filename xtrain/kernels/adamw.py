@@ -46,8 +46,20 @@ from xtrain.kernels._dispatch import jit as _jit
 from xtrain.kernels._dispatch import tl, use_triton
 
 
-def adamw_step_ref(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float,
-                   beta2: float, eps: float, weight_decays, copies=None) -> None:
+def adamw_step_ref(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decays,
+    copies=None,
+) -> None:
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
@@ -71,8 +83,21 @@ NUM_WARPS = 8
 
 
 @_jit
-def _adamw_update(p, g, m, v, decay, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps,
-                  LERP_SMALL: tl.constexpr, RECIP_DIV: tl.constexpr):
+def _adamw_update(
+    p,
+    g,
+    m,
+    v,
+    decay,
+    lerp_w,
+    beta2,
+    one_minus_beta2,
+    neg_step_size,
+    inv_bc2_sqrt,
+    eps,
+    LERP_SMALL: tl.constexpr,
+    RECIP_DIV: tl.constexpr,
+):
     p = p * decay  # decay = 1 exactly when wd = 0, where the reference skips the multiply
     if LERP_SMALL:
         m = tl.fma(lerp_w, g - m, m)
@@ -88,10 +113,26 @@ def _adamw_update(p, g, m, v, decay, lerp_w, beta2, one_minus_beta2, neg_step_si
 
 
 @_jit
-def _adamw_kernel(P, G, M, VS, COPY, TABLE, DECAY,
-                  lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps,
-                  HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr, LERP_SMALL: tl.constexpr,
-                  RECIP_DIV: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(
+    P,
+    G,
+    M,
+    VS,
+    COPY,
+    TABLE,
+    DECAY,
+    lerp_w,
+    beta2,
+    one_minus_beta2,
+    neg_step_size,
+    inv_bc2_sqrt,
+    eps,
+    HAS_COPY: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    LERP_SMALL: tl.constexpr,
+    RECIP_DIV: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = TABLE + tl.program_id(0).to(tl.int64) * 8
     p_off = tl.load(row + 0)
     g_off = tl.load(row + 1)
@@ -117,8 +158,9 @@ def _adamw_kernel(P, G, M, VS, COPY, TABLE, DECAY,
         g = tl.load(G + g_off + i)
         m = tl.load(M + m_off + i)
         v = tl.load(VS + v_off + i)
-        p, m, v = _adamw_update(p, g, m, v, decay, lerp_w, beta2, one_minus_beta2, neg_step_size,
-                                inv_bc2_sqrt, eps, LERP_SMALL, RECIP_DIV)
+        p, m, v = _adamw_update(
+            p, g, m, v, decay, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps, LERP_SMALL, RECIP_DIV
+        )
         tl.store(P + p_off + i, p)
         tl.store(M + m_off + i, m)
         tl.store(VS + v_off + i, v)
@@ -131,8 +173,9 @@ def _adamw_kernel(P, G, M, VS, COPY, TABLE, DECAY,
         g = tl.load(G + g_off + i, mask=mask, other=0.0)
         m = tl.load(M + m_off + i, mask=mask, other=0.0)
         v = tl.load(VS + v_off + i, mask=mask, other=0.0)
-        p, m, v = _adamw_update(p, g, m, v, decay, lerp_w, beta2, one_minus_beta2, neg_step_size,
-                                inv_bc2_sqrt, eps, LERP_SMALL, RECIP_DIV)
+        p, m, v = _adamw_update(
+            p, g, m, v, decay, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps, LERP_SMALL, RECIP_DIV
+        )
         tl.store(P + p_off + i, p, mask=mask)
         tl.store(M + m_off + i, m, mask=mask)
         tl.store(VS + v_off + i, v, mask=mask)
@@ -158,15 +201,19 @@ def _validate(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies) -> bo
     if copies is not None:
         n_lists.add(len(copies))
     if len(n_lists) != 1:
-        raise ValueError(f"adamw_step: lists differ in length: params {len(params)}, grads {len(grads)}, "
-                         f"exp_avgs {len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}, weight_decays "
-                         f"{len(weight_decays)}" + ("" if copies is None else f", copies {len(copies)}"))
+        raise ValueError(
+            f"adamw_step: lists differ in length: params {len(params)}, grads {len(grads)}, "
+            f"exp_avgs {len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}, weight_decays "
+            f"{len(weight_decays)}" + ("" if copies is None else f", copies {len(copies)}")
+        )
     ok = True
     device = params[0].device
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         if not (p.shape == g.shape == m.shape == v.shape):
-            raise ValueError(f"adamw_step: tensor {i} shapes differ: param {tuple(p.shape)}, grad "
-                             f"{tuple(g.shape)}, exp_avg {tuple(m.shape)}, exp_avg_sq {tuple(v.shape)}")
+            raise ValueError(
+                f"adamw_step: tensor {i} shapes differ: param {tuple(p.shape)}, grad "
+                f"{tuple(g.shape)}, exp_avg {tuple(m.shape)}, exp_avg_sq {tuple(v.shape)}"
+            )
         c = None if copies is None else copies[i]
         if c is not None and c.shape != p.shape:
             raise ValueError(f"adamw_step: copy {i} has shape {tuple(c.shape)}, param {tuple(p.shape)}")
@@ -182,10 +229,17 @@ def _plan(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies):
     """Everything about a step that depends only on the tensors' identities (addresses, sizes, dtypes):
     validation, the block table, the copy base. Cached, so a training step pays only a dictionary lookup
     on a key of addresses (the host time matters: it sits between the launches)."""
-    key = (tuple(t.data_ptr() for t in params), tuple(t.data_ptr() for t in grads),
-           tuple(t.data_ptr() for t in exp_avgs), tuple(t.data_ptr() for t in exp_avg_sqs),
-           None if copies is None else tuple((0, None) if c is None else (c.data_ptr(), c.dtype) for c in copies),
-           tuple(t.numel() for t in params), len(weight_decays), params[0].device, BLOCK)
+    key = (
+        tuple(t.data_ptr() for t in params),
+        tuple(t.data_ptr() for t in grads),
+        tuple(t.data_ptr() for t in exp_avgs),
+        tuple(t.data_ptr() for t in exp_avg_sqs),
+        None if copies is None else tuple((0, None) if c is None else (c.data_ptr(), c.dtype) for c in copies),
+        tuple(t.numel() for t in params),
+        len(weight_decays),
+        params[0].device,
+        BLOCK,
+    )
     plan = _plan_cache.get(key)
     if plan is not None:
         return plan
@@ -198,10 +252,10 @@ def _plan(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies):
         kernel_copies = None
         if copy_base is not None:
             kernel_copies = [c if c is not None and c.dtype == copy_base.dtype else None for c in copies]
-        table, aligned = _block_table(params, grads, exp_avgs, exp_avg_sqs, kernel_copies, copy_base,
-                                      params[0].device)
-        leftover = [] if copies is None else [
-            i for i, c in enumerate(copies) if c is not None and kernel_copies[i] is None]
+        table, aligned = _block_table(params, grads, exp_avgs, exp_avg_sqs, kernel_copies, copy_base, params[0].device)
+        leftover = (
+            [] if copies is None else [i for i, c in enumerate(copies) if c is not None and kernel_copies[i] is None]
+        )
         plan = (table, aligned, copy_base, leftover)
     if len(_plan_cache) > 8:
         _plan_cache.clear()
@@ -240,35 +294,69 @@ def _recip_div(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def adamw_step_triton(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float,
-                      beta2: float, eps: float, weight_decays, copies=None) -> None:
+def adamw_step_triton(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decays,
+    copies=None,
+) -> None:
     if not params:
         return
     plan = _plan(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies)
     if plan is None:
-        raise ValueError("adamw_step: the Triton path needs contiguous fp32 params, grads and moments on one "
-                         "device (adamw_step falls back to the reference for anything else)")
+        raise ValueError(
+            "adamw_step: the Triton path needs contiguous fp32 params, grads and moments on one "
+            "device (adamw_step falls back to the reference for anything else)"
+        )
     table, aligned, copy_base, leftover = plan
-    decay = torch.tensor([_f32(1 - lr * wd) if wd != 0 else 1.0 for wd in weight_decays],
-                         dtype=torch.float32).to(params[0].device, non_blocking=True)
+    decay = torch.tensor([_f32(1 - lr * wd) if wd != 0 else 1.0 for wd in weight_decays], dtype=torch.float32).to(
+        params[0].device, non_blocking=True
+    )
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     inv_bc2 = float(np.float32(1.0) / np.float32(bias_correction2_sqrt))
     lerp_w = 1 - beta1
     _adamw_kernel[(table.shape[0],)](
-        params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], params[0] if copy_base is None else copy_base,
-        table, decay,
-        _f32(lerp_w), _f32(beta2), _f32(1 - beta2), _f32(-(lr / bias_correction1)), inv_bc2, _f32(eps),
-        HAS_COPY=copy_base is not None, ALIGNED=aligned, LERP_SMALL=abs(lerp_w) < 0.5,
-        RECIP_DIV=_recip_div(params[0]), BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        params[0],
+        grads[0],
+        exp_avgs[0],
+        exp_avg_sqs[0],
+        params[0] if copy_base is None else copy_base,
+        table,
+        decay,
+        _f32(lerp_w),
+        _f32(beta2),
+        _f32(1 - beta2),
+        _f32(-(lr / bias_correction1)),
+        inv_bc2,
+        _f32(eps),
+        HAS_COPY=copy_base is not None,
+        ALIGNED=aligned,
+        LERP_SMALL=abs(lerp_w) < 0.5,
+        RECIP_DIV=_recip_div(params[0]),
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+    )
     for i in leftover:
         copies[i].copy_(params[i])
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, **kw) -> None:
     # the first tensor decides the device; _plan checks (once per set of tensors) that all of them qualify
-    if params and use_triton(params[0]) and _plan(params, grads, exp_avgs, exp_avg_sqs, kw["weight_decays"],
-                                                  kw.get("copies")) is not None:
+    if (
+        params
+        and use_triton(params[0])
+        and _plan(params, grads, exp_avgs, exp_avg_sqs, kw["weight_decays"], kw.get("copies")) is not None
+    ):
         adamw_step_triton(params, grads, exp_avgs, exp_avg_sqs, **kw)
     else:
         adamw_step_ref(params, grads, exp_avgs, exp_avg_sqs, **kw)

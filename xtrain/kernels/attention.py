@@ -47,8 +47,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return o.reshape(B, H, T, D), p
 
 
-def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor,
-                  causal: bool, scale: float):
+def attention_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor, causal: bool, scale: float
+):
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv

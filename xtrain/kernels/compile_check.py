@@ -78,8 +78,11 @@ def compile_only(arch: int = 90):
     from xtrain.kernels import _dispatch
 
     real_pdl_ok = _dispatch.pdl_ok
-    modules = [m for name, m in list(sys.modules.items())
-               if name.startswith("xtrain.kernels") and getattr(m, "pdl_ok", None) is real_pdl_ok]
+    modules = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("xtrain.kernels") and getattr(m, "pdl_ok", None) is real_pdl_ok
+    ]
     old = driver._active  # None until a driver was asked for (none is active on a machine without a GPU)
     driver.set_active(_Target())
     JITFunction.run = compile_run
@@ -114,6 +117,7 @@ def cases() -> dict[str, Callable[[], None]]:
 
     out: dict[str, Callable[[], None]] = {}
     for dt, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+
         def norm(dt=dt):
             x, w = r(8, 96, dtype=dt), r(96, dtype=dt)
             y, inv = rms_norm.rms_norm_fwd_triton(x, w, 1e-6)
@@ -159,8 +163,15 @@ def cases() -> dict[str, Callable[[], None]]:
                     o, lse = flash_attention.flash_attention_fwd_triton(q, k, k, causal=causal)[:2]
                     flash_attention.flash_attention_bwd_triton(q, q, k, k, o, lse, causal)
 
-        for name, fn in (("rms_norm", norm), ("rope", rope_), ("swiglu", swiglu_), ("dropout", dropout_),
-                         ("cross_entropy", xent), ("linear_cross_entropy", lin_xent), ("embedding bwd", emb)):
+        for name, fn in (
+            ("rms_norm", norm),
+            ("rope", rope_),
+            ("swiglu", swiglu_),
+            ("dropout", dropout_),
+            ("cross_entropy", xent),
+            ("linear_cross_entropy", lin_xent),
+            ("embedding bwd", emb),
+        ):
             out[f"{name} {tag}"] = fn
         for D in (32, 64, 128):
             out[f"flash_attention hd{D} {tag}"] = lambda D=D, dt=dt: attn(D, dt)
@@ -179,12 +190,23 @@ def cases() -> dict[str, Callable[[], None]]:
         ps = [r(300), r(17, 5)]
         copies = [torch.empty(p.shape, dtype=torch.bfloat16) for p in ps]
         for cp in (None, copies):
-            adamw.adamw_step_triton(ps, [r(*p.shape) for p in ps], [torch.zeros_like(p) for p in ps],
-                                    [torch.zeros_like(p) for p in ps], step=1, lr=1e-3, beta1=0.9, beta2=0.95,
-                                    eps=1e-8, weight_decays=[0.1, 0.0], copies=cp)
+            adamw.adamw_step_triton(
+                ps,
+                [r(*p.shape) for p in ps],
+                [torch.zeros_like(p) for p in ps],
+                [torch.zeros_like(p) for p in ps],
+                step=1,
+                lr=1e-3,
+                beta1=0.9,
+                beta2=0.95,
+                eps=1e-8,
+                weight_decays=[0.1, 0.0],
+                copies=cp,
+            )
 
     out["embedding bwd fp32, tier B ids whole"] = emb_whole
     out["embedding bwd fp32, plan made before"] = emb_plan
+
     def adamw_cuda():  # the division the kernel does on CUDA (RECIP_DIV, chosen by the tensors' device)
         with mock.patch.object(adamw, "_recip_div", lambda t: True):
             adamw_()
@@ -211,17 +233,25 @@ def run(arch: int = 90, only: str | None = None, progress: bool = False) -> list
             except Exception as e:  # noqa: BLE001 - reported per case, the run goes on
                 tb = traceback.format_exception_only(type(e), e)
                 err = " ".join(line.strip() for line in tb)[-600:]
-        rows.append(dict(name=name, ok=err is None, kernels=list(names), error=err,
-                         seconds=round(time.perf_counter() - t0, 1)))
+        rows.append(
+            dict(name=name, ok=err is None, kernels=list(names), error=err, seconds=round(time.perf_counter() - t0, 1))
+        )
         if progress:
-            print(f"[{i + 1}/{len(picked)}] {name}: {'ok' if err is None else 'FAILED'} "
-                  f"({len(names)} launches, {rows[-1]['seconds']} s)", file=sys.stderr, flush=True)
+            print(
+                f"[{i + 1}/{len(picked)}] {name}: {'ok' if err is None else 'FAILED'} "
+                f"({len(names)} launches, {rows[-1]['seconds']} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     return rows
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m xtrain.kernels.compile_check", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m xtrain.kernels.compile_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 to compile for (default 90)")
     ap.add_argument("--only", default=None, help="only the cases whose name contains this")
     a = ap.parse_args(argv)
@@ -231,19 +261,25 @@ def main(argv=None) -> int:
         print("compile_check: needs Triton (pip install triton)", file=sys.stderr)
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        print("compile_check: unset TRITON_INTERPRET first (the interpreter runs kernels, it does not compile them)",
-              file=sys.stderr)
+        print(
+            "compile_check: unset TRITON_INTERPRET first (the interpreter runs kernels, it does not compile them)",
+            file=sys.stderr,
+        )
         return 2
     if a.arch <= 0:
-        print(f"compile_check: --arch must be a CUDA compute capability x 10 (90 for sm_90), got {a.arch}",
-              file=sys.stderr)
+        print(
+            f"compile_check: --arch must be a CUDA compute capability x 10 (90 for sm_90), got {a.arch}",
+            file=sys.stderr,
+        )
         return 2
     rows = run(a.arch, a.only, progress=True)
     print(f"# Triton {triton.__version__}, target cuda sm_{a.arch}, torch {torch.__version__}")
     for row in rows:
         kernels = sorted(set(row["kernels"]))
-        print(f"{'ok    ' if row['ok'] else 'FAILED'} {row['name']:<40} {row['seconds']:>5.1f} s  "
-              f"{', '.join(kernels) if row['ok'] else row['error']}")
+        print(
+            f"{'ok    ' if row['ok'] else 'FAILED'} {row['name']:<40} {row['seconds']:>5.1f} s  "
+            f"{', '.join(kernels) if row['ok'] else row['error']}"
+        )
     bad = [row["name"] for row in rows if not row["ok"]]
     print(f"{len(rows) - len(bad)} of {len(rows)} cases compiled" + (f"; failed: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0

@@ -58,16 +58,18 @@ from xtrain.kernels._dispatch import tl, triton, use_triton
 
 def _check(name: str, logits: torch.Tensor, targets: torch.Tensor, reduction: str | None = None):
     if logits.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
-        raise ValueError(f"{name}: expected logits [N, V] and targets [N], got {tuple(logits.shape)} and "
-                         f"{tuple(targets.shape)}")
+        raise ValueError(
+            f"{name}: expected logits [N, V] and targets [N], got {tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise ValueError(f"{name}: targets must be integer class ids, got {targets.dtype}")
     if reduction is not None and reduction not in ("mean", "sum"):
         raise ValueError(f"{name}: reduction must be 'mean' or 'sum', got {reduction!r}")
 
 
-def cross_entropy_fwd_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                          reduction: str = "mean"):
+def cross_entropy_fwd_ref(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+):
     lf = logits.to(_acc(logits))
     lse = torch.logsumexp(lf, dim=-1)  # [N]
     valid = targets != ignore_index
@@ -82,9 +84,15 @@ def cross_entropy_fwd_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_in
     return loss, lse, denom
 
 
-def cross_entropy_bwd_ref(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
-                          lse: torch.Tensor, ignore_index: int = -100, denom=1.0,
-                          inplace: bool = False) -> torch.Tensor:
+def cross_entropy_bwd_ref(
+    dloss: torch.Tensor,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int = -100,
+    denom=1.0,
+    inplace: bool = False,
+) -> torch.Tensor:
     acc = _acc(logits)
     valid = targets != ignore_index
     scale = torch.as_tensor(dloss, device=logits.device).to(acc) / torch.as_tensor(denom, device=logits.device).to(acc)
@@ -100,20 +108,25 @@ def cross_entropy_bwd_ref(dloss: torch.Tensor, logits: torch.Tensor, targets: to
     return probs.to(logits.dtype)
 
 
-def cross_entropy_fwd_bwd_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                              scale: float = 1.0):
+def cross_entropy_fwd_bwd_ref(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, scale: float = 1.0
+):
     acc = _acc(logits)
     lf = logits.to(acc)
     lse = torch.logsumexp(lf, dim=-1)  # [N]
     valid = targets != ignore_index
     safe_t = torch.where(valid, targets, torch.zeros_like(targets))
     nll = torch.where(valid, lse - lf.gather(1, safe_t[:, None]).squeeze(1), torch.zeros_like(lse))
-    logits.copy_(cross_entropy_bwd_ref(torch.as_tensor(scale, device=logits.device).to(acc), logits, targets,
-                                       lse, ignore_index, 1.0))
+    logits.copy_(
+        cross_entropy_bwd_ref(
+            torch.as_tensor(scale, device=logits.device).to(acc), logits, targets, lse, ignore_index, 1.0
+        )
+    )
     return nll, lse
 
 
 # ------------------------------------------------------------------------------------------------ Triton
+
 
 @_jit
 def _row_lse(ROW, V, BLOCK_V: tl.constexpr):
@@ -152,8 +165,22 @@ def _finish_range(ROW, TARGETS, M_PART, S_PART, LSE, NLL, row, k, n_split, ignor
 
 
 @_jit
-def _ce_fwd_split_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, cols_per_split, n_split,
-                         ignore_index, BLOCK_V: tl.constexpr, FINAL: tl.constexpr, STAGES: tl.constexpr = 0):
+def _ce_fwd_split_kernel(
+    LOGITS,
+    TARGETS,
+    M_PART,
+    S_PART,
+    LSE,
+    NLL,
+    V,
+    stride,
+    cols_per_split,
+    n_split,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+    FINAL: tl.constexpr,
+    STAGES: tl.constexpr = 0,
+):
     """Program (row, k) reduces columns [k * cols_per_split, ...) of one row to a partial (max m, sum s),
     s = sum exp(x - m). One block reduction (the max) per BLOCK_V step: the sum is kept per lane,
     rescaled by one scalar exp per step, and reduced once at the end (~1 exp per logit). The next
@@ -183,13 +210,26 @@ def _ce_fwd_split_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, c
             m_new = tl.maximum(m, tl.max(x, axis=0))
             acc = acc * tl.exp(m - m_new) + tl.exp(x - m_new)
             m = m_new
-    _finish_range(ROW, TARGETS, M_PART, S_PART, LSE, NLL, row, k, n_split, ignore_index, m, tl.sum(acc, axis=0),
-                  FINAL)
+    _finish_range(ROW, TARGETS, M_PART, S_PART, LSE, NLL, row, k, n_split, ignore_index, m, tl.sum(acc, axis=0), FINAL)
 
 
 @_jit
-def _ce_fwd_group_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, cols_per_split, n_split,
-                         ignore_index, BLOCK_V: tl.constexpr, GROUP: tl.constexpr, FINAL: tl.constexpr):
+def _ce_fwd_group_kernel(
+    LOGITS,
+    TARGETS,
+    M_PART,
+    S_PART,
+    LSE,
+    NLL,
+    V,
+    stride,
+    cols_per_split,
+    n_split,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr,
+    FINAL: tl.constexpr,
+):
     """The split kernel's job with no block-wide reduction inside the loop. Each BLOCK_V step is loaded
     as a [BLOCK_V // GROUP, GROUP] tile of GROUP consecutive columns per tile row, and every tile row
     keeps its own running max and sum (an online log-sum-exp per group of columns): the per-step max is
@@ -225,8 +265,20 @@ def _ce_fwd_group_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, V, stride, c
 
 
 @_jit
-def _ce_fwd_combine_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, N, stride, n_split, ignore_index,
-                           BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+def _ce_fwd_combine_kernel(
+    LOGITS,
+    TARGETS,
+    M_PART,
+    S_PART,
+    LSE,
+    NLL,
+    N,
+    stride,
+    n_split,
+    ignore_index,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """lse[n] = M + log(sum_k s_k exp(m_k - M)), M = max_k m_k, over the n_split partials of each row."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_S)
@@ -241,15 +293,27 @@ def _ce_fwd_combine_kernel(LOGITS, TARGETS, M_PART, S_PART, LSE, NLL, N, stride,
     lse = mx_safe + tl.log(tl.where(rmask, total, 1.0))  # rows past N: no log(0)
     t = tl.load(TARGETS + rows, mask=rmask, other=ignore_index)
     valid = t != ignore_index
-    picked = tl.load(LOGITS + rows.to(tl.int64) * stride + tl.where(valid, t, 0), mask=rmask & valid,
-                     other=0.0).to(tl.float32)
+    picked = tl.load(LOGITS + rows.to(tl.int64) * stride + tl.where(valid, t, 0), mask=rmask & valid, other=0.0).to(
+        tl.float32
+    )
     tl.store(LSE + rows, lse, mask=rmask)
     tl.store(NLL + rows, tl.where(valid, lse - picked, 0.0), mask=rmask)
 
 
 @_jit
-def _ce_fwd_rows_kernel(LOGITS, TARGETS, LSE, NLL, N, V, stride, ignore_index,
-                        ROWS: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr = 0):
+def _ce_fwd_rows_kernel(
+    LOGITS,
+    TARGETS,
+    LSE,
+    NLL,
+    N,
+    V,
+    stride,
+    ignore_index,
+    ROWS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    STAGES: tl.constexpr = 0,
+):
     """ROWS rows per program, walked together in [ROWS, BLOCK_V] tiles. With BLOCK_V = 32 lanes x one
     16-byte vector (256 bf16, 128 fp32 columns) Triton lays each tile row on a single warp (checked in
     sm_90 TTGIR: warpsPerCTA = [num_warps, 1]), so the per-step row max is a warp shuffle reduction with
@@ -268,24 +332,25 @@ def _ce_fwd_rows_kernel(LOGITS, TARGETS, LSE, NLL, N, V, stride, ignore_index,
     acc = tl.exp(x - m[:, None])
     if STAGES > 1:  # Triton pipelines the loads itself (cp.async into shared memory), STAGES - 1 ahead
         for start in tl.range(BLOCK_V, V, BLOCK_V, num_stages=STAGES):
-            x = tl.load(base + start + cols, mask=rmask[:, None] & (start + cols < V),
-                        other=-float("inf")).to(tl.float32)
+            x = tl.load(base + start + cols, mask=rmask[:, None] & (start + cols < V), other=-float("inf")).to(
+                tl.float32
+            )
             m_new = tl.maximum(m, tl.max(x, axis=1))
             acc = acc * tl.exp(m - m_new)[:, None] + tl.exp(x - m_new[:, None])
             m = m_new
     else:
         for start in range(BLOCK_V, V, BLOCK_V):
             x = nxt.to(tl.float32)
-            nxt = tl.load(base + start + BLOCK_V + cols, mask=rmask[:, None] & (start + BLOCK_V + cols < V),
-                          other=-float("inf"))
+            nxt = tl.load(
+                base + start + BLOCK_V + cols, mask=rmask[:, None] & (start + BLOCK_V + cols < V), other=-float("inf")
+            )
             m_new = tl.maximum(m, tl.max(x, axis=1))
             acc = acc * tl.exp(m - m_new)[:, None] + tl.exp(x - m_new[:, None])
             m = m_new
     lse = m + tl.log(tl.where(rmask, tl.sum(acc, axis=1), 1.0))
     t = tl.load(TARGETS + rows, mask=rmask, other=ignore_index)
     valid = t != ignore_index
-    picked = tl.load(LOGITS + rows64 * stride + tl.where(valid, t, 0), mask=rmask & valid,
-                     other=0.0).to(tl.float32)
+    picked = tl.load(LOGITS + rows64 * stride + tl.where(valid, t, 0), mask=rmask & valid, other=0.0).to(tl.float32)
     tl.store(LSE + rows, lse, mask=rmask)
     tl.store(NLL + rows, tl.where(valid, lse - picked, 0.0), mask=rmask)
 
@@ -324,8 +389,9 @@ def _write_row_grad(ROW, OUT_ROW, V, t, lse, scale, BLOCK_V: tl.constexpr):
 
 
 @_jit
-def _cross_entropy_bwd_kernel(DLOSS, LOGITS, TARGETS, LSE, OUT, DENOM, V, stride, out_stride, ignore_index,
-                              BLOCK_V: tl.constexpr):
+def _cross_entropy_bwd_kernel(
+    DLOSS, LOGITS, TARGETS, LSE, OUT, DENOM, V, stride, out_stride, ignore_index, BLOCK_V: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     ROW = LOGITS + row * stride
     OUT_ROW = OUT + row * out_stride
@@ -337,8 +403,7 @@ def _cross_entropy_bwd_kernel(DLOSS, LOGITS, TARGETS, LSE, OUT, DENOM, V, stride
 
 
 @_jit
-def _cross_entropy_fwd_bwd_kernel(LOGITS, TARGETS, LSE, NLL, V, stride, ignore_index, SCALE,
-                                  BLOCK_V: tl.constexpr):
+def _cross_entropy_fwd_bwd_kernel(LOGITS, TARGETS, LSE, NLL, V, stride, ignore_index, SCALE, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     scale = tl.load(SCALE).to(tl.float32)  # a device scalar: the caller never reads its denominator back
     ROW = LOGITS + row * stride
@@ -391,8 +456,14 @@ def _fwd_config(V: int, esize: int = 2):
     if rows > 1:
         bpp = 0
     group = min(group, BLOCK_V)
-    return (BLOCK_V, num_warps, BLOCK_V * (bpp if bpp > 0 else triton.cdiv(V, BLOCK_V)), rows, stages,
-            group if rows == 1 else 0)
+    return (
+        BLOCK_V,
+        num_warps,
+        BLOCK_V * (bpp if bpp > 0 else triton.cdiv(V, BLOCK_V)),
+        rows,
+        stages,
+        group if rows == 1 else 0,
+    )
 
 
 def cross_entropy_fwd_lse_triton(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100):
@@ -404,21 +475,61 @@ def cross_entropy_fwd_lse_triton(logits: torch.Tensor, targets: torch.Tensor, ig
         return lse, nll
     BLOCK_V, num_warps, cps, rows, stages, group = _fwd_config(V, logits.element_size())
     if rows > 1:
-        _ce_fwd_rows_kernel[(triton.cdiv(N, rows),)](logits, targets, lse, nll, N, V, logits.stride(0),
-                                                     ignore_index, ROWS=rows, BLOCK_V=BLOCK_V, STAGES=stages,
-                                                     num_warps=num_warps)
+        _ce_fwd_rows_kernel[(triton.cdiv(N, rows),)](
+            logits,
+            targets,
+            lse,
+            nll,
+            N,
+            V,
+            logits.stride(0),
+            ignore_index,
+            ROWS=rows,
+            BLOCK_V=BLOCK_V,
+            STAGES=stages,
+            num_warps=num_warps,
+        )
         return lse, nll
     n_split = triton.cdiv(V, cps)
 
     def split(grid, m_part, s_part, final):
         if group > 0:
-            _ce_fwd_group_kernel[grid](logits, targets, m_part, s_part, lse, nll, V, logits.stride(0), cps,
-                                       n_split, ignore_index, BLOCK_V=BLOCK_V, GROUP=group, FINAL=final,
-                                       num_warps=num_warps)
+            _ce_fwd_group_kernel[grid](
+                logits,
+                targets,
+                m_part,
+                s_part,
+                lse,
+                nll,
+                V,
+                logits.stride(0),
+                cps,
+                n_split,
+                ignore_index,
+                BLOCK_V=BLOCK_V,
+                GROUP=group,
+                FINAL=final,
+                num_warps=num_warps,
+            )
         else:
-            _ce_fwd_split_kernel[grid](logits, targets, m_part, s_part, lse, nll, V, logits.stride(0), cps,
-                                       n_split, ignore_index, BLOCK_V=BLOCK_V, FINAL=final, STAGES=stages,
-                                       num_warps=num_warps)
+            _ce_fwd_split_kernel[grid](
+                logits,
+                targets,
+                m_part,
+                s_part,
+                lse,
+                nll,
+                V,
+                logits.stride(0),
+                cps,
+                n_split,
+                ignore_index,
+                BLOCK_V=BLOCK_V,
+                FINAL=final,
+                STAGES=stages,
+                num_warps=num_warps,
+            )
+
     if n_split == 1:
         split((N, 1), lse, lse, True)
         return lse, nll
@@ -427,14 +538,27 @@ def cross_entropy_fwd_lse_triton(logits: torch.Tensor, targets: torch.Tensor, ig
     split((N, n_split), m_part, s_part, False)
     BLOCK_S = triton.next_power_of_2(n_split)
     BLOCK_N = max(1, min(128, 2048 // BLOCK_S))
-    _ce_fwd_combine_kernel[(triton.cdiv(N, BLOCK_N),)](logits, targets, m_part, s_part, lse, nll, N,
-                                                       logits.stride(0), n_split, ignore_index,
-                                                       BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, num_warps=4)
+    _ce_fwd_combine_kernel[(triton.cdiv(N, BLOCK_N),)](
+        logits,
+        targets,
+        m_part,
+        s_part,
+        lse,
+        nll,
+        N,
+        logits.stride(0),
+        n_split,
+        ignore_index,
+        BLOCK_N=BLOCK_N,
+        BLOCK_S=BLOCK_S,
+        num_warps=4,
+    )
     return lse, nll
 
 
-def cross_entropy_fwd_triton(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                             reduction: str = "mean"):
+def cross_entropy_fwd_triton(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+):
     _check("cross_entropy_fwd", logits, targets, reduction)
     logits = _rows(logits)
     targets = targets.contiguous()
@@ -449,19 +573,32 @@ def cross_entropy_fwd_triton(logits: torch.Tensor, targets: torch.Tensor, ignore
     loss = torch.empty((), dtype=torch.float32, device=logits.device)
     denom = torch.empty((), dtype=torch.float32, device=logits.device)
     block, warps = LOSS_CONFIG
-    _ce_loss_kernel[(1,)](nll, targets, loss, denom, targets.shape[0], ignore_index, MEAN=reduction == "mean",
-                          BLOCK=min(block, max(16, triton.next_power_of_2(targets.shape[0]))),
-                          num_warps=warps)
+    _ce_loss_kernel[(1,)](
+        nll,
+        targets,
+        loss,
+        denom,
+        targets.shape[0],
+        ignore_index,
+        MEAN=reduction == "mean",
+        BLOCK=min(block, max(16, triton.next_power_of_2(targets.shape[0]))),
+        num_warps=warps,
+    )
     return loss, lse, denom
 
 
-def cross_entropy_bwd_triton(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
-                             lse: torch.Tensor, ignore_index: int = -100, denom=1.0,
-                             inplace: bool = False) -> torch.Tensor:
+def cross_entropy_bwd_triton(
+    dloss: torch.Tensor,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int = -100,
+    denom=1.0,
+    inplace: bool = False,
+) -> torch.Tensor:
     _check("cross_entropy_bwd", logits, targets)
     if inplace and logits.stride(1) != 1:
-        raise ValueError(f"cross_entropy_bwd: inplace needs rows of contiguous logits, got strides "
-                         f"{logits.stride()}")
+        raise ValueError(f"cross_entropy_bwd: inplace needs rows of contiguous logits, got strides {logits.stride()}")
     src = _rows(logits)
     N, V = src.shape
     out = src if inplace else torch.empty_like(src)
@@ -470,18 +607,29 @@ def cross_entropy_bwd_triton(dloss: torch.Tensor, logits: torch.Tensor, targets:
         BLOCK_V, num_warps = _config(V)
         if not isinstance(denom, torch.Tensor):  # a Python number: a device fill, no host round trip
             denom = torch.full((), float(denom), dtype=torch.float32, device=logits.device)
-        _cross_entropy_bwd_kernel[(N,)](dloss, src, targets.contiguous(), lse.contiguous(), out, denom, V,
-                                        src.stride(0), out.stride(0), ignore_index,
-                                        BLOCK_V=BLOCK_V, num_warps=num_warps)
+        _cross_entropy_bwd_kernel[(N,)](
+            dloss,
+            src,
+            targets.contiguous(),
+            lse.contiguous(),
+            out,
+            denom,
+            V,
+            src.stride(0),
+            out.stride(0),
+            ignore_index,
+            BLOCK_V=BLOCK_V,
+            num_warps=num_warps,
+        )
     return out
 
 
-def cross_entropy_fwd_bwd_triton(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                                 scale: float = 1.0):
+def cross_entropy_fwd_bwd_triton(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, scale: float = 1.0
+):
     _check("cross_entropy_fwd_bwd", logits, targets)
     if logits.stride(1) != 1:
-        raise ValueError(f"cross_entropy_fwd_bwd: needs rows of contiguous logits, got strides "
-                         f"{logits.stride()}")
+        raise ValueError(f"cross_entropy_fwd_bwd: needs rows of contiguous logits, got strides {logits.stride()}")
     N, V = logits.shape
     lse = torch.empty(N, dtype=torch.float32, device=logits.device)
     nll = torch.empty(N, dtype=torch.float32, device=logits.device)
@@ -489,9 +637,18 @@ def cross_entropy_fwd_bwd_triton(logits: torch.Tensor, targets: torch.Tensor, ig
         BLOCK_V, num_warps = _config(V)
         if not isinstance(scale, torch.Tensor):  # a Python number: a device fill, no host round trip
             scale = torch.full((), float(scale), dtype=torch.float32, device=logits.device)
-        _cross_entropy_fwd_bwd_kernel[(N,)](logits, targets.contiguous(), lse, nll, V, logits.stride(0),
-                                            ignore_index, scale.reshape(()), BLOCK_V=BLOCK_V,
-                                            num_warps=num_warps)
+        _cross_entropy_fwd_bwd_kernel[(N,)](
+            logits,
+            targets.contiguous(),
+            lse,
+            nll,
+            V,
+            logits.stride(0),
+            ignore_index,
+            scale.reshape(()),
+            BLOCK_V=BLOCK_V,
+            num_warps=num_warps,
+        )
     return nll, lse
 
 
@@ -499,23 +656,28 @@ def _fast(logits: torch.Tensor, *ts) -> bool:
     return logits.dtype != torch.float64 and use_triton(logits, *ts)
 
 
-def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                      reduction: str = "mean"):
+def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"):
     if _fast(logits, targets):
         return cross_entropy_fwd_triton(logits, targets, ignore_index, reduction)
     _check("cross_entropy_fwd", logits, targets, reduction)
     return cross_entropy_fwd_ref(logits, targets, ignore_index, reduction)
 
 
-def cross_entropy_bwd(dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                      ignore_index: int = -100, denom=1.0, inplace: bool = False) -> torch.Tensor:
+def cross_entropy_bwd(
+    dloss: torch.Tensor,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int = -100,
+    denom=1.0,
+    inplace: bool = False,
+) -> torch.Tensor:
     if _fast(logits, targets, lse):
         return cross_entropy_bwd_triton(dloss, logits, targets, lse, ignore_index, denom, inplace)
     return cross_entropy_bwd_ref(dloss, logits, targets, lse, ignore_index, denom, inplace)
 
 
-def cross_entropy_fwd_bwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                          scale: float = 1.0):
+def cross_entropy_fwd_bwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, scale: float = 1.0):
     if _fast(logits, targets):
         return cross_entropy_fwd_bwd_triton(logits, targets, ignore_index, scale)
     return cross_entropy_fwd_bwd_ref(logits, targets, ignore_index, scale)

@@ -121,7 +121,8 @@ def _dropout_triton(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     # the reference multiplies fp32 by the Python float 1/(1-p), i.e. by its fp32 rounding: pass that
     scale = float(torch.tensor(1.0 / (1.0 - p), dtype=torch.float32))
     _dropout_kernel[(max(1, triton.cdiv(n, 2 * BLOCK)),)](
-        x, y, n, seed & _M32, seed >> 32, keep_threshold(p), scale, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        x, y, n, seed & _M32, seed >> 32, keep_threshold(p), scale, BLOCK=BLOCK, num_warps=NUM_WARPS
+    )
     return y
 
 

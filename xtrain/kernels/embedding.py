@@ -216,6 +216,7 @@ def embedding_bwd_ref(dout: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Te
 
 # ------------------------------------------------------------------------------------------------ Triton
 
+
 @_jit
 def _load_id(SORTED, i, ok, ID_BIAS: tl.constexpr):
     """The table row of sorted key i as int64 (keys may be int16 ids - 32768: ID_BIAS = 32768), -1 where
@@ -225,8 +226,22 @@ def _load_id(SORTED, i, ok, ID_BIAS: tl.constexpr):
 
 
 @_jit
-def _chunk_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-                IDX_AHEAD: tl.constexpr, ID_BIAS: tl.constexpr):
+def _chunk_body(
+    c,
+    cb,
+    DOUT,
+    ORDER,
+    SORTED,
+    DTABLE,
+    PART,
+    N,
+    V,
+    C,
+    CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    IDX_AHEAD: tl.constexpr,
+    ID_BIAS: tl.constexpr,
+):
     """Chunk c, column block cb: the CHUNK sorted tokens [s, e) of this chunk, walked one by one with a
     running fp32 row sum that is flushed at each run end; two rows are loaded ahead of the one being
     added, so loads stay in flight while the sum waits. IDX_AHEAD: the source index of a row is loaded
@@ -282,8 +297,9 @@ def _seg_add(start_a, v_a, start_b, v_b):
 
 
 @_jit
-def _chunk_tile_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: tl.constexpr,
-                     BLOCK_C: tl.constexpr, ID_BIAS: tl.constexpr):
+def _chunk_tile_body(
+    c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, ID_BIAS: tl.constexpr
+):
     """The same contract as ``_chunk_body``, with the chunk's CHUNK rows gathered as one [CHUNK, BLOCK_C]
     tile (every load in flight at once, no per-token wait on an index) and each run summed by a
     segmented scan over the tokens. Pick BLOCK_C = 16 bytes x 32 lanes x num_warps (1024 bf16 on 4 warps,
@@ -302,8 +318,9 @@ def _chunk_tile_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: t
     before = _load_id(SORTED, tl.maximum(rows - 1, 0), rows > 0, ID_BIAS)  # the id before each token
     after = _load_id(SORTED, rows + 1, rows + 1 < N, ID_BIAS)  # the id after each token
     src = tl.load(ORDER + rows, mask=rmask, other=0)  # [CHUNK] int64 row of dout
-    x = tl.load(DOUT + src[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                other=0.0).to(tl.float32)  # [CHUNK, BLOCK_C]
+    x = tl.load(DOUT + src[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(
+        tl.float32
+    )  # [CHUNK, BLOCK_C]
     # run starts, int32 and broadcast over the columns (the scan takes operands of one shape; the copies
     # along a thread's columns are one register after compilation)
     start = ((ids != before) | (rows == s)).to(tl.int32)[:, None] + tl.zeros([CHUNK, BLOCK_C], dtype=tl.int32)
@@ -316,8 +333,11 @@ def _chunk_tile_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: t
     cut_first = first_id == prev_id  # the chunk's first run began in an earlier chunk
     cut_last = (last_id == next_id) & (last_id != prev_id)  # its last run goes on (a chunk inside one run: slot 0)
     direct = is_end & (ids != prev_id) & (ids != next_id) & (ids < V)  # only the first run can be prev_id's, ...
-    tl.store(DTABLE + ids[:, None] * C + cols[None, :], run.to(DTABLE.dtype.element_ty),
-             mask=direct[:, None] & cmask[None, :])
+    tl.store(
+        DTABLE + ids[:, None] * C + cols[None, :],
+        run.to(DTABLE.dtype.element_ty),
+        mask=direct[:, None] & cmask[None, :],
+    )
     # the two cut runs' partials, each taken out of the tile as one row by a masked sum over the tokens
     # (in-thread adds of zeros: exact). A 2-D fp32 store of the tile would be re-laid out through shared
     # memory for bf16 (its 16-byte stores hold 4 fp32 where the tile's lanes hold 8 columns): 31 barriers.
@@ -330,9 +350,22 @@ def _chunk_tile_body(c, cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: t
 
 
 @_jit
-def _embedding_bwd_chunk_kernel(DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK: tl.constexpr,
-                                BLOCK_C: tl.constexpr, IDX_AHEAD: tl.constexpr = False,
-                                TILE: tl.constexpr = False, ID_BIAS: tl.constexpr = 0, PDL: tl.constexpr = False):
+def _embedding_bwd_chunk_kernel(
+    DOUT,
+    ORDER,
+    SORTED,
+    DTABLE,
+    PART,
+    N,
+    V,
+    C,
+    CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    IDX_AHEAD: tl.constexpr = False,
+    TILE: tl.constexpr = False,
+    ID_BIAS: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
+):
     """Program (chunk, column block): ``_chunk_tile_body`` (TILE) or ``_chunk_body``; a chunk that starts
     with an id >= V (all sentinel keys: the ids are sorted) has nothing to do. PDL: let the merge kernel,
     launched as its programmatic dependent, be scheduled as soon as every program here has started."""
@@ -341,11 +374,11 @@ def _embedding_bwd_chunk_kernel(DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUN
     c = tl.program_id(0)
     if _load_id(SORTED, c.to(tl.int64) * CHUNK, True, ID_BIAS) < V:
         if TILE:
-            _chunk_tile_body(c, tl.program_id(1), DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C,
-                             ID_BIAS)
+            _chunk_tile_body(c, tl.program_id(1), DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C, ID_BIAS)
         else:
-            _chunk_body(c, tl.program_id(1), DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C,
-                        IDX_AHEAD, ID_BIAS)
+            _chunk_body(
+                c, tl.program_id(1), DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C, IDX_AHEAD, ID_BIAS
+            )
 
 
 @_jit
@@ -359,29 +392,59 @@ def _zero_body(z, PRESENT, DTABLE, V, C, n_zcb, BLOCK_R: tl.constexpr, BLOCK_C: 
 
 
 @_jit
-def _embedding_bwd_fused_kernel(DOUT, ORDER, SORTED, DTABLE, PART, PRESENT, N, V, C, n_cb, n_chunk_progs, n_zcb,
-                                CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, IDX_AHEAD: tl.constexpr,
-                                ZBLOCK_R: tl.constexpr, ZBLOCK_C: tl.constexpr, TILE: tl.constexpr = False,
-                                ID_BIAS: tl.constexpr = 0):
+def _embedding_bwd_fused_kernel(
+    DOUT,
+    ORDER,
+    SORTED,
+    DTABLE,
+    PART,
+    PRESENT,
+    N,
+    V,
+    C,
+    n_cb,
+    n_chunk_progs,
+    n_zcb,
+    CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    IDX_AHEAD: tl.constexpr,
+    ZBLOCK_R: tl.constexpr,
+    ZBLOCK_C: tl.constexpr,
+    TILE: tl.constexpr = False,
+    ID_BIAS: tl.constexpr = 0,
+):
     """The chunk pass and the zero fill of absent rows in one launch (they write disjoint rows): the first
     n_chunk_progs programs are (chunk, column block) pairs, the rest zero tiles, so the latency-bound
     chunk walks run while the zero tiles stream their writes, instead of one pass after the other."""
     pid = tl.program_id(0)
     if pid < n_chunk_progs:
         if TILE:
-            _chunk_tile_body(pid // n_cb, pid % n_cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C,
-                             ID_BIAS)
+            _chunk_tile_body(
+                pid // n_cb, pid % n_cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C, ID_BIAS
+            )
         else:
-            _chunk_body(pid // n_cb, pid % n_cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C,
-                        IDX_AHEAD, ID_BIAS)
+            _chunk_body(
+                pid // n_cb, pid % n_cb, DOUT, ORDER, SORTED, DTABLE, PART, N, V, C, CHUNK, BLOCK_C, IDX_AHEAD, ID_BIAS
+            )
     else:
         _zero_body(pid - n_chunk_progs, PRESENT, DTABLE, V, C, n_zcb, ZBLOCK_R, ZBLOCK_C)
 
 
 @_jit
-def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, V, C, n_chunks,
-                                CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, ID_BIAS: tl.constexpr = 0,
-                                MERGE_BLOCK: tl.constexpr = 1, PDL: tl.constexpr = False):
+def _embedding_bwd_merge_kernel(
+    SORTED,
+    PART,
+    DTABLE,
+    N,
+    V,
+    C,
+    n_chunks,
+    CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    ID_BIAS: tl.constexpr = 0,
+    MERGE_BLOCK: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
+):
     """Program (chunk, column block): if this chunk's last run starts here and continues into the next
     chunks, sum its partials (PART[c, 1], then PART[c', 0] of every later chunk c' the run reaches) and
     write the dtable row: one chunk per step (MERGE_BLOCK = 1), or MERGE_BLOCK chunks per step, their first
@@ -420,8 +483,11 @@ def _embedding_bwd_merge_kernel(SORTED, PART, DTABLE, N, V, C, n_chunks,
                 inside = ccs < n_chunks
                 nid = _load_id(SORTED, tl.minimum(ccs, n_chunks - 1).to(tl.int64) * CHUNK, inside, ID_BIAS)
                 reach = inside & (nid == last)
-                tile = tl.load(PART + (ccs.to(tl.int64) * 2)[:, None] * C + cols[None, :],
-                               mask=reach[:, None] & cmask[None, :], other=0.0)
+                tile = tl.load(
+                    PART + (ccs.to(tl.int64) * 2)[:, None] * C + cols[None, :],
+                    mask=reach[:, None] & cmask[None, :],
+                    other=0.0,
+                )
                 acc += tl.sum(tile, axis=0)
                 go = tl.sum(reach.to(tl.int32), axis=0) == MERGE_BLOCK  # all reached: the run may go on
                 ccs += MERGE_BLOCK
@@ -439,8 +505,18 @@ def _embedding_zero_absent_kernel(PRESENT, DTABLE, V, C, BLOCK_R: tl.constexpr, 
 
 
 @_jit
-def _embedding_keys_kernel(IDS, KEYS, PRESENT, COUNTS, N, ID_BIAS: tl.constexpr, MARK: tl.constexpr,
-                           HEAVY_K: tl.constexpr, SENTINEL: tl.constexpr, BLOCK: tl.constexpr):
+def _embedding_keys_kernel(
+    IDS,
+    KEYS,
+    PRESENT,
+    COUNTS,
+    N,
+    ID_BIAS: tl.constexpr,
+    MARK: tl.constexpr,
+    HEAVY_K: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """The sort keys (ids - ID_BIAS in KEYS' dtype: int16 keys sort in two radix passes where int32 take
     four) and, if MARK, the present marks (PRESENT[id] = 1; every writer stores the same 1, so the result
     does not depend on their order) in one launch: torch needed a cast and an index_put. HEAVY_K > 0 (the
@@ -459,9 +535,20 @@ def _embedding_keys_kernel(IDS, KEYS, PRESENT, COUNTS, N, ID_BIAS: tl.constexpr,
 
 
 @_jit
-def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                            NAMED=None, NAMED_N=None, LIST_NAMED: tl.constexpr = False,
-                            SEM: tl.constexpr = "acq_rel"):
+def _embedding_slots_kernel(
+    IDS,
+    COUNTS,
+    SLOTS,
+    N,
+    V,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+    NAMED=None,
+    NAMED_N=None,
+    LIST_NAMED: tl.constexpr = False,
+    SEM: tl.constexpr = "acq_rel",
+):
     """The "rows" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer
     atomic: the final counts do not depend on the order) and, if the slot is below K, writes its token
     index to SLOTS[slot, id]. Which token gets which slot depends on scheduling; the rows kernel sorts a
@@ -473,8 +560,18 @@ def _embedding_slots_kernel(IDS, COUNTS, SLOTS, N, V, K: tl.constexpr, BLOCK: tl
 
 
 @_jit
-def _take_slots(IDS, COUNTS, SLOTS, N, V, KEEP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                WAIT: tl.constexpr, SEM: tl.constexpr = "acq_rel"):
+def _take_slots(
+    IDS,
+    COUNTS,
+    SLOTS,
+    N,
+    V,
+    KEEP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    WAIT: tl.constexpr,
+    SEM: tl.constexpr = "acq_rel",
+):
     """The slots passes' common part: this program's BLOCK tokens each take the next slot of their id and write
     their index to SLOTS[slot, id] below KEEP; returns (the valid-token mask, the ids, the slots, the token
     indices). WAIT: this
@@ -534,14 +631,31 @@ def _row_add(acc, DOUT, src, take, cols, cmask, C, EVICT: tl.constexpr):
 @_jit
 def _dout_rows(DOUT, src, take, cols, cmask, C, EVICT: tl.constexpr):
     """The dout rows src, columns cols, in fp32: a [len(src), len(cols)] tile, zeros where not take."""
-    x = tl.load(DOUT + src.to(tl.int64)[:, None] * C + cols[None, :], mask=take[:, None] & cmask[None, :],
-                other=0.0, eviction_policy=EVICT)
+    x = tl.load(
+        DOUT + src.to(tl.int64)[:, None] * C + cols[None, :],
+        mask=take[:, None] & cmask[None, :],
+        other=0.0,
+        eviction_policy=EVICT,
+    )
     return x.to(tl.float32)
 
 
 @_jit
-def _rows_tile(rb, cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_C: tl.constexpr, EVICT: tl.constexpr, ZERO_FAST: tl.constexpr):
+def _rows_tile(
+    rb,
+    cb,
+    DOUT,
+    COUNTS,
+    SLOTS,
+    DTABLE,
+    V,
+    C,
+    K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    EVICT: tl.constexpr,
+    ZERO_FAST: tl.constexpr,
+):
     """Tile (row block rb, column block cb) of the "rows" form: every row seen at most K times (1, 2, 4 or 8) is
     written here, whole: zeros for a row no token names, else the sum of its tokens' dout rows in token
     order (fp32, ((0 + x0) + x1) + ..., rounded once). A row's K slots are put in token order by a sorting
@@ -558,8 +672,11 @@ def _rows_tile(rb, cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK
     own = cnt <= K
     if ZERO_FAST:  # a tile whose rows no token names (most of a large table): zeros, no slots, no gathers
         if tl.max(tl.where(own, cnt, 0), axis=0) == 0:
-            tl.store(DTABLE + rows[:, None] * C + cols[None, :],
-                     tl.zeros([BLOCK_R, BLOCK_C], dtype=DTABLE.dtype.element_ty), mask=own[:, None] & cmask[None, :])
+            tl.store(
+                DTABLE + rows[:, None] * C + cols[None, :],
+                tl.zeros([BLOCK_R, BLOCK_C], dtype=DTABLE.dtype.element_ty),
+                mask=own[:, None] & cmask[None, :],
+            )
         else:
             _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT)
     else:
@@ -567,8 +684,22 @@ def _rows_tile(rb, cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK
 
 
 @_jit
-def _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
-              BLOCK_C: tl.constexpr, EVICT: tl.constexpr):
+def _rows_sum(
+    rows,
+    cols,
+    cmask,
+    cnt,
+    own,
+    DOUT,
+    SLOTS,
+    DTABLE,
+    V,
+    C,
+    K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    EVICT: tl.constexpr,
+):
     """``_rows_tile``'s sums: the rows' slots in token order, the K gathers, the store."""
     s0 = _row_slot(SLOTS, 0, rows, own, cnt, V)
     if K >= 2:
@@ -620,15 +751,33 @@ def _rows_sum(rows, cols, cmask, cnt, own, DOUT, SLOTS, DTABLE, V, C, K: tl.cons
         acc = _row_add(acc, DOUT, s5, own & (cnt > 5), cols, cmask, C, EVICT)
         acc = _row_add(acc, DOUT, s6, own & (cnt > 6), cols, cmask, C, EVICT)
         acc = _row_add(acc, DOUT, s7, own & (cnt > 7), cols, cmask, C, EVICT)
-    tl.store(DTABLE + rows[:, None] * C + cols[None, :], acc.to(DTABLE.dtype.element_ty),
-             mask=own[:, None] & cmask[None, :])
+    tl.store(
+        DTABLE + rows[:, None] * C + cols[None, :], acc.to(DTABLE.dtype.element_ty), mask=own[:, None] & cmask[None, :]
+    )
 
 
 @_jit
-def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles, K: tl.constexpr,
-                               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr = False,
-                               EVICT: tl.constexpr = "", ZERO_FAST: tl.constexpr = False, PDL: tl.constexpr = False,
-                               NAMED=None, NAMED_N=None, GP: tl.constexpr = 0, FIRST=None):
+def _embedding_bwd_rows_kernel(
+    DOUT,
+    COUNTS,
+    SLOTS,
+    DTABLE,
+    V,
+    C,
+    n_cb,
+    n_tiles,
+    K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PERSISTENT: tl.constexpr = False,
+    EVICT: tl.constexpr = "",
+    ZERO_FAST: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    NAMED=None,
+    NAMED_N=None,
+    GP: tl.constexpr = 0,
+    FIRST=None,
+):
     """The "rows" form's grid (``_rows_tile``): one program per (row block, column block), or PERSISTENT, a
     fixed number of programs walking the tiles t = pid, pid + G, ... (row block t // n_cb, column block
     t % n_cb). Persistent, the grid leaves room on every SM, so the side stream's chain kernels find an SM
@@ -668,21 +817,41 @@ def _embedding_bwd_rows_kernel(DOUT, COUNTS, SLOTS, DTABLE, V, C, n_cb, n_tiles,
         else:
             r = (pid - GP).to(tl.int64)
             zero = tl.load(COUNTS + r) == 0
-            tl.store(DTABLE + r * C + cols, tl.zeros([BLOCK_C], dtype=DTABLE.dtype.element_ty),
-                     mask=cmask & (cols < tl.where(zero, C, 0)))
+            tl.store(
+                DTABLE + r * C + cols,
+                tl.zeros([BLOCK_C], dtype=DTABLE.dtype.element_ty),
+                mask=cmask & (cols < tl.where(zero, C, 0)),
+            )
     elif PERSISTENT:
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
             _rows_tile(t // n_cb, t % n_cb, DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT, ZERO_FAST)
     else:
-        _rows_tile(tl.program_id(0), tl.program_id(1), DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C,
-                   EVICT, ZERO_FAST)
+        _rows_tile(
+            tl.program_id(0), tl.program_id(1), DOUT, COUNTS, SLOTS, DTABLE, V, C, K, BLOCK_R, BLOCK_C, EVICT, ZERO_FAST
+        )
 
 
 @_jit
-def _embedding_tier_slots_kernel(IDS, COUNTS, SLOTS, MED, HEAVY, NLIST, N, V, K: tl.constexpr, K2: tl.constexpr,
-                                 BLOCK: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False,
-                                 NAMED=None, LIST_NAMED: tl.constexpr = False, SEM: tl.constexpr = "acq_rel",
-                                 TOGETHER: tl.constexpr = False, FIRST=None):
+def _embedding_tier_slots_kernel(
+    IDS,
+    COUNTS,
+    SLOTS,
+    MED,
+    HEAVY,
+    NLIST,
+    N,
+    V,
+    K: tl.constexpr,
+    K2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+    WAIT: tl.constexpr = False,
+    NAMED=None,
+    LIST_NAMED: tl.constexpr = False,
+    SEM: tl.constexpr = "acq_rel",
+    TOGETHER: tl.constexpr = False,
+    FIRST=None,
+):
     """The "tiers" form's first pass: each token takes the next slot of its id (COUNTS[id], an integer atomic) and
     writes its index to SLOTS[slot, id] if the slot is below K2. The token that takes slot K appends its id to the
     medium list MED, the one that takes slot K2 to the heavy list HEAVY (NLIST[0] and NLIST[1] count them; one
@@ -723,10 +892,29 @@ def _zero_i32_kernel(X, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 
 @_jit
-def _embedding_tier_a_kernel(IDS, DOUT, COUNTS, SLOTS, MED, HEAVY, NLIST, HLIST, HBASE, DTABLE, N, V, C,
-                             K2: tl.constexpr, MT: tl.constexpr, BLOCK_C: tl.constexpr, SCAN: tl.constexpr,
-                             DO_HEAVY: tl.constexpr, DO_MED: tl.constexpr, AHEAD: tl.constexpr = 0,
-                             MAXC: tl.constexpr = False):
+def _embedding_tier_a_kernel(
+    IDS,
+    DOUT,
+    COUNTS,
+    SLOTS,
+    MED,
+    HEAVY,
+    NLIST,
+    HLIST,
+    HBASE,
+    DTABLE,
+    N,
+    V,
+    C,
+    K2: tl.constexpr,
+    MT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SCAN: tl.constexpr,
+    DO_HEAVY: tl.constexpr,
+    DO_MED: tl.constexpr,
+    AHEAD: tl.constexpr = 0,
+    MAXC: tl.constexpr = False,
+):
     """Persistent over the lists. DO_HEAVY: each heavy id's token list, in token order, into HLIST from offset
     HBASE[h] (the counts of the heavy ids listed before it): a scan of the ids SCAN at a time, each hit placed by a
     running prefix sum. DO_MED: each medium row (K < count <= K2), whole: its K2 slots put in token order by their
@@ -804,8 +992,21 @@ def _med_row(f, cnt, s, DOUT, DTABLE, C, K2: tl.constexpr, MT: tl.constexpr, BLO
 
 
 @_jit
-def _embedding_tier_b_kernel(DOUT, COUNTS, HEAVY, NLIST, HLIST, HBASE, DTABLE, C, n_cb, HT: tl.constexpr,
-                             BLOCK_C: tl.constexpr, PART=None, SEG: tl.constexpr = 0):
+def _embedding_tier_b_kernel(
+    DOUT,
+    COUNTS,
+    HEAVY,
+    NLIST,
+    HLIST,
+    HBASE,
+    DTABLE,
+    C,
+    n_cb,
+    HT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PART=None,
+    SEG: tl.constexpr = 0,
+):
     """Persistent over (heavy id, column block) items: the id's listed tokens (HLIST, token order) gathered HT at
     a time, each tile added by a fixed reduction tree and the tiles in order, in fp32, rounded once.
     SEG > 0 (``TIER_B_SEG``, a multiple of HT): items (heavy id, segment, column block), a segment SEG consecutive
@@ -860,8 +1061,9 @@ def _heavy_tiles(DOUT, HLIST, base, t0, t1, cols, cm, C, HT: tl.constexpr, BLOCK
 
 
 @_jit
-def _embedding_tier_b_merge_kernel(COUNTS, HEAVY, NLIST, HBASE, PART, DTABLE, C, n_cb, SEG: tl.constexpr,
-                                   BLOCK_C: tl.constexpr):
+def _embedding_tier_b_merge_kernel(
+    COUNTS, HEAVY, NLIST, HBASE, PART, DTABLE, C, n_cb, SEG: tl.constexpr, BLOCK_C: tl.constexpr
+):
     """After ``_embedding_tier_b_kernel`` with SEG: each heavy id of more than SEG tokens, by (id, column block) items,
     its segments' fp32 partial rows added in segment order and rounded once."""
     pid = tl.program_id(0)
@@ -1023,28 +1225,66 @@ def _sort_keys(ids: torch.Tensor, V: int, key_bits, mark: bool, counts=None, hea
         return flat.to(kdt), 0, None
     present = torch.zeros(V, dtype=torch.int8, device=ids.device) if mark else None
     keys = torch.empty(N, dtype=kdt, device=ids.device)
-    _embedding_keys_kernel[(triton.cdiv(N, 1024),)](flat.contiguous(), keys, present, counts, N, ID_BIAS=bias,
-                                                    MARK=mark, HEAVY_K=heavy_k, SENTINEL=torch.iinfo(kdt).max,
-                                                    BLOCK=1024, num_warps=4)
+    _embedding_keys_kernel[(triton.cdiv(N, 1024),)](
+        flat.contiguous(),
+        keys,
+        present,
+        counts,
+        N,
+        ID_BIAS=bias,
+        MARK=mark,
+        HEAVY_K=heavy_k,
+        SENTINEL=torch.iinfo(kdt).max,
+        BLOCK=1024,
+        num_warps=4,
+    )
     return keys, bias, present
 
 
 def _merge(sorted_ids, part, dtable, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, bias, pdl=False):
     """The merge pass over the runs the chunk pass cut (pdl: launched as the chunk pass's programmatic
     dependent, its programs resident and waiting when the chunk pass ends)."""
-    _embedding_bwd_merge_kernel[(n_chunks, n_cb)](sorted_ids, part, dtable, N, V, C, n_chunks, CHUNK=CHUNK,
-                                                  BLOCK_C=BLOCK_C, ID_BIAS=bias, MERGE_BLOCK=MERGE_BLOCK, PDL=pdl,
-                                                  num_warps=4, **({"launch_pdl": True} if pdl else {}))
+    _embedding_bwd_merge_kernel[(n_chunks, n_cb)](
+        sorted_ids,
+        part,
+        dtable,
+        N,
+        V,
+        C,
+        n_chunks,
+        CHUNK=CHUNK,
+        BLOCK_C=BLOCK_C,
+        ID_BIAS=bias,
+        MERGE_BLOCK=MERGE_BLOCK,
+        PDL=pdl,
+        num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
+    )
 
 
-def _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
-                    tile, bias, num_warps):
+def _walk_and_merge(
+    d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead, tile, bias, num_warps
+):
     """The chunk walks, then the merge of the runs they cut (PDL: the merge launched as the walks'
     programmatic dependent, so its programs are resident and waiting when the walks end)."""
     pdl = bool(PDL) and pdl_ok(d2)
-    _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](d2, order, sorted_ids, dtable, part, N, V, C, CHUNK=CHUNK,
-                                                  BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, TILE=tile, ID_BIAS=bias,
-                                                  PDL=pdl, num_warps=num_warps)
+    _embedding_bwd_chunk_kernel[(n_chunks, n_cb)](
+        d2,
+        order,
+        sorted_ids,
+        dtable,
+        part,
+        N,
+        V,
+        C,
+        CHUNK=CHUNK,
+        BLOCK_C=BLOCK_C,
+        IDX_AHEAD=idx_ahead,
+        TILE=tile,
+        ID_BIAS=bias,
+        PDL=pdl,
+        num_warps=num_warps,
+    )
     _merge(sorted_ids, part, dtable, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, bias, pdl)
 
 
@@ -1072,9 +1312,24 @@ def _rows_launch(d2, counts, slots, dtable, V, rcfg, pdl: bool, roles: dict | No
         grid = (min(n_rb * n_rcb, per_sm * n_sm),)
     else:
         grid = (n_rb + (roles["GP"] if roles else 0), n_rcb)
-    args = dict(DOUT=d2, COUNTS=counts, SLOTS=slots, DTABLE=dtable, V=V, C=C, n_cb=n_rcb, n_tiles=n_rb * n_rcb,
-                K=heavy_k, BLOCK_R=rbr, BLOCK_C=rbc, PERSISTENT=len(grid) == 1, EVICT=ROWS_EVICT,
-                ZERO_FAST=ROWS_ZERO_FAST, PDL=pdl, **(roles or {}))
+    args = dict(
+        DOUT=d2,
+        COUNTS=counts,
+        SLOTS=slots,
+        DTABLE=dtable,
+        V=V,
+        C=C,
+        n_cb=n_rcb,
+        n_tiles=n_rb * n_rcb,
+        K=heavy_k,
+        BLOCK_R=rbr,
+        BLOCK_C=rbc,
+        PERSISTENT=len(grid) == 1,
+        EVICT=ROWS_EVICT,
+        ZERO_FAST=ROWS_ZERO_FAST,
+        PDL=pdl,
+        **(roles or {}),
+    )
     return _embedding_bwd_rows_kernel, grid, args, {"num_warps": rwarps, **({"launch_pdl": True} if pdl else {})}
 
 
@@ -1090,8 +1345,10 @@ def _roles_on(value, name: str, rcfg) -> bool:
     >= 1 raises."""
     on = bool(value) and rcfg[1] == 1 and len(rcfg) == 4
     if on and not (isinstance(value, int) and not isinstance(value, bool)):
-        raise ValueError(f"embedding_bwd: {name} must be None, -k (a program per k list places) or programs per SM "
-                         f"n >= 1, got {value!r}")
+        raise ValueError(
+            f"embedding_bwd: {name} must be None, -k (a program per k list places) or programs per SM "
+            f"n >= 1, got {value!r}"
+        )
     return on
 
 
@@ -1124,10 +1381,24 @@ TIER_PLANS = True  # use them (False: every call launches through the JIT)
 
 def _tiers_settings(esize: int) -> tuple:
     """Every module setting the tiers form reads, for its launch-plan keys and to check a made-ahead plan."""
-    return (CONFIG, TIERS_MAX_N, TIERS if TIERS is not None else TIERS_DEFAULTS[esize], _rows_config(esize),
-            bool(FILL_PDL), bool(ROWS_PDL),
-            bool(ROWS_MAIN_FIRST), ROWS_EVICT, ROWS_ZERO_FAST, SLOTS_BLOCK, SLOTS_SEM, bool(SLOTS_APPEND_TOGETHER),
-            bool(ROWS_FIRST), ROWS_ROLES, TIER_A_AHEAD, TIER_B_SEG)
+    return (
+        CONFIG,
+        TIERS_MAX_N,
+        TIERS if TIERS is not None else TIERS_DEFAULTS[esize],
+        _rows_config(esize),
+        bool(FILL_PDL),
+        bool(ROWS_PDL),
+        bool(ROWS_MAIN_FIRST),
+        ROWS_EVICT,
+        ROWS_ZERO_FAST,
+        SLOTS_BLOCK,
+        SLOTS_SEM,
+        bool(SLOTS_APPEND_TOGETHER),
+        bool(ROWS_FIRST),
+        ROWS_ROLES,
+        TIER_A_AHEAD,
+        TIER_B_SEG,
+    )
 
 
 class _Tiers:
@@ -1145,26 +1416,35 @@ class _Tiers:
         self.heavy_k = heavy_k = rcfg[0]
         # the [K2, V] int32 slots stay no larger than an fp32 [V, C] table where C >= 2K
         self.k2 = k2 = min(k2, max(2 * heavy_k, 1 << (C.bit_length() - 1)))
-        if not (k2 > heavy_k and all(_pow2(x) for x in (k2, self.mt, abc, self.ht, bbc, self.scan))
-                and self.aps >= 1 and self.bps >= 1):
-            raise ValueError(f"embedding_bwd: TIERS needs K2 above the rows' K = {heavy_k}, powers of two for K2, MT, "
-                             f"the column blocks, HT and SCAN, and programs per SM >= 1, got {TIERS!r}")
+        if not (
+            k2 > heavy_k
+            and all(_pow2(x) for x in (k2, self.mt, abc, self.ht, bbc, self.scan))
+            and self.aps >= 1
+            and self.bps >= 1
+        ):
+            raise ValueError(
+                f"embedding_bwd: TIERS needs K2 above the rows' K = {heavy_k}, powers of two for K2, MT, "
+                f"the column blocks, HT and SCAN, and programs per SM >= 1, got {TIERS!r}"
+            )
         if not (TIER_A_AHEAD == 0 or (isinstance(TIER_A_AHEAD, int) and _pow2(TIER_A_AHEAD))):
             raise ValueError(f"embedding_bwd: TIER_A_AHEAD must be 0 or a power of two, got {TIER_A_AHEAD!r}")
         self.seg = seg = TIER_B_SEG
         if seg and not (_pow2(seg) and seg % self.ht == 0):
-            raise ValueError(f"embedding_bwd: TIER_B_SEG must be 0 or a power of two and a multiple of HT = {self.ht}, "
-                             f"got {seg!r}")
+            raise ValueError(
+                f"embedding_bwd: TIER_B_SEG must be 0 or a power of two and a multiple of HT = {self.ht}, got {seg!r}"
+            )
         self.sem = _slots_sem()
         self.hcap = hcap = N // (k2 + 1) + 1  # ids seen more than K2 times
         self.roles = roles = _roles_on(ROWS_ROLES, "ROWS_ROLES", rcfg)
         first_on = roles and bool(ROWS_FIRST)
-        sizes = [V + 4, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else []) + ([N] if first_on
-                                                                                                  else [])
+        sizes = (
+            [V + 4, k2 * V, N // (heavy_k + 1) + 1, hcap, hcap, N] + ([N] if roles else []) + ([N] if first_on else [])
+        )
         padded = [-(-n // 32) * 32 for n in sizes]
         self.ws = torch.empty(sum(padded), dtype=torch.int32, device=dev)
         self.zeroed, slots, self.med, self.heavy, self.hbase, self.hlist, *lists = (
-            v[:n] for v, n in zip(torch.split(self.ws, padded), sizes))
+            v[:n] for v, n in zip(torch.split(self.ws, padded), sizes)
+        )
         self.named = lists[0] if roles else None
         self.first = lists[1] if first_on else None
         self.slots = slots.view(k2, V)
@@ -1206,28 +1486,76 @@ class _Tiers:
     def tier_a(self, launch, name: str, programs: int, heavy_part: bool, med_part: bool, flat, d2=None, dtable=None):
         """Tier A's kernel: heavy_part, the heavy ids' token lists (ids only: with no d2, the gradient pointers are
         the counts, which that part never reads through them); med_part, the medium rows."""
-        launch(name, _embedding_tier_a_kernel, (programs,),
-               dict(IDS=flat, DOUT=self.counts if d2 is None else d2, COUNTS=self.counts, SLOTS=self.slots,
-                    MED=self.med, HEAVY=self.heavy, NLIST=self.nlist, HLIST=self.hlist, HBASE=self.hbase,
-                    DTABLE=self.counts if dtable is None else dtable, N=self.N, V=self.V, C=self.C, K2=self.k2,
-                    MT=self.mt, BLOCK_C=self.abc, SCAN=self.scan, DO_HEAVY=heavy_part, DO_MED=med_part,
-                    AHEAD=TIER_A_AHEAD if med_part else 0, MAXC=heavy_part and self.seg > 0),
-               num_warps=self.aw)
+        launch(
+            name,
+            _embedding_tier_a_kernel,
+            (programs,),
+            dict(
+                IDS=flat,
+                DOUT=self.counts if d2 is None else d2,
+                COUNTS=self.counts,
+                SLOTS=self.slots,
+                MED=self.med,
+                HEAVY=self.heavy,
+                NLIST=self.nlist,
+                HLIST=self.hlist,
+                HBASE=self.hbase,
+                DTABLE=self.counts if dtable is None else dtable,
+                N=self.N,
+                V=self.V,
+                C=self.C,
+                K2=self.k2,
+                MT=self.mt,
+                BLOCK_C=self.abc,
+                SCAN=self.scan,
+                DO_HEAVY=heavy_part,
+                DO_MED=med_part,
+                AHEAD=TIER_A_AHEAD if med_part else 0,
+                MAXC=heavy_part and self.seg > 0,
+            ),
+            num_warps=self.aw,
+        )
 
     def ids_part(self, launch, flat, rows_pdl: bool) -> None:
         """The counts zeroed and the slots pass (rows_pdl: the rows grid comes next, as its programmatic dependent)."""
         N, V = self.N, self.V
         if self.fill_pdl:
-            launch("fill", _zero_i32_kernel, (triton.cdiv(V + 4, 4096),),
-                   dict(X=self.zeroed, n=V + 4, BLOCK=4096, PDL=True), num_warps=4)
+            launch(
+                "fill",
+                _zero_i32_kernel,
+                (triton.cdiv(V + 4, 4096),),
+                dict(X=self.zeroed, n=V + 4, BLOCK=4096, PDL=True),
+                num_warps=4,
+            )
         else:
             self.zeroed.zero_()
-        launch("slots", _embedding_tier_slots_kernel, (triton.cdiv(N, SLOTS_BLOCK),),
-               dict(IDS=flat, COUNTS=self.counts, SLOTS=self.slots, MED=self.med, HEAVY=self.heavy, NLIST=self.nlist,
-                    N=N, V=V, K=self.heavy_k, K2=self.k2, BLOCK=SLOTS_BLOCK, PDL=rows_pdl, WAIT=self.fill_pdl,
-                    NAMED=self.named, LIST_NAMED=self.roles, SEM=self.sem, TOGETHER=bool(SLOTS_APPEND_TOGETHER),
-                    FIRST=self.first),
-               num_warps=4, **({"launch_pdl": True} if self.fill_pdl else {}))
+        launch(
+            "slots",
+            _embedding_tier_slots_kernel,
+            (triton.cdiv(N, SLOTS_BLOCK),),
+            dict(
+                IDS=flat,
+                COUNTS=self.counts,
+                SLOTS=self.slots,
+                MED=self.med,
+                HEAVY=self.heavy,
+                NLIST=self.nlist,
+                N=N,
+                V=V,
+                K=self.heavy_k,
+                K2=self.k2,
+                BLOCK=SLOTS_BLOCK,
+                PDL=rows_pdl,
+                WAIT=self.fill_pdl,
+                NAMED=self.named,
+                LIST_NAMED=self.roles,
+                SEM=self.sem,
+                TOGETHER=bool(SLOTS_APPEND_TOGETHER),
+                FIRST=self.first,
+            ),
+            num_warps=4,
+            **({"launch_pdl": True} if self.fill_pdl else {}),
+        )
 
 
 class EmbeddingBwdPlan:
@@ -1248,10 +1576,15 @@ class EmbeddingBwdPlan:
         compared by value), V, C, the element size and the tiers settings as when it was made."""
         t, mine = self._t, self.ids
         if (t.N, t.V, t.C, t.esize) != (ids.numel(), V, dout.shape[-1], esize) or (
-                ids.data_ptr(), ids.shape, ids.stride()) != (mine.data_ptr(), mine.shape, mine.stride()):
-            raise ValueError(f"embedding_bwd: the plan was made for ids {tuple(mine.shape)} at {mine.data_ptr():#x}, "
-                             f"V = {t.V}, C = {t.C}, {t.esize}-byte elements; got dout {tuple(dout.shape)} "
-                             f"({dout.dtype}), ids {tuple(ids.shape)} at {ids.data_ptr():#x}, V = {V}")
+            ids.data_ptr(),
+            ids.shape,
+            ids.stride(),
+        ) != (mine.data_ptr(), mine.shape, mine.stride()):
+            raise ValueError(
+                f"embedding_bwd: the plan was made for ids {tuple(mine.shape)} at {mine.data_ptr():#x}, "
+                f"V = {t.V}, C = {t.C}, {t.esize}-byte elements; got dout {tuple(dout.shape)} "
+                f"({dout.dtype}), ids {tuple(ids.shape)} at {ids.data_ptr():#x}, V = {V}"
+            )
         if t.settings != _tiers_settings(esize):
             raise ValueError("embedding_bwd: the tiers settings changed since the plan was made; make a new one")
 
@@ -1274,8 +1607,10 @@ def embedding_bwd_plan_triton(ids: torch.Tensor, V: int, C: int, dtype: torch.dt
 def _plan_start(ids: torch.Tensor, V: int, C: int, dtype: torch.dtype):
     """The plan, its workspace allocated on the current stream and nothing launched yet, or None (no plan's use)."""
     if not isinstance(V, int) or not isinstance(C, int) or V < 1 or C < 1:
-        raise ValueError(f"embedding_bwd_plan: V and C must be positive integers, got V = {V!r}, C = {C!r} for ids "
-                         f"{tuple(ids.shape)}")
+        raise ValueError(
+            f"embedding_bwd_plan: V and C must be positive integers, got V = {V!r}, C = {C!r} for ids "
+            f"{tuple(ids.shape)}"
+        )
     esize = _esize(dtype)
     if not _plans_for(ids.numel(), esize):
         return None
@@ -1311,16 +1646,23 @@ def embedding_fwd_planned(ids: torch.Tensor, table: torch.Tensor) -> tuple[torch
     if plan is None:
         return embedding_fwd(ids, table), None
     out = []
-    plan.ready = run_side_by_side(table.device, lambda: out.append(embedding_fwd(ids, table)),
-                                  lambda: _plan_launches(plan), high_priority=True, main_first=True, join=False)
+    plan.ready = run_side_by_side(
+        table.device,
+        lambda: out.append(embedding_fwd(ids, table)),
+        lambda: _plan_launches(plan),
+        high_priority=True,
+        main_first=True,
+        join=False,
+    )
     side = side_stream(table.device, high_priority=True)
     plan._t.ws.record_stream(side)
     plan.flat.record_stream(side)
     return out[0], plan
 
 
-def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, esize: int,
-           plan: EmbeddingBwdPlan | None = None) -> torch.Tensor:
+def _tiers(
+    d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, esize: int, plan: EmbeddingBwdPlan | None = None
+) -> torch.Tensor:
     """The "tiers" form (module docstring): the slots pass, then the rows grid (rows seen at most K times) on this
     stream beside two high-priority side streams, one for the medium rows (tier A), one for the heavy ids' lists
     (tier A) and sums (tier B). Every row is written once. Given a plan (``embedding_bwd_plan``), the slots pass and
@@ -1335,22 +1677,65 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     # fp32 partial rows of the segments of ids longer than seg (rows HBASE[h] // seg + h + segment: N // seg + hcap)
     part = torch.empty(N // seg + hcap + 1, C, dtype=torch.float32, device=dev) if seg else None
     pdl = t.pdl and plan is None
-    launch, done = t.launcher(t.key("bwd", plan is not None, d2.dtype, flat.dtype, d2.stride(), flat.stride(),
-                                    d2.data_ptr() % 16, flat.data_ptr() % 16, dtable.data_ptr() % 16))
+    launch, done = t.launcher(
+        t.key(
+            "bwd",
+            plan is not None,
+            d2.dtype,
+            flat.dtype,
+            d2.stride(),
+            flat.stride(),
+            d2.data_ptr() % 16,
+            flat.data_ptr() % 16,
+            dtable.data_ptr() % 16,
+        )
+    )
     if plan is None:
         t.ids_part(launch, flat, pdl)
     elif plan.ready is not None:
         torch.cuda.current_stream(dev).wait_event(plan.ready)  # the plan's launches, on another stream
 
     def tier_b():
-        launch("tier b", _embedding_tier_b_kernel, (t.bps * t.n_sm,),
-               dict(DOUT=d2, COUNTS=t.counts, HEAVY=t.heavy, NLIST=t.nlist, HLIST=t.hlist, HBASE=t.hbase,
-                    DTABLE=dtable, C=C, n_cb=t.n_hcb, HT=t.ht, BLOCK_C=t.bbc, PART=part, SEG=seg),
-               num_warps=t.bw)
+        launch(
+            "tier b",
+            _embedding_tier_b_kernel,
+            (t.bps * t.n_sm,),
+            dict(
+                DOUT=d2,
+                COUNTS=t.counts,
+                HEAVY=t.heavy,
+                NLIST=t.nlist,
+                HLIST=t.hlist,
+                HBASE=t.hbase,
+                DTABLE=dtable,
+                C=C,
+                n_cb=t.n_hcb,
+                HT=t.ht,
+                BLOCK_C=t.bbc,
+                PART=part,
+                SEG=seg,
+            ),
+            num_warps=t.bw,
+        )
         if seg:
-            launch("tier b merge", _embedding_tier_b_merge_kernel, (t.bps * t.n_sm,),
-                   dict(COUNTS=t.counts, HEAVY=t.heavy, NLIST=t.nlist, HBASE=t.hbase, PART=part, DTABLE=dtable, C=C,
-                        n_cb=t.n_hcb, SEG=seg, BLOCK_C=t.bbc), num_warps=t.bw)
+            launch(
+                "tier b merge",
+                _embedding_tier_b_merge_kernel,
+                (t.bps * t.n_sm,),
+                dict(
+                    COUNTS=t.counts,
+                    HEAVY=t.heavy,
+                    NLIST=t.nlist,
+                    HBASE=t.hbase,
+                    PART=part,
+                    DTABLE=dtable,
+                    C=C,
+                    n_cb=t.n_hcb,
+                    SEG=seg,
+                    BLOCK_C=t.bbc,
+                ),
+                num_warps=t.bw,
+            )
 
     rargs = _roles_args(t.named, t.nlist[2:], ROWS_ROLES, N, t.n_sm, t.first) if t.roles else None
 
@@ -1379,8 +1764,9 @@ def _tiers(d2: torch.Tensor, flat: torch.Tensor, dtable: torch.Tensor, V: int, e
     return dtable
 
 
-def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int,
-                         plan: EmbeddingBwdPlan | None = None) -> torch.Tensor:
+def embedding_bwd_triton(
+    dout: torch.Tensor, ids: torch.Tensor, V: int, plan: EmbeddingBwdPlan | None = None
+) -> torch.Tensor:
     """The Triton backward (module docstring); plan: ``embedding_bwd_plan``'s for these ids (checked), or None."""
     C = dout.shape[-1]
     if ids.shape != dout.shape[:-1]:
@@ -1395,8 +1781,10 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int,
     cfg = CONFIG if CONFIG is not None else DEFAULTS[esize]
     CHUNK, BLOCK_C, num_warps, zero = cfg[:4]
     if zero not in ("torch", "absent", "fused", "side", "rows", "tiers"):
-        raise ValueError(f"embedding_bwd: CONFIG zero fill must be 'torch', 'absent', 'fused', 'side', 'rows' or "
-                         f"'tiers', got {zero!r}")
+        raise ValueError(
+            f"embedding_bwd: CONFIG zero fill must be 'torch', 'absent', 'fused', 'side', 'rows' or "
+            f"'tiers', got {zero!r}"
+        )
     key_bits = cfg[4] if len(cfg) > 4 else False
     idx_ahead = bool(cfg[5]) if len(cfg) > 5 else False
     tile = len(cfg) > 6 and cfg[6] == "tile"
@@ -1424,10 +1812,21 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int,
         named = torch.empty(N, dtype=torch.int32, device=dout.device) if roles else None
         slots = torch.empty(heavy_k, V, dtype=torch.int32, device=dout.device)
         rows_pdl = bool(ROWS_PDL) and pdl_ok(d2)
-        _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](flat, counts, slots, N, V, K=heavy_k,
-                                                                BLOCK=SLOTS_BLOCK, PDL=rows_pdl, NAMED=named,
-                                                                NAMED_N=named_n, LIST_NAMED=roles, SEM=_slots_sem(),
-                                                                num_warps=4)
+        _embedding_slots_kernel[(triton.cdiv(N, SLOTS_BLOCK),)](
+            flat,
+            counts,
+            slots,
+            N,
+            V,
+            K=heavy_k,
+            BLOCK=SLOTS_BLOCK,
+            PDL=rows_pdl,
+            NAMED=named,
+            NAMED_N=named_n,
+            LIST_NAMED=roles,
+            SEM=_slots_sem(),
+            num_warps=4,
+        )
         rargs = None
         if roles:
             rargs = _roles_args(named, named_n, ROWS_FORM_ROLES, N, sm_count(d2.device) if d2.is_cuda else 1)
@@ -1441,8 +1840,24 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int,
             keys, bias, present = _sort_keys(flat, V, key_bits, mark, counts, heavy_k)
         sorted_ids, order = torch.sort(keys, stable=True)
         part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
-        _walk_and_merge(d2, order, sorted_ids, dtable, part, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, idx_ahead,
-                        tile, bias, num_warps)
+        _walk_and_merge(
+            d2,
+            order,
+            sorted_ids,
+            dtable,
+            part,
+            N,
+            V,
+            C,
+            n_chunks,
+            n_cb,
+            CHUNK,
+            BLOCK_C,
+            idx_ahead,
+            tile,
+            bias,
+            num_warps,
+        )
         return present
 
     if zero in ("side", "rows"):
@@ -1458,17 +1873,25 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int,
 
             def grid_pass():
                 _embedding_zero_absent_kernel[(triton.cdiv(V, zbr), triton.cdiv(C, zbc))](
-                    present, dtable, V, C, BLOCK_R=zbr, BLOCK_C=zbc, num_warps=8)
+                    present, dtable, V, C, BLOCK_R=zbr, BLOCK_C=zbc, num_warps=8
+                )
 
             def chain():
                 sort_walk_merge(keys, bias)
         else:
+
             def grid_pass():
                 _rows_grid(d2, counts, slots, dtable, V, rcfg, rows_pdl, rargs)
+
             chain = sort_walk_merge
         if dout.is_cuda:
-            run_side_by_side(dout.device, grid_pass, chain, high_priority=SIDE_HIGH_PRIORITY,
-                             main_first=zero == "rows" and ROWS_MAIN_FIRST)
+            run_side_by_side(
+                dout.device,
+                grid_pass,
+                chain,
+                high_priority=SIDE_HIGH_PRIORITY,
+                main_first=zero == "rows" and ROWS_MAIN_FIRST,
+            )
         else:
             grid_pass()
             chain()
@@ -1476,17 +1899,36 @@ def embedding_bwd_triton(dout: torch.Tensor, ids: torch.Tensor, V: int,
     if zero != "fused":
         present = sort_walk_merge()
         if zero == "absent":  # after the walks here: they write only rows ids name, this only the others
-            _embedding_zero_absent_kernel[(triton.cdiv(V, 8), n_cb)](present, dtable, V, C, BLOCK_R=8,
-                                                                     BLOCK_C=BLOCK_C, num_warps=4)
+            _embedding_zero_absent_kernel[(triton.cdiv(V, 8), n_cb)](
+                present, dtable, V, C, BLOCK_R=8, BLOCK_C=BLOCK_C, num_warps=4
+            )
         return dtable
     keys, bias, present = _sort_keys(flat, V, key_bits, True)
     sorted_ids, order = torch.sort(keys, stable=True)
     part = torch.empty(n_chunks, 2, C, dtype=torch.float32, device=dout.device)  # boundary partials only
     n_zr = triton.cdiv(V, 8)
     _embedding_bwd_fused_kernel[(n_chunks * n_cb + n_zr * n_cb,)](
-        d2, order, sorted_ids, dtable, part, present, N, V, C, n_cb, n_chunks * n_cb, n_cb, CHUNK=CHUNK,
-        BLOCK_C=BLOCK_C, IDX_AHEAD=idx_ahead, ZBLOCK_R=8, ZBLOCK_C=BLOCK_C, TILE=tile, ID_BIAS=bias,
-        num_warps=num_warps)
+        d2,
+        order,
+        sorted_ids,
+        dtable,
+        part,
+        present,
+        N,
+        V,
+        C,
+        n_cb,
+        n_chunks * n_cb,
+        n_cb,
+        CHUNK=CHUNK,
+        BLOCK_C=BLOCK_C,
+        IDX_AHEAD=idx_ahead,
+        ZBLOCK_R=8,
+        ZBLOCK_C=BLOCK_C,
+        TILE=tile,
+        ID_BIAS=bias,
+        num_warps=num_warps,
+    )
     _merge(sorted_ids, part, dtable, N, V, C, n_chunks, n_cb, CHUNK, BLOCK_C, bias)
     return dtable
 

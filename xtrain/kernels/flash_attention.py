@@ -127,8 +127,9 @@ def _check_bwd(op: str, do, q, k, v, o, lse) -> None:
     _check_qkv(op, q, k, v)
     B, H, T, D = q.shape
     if do.shape != q.shape or o.shape != q.shape or lse.shape != (B, H, T):
-        raise ValueError(f"{op}: need do, o [B, H, T, D] and lse [B, H, T] matching q, got "
-                         f"do/o/lse/q {_shapes(do, o, lse, q)}")
+        raise ValueError(
+            f"{op}: need do, o [B, H, T, D] and lse [B, H, T] matching q, got do/o/lse/q {_shapes(do, o, lse, q)}"
+        )
     if do.device != q.device or o.device != q.device or lse.device != q.device:
         raise ValueError(f"{op}: all inputs must be on one device, got {_shapes(do, o, lse, q)}")
     if not (do.is_floating_point() and o.is_floating_point() and lse.is_floating_point()):
@@ -192,8 +193,7 @@ def flash_attention_fwd_ref(q, k, v, causal: bool = True, scale: float | None = 
     return o.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
-def flash_attention_bwd_ref(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None,
-                            tile: int = REF_TILE):
+def flash_attention_bwd_ref(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, tile: int = REF_TILE):
     """Backward by recomputing P one K/V tile at a time from lse. Returns (dq, dk, dv)."""
     op = "flash_attention_bwd_ref"
     _check_bwd(op, do, q, k, v, o, lse)
@@ -315,10 +315,31 @@ if HAVE_TRITON:
         return tile, head
 
     @triton.jit
-    def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m,
-                   T, qk_scale, lo, hi,
-                   MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    def _fwd_tiles(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        desc_k,
+        desc_v,
+        kv_row0,
+        offs_m,
+        T,
+        qk_scale,
+        lo,
+        hi,
+        MASK: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        EVEN_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        USE_TMA: tl.constexpr,
+    ):
         """Online-softmax update of (acc, l_i, m_i) over the K/V tiles starting at lo, lo+BLOCK_N, .. < hi.
         m_i is kept in the log2 domain (scores times qk_scale = scale·log2 e). MASK=False is the hot loop:
         no mask arithmetic, every key valid."""
@@ -357,13 +378,39 @@ if HAVE_TRITON:
         return acc, l_i, m_i
 
     @triton.jit
-    def _flash_fwd_kernel(Q, K, V, O, LSE, desc_k, desc_v,
-                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                          stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
-                          H, T, GROUP, qk_scale, TAIL,
-                          CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    def _flash_fwd_kernel(
+        Q,
+        K,
+        V,
+        O,
+        LSE,
+        desc_k,
+        desc_v,
+        stride_qb,
+        stride_qh,
+        stride_qt,
+        stride_kb,
+        stride_kh,
+        stride_kt,
+        stride_vb,
+        stride_vh,
+        stride_vt,
+        stride_ob,
+        stride_oh,
+        stride_ot,
+        H,
+        T,
+        GROUP,
+        qk_scale,
+        TAIL,
+        CAUSAL: tl.constexpr,
+        EVEN_T: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        USE_TMA: tl.constexpr,
+    ):
         """One program: BLOCK_M query rows of one (batch, head); a 1-D grid of cdiv(T, BLOCK_M)·B·H programs
         in ``_tail_order``. With USE_TMA, K/V tiles come through host-built tensor descriptors over the
         [B*Hkv*T, D] rows."""
@@ -392,22 +439,110 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
             # keys strictly left of this query tile: never masked
-            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
-                                       kv_row0, offs_m, T, qk_scale, 0, start_m, False, CAUSAL, EVEN_T,
-                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+            acc, l_i, m_i = _fwd_tiles(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_base,
+                v_base,
+                stride_kt,
+                stride_vt,
+                desc_k,
+                desc_v,
+                kv_row0,
+                offs_m,
+                T,
+                qk_scale,
+                0,
+                start_m,
+                False,
+                CAUSAL,
+                EVEN_T,
+                BLOCK_N,
+                HEAD_DIM,
+                DOT_PRECISION,
+                USE_TMA,
+            )
             # the diagonal band: causal mask
-            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
-                                       kv_row0, offs_m, T, qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T),
-                                       True, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+            acc, l_i, m_i = _fwd_tiles(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_base,
+                v_base,
+                stride_kt,
+                stride_vt,
+                desc_k,
+                desc_v,
+                kv_row0,
+                offs_m,
+                T,
+                qk_scale,
+                start_m,
+                tl.minimum(start_m + BLOCK_M, T),
+                True,
+                CAUSAL,
+                EVEN_T,
+                BLOCK_N,
+                HEAD_DIM,
+                DOT_PRECISION,
+                USE_TMA,
+            )
         else:
             t_full = (T // BLOCK_N) * BLOCK_N
-            acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
-                                       kv_row0, offs_m, T, qk_scale, 0, t_full, False, CAUSAL, EVEN_T,
-                                       BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+            acc, l_i, m_i = _fwd_tiles(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_base,
+                v_base,
+                stride_kt,
+                stride_vt,
+                desc_k,
+                desc_v,
+                kv_row0,
+                offs_m,
+                T,
+                qk_scale,
+                0,
+                t_full,
+                False,
+                CAUSAL,
+                EVEN_T,
+                BLOCK_N,
+                HEAD_DIM,
+                DOT_PRECISION,
+                USE_TMA,
+            )
             if not EVEN_T:  # the ragged last K/V tile: keys >= T masked
-                acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k,
-                                           desc_v, kv_row0, offs_m, T, qk_scale, t_full, T, True, CAUSAL,
-                                           EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+                acc, l_i, m_i = _fwd_tiles(
+                    acc,
+                    l_i,
+                    m_i,
+                    q,
+                    k_base,
+                    v_base,
+                    stride_kt,
+                    stride_vt,
+                    desc_k,
+                    desc_v,
+                    kv_row0,
+                    offs_m,
+                    T,
+                    qk_scale,
+                    t_full,
+                    T,
+                    True,
+                    CAUSAL,
+                    EVEN_T,
+                    BLOCK_N,
+                    HEAD_DIM,
+                    DOT_PRECISION,
+                    USE_TMA,
+                )
         acc = acc / l_i[:, None]
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log (x ln 2)
         o_ptrs = o_base + offs_m[:, None] * stride_ot + offs_d[None, :]
@@ -420,10 +555,28 @@ if HAVE_TRITON:
             tl.store(lse_ptrs, lse, mask=offs_m < T)
 
     @triton.jit
-    def _flash_bwd_preprocess_kernel(O, DO, DELTA, LSE, LSE2, LSEC, DELTAC, INV_SCALE, stride_ob, stride_oh,
-                                     stride_ot, stride_dob, stride_doh, stride_dot, H, T,
-                                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCALE_LSE: tl.constexpr = False,
-                                     COLS: tl.constexpr = 0):
+    def _flash_bwd_preprocess_kernel(
+        O,
+        DO,
+        DELTA,
+        LSE,
+        LSE2,
+        LSEC,
+        DELTAC,
+        INV_SCALE,
+        stride_ob,
+        stride_oh,
+        stride_ot,
+        stride_dob,
+        stride_doh,
+        stride_dot,
+        H,
+        T,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        SCALE_LSE: tl.constexpr = False,
+        COLS: tl.constexpr = 0,
+    ):
         """DELTA[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] in fp32; SCALE_LSE: also LSE2 = LSE · log2(e)
         (the Gluon split backward's base-2 row statistic; LSE, LSE2 contiguous fp32 [B, H, T]). COLS (> 0, with
         SCALE_LSE): also LSEC and DELTAC, contiguous [B, H, T, COLS] in O's dtype, row i holding -LSE[i] · INV_SCALE
@@ -436,10 +589,24 @@ if HAVE_TRITON:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         row_ok = offs_m[:, None] < T
-        o = tl.load(O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-                    + offs_m[:, None] * stride_ot + offs_d[None, :], mask=row_ok, other=0.0)
-        do = tl.load(DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-                     + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok, other=0.0)
+        o = tl.load(
+            O
+            + off_b.to(tl.int64) * stride_ob
+            + off_h.to(tl.int64) * stride_oh
+            + offs_m[:, None] * stride_ot
+            + offs_d[None, :],
+            mask=row_ok,
+            other=0.0,
+        )
+        do = tl.load(
+            DO
+            + off_b.to(tl.int64) * stride_dob
+            + off_h.to(tl.int64) * stride_doh
+            + offs_m[:, None] * stride_dot
+            + offs_d[None, :],
+            mask=row_ok,
+            other=0.0,
+        )
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
         tl.store(DELTA + off_bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
         if SCALE_LSE:
@@ -464,10 +631,32 @@ if HAVE_TRITON:
         return tl.where(c == 0, hi[:, None], tl.where(c == 1, mid[:, None], tl.where(c == 2, lo[:, None], zero)))
 
     @triton.jit
-    def _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                        desc_q, desc_do, q_row0, offs_n, T, qk_scale, lo, hi,
-                        MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_M: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    def _bwd_dkdv_tiles(
+        dk,
+        dv,
+        k,
+        v,
+        q_base,
+        do_base,
+        lse_base,
+        delta_base,
+        stride_qt,
+        stride_dot,
+        desc_q,
+        desc_do,
+        q_row0,
+        offs_n,
+        T,
+        qk_scale,
+        lo,
+        hi,
+        MASK: tl.constexpr,
+        EVEN_T: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        USE_TMA: tl.constexpr,
+    ):
         """Accumulate dK, dV of one resident K/V tile over the query tiles lo, lo+BLOCK_M, .. < hi, working
         transposed ([keys, queries]) so the products with q and dO need no transposes of the results.
         Query rows >= T load as zeros (q, dO, lse, delta) and so contribute exactly zero."""
@@ -506,14 +695,50 @@ if HAVE_TRITON:
         return dk, dv
 
     @triton.jit
-    def _flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do,
-                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                               stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                               stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
-                               H, Hkv, T, GROUP, qk_scale, sm_scale, TAIL,
-                               CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
-                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    def _flash_bwd_dkdv_kernel(
+        Q,
+        K,
+        V,
+        DO,
+        LSE,
+        DELTA,
+        DK,
+        DV,
+        desc_q,
+        desc_do,
+        stride_qb,
+        stride_qh,
+        stride_qt,
+        stride_kb,
+        stride_kh,
+        stride_kt,
+        stride_vb,
+        stride_vh,
+        stride_vt,
+        stride_dob,
+        stride_doh,
+        stride_dot,
+        stride_dkb,
+        stride_dkh,
+        stride_dkt,
+        stride_dvb,
+        stride_dvh,
+        stride_dvt,
+        H,
+        Hkv,
+        T,
+        GROUP,
+        qk_scale,
+        sm_scale,
+        TAIL,
+        CAUSAL: tl.constexpr,
+        EVEN_T: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        USE_TMA: tl.constexpr,
+    ):
         """One program: BLOCK_N keys of one (batch, K/V head), over all query heads of its group; a 1-D grid
         of cdiv(T, BLOCK_N)·B·Hkv programs in ``_tail_order``. Causal programs at small pid_n have the most
         work and start first."""
@@ -524,10 +749,20 @@ if HAVE_TRITON:
         start_n = pid_n * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
-        k_ptrs = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh \
-            + offs_n[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh \
-            + offs_n[:, None] * stride_vt + offs_d[None, :]
+        k_ptrs = (
+            K
+            + off_b.to(tl.int64) * stride_kb
+            + off_kvh.to(tl.int64) * stride_kh
+            + offs_n[:, None] * stride_kt
+            + offs_d[None, :]
+        )
+        v_ptrs = (
+            V
+            + off_b.to(tl.int64) * stride_vb
+            + off_kvh.to(tl.int64) * stride_vh
+            + offs_n[:, None] * stride_vt
+            + offs_d[None, :]
+        )
         if EVEN_T:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -545,24 +780,101 @@ if HAVE_TRITON:
             q_row0 = (off_b * H + off_h) * T  # first row of this head in [B*H*T, D] (TMA coordinates)
             if CAUSAL:
                 # query rows in this key tile's diagonal band see only part of it: masked
-                dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                         stride_dot, desc_q, desc_do, q_row0, offs_n, T, qk_scale, start_n,
-                                         tl.minimum(start_n + BLOCK_N, T), True, EVEN_T, BLOCK_M, HEAD_DIM,
-                                         DOT_PRECISION, USE_TMA)
+                dk, dv = _bwd_dkdv_tiles(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    q_base,
+                    do_base,
+                    lse_base,
+                    delta_base,
+                    stride_qt,
+                    stride_dot,
+                    desc_q,
+                    desc_do,
+                    q_row0,
+                    offs_n,
+                    T,
+                    qk_scale,
+                    start_n,
+                    tl.minimum(start_n + BLOCK_N, T),
+                    True,
+                    EVEN_T,
+                    BLOCK_M,
+                    HEAD_DIM,
+                    DOT_PRECISION,
+                    USE_TMA,
+                )
                 # query rows below the band see all of it
-                dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                         stride_dot, desc_q, desc_do, q_row0, offs_n, T, qk_scale,
-                                         start_n + BLOCK_N, T, False, EVEN_T, BLOCK_M, HEAD_DIM,
-                                         DOT_PRECISION, USE_TMA)
+                dk, dv = _bwd_dkdv_tiles(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    q_base,
+                    do_base,
+                    lse_base,
+                    delta_base,
+                    stride_qt,
+                    stride_dot,
+                    desc_q,
+                    desc_do,
+                    q_row0,
+                    offs_n,
+                    T,
+                    qk_scale,
+                    start_n + BLOCK_N,
+                    T,
+                    False,
+                    EVEN_T,
+                    BLOCK_M,
+                    HEAD_DIM,
+                    DOT_PRECISION,
+                    USE_TMA,
+                )
             else:
-                dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                         stride_dot, desc_q, desc_do, q_row0, offs_n, T, qk_scale, 0, T,
-                                         False, EVEN_T, BLOCK_M, HEAD_DIM, DOT_PRECISION, USE_TMA)
+                dk, dv = _bwd_dkdv_tiles(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    q_base,
+                    do_base,
+                    lse_base,
+                    delta_base,
+                    stride_qt,
+                    stride_dot,
+                    desc_q,
+                    desc_do,
+                    q_row0,
+                    offs_n,
+                    T,
+                    qk_scale,
+                    0,
+                    T,
+                    False,
+                    EVEN_T,
+                    BLOCK_M,
+                    HEAD_DIM,
+                    DOT_PRECISION,
+                    USE_TMA,
+                )
         dk = dk * sm_scale
-        dk_ptrs = DK + off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh \
-            + offs_n[:, None] * stride_dkt + offs_d[None, :]
-        dv_ptrs = DV + off_b.to(tl.int64) * stride_dvb + off_kvh.to(tl.int64) * stride_dvh \
-            + offs_n[:, None] * stride_dvt + offs_d[None, :]
+        dk_ptrs = (
+            DK
+            + off_b.to(tl.int64) * stride_dkb
+            + off_kvh.to(tl.int64) * stride_dkh
+            + offs_n[:, None] * stride_dkt
+            + offs_d[None, :]
+        )
+        dv_ptrs = (
+            DV
+            + off_b.to(tl.int64) * stride_dvb
+            + off_kvh.to(tl.int64) * stride_dvh
+            + offs_n[:, None] * stride_dvt
+            + offs_d[None, :]
+        )
         if EVEN_T:
             tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
             tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
@@ -571,10 +883,31 @@ if HAVE_TRITON:
             tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
 
     @triton.jit
-    def _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0,
-                      offs_m, T, qk_scale, lo, hi, MASK: tl.constexpr, EVEN_T: tl.constexpr,
-                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      USE_TMA: tl.constexpr):
+    def _bwd_dq_tiles(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        stride_kt,
+        stride_vt,
+        desc_k,
+        desc_v,
+        kv_row0,
+        offs_m,
+        T,
+        qk_scale,
+        lo,
+        hi,
+        MASK: tl.constexpr,
+        EVEN_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        USE_TMA: tl.constexpr,
+    ):
         """Accumulate dQ of one resident query tile over the K/V tiles lo, lo+BLOCK_N, .. < hi.
         Keys >= T load as zero rows of K, so their dS (whatever it is) times k adds exactly zero."""
         offs_d = tl.arange(0, HEAD_DIM)
@@ -602,14 +935,45 @@ if HAVE_TRITON:
         return dq
 
     @triton.jit
-    def _flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v,
-                             stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                             stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                             stride_dqb, stride_dqh, stride_dqt,
-                             H, T, GROUP, qk_scale, sm_scale, TAIL,
-                             CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    def _flash_bwd_dq_kernel(
+        Q,
+        K,
+        V,
+        DO,
+        LSE,
+        DELTA,
+        DQ,
+        desc_k,
+        desc_v,
+        stride_qb,
+        stride_qh,
+        stride_qt,
+        stride_kb,
+        stride_kh,
+        stride_kt,
+        stride_vb,
+        stride_vh,
+        stride_vt,
+        stride_dob,
+        stride_doh,
+        stride_dot,
+        stride_dqb,
+        stride_dqh,
+        stride_dqt,
+        H,
+        T,
+        GROUP,
+        qk_scale,
+        sm_scale,
+        TAIL,
+        CAUSAL: tl.constexpr,
+        EVEN_T: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        USE_TMA: tl.constexpr,
+    ):
         """One program: BLOCK_M query rows of one (batch, head); a 1-D grid of cdiv(T, BLOCK_M)·B·H programs in
         ``_tail_order``, heaviest causal tiles first."""
         nb = tl.cdiv(T, BLOCK_M)
@@ -622,10 +986,20 @@ if HAVE_TRITON:
         start_m = pid_m * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
-        q_ptrs = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh \
-            + offs_m[:, None] * stride_qt + offs_d[None, :]
-        do_ptrs = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh \
-            + offs_m[:, None] * stride_dot + offs_d[None, :]
+        q_ptrs = (
+            Q
+            + off_b.to(tl.int64) * stride_qb
+            + off_h.to(tl.int64) * stride_qh
+            + offs_m[:, None] * stride_qt
+            + offs_d[None, :]
+        )
+        do_ptrs = (
+            DO
+            + off_b.to(tl.int64) * stride_dob
+            + off_h.to(tl.int64) * stride_doh
+            + offs_m[:, None] * stride_dot
+            + offs_d[None, :]
+        )
         row = off_bh.to(tl.int64) * T + offs_m
         if EVEN_T:
             q = tl.load(q_ptrs)
@@ -643,19 +1017,90 @@ if HAVE_TRITON:
         kv_row0 = (off_b * (H // GROUP) + off_kvh) * T
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
-            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
-                               kv_row0, offs_m, T, qk_scale, 0, start_m, False, EVEN_T, BLOCK_N, HEAD_DIM,
-                               DOT_PRECISION, USE_TMA)
-            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
-                               kv_row0, offs_m, T, qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T), True,
-                               EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA)
+            dq = _bwd_dq_tiles(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                k_base,
+                v_base,
+                stride_kt,
+                stride_vt,
+                desc_k,
+                desc_v,
+                kv_row0,
+                offs_m,
+                T,
+                qk_scale,
+                0,
+                start_m,
+                False,
+                EVEN_T,
+                BLOCK_N,
+                HEAD_DIM,
+                DOT_PRECISION,
+                USE_TMA,
+            )
+            dq = _bwd_dq_tiles(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                k_base,
+                v_base,
+                stride_kt,
+                stride_vt,
+                desc_k,
+                desc_v,
+                kv_row0,
+                offs_m,
+                T,
+                qk_scale,
+                start_m,
+                tl.minimum(start_m + BLOCK_M, T),
+                True,
+                EVEN_T,
+                BLOCK_N,
+                HEAD_DIM,
+                DOT_PRECISION,
+                USE_TMA,
+            )
         else:
-            dq = _bwd_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v,
-                               kv_row0, offs_m, T, qk_scale, 0, T, False, EVEN_T, BLOCK_N, HEAD_DIM,
-                               DOT_PRECISION, USE_TMA)
+            dq = _bwd_dq_tiles(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                k_base,
+                v_base,
+                stride_kt,
+                stride_vt,
+                desc_k,
+                desc_v,
+                kv_row0,
+                offs_m,
+                T,
+                qk_scale,
+                0,
+                T,
+                False,
+                EVEN_T,
+                BLOCK_N,
+                HEAD_DIM,
+                DOT_PRECISION,
+                USE_TMA,
+            )
         dq = dq * sm_scale
-        dq_ptrs = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh \
-            + offs_m[:, None] * stride_dqt + offs_d[None, :]
+        dq_ptrs = (
+            DQ
+            + off_b.to(tl.int64) * stride_dqb
+            + off_h.to(tl.int64) * stride_dqh
+            + offs_m[:, None] * stride_dqt
+            + offs_d[None, :]
+        )
         if EVEN_T:
             tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
         else:
@@ -668,8 +1113,10 @@ def _check_triton(op: str, *ts) -> None:
     q = ts[0]
     D = q.shape[-1]
     if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{op}: head dim D={D} not supported by the Triton kernels (only "
-                         f"{SUPPORTED_HEAD_DIMS}), got q {tuple(q.shape)}")
+        raise ValueError(
+            f"{op}: head dim D={D} not supported by the Triton kernels (only "
+            f"{SUPPORTED_HEAD_DIMS}), got q {tuple(q.shape)}"
+        )
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{op}: dtype must be float32, bfloat16 or float16, got {_shapes(*ts)}")
 
@@ -684,8 +1131,9 @@ def _out(buf, shape, dtype, device, name, op):
     if buf is None:
         return torch.empty(shape, dtype=dtype, device=device)
     if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or buf.device != device or buf.stride(-1) != 1:
-        raise ValueError(f"{op}: {name} buffer must be {tuple(shape)} {dtype} on {device} with unit last "
-                         f"stride, got {_shapes(buf)}")
+        raise ValueError(
+            f"{op}: {name} buffer must be {tuple(shape)} {dtype} on {device} with unit last stride, got {_shapes(buf)}"
+        )
     return buf
 
 
@@ -726,9 +1174,17 @@ def _plan_key(kind: str, ts, scale) -> tuple | None:
         from xtrain.kernels import flash_attention_gluon_bwd as GB
         from xtrain.kernels import flash_attention_gluon_onepass as OP
 
-        salt = (BWD_GLUON, BWD_ONEPASS, BWD_TWO_STREAMS, tuple(GLUON_ONEPASS_MIN_T.items()),
-                tuple(GLUON_BWD_MIN_T.items()), torch.are_deterministic_algorithms_enabled(), GB.DEFAULT, OP.DEFAULT,
-                GB.TAIL_WAVES)
+        salt = (
+            BWD_GLUON,
+            BWD_ONEPASS,
+            BWD_TWO_STREAMS,
+            tuple(GLUON_ONEPASS_MIN_T.items()),
+            tuple(GLUON_BWD_MIN_T.items()),
+            torch.are_deterministic_algorithms_enabled(),
+            GB.DEFAULT,
+            OP.DEFAULT,
+            GB.TAIL_WAVES,
+        )
     return (kind, scale, salt) + tuple((t.shape, t.stride(), t.dtype, t.device) for t in ts)
 
 
@@ -742,8 +1198,9 @@ def _tma_ok(tma: bool, even: bool, *ts) -> bool:
     return bool(tma) and _HAVE_DESC and even and all(t.is_contiguous() for t in ts)
 
 
-def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None = None, *,
-                               o=None, lse=None, config=None):
+def flash_attention_fwd_triton(
+    q, k, v, causal: bool = True, scale: float | None = None, *, o=None, lse=None, config=None
+):
     """Launch the forward kernel. ``o``/``lse``: optional output buffers; ``config``: (BLOCK_M, BLOCK_N,
     num_warps, num_stages, TMA) overriding the per-head-dim default (the bench sweeps it)."""
     op = "flash_attention_fwd"
@@ -780,12 +1237,40 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     desc_k, desc_v = (_descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N)) if use_tma else (None, None)
     nb = triton.cdiv(T, BLOCK_M)
     _flash_fwd_kernel[(nb * B * H,)](
-        q, k, v, o, lse, desc_k, desc_v,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        H, T, H // Hkv, s * LOG2E, tail_heads(nb, B * H, grid_sms(q.device), TRITON_TAIL_WAVES),
-        CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages)
+        q,
+        k,
+        v,
+        o,
+        lse,
+        desc_k,
+        desc_v,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        H,
+        T,
+        H // Hkv,
+        s * LOG2E,
+        tail_heads(nb, B * H, grid_sms(q.device), TRITON_TAIL_WAVES),
+        CAUSAL=bool(causal),
+        EVEN_T=even,
+        HEAD_DIM=D,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        DOT_PRECISION=_precision(q.dtype),
+        USE_TMA=use_tma,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return o, lse
 
 
@@ -814,8 +1299,9 @@ def bwd_route(do, q, k, v, o, lse, causal: bool = True, *, config=None, dq=None,
     return "triton"
 
 
-def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
-                               dq=None, dk=None, dv=None, config=None):
+def flash_attention_bwd_triton(
+    do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *, dq=None, dk=None, dv=None, config=None
+):
     """Launch preprocess (delta), dK/dV and dQ kernels, or hand the call to a Gluon backward (``bwd_route``).
     The Triton and Gluon two-kernel paths use no atomics and are bit-identical run to run; the one-pass path
     (causal 16-bit hd64, T >= GLUON_ONEPASS_MIN_T) sums dQ with fp32 reduce-adds, so its dq may differ in the
@@ -824,8 +1310,15 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     (BLOCK_M2, BLOCK_N2, num_warps, num_stages, TMA)) for the dK/dV and dQ kernels (always Triton)."""
     op = "flash_attention_bwd"
     plan_key = None
-    if config is None and dq is None and dk is None and dv is None and causal and BWD_GLUON and _plannable(
-            do, q, k, v, o, lse):
+    if (
+        config is None
+        and dq is None
+        and dk is None
+        and dv is None
+        and causal
+        and BWD_GLUON
+        and _plannable(do, q, k, v, o, lse)
+    ):
         plan_key = _plan_key("bwd", (do, q, k, v, o, lse), scale)
         plan = _BWD_PLANS.get(plan_key) if plan_key is not None else None
         if plan is not None:  # these inputs and settings took a Gluon backward before
@@ -837,8 +1330,7 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     s = _scale(op, scale, D)
     # a plan repeats the launches only: inputs that the full path converts first (do to q's dtype, lse to
     # contiguous fp32) take the full path every time
-    plannable = (plan_key is not None and do.dtype == q.dtype and lse.dtype == torch.float32
-                 and lse.is_contiguous())
+    plannable = plan_key is not None and do.dtype == q.dtype and lse.dtype == torch.float32 and lse.is_contiguous()
     do = do.to(q.dtype)
     route = bwd_route(do, q, k, v, o, lse, causal, config=config, dq=dq, dk=dk, dv=dv)
     if route in ("onepass", "gluon"):
@@ -863,8 +1355,25 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     PRE_M = 64
     _flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
-        o, do, delta, delta, delta, delta, delta, 1.0, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
-        do.stride(1), do.stride(2), H, T, HEAD_DIM=D, BLOCK_M=PRE_M)
+        o,
+        do,
+        delta,
+        delta,
+        delta,
+        delta,
+        delta,
+        1.0,
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        H,
+        T,
+        HEAD_DIM=D,
+        BLOCK_M=PRE_M,
+    )
     prec = _precision(q.dtype)
     even1 = T % BM1 == 0 and T % BN1 == 0
     use_tma1 = _tma_ok(tma1, even1, q, do)
@@ -873,13 +1382,51 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     def launch_dkdv():
         nb = triton.cdiv(T, BN1)
         _flash_bwd_dkdv_kernel[(nb * B * Hkv,)](
-            q, k, v, do, lse, delta, dk, dv, desc_q, desc_do,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            H, Hkv, T, H // Hkv, s * LOG2E, s, tail_heads(nb, B * Hkv, grid_sms(q.device), TRITON_TAIL_WAVES),
-            CAUSAL=bool(causal), EVEN_T=even1, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1,
-            DOT_PRECISION=prec, USE_TMA=use_tma1, num_warps=W1, num_stages=S1)
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk,
+            dv,
+            desc_q,
+            desc_do,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            do.stride(0),
+            do.stride(1),
+            do.stride(2),
+            dk.stride(0),
+            dk.stride(1),
+            dk.stride(2),
+            dv.stride(0),
+            dv.stride(1),
+            dv.stride(2),
+            H,
+            Hkv,
+            T,
+            H // Hkv,
+            s * LOG2E,
+            s,
+            tail_heads(nb, B * Hkv, grid_sms(q.device), TRITON_TAIL_WAVES),
+            CAUSAL=bool(causal),
+            EVEN_T=even1,
+            HEAD_DIM=D,
+            BLOCK_M=BM1,
+            BLOCK_N=BN1,
+            DOT_PRECISION=prec,
+            USE_TMA=use_tma1,
+            num_warps=W1,
+            num_stages=S1,
+        )
 
     even2 = T % BM2 == 0 and T % BN2 == 0
     use_tma2 = _tma_ok(tma2, even2, k, v)
@@ -888,13 +1435,46 @@ def flash_attention_bwd_triton(do, q, k, v, o, lse, causal: bool = True, scale: 
     def launch_dq():
         nb = triton.cdiv(T, BM2)
         _flash_bwd_dq_kernel[(nb * B * H,)](
-            q, k, v, do, lse, delta, dq, desc_k, desc_v,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            H, T, H // Hkv, s * LOG2E, s, tail_heads(nb, B * H, grid_sms(q.device), TRITON_TAIL_WAVES),
-            CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D, BLOCK_M=BM2, BLOCK_N=BN2,
-            DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2)
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dq,
+            desc_k,
+            desc_v,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            do.stride(0),
+            do.stride(1),
+            do.stride(2),
+            dq.stride(0),
+            dq.stride(1),
+            dq.stride(2),
+            H,
+            T,
+            H // Hkv,
+            s * LOG2E,
+            s,
+            tail_heads(nb, B * H, grid_sms(q.device), TRITON_TAIL_WAVES),
+            CAUSAL=bool(causal),
+            EVEN_T=even2,
+            HEAD_DIM=D,
+            BLOCK_M=BM2,
+            BLOCK_N=BN2,
+            DOT_PRECISION=prec,
+            USE_TMA=use_tma2,
+            num_warps=W2,
+            num_stages=S2,
+        )
 
     if BWD_TWO_STREAMS and q.is_cuda:
         # the dK/dV and dQ kernels are independent once delta exists: the dQ kernel runs on a side stream so
@@ -924,6 +1504,8 @@ def tail_heads(nb: int, heads: int, n_sm: int, waves: int) -> int:
     """How many of the last heads of a grid of nb tiles x heads start tile-major (``_tail_order``): enough for
     ``waves`` waves of one program per SM (``n_sm`` SMs, ``grid_sms``), at most all of them."""
     return min(heads, -(-waves * n_sm // nb))
+
+
 # The causal 16-bit forward goes to the Gluon kernels (flash_attention_gluon.py: warp-specialised,
 # persistent, Hopper only) from these sequence lengths on, by head dim, where they measured faster than the
 # Triton kernel on the H200 (bench/RESULTS.md, T = 1k-16k, session 5: hd128 1.02-1.17x cuDNN against

@@ -161,8 +161,22 @@ if HAVE_GLUON:
         return s_layout, o_layout
 
     @gluon.jit
-    def _tile_coords(bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr, NW: gl.constexpr = 2):
+    def _tile_coords(
+        bh,
+        pid_m,
+        H,
+        GROUP,
+        T,
+        q_rb,
+        q_rh,
+        q_ch,
+        kv_rb,
+        kv_rh,
+        kv_ch,
+        BLOCK_N: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        NW: gl.constexpr = 2,
+    ):
         """Descriptor coordinates of item (query tile pid_m of NW·64 rows, batch·head bh): row b·rb + h·rh + t,
         column h·ch (q and o share a layout; k and v share one). Returns (start_m, q_row, q_col, kv_row0,
         kv_col, lse_row, n_tiles), n_tiles = the K/V tiles the item reads (causal: up to its diagonal). NW = 3:
@@ -192,8 +206,18 @@ if HAVE_GLUON:
         return start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles
 
     @gluon.jit
-    def _softmax_tile(s, m_i, l_i, qk_scale, start_m, start_n, s_layout: gl.constexpr, ROWS: gl.constexpr,
-                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    def _softmax_tile(
+        s,
+        m_i,
+        l_i,
+        qk_scale,
+        start_m,
+        start_n,
+        s_layout: gl.constexpr,
+        ROWS: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        CAUSAL: gl.constexpr,
+    ):
         """One online-softmax step on the unscaled fp32 scores s = Q K_jᵀ. Returns (p, m, l, alpha): m in
         the log2 domain (scores times qk_scale), alpha = exp2(m_old - m_new) rescales what was accumulated."""
         if CAUSAL:
@@ -220,11 +244,33 @@ if HAVE_GLUON:
             mbarrier.arrive(sched.index(1 - HALF), count=1)  # the other warpgroup's turn
 
     @gluon.jit
-    def _consumer_loop(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles,
-                       qk_scale, start_m, s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
-                       HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       HALF: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr,
-                       HALF_DIAG: gl.constexpr = False):
+    def _consumer_loop(
+        q_smem,
+        k_smem,
+        v_smem,
+        k_full,
+        v_full,
+        k_empty,
+        v_empty,
+        q_empty,
+        sched,
+        t0,
+        sc0,
+        n_tiles,
+        qk_scale,
+        start_m,
+        s_layout: gl.constexpr,
+        o_layout: gl.constexpr,
+        dtype: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        HALF: gl.constexpr,
+        PINGPONG: gl.constexpr,
+        RELEASE_Q: gl.constexpr,
+        HALF_DIAG: gl.constexpr = False,
+    ):
         """One warpgroup's pass over an item's n_tiles K/V tiles, ring tiles t0 .. t0 + n_tiles - 1 (slot
         t % STAGES, phase (t // STAGES) & 1). Step j issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; wait(1)
         retires S_j only, so the softmax of S_j overlaps the P·V wgmma; wait(0) retires P·V, then O is
@@ -238,17 +284,85 @@ if HAVE_GLUON:
         add exact zeros (p = exp2(-inf)), so the bits are the same."""
         if HALF_DIAG:
             if n_tiles == 1:
-                acc, m_i, l_i = _diag_only(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched,
-                                           t0, sc0, qk_scale, start_m, s_layout, o_layout, dtype, HEAD_DIM, STAGES,
-                                           HALF, PINGPONG, RELEASE_Q)
+                acc, m_i, l_i = _diag_only(
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    k_full,
+                    v_full,
+                    k_empty,
+                    v_empty,
+                    q_empty,
+                    sched,
+                    t0,
+                    sc0,
+                    qk_scale,
+                    start_m,
+                    s_layout,
+                    o_layout,
+                    dtype,
+                    HEAD_DIM,
+                    STAGES,
+                    HALF,
+                    PINGPONG,
+                    RELEASE_Q,
+                )
             else:
-                acc, m_i, l_i = _consumer_steps(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty,
-                                                sched, t0, sc0, n_tiles, qk_scale, start_m, s_layout, o_layout, dtype,
-                                                HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, RELEASE_Q, True)
+                acc, m_i, l_i = _consumer_steps(
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    k_full,
+                    v_full,
+                    k_empty,
+                    v_empty,
+                    q_empty,
+                    sched,
+                    t0,
+                    sc0,
+                    n_tiles,
+                    qk_scale,
+                    start_m,
+                    s_layout,
+                    o_layout,
+                    dtype,
+                    HEAD_DIM,
+                    BLOCK_N,
+                    STAGES,
+                    CAUSAL,
+                    HALF,
+                    PINGPONG,
+                    RELEASE_Q,
+                    True,
+                )
         else:
-            acc, m_i, l_i = _consumer_steps(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched,
-                                            t0, sc0, n_tiles, qk_scale, start_m, s_layout, o_layout, dtype, HEAD_DIM,
-                                            BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, RELEASE_Q, False)
+            acc, m_i, l_i = _consumer_steps(
+                q_smem,
+                k_smem,
+                v_smem,
+                k_full,
+                v_full,
+                k_empty,
+                v_empty,
+                q_empty,
+                sched,
+                t0,
+                sc0,
+                n_tiles,
+                qk_scale,
+                start_m,
+                s_layout,
+                o_layout,
+                dtype,
+                HEAD_DIM,
+                BLOCK_N,
+                STAGES,
+                CAUSAL,
+                HALF,
+                PINGPONG,
+                RELEASE_Q,
+                False,
+            )
         return acc, m_i, l_i
 
     @gluon.constexpr_function
@@ -257,10 +371,29 @@ if HAVE_GLUON:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_M, 16])
 
     @gluon.jit
-    def _diag_only(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, qk_scale,
-                   start_m, s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
-                   RELEASE_Q: gl.constexpr):
+    def _diag_only(
+        q_smem,
+        k_smem,
+        v_smem,
+        k_full,
+        v_full,
+        k_empty,
+        v_empty,
+        q_empty,
+        sched,
+        t0,
+        sc0,
+        qk_scale,
+        start_m,
+        s_layout: gl.constexpr,
+        o_layout: gl.constexpr,
+        dtype: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+        HALF: gl.constexpr,
+        PINGPONG: gl.constexpr,
+        RELEASE_Q: gl.constexpr,
+    ):
         """``_consumer_loop`` with HALF_DIAG for an item of one tile (the head's first): S and P·V over the
         tile's first 64 keys only."""
         h_layout: gl.constexpr = _half_layout()
@@ -271,13 +404,19 @@ if HAVE_GLUON:
         slot = t0 % STAGES
         _pp_enter(sched, sc0, HALF, PINGPONG)
         mbarrier.wait(k_full.index(slot), (t0 // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_smem.index(slot).slice(0, HALF_ROWS).permute((1, 0)),
-                          gl.zeros([HALF_ROWS, HALF_ROWS], gl.float32, h_layout), use_acc=False, is_async=True)
+        s = warpgroup_mma(
+            q_smem,
+            k_smem.index(slot).slice(0, HALF_ROWS).permute((1, 0)),
+            gl.zeros([HALF_ROWS, HALF_ROWS], gl.float32, h_layout),
+            use_acc=False,
+            is_async=True,
+        )
         _pp_leave(sched, HALF, PINGPONG)
-        s = warpgroup_mma_wait(0, deps=(s, ))
+        s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, start_m, h_layout, HALF_ROWS, HALF_ROWS,
-                                           True)
+        p, m_i, l_i, alpha = _softmax_tile(
+            s, m_i, l_i, qk_scale, start_m, start_m, h_layout, HALF_ROWS, HALF_ROWS, True
+        )
         p16 = gl.convert_layout(p.to(dtype), p_layout)
         if RELEASE_Q:
             mbarrier.arrive(q_empty, count=1)
@@ -287,15 +426,40 @@ if HAVE_GLUON:
         _pp_leave(sched, HALF, PINGPONG)
         acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
         mbarrier.arrive(v_empty.index(slot), count=1)
-        return (acc, gl.convert_layout(m_i, gl.SliceLayout(1, s_layout)),
-                gl.convert_layout(l_i, gl.SliceLayout(1, s_layout)))
+        return (
+            acc,
+            gl.convert_layout(m_i, gl.SliceLayout(1, s_layout)),
+            gl.convert_layout(l_i, gl.SliceLayout(1, s_layout)),
+        )
 
     @gluon.jit
-    def _consumer_steps(q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles,
-                        qk_scale, start_m, s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
-                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        HALF: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr,
-                        HALF_DIAG: gl.constexpr):
+    def _consumer_steps(
+        q_smem,
+        k_smem,
+        v_smem,
+        k_full,
+        v_full,
+        k_empty,
+        v_empty,
+        q_empty,
+        sched,
+        t0,
+        sc0,
+        n_tiles,
+        qk_scale,
+        start_m,
+        s_layout: gl.constexpr,
+        o_layout: gl.constexpr,
+        dtype: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        HALF: gl.constexpr,
+        PINGPONG: gl.constexpr,
+        RELEASE_Q: gl.constexpr,
+        HALF_DIAG: gl.constexpr,
+    ):
         """``_consumer_loop``'s steps (HALF_DIAG: n_tiles >= 2, the last tile a half-width step)."""
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         m_i = gl.full([HALF_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -308,7 +472,7 @@ if HAVE_GLUON:
         mbarrier.wait(k_full.index(slot), (t0 // STAGES) & 1)
         s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         _pp_leave(sched, HALF, PINGPONG)
-        s = warpgroup_mma_wait(0, deps=(s, ))
+        s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, 0, s_layout, HALF_ROWS, BLOCK_N, CAUSAL)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
@@ -320,15 +484,15 @@ if HAVE_GLUON:
             prev = (t - 1) % STAGES
             _pp_enter(sched, sc0 + j, HALF, PINGPONG)
             mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(v_full.index(prev), ((t - 1) // STAGES) & 1)
             o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             _pp_leave(sched, HALF, PINGPONG)
-            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            s = warpgroup_mma_wait(1, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(slot), count=1)
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, s_layout, HALF_ROWS,
-                                               BLOCK_N, CAUSAL)
+            p, m_i, l_i, alpha = _softmax_tile(
+                s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, s_layout, HALF_ROWS, BLOCK_N, CAUSAL
+            )
             p16_next = gl.convert_layout(p.to(dtype), p_layout)
             acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))  # P_{j-1} stays alive until its wgmma retires
             mbarrier.arrive(v_empty.index(prev), count=1)
@@ -345,17 +509,30 @@ if HAVE_GLUON:
             prev = (t_last - 1) % STAGES
             _pp_enter(sched, sc0 + n_tiles - 1, HALF, PINGPONG)
             mbarrier.wait(k_full.index(last), (t_last // STAGES) & 1)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(last).slice(0, HALF_ROWS).permute((1, 0)),
-                                  gl.zeros([HALF_ROWS, HALF_ROWS], gl.float32, h_layout), use_acc=False,
-                                  is_async=True)
+            s_tok = warpgroup_mma(
+                q_smem,
+                k_smem.index(last).slice(0, HALF_ROWS).permute((1, 0)),
+                gl.zeros([HALF_ROWS, HALF_ROWS], gl.float32, h_layout),
+                use_acc=False,
+                is_async=True,
+            )
             mbarrier.wait(v_full.index(prev), ((t_last - 1) // STAGES) & 1)
             o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             _pp_leave(sched, HALF, PINGPONG)
-            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            s = warpgroup_mma_wait(1, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(last), count=1)
-            ph, mh, lh, alpha = _softmax_tile(s, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
-                                              gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), qk_scale, start_m,
-                                              start_m, h_layout, HALF_ROWS, HALF_ROWS, True)
+            ph, mh, lh, alpha = _softmax_tile(
+                s,
+                gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
+                gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)),
+                qk_scale,
+                start_m,
+                start_m,
+                h_layout,
+                HALF_ROWS,
+                HALF_ROWS,
+                True,
+            )
             ph16 = gl.convert_layout(ph.to(dtype), p_layout)
             acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
             mbarrier.arrive(v_empty.index(prev), count=1)
@@ -382,8 +559,20 @@ if HAVE_GLUON:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _epilogue(acc, m_i, l_i, o_buf, o_desc, o_row, o_col, lse_ptr, lse_row, s_layout: gl.constexpr,
-                  o_layout: gl.constexpr, dtype: gl.constexpr):
+    def _epilogue(
+        acc,
+        m_i,
+        l_i,
+        o_buf,
+        o_desc,
+        o_row,
+        o_col,
+        lse_ptr,
+        lse_row,
+        s_layout: gl.constexpr,
+        o_layout: gl.constexpr,
+        dtype: gl.constexpr,
+    ):
         """o = acc / l through the shared buffer o_buf and a TMA store (left in flight: the caller waits),
         lse = (m + log2 l) · ln 2 by plain stores."""
         o = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
@@ -396,9 +585,29 @@ if HAVE_GLUON:
         gl.store(lse_ptr + lse_row + offs, lse)
 
     @gluon.jit
-    def _load_item(q_desc, k_desc, v_desc, q_smem, qb, q_bar, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
-                   q_row, q_col, kv_row0, kv_col, t0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   NW: gl.constexpr = 2):
+    def _load_item(
+        q_desc,
+        k_desc,
+        v_desc,
+        q_smem,
+        qb,
+        q_bar,
+        k_smem,
+        v_smem,
+        k_full,
+        v_full,
+        k_empty,
+        v_empty,
+        q_row,
+        q_col,
+        kv_row0,
+        kv_col,
+        t0,
+        n_tiles,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        NW: gl.constexpr = 2,
+    ):
         """The producer's work for one item: its NW 64-row Q tiles into q_smem[qb .. qb + NW) (q_bar counts
         their bytes), then every K/V tile into its ring slot (running tile t0 + j) once every consumer has
         released the slot's last tile."""
@@ -426,15 +635,74 @@ if HAVE_GLUON:
 
     # ---- lib: one program per item ------------------------------------------------------------------------
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-                  q_row, q_col, kv_row0, kv_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        _load_item(q_desc, k_desc, v_desc, q_smem, 0, q_bar, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
-                   q_row, q_col, kv_row0, kv_col, 0, n_tiles, BLOCK_N, STAGES)
+    def _producer(
+        q_desc,
+        k_desc,
+        v_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_bar,
+        k_full,
+        v_full,
+        k_empty,
+        v_empty,
+        q_row,
+        q_col,
+        kv_row0,
+        kv_col,
+        n_tiles,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        _load_item(
+            q_desc,
+            k_desc,
+            v_desc,
+            q_smem,
+            0,
+            q_bar,
+            k_smem,
+            v_smem,
+            k_full,
+            v_full,
+            k_empty,
+            v_empty,
+            q_row,
+            q_col,
+            kv_row0,
+            kv_col,
+            0,
+            n_tiles,
+            BLOCK_N,
+            STAGES,
+        )
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, o_desc, lse_ptr, q_row, q_col,
-                  lse_row, n_tiles, qk_scale, start_m, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr):
+    def _consumer(
+        q_smem,
+        k_smem,
+        v_smem,
+        q_bar,
+        k_full,
+        v_full,
+        k_empty,
+        v_empty,
+        o_desc,
+        lse_ptr,
+        q_row,
+        q_col,
+        lse_row,
+        n_tiles,
+        qk_scale,
+        start_m,
+        dtype: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        HALF: gl.constexpr,
+    ):
         """One warpgroup: query rows [start_m + 64·HALF, +64) of the program's 128; O leaves through the
         warpgroup's (dead) Q half."""
         layouts: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM)
@@ -442,18 +710,70 @@ if HAVE_GLUON:
         o_layout: gl.constexpr = layouts[1]
         q_half = q_smem.index(HALF)
         mbarrier.wait(q_bar, 0)
-        acc, m_i, l_i = _consumer_loop(q_half, k_smem, v_smem, k_full, v_full, k_empty, v_empty, None, None, 0, 0,
-                                       n_tiles, qk_scale, start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype,
-                                       HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HALF, False, False)
-        _epilogue(acc, m_i, l_i, q_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr,
-                  lse_row + HALF * HALF_ROWS, s_layout, o_layout, dtype)
+        acc, m_i, l_i = _consumer_loop(
+            q_half,
+            k_smem,
+            v_smem,
+            k_full,
+            v_full,
+            k_empty,
+            v_empty,
+            None,
+            None,
+            0,
+            0,
+            n_tiles,
+            qk_scale,
+            start_m + HALF * HALF_ROWS,
+            s_layout,
+            o_layout,
+            dtype,
+            HEAD_DIM,
+            BLOCK_N,
+            STAGES,
+            CAUSAL,
+            HALF,
+            False,
+            False,
+        )
+        _epilogue(
+            acc,
+            m_i,
+            l_i,
+            q_half,
+            o_desc,
+            q_row + HALF * HALF_ROWS,
+            q_col,
+            lse_ptr,
+            lse_row + HALF * HALF_ROWS,
+            s_layout,
+            o_layout,
+            dtype,
+        )
         tma.store_wait(0)
 
     @gluon.jit
-    def _flash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T,
-                                q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-                                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                CAUSAL: gl.constexpr):
+    def _flash_fwd_gluon_kernel(
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        lse_ptr,
+        qk_scale,
+        H,
+        GROUP,
+        T,
+        q_rb,
+        q_rh,
+        q_ch,
+        kv_rb,
+        kv_rh,
+        kv_ch,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+    ):
         """Program (query tile, batch·head). num_warps = 4: the default partition is consumer warpgroup 0,
         the workers are consumer warpgroup 1 and the producer warp."""
         dtype: gl.constexpr = q_desc.dtype
@@ -461,7 +781,8 @@ if HAVE_GLUON:
         if CAUSAL:  # heaviest query tiles first: the short diagonal programs fill the tail of the grid
             pid_m = gl.num_programs(0) - 1 - pid_m
         start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
-            gl.program_id(1), pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL)
+            gl.program_id(1), pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL
+        )
 
         q_smem = gl.allocate_shared_memory(dtype, [2, HALF_ROWS, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -475,14 +796,89 @@ if HAVE_GLUON:
         _init_ring(k_full, v_full, k_empty, v_empty, STAGES)
         fence_async_shared()
 
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, o_desc, lse_ptr, q_row,
-                         q_col, lse_row, n_tiles, qk_scale, start_m, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, o_desc, lse_ptr, q_row,
-                         q_col, lse_row, n_tiles, qk_scale, start_m, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-                         q_row, q_col, kv_row0, kv_col, n_tiles, BLOCK_N, STAGES)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])  # worker_num_regs: required by Gluon 3.6
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        q_bar,
+                        k_full,
+                        v_full,
+                        k_empty,
+                        v_empty,
+                        o_desc,
+                        lse_ptr,
+                        q_row,
+                        q_col,
+                        lse_row,
+                        n_tiles,
+                        qk_scale,
+                        start_m,
+                        dtype,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        STAGES,
+                        CAUSAL,
+                        0,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        q_bar,
+                        k_full,
+                        v_full,
+                        k_empty,
+                        v_empty,
+                        o_desc,
+                        lse_ptr,
+                        q_row,
+                        q_col,
+                        lse_row,
+                        n_tiles,
+                        qk_scale,
+                        start_m,
+                        dtype,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        STAGES,
+                        CAUSAL,
+                        1,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        q_bar,
+                        k_full,
+                        v_full,
+                        k_empty,
+                        v_empty,
+                        q_row,
+                        q_col,
+                        kv_row0,
+                        kv_col,
+                        n_tiles,
+                        BLOCK_N,
+                        STAGES,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
+        )  # worker_num_regs: required by Gluon 3.6
 
     # ---- pers, q2, pp, q2pp: persistent programs ----------------------------------------------------------
     @gluon.jit
@@ -527,10 +923,41 @@ if HAVE_GLUON:
             return bh, pid_m, code
 
     @gluon.jit
-    def _pers_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
-                       v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off,
-                       ord_items, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       NUM_Q: gl.constexpr, NW: gl.constexpr = 2, TABLE: gl.constexpr = False):
+    def _pers_producer(
+        q_desc,
+        k_desc,
+        v_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        q_full,
+        q_empty,
+        k_full,
+        v_full,
+        k_empty,
+        v_empty,
+        pid,
+        n_prog,
+        U,
+        n_m,
+        H,
+        GROUP,
+        T,
+        q_rb,
+        q_rh,
+        q_ch,
+        kv_rb,
+        kv_rh,
+        kv_ch,
+        ord_off,
+        ord_items,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        NUM_Q: gl.constexpr,
+        NW: gl.constexpr = 2,
+        TABLE: gl.constexpr = False,
+    ):
         """The TMA warp: per item, its NW Q tiles into Q slot idx % NUM_Q once every consumer released it,
         then the item's K/V tiles into the ring (running counter t, continued across items)."""
         t = pid * 0
@@ -538,20 +965,78 @@ if HAVE_GLUON:
         for idx in range(n_loc):
             bh, pid_m, code = _items_next(ord_items, base, idx, n_loc, code, pid, n_prog, n_m, TABLE)
             start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
-                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL, NW)
+                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL, NW
+            )
             qs = idx % NUM_Q
             mbarrier.wait(q_empty.index(qs), ((idx // NUM_Q) & 1) ^ 1)  # first use passes on a fresh barrier
-            _load_item(q_desc, k_desc, v_desc, q_smem, NW * qs, q_full.index(qs), k_smem, v_smem, k_full, v_full,
-                       k_empty, v_empty, q_row, q_col, kv_row0, kv_col, t, n_tiles, BLOCK_N, STAGES, NW)
+            _load_item(
+                q_desc,
+                k_desc,
+                v_desc,
+                q_smem,
+                NW * qs,
+                q_full.index(qs),
+                k_smem,
+                v_smem,
+                k_full,
+                v_full,
+                k_empty,
+                v_empty,
+                q_row,
+                q_col,
+                kv_row0,
+                kv_col,
+                t,
+                n_tiles,
+                BLOCK_N,
+                STAGES,
+                NW,
+            )
             t += n_tiles
 
     @gluon.jit
-    def _pers_consumer(q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
-                       o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                       kv_ch, ord_off, ord_items, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
-                       HALF: gl.constexpr, NW: gl.constexpr = 2, TABLE: gl.constexpr = False,
-                       HALF_DIAG: gl.constexpr = False):
+    def _pers_consumer(
+        q_smem,
+        o_smem,
+        k_smem,
+        v_smem,
+        q_full,
+        q_empty,
+        k_full,
+        v_full,
+        k_empty,
+        v_empty,
+        sched,
+        o_desc,
+        lse_ptr,
+        qk_scale,
+        pid,
+        n_prog,
+        U,
+        n_m,
+        H,
+        GROUP,
+        T,
+        q_rb,
+        q_rh,
+        q_ch,
+        kv_rb,
+        kv_rh,
+        kv_ch,
+        ord_off,
+        ord_items,
+        dtype: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        NUM_Q: gl.constexpr,
+        PINGPONG: gl.constexpr,
+        HALF: gl.constexpr,
+        NW: gl.constexpr = 2,
+        TABLE: gl.constexpr = False,
+        HALF_DIAG: gl.constexpr = False,
+    ):
         """Consumer warpgroup HALF: query rows 64·HALF .. +64 of every item of the program. NW = 3: its rows
         may lie before the sequence (a head's first item, ``_tile_coords``) and, causal, its diagonal may come
         before the item's last tile: it computes its own first n_mine tiles and only waits for and releases
@@ -566,17 +1051,41 @@ if HAVE_GLUON:
         for idx in range(n_loc):
             bh, pid_m, code = _items_next(ord_items, base, idx, n_loc, code, pid, n_prog, n_m, TABLE)
             start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
-                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL, NW)
+                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL, NW
+            )
             qs = idx % NUM_Q
             mbarrier.wait(q_full.index(qs), (idx // NUM_Q) & 1)
             if NW == 2:
-                acc, m_i, l_i = _consumer_loop(q_smem.index(2 * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty,
-                                               v_empty, q_empty.index(qs), sched, t, sc, n_tiles, qk_scale,
-                                               start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM,
-                                               BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, True,
-                                               CAUSAL and HALF_DIAG and HALF == 0)
-                _store_half(acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout, o_layout, dtype,
-                            HALF)
+                acc, m_i, l_i = _consumer_loop(
+                    q_smem.index(2 * qs + HALF),
+                    k_smem,
+                    v_smem,
+                    k_full,
+                    v_full,
+                    k_empty,
+                    v_empty,
+                    q_empty.index(qs),
+                    sched,
+                    t,
+                    sc,
+                    n_tiles,
+                    qk_scale,
+                    start_m + HALF * HALF_ROWS,
+                    s_layout,
+                    o_layout,
+                    dtype,
+                    HEAD_DIM,
+                    BLOCK_N,
+                    STAGES,
+                    CAUSAL,
+                    HALF,
+                    PINGPONG,
+                    True,
+                    CAUSAL and HALF_DIAG and HALF == 0,
+                )
+                _store_half(
+                    acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout, o_layout, dtype, HALF
+                )
             else:
                 row0 = start_m + HALF * HALF_ROWS  # this warpgroup's first query row
                 if CAUSAL:  # tiles up to its own diagonal
@@ -584,13 +1093,36 @@ if HAVE_GLUON:
                 else:
                     n_mine = n_tiles
                 if row0 >= 0:
-                    acc, m_i, l_i = _consumer_loop(q_smem.index(NW * qs + HALF), k_smem, v_smem, k_full, v_full,
-                                                   k_empty, v_empty, q_empty.index(qs), sched, t, sc, n_mine,
-                                                   qk_scale, row0, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N,
-                                                   STAGES, CAUSAL, HALF, False, True)
+                    acc, m_i, l_i = _consumer_loop(
+                        q_smem.index(NW * qs + HALF),
+                        k_smem,
+                        v_smem,
+                        k_full,
+                        v_full,
+                        k_empty,
+                        v_empty,
+                        q_empty.index(qs),
+                        sched,
+                        t,
+                        sc,
+                        n_mine,
+                        qk_scale,
+                        row0,
+                        s_layout,
+                        o_layout,
+                        dtype,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        STAGES,
+                        CAUSAL,
+                        HALF,
+                        False,
+                        True,
+                    )
                     _skip_tiles(k_full, v_full, k_empty, v_empty, t, n_mine, n_tiles, STAGES)
-                    _store_half(acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout, o_layout,
-                                dtype, HALF)
+                    _store_half(
+                        acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout, o_layout, dtype, HALF
+                    )
                 else:  # rows before the sequence (the first item's offset): nothing to compute or store
                     mbarrier.arrive(q_empty.index(qs), count=1)
                     _skip_tiles(k_full, v_full, k_empty, v_empty, t, 0, n_tiles, STAGES)
@@ -599,14 +1131,39 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _store_half(acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout: gl.constexpr,
-                    o_layout: gl.constexpr, dtype: gl.constexpr, HALF: gl.constexpr):
+    def _store_half(
+        acc,
+        m_i,
+        l_i,
+        o_half,
+        o_desc,
+        q_row,
+        q_col,
+        lse_ptr,
+        lse_row,
+        s_layout: gl.constexpr,
+        o_layout: gl.constexpr,
+        dtype: gl.constexpr,
+        HALF: gl.constexpr,
+    ):
         """Warpgroup HALF's rows of the item out (``_epilogue``), once the previous item's O store has finished
         reading o_half."""
         tma.store_wait(0)
         _cta_barrier()
-        _epilogue(acc, m_i, l_i, o_half, o_desc, q_row + HALF * HALF_ROWS, q_col, lse_ptr, lse_row + HALF * HALF_ROWS,
-                  s_layout, o_layout, dtype)
+        _epilogue(
+            acc,
+            m_i,
+            l_i,
+            o_half,
+            o_desc,
+            q_row + HALF * HALF_ROWS,
+            q_col,
+            lse_ptr,
+            lse_row + HALF * HALF_ROWS,
+            s_layout,
+            o_layout,
+            dtype,
+        )
 
     @gluon.jit
     def _skip_tiles(k_full, v_full, k_empty, v_empty, t0, j0, n_tiles, STAGES: gl.constexpr):
@@ -622,12 +1179,36 @@ if HAVE_GLUON:
             mbarrier.arrive(v_empty.index(slot), count=1)
 
     @gluon.jit
-    def _flash_fwd_gluon_pers_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T, U, n_m,
-                                     q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items,
-                                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                     CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
-                                     NW: gl.constexpr = 2, TABLE: gl.constexpr = False,
-                                     HALF_DIAG: gl.constexpr = False):
+    def _flash_fwd_gluon_pers_kernel(
+        q_desc,
+        k_desc,
+        v_desc,
+        o_desc,
+        lse_ptr,
+        qk_scale,
+        H,
+        GROUP,
+        T,
+        U,
+        n_m,
+        q_rb,
+        q_rh,
+        q_ch,
+        kv_rb,
+        kv_rh,
+        kv_ch,
+        ord_off,
+        ord_items,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        NUM_Q: gl.constexpr,
+        PINGPONG: gl.constexpr,
+        NW: gl.constexpr = 2,
+        TABLE: gl.constexpr = False,
+        HALF_DIAG: gl.constexpr = False,
+    ):
         """Persistent program over U = B·H·n_m items of NW·64 query rows (n_m = ceil(T / (NW·64))), grid <=
         ceil(U / 2). num_warps = 4 (default partition = consumer 0; workers: the other NW - 1 consumers (4 warps
         each), producer (1 warp))."""
@@ -655,38 +1236,318 @@ if HAVE_GLUON:
         fence_async_shared()
 
         if NW == 3:
-            gl.warp_specialize([
-                (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                                  sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh,
-                                  q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES,
-                                  CAUSAL, NUM_Q, False, 0, 3, TABLE)),
-                (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                                  sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh,
-                                  q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES,
-                                  CAUSAL, NUM_Q, False, 1, 3, TABLE)),
-                (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                                  sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh,
-                                  q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES,
-                                  CAUSAL, NUM_Q, False, 2, 3, TABLE)),
-                (_pers_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
-                                  k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                                  kv_ch, ord_off, ord_items, BLOCK_N, STAGES, CAUSAL, NUM_Q, 3, TABLE)),
-            ], [4, 4, 1], [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS])
+            gl.warp_specialize(
+                [
+                    (
+                        _pers_consumer,
+                        (
+                            q_smem,
+                            o_smem,
+                            k_smem,
+                            v_smem,
+                            q_full,
+                            q_empty,
+                            k_full,
+                            v_full,
+                            k_empty,
+                            v_empty,
+                            sched,
+                            o_desc,
+                            lse_ptr,
+                            qk_scale,
+                            pid,
+                            n_prog,
+                            U,
+                            n_m,
+                            H,
+                            GROUP,
+                            T,
+                            q_rb,
+                            q_rh,
+                            q_ch,
+                            kv_rb,
+                            kv_rh,
+                            kv_ch,
+                            ord_off,
+                            ord_items,
+                            dtype,
+                            HEAD_DIM,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            NUM_Q,
+                            False,
+                            0,
+                            3,
+                            TABLE,
+                        ),
+                    ),
+                    (
+                        _pers_consumer,
+                        (
+                            q_smem,
+                            o_smem,
+                            k_smem,
+                            v_smem,
+                            q_full,
+                            q_empty,
+                            k_full,
+                            v_full,
+                            k_empty,
+                            v_empty,
+                            sched,
+                            o_desc,
+                            lse_ptr,
+                            qk_scale,
+                            pid,
+                            n_prog,
+                            U,
+                            n_m,
+                            H,
+                            GROUP,
+                            T,
+                            q_rb,
+                            q_rh,
+                            q_ch,
+                            kv_rb,
+                            kv_rh,
+                            kv_ch,
+                            ord_off,
+                            ord_items,
+                            dtype,
+                            HEAD_DIM,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            NUM_Q,
+                            False,
+                            1,
+                            3,
+                            TABLE,
+                        ),
+                    ),
+                    (
+                        _pers_consumer,
+                        (
+                            q_smem,
+                            o_smem,
+                            k_smem,
+                            v_smem,
+                            q_full,
+                            q_empty,
+                            k_full,
+                            v_full,
+                            k_empty,
+                            v_empty,
+                            sched,
+                            o_desc,
+                            lse_ptr,
+                            qk_scale,
+                            pid,
+                            n_prog,
+                            U,
+                            n_m,
+                            H,
+                            GROUP,
+                            T,
+                            q_rb,
+                            q_rh,
+                            q_ch,
+                            kv_rb,
+                            kv_rh,
+                            kv_ch,
+                            ord_off,
+                            ord_items,
+                            dtype,
+                            HEAD_DIM,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            NUM_Q,
+                            False,
+                            2,
+                            3,
+                            TABLE,
+                        ),
+                    ),
+                    (
+                        _pers_producer,
+                        (
+                            q_desc,
+                            k_desc,
+                            v_desc,
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            q_full,
+                            q_empty,
+                            k_full,
+                            v_full,
+                            k_empty,
+                            v_empty,
+                            pid,
+                            n_prog,
+                            U,
+                            n_m,
+                            H,
+                            GROUP,
+                            T,
+                            q_rb,
+                            q_rh,
+                            q_ch,
+                            kv_rb,
+                            kv_rh,
+                            kv_ch,
+                            ord_off,
+                            ord_items,
+                            BLOCK_N,
+                            STAGES,
+                            CAUSAL,
+                            NUM_Q,
+                            3,
+                            TABLE,
+                        ),
+                    ),
+                ],
+                [4, 4, 1],
+                [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS],
+            )
             return
 
-        gl.warp_specialize([
-            (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                              sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
-                              kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q,
-                              PINGPONG, 0, 2, TABLE, HALF_DIAG)),
-            (_pers_consumer, (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                              sched, o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch,
-                              kv_rb, kv_rh, kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q,
-                              PINGPONG, 1, 2, TABLE, HALF_DIAG)),
-            (_pers_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
-                              k_empty, v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                              kv_ch, ord_off, ord_items, BLOCK_N, STAGES, CAUSAL, NUM_Q, 2, TABLE)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _pers_consumer,
+                    (
+                        q_smem,
+                        o_smem,
+                        k_smem,
+                        v_smem,
+                        q_full,
+                        q_empty,
+                        k_full,
+                        v_full,
+                        k_empty,
+                        v_empty,
+                        sched,
+                        o_desc,
+                        lse_ptr,
+                        qk_scale,
+                        pid,
+                        n_prog,
+                        U,
+                        n_m,
+                        H,
+                        GROUP,
+                        T,
+                        q_rb,
+                        q_rh,
+                        q_ch,
+                        kv_rb,
+                        kv_rh,
+                        kv_ch,
+                        ord_off,
+                        ord_items,
+                        dtype,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        STAGES,
+                        CAUSAL,
+                        NUM_Q,
+                        PINGPONG,
+                        0,
+                        2,
+                        TABLE,
+                        HALF_DIAG,
+                    ),
+                ),
+                (
+                    _pers_consumer,
+                    (
+                        q_smem,
+                        o_smem,
+                        k_smem,
+                        v_smem,
+                        q_full,
+                        q_empty,
+                        k_full,
+                        v_full,
+                        k_empty,
+                        v_empty,
+                        sched,
+                        o_desc,
+                        lse_ptr,
+                        qk_scale,
+                        pid,
+                        n_prog,
+                        U,
+                        n_m,
+                        H,
+                        GROUP,
+                        T,
+                        q_rb,
+                        q_rh,
+                        q_ch,
+                        kv_rb,
+                        kv_rh,
+                        kv_ch,
+                        ord_off,
+                        ord_items,
+                        dtype,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        STAGES,
+                        CAUSAL,
+                        NUM_Q,
+                        PINGPONG,
+                        1,
+                        2,
+                        TABLE,
+                        HALF_DIAG,
+                    ),
+                ),
+                (
+                    _pers_producer,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        q_smem,
+                        k_smem,
+                        v_smem,
+                        q_full,
+                        q_empty,
+                        k_full,
+                        v_full,
+                        k_empty,
+                        v_empty,
+                        pid,
+                        n_prog,
+                        U,
+                        n_m,
+                        H,
+                        GROUP,
+                        T,
+                        q_rb,
+                        q_rh,
+                        q_ch,
+                        kv_rb,
+                        kv_rh,
+                        kv_ch,
+                        ord_off,
+                        ord_items,
+                        BLOCK_N,
+                        STAGES,
+                        CAUSAL,
+                        NUM_Q,
+                        2,
+                        TABLE,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
+        )
 
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -696,11 +1557,10 @@ if HAVE_GLUON:
 # ---------------------------------------------------------------------------------------------------------
 STAGES = {64: 3, 128: 2}  # K/V ring slots by head dim (H200: hd64 gains from the third slot, hd128 does not)
 # variant -> (NUM_Q, PINGPONG) of the persistent kernel; "lib" is the one-program-per-item kernel
-VARIANTS = {"lib": None, "pers": (1, False), "q2": (2, False), "pp": (1, True), "q2pp": (2, True),
-            "w3": (2, False, 3)}
+VARIANTS = {"lib": None, "pers": (1, False), "q2": (2, False), "pp": (1, True), "q2pp": (2, True), "w3": (2, False, 3)}
 # variants that only some head dims take: w3's three consumer warpgroups get 160-168 registers each, which
 # at hd128 makes ptxas serialise every wgmma (and spill)
-VARIANT_HEAD_DIMS = {"w3": (64, )}
+VARIANT_HEAD_DIMS = {"w3": (64,)}
 # The variant flash_attention_fwd_gluon runs by head dim: the first (T_max, variant) with T <= T_max. H200,
 # causal bf16, x cuDNN at T = 1k/2k/4k/8k/16k (module docstring): hd128 pp 1.02/1.09/1.07/1.08/1.07 and
 # q2pp 0.68/1.12/1.12/1.10/1.09; hd64 q2 0.94/1.02/0.97/0.98/1.05, the best or within 0.01 at every T but 8k
@@ -739,8 +1599,17 @@ def item_tiles(pid_m: int, n_m: int, T: int, NW: int, causal: bool) -> int:
     return (start_m + NW * HALF_M + BLOCK_N - 1) // BLOCK_N
 
 
-def schedule(BH: int, n_m: int, T: int, NW: int, causal: bool, G: int, policy: str,
-             tail_rounds: int | None = None, item_cost: float | None = None) -> tuple[list, list]:
+def schedule(
+    BH: int,
+    n_m: int,
+    T: int,
+    NW: int,
+    causal: bool,
+    G: int,
+    policy: str,
+    tail_rounds: int | None = None,
+    item_cost: float | None = None,
+) -> tuple[list, list]:
     """(offsets [G + 1], codes) of the persistent grid's work: program p takes the items codes[offsets[p] ..
     offsets[p + 1]) in order, code = bh · n_m + pid_m. "pairs": the kernel's own rule (pair k = items 2k, 2k + 1
     of the heaviest/lightest order to program k mod G), as a table. "tail": those pairs for the first
@@ -789,8 +1658,10 @@ def _schedule_tensors(device, BH: int, n_m: int, T: int, NW: int, causal: bool, 
     hit = _SCHEDULES.get(key)
     if hit is None:
         off, codes = schedule(BH, n_m, T, NW, causal, G, SCHEDULE)
-        hit = (torch.tensor(off, dtype=torch.int32, device=device),
-               torch.tensor(codes + [0], dtype=torch.int32, device=device))
+        hit = (
+            torch.tensor(off, dtype=torch.int32, device=device),
+            torch.tensor(codes + [0], dtype=torch.int32, device=device),
+        )
         _SCHEDULES.put(key, hit)
     return hit
 
@@ -850,35 +1721,67 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, variant: str, stages: i
     standing in for their shapes and strides (``compile_sm90``). n_prog: the persistent grid's cap."""
     B, H, T, D = q.shape
     if D not in VARIANT_HEAD_DIMS.get(variant, HEAD_DIMS):
-        raise ValueError(f"flash_attention_fwd_gluon: variant {variant!r} takes head dims "
-                         f"{VARIANT_HEAD_DIMS[variant]}, got {D}")
+        raise ValueError(
+            f"flash_attention_fwd_gluon: variant {variant!r} takes head dims {VARIANT_HEAD_DIMS[variant]}, got {D}"
+        )
     q2, q_rb, q_rh, q_ch = _row_view(q)
     k2, kv_rb, kv_rh, kv_ch = _row_view(k)
     v2, o2 = _row_view(v)[0], _row_view(o)[0]
-    args = dict(q_desc=_desc(q2, HALF_M, D), k_desc=_desc(k2, BLOCK_N, D), v_desc=_desc(v2, BLOCK_N, D),
-                o_desc=_desc(o2, HALF_M, D), lse_ptr=lse, qk_scale=scale * LOG2E, H=H, GROUP=H // k.shape[1], T=T)
+    args = dict(
+        q_desc=_desc(q2, HALF_M, D),
+        k_desc=_desc(k2, BLOCK_N, D),
+        v_desc=_desc(v2, BLOCK_N, D),
+        o_desc=_desc(o2, HALF_M, D),
+        lse_ptr=lse,
+        qk_scale=scale * LOG2E,
+        H=H,
+        GROUP=H // k.shape[1],
+        T=T,
+    )
     coords = dict(q_rb=q_rb, q_rh=q_rh, q_ch=q_ch, kv_rb=kv_rb, kv_rh=kv_rh, kv_ch=kv_ch)
     consts = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N, STAGES=stages or STAGES[D], CAUSAL=bool(causal))
     if VARIANTS[variant] is None:
         return _flash_fwd_gluon_kernel, (T // BLOCK_M, B * H), {**args, **coords}, consts
-    NUM_Q, PINGPONG, NW = (VARIANTS[variant] + (2, ))[:3]
+    NUM_Q, PINGPONG, NW = (VARIANTS[variant] + (2,))[:3]
     n_m = -(-T // (NW * HALF_M))  # items per head (NW = 3: the last may hold fewer than 192 rows)
     U = B * H * n_m  # work items; programs take them in pairs, so more than ceil(U / 2) would idle
-    grid = (max(1, min(n_prog, (U + 1) // 2)), )
+    grid = (max(1, min(n_prog, (U + 1) // 2)),)
     table = SCHEDULE != "pairs"
     if table:
         ord_off, ord_items = _schedule_tensors(q.device, B * H, n_m, T, NW, causal, grid[0])
     else:  # unused by the kernel (TABLE False): any pointer
         ord_off = ord_items = lse
-    consts = {**consts, "NUM_Q": NUM_Q, "PINGPONG": PINGPONG, "NW": NW, "TABLE": table,
-              "HALF_DIAG": bool(causal and NW == 2 and T <= HALF_DIAG_MAX_T.get(D, 0))}
-    return (_flash_fwd_gluon_pers_kernel, grid, {**args, "U": U, "n_m": n_m, **coords, "ord_off": ord_off,
-                                                 "ord_items": ord_items}, consts)
+    consts = {
+        **consts,
+        "NUM_Q": NUM_Q,
+        "PINGPONG": PINGPONG,
+        "NW": NW,
+        "TABLE": table,
+        "HALF_DIAG": bool(causal and NW == 2 and T <= HALF_DIAG_MAX_T.get(D, 0)),
+    }
+    return (
+        _flash_fwd_gluon_pers_kernel,
+        grid,
+        {**args, "U": U, "n_m": n_m, **coords, "ord_off": ord_off, "ord_items": ord_items},
+        consts,
+    )
 
 
-def flash_attention_fwd_gluon(q, k, v, causal: bool = True, scale: float | None = None, *, o=None, lse=None,
-                              variant: str | None = None, stages: int | None = None, programs: int | None = None,
-                              checked: bool = False, plan: bool = False):
+def flash_attention_fwd_gluon(
+    q,
+    k,
+    v,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    o=None,
+    lse=None,
+    variant: str | None = None,
+    stages: int | None = None,
+    programs: int | None = None,
+    checked: bool = False,
+    plan: bool = False,
+):
     """Launch the Gluon forward (callers check ``supported`` first; flash_attention_fwd_triton does). q, k, v
     must share a dtype; ``o``/``lse``: optional output buffers, o in q's layout, lse contiguous fp32.
     ``variant``: a name of ``VARIANTS`` (None: ``pick_variant``); ``stages``: K/V ring slots (None:
@@ -890,9 +1793,11 @@ def flash_attention_fwd_gluon(q, k, v, causal: bool = True, scale: float | None 
     if plan and (o is not None or lse is not None):
         raise ValueError(f"{op}: plan=True allocates o and lse itself; got buffers")
     if not checked and not supported(q, k, v):
-        raise ValueError(f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU, D in {HEAD_DIMS}, T a multiple of "
-                         f"{BLOCK_M}, contiguous or [B, T, H, D]-transposed layouts; got q {tuple(q.shape)} "
-                         f"{q.dtype} strides {q.stride()}, k {tuple(k.shape)} strides {k.stride()}")
+        raise ValueError(
+            f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU, D in {HEAD_DIMS}, T a multiple of "
+            f"{BLOCK_M}, contiguous or [B, T, H, D]-transposed layouts; got q {tuple(q.shape)} "
+            f"{q.dtype} strides {q.stride()}, k {tuple(k.shape)} strides {k.stride()}"
+        )
     B, H, T, D = q.shape
     variant = pick_variant(D, T) if variant is None else variant
     if variant not in VARIANTS:
@@ -901,17 +1806,21 @@ def flash_attention_fwd_gluon(q, k, v, causal: bool = True, scale: float | None 
     if not (s > 0.0 and math.isfinite(s)):
         raise ValueError(f"{op}: scale must be a finite number > 0, got {scale!r}")
     if o is None:  # o in q's layout, so one set of descriptor coordinates serves both
-        o = torch.empty_like(q) if q.is_contiguous() else torch.empty(
-            B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+        o = (
+            torch.empty_like(q)
+            if q.is_contiguous()
+            else torch.empty(B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+        )
     if o.shape != q.shape or o.dtype != q.dtype or o.stride() != q.stride():
-        raise ValueError(f"{op}: o must be like q (shape, dtype, strides), got {tuple(o.shape)} {o.dtype} "
-                         f"strides {o.stride()} vs q strides {q.stride()}")
+        raise ValueError(
+            f"{op}: o must be like q (shape, dtype, strides), got {tuple(o.shape)} {o.dtype} "
+            f"strides {o.stride()} vs q strides {q.stride()}"
+        )
     if lse is None:
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     if lse.shape != (B, H, T) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"{op}: lse must be contiguous fp32 [B, H, T], got {tuple(lse.shape)} {lse.dtype}")
-    kernel, grid, args, consts = _launch(q, k, v, o, lse, causal, s, variant, stages,
-                                         programs or sm_count(q.device))
+    kernel, grid, args, consts = _launch(q, k, v, o, lse, causal, s, variant, stages, programs or sm_count(q.device))
     if not plan:
         kernel[grid](**args, **consts, num_warps=4)
         return o, lse
@@ -941,23 +1850,37 @@ class _FwdPlan:
 
     def __call__(self, q, k, v):
         B, H, T, D = self.shape
-        o = torch.empty_like(q) if self.contiguous else torch.empty(
-            B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+        o = (
+            torch.empty_like(q)
+            if self.contiguous
+            else torch.empty(B, T, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+        )
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-        self.launch(**self.table, **dict.fromkeys(self.lse_args, lse),
-                    **rebase_all(self.descs, {"q": q, "k": k, "v": v, "o": o}))
+        self.launch(
+            **self.table,
+            **dict.fromkeys(self.lse_args, lse),
+            **rebase_all(self.descs, {"q": q, "k": k, "v": v, "o": o}),
+        )
         return o, lse
 
 
 def plan_salt(D: int) -> tuple:
     """The module settings a cached forward plan depends on (part of its key): the variant and ring depth
     this head dim gets."""
-    return (VARIANT_BY_T.get(D), STAGES.get(D), HAVE_GLUON, SCHEDULE, SCHED_TAIL_ROUNDS, SCHED_ITEM_COST,
-            tuple(sorted(HALF_DIAG_MAX_T.items())))
+    return (
+        VARIANT_BY_T.get(D),
+        STAGES.get(D),
+        HAVE_GLUON,
+        SCHEDULE,
+        SCHED_TAIL_ROUNDS,
+        SCHED_ITEM_COST,
+        tuple(sorted(HALF_DIAG_MAX_T.items())),
+    )
 
 
-def compile_sm90(D: int = 128, causal: bool = True, stages: int | None = None, transposed_kv: bool = False,
-                 variant: str = "lib"):
+def compile_sm90(
+    D: int = 128, causal: bool = True, stages: int | None = None, transposed_kv: bool = False, variant: str = "lib"
+):
     """Compile ``variant`` for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes): the CI
     check that a Triton upgrade has not broken it. Returns the compiled kernel (its .asm["ptx"])."""
     from triton.backends.compiler import GPUTarget
@@ -966,10 +1889,13 @@ def compile_sm90(D: int = 128, causal: bool = True, stages: int | None = None, t
 
     B, H, Hkv, T = 1, 4, 2, 256
     q = torch.empty(B, H, T, D, dtype=torch.bfloat16)
-    kv = (torch.empty(B, T, Hkv, D, dtype=torch.bfloat16).transpose(1, 2) if transposed_kv
-          else torch.empty(B, Hkv, T, D, dtype=torch.bfloat16))
+    kv = (
+        torch.empty(B, T, Hkv, D, dtype=torch.bfloat16).transpose(1, 2)
+        if transposed_kv
+        else torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
+    )
     lse = torch.empty(B, H, T)
-    kernel, _, args, consts = _launch(q, kv, kv, q, lse, causal, D ** -0.5, variant, stages, 132)
+    kernel, _, args, consts = _launch(q, kv, kv, q, lse, causal, D**-0.5, variant, stages, 132)
     sig = {a: "constexpr" if a in consts else mangle_type(args[a]) for a in kernel.arg_names}
     src = GluonASTSource(kernel, sig, consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -294,7 +294,6 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-
     _LSE_COLS = gl.constexpr(LSE_COLS)
 
     @gluon.constexpr_function
@@ -332,8 +331,12 @@ if HAVE_GLUON:
     def _kv_rows(off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb, dv_rh):
         """TMA rows of the first of a program's keys (start_n of batch off_b, kv head off_kvh) in the K, V, dK and dV
         row views (module docstring, "Tensor layouts")."""
-        return (off_b * k_rb + off_kvh * k_rh + start_n, off_b * v_rb + off_kvh * v_rh + start_n,
-                off_b * dk_rb + off_kvh * dk_rh + start_n, off_b * dv_rb + off_kvh * dv_rh + start_n)
+        return (
+            off_b * k_rb + off_kvh * k_rh + start_n,
+            off_b * v_rb + off_kvh * v_rh + start_n,
+            off_b * dk_rb + off_kvh * dk_rh + start_n,
+            off_b * dv_rb + off_kvh * dv_rh + start_n,
+        )
 
     @gluon.jit
     def _dkdv_load(desc, row_desc, bar, dst, row_dst, row, col, lt, SMEM: gl.constexpr, COLS: gl.constexpr = False):
@@ -351,11 +354,47 @@ if HAVE_GLUON:
         _tma_load(desc, [row, col], bar, dst)
 
     @gluon.jit
-    def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                       lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, k_col, v_row, v_col,
-                       q_base, q_rh, q_ch, do_base, do_rh, do_ch, h0, mt0, n_m, n_iter, T, lt0,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr,
-                       LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False):
+    def _dkdv_producer(
+        q_desc,
+        do_desc,
+        k_desc,
+        v_desc,
+        lse_desc,
+        delta_desc,
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        lse_smem,
+        delta_smem,
+        kv_bar,
+        q_bars,
+        do_bars,
+        q_empty,
+        do_empty,
+        k_row,
+        k_col,
+        v_row,
+        v_col,
+        q_base,
+        q_rh,
+        q_ch,
+        do_base,
+        do_rh,
+        do_ch,
+        h0,
+        mt0,
+        n_m,
+        n_iter,
+        T,
+        lt0,
+        BLOCK_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        LEAN: gl.constexpr,
+        SMEM: gl.constexpr,
+        LSEMMA: gl.constexpr = False,
+        DMMA: gl.constexpr = False,
+    ):
         """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile).
         LEAN: the (head, tile) of a step carried from the step before (no division), and one "empty" barrier
         per slot for both tiles (``q_empty``). SMEM (with LEAN): each step's lse and delta rows too (row lt of
@@ -377,12 +416,32 @@ if HAVE_GLUON:
             slot = it % STAGES
             phase = ((it // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
             mbarrier.wait(q_empty.index(slot), phase)
-            _dkdv_load(q_desc, lse_desc, q_bars.index(slot), q_smem.index(slot), lse_smem.index(slot),
-                       q_base + h * q_rh + start_m, h * q_ch, lt, SMEM, LSEMMA)
+            _dkdv_load(
+                q_desc,
+                lse_desc,
+                q_bars.index(slot),
+                q_smem.index(slot),
+                lse_smem.index(slot),
+                q_base + h * q_rh + start_m,
+                h * q_ch,
+                lt,
+                SMEM,
+                LSEMMA,
+            )
             if not LEAN:
                 mbarrier.wait(do_empty.index(slot), phase)
-            _dkdv_load(do_desc, delta_desc, do_bars.index(slot), do_smem.index(slot), delta_smem.index(slot),
-                       do_base + h * do_rh + start_m, h * do_ch, lt, SMEM, DMMA)
+            _dkdv_load(
+                do_desc,
+                delta_desc,
+                do_bars.index(slot),
+                do_smem.index(slot),
+                delta_smem.index(slot),
+                do_base + h * do_rh + start_m,
+                h * do_ch,
+                lt,
+                SMEM,
+                DMMA,
+            )
             if LEAN:
                 start_m, wrap = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
                 lt += 1
@@ -390,8 +449,21 @@ if HAVE_GLUON:
                 h += wrap
 
     @gluon.jit
-    def _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
-                    dtype: gl.constexpr, HALF: gl.constexpr):
+    def _dkdv_store(
+        k_half,
+        v_half,
+        dk,
+        dv,
+        sm_scale,
+        dk_desc,
+        dv_desc,
+        dk_row,
+        dk_col,
+        dv_row,
+        dv_col,
+        dtype: gl.constexpr,
+        HALF: gl.constexpr,
+    ):
         """Warpgroup HALF's dK·scale and dV out through its dead K and V halves (shared memory) and TMA stores
         at rows dk_row / dv_row + HALF·64, drained before it returns."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
@@ -416,9 +488,22 @@ if HAVE_GLUON:
         return gl.load(lse_ptr + row + cols), gl.load(delta_ptr + row + cols)
 
     @gluon.jit
-    def _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES: gl.constexpr,
-                        ones_smem=None, lse_smem=None, delta_smem=None, LSEMMA: gl.constexpr = False,
-                        DMMA: gl.constexpr = False):
+    def _dkdv_issue_sdp(
+        k_half,
+        v_half,
+        q_smem,
+        do_smem,
+        q_bars,
+        do_bars,
+        s_zero,
+        it,
+        STAGES: gl.constexpr,
+        ones_smem=None,
+        lse_smem=None,
+        delta_smem=None,
+        LSEMMA: gl.constexpr = False,
+        DMMA: gl.constexpr = False,
+    ):
         """Step ``it``'s Sᵀ = K Qᵀ and dPᵀ = V dOᵀ wgmmas, each once its tile has landed; LSEMMA (DMMA): Sᵀ's (dPᵀ's)
         chain with one more k16 slice, ``ones_smem`` against the slot's lse (delta) columns. Returns the ring slot,
         its Q and dO tiles and the two in-flight products."""
@@ -437,23 +522,60 @@ if HAVE_GLUON:
         return slot, q_t, do_t, st, dpt
 
     @gluon.jit
-    def _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero, it,
-                   start_m, offs_k, cols, qk_scale, dtype: gl.constexpr, s_layout: gl.constexpr,
-                   op_layout: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr, ones_smem=None,
-                   LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False):
+    def _dkdv_step(
+        k_half,
+        v_half,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        q_bars,
+        do_bars,
+        q_empty,
+        dk,
+        dv,
+        s_zero,
+        it,
+        start_m,
+        offs_k,
+        cols,
+        qk_scale,
+        dtype: gl.constexpr,
+        s_layout: gl.constexpr,
+        op_layout: gl.constexpr,
+        STAGES: gl.constexpr,
+        MASK: gl.constexpr,
+        ones_smem=None,
+        LSEMMA: gl.constexpr = False,
+        DMMA: gl.constexpr = False,
+    ):
         """One step of the PEEL walk (LEAN and SMEM): ``_dkdv_consumer``'s loop body with the causal mask a
         compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step.
         LSEMMA (``OPT_LSEMMA``): Sᵀ's wgmma chain takes one more k16 slice, the shared [64, LSE_COLS] tile
         ``ones_smem`` (1 in its first three columns) against the slot's lse columns (-lse·log2(e) / qk_scale in
         three bf16 parts), so Sᵀ arrives with the lse subtracted and no thread reads lse from shared memory."""
-        slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES,
-                                                   ones_smem, lse_smem, delta_smem, LSEMMA, DMMA)
+        slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(
+            k_half,
+            v_half,
+            q_smem,
+            do_smem,
+            q_bars,
+            do_bars,
+            s_zero,
+            it,
+            STAGES,
+            ones_smem,
+            lse_smem,
+            delta_smem,
+            LSEMMA,
+            DMMA,
+        )
         if LSEMMA:
-            st = warpgroup_mma_wait(1, deps=(st, ))
+            st = warpgroup_mma_wait(1, deps=(st,))
             pt = gl.exp2(st * qk_scale)
         else:
             lse_b = lse_smem.index(slot).load(s_layout)
-            st = warpgroup_mma_wait(1, deps=(st, ))
+            st = warpgroup_mma_wait(1, deps=(st,))
             pt = gl.exp2(st * qk_scale - lse_b)
         if MASK:
             keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
@@ -461,11 +583,11 @@ if HAVE_GLUON:
         p_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
         if DMMA:  # dPᵀ arrives with delta subtracted (the ones tile against the slot's delta columns)
-            dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+            dpt = warpgroup_mma_wait(1, deps=(dpt,))
             dst = pt * dpt
         else:
             delta_b = delta_smem.index(slot).load(s_layout)
-            dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+            dpt = warpgroup_mma_wait(1, deps=(dpt,))
             dst = pt * (dpt - delta_b)
         ds_op = gl.convert_layout(dst.to(dtype), op_layout)
         dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
@@ -484,12 +606,48 @@ if HAVE_GLUON:
         mbarrier.arrive(q_empty.index(slot), count=1)
 
     @gluon.jit
-    def _dkdv_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty,
-                       do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
-                       mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                       PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr, PEEL: gl.constexpr = False,
-                       ones_smem=None, LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False):
+    def _dkdv_consumer(
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        lse_smem,
+        delta_smem,
+        kv_bar,
+        q_bars,
+        do_bars,
+        q_empty,
+        do_empty,
+        dk_desc,
+        dv_desc,
+        lse_ptr,
+        delta_ptr,
+        lse_row0,
+        T,
+        dk_row,
+        dk_col,
+        dv_row,
+        dv_col,
+        mt0,
+        n_m,
+        n_iter,
+        start_n,
+        qk_scale,
+        sm_scale,
+        dtype: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        HALF: gl.constexpr,
+        PF: gl.constexpr,
+        LEAN: gl.constexpr,
+        SMEM: gl.constexpr,
+        PEEL: gl.constexpr = False,
+        ones_smem=None,
+        LSEMMA: gl.constexpr = False,
+        DMMA: gl.constexpr = False,
+    ):
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
         step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
@@ -531,15 +689,62 @@ if HAVE_GLUON:
                     _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES)
                     it += 1
                 for i in gl.static_range(n_diag):
-                    dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
-                                        q_empty, dk, dv, s_zero, it, start_m + (n_skip + i) * BLOCK_M, offs_k, cols,
-                                        qk_scale, dtype, s_layout, op_layout, STAGES, True, ones_smem, LSEMMA,
-                                        DMMA)
+                    dk, dv = _dkdv_step(
+                        k_half,
+                        v_half,
+                        q_smem,
+                        do_smem,
+                        lse_smem,
+                        delta_smem,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        dk,
+                        dv,
+                        s_zero,
+                        it,
+                        start_m + (n_skip + i) * BLOCK_M,
+                        offs_k,
+                        cols,
+                        qk_scale,
+                        dtype,
+                        s_layout,
+                        op_layout,
+                        STAGES,
+                        True,
+                        ones_smem,
+                        LSEMMA,
+                        DMMA,
+                    )
                     it += 1
                 for _i in range(n_m - n_skip - n_diag):
-                    dk, dv = _dkdv_step(k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars,
-                                        q_empty, dk, dv, s_zero, it, start_m, offs_k, cols, qk_scale, dtype, s_layout,
-                                        op_layout, STAGES, False, ones_smem, LSEMMA, DMMA)
+                    dk, dv = _dkdv_step(
+                        k_half,
+                        v_half,
+                        q_smem,
+                        do_smem,
+                        lse_smem,
+                        delta_smem,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        dk,
+                        dv,
+                        s_zero,
+                        it,
+                        start_m,
+                        offs_k,
+                        cols,
+                        qk_scale,
+                        dtype,
+                        s_layout,
+                        op_layout,
+                        STAGES,
+                        False,
+                        ones_smem,
+                        LSEMMA,
+                        DMMA,
+                    )
                     it += 1
         else:  # the walk with the mask in a branch of every step (session 13 and before)
             for it in range(n_iter):
@@ -547,13 +752,14 @@ if HAVE_GLUON:
                     start_m = (mt0 + it % n_m) * BLOCK_M
                 if not PF and not SMEM:  # plain loads, issued before the barrier wait
                     lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, cols, BLOCK_M)
-                slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it,
-                                                           STAGES)
+                slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(
+                    k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES
+                )
                 if SMEM:
                     lse_b = lse_smem.index(slot).load(s_layout)  # [1, BLOCK_M] lse·log2(e), broadcast over the keys
                 else:
                     lse_b = gl.expand_dims(lse2, 0)
-                st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
+                st = warpgroup_mma_wait(1, deps=(st,))  # retires Sᵀ; dPᵀ may still run
                 pt = gl.exp2(st * qk_scale - lse_b)
                 if CAUSAL:
                     if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
@@ -565,7 +771,7 @@ if HAVE_GLUON:
                     delta_b = delta_smem.index(slot).load(s_layout)
                 else:
                     delta_b = gl.expand_dims(delta, 0)
-                dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
+                dpt = warpgroup_mma_wait(1, deps=(dpt,))  # retires dPᵀ; dV may still run
                 dst = pt * (dpt - delta_b)
                 ds_op = gl.convert_layout(dst.to(dtype), op_layout)
                 dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
@@ -578,8 +784,9 @@ if HAVE_GLUON:
                     lrow += wrap * (mt0 * BLOCK_M)
                     lse2, delta = _dkdv_lse_delta_at(lse_ptr, delta_ptr, lrow, cols)
                 elif PF:  # the next step's, while dV and dK run: Sᵀ, dPᵀ and their fp32 values are dead here
-                    lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m,
-                                                  gl.minimum(it + 1, n_iter - 1), cols, BLOCK_M)
+                    lse2, delta = _dkdv_lse_delta(
+                        lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1), cols, BLOCK_M
+                    )
                 dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
                 mbarrier.arrive(q_empty.index(slot), count=1)
                 if not LEAN:
@@ -587,13 +794,52 @@ if HAVE_GLUON:
         _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype, HALF)
 
     @gluon.jit
-    def _bwd_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, delta_desc, lse_ptr, delta_ptr,
-                         qk_scale, sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch,
-                         v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL,
-                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False,
-                         SMEM: gl.constexpr = False, PEEL: gl.constexpr = False, LSEMMA: gl.constexpr = False,
-                         DMMA: gl.constexpr = False):
+    def _bwd_dkdv_kernel(
+        q_desc,
+        do_desc,
+        k_desc,
+        v_desc,
+        dk_desc,
+        dv_desc,
+        lse_desc,
+        delta_desc,
+        lse_ptr,
+        delta_ptr,
+        qk_scale,
+        sm_scale,
+        H,
+        GROUP,
+        T,
+        q_rb,
+        q_rh,
+        q_ch,
+        do_rb,
+        do_rh,
+        do_ch,
+        k_rb,
+        k_rh,
+        k_ch,
+        v_rb,
+        v_rh,
+        v_ch,
+        dk_rb,
+        dk_rh,
+        dk_ch,
+        dv_rb,
+        dv_rh,
+        dv_ch,
+        TAIL,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        PF: gl.constexpr = False,
+        LEAN: gl.constexpr = False,
+        SMEM: gl.constexpr = False,
+        PEEL: gl.constexpr = False,
+        LSEMMA: gl.constexpr = False,
+        DMMA: gl.constexpr = False,
+    ):
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
@@ -648,34 +894,181 @@ if HAVE_GLUON:
         _ring_init(do_bars, do_empty, STAGES)
         fence_async_shared()
 
-        k_row, v_row, dk_row, dv_row = _kv_rows(off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb,
-                                                dv_rh)
+        k_row, v_row, dk_row, dv_row = _kv_rows(
+            off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb, dv_rh
+        )
         # (the partitions' argument lists are spelled out: Gluon 3.6 cannot build tuples holding constexprs)
-        gl.warp_specialize([
-            (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
-                              q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                              off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL,
-                              ones_smem, LSEMMA, DMMA)),
-            (_dkdv_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars,
-                              q_empty, do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                              off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale,
-                              sm_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL,
-                              ones_smem, LSEMMA, DMMA)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
-                              v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row,
-                              off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh,
-                              do_ch, h0, mt0, n_m, n_iter, T, (off_b * H + h0) * (T // BLOCK_M) + mt0, BLOCK_M,
-                              STAGES, LEAN, SMEM, LSEMMA, DMMA)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])  # worker_num_regs: required by Gluon 3.6
+        gl.warp_specialize(
+            [
+                (
+                    _dkdv_consumer,
+                    (
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        lse_smem,
+                        delta_smem,
+                        kv_bar,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        do_empty,
+                        dk_desc,
+                        dv_desc,
+                        lse_ptr,
+                        delta_ptr,
+                        lse_row0,
+                        T,
+                        dk_row,
+                        off_kvh * dk_ch,
+                        dv_row,
+                        off_kvh * dv_ch,
+                        mt0,
+                        n_m,
+                        n_iter,
+                        start_n,
+                        qk_scale,
+                        sm_scale,
+                        dtype,
+                        HEAD_DIM,
+                        BLOCK_M,
+                        STAGES,
+                        CAUSAL,
+                        0,
+                        PF,
+                        LEAN,
+                        SMEM,
+                        PEEL,
+                        ones_smem,
+                        LSEMMA,
+                        DMMA,
+                    ),
+                ),
+                (
+                    _dkdv_consumer,
+                    (
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        lse_smem,
+                        delta_smem,
+                        kv_bar,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        do_empty,
+                        dk_desc,
+                        dv_desc,
+                        lse_ptr,
+                        delta_ptr,
+                        lse_row0,
+                        T,
+                        dk_row,
+                        off_kvh * dk_ch,
+                        dv_row,
+                        off_kvh * dv_ch,
+                        mt0,
+                        n_m,
+                        n_iter,
+                        start_n,
+                        qk_scale,
+                        sm_scale,
+                        dtype,
+                        HEAD_DIM,
+                        BLOCK_M,
+                        STAGES,
+                        CAUSAL,
+                        1,
+                        PF,
+                        LEAN,
+                        SMEM,
+                        PEEL,
+                        ones_smem,
+                        LSEMMA,
+                        DMMA,
+                    ),
+                ),
+                (
+                    _dkdv_producer,
+                    (
+                        q_desc,
+                        do_desc,
+                        k_desc,
+                        v_desc,
+                        lse_desc,
+                        delta_desc,
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        lse_smem,
+                        delta_smem,
+                        kv_bar,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        do_empty,
+                        k_row,
+                        off_kvh * k_ch,
+                        v_row,
+                        off_kvh * v_ch,
+                        off_b * q_rb,
+                        q_rh,
+                        q_ch,
+                        off_b * do_rb,
+                        do_rh,
+                        do_ch,
+                        h0,
+                        mt0,
+                        n_m,
+                        n_iter,
+                        T,
+                        (off_b * H + h0) * (T // BLOCK_M) + mt0,
+                        BLOCK_M,
+                        STAGES,
+                        LEAN,
+                        SMEM,
+                        LSEMMA,
+                        DMMA,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
+        )  # worker_num_regs: required by Gluon 3.6
 
     # -----------------------------------------------------------------------------------------------------
     # dQ kernel
     # -----------------------------------------------------------------------------------------------------
     @gluon.jit
-    def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
-                     k_empty, v_empty, q_row, q_col, do_row, do_col, k_row0, k_col, v_row0, v_col, n_tiles,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _dq_producer(
+        q_desc,
+        do_desc,
+        k_desc,
+        v_desc,
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        q_bar,
+        k_bars,
+        v_bars,
+        k_empty,
+        v_empty,
+        q_row,
+        q_col,
+        do_row,
+        do_col,
+        k_row0,
+        k_col,
+        v_row0,
+        v_col,
+        n_tiles,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
         """The TMA warp: both halves of Q and dO once, then every K/V tile into the ring."""
         QH: gl.constexpr = q_desc.block_type.shape[0]
         mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
@@ -715,26 +1108,47 @@ if HAVE_GLUON:
         return p
 
     @gluon.jit
-    def _dq_loop_pipelined(q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta, dq, s_zero,
-                           q_lo, offs_q, cols, n_tiles, qk_scale, dtype: gl.constexpr, op_layout: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    def _dq_loop_pipelined(
+        q_half,
+        do_half,
+        k_smem,
+        v_smem,
+        k_bars,
+        v_bars,
+        k_empty,
+        v_empty,
+        lse2,
+        delta,
+        dq,
+        s_zero,
+        q_lo,
+        offs_q,
+        cols,
+        n_tiles,
+        qk_scale,
+        dtype: gl.constexpr,
+        op_layout: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+    ):
         """The dQ consumer's walk with tile j - 1's dQ wgmma issued behind tile j's S and dP, so it runs while S_j's
         exponentials and dS_j are computed (FlashAttention-3's intra-warpgroup overlap). K_{j-1}'s slot is
         released only when dQ_{j-1} retires, at the end of step j: give the ring at least 3 stages (the default
         has 4: 1-3 % faster than 3 on the H200)."""
         s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, 0, STAGES)
-        s = warpgroup_mma_wait(1, deps=(s, ))
+        s = warpgroup_mma_wait(1, deps=(s,))
         p = _dq_p(s, lse2, q_lo, offs_q, cols, 0, qk_scale, BLOCK_N, CAUSAL)
-        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        dp = warpgroup_mma_wait(0, deps=(dp,))
         mbarrier.arrive(v_empty.index(0), count=1)
         ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
         for j in range(1, n_tiles):
             s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
             prev = (j - 1) % STAGES
             dq_tok = warpgroup_mma(ds_op, k_smem.index(prev), dq, is_async=True)
-            s = warpgroup_mma_wait(2, deps=(s, ))  # S_j retired; dP_j and dQ_{j-1} may run
+            s = warpgroup_mma_wait(2, deps=(s,))  # S_j retired; dP_j and dQ_{j-1} may run
             p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N, CAUSAL)
-            dp = warpgroup_mma_wait(1, deps=(dp, ))
+            dp = warpgroup_mma_wait(1, deps=(dp,))
             mbarrier.arrive(v_empty.index(j % STAGES), count=1)
             ds_new = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
             dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
@@ -747,11 +1161,36 @@ if HAVE_GLUON:
         return dq
 
     @gluon.jit
-    def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr,
-                     delta_ptr, lse_row, dq_row, dq_col, start_m, n_tiles, qk_scale, sm_scale,
-                     dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr, SKIP: gl.constexpr = False,
-                     DOREG: gl.constexpr = False):
+    def _dq_consumer(
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        q_bar,
+        k_bars,
+        v_bars,
+        k_empty,
+        v_empty,
+        dq_desc,
+        lse_ptr,
+        delta_ptr,
+        lse_row,
+        dq_row,
+        dq_col,
+        start_m,
+        n_tiles,
+        qk_scale,
+        sm_scale,
+        dtype: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        HALF: gl.constexpr,
+        PIPE: gl.constexpr,
+        SKIP: gl.constexpr = False,
+        DOREG: gl.constexpr = False,
+    ):
         """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring
         (PIPE: ``_dq_loop_pipelined``). SKIP (causal): the tiles whose keys all follow this half's queries (P = 0)
         are only waited for and released, not computed (with BLOCK_N = 64: warpgroup 0's last tile)."""
@@ -777,17 +1216,38 @@ if HAVE_GLUON:
             # tiles starting at or after this half's last query + 1 (q_lo + QH) add nothing
             n_tiles = gl.minimum(n_tiles, (q_lo + QH + BLOCK_N - 1) // BLOCK_N)
         if PIPE:
-            dq = _dq_loop_pipelined(q_half, do_a, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta,
-                                    dq, s_zero, q_lo, offs_q, cols, n_tiles, qk_scale, dtype, op_layout, BLOCK_N,
-                                    STAGES, CAUSAL)
+            dq = _dq_loop_pipelined(
+                q_half,
+                do_a,
+                k_smem,
+                v_smem,
+                k_bars,
+                v_bars,
+                k_empty,
+                v_empty,
+                lse2,
+                delta,
+                dq,
+                s_zero,
+                q_lo,
+                offs_q,
+                cols,
+                n_tiles,
+                qk_scale,
+                dtype,
+                op_layout,
+                BLOCK_N,
+                STAGES,
+                CAUSAL,
+            )
         else:
             for j in range(n_tiles):
                 slot = j % STAGES
                 k_t = k_smem.index(slot)
                 s, dp = _dq_issue_sdp(q_half, do_a, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
-                s = warpgroup_mma_wait(1, deps=(s, ))
+                s = warpgroup_mma_wait(1, deps=(s,))
                 p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N, CAUSAL)
-                dp = warpgroup_mma_wait(0, deps=(dp, ))
+                dp = warpgroup_mma_wait(0, deps=(dp,))
                 mbarrier.arrive(v_empty.index(slot), count=1)
                 ds = p * (dp - gl.expand_dims(delta, 1))
                 ds_op = gl.convert_layout(ds.to(dtype), op_layout)
@@ -808,11 +1268,43 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _bwd_dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP,
-                       T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
-                       dq_rb, dq_rh, dq_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr = False,
-                       SKIP: gl.constexpr = False, DOREG: gl.constexpr = False):
+    def _bwd_dq_kernel(
+        q_desc,
+        do_desc,
+        k_desc,
+        v_desc,
+        dq_desc,
+        lse_ptr,
+        delta_ptr,
+        qk_scale,
+        sm_scale,
+        H,
+        GROUP,
+        T,
+        q_rb,
+        q_rh,
+        q_ch,
+        do_rb,
+        do_rh,
+        do_ch,
+        k_rb,
+        k_rh,
+        k_ch,
+        v_rb,
+        v_rh,
+        v_ch,
+        dq_rb,
+        dq_rh,
+        dq_ch,
+        TAIL,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        PIPE: gl.constexpr = False,
+        SKIP: gl.constexpr = False,
+        DOREG: gl.constexpr = False,
+    ):
         """Program (query tile, batch·head) of a 1-D grid in ``_tail_order``, heaviest causal tiles first;
         num_warps = 4. Q/dO/dQ descriptors have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
         dtype: gl.constexpr = q_desc.dtype
@@ -848,18 +1340,107 @@ if HAVE_GLUON:
         q_row = off_b * q_rb + off_h * q_rh + start_m
         do_row = off_b * do_rb + off_h * do_rh + start_m
         dq_row = off_b * dq_rb + off_h * dq_rh + start_m
-        gl.warp_specialize([
-            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
-                            lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE, SKIP, DOREG)),
-            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc,
-                            lse_ptr, delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale,
-                            sm_scale, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE, SKIP, DOREG)),
-            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
-                            k_empty, v_empty, q_row, off_h * q_ch, do_row, off_h * do_ch,
-                            off_b * k_rb + off_hk * k_rh, off_hk * k_ch, off_b * v_rb + off_hk * v_rh,
-                            off_hk * v_ch, n_tiles, BLOCK_N, STAGES)),
-        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _dq_consumer,
+                    (
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        q_bar,
+                        k_bars,
+                        v_bars,
+                        k_empty,
+                        v_empty,
+                        dq_desc,
+                        lse_ptr,
+                        delta_ptr,
+                        lse_row,
+                        dq_row,
+                        off_h * dq_ch,
+                        start_m,
+                        n_tiles,
+                        qk_scale,
+                        sm_scale,
+                        dtype,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        STAGES,
+                        CAUSAL,
+                        0,
+                        PIPE,
+                        SKIP,
+                        DOREG,
+                    ),
+                ),
+                (
+                    _dq_consumer,
+                    (
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        q_bar,
+                        k_bars,
+                        v_bars,
+                        k_empty,
+                        v_empty,
+                        dq_desc,
+                        lse_ptr,
+                        delta_ptr,
+                        lse_row,
+                        dq_row,
+                        off_h * dq_ch,
+                        start_m,
+                        n_tiles,
+                        qk_scale,
+                        sm_scale,
+                        dtype,
+                        HEAD_DIM,
+                        BLOCK_N,
+                        STAGES,
+                        CAUSAL,
+                        1,
+                        PIPE,
+                        SKIP,
+                        DOREG,
+                    ),
+                ),
+                (
+                    _dq_producer,
+                    (
+                        q_desc,
+                        do_desc,
+                        k_desc,
+                        v_desc,
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        q_bar,
+                        k_bars,
+                        v_bars,
+                        k_empty,
+                        v_empty,
+                        q_row,
+                        off_h * q_ch,
+                        do_row,
+                        off_h * do_ch,
+                        off_b * k_rb + off_hk * k_rh,
+                        off_hk * k_ch,
+                        off_b * v_rb + off_hk * v_rh,
+                        off_hk * v_ch,
+                        n_tiles,
+                        BLOCK_N,
+                        STAGES,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -875,8 +1456,13 @@ def _tma_view(x: torch.Tensor):
 
 def _buf_ok(buf, like: torch.Tensor) -> bool:
     """An output buffer shaped, typed and placed like ``like``, in a layout the descriptors take."""
-    return (isinstance(buf, torch.Tensor) and buf.shape == like.shape and buf.dtype == like.dtype
-            and buf.device == like.device and _tma_view(buf) is not None)
+    return (
+        isinstance(buf, torch.Tensor)
+        and buf.shape == like.shape
+        and buf.dtype == like.dtype
+        and buf.device == like.device
+        and _tma_view(buf) is not None
+    )
 
 
 def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
@@ -917,18 +1503,28 @@ def _config(op: str, config, D: int):
         if len(vals) not in (4, 5):
             raise ValueError
     except (TypeError, ValueError):
-        raise ValueError(f"{op}: config must be a name in {sorted(CONFIGS)} or (BLOCK_M1, STAGES1, BLOCK_N2, "
-                         f"STAGES2[, OPTS]), got {config!r}") from None
+        raise ValueError(
+            f"{op}: config must be a name in {sorted(CONFIGS)} or (BLOCK_M1, STAGES1, BLOCK_N2, "
+            f"STAGES2[, OPTS]), got {config!r}"
+        ) from None
     bm1, st1, bn2, st2, opts = vals + (0,) * (5 - len(vals))
-    if (bm1 not in (64, 128) or bn2 not in (64, 128) or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
-            or not 0 <= opts <= 511 or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
-            or (opts & OPT_LSEMMA and not opts & OPT_PEEL) or (opts & OPT_DMMA and not opts & OPT_LSEMMA)
-            or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
-            or (opts & OPT_PEEL and (not opts & OPT_SMEM or bm1 != 64))):
-        raise ValueError(f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-511 "
-                         f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
-                         f"with OPT_SMEM and BLOCK_M1 64, the only step measured; OPT_LSEMMA with OPT_PEEL; OPT_DMMA "
-                         f"with OPT_LSEMMA), got {config!r}")
+    if (
+        bm1 not in (64, 128)
+        or bn2 not in (64, 128)
+        or not (1 <= st1 <= 4 and 1 <= st2 <= 4)
+        or not 0 <= opts <= 511
+        or (opts & OPT_LEAN and not opts & (OPT_PF | OPT_SMEM))
+        or (opts & OPT_LSEMMA and not opts & OPT_PEEL)
+        or (opts & OPT_DMMA and not opts & OPT_LSEMMA)
+        or (opts & OPT_SMEM and (opts & OPT_PF or not opts & OPT_LEAN))
+        or (opts & OPT_PEEL and (not opts & OPT_SMEM or bm1 != 64))
+    ):
+        raise ValueError(
+            f"{op}: config needs BLOCK_M1, BLOCK_N2 in (64, 128), 1-4 stages and options 0-511 "
+            f"(OPT_LEAN with OPT_PF or OPT_SMEM; OPT_SMEM with OPT_LEAN, without OPT_PF; OPT_PEEL "
+            f"with OPT_SMEM and BLOCK_M1 64, the only step measured; OPT_LSEMMA with OPT_PEEL; OPT_DMMA "
+            f"with OPT_LSEMMA), got {config!r}"
+        )
     return bm1, st1, bn2, st2, opts
 
 
@@ -947,9 +1543,11 @@ def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
     if buf is None:
         return torch.empty(like.shape, dtype=like.dtype, device=like.device)
     if not _buf_ok(buf, like):
-        raise ValueError(f"{op}: {name} buffer must be {tuple(like.shape)} {like.dtype} on {like.device}, "
-                         f"contiguous or [B, T, H, D]-transposed, got "
-                         f"{FA._shapes(buf) + f' strides {buf.stride()}' if torch.is_tensor(buf) else type(buf)}")
+        raise ValueError(
+            f"{op}: {name} buffer must be {tuple(like.shape)} {like.dtype} on {like.device}, "
+            f"contiguous or [B, T, H, D]-transposed, got "
+            f"{FA._shapes(buf) + f' strides {buf.stride()}' if torch.is_tensor(buf) else type(buf)}"
+        )
     return buf
 
 
@@ -976,24 +1574,61 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg, 
         delta_d = _desc(cols[1].view(B * H * T, LSE_COLS), bm1, LSE_COLS)
     else:
         delta_d = _desc(delta2, 1, bm1)
-    dkdv = dict(q_desc=_desc(q2, bm1, D), do_desc=_desc(do2, bm1, D), k_desc=_desc(k2, HALF_M, D),
-                lse_desc=lse_d, delta_desc=delta_d,
-                v_desc=_desc(v2, HALF_M, D), dk_desc=_desc(dk2, HALF_M, D), dv_desc=_desc(dv2, HALF_M, D),
-                **common, **coords, dk_rb=dk_c[0], dk_rh=dk_c[1], dk_ch=dk_c[2], dv_rb=dv_c[0], dv_rh=dv_c[1],
-                dv_ch=dv_c[2])
-    dqa = dict(q_desc=_desc(q2, HALF_M, D), do_desc=_desc(do2, HALF_M, D), k_desc=_desc(k2, bn2, D),
-               v_desc=_desc(v2, bn2, D), dq_desc=_desc(dq2, HALF_M, D), **common, **coords,
-               dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2])
-    c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=bool(opts & OPT_PF),
-              LEAN=bool(opts & OPT_LEAN), SMEM=bool(opts & OPT_SMEM), PEEL=bool(opts & OPT_PEEL),
-              LSEMMA=bool(opts & OPT_LSEMMA), DMMA=bool(opts & OPT_DMMA))
-    c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=bool(opts & OPT_DQP),
-              SKIP=bool(opts & OPT_DQSKIP), DOREG=bool(opts & OPT_DOREG))
+    dkdv = dict(
+        q_desc=_desc(q2, bm1, D),
+        do_desc=_desc(do2, bm1, D),
+        k_desc=_desc(k2, HALF_M, D),
+        lse_desc=lse_d,
+        delta_desc=delta_d,
+        v_desc=_desc(v2, HALF_M, D),
+        dk_desc=_desc(dk2, HALF_M, D),
+        dv_desc=_desc(dv2, HALF_M, D),
+        **common,
+        **coords,
+        dk_rb=dk_c[0],
+        dk_rh=dk_c[1],
+        dk_ch=dk_c[2],
+        dv_rb=dv_c[0],
+        dv_rh=dv_c[1],
+        dv_ch=dv_c[2],
+    )
+    dqa = dict(
+        q_desc=_desc(q2, HALF_M, D),
+        do_desc=_desc(do2, HALF_M, D),
+        k_desc=_desc(k2, bn2, D),
+        v_desc=_desc(v2, bn2, D),
+        dq_desc=_desc(dq2, HALF_M, D),
+        **common,
+        **coords,
+        dq_rb=dq_c[0],
+        dq_rh=dq_c[1],
+        dq_ch=dq_c[2],
+    )
+    c1 = dict(
+        HEAD_DIM=D,
+        BLOCK_M=bm1,
+        STAGES=st1,
+        CAUSAL=bool(causal),
+        PF=bool(opts & OPT_PF),
+        LEAN=bool(opts & OPT_LEAN),
+        SMEM=bool(opts & OPT_SMEM),
+        PEEL=bool(opts & OPT_PEEL),
+        LSEMMA=bool(opts & OPT_LSEMMA),
+        DMMA=bool(opts & OPT_DMMA),
+    )
+    c2 = dict(
+        HEAD_DIM=D,
+        BLOCK_N=bn2,
+        STAGES=st2,
+        CAUSAL=bool(causal),
+        PIPE=bool(opts & OPT_DQP),
+        SKIP=bool(opts & OPT_DQSKIP),
+        DOREG=bool(opts & OPT_DOREG),
+    )
     nb = T // RESIDENT
     n_sm = FA.grid_sms(q.device)
     dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm), tail_heads(nb, B * H, n_sm)
-    return [(_bwd_dkdv_kernel, (nb * B * Hkv,), dkdv, c1),
-            (_bwd_dq_kernel, (nb * B * H,), dqa, c2)]
+    return [(_bwd_dkdv_kernel, (nb * B * Hkv,), dkdv, c1), (_bwd_dq_kernel, (nb * B * H,), dqa, c2)]
 
 
 def tail_order(pid: int, nb: int, n_heads: int, tail: int) -> tuple:
@@ -1016,14 +1651,33 @@ def check_inputs(op: str, supported, head_dims, do, q, k, v, o, lse) -> None:
     predicate); a ValueError naming ``op`` otherwise."""
     FA._check_bwd(op, do, q, k, v, o, lse)
     if not supported(do, q, k, v, o, lse):
-        raise ValueError(f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU with Gluon, D in {head_dims}, T a "
-                         f"multiple of {RESIDENT}, q/k/v/do contiguous or [B, T, H, D]-transposed (16-byte "
-                         f"aligned), o with unit last stride; got do/q/k/v/o/lse {FA._shapes(do, q, k, v, o, lse)}, "
-                         f"strides q {q.stride()} k {k.stride()} v {v.stride()} do {do.stride()} o {o.stride()}")
+        raise ValueError(
+            f"{op}: needs bf16/fp16 q, k, v on an sm_90 GPU with Gluon, D in {head_dims}, T a "
+            f"multiple of {RESIDENT}, q/k/v/do contiguous or [B, T, H, D]-transposed (16-byte "
+            f"aligned), o with unit last stride; got do/q/k/v/o/lse {FA._shapes(do, q, k, v, o, lse)}, "
+            f"strides q {q.stride()} k {k.stride()} v {v.stride()} do {do.stride()} o {o.stride()}"
+        )
 
 
-def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False,
-              plan: bool = False, base2: bool = False, cols=None):
+def _prologue(
+    op: str,
+    supported,
+    head_dims,
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    scale,
+    dq,
+    dk,
+    dv,
+    checked: bool = False,
+    plan: bool = False,
+    base2: bool = False,
+    cols=None,
+):
     """What both Gluon backwards do before their kernels: check the inputs (``supported``: the backward's own
     predicate; a ValueError naming ``op`` otherwise; skipped when ``checked``: the caller has just run both
     checks, as flash_attention_bwd_triton's route does), the scale, the output buffers (``_grad_buf``), then
@@ -1047,10 +1701,28 @@ def _prologue(op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk,
     PRE_M = 64
     # LSE / LSE2 are read and written only with SCALE_LSE; otherwise delta stands in for both
     lsec, deltac = cols if cols is not None else (delta, delta)  # stand-ins the preprocess does not touch
-    pre_args = dict(O=o, DO=do, DELTA=delta, LSE=lse if base2 else delta, LSE2=lse2, LSEC=lsec, DELTAC=deltac,
-                    INV_SCALE=1.0 / s, SCALE_LSE=base2, COLS=LSE_COLS if cols is not None else 0,
-                    stride_ob=o.stride(0), stride_oh=o.stride(1), stride_ot=o.stride(2), stride_dob=do.stride(0),
-                    stride_doh=do.stride(1), stride_dot=do.stride(2), H=H, T=T, HEAD_DIM=D, BLOCK_M=PRE_M)
+    pre_args = dict(
+        O=o,
+        DO=do,
+        DELTA=delta,
+        LSE=lse if base2 else delta,
+        LSE2=lse2,
+        LSEC=lsec,
+        DELTAC=deltac,
+        INV_SCALE=1.0 / s,
+        SCALE_LSE=base2,
+        COLS=LSE_COLS if cols is not None else 0,
+        stride_ob=o.stride(0),
+        stride_oh=o.stride(1),
+        stride_ot=o.stride(2),
+        stride_dob=do.stride(0),
+        stride_doh=do.stride(1),
+        stride_dot=do.stride(2),
+        H=H,
+        T=T,
+        HEAD_DIM=D,
+        BLOCK_M=PRE_M,
+    )
     grid = (triton.cdiv(T, PRE_M), B * H)
     out = lse2 if base2 else lse
     if plan:
@@ -1106,8 +1778,17 @@ class _SplitPlan:
     def __call__(self, do, q, k, v, o, lse):
         dq, dk, dv, delta, lse, c = plan_outputs(self.pre, do, q, k, v, o, lse, self.opts)  # lse·log2(e)
         B, H, T, _ = q.shape
-        ts = {"q": q, "do": do, "k": k, "v": v, "dq": dq, "dk": dk, "dv": dv,
-              "lse": lse.view(B, H, T // self.bm1, self.bm1), "delta": delta.view(B, H, T // self.bm1, self.bm1)}
+        ts = {
+            "q": q,
+            "do": do,
+            "k": k,
+            "v": v,
+            "dq": dq,
+            "dk": dk,
+            "dv": dv,
+            "lse": lse.view(B, H, T // self.bm1, self.bm1),
+            "delta": delta.view(B, H, T // self.bm1, self.bm1),
+        }
         if self.opts & OPT_LSEMMA:
             ts["lse"] = c[0]
         if self.opts & OPT_DMMA:
@@ -1127,20 +1808,35 @@ class _SplitPlan:
         return dq, dk, dv
 
 
-
-
 def stand_ins(D: int, T: int, H: int, Hkv: int, transposed: bool):
     """CPU bf16 tensors standing in for q [1, H, T, D] and k [1, Hkv, T, D] (the offline compiles): contiguous,
     or [B, T, Hx, D] memory seen through a transpose."""
+
     def mk(h):
         if transposed:
             return torch.empty(1, T, h, D, dtype=torch.bfloat16).transpose(1, 2)
         return torch.empty(1, h, T, D, dtype=torch.bfloat16)
+
     return mk(H), mk(Hkv)
 
 
-def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
-                              dq=None, dk=None, dv=None, config=None, checked: bool = False, plan: bool = False):
+def flash_attention_bwd_gluon(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    dq=None,
+    dk=None,
+    dv=None,
+    config=None,
+    checked: bool = False,
+    plan: bool = False,
+):
     """Launch the delta preprocess, then the dK/dV and dQ Gluon kernels on two streams. Returns (dq, dk, dv).
     ``dq``/``dk``/``dv``: optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name
     in ``CONFIGS`` or (BLOCK_M1, STAGES1, BLOCK_N2, STAGES2), overriding the per-head-dim default. ``checked``:
@@ -1155,8 +1851,9 @@ def flash_attention_bwd_gluon(do, q, k, v, o, lse, causal: bool = True, scale: f
     cfg = for_dtype(_config(op, config, q.shape[-1]), q.dtype)
     # OPT_LSEMMA: the preprocess also writes the lse / delta columns the dK/dV kernel multiplies
     cols = new_columns(q, cfg[4])
-    do, lse, dq, dk, dv, delta, s, pre = _prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk,
-                                                   dv, True, plan, base2=True, cols=cols)
+    do, lse, dq, dk, dv, delta, s, pre = _prologue(
+        op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk, dv, True, plan, base2=True, cols=cols
+    )
     (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg, cols)
     cached = {}
 
@@ -1190,12 +1887,16 @@ def _compile(kernel, args: dict, consts: dict):
     from triton.runtime import jit
 
     types = {a: ("constexpr" if a in consts else jit.mangle_type(args[a])) for a in kernel.arg_names}
-    return triton.compile(_runtime.GluonASTSource(kernel, types, consts), target=compiler.GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4})
+    return triton.compile(
+        _runtime.GluonASTSource(kernel, types, consts),
+        target=compiler.GPUTarget("cuda", 90, 32),
+        options={"num_warps": 4},
+    )
 
 
-def compile_sm90(D: int = 128, causal: bool = True, config=None, transposed: bool = False, T: int = 256,
-                 mha: bool = False):
+def compile_sm90(
+    D: int = 128, causal: bool = True, config=None, transposed: bool = False, T: int = 256, mha: bool = False
+):
     """Compile both kernels for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes): the CI
     check that a Triton upgrade has not broken them. ``transposed``: q, do, k, v, dk, dv as [B, T, Hx, D]
     seen through a transpose (dq contiguous). GQA (4 query heads on 2 K/V heads) unless ``mha``: then GROUP = 1
@@ -1206,7 +1907,8 @@ def compile_sm90(D: int = 128, causal: bool = True, config=None, transposed: boo
     q, k = stand_ins(D, T, 4, 4 if mha else 2, transposed)
     dq = torch.empty(1, 4, T, D, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, T)
-    launches = _launches(q, k, k, dq, k, k, q, lse, lse, 0.125, causal, cfg,
-                         new_columns(q, cfg[4]))
-    return {name: _compile(kern, args, dict(consts, GROUP=1) if mha else consts)
-            for name, (kern, _, args, consts) in zip(("dkdv", "dq"), launches)}
+    launches = _launches(q, k, k, dq, k, k, q, lse, lse, 0.125, causal, cfg, new_columns(q, cfg[4]))
+    return {
+        name: _compile(kern, args, dict(consts, GROUP=1) if mha else consts)
+        for name, (kern, _, args, consts) in zip(("dkdv", "dq"), launches)
+    }

@@ -83,7 +83,7 @@ reference = flash_attention_bwd_ref  # the oracle: the plain-torch tiled referen
 RESIDENT = 128  # keys per program (two dK/dV warpgroups of 64)
 HALF_M = 64
 BLOCK_M = 64  # queries per step (one wgmma M of the dQ product)
-HEAD_DIMS = (64, )
+HEAD_DIMS = (64,)
 # name -> (STAGES = Q/dO ring depth, SLOTS = dQ staging tiles, NDS = dS buffers, PF = lse/delta prefetch,
 # KV_REGS = setmaxnreg of dK/dV warpgroup 1, DQ_REGS = of the dQ warpgroup)
 CONFIGS = {
@@ -125,8 +125,9 @@ if HAVE_GLUON:
         @_builtin
         def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
             coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                      src.handle)
+            _semantic.builder.create_async_tma_reduce(
+                _ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+            )
 
     @gluon.jit
     def _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M: gl.constexpr):
@@ -158,10 +159,33 @@ if HAVE_GLUON:
         return off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, GROUP * n_m
 
     @gluon.jit
-    def _kv_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta,
-                 dv, dk, mt0, n_m, k_lo, qk_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                 NDS: gl.constexpr):
+    def _kv_step(
+        it,
+        q_smem,
+        do_smem,
+        k_half,
+        v_half,
+        ds_smem,
+        q_bars,
+        do_bars,
+        ds_empty,
+        ds_full,
+        lse2,
+        delta,
+        dv,
+        dk,
+        mt0,
+        n_m,
+        k_lo,
+        qk_scale,
+        dtype: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        HALF: gl.constexpr,
+        NDS: gl.constexpr,
+    ):
         """Step ``it`` of dK/dV warpgroup HALF up to the dS hand-off (module docstring). Returns the in-flight
         dv, dk and the register A operand p_op that must stay alive until dV retires. Its first half repeats
         the split's ``_dkdv_consumer`` loop body on purpose: one shared function (tried in session 5) moved the
@@ -181,7 +205,7 @@ if HAVE_GLUON:
         st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_bars.index(slot), phase)
         dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(1, deps=(st, ))  # retires Sᵀ; dPᵀ may still run
+        st = warpgroup_mma_wait(1, deps=(st,))  # retires Sᵀ; dPᵀ may still run
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         if CAUSAL:
             if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
@@ -191,7 +215,7 @@ if HAVE_GLUON:
                 pt = gl.where(keep, pt, 0.0)
         p_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do_t, dv, is_async=True)
-        dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # retires dPᵀ; dV may still run
+        dpt = warpgroup_mma_wait(1, deps=(dpt,))  # retires dPᵀ; dV may still run
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         b = it % NDS
         mbarrier.wait(ds_empty.index(b), ((it // NDS) & 1) ^ 1)  # fresh barrier: the first lap passes
@@ -204,11 +228,44 @@ if HAVE_GLUON:
         return dv, dk, p_op
 
     @gluon.jit
-    def _kv_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full,
-                     ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col,
-                     mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-                     PF: gl.constexpr, NDS: gl.constexpr):
+    def _kv_consumer(
+        q_smem,
+        do_smem,
+        k_smem,
+        v_smem,
+        ds_smem,
+        kv_bar,
+        q_bars,
+        do_bars,
+        q_empty,
+        do_empty,
+        ds_full,
+        ds_empty,
+        dk_desc,
+        dv_desc,
+        lse_ptr,
+        delta_ptr,
+        lse_row0,
+        T,
+        dk_row,
+        dk_col,
+        dv_row,
+        dv_col,
+        mt0,
+        n_m,
+        n_iter,
+        start_n,
+        qk_scale,
+        sm_scale,
+        dtype: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        HALF: gl.constexpr,
+        PF: gl.constexpr,
+        NDS: gl.constexpr,
+    ):
         """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Its only wait on another consumer is ds_empty
         (the dQ warpgroup NDS steps behind)."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
@@ -222,13 +279,38 @@ if HAVE_GLUON:
         mbarrier.wait(kv_bar, 0)
         for it in range(n_iter):
             if PF:
-                lse2n, deltan = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1),
-                                           BLOCK_M)
+                lse2n, deltan = _lse_delta(
+                    lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1), BLOCK_M
+                )
             else:
                 lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
-            dv, dk, p_op = _kv_step(it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full,
-                                    lse2, delta, dv, dk, mt0, n_m, k_lo, qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES,
-                                    CAUSAL, HALF, NDS)
+            dv, dk, p_op = _kv_step(
+                it,
+                q_smem,
+                do_smem,
+                k_half,
+                v_half,
+                ds_smem,
+                q_bars,
+                do_bars,
+                ds_empty,
+                ds_full,
+                lse2,
+                delta,
+                dv,
+                dk,
+                mt0,
+                n_m,
+                k_lo,
+                qk_scale,
+                dtype,
+                HEAD_DIM,
+                BLOCK_M,
+                STAGES,
+                CAUSAL,
+                HALF,
+                NDS,
+            )
             dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op))
             slot = it % STAGES
             mbarrier.arrive(q_empty.index(slot), count=1)  # dV, dK were the last readers of Q, dO
@@ -242,8 +324,23 @@ if HAVE_GLUON:
         _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype, HALF)
 
     @gluon.jit
-    def _dq_consumer(k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
-                     BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr):
+    def _dq_consumer(
+        k_smem,
+        ds_smem,
+        dq_smem,
+        kv_bar,
+        ds_full,
+        ds_empty,
+        dq_desc,
+        dq_row0,
+        T,
+        mt0,
+        n_m,
+        n_iter,
+        BLOCK_M: gl.constexpr,
+        NDS: gl.constexpr,
+        SLOTS: gl.constexpr,
+    ):
         """The dQ warpgroup (module docstring): the only issuer of reduce-adds, so its own
         tma.store_wait(SLOTS - 1) frees a staging tile."""
         D: gl.constexpr = dq_desc.block_type.shape[1]
@@ -256,7 +353,7 @@ if HAVE_GLUON:
             mbarrier.wait(ds_full.index(b), (it // NDS) & 1)
             dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0, dq_zero, use_acc=False, is_async=True)
             dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1, dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            dq = warpgroup_mma_wait(0, deps=(dq,))
             mbarrier.arrive(ds_empty.index(b), count=1)
             s = it % SLOTS
             tma.store_wait(SLOTS - 1)  # the reduce-add of step it - SLOTS (same tile) has read it
@@ -269,19 +366,59 @@ if HAVE_GLUON:
         tma.store_wait(0)  # no CTA exit while a reduce-add still reads shared memory
 
     @gluon.jit
-    def _onepass_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale,
-                        sm_scale, H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
-                        v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh, dv_ch, TAIL, HEAD_DIM: gl.constexpr,
-                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr, NDS: gl.constexpr,
-                        CAUSAL: gl.constexpr, PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr):
+    def _onepass_kernel(
+        q_desc,
+        do_desc,
+        k_desc,
+        v_desc,
+        dk_desc,
+        dv_desc,
+        dq_desc,
+        lse_ptr,
+        delta_ptr,
+        qk_scale,
+        sm_scale,
+        H,
+        GROUP,
+        T,
+        q_rb,
+        q_rh,
+        q_ch,
+        do_rb,
+        do_rh,
+        do_ch,
+        k_rb,
+        k_rh,
+        k_ch,
+        v_rb,
+        v_rh,
+        v_ch,
+        dk_rb,
+        dk_rh,
+        dk_ch,
+        dv_rb,
+        dv_rh,
+        dv_ch,
+        TAIL,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        SLOTS: gl.constexpr,
+        NDS: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        PF: gl.constexpr,
+        KV_REGS: gl.constexpr,
+        DQ_REGS: gl.constexpr,
+    ):
         """Program (key tile of 128, batch·kv head); num_warps = 4 (the default partition is dK/dV warpgroup
         0). dq_desc: the fp32 accumulator [B·H·T, D] with [BLOCK_M, D] tiles."""
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         gl.static_assert(BLOCK_M == 64)
         gl.static_assert(dq_desc.block_type.shape[1] == HEAD_DIM)
-        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(H, GROUP, T, TAIL, KH, BLOCK_M,
-                                                                                    CAUSAL)
+        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(
+            H, GROUP, T, TAIL, KH, BLOCK_M, CAUSAL
+        )
 
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -305,29 +442,163 @@ if HAVE_GLUON:
             mbarrier.init(ds_empty.index(i), count=1)  # the dQ warpgroup, once its dQ wgmmas retired
         fence_async_shared()
 
-        k_row, v_row, dk_row, dv_row = _kv_rows(off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb,
-                                                dv_rh)
-        gl.warp_specialize([
-            (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
-                            ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                            off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
-                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, PF, NDS)),
-            (_kv_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty,
-                            ds_full, ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row,
-                            off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale,
-                            dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, PF, NDS)),
-            (_dq_consumer, (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m,
-                            n_iter, BLOCK_M, NDS, SLOTS)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
-                              q_smem, do_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, off_kvh * k_ch,
-                              v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0,
-                              n_m, n_iter, T, 0, BLOCK_M, STAGES, False, False)),  # (no lse/delta rows: LEAN, SMEM off)
-        ], [4, 4, 1], [KV_REGS, DQ_REGS, _PRODUCER_REGS])
+        k_row, v_row, dk_row, dv_row = _kv_rows(
+            off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb, dv_rh
+        )
+        gl.warp_specialize(
+            [
+                (
+                    _kv_consumer,
+                    (
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        ds_smem,
+                        kv_bar,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        do_empty,
+                        ds_full,
+                        ds_empty,
+                        dk_desc,
+                        dv_desc,
+                        lse_ptr,
+                        delta_ptr,
+                        lse_row0,
+                        T,
+                        dk_row,
+                        off_kvh * dk_ch,
+                        dv_row,
+                        off_kvh * dv_ch,
+                        mt0,
+                        n_m,
+                        n_iter,
+                        start_n,
+                        qk_scale,
+                        sm_scale,
+                        dtype,
+                        HEAD_DIM,
+                        BLOCK_M,
+                        STAGES,
+                        CAUSAL,
+                        0,
+                        PF,
+                        NDS,
+                    ),
+                ),
+                (
+                    _kv_consumer,
+                    (
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        ds_smem,
+                        kv_bar,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        do_empty,
+                        ds_full,
+                        ds_empty,
+                        dk_desc,
+                        dv_desc,
+                        lse_ptr,
+                        delta_ptr,
+                        lse_row0,
+                        T,
+                        dk_row,
+                        off_kvh * dk_ch,
+                        dv_row,
+                        off_kvh * dv_ch,
+                        mt0,
+                        n_m,
+                        n_iter,
+                        start_n,
+                        qk_scale,
+                        sm_scale,
+                        dtype,
+                        HEAD_DIM,
+                        BLOCK_M,
+                        STAGES,
+                        CAUSAL,
+                        1,
+                        PF,
+                        NDS,
+                    ),
+                ),
+                (
+                    _dq_consumer,
+                    (
+                        k_smem,
+                        ds_smem,
+                        dq_smem,
+                        kv_bar,
+                        ds_full,
+                        ds_empty,
+                        dq_desc,
+                        dq_row0,
+                        T,
+                        mt0,
+                        n_m,
+                        n_iter,
+                        BLOCK_M,
+                        NDS,
+                        SLOTS,
+                    ),
+                ),
+                (
+                    _dkdv_producer,
+                    (
+                        q_desc,
+                        do_desc,
+                        k_desc,
+                        v_desc,
+                        q_desc,
+                        do_desc,
+                        q_smem,
+                        do_smem,
+                        k_smem,
+                        v_smem,
+                        q_smem,
+                        do_smem,
+                        kv_bar,
+                        q_bars,
+                        do_bars,
+                        q_empty,
+                        do_empty,
+                        k_row,
+                        off_kvh * k_ch,
+                        v_row,
+                        off_kvh * v_ch,
+                        off_b * q_rb,
+                        q_rh,
+                        q_ch,
+                        off_b * do_rb,
+                        do_rh,
+                        do_ch,
+                        h0,
+                        mt0,
+                        n_m,
+                        n_iter,
+                        T,
+                        0,
+                        BLOCK_M,
+                        STAGES,
+                        False,
+                        False,
+                    ),
+                ),  # (no lse/delta rows: LEAN, SMEM off)
+            ],
+            [4, 4, 1],
+            [KV_REGS, DQ_REGS, _PRODUCER_REGS],
+        )
 
 
 @triton.jit
-def _dq_convert_kernel(ACC, DQ, scale, H, T, stride_b, stride_h, stride_t, HEAD_DIM: tl.constexpr,
-                       ROWS: tl.constexpr):
+def _dq_convert_kernel(ACC, DQ, scale, H, T, stride_b, stride_h, stride_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """DQ[b, h, t, :] = scale · ACC[(b·H + h)·T + t, :] in DQ's dtype; ACC contiguous fp32, DQ any strides with
     a unit last one. Program (row block, b·H + h)."""
     bh = tl.program_id(1)
@@ -350,7 +621,7 @@ def runs_agree(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     a64, b64 = a.double(), b.double()
     ulp = torch.finfo(b.dtype).eps * b64.abs()
-    floor = 2.0 ** -10 * float(b64.abs().max()) if b.numel() else 0.0
+    floor = 2.0**-10 * float(b64.abs().max()) if b.numel() else 0.0
     diff = (a64 - b64).abs()
     return bool((diff <= 2 * ulp + floor).all()) and float(diff.norm()) <= 1e-3 * float(b64.norm())
 
@@ -366,14 +637,27 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float, cached: bool =
     with unit last stride. Returns dq, or with ``cached`` the launch as a ``CachedLaunch``."""
     op = "dq_convert"
     if dq.ndim != 4 or acc.dtype != torch.float32 or not acc.is_contiguous() or acc.numel() != dq.numel():
-        raise ValueError(f"{op}: need a contiguous fp32 acc with dq's element count and a 4-D dq, got acc "
-                         f"{FA._shapes(acc)} dq {FA._shapes(dq)}")
+        raise ValueError(
+            f"{op}: need a contiguous fp32 acc with dq's element count and a 4-D dq, got acc "
+            f"{FA._shapes(acc)} dq {FA._shapes(dq)}"
+        )
     if dq.stride(-1) != 1 or dq.shape[-1] & (dq.shape[-1] - 1):
-        raise ValueError(f"{op}: dq needs a unit last stride and a power-of-two head dim, got {FA._shapes(dq)} "
-                         f"strides {dq.stride()}")
+        raise ValueError(
+            f"{op}: dq needs a unit last stride and a power-of-two head dim, got {FA._shapes(dq)} strides {dq.stride()}"
+        )
     B, H, T, D = dq.shape
-    args = dict(ACC=acc, DQ=dq, scale=scale, H=H, T=T, stride_b=dq.stride(0), stride_h=dq.stride(1),
-                stride_t=dq.stride(2), HEAD_DIM=D, ROWS=CONVERT_ROWS)
+    args = dict(
+        ACC=acc,
+        DQ=dq,
+        scale=scale,
+        H=H,
+        T=T,
+        stride_b=dq.stride(0),
+        stride_h=dq.stride(1),
+        stride_t=dq.stride(2),
+        HEAD_DIM=D,
+        ROWS=CONVERT_ROWS,
+    )
     grid = (triton.cdiv(T, CONVERT_ROWS), B * H)
     if cached:
         return launch_cached(_dq_convert_kernel, grid, args, num_warps=4)
@@ -387,8 +671,12 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float, cached: bool =
 def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
     """Whether these inputs take the one-pass backward: those of the two-kernel Gluon backward
     (``flash_attention_gluon_bwd.supported_bwd``) with D = 64."""
-    return (isinstance(q, torch.Tensor) and q.ndim == 4 and q.shape[-1] in HEAD_DIMS
-            and GB.supported_bwd(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv))
+    return (
+        isinstance(q, torch.Tensor)
+        and q.ndim == 4
+        and q.shape[-1] in HEAD_DIMS
+        and GB.supported_bwd(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv)
+    )
 
 
 def _config(op: str, config):
@@ -403,13 +691,17 @@ def _config(op: str, config):
         stages, slots, nds, pf, kv, dq = config
         stages, slots, nds, kv, dq, pf = int(stages), int(slots), int(nds), int(kv), int(dq), bool(pf)
     except (TypeError, ValueError):
-        raise ValueError(f"{op}: config must be a name in {sorted(CONFIGS)} or (STAGES, SLOTS, NDS, PF, KV_REGS, "
-                         f"DQ_REGS), got {config!r}") from None
+        raise ValueError(
+            f"{op}: config must be a name in {sorted(CONFIGS)} or (STAGES, SLOTS, NDS, PF, KV_REGS, "
+            f"DQ_REGS), got {config!r}"
+        ) from None
     if not (1 <= stages <= 4 and 1 <= slots <= 3 and 1 <= nds <= 3):
         raise ValueError(f"{op}: config needs 1-4 stages, 1-3 slots, 1-3 dS buffers, got {config!r}")
     if kv % 8 or dq % 8 or not (24 <= dq <= kv <= 256) or 2 * kv + dq > 488:
-        raise ValueError(f"{op}: register counts must be multiples of 8 with 24 <= DQ_REGS <= KV_REGS <= 256 and "
-                         f"2·KV_REGS + DQ_REGS <= 488, got {config!r}")
+        raise ValueError(
+            f"{op}: register counts must be multiples of 8 with 24 <= DQ_REGS <= KV_REGS <= 256 and "
+            f"2·KV_REGS + DQ_REGS <= 488, got {config!r}"
+        )
     return stages, slots, nds, pf, kv, dq
 
 
@@ -423,20 +715,48 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
     for n, (_, rb, rh, ch) in views.items():
         args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
     acc2 = dq_acc.view(B * H * T, D)
-    args.update(q_desc=_desc(views["q"][0], BLOCK_M, D), do_desc=_desc(views["do"][0], BLOCK_M, D),
-                k_desc=_desc(views["k"][0], HALF_M, D), v_desc=_desc(views["v"][0], HALF_M, D),
-                dk_desc=_desc(views["dk"][0], HALF_M, D), dv_desc=_desc(views["dv"][0], HALF_M, D),
-                dq_desc=_desc(acc2, BLOCK_M, D))
-    consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf,
-                  KV_REGS=kv_regs, DQ_REGS=dq_regs)
+    args.update(
+        q_desc=_desc(views["q"][0], BLOCK_M, D),
+        do_desc=_desc(views["do"][0], BLOCK_M, D),
+        k_desc=_desc(views["k"][0], HALF_M, D),
+        v_desc=_desc(views["v"][0], HALF_M, D),
+        dk_desc=_desc(views["dk"][0], HALF_M, D),
+        dv_desc=_desc(views["dv"][0], HALF_M, D),
+        dq_desc=_desc(acc2, BLOCK_M, D),
+    )
+    consts = dict(
+        HEAD_DIM=D,
+        BLOCK_M=BLOCK_M,
+        STAGES=stages,
+        SLOTS=slots,
+        NDS=nds,
+        CAUSAL=bool(causal),
+        PF=pf,
+        KV_REGS=kv_regs,
+        DQ_REGS=dq_regs,
+    )
     nb = T // RESIDENT
     args["TAIL"] = GB.tail_heads(nb, B * Hkv, FA.grid_sms(q.device))
     return _onepass_kernel, (nb * B * Hkv,), args, consts
 
 
-def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *,
-                                      dq=None, dk=None, dv=None, config=None, checked: bool = False,
-                                      plan: bool = False):
+def flash_attention_bwd_gluon_onepass(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    dq=None,
+    dk=None,
+    dv=None,
+    config=None,
+    checked: bool = False,
+    plan: bool = False,
+):
     """Delta preprocess, the one-pass kernel, the dQ convert. Returns (dq, dk, dv). ``dq``/``dk``/``dv``:
     optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name in ``CONFIGS`` or
     (STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS). Holds an fp32 dQ accumulator [B, H, T, D] while it runs.
@@ -446,8 +766,9 @@ def flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, causal: bool = True, 
     op = "flash_attention_bwd_gluon_onepass"
     if plan and (dq is not None or dk is not None or dv is not None):
         raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
-    do, lse, dq, dk, dv, delta, s, pre = GB._prologue(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq,
-                                                      dk, dv, checked, plan)
+    do, lse, dq, dk, dv, delta, s, pre = GB._prologue(
+        op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk, dv, checked, plan
+    )
     cfg = _config(op, config)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kern, grid, args, consts = _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s, causal, cfg)

@@ -48,8 +48,7 @@ def default_chunk_size(N: int, V: int) -> int:
 def _check(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, reduction: str):
     name = "linear_cross_entropy"
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"{name}: expected x [N, C] and w [V, C], got x {tuple(x.shape)} and w "
-                         f"{tuple(w.shape)}")
+        raise ValueError(f"{name}: expected x [N, C] and w [V, C], got x {tuple(x.shape)} and w {tuple(w.shape)}")
     if targets.dim() != 1 or targets.shape[0] != x.shape[0]:
         raise ValueError(f"{name}: expected targets [N] = [{x.shape[0]}], got {tuple(targets.shape)}")
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
@@ -98,22 +97,44 @@ def _linear_cross_entropy(x, w, targets, ignore_index, reduction, need_dx, need_
     return loss, dx, dw
 
 
-def linear_cross_entropy_fwd_ref(x, w, targets, ignore_index: int = -100, reduction: str = "mean",
-                                 need_dx: bool = True, need_dw: bool = True, chunk_size: int | None = None):
+def linear_cross_entropy_fwd_ref(
+    x,
+    w,
+    targets,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    need_dx: bool = True,
+    need_dw: bool = True,
+    chunk_size: int | None = None,
+):
     return _linear_cross_entropy(x, w, targets, ignore_index, reduction, need_dx, need_dw, chunk_size, False)
 
 
-def linear_cross_entropy_fwd_triton(x, w, targets, ignore_index: int = -100, reduction: str = "mean",
-                                    need_dx: bool = True, need_dw: bool = True,
-                                    chunk_size: int | None = None):
+def linear_cross_entropy_fwd_triton(
+    x,
+    w,
+    targets,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    need_dx: bool = True,
+    need_dw: bool = True,
+    chunk_size: int | None = None,
+):
     return _linear_cross_entropy(x, w, targets, ignore_index, reduction, need_dx, need_dw, chunk_size, True)
 
 
-def linear_cross_entropy_fwd(x, w, targets, ignore_index: int = -100, reduction: str = "mean",
-                             need_dx: bool = True, need_dw: bool = True, chunk_size: int | None = None):
+def linear_cross_entropy_fwd(
+    x,
+    w,
+    targets,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    need_dx: bool = True,
+    need_dw: bool = True,
+    chunk_size: int | None = None,
+):
     if x.dtype != torch.float64 and use_triton(x, w, targets):
-        return linear_cross_entropy_fwd_triton(x, w, targets, ignore_index, reduction, need_dx, need_dw,
-                                               chunk_size)
+        return linear_cross_entropy_fwd_triton(x, w, targets, ignore_index, reduction, need_dx, need_dw, chunk_size)
     return linear_cross_entropy_fwd_ref(x, w, targets, ignore_index, reduction, need_dx, need_dw, chunk_size)
 
 

@@ -68,9 +68,9 @@ def rms_norm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms
 
 # ------------------------------------------------------------------------------------------------ Triton
 
+
 @_jit
-def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     cols = tl.arange(0, BLOCK_C)  # [BLOCK_C]
     rmask = rows < N
@@ -86,9 +86,22 @@ def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps,
 
 
 @_jit
-def _rms_norm_bwd_kernel(DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, rows_per_program,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr,
-                         STAGES: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False):
+def _rms_norm_bwd_kernel(
+    DY,
+    X,
+    W,
+    INV_RMS,
+    DX,
+    DW_PARTIAL,
+    N,
+    C,
+    rows_per_program,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    STAGES: tl.constexpr = 0,
+    INTERLEAVE: tl.constexpr = False,
+):
     """Program pid: rows [pid * rows_per_program, ...) in [BLOCK_R, BLOCK_C] tiles, or with INTERLEAVE (the
     pipelined path) tiles pid, pid + P, pid + 2P, ... (every program sweeps the same region of memory at
     once, where the contiguous shares are P streams far apart); dw partial row pid either way, so the sum
@@ -239,7 +252,8 @@ def rms_norm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float):
     if N > 0:
         BLOCK_R, BLOCK_C, num_warps = _fwd_config(C)
         _rms_norm_fwd_kernel[(triton.cdiv(N, BLOCK_R),)](
-            x2, w.contiguous(), y, inv_rms, N, C, eps, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=num_warps)
+            x2, w.contiguous(), y, inv_rms, N, C, eps, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=num_warps
+        )
     return y.reshape(x.shape), inv_rms
 
 
@@ -257,16 +271,37 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     rows_per_program = triton.cdiv(N, P)
     P = triton.cdiv(N, rows_per_program)
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
-    _rms_norm_bwd_kernel[(P,)](dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C,
-                               rows_per_program, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, PREFETCH=bool(prefetch),
-                               STAGES=stages, INTERLEAVE=interleave, num_warps=num_warps)
+    _rms_norm_bwd_kernel[(P,)](
+        dy2,
+        x2,
+        w.contiguous(),
+        inv_rms.contiguous(),
+        dx,
+        dw_partial,
+        N,
+        C,
+        rows_per_program,
+        BLOCK_R=BLOCK_R,
+        BLOCK_C=BLOCK_C,
+        PREFETCH=bool(prefetch),
+        STAGES=stages,
+        INTERLEAVE=interleave,
+        num_warps=num_warps,
+    )
     if DW_REDUCE == "triton":
         dw = torch.empty(C, dtype=w.dtype, device=x.device)
         max_p, bc, warps = DW_CONFIG
         pdl = DW_PDL and pdl_ok(x)
-        _rms_norm_dw_kernel[(triton.cdiv(C, bc),)](dw_partial, dw, P, C, BLOCK_P=min(max_p, triton.next_power_of_2(P)),
-                                                   BLOCK_C=bc, num_warps=warps,
-                                                   **(dict(PDL=True, launch_pdl=True) if pdl else {}))
+        _rms_norm_dw_kernel[(triton.cdiv(C, bc),)](
+            dw_partial,
+            dw,
+            P,
+            C,
+            BLOCK_P=min(max_p, triton.next_power_of_2(P)),
+            BLOCK_C=bc,
+            num_warps=warps,
+            **(dict(PDL=True, launch_pdl=True) if pdl else {}),
+        )
         return dx.reshape(x.shape), dw
     dw = dw_partial.sum(dim=0)  # the second pass: P x C -> C, fixed order
     return dx.reshape(x.shape), dw.to(w.dtype)

@@ -99,10 +99,25 @@ def rope_bwd_ref(dy: torch.Tensor, positions: torch.Tensor, theta: float = 10000
 
 # ------------------------------------------------------------------------------------------------ Triton
 
+
 @_jit
-def _rope_kernel(X, Y, POS, INV_FREQ, COS, SIN, T, G, groups_per_program,
-                 HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                 TABLE: tl.constexpr, INVERSE: tl.constexpr, PREFETCH: tl.constexpr):
+def _rope_kernel(
+    X,
+    Y,
+    POS,
+    INV_FREQ,
+    COS,
+    SIN,
+    T,
+    G,
+    groups_per_program,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TABLE: tl.constexpr,
+    INVERSE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     # x is [B', G, T, D]: B' = B for positions [B, T] (else 1), G = every other leading dim (e.g. heads)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     b = tl.program_id(1).to(tl.int64)
@@ -153,14 +168,17 @@ def _check(x: torch.Tensor, positions: torch.Tensor, name: str):
     if x.dim() < 2 or x.shape[-1] % 2 != 0:
         raise ValueError(f"{name}: x must be [..., T, D] with even D, got {tuple(x.shape)}")
     T = x.shape[-2]
-    if positions.dim() not in (1, 2) or positions.shape[-1] != T or (
-            positions.dim() == 2 and (x.dim() < 3 or x.shape[0] != positions.shape[0])):
-        raise ValueError(f"{name}: positions {tuple(positions.shape)} must be [T] or [B, T] for x "
-                         f"{tuple(x.shape)}")
+    if (
+        positions.dim() not in (1, 2)
+        or positions.shape[-1] != T
+        or (positions.dim() == 2 and (x.dim() < 3 or x.shape[0] != positions.shape[0]))
+    ):
+        raise ValueError(f"{name}: positions {tuple(positions.shape)} must be [T] or [B, T] for x {tuple(x.shape)}")
 
 
-def _rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float, inverse: bool,
-                 table: bool | None) -> torch.Tensor:
+def _rope_triton(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, inverse: bool, table: bool | None
+) -> torch.Tensor:
     _check(x, positions, "rope_bwd" if inverse else "rope_fwd")
     table = TABLE_DEFAULT if table is None else table
     D = x.shape[-1]
@@ -193,19 +211,36 @@ def _rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float, inverse
     # programs one group, each still paying for its cos/sin)
     groups_per_program = triton.cdiv(G, triton.cdiv(G, groups_per_program))
     grid = (n_t, B, triton.cdiv(G, groups_per_program))
-    _rope_kernel[grid](x2, y, pos, inv_freq, cos, sin, T, G, groups_per_program,
-                       HALF=HALF, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, TABLE=table, INVERSE=inverse,
-                       PREFETCH=prefetch, num_warps=num_warps)
+    _rope_kernel[grid](
+        x2,
+        y,
+        pos,
+        inv_freq,
+        cos,
+        sin,
+        T,
+        G,
+        groups_per_program,
+        HALF=HALF,
+        BLOCK_T=BLOCK_T,
+        BLOCK_H=BLOCK_H,
+        TABLE=table,
+        INVERSE=inverse,
+        PREFETCH=prefetch,
+        num_warps=num_warps,
+    )
     return y
 
 
-def rope_fwd_triton(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0,
-                    table: bool | None = None) -> torch.Tensor:
+def rope_fwd_triton(
+    x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0, table: bool | None = None
+) -> torch.Tensor:
     return _rope_triton(x, positions, theta, False, table)
 
 
-def rope_bwd_triton(dy: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0,
-                    table: bool | None = None) -> torch.Tensor:
+def rope_bwd_triton(
+    dy: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0, table: bool | None = None
+) -> torch.Tensor:
     return _rope_triton(dy, positions, theta, True, table)
 
 

@@ -62,8 +62,14 @@ def microgpt_step(steps: int = 50, seed: int = 42) -> dict:
         t_fwd += t1 - t0
         t_bwd += t2 - t1
     t = t_fwd + t_bwd
-    return {"ms_per_step": 1000 * t / steps, "nodes_per_step": nodes / steps, "edges_per_step": edges / steps,
-            "nodes_per_s": nodes / t, "edges_per_s": edges / t, "fwd_share": t_fwd / t}
+    return {
+        "ms_per_step": 1000 * t / steps,
+        "nodes_per_step": nodes / steps,
+        "edges_per_step": edges / steps,
+        "nodes_per_s": nodes / t,
+        "edges_per_s": edges / t,
+        "fwd_share": t_fwd / t,
+    }
 
 
 def main() -> None:
@@ -76,13 +82,17 @@ def main() -> None:
     for label in ("gc on", "gc paused"):
         with gc_paused() if label == "gc paused" else contextlib.nullcontext():
             f, b, fb = primitive_ops_per_second(a.nodes)
-        print(f"primitive graph ({a.nodes} ops, {label}): forward {f / 1e6:.2f} M nodes/s, backward "
-              f"{b / 1e6:.2f} M nodes/s, forward+backward {fb / 1e6:.2f} M nodes/s")
+        print(
+            f"primitive graph ({a.nodes} ops, {label}): forward {f / 1e6:.2f} M nodes/s, backward "
+            f"{b / 1e6:.2f} M nodes/s, forward+backward {fb / 1e6:.2f} M nodes/s"
+        )
     r = microgpt_step(a.steps)
-    print(f"microGPT step (C=16, 1 layer, {a.steps} names): {r['ms_per_step']:.1f} ms/step, "
-          f"{r['nodes_per_step']:.0f} nodes and {r['edges_per_step']:.0f} edges per step -> "
-          f"{r['nodes_per_s'] / 1e6:.2f} M nodes/s, {r['edges_per_s'] / 1e6:.2f} M edges/s forward+backward "
-          f"(forward {100 * r['fwd_share']:.0f}% of it; gc paused, as in training)")
+    print(
+        f"microGPT step (C=16, 1 layer, {a.steps} names): {r['ms_per_step']:.1f} ms/step, "
+        f"{r['nodes_per_step']:.0f} nodes and {r['edges_per_step']:.0f} edges per step -> "
+        f"{r['nodes_per_s'] / 1e6:.2f} M nodes/s, {r['edges_per_s'] / 1e6:.2f} M edges/s forward+backward "
+        f"(forward {100 * r['fwd_share']:.0f}% of it; gc paused, as in training)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """``xtrain micro``: train the scalar-Value microGPT on a list of names, then sample new ones.
 
-    xtrain micro                        # names from the `names` package, ~1 minute on one CPU core
-    xtrain micro --data words.txt --steps 3000 --embd 32 --layers 2
+xtrain micro                        # names from the `names` package, ~1 minute on one CPU core
+xtrain micro --data words.txt --steps 3000 --embd 32 --layers 2
 """
 
 from __future__ import annotations
@@ -17,18 +17,25 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "micro", help="train the scalar-autograd microGPT on names and sample from it",
+        "micro",
+        help="train the scalar-autograd microGPT on names and sample from it",
         description="Train a tiny GPT built only from scalar Values (xtrain.micro) on one document per "
-                    "step, then print samples. Default data: first names from the `names` package.")
+        "step, then print samples. Default data: first names from the `names` package.",
+    )
     p.add_argument("--steps", type=int, default=2000, help="training steps, one document each (default 2000)")
     p.add_argument("--layers", type=int, default=1, help="transformer layers (default 1)")
     p.add_argument("--embd", type=int, default=16, help="model width C (default 16)")
     p.add_argument("--heads", type=int, default=4, help="attention heads; must divide --embd (default 4)")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="max positions per document; longer ones are cut (default 16)")
+    p.add_argument(
+        "--block-size", type=int, default=16, help="max positions per document; longer ones are cut (default 16)"
+    )
     p.add_argument("--seed", type=int, default=42, help="seeds init, document order and sampling")
-    p.add_argument("--data", metavar="FILE", default=None,
-                   help="text file with one document per line (default: the `names` package)")
+    p.add_argument(
+        "--data",
+        metavar="FILE",
+        default=None,
+        help="text file with one document per line (default: the `names` package)",
+    )
     p.add_argument("--lr", type=float, default=0.01, help="peak Adam learning rate, decayed linearly to 0")
     p.add_argument("--temperature", type=float, default=0.5, help="sampling temperature > 0 (default 0.5)")
     p.add_argument("--samples", type=int, default=20, help="documents to sample after training")
@@ -55,8 +62,13 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(e))
     tok = CharTokenizer.from_docs(docs)
     try:
-        config = MicroConfig(vocab_size=tok.vocab_size, n_layer=args.layers, n_embd=args.embd,
-                             n_head=args.heads, block_size=args.block_size)
+        config = MicroConfig(
+            vocab_size=tok.vocab_size,
+            n_layer=args.layers,
+            n_embd=args.embd,
+            n_head=args.heads,
+            block_size=args.block_size,
+        )
     except ValueError as e:
         return _fail(str(e))
 
@@ -65,8 +77,10 @@ def run(args: argparse.Namespace) -> int:
     rng.shuffle(docs)
     ids = [tok.encode(d) for d in docs]
     source = args.data or "the `names` package"
-    print(f"{len(docs)} documents from {source}, vocab {tok.vocab_size} (uniform loss "
-          f"{math.log(tok.vocab_size):.3f}), {len(model.params)} parameters")
+    print(
+        f"{len(docs)} documents from {source}, vocab {tok.vocab_size} (uniform loss "
+        f"{math.log(tok.vocab_size):.3f}), {len(model.params)} parameters"
+    )
 
     tty = sys.stdout.isatty()
     every = max(1, args.steps // 20)
@@ -77,8 +91,10 @@ def run(args: argparse.Namespace) -> int:
         recent.append(loss)
         del recent[:-100]
         avg = sum(recent) / len(recent)
-        line = (f"step {step + 1:5d}/{args.steps} | loss {loss:.4f} | avg(last {len(recent)}) {avg:.4f} | "
-                f"{time.perf_counter() - t0:6.1f}s")
+        line = (
+            f"step {step + 1:5d}/{args.steps} | loss {loss:.4f} | avg(last {len(recent)}) {avg:.4f} | "
+            f"{time.perf_counter() - t0:6.1f}s"
+        )
         if tty:
             print("\r" + line, end="\n" if step + 1 == args.steps else "", flush=True)
         elif (step + 1) % every == 0 or step == 0:
@@ -87,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
     losses = train(model, ids, args.steps, args.lr, log)
     dt = time.perf_counter() - t0
     k = min(100, len(losses))
-    print(f"trained {args.steps} steps in {dt:.1f}s ({1000 * dt / args.steps:.1f} ms/step); mean loss of the "
-          f"first {k} steps {sum(losses[:k]) / k:.4f}, of the last {k} {sum(losses[-k:]) / k:.4f}")
+    print(
+        f"trained {args.steps} steps in {dt:.1f}s ({1000 * dt / args.steps:.1f} ms/step); mean loss of the "
+        f"first {k} steps {sum(losses[:k]) / k:.4f}, of the last {k} {sum(losses[-k:]) / k:.4f}"
+    )
 
     if args.samples:
         print(f"--- {args.samples} samples (temperature {args.temperature}) ---")

@@ -23,16 +23,20 @@ def load_names() -> list[str]:
     """First names from the ``names`` package, lower-cased and de-duplicated in a fixed order."""
     spec = importlib.util.find_spec("names")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the default microGPT corpus comes from the 'names' package, which is not "
-                           "installed: run `pip install names`, or pass --data FILE (one document per line)")
+        raise RuntimeError(
+            "the default microGPT corpus comes from the 'names' package, which is not "
+            "installed: run `pip install names`, or pass --data FILE (one document per line)"
+        )
     pkg_dir = list(spec.submodule_search_locations)[0]
     docs: list[str] = []
     seen: set[str] = set()
     for fname in _NAMES_FILES:
         path = os.path.join(pkg_dir, fname)
         if not os.path.isfile(path):
-            raise RuntimeError(f"the 'names' package at {pkg_dir} has no file {fname}: reinstall it "
-                               "(`pip install --force-reinstall names`) or pass --data FILE")
+            raise RuntimeError(
+                f"the 'names' package at {pkg_dir} has no file {fname}: reinstall it "
+                "(`pip install --force-reinstall names`) or pass --data FILE"
+            )
         with open(path, encoding="utf-8") as f:
             for line in f:
                 fields = line.split()

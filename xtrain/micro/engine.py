@@ -83,8 +83,10 @@ class Value:
 
     def __pow__(self, n):
         if isinstance(n, Value):
-            raise TypeError("Value **: the exponent must be a plain number, not a Value "
-                            "(Value ** Value is not supported; write (b * a.log()).exp() for a**b)")
+            raise TypeError(
+                "Value **: the exponent must be a plain number, not a Value "
+                "(Value ** Value is not supported; write (b * a.log()).exp() for a**b)"
+            )
         n = _number(n, "**")
         x = self.data
         if x == 0.0 and n < 1.0 and n != 0.0:
@@ -93,13 +95,15 @@ class Value:
         if x < 0.0 and not n.is_integer():
             raise ValueError(f"Value **: negative base {x} with non-integer exponent {n} is not real")
         try:
-            return Value(x ** n, (self,), (n * x ** (n - 1.0) if n != 0.0 else 0.0,))
+            return Value(x**n, (self,), (n * x ** (n - 1.0) if n != 0.0 else 0.0,))
         except OverflowError:
             raise OverflowError(f"Value **: {x} ** {n} overflows a float") from None
 
     def __rpow__(self, base):
-        raise TypeError(f"Value **: the exponent must be a plain number, not a Value "
-                        f"({type(base).__name__} ** Value is not supported; write (v * math.log(base)).exp())")
+        raise TypeError(
+            f"Value **: the exponent must be a plain number, not a Value "
+            f"({type(base).__name__} ** Value is not supported; write (v * math.log(base)).exp())"
+        )
 
     def log(self):
         x = self.data
@@ -129,7 +133,7 @@ class Value:
 
     def __truediv__(self, other):
         if isinstance(other, Value):
-            return self * other ** -1.0
+            return self * other**-1.0
         c = _number(other, "/")
         if c == 0.0:
             raise ZeroDivisionError("Value /: division by zero")
@@ -145,7 +149,7 @@ class Value:
         return self * _number(other, "*")
 
     def __rtruediv__(self, other):  # 2 / v
-        return self ** -1.0 * _number(other, "/")
+        return self**-1.0 * _number(other, "/")
 
     # -- backward ------------------------------------------------------------------------------------
     def _topo(self) -> list[Value]:

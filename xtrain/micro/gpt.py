@@ -75,6 +75,7 @@ class MicroConfig:
 
 # -- building blocks on lists of Values ----------------------------------------------------------------
 
+
 def linear(x: Vector, w: Matrix) -> Vector:
     """y = W x for W in [out][in] layout: one fused dot node per output (see ``engine.dot``)."""
     xt = tuple(x)
@@ -116,6 +117,7 @@ def gc_paused():
 
 # -- the model -----------------------------------------------------------------------------------------
 
+
 class MicroGPT:
     """Parameters live in ``state`` (name -> matrix, in a fixed order); ``params`` is the flat list."""
 
@@ -125,8 +127,7 @@ class MicroGPT:
         def matrix(n_out: int, n_in: int) -> Matrix:
             return [tuple(Value(rng.gauss(0.0, c.init_std)) for _ in range(n_in)) for _ in range(n_out)]
 
-        self.state: dict[str, Matrix] = {"wte": matrix(c.vocab_size, c.n_embd),
-                                         "wpe": matrix(c.block_size, c.n_embd)}
+        self.state: dict[str, Matrix] = {"wte": matrix(c.vocab_size, c.n_embd), "wpe": matrix(c.block_size, c.n_embd)}
         for i in range(c.n_layer):
             self.state[f"layer{i}.attn_wq"] = matrix(c.n_embd, c.n_embd)
             self.state[f"layer{i}.attn_wk"] = matrix(c.n_embd, c.n_embd)
@@ -142,8 +143,7 @@ class MicroGPT:
         n = self.config.n_layer
         return [[] for _ in range(n)], [[] for _ in range(n)]
 
-    def forward(self, token_id: int, pos_id: int, keys: list[list[Vector]],
-                values: list[list[Vector]]) -> Vector:
+    def forward(self, token_id: int, pos_id: int, keys: list[list[Vector]], values: list[list[Vector]]) -> Vector:
         """Logits (V) for the next token after ``token_id`` at ``pos_id``; appends to the caches."""
         c, s = self.config, self.state
         if not 0 <= pos_id < c.block_size:
@@ -219,7 +219,7 @@ class Adam:
     def step(self, lr: float) -> None:
         self.t += 1
         b1, b2, eps = self.beta1, self.beta2, self.eps
-        c1, c2 = 1.0 - b1 ** self.t, 1.0 - b2 ** self.t
+        c1, c2 = 1.0 - b1**self.t, 1.0 - b2**self.t
         m, v = self.m, self.v
         for i, p in enumerate(self.params):
             g = p.grad
@@ -229,8 +229,13 @@ class Adam:
             p.grad = 0.0
 
 
-def train(model: MicroGPT, docs: list[list[int]], steps: int, lr: float = 0.01,
-          log: Callable[[int, float], None] | None = None) -> list[float]:
+def train(
+    model: MicroGPT,
+    docs: list[list[int]],
+    steps: int,
+    lr: float = 0.01,
+    log: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """One document per step: ``docs[step % len(docs)]`` (token ids, BOS ... BOS). Learning rate
     ``lr * (1 - step / steps)``. Returns the loss of every step; ``log(step, loss)`` is called after each."""
     if not docs:

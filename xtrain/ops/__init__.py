@@ -30,10 +30,35 @@ from xtrain.ops.basic import (
 from xtrain.ops.nn import cross_entropy, dropout, embedding, rms_norm, rope, silu, softmax, swiglu
 
 __all__ = [
-    "add", "add_bias", "attention", "cast", "cast_as", "causal_mask", "contiguous", "cross_entropy", "div", "dropout",
-    "embedding", "flash_attention", "linear", "linear_cross_entropy", "math_attention", "matmul", "mean", "mul",
+    "add",
+    "add_bias",
+    "attention",
+    "cast",
+    "cast_as",
+    "causal_mask",
+    "contiguous",
+    "cross_entropy",
+    "div",
+    "dropout",
+    "embedding",
+    "flash_attention",
+    "linear",
+    "linear_cross_entropy",
+    "math_attention",
+    "matmul",
+    "mean",
+    "mul",
     "neg",
-    "repeat_kv", "reshape", "rms_norm", "rope", "scale", "silu", "softmax", "sub", "sum", "swiglu",
+    "repeat_kv",
+    "reshape",
+    "rms_norm",
+    "rope",
+    "scale",
+    "silu",
+    "softmax",
+    "sub",
+    "sum",
+    "swiglu",
     "transpose",
 ]
 
@@ -42,8 +67,10 @@ def __getattr__(name):
     # fused ops live in their own modules (owned by the kernel work) and are imported on first use
     if name == "flash_attention":
         from xtrain.ops.flash import flash_attention
+
         return flash_attention
     if name == "linear_cross_entropy":
         from xtrain.ops.fused import linear_cross_entropy
+
         return linear_cross_entropy
     raise AttributeError(f"module 'xtrain.ops' has no attribute {name!r}")

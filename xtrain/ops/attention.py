@@ -27,8 +27,14 @@ def check_attention_inputs(op: str, q: Var, k: Var, v: Var) -> None:
     check(q.ndim == 4 and k.ndim == 4 and v.ndim == 4, op, "q, k, v must be [B, H, T, D]", q, k, v)
     B, H, T, D = q.shape
     check(k.shape == v.shape, op, "k and v must have the same shape", q, k, v)
-    check(k.shape[0] == B and k.shape[2] == T and k.shape[3] == D, op,
-          "k/v must be [B, Hkv, T, D] with q's B, T and D", q, k, v)
+    check(
+        k.shape[0] == B and k.shape[2] == T and k.shape[3] == D,
+        op,
+        "k/v must be [B, Hkv, T, D] with q's B, T and D",
+        q,
+        k,
+        v,
+    )
     Hkv = k.shape[1]
     check(Hkv > 0 and H % Hkv == 0, op, f"Hkv={Hkv} must divide H={H}", q, k, v)
 
@@ -67,7 +73,6 @@ def attention(q: Var, k: Var, v: Var, causal: bool = True, scale: float | None =
         scores = causal_mask(scores)
     probs = softmax(scores, dim=-1)  # [B, H, T, T]
     return matmul(probs, v)  # [B, H, T, D]
-
 
 
 def math_attention(q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None) -> Var:

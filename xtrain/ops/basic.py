@@ -99,6 +99,7 @@ def _apply(op: str, f, a: Var, b: Var) -> torch.Tensor:
 
 # -- arithmetic ------------------------------------------------------------------------------------
 
+
 def add(a, b) -> Var:
     a, b = _binary_prep("add", a, b)
     sa, sb = a.shape, b.shape
@@ -128,8 +129,10 @@ def mul(a, b) -> Var:
     ad, bd = a.data, b.data
 
     def backward(d):
-        return (unbroadcast(d * bd, ad.shape) if a.requires_grad else None,
-                unbroadcast(d * ad, bd.shape) if b.requires_grad else None)
+        return (
+            unbroadcast(d * bd, ad.shape) if a.requires_grad else None,
+            unbroadcast(d * ad, bd.shape) if b.requires_grad else None,
+        )
 
     return Var.from_op(_apply("mul", torch.mul, a, b), (a, b), backward, "mul")
 
@@ -165,6 +168,7 @@ def neg(x: Var) -> Var:
 
 # -- matrix products -------------------------------------------------------------------------------
 
+
 def matmul(a: Var, b: Var) -> Var:
     """torch.matmul semantics for 2-D and batched (broadcast) operands; 1-D operands are rejected."""
     a, b = _binary_prep_mm("matmul", a, b)
@@ -196,8 +200,7 @@ def linear(x: Var, w: Var, b: Var | None = None) -> Var:
     """y[..., out] = x[..., in] @ w[out, in]^T (+ b[out])."""
     x, w = _binary_prep_mm("linear", x, w)
     check(w.ndim == 2, "linear", "weight must be 2-D [out, in]", x, w)
-    check(x.ndim >= 1 and x.shape[-1] == w.shape[1], "linear", "x's last dim must equal weight's in-dim",
-          x, w)
+    check(x.ndim >= 1 and x.shape[-1] == w.shape[1], "linear", "x's last dim must equal weight's in-dim", x, w)
     if b is not None:
         b = as_var(b, op="linear")
         _check_same("linear", x, b)
@@ -225,13 +228,19 @@ def linear(x: Var, w: Var, b: Var | None = None) -> Var:
 def add_bias(x: Var, b: Var) -> Var:
     """x[..., C] + b[C], broadcasting the bias over every leading dim."""
     _check_same("add_bias", x, b)
-    check(b.ndim == 1 and x.ndim >= 1 and x.shape[-1] == b.shape[0], "add_bias",
-          "bias must be 1-D and match x's last dim", x, b)
+    check(
+        b.ndim == 1 and x.ndim >= 1 and x.shape[-1] == b.shape[0],
+        "add_bias",
+        "bias must be 1-D and match x's last dim",
+        x,
+        b,
+    )
     C = b.shape[0]
     return Var.from_op(x.data + b.data, (x, b), lambda d: (d, d.reshape(-1, C).sum(dim=0)), "add_bias")
 
 
 # -- reductions ------------------------------------------------------------------------------------
+
 
 def _norm_dims(op: str, x: Var, dim) -> tuple[int, ...]:
     if dim is None:
@@ -281,6 +290,7 @@ def mean(x: Var, dim=None, keepdim: bool = False) -> Var:
 
 # -- shape ops -------------------------------------------------------------------------------------
 
+
 def reshape(x: Var, shape) -> Var:
     shape = tuple(shape)
     try:
@@ -320,9 +330,17 @@ def cast_as(x: Var, value: torch.Tensor) -> Var:
     refreshed in its update pass, so the forward needs no cast launch per weight). Same node, same
     backward as ``cast``: the gradient is cast back to x's dtype."""
     check(isinstance(value, torch.Tensor), "cast_as", f"value must be a tensor, got {type(value).__name__}", x)
-    check(value.dtype in _FLOAT and value.dtype != x.dtype, "cast_as",
-          f"value must have another floating dtype than x, got {value.dtype}", x)
-    check(tuple(value.shape) == tuple(x.shape) and value.device == x.device, "cast_as",
-          f"value must match x's shape and device, got {tuple(value.shape)} on {value.device}", x)
+    check(
+        value.dtype in _FLOAT and value.dtype != x.dtype,
+        "cast_as",
+        f"value must have another floating dtype than x, got {value.dtype}",
+        x,
+    )
+    check(
+        tuple(value.shape) == tuple(x.shape) and value.device == x.device,
+        "cast_as",
+        f"value must match x's shape and device, got {tuple(value.shape)} on {value.device}",
+        x,
+    )
     src = x.dtype
     return Var.from_op(value, (x,), lambda d: (d.to(src),), "cast")

@@ -23,8 +23,13 @@ _INT = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 def embedding(ids: torch.Tensor, table: Var) -> Var:
     """out[..., C] = table[ids]; ids is an integer tensor (not a Var), table [V, C]."""
-    check(isinstance(ids, torch.Tensor) and ids.dtype in _INT, "embedding",
-          "ids must be an integer torch tensor", ids, table)
+    check(
+        isinstance(ids, torch.Tensor) and ids.dtype in _INT,
+        "embedding",
+        "ids must be an integer torch tensor",
+        ids,
+        table,
+    )
     check(table.ndim == 2, "embedding", "table must be 2-D [V, C]", ids, table)
     check(ids.device == table.device, "embedding", f"ids on {ids.device}, table on {table.device}", ids, table)
     V = table.shape[0]
@@ -43,8 +48,13 @@ def embedding(ids: torch.Tensor, table: Var) -> Var:
 def rms_norm(x: Var, weight: Var, eps: float = 1e-6) -> Var:
     """RMSNorm over the last dim, statistics in fp32, inverse RMS saved for backward."""
     _check_same("rms_norm", x, weight)
-    check(weight.ndim == 1 and x.ndim >= 1 and x.shape[-1] == weight.shape[0], "rms_norm",
-          "weight must be 1-D and match x's last dim", x, weight)
+    check(
+        weight.ndim == 1 and x.ndim >= 1 and x.shape[-1] == weight.shape[0],
+        "rms_norm",
+        "weight must be 1-D and match x's last dim",
+        x,
+        weight,
+    )
     check(eps > 0, "rms_norm", f"eps must be > 0, got {eps}", x)
     xd, wd = x.data, weight.data
     y, inv_rms = K_rms.rms_norm_fwd(xd, wd, eps)
@@ -66,8 +76,7 @@ def swiglu(gate: Var, up: Var) -> Var:
     _check_same("swiglu", gate, up)
     check(gate.shape == up.shape, "swiglu", "gate and up must have the same shape", gate, up)
     gd, ud = gate.data, up.data
-    return Var.from_op(K_swiglu.swiglu_fwd(gd, ud), (gate, up), lambda d: K_swiglu.swiglu_bwd(d, gd, ud),
-                       "swiglu")
+    return Var.from_op(K_swiglu.swiglu_fwd(gd, ud), (gate, up), lambda d: K_swiglu.swiglu_bwd(d, gd, ud), "swiglu")
 
 
 def softmax(x: Var, dim: int = -1) -> Var:
@@ -77,8 +86,7 @@ def softmax(x: Var, dim: int = -1) -> Var:
     return Var.from_op(y, (x,), lambda d: (K_softmax.softmax_bwd(d, y, dim),), "softmax")
 
 
-def cross_entropy(logits: Var, targets: torch.Tensor, ignore_index: int = -100,
-                  reduction: str = "mean") -> Var:
+def cross_entropy(logits: Var, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean") -> Var:
     """Mean (or sum) negative log-likelihood of ``targets`` under softmax(logits), in fp32.
 
     logits [N, V], targets [N] integer; rows whose target is ``ignore_index`` count for nothing, and the
@@ -86,17 +94,26 @@ def cross_entropy(logits: Var, targets: torch.Tensor, ignore_index: int = -100,
     """
     _check_float("cross_entropy", logits)
     check(logits.ndim == 2, "cross_entropy", "logits must be [N, V]", logits, targets)
-    check(isinstance(targets, torch.Tensor) and targets.dtype in _INT, "cross_entropy",
-          "targets must be an integer torch tensor", logits, targets)
+    check(
+        isinstance(targets, torch.Tensor) and targets.dtype in _INT,
+        "cross_entropy",
+        "targets must be an integer torch tensor",
+        logits,
+        targets,
+    )
     check(targets.shape == (logits.shape[0],), "cross_entropy", "targets must be [N]", logits, targets)
-    check(reduction in ("mean", "sum"), "cross_entropy", f"reduction must be mean or sum, got {reduction!r}",
-          logits)
+    check(reduction in ("mean", "sum"), "cross_entropy", f"reduction must be mean or sum, got {reduction!r}", logits)
     V = logits.shape[1]
     valid = targets[targets != ignore_index] if check_values(targets) else targets[:0]
     if valid.numel():
         lo, hi = int(valid.min()), int(valid.max())
-        check(lo >= 0 and hi < V, "cross_entropy", f"targets must lie in [0, {V}) or equal ignore_index "
-              f"{ignore_index}, got range [{lo}, {hi}]", logits, targets)
+        check(
+            lo >= 0 and hi < V,
+            "cross_entropy",
+            f"targets must lie in [0, {V}) or equal ignore_index {ignore_index}, got range [{lo}, {hi}]",
+            logits,
+            targets,
+        )
     ld = logits.data
     loss, lse, denom = K_ce.cross_entropy_fwd(ld, targets, ignore_index, reduction)
 
@@ -110,14 +127,24 @@ def rope(x: Var, positions: torch.Tensor, theta: float = 10000.0) -> Var:
     """Rotary embedding on x[..., T, D] (D even), positions [T] or [B, T] (then x is [B, ..., T, D])."""
     _check_float("rope", x)
     check(x.ndim >= 2 and x.shape[-1] % 2 == 0, "rope", "x must be [..., T, D] with D even", x, positions)
-    check(isinstance(positions, torch.Tensor) and positions.dtype in _INT, "rope",
-          "positions must be an integer torch tensor", x, positions)
+    check(
+        isinstance(positions, torch.Tensor) and positions.dtype in _INT,
+        "rope",
+        "positions must be an integer torch tensor",
+        x,
+        positions,
+    )
     T = x.shape[-2]
     if positions.ndim == 1:
         check(positions.shape[0] == T, "rope", "positions [T] must match x's T", x, positions)
     else:
-        check(positions.ndim == 2 and x.ndim >= 3 and positions.shape == (x.shape[0], T), "rope",
-              "positions [B, T] needs x [B, ..., T, D]", x, positions)
+        check(
+            positions.ndim == 2 and x.ndim >= 3 and positions.shape == (x.shape[0], T),
+            "rope",
+            "positions [B, T] needs x [B, ..., T, D]",
+            x,
+            positions,
+        )
     check(positions.device == x.device, "rope", "positions and x are on different devices", x, positions)
     check(theta > 0, "rope", f"theta must be > 0, got {theta}", x)
     y = K_rope.rope_fwd(x.data, positions, theta)

@@ -39,8 +39,9 @@ class Engine:
         self.device = model.device
 
     # -- one layer, for a block of new positions --------------------------------------------------------
-    def _layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-               t0: int) -> torch.Tensor:
+    def _layer(
+        self, i: int, x: torch.Tensor, pos: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], t0: int
+    ) -> torch.Tensor:
         """x [B, Tn, C] (fp32 residual) at positions t0 .. t0+Tn-1; writes K/V into cache[:, :, t0:t0+Tn]."""
         cfg, w, dt = self.config, self.w, self.dtype
         p = f"model.layers.{i}."
@@ -56,9 +57,9 @@ class Engine:
         q = K_rope.rope_fwd(q.transpose(1, 2), pos, cfg.rope_theta)  # [B, H, Tn, D]
         k = K_rope.rope_fwd(k.transpose(1, 2), pos, cfg.rope_theta)  # [B, Hkv, Tn, D]
         ck, cv = cache
-        ck[:, :, t0:t0 + Tn] = k
-        cv[:, :, t0:t0 + Tn] = v.transpose(1, 2)
-        keys, vals = ck[:, :, :t0 + Tn], cv[:, :, :t0 + Tn]  # [B, Hkv, S, D], S = t0 + Tn
+        ck[:, :, t0 : t0 + Tn] = k
+        cv[:, :, t0 : t0 + Tn] = v.transpose(1, 2)
+        keys, vals = ck[:, :, : t0 + Tn], cv[:, :, : t0 + Tn]  # [B, Hkv, S, D], S = t0 + Tn
         G = H // Hkv
         qg = q.reshape(B, Hkv, G * Tn, D)  # the G query heads of one K/V head, stacked (as math_attention)
         s = (qg @ keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(D))  # [B, Hkv, G*Tn, S]
@@ -86,25 +87,45 @@ class Engine:
     def new_caches(self, B: int, Tmax: int):
         cfg = self.config
         shape = (B, cfg.n_kv_head, Tmax, cfg.head_dim)
-        return [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                 torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.n_layer)]
+        return [
+            (
+                torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.n_layer)
+        ]
 
-    def generate(self, ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 eos_id: int | None = None, stream=None) -> torch.Tensor:
+    def generate(
+        self,
+        ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        eos_id: int | None = None,
+        stream=None,
+    ) -> torch.Tensor:
         """Continue ids [B, T0] by up to max_new_tokens (all rows stop when every row has emitted eos_id).
         ``stream(step, tokens [B])`` is called with each new column, e.g. to send tokens as they come."""
         cfg = self.config
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"Engine.generate: ids must be an integer tensor [B, T], got "
-                             f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+            raise ValueError(
+                f"Engine.generate: ids must be an integer tensor [B, T], got "
+                f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
+            )
         B, T0 = ids.shape
         if T0 == 0 or max_new_tokens < 0:
-            raise ValueError(f"Engine.generate: need a non-empty prompt and max_new_tokens >= 0, got T0={T0}, "
-                             f"max_new_tokens={max_new_tokens}")
+            raise ValueError(
+                f"Engine.generate: need a non-empty prompt and max_new_tokens >= 0, got T0={T0}, "
+                f"max_new_tokens={max_new_tokens}"
+            )
         if T0 + max_new_tokens > cfg.max_seq_len:
-            raise ValueError(f"Engine.generate: prompt {T0} + {max_new_tokens} new tokens exceeds the model's "
-                             f"max_seq_len {cfg.max_seq_len}")
+            raise ValueError(
+                f"Engine.generate: prompt {T0} + {max_new_tokens} new tokens exceeds the model's "
+                f"max_seq_len {cfg.max_seq_len}"
+            )
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
             raise ValueError(f"Engine.generate: token ids must lie in [0, {cfg.vocab_size})")
         ids = ids.to(self.device)

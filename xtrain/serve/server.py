@@ -28,8 +28,14 @@ from pathlib import Path
 import torch
 
 MAX_BODY = 1 << 20
-FIELDS = {"prompt": str, "max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
-          "seed": int}
+FIELDS = {
+    "prompt": str,
+    "max_tokens": int,
+    "temperature": (int, float),
+    "top_k": int,
+    "top_p": (int, float),
+    "seed": int,
+}
 DEFAULTS = {"max_tokens": 64, "temperature": 0.8, "top_k": 50, "top_p": 0.95, "seed": 0}
 
 
@@ -51,8 +57,13 @@ class Service:
 
     def health(self) -> dict:
         c = self.model.config
-        return {"status": "ok", "run": self.name, "params": self.model.num_params(), "vocab_size": c.vocab_size,
-                "max_seq_len": c.max_seq_len}
+        return {
+            "status": "ok",
+            "run": self.name,
+            "params": self.model.num_params(),
+            "vocab_size": c.vocab_size,
+            "max_seq_len": c.max_seq_len,
+        }
 
     def complete(self, req: dict) -> dict:
         if not isinstance(req, dict):
@@ -75,15 +86,26 @@ class Service:
         n = min(r["max_tokens"], room)
         t0 = time.perf_counter()
         with self.lock:
-            out = self.engine.generate(torch.tensor([ids]), n, temperature=float(r["temperature"]),
-                                       top_k=r["top_k"] or None, top_p=float(r["top_p"]), seed=r["seed"],
-                                       eos_id=self.tok.eot_id)
-        new = out[0, len(ids):].tolist()
+            out = self.engine.generate(
+                torch.tensor([ids]),
+                n,
+                temperature=float(r["temperature"]),
+                top_k=r["top_k"] or None,
+                top_p=float(r["top_p"]),
+                seed=r["seed"],
+                eos_id=self.tok.eot_id,
+            )
+        new = out[0, len(ids) :].tolist()
         finish = "length"
         if self.tok.eot_id in new:
             new, finish = new[: new.index(self.tok.eot_id)], "stop"
-        return {"text": self.tok.decode(new), "prompt_tokens": len(ids), "completion_tokens": len(new),
-                "finish_reason": finish, "seconds": round(time.perf_counter() - t0, 4)}
+        return {
+            "text": self.tok.decode(new),
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(new),
+            "finish_reason": finish,
+            "seconds": round(time.perf_counter() - t0, 4),
+        }
 
 
 def make_handler(service: Service):
@@ -134,8 +156,12 @@ def make_server(service: Service, host: str = "127.0.0.1", port: int = 8000) -> 
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="serve a trained run over HTTP (KV-cache engine)", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a trained run over HTTP (KV-cache engine)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run", help="run directory (written by xtrain train)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")

@@ -44,15 +44,22 @@ def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
 
-def save_checkpoint(run_dir: str | Path, *, model, optimizer, trainer_state: dict,
-                    train_config: TrainConfig | None = None) -> Path:
+def save_checkpoint(
+    run_dir: str | Path, *, model, optimizer, trainer_state: dict, train_config: TrainConfig | None = None
+) -> Path:
     """Write the four files of a checkpoint of ``model`` / ``optimizer`` at ``trainer_state["step"]``."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     step = int(trainer_state["step"])
     meta = {"format": FORMAT, "step": str(step)}
-    atomic_write_json(run_dir / CONFIG, {"format": FORMAT, "model": model.config.to_dict(),
-                                         "train": None if train_config is None else train_config.to_dict()})
+    atomic_write_json(
+        run_dir / CONFIG,
+        {
+            "format": FORMAT,
+            "model": model.config.to_dict(),
+            "train": None if train_config is None else train_config.to_dict(),
+        },
+    )
     atomic_write_bytes(run_dir / MODEL, st_save(_cpu(model.state_dict()), metadata=meta))
     opt_meta = dict(meta, optimizer=json.dumps(optimizer.state_meta()))
     atomic_write_bytes(run_dir / OPTIMIZER, st_save(_cpu(optimizer.state_tensors()), metadata=opt_meta))
@@ -62,6 +69,7 @@ def save_checkpoint(run_dir: str | Path, *, model, optimizer, trainer_state: dic
 
 # -- reading ------------------------------------------------------------------------------------------
 
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (a checkpoint directory needs {', '.join(FILES)})")
@@ -70,8 +78,11 @@ def _read_json(path: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON (truncated or corrupt?): {e}") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not an xtrain checkpoint file (format {obj.get('format')!r} "
-                              f"!= {FORMAT!r})" if isinstance(obj, dict) else f"{path}: expected a JSON object")
+        raise CheckpointError(
+            f"{path}: not an xtrain checkpoint file (format {obj.get('format')!r} != {FORMAT!r})"
+            if isinstance(obj, dict)
+            else f"{path}: expected a JSON object"
+        )
     return obj
 
 
@@ -83,7 +94,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
         tensors = st_load(data)
         # the metadata lives in the JSON header: 8-byte little-endian length, then the header
         n = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
     except Exception as e:  # safetensors raises its own error type; any failure here means a bad file
         raise CheckpointError(f"{path}: not a valid safetensors file (truncated or corrupt?): {e}") from None
     if meta.get("format") != FORMAT:
@@ -127,14 +138,18 @@ def read_checkpoint(run_dir: str | Path, *, with_optimizer: bool = True) -> Chec
         raise CheckpointError(f"{run_dir / STATE}: 'step' must be an integer >= 0, got {step!r}")
     model_state, meta = _read_safetensors(run_dir / MODEL)
     if meta.get("step") != str(step):
-        raise CheckpointError(f"{run_dir / MODEL}: holds step {meta.get('step')}, but {STATE} says step {step} "
-                              "(files from different saves: an interrupted checkpoint?)")
+        raise CheckpointError(
+            f"{run_dir / MODEL}: holds step {meta.get('step')}, but {STATE} says step {step} "
+            "(files from different saves: an interrupted checkpoint?)"
+        )
     optim_state = optim_meta = None
     if with_optimizer:
         optim_state, ometa = _read_safetensors(run_dir / OPTIMIZER)
         if ometa.get("step") != str(step):
-            raise CheckpointError(f"{run_dir / OPTIMIZER}: holds step {ometa.get('step')}, but {STATE} says "
-                                  f"step {step} (files from different saves: an interrupted checkpoint?)")
+            raise CheckpointError(
+                f"{run_dir / OPTIMIZER}: holds step {ometa.get('step')}, but {STATE} says "
+                f"step {step} (files from different saves: an interrupted checkpoint?)"
+            )
         try:
             optim_meta = json.loads(ometa.get("optimizer", ""))
         except json.JSONDecodeError:
@@ -149,10 +164,15 @@ def restore(ckpt: Checkpoint, model, optimizer=None) -> None:
     """Copy a checked checkpoint into ``model`` (and ``optimizer``). Everything is validated first:
     on any mismatch a CheckpointError names the file and neither object has been touched."""
     if ckpt.model_config != model.config:
-        diff = {k: (v, getattr(model.config, k)) for k, v in ckpt.model_config.to_dict().items()
-                if getattr(model.config, k) != v}
-        raise CheckpointError(f"{ckpt.run_dir / CONFIG}: model config differs from the model being loaded "
-                              f"(field: (checkpoint, model)) {diff}")
+        diff = {
+            k: (v, getattr(model.config, k))
+            for k, v in ckpt.model_config.to_dict().items()
+            if getattr(model.config, k) != v
+        }
+        raise CheckpointError(
+            f"{ckpt.run_dir / CONFIG}: model config differs from the model being loaded "
+            f"(field: (checkpoint, model)) {diff}"
+        )
     try:
         _check_model_state(model, ckpt.model_state)
     except ValueError as e:

@@ -27,43 +27,75 @@ from pathlib import Path
 
 # Defaults of the main job, sized so `xtrain train` (data preparation included) finishes in under 5 minutes
 # on 2 CPU cores; see README "The main job".
-DEFAULTS = dict(preset="tiny", steps=400, batch_size=16, seq_len=128, lr=3e-3, warmup=40, eval_every=100,
-                eval_batches=16, seed=1337)
+DEFAULTS = dict(
+    preset="tiny", steps=400, batch_size=16, seq_len=128, lr=3e-3, warmup=40, eval_every=100, eval_batches=16, seed=1337
+)
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "train", help="train a model (default: tiny preset on the Python stdlib corpus, ~4 min on 2 CPU cores)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "train",
+        help="train a model (default: tiny preset on the Python stdlib corpus, ~4 min on 2 CPU cores)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     d = DEFAULTS
-    p.add_argument("--preset", default=d["preset"],
-                   help=f"model preset: tiny, seed, gpt2-small (default {d['preset']})")
-    p.add_argument("--data", default=None,
-                   help="a prepared data dir (with meta.json), or a corpus to prepare: pystdlib, tinystories, "
-                        "or a .txt/.jsonl/.parquet file or directory (default: pystdlib, cached)")
+    p.add_argument(
+        "--preset", default=d["preset"], help=f"model preset: tiny, seed, gpt2-small (default {d['preset']})"
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="a prepared data dir (with meta.json), or a corpus to prepare: pystdlib, tinystories, "
+        "or a .txt/.jsonl/.parquet file or directory (default: pystdlib, cached)",
+    )
     p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocab when preparing data (default 4096)")
     p.add_argument("--out", default=None, help="run directory (default runs/<preset>-<date>-<time>)")
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d['steps']})")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help=f"sequences per optimizer step, all micro-batches together (default {d['batch_size']})")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"sequences per optimizer step, all micro-batches together (default {d['batch_size']})",
+    )
     p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence T (default {d['seq_len']})")
     p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d['lr']})")
     p.add_argument("--warmup", type=int, default=None, help=f"linear warmup steps (default {d['warmup']})")
-    p.add_argument("--grad-accum", type=int, default=None,
-                   help="split each step's batch into this many micro-batches (same update, less memory)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="compute dtype (master weights and optimizer state stay fp32; default bfloat16 on CUDA, "
-                        "float32 on CPU)")
-    p.add_argument("--recompute", action="store_true", default=None,
-                   help="recompute each block's activations in backward (less memory, ~1/3 more compute)")
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=None,
+        help="split each step's batch into this many micro-batches (same update, less memory)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="compute dtype (master weights and optimizer state stay fp32; default bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        default=None,
+        help="recompute each block's activations in backward (less memory, ~1/3 more compute)",
+    )
     p.add_argument("--dropout", type=float, default=None, help="residual dropout p (default 0)")
-    p.add_argument("--attention", choices=["auto", "composed", "math", "flash"], default=None,
-                   help="attention implementation (auto: flash on CUDA, math on the CPU)")
+    p.add_argument(
+        "--attention",
+        choices=["auto", "composed", "math", "flash"],
+        default=None,
+        help="attention implementation (auto: flash on CUDA, math on the CPU)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this directory")
-    p.add_argument("--stop-after", type=int, default=None, metavar="N",
-                   help="stop (with a checkpoint) after N steps of this invocation; --resume continues the same "
-                        "schedule, bit-identical to an uninterrupted run")
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop (with a checkpoint) after N steps of this invocation; --resume continues the same "
+        "schedule, bit-identical to an uninterrupted run",
+    )
     p.add_argument("--seed", type=int, default=None, help=f"run seed: init, data order, dropout (default {d['seed']})")
     p.add_argument("--eval-every", type=int, default=None, help=f"validate every N steps (default {d['eval_every']})")
     p.add_argument("--eval-batches", type=int, default=d["eval_batches"], help="validation batches per evaluation")
@@ -97,9 +129,12 @@ def _loaders(meta: dict, batch_size: int, seq_len: int, seed: int, rank: int = 0
     train = TokenLoader([root / f for f, _ in meta["train"]["files"]], batch_size, seq_len, **kw)
     if meta["val"]["tokens"] < batch_size * world_size * (seq_len + 1):
         if rank == 0:
-            print(f"xtrain train: warning: the validation split of {root} holds {meta['val']['tokens']} tokens, "
-                  f"less than one batch of {batch_size * world_size} x {seq_len + 1}; training without "
-                  "validation", file=sys.stderr)
+            print(
+                f"xtrain train: warning: the validation split of {root} holds {meta['val']['tokens']} tokens, "
+                f"less than one batch of {batch_size * world_size} x {seq_len + 1}; training without "
+                "validation",
+                file=sys.stderr,
+            )
         return train, None
     val = TokenLoader([root / f for f, _ in meta["val"]["files"]], batch_size, seq_len, **kw)
     return train, val
@@ -165,22 +200,35 @@ def _run(args, info) -> int:
             d = DEFAULTS
             seq_len = _pick(args.seq_len, d["seq_len"])
             base = preset(args.preset)
-            model_cfg = ModelConfig.from_dict({
-                **base.to_dict(), "vocab_size": meta["vocab_size"],
-                "max_seq_len": max(base.max_seq_len, seq_len),
-                "dropout": _pick(args.dropout, base.dropout), "recompute": _pick(args.recompute, base.recompute),
-                # bf16 compute (fp32 masters) on GPUs, where it is the fast path; fp32 on CPUs
-                "compute_dtype": _pick(args.dtype, "bfloat16" if str(device).startswith("cuda")
-                                       else base.compute_dtype),
-                "attention": _pick(args.attention, base.attention)}).validate()
+            model_cfg = ModelConfig.from_dict(
+                {
+                    **base.to_dict(),
+                    "vocab_size": meta["vocab_size"],
+                    "max_seq_len": max(base.max_seq_len, seq_len),
+                    "dropout": _pick(args.dropout, base.dropout),
+                    "recompute": _pick(args.recompute, base.recompute),
+                    # bf16 compute (fp32 masters) on GPUs, where it is the fast path; fp32 on CPUs
+                    "compute_dtype": _pick(
+                        args.dtype, "bfloat16" if str(device).startswith("cuda") else base.compute_dtype
+                    ),
+                    "attention": _pick(args.attention, base.attention),
+                }
+            ).validate()
             steps = _pick(args.steps, d["steps"])
             tcfg = TrainConfig(
-                steps=steps, batch_size=_pick(args.batch_size, d["batch_size"]), seq_len=seq_len,
-                grad_accum=_pick(args.grad_accum, 1), lr=_pick(args.lr, d["lr"]),
-                min_lr=_pick(args.lr, d["lr"]) / 10, warmup_steps=min(_pick(args.warmup, d["warmup"]), steps),
-                seed=_pick(args.seed, d["seed"]), eval_every=_pick(args.eval_every, d["eval_every"]),
-                ckpt_every=args.ckpt_every, skip_nonfinite=args.skip_nonfinite,
-                extra={"data_dir": str(meta["dir"])}).validate()
+                steps=steps,
+                batch_size=_pick(args.batch_size, d["batch_size"]),
+                seq_len=seq_len,
+                grad_accum=_pick(args.grad_accum, 1),
+                lr=_pick(args.lr, d["lr"]),
+                min_lr=_pick(args.lr, d["lr"]) / 10,
+                warmup_steps=min(_pick(args.warmup, d["warmup"]), steps),
+                seed=_pick(args.seed, d["seed"]),
+                eval_every=_pick(args.eval_every, d["eval_every"]),
+                ckpt_every=args.ckpt_every,
+                skip_nonfinite=args.skip_nonfinite,
+                extra={"data_dir": str(meta["dir"])},
+            ).validate()
         train_data, val_data = _loaders(meta, tcfg.batch_size, tcfg.seq_len, tcfg.seed, rank, world)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"xtrain train: {e}", file=sys.stderr)
@@ -195,8 +243,9 @@ def _run(args, info) -> int:
     def eval_fn(model):
         res = evaluate(model, val_data.val_batches(args.eval_batches))
         if world > 1:  # each rank scored its slice of the validation batches: sum the totals
-            t = torch.tensor([res["eval_loss"] * res["eval_tokens"], res["eval_tokens"]], dtype=torch.float64,
-                             device=device)
+            t = torch.tensor(
+                [res["eval_loss"] * res["eval_tokens"], res["eval_tokens"]], dtype=torch.float64, device=device
+            )
             D.all_reduce_sum([t])
             loss = float(t[0] / t[1].clamp(min=1))
             res = {"eval_loss": loss, "eval_tokens": int(t[1]), "eval_ppl": math.exp(min(loss, 50.0))}
@@ -206,6 +255,7 @@ def _run(args, info) -> int:
     bar = None
     if main and not args.no_progress:
         from tqdm import tqdm
+
         bar = tqdm(total=tcfg.steps, unit="step", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
     last_val = {}
 
@@ -220,14 +270,22 @@ def _run(args, info) -> int:
             (bar.write if bar else print)(msg)
         elif bar is not None:
             bar.n = m["step"]
-            bar.set_postfix_str(f"loss {m['loss']:.3f} lr {m['lr']:.2e} |g| {m['grad_norm']:.2f} "
-                                f"{m['tokens_per_s'] * world:.0f} tok/s", refresh=False)
+            bar.set_postfix_str(
+                f"loss {m['loss']:.3f} lr {m['lr']:.2e} |g| {m['grad_norm']:.2f} {m['tokens_per_s'] * world:.0f} tok/s",
+                refresh=False,
+            )
             bar.refresh()
 
     model = Model(model_cfg, device=device, seed=tcfg.seed)
-    trainer = Trainer(model, tcfg, train_data, run_dir=run_dir if main else None,
-                      eval_fn=eval_fn if val_data else None, on_metrics=on_metrics,
-                      all_reduce=D.all_reduce_sum if world > 1 else None)
+    trainer = Trainer(
+        model,
+        tcfg,
+        train_data,
+        run_dir=run_dir if main else None,
+        eval_fn=eval_fn if val_data else None,
+        on_metrics=on_metrics,
+        all_reduce=D.all_reduce_sum if world > 1 else None,
+    )
     if args.resume:
         try:
             trainer.resume(run_dir)
@@ -239,10 +297,12 @@ def _run(args, info) -> int:
         bar.refresh()
     if main:
         dp = f", data parallel over {world} ranks ({tcfg.batch_size} sequences each)" if world > 1 else ""
-        print(f"run {run_dir}: {args.preset if not args.resume else 'resumed'} model, "
-              f"{model.num_params() / 1e6:.2f}M params, {device}, {model_cfg.compute_dtype}{dp}; "
-              f"data {meta['dir']} ({meta['train']['tokens']:,} train tokens, vocab {meta['vocab_size']}); "
-              f"{tcfg.steps} steps x {tcfg.tokens_per_step * world} tokens from step {trainer.step}")
+        print(
+            f"run {run_dir}: {args.preset if not args.resume else 'resumed'} model, "
+            f"{model.num_params() / 1e6:.2f}M params, {device}, {model_cfg.compute_dtype}{dp}; "
+            f"data {meta['dir']} ({meta['train']['tokens']:,} train tokens, vocab {meta['vocab_size']}); "
+            f"{tcfg.steps} steps x {tcfg.tokens_per_step * world} tokens from step {trainer.step}"
+        )
     try:
         trainer.fit(args.stop_after)
         if val_data is not None and (not trainer.history or trainer.history[-1].get("kind") != "eval"):
@@ -253,8 +313,10 @@ def _run(args, info) -> int:
     except KeyboardInterrupt:
         if main:
             trainer.save(run_dir)
-            print(f"\ninterrupted at step {trainer.step}; checkpoint saved, continue with: "
-                  f"xtrain train --resume {run_dir}")
+            print(
+                f"\ninterrupted at step {trainer.step}; checkpoint saved, continue with: "
+                f"xtrain train --resume {run_dir}"
+            )
         return 130
     finally:
         if bar:
@@ -265,18 +327,32 @@ def _run(args, info) -> int:
         return 0
 
     from xtrain.train.plot import plot_runs
+
     plot_runs([run_dir], run_dir / "loss.png", baseline=meta.get("unigram_val_loss"))
 
     val = last_val.get("eval_loss", float("nan"))
     uni = meta.get("unigram_val_loss", float("nan"))
-    print(f"val loss {val:.4f} nats/token  vs  unigram baseline {uni:.4f}  vs  uniform ln V "
-          f"{math.log(meta['vocab_size']):.4f}")
-    print(f"wrote {run_dir}/ (config.json, model.safetensors, optimizer.safetensors, trainer_state.json, "
-          f"metrics.jsonl, loss.png) in {time.perf_counter() - t_start:.0f}s")
+    print(
+        f"val loss {val:.4f} nats/token  vs  unigram baseline {uni:.4f}  vs  uniform ln V "
+        f"{math.log(meta['vocab_size']):.4f}"
+    )
+    print(
+        f"wrote {run_dir}/ (config.json, model.safetensors, optimizer.safetensors, trainer_state.json, "
+        f"metrics.jsonl, loss.png) in {time.perf_counter() - t_start:.0f}s"
+    )
     if args.sample_tokens > 0:
         from xtrain.train.sample_cli import sample_text
-        text = sample_text(model, run_dir, prompt="def ", max_new_tokens=args.sample_tokens, temperature=0.8,
-                           top_k=50, top_p=0.95, seed=tcfg.seed)
+
+        text = sample_text(
+            model,
+            run_dir,
+            prompt="def ",
+            max_new_tokens=args.sample_tokens,
+            temperature=0.8,
+            top_k=50,
+            top_p=0.95,
+            seed=tcfg.seed,
+        )
         print("--- sample (prompt 'def ', temperature 0.8, top-k 50, top-p 0.95) ---")
         print(text)
     return 0

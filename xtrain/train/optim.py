@@ -59,9 +59,17 @@ class AdamW:
     """AdamW on named leaf Vars (``model.params``). ``step(lr)`` reads each ``.grad`` and updates
     ``.data`` in place (never through the tape). State: ``step`` and two moment tensors per parameter."""
 
-    def __init__(self, params: Mapping[str, Var], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.1, decay_rule=decays,
-                 compute_copies: torch.dtype | None = None):
+    def __init__(
+        self,
+        params: Mapping[str, Var],
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        decay_rule=decays,
+        compute_copies: torch.dtype | None = None,
+    ):
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"AdamW: lr must be a finite number > 0, got {lr}")
         if not all(0.0 <= b < 1.0 for b in betas):
@@ -71,8 +79,9 @@ class AdamW:
         self.names = list(params.keys())
         self.params = [params[n] for n in self.names]
         self.lr, self.betas, self.eps, self.weight_decay = float(lr), tuple(betas), float(eps), float(weight_decay)
-        self.weight_decays = [self.weight_decay if decay_rule(n, p.shape) else 0.0
-                              for n, p in zip(self.names, self.params)]
+        self.weight_decays = [
+            self.weight_decay if decay_rule(n, p.shape) else 0.0 for n, p in zip(self.names, self.params)
+        ]
         self.exp_avgs = [torch.zeros_like(p.data) for p in self.params]
         self.exp_avg_sqs = [torch.zeros_like(p.data) for p in self.params]
         self.step_count = 0
@@ -112,7 +121,7 @@ class AdamW:
         off = 0
         for i in want:
             d = self.params[i].data
-            self.copies[i] = buf[off:off + d.numel()].view(d.shape)
+            self.copies[i] = buf[off : off + d.numel()].view(d.shape)
             off += pad(d.numel())
         self._refresh_copies()
 
@@ -154,9 +163,19 @@ class AdamW:
         grads = self.grads()
         self.step_count += 1
         have_copies = any(c is not None for c in self.copies)
-        adamw_step([p.data for p in self.params], grads, self.exp_avgs, self.exp_avg_sqs, step=self.step_count,
-                   lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                   weight_decays=self.weight_decays, copies=self.copies if have_copies else None)
+        adamw_step(
+            [p.data for p in self.params],
+            grads,
+            self.exp_avgs,
+            self.exp_avg_sqs,
+            step=self.step_count,
+            lr=lr,
+            beta1=self.betas[0],
+            beta2=self.betas[1],
+            eps=self.eps,
+            weight_decays=self.weight_decays,
+            copies=self.copies if have_copies else None,
+        )
         if have_copies:  # the update wrote every copy from its new master
             for i, c in enumerate(self.copies):
                 if c is not None:
@@ -175,9 +194,14 @@ class AdamW:
         return out
 
     def state_meta(self) -> dict:
-        return {"step": self.step_count, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
-                "weight_decay": self.weight_decay,
-                "no_decay": [n for n, wd in zip(self.names, self.weight_decays) if wd == 0.0]}
+        return {
+            "step": self.step_count,
+            "lr": self.lr,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "no_decay": [n for n, wd in zip(self.names, self.weight_decays) if wd == 0.0],
+        }
 
     def check_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping, source: str = "optimizer state"):
         """Raise ValueError naming ``source`` if the state does not fit these parameters."""
@@ -185,13 +209,15 @@ class AdamW:
         have = set(tensors)
         if want != have:
             missing, extra = sorted(want - have)[:5], sorted(have - want)[:5]
-            raise ValueError(f"{source}: tensor names do not match the model's parameters "
-                             f"(missing {missing}, unexpected {extra})")
+            raise ValueError(
+                f"{source}: tensor names do not match the model's parameters (missing {missing}, unexpected {extra})"
+            )
         for n, p in zip(self.names, self.params):
             for k in (f"exp_avg.{n}", f"exp_avg_sq.{n}"):
                 if tuple(tensors[k].shape) != tuple(p.shape):
-                    raise ValueError(f"{source}: {k} has shape {tuple(tensors[k].shape)}, parameter has "
-                                     f"{tuple(p.shape)}")
+                    raise ValueError(
+                        f"{source}: {k} has shape {tuple(tensors[k].shape)}, parameter has {tuple(p.shape)}"
+                    )
         step = meta.get("step")
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"{source}: 'step' must be an integer >= 0, got {step!r}")

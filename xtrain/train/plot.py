@@ -29,8 +29,9 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     return rows
 
 
-def plot_runs(run_dirs, out: str | os.PathLike, title: str | None = None,
-              baseline: float | None = None) -> pathlib.Path:
+def plot_runs(
+    run_dirs, out: str | os.PathLike, title: str | None = None, baseline: float | None = None
+) -> pathlib.Path:
     """Draw training and validation loss of every run on one chart and save it (written atomically).
     ``baseline`` (e.g. the data's unigram loss) is drawn as a dashed horizontal line."""
     import matplotlib
@@ -66,8 +67,11 @@ def plot_runs(run_dirs, out: str | os.PathLike, title: str | None = None,
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("plot", help="draw loss curves of one or more runs on one chart",
-                              description="Redraw loss curves from run directories (their metrics.jsonl).")
+    p = subparsers.add_parser(
+        "plot",
+        help="draw loss curves of one or more runs on one chart",
+        description="Redraw loss curves from run directories (their metrics.jsonl).",
+    )
     p.add_argument("runs", nargs="+", help="run directories")
     p.add_argument("--out", default=None, help="output PNG (default: RUN/loss.png for one run, ./loss.png else)")
     p.add_argument("--title", default=None)

@@ -22,29 +22,42 @@ def load_run_tokenizer(run_dir: Path):
     if (run_dir / "tokenizer.json").is_file():
         return load_tokenizer(run_dir / "tokenizer.json")
     _, tcfg = ckpt_io.read_config(run_dir)
-    data_dir = (tcfg.extra.get("data_dir") if tcfg else None)
+    data_dir = tcfg.extra.get("data_dir") if tcfg else None
     if data_dir and Path(data_dir).is_dir():
         return load_tokenizer(data_dir)
     raise FileNotFoundError(f"{run_dir}: no tokenizer.json in the run directory or its data directory")
 
 
-def sample_text(model, run_dir, prompt: str = "", max_new_tokens: int = 200, temperature: float = 1.0,
-                top_k: int | None = None, top_p: float | None = None, seed: int = 0) -> str:
+def sample_text(
+    model,
+    run_dir,
+    prompt: str = "",
+    max_new_tokens: int = 200,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+) -> str:
     tok = load_run_tokenizer(Path(run_dir))
     ids = [tok.eot_id] + tok.encode(prompt)  # documents start after an end-of-text token in training
-    ids = ids[-model.config.max_seq_len:]  # a prompt longer than the context keeps its end
+    ids = ids[-model.config.max_seq_len :]  # a prompt longer than the context keeps its end
     x = torch.tensor([ids], dtype=torch.long, device=model.device)
-    out = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                         eos_id=tok.eot_id)
-    new = out[0, len(ids):].tolist()
+    out = model.generate(
+        x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=tok.eot_id
+    )
+    new = out[0, len(ids) :].tolist()
     if tok.eot_id in new:
         new = new[: new.index(tok.eot_id)]
     return prompt + tok.decode(new)
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("sample", help="sample text from a trained run", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "sample",
+        help="sample text from a trained run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run", help="run directory (written by xtrain train)")
     p.add_argument("--prompt", default="", help="text to continue (default: empty)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
@@ -68,8 +81,16 @@ def run(args) -> int:
         model = Model(ck.model_config, device=device)
         ckpt_io.restore(ck, model)
         for i in range(args.num_samples):
-            text = sample_text(model, run_dir, args.prompt, args.max_new_tokens, args.temperature,
-                               args.top_k or None, args.top_p, args.seed + i)
+            text = sample_text(
+                model,
+                run_dir,
+                args.prompt,
+                args.max_new_tokens,
+                args.temperature,
+                args.top_k or None,
+                args.top_p,
+                args.seed + i,
+            )
             if args.num_samples > 1:
                 print(f"--- sample {i + 1} (seed {args.seed + i}) ---")
             print(text)

@@ -31,8 +31,9 @@ class Schedule:
         if not (0 <= self.min_lr <= self.lr):
             raise ValueError(f"Schedule: min_lr must lie in [0, lr], got {self.min_lr}")
         if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError(f"Schedule: need warmup_steps >= 0 and total_steps >= 1, got "
-                             f"{self.warmup_steps}, {self.total_steps}")
+            raise ValueError(
+                f"Schedule: need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps}, {self.total_steps}"
+            )
         if self.kind not in ("cosine", "constant"):
             raise ValueError(f"Schedule: kind must be 'cosine' or 'constant', got {self.kind!r}")
 
@@ -47,8 +48,9 @@ class Schedule:
 
     @classmethod
     def from_train_config(cls, cfg) -> Schedule:
-        return cls(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
-                   kind=cfg.schedule)
+        return cls(
+            lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, kind=cfg.schedule
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -92,8 +92,10 @@ def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
         return x, y
     if isinstance(batch, torch.Tensor) and batch.dim() == 2 and batch.shape[1] >= 2:
         return batch[:, :-1], batch[:, 1:]  # [B, T] each
-    raise ValueError(f"batch: expected ids [B, T+1] or a pair (inputs [B, T], targets [B, T]), got "
-                     f"{type(batch).__name__} {tuple(getattr(batch, 'shape', ()))}")
+    raise ValueError(
+        f"batch: expected ids [B, T+1] or a pair (inputs [B, T], targets [B, T]), got "
+        f"{type(batch).__name__} {tuple(getattr(batch, 'shape', ()))}"
+    )
 
 
 @no_grad()
@@ -121,8 +123,10 @@ def _check_batch_values(inputs: torch.Tensor, targets: torch.Tensor, V: int, ign
         raise ValueError(f"step {step}: input ids must lie in [0, {V}), got range [{lo}, {hi}]")
     t = targets[targets != ignore_index]
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= V):
-        raise ValueError(f"step {step}: targets must lie in [0, {V}) or equal {ignore_index}, got range "
-                         f"[{int(t.min())}, {int(t.max())}]")
+        raise ValueError(
+            f"step {step}: targets must lie in [0, {V}) or equal {ignore_index}, got range "
+            f"[{int(t.min())}, {int(t.max())}]"
+        )
 
 
 class Trainer:
@@ -138,11 +142,18 @@ class Trainer:
     all_reduce: ``all_reduce(list[Tensor])`` summing in place across data-parallel ranks (None: one rank).
     """
 
-    def __init__(self, model: Model, config: TrainConfig, data, *, run_dir: str | Path | None = None,
-                 eval_fn: Callable[[Model], dict] | None = None,
-                 on_metrics: Callable[[dict], None] | None = None,
-                 all_reduce: Callable[[list[torch.Tensor]], None] | None = None,
-                 ignore_index: int = IGNORE_INDEX):
+    def __init__(
+        self,
+        model: Model,
+        config: TrainConfig,
+        data,
+        *,
+        run_dir: str | Path | None = None,
+        eval_fn: Callable[[Model], dict] | None = None,
+        on_metrics: Callable[[dict], None] | None = None,
+        all_reduce: Callable[[list[torch.Tensor]], None] | None = None,
+        ignore_index: int = IGNORE_INDEX,
+    ):
         check_compatible(model.config, config)  # before any work
         if not (callable(data) or hasattr(data, "next_batch")):
             raise TypeError("Trainer: data must be a callable or have next_batch()")
@@ -155,8 +166,9 @@ class Trainer:
         self.all_reduce = all_reduce
         self.ignore_index = ignore_index
         self.schedule = Schedule.from_train_config(config)
-        self.optimizer = AdamW.for_model(model, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                                         weight_decay=config.weight_decay)
+        self.optimizer = AdamW.for_model(
+            model, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay
+        )
         self.step = 0  # optimizer steps done (skipped steps included)
         self.skips = 0
         self.tokens_total = 0
@@ -168,12 +180,11 @@ class Trainer:
 
     def _fail(self, what: str, micro: int | None) -> None:
         where = "" if micro is None else f" (micro-batch {micro + 1} of {self.config.grad_accum})"
-        msg = (f"step {self.step + 1}: {what}{where}; the weights were not updated")
+        msg = f"step {self.step + 1}: {what}{where}; the weights were not updated"
         if not self.config.skip_nonfinite:
             raise NonFiniteError(msg + " (set skip_nonfinite to skip such steps instead of stopping)")
         if self.skips + 1 > self.config.max_skips:
-            raise NonFiniteError(msg + f"; {self.skips + 1} non-finite steps exceed max_skips="
-                                 f"{self.config.max_skips}")
+            raise NonFiniteError(msg + f"; {self.skips + 1} non-finite steps exceed max_skips={self.config.max_skips}")
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor):
         """Accumulate the gradient of the mean loss over one step's batch into the leaves' ``.grad``
@@ -182,11 +193,11 @@ class Trainer:
         cfg, model = self.config, self.model
         B, T = inputs.shape
         if B != cfg.batch_size:
-            raise ValueError(f"step {self.step + 1}: batch has {B} sequences, config.batch_size is "
-                             f"{cfg.batch_size}")
+            raise ValueError(f"step {self.step + 1}: batch has {B} sequences, config.batch_size is {cfg.batch_size}")
         if T > model.config.max_seq_len:
-            raise ValueError(f"step {self.step + 1}: sequence length {T} exceeds max_seq_len "
-                             f"{model.config.max_seq_len}")
+            raise ValueError(
+                f"step {self.step + 1}: sequence length {T} exceeds max_seq_len {model.config.max_seq_len}"
+            )
         if not inputs.is_cuda:  # on the CPU, before the move: on the GPU the ops skip value checks
             _check_batch_values(inputs, targets, model.config.vocab_size, self.ignore_index, self.step + 1)
         inputs, targets = inputs.to(model.device), targets.to(model.device)
@@ -202,7 +213,7 @@ class Trainer:
         loss_sum = 0.0
         for j in range(k):
             model.dropout_seed = mix_seed(cfg.seed, self.step, j)
-            x, y = inputs[j * mb:(j + 1) * mb], targets[j * mb:(j + 1) * mb]  # [B/k, T]
+            x, y = inputs[j * mb : (j + 1) * mb], targets[j * mb : (j + 1) * mb]  # [B/k, T]
             loss = model.loss(x, y, reduction="sum", ignore_index=self.ignore_index)  # fp32 scalar
             lv = float(loss.data)
             if not math.isfinite(lv):
@@ -213,8 +224,11 @@ class Trainer:
         return loss_sum, n_tok, None
 
     def _data_state(self):
-        return self.data.state_dict() if hasattr(self.data, "state_dict") and \
-            hasattr(self.data, "load_state_dict") else None
+        return (
+            self.data.state_dict()
+            if hasattr(self.data, "state_dict") and hasattr(self.data, "load_state_dict")
+            else None
+        )
 
     def train_step(self) -> dict:
         """One optimizer step. Atomic: an exception (nan stop, Ctrl-C, a failing batch) before the update
@@ -232,8 +246,11 @@ class Trainer:
             if self.all_reduce is not None:
                 # Every rank joins the collective even after a non-finite micro-batch (or the others would
                 # wait for it forever); the flag makes every rank take the same stop/skip decision.
-                loss_t = torch.tensor([0.0 if bad is not None else loss_sum, float(bad is not None)],
-                                      dtype=torch.float64, device=model.device)
+                loss_t = torch.tensor(
+                    [0.0 if bad is not None else loss_sum, float(bad is not None)],
+                    dtype=torch.float64,
+                    device=model.device,
+                )
                 self.all_reduce(grads + [loss_t])
                 loss_sum = float(loss_t[0])
                 if bad is None and loss_t[1] > 0:
@@ -265,9 +282,19 @@ class Trainer:
             self.tokens_total += n_tok
         skipped = bad is not None
         dt = time.perf_counter() - t0
-        m = {"kind": "train", "step": self.step, "loss": loss_sum * inv_n if not skipped else float("nan"),
-             "lr": lr, "grad_norm": norm, "tokens": n_tok, "tokens_total": self.tokens_total, "time": dt,
-             "tokens_per_s": n_tok / dt if dt > 0 else float("inf"), "skipped": skipped, "skips": self.skips}
+        m = {
+            "kind": "train",
+            "step": self.step,
+            "loss": loss_sum * inv_n if not skipped else float("nan"),
+            "lr": lr,
+            "grad_norm": norm,
+            "tokens": n_tok,
+            "tokens_total": self.tokens_total,
+            "time": dt,
+            "tokens_per_s": n_tok / dt if dt > 0 else float("inf"),
+            "skipped": skipped,
+            "skips": self.skips,
+        }
         self._emit(m)
         return m
 
@@ -310,17 +337,27 @@ class Trainer:
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         data_state = self.data.state_dict() if hasattr(self.data, "state_dict") else None
-        return {"step": self.step, "skips": self.skips, "tokens_total": self.tokens_total,
-                "seeds": {"run": self.config.seed, "dropout": "mix_seed(run, step, micro)"},
-                "schedule": self.schedule.to_dict(), "data": data_state,
-                "optimizer_step": self.optimizer.step_count}
+        return {
+            "step": self.step,
+            "skips": self.skips,
+            "tokens_total": self.tokens_total,
+            "seeds": {"run": self.config.seed, "dropout": "mix_seed(run, step, micro)"},
+            "schedule": self.schedule.to_dict(),
+            "data": data_state,
+            "optimizer_step": self.optimizer.step_count,
+        }
 
     def save(self, run_dir: str | Path | None = None) -> Path:
         run_dir = Path(run_dir) if run_dir is not None else self.run_dir
         if run_dir is None:
             raise ValueError("Trainer.save: no run directory")
-        return ckpt_io.save_checkpoint(run_dir, model=self.model, optimizer=self.optimizer,
-                                       trainer_state=self.state_dict(), train_config=self.config)
+        return ckpt_io.save_checkpoint(
+            run_dir,
+            model=self.model,
+            optimizer=self.optimizer,
+            trainer_state=self.state_dict(),
+            train_config=self.config,
+        )
 
     def resume(self, run_dir: str | Path | None = None) -> int:
         """Load a checkpoint written by ``save`` into this trainer (model, optimizer, step, data position).
@@ -331,21 +368,29 @@ class Trainer:
             raise ValueError("Trainer.resume: no run directory")
         ck = ckpt_io.read_checkpoint(run_dir)
         if ck.train_config is not None:
-            diff = [k for k, v in ck.train_config.to_dict().items()
-                    if k not in RESUMABLE_CHANGES and getattr(self.config, k) != v]
+            diff = [
+                k
+                for k, v in ck.train_config.to_dict().items()
+                if k not in RESUMABLE_CHANGES and getattr(self.config, k) != v
+            ]
             if diff:
                 raise ckpt_io.CheckpointError(
                     f"{run_dir / ckpt_io.CONFIG}: train config differs from this run in {diff}; resuming would "
-                    f"not continue the same run (only {list(RESUMABLE_CHANGES)} may change)")
+                    f"not continue the same run (only {list(RESUMABLE_CHANGES)} may change)"
+                )
         st = ck.trainer_state
         data_state = st.get("data")
         if data_state is not None and not hasattr(self.data, "load_state_dict"):
-            raise ckpt_io.CheckpointError(f"{run_dir / ckpt_io.STATE}: holds a data-loader position but this "
-                                          "trainer's data source has no load_state_dict()")
+            raise ckpt_io.CheckpointError(
+                f"{run_dir / ckpt_io.STATE}: holds a data-loader position but this "
+                "trainer's data source has no load_state_dict()"
+            )
         if st.get("optimizer_step", ck.optim_meta.get("step")) != ck.optim_meta.get("step"):
-            raise ckpt_io.CheckpointError(f"{run_dir / ckpt_io.OPTIMIZER}: optimizer step "
-                                          f"{ck.optim_meta.get('step')} != {st.get('optimizer_step')} in "
-                                          f"{ckpt_io.STATE}")
+            raise ckpt_io.CheckpointError(
+                f"{run_dir / ckpt_io.OPTIMIZER}: optimizer step "
+                f"{ck.optim_meta.get('step')} != {st.get('optimizer_step')} in "
+                f"{ckpt_io.STATE}"
+            )
         # data position first (the loader checks it fits its shards); then model + optimizer, which
         # restore() checks completely before copying; on failure the loader is put back
         old_data = self.data.state_dict() if data_state is not None else None
@@ -353,8 +398,9 @@ class Trainer:
             try:
                 self.data.load_state_dict(data_state)
             except (ValueError, KeyError, TypeError) as e:
-                raise ckpt_io.CheckpointError(f"{run_dir / ckpt_io.STATE}: data-loader position does not fit "
-                                              f"this data source: {e}") from None
+                raise ckpt_io.CheckpointError(
+                    f"{run_dir / ckpt_io.STATE}: data-loader position does not fit this data source: {e}"
+                ) from None
         try:
             ckpt_io.restore(ck, self.model, self.optimizer)
         except Exception:
@@ -367,8 +413,9 @@ class Trainer:
         return self.step
 
 
-def build_trainer(run_dir: str | Path, data, *, device: str | torch.device = "cpu",
-                  train_config: TrainConfig | None = None, **kwargs) -> Trainer:
+def build_trainer(
+    run_dir: str | Path, data, *, device: str | torch.device = "cpu", train_config: TrainConfig | None = None, **kwargs
+) -> Trainer:
     """A Trainer for an existing run directory: the model is rebuilt from its config.json and everything
     is resumed. ``train_config`` (optional) replaces the stored one (subject to RESUMABLE_CHANGES)."""
     model_cfg, stored = ckpt_io.read_config(run_dir)
