@@ -21,12 +21,14 @@ WORKER = textwrap.dedent("""
     from xtrain.train.trainer import Trainer
 
     device, dtype = (sys.argv[2], sys.argv[3]) if len(sys.argv) > 3 else ("cpu", "float64")
+    dropout, accum = (float(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (0.0, 1)
     info = D.init(device)
     B, T, V = 6, 12, 61
     fused = "auto" if device == "cuda" else "composed"  # on CUDA: flash attention, Triton kernels
     cfg = ModelConfig(vocab_size=V, n_layer=2, n_embd=128, n_head=4, n_kv_head=2, head_dim=32, ffn_dim=64,
-                      max_seq_len=16, compute_dtype=dtype, attention=fused, loss=fused)
-    tc = TrainConfig(steps=4, batch_size=B // info.world_size, seq_len=T, lr=1e-2, min_lr=1e-3, warmup_steps=1)
+                      max_seq_len=16, compute_dtype=dtype, attention=fused, loss=fused, dropout=dropout)
+    tc = TrainConfig(steps=4, batch_size=B // info.world_size, seq_len=T, lr=1e-2, min_lr=1e-3, warmup_steps=1,
+                     grad_accum=accum)
     step = [0]
 
     def source():
@@ -41,7 +43,8 @@ WORKER = textwrap.dedent("""
         return x[info.rank::info.world_size], y[info.rank::info.world_size]
 
     m = Model(cfg, device=info.device, seed=3)
-    tr = Trainer(m, tc, source, all_reduce=D.all_reduce_sum if info.world_size > 1 else None)
+    tr = Trainer(m, tc, source, all_reduce=D.all_reduce_sum if info.world_size > 1 else None,
+                 rank=info.rank, world_size=info.world_size)
     hist = tr.fit()
     if info.rank == 0:
         save_file({k: p.data.contiguous().cpu() for k, p in m.params.items()}, sys.argv[1])
@@ -67,31 +70,46 @@ def _torchrun(n, *args, cwd=None):
     )
 
 
-@pytest.mark.slow
-def test_two_ranks_equal_one_process_fp64(tmp_path):
+def _worker(tmp_path, name, ranks, *args):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    one = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "one.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-    )
-    assert one.returncode == 0, one.stderr
-    two = _torchrun(2, str(script), str(tmp_path / "two.safetensors"))
-    assert two.returncode == 0, two.stderr[-3000:]
-    a, b = load_file(str(tmp_path / "one.safetensors")), load_file(str(tmp_path / "two.safetensors"))
+    out = tmp_path / f"{name}.safetensors"
+    if ranks == 1:
+        cmd = [sys.executable, str(script), str(out), *args]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    else:
+        run = _torchrun(ranks, str(script), str(out), *args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [float(v) for v in run.stdout.split("losses")[1].strip().strip("[]").split(",")]
+    return load_file(str(out)), losses
+
+
+def _assert_same_training(one, two):
+    (a, la), (b, lb) = one, two
     assert a.keys() == b.keys()
-    # fp64: the only difference is the order of the sums across ranks (a few ulps), which four AdamW
-    # steps cannot amplify beyond ~1e-12 of a weight
+    # fp64: the only difference is the order of the sums across ranks or micro-batches (a few ulps), which
+    # four AdamW steps cannot amplify beyond ~1e-12 of a weight
     for k in a:
         assert float((a[k] - b[k]).abs().max()) <= 1e-10 * max(float(a[k].abs().max()), 1e-3), k
-    l1 = one.stdout.split("losses")[1].strip()
-    l2 = two.stdout.split("losses")[1].strip()
-    assert [round(float(v), 9) for v in l1.strip("[]").split(",")] == [
-        round(float(v), 9) for v in l2.strip("[]").split(",")
-    ]
+    assert [round(v, 9) for v in la] == [round(v, 9) for v in lb]
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_fp64(tmp_path):
+    _assert_same_training(_worker(tmp_path, "one", 1), _worker(tmp_path, "two", 2))
+
+
+@pytest.mark.slow
+def test_dropout_same_masks_for_one_process_accumulation_and_ranks_fp64(tmp_path):
+    # A dropout mask is keyed by the token's row in the global batch, so the split does not change training:
+    # one process with B = 6, two micro-batches of 3 and two ranks of 3 take the same steps.
+    one = _worker(tmp_path, "one", 1, "cpu", "float64", "0.3", "1")
+    _assert_same_training(one, _worker(tmp_path, "accum", 1, "cpu", "float64", "0.3", "2"))
+    _assert_same_training(one, _worker(tmp_path, "ranks", 2, "cpu", "float64", "0.3", "1"))
+    # and dropout is live under torchrun: p > 0 trains differently from p = 0
+    plain = _worker(tmp_path, "plain", 2, "cpu", "float64", "0.0", "1")
+    assert plain[1][0] != one[1][0]
+    assert any(float((plain[0][k] - one[0][k]).abs().max()) > 1e-6 for k in plain[0])
 
 
 @pytest.mark.slow

@@ -33,9 +33,12 @@ softmax (inside the kernel) and the loss are fp32 whatever the compute dtype; th
 elementwise MLP run in the compute dtype. In fp32 every cast is the identity and records nothing.
 
 Dropout (residual path only, at the attention and MLP outputs; never on attention probabilities): the mask
-of each site is a pure function of ``site_seed(dropout_seed, layer, site)``. The trainer sets
-``model.dropout_seed`` once per micro-batch from (run seed, step, micro index), so a recomputed block and
-a resumed run draw the same masks. ``model.eval()`` (and p == 0) builds no dropout node at all.
+of each site is a pure function of ``site_seed(dropout_seed, layer, site)`` and of the element's place in
+the step's global batch: ``model.dropout_rows = (row_start, row_stride)`` says that row b of the model's
+input is global row ``row_start + b * row_stride``. The trainer sets ``model.dropout_seed`` once per step
+from (run seed, step) and ``dropout_rows`` per micro-batch from (rank, world size, micro index), so a token
+draws the same mask in one process, in a micro-batch or on any data-parallel rank, and a recomputed block
+and a resumed run draw the same masks. ``model.eval()`` (and p == 0) builds no dropout node at all.
 
 Activation recompute (``config.recompute``): each block runs under ``xtrain.autograd.checkpoint``: only
 its input is kept; its forward is re-run during backward. Same ops in the same order, so loss and
@@ -177,6 +180,7 @@ class Model:
         self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         self.training = True
         self.dropout_seed = 0
+        self.dropout_rows = (0, 1)  # (row_start, row_stride) of this input's rows in the global batch
         # optional hook p -> compute-dtype copy of p.data or None (the trainer sets AdamW.copy_for)
         self.weight_copy = None
         self._attention = _resolve_attention(config.attention, self.device)
@@ -267,14 +271,16 @@ class Model:
                 return ops.cast_as(p, c)
         return ops.cast(p, dt)
 
-    def _dropout(self, x: Var, seed: int | None, layer: int, site: int) -> Var:
+    def _dropout(self, x: Var, seed: tuple[int, int, int] | None, layer: int, site: int) -> Var:
         if seed is None:
             return x  # no node: p == 0 (or eval) builds exactly the graph of a model without dropout
-        return ops.dropout(x, self.config.dropout, site_seed(seed, layer, site))
+        step_seed, row_start, row_stride = seed
+        return ops.dropout(x, self.config.dropout, site_seed(step_seed, layer, site), True, row_start, row_stride)
 
-    def _block(self, x: Var, i: int, positions: torch.Tensor, seed: int | None) -> Var:
-        """One transformer block on the residual stream x [B, T, C] (master dtype). ``seed`` is the
-        dropout seed captured at forward time (None: no dropout), so a recompute in backward reuses it."""
+    def _block(self, x: Var, i: int, positions: torch.Tensor, seed: tuple[int, int, int] | None) -> Var:
+        """One transformer block on the residual stream x [B, T, C] (master dtype). ``seed`` is
+        (dropout seed, row_start, row_stride) captured at forward time (None: no dropout), so a recompute
+        in backward reuses it."""
         cfg, P, w, dt, m = self.config, self._layers[i], self._w, self.compute_dtype, self.master_dtype
         B, T, C = x.shape
         H, Hkv, D, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
@@ -316,7 +322,7 @@ class Model:
         positions = torch.arange(T, device=ids.device)
         x = ops.embedding(ids, self.params["model.embed_tokens.weight"])  # [B, T, C] master dtype
         recompute = cfg.recompute and is_grad_enabled()
-        seed = self.dropout_seed if (self.training and cfg.dropout > 0.0) else None
+        seed = (self.dropout_seed, *self.dropout_rows) if (self.training and cfg.dropout > 0.0) else None
         for i in range(cfg.n_layer):
             if recompute:
                 x = checkpoint(self._block, x, i, positions, seed)

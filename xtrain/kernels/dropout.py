@@ -1,33 +1,39 @@
-"""Inverted dropout whose keep mask is a pure function of (seed, element index).
+"""Inverted dropout whose keep mask is a pure function of (seed, global element index).
 
-No RNG state: one 32-bit hash serves a pair of elements. With k = i // 2 and h = hash32(k, seed), element i
-draws the 16-bit uniform u = h & 0xFFFF (i even) or h >> 16 (i odd), and is kept when u is at least
-threshold = round(p * 2^16). Kept elements are scaled by 1/(1-p). The drop probability is therefore p
-rounded to a multiple of 2^-16 (p = 0.1 drops 6554/65536 = 0.100006); the scale is the exact 1/(1-p).
-Because the decision is an integer comparison on a hash, the reference, the Triton kernel, fp32 and bf16
-all keep exactly the same elements, and a recomputed forward (activation recompute) or a resumed run draws
-the same mask.
+No RNG state. The tensor is read as rows ``x[b]`` (the first dim; a batch of sequences), and row b is row
+``row_start + b * row_stride`` of the global batch, so element (b, rest) has the global index
+g = (row_start + b * row_stride) * N + rest, N = numel / rows. The defaults (0, 1) make g the flat index.
+The trainer passes where a micro-batch's rows sit in the step's global batch (data-parallel rank and
+micro-batch index), so a token draws the same mask whether it is trained in one process, in one of k
+micro-batches or on rank r of N, and two tokens never share a mask.
 
-hash32 (our own mix of the well-known xorshift-multiply finalizer): with M = 2^32 - 1,
-    mix(h) = h ^ h>>16; h = h * 0x7FEB352D mod 2^32; h ^= h>>15; h = h * 0x2C1B3C6D mod 2^32; h ^= h>>16
-    hash32(k, seed) = mix(mix((k mod 2^32) ^ seed_lo) ^ seed_hi),  seed_lo/hi = low/high 32 bits of seed
+One 32-bit hash serves a pair of elements: with k = g // 2 and h = hash32(k, seed), element g draws the
+16-bit uniform u = h & 0xFFFF (g even) or h >> 16 (g odd), and is kept when u >= threshold = round(p * 2^16).
+Kept elements are scaled by 1/(1-p). The drop probability is p rounded to a multiple of 2^-16 (p = 0.1
+drops 6554/65536 = 0.100006); the scale is the exact 1/(1-p). The decision is an integer comparison on a
+hash, so the reference, the Triton kernel, fp32, bf16 and fp64 keep exactly the same elements, and a
+recomputed forward or a resumed run draws the same mask.
+
+hash32 (our own mix of the well-known xorshift-multiply finalizer), all arithmetic mod 2^32:
+    mix(h) = h ^ h>>16; h = h * 0x7FEB352D; h ^= h>>15; h = h * 0x2C1B3C6D; h ^= h>>16
+    hash32(k, seed) = mix(mix(k_lo ^ seed_lo) ^ seed_hi ^ k_hi)   (lo/hi: low/high 32 bits)
 Both multipliers are below 2^31, so the int64 products in the reference never overflow.
-Index i is the flat (row-major, contiguous) element index; tensors must have fewer than 2^32 elements.
-Why pairs: the hash is ~20 integer operations, and at one hash per element the bf16 kernel was bound by
-integer throughput, not memory (72% of copy bandwidth on the H200, 2026-11-29); one hash per two
-elements took it to 95-97% (bench/RESULTS.md). (Before 2026-11-29 each element had its own hash and a
-24-bit threshold, so masks drawn by older code differ: a run resumed across that change draws new masks
-from then on.)
+Why pairs: the hash is ~20 integer operations; at one hash per element the bf16 kernel is bound by integer
+throughput (72% of copy bandwidth on an H200), at one per pair it reaches 95-97%. A row of odd length N
+breaks the pairing inside a program, so that case (``EVEN=False``) hashes every element.
 
-Contract: dropout_fwd(x, p, seed) -> y;  dropout_bwd(dy, p, seed) -> dx (the same mask, regenerated from
-the seed rather than stored: one bit of state per element saved for free).
+Contract: dropout_fwd(x, p, seed, row_start=0, row_stride=1) -> y;  dropout_bwd(dy, p, seed, ...) -> dx
+(the same mask, regenerated from the seed rather than stored).
 
-Triton kernel ``_dropout_kernel``: the same hash in uint32 registers, where multiplication wraps mod 2^32
-exactly as the reference's ``& 0xFFFFFFFF`` and ``>>`` is a logical shift, so the mask is bit-for-bit
-the reference's; the scale is the fp32-rounded 1/(1-p) the reference multiplies by. One read, one write.
+Triton kernel ``_dropout_kernel``: one program per (row, block of 2*BLOCK elements); the same hash in uint32
+registers, where multiplication wraps mod 2^32 as the reference's ``& 0xFFFFFFFF`` and ``>>`` is a logical
+shift, so the mask is bit-for-bit the reference's; the scale is the fp32-rounded 1/(1-p) the reference
+multiplies by. One read, one write.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -52,28 +58,36 @@ def keep_threshold(p: float) -> int:
     return int(round(p * (1 << 16)))
 
 
-def dropout_mask_ref(numel: int, p: float, seed: int, device) -> torch.Tensor:
-    """Boolean keep mask of ``numel`` elements (True = kept)."""
-    if numel >= 1 << 32:
-        raise ValueError(f"dropout: tensors must have fewer than 2^32 elements, got {numel}")
+def _global_index(shape, row_start: int, row_stride: int, device) -> torch.Tensor:
+    """int64 global element index g of every element of a tensor of ``shape`` (rows = first dim)."""
+    rows = shape[0] if len(shape) else 1
+    n = math.prod(shape) // max(rows, 1)
+    g_row = row_start + torch.arange(rows, device=device, dtype=torch.int64) * row_stride  # (rows,)
+    return (g_row[:, None] * n + torch.arange(n, device=device, dtype=torch.int64)).reshape(shape)
+
+
+def dropout_mask_ref(shape, p: float, seed: int, device, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
+    """Boolean keep mask (True = kept) of a tensor of ``shape`` (an int means a flat tensor)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     lo, hi = seed & _M32, seed >> 32
-    k = torch.arange((numel + 1) // 2, device=device, dtype=torch.int64)  # pair index
-    h = _mix32(_mix32(k ^ lo) ^ hi)
-    u = torch.stack([h & 0xFFFF, h >> 16], dim=-1).reshape(-1)[:numel]  # element 2k: low half, 2k+1: high
+    g = _global_index(shape, row_start, row_stride, device)
+    k = g >> 1  # pair index
+    h = _mix32(_mix32((k & _M32) ^ lo) ^ hi ^ (k >> 32))
+    u = torch.where((g & 1) == 0, h & 0xFFFF, h >> 16)
     return u >= keep_threshold(p)
 
 
-def dropout_fwd_ref(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    keep = dropout_mask_ref(x.numel(), p, seed, x.device).reshape(x.shape)
+def dropout_fwd_ref(x: torch.Tensor, p: float, seed: int, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
+    keep = dropout_mask_ref(x.shape, p, seed, x.device, row_start, row_stride)
     scale = 1.0 / (1.0 - p)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     return torch.where(keep, x.to(acc) * scale, torch.zeros((), dtype=acc, device=x.device)).to(x.dtype)
 
 
-def dropout_bwd_ref(dy: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+def dropout_bwd_ref(dy: torch.Tensor, p: float, seed: int, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
     # dropout with a fixed mask is the elementwise linear map y_i = c_i x_i, so dx_i = c_i dy_i
-    return dropout_fwd_ref(dy, p, seed)
+    return dropout_fwd_ref(dy, p, seed, row_start, row_stride)
 
 
 # ------------------------------------------------------------------------------------------------ Triton
@@ -93,54 +107,71 @@ def _mix32_tl(h):
     return h
 
 
-@_jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])  # no recompile per seed value
-def _dropout_kernel(X, Y, n, seed_lo, seed_hi, threshold, scale, BLOCK: tl.constexpr):
-    # BLOCK pairs = 2 * BLOCK elements per program; one hash per pair
-    pid = tl.program_id(0).to(tl.int64)
-    k = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.uint32)  # pair index (n < 2^32)
-    h = _mix32_tl(_mix32_tl(k ^ seed_lo.to(tl.uint32)) ^ seed_hi.to(tl.uint32))
+@_jit(do_not_specialize=["row_start", "row_stride", "seed_lo", "seed_hi", "threshold"])  # no recompile per value
+def _dropout_kernel(
+    X, Y, N, row_start, row_stride, seed_lo, seed_hi, threshold, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr
+):
+    # program (row b, block j) covers elements [j*2*BLOCK, (j+1)*2*BLOCK) of row b, which is global row
+    # row_start + b*row_stride; EVEN (N even): pairs never straddle a program, one hash per pair
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    g0 = (row_start + b * row_stride) * N + j * (2 * BLOCK)  # global index of the block's first element
+    sl = seed_lo.to(tl.uint32)
+    sh = seed_hi.to(tl.uint32)
     thr = threshold.to(tl.uint32)
-    keep_even = ((h & 0xFFFF) >= thr).to(tl.int8)
-    keep_odd = ((h >> 16) >= thr).to(tl.int8)
-    # interleave -> element order 2k, 2k+1; no shared memory (sm_90 PTX: 16-byte loads/stores kept)
-    keep = tl.interleave(keep_even, keep_odd) != 0
-    offs = pid * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
-    mask = offs < n
+    if EVEN:
+        k = (g0 >> 1) + tl.arange(0, BLOCK)  # pair index, int64
+        h = _mix32_tl(_mix32_tl((k & 0xFFFFFFFF).to(tl.uint32) ^ sl) ^ sh ^ (k >> 32).to(tl.uint32))
+        keep_even = ((h & 0xFFFF) >= thr).to(tl.int8)
+        keep_odd = ((h >> 16) >= thr).to(tl.int8)
+        # interleave -> element order 2k, 2k+1; no shared memory (sm_90 PTX: 16-byte loads/stores kept)
+        keep = tl.interleave(keep_even, keep_odd) != 0
+    else:
+        g = g0 + tl.arange(0, 2 * BLOCK)
+        k = g >> 1
+        h = _mix32_tl(_mix32_tl((k & 0xFFFFFFFF).to(tl.uint32) ^ sl) ^ sh ^ (k >> 32).to(tl.uint32))
+        keep = tl.where((g & 1) == 0, h & 0xFFFF, h >> 16) >= thr
+    cols = j * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+    mask = cols < N
+    offs = b * N + cols
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     y = tl.where(keep, x * scale, 0.0)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _dropout_triton(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    n = x.numel()
-    if n >= 1 << 32:
-        raise ValueError(f"dropout: tensors must have fewer than 2^32 elements, got {n}")
+def _dropout_triton(x: torch.Tensor, p: float, seed: int, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     x = x.contiguous()
     y = torch.empty_like(x)
+    rows = x.shape[0] if x.dim() else 1
+    n = x.numel() // max(rows, 1)
+    if rows == 0 or n == 0:
+        return y
     # the reference multiplies fp32 by the Python float 1/(1-p), i.e. by its fp32 rounding: pass that
     scale = float(torch.tensor(1.0 / (1.0 - p), dtype=torch.float32))
-    _dropout_kernel[(max(1, triton.cdiv(n, 2 * BLOCK)),)](
-        x, y, n, seed & _M32, seed >> 32, keep_threshold(p), scale, BLOCK=BLOCK, num_warps=NUM_WARPS
-    )
+    grid = (rows, triton.cdiv(n, 2 * BLOCK))
+    _dropout_kernel[grid](
+        x, y, n, int(row_start), int(row_stride), seed & _M32, seed >> 32, keep_threshold(p), scale,
+        BLOCK=BLOCK, EVEN=n % 2 == 0, num_warps=NUM_WARPS,
+    )  # fmt: skip
     return y
 
 
-def dropout_fwd_triton(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    return _dropout_triton(x, p, seed)
+def dropout_fwd_triton(x: torch.Tensor, p: float, seed: int, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
+    return _dropout_triton(x, p, seed, row_start, row_stride)
 
 
-def dropout_bwd_triton(dy: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    return _dropout_triton(dy, p, seed)
+def dropout_bwd_triton(dy: torch.Tensor, p: float, seed: int, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
+    return _dropout_triton(dy, p, seed, row_start, row_stride)
 
 
-def dropout_fwd(x, p, seed):
+def dropout_fwd(x, p, seed, row_start: int = 0, row_stride: int = 1):
     if x.dtype != torch.float64 and use_triton(x):
-        return dropout_fwd_triton(x, p, seed)
-    return dropout_fwd_ref(x, p, seed)
+        return dropout_fwd_triton(x, p, seed, row_start, row_stride)
+    return dropout_fwd_ref(x, p, seed, row_start, row_stride)
 
 
-def dropout_bwd(dy, p, seed):
+def dropout_bwd(dy, p, seed, row_start: int = 0, row_stride: int = 1):
     if dy.dtype != torch.float64 and use_triton(dy):
-        return dropout_bwd_triton(dy, p, seed)
-    return dropout_bwd_ref(dy, p, seed)
+        return dropout_bwd_triton(dy, p, seed, row_start, row_stride)
+    return dropout_bwd_ref(dy, p, seed, row_start, row_stride)

@@ -151,14 +151,18 @@ def rope(x: Var, positions: torch.Tensor, theta: float = 10000.0) -> Var:
     return Var.from_op(y, (x,), lambda d: (K_rope.rope_bwd(d, positions, theta),), "rope")
 
 
-def dropout(x: Var, p: float, seed: int, training: bool = True) -> Var:
-    """Inverted dropout; the keep mask is a pure function of (seed, element index) — see
-    ``xtrain.kernels.dropout``. ``p == 0`` or ``training=False`` returns x itself (no node)."""
+def dropout(x: Var, p: float, seed: int, training: bool = True, row_start: int = 0, row_stride: int = 1) -> Var:
+    """Inverted dropout; the keep mask is a pure function of (seed, global element index) — see
+    ``xtrain.kernels.dropout``: row b of x (the first dim) is row ``row_start + b * row_stride`` of the
+    global batch. ``p == 0`` or ``training=False`` returns x itself (no node)."""
     check(0.0 <= p < 1.0, "dropout", f"p must lie in [0, 1), got {p}", x)
+    check(row_start >= 0 and row_stride >= 1, "dropout", f"need row_start >= 0, row_stride >= 1, got "
+          f"{row_start}, {row_stride}", x)  # fmt: skip
     if p == 0.0 or not training:
         return x
     _check_float("dropout", x)
     check(x.data.is_contiguous(), "dropout", "x must be contiguous (the mask indexes flat elements)", x)
     seed = int(seed)
-    y = K_dropout.dropout_fwd(x.data, p, seed)
-    return Var.from_op(y, (x,), lambda d: (K_dropout.dropout_bwd(d.contiguous(), p, seed),), "dropout")
+    rows = (int(row_start), int(row_stride))
+    y = K_dropout.dropout_fwd(x.data, p, seed, *rows)
+    return Var.from_op(y, (x,), lambda d: (K_dropout.dropout_bwd(d.contiguous(), p, seed, *rows),), "dropout")

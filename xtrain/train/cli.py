@@ -285,6 +285,8 @@ def _run(args, info) -> int:
         eval_fn=eval_fn if val_data else None,
         on_metrics=on_metrics,
         all_reduce=D.all_reduce_sum if world > 1 else None,
+        rank=rank,
+        world_size=world,
     )
     if args.resume:
         try:

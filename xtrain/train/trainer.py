@@ -7,7 +7,7 @@ One optimizer step (``Trainer.train_step``):
   1. fetch one batch of ``batch_size`` sequences: ``ids [B, T+1]`` (inputs ids[:, :-1], targets ids[:, 1:])
      or a pair ``(inputs [B, T], targets [B, T])`` whose targets may hold ``ignore_index`` (-100);
   2. split it into ``grad_accum`` = k micro-batches of B/k rows and count the targets that count, N;
-  3. per micro-batch j: set the dropout seed from (run seed, step, j); loss_j = sum-reduced cross-entropy;
+  3. per micro-batch j: set its rows' place in the global batch (dropout keys); loss_j = sum-reduced cross-entropy;
      backward of loss_j / N. The leaf grads accumulate to d(sum_j loss_j / N), which is exactly the
      gradient of the mean loss over the whole batch however the rows are split and however many targets
      each micro-batch ignores (a per-micro-batch mean divided by k would weight tokens unequally);
@@ -27,8 +27,9 @@ and drops the partial gradients; the update itself runs with Ctrl-C deferred. So
 the trainer is at a step boundary and ``save()`` writes a state that resumes exactly.
 
 Reproducibility: the only randomness in a step is dropout, whose masks are pure functions of
-(seed, step, micro index, layer, site). A checkpoint stores the step, the data loader's position and the
-optimizer moments, so training N steps straight and k steps + resume + N-k steps give identical weights.
+(seed, step, layer, site) and the element's place in the global batch (row, position, feature). A
+checkpoint stores the step, the data loader's position and the optimizer moments, so training N steps
+straight and k steps + resume + N-k steps give identical weights.
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ class Trainer:
         on_metrics: Callable[[dict], None] | None = None,
         all_reduce: Callable[[list[torch.Tensor]], None] | None = None,
         ignore_index: int = IGNORE_INDEX,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         check_compatible(model.config, config)  # before any work
         if not (callable(data) or hasattr(data, "next_batch")):
@@ -165,6 +168,9 @@ class Trainer:
         self.on_metrics = on_metrics
         self.all_reduce = all_reduce
         self.ignore_index = ignore_index
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"Trainer: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        self.rank, self.world_size = rank, world_size
         self.schedule = Schedule.from_train_config(config)
         self.optimizer = AdamW.for_model(
             model, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay
@@ -209,10 +215,13 @@ class Trainer:
         inv_n = 1.0 / max(n_tok, 1)
 
         model.train()
+        model.dropout_seed = mix_seed(cfg.seed, self.step)
         self.optimizer.zero_grad()
         loss_sum = 0.0
         for j in range(k):
-            model.dropout_seed = mix_seed(cfg.seed, self.step, j)
+            # a token's dropout mask is keyed by its row in the global batch: this rank holds rows r, r+R, ...
+            # (TokenLoader's layout), and micro-batch j the rank's rows j*mb ... (j+1)*mb - 1
+            model.dropout_rows = (j * mb * self.world_size + self.rank, self.world_size)
             x, y = inputs[j * mb : (j + 1) * mb], targets[j * mb : (j + 1) * mb]  # [B/k, T]
             loss = model.loss(x, y, reduction="sum", ignore_index=self.ignore_index)  # fp32 scalar
             lv = float(loss.data)
@@ -341,7 +350,7 @@ class Trainer:
             "step": self.step,
             "skips": self.skips,
             "tokens_total": self.tokens_total,
-            "seeds": {"run": self.config.seed, "dropout": "mix_seed(run, step, micro)"},
+            "seeds": {"run": self.config.seed, "dropout": "mix_seed(run, step), keyed by global row"},
             "schedule": self.schedule.to_dict(),
             "data": data_state,
             "optimizer_step": self.optimizer.step_count,

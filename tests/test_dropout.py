@@ -1,0 +1,136 @@
+"""Dropout masks keyed by the token's place in the global batch (``xtrain.kernels.dropout``).
+
+A mask is a pure function of (seed, global element index), where row b of the tensor is global row
+``row_start + b * row_stride``: the same token draws the same mask in one process, in a micro-batch and on a
+data-parallel rank, two different tokens never share a hash input, and the statistics stay those of
+independent draws. The trainer-level equivalences (one process == accumulation == ranks) are in
+``tests/test_distributed.py``."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xtrain import ops
+from xtrain.autograd import Var
+from xtrain.kernels import dropout as K
+from xtrain.kernels._dispatch import HAVE_TRITON
+
+needs_cpu_interp = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") != "1" or not HAVE_TRITON,
+    reason="CPU tests run Triton through the interpreter",
+)
+B, T, C = 8, 5, 12  # global batch rows, positions, features
+
+
+def _mask(shape, p, seed, start=0, stride=1):
+    return K.dropout_mask_ref(shape, p, seed, "cpu", start, stride)
+
+
+def test_flat_default_is_the_global_index():
+    # rows (0, 1): the global index is the flat index, whatever the shape
+    full = _mask((B * T * C,), 0.3, 77)
+    assert torch.equal(_mask((B, T, C), 0.3, 77).reshape(-1), full)
+    assert torch.equal(_mask((B, T * C), 0.3, 77).reshape(-1), full)
+
+
+@pytest.mark.parametrize("ranks,micro", [(1, 2), (2, 1), (2, 2), (4, 1)])
+def test_a_rank_micro_batch_draws_its_rows_of_the_global_mask(ranks, micro):
+    # rank r holds global rows r, r + R, ... (TokenLoader's layout); micro-batch j the rank's rows j*mb ...
+    full = _mask((B, T, C), 0.25, 2**63 + 11)
+    mb = B // ranks // micro
+    for r in range(ranks):
+        mine = full[r::ranks]
+        for j in range(micro):
+            got = _mask((mb, T, C), 0.25, 2**63 + 11, j * mb * ranks + r, ranks)
+            assert torch.equal(got, mine[j * mb : (j + 1) * mb])
+
+
+def test_two_ranks_never_share_a_mask():
+    # the flaw this keying removes: without the row offset every rank drew rank 0's mask for its own rows
+    r0 = _mask((4, T, C), 0.5, 5, 0, 2)
+    r1 = _mask((4, T, C), 0.5, 5, 1, 2)
+    assert not torch.equal(r0, r1)
+    assert (r0 != r1).float().mean() > 0.4  # independent draws at p = 0.5 differ at about half the elements
+
+
+def test_mask_statistics():
+    # keep rate within 5 sigma of 1 - p; neighbouring rows and two ranks' rows uncorrelated (|r| < 5/sqrt(n))
+    p, rows, n = 0.1, 64, 4096
+    m = _mask((rows, n), p, 1234, 3, 2).double()
+    keep = 1 - K.keep_threshold(p) / 2**16
+    total = rows * n
+    assert abs(float(m.mean()) - keep) < 5 * math.sqrt(keep * (1 - keep) / total)
+
+    def corr(a, b):
+        a, b = a - a.mean(), b - b.mean()
+        return float((a * b).sum() / (a.norm() * b.norm()))
+
+    bound = 5 / math.sqrt((rows - 1) * n)
+    assert abs(corr(m[1:].reshape(-1), m[:-1].reshape(-1))) < bound  # row b vs row b + 1
+    assert abs(corr(m[:, 1:].reshape(-1), m[:, :-1].reshape(-1))) < 5 / math.sqrt(rows * (n - 1))  # neighbours
+    other = _mask((rows, n), p, 1234, 4, 2).double()  # the other rank's rows of the same step
+    assert abs(corr(m.reshape(-1), other.reshape(-1))) < 5 / math.sqrt(total)
+
+
+def test_far_rows_hash_the_high_bits():
+    # global indices past 2^33 (pair index past 2^32) still give fresh draws, not the low rows' again
+    n = 64
+    low = _mask((1, n), 0.5, 9, 0, 1)
+    high = _mask((1, n), 0.5, 9, (1 << 33) // n, 1)  # the pair index of its first element is 2^32
+    assert not torch.equal(low, high)
+
+
+def test_op_backward_uses_the_forward_rows():
+    x = Var(torch.randn(4, 6, 10, dtype=torch.float64), requires_grad=True)
+    y = ops.dropout(x, 0.4, seed=5, row_start=3, row_stride=2)
+    y.backward(torch.ones_like(y.data))
+    keep = _mask((4, 6, 10), 0.4, 5, 3, 2)
+    assert torch.equal(y.data != 0, keep)
+    torch.testing.assert_close(x.grad, keep.double() / 0.6)
+
+
+def test_op_rejects_bad_rows():
+    x = Var(torch.randn(2, 3))
+    with pytest.raises(ValueError, match="dropout"):
+        ops.dropout(x, 0.1, 0, row_start=-1)
+    with pytest.raises(ValueError, match="dropout"):
+        ops.dropout(x, 0.1, 0, row_stride=0)
+
+
+@needs_cpu_interp
+@pytest.mark.parametrize("shape", [(3, 7, 64), (5, 123), (4, 3, 5), (1,)])  # odd rows: the per-element path
+@pytest.mark.parametrize("start,stride", [(0, 1), (5, 3), ((1 << 33) // 21, 1)])
+def test_triton_matches_reference_with_rows(shape, start, stride):
+    x = torch.randn(shape)
+    for p, seed in ((0.1, 0), (0.5, 2**64 - 1)):
+        want = K.dropout_fwd_ref(x, p, seed, start, stride)
+        assert torch.equal(K.dropout_fwd_triton(x, p, seed, start, stride), want)
+        assert torch.equal(K.dropout_bwd_triton(x, p, seed, start, stride), want)
+
+
+@pytest.mark.slow
+def test_cli_one_process_accumulation_and_ranks_agree_fp32(tmp_path, corpus):
+    """The real command with dropout 0.1 in fp32: one process with B = 8, --grad-accum 2, and two gloo ranks
+    of B = 4 end at the same weights up to fp32 summation order (they drew different masks before)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", XTRAIN_CACHE=str(tmp_path / "cache"))
+    env.pop("WORLD_SIZE", None)
+    common = ["train", "--data", str(corpus), "--vocab-size", "300", "--steps", "4", "--seq-len", "16"]
+    common += ["--dropout", "0.1", "--dtype", "float32", "--seed", "5", "--eval-every", "0", "--no-progress"]
+    common += ["--sample-tokens", "0"]
+
+    def run(name, *extra, ranks=1):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        cmd = (launcher if ranks > 1 else [sys.executable]) + ["-m", "xtrain.cli", *common, *extra]
+        out = subprocess.run(cmd + ["--out", str(tmp_path / name)], capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return load_file(str(tmp_path / name / "model.safetensors"))
+
+    one = run("one", "--batch-size", "8")
+    for other in (run("accum", "--batch-size", "8", "--grad-accum", "2"), run("ranks", "--batch-size", "4", ranks=2)):
+        worst = max(float((one[k] - other[k]).norm() / one[k].norm()) for k in one)
+        assert worst < 1e-5, worst
