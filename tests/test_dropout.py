@@ -134,3 +134,14 @@ def test_cli_one_process_accumulation_and_ranks_agree_fp32(tmp_path, corpus):
     for other in (run("accum", "--batch-size", "8", "--grad-accum", "2"), run("ranks", "--batch-size", "4", ranks=2)):
         worst = max(float((one[k] - other[k]).norm() / one[k].norm()) for k in one)
         assert worst < 1e-5, worst
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,start,stride", [((4, 256, 768), 6, 2), ((3, 5, 7), 0, 1), ((2, 64), 1 << 28, 3)])
+def test_gpu_kernel_matches_reference_with_rows(dtype, shape, start, stride):
+    x = torch.randn(shape, device="cuda").to(dtype)
+    want = K.dropout_fwd_ref(x, 0.1, 2**64 - 3, start, stride)
+    assert torch.equal(K.dropout_fwd_triton(x, 0.1, 2**64 - 3, start, stride), want)
+    assert torch.equal(K.dropout_bwd_triton(x, 0.1, 2**64 - 3, start, stride), want)
