@@ -2,17 +2,15 @@
 ``python -m xtrain.kernels.compile_check [--arch 90] [--only NAME]``.
 
 Why: the CPU tests run the kernels through the Triton interpreter, which executes Python, not compiled code, so a
-kernel can pass them and still fail to compile on a GPU. Session 23 met one: a store into an argument that is
-``None`` in one specialisation, under a branch decided at run time. The interpreter never took the branch, Triton
-3.9 compiled it, and the device's Triton 3.6 refused it (``AttributeError: 'NoneType' object has no attribute
-'type'``), which only the GPU tests showed. This check catches that class of failure on a CPU machine, with
-whichever Triton is installed. CI runs it with its own; to check against another (the H200 image has 3.6), make a
-venv with that Triton and run the command there.
+kernel can pass them and still fail to compile on a GPU (e.g. a store into an argument that is ``None`` in one
+specialisation, under a branch decided at run time: the interpreter never takes it, Triton 3.9 compiles it and
+Triton 3.6 refuses it). This check catches that class of failure on a CPU machine, with whichever Triton is
+installed; to check against another (the GPU image has 3.6), run it in a venv with that Triton.
 
 How: Triton's launcher is asked to compile and not launch (``JITFunction.run`` with ``warmup=True``), and its
 driver is replaced by a stand-in that names the target (``cuda``, ``--arch``, warp size 32). Then each op's Triton
-entry point (``*_triton``) is called on small CPU tensors in fp32 and bf16, with the knob settings that choose other
-kernel specialisations (the embedding's forms, tier B's whole-id walk). The wrappers run as they would on a GPU,
+entry point (``*_triton``) is called on small CPU tensors in fp32 and bf16, with the configs that choose other kernel
+specialisations (every shipped form of the embedding backward). The wrappers run as they would on a GPU,
 up to the launch: every specialisation they ask for is compiled down to a cubin with ptxas. Nothing they compute is
 used, and their outputs are never written. Each case reports the kernels it compiled, or the first error.
 
@@ -152,9 +150,10 @@ def cases() -> dict[str, Callable[[], None]]:
             x, w, t = r(16, 64, dtype=dt), r(500, 64, dtype=dt), torch.randint(0, 500, (16,), generator=g)
             linear_cross_entropy.linear_cross_entropy_fwd_triton(x, w, t)
 
-        def emb(dt=dt):
+        def emb(dt=dt):  # every shipped form of the backward in this dtype
             ids, d = torch.randint(0, 100, (64,), generator=g), r(64, 32, dtype=dt)
-            embedding.embedding_bwd_triton(d, ids, 100)
+            for config in embedding.SHIPPED:
+                embedding.embedding_bwd_triton(d, ids, 100, config=config)
 
         def attn(D, dt=dt):  # T = 128 takes the short-sequence configs, 1024 the others; GQA, causal and not
             for T in (128, 1024):
@@ -175,11 +174,6 @@ def cases() -> dict[str, Callable[[], None]]:
             out[f"{name} {tag}"] = fn
         for D in (32, 64, 128):
             out[f"flash_attention hd{D} {tag}"] = lambda D=D, dt=dt: attn(D, dt)
-
-    def emb_whole():  # tier B's whole-id walk (no segments): the specialisation session 23's 3.6 failure was in
-        ids, d = torch.randint(0, 100, (64,), generator=g), r(64, 32)
-        with mock.patch.object(embedding, "TIER_B_SEG", 0):
-            embedding.embedding_bwd_triton(d, ids, 100)
 
     def emb_plan():
         ids, d = torch.randint(0, 100, (64,), generator=g), r(64, 32)
@@ -204,7 +198,6 @@ def cases() -> dict[str, Callable[[], None]]:
                 copies=cp,
             )
 
-    out["embedding bwd fp32, tier B ids whole"] = emb_whole
     out["embedding bwd fp32, plan made before"] = emb_plan
 
     def adamw_cuda():  # the division the kernel does on CUDA (RECIP_DIV, chosen by the tensors' device)
