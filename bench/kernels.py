@@ -120,18 +120,11 @@ def _rope(shape, batched, dt):
     pos = torch.randint(0, 16384, (shape[0], T), device="cuda") if batched else torch.arange(T, device="cuda")
     nbytes = 2 * x.numel() * _esize(dt)
     lbl = f"{'x'.join(map(str, shape))} {'pos[B,T]' if batched else 'pos[T]'} {_name(dt)}"
-    for table in (True, False):
-        tag = "table" if table else "in-kernel"
-        yield (
-            f"rope fwd ({tag}) {lbl}",
-            nbytes,
-            lambda table=table: K.rope_fwd_triton(x, pos, 1e6, table=table),
-            lambda: K.rope_fwd_ref(x, pos, 1e6),
-        )
+    yield (f"rope fwd {lbl}", nbytes, lambda: K.rope_fwd_triton(x, pos, 1e6), lambda: K.rope_fwd_ref(x, pos, 1e6))
     yield (
-        f"rope bwd (in-kernel) {lbl}",
+        f"rope bwd {lbl}",
         nbytes,
-        lambda: K.rope_bwd_triton(x, pos, 1e6, table=False),
+        lambda: K.rope_bwd_triton(x, pos, 1e6),
         lambda: K.rope_bwd_ref(x, pos, 1e6),
     )
 

@@ -80,17 +80,19 @@ def test_rms_norm_cpu(shape):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("table", [True, False])
-@pytest.mark.parametrize("xshape,pshape", [((3, 7, 64), (7,)), ((2, 3, 5, 6), (2, 5)), ((2, 1, 9, 10), (9,))])
-def test_rope_cpu(xshape, pshape, table):
+@pytest.mark.parametrize("tile", [None, 64, 4096])
+@pytest.mark.parametrize("xshape,pshape", [((3, 7, 64), (7,)), ((2, 3, 5, 6), (2, 5)), ((2, 5, 9, 10), (9,))])
+def test_rope_cpu(xshape, pshape, tile):
+    """The shipped tiling (None) and tiles of fewer / more positions than it (64: one position per tile at D = 64)."""
+    cfg = None if tile is None else K_rope.RopeConfig(tile=tile)
     x = torch.randn(xshape)
     pos = torch.randint(0, 17000, pshape)
-    y = K_rope.rope_fwd_triton(x, pos, 10000.0, table=table)
-    dx = K_rope.rope_bwd_triton(x, pos, 10000.0, table=table)
+    y = K_rope.rope_fwd_triton(x, pos, 10000.0, cfg)
+    dx = K_rope.rope_bwd_triton(x, pos, 10000.0, cfg)
     assert _max_err(y, K_rope.rope_fwd_ref(x, pos)) <= CPU_TOL
     assert _max_err(dx, K_rope.rope_bwd_ref(x, pos)) <= CPU_TOL
     # the backward is the inverse rotation
-    assert _max_err(K_rope.rope_bwd_triton(y, pos, table=table), x) <= CPU_TOL
+    assert _max_err(K_rope.rope_bwd_triton(y, pos, 10000.0, cfg), x) <= CPU_TOL
 
 
 @needs_cpu_interp
@@ -143,42 +145,24 @@ def test_cross_entropy_cpu(N, V, reduction):
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize(
-    "config",
-    [
-        (256, 4, 1),
-        (256, 4, 3),
-        (512, 4, 0),
-        (8192, 4, 0),
-        (128, 4, 0, 4),
-        (256, 2, 0, 8),
-        (64, 1, 0, 2),
-        (128, 4, 0, 4, 3),
-        (256, 4, 2, 1, 3),
-        (256, 4, 0, 1, 4),
-        (256, 4, 0, 1, 0, 16),
-        (128, 4, 2, 1, 0, 8),
-        (64, 4, 0, 1, 0, 64),
-        (512, 4, 1, 1, 0, 32),
-    ],
-)
-@pytest.mark.parametrize("epilogue", ["kernel", "torch"])
-def test_cross_entropy_fwd_tilings_cpu(config, epilogue, monkeypatch):
-    """Every forward tiling the bench sweeps: one block per program (split + combine), several blocks
-    per program (the prefetching loop), the whole row in one program (loop, no combine pass), several
-    rows per program (the rows kernel, N not a multiple of the rows), Triton's pipelining (a fifth entry:
-    num_stages) in both kernels, the group kernel (a sixth entry: columns per group; groups with no
-    column at all when V < BLOCK_V); both epilogues."""
-    monkeypatch.setattr(K_ce, "FWD_CONFIG", config)
-    monkeypatch.setattr(K_ce, "EPILOGUE", epilogue)
+@pytest.mark.parametrize("group", [None, 8, 64])
+def test_cross_entropy_fwd_group_cpu(group):
+    """The forward at the shipped tiling (None: one 4096-column step or less, so groups with no column at all when V
+    is below it) and at 256-column steps in groups of 8 or one group of 64 (several steps per row, the next step
+    loaded ahead); a large max in the middle of a row (the running rescale), an ignored row; both reductions."""
     for N, V in ((5, 123), (7, 1000), (3, 2500), (9, 256)):
         logits = torch.randn(N, V) * 3
-        logits[0, 7] = 40.0  # a large max in the middle of a row: the running rescale must handle it
+        logits[0, 7] = 40.0
         t = torch.randint(0, V, (N,))
         t[1] = -100
-        loss, lse, denom = K_ce.cross_entropy_fwd_triton(logits, t)
-        loss0, lse0, denom0 = K_ce.cross_entropy_fwd_ref(logits, t)
-        assert denom == denom0 and _max_err(loss, loss0) <= CPU_TOL * 10 and _max_err(lse, lse0) <= CPU_TOL * 10
+        cfg = None if group is None else dataclasses.replace(K_ce.cross_entropy_config(V, N), block_v=256, group=group)
+        lse, nll = K_ce.cross_entropy_fwd_lse_triton(logits, t, -100, cfg)
+        _, lse0, _ = K_ce.cross_entropy_fwd_ref(logits, t)
+        assert _max_err(lse, lse0) <= CPU_TOL * 10 and nll[1] == 0
+        for reduction in ("mean", "sum"):
+            loss, _, denom = K_ce.cross_entropy_fwd_triton(logits, t, -100, reduction)
+            loss0, _, denom0 = K_ce.cross_entropy_fwd_ref(logits, t, -100, reduction)
+            assert denom == denom0 and _max_err(loss, loss0) <= CPU_TOL * 10
 
 
 @needs_cpu_interp
@@ -452,46 +436,16 @@ def test_embedding_zero_fill_kernel_cpu():
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize(
-    "config",
-    [
-        (64, 4, 2, True),
-        (64, 4, 2, False),
-        (2048, 4, 4, True),
-        (64, 4, 2, 3),
-        (2048, 4, 4, 4),
-        (64, 4, 3, 2, False),
-        (64, 4, 3, 3, True),
-        (128, 4, 2, 4, True),
-    ],
-)
-@pytest.mark.parametrize("dw_reduce", ["torch", "triton"])
-def test_rms_norm_bwd_tilings_cpu(config, dw_reduce, monkeypatch):
-    _rms_bwd_cases(config, dw_reduce, monkeypatch)
-
-
-def _rms_bwd_cases(config, dw_reduce, monkeypatch):
-    """Hand prefetch on and off, Triton's pipelining (an int: num_stages) with contiguous or interleaved
-    tiles and streaming cache hints, both dw second passes."""
-    monkeypatch.setattr(K_rms, "BWD_CONFIG", config)
-    monkeypatch.setattr(K_rms, "DW_REDUCE", dw_reduce)
-    for shape in ((37, 40), (9, 130), (3, 7, 64)):
+def test_rms_norm_bwd_tilings_cpu():
+    """Both shipped backward tilings (short rows: several rows a tile; long rows, C >= 2048: one or more tiles of a
+    row), rows not a multiple of the tile, programs taking several interleaved tiles; poisoned outputs."""
+    for shape in ((37, 40), (9, 130), (3, 7, 64), (5, 2100), (3, 4096)):
         x, dy, w = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1])
         _, r = K_rms.rms_norm_fwd_ref(x, w, 1e-6)
         with poisoned():
             dx, dw = K_rms.rms_norm_bwd_triton(dy, x, w, r)
         dx0, dw0 = K_rms.rms_norm_bwd_ref(dy, x, w, r)
         assert _max_err(dx, dx0) <= CPU_TOL and _max_err(dw, dw0) <= CPU_TOL * 10
-
-
-@needs_cpu_interp
-@pytest.mark.parametrize("config", [(1024, 4, 4, False), (4096, 8, 2, True)])
-def test_rope_tilings_cpu(config, monkeypatch):
-    monkeypatch.setattr(K_rope, "CONFIG", config)
-    for xshape, pshape in (((3, 7, 64), (7,)), ((2, 3, 5, 6), (2, 5)), ((2, 5, 9, 10), (9,))):
-        x, pos = torch.randn(xshape), torch.randint(0, 17000, pshape)
-        assert _max_err(K_rope.rope_fwd_triton(x, pos), K_rope.rope_fwd_ref(x, pos)) <= CPU_TOL
-        assert _max_err(K_rope.rope_bwd_triton(x, pos), K_rope.rope_bwd_ref(x, pos)) <= CPU_TOL
 
 
 def test_dispatch_cpu_and_fp64_use_reference():
@@ -523,9 +477,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [(4096, 8, 2, 4, False), (4096, 8, 2, 4, True), (2048, 4, 4, 4, True)])
-def test_rms_norm_bwd_tilings_gpu(config, dtype, monkeypatch):
-    monkeypatch.setattr(K_rms, "BWD_CONFIG", config)
+def test_rms_norm_bwd_tilings_gpu(dtype):
+    """Both shipped tilings (rows of 768 and 1536: short; 4096: long) at row counts not a multiple of a tile."""
     for N, C in ((4099, 768), (1000, 1536), (333, 4096)):
         x = torch.randn(N, C, device="cuda").to(dtype)
         w = (1 + 0.1 * torch.randn(C, device="cuda")).to(dtype)
@@ -556,17 +509,15 @@ def test_rms_norm_gpu(N, C, dtype):
 
 @gpu
 @pytest.mark.parametrize("N,C", [(65536, 768), (333, 4096), (8192, 8192)])
-def test_rms_norm_bwd_pdl_gpu(N, C, monkeypatch):
-    """The dw pass as a programmatic dependent launch reads the partial rows only once the backward kernel's
-    writes are visible: dx and dw bit-identical to the plain launch (same kernels, same summation order),
-    over repeated calls (a missing wait would read stale or poisoned partial rows now and then)."""
+def test_rms_norm_bwd_pdl_gpu(N, C):
+    """The dw pass as a programmatic dependent launch (sm_90+) reads the partial rows only once the backward kernel's
+    writes are visible: dx and dw bit-identical over repeated calls into poisoned outputs (a missing wait would read
+    stale or poisoned partial rows now and then)."""
     x = torch.randn(N, C, device="cuda").to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(C, device="cuda")).to(torch.bfloat16)
     dy = torch.randn(N, C, device="cuda").to(torch.bfloat16)
     _, r = K_rms.rms_norm_fwd_triton(x, w, 1e-6)
-    monkeypatch.setattr(K_rms, "DW_PDL", False)
     dx0, dw0 = K_rms.rms_norm_bwd_triton(dy, x, w, r)
-    monkeypatch.setattr(K_rms, "DW_PDL", True)
     for _ in range(20):
         with poisoned():
             dx, dw = K_rms.rms_norm_bwd_triton(dy, x, w, r)
@@ -575,15 +526,14 @@ def test_rms_norm_bwd_pdl_gpu(N, C, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("table", [True, False])
 @pytest.mark.parametrize("xshape,batched", [((1, 8, 16384, 128), False), ((2, 4, 4096, 64), True)])
-def test_rope_gpu(xshape, batched, table, dtype):
+def test_rope_gpu(xshape, batched, dtype):
     x = torch.randn(xshape, device="cuda").to(dtype)
     T = xshape[-2]
     pos = torch.randint(0, 16384, (xshape[0], T), device="cuda") if batched else torch.arange(T, device="cuda")
     with poisoned():
-        y = K_rope.rope_fwd_triton(x, pos, 1e6, table=table)
-        dx = K_rope.rope_bwd_triton(x, pos, 1e6, table=table)
+        y = K_rope.rope_fwd_triton(x, pos, 1e6)
+        dx = K_rope.rope_bwd_triton(x, pos, 1e6)
     # oracle: the fp32 reference itself (its angles are fp32 by contract), on fp32-exact inputs
     assert _rel(y, K_rope.rope_fwd_ref(x.float(), pos, 1e6)) < _tol(dtype)
     assert _rel(dx, K_rope.rope_bwd_ref(x.float(), pos, 1e6)) < _tol(dtype)
