@@ -16,8 +16,8 @@ used, and their outputs are never written. Each case reports the kernels it comp
 
 Where a wrapper's choice of specialisation depends on the tensors being on CUDA, the CPU run answers as the
 target would where it can: ``pdl_ok`` (whether a kernel is launched as a programmatic dependent, a compile-time
-flag) says yes for sm_90 and later, and AdamW's ``_recip_div`` (the division of the device's reference) gives both
-forms. What it cannot reach: the flash-attention wrappers send hd64 / hd128 16-bit inputs on sm_90 to the Gluon
+flag) says yes for sm_90 and later, and AdamW is built with both divisions (``recip_div``, the one of each device's
+reference). What it cannot reach: the flash-attention wrappers send hd64 / hd128 16-bit inputs on sm_90 to the Gluon
 kernels, which have their own offline compile (``flash_attention_gluon_bwd.compile_sm90``,
 ``tests/test_flash_gluon_bwd.py``). Streams are not compiled code: the forms that run two chains side by side on
 CUDA launch the same kernels one after the other here. Run this in a process that has not set TRITON_INTERPRET
@@ -180,32 +180,20 @@ def cases() -> dict[str, Callable[[], None]]:
         plan = embedding.embedding_bwd_plan_triton(ids, 100, 32, torch.float32)
         embedding.embedding_bwd_triton(d, ids, 100, plan=plan)
 
-    def adamw_():
+    def adamw_(recip_div=None):
         ps = [r(300), r(17, 5)]
         copies = [torch.empty(p.shape, dtype=torch.bfloat16) for p in ps]
         for cp in (None, copies):
             adamw.adamw_step_triton(
-                ps,
-                [r(*p.shape) for p in ps],
-                [torch.zeros_like(p) for p in ps],
-                [torch.zeros_like(p) for p in ps],
-                step=1,
-                lr=1e-3,
-                beta1=0.9,
-                beta2=0.95,
-                eps=1e-8,
-                weight_decays=[0.1, 0.0],
-                copies=cp,
-            )
+                ps, [r(*p.shape) for p in ps], [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps],
+                step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decays=[0.1, 0.0], copies=cp,
+                recip_div=recip_div,
+            )  # fmt: skip
 
     out["embedding bwd fp32, plan made before"] = emb_plan
 
-    def adamw_cuda():  # the division the kernel does on CUDA (RECIP_DIV, chosen by the tensors' device)
-        with mock.patch.object(adamw, "_recip_div", lambda t: True):
-            adamw_()
-
     out["adamw fp32 (and bf16 copies)"] = adamw_
-    out["adamw fp32, CUDA's division"] = adamw_cuda
+    out["adamw fp32, CUDA's division"] = lambda: adamw_(recip_div=True)
     return out
 
 
