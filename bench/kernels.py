@@ -234,22 +234,23 @@ def _embedding(N, V, C, dt):
     e = _esize(dt)
     ids = zipf_ids(N, V)
     d = _rand(N, C, dtype=dt)
+    cfg = K.embedding_bwd_config(dt, N)  # the form the library ships for this dtype and token count
     yield (
-        f"embedding bwd N={N} V={V} C={C} {_name(dt)}",
+        f"embedding bwd ({cfg.form}) N={N} V={V} C={C} {_name(dt)}",
         N * C * e + V * C * e + 8 * N,
-        lambda: K.embedding_bwd_triton(d, ids, V),
+        lambda: K.embedding_bwd_triton(d, ids, V, config=cfg),
         lambda: K.embedding_bwd_ref(d, ids, V),
     )
-    plan = K.embedding_bwd_plan(ids, V, C, dt)
+    plan = K.embedding_bwd_plan_triton(ids, V, C, dt, cfg)
     if plan is None:  # the backward's form here takes no plan (side, rows)
         return
     # what ops.embedding runs in training: the forward launches the backward's ids-only part (the slots pass and
     # lists) on a side stream beside its gather, and the backward starts at its rows grid. First the backward given a
     # plan made before; then forward + backward, the plan made in the forward, against both without a plan
     yield (
-        f"embedding bwd N={N} V={V} C={C} {_name(dt)}, plan made before",
+        f"embedding bwd ({cfg.form}) N={N} V={V} C={C} {_name(dt)}, plan made before",
         N * C * e + V * C * e + 8 * N,
-        lambda: K.embedding_bwd_triton(d, ids, V, plan),
+        lambda: K.embedding_bwd_triton(d, ids, V, plan, cfg),
         lambda: K.embedding_bwd_ref(d, ids, V),
     )
     table = _rand(V, C, dtype=dt)

@@ -293,39 +293,28 @@ def cross_entropy_fwd_lse_triton(
 
 
 def cross_entropy_fwd_triton(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
-):
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
+    config: CrossEntropyConfig | None = None,
+):  # fmt: skip
     _check("cross_entropy_fwd", logits, targets, reduction)
     logits = _rows(logits)
     targets = targets.contiguous()
-    lse, nll = cross_entropy_fwd_lse_triton(logits, targets, ignore_index)
+    cfg = config or cross_entropy_config(logits.shape[1], targets.shape[0])
+    lse, nll = cross_entropy_fwd_lse_triton(logits, targets, ignore_index, cfg)
     # loss and denom stay on the device: no host synchronisation anywhere in the forward
     loss = torch.empty((), dtype=torch.float32, device=logits.device)
     denom = torch.empty((), dtype=torch.float32, device=logits.device)
-    cfg = cross_entropy_config(logits.shape[1], targets.shape[0])
     _ce_loss_kernel[(1,)](
-        nll,
-        targets,
-        loss,
-        denom,
-        targets.shape[0],
-        ignore_index,
-        MEAN=reduction == "mean",
-        BLOCK=cfg.loss_block,
+        nll, targets, loss, denom, targets.shape[0], ignore_index, MEAN=reduction == "mean", BLOCK=cfg.loss_block,
         num_warps=cfg.loss_warps,
-    )
+    )  # fmt: skip
     return loss, lse, denom
 
 
 def cross_entropy_bwd_triton(
-    dloss: torch.Tensor,
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    ignore_index: int = -100,
-    denom=1.0,
-    inplace: bool = False,
-) -> torch.Tensor:
+    dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ignore_index: int = -100,
+    denom=1.0, inplace: bool = False, config: CrossEntropyConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
     _check("cross_entropy_bwd", logits, targets)
     if inplace and logits.stride(1) != 1:
         raise ValueError(f"cross_entropy_bwd: inplace needs rows of contiguous logits, got strides {logits.stride()}")
@@ -334,29 +323,20 @@ def cross_entropy_bwd_triton(
     out = src if inplace else torch.empty_like(src)
     dloss = torch.as_tensor(dloss, dtype=torch.float32, device=logits.device).reshape(())
     if N > 0:
-        cfg = cross_entropy_config(V, N)
+        cfg = config or cross_entropy_config(V, N)
         if not isinstance(denom, torch.Tensor):  # a Python number: a device fill, no host round trip
             denom = torch.full((), float(denom), dtype=torch.float32, device=logits.device)
         _cross_entropy_bwd_kernel[(N,)](
-            dloss,
-            src,
-            targets.contiguous(),
-            lse.contiguous(),
-            out,
-            denom,
-            V,
-            src.stride(0),
-            out.stride(0),
-            ignore_index,
-            BLOCK_V=cfg.bwd_block_v,
-            num_warps=cfg.bwd_warps,
-        )
+            dloss, src, targets.contiguous(), lse.contiguous(), out, denom, V, src.stride(0), out.stride(0),
+            ignore_index, BLOCK_V=cfg.bwd_block_v, num_warps=cfg.bwd_warps,
+        )  # fmt: skip
     return out
 
 
 def cross_entropy_fwd_bwd_triton(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, scale: float = 1.0
-):
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, scale: float = 1.0,
+    config: CrossEntropyConfig | None = None,
+):  # fmt: skip
     _check("cross_entropy_fwd_bwd", logits, targets)
     if logits.stride(1) != 1:
         raise ValueError(f"cross_entropy_fwd_bwd: needs rows of contiguous logits, got strides {logits.stride()}")
@@ -364,21 +344,13 @@ def cross_entropy_fwd_bwd_triton(
     lse = torch.empty(N, dtype=torch.float32, device=logits.device)
     nll = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N > 0:
-        cfg = cross_entropy_config(V, N)
+        cfg = config or cross_entropy_config(V, N)
         if not isinstance(scale, torch.Tensor):  # a Python number: a device fill, no host round trip
             scale = torch.full((), float(scale), dtype=torch.float32, device=logits.device)
         _cross_entropy_fwd_bwd_kernel[(N,)](
-            logits,
-            targets.contiguous(),
-            lse,
-            nll,
-            V,
-            logits.stride(0),
-            ignore_index,
-            scale.reshape(()),
-            BLOCK_V=cfg.bwd_block_v,
-            num_warps=cfg.bwd_warps,
-        )
+            logits, targets.contiguous(), lse, nll, V, logits.stride(0), ignore_index, scale.reshape(()),
+            BLOCK_V=cfg.bwd_block_v, num_warps=cfg.bwd_warps,
+        )  # fmt: skip
     return nll, lse
 
 

@@ -2,31 +2,26 @@
 
 Contract:
     embedding_fwd(ids[...], table[V, C]) -> out[..., C] (table.dtype)
-    embedding_bwd(dout[..., C], ids, V, plan=None, config=None) -> dtable[V, C] (dout.dtype): the rows of dout
-        added into the rows their ids name, in fp32, rounded once; no [N, V] one-hot, no floating-point atomics,
-        so the result is the same bit for bit run to run. ``plan``: ``embedding_fwd_planned``'s or
-        ``embedding_bwd_plan``'s ids-only part of the tiers form, made ahead (None elsewhere).
-    embedding_bwd_config(dtype, N) -> the ``EmbeddingBwdConfig`` that ships for that gradient dtype and token count.
+    embedding_bwd(dout[..., C], ids, V, plan=None, config=None) -> dtable[V, C] (dout.dtype): the dout rows added
+        into the rows their ids name, in fp32, rounded once; no [N, V] one-hot and no floating-point atomics, so the
+        bits are the same run to run. ``plan``: the ids-only part of the "tiers" form made ahead (None elsewhere).
 
-The backward writes every row of dtable exactly once. Three forms ship (``embedding_bwd_config``):
-    "side" (16-bit gradients): the ids' int16 / int32 sort keys and present marks (``_embedding_keys_kernel``),
-        then on this stream a zero fill of the rows no id names, beside, on a high-priority side stream, a stable
-        sort, the chunk walks (program = CHUNK consecutive sorted tokens x column block, each run of equal ids
-        summed in fp32 and written; runs cut by a chunk edge go to fp32 partials) and the merge of cut runs. The
-        table is large next to the tokens' rows, so the fill hides the whole latency-bound chain.
-    "tiers" (fp32, N <= TIERS_MAX_N): a slots pass (each token takes the next slot of its id by an integer atomic,
-        listing ids at slot K, K2 and 0); the rows grid on this stream writes every row seen at most K = 4 times,
-        zeros or its tokens' sum in token order (named rows first, then the zero rows); beside it, on two
-        high-priority side streams, tier A sums the medium rows (K < count <= K2) from their slots ranked into token
-        order and tier B the heavy ids (count > K2) from token lists built by a scan of the ids, in segments of
-        SEG tokens merged in order. No sort at all: most rows of a Zipf-like batch are named at most 4 times.
-    "rows" (fp32, larger N): the slots pass and the rows grid as above, and the sort / walk / merge chain for the
-        ids seen more than K times only (the others get a sentinel key that sorts last): the heavy lists' scans
-        grow as N x heavy ids, the one sort does not.
-Every sum has an order set by the token indices alone, so the bits do not depend on scheduling (tiers and rows
-differ from each other: a tier tile is added by a fixed tree, a walk left to right). Measured on the H200: the
-tiers form at V = 32000, C = 2048, N = 16k fp32 is 0.106 ms with a plan (88 % of copy bandwidth); the side form at
-V = 128k, C = 4096 bf16 0.31 ms (91 %); the frequent rows cost ~20 us wherever they run, which is what bounds both.
+The backward writes every row of dtable exactly once, in one of three forms (``embedding_bwd_config``):
+    "side" (16-bit gradients): sort keys and present marks, then a zero fill of the absent rows on this stream beside
+        a stable sort, chunk walks (CHUNK sorted tokens per program, each run of equal ids summed in fp32; runs cut by
+        a chunk edge go to fp32 partials) and the merge of cut runs on a high-priority side stream. The table is large
+        next to the tokens' rows, so the fill hides the latency-bound chain.
+    "tiers" (fp32, N <= TIERS_MAX_N): a slots pass (each token takes the next slot of its id by an integer atomic);
+        the rows grid writes every row seen at most K = 4 times (zeros, or its tokens' sum in token order), beside
+        tier A (rows seen K < count <= K2 times, slots ranked into token order) and tier B (heavier ids, token lists
+        from a scan of the ids, summed in SEG-token segments merged in order) on two high-priority side streams. No
+        sort: most rows of a Zipf-like batch are named at most 4 times.
+    "rows" (fp32, larger N): the slots pass and rows grid, and the sort / walk / merge chain for the ids seen more
+        than K times only (the heavy lists' scans grow as N x heavy ids, one sort does not).
+Every sum's order is set by token indices alone, so the bits do not depend on scheduling ("tiers" and "rows" differ
+from each other for rows seen more than K times: a tier tile is added by a fixed tree, a walk left to right). H200:
+"tiers" at V = 32000, C = 2048, N = 16k fp32 0.106 ms with a plan (88 % of copy); "side" at V = 128k, C = 4096 bf16
+0.31 ms (91 %); the frequent rows cost ~20 us wherever they run, which bounds both.
 """
 
 from __future__ import annotations

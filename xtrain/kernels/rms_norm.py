@@ -156,30 +156,24 @@ def _num_programs(x: torch.Tensor, N: int, per_sm: int) -> int:
     return max(1, min(N, 4))  # the interpreter: few programs, each several rows
 
 
-def rms_norm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float):
+def rms_norm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float, config: RmsNormConfig | None = None):
     C = x.shape[-1]
     x2 = x.reshape(-1, C).contiguous()  # [N, C]
     N = x2.shape[0]
     y = torch.empty_like(x2)
     inv_rms = torch.empty(N, dtype=torch.float32, device=x.device)
     if N > 0:
-        cfg = rms_norm_config(C)
+        cfg = config or rms_norm_config(C)
         _rms_norm_fwd_kernel[(triton.cdiv(N, cfg.fwd_rows),)](
-            x2,
-            w.contiguous(),
-            y,
-            inv_rms,
-            N,
-            C,
-            eps,
-            BLOCK_R=cfg.fwd_rows,
-            BLOCK_C=cfg.block_c,
+            x2, w.contiguous(), y, inv_rms, N, C, eps, BLOCK_R=cfg.fwd_rows, BLOCK_C=cfg.block_c,
             num_warps=cfg.fwd_warps,
-        )
+        )  # fmt: skip
     return y.reshape(x.shape), inv_rms
 
 
-def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms: torch.Tensor):
+def rms_norm_bwd_triton(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms: torch.Tensor, config: RmsNormConfig | None = None
+):
     C = x.shape[-1]
     x2 = x.reshape(-1, C).contiguous()  # [N, C]
     dy2 = dy.reshape(-1, C).contiguous()
@@ -187,7 +181,7 @@ def rms_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_
     dx = torch.empty_like(x2)
     if N == 0:
         return dx.reshape(x.shape), torch.zeros_like(w)
-    cfg = rms_norm_config(C)
+    cfg = config or rms_norm_config(C)
     P = _num_programs(x2, N, cfg.per_sm)
     P = triton.cdiv(N, triton.cdiv(N, P))  # no program without rows
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
