@@ -169,7 +169,7 @@ class CachedLaunch:
 
     ``kernel[grid](**args)`` binds every argument, specialises it (integer values, pointer alignment), looks
     the compiled kernel up in its cache and only then launches: tens of microseconds of host time per launch
-    (38 us for the Gluon forward on the H200 machine of session 6, 19 us of it the launch itself). Built by
+    (38 us for the Gluon forward on the H200, 19 us of it the launch itself). Built by
     ``launch_cached`` from an ordinary launch, this object keeps the compiled kernel, the grid and the
     argument list in the kernel's order, minus the tensors and tensor descriptors: those are per-call data
     (and keeping them would keep their memory alive), so every call must pass each of them again by name,

@@ -22,8 +22,8 @@ p, g, m, v (16 B), write p, m, v and the bf16 copy (14 B).
 
 Full blocks (all but each tensor's last) take an unmasked path: with the length read from the table,
 a mask ``i < n`` has unknown divisibility and Triton emitted one 4-byte access per element (seen in the
-sm_90 PTX); unmasked, the accesses are 16 bytes wide. H200, 2026-11-29: 4.89 -> 2.50 ms for 341M
-parameters in 217 tensors (50% -> 96% of copy bandwidth; bench/RESULTS.md).
+sm_90 PTX); unmasked, the accesses are 16 bytes wide. H200: 2.50 ms for 341M parameters in 217 tensors
+(96% of copy bandwidth; 4.89 ms masked).
 
 Bit-exactness: the kernel repeats the rounding steps of the CUDA reference (torch's own kernels), with
 Triton's fp contraction switched off and every fused multiply-add written out where torch has one:
@@ -47,19 +47,9 @@ from xtrain.kernels._dispatch import tl, use_triton
 
 
 def adamw_step_ref(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decays,
-    copies=None,
-) -> None:
+    params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
+    weight_decays, copies=None,
+) -> None:  # fmt: skip
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
@@ -84,20 +74,9 @@ NUM_WARPS = 8
 
 @_jit
 def _adamw_update(
-    p,
-    g,
-    m,
-    v,
-    decay,
-    lerp_w,
-    beta2,
-    one_minus_beta2,
-    neg_step_size,
-    inv_bc2_sqrt,
-    eps,
-    LERP_SMALL: tl.constexpr,
+    p, g, m, v, decay, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps, LERP_SMALL: tl.constexpr,
     RECIP_DIV: tl.constexpr,
-):
+):  # fmt: skip
     p = p * decay  # decay = 1 exactly when wd = 0, where the reference skips the multiply
     if LERP_SMALL:
         m = tl.fma(lerp_w, g - m, m)
@@ -114,25 +93,10 @@ def _adamw_update(
 
 @_jit
 def _adamw_kernel(
-    P,
-    G,
-    M,
-    VS,
-    COPY,
-    TABLE,
-    DECAY,
-    lerp_w,
-    beta2,
-    one_minus_beta2,
-    neg_step_size,
-    inv_bc2_sqrt,
-    eps,
-    HAS_COPY: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    LERP_SMALL: tl.constexpr,
-    RECIP_DIV: tl.constexpr,
+    P, G, M, VS, COPY, TABLE, DECAY, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps,
+    HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr, LERP_SMALL: tl.constexpr, RECIP_DIV: tl.constexpr,
     BLOCK: tl.constexpr,
-):
+):  # fmt: skip
     row = TABLE + tl.program_id(0).to(tl.int64) * 8
     p_off = tl.load(row + 0)
     g_off = tl.load(row + 1)
@@ -149,11 +113,7 @@ def _adamw_kernel(
         v_off = tl.multiple_of(v_off, 16)
         c_off = tl.multiple_of(c_off, 16)
     i = tl.arange(0, BLOCK)
-    if n == BLOCK:
-        # A full block, no mask. This branch is what makes the loads 16 bytes wide: a mask ``i < n``
-        # with n read from the table has unknown divisibility, so the compiler must assume it can
-        # change at any element and emits one 4-byte access per element (seen in the sm_90 PTX:
-        # 65 ld.b32 per thread before, ld.v4 after). All but each tensor's last block take this path.
+    if n == BLOCK:  # a full block, unmasked: 16-byte accesses (module docstring)
         p = tl.load(P + p_off + i)
         g = tl.load(G + g_off + i)
         m = tl.load(M + m_off + i)
@@ -287,27 +247,13 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
-def _recip_div(t: torch.Tensor) -> bool:
-    """RECIP_DIV: whether the reference, on ``t``'s device, divides by the bias-correction scalar as a multiply by its
-    reciprocal (torch does on CUDA, module docstring), which the kernel then does too. (xtrain.kernels.compile_check
-    answers True to build the CUDA form on a CPU.)"""
-    return t.is_cuda
-
-
 def adamw_step_triton(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decays,
-    copies=None,
-) -> None:
+    params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
+    weight_decays, copies=None, recip_div: bool | None = None,
+) -> None:  # fmt: skip
+    """The one-launch Triton step. ``recip_div``: divide by the bias-correction scalar as a multiply by its reciprocal,
+    as torch does on CUDA (None: so on CUDA tensors, a true division elsewhere; ``compile_check`` passes True to build
+    the CUDA form on a CPU)."""
     if not params:
         return
     plan = _plan(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies)
@@ -325,27 +271,12 @@ def adamw_step_triton(
     inv_bc2 = float(np.float32(1.0) / np.float32(bias_correction2_sqrt))
     lerp_w = 1 - beta1
     _adamw_kernel[(table.shape[0],)](
-        params[0],
-        grads[0],
-        exp_avgs[0],
-        exp_avg_sqs[0],
-        params[0] if copy_base is None else copy_base,
-        table,
-        decay,
-        _f32(lerp_w),
-        _f32(beta2),
-        _f32(1 - beta2),
-        _f32(-(lr / bias_correction1)),
-        inv_bc2,
-        _f32(eps),
-        HAS_COPY=copy_base is not None,
-        ALIGNED=aligned,
-        LERP_SMALL=abs(lerp_w) < 0.5,
-        RECIP_DIV=_recip_div(params[0]),
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
+        params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], params[0] if copy_base is None else copy_base, table, decay,
+        _f32(lerp_w), _f32(beta2), _f32(1 - beta2), _f32(-(lr / bias_correction1)), inv_bc2, _f32(eps),
+        HAS_COPY=copy_base is not None, ALIGNED=aligned, LERP_SMALL=abs(lerp_w) < 0.5,
+        RECIP_DIV=params[0].is_cuda if recip_div is None else recip_div, BLOCK=BLOCK, num_warps=NUM_WARPS,
         enable_fp_fusion=False,
-    )
+    )  # fmt: skip
     for i in leftover:
         copies[i].copy_(params[i])
 

@@ -14,30 +14,37 @@ With positions [B, T], x must be [B, ..., T, D] (e.g. [B, H, T, D]).
 
 Triton kernel ``_rope_kernel``: x is viewed as [B', G, T, D] (B' = B for positions [B, T], else 1; G the
 remaining leading dims, e.g. heads). A program takes BLOCK_T positions of one b, computes their cos/sin
-once and applies them to a run of groups (heads), reading the two halves x1 = x[..., :D/2],
+once (the angle as the fp64 product pos * inv_freq rounded to fp32, exactly the reference's angle, then fp32
+cos/sin) and applies them to an even share of the groups (heads), reading the two halves x1 = x[..., :D/2],
 x2 = x[..., D/2:] once and writing
     y1 = x1 * cos - x2 * sin,   y2 = x2 * cos + x1 * sin       (backward: the same with sin -> -sin)
-cos/sin come either from a table [(B or 1) * T, D/2] built once per call with the reference's own maths
-(so the table is bit-identical to the reference's cos/sin), or are computed in the kernel (angle as the
-fp64 product pos * inv_freq rounded to fp32, exactly the reference's angle, then fp32 cos/sin).
-``TABLE_DEFAULT`` says which the public path uses (chosen by measurement, see bench/RESULTS.md).
-Groups are split evenly between programs, and the next group's x is loaded before the current one is
-stored (PREFETCH). With 1024-element tiles, 4 warps and 16 programs per SM, bf16 went from 70% (pos[T])
-and 37% (pos[B,T]) of copy to 86% and 85% on the H200 (2026-11-29). Most of the pos[B,T] gain came with
-the even split (G = 16 heads at 15 per program had left half the programs one head each, each paying for
-its cos/sin): at the old tiling, with the split, 78-79% with or without the prefetch. Session 16: 512-element
-tiles and 32 programs per SM, 86-87% bf16 and 91-93% fp32 against 84-85% / 88% for 1024 and 16 (same runs).
+The next group's x is loaded before the current one is stored. Tiling: ``RopeConfig`` (``rope_config``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from xtrain.kernels._dispatch import jit as _jit
 from xtrain.kernels._dispatch import sm_count, tl, triton, use_triton
 
-TABLE_DEFAULT = False  # in-kernel cos/sin measured faster on the H200 (bench/RESULTS.md)
-CONFIG = None  # (elements per tile, num_warps, programs per SM, PREFETCH) override, for the bench's sweep
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """tile: elements per program step (BLOCK_T positions x D/2 pairs); num_warps; per_sm: the programs per SM the
+    groups are shared out to."""
+
+    tile: int = 512
+    num_warps: int = 4
+    per_sm: int = 32
+
+
+def rope_config() -> RopeConfig:
+    """The shipped tiling, for every shape, dtype and GPU: 512-element tiles, 4 warps, 32 programs per SM (H200: 86-87 %
+    of copy bandwidth in bf16, 91-93 % in fp32)."""
+    return RopeConfig()
 
 
 _INV_FREQ_CACHE: dict = {}
@@ -102,22 +109,9 @@ def rope_bwd_ref(dy: torch.Tensor, positions: torch.Tensor, theta: float = 10000
 
 @_jit
 def _rope_kernel(
-    X,
-    Y,
-    POS,
-    INV_FREQ,
-    COS,
-    SIN,
-    T,
-    G,
-    groups_per_program,
-    HALF: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TABLE: tl.constexpr,
+    X, Y, POS, INV_FREQ, T, G, groups_per_program, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     INVERSE: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
+):  # fmt: skip
     # x is [B', G, T, D]: B' = B for positions [B, T] (else 1), G = every other leading dim (e.g. heads)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     b = tl.program_id(1).to(tl.int64)
@@ -127,17 +121,12 @@ def _rope_kernel(
     mask = tmask[:, None] & hmask[None, :]
     pidx = b * T + t  # into the flattened positions
     # cos/sin once per program, reused for all of its groups (heads): the trig is amortised over G
-    if TABLE:
-        toffs = pidx[:, None] * HALF + h[None, :]
-        c = tl.load(COS + toffs, mask=mask, other=0.0)
-        s = tl.load(SIN + toffs, mask=mask, other=0.0)
-    else:
-        pos = tl.load(POS + pidx, mask=tmask, other=0).to(tl.float64)
-        inv_freq = tl.load(INV_FREQ + h, mask=hmask, other=0.0)  # fp64
-        # the fp64 product rounded once to fp32 is exactly the reference's fp32 angle
-        ang = (pos[:, None] * inv_freq[None, :]).to(tl.float32)
-        c = tl.cos(ang)
-        s = tl.sin(ang)
+    pos = tl.load(POS + pidx, mask=tmask, other=0).to(tl.float64)
+    inv_freq = tl.load(INV_FREQ + h, mask=hmask, other=0.0)  # fp64
+    # the fp64 product rounded once to fp32 is exactly the reference's fp32 angle
+    ang = (pos[:, None] * inv_freq[None, :]).to(tl.float32)
+    c = tl.cos(ang)
+    s = tl.sin(ang)
     if INVERSE:
         s = -s
     g0 = tl.program_id(2) * groups_per_program
@@ -149,18 +138,14 @@ def _rope_kernel(
     for g in range(g0, g1):
         x1 = x1n.to(tl.float32)
         x2 = x2n.to(tl.float32)
-        if PREFETCH:  # the next group's loads go out before this group's stores
-            nmask = mask & (t * 0 + g + 1 < g1)[:, None]  # (a tensor: the interpreter needs one)
-            x1n = tl.load(X + offs + step, mask=nmask, other=0.0)
-            x2n = tl.load(X + offs + step + HALF, mask=nmask, other=0.0)
+        # the next group's loads go out before this group's stores (a tensor mask: the interpreter needs one)
+        nmask = mask & (t * 0 + g + 1 < g1)[:, None]
+        x1n = tl.load(X + offs + step, mask=nmask, other=0.0)
+        x2n = tl.load(X + offs + step + HALF, mask=nmask, other=0.0)
         y1 = x1 * c - x2 * s
         y2 = x2 * c + x1 * s
         tl.store(Y + offs, y1.to(Y.dtype.element_ty), mask=mask)
         tl.store(Y + offs + HALF, y2.to(Y.dtype.element_ty), mask=mask)
-        if not PREFETCH:
-            nmask = mask & (t * 0 + g + 1 < g1)[:, None]  # (a tensor: the interpreter needs one)
-            x1n = tl.load(X + offs + step, mask=nmask, other=0.0)
-            x2n = tl.load(X + offs + step + HALF, mask=nmask, other=0.0)
         offs += step
 
 
@@ -177,10 +162,9 @@ def _check(x: torch.Tensor, positions: torch.Tensor, name: str):
 
 
 def _rope_triton(
-    x: torch.Tensor, positions: torch.Tensor, theta: float, inverse: bool, table: bool | None
+    x: torch.Tensor, positions: torch.Tensor, theta: float, inverse: bool, config: RopeConfig | None
 ) -> torch.Tensor:
     _check(x, positions, "rope_bwd" if inverse else "rope_fwd")
-    table = TABLE_DEFAULT if table is None else table
     D = x.shape[-1]
     T = x.shape[-2]
     HALF = D // 2
@@ -193,55 +177,33 @@ def _rope_triton(
     G = R // (B * T)  # groups (heads, ...) per batch row of positions
     pos = positions.reshape(-1).contiguous()  # [(B or 1) * T]
     inv_freq = _inv_freq(D, theta, x.device)
-    if table:
-        ang = (pos.to(torch.float64)[:, None] * inv_freq).to(torch.float32)  # [(B or 1) * T, D/2]
-        cos, sin = ang.cos(), ang.sin()
-    else:
-        cos = sin = inv_freq  # unused
-    # (512 elements per tile, 4 warps, 32 programs per SM, prefetch) since session 16: the session-1 default (1024,
-    # 4, 16) had read 84-88 % of copy, this 86-93 % in the same runs (H200, bench/RESULTS.md); 2048 x 4 warps x 8
-    # per SM, the first default, 77-79 % in bf16
-    tile, num_warps, per_sm, prefetch = CONFIG if CONFIG is not None else (512, 4, 32, True)
+    cfg = config or rope_config()
     BLOCK_H = triton.next_power_of_2(HALF)
-    BLOCK_T = max(1, min(triton.next_power_of_2(T), tile // BLOCK_H))
+    BLOCK_T = max(1, min(triton.next_power_of_2(T), cfg.tile // BLOCK_H))
     n_t = triton.cdiv(T, BLOCK_T)
-    target = per_sm * sm_count(x.device) if x.is_cuda else 4
+    target = cfg.per_sm * sm_count(x.device) if x.is_cuda else 4
     groups_per_program = max(1, (n_t * B * G) // max(1, target))  # a few groups each, still >= target programs
     # the same number of groups in every program (16 groups at 15 per program used to leave half of the
     # programs one group, each still paying for its cos/sin)
     groups_per_program = triton.cdiv(G, triton.cdiv(G, groups_per_program))
     grid = (n_t, B, triton.cdiv(G, groups_per_program))
     _rope_kernel[grid](
-        x2,
-        y,
-        pos,
-        inv_freq,
-        cos,
-        sin,
-        T,
-        G,
-        groups_per_program,
-        HALF=HALF,
-        BLOCK_T=BLOCK_T,
-        BLOCK_H=BLOCK_H,
-        TABLE=table,
-        INVERSE=inverse,
-        PREFETCH=prefetch,
-        num_warps=num_warps,
-    )
+        x2, y, pos, inv_freq, T, G, groups_per_program, HALF=HALF, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, INVERSE=inverse,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
     return y
 
 
 def rope_fwd_triton(
-    x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0, table: bool | None = None
+    x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0, config: RopeConfig | None = None
 ) -> torch.Tensor:
-    return _rope_triton(x, positions, theta, False, table)
+    return _rope_triton(x, positions, theta, False, config)
 
 
 def rope_bwd_triton(
-    dy: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0, table: bool | None = None
+    dy: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0, config: RopeConfig | None = None
 ) -> torch.Tensor:
-    return _rope_triton(dy, positions, theta, True, table)
+    return _rope_triton(dy, positions, theta, True, config)
 
 
 def rope_fwd(x, positions, theta=10000.0):
