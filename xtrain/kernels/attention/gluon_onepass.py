@@ -1,103 +1,78 @@
 """Flash-attention backward for Hopper (sm_90) in Gluon, one pass, head dim 64: dQ by a third warpgroup.
 
-Same contract as ``flash_attention.flash_attention_bwd_triton``: do/q/o [B, H, T, D], k/v [B, Hkv, T, D]
-(query head h reads K/V head h // (H // Hkv)), lse the forward's natural-log row logsumexp [B, H, T];
-returns (dq, dk, dv) in the input dtype with dk/dv summed over each group of query heads. Causal and
-non-causal. What it takes (``supported_bwd``): bf16/fp16, D = 64, T a multiple of 128, an sm_90 GPU, q, k,
-v, do (and given dq/dk/dv buffers) each contiguous [B, Hx, T, D] or a [B, T, Hx, D] tensor seen through a
-transpose; o with unit last stride. The oracle is the plain-torch tiled reference
-``flash_attention_bwd_ref`` (``reference`` below); checked on the GPU by tests/test_flash_gluon_onepass.py
-(``gpu``); on CPU the tests compile the kernel for sm_90.
+Contract: that of ``reference.flash_attention_bwd_ref`` (the oracle) for what ``supported_bwd`` takes: those
+of the split backward (``gluon_common.supported_bwd``) with D = 64. NOT bit-identical run to run: dQ is summed
+over key tiles by fp32 TMA reduce-adds from many programs, in whatever order they land (``runs_agree`` states
+how far two runs may differ); dK and dV are summed inside one program each. So the routing sends the causal
+16-bit hd64 backward here from T = 1024 except under ``torch.use_deterministic_algorithms(True)``.
 
-NOT bit-identical run to run: dQ is summed over key tiles by fp32 TMA reduce-adds from many programs, in
-whatever order they land (dK and dV are: each is summed inside one program). The dispatcher
-(``flash_attention.flash_attention_bwd_triton``) therefore skips this kernel when
-``torch.are_deterministic_algorithms_enabled()``, and the two-kernel backwards (bit-identical) run instead.
-
-Math: as flash_attention_gluon_bwd.py (FlashAttention-2 backward by recomputation, base-2 exponent):
-    P_ij = exp2(s_ij · scale · log2e − lse_i · log2e)    dP_ij = dO_i · v_j    dS_ij = P_ij (dP_ij − delta_i)
-    dV_j = Σ_i P_ij dO_i    dK_j = scale · Σ_i dS_ij q_i    dQ_i = scale · Σ_j dS_ij k_j
-but every (query tile, key tile) pair is visited once: 5 matrix products per pair instead of the split's 7.
-
-Design. The one-pass form is FlashAttention-3's (Shah, Bikshandi, Zhang, Thakkar, Ramani & Dao, 2024): one
-program per 128 keys of a (batch, kv head) with K and V resident, walking the 64-row query tiles of every
-head of the GQA group (causal: at or below the diagonal); dK, dV accumulate in registers; dQ partials go
-into an fp32 accumulator [B·H·T, D] by TMA reduce-adds, then one small kernel scales and casts it into dq.
-Where FA3 splits the dQ product between the two MMA warpgroups (each exchanges its dSᵀ half with the
-other every step), this kernel gives all of the dQ work to a THIRD consumer warpgroup, so the two dK/dV
-warpgroups never wait on each other (bench/gluon_flash_bwd_onepass.py measured the exchange as the largest
-single cost of the FA3 form here: 557 → 461 TFLOP/s at T = 16k). Four partitions:
-  * producer warp (24 registers): K, V halves once, then the Q and dO tile of every step into a
-    STAGES-deep ring ("ready" expect-tx / "empty" two-arrival mbarriers): the library's ``_dkdv_producer``.
-  * dK/dV warpgroups 0 and 1 (keys start_n + w·64 .. +64): per step Sᵀ = K_w Qᵀ and dPᵀ = V_w dOᵀ (async
-    wgmmas), Pᵀ = exp2(...) (lse and delta of the NEXT step loaded at the top of this one), dV += Pᵀ dO
-    (register A operand); then wait ds_empty[b] (b = step % NDS: the dQ warpgroup has retired its products
-    of step − NDS), store the dSᵀ half into dS buffer b, fence, partition barrier, dK += dSᵀ Q with A from
-    that shared tile, arrive ds_full[b] (count 2); retire dV and dK, release the Q/dO slot. Epilogue: wait
-    the last step's ds_empty phase (the dQ warpgroup's last reads of K retired), dK·scale and dV out
-    through the dead K/V tiles (the library's ``_dkdv_store``).
-  * dQ warpgroup: per step wait ds_full[b], dQ_step [64 q, D] = dS_lo · K_lo + dS_hi · K_hi (two chained
-    wgmmas, A = the transposed view of the stored dSᵀ halves, B = the resident K halves), retire, arrive
-    ds_empty[b]; then wait (tma.store_wait(SLOTS − 1)) until the reduce-add that last read staging tile
-    step % SLOTS is done, store dQ_step there in fp32, fence, ONE [64, D] TMA reduce-add.
-Registers (setmaxnreg; 13 warps launch as 4 warpgroups, 512 per thread-slot in all): dK/dV warpgroup 1
-KV_REGS, the dQ warpgroup DQ_REGS, the producer 24; dK/dV warpgroup 0 (the default partition) what is left.
-At hd128 the two dK/dV warpgroups alone need ~232 each and ptxas serialises every wgmma: not offered. Session 9
-fitted hd128 with ONE dK/dV warpgroup per 64-key program (with or without the dV product moved to the dQ
-warpgroup): correct, no spills, but 0.76-0.87x cuDNN against the split's 0.89-0.99 (bench/RESULTS.md; code at
-commit 528aee6).
-
-Program order: the split's ``_tail_order`` (1-D grid, head by head but for the last waves, which start
-tile-major, heaviest first): +1-3 % over head-by-head order at hd64, T = 1k-16k (session 9, "pf" vs "pf_t0" in
-bench/gluon_flash_bwd_onepass.py).
-
-Protocol check without a GPU: bench/gluon_flash_bwd_onepass.py --replay plays the four partitions' barrier
-protocol under random interleavings (TMA loads, wgmmas and reduce-add reads completing as separate
-events), with each of the 8 waits removed in turn as a negative control.
-
-H200, causal bf16, B·T = 16k, H·D = 2048, backward alone (bench/gluon_flash_bwd_onepass.py; TFLOP/s and
-ratio to cuDNN, session 5): T = 2k 360 (1.09x), 8k 452 (1.06x), 16k 474 (1.07x); the library's Triton
-two-kernel backward 1.02 / 0.93 / 0.90x in the same process. Configs (``CONFIGS``): "pf" (default:
-lse/delta prefetch, kv208 + dq72; 57 spill stores in the SASS of the causal kernel (triton 3.6 and 3.9), but
-measured fastest), "nopf" (no prefetch, kv200 + dq88, no spills: 0.97-0.98x), "nopf_ds3" (three dS
-buffers: 0.97-0.99x). Session 15 (commit e7b8175, reverted): the dK/dV warpgroups' walk peeled as the split's
-(each head's diagonal steps masked in a loop of their own) took their hot-loop spill reloads / stores from 19 / 16
-to 2 / 2 and 6 / 3 with the same dK and dV bits, and gained nothing (bench/onepass_configs.py: 0.627 / 1.628 / 2.964
-/ 5.973 against 0.622 / 1.609 / 2.953 / 5.882 ms at T = 1k / 4k / 8k / 16k): this kernel's bound is not there.
+Algorithm: FlashAttention-3's one-pass backward (5 matrix products per (query, key) tile pair instead of the
+split's 7): one program per 128 keys of a (batch, kv head), K and V resident, walking the 64-row query tiles
+of every head of the GQA group (causal: at or below the diagonal), dK and dV accumulated in registers, dQ
+partials added into an fp32 [B·H·T, D] buffer by TMA reduce-adds, then scaled and cast into dq by a small
+Triton kernel (``dq_convert``). Where FA3 splits the dQ product between the two MMA warpgroups (exchanging
+dSᵀ halves every step), a THIRD consumer warpgroup does all of it, so the dK/dV warpgroups never wait on each
+other. Four partitions: the split's producer warp (K, V once, then Q and dO per step into a 3-deep ring);
+dK/dV warpgroups 0 and 1 (Sᵀ, dPᵀ, Pᵀ with the next step's lse and delta prefetched, dV += Pᵀ dO, dSᵀ into
+one of two shared dS buffers, dK += dSᵀ Q); the dQ warpgroup (dQ_step = dS K per step, staged in one of two
+fp32 tiles, one [64, D] reduce-add each). Registers (setmaxnreg): dK/dV warpgroup 1 208, dQ warpgroup 72,
+producer 24, warpgroup 0 the rest. H200, bf16 causal, bench shapes: 1.06-1.09x cuDNN at T = 2k-16k (the
+Triton backward 0.90-1.02x). hd128 does not fit: the two dK/dV warpgroups alone need ~232 registers each.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import triton
-import triton.language as tl
 
-from xtrain.kernels import flash_attention as FA
-from xtrain.kernels import flash_attention_gluon_bwd as GB
-from xtrain.kernels._dispatch import launch_cached
-from xtrain.kernels.flash_attention import flash_attention_bwd_ref
-from xtrain.kernels.flash_attention_gluon import HAVE_GLUON, LOG2E, _desc, _row_view, descriptor_templates, rebase_all
+from xtrain.kernels._dispatch import HAVE_TRITON, launch_cached
+from xtrain.kernels.attention.gluon_common import (
+    HALF_M,
+    HAVE_GLUON,
+    LOG2E,
+    RESIDENT,
+    _compile,
+    _desc,
+    _prologue,
+    _row_view,
+    descriptor_templates,
+    plan_outputs,
+    rebase_all,
+    stand_ins,
+    tail_heads,
+)
+from xtrain.kernels.attention.gluon_common import supported_bwd as _split_supported
+from xtrain.kernels.attention.reference import _shapes
+from xtrain.kernels.attention.triton import grid_sms
 
-reference = flash_attention_bwd_ref  # the oracle: the plain-torch tiled reference of the same algorithm
-
-RESIDENT = 128  # keys per program (two dK/dV warpgroups of 64)
-HALF_M = 64
 BLOCK_M = 64  # queries per step (one wgmma M of the dQ product)
 HEAD_DIMS = (64,)
-# name -> (STAGES = Q/dO ring depth, SLOTS = dQ staging tiles, NDS = dS buffers, PF = lse/delta prefetch,
-# KV_REGS = setmaxnreg of dK/dV warpgroup 1, DQ_REGS = of the dQ warpgroup)
-CONFIGS = {
-    "pf": (3, 2, 2, True, 208, 72),
-    "nopf": (3, 2, 2, False, 200, 88),
-    "nopf_ds3": (3, 2, 3, False, 200, 88),
-}
-DEFAULT = "pf"
 CONVERT_ROWS = 64  # rows of dq per program of the convert kernel
 
+
+@dataclass(frozen=True)
+class OnepassConfig:
+    """The one-pass kernel's build: Q/dO ring depth, dQ staging tiles, dS buffers, and the setmaxnreg register
+    counts of dK/dV warpgroup 1 and of the dQ warpgroup (2·kv_regs + dq_regs <= 488)."""
+
+    stages: int = 3
+    slots: int = 2
+    nds: int = 2
+    kv_regs: int = 208
+    dq_regs: int = 72
+
+
 if HAVE_GLUON:
-    from xtrain.kernels.flash_attention_gluon import (
+    from xtrain.kernels.attention.gluon_common import (
         _PRODUCER_REGS,
+        _acc_layout,
         _cta_barrier,
+        _dkdv_producer,
+        _dkdv_store,
+        _kv_rows,
+        _ring_init,
+        _tail_order,
         fence_async_shared,
         gl,
         gluon,
@@ -105,14 +80,6 @@ if HAVE_GLUON:
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
-    )
-    from xtrain.kernels.flash_attention_gluon_bwd import (
-        _acc_layout,
-        _dkdv_producer,
-        _dkdv_store,
-        _kv_rows,
-        _ring_init,
-        _tail_order,
     )
 
     _LOG2E = gl.constexpr(LOG2E)
@@ -597,18 +564,29 @@ if HAVE_GLUON:
         )
 
 
-@triton.jit
-def _dq_convert_kernel(ACC, DQ, scale, H, T, stride_b, stride_h, stride_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """DQ[b, h, t, :] = scale · ACC[(b·H + h)·T + t, :] in DQ's dtype; ACC contiguous fp32, DQ any strides with
-    a unit last one. Program (row block, b·H + h)."""
-    bh = tl.program_id(1)
-    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, HEAD_DIM)
-    mask = (t < T)[:, None]
-    src = ACC + (bh.to(tl.int64) * T + t)[:, None] * HEAD_DIM + cols[None, :]
-    x = tl.load(src, mask=mask)
-    dst = DQ + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + t[:, None].to(tl.int64) * stride_t
-    tl.store(dst + cols[None, :], (x * scale).to(DQ.dtype.element_ty), mask=mask)
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dq_convert_kernel(
+        ACC, DQ, scale, H, T, stride_b, stride_h, stride_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr
+    ):
+        """DQ[b, h, t, :] = scale · ACC[(b·H + h)·T + t, :] in DQ's dtype; ACC contiguous fp32, DQ any strides with
+        a unit last one. Program (row block, b·H + h)."""
+        bh = tl.program_id(1)
+        t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, HEAD_DIM)
+        mask = (t < T)[:, None]
+        src = ACC + (bh.to(tl.int64) * T + t)[:, None] * HEAD_DIM + cols[None, :]
+        x = tl.load(src, mask=mask)
+        dst = (
+            DQ
+            + (bh // H).to(tl.int64) * stride_b
+            + (bh % H).to(tl.int64) * stride_h
+            + t[:, None].to(tl.int64) * stride_t
+        )
+        tl.store(dst + cols[None, :], (x * scale).to(DQ.dtype.element_ty), mask=mask)
 
 
 def runs_agree(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -639,11 +617,11 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float, cached: bool =
     if dq.ndim != 4 or acc.dtype != torch.float32 or not acc.is_contiguous() or acc.numel() != dq.numel():
         raise ValueError(
             f"{op}: need a contiguous fp32 acc with dq's element count and a 4-D dq, got acc "
-            f"{FA._shapes(acc)} dq {FA._shapes(dq)}"
+            f"{_shapes(acc)} dq {_shapes(dq)}"
         )
     if dq.stride(-1) != 1 or dq.shape[-1] & (dq.shape[-1] - 1):
         raise ValueError(
-            f"{op}: dq needs a unit last stride and a power-of-two head dim, got {FA._shapes(dq)} strides {dq.stride()}"
+            f"{op}: dq needs a unit last stride and a power-of-two head dim, got {_shapes(dq)} strides {dq.stride()}"
         )
     B, H, T, D = dq.shape
     args = dict(
@@ -670,44 +648,18 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float, cached: bool =
 # ---------------------------------------------------------------------------------------------------------
 def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
     """Whether these inputs take the one-pass backward: those of the two-kernel Gluon backward
-    (``flash_attention_gluon_bwd.supported_bwd``) with D = 64."""
+    (``gluon_common.supported_bwd``) with D = 64."""
     return (
         isinstance(q, torch.Tensor)
         and q.ndim == 4
         and q.shape[-1] in HEAD_DIMS
-        and GB.supported_bwd(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv)
+        and _split_supported(do, q, k, v, o, lse, dq=dq, dk=dk, dv=dv)
     )
 
 
-def _config(op: str, config):
-    """(STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS) of a config name or tuple."""
-    if config is None:
-        config = DEFAULT
-    if isinstance(config, str):
-        if config not in CONFIGS:
-            raise ValueError(f"{op}: unknown config {config!r}, have {sorted(CONFIGS)}")
-        return CONFIGS[config]
-    try:
-        stages, slots, nds, pf, kv, dq = config
-        stages, slots, nds, kv, dq, pf = int(stages), int(slots), int(nds), int(kv), int(dq), bool(pf)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"{op}: config must be a name in {sorted(CONFIGS)} or (STAGES, SLOTS, NDS, PF, KV_REGS, "
-            f"DQ_REGS), got {config!r}"
-        ) from None
-    if not (1 <= stages <= 4 and 1 <= slots <= 3 and 1 <= nds <= 3):
-        raise ValueError(f"{op}: config needs 1-4 stages, 1-3 slots, 1-3 dS buffers, got {config!r}")
-    if kv % 8 or dq % 8 or not (24 <= dq <= kv <= 256) or 2 * kv + dq > 488:
-        raise ValueError(
-            f"{op}: register counts must be multiples of 8 with 24 <= DQ_REGS <= KV_REGS <= 256 and "
-            f"2·KV_REGS + DQ_REGS <= 488, got {config!r}"
-        )
-    return stages, slots, nds, pf, kv, dq
-
-
-def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg):
+def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg: OnepassConfig):
     """(kernel, grid, args, constexprs) of the one-pass kernel; CUDA tensors or CPU stand-ins."""
-    stages, slots, nds, pf, kv_regs, dq_regs = cfg
+    stages, slots, nds, pf, kv_regs, dq_regs = cfg.stages, cfg.slots, cfg.nds, True, cfg.kv_regs, cfg.dq_regs
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
@@ -736,7 +688,7 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
         DQ_REGS=dq_regs,
     )
     nb = T // RESIDENT
-    args["TAIL"] = GB.tail_heads(nb, B * Hkv, FA.grid_sms(q.device))
+    args["TAIL"] = tail_heads(nb, B * Hkv, grid_sms(q.device))
     return _onepass_kernel, (nb * B * Hkv,), args, consts
 
 
@@ -753,23 +705,23 @@ def flash_attention_bwd_gluon_onepass(
     dq=None,
     dk=None,
     dv=None,
-    config=None,
+    config: OnepassConfig = OnepassConfig(),
     checked: bool = False,
     plan: bool = False,
 ):
     """Delta preprocess, the one-pass kernel, the dQ convert. Returns (dq, dk, dv). ``dq``/``dk``/``dv``:
-    optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: a name in ``CONFIGS`` or
-    (STAGES, SLOTS, NDS, PF, KV_REGS, DQ_REGS). Holds an fp32 dQ accumulator [B, H, T, D] while it runs.
-    ``checked``: the caller has just checked the inputs and ``supported_bwd`` (``GB._prologue``). ``plan``: also
+    optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: an ``OnepassConfig``. Holds
+    an fp32 dQ accumulator [B, H, T, D] while it runs.
+    ``checked``: the caller has just checked the inputs and ``supported_bwd`` (``_prologue``). ``plan``: also
     return a ``_OnepassPlan`` that repeats these launches for inputs of the same signature (dq, dk, dv left to
     this function)."""
     op = "flash_attention_bwd_gluon_onepass"
     if plan and (dq is not None or dk is not None or dv is not None):
         raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
-    do, lse, dq, dk, dv, delta, s, pre = GB._prologue(
+    do, lse, dq, dk, dv, delta, s, pre = _prologue(
         op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk, dv, checked, plan
     )
-    cfg = _config(op, config)
+    cfg = config
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kern, grid, args, consts = _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s, causal, cfg)
     if not plan:
@@ -783,7 +735,7 @@ def flash_attention_bwd_gluon_onepass(
 
 class _OnepassPlan:
     """``flash_attention_bwd_gluon_onepass`` for one signature of inputs with its host work done once (see
-    ``flash_attention_gluon._FwdPlan``): allocates dq, dk, dv, delta and the zeroed fp32 dQ accumulator, then
+    ``gluon_fwd._FwdPlan``): allocates dq, dk, dv, delta and the zeroed fp32 dQ accumulator, then
     launches the compiled preprocess, one-pass kernel and dQ convert with re-based descriptors."""
 
     __slots__ = ("pre", "main", "conv", "descs")
@@ -793,7 +745,7 @@ class _OnepassPlan:
         self.descs = descriptor_templates(args)
 
     def __call__(self, do, q, k, v, o, lse):
-        dq, dk, dv, delta, _, _ = GB.plan_outputs(self.pre, do, q, k, v, o)
+        dq, dk, dv, delta, _, _ = plan_outputs(self.pre, do, q, k, v, o)
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         ts = {"q": q, "do": do, "k": k, "v": v, "dk": dk, "dv": dv, "dq": acc}
         self.main(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.descs, ts))
@@ -801,12 +753,14 @@ class _OnepassPlan:
         return dq, dk, dv
 
 
-def compile_sm90(causal: bool = True, config=None, transposed: bool = False, T: int = 256, D: int = 64):
+def compile_sm90(
+    causal: bool = True, config: OnepassConfig = OnepassConfig(), transposed: bool = False, T: int = 256, D: int = 64
+):
     """Compile the one-pass kernel for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes).
     ``transposed``: q, do, k, v, dk, dv as [B, T, Hx, D] seen through a transpose. Returns the CompiledKernel."""
-    cfg = _config("compile_sm90", config)
-    q, k = GB.stand_ins(D, T, 4, 2, transposed)
+    cfg = config
+    q, k = stand_ins(D, T, 4, 2, transposed)
     acc = torch.empty(1, 4, T, D)
     lse = torch.empty(1, 4, T)
     kern, _, args, consts = _launch(q, k, k, q, k, k, acc, lse, lse, 0.125, causal, cfg)
-    return GB._compile(kern, args, consts)
+    return _compile(kern, args, consts)
