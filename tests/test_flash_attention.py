@@ -496,7 +496,7 @@ def test_gluon_forward_schedule_tables():
         kept = max(0, (U + 1) // 2 // Gp - G.TAIL_ROUNDS)
         assert all(p[: 2 * kept] == r[: 2 * kept] for p, r in zip(per, pairs))
 
-        def load(progs):
+        def load(progs, n_m=n_m, T=T, NW=NW, causal=causal):
             return max(sum(G.item_tiles(c % n_m, n_m, T, NW, causal) + G.ITEM_COST for c in p) for p in progs)
 
         assert load(per) <= load(pairs), (BH, T)

@@ -60,12 +60,13 @@ from xtrain.kernels.attention.triton import grid_sms
 class GluonBwdConfig:
     """The split backward's build: ``lse_mma`` takes lse and delta through the tensor cores (bf16 only: fp16's
     range does not hold every fp32 lse / scale and delta), ``doreg`` keeps the dQ kernel's dO half in registers;
-    ``two_streams`` runs the two kernels concurrently. The query step (64), the key step (64) and the ring
-    depths (2 and 4) are fixed."""
+    ``two_streams`` runs the two kernels concurrently; ``tail_waves``: the program order's tile-major tail. The
+    query step (64), the key step (64) and the ring depths (2 and 4) are fixed."""
 
     lse_mma: bool = False
     doreg: bool = False
     two_streams: bool = True
+    tail_waves: int = 2
 
 
 BLOCK_M1, STAGES1, BLOCK_N2, STAGES2 = 64, 2, 64, 4
@@ -1143,7 +1144,8 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg: 
     )
     nb = T // RESIDENT
     n_sm = grid_sms(q.device)
-    dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm), tail_heads(nb, B * H, n_sm)
+    w = cfg.tail_waves
+    dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm, w), tail_heads(nb, B * H, n_sm, w)
     return [(_bwd_dkdv_kernel, (nb * B * Hkv,), dkdv, c1), (_bwd_dq_kernel, (nb * B * H,), dqa, c2)]
 
 

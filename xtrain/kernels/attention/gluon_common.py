@@ -345,10 +345,10 @@ def tail_order(pid: int, nb: int, n_heads: int, tail: int) -> tuple:
     return (pid - first) // tail, n_heads - tail + (pid - first) % tail
 
 
-def tail_heads(nb: int, heads: int, n_sm: int) -> int:
+def tail_heads(nb: int, heads: int, n_sm: int, waves: int = TAIL_WAVES) -> int:
     """How many of the last heads of a grid of nb tiles x heads start tile-major (``_tail_order``): enough for
-    ``TAIL_WAVES`` waves of n_sm programs, at most all of them."""
-    return TR.tail_heads(nb, heads, n_sm, TAIL_WAVES)
+    ``waves`` waves of n_sm programs, at most all of them."""
+    return TR.tail_heads(nb, heads, n_sm, waves)
 
 
 def check_inputs(op: str, supported, head_dims, do, q, k, v, o, lse) -> None:
