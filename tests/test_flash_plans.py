@@ -6,7 +6,8 @@ as the full path on new data (dq of the one-pass backward within ``runs_agree``:
 every output (NaN-poisoned allocations), and never enters the full path; the key changes with the scale,
 causality and the deterministic mode (what ``choose`` reads beyond the tensors) and is None for a misaligned
 tensor; a cached launch refuses a wrong set of per-call arguments. CPU (in CI): each plan, fed recording
-stand-ins for its cached launches, passes every launch exactly its per-call arguments, with every descriptor re-based on the right new tensor (a swapped argument fails it).
+stand-ins for its cached launches, passes every launch exactly its per-call arguments, with every descriptor
+re-based on the right new tensor (a swapped argument fails it).
 """
 
 from __future__ import annotations
