@@ -28,10 +28,10 @@ from bench._gpu import gpu_time, warm_up  # noqa: E402
 from bench.kernels import copy_bandwidth, zipf_ids  # noqa: E402
 from xtrain.kernels import embedding as K  # noqa: E402
 from xtrain.kernels._dispatch import run_side_by_side, sm_count, triton  # noqa: E402
-from xtrain.kernels.flash_attention_gluon import HAVE_GLUON  # noqa: E402
+from xtrain.kernels.attention.gluon_common import HAVE_GLUON  # noqa: E402
 
 if HAVE_GLUON:
-    from xtrain.kernels.flash_attention_gluon import TensorDescriptor, _tma_store, fence_async_shared, gl, gluon, tma
+    from xtrain.kernels.attention.gluon_common import TensorDescriptor, _tma_store, fence_async_shared, gl, gluon, tma
 
     @gluon.jit
     def _tma_zero_kernel(desc, V, SUB: gl.constexpr):
