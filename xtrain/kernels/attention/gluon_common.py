@@ -120,46 +120,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_producer(
-        q_desc,
-        do_desc,
-        k_desc,
-        v_desc,
-        lse_desc,
-        delta_desc,
-        q_smem,
-        do_smem,
-        k_smem,
-        v_smem,
-        lse_smem,
-        delta_smem,
-        kv_bar,
-        q_bars,
-        do_bars,
-        q_empty,
-        do_empty,
-        k_row,
-        k_col,
-        v_row,
-        v_col,
-        q_base,
-        q_rh,
-        q_ch,
-        do_base,
-        do_rh,
-        do_ch,
-        h0,
-        mt0,
-        n_m,
-        n_iter,
-        T,
-        lt0,
-        BLOCK_M: gl.constexpr,
-        STAGES: gl.constexpr,
-        LEAN: gl.constexpr,
-        SMEM: gl.constexpr,
-        LSEMMA: gl.constexpr = False,
-        DMMA: gl.constexpr = False,
-    ):
+        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+        kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, k_col, v_row, v_col, q_base, q_rh, q_ch, do_base, do_rh,
+        do_ch, h0, mt0, n_m, n_iter, T, lt0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LEAN: gl.constexpr,
+        SMEM: gl.constexpr, LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False,
+    ):  # fmt: skip
         """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile).
         LEAN: the (head, tile) of a step carried from the step before (no division), and one "empty" barrier
         per slot for both tiles (``q_empty``). SMEM (with LEAN): each step's lse and delta rows too (row lt of
@@ -182,31 +147,15 @@ if HAVE_GLUON:
             phase = ((it // STAGES) & 1) ^ 1  # fresh barriers: the first lap passes
             mbarrier.wait(q_empty.index(slot), phase)
             _dkdv_load(
-                q_desc,
-                lse_desc,
-                q_bars.index(slot),
-                q_smem.index(slot),
-                lse_smem.index(slot),
-                q_base + h * q_rh + start_m,
-                h * q_ch,
-                lt,
-                SMEM,
-                LSEMMA,
-            )
+                q_desc, lse_desc, q_bars.index(slot), q_smem.index(slot), lse_smem.index(slot),
+                q_base + h * q_rh + start_m, h * q_ch, lt, SMEM, LSEMMA,
+            )  # fmt: skip
             if not LEAN:
                 mbarrier.wait(do_empty.index(slot), phase)
             _dkdv_load(
-                do_desc,
-                delta_desc,
-                do_bars.index(slot),
-                do_smem.index(slot),
-                delta_smem.index(slot),
-                do_base + h * do_rh + start_m,
-                h * do_ch,
-                lt,
-                SMEM,
-                DMMA,
-            )
+                do_desc, delta_desc, do_bars.index(slot), do_smem.index(slot), delta_smem.index(slot),
+                do_base + h * do_rh + start_m, h * do_ch, lt, SMEM, DMMA,
+            )  # fmt: skip
             if LEAN:
                 start_m, wrap = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
                 lt += 1
@@ -215,20 +164,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_store(
-        k_half,
-        v_half,
-        dk,
-        dv,
-        sm_scale,
-        dk_desc,
-        dv_desc,
-        dk_row,
-        dk_col,
-        dv_row,
-        dv_col,
-        dtype: gl.constexpr,
+        k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype: gl.constexpr,
         HALF: gl.constexpr,
-    ):
+    ):  # fmt: skip
         """Warpgroup HALF's dK·scale and dV out through its dead K and V halves (shared memory) and TMA stores
         at rows dk_row / dv_row + HALF·64, drained before it returns."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
@@ -365,24 +303,9 @@ def check_inputs(op: str, supported, head_dims, do, q, k, v, o, lse) -> None:
 
 
 def _prologue(
-    op: str,
-    supported,
-    head_dims,
-    do,
-    q,
-    k,
-    v,
-    o,
-    lse,
-    scale,
-    dq,
-    dk,
-    dv,
-    checked: bool = False,
-    plan: bool = False,
-    base2: bool = False,
-    cols=None,
-):
+    op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False, plan: bool = False,
+    base2: bool = False, cols=None,
+):  # fmt: skip
     """What both Gluon backwards do before their kernels: check the inputs (``supported``: the backward's own
     predicate; a ValueError naming ``op`` otherwise; skipped when ``checked``: the caller has just run both
     checks, as the routing does), the scale, the output buffers (``_grad_buf``), then
@@ -407,27 +330,11 @@ def _prologue(
     # LSE / LSE2 are read and written only with SCALE_LSE; otherwise delta stands in for both
     lsec, deltac = cols if cols is not None else (delta, delta)  # stand-ins the preprocess does not touch
     pre_args = dict(
-        O=o,
-        DO=do,
-        DELTA=delta,
-        LSE=lse if base2 else delta,
-        LSE2=lse2,
-        LSEC=lsec,
-        DELTAC=deltac,
-        INV_SCALE=1.0 / s,
-        SCALE_LSE=base2,
-        COLS=LSE_COLS if cols is not None else 0,
-        stride_ob=o.stride(0),
-        stride_oh=o.stride(1),
-        stride_ot=o.stride(2),
-        stride_dob=do.stride(0),
-        stride_doh=do.stride(1),
-        stride_dot=do.stride(2),
-        H=H,
-        T=T,
-        HEAD_DIM=D,
-        BLOCK_M=PRE_M,
-    )
+        O=o, DO=do, DELTA=delta, LSE=lse if base2 else delta, LSE2=lse2, LSEC=lsec, DELTAC=deltac, INV_SCALE=1.0 / s,
+        SCALE_LSE=base2, COLS=LSE_COLS if cols is not None else 0, stride_ob=o.stride(0), stride_oh=o.stride(1),
+        stride_ot=o.stride(2), stride_dob=do.stride(0), stride_doh=do.stride(1), stride_dot=do.stride(2), H=H, T=T,
+        HEAD_DIM=D, BLOCK_M=PRE_M,
+    )  # fmt: skip
     grid = (triton.cdiv(T, PRE_M), B * H)
     out = lse2 if base2 else lse
     if plan:

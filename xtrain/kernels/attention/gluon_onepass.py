@@ -127,32 +127,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _kv_step(
-        it,
-        q_smem,
-        do_smem,
-        k_half,
-        v_half,
-        ds_smem,
-        q_bars,
-        do_bars,
-        ds_empty,
-        ds_full,
-        lse2,
-        delta,
-        dv,
-        dk,
-        mt0,
-        n_m,
-        k_lo,
-        qk_scale,
-        dtype: gl.constexpr,
-        HEAD_DIM: gl.constexpr,
-        BLOCK_M: gl.constexpr,
-        STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        HALF: gl.constexpr,
-        NDS: gl.constexpr,
-    ):
+        it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta, dv, dk, mt0, n_m,
+        k_lo, qk_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, HALF: gl.constexpr, NDS: gl.constexpr,
+    ):  # fmt: skip
         """Step ``it`` of dK/dV warpgroup HALF up to the dS hand-off (module docstring). Returns the in-flight
         dv, dk and the register A operand p_op that must stay alive until dV retires. Its first half repeats
         the split's ``_dkdv_consumer`` loop body on purpose: one shared function (tried in session 5) moved the
@@ -196,43 +174,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _kv_consumer(
-        q_smem,
-        do_smem,
-        k_smem,
-        v_smem,
-        ds_smem,
-        kv_bar,
-        q_bars,
-        do_bars,
-        q_empty,
-        do_empty,
-        ds_full,
-        ds_empty,
-        dk_desc,
-        dv_desc,
-        lse_ptr,
-        delta_ptr,
-        lse_row0,
-        T,
-        dk_row,
-        dk_col,
-        dv_row,
-        dv_col,
-        mt0,
-        n_m,
-        n_iter,
-        start_n,
-        qk_scale,
-        sm_scale,
-        dtype: gl.constexpr,
-        HEAD_DIM: gl.constexpr,
-        BLOCK_M: gl.constexpr,
-        STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        HALF: gl.constexpr,
-        PF: gl.constexpr,
-        NDS: gl.constexpr,
-    ):
+        q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full, ds_empty,
+        dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n,
+        qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, HALF: gl.constexpr, PF: gl.constexpr, NDS: gl.constexpr,
+    ):  # fmt: skip
         """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Its only wait on another consumer is ds_empty
         (the dQ warpgroup NDS steps behind)."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
@@ -252,32 +198,9 @@ if HAVE_GLUON:
             else:
                 lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
             dv, dk, p_op = _kv_step(
-                it,
-                q_smem,
-                do_smem,
-                k_half,
-                v_half,
-                ds_smem,
-                q_bars,
-                do_bars,
-                ds_empty,
-                ds_full,
-                lse2,
-                delta,
-                dv,
-                dk,
-                mt0,
-                n_m,
-                k_lo,
-                qk_scale,
-                dtype,
-                HEAD_DIM,
-                BLOCK_M,
-                STAGES,
-                CAUSAL,
-                HALF,
-                NDS,
-            )
+                it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta, dv, dk,
+                mt0, n_m, k_lo, qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, NDS,
+            )  # fmt: skip
             dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op))
             slot = it % STAGES
             mbarrier.arrive(q_empty.index(slot), count=1)  # dV, dK were the last readers of Q, dO
@@ -292,22 +215,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dq_consumer(
-        k_smem,
-        ds_smem,
-        dq_smem,
-        kv_bar,
-        ds_full,
-        ds_empty,
-        dq_desc,
-        dq_row0,
-        T,
-        mt0,
-        n_m,
-        n_iter,
-        BLOCK_M: gl.constexpr,
-        NDS: gl.constexpr,
-        SLOTS: gl.constexpr,
-    ):
+        k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
+        BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr,
+    ):  # fmt: skip
         """The dQ warpgroup (module docstring): the only issuer of reduce-adds, so its own
         tma.store_wait(SLOTS - 1) frees a staging tile."""
         D: gl.constexpr = dq_desc.block_type.shape[1]
@@ -334,49 +244,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _onepass_kernel(
-        q_desc,
-        do_desc,
-        k_desc,
-        v_desc,
-        dk_desc,
-        dv_desc,
-        dq_desc,
-        lse_ptr,
-        delta_ptr,
-        qk_scale,
-        sm_scale,
-        H,
-        GROUP,
-        T,
-        q_rb,
-        q_rh,
-        q_ch,
-        do_rb,
-        do_rh,
-        do_ch,
-        k_rb,
-        k_rh,
-        k_ch,
-        v_rb,
-        v_rh,
-        v_ch,
-        dk_rb,
-        dk_rh,
-        dk_ch,
-        dv_rb,
-        dv_rh,
-        dv_ch,
-        TAIL,
-        HEAD_DIM: gl.constexpr,
-        BLOCK_M: gl.constexpr,
-        STAGES: gl.constexpr,
-        SLOTS: gl.constexpr,
-        NDS: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        PF: gl.constexpr,
-        KV_REGS: gl.constexpr,
-        DQ_REGS: gl.constexpr,
-    ):
+        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP, T,
+        q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh,
+        dv_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
+        NDS: gl.constexpr, CAUSAL: gl.constexpr, PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
+    ):  # fmt: skip
         """Program (key tile of 128, batch·kv head); num_warps = 4 (the default partition is dK/dV warpgroup
         0). dq_desc: the fp32 accumulator [B·H·T, D] with [BLOCK_M, D] tiles."""
         dtype: gl.constexpr = q_desc.dtype
@@ -417,151 +289,41 @@ if HAVE_GLUON:
                 (
                     _kv_consumer,
                     (
-                        q_smem,
-                        do_smem,
-                        k_smem,
-                        v_smem,
-                        ds_smem,
-                        kv_bar,
-                        q_bars,
-                        do_bars,
-                        q_empty,
-                        do_empty,
-                        ds_full,
-                        ds_empty,
-                        dk_desc,
-                        dv_desc,
-                        lse_ptr,
-                        delta_ptr,
-                        lse_row0,
-                        T,
-                        dk_row,
-                        off_kvh * dk_ch,
-                        dv_row,
-                        off_kvh * dv_ch,
-                        mt0,
-                        n_m,
-                        n_iter,
-                        start_n,
-                        qk_scale,
-                        sm_scale,
-                        dtype,
-                        HEAD_DIM,
-                        BLOCK_M,
-                        STAGES,
-                        CAUSAL,
-                        0,
-                        PF,
-                        NDS,
+                        q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full,
+                        ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
+                        off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M,
+                        STAGES, CAUSAL, 0, PF, NDS,
                     ),
                 ),
                 (
                     _kv_consumer,
                     (
-                        q_smem,
-                        do_smem,
-                        k_smem,
-                        v_smem,
-                        ds_smem,
-                        kv_bar,
-                        q_bars,
-                        do_bars,
-                        q_empty,
-                        do_empty,
-                        ds_full,
-                        ds_empty,
-                        dk_desc,
-                        dv_desc,
-                        lse_ptr,
-                        delta_ptr,
-                        lse_row0,
-                        T,
-                        dk_row,
-                        off_kvh * dk_ch,
-                        dv_row,
-                        off_kvh * dv_ch,
-                        mt0,
-                        n_m,
-                        n_iter,
-                        start_n,
-                        qk_scale,
-                        sm_scale,
-                        dtype,
-                        HEAD_DIM,
-                        BLOCK_M,
-                        STAGES,
-                        CAUSAL,
-                        1,
-                        PF,
-                        NDS,
+                        q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full,
+                        ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
+                        off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M,
+                        STAGES, CAUSAL, 1, PF, NDS,
                     ),
                 ),
                 (
                     _dq_consumer,
                     (
-                        k_smem,
-                        ds_smem,
-                        dq_smem,
-                        kv_bar,
-                        ds_full,
-                        ds_empty,
-                        dq_desc,
-                        dq_row0,
-                        T,
-                        mt0,
-                        n_m,
-                        n_iter,
-                        BLOCK_M,
-                        NDS,
-                        SLOTS,
+                        k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
+                        BLOCK_M, NDS, SLOTS,
                     ),
                 ),
                 (
                     _dkdv_producer,
                     (
-                        q_desc,
-                        do_desc,
-                        k_desc,
-                        v_desc,
-                        q_desc,
-                        do_desc,
-                        q_smem,
-                        do_smem,
-                        k_smem,
-                        v_smem,
-                        q_smem,
-                        do_smem,
-                        kv_bar,
-                        q_bars,
-                        do_bars,
-                        q_empty,
-                        do_empty,
-                        k_row,
-                        off_kvh * k_ch,
-                        v_row,
-                        off_kvh * v_ch,
-                        off_b * q_rb,
-                        q_rh,
-                        q_ch,
-                        off_b * do_rb,
-                        do_rh,
-                        do_ch,
-                        h0,
-                        mt0,
-                        n_m,
-                        n_iter,
-                        T,
-                        0,
-                        BLOCK_M,
-                        STAGES,
-                        False,
-                        False,
+                        q_desc, do_desc, k_desc, v_desc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_smem,
+                        do_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row,
+                        off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, T,
+                        0, BLOCK_M, STAGES, False, False,
                     ),
                 ),  # (no lse/delta rows: LEAN, SMEM off)
             ],
             [4, 4, 1],
             [KV_REGS, DQ_REGS, _PRODUCER_REGS],
-        )
+        )  # fmt: skip
 
 
 if HAVE_TRITON:
@@ -625,17 +387,9 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float, cached: bool =
         )
     B, H, T, D = dq.shape
     args = dict(
-        ACC=acc,
-        DQ=dq,
-        scale=scale,
-        H=H,
-        T=T,
-        stride_b=dq.stride(0),
-        stride_h=dq.stride(1),
-        stride_t=dq.stride(2),
-        HEAD_DIM=D,
-        ROWS=CONVERT_ROWS,
-    )
+        ACC=acc, DQ=dq, scale=scale, H=H, T=T, stride_b=dq.stride(0), stride_h=dq.stride(1), stride_t=dq.stride(2),
+        HEAD_DIM=D, ROWS=CONVERT_ROWS,
+    )  # fmt: skip
     grid = (triton.cdiv(T, CONVERT_ROWS), B * H)
     if cached:
         return launch_cached(_dq_convert_kernel, grid, args, num_warps=4)
@@ -668,47 +422,24 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
         args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
     acc2 = dq_acc.view(B * H * T, D)
     args.update(
-        q_desc=_desc(views["q"][0], BLOCK_M, D),
-        do_desc=_desc(views["do"][0], BLOCK_M, D),
-        k_desc=_desc(views["k"][0], HALF_M, D),
-        v_desc=_desc(views["v"][0], HALF_M, D),
-        dk_desc=_desc(views["dk"][0], HALF_M, D),
-        dv_desc=_desc(views["dv"][0], HALF_M, D),
+        q_desc=_desc(views["q"][0], BLOCK_M, D), do_desc=_desc(views["do"][0], BLOCK_M, D),
+        k_desc=_desc(views["k"][0], HALF_M, D), v_desc=_desc(views["v"][0], HALF_M, D),
+        dk_desc=_desc(views["dk"][0], HALF_M, D), dv_desc=_desc(views["dv"][0], HALF_M, D),
         dq_desc=_desc(acc2, BLOCK_M, D),
-    )
+    )  # fmt: skip
     consts = dict(
-        HEAD_DIM=D,
-        BLOCK_M=BLOCK_M,
-        STAGES=stages,
-        SLOTS=slots,
-        NDS=nds,
-        CAUSAL=bool(causal),
-        PF=pf,
-        KV_REGS=kv_regs,
+        HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf, KV_REGS=kv_regs,
         DQ_REGS=dq_regs,
-    )
+    )  # fmt: skip
     nb = T // RESIDENT
     args["TAIL"] = tail_heads(nb, B * Hkv, grid_sms(q.device))
     return _onepass_kernel, (nb * B * Hkv,), args, consts
 
 
 def flash_attention_bwd_gluon_onepass(
-    do,
-    q,
-    k,
-    v,
-    o,
-    lse,
-    causal: bool = True,
-    scale: float | None = None,
-    *,
-    dq=None,
-    dk=None,
-    dv=None,
-    config: OnepassConfig = OnepassConfig(),
-    checked: bool = False,
-    plan: bool = False,
-):
+    do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *, dq=None, dk=None, dv=None,
+    config: OnepassConfig = OnepassConfig(), checked: bool = False, plan: bool = False,
+):  # fmt: skip
     """Delta preprocess, the one-pass kernel, the dQ convert. Returns (dq, dk, dv). ``dq``/``dk``/``dv``:
     optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: an ``OnepassConfig``. Holds
     an fp32 dQ accumulator [B, H, T, D] while it runs.
