@@ -38,7 +38,8 @@ import sys
 import torch
 
 from xtrain.fileio import atomic_write_text
-from xtrain.kernels import flash_attention as FA
+from xtrain.kernels import attention as FA
+from xtrain.kernels.attention import Tiles, TritonBwdConfig, TritonFwdConfig
 
 F, TM = False, True  # pointer loads / tensor-descriptor (TMA) loads
 FWD_SWEEP = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA)
@@ -124,6 +125,28 @@ def goal_summary(rows: list) -> str:
     return head + (f"; missed at {', '.join(missed)}" if missed else "")
 
 
+def fwd(q, k, v, causal, cfg=None, **bufs):
+    """The library's forward (the routing's choice) when ``cfg`` is None, else the Triton kernel with tiles
+    ``cfg`` = (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA); ``bufs``: o / lse output buffers (Triton)."""
+    if cfg is None:
+        return FA.flash_attention_fwd(q, k, v, causal)
+    return FA.flash_attention_fwd_triton(q, k, v, causal, config=TritonFwdConfig(Tiles(*cfg)), **bufs)
+
+
+def bwd(do, q, k, v, o, lse, causal, cfg=None, **bufs):
+    """The library's backward when ``cfg`` is None, else the Triton kernels with (dK/dV tiles, dQ tiles)."""
+    if cfg is None:
+        return FA.flash_attention_bwd(do, q, k, v, o, lse, causal)
+    config = TritonBwdConfig(Tiles(*cfg[0]), Tiles(*cfg[1]))
+    return FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=config, **bufs)
+
+
+def default_dq_tiles(D: int) -> tuple:
+    """The dQ kernel's tiles of the library's 16-bit Triton backward at head dim D (the sweep's fixed half)."""
+    t = FA.choose(None, torch.bfloat16, 4096, D, True, False).bwd[-1].dq
+    return (t.block_m, t.block_n, t.warps, t.stages, t.tma)
+
+
 def _bench(fn, host: list | None = None, **kw) -> float:
     """GPU ms per call of ``fn`` (``bench._gpu.gpu_time``, ``kw`` passed on); appends the host's ms per call to
     ``host``."""
@@ -148,9 +171,9 @@ def _inputs(B, H, T, D, dtype, seed=0):
 
 def time_xtrain(q, k, v, do, causal, fcfg=None, bcfg=None, host: list | None = None):
     """(fwd_ms, bwd_ms) GPU time; the host ms per call of each are appended to ``host``."""
-    fwd_ms = _bench(lambda: FA.flash_attention_fwd_triton(q, k, v, causal, config=fcfg), host)
-    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal, config=fcfg)
-    bwd_ms = _bench(lambda: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=bcfg), host)
+    fwd_ms = _bench(lambda: fwd(q, k, v, causal, fcfg), host)
+    o, lse = fwd(q, k, v, causal, fcfg)
+    bwd_ms = _bench(lambda: bwd(do, q, k, v, o, lse, causal, bcfg), host)
     return fwd_ms, bwd_ms
 
 
@@ -244,8 +267,8 @@ def peak_bytes(fn) -> int:
 
 def xtrain_peak(q, k, v, do, causal, fcfg=None, bcfg=None) -> int:
     def fn():
-        o, lse = FA.flash_attention_fwd_triton(q, k, v, causal, config=fcfg)
-        FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=bcfg)
+        o, lse = fwd(q, k, v, causal, fcfg)
+        bwd(do, q, k, v, o, lse, causal, bcfg)
 
     return peak_bytes(fn)
 
@@ -258,7 +281,7 @@ def sweep(D, T, tokens, width, dtype, causal, log):
     best_f = (None, 0.0)
     for cfg in FWD_SWEEP[D]:
         try:
-            ms = _bench(lambda cfg=cfg: FA.flash_attention_fwd_triton(q, k, v, causal, config=cfg))
+            ms = _bench(lambda cfg=cfg: fwd(q, k, v, causal, cfg))
         except Exception as e:  # a config that does not compile (shared memory) is skipped
             print(f"sweep D={D} T={T} fwd {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
             continue
@@ -267,14 +290,14 @@ def sweep(D, T, tokens, width, dtype, causal, log):
         log.append({"kind": "sweep_fwd", "D": D, "T": T, "config": cfg, "ms": ms, "tflops": tf})
         if tf > best_f[1]:
             best_f = (cfg, tf)
-    o, lse = FA.flash_attention_fwd_triton(q, k, v, causal, config=best_f[0])
-    default_dq = FA._BWD_CONFIGS[(D, "16bit")][1]
+    o, lse = fwd(q, k, v, causal, best_f[0])
+    default_dq = default_dq_tiles(D)
     best_dkdv, best_dq = (None, 0.0), (None, 0.0)
     for part, cands in (("dkdv", DKDV_SWEEP[D]), ("dq", DQ_SWEEP[D])):
         for c in cands:
             cfg = (c, default_dq) if part == "dkdv" else (best_dkdv[0], c)
             try:
-                ms = _bench(lambda cfg=cfg: FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=cfg))
+                ms = _bench(lambda cfg=cfg: bwd(do, q, k, v, o, lse, causal, cfg))
             except Exception as e:
                 print(f"sweep D={D} T={T} bwd {part} {c}: failed {type(e).__name__}: {str(e)[:120]}")
                 continue
@@ -293,11 +316,13 @@ def verify(D, fcfg, bcfg, causal, T=4096, B=1, H=4, Hkv=2):
     """Check chosen configs against the fp64 reference (NaN-poisoned outputs): max rel norm error."""
     q, k, v, do = _inputs(B, H, T, D, torch.bfloat16, seed=99)
     k, v = k[:, :Hkv].contiguous(), v[:, :Hkv].contiguous()
-    nan = lambda t: torch.full_like(t, float("nan"))
-    o, lse = FA.flash_attention_fwd_triton(
-        q, k, v, causal, config=fcfg, o=nan(q), lse=torch.full((B, H, T), float("nan"), device="cuda")
-    )
-    got = (o, *FA.flash_attention_bwd_triton(do, q, k, v, o, lse, causal, config=bcfg, dq=nan(q), dk=nan(k), dv=nan(v)))
+    nan = lambda t: torch.full_like(t, float("nan"))  # noqa: E731
+    if fcfg is None:  # the library's routing allocates its outputs
+        o, lse = fwd(q, k, v, causal)
+    else:
+        o, lse = fwd(q, k, v, causal, fcfg, o=nan(q), lse=torch.full((B, H, T), float("nan"), device="cuda"))
+    bufs = {} if bcfg is None else {"dq": nan(q), "dk": nan(k), "dv": nan(v)}
+    got = (o, *bwd(do, q, k, v, o, lse, causal, bcfg, **bufs))
     qd, kd, vd, dod = (t.double() for t in (q, k, v, do))
     o_ref, lse_ref = FA.flash_attention_fwd_ref(qd, kd, vd, causal)
     want = (o_ref, *FA.flash_attention_bwd_ref(dod, qd, kd, vd, o_ref, lse_ref, causal))

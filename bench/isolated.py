@@ -212,7 +212,7 @@ def bwd_worst_error(name: str, head_dims, run) -> float:
     ``run(do, q, k, v, o, lse, dq, dk, dv)`` writes the gradients into the given buffers."""
     import torch
 
-    from xtrain.kernels.flash_attention import flash_attention_bwd_ref, flash_attention_fwd_ref
+    from xtrain.kernels.attention import flash_attention_bwd_ref, flash_attention_fwd_ref
 
     worst = 0.0
     for D in head_dims:
@@ -261,7 +261,7 @@ def cudnn_bwd(q, k, v, do, causal: bool = True):
 
 def bwd_bench_row(D: int, T: int, runs, warmup: int, rep: int) -> dict:
     """Backward TFLOP/s of cuDNN (``torch.autograd.grad`` on a saved SDPA graph: the backward alone), the
-    library default (``flash_attention_bwd_triton``) and each ``(column, run)`` of ``runs``, with
+    library default (``attention.flash_attention_bwd``) and each ``(column, run)`` of ``runs``, with
     ``run(do, q, k, v, o, lse, dq, dk, dv)``; causal bf16, B = 16k / T, H = Hkv = 2048 / D, GPU time
     (``bench._gpu.gpu_time``: median, host kept ahead; ``warmup`` calls first, ``rep`` timed calls).
     FLOPs = 2.5 x forward FLOPs (4·B·H·T²·D/2). A column that raises is
@@ -269,7 +269,7 @@ def bwd_bench_row(D: int, T: int, runs, warmup: int, rep: int) -> dict:
     import torch
 
     from bench._gpu import gpu_time
-    from xtrain.kernels.flash_attention import flash_attention_bwd_triton, flash_attention_fwd_triton
+    from xtrain.kernels.attention import flash_attention_bwd, flash_attention_fwd
 
     B, H = 16384 // T, 2048 // D
     q, k, v, do = bench_inputs(D, T, seed=T * 7 + D)
@@ -286,8 +286,8 @@ def bwd_bench_row(D: int, T: int, runs, warmup: int, rep: int) -> dict:
         timed("cudnn", cudnn_bwd(q, k, v, do))  # the saved graph is freed with the call, before the other timings
     except Exception as e:  # noqa: BLE001
         print(f"  cudnn D={D} T={T}: {type(e).__name__}: {str(e)[:300]}")
-    o, lse = flash_attention_fwd_triton(q, k, v, True)
-    timed("triton", lambda: flash_attention_bwd_triton(do, q, k, v, o, lse, True))
+    o, lse = flash_attention_fwd(q, k, v, True)
+    timed("triton", lambda: flash_attention_bwd(do, q, k, v, o, lse, True))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for col, run in runs:
         timed(col, lambda run=run: run(do, q, k, v, o, lse, dq, dk, dv))

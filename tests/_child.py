@@ -26,3 +26,27 @@ def run_without_interpreter(snippet: str, timeout: float = 1800.0):
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")]
     assert r.returncode == 0 and lines, f"child failed (exit {r.returncode}):\n{r.stderr[-4000:]}"
     return json.loads(lines[-1][2:])
+
+
+def sass_report(ck) -> str:
+    """From a compiled kernel's SASS (cuobjdump of the cubin Triton built): HGMMA count, WARPGROUP.DEPBAR (wgmma
+    wait) count and STL (spill store) count; ptxas serialised the wgmmas when DEPBAR >= HGMMA. "SASS n/a" when
+    cuobjdump is not at hand. Call it in the child (``sys.path.insert(0, "tests")`` first)."""
+    import re
+    import tempfile
+
+    try:
+        import triton.backends.nvidia as nv
+
+        tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(ck.asm["cubin"])
+            sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=300).stdout
+        n_mma, n_dep = len(re.findall(r"\bHGMMA\b", sass)), sass.count("WARPGROUP.DEPBAR")
+        n_stl = len(re.findall(r"\bSTL\b", sass))
+        ser = "wgmma SERIALIZED" if n_mma and n_dep >= n_mma else "not serialized"
+        return f"SASS: HGMMA {n_mma}, DEPBAR {n_dep} ({ser}), STL {n_stl}"
+    except Exception as e:  # noqa: BLE001
+        return f"SASS n/a ({type(e).__name__})"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from xtrain.kernels import flash_attention as FA
+from xtrain.kernels import attention as FA
 
 # layout: which tensors are [B, T, Hx, D]-transposed. "model": v and do as the model passes them, fresh
 # contiguous outputs; "bthd": every input and the output buffers; "contiguous": none.

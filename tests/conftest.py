@@ -51,12 +51,12 @@ def corpus(tmp_path):
 
 @pytest.fixture(autouse=True)
 def _fresh_attention_plans():
-    """Each test starts with no cached attention launch plans (flash_attention._FWD_PLANS / _BWD_PLANS): a
+    """Each test starts with no cached attention launch plans (attention._FWD_PLANS / _BWD_PLANS): a
     test that watches which function the dispatcher calls would otherwise get an earlier test's plan, which
     launches the kernels without calling it. tests/test_flash_plans.py checks the plans themselves."""
     import sys
 
-    fa = sys.modules.get("xtrain.kernels.flash_attention")
+    fa = sys.modules.get("xtrain.kernels.attention")
     if fa is not None:
         fa._FWD_PLANS.clear()
         fa._BWD_PLANS.clear()

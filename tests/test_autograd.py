@@ -254,7 +254,7 @@ def test_everything_imports_and_trains_without_triton():
         "from xtrain.kernels import HAVE_TRITON\n"
         "from xtrain.config import preset\n"
         "from xtrain.model import Model\n"
-        "import xtrain.kernels.adamw, xtrain.kernels.flash_attention, xtrain.kernels.linear_cross_entropy\n"
+        "import xtrain.kernels.adamw, xtrain.kernels.attention, xtrain.kernels.linear_cross_entropy\n"
         "assert not HAVE_TRITON\n"
         "m = Model(preset('tiny', vocab_size=64, n_layer=1, max_seq_len=16))\n"
         "ids = torch.randint(0, 64, (2, 9))\n"

@@ -22,8 +22,10 @@ import math
 import pytest
 import torch
 
-from xtrain.kernels import flash_attention as FA
+from xtrain.kernels import attention as FA
 from xtrain.kernels._dispatch import HAVE_TRITON
+from xtrain.kernels.attention import Tiles, TritonBwdConfig, TritonFwdConfig
+from xtrain.kernels.attention import triton as TR
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -150,22 +152,33 @@ def test_validation_errors():
     if HAVE_TRITON:
         q2, k2, v2, _ = rand_qkv(1, 2, 2, 8, 48, dtype=torch.float32)
         with pytest.raises(ValueError, match="head dim D=48"):
-            FA.flash_attention_fwd_triton(q2, k2, v2)
+            FA.flash_attention_fwd_triton(q2, k2, v2, config=TritonFwdConfig(Tiles(32, 16, 4, 1)))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # 3. Triton kernels vs the reference (CPU: interpreter, fp32, tiny; with CUDA the same cases on the GPU)
 # ---------------------------------------------------------------------------------------------------------
-TINY = [  # B, H, Hkv, T, D, fwd config, bwd config (small blocks: several tiles, ragged tails)
-    (1, 2, 1, 1, 32, (32, 16, 4, 1, False), ((16, 32, 4, 1, False), (32, 16, 4, 1, False))),
-    (2, 4, 2, 17, 32, (16, 16, 4, 1, False), ((16, 16, 4, 1, False), (16, 16, 4, 1, False))),
-    (1, 4, 1, 40, 32, (32, 16, 4, 1, False), ((16, 32, 4, 1, False), (32, 16, 4, 1, False))),
-    (2, 2, 2, 40, 64, (32, 16, 4, 1, False), ((16, 32, 4, 1, False), (32, 16, 4, 1, False))),
+def cfgs(f, b1, b2, **kw):
+    """Triton configs from (block_m, block_n, warps, stages, tma) tuples."""
+    return TritonFwdConfig(Tiles(*f), **kw), TritonBwdConfig(Tiles(*b1), Tiles(*b2), **kw)
+
+
+TINY = [  # B, H, Hkv, T, D, (fwd config, bwd config) (small blocks: several tiles, ragged tails)
+    (1, 2, 1, 1, 32, cfgs((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1))),
+    (2, 4, 2, 17, 32, cfgs((16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1))),
+    (1, 4, 1, 40, 32, cfgs((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1))),
+    (2, 2, 2, 40, 64, cfgs((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1))),
     # tensor-descriptor (TMA) loads: T a multiple of every tile, GQA and MHA
-    (2, 4, 2, 64, 32, (32, 16, 4, 1, True), ((16, 32, 4, 1, True), (32, 16, 4, 1, True))),
-    (1, 2, 2, 32, 64, (32, 32, 4, 1, True), ((32, 32, 4, 1, True), (32, 32, 4, 1, True))),
-    (1, 2, 1, 32, 64, None, None),  # the default configs
+    (2, 4, 2, 64, 32, cfgs((32, 16, 4, 1, True), (16, 32, 4, 1, True), (32, 16, 4, 1, True))),
+    (1, 2, 2, 32, 64, cfgs((32, 32, 4, 1, True), (32, 32, 4, 1, True), (32, 32, 4, 1, True))),
+    (1, 2, 1, 32, 64, None),  # the configs the routing ships for these inputs
 ]
+
+
+def shipped_triton(q, causal):
+    """The Triton (fwd, bwd) configs ``choose`` gives these inputs (the last of each list)."""
+    c = FA.choose(None, q.dtype, q.shape[2], q.shape[3], causal, False)
+    return c.fwd[-1], c.bwd[-1]
 
 
 def _poisoned(*shape_dtype_dev):
@@ -174,6 +187,8 @@ def _poisoned(*shape_dtype_dev):
 
 def _run_triton(q, k, v, do, causal, scale, fcfg, bcfg):
     B, H, T, D = q.shape
+    if fcfg is None:
+        fcfg, bcfg = shipped_triton(q, causal)
     o, lse = _poisoned(((B, H, T, D), q.dtype, q.device), ((B, H, T), torch.float32, q.device))
     FA.flash_attention_fwd_triton(q, k, v, causal, scale, o=o, lse=lse, config=fcfg)
     dq, dk, dv = _poisoned((q.shape, q.dtype, q.device), (k.shape, k.dtype, q.device), (v.shape, v.dtype, q.device))
@@ -183,11 +198,11 @@ def _run_triton(q, k, v, do, causal, scale, fcfg, bcfg):
 
 @needs_triton
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("B,H,Hkv,T,D,fcfg,bcfg", TINY)
-def test_triton_matches_reference_fp32_tiny(B, H, Hkv, T, D, fcfg, bcfg, causal):
+@pytest.mark.parametrize("B,H,Hkv,T,D,configs", TINY)
+def test_triton_matches_reference_fp32_tiny(B, H, Hkv, T, D, configs, causal):
     q, k, v, do = rand_qkv(B, H, Hkv, T, D, dtype=torch.float32, device=DEV, seed=T + D)
     scale = 0.2 if T == 17 else None
-    got = _run_triton(q, k, v, do, causal, scale, fcfg, bcfg)
+    got = _run_triton(q, k, v, do, causal, scale, *(configs or (None, None)))
     qd, kd, vd, dod = (t.double() for t in (q, k, v, do))
     o_ref, lse_ref = FA.flash_attention_fwd_ref(qd, kd, vd, causal, scale)
     want = (o_ref, lse_ref, *FA.flash_attention_bwd_ref(dod, qd, kd, vd, o_ref, lse_ref, causal, scale))
@@ -199,18 +214,18 @@ def test_triton_matches_reference_fp32_tiny(B, H, Hkv, T, D, fcfg, bcfg, causal)
 @needs_triton
 @pytest.mark.parametrize("causal", [True, False])
 def test_triton_program_order_keeps_the_bits(causal, monkeypatch):
-    """The Triton kernels' program order (``_tail_order``) only decides which program runs when: head by head
-    (0 waves), the last 1 or 3 heads tile-major (an SM count of 2 stands in, so the tail is part of the grid),
-    or every head tile-major give the same bits in all five outputs. The last differs from the first in every
-    program's (tile, head), so a kernel that mapped ids wrongly would leave NaN or wrong rows."""
+    """The Triton kernels' program order (``_tail_order``, the configs' ``tail_waves``) only decides which program
+    runs when: head by head (0 waves), the last 1 or 3 heads tile-major (an SM count of 2 stands in for the
+    device's, so the tail is part of the grid), or every head tile-major give the same bits in all five outputs.
+    The last differs from the first in every program's (tile, head), so a kernel that mapped ids wrongly would
+    leave NaN or wrong rows."""
     q, k, v, do = rand_qkv(2, 4, 2, 40, 32, dtype=torch.float32, device=DEV, seed=3)
-    fcfg, bcfg = (32, 16, 4, 1, False), ((16, 32, 4, 1, False), (32, 16, 4, 1, False))
     runs = []
     for waves, n_sm in ((0, 132), (1, 2), (3, 2), (100, 132)):
-        monkeypatch.setattr(FA, "TRITON_TAIL_WAVES", waves)
-        monkeypatch.setattr(FA, "grid_sms", lambda device, n=n_sm: n)
+        monkeypatch.setattr(TR, "grid_sms", lambda device, n=n_sm: n)
+        fcfg, bcfg = cfgs((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1), tail_waves=waves)
         runs.append(_run_triton(q, k, v, do, causal, None, fcfg, bcfg))
-    assert FA.tail_heads(2, 8, 2, 1) == 1 and FA.tail_heads(2, 8, 2, 3) == 3 and FA.tail_heads(2, 8, 132, 100) == 8
+    assert TR.tail_heads(2, 8, 2, 1) == 1 and TR.tail_heads(2, 8, 2, 3) == 3 and TR.tail_heads(2, 8, 132, 100) == 8
     for got in runs[1:]:
         for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, runs[0]):
             assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
@@ -243,9 +258,21 @@ GPU_SHAPES = [  # B, H, Hkv, T
 ]
 
 
+def _run_routed(q, k, v, do, causal):
+    """The public entry points: the kernels ``choose`` routes these inputs to (Gluon on sm_90 where it ships)."""
+    o, lse = FA.flash_attention_fwd(q, k, v, causal)
+    return (o, lse, *FA.flash_attention_bwd(do, q, k, v, o, lse, causal))
+
+
 def _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=0, fcfg=None, bcfg=None):
+    """fcfg / bcfg: Triton configs run with NaN-poisoned outputs; None: the routed public entry points."""
     q, k, v, do = rand_qkv(B, H, Hkv, T, D, dtype=dtype, device="cuda", seed=seed)
-    got = _run_triton(q, k, v, do, causal, None, fcfg, bcfg)
+    run = (
+        (lambda: _run_routed(q, k, v, do, causal))
+        if fcfg is None
+        else (lambda: _run_triton(q, k, v, do, causal, None, fcfg, bcfg))
+    )
+    got = run()
     qd, kd, vd, dod = (t.double() for t in (q, k, v, do))
     o_ref, lse_ref = FA.flash_attention_fwd_ref(qd, kd, vd, causal)
     want = (o_ref, lse_ref, *FA.flash_attention_bwd_ref(dod, qd, kd, vd, o_ref, lse_ref, causal))
@@ -255,12 +282,12 @@ def _check_gpu(B, H, Hkv, T, D, dtype, causal, seed=0, fcfg=None, bcfg=None):
         assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
         errs[name] = rel(a, b)
         assert errs[name] < (tol_f if name in ("o", "lse") else tol_b), (name, errs)
-    again = _run_triton(q, k, v, do, causal, None, fcfg, bcfg)
+    again = run()
     # the one-pass backward sums dq with fp32 reduce-adds in arrival order: the last bits may move
-    onepass = FA.bwd_route(do, q, k, v, got[0], got[1], causal, config=bcfg) == "onepass"
+    onepass = fcfg is None and FA.bwd_route(do, q, k, v, got[0], got[1], causal)[0] == "onepass"
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, again):
         if name == "dq" and onepass:
-            from xtrain.kernels.flash_attention_gluon_onepass import runs_agree
+            from xtrain.kernels.attention.gluon_onepass import runs_agree
 
             assert runs_agree(a, b), "dq: repeated one-pass runs differ by more than the summation order can"
         else:
@@ -293,13 +320,13 @@ def test_gpu_long_16k(D, dtype, causal):
     )
 
 
-TMA_CONFIGS = {  # both load paths must stay correct whichever the defaults pick
-    torch.bfloat16: ((128, 64, 4, 3, True), ((64, 64, 4, 2, True), (64, 64, 4, 2, True))),
-    torch.float32: ((64, 32, 4, 2, True), ((32, 64, 4, 2, True), (64, 32, 4, 2, True))),
+TMA_CONFIGS = {  # both load paths ship (by head dim and T), so both must stay correct
+    torch.bfloat16: cfgs((128, 64, 4, 3, True), (64, 64, 4, 2, True), (64, 64, 4, 2, True)),
+    torch.float32: cfgs((64, 32, 4, 2, True), (32, 64, 4, 2, True), (64, 32, 4, 2, True)),
 }
 PTR_CONFIGS = {
-    torch.bfloat16: ((128, 64, 4, 3, False), ((64, 64, 4, 2, False), (64, 64, 4, 2, False))),
-    torch.float32: ((64, 32, 4, 2, False), ((32, 64, 4, 2, False), (64, 32, 4, 2, False))),
+    torch.bfloat16: cfgs((128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
+    torch.float32: cfgs((64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2)),
 }
 
 
@@ -324,29 +351,26 @@ GLUON_CASES = [  # B, H, Hkv, T, layout, dtype: MHA, GQA, MQA; one and several q
     (2, 6, 1, 2048, "bthd", torch.float16),
     (1, 2, 1, 16384, "kv_bthd", torch.bfloat16),
 ]
-GLUON_VARIANTS = ["lib", "pers", "q2", "pp", "q2pp", "w3"]  # flash_attention_gluon.VARIANTS (checked below)
+GLUON_FWD = FA.shipped_configs()["fwd"]  # (D, GluonFwdConfig) for every forward config the routing ships
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("B,H,Hkv,T,layout,dtype", GLUON_CASES)
-@pytest.mark.parametrize("variant", GLUON_VARIANTS)
-def test_gpu_gluon_forward(variant, B, H, Hkv, T, layout, dtype, D, causal, monkeypatch):
-    """Each Gluon forward variant against the fp64 reference: outputs NaN-poisoned (unwritten elements show),
-    both input layouts its descriptors take (kv_bthd: k, v as [B, T, Hkv, D] seen through a transpose, as
-    the model passes v; bthd: q too, and o follows q), repeated runs bit-identical, also on a 5-program
-    persistent grid (each program then walks several pairs of items, the mbarrier phases running on across
-    them; an item's numbers do not depend on which program computes it), and in the orders of the schedule
-    tables ("tail", "lpt": the same bits). Tolerance: the bf16 forward's 1e-2
+@pytest.mark.parametrize("D,cfg", GLUON_FWD, ids=repr)
+def test_gpu_gluon_forward(D, cfg, B, H, Hkv, T, layout, dtype, causal):
+    """Each shipped Gluon forward config against the fp64 reference: outputs NaN-poisoned (unwritten elements
+    show), both input layouts its descriptors take (kv_bthd: k, v as [B, T, Hkv, D] seen through a transpose, as
+    the model passes v; bthd: q too, and o follows q), repeated runs bit-identical, also on 5- and 7-program
+    persistent grids (each program then walks several items, the mbarrier phases running on across them; an
+    item's numbers do not depend on which program computes it). The two-warpgroup configs' half-width diagonal
+    step on and off: the keys it skips add exact zeros, so the same bits. Tolerance: the bf16 forward's 1e-2
     (module docstring); fp16 rounds P and o at 2^-11, so the same bound holds with room."""
-    from xtrain.kernels import flash_attention_gluon as G
+    from dataclasses import replace
+
+    from xtrain.kernels.attention import gluon_fwd as G
 
     q, k, v, _ = rand_qkv(B, H, Hkv, T, D, dtype=dtype, device="cuda", seed=T + D)
-    if D not in G.VARIANT_HEAD_DIMS.get(variant, G.HEAD_DIMS):
-        with pytest.raises(ValueError, match="takes head dims"):
-            G.flash_attention_fwd_gluon(q, k, v, causal, variant=variant)
-        return
     if layout == "bthd":  # [B, T, H, D] memory seen as [B, H, T, D]
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
     if layout != "contiguous":
@@ -354,76 +378,86 @@ def test_gpu_gluon_forward(variant, B, H, Hkv, T, layout, dtype, D, causal, monk
     assert G.supported(q, k, v)
     o = torch.full_like(q, float("nan"))  # keeps q's strides (torch.preserve_format), as the launcher wants
     lse = torch.full((B, H, T), float("nan"), device="cuda")
-    G.flash_attention_fwd_gluon(q, k, v, causal, o=o, lse=lse, variant=variant)
+    G.flash_attention_fwd_gluon(q, k, v, causal, o=o, lse=lse, config=cfg)
     o_ref, lse_ref = FA.flash_attention_fwd_ref(q.double(), k.double(), v.double(), causal)
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     eo, el = rel(o, o_ref), rel(lse, lse_ref)
     assert eo < 1e-2 and el < 1e-5, (eo, el)
-    for programs in (None, 5):
-        o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal, variant=variant, programs=programs)
+    for programs in (None, 5, 7):
+        o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal, config=cfg, programs=programs)
         assert o2.stride() == q.stride() and torch.equal(o, o2) and torch.equal(lse, lse2), programs
-    if G.VARIANTS[variant] is not None:  # the persistent grid's order from a schedule table: the same bits
-        for sched, programs in (("tail", None), ("lpt", None), ("tail", 5), ("pairs", 7)):
-            monkeypatch.setattr(G, "SCHEDULE", sched)
-            o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal, variant=variant, programs=programs)
-            assert torch.equal(o, o2) and torch.equal(lse, lse2), (sched, programs)
-        # the two-warpgroup variants' half-width diagonal step (HALF_DIAG_MAX_T) on at every T, then off: the
-        # keys it skips add exact zeros, so the same bits either way (non-causal: nothing changes)
-        for limit in (2**31, 0):
-            monkeypatch.setattr(G, "HALF_DIAG_MAX_T", {D: limit})
-            o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal, variant=variant)
-            assert torch.equal(o, o2) and torch.equal(lse, lse2), ("HALF_DIAG_MAX_T", limit)
+    if cfg.warpgroups == 2:
+        o2, lse2 = G.flash_attention_fwd_gluon(q, k, v, causal, config=replace(cfg, half_diag=not cfg.half_diag))
+        assert torch.equal(o, o2) and torch.equal(lse, lse2), "half_diag"
     print(
-        f"\nGPUERR gluon {variant} {layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} "
+        f"\nGPUERR gluon {cfg} {layout} {str(dtype)[6:]} D={D} causal={causal} B={B} H={H} Hkv={Hkv} "
         f"T={T} o={eo:.2e} lse={el:.2e}"
     )
 
 
 @pytest.mark.gpu
 def test_gpu_gluon_dispatch_and_rejects():
-    """flash_attention_fwd_triton sends causal 16-bit hd128 T >= 1024 to the Gluon kernel (same numbers as
-    calling it, which runs the variant of VARIANT_BY_T), keeps the rest on Triton, and the Gluon launcher
-    rejects what it cannot take."""
-    from xtrain.kernels import flash_attention_gluon as G
+    """flash_attention_fwd sends causal 16-bit hd128 T >= 1024 to the Gluon kernel (the same bits as calling it
+    with the config ``choose`` gives), the Triton kernel computes the same attention with other bits, and the
+    Gluon launcher rejects what it cannot take."""
+    from xtrain.kernels.attention import gluon_fwd as G
 
     q, k, v, _ = rand_qkv(1, 4, 2, 1024, 128, dtype=torch.bfloat16, device="cuda", seed=3)
-    o, lse = FA.flash_attention_fwd_triton(q, k, v, True)
-    o_g, lse_g = G.flash_attention_fwd_gluon(q, k, v, True)
+    choice = FA.choose((9, 0), q.dtype, 1024, 128, True, False)
+    o, lse = FA.flash_attention_fwd(q, k, v, True)
+    o_g, lse_g = G.flash_attention_fwd_gluon(q, k, v, True, config=choice.fwd[0])
     assert torch.equal(o, o_g) and torch.equal(lse, lse_g)
-    o_v, _ = G.flash_attention_fwd_gluon(q, k, v, True, variant=G.pick_variant(128, 1024))
-    assert torch.equal(o, o_v)
-    FA.FWD_GLUON = False
-    try:
-        o_t, _ = FA.flash_attention_fwd_triton(q, k, v, True)
-    finally:
-        FA.FWD_GLUON = True
+    o_t, _ = FA.flash_attention_fwd_triton(q, k, v, True, config=choice.fwd[-1])
     assert not torch.equal(o, o_t) and rel(o_t, o.double()) < 1e-2  # another kernel, the same attention
     for bad in (q[..., :1000, :], q.float(), q[..., :32]):  # ragged T, fp32, head dim 32
         with pytest.raises(ValueError, match="flash_attention_fwd_gluon"):
             kk = k[..., : bad.shape[2], : bad.shape[3]].to(bad.dtype).contiguous()
-            G.flash_attention_fwd_gluon(bad.contiguous(), kk, kk)
-    with pytest.raises(ValueError, match="unknown variant"):
-        G.flash_attention_fwd_gluon(q, k, v, True, variant="pers_n64")
+            G.flash_attention_fwd_gluon(bad.contiguous(), kk, kk, config=choice.fwd[0])
 
 
-def test_gluon_forward_variant_table():
-    """No GPU needed: VARIANT_BY_T names a variant for every (head dim, T) the kernels take, the one its
-    comment cites (hd128: pp up to 1k, q2pp above; hd64: q2 up to 2k, w3 above), and the tests cover every
-    variant."""
-    G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
-    assert sorted(G.VARIANTS) == sorted(GLUON_VARIANTS)
-    assert set(G.VARIANT_BY_T) == set(G.HEAD_DIMS)
-    for D in G.HEAD_DIMS:
-        for T in (128, 1024, 1152, 2048, 16384, 1 << 20):
-            assert G.pick_variant(D, T) in G.VARIANTS
-    assert [G.pick_variant(128, T) for T in (128, 1024, 1152, 16384)] == ["pp", "pp", "q2pp", "q2pp"]
-    assert [G.pick_variant(64, T) for T in (128, 2048, 2176, 4096, 16384)] == ["q2", "q2", "w3", "w3", "w3"]
-    for D in G.HEAD_DIMS:  # the table only names variants that take the head dim
-        assert all(D in G.VARIANT_HEAD_DIMS.get(name, G.HEAD_DIMS) for _, name in G.VARIANT_BY_T[D])
+def test_choose_routes_as_documented():
+    """No GPU needed: the one routing function. Off sm_90, fp32, non-causal or short T: Triton only; the Gluon
+    forward from T = 1024 (hd128: one Q buffer and the half-width diagonal step up to 1024, two Q buffers above,
+    ping-pong both; hd64: two warpgroups up to 2048, three above); the backward: the one-pass kernel for hd64 from
+    1024 unless deterministic, the split for hd128 from 1024 (lse through the tensor cores for bf16 only) and
+    for hd64 from 4096; the Triton kernel last in every list."""
+    from xtrain.kernels.attention import GluonBwdConfig, GluonFwdConfig, OnepassConfig
+
+    bf, fp16 = torch.bfloat16, torch.float16
+
+    def kinds(c):
+        return [type(x).__name__ for x in c.fwd], [type(x).__name__ for x in c.bwd]
+
+    tri = (["TritonFwdConfig"], ["TritonBwdConfig"])
+    for args in (((8, 0), bf, 4096, 128, True, False), (None, bf, 4096, 128, True, False)):
+        assert kinds(FA.choose(*args)) == tri
+    assert kinds(FA.choose((9, 0), torch.float32, 4096, 128, True, False)) == tri
+    assert kinds(FA.choose((9, 0), bf, 4096, 128, False, False)) == tri
+    assert kinds(FA.choose((9, 0), bf, 896, 64, True, False)) == tri
+    assert FA.choose((9, 0), torch.float64, 1024, 64, True, False) == FA.Choice((), ())
+    assert FA.choose(None, bf, 1024, 48, True, False) == FA.Choice((), ())
+    fwd = {(D, T): FA.choose((9, 0), bf, T, D, True, False).fwd[0] for D in (64, 128) for T in (1024, 2048, 2176)}
+    assert fwd[128, 1024] == GluonFwdConfig(1, True, 2, 2, True)
+    assert fwd[128, 2048] == fwd[128, 2176] == GluonFwdConfig(2, True, 2, 2, False)
+    assert fwd[64, 1024] == fwd[64, 2048] == GluonFwdConfig(2, False, 2, 3, True)
+    assert fwd[64, 2176] == GluonFwdConfig(2, False, 3, 3, False)
+    c = FA.choose((9, 0), bf, 1024, 64, True, False)
+    assert c.bwd[0] == OnepassConfig() and kinds(c)[1] == ["OnepassConfig", "TritonBwdConfig"]
+    assert kinds(FA.choose((9, 0), bf, 1024, 64, True, True))[1] == ["TritonBwdConfig"]
+    assert kinds(FA.choose((9, 0), bf, 4096, 64, True, True))[1] == ["GluonBwdConfig", "TritonBwdConfig"]
+    assert kinds(FA.choose((9, 0), bf, 4096, 64, True, False))[1] == [
+        "OnepassConfig",
+        "GluonBwdConfig",
+        "TritonBwdConfig",
+    ]
+    assert FA.choose((9, 0), bf, 1024, 128, True, True).bwd[0] == GluonBwdConfig(lse_mma=True, doreg=True)
+    assert FA.choose((9, 0), fp16, 1024, 128, True, False).bwd[0] == GluonBwdConfig(lse_mma=False, doreg=True)
+    assert FA.choose((9, 0), bf, 4096, 64, True, True).bwd[0] == GluonBwdConfig()
+    assert kinds(FA.choose((9, 0), bf, 896, 128, True, False))[1] == ["TritonBwdConfig"]
 
 
 def _pair_rule(BH: int, n_m: int, G: int) -> list:
-    """The persistent kernel's own order, written out independently: heads one after another, each head's
+    """The persistent kernel's pair order, written out independently: heads one after another, each head's
     query tiles heaviest / lightest alternately (n_m - 1, 0, n_m - 2, 1, ...), cut into pairs of consecutive
     items, pair k to program k mod G; per program its codes bh * n_m + pid_m in order."""
     flat = [
@@ -438,11 +472,11 @@ def _pair_rule(BH: int, n_m: int, G: int) -> list:
 
 
 def test_gluon_forward_schedule_tables():
-    """No GPU needed: the persistent forward's schedule tables. Every item exactly once; "pairs" is the kernel's
-    own rule; "tail" keeps the pairs of all rounds but the last SCHED_TAIL_ROUNDS full ones and the partial
-    one; "tail" and "lpt" never leave a program with more work than "pairs" does, and at the bench's shapes
-    (B·H = 512, hd64: 4096 items of 1-8 tiles on 132 programs) the most loaded program has less."""
-    G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
+    """No GPU needed: the persistent forward's schedule table. Every item exactly once; the pairs of all rounds
+    but the last TAIL_ROUNDS full ones and the partial one, untouched; no program with more work than the
+    plain pair rule gives it, and at the bench's shapes (B·H = 512: up to 4096 items of 1-8 tiles on 132
+    programs) the most loaded program has less."""
+    G = pytest.importorskip("xtrain.kernels.attention.gluon_fwd")
     for BH, T, NW, causal, n_prog in (
         (512, 1024, 2, True, 132),
         (512, 2048, 2, True, 132),
@@ -455,24 +489,21 @@ def test_gluon_forward_schedule_tables():
         n_m = -(-T // (NW * 64))
         U = BH * n_m
         Gp = max(1, min(n_prog, (U + 1) // 2))  # the launcher's grid
-        cost = {}
-        for policy in ("pairs", "tail", "lpt"):
-            off, codes = G.schedule(BH, n_m, T, NW, causal, Gp, policy, tail_rounds=1, item_cost=1.0)
-            assert len(off) == Gp + 1 and off[0] == 0 and off[-1] == U and sorted(codes) == list(range(U))
-            per = [codes[off[p] : off[p + 1]] for p in range(Gp)]
-            if policy == "pairs" and NW == 2:
-                assert per == _pair_rule(BH, n_m, Gp)
-            if policy == "tail":  # the first rounds are the pairs' rounds, untouched
-                kept = max(0, (U + 1) // 2 // Gp - 1)
-                assert all(p[: 2 * kept] == r[: 2 * kept] for p, r in zip(per, _pair_rule(BH, n_m, Gp)))
-            cost[policy] = max(sum(G.item_tiles(c % n_m, n_m, T, NW, causal) + 1.0 for c in p) for p in per)
-        assert cost["tail"] <= cost["pairs"] and cost["lpt"] <= cost["pairs"], cost
+        off, codes = G.schedule(BH, n_m, T, NW, causal, Gp)
+        assert len(off) == Gp + 1 and off[0] == 0 and off[-1] == U and sorted(codes) == list(range(U))
+        per = [codes[off[p] : off[p + 1]] for p in range(Gp)]
+        pairs = _pair_rule(BH, n_m, Gp)
+        kept = max(0, (U + 1) // 2 // Gp - G.TAIL_ROUNDS)
+        assert all(p[: 2 * kept] == r[: 2 * kept] for p, r in zip(per, pairs))
+
+        def load(progs, n_m=n_m, T=T, NW=NW, causal=causal):
+            return max(sum(G.item_tiles(c % n_m, n_m, T, NW, causal) + G.ITEM_COST for c in p) for p in progs)
+
+        assert load(per) <= load(pairs), (BH, T)
         if (BH, n_prog) == (512, 132):
-            assert cost["tail"] < cost["pairs"] and cost["lpt"] < cost["pairs"], (T, cost)
+            assert load(per) < load(pairs), (T, load(per), load(pairs))
     assert [G.item_tiles(m, 8, 1024, 2, True) for m in range(8)] == list(range(1, 9))
     assert [G.item_tiles(m, 6, 1024, 3, True) for m in (0, 1, 5)] == [1, 2, 8]  # 192-row items, shifted grid
-    with pytest.raises(ValueError, match="schedule must be"):
-        G.schedule(4, 8, 1024, 2, True, 4, "greedy")
 
 
 _FWD_INSTRS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait")
@@ -480,51 +511,42 @@ _FWD_INSTRS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrie
 
 @pytest.fixture(scope="module")
 def fwd_compiled():
-    """Each Gluon forward variant compiled for sm_90 in ONE child process without the Triton interpreter
-    (tests/_child.py says why). Returns {repr([variant, D, causal, bthd]): {instr: present, "sass": the SASS
-    report} or "ValueError: ..."}."""
+    """Each shipped Gluon forward config compiled for sm_90 in ONE child process without the Triton interpreter
+    (tests/_child.py says why). Returns {repr([i, causal, bthd]): {instr: present, "sass": the SASS report}}."""
     from _child import run_without_interpreter
 
-    G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
+    G = pytest.importorskip("xtrain.kernels.attention.gluon_fwd")
     if not G.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon Hopper module")
-    keys = [
-        [v, D, causal, bthd]
-        for v in GLUON_VARIANTS
-        for D, causal, bthd in ((64, False, False), (128, True, True), (64, True, True))
-    ]
+    keys = [[i, causal, bthd] for i in range(len(GLUON_FWD)) for causal, bthd in ((False, False), (True, True))]
     return run_without_interpreter(f"""
-from bench.gluon_flash_bwd_onepass import ptxas_report
-from xtrain.kernels import flash_attention_gluon as G
+import sys
+sys.path.insert(0, "tests")
+from _child import sass_report
+from xtrain.kernels.attention import gluon_fwd as G, shipped_configs
+shipped = shipped_configs()["fwd"]
 out = {{}}
 for key in {keys!r}:
-    variant, D, causal, bthd = key
-    try:
-        ck = G.compile_sm90(D, causal, transposed_kv=bthd, variant=variant)
-        out[repr(key)] = {{i: i in ck.asm["ptx"] for i in {list(_FWD_INSTRS)!r}}}
-        out[repr(key)]["sass"] = ptxas_report(ck)
-    except ValueError as e:
-        out[repr(key)] = "ValueError: " + str(e)
+    i, causal, bthd = key
+    D, cfg = shipped[i]
+    ck = G.compile_sm90(D, causal, cfg, transposed_kv=bthd)
+    out[repr(key)] = {{x: x in ck.asm["ptx"] for x in {list(_FWD_INSTRS)!r}}}
+    out[repr(key)]["sass"] = sass_report(ck)
 """)
 
 
-@pytest.mark.parametrize("variant", GLUON_VARIANTS)
-def test_gluon_forward_compiles_for_sm90(variant, fwd_compiled):
-    """No GPU needed: each Gluon forward variant compiles for sm_90 with the installed Triton (both head dims,
-    causal and not, both K/V layouts) and uses what it is built on: wgmma, TMA bulk copies, setmaxnreg of
-    the warp specialisation, mbarrier waits; a variant asked for a head dim it does not take raises. Where
-    cuobjdump is at hand, also that ptxas did not serialise the wgmmas (as the backward's compile test)."""
-    G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
-    for D, causal, bthd in ((64, False, False), (128, True, True), (64, True, True)):
-        got = fwd_compiled[repr([variant, D, causal, bthd])]
-        if D not in G.VARIANT_HEAD_DIMS.get(variant, G.HEAD_DIMS):
-            assert isinstance(got, str) and "takes head dims" in got, got
-            continue
-        assert isinstance(got, dict), got
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(GLUON_FWD)), ids=[repr(c) for c in GLUON_FWD])
+def test_gluon_forward_compiles_for_sm90(i, fwd_compiled):
+    """No GPU needed: each shipped Gluon forward config compiles for sm_90 with the installed Triton (causal and
+    not, both K/V layouts) and uses what it is built on: wgmma, TMA bulk copies, setmaxnreg of the warp
+    specialisation, mbarrier waits. Where cuobjdump is at hand, also that ptxas did not serialise the wgmmas."""
+    for causal, bthd in ((False, False), (True, True)):
+        got = dict(fwd_compiled[repr([i, causal, bthd])])
         sass = got.pop("sass")
-        assert all(got.values()), (variant, D, got)
-        if not sass.startswith("SASS n/a"):  # ptxas kept the wgmmas in flight (causal: the half-width diagonal
-            assert "not serialized" in sass, (variant, D, causal, sass)  # step included, at this T of 256)
+        assert all(got.values()), (GLUON_FWD[i], got)
+        if not sass.startswith("SASS n/a"):
+            assert "not serialized" in sass, (GLUON_FWD[i], causal, sass)
 
 
 @pytest.mark.gpu
@@ -548,9 +570,9 @@ def test_gpu_public_op_and_dispatch():
 @pytest.mark.parametrize("T", [1, 40, 130])
 def test_bwd_preprocess_delta_and_base2_lse(T):
     """The backward's preprocess: delta = rowsum(dO ∘ O) always, and with SCALE_LSE also lse·log2(e) (the Gluon
-    split's base-2 row statistic, session 13), the same fp32 product as torch's. The ragged last block writes
+    split's base-2 row statistic), the same fp32 product as torch's. The ragged last block writes
     nothing past the end (NaN sentinels after each buffer); without SCALE_LSE the lse2 buffer is not touched. COLS:
-    the Gluon split's lse and delta columns (OPT_LSEMMA), three bf16 parts that sum to the fp32 value."""
+    the Gluon split's lse and delta columns (lse_mma), three bf16 parts that sum to the fp32 value."""
     B, H, D = 2, 3, 32
     g = torch.Generator().manual_seed(T)
     o, do = (torch.randn(B, H, T, D, generator=g).to(DEV) for _ in range(2))
@@ -572,59 +594,20 @@ def test_bwd_preprocess_delta_and_base2_lse(T):
     for scale in (True, False):
         dbuf, lbuf = (torch.full((n + 64,), float("nan"), device=DEV) for _ in range(2))
         delta, lse2 = dbuf[:n].view(B, H, T), lbuf[:n].view(B, H, T)
-        FA._flash_bwd_preprocess_kernel[grid](o, do, delta, lse, lse2, delta, delta, 1.0, **args, SCALE_LSE=scale)
+        TR._flash_bwd_preprocess_kernel[grid](o, do, delta, lse, lse2, delta, delta, 1.0, **args, SCALE_LSE=scale)
         assert torch.isfinite(delta).all() and rel(delta, (o.double() * do.double()).sum(-1)) < 1e-6
         assert torch.isnan(dbuf[n:]).all() and torch.isnan(lbuf[n:]).all()
         if scale:
-            assert torch.equal(lse2, lse * FA.LOG2E)
+            assert torch.equal(lse2, lse * TR.LOG2E)
         else:
             assert torch.isnan(lse2).all()
     # COLS: -lse / scale and -delta as three bf16 parts (columns 0-2) summing to the fp32 value, zeros after
     C, inv = 16, 1 / 0.125
     cbufs = [torch.full((n * C + 64,), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(2)]
     lsec, deltac = (b[: n * C].view(B, H, T, C) for b in cbufs)
-    FA._flash_bwd_preprocess_kernel[grid](o, do, delta, lse, lse2, lsec, deltac, inv, **args, SCALE_LSE=True, COLS=C)
+    TR._flash_bwd_preprocess_kernel[grid](o, do, delta, lse, lse2, lsec, deltac, inv, **args, SCALE_LSE=True, COLS=C)
     for got, want in ((lsec, -lse.double() * inv), (deltac, -delta.double())):
         assert torch.isfinite(got).all() and not got[..., 3:].any()
         assert ((got[..., :3].double().sum(-1) - want).abs() <= 2.0**-20 * want.abs()).all()
         assert (got[..., 1].double().abs() <= 2.0**-7 * got[..., 0].double().abs()).all()  # within hi's ulp
     assert all(torch.isnan(b[n * C :].float()).all() for b in cbufs)
-
-
-def test_bench_rounds_alternate_and_drop_refused_backends(monkeypatch):
-    """``xtrain bench attention --rounds``: every contender once per round, xtrain first in even rounds and last in
-    odd ones; a backend that refuses the inputs is dropped; the host cost is recorded in the first round only."""
-    A = pytest.importorskip("bench.attention")
-    calls = []
-
-    def fake_xtrain(q, k, v, do, causal, fcfg=None, bcfg=None, host=None):
-        calls.append("xtrain")
-        if host is not None:
-            host.append(1.0)
-        return (1.0, 2.0 + len(calls))
-
-    def fake_sdpa(backend, q, k, v, do, causal, host=None):
-        name = {b: n for n, b in A.sdpa_backends().items()}[backend]
-        calls.append(name)
-        return None if name == "efficient" else (1.5, 3.0)
-
-    monkeypatch.setattr(A, "time_xtrain", fake_xtrain)
-    monkeypatch.setattr(A, "time_sdpa", fake_sdpa)
-    host = {"xtrain": [], "cudnn": []}
-    times = A.timed_rounds(None, None, None, None, True, (None, None), 3, host)
-    assert calls == ["xtrain", "flash", "cudnn", "efficient", "cudnn", "flash", "xtrain", "xtrain", "flash", "cudnn"]
-    assert set(times) == {"xtrain", "flash", "cudnn"} and all(len(t) == 3 for t in times.values())
-    assert [t[1] for t in times["xtrain"]] == [3.0, 9.0, 10.0] and host["xtrain"] == [1.0]
-
-
-def test_bench_goal_line_shows_a_miss_that_rounds_to_one():
-    """``xtrain bench attention`` prints ratios to three decimals, starred below 1.0, and a goal line naming every
-    cell under 1.0x: 0.998 (session 28's hd128 backward at 16k) must not read as met."""
-    A = pytest.importorskip("bench.attention")
-    assert A.ratio_cell(1.1, 0.998) == "1.100/0.998*"
-    assert A.ratio_cell(1.0, 1.004) == "1.000/1.004"
-    rows = [{"D": 128, "T": 8192, "ratio": (1.11, 1.01)}, {"D": 128, "T": 16384, "ratio": (1.10, 0.998)}]
-    line = A.goal_summary(rows)
-    assert line.endswith("met at 3 of 4 cells; missed at D=128 T=16384 bwd 0.998"), line
-    assert A.goal_summary(rows[:1]).endswith("met at 2 of 2 cells")
-    assert "missed at D=64 T=1 fwd nan" in A.goal_summary([{"D": 64, "T": 1, "ratio": (float("nan"), 1.2)}])

@@ -1,4 +1,4 @@
-"""The Gluon flash-attention backward (xtrain/kernels/flash_attention_gluon_bwd.py) against the fp64 reference.
+"""The Gluon flash-attention backward (xtrain/kernels/attention/gluon_bwd.py) against the fp64 reference.
 
 GPU (``-m gpu``, an sm_90 GPU): dq, dk, dv against ``flash_attention_bwd_ref`` in fp64, with o and lse from
 the fp64 forward reference cast to the input dtype (so the kernel and the oracle see the same rounded
@@ -7,8 +7,8 @@ descriptors take; outputs NaN-poisoned (an unwritten element shows), repeated ru
 atomics). Tolerance: relative norm 1e-2, the bf16 gradient bound of tests/test_flash_attention.py (P and
 dS are rounded to the input dtype before their products, as in every flash backward; fp16 rounds at
 2^-11, so the same bound holds with room).
-CPU: both kernels compile for sm_90 (no GPU needed) on the installed Triton and use what they are built
-on; the launcher rejects what it cannot take with a ValueError naming the op.
+CPU: both kernels of every shipped config compile for sm_90 (no GPU needed) on the installed Triton and use what
+they are built on; the launcher rejects what it cannot take with a ValueError naming the op.
 """
 
 from __future__ import annotations
@@ -19,12 +19,22 @@ import pytest
 import torch
 from _gluon_bwd_cases import LAYOUTS, in_layout, inputs, rel  # tests/_gluon_bwd_cases.py
 
-from xtrain.kernels import flash_attention as FA
+from xtrain.kernels import attention as FA
+from xtrain.kernels.attention import GluonBwdConfig
+from xtrain.kernels.attention import gluon_bwd as GB
+from xtrain.kernels.attention import gluon_common as GC
+from xtrain.kernels.attention import triton as TR
 
-GB = pytest.importorskip("xtrain.kernels.flash_attention_gluon_bwd")
+SHIPPED = FA.shipped_configs()["bwd"]  # (D, GluonBwdConfig) of every split backward the routing runs
+
+
+def shipped(D: int, dtype: torch.dtype) -> GluonBwdConfig:
+    """The split config the routing runs for (D, dtype) (deterministic mode: hd64 too)."""
+    return FA.choose((9, 0), dtype, 4096, D, True, True).bwd[0]
 
 
 def _check(B, H, Hkv, T, D, dtype, causal, layout, seed, config=None):
+    config = config or shipped(D, dtype)
     q, k, v, do, o, lse = inputs(B, H, Hkv, T, D, dtype, causal, seed)
     tr = LAYOUTS[layout]
     q, k, v, do, o = (in_layout(x, name in tr) for name, x in zip("q k v do o".split(), (q, k, v, do, o)))
@@ -34,7 +44,7 @@ def _check(B, H, Hkv, T, D, dtype, causal, layout, seed, config=None):
     }
     got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=config, **bufs)
     assert all(a is bufs[n] for a, n in zip(got, ("dq", "dk", "dv")))
-    want = GB.reference(do.double(), q.double(), k.double(), v.double(), o.double(), lse.double(), causal)
+    want = FA.flash_attention_bwd_ref(do.double(), q.double(), k.double(), v.double(), o.double(), lse.double(), causal)
     errs = {}
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
@@ -72,21 +82,23 @@ def test_gpu_gluon_bwd_long_16k():
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_bwd_tail_order(monkeypatch):
-    """The programs' start order (``_tail_order``) changes no bit: 24 heads of 16 tiles, so with the default two
+def test_gpu_gluon_bwd_tail_order():
+    """The programs' start order (``_tail_order``) changes no bit: 24 heads of 16 tiles, so with the shipped two
     waves the last 17 heads start tile-major and the first 7 head by head; against every head in turn (0 waves),
     one wave and all heads tile-major, causal and not, and against the fp64 reference."""
+    from dataclasses import replace
+
+    cfg = shipped(128, torch.bfloat16)
     for causal in (True, False):
         q, k, v, do, o, lse = inputs(2, 12, 12, 2048, 128, torch.bfloat16, causal, seed=11)
-        assert 0 < GB.tail_heads(16, 24, FA.grid_sms(q.device)) < 24
-        base = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal)
-        want = GB.reference(do.double(), q.double(), k.double(), v.double(), o.double(), lse.double(), causal)
+        assert 0 < GC.tail_heads(16, 24, TR.grid_sms(q.device)) < 24
+        base = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=cfg)
+        ins64 = (x.double() for x in (do, q, k, v, o, lse))
+        want = FA.flash_attention_bwd_ref(*ins64, causal)
         assert max(rel(a, b) for a, b in zip(base, want)) < 1e-2
         for waves in (0, 1, 100):
-            monkeypatch.setattr(GB, "TAIL_WAVES", waves)
-            got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal)
+            got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=replace(cfg, tail_waves=waves))
             assert all(torch.equal(a, b) for a, b in zip(got, base)), waves
-        monkeypatch.undo()
 
 
 def test_gluon_bwd_tail_order_is_a_permutation():
@@ -94,69 +106,25 @@ def test_gluon_bwd_tail_order_is_a_permutation():
     last ``tail`` heads tile by tile (tile 0, the heaviest, of each of them first), for tails of 0, some and all
     heads."""
     for nb, heads in ((1, 5), (16, 24), (8, 3), (128, 16)):
-        for tail in sorted({0, 1, min(3, heads), heads, GB.tail_heads(nb, heads, 132)}):
-            order = [GB.tail_order(p, nb, heads, tail) for p in range(nb * heads)]
+        for tail in sorted({0, 1, min(3, heads), heads, GC.tail_heads(nb, heads, 132)}):
+            order = [GC.tail_order(p, nb, heads, tail) for p in range(nb * heads)]
             assert sorted(order) == [(t, h) for t in range(nb) for h in range(heads)]
             first = (heads - tail) * nb
             assert order[:first] == [(p % nb, p // nb) for p in range(first)]
             tiles = [t for t, _ in order[first:]]
             assert tiles == sorted(tiles) and {h for _, h in order[first:]} == set(range(heads - tail, heads))
-    assert GB.tail_heads(16, 1000, 132) == 17 and GB.tail_heads(128, 16, 132) == 3 and GB.tail_heads(8, 2, 132) == 2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "config",
-    [
-        "split3",
-        "split_wide",
-        "split_s9",
-        "split_s10",
-        "split_s14",
-        "split_peel",
-        "split_dqskip",
-        "split_s26",
-        "split_lse",
-        "split_lsed",
-        "split_s27",
-        "split_doreg",
-        (64, 2, 64, 3, 1),
-        (64, 2, 64, 3, 2),
-        (64, 2, 64, 3, 7),
-        (64, 3, 64, 2, 12),
-    ],
-)
-@pytest.mark.parametrize("D", [64, 128])
-def test_gpu_gluon_bwd_configs(config, D):
-    """The bench's other configs stay correct (GQA, causal and not)."""
-    for causal in (True, False):
-        _check(2, 4, 2, 1024, D, torch.bfloat16, causal, "model", seed=D + 1, config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 128])
-def test_gpu_gluon_bwd_skip_is_bit_identical(D):
-    """Skipping the causal steps whose keys all follow their queries (P = 0) changes no bit: those steps add
-    exact zeros. OPT_PEEL (the dK/dV walk's diagonal steps in a loop of their own), OPT_DQSKIP and both (the
-    default from session 15 to 26, and still at hd64) against session 13's default, GQA, T not a power of two."""
-    q, k, v, do, o, lse = inputs(2, 4, 2, 1408, D, torch.bfloat16, True, seed=D + 7)
-    ref = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, config="split_s14")
-    for config in ("split_peel", "split_dqskip", "split_s26"):
-        got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, config=config)
-        for name, a, b in zip(("dq", "dk", "dv"), got, ref):
-            assert torch.equal(a, b), (config, name, (a.float() - b.float()).abs().max().item())
+    assert GC.tail_heads(16, 1000, 132) == 17 and GC.tail_heads(128, 16, 132) == 3 and GC.tail_heads(8, 2, 132) == 2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_gluon_bwd_doreg_is_bit_identical(D, causal):
-    """OPT_DOREG (the dQ kernel's dO half as dP's A operand from registers) reads the same bf16 values as the
-    shared-memory operand it replaces, so every bit stays: against the config without it, GQA."""
+    """``doreg`` (the dQ kernel's dO half as dP's A operand from registers; shipped at hd128, not at hd64) reads
+    the same bf16 values as the shared-memory operand it replaces, so every bit stays, GQA."""
     q, k, v, do, o, lse = inputs(2, 4, 2, 1024, D, torch.bfloat16, causal, seed=D + 11)
-    ref = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config="split_s27")
-    got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config="split_doreg")
-    assert GB._config("t", "split_doreg", D)[4] == GB._config("t", "split_s27", D)[4] | GB.OPT_DOREG
+    ref = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=GluonBwdConfig(doreg=False))
+    got = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=GluonBwdConfig(doreg=True))
     for name, a, b in zip(("dq", "dk", "dv"), got, ref):
         assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
 
@@ -164,8 +132,10 @@ def test_gpu_gluon_bwd_doreg_is_bit_identical(D, causal):
 @pytest.mark.gpu
 def test_gpu_gluon_bwd_rejects():
     q, k, v, do, o, lse = inputs(1, 4, 2, 256, 128, torch.bfloat16, True, seed=3)
-    dq, dk, dv = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse)
-    ref = FA.flash_attention_bwd_triton(do, q, k, v, o, lse)
+    cfg = shipped(128, torch.bfloat16)
+    dq, dk, dv = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, config=cfg)
+    tri = FA.choose(None, q.dtype, 256, 128, True, False).bwd[-1]
+    ref = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, config=tri)
     assert all(rel(a, b) < 1e-2 for a, b in zip((dq, dk, dv), ref))
     op = "flash_attention_bwd_gluon"
     sub = lambda x, t, d: x[..., :t, :d].contiguous()  # noqa: E731
@@ -178,19 +148,17 @@ def test_gpu_gluon_bwd_rejects():
     for args in bad:
         assert not GB.supported_bwd(*args)
         with pytest.raises(ValueError, match=op):
-            GB.flash_attention_bwd_gluon(*args)
+            GB.flash_attention_bwd_gluon(*args, config=cfg)
     with pytest.raises(ValueError, match=op):  # mismatched shapes
-        GB.flash_attention_bwd_gluon(do, q, k[:, :, :128], v, o, lse)
+        GB.flash_attention_bwd_gluon(do, q, k[:, :, :128], v, o, lse, config=cfg)
     bad_dq = torch.empty(1, 4, 256, 256, device="cuda", dtype=q.dtype)[..., :128]  # not a descriptor layout
     assert GB.supported_bwd(do, q, k, v, o, lse) and not GB.supported_bwd(do, q, k, v, o, lse, dq=bad_dq)
     with pytest.raises(ValueError, match=op):
-        GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, dq=bad_dq)
+        GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, dq=bad_dq, config=cfg)
     with pytest.raises(ValueError, match=op):
-        GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, config=(96, 2, 64, 2))
-    with pytest.raises(ValueError, match=op):
-        GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, scale=-1.0)
-    with pytest.raises(ValueError, match=op):  # a removed persistent config
-        GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, config="pers")
+        GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, scale=-1.0, config=cfg)
+    with pytest.raises(ValueError, match="lse_mma takes bf16"):
+        GB.flash_attention_bwd_gluon(do.half(), q.half(), k.half(), v.half(), o.half(), lse, config=cfg)
 
 
 def test_gluon_bwd_rejects_on_cpu():
@@ -199,102 +167,61 @@ def test_gluon_bwd_rejects_on_cpu():
     lse = torch.zeros(1, 2, 128)
     assert not GB.supported_bwd(q, q, q, q, q, lse)
     with pytest.raises(ValueError, match="flash_attention_bwd_gluon"):
-        GB.flash_attention_bwd_gluon(q, q, q, q, q, lse)
+        GB.flash_attention_bwd_gluon(q, q, q, q, q, lse, config=GluonBwdConfig())
     with pytest.raises(ValueError, match="flash_attention_bwd_gluon"):
-        GB.flash_attention_bwd_gluon(q, q, q[:, :, :64], q, q, lse)
+        GB.flash_attention_bwd_gluon(q, q, q[:, :, :64], q, q, lse, config=GluonBwdConfig())
 
 
+@pytest.mark.slow
 def test_gluon_bwd_compiles_for_sm90():
-    """No GPU needed: both kernels of the default config compile for sm_90 with the installed Triton (hd64
-    causal, hd128 non-causal on the transposed layout, and the bench's causal MHA builds at both head dims, where
-    GROUP = 1 is a constant: 8 compiles, in a child process without the Triton interpreter, tests/_child.py; the
-    other configs: bench/gluon_flash_bwd.py --compile-only) and use what
-    they are built on: wgmma, TMA bulk copies, setmaxnreg of the warp specialisation, mbarrier waits; and no
-    atomics (the backward is deterministic). Where cuobjdump is at hand (Triton's NVIDIA backend ships it), also
-    that ptxas did not serialise the wgmmas (a wait after every HGMMA in the SASS: what a wgmma left in flight
-    across a loop's back edge, or too few registers, make it do; session 10 met both, and session 15 a peeled walk
-    whose hd64 MHA build alone was serialised)."""
+    """No GPU needed: both kernels of every shipped config compile for sm_90 with the installed Triton (causal GQA;
+    hd128 non-causal on the transposed layout; the causal MHA builds, where GROUP = 1 is a constant; in a child
+    process without the Triton interpreter, tests/_child.py) and use what they are built on: wgmma, TMA bulk
+    copies, setmaxnreg of the warp specialisation, mbarrier waits; and no atomics (the backward is
+    deterministic). Where cuobjdump is at hand (Triton's NVIDIA backend ships it), also that ptxas did not
+    serialise the wgmmas (a wait after every HGMMA in the SASS: what a wgmma left in flight across a loop's back
+    edge, or too few registers, make it do)."""
     from _child import run_without_interpreter
 
-    if not GB.HAVE_GLUON:
+    if not GC.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon Hopper module")
     instrs = ["wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait", "atom.global", "red.global"]
     got = run_without_interpreter(f"""
-from bench.gluon_flash_bwd_onepass import ptxas_report
-from xtrain.kernels import flash_attention_gluon_bwd as GB
+import sys
+sys.path.insert(0, "tests")
+from _child import sass_report
+from xtrain.kernels.attention import gluon_bwd as GB, shipped_configs
 out = []
-for D, causal, transposed, mha in ((64, True, False, False), (128, False, True, False), (64, True, False, True),
-                                  (128, True, False, True)):
-    for name, ck in GB.compile_sm90(D, causal, GB.DEFAULT, transposed=transposed, mha=mha).items():
-        out.append([D, name, {{i: i in ck.asm["ptx"] for i in {instrs!r}}}, ptxas_report(ck)])
+for i, (D, cfg) in enumerate(shipped_configs()["bwd"]):
+    for causal, transposed, mha in ((True, False, False), (True, False, True), (False, True, False)):
+        if not causal and D != 128:
+            continue
+        for name, ck in GB.compile_sm90(D, causal, cfg, transposed=transposed, mha=mha).items():
+            out.append([D, i, name, {{x: x in ck.asm["ptx"] for x in {instrs!r}}}, sass_report(ck)])
 """)
-    assert len(got) == 8
-    for D, name, has, sass in got:
+    assert len(got) == 2 * (2 * len(SHIPPED) + sum(D == 128 for D, _ in SHIPPED))
+    for D, i, name, has, sass in got:
         for instr in instrs[:4]:
-            assert has[instr], (D, name, instr)
+            assert has[instr], (D, SHIPPED[i], name, instr)
         assert not has["atom.global"] and not has["red.global"], (D, name)
         if not sass.startswith("SASS n/a"):
-            assert "not serialized" in sass, (D, name, sass)
+            assert "not serialized" in sass, (D, SHIPPED[i], name, sass)
 
 
-def test_gluon_bwd_module_contract():
-    assert GB.reference is FA.flash_attention_bwd_ref
-    assert set(GB.CONFIGS) == {
-        "split",
-        "split_s14",
-        "split_s10",
-        "split_s9",
-        "split3",
-        "split_wide",
-        "split_peel",
-        "split_dqskip",
-        "split_s26",
-        "split_lse",
-        "split_lsed",
-        "split_s27",
-        "split_doreg",
-    }
-    assert GB.DEFAULT == "split"
-    s26 = GB.OPT_DQP | GB.OPT_LEAN | GB.OPT_SMEM | GB.OPT_PEEL | GB.OPT_DQSKIP
-    assert GB._config("t", None, 64) == GB._config("t", "split_s26", 128) == (64, 2, 64, 4, s26)
-    s27 = s26 | GB.OPT_LSEMMA | GB.OPT_DMMA
-    assert GB._config("t", "split_s27", 128) == (64, 2, 64, 4, s27)
-    assert GB._config("t", None, 128) == (64, 2, 64, 4, s27 | GB.OPT_DOREG)
-    # the column options run for bf16 only (fp16's range cannot hold every -delta); the rest of a config stays
-    assert GB.for_dtype(GB._config("t", None, 128), torch.bfloat16) == GB._config("t", None, 128)
-    assert GB.for_dtype(GB._config("t", None, 128), torch.float16) == (64, 2, 64, 4, s26 | GB.OPT_DOREG)
-    assert GB.for_dtype(GB._config("t", "split_s10", 128), torch.float16) == GB._config("t", "split_s10", 128)
-    assert GB._config("t", "split_s14", 128) == (64, 2, 64, 4, GB.OPT_DQP | GB.OPT_LEAN | GB.OPT_SMEM)
-    assert GB._config("t", "split_s10", 128) == (64, 2, 64, 4, GB.OPT_PF | GB.OPT_DQP)
-    assert GB._config("t", (64, 2, 64, 2), 128) == (64, 2, 64, 2, 0)  # options may be left out
-    # LEAN needs PF or SMEM; SMEM needs LEAN and excludes PF; PEEL (16) needs SMEM and BLOCK_M1 64; LSEMMA (64)
-    # needs PEEL, DMMA (128) LSEMMA; 512 is no option
-    for bad in (
-        (64, 2, 64, 2, 4),
-        (64, 2, 64, 2, 8),
-        (64, 2, 64, 2, 13),
-        (64, 2, 64, 2, 16),
-        (64, 2, 64, 2, 64),
-        (64, 2, 64, 2, 23),
-        (128, 2, 64, 2, 30),
-        (64, 2, 64, 2, -1),
-        (64, 2, 64, 4, 62 | 128),
-        (64, 2, 64, 4, 14 | 64),
-        (64, 2, 64, 4, 512),
-        (64, 2, 64, 2, 0, 0),
-        (64, 2, 64),
-        "nope",
-    ):
-        with pytest.raises(ValueError, match="t: "):
-            GB._config("t", bad, 128)
-    assert math.isclose(GB.LOG2E, 1.0 / math.log(2.0))
+def test_gluon_bwd_shipped_configs():
+    """The split backward ships three builds: hd64 plain, hd128 with the dO half in registers, and for bf16 also
+    lse and delta through the tensor cores (fp16's range cannot hold every -delta as a column)."""
+    assert SHIPPED == sorted(
+        [(64, GluonBwdConfig()), (128, GluonBwdConfig(doreg=True)), (128, GluonBwdConfig(lse_mma=True, doreg=True))],
+        key=repr,
+    )
+    assert math.isclose(GC.LOG2E, 1.0 / math.log(2.0))
 
 
 @pytest.mark.gpu
 def test_gpu_dispatch_sends_hd128_backward_to_gluon(monkeypatch):
-    """flash_attention_bwd_triton runs the Gluon backward for causal 16-bit hd128 at T >= 1024 (and not with
-    BWD_GLUON off), with the same result as calling it. (The Triton kernels' gradients came out bit-identical
-    to the Gluon kernels' on the H200 — same tile order, same wgmma reductions — so the call is counted.)"""
+    """flash_attention_bwd runs the Gluon backward for causal 16-bit hd128 at T >= 1024, with the same result
+    as calling it; the Triton kernels compute the same gradients; T < 1024 stays on Triton."""
     calls = []
     real = GB.flash_attention_bwd_gluon
 
@@ -304,22 +231,13 @@ def test_gpu_dispatch_sends_hd128_backward_to_gluon(monkeypatch):
 
     monkeypatch.setattr(GB, "flash_attention_bwd_gluon", counted)
     q, k, v, do, o, lse = inputs(1, 4, 2, 1024, 128, torch.bfloat16, True, seed=5)
-    got = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
+    got = FA.flash_attention_bwd(do, q, k, v, o, lse, True)
     assert len(calls) == 1
-    direct = real(do, q, k, v, o, lse, True)
+    direct = real(do, q, k, v, o, lse, True, config=shipped(128, torch.bfloat16))
     assert all(torch.equal(a, b) for a, b in zip(got, direct))
-    monkeypatch.setattr(FA, "BWD_GLUON", False)
-    tri = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
-    assert len(calls) == 1
+    tri_cfg = FA.choose(None, q.dtype, 1024, 128, True, False).bwd[-1]
+    tri = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=tri_cfg)
     assert all(rel(a, b.double()) < 1e-2 for a, b in zip(tri, got))
-    monkeypatch.setattr(FA, "BWD_GLUON", True)
-    FA.flash_attention_bwd_triton(
-        do[..., :512, :],
-        q[..., :512, :],
-        k[..., :512, :],
-        v[..., :512, :],
-        o[..., :512, :],
-        lse[..., :512].contiguous(),
-        True,
-    )
-    assert len(calls) == 1  # T < GLUON_BWD_MIN_T: Triton
+    n = len(calls)
+    FA.flash_attention_bwd(*(x[..., :512, :] for x in (do, q, k, v, o)), lse[..., :512].contiguous(), True)
+    assert len(calls) == n  # T < GLUON_BWD_MIN_T: Triton

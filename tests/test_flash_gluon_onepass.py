@@ -1,14 +1,14 @@
-"""The Gluon one-pass flash-attention backward (xtrain/kernels/flash_attention_gluon_onepass.py, hd64).
+"""The Gluon one-pass flash-attention backward (xtrain/kernels/attention/gluon_onepass.py, hd64).
 
 GPU (``-m gpu``, an sm_90 GPU): dq, dk, dv against ``flash_attention_bwd_ref`` in fp64 (o and lse from the
 fp64 forward reference cast to the input dtype), bf16 and fp16, causal and not, MHA/GQA/MQA, T = 128 to 16k,
 the input layouts the descriptors take, outputs NaN-poisoned. Tolerance: relative norm 1e-2, the bf16
 gradient bound of tests/test_flash_attention.py. Repeated runs: dk and dv bit-identical (each is summed inside
 one program), dq within ``runs_agree`` (fp32 reduce-adds land in any order). The dispatcher sends causal
-16-bit hd64 there from GLUON_ONEPASS_MIN_T, and not in deterministic mode.
+16-bit hd64 there from ONEPASS_MIN_T, and not in deterministic mode.
 CPU: the kernel compiles for sm_90 and uses what it is built on (including the reduce-add); the dq convert
-kernel equals its reference through the interpreter; ``runs_agree`` rejects a perturbed tile; bad input and
-bad configs raise ValueError naming the op.
+kernel equals its reference through the interpreter; ``runs_agree`` rejects a perturbed tile; bad input raises
+ValueError naming the op.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import pytest
 import torch
 from _gluon_bwd_cases import LAYOUTS, in_layout, inputs, rel  # tests/_gluon_bwd_cases.py
 
-from xtrain.kernels import flash_attention as FA
+from xtrain.kernels import attention as FA
+from xtrain.kernels.attention import gluon_onepass as OP
 
-OP = pytest.importorskip("xtrain.kernels.flash_attention_gluon_onepass")
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _check(B, H, Hkv, T, dtype, causal, layout, seed, config=None):
+def _check(B, H, Hkv, T, dtype, causal, layout, seed, config=OP.OnepassConfig()):
     q, k, v, do, o, lse = inputs(B, H, Hkv, T, 64, dtype, causal, seed)
     tr = LAYOUTS[layout]
     q, k, v, do, o = (in_layout(x, name in tr) for name, x in zip("q k v do o".split(), (q, k, v, do, o)))
@@ -73,14 +73,6 @@ def test_gpu_onepass_long_16k():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["nopf", "nopf_ds3", (2, 1, 2, True, 208, 72)])
-def test_gpu_onepass_configs(config):
-    """The bench's other configs, and the tightest rings (2 stages, 1 staging tile), stay correct."""
-    for causal in (True, False):
-        _check(2, 4, 2, 1024, torch.bfloat16, causal, "model", seed=11, config=config)
-
-
-@pytest.mark.gpu
 def test_gpu_onepass_rejects():
     q, k, v, do, o, lse = inputs(1, 4, 2, 256, 64, torch.bfloat16, True, seed=3)
     op = "flash_attention_bwd_gluon_onepass"
@@ -101,19 +93,15 @@ def test_gpu_onepass_rejects():
         OP.flash_attention_bwd_gluon_onepass(do2, q2, k2, v2, o2, lse2)
     with pytest.raises(ValueError, match=op):  # mismatched shapes
         OP.flash_attention_bwd_gluon_onepass(do, q, k[:, :, :128], v, o, lse)
-    for cfg in ("fused3", (3, 2, 2, True, 216, 72), (0, 2, 2, True, 200, 88)):
-        with pytest.raises(ValueError, match=op):
-            OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, config=cfg)
     with pytest.raises(ValueError, match=op):
         OP.flash_attention_bwd_gluon_onepass(do, q, k, v, o, lse, scale=-1.0)
 
 
 @pytest.mark.gpu
 def test_gpu_dispatch_sends_hd64_backward_to_onepass(monkeypatch):
-    """flash_attention_bwd_triton runs the one-pass kernel for causal 16-bit hd64 at T >= GLUON_ONEPASS_MIN_T,
-    and the kernels without atomics (the same bits run to run) in deterministic mode and with BWD_ONEPASS off:
-    the Triton kernels, and the Gluon two-kernel backward from GLUON_BWD_MIN_T[64] on; Triton below the
-    threshold and non-causal."""
+    """flash_attention_bwd runs the one-pass kernel for causal 16-bit hd64 at T >= ONEPASS_MIN_T, and the
+    kernels without atomics (the same bits run to run) in deterministic mode: the Triton kernels, and the Gluon
+    two-kernel backward from GLUON_BWD_MIN_T[64] on; Triton below the threshold and non-causal."""
     calls = []
     real = OP.flash_attention_bwd_gluon_onepass
 
@@ -122,40 +110,32 @@ def test_gpu_dispatch_sends_hd64_backward_to_onepass(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(OP, "flash_attention_bwd_gluon_onepass", counted)
-    T = FA.GLUON_ONEPASS_MIN_T[64]
+    T = FA.ONEPASS_MIN_T
     q, k, v, do, o, lse = inputs(1, 4, 2, T, 64, torch.bfloat16, True, seed=5)
-    assert FA.bwd_route(do, q, k, v, o, lse, True) == "onepass"
-    got = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
+    assert FA.bwd_route(do, q, k, v, o, lse, True)[0] == "onepass"
+    got = FA.flash_attention_bwd(do, q, k, v, o, lse, True)
     assert len(calls) == 1
     want = FA.flash_attention_bwd_ref(do.double(), q.double(), k.double(), v.double(), o.double(), lse.double())
     assert all(rel(a, b) < 1e-2 for a, b in zip(got, want))
     det = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(True)
-        assert FA.bwd_route(do, q, k, v, o, lse, True) == "triton"
-        tri = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
-        again = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
+        assert FA.bwd_route(do, q, k, v, o, lse, True)[0] == "triton"
+        tri = FA.flash_attention_bwd(do, q, k, v, o, lse, True)
+        again = FA.flash_attention_bwd(do, q, k, v, o, lse, True)
         long = [torch.empty(1, 2, FA.GLUON_BWD_MIN_T[64], 64, device="cuda", dtype=torch.bfloat16) for _ in range(5)]
         lse_long = torch.empty(1, 2, FA.GLUON_BWD_MIN_T[64], device="cuda")
-        assert FA.bwd_route(*long[:4], long[4], lse_long, True) == "gluon"
+        assert FA.bwd_route(*long[:4], long[4], lse_long, True)[0] == "gluon"
     finally:
         torch.use_deterministic_algorithms(det)
     assert len(calls) == 1
     assert all(rel(a, b) < 1e-2 for a, b in zip(tri, want))
     assert all(torch.equal(a, b) for a, b in zip(tri, again))
-    monkeypatch.setattr(FA, "BWD_ONEPASS", False)
-    assert FA.bwd_route(do, q, k, v, o, lse, True) == "triton"
-    assert FA.bwd_route(*long[:4], long[4], lse_long, True) == "gluon"
-    monkeypatch.setattr(FA, "BWD_ONEPASS", True)
-    assert FA.bwd_route(do, q, k, v, o, lse, False) == "triton"
+    assert FA.bwd_route(do, q, k, v, o, lse, False)[0] == "triton"
     h = T // 2
-    assert (
-        FA.bwd_route(
-            do[..., :h, :], q[..., :h, :], k[..., :h, :], v[..., :h, :], o[..., :h, :], lse[..., :h].contiguous(), True
-        )
-        == "triton"
-    )
-    FA.flash_attention_bwd_triton(do, q, k, v, o, lse, False)
+    short = [x[..., :h, :] for x in (do, q, k, v, o)]
+    assert FA.bwd_route(*short, lse[..., :h].contiguous(), True)[0] == "triton"
+    FA.flash_attention_bwd(do, q, k, v, o, lse, False)
     assert len(calls) == 1
 
 
@@ -170,9 +150,10 @@ def test_onepass_rejects_on_cpu():
         OP.flash_attention_bwd_gluon_onepass(q, q, q, q, q, lse)
     with pytest.raises(ValueError, match="flash_attention_bwd_gluon_onepass"):
         OP.flash_attention_bwd_gluon_onepass(q, q, q[:, :, :64], q, q, lse)
-    assert FA.bwd_route(q, q, q, q, q, lse, True) == "triton"  # CPU tensors never route to a Gluon kernel
+    assert FA.bwd_route(q, q, q, q, q, lse, True)[0] == "triton"  # CPU tensors never route to a Gluon kernel
 
 
+@pytest.mark.slow
 def test_onepass_compiles_for_sm90():
     """No GPU needed: the default config compiles for sm_90 with the installed Triton (causal on the
     contiguous layout, non-causal on the transposed one; in a child process without the Triton interpreter,
@@ -192,10 +173,10 @@ def test_onepass_compiles_for_sm90():
         "red.global",
     ]
     got = run_without_interpreter(f"""
-from xtrain.kernels import flash_attention_gluon_onepass as OP
+from xtrain.kernels.attention import gluon_onepass as OP
 out = []
 for causal, transposed in ((True, False), (False, True)):
-    ptx = OP.compile_sm90(causal, OP.DEFAULT, transposed=transposed).asm["ptx"]
+    ptx = OP.compile_sm90(causal, OP.OnepassConfig(), transposed=transposed).asm["ptx"]
     out.append([causal, {{i: i in ptx for i in {instrs!r}}}])
 """)
     assert len(got) == 2
@@ -206,12 +187,10 @@ for causal, transposed in ((True, False), (False, True)):
 
 
 def test_onepass_module_contract():
-    assert OP.reference is FA.flash_attention_bwd_ref
-    assert OP.DEFAULT in OP.CONFIGS and OP.HEAD_DIMS == (64,)
-    with pytest.raises(ValueError, match="compile_sm90"):
-        OP._config("compile_sm90", "nope")
-    with pytest.raises(ValueError, match="x"):
-        OP._config("x", (3, 2, 2, True, 240, 88))  # 2·240 + 88 > 488
+    assert OP.HEAD_DIMS == (64,)
+    cfg = OP.OnepassConfig()
+    assert cfg.kv_regs % 8 == 0 and cfg.dq_regs % 8 == 0 and 2 * cfg.kv_regs + cfg.dq_regs <= 488
+    assert FA.shipped_configs()["onepass"] == [(64, cfg)]  # the one config that ships
 
 
 def test_runs_agree_is_tight():
@@ -253,18 +232,15 @@ def test_dq_convert_matches_reference_cpu(bthd):
 
 
 def test_onepass_protocol_replay():
-    """The kernel's loops in fp64 and its four partitions' barrier protocol (bench/gluon_flash_bwd_onepass.py
-    --replay, fewer interleavings): the default ring sizes and the tightest ones pass, and each of the 8 waits
-    left out in turn is caught (the replay can fail)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench import gluon_flash_bwd_onepass as R
+    """The kernel's loops in fp64 and its four partitions' barrier protocol (tests/_onepass_replay.py):
+    the shipped ring sizes and the tightest ones pass, and each of the 8 waits left out in turn is caught (the
+    replay can fail)."""
+    import _onepass_replay as R
 
     for causal in (True, False):
         assert max(R.replay_math(64, T=256, causal=causal)) < 1e-10
-    stages, slots, nds = OP.CONFIGS[OP.DEFAULT][:3]
+    cfg0 = OP.OnepassConfig()
+    stages, slots, nds = cfg0.stages, cfg0.slots, cfg0.nds
     for cfg in ((stages, nds, slots), (2, 2, 1)):
         for n_iter in (1, 3, 7):
             for seed in range(12):

@@ -1,12 +1,13 @@
-"""Launch plans of the Gluon attention paths (flash_attention._FWD_PLANS / _BWD_PLANS, _dispatch.CachedLaunch).
+"""Launch plans of the Gluon attention paths (attention._FWD_PLANS / _BWD_PLANS, _dispatch.CachedLaunch).
 
 The first call of an input signature takes the full path and leaves a plan; a later call with the same
 signature launches the compiled kernels directly. GPU (``-m gpu``, sm_90): a planned call gives the same bits
 as the full path on new data (dq of the one-pass backward within ``runs_agree``: fp32 reduce-adds), writes
-every output (NaN-poisoned allocations), and never enters the full path; the key changes with the settings
-that steer the dispatch and is None for a misaligned tensor; a cached launch refuses a wrong set of per-call
-arguments. CPU (in CI): each plan, fed recording stand-ins for its cached launches, passes every launch exactly
-its per-call arguments, with every descriptor re-based on the right new tensor (a swapped argument fails it).
+every output (NaN-poisoned allocations), and never enters the full path; the key changes with the scale,
+causality and the deterministic mode (what ``choose`` reads beyond the tensors) and is None for a misaligned
+tensor; a cached launch refuses a wrong set of per-call arguments. CPU (in CI): each plan, fed recording
+stand-ins for its cached launches, passes every launch exactly its per-call arguments, with every descriptor
+re-based on the right new tensor (a swapped argument fails it).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import pytest
 import torch
 from _gluon_bwd_cases import LAYOUTS, in_layout, inputs  # tests/_gluon_bwd_cases.py
 
-from xtrain.kernels import flash_attention as FA
+from xtrain.kernels import attention as FA
+from xtrain.kernels.attention import gluon_bwd as GB
+from xtrain.kernels.attention import gluon_common as GC
+from xtrain.kernels.attention import gluon_fwd as G
+from xtrain.kernels.attention import gluon_onepass as OP
 from xtrain.testing import poisoned
 
-G = pytest.importorskip("xtrain.kernels.flash_attention_gluon")
-GB = pytest.importorskip("xtrain.kernels.flash_attention_gluon_bwd")
-OP = pytest.importorskip("xtrain.kernels.flash_attention_gluon_onepass")
+SHIPPED = FA.shipped_configs()  # {"fwd": [(D, config), ...], "bwd": ..., "onepass": ...}
 
 
 def _layout(ts, layout):
@@ -39,17 +42,18 @@ def _forbid(monkeypatch, module, name):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "bthd"])
 def test_gpu_forward_plan_equals_full_path(D, layout, monkeypatch):
-    T = FA.GLUON_FWD_MIN_T[D]
+    T = FA.GLUON_FWD_MIN_T
     first = _layout(inputs(2, 4, 2, T, D, torch.bfloat16, True, seed=1)[:3], layout)
-    FA.flash_attention_fwd_triton(*first, True)  # full path: leaves the plan
+    FA.flash_attention_fwd(*first, True)  # full path: leaves the plan
     assert len(FA._FWD_PLANS) == 1
     q, k, v = _layout(inputs(2, 4, 2, T, D, torch.bfloat16, True, seed=2)[:3], layout)
     o_full = torch.full_like(q, float("nan"))  # a caller's buffer: the full path, no plan
     lse_full = torch.full(q.shape[:3], float("nan"), device=q.device)
-    FA.flash_attention_fwd_triton(q, k, v, True, o=o_full, lse=lse_full)
+    cfg = FA.choose((9, 0), q.dtype, T, D, True, False).fwd[0]
+    G.flash_attention_fwd_gluon(q, k, v, True, config=cfg, o=o_full, lse=lse_full)
     _forbid(monkeypatch, G, "flash_attention_fwd_gluon")
     with poisoned():
-        o, lse = FA.flash_attention_fwd_triton(q, k, v, True)
+        o, lse = FA.flash_attention_fwd(q, k, v, True)
     assert o.stride() == o_full.stride()
     assert torch.equal(o, o_full) and torch.equal(lse, lse_full)
 
@@ -58,24 +62,29 @@ def test_gpu_forward_plan_equals_full_path(D, layout, monkeypatch):
 @pytest.mark.parametrize("D,route", [(64, "onepass"), (128, "gluon")])
 @pytest.mark.parametrize("layout", ["contiguous", "model"])
 def test_gpu_backward_plan_equals_full_path(D, route, layout, monkeypatch):
-    T = max(FA.GLUON_ONEPASS_MIN_T.get(D, 0), FA.GLUON_BWD_MIN_T.get(D, 0))
+    T = FA.ONEPASS_MIN_T if D == 64 else FA.GLUON_BWD_MIN_T[D]
     ins = inputs(1, 4, 2, T, D, torch.bfloat16, True, seed=3)
     q, k, v, do, o = _layout(ins[:5], layout)
-    assert FA.bwd_route(do, q, k, v, o, ins[5], True) == route
-    FA.flash_attention_bwd_triton(do, q, k, v, o, ins[5], True)  # full path: leaves the plan
+    name, cfg = FA.bwd_route(do, q, k, v, o, ins[5], True)
+    assert name == route
+    FA.flash_attention_bwd(do, q, k, v, o, ins[5], True)  # full path: leaves the plan
     assert len(FA._BWD_PLANS) == 1
     q, k, v, do, o, lse = inputs(1, 4, 2, T, D, torch.bfloat16, True, seed=4)
     q, k, v, do, o = _layout((q, k, v, do, o), layout)
     bufs = {n: torch.full_like(x, float("nan")) for n, x in (("dq", q), ("dk", k), ("dv", v))}
-    full = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True, **bufs)  # buffers given: no plan
-    for module, name in (
+    fn = OP.flash_attention_bwd_gluon_onepass if route == "onepass" else GB.flash_attention_bwd_gluon
+    full = fn(do, q, k, v, o, lse, True, config=cfg, **bufs)  # buffers given: no plan
+    for module, fname in (
         (OP, "flash_attention_bwd_gluon_onepass"),
         (GB, "flash_attention_bwd_gluon"),
+        (GC, "_prologue"),
         (GB, "_prologue"),
+        (OP, "_prologue"),
     ):
-        _forbid(monkeypatch, module, name)
+        if hasattr(module, fname):
+            _forbid(monkeypatch, module, fname)
     with poisoned():
-        got = FA.flash_attention_bwd_triton(do, q, k, v, o, lse, True)
+        got = FA.flash_attention_bwd(do, q, k, v, o, lse, True)
     assert all(torch.isfinite(a).all() for a in got)
     assert torch.equal(got[1], full[1]) and torch.equal(got[2], full[2])
     if route == "onepass":
@@ -85,26 +94,22 @@ def test_gpu_backward_plan_equals_full_path(D, route, layout, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_plan_key_follows_settings(monkeypatch):
+def test_gpu_plan_key_follows_the_choice_inputs():
     q, k, v, do, o, lse = inputs(1, 4, 2, 1024, 64, torch.bfloat16, True, seed=6)
-    fwd = FA._plan_key("fwd", (q, k, v), None)
-    bwd = FA._plan_key("bwd", (do, q, k, v, o, lse), None)
-    assert fwd == FA._plan_key("fwd", (q.clone(), k.clone(), v.clone()), None)  # data does not matter
-    assert fwd != FA._plan_key("fwd", (q, k, v), 0.1)
-    monkeypatch.setattr(G, "VARIANT_BY_T", {**G.VARIANT_BY_T, 64: ((1 << 30, "pers"),)})
-    assert fwd != FA._plan_key("fwd", (q, k, v), None)
-    monkeypatch.setattr(FA, "BWD_ONEPASS", False)
-    assert bwd != FA._plan_key("bwd", (do, q, k, v, o, lse), None)
-    monkeypatch.setattr(FA, "BWD_ONEPASS", True)
+    fwd = FA._plan_key("fwd", (q, k, v), None, True)
+    bwd = FA._plan_key("bwd", (do, q, k, v, o, lse), None, True)
+    assert fwd == FA._plan_key("fwd", (q.clone(), k.clone(), v.clone()), None, True)  # data does not matter
+    assert fwd != FA._plan_key("fwd", (q, k, v), 0.1, True)
+    assert fwd != FA._plan_key("fwd", (q, k, v), None, False)
     det = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(True)
-        assert bwd != FA._plan_key("bwd", (do, q, k, v, o, lse), None)
+        assert bwd != FA._plan_key("bwd", (do, q, k, v, o, lse), None, True)
     finally:
         torch.use_deterministic_algorithms(det)
     flat = torch.empty(q.numel() + 8, dtype=q.dtype, device=q.device)
     q_off = flat[1 : 1 + q.numel()].view(q.shape)  # 2 bytes past an aligned base
-    assert FA._plan_key("fwd", (q_off, k, v), None) is None
+    assert FA._plan_key("fwd", (q_off, k, v), None, True) is None
 
 
 @pytest.mark.gpu
@@ -147,19 +152,20 @@ def _base_is(desc, t) -> bool:
 
 # the preprocess's tensors (GB._prologue)
 _PRE = dict.fromkeys(("O", "DO", "DELTA", "LSE", "LSE2", "LSEC", "DELTAC"), torch.empty(0))
-needs_gluon = pytest.mark.skipif(not G.HAVE_GLUON, reason="this Triton has no Gluon")
+needs_gluon = pytest.mark.skipif(not GC.HAVE_GLUON, reason="this Triton has no Gluon")
 
 
 @needs_gluon
 @pytest.mark.parametrize("transposed", [False, True])
-def test_forward_plan_rebases_every_descriptor_cpu(transposed):
-    q, k = GB.stand_ins(64, 256, 4, 2, transposed)
+@pytest.mark.parametrize("D,config", SHIPPED["fwd"])
+def test_forward_plan_rebases_every_descriptor_cpu(transposed, D, config):
+    q, k = GC.stand_ins(D, 256, 4, 2, transposed)
     lse = torch.empty(1, 4, 256)
-    _, _, args, _ = G._launch(q, k, k, q, lse, True, 0.125, "q2", None, 132)
+    _, _, args, _ = G._launch(q, k, k, q, lse, True, 0.125, config, 132)
     rec = _Recorder(args)
     plan = G._FwdPlan(rec, args, q)
     assert all(t.base is None for t in plan.descs.values())  # the templates hold no tensor
-    q2, k2 = GB.stand_ins(64, 256, 4, 2, transposed)
+    q2, k2 = GC.stand_ins(D, 256, 4, 2, transposed)
     v2 = k2.clone() if not transposed else k2.transpose(1, 2).contiguous().transpose(1, 2)
     o, lse2 = plan(q2, k2, v2)
     (kw,) = rec.calls
@@ -171,20 +177,19 @@ def test_forward_plan_rebases_every_descriptor_cpu(transposed):
 
 @needs_gluon
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("config", [None, "split_s26", "split_lse"])
-def test_backward_plans_rebase_every_descriptor_cpu(transposed, config):
-    q, k = GB.stand_ins(128, 256, 4, 2, transposed)
-    dq = torch.empty(1, 4, 256, 128, dtype=torch.bfloat16)
+@pytest.mark.parametrize("D,config", SHIPPED["bwd"])
+def test_backward_plans_rebase_every_descriptor_cpu(transposed, D, config):
+    q, k = GC.stand_ins(D, 256, 4, 2, transposed)
+    dq = torch.empty(1, 4, 256, D, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, 256)
-    cfg = GB._config("t", config, 128)
-    cols, dcols = bool(cfg[4] & GB.OPT_LSEMMA), bool(cfg[4] & GB.OPT_DMMA)
+    cols = dcols = config.lse_mma
     (_, _, a1, _), (_, _, a2, _) = GB._launches(
-        q, k, k, dq, k, k, q, lse, lse, 0.125, True, cfg, GB.new_columns(q, cfg[4])
+        q, k, k, dq, k, k, q, lse, lse, 0.125, True, config, GC.new_columns(q, cols)
     )
     pre, r1, r2 = _Recorder(_PRE), _Recorder(a1), _Recorder(a2)
-    split = GB._SplitPlan(pre, r1, r2, a1, a2, two_streams=False, opts=cfg[4])
-    do, q2 = GB.stand_ins(128, 256, 4, 2, transposed)[0], GB.stand_ins(128, 256, 4, 2, transposed)[0]
-    k2, v2 = (GB.stand_ins(128, 256, 4, 2, transposed)[1] for _ in range(2))
+    split = GB._SplitPlan(pre, r1, r2, a1, a2, two_streams=False, columns=cols)
+    do, q2 = GC.stand_ins(D, 256, 4, 2, transposed)[0], GC.stand_ins(D, 256, 4, 2, transposed)[0]
+    k2, v2 = (GC.stand_ins(D, 256, 4, 2, transposed)[1] for _ in range(2))
     o2, lse2 = torch.empty_like(q2), torch.empty(1, 4, 256)
     gdq, gdk, gdv = split(do, q2, k2, v2, o2, lse2)
     assert (gdq.shape, gdk.shape, gdv.shape) == (q2.shape, k2.shape, v2.shape)
@@ -193,7 +198,7 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed, config):
     assert c1["delta_ptr"] is p["DELTA"] is c2["delta_ptr"] and p["LSE"] is lse2
     assert c1["lse_ptr"] is p["LSE2"] is c2["lse_ptr"] and p["LSE2"] is not lse2  # lse·log2(e), a new buffer
     if cols:  # the dK/dV kernel's lse and delta come from the column buffers the preprocess fills in this call
-        assert p["LSEC"].shape == p["DELTAC"].shape == (1, 4, 256, GB.LSE_COLS) and p["LSEC"].dtype == q2.dtype
+        assert p["LSEC"].shape == p["DELTAC"].shape == (1, 4, 256, GC.LSE_COLS) and p["LSEC"].dtype == q2.dtype
         assert p["LSEC"] is not p["DELTAC"]
     else:  # stand-ins the preprocess does not touch
         assert p["LSEC"] is p["DELTAC"] is p["DELTA"]
@@ -211,14 +216,14 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed, config):
     for name, t in (("q_desc", q2), ("do_desc", do), ("k_desc", k2), ("v_desc", v2), ("dq_desc", gdq)):
         assert _base_is(c2[name], t), name
 
-    q, k = GB.stand_ins(64, 256, 4, 2, transposed)
+    q, k = GC.stand_ins(64, 256, 4, 2, transposed)
     acc = torch.empty(1, 4, 256, 64)
-    _, _, args, _ = OP._launch(q, k, k, q, k, k, acc, lse, lse, 0.125, True, OP._config("t", None))
+    _, _, args, _ = OP._launch(q, k, k, q, k, k, acc, lse, lse, 0.125, True, OP.OnepassConfig())
     pre, main = _Recorder(_PRE), _Recorder(args)
     conv = _Recorder({"ACC": acc, "DQ": acc})
     onepass = OP._OnepassPlan(pre, main, conv, args)
-    do, q2 = GB.stand_ins(64, 256, 4, 2, transposed)[0], GB.stand_ins(64, 256, 4, 2, transposed)[0]
-    k2, v2 = (GB.stand_ins(64, 256, 4, 2, transposed)[1] for _ in range(2))
+    do, q2 = GC.stand_ins(64, 256, 4, 2, transposed)[0], GC.stand_ins(64, 256, 4, 2, transposed)[0]
+    k2, v2 = (GC.stand_ins(64, 256, 4, 2, transposed)[1] for _ in range(2))
     gdq, gdk, gdv = onepass(do, q2, k2, v2, torch.empty_like(q2), lse2)
     (p,), (m,), (c,) = pre.calls, main.calls, conv.calls
     assert m["delta_ptr"] is p["DELTA"] and m["lse_ptr"] is lse2

@@ -17,9 +17,9 @@ used, and their outputs are never written. Each case reports the kernels it comp
 Where a wrapper's choice of specialisation depends on the tensors being on CUDA, the CPU run answers as the
 target would where it can: ``pdl_ok`` (whether a kernel is launched as a programmatic dependent, a compile-time
 flag) says yes for sm_90 and later, and AdamW is built with both divisions (``recip_div``, the one of each device's
-reference). What it cannot reach: the flash-attention wrappers send hd64 / hd128 16-bit inputs on sm_90 to the Gluon
-kernels, which have their own offline compile (``flash_attention_gluon_bwd.compile_sm90``,
-``tests/test_flash_gluon_bwd.py``). Streams are not compiled code: the forms that run two chains side by side on
+reference). For sm_90 the run also compiles every Gluon attention config the routing ships
+(``xtrain.kernels.attention.shipped_configs``) through the Gluon modules' own ``compile_sm90``. Streams are not
+compiled code: the forms that run two chains side by side on
 CUDA launch the same kernels one after the other here. Run this in a process that has not set TRITON_INTERPRET
 (``tests/_child.py`` does so for the test).
 """
@@ -98,10 +98,10 @@ def cases() -> dict[str, Callable[[], None]]:
     """name -> a call of one op's Triton entry point on small CPU tensors (each a distinct specialisation set)."""
     from xtrain.kernels import (
         adamw,
+        attention,
         cross_entropy,
         dropout,
         embedding,
-        flash_attention,
         linear_cross_entropy,
         rms_norm,
         rope,
@@ -159,8 +159,9 @@ def cases() -> dict[str, Callable[[], None]]:
             for T in (128, 1024):
                 q, k = r(1, 4, T, D, dtype=dt), r(1, 2, T, D, dtype=dt)
                 for causal in (True, False):
-                    o, lse = flash_attention.flash_attention_fwd_triton(q, k, k, causal=causal)[:2]
-                    flash_attention.flash_attention_bwd_triton(q, q, k, k, o, lse, causal)
+                    c = attention.choose(None, dt, T, D, causal, False)  # the Triton configs (the last of each)
+                    o, lse = attention.flash_attention_fwd_triton(q, k, k, causal, config=c.fwd[-1])
+                    attention.flash_attention_bwd_triton(q, q, k, k, o, lse, causal, config=c.bwd[-1])
 
         for name, fn in (
             ("rms_norm", norm),
@@ -197,11 +198,35 @@ def cases() -> dict[str, Callable[[], None]]:
     return out
 
 
+def gluon_cases() -> dict[str, Callable[[], list]]:
+    """name -> an offline sm_90 compile of one shipped Gluon attention config (causal; GQA), returning the kernel
+    names it compiled. Empty when this Triton has no Gluon."""
+    from xtrain.kernels import attention
+    from xtrain.kernels.attention import gluon_bwd, gluon_common, gluon_fwd, gluon_onepass
+
+    if not gluon_common.HAVE_GLUON:
+        return {}
+    out: dict[str, Callable[[], list]] = {}
+    shipped = attention.shipped_configs()
+    for D, cfg in shipped["fwd"]:
+        out[f"gluon attention fwd hd{D} {cfg}"] = lambda D=D, cfg=cfg: [gluon_fwd.compile_sm90(D, True, cfg).name]
+    for D, cfg in shipped["bwd"]:
+        out[f"gluon attention bwd hd{D} {cfg}"] = lambda D=D, cfg=cfg: [
+            ck.name for ck in gluon_bwd.compile_sm90(D, True, cfg).values()
+        ]
+    for D, cfg in shipped["onepass"]:
+        out[f"gluon attention onepass hd{D} {cfg}"] = lambda cfg=cfg: [gluon_onepass.compile_sm90(True, cfg).name]
+    return out
+
+
 def run(arch: int = 90, only: str | None = None, progress: bool = False) -> list[dict]:
     """Compile every case (or those whose name contains ``only``); one dict per case: name, ok, kernels (the
-    names compiled, in launch order), error (the last line of the exception, or None), seconds."""
+    names compiled, in launch order), error (the last line of the exception, or None), seconds. For sm_90 the
+    cases include the shipped Gluon attention configs (``gluon_cases``)."""
     rows = []
     all_cases = cases()
+    if arch == 90:
+        all_cases.update(gluon_cases())
     picked = [n for n in all_cases if only is None or only in n]
     if not picked:
         raise ValueError(f"compile_check: no case matches {only!r}; cases: {sorted(all_cases)}")
@@ -209,7 +234,7 @@ def run(arch: int = 90, only: str | None = None, progress: bool = False) -> list
         t0 = time.perf_counter()
         with compile_only(arch) as names:
             try:
-                all_cases[name]()
+                names.extend(all_cases[name]() or ())  # a Gluon case returns the names it compiled itself
                 err = None
             except Exception as e:  # noqa: BLE001 - reported per case, the run goes on
                 tb = traceback.format_exception_only(type(e), e)

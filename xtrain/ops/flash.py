@@ -11,7 +11,7 @@ dk and dv come back summed over each group of query heads (grouped-query attenti
 from __future__ import annotations
 
 from xtrain.autograd import Var
-from xtrain.kernels import flash_attention as K
+from xtrain.kernels import attention as K
 
 
 def flash_attention(q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None) -> Var:

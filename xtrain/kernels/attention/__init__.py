@@ -1,0 +1,244 @@
+"""Attention kernels: the references, the portable Triton flash kernels, the Hopper Gluon kernels, and the one
+place that chooses between them.
+
+    flash_attention_fwd(q [B,H,T,D], k [B,Hkv,T,D], v, causal=True, scale=None) -> (o, lse [B,H,T])
+    flash_attention_bwd(do, q, k, v, o, lse, causal=True, scale=None) -> (dq, dk, dv)
+    attention_fwd / attention_bwd: the composed ("math") attention of ``ops.math_attention`` (reference.py)
+
+Modules, imported one way: reference (the oracles) <- triton <- gluon_common <- gluon_fwd, gluon_bwd,
+gluon_onepass <- this file. Off CUDA (or with the reference backend, or fp64) the entry points run the tiled
+references. On CUDA, ``choose(capability, dtype, T, D, causal, deterministic)`` returns the kernels to try in
+order, each with its frozen config; the first whose input predicate holds (layout, alignment, GPU) runs, and
+the Triton kernel, last in every list, takes anything:
+  forward   causal 16-bit on sm_90, D in (64, 128), T >= 1024: the Gluon forward (hd128: ping-pong, one Q
+            buffer up to T = 1024 and two above; hd64: two Q buffers up to 2048, three warpgroups above)
+  backward  causal 16-bit on sm_90: hd64 from T = 1024 the one-pass Gluon kernel (not bit-identical run to
+            run, so never under torch.use_deterministic_algorithms(True)); hd128 from T = 1024, and hd64 from
+            4096 in deterministic mode, the two-kernel Gluon backward (lse through the tensor cores for bf16)
+  otherwise the Triton kernels, tiles by (D, fp32 or 16-bit) and, for the hd128 16-bit forward, T <= 4096.
+Calls that take a Gluon path with default buffers keep a launch plan per input signature (shapes, strides,
+dtypes, device, scale, deterministic mode): later calls allocate the outputs and launch the compiled kernels
+directly, which halves the host time per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from xtrain.kernels._dispatch import PlanCache, capability, use_triton
+from xtrain.kernels.attention import gluon_bwd, gluon_fwd, gluon_onepass
+from xtrain.kernels.attention.gluon_bwd import GluonBwdConfig
+from xtrain.kernels.attention.gluon_common import HAVE_GLUON, supported_bwd
+from xtrain.kernels.attention.gluon_fwd import GluonFwdConfig
+from xtrain.kernels.attention.gluon_onepass import OnepassConfig
+from xtrain.kernels.attention.reference import (
+    _check_bwd,
+    _check_qkv,
+    _scale,
+    attention_bwd,
+    attention_fwd,
+    flash_attention_bwd_ref,
+    flash_attention_fwd_ref,
+)
+from xtrain.kernels.attention.triton import (
+    Tiles,
+    TritonBwdConfig,
+    TritonFwdConfig,
+    _check_triton,
+    _rows,
+    flash_attention_bwd_triton,
+    flash_attention_fwd_triton,
+)
+
+__all__ = [
+    "Choice",
+    "GluonBwdConfig",
+    "GluonFwdConfig",
+    "OnepassConfig",
+    "Tiles",
+    "TritonBwdConfig",
+    "TritonFwdConfig",
+    "attention_bwd",
+    "attention_fwd",
+    "bwd_route",
+    "choose",
+    "flash_attention_bwd",
+    "flash_attention_bwd_ref",
+    "flash_attention_fwd",
+    "flash_attention_fwd_ref",
+    "shipped_configs",
+]
+
+# Triton tiles by (D, "fp32" | "16bit"), from a sweep on an H200 (xtrain bench attention --sweep).
+# fwd: one Tiles; bwd: (dK/dV kernel, dQ kernel).
+_TRITON_FWD = {
+    (32, "16bit"): Tiles(128, 64, 4, 3),
+    (64, "16bit"): Tiles(128, 64, 4, 3),
+    (128, "16bit"): Tiles(128, 128, 8, 3),
+    (32, "fp32"): Tiles(64, 32, 4, 2),
+    (64, "fp32"): Tiles(64, 32, 4, 2),
+    (128, "fp32"): Tiles(32, 32, 4, 2),
+}
+# hd128 16-bit at T <= 4096: half-height query tiles (twice the programs) and TMA loads
+_TRITON_FWD_SHORT = {(128, "16bit"): (4096, Tiles(64, 64, 4, 3, True))}
+_TRITON_BWD = {
+    (32, "16bit"): (Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 3, True)),
+    (64, "16bit"): (Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 3, True)),
+    (128, "16bit"): (Tiles(64, 64, 4, 2, True), Tiles(64, 64, 4, 2, True)),
+    (32, "fp32"): (Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+    (64, "fp32"): (Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
+    (128, "fp32"): (Tiles(16, 32, 4, 2), Tiles(32, 16, 4, 2)),
+}
+GLUON_FWD_MIN_T = 1024  # the Gluon forward from this T (both head dims); below it was not measured faster
+ONEPASS_MIN_T = 1024  # hd64 backward, not deterministic
+GLUON_BWD_MIN_T = {64: 4096, 128: 1024}  # the split backward (hd64: deterministic mode only)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The kernels to try, in order, each with its config: the first whose input predicate holds runs."""
+
+    fwd: tuple
+    bwd: tuple
+
+
+def choose(cap: tuple | None, dtype: torch.dtype, T: int, D: int, causal: bool, deterministic: bool) -> Choice:
+    """The one function that picks the attention kernels and their configs, from the device's compute capability
+    (None off CUDA), the dtype, the shape (T, D), causality and ``torch.use_deterministic_algorithms`` mode."""
+    key = (D, "fp32" if dtype == torch.float32 else "16bit")
+    if key not in _TRITON_FWD or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return Choice((), ())  # the tiled reference only
+    short = _TRITON_FWD_SHORT.get(key)
+    fwd: list = [TritonFwdConfig(short[1] if short is not None and T <= short[0] else _TRITON_FWD[key])]
+    bwd: list = [TritonBwdConfig(*_TRITON_BWD[key])]
+    if not (HAVE_GLUON and cap == (9, 0) and causal and dtype in (torch.bfloat16, torch.float16)):
+        return Choice(tuple(fwd), tuple(bwd))
+    if T >= GLUON_FWD_MIN_T and D == 128:
+        short_t = T <= 1024
+        fwd.insert(0, GluonFwdConfig(1 if short_t else 2, True, 2, 2, short_t))
+    elif T >= GLUON_FWD_MIN_T and D == 64:
+        short_t = T <= 2048
+        fwd.insert(0, GluonFwdConfig(2, False, 2 if short_t else 3, 3, short_t))
+    if T >= GLUON_BWD_MIN_T.get(D, T + 1):
+        bwd.insert(0, GluonBwdConfig(lse_mma=D == 128 and dtype == torch.bfloat16, doreg=D == 128))
+    if D == 64 and T >= ONEPASS_MIN_T and not deterministic:
+        bwd.insert(0, OnepassConfig())
+    return Choice(tuple(fwd), tuple(bwd))
+
+
+def shipped_configs() -> dict:
+    """Every distinct Gluon config ``choose`` can return on sm_90, by kernel family (the offline compile check
+    and the tests run these): {"fwd": {(D, config), ...}, "bwd": ..., "onepass": ...}."""
+    out: dict = {"fwd": set(), "bwd": set(), "onepass": set()}
+    for D in (64, 128):
+        for dtype in (torch.bfloat16, torch.float16):
+            for T in (1024, 2048, 4096, 16384):
+                for det in (False, True):
+                    c = choose((9, 0), dtype, T, D, True, det)
+                    for cfg in c.fwd + c.bwd:
+                        name = {GluonFwdConfig: "fwd", GluonBwdConfig: "bwd", OnepassConfig: "onepass"}.get(type(cfg))
+                        if name:
+                            out[name].add((D, cfg))
+    return {k: sorted(v, key=repr) for k, v in out.items()}
+
+
+def _choice(q: torch.Tensor, causal: bool) -> Choice:
+    cap = capability(q.device) if q.is_cuda else None
+    return choose(cap, q.dtype, q.shape[2], q.shape[3], bool(causal), torch.are_deterministic_algorithms_enabled())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launch plans of the Gluon paths, by input signature
+# ---------------------------------------------------------------------------------------------------------
+_FWD_PLANS = PlanCache()
+_BWD_PLANS = PlanCache()
+
+
+def _plan_key(kind: str, ts, scale, causal: bool) -> tuple | None:
+    """Everything a cached plan's validity depends on: each tensor's shape, strides, dtype and device, the scale,
+    causality and the deterministic mode (the inputs of ``choose``); None (no plan) unless the call could take
+    a Gluon path and every base address is 16-byte aligned (TMA needs it)."""
+    if not (HAVE_GLUON and all(t.is_cuda for t in ts) and capability(ts[0].device) == (9, 0)):
+        return None
+    if not all(t.data_ptr() % 16 == 0 for t in ts):
+        return None
+    det = torch.are_deterministic_algorithms_enabled()
+    return (kind, scale, bool(causal), det) + tuple((t.shape, t.stride(), t.dtype, t.device) for t in ts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# public entry points
+# ---------------------------------------------------------------------------------------------------------
+def flash_attention_fwd(q, k, v, causal: bool = True, scale: float | None = None):
+    """Flash attention forward: the kernel ``choose`` gives on CUDA (fp32/bf16/fp16, D in 32/64/128), else the
+    tiled reference. Returns (o in q.dtype, lse [B, H, T] fp32, natural log)."""
+    op = "flash_attention_fwd"
+    key = _plan_key("fwd", (q, k, v), scale, causal) if isinstance(q, torch.Tensor) and q.is_cuda else None
+    plan = _FWD_PLANS.get(key) if key is not None else None
+    if plan is not None:  # this signature took the Gluon forward before
+        return plan(q, k, v)
+    _check_qkv(op, q, k, v)
+    if not use_triton(q, k, v) or q.dtype == torch.float64:
+        return flash_attention_fwd_ref(q, k, v, causal, scale)
+    _check_triton(op, q, k, v)
+    s = _scale(op, scale, q.shape[-1])
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    for cfg in _choice(q, causal).fwd:
+        if isinstance(cfg, GluonFwdConfig):
+            if gluon_fwd.supported(q, k, v):
+                if key is None:
+                    return gluon_fwd.flash_attention_fwd_gluon(q, k, v, causal, s, config=cfg, checked=True)
+                o, lse, plan = gluon_fwd.flash_attention_fwd_gluon(
+                    q, k, v, causal, s, config=cfg, checked=True, plan=True
+                )
+                _FWD_PLANS.put(key, plan)
+                return o, lse
+        else:
+            return flash_attention_fwd_triton(q, k, v, causal, s, config=cfg)
+    raise AssertionError("unreachable: the Triton config is last in every choice")
+
+
+def bwd_route(do, q, k, v, o, lse, causal: bool = True) -> tuple:
+    """(name, config) of the backward ``flash_attention_bwd`` runs for these CUDA inputs: "onepass", "gluon" or
+    "triton" (the first of ``choose``'s list whose predicate holds)."""
+    for cfg in _choice(q, causal).bwd:
+        if isinstance(cfg, OnepassConfig):
+            if gluon_onepass.supported_bwd(do, q, k, v, o, lse):
+                return "onepass", cfg
+        elif isinstance(cfg, GluonBwdConfig):
+            if supported_bwd(do, q, k, v, o, lse):
+                return "gluon", cfg
+        else:
+            return "triton", cfg
+    raise AssertionError("unreachable: the Triton config is last in every choice")
+
+
+def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None):
+    """Flash attention backward: the kernel ``choose`` gives on CUDA (fp32/bf16/fp16, D in 32/64/128), else the
+    tiled reference. Returns (dq, dk, dv), dk and dv summed over each group of query heads."""
+    op = "flash_attention_bwd"
+    ts = (do, q, k, v, o, lse)
+    cuda = all(isinstance(t, torch.Tensor) and t.is_cuda for t in ts)
+    key = _plan_key("bwd", ts, scale, causal) if cuda else None
+    plan = _BWD_PLANS.get(key) if key is not None else None
+    if plan is not None:  # this signature took a Gluon backward before
+        return plan(*ts)
+    _check_bwd(op, do, q, k, v, o, lse)
+    if not use_triton(*ts) or q.dtype == torch.float64:
+        return flash_attention_bwd_ref(do, q, k, v, o, lse, causal, scale)
+    _check_triton(op, q, k, v)
+    s = _scale(op, scale, q.shape[-1])
+    do = do.to(q.dtype)
+    name, cfg = bwd_route(do, q, k, v, o, lse, causal)
+    if name == "triton":
+        return flash_attention_bwd_triton(do, q, k, v, o, lse, causal, s, config=cfg)
+    fn = gluon_onepass.flash_attention_bwd_gluon_onepass if name == "onepass" else gluon_bwd.flash_attention_bwd_gluon
+    # a plan repeats the launches only: inputs that the full path converts first (do to q's dtype, lse to
+    # contiguous fp32) take the full path every time
+    if key is None or ts[0].dtype != q.dtype or lse.dtype != torch.float32 or not lse.is_contiguous():
+        return fn(do, q, k, v, o, lse, causal, s, config=cfg, checked=True)
+    dq, dk, dv, plan = fn(do, q, k, v, o, lse, causal, s, config=cfg, checked=True, plan=True)
+    _BWD_PLANS.put(key, plan)
+    return dq, dk, dv

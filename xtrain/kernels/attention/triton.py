@@ -1,0 +1,656 @@
+"""Flash attention in portable Triton: the forward and the two-kernel backward on any CUDA GPU.
+
+Contract (that of ``reference.flash_attention_fwd_ref`` / ``flash_attention_bwd_ref``, the oracles):
+    flash_attention_fwd_triton(q [B,H,T,D], k, v [B,Hkv,T,D], causal, scale, *, config) -> (o, lse [B,H,T] fp32)
+    flash_attention_bwd_triton(do, q, k, v, o, lse, causal, scale, *, config) -> (dq, dk, dv)
+fp32/bf16/fp16, D in (32, 64, 128), any T; ``config`` (``TritonFwdConfig`` / ``TritonBwdConfig``) is chosen
+by ``xtrain.kernels.attention.choose`` and passed in. fp32 uses exact fp32 dots (``input_precision="ieee"``);
+16-bit inputs feed the tensor cores and accumulate in fp32 (P and dS rounded to the input dtype, as in
+FlashAttention).
+
+Algorithm: FlashAttention-2's work split (Dao 2023), in the base-2 domain (log2 e folded into the scale,
+exp2 throughout). Forward: one program per (query tile, head); causal tiles left of the diagonal run a loop
+with no mask code, only the diagonal band pays for the mask. Backward: a dK/dV kernel whose program keeps a
+K/V tile resident and walks the query tiles of every head of its GQA group (no atomics), and a dQ kernel
+whose program keeps a Q tile resident; both deterministic, run concurrently on two CUDA streams. Grids are
+1-D, head by head (programs running together share a head's K/V in L2, heaviest causal tile first), except
+the last ``tail_waves`` waves of heads, which start tile-major so the grid ends on light programs. Tensor
+descriptors (TMA) load the streamed tiles where the config asks and T is a multiple of the tiles.
+On an H200 (bf16, causal) these kernels run at 0.8-1.0x cuDNN; on Hopper the routing sends the shapes where
+the Gluon kernels are faster to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from xtrain.kernels._dispatch import HAVE_TRITON, run_side_by_side, sm_count
+from xtrain.kernels.attention.reference import LOG2E, _check_bwd, _check_qkv, _scale, _shapes
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+_HAVE_DESC = False  # set below when Triton's host-side tensor descriptors import
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One Triton kernel's launch: ``block_m`` x ``block_n`` tiles, warps, pipeline stages, TMA loads."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    tma: bool = False
+
+
+@dataclass(frozen=True)
+class TritonFwdConfig:
+    """The forward kernel's tiles (block_m a multiple of block_n: the causal split) and program order."""
+
+    tiles: Tiles
+    tail_waves: int = 2
+
+
+@dataclass(frozen=True)
+class TritonBwdConfig:
+    """The dK/dV kernel's tiles (block_n keys resident, block_m queries a step; block_n % block_m == 0), the dQ
+    kernel's (block_m queries resident, block_n keys a step; block_m % block_n == 0), the program order, and
+    whether the two run on two CUDA streams."""
+
+    dkdv: Tiles
+    dq: Tiles
+    tail_waves: int = 2
+    two_streams: bool = True
+
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    try:  # host-side tensor descriptors (Triton >= 3.4); without them the kernels use pointer loads
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _HAVE_DESC = True
+    except ImportError:  # pragma: no cover
+        _HAVE_DESC = False
+    _LOG2E_C = tl.constexpr(LOG2E)
+
+    @triton.jit
+    def _tail_order(pid, nb, n_heads, TAIL):
+        """(tile, head) of linear program id ``pid`` of a 1-D grid of nb tiles x n_heads: head by head (so the
+        programs running together share one head's streamed tiles in L2), except the last TAIL heads, whose
+        tiles go tile-major (tile 0 of each, then tile 1, ...). The hardware starts programs in id order and the
+        callers make tile 0 the heaviest causal tile, so the grid ends on light programs, not on the last head's
+        heaviest one."""
+        first = (n_heads - TAIL) * nb
+        tile = pid % nb
+        head = pid // nb
+        if pid >= first:
+            tile = (pid - first) // TAIL
+            head = n_heads - TAIL + (pid - first) % TAIL
+        return tile, head
+
+    @triton.jit
+    def _fwd_tiles(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale, lo, hi,
+        MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    ):  # fmt: skip
+        """Online-softmax update of (acc, l_i, m_i) over the K/V tiles starting at lo, lo+BLOCK_N, .. < hi.
+        m_i is kept in the log2 domain (scores times qk_scale = scale·log2 e). MASK=False is the hot loop:
+        no mask arithmetic, every key valid."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+            v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+            if USE_TMA:  # bulk tensor copy (Hopper TMA); only used when T is a multiple of the tiles
+                k = desc_k.load([kv_row0 + start_n, 0])
+            elif MASK and not EVEN_T:
+                k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32, unscaled
+            if MASK:
+                if CAUSAL:
+                    keep = offs_m[:, None] >= offs_n[None, :]  # also drops keys >= T: every query row < T
+                else:
+                    keep = (offs_n < T)[None, :]
+                s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if USE_TMA:
+                v = desc_v.load([kv_row0 + start_n, 0])
+            elif MASK and not EVEN_T:
+                v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _flash_fwd_kernel(
+        Q, K, V, O, LSE, desc_k, desc_v, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb,
+        stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, H, T, GROUP, qk_scale, TAIL, CAUSAL: tl.constexpr,
+        EVEN_T: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    ):  # fmt: skip
+        """One program: BLOCK_M query rows of one (batch, head); a 1-D grid of cdiv(T, BLOCK_M)·B·H programs
+        in ``_tail_order``. With USE_TMA, K/V tiles come through host-built tensor descriptors over the
+        [B*Hkv*T, D] rows."""
+        nb = tl.cdiv(T, BLOCK_M)
+        pid_m, off_bh = _tail_order(tl.program_id(0), nb, tl.num_programs(0) // nb, TAIL)
+        if CAUSAL:  # heaviest query tiles first: the short ones fill the tail of the grid
+            pid_m = nb - 1 - pid_m
+        off_b = off_bh // H
+        off_h = off_bh % H
+        off_kvh = off_h // GROUP
+        start_m = pid_m * BLOCK_M
+        kv_row0 = (off_b * (H // GROUP) + off_kvh) * T  # first row of this K/V head in [B*Hkv*T, D]
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        k_base = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
+        v_base = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
+        o_base = O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
+        if EVEN_T:
+            q = tl.load(q_ptrs)
+        else:
+            q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if CAUSAL:
+            # keys strictly left of this query tile: never masked
+            acc, l_i, m_i = _fwd_tiles(
+                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale, 0,
+                start_m, False, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA,
+            )  # fmt: skip
+            # the diagonal band: causal mask
+            acc, l_i, m_i = _fwd_tiles(
+                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale,
+                start_m, tl.minimum(start_m + BLOCK_M, T), True, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+                USE_TMA,
+            )  # fmt: skip
+        else:
+            t_full = (T // BLOCK_N) * BLOCK_N
+            acc, l_i, m_i = _fwd_tiles(
+                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale, 0,
+                t_full, False, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA,
+            )  # fmt: skip
+            if not EVEN_T:  # the ragged last K/V tile: keys >= T masked
+                acc, l_i, m_i = _fwd_tiles(
+                    acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T,
+                    qk_scale, t_full, T, True, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA,
+                )  # fmt: skip
+        acc = acc / l_i[:, None]
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log (x ln 2)
+        o_ptrs = o_base + offs_m[:, None] * stride_ot + offs_d[None, :]
+        lse_ptrs = LSE + off_bh.to(tl.int64) * T + offs_m
+        if EVEN_T:
+            tl.store(o_ptrs, acc.to(O.dtype.element_ty))
+            tl.store(lse_ptrs, lse)
+        else:
+            tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < T)
+            tl.store(lse_ptrs, lse, mask=offs_m < T)
+
+    @triton.jit
+    def _flash_bwd_preprocess_kernel(
+        O, DO, DELTA, LSE, LSE2, LSEC, DELTAC, INV_SCALE, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
+        stride_dot, H, T, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCALE_LSE: tl.constexpr = False,
+        COLS: tl.constexpr = 0,
+    ):  # fmt: skip
+        """DELTA[b, h, i] = sum_d dO[b, h, i, d] · O[b, h, i, d] in fp32; SCALE_LSE: also LSE2 = LSE · log2(e)
+        (the Gluon split backward's base-2 row statistic; LSE, LSE2 contiguous fp32 [B, H, T]). COLS (> 0, with
+        SCALE_LSE): also LSEC and DELTAC, contiguous [B, H, T, COLS] in O's dtype, row i holding -LSE[i] · INV_SCALE
+        (INV_SCALE = 1 / softmax scale) and -DELTA[i] each as three parts in that dtype (columns 0-2, the parts
+        summing to the fp32 value to ~24 bits; zeros after): the Gluon split's OPT_LSEMMA columns."""
+        pid_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = off_bh // H
+        off_h = off_bh % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m[:, None] < T
+        o = tl.load(
+            O
+            + off_b.to(tl.int64) * stride_ob
+            + off_h.to(tl.int64) * stride_oh
+            + offs_m[:, None] * stride_ot
+            + offs_d[None, :],
+            mask=row_ok,
+            other=0.0,
+        )
+        do = tl.load(
+            DO
+            + off_b.to(tl.int64) * stride_dob
+            + off_h.to(tl.int64) * stride_doh
+            + offs_m[:, None] * stride_dot
+            + offs_d[None, :],
+            mask=row_ok,
+            other=0.0,
+        )
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(DELTA + off_bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+        if SCALE_LSE:
+            lse = tl.load(LSE + off_bh.to(tl.int64) * T + offs_m, mask=offs_m < T)
+            tl.store(LSE2 + off_bh.to(tl.int64) * T + offs_m, lse * _LOG2E_C, mask=offs_m < T)
+            if COLS > 0:
+                cols = tl.arange(0, COLS)
+                at = (off_bh.to(tl.int64) * T + offs_m)[:, None] * COLS + cols[None, :]
+                tl.store(LSEC + at, _three_parts(-lse * INV_SCALE, cols, LSEC.dtype.element_ty), mask=row_ok)
+                tl.store(DELTAC + at, _three_parts(-delta, cols, DELTAC.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
+    def _three_parts(x, cols, dtype: tl.constexpr):
+        """[BLOCK_M, COLS] in dtype: row i = (hi, mid, lo, 0, ...) with hi + mid + lo = x[i] to ~24 bits (each part
+        the dtype rounding of what the ones before it leave)."""
+        hi = x.to(dtype)
+        r = x - hi.to(tl.float32)
+        mid = r.to(dtype)
+        lo = (r - mid.to(tl.float32)).to(dtype)
+        c = cols[None, :]
+        zero = tl.zeros_like(hi)[:, None]
+        return tl.where(c == 0, hi[:, None], tl.where(c == 1, mid[:, None], tl.where(c == 2, lo[:, None], zero)))
+
+    @triton.jit
+    def _bwd_dkdv_tiles(
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_row0, offs_n, T,
+        qk_scale, lo, hi, MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    ):  # fmt: skip
+        """Accumulate dK, dV of one resident K/V tile over the query tiles lo, lo+BLOCK_M, .. < hi, working
+        transposed ([keys, queries]) so the products with q and dO need no transposes of the results.
+        Query rows >= T load as zeros (q, dO, lse, delta) and so contribute exactly zero."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for start_m in range(lo, hi, BLOCK_M):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
+            do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+            if USE_TMA:
+                q = desc_q.load([q_row0 + start_m, 0])
+                lse = tl.load(lse_base + offs_m)
+            elif EVEN_T:
+                q = tl.load(q_ptrs)
+                lse = tl.load(lse_base + offs_m)
+            else:
+                q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+                lse = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0)
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])  # lse to log2 domain
+            if MASK:
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            if USE_TMA:
+                do = desc_do.load([q_row0 + start_m, 0])
+                delta = tl.load(delta_base + offs_m)
+            elif EVEN_T:
+                do = tl.load(do_ptrs)
+                delta = tl.load(delta_base + offs_m)
+            else:
+                do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
+                delta = tl.load(delta_base + offs_m, mask=offs_m < T, other=0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        return dk, dv
+
+    @triton.jit
+    def _flash_bwd_dkdv_kernel(
+        Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
+        stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh,
+        stride_dkt, stride_dvb, stride_dvh, stride_dvt, H, Hkv, T, GROUP, qk_scale, sm_scale, TAIL,
+        CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    ):  # fmt: skip
+        """One program: BLOCK_N keys of one (batch, K/V head), over all query heads of its group; a 1-D grid
+        of cdiv(T, BLOCK_N)·B·Hkv programs in ``_tail_order``. Causal programs at small pid_n have the most
+        work and start first."""
+        nb = tl.cdiv(T, BLOCK_N)
+        pid_n, off_bkv = _tail_order(tl.program_id(0), nb, tl.num_programs(0) // nb, TAIL)
+        off_b = off_bkv // Hkv
+        off_kvh = off_bkv % Hkv
+        start_n = pid_n * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        k_ptrs = (
+            K
+            + off_b.to(tl.int64) * stride_kb
+            + off_kvh.to(tl.int64) * stride_kh
+            + offs_n[:, None] * stride_kt
+            + offs_d[None, :]
+        )
+        v_ptrs = (
+            V
+            + off_b.to(tl.int64) * stride_vb
+            + off_kvh.to(tl.int64) * stride_vh
+            + offs_n[:, None] * stride_vt
+            + offs_d[None, :]
+        )
+        if EVEN_T:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        for g in range(GROUP):
+            off_h = off_kvh * GROUP + g
+            q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+            do_base = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+            lse_base = LSE + (off_b * H + off_h).to(tl.int64) * T
+            delta_base = DELTA + (off_b * H + off_h).to(tl.int64) * T
+            q_row0 = (off_b * H + off_h) * T  # first row of this head in [B*H*T, D] (TMA coordinates)
+            if CAUSAL:
+                # query rows in this key tile's diagonal band see only part of it: masked
+                dk, dv = _bwd_dkdv_tiles(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_row0,
+                    offs_n, T, qk_scale, start_n, tl.minimum(start_n + BLOCK_N, T), True, EVEN_T, BLOCK_M, HEAD_DIM,
+                    DOT_PRECISION, USE_TMA,
+                )  # fmt: skip
+                # query rows below the band see all of it
+                dk, dv = _bwd_dkdv_tiles(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_row0,
+                    offs_n, T, qk_scale, start_n + BLOCK_N, T, False, EVEN_T, BLOCK_M, HEAD_DIM, DOT_PRECISION, USE_TMA,
+                )  # fmt: skip
+            else:
+                dk, dv = _bwd_dkdv_tiles(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_row0,
+                    offs_n, T, qk_scale, 0, T, False, EVEN_T, BLOCK_M, HEAD_DIM, DOT_PRECISION, USE_TMA,
+                )  # fmt: skip
+        dk = dk * sm_scale
+        dk_ptrs = (
+            DK
+            + off_b.to(tl.int64) * stride_dkb
+            + off_kvh.to(tl.int64) * stride_dkh
+            + offs_n[:, None] * stride_dkt
+            + offs_d[None, :]
+        )
+        dv_ptrs = (
+            DV
+            + off_b.to(tl.int64) * stride_dvb
+            + off_kvh.to(tl.int64) * stride_dvh
+            + offs_n[:, None] * stride_dvt
+            + offs_d[None, :]
+        )
+        if EVEN_T:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+        else:
+            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=offs_n[:, None] < T)
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < T)
+
+    @triton.jit
+    def _bwd_dq_tiles(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale, lo,
+        hi, MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    ):  # fmt: skip
+        """Accumulate dQ of one resident query tile over the K/V tiles lo, lo+BLOCK_N, .. < hi.
+        Keys >= T load as zero rows of K, so their dS (whatever it is) times k adds exactly zero."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]
+            v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+            if USE_TMA:
+                k = desc_k.load([kv_row0 + start_n, 0])
+                v = desc_v.load([kv_row0 + start_n, 0])
+            elif EVEN_T:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=offs_n[:, None] < T, other=0.0)
+                v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            p = tl.exp2(s * qk_scale - lse2[:, None])
+            if MASK:
+                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        return dq
+
+    @triton.jit
+    def _flash_bwd_dq_kernel(
+        Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+        stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt, H, T,
+        GROUP, qk_scale, sm_scale, TAIL, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    ):  # fmt: skip
+        """One program: BLOCK_M query rows of one (batch, head); a 1-D grid of cdiv(T, BLOCK_M)·B·H programs in
+        ``_tail_order``, heaviest causal tiles first."""
+        nb = tl.cdiv(T, BLOCK_M)
+        pid_m, off_bh = _tail_order(tl.program_id(0), nb, tl.num_programs(0) // nb, TAIL)
+        if CAUSAL:
+            pid_m = nb - 1 - pid_m
+        off_b = off_bh // H
+        off_h = off_bh % H
+        off_kvh = off_h // GROUP
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_ptrs = (
+            Q
+            + off_b.to(tl.int64) * stride_qb
+            + off_h.to(tl.int64) * stride_qh
+            + offs_m[:, None] * stride_qt
+            + offs_d[None, :]
+        )
+        do_ptrs = (
+            DO
+            + off_b.to(tl.int64) * stride_dob
+            + off_h.to(tl.int64) * stride_doh
+            + offs_m[:, None] * stride_dot
+            + offs_d[None, :]
+        )
+        row = off_bh.to(tl.int64) * T + offs_m
+        if EVEN_T:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(LSE + row)
+            delta = tl.load(DELTA + row)
+        else:
+            q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
+            do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
+            lse = tl.load(LSE + row, mask=offs_m < T, other=0.0)
+            delta = tl.load(DELTA + row, mask=offs_m < T, other=0.0)
+        lse2 = lse * 1.4426950408889634  # natural log -> log2 domain (x 1/ln 2)
+        k_base = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
+        v_base = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
+        kv_row0 = (off_b * (H // GROUP) + off_kvh) * T
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if CAUSAL:
+            dq = _bwd_dq_tiles(
+                dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T,
+                qk_scale, 0, start_m, False, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA,
+            )  # fmt: skip
+            dq = _bwd_dq_tiles(
+                dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T,
+                qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T), True, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+                USE_TMA,
+            )  # fmt: skip
+        else:
+            dq = _bwd_dq_tiles(
+                dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T,
+                qk_scale, 0, T, False, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA,
+            )  # fmt: skip
+        dq = dq * sm_scale
+        dq_ptrs = (
+            DQ
+            + off_b.to(tl.int64) * stride_dqb
+            + off_h.to(tl.int64) * stride_dqh
+            + offs_m[:, None] * stride_dqt
+            + offs_d[None, :]
+        )
+        if EVEN_T:
+            tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
+        else:
+            tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=offs_m[:, None] < T)
+
+
+def _check_triton(op: str, *ts) -> None:
+    if not HAVE_TRITON:
+        raise RuntimeError(f"{op}: triton is not importable")
+    q = ts[0]
+    D = q.shape[-1]
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"{op}: head dim D={D} not supported by the Triton kernels (only "
+            f"{SUPPORTED_HEAD_DIMS}), got q {tuple(q.shape)}"
+        )
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: dtype must be float32, bfloat16 or float16, got {_shapes(*ts)}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index [B, H, T] by strides but need unit stride along D (16-byte vector loads)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _out(buf, shape, dtype, device, name, op):
+    """A caller-given output buffer (tests pass NaN-poisoned ones) or a fresh one."""
+    if buf is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or buf.device != device or buf.stride(-1) != 1:
+        raise ValueError(
+            f"{op}: {name} buffer must be {tuple(shape)} {dtype} on {device} with unit last stride, got {_shapes(buf)}"
+        )
+    return buf
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit operands
+
+
+def _descriptor(x: torch.Tensor, block_rows: int):
+    """Tensor descriptor over x [B, h, T, D] seen as its [B*h*T, D] rows, one tile = block_rows rows."""
+    D = x.shape[-1]
+    return TensorDescriptor(x.view(-1, D), [x.numel() // D, D], [D, 1], [block_rows, D])
+
+
+def _tma_ok(tma: bool, even: bool, *ts) -> bool:
+    return bool(tma) and _HAVE_DESC and even and all(t.is_contiguous() for t in ts)
+
+
+def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None = None, *, config, o=None, lse=None):
+    """Launch the forward kernel with ``config`` (a ``TritonFwdConfig``). ``o``/``lse``: optional output buffers
+    (tests pass NaN-poisoned ones)."""
+    op = "flash_attention_fwd_triton"
+    _check_qkv(op, q, k, v)
+    _check_triton(op, q, k, v)
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    s = _scale(op, scale, D)
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    t = config.tiles
+    BLOCK_M, BLOCK_N, num_warps, num_stages, tma = t.block_m, t.block_n, t.warps, t.stages, t.tma
+    if BLOCK_M % BLOCK_N:
+        raise ValueError(f"{op}: BLOCK_M={BLOCK_M} must be a multiple of BLOCK_N={BLOCK_N}")
+    o = _out(o, (B, H, T, D), q.dtype, q.device, "o", op)
+    lse = _out(lse, (B, H, T), torch.float32, q.device, "lse", op)
+    if not lse.is_contiguous():
+        raise ValueError(f"{op}: lse buffer must be contiguous")
+    even = T % BLOCK_M == 0 and T % BLOCK_N == 0
+    use_tma = _tma_ok(tma, even, k, v)
+    desc_k, desc_v = (_descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N)) if use_tma else (None, None)
+    nb = triton.cdiv(T, BLOCK_M)
+    _flash_fwd_kernel[(nb * B * H,)](
+        q, k, v, o, lse, desc_k, desc_v, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, T, H // Hkv, s * LOG2E,
+        tail_heads(nb, B * H, grid_sms(q.device), config.tail_waves), CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    return o, lse
+
+
+def flash_attention_bwd_triton(
+    do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *, config, dq=None, dk=None, dv=None
+):
+    """Launch the delta preprocess, the dK/dV and the dQ kernels with ``config`` (a ``TritonBwdConfig``). No
+    atomics: bit-identical run to run. ``dq``/``dk``/``dv``: optional output buffers."""
+    op = "flash_attention_bwd_triton"
+    _check_bwd(op, do, q, k, v, o, lse)
+    _check_triton(op, q, k, v)
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    s = _scale(op, scale, D)
+    do = do.to(q.dtype)
+    do, q, k, v, o = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o)
+    lse = lse.to(torch.float32).contiguous()
+    c1, c2 = config.dkdv, config.dq
+    BM1, BN1, W1, S1, tma1 = c1.block_m, c1.block_n, c1.warps, c1.stages, c1.tma
+    BM2, BN2, W2, S2, tma2 = c2.block_m, c2.block_n, c2.warps, c2.stages, c2.tma
+    if BN1 % BM1 or BM2 % BN2:
+        raise ValueError(f"{op}: need BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0, got {config}")
+    dq = _out(dq, (B, H, T, D), q.dtype, q.device, "dq", op)
+    dk = _out(dk, (B, Hkv, T, D), k.dtype, q.device, "dk", op)
+    dv = _out(dv, (B, Hkv, T, D), v.dtype, q.device, "dv", op)
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    PRE_M = 64
+    _flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
+        o, do, delta, delta, delta, delta, delta, 1.0, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
+        do.stride(1), do.stride(2), H, T, HEAD_DIM=D, BLOCK_M=PRE_M,
+    )  # fmt: skip
+    prec = _precision(q.dtype)
+    even1 = T % BM1 == 0 and T % BN1 == 0
+    use_tma1 = _tma_ok(tma1, even1, q, do)
+    desc_q, desc_do = (_descriptor(q, BM1), _descriptor(do, BM1)) if use_tma1 else (None, None)
+
+    def launch_dkdv():
+        nb = triton.cdiv(T, BN1)
+        _flash_bwd_dkdv_kernel[(nb * B * Hkv,)](
+            q, k, v, do, lse, delta, dk, dv, desc_q, desc_do, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+            k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, Hkv, T, H // Hkv,
+            s * LOG2E, s, tail_heads(nb, B * Hkv, grid_sms(q.device), config.tail_waves), CAUSAL=bool(causal),
+            EVEN_T=even1, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1, DOT_PRECISION=prec, USE_TMA=use_tma1, num_warps=W1,
+            num_stages=S1,
+        )  # fmt: skip
+
+    even2 = T % BM2 == 0 and T % BN2 == 0
+    use_tma2 = _tma_ok(tma2, even2, k, v)
+    desc_k, desc_v = (_descriptor(k, BN2), _descriptor(v, BN2)) if use_tma2 else (None, None)
+
+    def launch_dq():
+        nb = triton.cdiv(T, BM2)
+        _flash_bwd_dq_kernel[(nb * B * H,)](
+            q, k, v, do, lse, delta, dq, desc_k, desc_v, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+            k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2), H, T, H // Hkv, s * LOG2E, s,
+            tail_heads(nb, B * H, grid_sms(q.device), config.tail_waves), CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D,
+            BLOCK_M=BM2, BLOCK_N=BN2, DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2,
+        )  # fmt: skip
+
+    if config.two_streams and q.is_cuda:
+        # the dK/dV and dQ kernels are independent once delta exists: the dQ kernel runs on a side stream so
+        # the two overlap (each one's tail of short causal programs fills with the other's work)
+        run_side_by_side(q.device, launch_dkdv, launch_dq)
+    else:
+        launch_dkdv()
+        launch_dq()
+    return dq, dk, dv
+
+
+def grid_sms(device) -> int:
+    """The SM count the program orders plan for: that of a CUDA ``device``, else an H200's 132 (the
+    interpreter, and the CPU stand-ins of the offline compiles: only a launch argument, the code does not
+    depend on it)."""
+    return sm_count(device) if device.type == "cuda" else 132
+
+
+def tail_heads(nb: int, heads: int, n_sm: int, waves: int) -> int:
+    """How many of the last heads of a grid of nb tiles x heads start tile-major (``_tail_order``): enough for
+    ``waves`` waves of one program per SM (``n_sm`` SMs, ``grid_sms``), at most all of them."""
+    return min(heads, -(-waves * n_sm // nb))
