@@ -10,7 +10,8 @@ import torch
 from xtrain.autograd import no_grad
 from xtrain.config import ModelConfig
 from xtrain.model import Model
-from xtrain.serve.engine import Batcher, Engine, EngineConfig, QueueFull, Sampling, SlotCache
+from xtrain.sampling import filter_logits
+from xtrain.serve.engine import Batcher, Engine, EngineConfig, QueueFull, Sampling, SlotCache, sample_rows
 
 
 def small(**kw):
@@ -172,3 +173,27 @@ def test_queue_is_bounded_and_cancel_frees_the_slot():
         assert b.load() == {"running": 0, "waiting": 0, "slots": 1}
     finally:
         b.close()
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, None, None), (0.7, 3, None), (1.3, None, 0.6), (1.0, 4, 0.8)]
+)
+def test_sample_rows_draws_from_the_filtered_distribution(temperature, top_k, top_p):
+    """4000 rows of the same logits, each with its own generator: the token frequencies match
+    softmax(filter_logits(logits / T)) within 5 standard deviations, and nothing outside the filter is drawn."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 7, generator=g) * 1.5
+    want = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)[0]
+    N = 4000
+    smp = [Sampling(temperature=temperature, top_k=top_k, top_p=top_p)] * N
+    gens = [torch.Generator().manual_seed(100 + i) for i in range(N)]
+    toks = sample_rows(logits.expand(N, 7), smp, gens)
+    freq = torch.bincount(toks, minlength=7).double() / N
+    sigma = (want.double() * (1 - want.double()) / N).sqrt()
+    assert ((freq - want.double()).abs() <= 5 * sigma + 1e-12).all(), (freq, want)
+    assert (freq[want == 0] == 0).all()
+    # greedy rows beside sampled ones take the argmax; the same generator state gives the same token
+    mixed = sample_rows(
+        logits.expand(2, 7), [Sampling(temperature=0), smp[0]], [None, torch.Generator().manual_seed(100)]
+    )
+    assert mixed[0] == logits.argmax() and mixed[1] == toks[0]

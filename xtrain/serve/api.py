@@ -35,8 +35,6 @@ over ``ServerConfig.max_body_bytes``; 429 when every slot is busy and the queue 
 shutting down. A body shorter than its Content-Length is a 400 after ``body_timeout_s``.
 """
 
-from __future__ import annotations
-
 import asyncio
 import json
 import math

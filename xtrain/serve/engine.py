@@ -267,6 +267,37 @@ class Sampling:
     logprobs: int = 0
 
 
+def sample_rows(logits: torch.Tensor, settings: list[Sampling], generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of fp32 CPU logits [B, V], row b with its own settings and generator -> ids [B].
+
+    Greedy rows (temperature 0) take the argmax. The others, all at once: logits / temperature, sorted
+    once; the same filters as ``xtrain.sampling.filter_logits`` (keep the top_k ranks, then drop a token
+    when the tokens ranked above it already hold top_p of the mass); then one uniform u from the row's
+    generator picks the token where the kept mass's running sum first exceeds u * (kept mass). One draw
+    per row, so a row's tokens depend on its own seed only, never on its neighbours in the batch."""
+    B, V = logits.shape
+    out = logits.argmax(dim=-1)  # [B]
+    rows = [b for b, s in enumerate(settings) if s.temperature > 0]
+    if not rows:
+        return out
+    idx = torch.tensor(rows)
+    temp = torch.tensor([settings[b].temperature for b in rows], dtype=torch.float32)[:, None]
+    k = torch.tensor([settings[b].top_k or V for b in rows])[:, None]  # [R, 1]
+    p = torch.tensor([settings[b].top_p or 1.0 for b in rows], dtype=torch.float32)[:, None]
+    sorted_logits, order = torch.sort(logits[idx].float() / temp, dim=-1, descending=True)  # [R, V]
+    rank = torch.arange(V)[None, :]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs) >= p  # the first token is never dropped
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(dim=-1)  # [R, V]
+    u = torch.stack([torch.rand((), generator=generators[b], dtype=torch.float64) for b in rows]).float()
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=V - 1)  # [R, 1]
+    pick = torch.minimum(pick, (probs > 0).sum(dim=-1, keepdim=True) - 1)  # never past the kept tokens
+    out[idx] = order.gather(1, pick)[:, 0]
+    return out
+
+
 class QueueFull(RuntimeError):
     """Every slot is busy and the waiting list is at ``EngineConfig.max_queue``."""
 
@@ -409,7 +440,7 @@ class Batcher:
             if s.cancelled:
                 continue
             logits = eng.prefill(self.cache, s.slot, torch.tensor(s.ids, dtype=torch.long))
-            self._emit(s, logits[None].cpu(), 0)
+            self._emit([s], logits[None].cpu())
         self._retire()
         running = [s for s in self.active if s.last is not None and not s.cancelled and s not in newcomers]
         if running:
@@ -418,27 +449,28 @@ class Batcher:
             logits = eng.decode(self.cache, slots, tokens).cpu()  # [B, V]
             self.steps += 1
             self.max_batch = max(self.max_batch, len(running))
-            for b, s in enumerate(running):
-                self._emit(s, logits, b)
+            self._emit(running, logits)
             self._retire()
 
-    def _emit(self, s: Sequence, logits: torch.Tensor, row: int) -> None:
-        smp = s.sampling
-        lg = logits[row : row + 1]  # [1, V]
-        tok = int(next_token(lg, smp.temperature, smp.top_k, smp.top_p, s.generator)[0])
-        s.generated += 1
-        if s.eos_id is not None and tok == s.eos_id:
-            self._finish(s, "stop")
-            return
-        lp = None
-        if smp.logprobs > 0:
-            logp = torch.log_softmax(lg[0].float(), dim=-1)
-            top = torch.topk(logp, min(smp.logprobs, logp.shape[0]))
-            lp = (float(logp[tok]), list(zip(top.indices.tolist(), top.values.tolist())))
-        s.last = tok
-        self._call(s, tok, lp, None)
-        if s.generated >= s.max_new_tokens:
-            self._finish(s, "length")
+    def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for each sequence from its row of logits [B, V] and report it."""
+        toks = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs]).tolist()
+        logp = None
+        for b, (s, tok) in enumerate(zip(seqs, toks)):
+            s.generated += 1
+            if s.eos_id is not None and tok == s.eos_id:
+                self._finish(s, "stop")
+                continue
+            lp = None
+            if s.sampling.logprobs > 0:
+                if logp is None:
+                    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+                top = torch.topk(logp[b], min(s.sampling.logprobs, logp.shape[1]))
+                lp = (float(logp[b, tok]), list(zip(top.indices.tolist(), top.values.tolist())))
+            s.last = tok
+            self._call(s, tok, lp, None)
+            if s.generated >= s.max_new_tokens:
+                self._finish(s, "length")
 
     def _finish(self, s: Sequence, reason: str) -> None:
         if not s.done:

@@ -42,6 +42,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--name", default=None, help="model name clients send (default: the run directory's name)")
     p.add_argument("--slots", type=int, default=d.slots, help=f"sequences decoded together (default {d.slots})")
     p.add_argument("--max-queue", type=int, default=d.max_queue, help=f"requests waiting (default {d.max_queue})")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's; 1 is best for small models on a busy CPU)",
+    )
     p.set_defaults(func=run)
 
 
@@ -109,6 +115,8 @@ def run(args) -> int:
     except OSError as e:
         print(f"xtrain serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         engine_config = EngineConfig(slots=args.slots, max_queue=args.max_queue).validate()
         service = load_service(args.run, args.device, args.name, engine_config)
