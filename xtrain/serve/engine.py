@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from xtrain.kernels import rms_norm as K_rms
 from xtrain.kernels import rope as K_rope
@@ -71,39 +72,42 @@ class Engine:
         # compute-dtype copies of the weights, cast once (the model casts inside every forward instead)
         self.w = {k: p.data.to(dt) for k, p in model.params.items()}
         self.head = self.w["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
+        L = [f"model.layers.{i}." for i in range(cfg.n_layer)]
+        self.qkv_w = [torch.cat([self.w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]) for p in L]
+        self.gate_up_w = [torch.cat([self.w[p + "mlp.gate_proj.weight"], self.w[p + "mlp.up_proj.weight"]]) for p in L]
         self.dtype = dt
         self.device = model.device
 
     # -- one layer, for a block of new positions --------------------------------------------------------
     def _qkv(self, i: int, x: torch.Tensor, pos: torch.Tensor):
         """x [B, Tn, C] (fp32 residual) at positions pos ([Tn] or [B, Tn]) -> q [B, H, Tn, D],
-        k [B, Hkv, Tn, D], v [B, Hkv, Tn, D] (compute dtype, q and k normed and rotated)."""
+        k [B, Hkv, Tn, D], v [B, Hkv, Tn, D] (compute dtype, q and k normed and rotated).
+        One matmul with the stacked q/k/v weights, one RoPE call over the stacked q and k heads: the same
+        element-wise maths as three linears and two RoPE calls, with fewer launches (a decode step is
+        launch-bound)."""
         cfg, w, dt = self.config, self.w, self.dtype
         p = f"model.layers.{i}."
         B, Tn, C = x.shape
         H, Hkv, D, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
         master = self.model.params  # the residual-stream norms read the fp32 masters, as the model does
         h = K_rms.rms_norm_fwd(x, master[p + "input_layernorm.weight"].data, eps)[0].to(dt)  # [B, Tn, C]
-        q = (h @ w[p + "self_attn.q_proj.weight"].t()).reshape(B, Tn, H, D)
-        k = (h @ w[p + "self_attn.k_proj.weight"].t()).reshape(B, Tn, Hkv, D)
-        v = (h @ w[p + "self_attn.v_proj.weight"].t()).reshape(B, Tn, Hkv, D)
-        q = K_rms.rms_norm_fwd(q, w[p + "self_attn.q_norm.weight"], eps)[0]
-        k = K_rms.rms_norm_fwd(k, w[p + "self_attn.k_norm.weight"], eps)[0]
-        q = K_rope.rope_fwd(q.transpose(1, 2), pos, cfg.rope_theta)  # [B, H, Tn, D]
-        k = K_rope.rope_fwd(k.transpose(1, 2), pos, cfg.rope_theta)  # [B, Hkv, Tn, D]
-        return q, k, v.transpose(1, 2)
+        qkv = F.linear(h, self.qkv_w[i]).reshape(B, Tn, H + 2 * Hkv, D)  # [B, Tn, H + 2Hkv, D]
+        q = K_rms.rms_norm_fwd(qkv[:, :, :H], w[p + "self_attn.q_norm.weight"], eps)[0]  # [B, Tn, H, D]
+        k = K_rms.rms_norm_fwd(qkv[:, :, H : H + Hkv], w[p + "self_attn.k_norm.weight"], eps)[0]
+        qk = K_rope.rope_fwd(torch.cat([q, k], dim=2).transpose(1, 2), pos, cfg.rope_theta)  # [B, H+Hkv, Tn, D]
+        return qk[:, :H], qk[:, H:], qkv[:, :, H + Hkv :].transpose(1, 2)
 
     def _out_and_mlp(self, i: int, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """Attention output a [B, H, Tn, D] -> o_proj, residual add, then the MLP half of the block."""
         cfg, w, dt = self.config, self.w, self.dtype
         p = f"model.layers.{i}."
         B, H, Tn, D = a.shape
-        a = a.transpose(1, 2).reshape(B, Tn, H * D) @ w[p + "self_attn.o_proj.weight"].t()
+        a = F.linear(a.transpose(1, 2).reshape(B, Tn, H * D), w[p + "self_attn.o_proj.weight"])
         x = x + a.to(x.dtype)
         master = self.model.params
         h = K_rms.rms_norm_fwd(x, master[p + "post_attention_layernorm.weight"].data, cfg.norm_eps)[0].to(dt)
-        y = K_swiglu.swiglu_fwd(h @ w[p + "mlp.gate_proj.weight"].t(), h @ w[p + "mlp.up_proj.weight"].t())
-        return x + (y @ w[p + "mlp.down_proj.weight"].t()).to(x.dtype)
+        g, u = F.linear(h, self.gate_up_w[i]).chunk(2, dim=-1)  # [B, Tn, F] each
+        return x + F.linear(K_swiglu.swiglu_fwd(g, u), w[p + "mlp.down_proj.weight"]).to(x.dtype)
 
     def _layer(
         self, i: int, x: torch.Tensor, pos: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], t0: int
@@ -129,7 +133,7 @@ class Engine:
     def _head(self, x_last: torch.Tensor) -> torch.Tensor:
         """Final norm and head of x [B, 1, C] -> fp32 logits [B, V]."""
         h = K_rms.rms_norm_fwd(x_last, self.model.params["model.norm.weight"].data, self.config.norm_eps)[0]
-        return (h.to(self.dtype) @ self.head.t())[:, 0].float()  # [B, V]
+        return F.linear(h.to(self.dtype), self.head)[:, 0].float()  # [B, V]
 
     def _forward(self, ids: torch.Tensor, caches, t0: int) -> torch.Tensor:
         """ids [B, Tn] at positions t0.. -> logits of the last position [B, V] (fp32)."""
