@@ -14,6 +14,16 @@ from xtrain.sampling import filter_logits
 from xtrain.serve.engine import Batcher, Engine, EngineConfig, QueueFull, Sampling, SlotCache, sample_rows
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models: intra-op threads only add wake-up latency, which on a loaded 2-core machine turned a
+    one-second test into twenty-five."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def small(**kw):
     base = dict(
         vocab_size=257,

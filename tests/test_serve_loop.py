@@ -16,6 +16,16 @@ PROMPTS = ["def ", "import os\n", "class Path(", "    return "]
 NEW = 24
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models: intra-op threads only add wake-up latency, which on a loaded 2-core machine turned a
+    one-second test into twenty-five."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     import inspect
@@ -43,6 +53,7 @@ def _md5(path) -> str:
     return hashlib.md5(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow  # trains a run, loads transformers, samples through the CLI: about a minute on a busy 2-core box
 def test_server_equals_sample_equals_transformers(run_dir, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     openai = pytest.importorskip("openai")
@@ -57,6 +68,7 @@ def test_server_equals_sample_equals_transformers(run_dir, tmp_path, capsys):
     svc = load_service(run_dir, "cpu")
     url, stop = serve_in_thread(svc)
     try:
+        lengths = []
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for prompt in PROMPTS:
             ids = [tok.eot_id] + tok.encode(prompt)  # the end-of-text prepend done by hand (see export)
@@ -75,6 +87,7 @@ def test_server_equals_sample_equals_transformers(run_dir, tmp_path, capsys):
 
             engine_new, finish = svc.batcher.generate(ids, NEW, Sampling(temperature=0), eos_id=tok.eot_id)
             assert engine_new == hf_new, prompt
+            lengths.append(len(hf_new))
             assert finish == ("stop" if len(hf_new) < NEW else "length")
 
             r = client.completions.create(model=svc.name, prompt=prompt, max_tokens=NEW, temperature=0)
@@ -85,6 +98,7 @@ def test_server_equals_sample_equals_transformers(run_dir, tmp_path, capsys):
             assert rc == 0
             assert capsys.readouterr().out == prompt + tok.decode(hf_new) + "\n"
 
+        assert max(lengths) >= 8, lengths  # the comparison saw real continuations, not an immediate end
         # together: every prompt's greedy tokens as alone
         alone = [svc.batcher.generate([tok.eot_id] + tok.encode(p), NEW, Sampling(temperature=0)) for p in PROMPTS]
         got = [None] * len(PROMPTS)
