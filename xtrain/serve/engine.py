@@ -40,7 +40,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from xtrain.kernels import rms_norm as K_rms
 from xtrain.kernels import rope as K_rope
@@ -71,10 +70,18 @@ class Engine:
         dt = model.compute_dtype
         # compute-dtype copies of the weights, cast once (the model casts inside every forward instead)
         self.w = {k: p.data.to(dt) for k, p in model.params.items()}
-        self.head = self.w["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
+        # matmul weights stacked where one input feeds several (q/k/v, gate/up) and stored transposed,
+        # [in, out] contiguous: x @ Wt is one launch per stack, and for a single row (batch-1 decode) the CPU
+        # GEMM runs 2.6x faster on this layout than on W.t() (measured at [1, 256] x [256, 4096])
+        T = lambda t: t.t().contiguous()
         L = [f"model.layers.{i}." for i in range(cfg.n_layer)]
-        self.qkv_w = [torch.cat([self.w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]) for p in L]
-        self.gate_up_w = [torch.cat([self.w[p + "mlp.gate_proj.weight"], self.w[p + "mlp.up_proj.weight"]]) for p in L]
+        self.qkv_t = [T(torch.cat([self.w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])) for p in L]
+        self.o_t = [T(self.w[p + "self_attn.o_proj.weight"]) for p in L]
+        self.gate_up_t = [
+            T(torch.cat([self.w[p + "mlp.gate_proj.weight"], self.w[p + "mlp.up_proj.weight"]])) for p in L
+        ]
+        self.down_t = [T(self.w[p + "mlp.down_proj.weight"]) for p in L]
+        self.head_t = T(self.w["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"])
         self.dtype = dt
         self.device = model.device
 
@@ -91,7 +98,7 @@ class Engine:
         H, Hkv, D, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
         master = self.model.params  # the residual-stream norms read the fp32 masters, as the model does
         h = K_rms.rms_norm_fwd(x, master[p + "input_layernorm.weight"].data, eps)[0].to(dt)  # [B, Tn, C]
-        qkv = F.linear(h, self.qkv_w[i]).reshape(B, Tn, H + 2 * Hkv, D)  # [B, Tn, H + 2Hkv, D]
+        qkv = (h @ self.qkv_t[i]).reshape(B, Tn, H + 2 * Hkv, D)  # [B, Tn, H + 2Hkv, D]
         q = K_rms.rms_norm_fwd(qkv[:, :, :H], w[p + "self_attn.q_norm.weight"], eps)[0]  # [B, Tn, H, D]
         k = K_rms.rms_norm_fwd(qkv[:, :, H : H + Hkv], w[p + "self_attn.k_norm.weight"], eps)[0]
         qk = K_rope.rope_fwd(torch.cat([q, k], dim=2).transpose(1, 2), pos, cfg.rope_theta)  # [B, H+Hkv, Tn, D]
@@ -99,15 +106,15 @@ class Engine:
 
     def _out_and_mlp(self, i: int, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """Attention output a [B, H, Tn, D] -> o_proj, residual add, then the MLP half of the block."""
-        cfg, w, dt = self.config, self.w, self.dtype
+        cfg, dt = self.config, self.dtype
         p = f"model.layers.{i}."
         B, H, Tn, D = a.shape
-        a = F.linear(a.transpose(1, 2).reshape(B, Tn, H * D), w[p + "self_attn.o_proj.weight"])
+        a = a.transpose(1, 2).reshape(B, Tn, H * D) @ self.o_t[i]
         x = x + a.to(x.dtype)
         master = self.model.params
         h = K_rms.rms_norm_fwd(x, master[p + "post_attention_layernorm.weight"].data, cfg.norm_eps)[0].to(dt)
-        g, u = F.linear(h, self.gate_up_w[i]).chunk(2, dim=-1)  # [B, Tn, F] each
-        return x + F.linear(K_swiglu.swiglu_fwd(g, u), w[p + "mlp.down_proj.weight"]).to(x.dtype)
+        g, u = (h @ self.gate_up_t[i]).chunk(2, dim=-1)  # [B, Tn, F] each
+        return x + (K_swiglu.swiglu_fwd(g, u) @ self.down_t[i]).to(x.dtype)
 
     def _layer(
         self, i: int, x: torch.Tensor, pos: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], t0: int
@@ -133,7 +140,7 @@ class Engine:
     def _head(self, x_last: torch.Tensor) -> torch.Tensor:
         """Final norm and head of x [B, 1, C] -> fp32 logits [B, V]."""
         h = K_rms.rms_norm_fwd(x_last, self.model.params["model.norm.weight"].data, self.config.norm_eps)[0]
-        return F.linear(h.to(self.dtype), self.head)[:, 0].float()  # [B, V]
+        return (h.to(self.dtype) @ self.head_t)[:, 0].float()  # [B, V]
 
     def _forward(self, ids: torch.Tensor, caches, t0: int) -> torch.Tensor:
         """ids [B, Tn] at positions t0.. -> logits of the last position [B, V] (fp32)."""
