@@ -1,19 +1,27 @@
-"""The KV-cache engine computes the model's logits and greedy tokens; the HTTP server answers on loopback."""
+"""The KV-cache engine computes the model's logits and greedy tokens; batched decoding over cache slots (sequences
+of different lengths in one batch) gives each sequence the tokens it gets alone; the batcher's queue is bounded.
+The HTTP API is tested in test_serve_api.py, the train -> export -> serve loop in test_serve_loop.py."""
 
-import json
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
 
 from xtrain.autograd import no_grad
 from xtrain.config import ModelConfig
-from xtrain.data.tokenizer import ByteTokenizer
 from xtrain.model import Model
-from xtrain.serve.engine import Engine
-from xtrain.serve.server import Service, make_server
+from xtrain.sampling import filter_logits
+from xtrain.serve.engine import Batcher, Engine, EngineConfig, QueueFull, Sampling, SlotCache, sample_rows
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models: intra-op threads only add wake-up latency, which on a loaded 2-core machine turned a
+    one-second test into twenty-five."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def small(**kw):
@@ -67,40 +75,135 @@ def test_engine_rejects_bad_input():
         e.generate(torch.zeros(1, 3), 2)
 
 
-@pytest.fixture
-def server():
-    srv = make_server(Service(small().eval(), ByteTokenizer(), "test"), "127.0.0.1", 0)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+def test_slot_decode_equals_full_window_logits():
+    """Three sequences of different lengths in three non-adjacent slots of one cache, decoded together at
+    their own positions: every step's logits equal the model's full-window logits of that sequence."""
+    m = small()
+    e = Engine(m)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 257, (n,), generator=g) for n in (19, 21, 16)]
+    starts, slots = (5, 9, 2), torch.tensor([4, 0, 2])
+    cache = SlotCache(e, 5, 24)
+    cache.kv[0][0].normal_(generator=g)  # stale rows must stay hidden by the mask
+    for s, slot, t0 in zip(seqs, slots.tolist(), starts):
+        e.prefill(cache, slot, s[:t0])
+    with no_grad():
+        refs = [m.forward(s[None]).data[0] for s in seqs]  # [T, V]
+    for step in range(10):
+        toks = torch.stack([s[t0 + step] for s, t0 in zip(seqs, starts)])
+        got = e.decode(cache, slots, toks)  # [3, V]
+        for b, (ref, t0) in enumerate(zip(refs, starts)):
+            want = ref[t0 + step]
+            assert (got[b] - want).abs().max() <= 1e-5 * want.abs().max(), (step, b)
+    assert cache.lengths[slots].tolist() == [t0 + 10 for t0 in starts]
 
 
-def _post(url, body: bytes):
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+def _run_together(b: Batcher, jobs):
+    """Submit every (ids, n, sampling) from its own thread at once -> [(tokens, finish)]."""
+    out = [None] * len(jobs)
+
+    def go(i):
+        out[i] = b.generate(*jobs[i])
+
+    ths = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(60)
+    return out
+
+
+def test_batched_greedy_equals_alone_and_sampling_is_per_sequence():
+    m = small()
+    e = Engine(m)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 17, 5, 11, 2)]
+    alone = [e.generate(torch.tensor([p]), 20, temperature=0)[0, len(p) :].tolist() for p in prompts]
+    b = Batcher(e, EngineConfig(slots=4, max_queue=8)).start()
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        jobs = [(p, 20, Sampling(temperature=0)) for p in prompts]
+        got = _run_together(b, jobs)
+        assert [t for t, _ in got] == alone
+        assert all(f == "length" for _, f in got)
+        assert b.max_batch > 1 and b.steps < 6 * 19  # requests shared decode steps
+        # a seeded sampled request gets the same tokens alone and beside others with other settings
+        smp = Sampling(temperature=0.9, top_k=40, top_p=0.9, seed=7)
+        solo = b.generate(prompts[1], 15, smp)
+        mixed = _run_together(b, [(prompts[1], 15, smp), (prompts[0], 15, Sampling(temperature=1.3, seed=1))] * 2)
+        assert mixed[0] == solo and mixed[2] == solo
+        assert b.generate(prompts[1], 15, Sampling(temperature=0.9, top_k=40, top_p=0.9, seed=8)) != solo
+    finally:
+        b.close()
 
 
-def test_http_server(server):
-    with urllib.request.urlopen(server + "/health", timeout=30) as r:
-        h = json.loads(r.read())
-    assert h["status"] == "ok" and h["vocab_size"] == 257
-    req = json.dumps({"prompt": "def ", "max_tokens": 8, "temperature": 0}).encode()
-    s1, r1 = _post(server + "/v1/completions", req)
-    s2, r2 = _post(server + "/v1/completions", req)
-    assert s1 == s2 == 200 and r1["text"] == r2["text"]
-    assert r1["prompt_tokens"] == 5 and r1["finish_reason"] in ("stop", "length")
-    assert r1["completion_tokens"] <= 8
-    assert _post(server + "/v1/completions", b"{not json")[0] == 400
-    code, err = _post(server + "/v1/completions", json.dumps({"prompt": "x", "tokens": 3}).encode())
-    assert code == 400 and "unknown fields" in err["error"]
-    code, err = _post(server + "/v1/completions", json.dumps({"prompt": "x", "max_tokens": "3"}).encode())
-    assert code == 400 and "max_tokens" in err["error"]
-    code, err = _post(server + "/v1/completions", json.dumps({"prompt": "x" * 100}).encode())
-    assert code == 400 and "context holds 48" in err["error"]
-    assert _post(server + "/nope", b"{}")[0] == 404
+def test_eos_stops_and_logprobs():
+    m = small()
+    b = Batcher(Engine(m), EngineConfig(slots=2)).start()
+    try:
+        toks, fin = b.generate([1, 2, 3], 10, Sampling(temperature=0))
+        assert fin == "length" and len(toks) == 10
+        toks2, fin2 = b.generate([1, 2, 3], 10, Sampling(temperature=0), eos_id=toks[4])
+        assert fin2 == "stop" and toks2 == toks[: toks.index(toks[4])]  # eos itself is not reported
+        seen = []
+        done = threading.Event()
+        b.submit(
+            [
+                (
+                    [1, 2, 3],
+                    3,
+                    Sampling(temperature=0, logprobs=3),
+                    None,
+                    lambda t, lp, f: (seen.append((t, lp)), f and done.set()),
+                )
+            ]
+        )
+        done.wait(30)
+        tok, (lp, top) = seen[0]
+        assert tok == toks[0] and len(top) == 3 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-6 and lp <= 0
+    finally:
+        b.close()
+
+
+def test_queue_is_bounded_and_cancel_frees_the_slot():
+    m = small()
+    b = Batcher(Engine(m), EngineConfig(slots=1, max_queue=1))  # not started: nothing leaves the queue
+    ev = []
+    cb = lambda t, lp, f: ev.append(f)
+    seqs = b.submit([([1, 2], 30, Sampling(temperature=0), None, cb)] * 2)  # one for the slot, one waiting
+    with pytest.raises(QueueFull, match="capacity"):
+        b.submit([([1, 2], 30, Sampling(), None, cb)])
+    with pytest.raises(ValueError, match="exceeds the context of 48"):
+        b.submit([([1] * 40, 9, Sampling(), None, cb)])
+    for s in seqs:
+        s.cancel()
+    b.start()
+    try:
+        toks, fin = b.generate([1, 2], 5, Sampling(temperature=0))  # the cancelled two freed the slot
+        assert fin == "length" and len(toks) == 5 and ev.count("cancelled") == 2
+        assert b.load() == {"running": 0, "waiting": 0, "slots": 1}
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, None, None), (0.7, 3, None), (1.3, None, 0.6), (1.0, 4, 0.8)]
+)
+def test_sample_rows_draws_from_the_filtered_distribution(temperature, top_k, top_p):
+    """4000 rows of the same logits, each with its own generator: the token frequencies match
+    softmax(filter_logits(logits / T)) within 5 standard deviations, and nothing outside the filter is drawn."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 7, generator=g) * 1.5
+    want = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)[0]
+    N = 4000
+    smp = [Sampling(temperature=temperature, top_k=top_k, top_p=top_p)] * N
+    gens = [torch.Generator().manual_seed(100 + i) for i in range(N)]
+    toks = sample_rows(logits.expand(N, 7), smp, gens)
+    freq = torch.bincount(toks, minlength=7).double() / N
+    sigma = (want.double() * (1 - want.double()) / N).sqrt()
+    assert ((freq - want.double()).abs() <= 5 * sigma + 1e-12).all(), (freq, want)
+    assert (freq[want == 0] == 0).all()
+    # greedy rows beside sampled ones take the argmax; the same generator state gives the same token
+    mixed = sample_rows(
+        logits.expand(2, 7), [Sampling(temperature=0), smp[0]], [None, torch.Generator().manual_seed(100)]
+    )
+    assert mixed[0] == logits.argmax() and mixed[1] == toks[0]

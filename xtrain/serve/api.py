@@ -1,0 +1,582 @@
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn): text in, text out over the token-id engine.
+
+    GET  /health                  {"status": "ok", "model": ..., "running": r, "waiting": w, "slots": s, ...}
+    GET  /v1/models               {"object": "list", "data": [{"id": MODEL, "object": "model", ...}]}
+    POST /v1/completions          prompt (string, list of strings, token ids or lists of token ids)
+    POST /v1/chat/completions     messages [{"role": "system" | "user" | "assistant", "content": ...}]
+
+Request fields (both endpoints): ``model`` (the served name; another gets 404), ``max_tokens`` (>= 1;
+completions default 16, chat default: the rest of the context), ``temperature`` (>= 0, default 1; 0 is
+greedy), ``top_p`` (0 < p <= 1, default 1), ``top_k`` (0 = off), ``seed`` (0 <= seed < 2**64; choice i of
+``n`` uses seed + i; without a seed each request draws one), ``stop`` (a string or up to 4), ``n``,
+``stream``, ``stream_options`` ({"include_usage": bool}), ``user`` (ignored), ``ignore_eos`` (as vLLM:
+run to max_tokens); completions also take ``logprobs`` (0..5: top log-probabilities of each sampled
+token). Responses carry ``id``, ``object``, ``created``, ``model``, ``choices`` (``text`` / ``message``,
+or ``delta`` when streaming, with ``finish_reason`` "stop" or "length") and ``usage``. ``stream: true``
+answers with server-sent events, ``data: {chunk}`` lines and a final ``data: [DONE]``.
+
+Tokens: a string prompt is preceded by the end-of-text token, as every training document is (so the
+tokens match ``xtrain sample``); a token-id prompt is used as given. Generation stops at the next
+end-of-text token or a stop string ("stop") or after max_tokens ("length").
+
+Chat template (our models are base models trained on plain text, so the template is plain text):
+
+    <|endoftext|>System: {system}\\n\\nUser: {user}\\n\\nAssistant: {assistant}\\n\\nUser: {user}\\n\\nAssistant:
+
+each message rendered as ``Role: content`` followed by a blank line, in the order given, and the prompt
+ending in ``Assistant:``; the reply is what the model writes next, up to end-of-text, max_tokens, a stop
+string of the request, or the template's own stops ``\\n\\nUser:`` and ``\\n\\nSystem:`` (the model
+starting the next turn). ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts.
+
+Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
+JSON (NaN and Infinity included), wrong types, out-of-range values, prompts that do not fit the context
+and text that is not valid Unicode (a lone surrogate); 404 for an unknown model or path; 413 for a body
+over ``ServerConfig.max_body_bytes``; 429 when every slot is busy and the queue is full; 503 while
+shutting down. A body shorter than its Content-Length is a 400 after ``body_timeout_s``.
+"""
+
+import asyncio
+import json
+import math
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from xtrain.serve.engine import Batcher, Engine, EngineConfig, QueueFull, Sampling
+
+CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+CHAT_STOPS = ("\n\nUser:", "\n\nSystem:")
+COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "ignore_eos",
+}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits of the HTTP layer (the engine's own are ``EngineConfig``)."""
+
+    max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 10.0  # a body that does not arrive in full by then is a 400
+    max_choices: int = 16  # n x prompts in one request
+    default_max_tokens: int = 16  # completions (chat defaults to the rest of the context)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
+            status, "invalid_request_error"
+        )
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+# -- parsing and validation ---------------------------------------------------------------------------------
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise bad(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _text(v, param: str) -> str:
+    if not isinstance(v, str):
+        raise bad(f"{param} must be a string, got {type(v).__name__}", param)
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(f"{param} is not valid Unicode (a lone surrogate?)", param, "invalid_unicode") from None
+    return v
+
+
+def _int(body: dict, key: str, default, lo: int, hi: int):
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise bad(f"{key} must be an integer, got {json.dumps(v)[:40]}", key, "invalid_type")
+    if not lo <= v <= hi:
+        raise bad(f"{key} must lie in [{lo}, {hi}], got {v}", key, "invalid_value")
+    return v
+
+
+def _num(body: dict, key: str, default: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise bad(f"{key} must be a number, got {json.dumps(v)[:40]}", key, "invalid_type")
+    if not math.isfinite(v):
+        raise bad(f"{key} must be finite, got {v}", key, "invalid_value")
+    return float(v)
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"{key} must be true or false, got {json.dumps(v)[:40]}", key, "invalid_type")
+    return v
+
+
+@dataclass
+class Params:
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: list[str]
+    n: int
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    logprobs: int = 0
+
+
+def parse_params(body: dict, allowed: set[str], max_choices: int) -> Params:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0], "unknown_field")
+    temperature = _num(body, "temperature", 1.0)
+    if temperature < 0:
+        raise bad(f"temperature must be >= 0, got {temperature}", "temperature", "invalid_value")
+    top_p = _num(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad(f"top_p must lie in (0, 1], got {top_p}", "top_p", "invalid_value")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop must be a non-empty string or a list of up to 4 of them", "stop", "invalid_value")
+    stop = [_text(s, "stop") for s in stop]
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+        raise bad('stream_options must be {"include_usage": bool}', "stream_options", "invalid_value")
+    seed = _int(body, "seed", None, -(1 << 63), (1 << 64) - 1)
+    return Params(
+        max_tokens=_int(body, "max_tokens", None, 1, 1 << 31),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=_int(body, "top_k", 0, 0, 1 << 31),
+        seed=secrets.randbits(63) if seed is None else seed % (1 << 64),
+        stop=stop,
+        n=_int(body, "n", 1, 1, max_choices),
+        stream=_bool(body, "stream", False),
+        include_usage=_bool(opts, "include_usage", False),
+        ignore_eos=_bool(body, "ignore_eos", False),
+    )
+
+
+def chat_prompt(messages) -> str:
+    """The documented chat template (module docstring) -> the prompt text (end-of-text is added later)."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list", "messages", "invalid_value")
+    parts = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise bad(f"messages[{i}] needs a role in {sorted(CHAT_ROLES)}", "messages", "invalid_value")
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in c):
+                raise bad(f"messages[{i}].content: only text parts are supported", "messages", "invalid_value")
+            c = "".join(_text(p.get("text"), "messages") for p in c)
+        parts.append(f"{CHAT_ROLES[m['role']]}: {_text(c, 'messages')}\n\n")
+    return "".join(parts) + "Assistant:"
+
+
+# -- one choice: tokens -> text, stop strings, what to stream ----------------------------------------------
+@dataclass
+class Choice:
+    index: int
+    stops: list[str]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    text: str = ""  # the final text when finished, else what may be sent so far
+    sent: int = 0  # characters already streamed
+    finish: str | None = None
+    seq: object = None
+
+
+def _stop_hold(text: str, stops: list[str]) -> int:
+    """How many trailing characters might still become a stop string (so must not be sent yet)."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if s.startswith(text[-k:]):
+                hold = k
+                break
+    return hold
+
+
+class Service:
+    """Tokenizer + template + engine: the server's state. The engine's batcher thread starts here."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        name: str = "xtrain",
+        engine_config: EngineConfig = EngineConfig(),
+        config: ServerConfig = ServerConfig(),
+    ):
+        self.model, self.tok, self.name, self.config = model, tokenizer, name, config
+        self.engine = Engine(model)
+        self.batcher = Batcher(self.engine, engine_config).start()
+        self.created = int(time.time())
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    def health(self) -> dict:
+        c = self.model.config
+        return {
+            "status": "ok",
+            "model": self.name,
+            "params": self.model.num_params(),
+            "vocab_size": c.vocab_size,
+            "max_seq_len": c.max_seq_len,
+            **self.batcher.load(),
+        }
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "xtrain"}
+
+    # -- requests -> token ids ---------------------------------------------------------------------------
+    def _check_model(self, body: dict) -> None:
+        m = body.get("model")
+        if m is not None and m != self.name:
+            raise APIError(
+                404,
+                f"The model {str(m)[:100]!r} does not exist; this server serves {self.name!r}",
+                "model",
+                "model_not_found",
+            )
+
+    def encode(self, text: str) -> list[int]:
+        return [self.tok.eot_id] + self.tok.encode(text)
+
+    def completion_prompts(self, body: dict) -> list[list[int]]:
+        p = body.get("prompt")
+        V = self.model.config.vocab_size
+        if isinstance(p, str):
+            return [self.encode(_text(p, "prompt"))]
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            return [self.encode(_text(x, "prompt")) for x in p]
+        is_ids = lambda x: isinstance(x, list) and x and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+        if is_ids(p):
+            p = [p]
+        if isinstance(p, list) and p and all(is_ids(x) for x in p):
+            if any(not 0 <= i < V for x in p for i in x):
+                raise bad(f"prompt token ids must lie in [0, {V})", "prompt", "invalid_value")
+            return p
+        raise bad("prompt must be a non-empty string, a list of strings, or token ids", "prompt", "invalid_type")
+
+    def _budget(self, prompts: list[list[int]], max_tokens: int | None, default: int | None) -> int:
+        ctx = self.batcher.max_len
+        longest = max(len(p) for p in prompts)
+        if longest >= ctx:
+            raise bad(
+                f"the prompt is {longest} tokens; the context holds {ctx} (prompt + max_tokens)",
+                "prompt",
+                "context_length_exceeded",
+            )
+        if max_tokens is None:
+            return min(default or ctx, ctx - longest)
+        if longest + max_tokens > ctx:
+            raise bad(
+                f"max_tokens {max_tokens} + the prompt's {longest} tokens exceed the context of {ctx}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return max_tokens
+
+    def prepare(self, body: dict, chat: bool):
+        """-> (prompts, params, max_new_tokens) or APIError."""
+        params = parse_params(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, self.config.max_choices)
+        self._check_model(body)
+        if chat:
+            if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
+                params.max_tokens = _int(body, "max_completion_tokens", None, 1, 1 << 31)
+            prompts = [self.encode(chat_prompt(body.get("messages")))]
+            params.stop = params.stop + [s for s in CHAT_STOPS if s not in params.stop]
+            default = None
+        else:
+            if "prompt" not in body:
+                raise bad("missing field 'prompt'", "prompt", "missing_field")
+            prompts = self.completion_prompts(body)
+            params.logprobs = _int(body, "logprobs", 0, 0, 5)
+            default = self.config.default_max_tokens
+        if len(prompts) * params.n > self.config.max_choices:
+            raise bad(f"n x prompts must be at most {self.config.max_choices}", "n", "invalid_value")
+        return prompts, params, self._budget(prompts, params.max_tokens, default)
+
+    # -- running -----------------------------------------------------------------------------------------
+    def start(self, prompts, params: Params, max_new: int, loop: asyncio.AbstractEventLoop):
+        """Submit every (prompt, choice) -> (choices, asyncio queue of (index, token, logprobs, finish))."""
+        queue: asyncio.Queue = asyncio.Queue()
+        choices, reqs = [], []
+        for pi, ids in enumerate(prompts):
+            for j in range(params.n):
+                idx = pi * params.n + j
+                choices.append(Choice(idx, params.stop))
+                smp = Sampling(
+                    temperature=params.temperature,
+                    top_k=params.top_k or None,
+                    top_p=params.top_p,
+                    seed=(params.seed + j) % (1 << 64),
+                    logprobs=params.logprobs,
+                )
+                cb = lambda t, lp, f, i=idx: loop.call_soon_threadsafe(queue.put_nowait, (i, t, lp, f))
+                reqs.append((ids, max_new, smp, None if params.ignore_eos else self.tok.eot_id, cb))
+        try:
+            seqs = self.batcher.submit(reqs)
+        except QueueFull as e:
+            raise APIError(503 if self.batcher.stopping else 429, str(e), None, "server_busy") from None
+        except ValueError as e:
+            raise bad(str(e), "prompt", "invalid_value") from None
+        for c, s in zip(choices, seqs):
+            c.seq = s
+        return choices, queue
+
+    def update(self, c: Choice, tok, lp, finish) -> None:
+        """Fold one engine event into the choice: new text (held back while it may still become a stop
+        string or ends inside a UTF-8 character), a stop string found (cancel the sequence), the end."""
+        if tok is not None and c.finish is None:
+            c.ids.append(tok)
+            if lp is not None:
+                c.logprobs.append((tok, lp))
+            text = self.tok.decode(c.ids)
+            for s in c.stops:
+                k = text.find(s)
+                if k >= 0:
+                    text = text[:k]
+                    c.finish = "stop"
+                    c.seq.cancel()
+            if c.finish is None:
+                hold = _stop_hold(text, c.stops)
+                while len(text) - hold > 0 and text[len(text) - hold - 1] == "\ufffd":
+                    hold += 1
+                text = text[: len(text) - hold]
+            c.text = text
+        if finish is not None and c.finish is None:
+            if finish.startswith("error"):
+                raise APIError(500, f"the engine failed: {finish}", None, "engine_error", "server_error")
+            c.finish = "length" if finish == "length" else "stop"
+            c.text = self.tok.decode(c.ids)
+
+    def completion_logprobs(self, c: Choice, start: int = 0) -> dict | None:
+        if not c.logprobs:
+            return None
+        d = self.tok.decode
+        toks = [d([t]) for t, _ in c.logprobs[start:]]
+        offsets, o = [], 0
+        for t in toks:
+            offsets.append(o)
+            o += len(t)
+        return {
+            "tokens": toks,
+            "token_logprobs": [lp[0] for _, lp in c.logprobs[start:]],
+            "top_logprobs": [{d([i]): v for i, v in lp[1]} for _, lp in c.logprobs[start:]],
+            "text_offset": offsets,
+        }
+
+
+# -- the app -------------------------------------------------------------------------------------------------
+async def read_body(request, config: ServerConfig) -> bytes:
+    """The body, at most max_body_bytes (413 past it), in full within body_timeout_s (400 otherwise)."""
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        if not cl.isdigit():
+            raise bad(f"bad Content-Length {cl[:40]!r}", code="invalid_request")
+        if int(cl) > config.max_body_bytes:
+            raise APIError(413, f"the body is {cl} bytes; the limit is {config.max_body_bytes}", None, "body_too_large")
+    chunks, size = [], 0
+
+    async def read():
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                raise APIError(413, f"the body exceeds {config.max_body_bytes} bytes", None, "body_too_large")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), config.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise bad(f"the body did not arrive in full within {config.body_timeout_s} s", code="body_timeout") from None
+    return b"".join(chunks)
+
+
+def create_app(service: Service):
+    """The FastAPI application over a ``Service`` (closing the app's lifespan closes the service)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        service.close()
+
+    app = FastAPI(title="xtrain", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def err(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return err(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):
+        what = "no such path" if e.status_code == 404 else str(e.detail)
+        return err(APIError(e.status_code, f"{what}: {request.method} {request.url.path}", None, None))
+
+    @app.exception_handler(Exception)
+    async def _any_error(request, e: Exception):
+        return err(APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error", "server_error"))
+
+    @app.get("/health")
+    async def health():
+        return service.health()
+
+    @app.get("/v1/models")
+    async def models():
+        return service.models()
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str):
+        service._check_model({"model": model_id})
+        return service.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _handle(request, chat=True)
+
+    async def _handle(request, chat: bool):
+        body = parse_body(await read_body(request, service.config))
+        prompts, params, max_new = service.prepare(body, chat)
+        choices, queue = service.start(prompts, params, max_new, asyncio.get_running_loop())
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": rid, "created": int(time.time()), "model": service.name}
+        prompt_tokens = sum(len(p) for p in prompts)
+        if params.stream:
+            gen = _stream(choices, queue, head, chat, params, prompt_tokens)
+            return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            while any(c.finish is None for c in choices):
+                service.update(choices[(ev := await queue.get())[0]], *ev[1:])
+        finally:
+            for c in choices:
+                c.seq.cancel()
+        usage = _usage(choices, prompt_tokens)
+        if chat:
+            out = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None,
+                    "finish_reason": c.finish,
+                }
+                for c in choices
+            ]
+            return {**head, "object": "chat.completion", "choices": out, "usage": usage}
+        out = [
+            {"index": c.index, "text": c.text, "logprobs": service.completion_logprobs(c), "finish_reason": c.finish}
+            for c in choices
+        ]
+        return {**head, "object": "text_completion", "choices": out, "usage": usage}
+
+    async def _stream(choices, queue, head, chat, params, prompt_tokens):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choice_list, usage=None):
+            d = {**head, "object": obj, "choices": choice_list}
+            if params.include_usage:
+                d["usage"] = usage
+            return f"data: {json.dumps(d)}\n\n"
+
+        def piece(c: Choice, text: str, finish, lp=None):
+            if chat:
+                delta = {"content": text} if finish is None else {}
+                return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        try:
+            if chat:  # the role comes first, as OpenAI sends it
+                yield event(
+                    [
+                        {"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        for c in choices
+                    ]
+                )
+            open_ = len(choices)
+            while open_:
+                i, tok, lp, fin = await queue.get()
+                c = choices[i]
+                if c.finish is not None:
+                    continue
+                n_lp = len(c.logprobs)
+                try:
+                    service.update(c, tok, lp, fin)
+                except APIError as e:
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                    break
+                if len(c.text) > c.sent:
+                    lps = service.completion_logprobs(c, n_lp) if lp is not None else None
+                    yield event([piece(c, c.text[c.sent :], None, lps)])
+                    c.sent = len(c.text)
+                if c.finish is not None:
+                    open_ -= 1
+                    yield event([piece(c, "", c.finish)])
+            if params.include_usage:
+                last = {**head, "object": obj, "choices": [], "usage": _usage(choices, prompt_tokens)}
+                yield f"data: {json.dumps(last)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client goes away: the engine frees the slots at its next step
+            for c in choices:
+                c.seq.cancel()
+
+    return app
+
+
+def _usage(choices: list[Choice], prompt_tokens: int) -> dict:
+    completion = sum(len(c.ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
