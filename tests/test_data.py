@@ -586,9 +586,9 @@ def test_cli_prepare_and_info(tmp_path, capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "unigram val loss" in text and "magic 20240520 version 1" in text
     assert main(["data", "info", str(out / "train_000000.bin")]) == 0
-    assert main(["data", "prepare", "--corpus", str(tmp_path / "missing"), "--out", str(out)]) == 1
+    assert main(["data", "prepare", "--corpus", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "missing" in capsys.readouterr().err
-    assert main(["data", "info", str(tmp_path / "missing")]) == 1
+    assert main(["data", "info", str(tmp_path / "missing")]) == 2
     assert (
         main(
             [
