@@ -126,12 +126,23 @@ def read_text_file(path: Path, key_prefix: str | None = None) -> Iterator[Docume
     # stream: decode incrementally, split on the separator, keep the unfinished tail in the buffer
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     buf, i, search = "", 0, 0
+    seen = bad = 0  # bytes read, characters that failed to decode
     with open(path, "rb") as f:
         while True:
             chunk = f.read(_READ_CHUNK)
-            if (why := binary_reason(chunk)) is not None:
-                raise ValueError(f"{path}: {why} (offsets within a 1 MB chunk); xtrain reads UTF-8 text")
-            buf += decoder.decode(chunk, final=not chunk)
+            text = decoder.decode(chunk, final=not chunk)
+            if (nul := chunk.find(b"\0")) != -1:
+                raise ValueError(
+                    f"{path}: binary, not text: a NUL byte at offset {seen + nul}; xtrain reads UTF-8 text"
+                )
+            seen += len(chunk)
+            bad += text.count("\ufffd") - chunk.count("\ufffd".encode())
+            if bad > MAX_INVALID_UTF8 * max(seen, SNIFF_BYTES):
+                raise ValueError(
+                    f"{path}: binary, not text: {bad} of the first {seen} bytes are not valid UTF-8; "
+                    "xtrain reads UTF-8 text"
+                )
+            buf += text
             start = 0
             # search only the new text (plus a separator's length of overlap), so a huge document with no
             # separator costs O(n), not O(n^2)
