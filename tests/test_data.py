@@ -586,9 +586,9 @@ def test_cli_prepare_and_info(tmp_path, capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "unigram val loss" in text and "magic 20240520 version 1" in text
     assert main(["data", "info", str(out / "train_000000.bin")]) == 0
-    assert main(["data", "prepare", "--corpus", str(tmp_path / "missing"), "--out", str(out)]) == 1
+    assert main(["data", "prepare", "--corpus", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "missing" in capsys.readouterr().err
-    assert main(["data", "info", str(tmp_path / "missing")]) == 1
+    assert main(["data", "info", str(tmp_path / "missing")]) == 2
     assert (
         main(
             [
@@ -606,3 +606,28 @@ def test_cli_prepare_and_info(tmp_path, capsys, monkeypatch):
         == 0
     )
     assert load_meta(tmp_path / "b")["tokenizer_kind"] == "bytes"
+
+
+def test_binary_files_are_refused_alone_and_skipped_in_a_directory(tmp_path):
+    from xtrain.data.corpus import binary_reason, open_corpus
+
+    text = "def f(x):\n    return 'é' * x\n".encode() * 100
+    assert binary_reason(text) is None
+    assert binary_reason(text[:-1]) is None  # a prefix that cuts the last character is still text
+    assert binary_reason(text + b"\xff") is None  # one stray byte in 3 KB is under the 1% allowed
+    assert "NUL byte at offset 3" in binary_reason(b"abc\0def")
+    assert "not valid UTF-8" in binary_reason(bytes(range(128, 256)) * 10)
+    # binary content past the first 64 KB sniffed is caught while streaming
+    late = tmp_path / "late.txt"
+    late.write_bytes(b"plain text\n" * 7000 + bytes(range(1, 256)) * 100)
+    with pytest.raises(ValueError, match="late.txt: binary, not text"):
+        list(read_path(late))
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.txt").write_text("hello world\n" * 10)
+    (d / "b.txt").write_bytes(b"\0\1\2" * 100)
+    c = open_corpus(d)
+    assert [s.split(":")[0] for s in c.skipped] == ["b.txt"]
+    assert [doc.key for _, doc in c.documents()] == ["a.txt"]
+    with pytest.raises(ValueError, match="b.txt: binary, not text: a NUL byte at offset 0"):
+        open_corpus(d / "b.txt")

@@ -97,3 +97,47 @@ def test_export_command(tmp_path):
     c2, state = import_hf(tmp_path / "hf")
     assert c2.tie_embeddings and "lm_head.weight" not in state
     assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "hf2")]) == 2
+
+
+@pytest.mark.slow
+def test_exported_tokenizer_and_greedy_generate_match_xtrain_sample(corpus, tmp_path, monkeypatch, capsys):
+    """transformers users call tokenizer(prompt) + generate: the export's post-processor puts <|endoftext|>
+    in front as training did, so greedy generation gives xtrain sample's tokens, for any prompt."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3ForCausalLM"):
+        pytest.skip("this transformers has no Qwen3")
+    from xtrain.cli import main
+    from xtrain.data.tokenizer import load_tokenizer
+    from xtrain.train.checkpoint import load_model
+
+    monkeypatch.setenv("XTRAIN_CACHE", str(tmp_path / "cache"))
+    run, hf_dir = tmp_path / "run", tmp_path / "hf"
+    args = ["--data", str(corpus), "--vocab-size", "300", "--out", str(run), "--steps", "8", "--batch-size", "4"]
+    args += ["--seq-len", "32", "--warmup", "2", "--eval-every", "0", "--no-progress", "--sample-tokens", "0"]
+    assert main(["train", *args]) == 0
+    assert main(["export", str(run), "--out", str(hf_dir), "--dtype", "float32"]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir)).float().eval()
+    tok = load_tokenizer(run / "tokenizer.json")
+    model = load_model(run)
+    n = 12
+    for prompt in ["def ", "", "import os\n", "class Path(object):\n    ", "  \u00e9t\u00e9 = {'a': 1}"]:
+        enc = hf_tok(prompt, return_tensors="pt")
+        ids = [tok.eot_id] + tok.encode(prompt)
+        assert enc["input_ids"][0].tolist() == ids, prompt
+        with torch.no_grad():
+            out = hf.generate(
+                **enc, do_sample=False, max_new_tokens=n, eos_token_id=tok.eot_id, pad_token_id=tok.eot_id
+            )
+        theirs = out[0, len(ids) :].tolist()
+        if tok.eot_id in theirs:
+            theirs = theirs[: theirs.index(tok.eot_id)]
+        with no_grad():
+            mine = model.generate(torch.tensor([ids]), n, temperature=0.0, eos_id=tok.eot_id)[0, len(ids) :].tolist()
+        if tok.eot_id in mine:
+            mine = mine[: mine.index(tok.eot_id)]
+        assert theirs == mine, prompt
+        capsys.readouterr()
+        args = ["sample", str(run), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", str(n)]
+        assert main(args) == 0
+        assert capsys.readouterr().out == prompt + hf_tok.decode(theirs) + "\n", prompt

@@ -74,6 +74,7 @@ def test_train_resume_sample_plot_offline(corpus, tmp_path, monkeypatch, no_netw
     )
     out = capsys.readouterr().out
     assert "unigram baseline" in out and "--- sample" in out
+    assert "timing: " in out and "expected " in out  # the expected duration, from the first steps' speed
     for name in (
         "config.json",
         "model.safetensors",
@@ -120,6 +121,20 @@ def test_bad_flags_fail_before_work(corpus, tmp_path, monkeypatch, capsys):
     assert "lr" in capsys.readouterr().err
     assert not (tmp_path / "r" / "model.safetensors").exists()
     assert main(["sample", str(tmp_path / "missing")]) == 2
+
+
+def test_main_job_defaults_fit_four_minutes():
+    """`xtrain train` with no arguments must end within 4 minutes on 2 cores that train the tiny preset at
+    2,100 tokens/s: the default token budget (training steps, plus evaluations as forward passes at about a
+    third of a step's cost per token) leaves 25 s for data preparation, start-up, plot and sample (8 s, 5 s,
+    2 s and 2 s measured on such a machine)."""
+    from xtrain.train.cli import DEFAULTS as d
+
+    train_tokens = d["steps"] * d["batch_size"] * d["seq_len"]
+    evals = d["steps"] // d["eval_every"]
+    eval_tokens = evals * d["eval_batches"] * d["batch_size"] * d["seq_len"]
+    assert d["preset"] == "tiny"
+    assert (train_tokens + eval_tokens / 3) / 2100 + 25 <= 240
 
 
 def test_top_p_and_top_k_filtering():

@@ -11,13 +11,17 @@ against the shape the Hugging Face config implies (``hf_shapes``, derived from t
 xtrain's own table), so a layout mismatch fails here instead of loading garbage. With tied embeddings
 there is no ``lm_head.weight`` in the file (HF ties it to ``model.embed_tokens.weight``). Every file is
 written to a temporary name and renamed.
+
+DIR must be new, empty, or a previous export (only the files an export writes): a run directory, or any
+other non-empty directory, is refused before anything is written. The exported tokenizer's post-processor
+puts ``<|endoftext|>`` in front of every encoded text, as every training document starts with it, so
+``tokenizer(prompt)`` + ``generate`` continue a prompt exactly as ``xtrain sample`` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -25,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from xtrain.config import ModelConfig
-from xtrain.fileio import atomic_write_bytes, atomic_write_json
+from xtrain.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 # xtrain parameter name (per layer, after "model.layers.{i}.") -> Hugging Face Qwen3 name. The same strings
 # today (xtrain adopted the HF names), kept as an explicit table so a rename on either side is one edit here.
@@ -115,6 +119,53 @@ def hf_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXPORT_FILES = frozenset(
+    {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+)
+
+
+def check_export_dir(out_dir: str | Path, run_dir: str | Path | None = None) -> None:
+    """ValueError unless ``out_dir`` is missing, empty, or a previous export (nothing but EXPORT_FILES, and
+    a config.json with a Hugging Face ``model_type``): never write over a run or unrelated files."""
+    out = Path(out_dir)
+    if run_dir is not None and out.exists() and out.resolve() == Path(run_dir).resolve():
+        raise ValueError(f"export: --out {out} is the run directory itself; pick a new directory")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"export: --out {out} exists and is not a directory")
+    names = {p.name for p in out.iterdir()}
+    if not names:
+        return
+    if "trainer_state.json" in names or "optimizer.safetensors" in names:
+        raise ValueError(f"export: --out {out} is an xtrain run directory; pick a new directory")
+    previous = False
+    if names <= EXPORT_FILES and "config.json" in names:
+        try:
+            previous = "model_type" in json.loads((out / "config.json").read_text())
+        except (OSError, ValueError):
+            previous = False
+    if not previous:
+        shown = ", ".join(sorted(names)[:4]) + (" ..." if len(names) > 4 else "")
+        raise ValueError(
+            f"export: --out {out} is not empty and not a previous export (holds {shown}); pick a new directory"
+        )
+
+
+def hf_tokenizer_json(tokenizer_json: str | Path, eos_id: int) -> str:
+    """The run's tokenizer.json with a post-processor that prepends the end-of-text token (id ``eos_id``)
+    to every encoding, the way training documents start."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    tok = HFTokenizer.from_file(str(tokenizer_json))
+    eot = tok.id_to_token(eos_id)
+    if eot is None:
+        raise ValueError(f"export: {tokenizer_json} has no token with id {eos_id}")
+    tok.post_processor = TemplateProcessing(
+        single=f"{eot} $A", pair=f"{eot} $A {eot} $B:1", special_tokens=[(eot, eos_id)]
+    )
+    return tok.to_str(pretty=True)
 
 
 def export_hf(
@@ -142,6 +193,11 @@ def export_hf(
     if missing:
         raise ValueError(f"export: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     out = Path(out_dir)
+    tok_text = None
+    if tokenizer_json is not None and Path(tokenizer_json).is_file():
+        tok_text = Path(tokenizer_json).read_text()
+        if eos_id is not None and json.loads(tok_text).get("model") is not None:  # an HF tokenizer.json
+            tok_text = hf_tokenizer_json(tokenizer_json, eos_id)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
     if eos_id is not None:
@@ -151,8 +207,8 @@ def export_hf(
         out / "generation_config.json",
         {k: v for k, v in (("eos_token_id", eos_id), ("bos_token_id", eos_id)) if v is not None},
     )
-    if tokenizer_json is not None and Path(tokenizer_json).is_file():
-        shutil.copyfile(tokenizer_json, out / "tokenizer.json")
+    if tok_text is not None:
+        atomic_write_text(out / "tokenizer.json", tok_text)
         tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_config.max_seq_len}
         if eos_id is not None:
             tok = json.loads(Path(tokenizer_json).read_text())
@@ -217,6 +273,7 @@ def run(args) -> int:
 
     run_dir = Path(args.run)
     try:
+        check_export_dir(args.out, run_dir)
         ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
         eos = None
         tok_path = run_dir / "tokenizer.json"

@@ -102,7 +102,7 @@ def run(args) -> int:
         return 2
     except (FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         print(f"xtrain data: error: {e}", file=sys.stderr)
-        return 1
+        return 2
 
 
 def _prepare(args) -> int:

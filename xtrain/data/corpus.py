@@ -37,6 +37,12 @@ Train/val split: unless the source has its own val file, a document is in val wh
 function of the document's name, so adding or removing other documents never moves it between splits.
 The default ``val_fraction`` is 2%.
 
+Binary files: a file is binary when it holds a NUL byte or when more than ``MAX_INVALID_UTF8`` (1%) of
+its bytes are not valid UTF-8 (``binary_reason``: checked on each file's first 64 KB before reading it,
+and on every chunk while streaming a ``.txt``). A single-file corpus that is binary is refused (ValueError
+naming the file); a directory corpus skips its binary files, listed in ``Corpus.skipped`` and counted in
+the log of ``xtrain data prepare``.
+
 ``max_bytes`` caps the UTF-8 bytes taken: documents are taken in stream order, the one that crosses the cap
 is cut at it, and the stream stops (the val file of a two-file source is capped separately at
 ``max_bytes * val_fraction``).
@@ -65,6 +71,30 @@ TINYSTORIES_REPO = "roneneldan/TinyStories"
 TINYSTORIES_FILES = {"train": "TinyStoriesV2-GPT4-train.txt", "val": "TinyStoriesV2-GPT4-valid.txt"}
 
 _READ_CHUNK = 1 << 20  # bytes read at a time when streaming a .txt file
+SNIFF_BYTES = 1 << 16  # bytes of each file checked for binary content before it is read
+MAX_INVALID_UTF8 = 0.01  # fraction of bytes that may fail to decode before a file counts as binary
+
+
+def binary_reason(data: bytes) -> str | None:
+    """Why ``data`` (a file's bytes, or a prefix of them) is not text, or None when it is text."""
+    if not data:
+        return None
+    nul = data.find(b"\0")
+    if nul != -1:
+        return f"binary, not text: a NUL byte at offset {nul}"
+    # an incomplete character cut at the end of a prefix is not an error
+    bad = data.decode("utf-8", errors="replace").count("\ufffd") - data.count("\ufffd".encode())
+    tail = len(data) - len(data.rstrip(bytes(range(0x80, 0x100))))
+    bad = max(0, bad - (1 if tail else 0))
+    if bad > MAX_INVALID_UTF8 * len(data):
+        return f"binary, not text: {bad} of {len(data)} bytes are not valid UTF-8"
+    return None
+
+
+def sniff_binary(path: Path) -> str | None:
+    """``binary_reason`` of the first SNIFF_BYTES of the file at ``path``."""
+    with open(path, "rb") as f:
+        return binary_reason(f.read(SNIFF_BYTES))
 
 
 class Document(NamedTuple):
@@ -88,15 +118,31 @@ def read_text_file(path: Path, key_prefix: str | None = None) -> Iterator[Docume
     path = Path(path)
     name = key_prefix if key_prefix is not None else path.name
     if path.suffix != ".txt":
-        yield Document(name, path.read_bytes().decode("utf-8", errors="replace"))
+        data = path.read_bytes()
+        if (why := binary_reason(data)) is not None:
+            raise ValueError(f"{path}: {why}; xtrain reads UTF-8 text")
+        yield Document(name, data.decode("utf-8", errors="replace"))
         return
     # stream: decode incrementally, split on the separator, keep the unfinished tail in the buffer
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     buf, i, search = "", 0, 0
+    seen = bad = 0  # bytes read, characters that failed to decode
     with open(path, "rb") as f:
         while True:
             chunk = f.read(_READ_CHUNK)
-            buf += decoder.decode(chunk, final=not chunk)
+            text = decoder.decode(chunk, final=not chunk)
+            if (nul := chunk.find(b"\0")) != -1:
+                raise ValueError(
+                    f"{path}: binary, not text: a NUL byte at offset {seen + nul}; xtrain reads UTF-8 text"
+                )
+            seen += len(chunk)
+            bad += text.count("\ufffd") - chunk.count("\ufffd".encode())
+            if bad > MAX_INVALID_UTF8 * max(seen, SNIFF_BYTES):
+                raise ValueError(
+                    f"{path}: binary, not text: {bad} of the first {seen} bytes are not valid UTF-8; "
+                    "xtrain reads UTF-8 text"
+                )
+            buf += text
             start = 0
             # search only the new text (plus a separator's length of overlap), so a huge document with no
             # separator costs O(n), not O(n^2)
@@ -152,14 +198,16 @@ def read_parquet(path: Path) -> Iterator[Document]:
             i += 1
 
 
-def read_path(path: Path) -> Iterator[Document]:
-    """Any accepted local path: a file by its suffix, or a directory walked in sorted order."""
+def read_path(path: Path, skip: frozenset[Path] = frozenset()) -> Iterator[Document]:
+    """Any accepted local path: a file by its suffix, or a directory walked in sorted order (leaving out
+    the files in ``skip``)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"corpus path {path} does not exist")
     if path.is_dir():
         for f in _walk_sorted(path, TEXT_SUFFIXES, skip_dirs=frozenset({"__pycache__"})):
-            yield from read_text_file(f, key_prefix=f.relative_to(path).as_posix())
+            if f not in skip:
+                yield from read_text_file(f, key_prefix=f.relative_to(path).as_posix())
     elif path.suffix == ".jsonl":
         yield from read_jsonl(path)
     elif path.suffix == ".parquet":
@@ -207,6 +255,7 @@ class Corpus:
     _val_source: Callable[[], Iterator[Document]] | None = None  # None: hash split of the train source
     _describe: dict | None = None
     size_hint: int | None = None  # total bytes, for progress bars (None if unknown)
+    skipped: tuple[str, ...] = ()  # binary files of a directory corpus, left out ("name: reason")
 
     def documents(self) -> Iterator[tuple[str, Document]]:
         """Yield ``(split, Document)`` lazily, train and val interleaved in stream order for a hash split,
@@ -333,17 +382,29 @@ def open_corpus(
         files = _walk_sorted(path, TEXT_SUFFIXES, frozenset({"__pycache__"})) if path.is_dir() else [path]
         if not files:
             raise ValueError(f"corpus directory {path} has no {'/'.join(TEXT_SUFFIXES)} files")
+        skipped: dict[Path, str] = {}
+        if path.suffix != ".parquet":
+            for f in files:
+                if (why := sniff_binary(f)) is not None:
+                    if not path.is_dir():
+                        raise ValueError(f"{f}: {why}; xtrain data prepare reads UTF-8 text")
+                    skipped[f] = why
+        if skipped and len(skipped) == len(files):
+            first = next(iter(skipped))
+            raise ValueError(f"corpus directory {path}: every file is binary ({first}: {skipped[first]})")
+        skip = frozenset(skipped)
         info = {"path": str(path), "fingerprint": _files_fingerprint(files, path, with_mtime=True)}
-        total = sum(f.stat().st_size for f in files)
+        total = sum(f.stat().st_size for f in files if f not in skip)
         corpus = Corpus(
             str(path),
             "path",
             cap,
             val_fraction,
-            lambda: read_path(path),
+            lambda: read_path(path, skip),
             None,
             info,
             size_hint=min(total, cap) if cap else total,
+            skipped=tuple(f"{f.relative_to(path).as_posix()}: {why}" for f, why in skipped.items()),
         )
     if val_path is not None:
         vp = Path(val_path).expanduser().resolve()

@@ -148,6 +148,9 @@ def prepare(
     t_start = time.perf_counter()
     if not isinstance(corpus, Corpus):
         corpus = open_corpus(corpus, max_bytes=max_bytes, val_fraction=val_fraction)
+    if corpus.skipped:
+        more = f" (and {len(corpus.skipped) - 1} more)" if len(corpus.skipped) > 1 else ""
+        log(f"data: skipped {len(corpus.skipped)} binary file(s) of {corpus.name}: {corpus.skipped[0]}{more}")
     out_dir = Path(out_dir) if out_dir is not None else default_data_dir(vocab_size, corpus.name)
     _set_workers(workers)
 

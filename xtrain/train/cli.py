@@ -13,6 +13,14 @@ source, tokenized into ``$XTRAIN_CACHE/data`` on first use) and writes a run dir
     tokenizer.json         copy of the tokenizer, so the run directory is self-contained for sampling
 
 ``xtrain train --resume RUN [--steps N]`` continues RUN bit-exactly (weights, optimizer, data position).
+On resume only --steps, --eval-every, --ckpt-every, --skip-nonfinite, --stop-after, --device and the
+output flags may change; every other setting (eval-batches included) keeps the run's saved value, and
+passing a different one is an error. metrics.jsonl is cut back to the checkpoint's step.
+
+A run directory is owned by one process at a time (the lock file .xtrain.lock, holding its PID): a second
+`xtrain train --out DIR` or `--resume DIR` on it stops with that PID; a lock left by a killed process is
+taken over. Unavailable devices and sizes whose memory estimate exceeds what the device has stop with one
+line and exit code 2 before the run directory is made.
 """
 
 from __future__ import annotations
@@ -20,16 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-# Defaults of the main job, sized so `xtrain train` (data preparation included) finishes in under 5 minutes
-# on 2 CPU cores; see README "The main job".
+# Defaults of the main job, sized so `xtrain train` (data preparation included) finishes in under 4 minutes
+# on 2 CPU cores that train the tiny preset at ~2,100 tokens/s; see README "The main job".
 DEFAULTS = dict(
-    preset="tiny", steps=400, batch_size=16, seq_len=128, lr=3e-3, warmup=40, eval_every=100, eval_batches=16, seed=1337
+    preset="tiny", steps=200, batch_size=16, seq_len=128, lr=3e-3, warmup=20, eval_every=100, eval_batches=8, seed=1337
 )
+# settings a resumed run may change; every other flag must match the run's saved value
+RESUME_MAY_CHANGE = ("--steps", "--eval-every", "--ckpt-every", "--skip-nonfinite", "--stop-after", "--device")
 
 
 def add_parser(subparsers) -> None:
@@ -40,16 +51,14 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     d = DEFAULTS
-    p.add_argument(
-        "--preset", default=d["preset"], help=f"model preset: tiny, seed, gpt2-small (default {d['preset']})"
-    )
+    p.add_argument("--preset", default=None, help=f"model preset: tiny, seed, gpt2-small (default {d['preset']})")
     p.add_argument(
         "--data",
         default=None,
         help="a prepared data dir (with meta.json), or a corpus to prepare: pystdlib, tinystories, "
         "or a .txt/.jsonl/.parquet file or directory (default: pystdlib, cached)",
     )
-    p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocab when preparing data (default 4096)")
+    p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocab when preparing data (default 4096)")
     p.add_argument("--out", default=None, help="run directory (default runs/<preset>-<date>-<time>)")
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d['steps']})")
     p.add_argument(
@@ -98,9 +107,16 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help=f"run seed: init, data order, dropout (default {d['seed']})")
     p.add_argument("--eval-every", type=int, default=None, help=f"validate every N steps (default {d['eval_every']})")
-    p.add_argument("--eval-batches", type=int, default=d["eval_batches"], help="validation batches per evaluation")
-    p.add_argument("--ckpt-every", type=int, default=0, help="also checkpoint every N steps (default: end only)")
-    p.add_argument("--skip-nonfinite", action="store_true", help="skip (and count) steps with nan/inf loss")
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=None,
+        help=f"validation batches per evaluation (default {d['eval_batches']})",
+    )
+    p.add_argument("--ckpt-every", type=int, default=None, help="also checkpoint every N steps (default: end only)")
+    p.add_argument(
+        "--skip-nonfinite", action="store_true", default=None, help="skip (and count) steps with nan/inf loss"
+    )
     p.add_argument("--sample-tokens", type=int, default=120, help="tokens to sample at the end (0: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per eval instead)")
     p.set_defaults(func=run)
@@ -165,41 +181,200 @@ def run(args) -> int:
             D.shutdown()
 
 
-def _run(args, info) -> int:
+def resolve_device(spec: str | None) -> str:
+    """The device to run on: ``spec`` checked against what this torch build and machine have (ValueError with
+    one line saying why not), or cuda when available, else cpu."""
     import torch
 
+    if spec is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {spec}: not a device name; use cpu or cuda (cuda:N)") from None
+    if dev.type == "cpu":
+        return str(dev)
+    if dev.type != "cuda":
+        raise ValueError(f"--device {spec}: xtrain runs on cpu or cuda only")
+    if not torch.cuda.is_available():
+        why = (
+            f"this torch ({torch.__version__}) was built without CUDA"
+            if torch.version.cuda is None
+            else "no CUDA GPU is visible (driver missing, or CUDA_VISIBLE_DEVICES empty)"
+        )
+        raise ValueError(f"--device {spec}: {why}; use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return str(dev)
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes the device can still give (free GPU memory, or the OS's MemAvailable); None when unknown."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def estimate_train_bytes(mc, tc, device: str) -> int:
+    """A lower estimate of one training step's memory: weights, grads and AdamW moments (fp32), plus the
+    activations the tape keeps for backward (per layer: the [B, T, *] tensors of the norms, projections and
+    MLP, and, unless attention is flash, the [B, H, T, T] scores and probabilities), plus the logits and
+    their gradient. Used to refuse sizes that cannot fit before any work starts."""
+    B, T = tc.micro_batch_size, tc.seq_len
+    C, F, V, L = mc.n_embd, mc.ffn_dim, mc.vocab_size, mc.n_layer
+    H, Hkv, D = mc.n_head, mc.n_kv_head, mc.head_dim
+    es = 2 if mc.compute_dtype in ("bfloat16", "float16") else 4
+    flash = mc.attention == "flash" or (mc.attention == "auto" and device.startswith("cuda"))
+    layer = B * T * (4 * C + 2 * (H + 2 * Hkv) * D + 3 * F) * es
+    if not flash:
+        layer += 2 * B * H * T * T * es
+    acts = layer * L if not mc.recompute else B * T * C * es * L + layer
+    logits = 2 * B * T * V * 4
+    return acts + logits + mc.num_params() * 16
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _resume_conflicts(args, model_cfg, stored, eval_batches: int) -> list[str]:
+    """Flags given on --resume whose value differs from the run's saved one (those may not change)."""
+    from xtrain.config import preset
+
+    given = {
+        "--batch-size": (args.batch_size, stored.batch_size),
+        "--seq-len": (args.seq_len, stored.seq_len),
+        "--lr": (args.lr, stored.lr),
+        "--warmup": (args.warmup, stored.warmup_steps),
+        "--grad-accum": (args.grad_accum, stored.grad_accum),
+        "--seed": (args.seed, stored.seed),
+        "--eval-batches": (args.eval_batches, eval_batches),
+        "--vocab-size": (args.vocab_size, model_cfg.vocab_size),
+        "--dtype": (args.dtype, model_cfg.compute_dtype),
+        "--recompute": (args.recompute, model_cfg.recompute),
+        "--dropout": (args.dropout, model_cfg.dropout),
+        "--attention": (args.attention, model_cfg.attention),
+    }
+    out = [f"{k} {new} (the run has {old})" for k, (new, old) in given.items() if new is not None and new != old]
+    if args.preset is not None:
+        shape = ("n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "ffn_dim")
+        try:
+            p = preset(args.preset)
+            same = all(getattr(p, f) == getattr(model_cfg, f) for f in shape)
+        except ValueError:
+            same = False
+        if not same:
+            out.append(f"--preset {args.preset} (the run's model differs)")
+    data_dir = stored.extra.get("data_dir")
+    if args.data is not None and (data_dir is None or Path(args.data).resolve() != Path(data_dir).resolve()):
+        out.append(f"--data {args.data} (the run reads {data_dir})")
+    return out
+
+
+TIMING_STEPS = 4  # steps timed for the expected-duration line (the first one, with its warm-up, is left out)
+
+
+def _expected_duration(timing: list[tuple[float, int]], step: int, tcfg, eval_batches: int, world: int) -> str:
+    """One line: the tokens/s of the first steps and the time the rest of the run should take (the
+    remaining steps, plus evaluations counted as forward passes, about a third of a step per batch)."""
+    secs = sum(t for t, _ in timing[1:]) or 1e-9
+    tok_s = sum(n for _, n in timing[1:]) / secs
+    left = tcfg.steps - step
+    evals = (tcfg.steps // tcfg.eval_every - step // tcfg.eval_every + 1) if tcfg.eval_every else 1
+    eval_tokens = evals * eval_batches * tcfg.batch_size * tcfg.seq_len
+    eta = (left * tcfg.tokens_per_step + eval_tokens / 3) / tok_s
+    return (
+        f"timing: {tok_s * world:,.0f} tokens/s over steps {step - len(timing) + 2}-{step}; "
+        f"expected {int(eta) // 60}m{int(eta) % 60:02d}s more for {left} steps and {evals} evaluation(s)"
+    )
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Cut metrics.jsonl back to the rows of steps <= ``step`` (and drop a torn last line), rewriting it
+    atomically, so a resumed run's log agrees with its weights. Returns the number of rows dropped."""
+    from xtrain.fileio import atomic_write_text
+
+    if not path.is_file():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            ok = isinstance(row, dict) and int(row.get("step", 0)) <= step
+        except (ValueError, TypeError):
+            ok = False
+        if ok:
+            keep.append(line)
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        atomic_write_text(path, "".join(x + "\n" for x in keep))
+    return dropped
+
+
+def _run(args, info) -> int:
+
     from xtrain.config import ConfigError, ModelConfig, TrainConfig, preset
-    from xtrain.model import Model
+    from xtrain.fileio import DirectoryBusyError, DirLock, lock_owner
     from xtrain.train import checkpoint as ckpt_io
     from xtrain.train import distributed as D
-    from xtrain.train.trainer import NonFiniteError, Trainer, evaluate
 
     t_start = time.perf_counter()
     rank, world = (info.rank, info.world_size) if info else (0, 1)
     main = rank == 0
-    device = info.device if info else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    d = DEFAULTS
+    preset_name = _pick(args.preset, d["preset"])
     try:
+        device = info.device if info else resolve_device(args.device)
         if args.resume:
             run_dir = Path(args.resume)
+            if main and (owner := lock_owner(run_dir)) is not None:
+                raise DirectoryBusyError(f"{run_dir}: in use by process {owner} (lock file {run_dir / '.xtrain.lock'})")
             model_cfg, stored = ckpt_io.read_config(run_dir)
             if stored is None:
                 raise ConfigError(f"{run_dir / 'config.json'}: holds no train config")
-            tcfg = TrainConfig.from_dict({**stored.to_dict(), "steps": _pick(args.steps, stored.steps)}).validate()
+            eval_batches = int(stored.extra.get("eval_batches", 16))  # runs made before it was saved used 16
+            conflicts = _resume_conflicts(args, model_cfg, stored, eval_batches)
+            if conflicts:
+                raise ConfigError(
+                    f"--resume {run_dir}: cannot change {'; '.join(conflicts)}; a resumed run may change only "
+                    f"{', '.join(RESUME_MAY_CHANGE)}"
+                )
+            changes = {"steps": _pick(args.steps, stored.steps)}
+            for k in ("eval_every", "ckpt_every", "skip_nonfinite"):
+                if getattr(args, k) is not None:
+                    changes[k] = getattr(args, k)
+            tcfg = TrainConfig.from_dict({**stored.to_dict(), **changes}).validate()
             data_spec = stored.extra.get("data_dir")
         else:
             data_spec = args.data
-            run_dir = Path(args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+            eval_batches = _pick(args.eval_batches, d["eval_batches"])
+            if eval_batches <= 0:
+                raise ConfigError(f"--eval-batches must be a positive integer, got {eval_batches}")
+            run_dir = Path(args.out or f"runs/{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}")
             if (run_dir / "config.json").exists():
                 raise ConfigError(f"{run_dir}: already holds a run; pass --resume {run_dir} or another --out")
+            if main and (owner := lock_owner(run_dir)) is not None:
+                raise DirectoryBusyError(f"{run_dir}: in use by process {owner} (lock file {run_dir / '.xtrain.lock'})")
         if not main:
             D.barrier()  # rank 0 prepares the data first; the others then find it complete and reuse it
-        meta = resolve_data(data_spec, args.vocab_size, log=print if main else (lambda *a, **k: None))
+        meta = resolve_data(data_spec, _pick(args.vocab_size, 4096), log=print if main else (lambda *a, **k: None))
         if main:
             D.barrier()
         if not args.resume:
-            d = DEFAULTS
             seq_len = _pick(args.seq_len, d["seq_len"])
-            base = preset(args.preset)
+            base = preset(preset_name)
             model_cfg = ModelConfig.from_dict(
                 {
                     **base.to_dict(),
@@ -225,23 +400,59 @@ def _run(args, info) -> int:
                 warmup_steps=min(_pick(args.warmup, d["warmup"]), steps),
                 seed=_pick(args.seed, d["seed"]),
                 eval_every=_pick(args.eval_every, d["eval_every"]),
-                ckpt_every=args.ckpt_every,
-                skip_nonfinite=args.skip_nonfinite,
-                extra={"data_dir": str(meta["dir"])},
+                ckpt_every=_pick(args.ckpt_every, 0),
+                skip_nonfinite=bool(args.skip_nonfinite),
+                extra={"data_dir": str(meta["dir"]), "eval_batches": eval_batches},
             ).validate()
+        need, have = estimate_train_bytes(model_cfg, tcfg, str(device)), available_memory(str(device))
+        if have is not None and need > have:
+            raise ConfigError(
+                f"batch {tcfg.micro_batch_size} x seq-len {tcfg.seq_len} needs about {_gib(need)} for one step "
+                f"({model_cfg.n_layer} layers, {model_cfg.attention} attention), more than the {_gib(have)} "
+                f"{device} has free; lower --seq-len or --batch-size, or use --grad-accum / --recompute"
+            )
         train_data, val_data = _loaders(meta, tcfg.batch_size, tcfg.seq_len, tcfg.seed, rank, world)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, DirectoryBusyError) as e:
         print(f"xtrain train: {e}", file=sys.stderr)
         return 2
 
+    lock = None
     if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = DirLock(run_dir, log=lambda msg: print(f"xtrain train: {msg}", file=sys.stderr)).acquire()
+        except DirectoryBusyError as e:
+            print(f"xtrain train: {e}", file=sys.stderr)
+            return 2
+        if not args.resume and (run_dir / "config.json").exists():  # another process finished a run here
+            lock.release()
+            print(
+                f"xtrain train: {run_dir}: already holds a run; pass --resume {run_dir} or another --out",
+                file=sys.stderr,
+            )
+            return 2
+    try:
+        return _train(args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, train_data, val_data, t_start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, train_data, val_data, t_start) -> int:
+    import torch
+
+    from xtrain.model import Model
+    from xtrain.train import distributed as D
+    from xtrain.train.trainer import NonFiniteError, Trainer, evaluate
+
+    rank, world = (info.rank, info.world_size) if info else (0, 1)
+    main = rank == 0
+    if main:
         tok_src = Path(meta["dir"]) / meta.get("tokenizer", "tokenizer.json")
         if tok_src.is_file() and not (run_dir / "tokenizer.json").exists():
             shutil.copyfile(tok_src, run_dir / "tokenizer.json")
 
     def eval_fn(model):
-        res = evaluate(model, val_data.val_batches(args.eval_batches))
+        res = evaluate(model, val_data.val_batches(eval_batches))
         if world > 1:  # each rank scored its slice of the validation batches: sum the totals
             t = torch.tensor(
                 [res["eval_loss"] * res["eval_tokens"], res["eval_tokens"]], dtype=torch.float64, device=device
@@ -251,13 +462,14 @@ def _run(args, info) -> int:
             res = {"eval_loss": loss, "eval_tokens": int(t[1]), "eval_ppl": math.exp(min(loss, 50.0))}
         return res
 
-    log = MetricsLog(run_dir / "metrics.jsonl") if main else None
+    log = None
     bar = None
     if main and not args.no_progress:
         from tqdm import tqdm
 
         bar = tqdm(total=tcfg.steps, unit="step", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
     last_val = {}
+    timing: list[tuple[float, int]] = []  # (seconds, tokens) of this invocation's first steps
 
     def on_metrics(m: dict) -> None:
         if m.get("kind") == "eval":
@@ -265,6 +477,10 @@ def _run(args, info) -> int:
         if not main:
             return
         log(m)
+        if m.get("kind") != "eval" and len(timing) < TIMING_STEPS:
+            timing.append((m["time"], m["tokens"]))
+            if len(timing) == TIMING_STEPS:
+                (bar.write if bar else print)(_expected_duration(timing, m["step"], tcfg, eval_batches, world))
         if m.get("kind") == "eval":
             msg = f"step {m['step']}: val loss {m.get('eval_loss', float('nan')):.4f}"
             (bar.write if bar else print)(msg)
@@ -294,13 +510,17 @@ def _run(args, info) -> int:
         except ValueError as e:
             print(f"xtrain train: {e}", file=sys.stderr)
             return 2
+        if main and (n := truncate_metrics(run_dir / "metrics.jsonl", trainer.step)):
+            print(f"metrics.jsonl: dropped {n} rows past the checkpoint's step {trainer.step}")
+    if main:
+        log = MetricsLog(run_dir / "metrics.jsonl")
     if bar is not None:
         bar.n = trainer.step
         bar.refresh()
     if main:
         dp = f", data parallel over {world} ranks ({tcfg.batch_size} sequences each)" if world > 1 else ""
         print(
-            f"run {run_dir}: {args.preset if not args.resume else 'resumed'} model, "
+            f"run {run_dir}: {_pick(args.preset, DEFAULTS['preset']) if not args.resume else 'resumed'} model, "
             f"{model.num_params() / 1e6:.2f}M params, {device}, {model_cfg.compute_dtype}{dp}; "
             f"data {meta['dir']} ({meta['train']['tokens']:,} train tokens, vocab {meta['vocab_size']}); "
             f"{tcfg.steps} steps x {tcfg.tokens_per_step * world} tokens from step {trainer.step}"

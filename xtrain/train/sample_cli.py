@@ -73,10 +73,11 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from xtrain.model import Model
     from xtrain.train import checkpoint as ckpt_io
+    from xtrain.train.cli import resolve_device
 
     run_dir = Path(args.run)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        device = resolve_device(args.device)
         ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
         model = Model(ck.model_config, device=device)
         ckpt_io.restore(ck, model)

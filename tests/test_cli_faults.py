@@ -1,0 +1,332 @@
+"""The command line under bad inputs and contested files: each case runs the real command in a subprocess
+(``python -m xtrain.cli ...``, cwd a temporary directory) and checks the exit code, the first line of what
+it said on stderr, and that no file that existed before changed (every file's sha256, before and after).
+
+One tiny run (tiny preset, vocab 300, two steps) is built once per module and copied where a case needs a
+run it may touch."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--batch-size", "4", "--seq-len", "32", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1"]
+QUIET = ["--no-progress", "--sample-tokens", "0"]
+
+
+def xtrain(*args, cwd, timeout=300, env=None):
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "XTRAIN_CACHE": str(Path(cwd) / "cache"), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "xtrain.cli", *map(str, args)],
+        cwd=cwd,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def first_line(text: str) -> str:
+    return next((ln for ln in text.splitlines() if ln.strip()), "")
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    if not root.exists():
+        return {}
+    if root.is_file():
+        return {root.name: hashlib.sha256(root.read_bytes()).hexdigest()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}"""
+    d = tmp_path_factory.mktemp("faults")
+    corpus = d / "corpus"
+    corpus.mkdir()
+    import inspect
+    import pathlib
+
+    src = inspect.getsource(json) + inspect.getsource(pathlib)
+    for i in range(40):
+        (corpus / f"doc{i:02d}.py").write_text(src[i * 1500 : (i + 1) * 1500])
+    r = xtrain("data", "prepare", "--corpus", corpus, "--vocab-size", 300, "--out", d / "data", "--no-progress", cwd=d)
+    assert r.returncode == 0, r.stderr
+    r = xtrain("train", "--data", d / "data", "--out", d / "run", "--steps", 2, *TINY, *QUIET, cwd=d)
+    assert r.returncode == 0, r.stderr
+    return {"dir": d, "data": d / "data", "run": d / "run"}
+
+
+def check(r, rc: int, first: str):
+    assert r.returncode == rc, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    if first:
+        assert first in first_line(r.stderr), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def copy_run(base, name) -> Path:
+    dst = base["dir"] / name
+    shutil.copytree(base["run"], dst)
+    return dst
+
+
+# -- export ------------------------------------------------------------------------------------------------
+
+
+def test_export_into_the_run_itself_is_refused(base, tmp_path):
+    before = tree_hash(base["run"])
+    r = xtrain("export", base["run"], "--out", base["run"], cwd=tmp_path)
+    check(r, 2, "xtrain export: export: --out")
+    assert "run directory itself" in first_line(r.stderr)
+    assert tree_hash(base["run"]) == before
+
+
+def test_export_into_another_run_or_a_full_directory_is_refused(base, tmp_path):
+    other = copy_run(base, "other_run_export")
+    before = tree_hash(other)
+    r = xtrain("export", base["run"], "--out", other, cwd=tmp_path)
+    check(r, 2, "is an xtrain run directory")
+    assert tree_hash(other) == before
+    full = tmp_path / "notes"
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    r = xtrain("export", base["run"], "--out", full, cwd=tmp_path)
+    check(r, 2, "not empty and not a previous export")
+    assert tree_hash(full) == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
+
+
+def test_export_over_a_previous_export_is_allowed(base, tmp_path):
+    before = tree_hash(base["run"])
+    for _ in range(2):
+        r = xtrain("export", base["run"], "--out", tmp_path / "hf", "--dtype", "float32", cwd=tmp_path)
+        check(r, 0, "")
+    assert tree_hash(base["run"]) == before
+    tok = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
+    assert tok["post_processor"]["type"] == "TemplateProcessing"
+
+
+# -- ownership of a run directory ------------------------------------------------------------------------------
+
+
+def test_train_onto_a_directory_a_live_process_owns(base, tmp_path):
+    owned = tmp_path / "owned"
+    owned.mkdir()
+    (owned / ".xtrain.lock").write_text(json.dumps({"pid": os.getpid()}))
+    before = tree_hash(owned)
+    r = xtrain("train", "--data", base["data"], "--out", owned, "--steps", 2, *TINY, *QUIET, cwd=tmp_path)
+    check(r, 2, f"in use by process {os.getpid()}")
+    assert tree_hash(owned) == before
+
+
+def test_resume_of_a_run_a_live_process_owns(base, tmp_path):
+    run = copy_run(base, "owned_resume")
+    (run / ".xtrain.lock").write_text(json.dumps({"pid": os.getpid()}))
+    before = tree_hash(run)
+    r = xtrain("train", "--resume", run, "--steps", 3, *QUIET, cwd=tmp_path)
+    check(r, 2, f"in use by process {os.getpid()}")
+    assert tree_hash(run) == before
+
+
+def test_a_stale_lock_is_taken_over_and_released(base, tmp_path):
+    out = tmp_path / "stale"
+    out.mkdir()
+    pid = dead_pid()
+    (out / ".xtrain.lock").write_text(json.dumps({"pid": pid}))
+    r = xtrain("train", "--data", base["data"], "--out", out, "--steps", 1, *TINY, *QUIET, cwd=tmp_path)
+    check(r, 0, f"taking over a stale lock of process {pid}")
+    assert (out / "model.safetensors").is_file() and not (out / ".xtrain.lock").exists()
+
+
+def test_two_trainings_started_together_one_wins(base, tmp_path):
+    out = tmp_path / "race"
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "XTRAIN_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "xtrain.cli", "train", "--data", str(base["data"]), "--out", str(out)]
+    cmd += ["--steps", "2", *TINY, *QUIET]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=e, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    codes = sorted(rc for rc, _ in results)
+    assert codes == [0, 2], results
+    loser = next(err for rc, err in results if rc == 2)
+    assert "in use by process" in loser or "already holds a run" in loser, loser
+
+
+# -- resume keeps what may not change, and its log agrees with its weights -----------------------------------
+
+
+def test_resume_refuses_a_changed_setting(base, tmp_path):
+    run = copy_run(base, "changed")
+    before = tree_hash(run)
+    r = xtrain("train", "--resume", run, "--steps", 3, "--eval-batches", 3, "--lr", 0.1, *QUIET, cwd=tmp_path)
+    check(r, 2, "cannot change --lr 0.1")
+    assert "--eval-batches 3 (the run has 1)" in r.stderr and "--steps" in r.stderr
+    assert tree_hash(run) == before
+
+
+def test_resume_drops_metrics_past_the_checkpoint(base, tmp_path):
+    run = copy_run(base, "killed")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(m["step"] for m in rows) == 2
+    # as after SIGKILL: steps logged past the last checkpoint, and a torn last line
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "train", "step": 3, "loss": 9.0}) + "\n" + '{"kind": "tr')
+    r = xtrain("train", "--resume", run, "--steps", 4, *QUIET, cwd=tmp_path)
+    check(r, 0, "")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [m["step"] for m in rows if m["kind"] == "train"]
+    assert train_steps == [1, 2, 3, 4]
+    assert all(m.get("loss") != 9.0 for m in rows)
+    assert json.loads((run / "config.json").read_text())["train"]["extra"]["eval_batches"] == 1
+
+
+# -- unavailable devices, impossible sizes: no run directory left ------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cuda", "tpu"])
+def test_train_on_an_unavailable_device(base, tmp_path, device):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = tmp_path / "never"
+    r = xtrain("train", "--data", base["data"], "--out", out, "--device", device, *TINY, *QUIET, cwd=tmp_path)
+    check(r, 2, f"xtrain train: --device {device}:")
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("device", ["cuda", "tpu"])
+def test_sample_on_an_unavailable_device(base, tmp_path, device):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    before = tree_hash(base["run"])
+    r = xtrain("sample", base["run"], "--device", device, "--max-new-tokens", 2, cwd=tmp_path)
+    check(r, 2, f"xtrain sample: --device {device}:")
+    assert tree_hash(base["run"]) == before
+
+
+def test_a_sequence_length_that_cannot_fit(base, tmp_path):
+    out = tmp_path / "huge"
+    r = xtrain(
+        "train", "--data", base["data"], "--out", out, "--seq-len", 100000, "--batch-size", 16, *QUIET, cwd=tmp_path
+    )
+    check(r, 2, "xtrain train: batch 16 x seq-len 100000 needs about")
+    assert not out.exists()
+
+
+# -- bad data --------------------------------------------------------------------------------------------------
+
+
+def _llmc_shard(path: Path):
+    header = torch.zeros(256, dtype=torch.int32)
+    header[0], header[1], header[2] = 20240520, 1, 1000
+    path.write_bytes(header.numpy().tobytes() + torch.arange(1000, dtype=torch.int16).numpy().tobytes())
+
+
+@pytest.mark.parametrize("kind", ["random", "elf", "llmc"])
+def test_prepare_refuses_a_binary_file(tmp_path, kind):
+    if kind == "random":
+        f = tmp_path / "random.txt"
+        f.write_bytes(os.urandom(50_000))
+    elif kind == "elf":
+        f = tmp_path / "prog"
+        shutil.copyfile(sys.executable if Path(sys.executable).stat().st_size < 50_000_000 else "/bin/ls", f)
+    else:
+        f = tmp_path / "train_000000.bin"
+        _llmc_shard(f)
+    before = tree_hash(tmp_path)
+    r = xtrain("data", "prepare", "--corpus", f, "--vocab-size", 257, "--out", tmp_path / "out", cwd=tmp_path)
+    check(r, 2, f"xtrain data: error: {f.resolve()}: binary, not text")
+    assert tree_hash(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_prepare_skips_binary_files_of_a_directory(tmp_path):
+    d = tmp_path / "mixed"
+    d.mkdir()
+    for i in range(5):
+        (d / f"t{i}.txt").write_text(f"plain text number {i}\n" * 50)
+    (d / "blob.txt").write_bytes(b"\x7fELF\x00\x01" + os.urandom(4000))
+    r = xtrain(
+        "data", "prepare", "--corpus", d, "--vocab-size", 257, "--out", tmp_path / "out", "--no-progress", cwd=tmp_path
+    )
+    check(r, 0, "")
+    assert "data: skipped 1 binary file(s)" in r.stdout and "blob.txt: binary, not text" in r.stdout
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["train"]["docs"] + meta["val"]["docs"] == 5
+
+
+# -- what was already handled: corrupt checkpoints and shards ---------------------------------------------------
+
+
+def test_truncated_checkpoint_is_named(base, tmp_path):
+    run = copy_run(base, "truncated")
+    data = (run / "model.safetensors").read_bytes()
+    (run / "model.safetensors").write_bytes(data[: len(data) // 2])
+    before = tree_hash(run)
+    for cmd in (["sample", run, "--max-new-tokens", 2], ["train", "--resume", run, "--steps", 3, *QUIET]):
+        r = xtrain(*cmd, cwd=tmp_path)
+        check(r, 2, f"{run / 'model.safetensors'}: not a valid safetensors file")
+        assert tree_hash(run) == before
+
+
+def test_mismatched_checkpoint_files_are_named(base, tmp_path):
+    run = copy_run(base, "mismatched")
+    st = json.loads((run / "trainer_state.json").read_text())
+    st["step"] = 7
+    (run / "trainer_state.json").write_text(json.dumps(st))
+    before = tree_hash(run)
+    r = xtrain("train", "--resume", run, "--steps", 9, *QUIET, cwd=tmp_path)
+    check(r, 2, f"{run / 'model.safetensors'}: holds step 2, but trainer_state.json says step 7")
+    assert tree_hash(run) == before
+
+
+def test_mismatched_shard_is_named(base, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(base["data"], data)
+    shard = data / "train_000000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[8:12] = (10**9).to_bytes(4, "little")  # the header's token count no longer matches the file
+    shard.write_bytes(bytes(raw))
+    before = tree_hash(data)
+    r = xtrain("train", "--data", data, "--out", tmp_path / "run", "--steps", 1, *TINY, *QUIET, cwd=tmp_path)
+    check(r, 2, f"xtrain train: shard {shard}: truncated")
+    assert tree_hash(data) == before and not (tmp_path / "run").exists()
+
+
+# -- Ctrl-C ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_training_saves_and_exits(base, tmp_path):
+    out = tmp_path / "interrupted"
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "XTRAIN_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "xtrain.cli", "train", "--data", str(base["data"]), "--out", str(out)]
+    cmd += ["--steps", "100000", "--batch-size", "8", "--seq-len", "256", "--eval-every", "0", *QUIET]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.2)
+    t0 = time.time()
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130, stderr
+    assert time.time() - t0 < 15
+    assert "interrupted at step" in stdout and "Traceback" not in stderr
+    assert not (out / ".xtrain.lock").exists()
