@@ -72,9 +72,11 @@ def adamw_step_device(
     torch._foreach_mul_(upd, -lr / bc1)
     torch._foreach_add_(new_p, upd)
     # lerp with weight exactly 0 or 1 returns self or end exactly (both finite here)
-    torch._foreach_lerp_(params, new_p, okf)
-    torch._foreach_lerp_(exp_avgs, new_m, okf)
-    torch._foreach_lerp_(exp_avg_sqs, new_v, okf)
+    # (a list of weight tensors: a single 0-dim tensor would be read to the host as a Python scalar)
+    w = [okf] * len(params)
+    torch._foreach_lerp_(params, new_p, w)
+    torch._foreach_lerp_(exp_avgs, new_m, w)
+    torch._foreach_lerp_(exp_avg_sqs, new_v, w)
     if copies is not None:
         pairs = [(c, p) for c, p in zip(copies, params) if c is not None]
         if pairs:

@@ -27,6 +27,7 @@ from xtrain.ops.basic import (
     sub,
     sum,
     transpose,
+    value_checks_off,
 )
 from xtrain.ops.nn import cross_entropy, dropout, embedding, rms_norm, rope, silu, softmax, swiglu
 
@@ -65,6 +66,7 @@ __all__ = [
     "sum",
     "swiglu",
     "transpose",
+    "value_checks_off",
 ]
 
 

@@ -10,6 +10,7 @@ Shape letters: B batch, T time, C width, N rows, V vocab.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import numbers
 import os
 
@@ -31,6 +32,21 @@ def check(cond: bool, op: str, msg: str, *xs) -> None:
 
 
 _CHECK_VALUES_ON_GPU = os.environ.get("XTRAIN_CHECK_VALUES", "0") == "1"
+_values_off = False
+
+
+@contextlib.contextmanager
+def value_checks_off():
+    """Within this block no op runs a check that reads tensor values (on any device), so nothing in it
+    reads a value back to the host: a capture-ready training step runs its ops this way, after the trainer
+    has checked the batch on the CPU. Shape, dtype and device checks still run."""
+    global _values_off
+    prev = _values_off
+    _values_off = True
+    try:
+        yield
+    finally:
+        _values_off = prev
 
 
 def check_values(t: torch.Tensor) -> bool:
@@ -38,7 +54,9 @@ def check_values(t: torch.Tensor) -> bool:
     host: free on the CPU, but on a GPU each is a host-device synchronisation that stalls the launch
     queue. So they run on CPU tensors always, and on GPU tensors when ``XTRAIN_CHECK_VALUES=1``; the
     trainer checks every batch on the CPU before moving it to the device. Shape, dtype and device checks
-    never read values and always run."""
+    never read values and always run. Inside ``value_checks_off()``: never."""
+    if _values_off:
+        return False
     return not t.is_cuda or _CHECK_VALUES_ON_GPU
 
 
