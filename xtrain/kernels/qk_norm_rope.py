@@ -1,6 +1,6 @@
 """Per-head RMSNorm followed by RoPE, one fused step each way (Qwen3's q_norm/k_norm + rotary embedding).
 
-    x [B, T, G*D] (a q or k projection, G heads of D) -> view [B, T, G, D]
+    x [B, T, G*D] or [B*T, G*D] (a q or k projection, G heads of D) -> view [B, T, G, D]
     n = rms_norm over D with weight w [D]             (statistics in fp32, inv_rms [B*T*G] saved)
     y = rope(n transposed to [B, G, T, D])            (HF rotate_half convention, see kernels/rope.py)
 
@@ -53,8 +53,14 @@ def _acc(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _bt(x: torch.Tensor, positions: torch.Tensor) -> tuple[int, int, int]:
+    """(B, T, F) of x [B, T, F] or [B*T, F]; T is the positions' last dim."""
+    T, F = positions.shape[-1], x.shape[-1]
+    return x.numel() // (T * F), T, F
+
+
 def qk_norm_rope_fwd_ref(x, w, G: int, eps: float, positions, theta: float, table):
-    B, T, F = x.shape
+    B, T, F = _bt(x, positions)
     D = F // G
     acc = _acc(x)
     xf = x.reshape(-1, D)  # [B*T*G, D]
@@ -69,17 +75,17 @@ def qk_norm_rope_fwd_ref(x, w, G: int, eps: float, positions, theta: float, tabl
 
 
 def qk_norm_rope_bwd_ref(dy, x, w, G: int, inv_rms, positions, theta: float, table):
-    B, T, F = x.shape
+    B, T, F = _bt(x, positions)
     D = F // G
     acc = _acc(x)
     dn = _rotate(dy, table[0], table[1], -1.0, acc).transpose(1, 2)  # [B, T, G, D]
     dx, dw = K_rms.rms_norm_bwd_ref(dn, x.view(B, T, G, D), w, inv_rms)
-    return dx.reshape(B, T, F), dw
+    return dx.reshape(x.shape), dw
 
 
 def qk_norm_rope_fwd(x, w, G: int, eps: float, positions, theta: float, table):
     if x.dtype != torch.float64 and use_triton(x, w):
-        B, T, F = x.shape
+        B, T, F = _bt(x, positions)
         n, inv_rms = K_rms.rms_norm_fwd(x.view(B, T, G, F // G), w, eps)
         return K_rope.rope_fwd(n.transpose(1, 2), positions, theta), inv_rms
     return qk_norm_rope_fwd_ref(x, w, G, eps, positions, theta, table)
@@ -87,8 +93,8 @@ def qk_norm_rope_fwd(x, w, G: int, eps: float, positions, theta: float, table):
 
 def qk_norm_rope_bwd(dy, x, w, G: int, inv_rms, positions, theta: float, table):
     if x.dtype != torch.float64 and use_triton(dy, x, w):
-        B, T, F = x.shape
+        B, T, F = _bt(x, positions)
         dn = K_rope.rope_bwd(dy, positions, theta).transpose(1, 2)
         dx, dw = K_rms.rms_norm_bwd(dn, x.view(B, T, G, F // G), w, inv_rms)
-        return dx.reshape(B, T, F), dw
+        return dx.reshape(x.shape), dw
     return qk_norm_rope_bwd_ref(dy, x, w, G, inv_rms, positions, theta, table)

@@ -6,7 +6,8 @@ nn:    embedding, rms_norm, silu, swiglu, softmax, cross_entropy, rope, dropout
 attention: attention (composed), math_attention (one node, hand-written backward), auto_attention (the form the
            device rule picks), repeat_kv, causal_mask;
            flash_attention (fused, xtrain.ops.flash)
-fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, rope_table (xtrain.ops.fused)
+fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, rope_table, swiglu_linear
+       (xtrain.ops.fused)
 """
 
 from xtrain.ops.attention import attention, auto_attention, causal_mask, math_attention, repeat_kv
@@ -65,6 +66,7 @@ __all__ = [
     "sub",
     "sum",
     "swiglu",
+    "swiglu_linear",
     "transpose",
     "value_checks_off",
 ]
@@ -76,7 +78,7 @@ def __getattr__(name):
         from xtrain.ops.flash import flash_attention
 
         return flash_attention
-    if name in ("linear_cross_entropy", "lm_head_loss", "qk_norm_rope", "rope_table"):
+    if name in ("linear_cross_entropy", "lm_head_loss", "qk_norm_rope", "rope_table", "swiglu_linear"):
         from xtrain.ops import fused
 
         return getattr(fused, name)

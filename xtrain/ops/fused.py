@@ -7,6 +7,8 @@ logits exist. The loss is a scalar, so backward only scales the saved gradients 
 
 qk_norm_rope(x, w, heads, positions) = rope(rms_norm(x per head)) in [B, H, T, D], one node each way, with
 the cos/sin table computed once per model call (``rope_table``) instead of once per layer, op and direction.
+
+swiglu_linear(x, w_gate, w_up) = swiglu(x w_gate^T, x w_up^T): the MLP's input half as one node.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from xtrain.autograd import Var, is_grad_enabled
 from xtrain.kernels import linear_cross_entropy as K
 from xtrain.kernels import qk_norm_rope as K_qk
+from xtrain.kernels import swiglu as K_swiglu
 from xtrain.kernels._dispatch import prefer_fused
 from xtrain.ops.basic import _check_same, check, check_values, linear
 from xtrain.ops.nn import cross_entropy
@@ -95,8 +98,15 @@ def qk_norm_rope(
     ``rope_table`` (computed here when None)."""
     op = "qk_norm_rope"
     _check_same(op, x, w)
-    check(x.ndim == 3 and heads > 0 and x.shape[2] % heads == 0, op, f"x must be [B, T, heads*D], heads={heads}", x)
-    B, T, F = x.shape
+    check(x.ndim in (2, 3) and heads > 0 and x.shape[-1] % heads == 0, op,
+          f"x must be [B, T, heads*D] or [B*T, heads*D], heads={heads}", x)  # fmt: skip
+    check(isinstance(positions, torch.Tensor) and positions.ndim in (1, 2), op, "positions must be [T] or [B, T]", x,
+          positions)  # fmt: skip
+    T, F = positions.shape[-1], x.shape[-1]
+    N = x.shape[0] if x.ndim == 2 else x.shape[0] * x.shape[1]
+    check(T > 0 and N % T == 0 and (x.ndim == 2 or x.shape[1] == T), op, f"x's rows must be B x T with T={T}", x,
+          positions)  # fmt: skip
+    B = N // T
     D = F // heads
     check(w.ndim == 1 and w.shape[0] == D and D % 2 == 0, op, f"w must be [D] with D={D} even", x, w)
     check(isinstance(positions, torch.Tensor) and positions.dtype in _INT and positions.device == x.device, op,
@@ -125,3 +135,29 @@ def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100
     if prefer_fused(x.data):
         return linear_cross_entropy(x, w, targets, ignore_index=ignore_index, reduction=reduction)
     return cross_entropy(linear(x, w), targets, ignore_index=ignore_index, reduction=reduction)
+
+
+def swiglu_linear(x: Var, w_gate: Var, w_up: Var) -> Var:
+    """swiglu(x @ w_gate^T, x @ w_up^T) as one node (the MLP's input half): x [N, C], w_gate and w_up [F, C]
+    -> [N, F]. Forward: two mm and the swiglu kernel; backward: the swiglu kernel's (dg, du), then
+    dx = dg w_gate + du w_up and the two weight gradients. The same values as the three unfused ops bit for
+    bit (the engine's sum of x's two gradients is the same single addition, and addition commutes)."""
+    op = "swiglu_linear"
+    _check_same(op, x, w_gate)
+    _check_same(op, x, w_up)
+    check(x.ndim == 2 and w_gate.ndim == 2 and w_gate.shape == w_up.shape and w_gate.shape[1] == x.shape[1], op,
+          "expected x [N, C] and w_gate, w_up [F, C]", x, w_gate, w_up)  # fmt: skip
+    xd, wg, wu = x.data, w_gate.data, w_up.data
+    g = torch.mm(xd, wg.t())  # [N, F]
+    u = torch.mm(xd, wu.t())  # [N, F]
+
+    def backward(dy):
+        dg, du = K_swiglu.swiglu_bwd(dy, g, u)
+        dx = torch.mm(dg, wg) + torch.mm(du, wu) if x.requires_grad else None
+        return (
+            dx,
+            torch.mm(dg.t(), xd) if w_gate.requires_grad else None,
+            torch.mm(du.t(), xd) if w_up.requires_grad else None,
+        )
+
+    return Var.from_op(K_swiglu.swiglu_fwd(g, u), (x, w_gate, w_up), backward, op)
