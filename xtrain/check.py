@@ -112,6 +112,18 @@ def cases() -> list[Case]:
             lambda q, k, v, causal: ops.flash_attention(q, k, v, causal),
         ),
         Case(
+            "qk_norm_rope",
+            "x[2,5,3*6] w[6] pos[5] (heads=3)",
+            lambda g: ([_r(g, 2, 5, 18), _r(g, 6)], [3, torch.arange(5)]),
+            lambda x, w, heads, pos: ops.qk_norm_rope(x, w, heads, pos),
+        ),
+        Case(
+            "qk_norm_rope",
+            "x[2,4,2*4] w[4] pos[2,4]",
+            lambda g: ([_r(g, 2, 4, 8), _r(g, 4)], [2, _ids(g, 50, 2, 4)]),
+            lambda x, w, heads, pos: ops.qk_norm_rope(x, w, heads, pos),
+        ),
+        Case(
             "linear_cross_entropy",
             "x[7,5] w[11,5], 1 ignored",
             lambda g: ([_r(g, 7, 5), _r(g, 11, 5)], [torch.tensor([1, 0, -100, 10, 3, 3, 7])]),

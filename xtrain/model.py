@@ -127,36 +127,27 @@ def param_shapes(cfg: ModelConfig) -> OrderedDict[str, tuple[int, ...]]:
     return shapes
 
 
-# On the CPU "auto" uses math attention (one node, hand-written backward): at the tiny preset's shape
-# (B=8, H=4, Hkv=2, T=256, D=64, 2 cores) fwd+bwd of one layer took 32 ms, vs 125 ms composed and 159 ms
-# for flash's tiled plain-torch reference (torch SDPA: 24 ms). Its [T, T] probabilities grow as T², so from
-# CPU_FLASH_MIN_T on "auto" switches to flash's tiled reference, whose extra memory is O(T).
-CPU_FLASH_MIN_T = 2048
-
-
-def _resolve_attention(impl: str, device: torch.device):
-    """-> a function T -> the attention op to use for sequences of length T."""
-    composed = ops.attention
+def _resolve_attention(impl: str):
+    """-> the attention op. "auto" is ``ops.auto_attention``: the op picks its form from the tensors' device
+    (``kernels._dispatch.prefer_fused``), so the model has no device branch."""
     if impl == "composed":
-        return lambda T: composed
+        return ops.attention
+    if impl == "math":
+        return ops.math_attention
     try:
         flash = ops.flash_attention
     except (ImportError, AttributeError):
         flash = None
-    if impl == "math":
-        return lambda T: ops.math_attention
     if impl == "flash":
         if flash is None:
             raise ConfigError("attention='flash' but xtrain.ops.flash_attention is not available in this build")
-        return lambda T: flash
-    if flash is None:  # "auto"
-        return lambda T: ops.math_attention
-    if device.type == "cuda":
-        return lambda T: flash
-    return lambda T: flash if T > CPU_FLASH_MIN_T else ops.math_attention
+        return flash
+    return ops.auto_attention if flash is not None else ops.math_attention  # "auto"
 
 
-def _resolve_loss(impl: str, device: torch.device):
+def _resolve_loss(impl: str):
+    """-> the LM head + loss op (x [N, C], w [V, C], targets [N], ignore_index=, reduction=). "auto" is
+    ``ops.lm_head_loss``, which picks the fused form from the device."""
     if impl == "composed":
         return None
     try:
@@ -167,7 +158,7 @@ def _resolve_loss(impl: str, device: torch.device):
         if fused is None:
             raise ConfigError("loss='fused' but xtrain.ops.linear_cross_entropy is not available in this build")
         return fused
-    return fused if (fused is not None and device.type == "cuda") else None  # "auto"
+    return ops.lm_head_loss if fused is not None else None  # "auto"
 
 
 class Model:
@@ -183,8 +174,8 @@ class Model:
         self.dropout_rows = (0, 1)  # (row_start, row_stride) of this input's rows in the global batch
         # optional hook p -> compute-dtype copy of p.data or None (the trainer sets AdamW.copy_for)
         self.weight_copy = None
-        self._attention = _resolve_attention(config.attention, self.device)
-        self._fused_loss = _resolve_loss(config.loss, self.device)
+        self._attention = _resolve_attention(config.attention)
+        self._fused_loss = _resolve_loss(config.loss)
         self.params: OrderedDict[str, Var] = OrderedDict(
             (
                 name,
@@ -271,39 +262,45 @@ class Model:
                 return ops.cast_as(p, c)
         return ops.cast(p, dt)
 
-    def _dropout(self, x: Var, seed: tuple[int, int, int] | None, layer: int, site: int) -> Var:
+    def _dropout(self, x: Var, seed: tuple[int, int, int] | None, layer: int, site: int, T: int) -> Var:
+        """Dropout of x [B*T, C]; the mask is keyed by (row of the batch, position, feature), so it is drawn on
+        the [B, T, C] view."""
         if seed is None:
             return x  # no node: p == 0 (or eval) builds exactly the graph of a model without dropout
         step_seed, row_start, row_stride = seed
-        return ops.dropout(x, self.config.dropout, site_seed(step_seed, layer, site), True, row_start, row_stride)
+        N, C = x.shape
+        x = ops.reshape(x, (N // T, T, C))  # [B, T, C]
+        y = ops.dropout(x, self.config.dropout, site_seed(step_seed, layer, site), True, row_start, row_stride)
+        return ops.reshape(y, (N, C))
 
-    def _block(self, x: Var, i: int, positions: torch.Tensor, seed: tuple[int, int, int] | None) -> Var:
-        """One transformer block on the residual stream x [B, T, C] (master dtype). ``seed`` is
+    def _block(self, x: Var, i: int, positions: torch.Tensor, seed: tuple[int, int, int] | None, table=None) -> Var:
+        """One transformer block on the residual stream x [B*T, C] (master dtype; kept 2-D so every linear is
+        one mm without reshapes). ``seed`` is
         (dropout seed, row_start, row_stride) captured at forward time (None: no dropout), so a recompute
-        in backward reuses it."""
+        in backward reuses it. ``table``: the RoPE cos/sin table of ``positions`` (``ops.rope_table``)."""
         cfg, P, w, dt, m = self.config, self._layers[i], self._w, self.compute_dtype, self.master_dtype
-        B, T, C = x.shape
+        T = positions.shape[-1]
+        B = x.shape[0] // T
         H, Hkv, D, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
 
-        h = ops.cast(ops.rms_norm(x, P["input_layernorm.weight"], eps), dt)  # [B, T, C]
-        q = ops.linear(h, w(P["self_attn.q_proj.weight"]))  # [B, T, H*D]
-        k = ops.linear(h, w(P["self_attn.k_proj.weight"]))  # [B, T, Hkv*D]
-        v = ops.linear(h, w(P["self_attn.v_proj.weight"]))  # [B, T, Hkv*D]
-        q = ops.rms_norm(ops.reshape(q, (B, T, H, D)), w(P["self_attn.q_norm.weight"]), eps)  # [B, T, H, D]
-        k = ops.rms_norm(ops.reshape(k, (B, T, Hkv, D)), w(P["self_attn.k_norm.weight"]), eps)
-        q = ops.rope(ops.transpose(q, 1, 2), positions, cfg.rope_theta)  # [B, H, T, D]
-        k = ops.rope(ops.transpose(k, 1, 2), positions, cfg.rope_theta)  # [B, Hkv, T, D]
+        h = ops.cast(ops.rms_norm(x, P["input_layernorm.weight"], eps), dt)  # [B*T, C]
+        q = ops.linear(h, w(P["self_attn.q_proj.weight"]))  # [B*T, H*D]
+        k = ops.linear(h, w(P["self_attn.k_proj.weight"]))  # [B*T, Hkv*D]
+        v = ops.linear(h, w(P["self_attn.v_proj.weight"]))  # [B*T, Hkv*D]
+        # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
+        q = ops.qk_norm_rope(q, w(P["self_attn.q_norm.weight"]), H, positions, cfg.rope_theta, eps, table)
+        k = ops.qk_norm_rope(k, w(P["self_attn.k_norm.weight"]), Hkv, positions, cfg.rope_theta, eps, table)
         v = ops.transpose(ops.reshape(v, (B, T, Hkv, D)), 1, 2)  # [B, Hkv, T, D]
-        a = self._attention(T)(q, k, v, causal=True)  # [B, H, T, D]
-        a = ops.reshape(ops.contiguous(ops.transpose(a, 1, 2)), (B, T, H * D))  # [B, T, H*D]
-        a = ops.linear(a, w(P["self_attn.o_proj.weight"]))  # [B, T, C]
-        x = ops.add(x, ops.cast(self._dropout(a, seed, i, SITE_ATTN), m))
+        a = self._attention(q, k, v, causal=True)  # [B, H, T, D]
+        a = ops.reshape(ops.contiguous(ops.transpose(a, 1, 2)), (B * T, H * D))  # [B*T, H*D]
+        a = ops.linear(a, w(P["self_attn.o_proj.weight"]))  # [B*T, C]
+        x = ops.add(x, ops.cast(self._dropout(a, seed, i, SITE_ATTN, T), m))
 
-        h = ops.cast(ops.rms_norm(x, P["post_attention_layernorm.weight"], eps), dt)  # [B, T, C]
-        g = ops.linear(h, w(P["mlp.gate_proj.weight"]))  # [B, T, F]
-        u = ops.linear(h, w(P["mlp.up_proj.weight"]))  # [B, T, F]
-        y = ops.linear(ops.swiglu(g, u), w(P["mlp.down_proj.weight"]))  # [B, T, C]
-        return ops.add(x, ops.cast(self._dropout(y, seed, i, SITE_MLP), m))
+        h = ops.cast(ops.rms_norm(x, P["post_attention_layernorm.weight"], eps), dt)  # [B*T, C]
+        # silu(h Wgᵀ) * (h Wuᵀ) as one node                                    [B*T, F]
+        s = ops.swiglu_linear(h, w(P["mlp.gate_proj.weight"]), w(P["mlp.up_proj.weight"]))
+        y = ops.linear(s, w(P["mlp.down_proj.weight"]))  # [B*T, C]
+        return ops.add(x, ops.cast(self._dropout(y, seed, i, SITE_MLP, T), m))
 
     def _check_ids(self, ids: torch.Tensor, what: str = "ids") -> None:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
@@ -316,18 +313,26 @@ class Model:
 
     def hidden(self, ids: torch.Tensor) -> Var:
         """The final-normed hidden states [B, T, C] in the compute dtype."""
+        B, T = ids.shape if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (0, 0)
+        x = self._hidden(ids)  # [B*T, C]
+        return ops.reshape(x, (B, T, x.shape[1]))
+
+    def _hidden(self, ids: torch.Tensor) -> Var:
+        """The final-normed hidden states as [B*T, C] (compute dtype)."""
         self._check_ids(ids)
         cfg = self.config
         B, T = ids.shape
         positions = torch.arange(T, device=ids.device)
-        x = ops.embedding(ids, self.params["model.embed_tokens.weight"])  # [B, T, C] master dtype
+        acc = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
+        table = ops.rope_table(positions, cfg.head_dim, cfg.rope_theta, acc)  # shared by every layer
+        x = ops.embedding(ids.reshape(B * T), self.params["model.embed_tokens.weight"])  # [B*T, C] master dtype
         recompute = cfg.recompute and is_grad_enabled()
         seed = (self.dropout_seed, *self.dropout_rows) if (self.training and cfg.dropout > 0.0) else None
         for i in range(cfg.n_layer):
             if recompute:
-                x = checkpoint(self._block, x, i, positions, seed)
+                x = checkpoint(self._block, x, i, positions, seed, table)
             else:
-                x = self._block(x, i, positions, seed)
+                x = self._block(x, i, positions, seed, table)
         return ops.cast(ops.rms_norm(x, self.params["model.norm.weight"], cfg.norm_eps), self.compute_dtype)
 
     @property
@@ -345,17 +350,16 @@ class Model:
         """ids [B, T] -> logits [B, T, V] (compute dtype), or, with targets [B, T], the scalar fp32 loss
         (cross-entropy, "mean" over counted targets or "sum"; targets equal to ignore_index count for
         nothing)."""
-        x = self.hidden(ids)  # [B, T, C]
-        B, T, C = x.shape
+        x2 = self._hidden(ids)  # [N, C], N = B*T
+        B, T = ids.shape
         w = self._w(self.head_weight)  # [V, C]
         if targets is None:
-            return ops.linear(x, w)  # [B, T, V]
+            return ops.reshape(ops.linear(x2, w), (B, T, w.shape[0]))  # [B, T, V]
         if not isinstance(targets, torch.Tensor) or targets.shape != ids.shape:
             raise ValueError(
                 f"Model: targets must be a tensor of the ids' shape {tuple(ids.shape)}, got "
                 f"{tuple(getattr(targets, 'shape', ()))}"
             )
-        x2 = ops.reshape(x, (B * T, C))  # [N, C]
         t = targets.reshape(B * T)  # [N]
         if self._fused_loss is not None:
             return self._fused_loss(x2, w, t, ignore_index=ignore_index, reduction=reduction)

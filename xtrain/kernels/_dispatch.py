@@ -110,6 +110,13 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor))
 
 
+def prefer_fused(t: torch.Tensor) -> bool:
+    """The device rule for ops with a fused and a composed form (attention, the LM head + loss): the fused
+    form on CUDA tensors (whatever the kernel backend: the fused ops have references of their own), the
+    composed form elsewhere. Ops decide with it, so the model has no device branch."""
+    return t.is_cuda
+
+
 _SIDE_STREAMS: dict = {}
 
 

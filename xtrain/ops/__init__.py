@@ -3,12 +3,14 @@
 basic: add, sub, mul, div, scale, neg, matmul, linear, add_bias, sum, mean, reshape, transpose,
        contiguous, cast, cast_as
 nn:    embedding, rms_norm, silu, swiglu, softmax, cross_entropy, rope, dropout
-attention: attention (composed), math_attention (one node, hand-written backward), repeat_kv, causal_mask;
+attention: attention (composed), math_attention (one node, hand-written backward), auto_attention (the form the
+           device rule picks), repeat_kv, causal_mask;
            flash_attention (fused, xtrain.ops.flash)
-fused: linear_cross_entropy (xtrain.ops.fused)
+fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, rope_table, swiglu_linear
+       (xtrain.ops.fused)
 """
 
-from xtrain.ops.attention import attention, causal_mask, math_attention, repeat_kv
+from xtrain.ops.attention import attention, auto_attention, causal_mask, math_attention, repeat_kv
 from xtrain.ops.basic import (
     add,
     add_bias,
@@ -26,6 +28,7 @@ from xtrain.ops.basic import (
     sub,
     sum,
     transpose,
+    value_checks_off,
 )
 from xtrain.ops.nn import cross_entropy, dropout, embedding, rms_norm, rope, silu, softmax, swiglu
 
@@ -33,6 +36,7 @@ __all__ = [
     "add",
     "add_bias",
     "attention",
+    "auto_attention",
     "cast",
     "cast_as",
     "causal_mask",
@@ -44,22 +48,27 @@ __all__ = [
     "flash_attention",
     "linear",
     "linear_cross_entropy",
+    "lm_head_loss",
     "math_attention",
     "matmul",
     "mean",
     "mul",
     "neg",
+    "qk_norm_rope",
     "repeat_kv",
     "reshape",
     "rms_norm",
     "rope",
+    "rope_table",
     "scale",
     "silu",
     "softmax",
     "sub",
     "sum",
     "swiglu",
+    "swiglu_linear",
     "transpose",
+    "value_checks_off",
 ]
 
 
@@ -69,8 +78,8 @@ def __getattr__(name):
         from xtrain.ops.flash import flash_attention
 
         return flash_attention
-    if name == "linear_cross_entropy":
-        from xtrain.ops.fused import linear_cross_entropy
+    if name in ("linear_cross_entropy", "lm_head_loss", "qk_norm_rope", "rope_table", "swiglu_linear"):
+        from xtrain.ops import fused
 
-        return linear_cross_entropy
+        return getattr(fused, name)
     raise AttributeError(f"module 'xtrain.ops' has no attribute {name!r}")

@@ -10,6 +10,7 @@ Shape letters: B batch, T time, C width, N rows, V vocab.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import numbers
 import os
 
@@ -31,6 +32,21 @@ def check(cond: bool, op: str, msg: str, *xs) -> None:
 
 
 _CHECK_VALUES_ON_GPU = os.environ.get("XTRAIN_CHECK_VALUES", "0") == "1"
+_values_off = False
+
+
+@contextlib.contextmanager
+def value_checks_off():
+    """Within this block no op runs a check that reads tensor values (on any device), so nothing in it
+    reads a value back to the host: a capture-ready training step runs its ops this way, after the trainer
+    has checked the batch on the CPU. Shape, dtype and device checks still run."""
+    global _values_off
+    prev = _values_off
+    _values_off = True
+    try:
+        yield
+    finally:
+        _values_off = prev
 
 
 def check_values(t: torch.Tensor) -> bool:
@@ -38,7 +54,9 @@ def check_values(t: torch.Tensor) -> bool:
     host: free on the CPU, but on a GPU each is a host-device synchronisation that stalls the launch
     queue. So they run on CPU tensors always, and on GPU tensors when ``XTRAIN_CHECK_VALUES=1``; the
     trainer checks every batch on the CPU before moving it to the device. Shape, dtype and device checks
-    never read values and always run."""
+    never read values and always run. Inside ``value_checks_off()``: never."""
+    if _values_off:
+        return False
     return not t.is_cuda or _CHECK_VALUES_ON_GPU
 
 
@@ -197,25 +215,35 @@ def _binary_prep_mm(op, a, b):
 
 
 def linear(x: Var, w: Var, b: Var | None = None) -> Var:
-    """y[..., out] = x[..., in] @ w[out, in]^T (+ b[out])."""
-    x, w = _binary_prep_mm("linear", x, w)
-    check(w.ndim == 2, "linear", "weight must be 2-D [out, in]", x, w)
-    check(x.ndim >= 1 and x.shape[-1] == w.shape[1], "linear", "x's last dim must equal weight's in-dim", x, w)
+    """y[..., out] = x[..., in] @ w[out, in]^T (+ b[out]). On 2-D x (the model's [N, C] activations) no
+    reshape is issued either way: the forward is one mm, the backward two."""
+    if type(x) is not Var or type(w) is not Var:
+        x, w = _binary_prep_mm("linear", x, w)
+    xd, wd = x.data, w.data
+    if xd.dtype is not wd.dtype or xd.dtype not in _FLOAT or xd.device != wd.device:
+        _check_same("linear", x, w)
+    check(wd.dim() == 2, "linear", "weight must be 2-D [out, in]", x, w)
+    check(xd.dim() >= 1 and xd.shape[-1] == wd.shape[1], "linear", "x's last dim must equal weight's in-dim", x, w)
     if b is not None:
         b = as_var(b, op="linear")
         _check_same("linear", x, b)
         check(b.shape == (w.shape[0],), "linear", "bias must be [out]", x, w, b)
-    xd, wd = x.data, w.data
-    x2 = xd.reshape(-1, xd.shape[-1])  # [N, in]
-    y = x2 @ wd.t()  # [N, out]
+    flat = xd.dim() == 2
+    x2 = xd if flat else xd.reshape(-1, xd.shape[-1])  # [N, in]
+    y = torch.mm(x2, wd.t())  # [N, out]
     if b is not None:
         y = y + b.data
-    y = y.reshape(*xd.shape[:-1], wd.shape[0])
+    if not flat:
+        y = y.reshape(*xd.shape[:-1], wd.shape[0])
 
     def backward(d):
-        d2 = d.reshape(-1, d.shape[-1])  # [N, out]
-        dx = (d2 @ wd).reshape(xd.shape) if x.requires_grad else None
-        dw = d2.t() @ x2 if w.requires_grad else None
+        d2 = d if flat else d.reshape(-1, d.shape[-1])  # [N, out]
+        dx = None
+        if x.requires_grad:
+            dx = torch.mm(d2, wd)
+            if not flat:
+                dx = dx.reshape(xd.shape)
+        dw = torch.mm(d2.t(), x2) if w.requires_grad else None
         if b is None:
             return dx, dw
         db = d2.sum(dim=0) if b.requires_grad else None

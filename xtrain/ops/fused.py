@@ -4,6 +4,11 @@ linear_cross_entropy(x, w, targets) = cross_entropy(x @ w^T, targets) without ev
 logits: the kernel (``xtrain.kernels.linear_cross_entropy``, after Liger-Kernel's fused linear
 cross-entropy) walks the tokens in chunks and computes dx and dw during the forward, while each chunk's
 logits exist. The loss is a scalar, so backward only scales the saved gradients by dloss.
+
+qk_norm_rope(x, w, heads, positions) = rope(rms_norm(x per head)) in [B, H, T, D], one node each way, with
+the cos/sin table computed once per model call (``rope_table``) instead of once per layer, op and direction.
+
+swiglu_linear(x, w_gate, w_up) = swiglu(x w_gate^T, x w_up^T): the MLP's input half as one node.
 """
 
 from __future__ import annotations
@@ -12,7 +17,11 @@ import torch
 
 from xtrain.autograd import Var, is_grad_enabled
 from xtrain.kernels import linear_cross_entropy as K
-from xtrain.ops.basic import _check_same, check, check_values
+from xtrain.kernels import qk_norm_rope as K_qk
+from xtrain.kernels import swiglu as K_swiglu
+from xtrain.kernels._dispatch import prefer_fused
+from xtrain.ops.basic import _check_same, check, check_values, linear
+from xtrain.ops.nn import cross_entropy
 
 _INT = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -67,3 +76,88 @@ def linear_cross_entropy(
         return K.linear_cross_entropy_bwd(dloss, dx, dw)
 
     return Var.from_op(loss, (x, w), backward, op)
+
+
+def rope_table(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32):
+    """The half-width cos/sin table ``qk_norm_rope`` reads (compute it once per model call and share it
+    across layers). ``dtype``: fp32, or fp64 for fp64 activations."""
+    check(isinstance(positions, torch.Tensor) and positions.dtype in _INT, "rope_table",
+          "positions must be an integer torch tensor", positions)  # fmt: skip
+    check(positions.ndim in (1, 2), "rope_table", "positions must be [T] or [B, T]", positions)
+    check(head_dim > 0 and head_dim % 2 == 0, "rope_table", f"head_dim must be even, got {head_dim}", positions)
+    check(theta > 0, "rope_table", f"theta must be > 0, got {theta}", positions)
+    return K_qk.rope_table(positions, head_dim, theta, dtype)
+
+
+def qk_norm_rope(
+    x: Var, w: Var, heads: int, positions: torch.Tensor, theta: float = 10000.0, eps: float = 1e-6, table=None
+) -> Var:
+    """rope(rms_norm(x viewed as [B, T, heads, D], w [D]) transposed to [B, heads, T, D]) as one node: the
+    same values as ``ops.rope(ops.transpose(ops.rms_norm(ops.reshape(x, ...), w, eps), 1, 2), ...)``, bit
+    for bit. x [B, T, heads*D] (a q or k projection); positions [T] or [B, T]; ``table`` from
+    ``rope_table`` (computed here when None)."""
+    op = "qk_norm_rope"
+    _check_same(op, x, w)
+    check(x.ndim in (2, 3) and heads > 0 and x.shape[-1] % heads == 0, op,
+          f"x must be [B, T, heads*D] or [B*T, heads*D], heads={heads}", x)  # fmt: skip
+    check(isinstance(positions, torch.Tensor) and positions.ndim in (1, 2), op, "positions must be [T] or [B, T]", x,
+          positions)  # fmt: skip
+    T, F = positions.shape[-1], x.shape[-1]
+    N = x.shape[0] if x.ndim == 2 else x.shape[0] * x.shape[1]
+    check(T > 0 and N % T == 0 and (x.ndim == 2 or x.shape[1] == T), op, f"x's rows must be B x T with T={T}", x,
+          positions)  # fmt: skip
+    B = N // T
+    D = F // heads
+    check(w.ndim == 1 and w.shape[0] == D and D % 2 == 0, op, f"w must be [D] with D={D} even", x, w)
+    check(isinstance(positions, torch.Tensor) and positions.dtype in _INT and positions.device == x.device, op,
+          "positions must be an integer tensor on x's device", x, positions)  # fmt: skip
+    check(positions.shape in ((T,), (B, T)), op, "positions must be [T] or [B, T]", x, positions)
+    check(eps > 0 and theta > 0, op, f"eps and theta must be > 0, got {eps}, {theta}", x)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if table is None:
+        table = K_qk.rope_table(positions, D, theta, acc)
+    else:
+        c = table[0]
+        check(c.dtype == acc and c.shape[-1] == D // 2 and c.shape[-2] == T and c.device == x.device, op,
+              f"table must be rope_table(positions, {D}, theta, {acc})", x, c)  # fmt: skip
+    xd, wd = x.data, w.data
+    y, inv_rms = K_qk.qk_norm_rope_fwd(xd, wd, heads, eps, positions, theta, table)
+
+    def backward(dy):
+        return K_qk.qk_norm_rope_bwd(dy, xd, wd, heads, inv_rms, positions, theta, table)
+
+    return Var.from_op(y, (x, w), backward, op)
+
+
+def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean") -> Var:
+    """cross_entropy(x @ w^T, targets) in the form the device rule picks (``kernels._dispatch.prefer_fused``):
+    ``linear_cross_entropy`` (no [N, V] logits) on CUDA, the composed linear + cross_entropy elsewhere."""
+    if prefer_fused(x.data):
+        return linear_cross_entropy(x, w, targets, ignore_index=ignore_index, reduction=reduction)
+    return cross_entropy(linear(x, w), targets, ignore_index=ignore_index, reduction=reduction)
+
+
+def swiglu_linear(x: Var, w_gate: Var, w_up: Var) -> Var:
+    """swiglu(x @ w_gate^T, x @ w_up^T) as one node (the MLP's input half): x [N, C], w_gate and w_up [F, C]
+    -> [N, F]. Forward: two mm and the swiglu kernel; backward: the swiglu kernel's (dg, du), then
+    dx = dg w_gate + du w_up and the two weight gradients. The same values as the three unfused ops bit for
+    bit (the engine's sum of x's two gradients is the same single addition, and addition commutes)."""
+    op = "swiglu_linear"
+    _check_same(op, x, w_gate)
+    _check_same(op, x, w_up)
+    check(x.ndim == 2 and w_gate.ndim == 2 and w_gate.shape == w_up.shape and w_gate.shape[1] == x.shape[1], op,
+          "expected x [N, C] and w_gate, w_up [F, C]", x, w_gate, w_up)  # fmt: skip
+    xd, wg, wu = x.data, w_gate.data, w_up.data
+    g = torch.mm(xd, wg.t())  # [N, F]
+    u = torch.mm(xd, wu.t())  # [N, F]
+
+    def backward(dy):
+        dg, du = K_swiglu.swiglu_bwd(dy, g, u)
+        dx = torch.mm(dg, wg) + torch.mm(du, wu) if x.requires_grad else None
+        return (
+            dx,
+            torch.mm(dg.t(), xd) if w_gate.requires_grad else None,
+            torch.mm(du.t(), xd) if w_up.requires_grad else None,
+        )
+
+    return Var.from_op(K_swiglu.swiglu_fwd(g, u), (x, w_gate, w_up), backward, op)

@@ -23,7 +23,9 @@ from collections.abc import Mapping
 import torch
 
 from xtrain.autograd import Var
+from xtrain.kernels._dispatch import use_triton
 from xtrain.kernels.adamw import adamw_step
+from xtrain.kernels.adamw_foreach import adamw_step_device, adamw_step_foreach
 
 
 def decays(name: str, shape) -> bool:
@@ -35,24 +37,22 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """Global 2-norm of a list of gradients (a 0-dim tensor in the grads' dtype, as torch computes it)."""
     if not grads:
         return torch.zeros(())
-    if grads[0].is_cuda:
-        # one multi-tensor launch instead of one per parameter (torch's own foreach path)
-        norms = torch._foreach_norm(grads, 2.0)
-    else:
-        norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]  # torch's foreach=False path, bit for bit
+    # one multi-tensor op (one launch on CUDA); on the CPU it loops over the same per-tensor norms as
+    # torch's foreach=False path, so the result is the same bit for bit
+    norms = torch._foreach_norm(grads, 2.0)
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
-def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> float:
-    """Scale grads in place so their global norm is at most max_norm; returns the coefficient used.
-    The coefficient is computed as torch does, as a tensor in the norm's dtype (a Python-float coefficient
-    could differ from torch's in the last bit)."""
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """Scale grads in place so their global norm is at most max_norm; returns the coefficient used (a 0-dim
+    tensor on the grads' device). The coefficient is computed as torch does, as a tensor in the norm's dtype
+    (a Python-float coefficient could differ from torch's in the last bit), and never read back to the host:
+    the grads are always multiplied by it (by exactly 1.0 when the norm is below max_norm, which changes
+    nothing), so a step stays free of host-device synchronisation."""
     coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-    c = float(coef)
-    if c < 1.0:  # multiplying by exactly 1.0 changes nothing, so skip the pass
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-    return c
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return coef
 
 
 class AdamW:
@@ -85,6 +85,7 @@ class AdamW:
         self.exp_avgs = [torch.zeros_like(p.data) for p in self.params]
         self.exp_avg_sqs = [torch.zeros_like(p.data) for p in self.params]
         self.step_count = 0
+        self.step_tensor: torch.Tensor | None = None  # the device step count of step_device
         self._init_copies(compute_copies)
 
     @classmethod
@@ -162,9 +163,14 @@ class AdamW:
         lr = self.lr if lr is None else float(lr)
         grads = self.grads()
         self.step_count += 1
+        if self.step_tensor is not None:
+            self.step_tensor.fill_(float(self.step_count))
         have_copies = any(c is not None for c in self.copies)
-        adamw_step(
-            [p.data for p in self.params],
+        datas = [p.data for p in self.params]
+        # the Triton kernel on CUDA (one launch); elsewhere the multi-tensor reference (same maths, bit for bit)
+        update = adamw_step if use_triton(datas[0]) else adamw_step_foreach
+        update(
+            datas,
             grads,
             self.exp_avgs,
             self.exp_avg_sqs,
@@ -180,6 +186,40 @@ class AdamW:
             for i, c in enumerate(self.copies):
                 if c is not None:
                     self._record_copy(i)
+
+    def step_device(self, lr: torch.Tensor, ok: torch.Tensor) -> None:
+        """The update with the learning rate and the go-ahead as device tensors (0-dim fp32 ``lr``, 0-dim bool
+        ``ok``): nothing is read back to the host, so it can be captured in a CUDA graph. Where ``ok`` is false
+        nothing changes (weights, moments, step). The step count lives on the device (``step_tensor``);
+        ``sync_step_count()`` copies it into ``step_count`` (a host read: call it outside the step)."""
+        grads = self.grads()
+        if self.step_tensor is None:
+            self.step_tensor = torch.tensor(float(self.step_count), device=self.params[0].data.device)
+        have_copies = any(c is not None for c in self.copies)
+        adamw_step_device(
+            [p.data for p in self.params],
+            grads,
+            self.exp_avgs,
+            self.exp_avg_sqs,
+            step=self.step_tensor,
+            lr=lr,
+            ok=ok,
+            beta1=self.betas[0],
+            beta2=self.betas[1],
+            eps=self.eps,
+            weight_decays=self.weight_decays,
+            copies=self.copies if have_copies else None,
+        )
+        if have_copies:
+            for i, c in enumerate(self.copies):
+                if c is not None:
+                    self._record_copy(i)
+
+    def sync_step_count(self) -> int:
+        """Read the device step count into ``step_count`` (after ``step_device``; a host read)."""
+        if self.step_tensor is not None:
+            self.step_count = int(self.step_tensor)
+        return self.step_count
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -228,3 +268,5 @@ class AdamW:
             m.copy_(tensors[f"exp_avg.{n}"])
             v.copy_(tensors[f"exp_avg_sq.{n}"])
         self.step_count = int(meta["step"])
+        if self.step_tensor is not None:
+            self.step_tensor.fill_(float(self.step_count))

@@ -156,6 +156,7 @@ class Trainer:
         ignore_index: int = IGNORE_INDEX,
         rank: int = 0,
         world_size: int = 1,
+        capture_ready: bool = False,
     ):
         check_compatible(model.config, config)  # before any work
         if not (callable(data) or hasattr(data, "next_batch")):
@@ -175,6 +176,9 @@ class Trainer:
         self.optimizer = AdamW.for_model(
             model, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay
         )
+        # capture_ready: run each step as ``device_step`` (no host read inside it; see there)
+        self.capture_ready = bool(capture_ready)
+        self._lr_t: torch.Tensor | None = None  # the learning rate as a device tensor (one buffer, reused)
         self.step = 0  # optimizer steps done (skipped steps included)
         self.skips = 0
         self.tokens_total = 0
@@ -239,10 +243,108 @@ class Trainer:
             else None
         )
 
+    def device_step(self, inputs: torch.Tensor, targets: torch.Tensor, lr: torch.Tensor):
+        """One optimizer step on batch tensors already on the model's device, reading nothing back to the host
+        (capture-ready): the token count, 1/N, the loss sum, the grad norm, the go-ahead ``ok`` (loss and norm
+        finite), the clip coefficient and the update all stay device tensors; a non-finite step is skipped on
+        the device (``AdamW.step_device``: weights, moments and step count untouched). ``lr`` is a 0-dim fp32
+        device tensor. Value checks of the ops are off (the trainer checked the batch on the CPU).
+        Returns device tensors (loss_sum fp64, counted, ok, norm); reading them is the caller's business.
+
+        Rounding: the backward seed 1/N is the same fp32 value as the host path's; the AdamW bias corrections
+        are computed in fp32 on the device (the host path uses float64 scalars), so the two paths may differ
+        in the last ulp of the step size."""
+        cfg, model = self.config, self.model
+        k, mb = cfg.grad_accum, cfg.micro_batch_size
+        counted = (targets != self.ignore_index).sum()
+        if self.all_reduce is not None:
+            self.all_reduce([counted])
+        inv_n = (1.0 / counted.clamp(min=1).double()).float()  # (float)(1.0 / N), as the host path's scale
+        model.train()
+        model.dropout_seed = mix_seed(cfg.seed, self.step)
+        self.optimizer.zero_grad()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        with ops.value_checks_off():
+            for j in range(k):
+                model.dropout_rows = (j * mb * self.world_size + self.rank, self.world_size)
+                x, y = inputs[j * mb : (j + 1) * mb], targets[j * mb : (j + 1) * mb]  # [B/k, T]
+                loss = model.loss(x, y, reduction="sum", ignore_index=self.ignore_index)  # fp32 scalar
+                loss_sum = loss_sum + loss.data.double()
+                loss.backward(inv_n.to(loss.dtype))  # d(loss_j / N)
+        grads = self.optimizer.grads()
+        if self.all_reduce is not None:
+            loss_t = loss_sum.reshape(1)
+            self.all_reduce(grads + [loss_t])
+            loss_sum = loss_t[0]
+        norm = grad_norm(grads)
+        ok = torch.isfinite(norm) & torch.isfinite(loss_sum)
+        if cfg.grad_clip > 0:
+            clip_grads_(grads, cfg.grad_clip, norm)
+        self.optimizer.step_device(lr, ok)
+        self.optimizer.zero_grad()
+        return loss_sum, counted, ok, norm
+
+    def _train_step_capture_ready(self) -> dict:
+        """``train_step`` through ``device_step``: the host reads the step's results once, after it."""
+        cfg, model = self.config, self.model
+        t0 = time.perf_counter()
+        data_before = self._data_state()
+        try:
+            inputs, targets = split_batch(self._next_batch())
+            B, T = inputs.shape
+            if B != cfg.batch_size or T > model.config.max_seq_len:
+                raise ValueError(
+                    f"step {self.step + 1}: batch [{B}, {T}] does not fit batch_size {cfg.batch_size}, "
+                    f"max_seq_len {model.config.max_seq_len}"
+                )
+            if not inputs.is_cuda:
+                _check_batch_values(inputs, targets, model.config.vocab_size, self.ignore_index, self.step + 1)
+            inputs, targets = inputs.to(model.device), targets.to(model.device)
+            lr = self.schedule(self.step)
+            if self._lr_t is None:
+                self._lr_t = torch.zeros((), dtype=torch.float32, device=model.device)
+            self._lr_t.fill_(lr)  # a host write into the same buffer every step, never a read
+            with _deferred_sigint(), gc_paused():
+                loss_sum_t, counted_t, ok_t, norm_t = self.device_step(inputs, targets, self._lr_t)
+            # the one read of the step, outside it
+            loss_sum, n_tok, ok, norm = torch.stack(
+                [loss_sum_t, counted_t.double(), ok_t.double(), norm_t.double()]
+            ).tolist()
+            n_tok, ok = int(n_tok), ok > 0
+            if not ok:
+                self._fail(f"loss sum {loss_sum} or gradient norm {norm} is not finite", None)
+        except BaseException:
+            self.optimizer.zero_grad()
+            if data_before is not None:
+                self.data.load_state_dict(data_before)
+            raise
+        self.optimizer.sync_step_count()
+        self.skips += not ok
+        self.step += 1
+        self.tokens_total += n_tok
+        dt = time.perf_counter() - t0
+        m = {
+            "kind": "train",
+            "step": self.step,
+            "loss": loss_sum / max(n_tok, 1) if ok else float("nan"),
+            "lr": lr,
+            "grad_norm": norm,
+            "tokens": n_tok,
+            "tokens_total": self.tokens_total,
+            "time": dt,
+            "tokens_per_s": n_tok / dt if dt > 0 else float("inf"),
+            "skipped": not ok,
+            "skips": self.skips,
+        }
+        self._emit(m)
+        return m
+
     def train_step(self) -> dict:
         """One optimizer step. Atomic: an exception (nan stop, Ctrl-C, a failing batch) before the update
         leaves weights, moments, step and the data position as they were; the update itself runs with
         Ctrl-C deferred, so a checkpoint saved after an interrupt is always a consistent state."""
+        if self.capture_ready:
+            return self._train_step_capture_ready()
         cfg, model = self.config, self.model
         t0 = time.perf_counter()
         data_before = self._data_state()

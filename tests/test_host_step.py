@@ -1,0 +1,195 @@
+"""The host-cheap, capture-ready training step: multi-tensor AdamW (bit for bit vs the reference), the fused
+qk_norm_rope op (bit for bit vs the composition, finite differences, torch.autograd), the model's lack of
+device branches, and a trainer step that reads nothing back to the host."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import xtrain.model
+import xtrain.ops as ops
+from xtrain import Var
+from xtrain.check import cases, run_case
+from xtrain.config import ModelConfig, TrainConfig
+from xtrain.kernels.adamw import adamw_step_ref
+from xtrain.kernels.adamw_foreach import adamw_step_device, adamw_step_foreach
+from xtrain.model import Model
+from xtrain.train.trainer import NonFiniteError, Trainer
+
+
+def _state(seed, shapes):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda: [torch.randn(*s, generator=g) for s in shapes]  # noqa: E731
+    p, gr, m = mk(), mk(), mk()
+    v = [x.abs() for x in mk()]
+    return p, gr, m, v
+
+
+SHAPES = [(5, 7), (3,), (4, 4), (6,)]
+WDS = [0.1, 0.0, 0.1, 0.0]
+
+
+def test_adamw_foreach_matches_reference_bit_for_bit():
+    a, b = _state(0, SHAPES), _state(0, SHAPES)
+    ca = [torch.empty(5, 7, dtype=torch.bfloat16), None, torch.empty(4, 4, dtype=torch.bfloat16), None]
+    cb = [None if c is None else c.clone() for c in ca]
+    for step in (1, 2, 3):
+        kw = dict(step=step, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decays=WDS)
+        adamw_step_ref(*a, copies=ca, **kw)
+        adamw_step_foreach(*b, copies=cb, **kw)
+    for xs, ys in zip(a, b):
+        assert all(torch.equal(x, y) for x, y in zip(xs, ys))
+    assert all(c is None or torch.equal(c, d) for c, d in zip(ca, cb))
+
+
+def test_adamw_device_close_to_reference_and_skips_exactly():
+    a, b = _state(1, SHAPES), _state(1, SHAPES)
+    step_t, lr_t = torch.zeros(()), torch.tensor(3e-3)
+    for step in (1, 2):
+        adamw_step_ref(*a, step=step, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decays=WDS)
+        adamw_step_device(*b, step=step_t, lr=lr_t, ok=torch.tensor(True), beta1=0.9, beta2=0.95, eps=1e-8,
+                          weight_decays=WDS)  # fmt: skip
+    for xs, ys in zip(a, b):  # fp32 bias corrections on the device: within a few ulp of the reference
+        for x, y in zip(xs, ys):
+            torch.testing.assert_close(y, x, rtol=2e-6, atol=1e-9)
+    assert float(step_t) == 2.0
+    before = [[x.clone() for x in xs] for xs in b]
+    b[1][0].fill_(float("nan"))  # a poisoned gradient on a skipped step must not reach anything
+    adamw_step_device(*b, step=step_t, lr=lr_t, ok=torch.tensor(False), beta1=0.9, beta2=0.95, eps=1e-8,
+                      weight_decays=WDS)  # fmt: skip
+    for k in (0, 2, 3):
+        assert all(torch.equal(x, y) for x, y in zip(before[k], b[k]))
+    assert float(step_t) == 2.0
+
+
+def _composed(x, w, heads, pos, theta=10000.0, eps=1e-6):
+    B, T, F = x.shape
+    n = ops.rms_norm(ops.reshape(x, (B, T, heads, F // heads)), w, eps)
+    return ops.rope(ops.transpose(n, 1, 2), pos, theta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batched_pos", [False, True])
+def test_qk_norm_rope_bit_identical_to_composition(dtype, batched_pos):
+    g = torch.Generator().manual_seed(2)
+    B, T, H, D = 3, 7, 5, 6
+    x0 = torch.randn(B, T, H * D, generator=g).to(dtype)
+    w0 = (torch.rand(D, generator=g) + 0.5).to(dtype)
+    pos = torch.randint(0, 100, (B, T), generator=g) if batched_pos else torch.arange(T)
+    dy = torch.randn(B, H, T, D, generator=g).to(dtype)
+    outs = []
+    for f in (lambda x, w: ops.qk_norm_rope(x, w, H, pos), lambda x, w: _composed(x, w, H, pos)):
+        x, w = Var(x0.clone(), True), Var(w0.clone(), True)
+        y = f(x, w)
+        y.backward(dy)
+        outs.append((y.data, x.grad, w.grad))
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_qk_norm_rope_matches_torch_autograd():
+    g = torch.Generator().manual_seed(3)
+    B, T, H, D = 2, 5, 3, 8
+    x0, w0 = torch.randn(B, T, H * D, generator=g), torch.rand(D, generator=g) + 0.5
+    dy = torch.randn(B, H, T, D, generator=g)
+    pos = torch.arange(T)
+    x, w = Var(x0.clone(), True), Var(w0.clone(), True)
+    ops.qk_norm_rope(x, w, H, pos).backward(dy)
+    xt, wt = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    n = torch.nn.functional.rms_norm(xt.view(B, T, H, D), (D,), wt, 1e-6).transpose(1, 2)
+    inv = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = (pos.double()[:, None] * inv).float()
+    ang = torch.cat([ang, ang], -1)
+    rot = torch.cat([-n[..., D // 2 :], n[..., : D // 2]], -1)
+    yt = n * ang.cos() + rot * ang.sin()
+    yt.backward(dy)
+    torch.testing.assert_close(x.grad, xt.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, wt.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_qk_norm_rope_gradcheck_and_errors():
+    for i, c in enumerate(cases()):
+        if c.op == "qk_norm_rope":
+            assert max(e for e in run_case(c, 10 + i) if e is not None) <= c.tol
+    x, w = Var(torch.randn(2, 4, 12), True), Var(torch.randn(6), True)
+    with pytest.raises(ValueError, match="qk_norm_rope"):
+        ops.qk_norm_rope(x, Var(torch.randn(5)), 2, torch.arange(4))
+    with pytest.raises(ValueError, match="qk_norm_rope"):
+        ops.qk_norm_rope(x, w, 2, torch.arange(3))
+
+
+def test_model_has_no_device_branch():
+    src = inspect.getsource(xtrain.model)
+    assert "cuda" not in src and "device.type" not in src
+
+
+class NoHostReads(TorchDispatchMode):
+    """Fails on the ops that read a device value back to the host."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero):
+            raise AssertionError(f"host read inside the step: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+CFG = ModelConfig(vocab_size=64, n_layer=2, n_embd=16, n_head=4, n_kv_head=2, head_dim=4, ffn_dim=32,
+                  max_seq_len=16, dropout=0.1)  # fmt: skip
+
+
+def _batches(seed=0, B=4, T=8):
+    g = torch.Generator().manual_seed(seed)
+    return lambda: torch.randint(0, CFG.vocab_size, (B, T + 1), generator=g)
+
+
+def _trainer(capture, **kw):
+    tc = TrainConfig(steps=100, batch_size=4, seq_len=8, grad_accum=2, lr=1e-2, warmup_steps=2, **kw)
+    return Trainer(Model(CFG, seed=0), tc, _batches(), capture_ready=capture)
+
+
+def test_device_step_reads_nothing_back():
+    tr = _trainer(True)
+    lr = torch.tensor(1e-2)
+    ids = _batches(5)()
+    with NoHostReads():
+        for _ in range(3):
+            tr.device_step(ids[:, :-1], ids[:, 1:], lr)
+    # the guard can fail: the default step reads values (the token count, the loss, the norm)
+    with pytest.raises(AssertionError, match="host read"), NoHostReads():
+        _trainer(False).forward_backward(ids[:, :-1], ids[:, 1:])
+
+
+def test_capture_ready_training_tracks_the_default_path():
+    a, b = _trainer(False), _trainer(True)
+    for _ in range(4):
+        ma, mb = a.train_step(), b.train_step()
+        assert mb["tokens"] == ma["tokens"] and not mb["skipped"]
+        assert math.isclose(ma["loss"], mb["loss"], rel_tol=1e-5)
+    assert b.optimizer.step_count == a.optimizer.step_count == 4
+    # the device path's step size lr / bc1 is an fp32 tensor (the host path's a float64 scalar): after 4 steps of
+    # lr 1e-2 the weights differ by ~1e-7 (1e-5 of one step); a wrong update differs by ~1e-2
+    for n, p in a.model.params.items():
+        torch.testing.assert_close(b.model.params[n].data, p.data, rtol=1e-5, atol=1e-6)
+
+
+def test_capture_ready_skips_a_nonfinite_step_on_the_device():
+    b = _trainer(True, skip_nonfinite=True, max_skips=3)
+    b.train_step()
+    before = {n: p.data.clone() for n, p in b.model.params.items()}
+    moments = [m.clone() for m in b.optimizer.exp_avgs]
+    b.model.params["model.norm.weight"].data.fill_(float("inf"))  # poisons the loss
+    m = b.train_step()
+    assert m["skipped"] and b.skips == 1 and b.optimizer.step_count == 1
+    for n, p in b.model.params.items():
+        if n != "model.norm.weight":
+            assert torch.equal(p.data, before[n])
+    assert all(torch.equal(x, y) for x, y in zip(moments, b.optimizer.exp_avgs))
+    c = _trainer(True)
+    c.model.params["model.norm.weight"].data.fill_(float("nan"))
+    with pytest.raises(NonFiniteError, match="step 1"):
+        c.train_step()
+    assert c.step == 0

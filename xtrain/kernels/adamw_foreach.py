@@ -1,0 +1,83 @@
+"""AdamW as multi-tensor (``torch._foreach_*``) operations: one dispatch per step of the update for all
+parameters, instead of one per parameter per step.
+
+``adamw_step_foreach`` performs, per element, exactly the operations of ``xtrain.kernels.adamw.adamw_step_ref``
+(torch's single-tensor AdamW order) on lists, so on the CPU it matches the reference bit for bit (a test
+checks this): a foreach op there loops over the tensors in C++ calling the same per-tensor kernels.
+
+    p <- p * (1 - lr * wd)            only the parameters with wd != 0
+    m <- lerp(m, g, 1 - b1)
+    v <- v * b2 + (1 - b2) * g * g
+    p <- p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+
+``adamw_step_device`` is the same update with lr and the step count as 0-dim device tensors and a device
+flag ``ok`` (a 0-dim bool): nothing in it reads a value back to the host, so it can run inside a captured
+CUDA graph. Where ``ok`` is false the update leaves parameters, moments and the step count exactly as they
+were (the non-finite gradient is replaced by zeros before the arithmetic, and the result is selected by a
+lerp of weight 0 or 1, which is exact). Its bias corrections are computed in fp32 on the device, so its
+rounding differs from the float64-scalar path by at most an ulp of the step size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def adamw_step_foreach(
+    params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
+    weight_decays, copies=None,
+) -> None:  # fmt: skip
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    decayed = [(p, wd) for p, wd in zip(params, weight_decays) if wd != 0]
+    for wd in sorted({wd for _, wd in decayed}):  # one multi-tensor multiply per distinct decay
+        torch._foreach_mul_([p for p, w in decayed if w == wd], 1 - lr * wd)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-(lr / bias_correction1))
+    if copies is not None:
+        pairs = [(c, p) for c, p in zip(copies, params) if c is not None]
+        if pairs:
+            torch._foreach_copy_([c for c, _ in pairs], [p for _, p in pairs])
+
+
+def adamw_step_device(
+    params, grads, exp_avgs, exp_avg_sqs, *, step: torch.Tensor, lr: torch.Tensor, ok: torch.Tensor,
+    beta1: float, beta2: float, eps: float, weight_decays, copies=None,
+) -> None:  # fmt: skip
+    """The update with ``lr`` (0-dim fp32), ``step`` (0-dim fp32, the count of updates done; incremented here
+    where ``ok``) and ``ok`` (0-dim bool) on the parameters' device; no host reads."""
+    okf = ok.to(params[0].dtype)
+    step.add_(okf)
+    t = torch.clamp(step, min=1.0)  # a skipped first step keeps step 0; the result is discarded anyway
+    bc1 = 1 - torch.pow(beta1, t)
+    bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, t))
+    zero = torch.zeros((), dtype=params[0].dtype, device=params[0].device)
+    g = [torch.where(ok, gi, zero) for gi in grads]  # a non-finite gradient must not reach the arithmetic
+    new_p = torch._foreach_mul(params, 1.0)  # fresh copies; selected back below
+    new_m = torch._foreach_lerp(exp_avgs, g, 1 - beta1)
+    new_v = torch._foreach_mul(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(new_v, g, g, value=1 - beta2)
+    for wd in sorted({wd for wd in weight_decays if wd != 0}):
+        idx = [i for i, w in enumerate(weight_decays) if w == wd]
+        torch._foreach_mul_([new_p[i] for i in idx], 1 - lr * wd)
+    denom = torch._foreach_sqrt(new_v)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    upd = torch._foreach_div(new_m, denom)
+    torch._foreach_mul_(upd, -lr / bc1)
+    torch._foreach_add_(new_p, upd)
+    # lerp with weight exactly 0 or 1 returns self or end exactly (both finite here)
+    # (a list of weight tensors: a single 0-dim tensor would be read to the host as a Python scalar)
+    w = [okf] * len(params)
+    torch._foreach_lerp_(params, new_p, w)
+    torch._foreach_lerp_(exp_avgs, new_m, w)
+    torch._foreach_lerp_(exp_avg_sqs, new_v, w)
+    if copies is not None:
+        pairs = [(c, p) for c, p in zip(copies, params) if c is not None]
+        if pairs:
+            torch._foreach_copy_([c for c, _ in pairs], [p for _, p in pairs])
