@@ -123,6 +123,33 @@ def test_qk_norm_rope_gradcheck_and_errors():
         ops.qk_norm_rope(x, w, 2, torch.arange(3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_linear_bit_identical_to_composition_and_torch(dtype):
+    g = torch.Generator().manual_seed(4)
+    x0, wg0, wu0 = (torch.randn(*s, generator=g).to(dtype) for s in ((7, 5), (9, 5), (9, 5)))
+    dy = torch.randn(7, 9, generator=g).to(dtype)
+    outs = []
+    for f in (ops.swiglu_linear, lambda x, a, b: ops.swiglu(ops.linear(x, a), ops.linear(x, b))):
+        vs = [Var(t.clone(), True) for t in (x0, wg0, wu0)]
+        y = f(*vs)
+        y.backward(dy)
+        outs.append([y.data] + [v.grad for v in vs])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    if dtype == torch.float32:  # torch.autograd as the oracle
+        ts = [t.clone().requires_grad_() for t in (x0, wg0, wu0)]
+        yt = torch.nn.functional.silu(ts[0] @ ts[1].t()) * (ts[0] @ ts[2].t())
+        yt.backward(dy)
+        torch.testing.assert_close(outs[0][0], yt.detach(), rtol=1e-5, atol=1e-6)
+        for a, t in zip(outs[0][1:], ts):
+            torch.testing.assert_close(a, t.grad, rtol=1e-5, atol=1e-6)
+    for i, c in enumerate(cases()):
+        if c.op == "swiglu_linear":
+            assert max(e for e in run_case(c, 20 + i) if e is not None) <= c.tol
+    with pytest.raises(ValueError, match="swiglu_linear"):
+        ops.swiglu_linear(Var(torch.randn(3, 4)), Var(torch.randn(6, 4)), Var(torch.randn(6, 5)))
+
+
 def test_model_has_no_device_branch():
     src = inspect.getsource(xtrain.model)
     assert "cuda" not in src and "device.type" not in src
