@@ -220,3 +220,35 @@ def test_capture_ready_skips_a_nonfinite_step_on_the_device():
     with pytest.raises(NonFiniteError, match="step 1"):
         c.train_step()
     assert c.step == 0
+
+
+@pytest.mark.parametrize("impl", ["math", "flash", "composed"])
+def test_attention_rows_matches_the_chain(impl):
+    g = torch.Generator().manual_seed(6)
+    B, T, H, Hkv, D = 2, 5, 4, 2, 8
+    q0, k0 = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    v0, dy = torch.randn(B * T, Hkv * D, generator=g), torch.randn(B * T, H * D, generator=g)
+    fn = {"math": ops.math_attention, "flash": ops.flash_attention, "composed": ops.attention}[impl]
+
+    def chain(q, k, v):
+        v4 = ops.transpose(ops.reshape(v, (B, T, Hkv, D)), 1, 2)
+        return ops.reshape(ops.contiguous(ops.transpose(fn(q, k, v4, True), 1, 2)), (B * T, H * D))
+
+    outs = []
+    for f in (lambda q, k, v: ops.attention_rows(q, k, v, True, impl=impl), chain):
+        vs = [Var(t.clone(), True) for t in (q0, k0, v0)]
+        y = f(*vs)
+        y.backward(dy)
+        outs.append([y.data] + [v.grad for v in vs])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="attention_rows"):
+        ops.attention_rows(Var(q0), Var(k0), Var(torch.randn(B * T, H * D)))
+
+
+def test_bench_host_smoke(capsys):
+    from bench.host import main
+
+    assert main(["--steps", "3", "--warmup", "1", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "torch eager" in out and "xtrain step" in out and "aten ops" in out
