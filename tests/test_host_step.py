@@ -123,6 +123,33 @@ def test_qk_norm_rope_gradcheck_and_errors():
         ops.qk_norm_rope(x, w, 2, torch.arange(3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_linear_bit_identical_to_composition_and_torch(dtype):
+    g = torch.Generator().manual_seed(4)
+    x0, wg0, wu0 = (torch.randn(*s, generator=g).to(dtype) for s in ((7, 5), (9, 5), (9, 5)))
+    dy = torch.randn(7, 9, generator=g).to(dtype)
+    outs = []
+    for f in (ops.swiglu_linear, lambda x, a, b: ops.swiglu(ops.linear(x, a), ops.linear(x, b))):
+        vs = [Var(t.clone(), True) for t in (x0, wg0, wu0)]
+        y = f(*vs)
+        y.backward(dy)
+        outs.append([y.data] + [v.grad for v in vs])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    if dtype == torch.float32:  # torch.autograd as the oracle
+        ts = [t.clone().requires_grad_() for t in (x0, wg0, wu0)]
+        yt = torch.nn.functional.silu(ts[0] @ ts[1].t()) * (ts[0] @ ts[2].t())
+        yt.backward(dy)
+        torch.testing.assert_close(outs[0][0], yt.detach(), rtol=1e-5, atol=1e-6)
+        for a, t in zip(outs[0][1:], ts):
+            torch.testing.assert_close(a, t.grad, rtol=1e-5, atol=1e-6)
+    for i, c in enumerate(cases()):
+        if c.op == "swiglu_linear":
+            assert max(e for e in run_case(c, 20 + i) if e is not None) <= c.tol
+    with pytest.raises(ValueError, match="swiglu_linear"):
+        ops.swiglu_linear(Var(torch.randn(3, 4)), Var(torch.randn(6, 4)), Var(torch.randn(6, 5)))
+
+
 def test_model_has_no_device_branch():
     src = inspect.getsource(xtrain.model)
     assert "cuda" not in src and "device.type" not in src
@@ -193,3 +220,35 @@ def test_capture_ready_skips_a_nonfinite_step_on_the_device():
     with pytest.raises(NonFiniteError, match="step 1"):
         c.train_step()
     assert c.step == 0
+
+
+@pytest.mark.parametrize("impl", ["math", "flash", "composed"])
+def test_attention_rows_matches_the_chain(impl):
+    g = torch.Generator().manual_seed(6)
+    B, T, H, Hkv, D = 2, 5, 4, 2, 8
+    q0, k0 = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    v0, dy = torch.randn(B * T, Hkv * D, generator=g), torch.randn(B * T, H * D, generator=g)
+    fn = {"math": ops.math_attention, "flash": ops.flash_attention, "composed": ops.attention}[impl]
+
+    def chain(q, k, v):
+        v4 = ops.transpose(ops.reshape(v, (B, T, Hkv, D)), 1, 2)
+        return ops.reshape(ops.contiguous(ops.transpose(fn(q, k, v4, True), 1, 2)), (B * T, H * D))
+
+    outs = []
+    for f in (lambda q, k, v: ops.attention_rows(q, k, v, True, impl=impl), chain):
+        vs = [Var(t.clone(), True) for t in (q0, k0, v0)]
+        y = f(*vs)
+        y.backward(dy)
+        outs.append([y.data] + [v.grad for v in vs])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="attention_rows"):
+        ops.attention_rows(Var(q0), Var(k0), Var(torch.randn(B * T, H * D)))
+
+
+def test_bench_host_smoke(capsys):
+    from bench.host import main
+
+    assert main(["--steps", "3", "--warmup", "1", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "torch eager" in out and "xtrain step" in out and "aten ops" in out

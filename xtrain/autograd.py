@@ -265,6 +265,15 @@ def _accumulate(node: Var, g: torch.Tensor, is_leaf: bool, owned: bool = False) 
         node.grad = node.grad + g
 
 
+def _count_same(grads, t) -> int:
+    """How many entries of grads are the tensor t itself (a plain loop: cheaper than any(genexpr))."""
+    n = 0
+    for o in grads:
+        if o is t:
+            n += 1
+    return n
+
+
 def _topological_order(root: Var) -> list[Var]:
     """Nodes reachable from root that need a gradient, parents before children (iterative DFS)."""
     order: list[Var] = []
@@ -319,7 +328,7 @@ def _run_backward(root: Var, grad: torch.Tensor, retain_graph: bool) -> None:
         grads = fn(g)
         if len(grads) != len(parents):
             raise RuntimeError(f"backward of '{node.name}' returned {len(grads)} gradients for {len(parents)} parents")
-        for i, (p, pg) in enumerate(zip(parents, grads)):
+        for p, pg in zip(parents, grads):
             if pg is None or not p.requires_grad:
                 continue
             if pg.shape != p.data.shape:
@@ -336,7 +345,7 @@ def _run_backward(root: Var, grad: torch.Tensor, retain_graph: bool) -> None:
                 and not retain_graph
                 and pg is not g
                 and pg._base is None
-                and not any(pg is other for j, other in enumerate(grads) if j != i)
+                and (len(grads) == 1 or _count_same(grads, pg) == 1)
             )
             _accumulate(p, pg, leaf, owned)
 

@@ -124,6 +124,12 @@ def cases() -> list[Case]:
             lambda x, w, heads, pos: ops.qk_norm_rope(x, w, heads, pos),
         ),
         Case(
+            "swiglu_linear",
+            "x[5,4] w_gate,w_up[6,4]",
+            lambda g: ([_r(g, 5, 4), _r(g, 6, 4), _r(g, 6, 4)], []),
+            lambda x, wg, wu: ops.swiglu_linear(x, wg, wu),
+        ),
+        Case(
             "linear_cross_entropy",
             "x[7,5] w[11,5], 1 ignored",
             lambda g: ([_r(g, 7, 5), _r(g, 11, 5)], [torch.tensor([1, 0, -100, 10, 3, 3, 7])]),

@@ -127,22 +127,19 @@ def param_shapes(cfg: ModelConfig) -> OrderedDict[str, tuple[int, ...]]:
     return shapes
 
 
-def _resolve_attention(impl: str):
-    """-> the attention op. "auto" is ``ops.auto_attention``: the op picks its form from the tensors' device
+def _resolve_attention(impl: str) -> str:
+    """-> the ``impl`` for ``ops.attention_rows``. "auto" lets the op pick its form from the tensors' device
     (``kernels._dispatch.prefer_fused``), so the model has no device branch."""
-    if impl == "composed":
-        return ops.attention
-    if impl == "math":
-        return ops.math_attention
-    try:
-        flash = ops.flash_attention
-    except (ImportError, AttributeError):
-        flash = None
-    if impl == "flash":
-        if flash is None:
-            raise ConfigError("attention='flash' but xtrain.ops.flash_attention is not available in this build")
-        return flash
-    return ops.auto_attention if flash is not None else ops.math_attention  # "auto"
+    if impl in ("flash", "auto"):
+        try:
+            ops.flash_attention  # noqa: B018 - is it in this build?
+        except (ImportError, AttributeError):
+            if impl == "flash":
+                raise ConfigError(
+                    "attention='flash' but xtrain.ops.flash_attention is not available in this build"
+                ) from None
+            return "math"
+    return impl
 
 
 def _resolve_loss(impl: str):
@@ -280,8 +277,7 @@ class Model:
         in backward reuses it. ``table``: the RoPE cos/sin table of ``positions`` (``ops.rope_table``)."""
         cfg, P, w, dt, m = self.config, self._layers[i], self._w, self.compute_dtype, self.master_dtype
         T = positions.shape[-1]
-        B = x.shape[0] // T
-        H, Hkv, D, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
+        H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
 
         h = ops.cast(ops.rms_norm(x, P["input_layernorm.weight"], eps), dt)  # [B*T, C]
         q = ops.linear(h, w(P["self_attn.q_proj.weight"]))  # [B*T, H*D]
@@ -290,9 +286,7 @@ class Model:
         # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
         q = ops.qk_norm_rope(q, w(P["self_attn.q_norm.weight"]), H, positions, cfg.rope_theta, eps, table)
         k = ops.qk_norm_rope(k, w(P["self_attn.k_norm.weight"]), Hkv, positions, cfg.rope_theta, eps, table)
-        v = ops.transpose(ops.reshape(v, (B, T, Hkv, D)), 1, 2)  # [B, Hkv, T, D]
-        a = self._attention(q, k, v, causal=True)  # [B, H, T, D]
-        a = ops.reshape(ops.contiguous(ops.transpose(a, 1, 2)), (B * T, H * D))  # [B*T, H*D]
+        a = ops.attention_rows(q, k, v, causal=True, impl=self._attention)  # [B*T, H*D]
         a = ops.linear(a, w(P["self_attn.o_proj.weight"]))  # [B*T, C]
         x = ops.add(x, ops.cast(self._dropout(a, seed, i, SITE_ATTN, T), m))
 

@@ -106,3 +106,40 @@ def auto_attention(q: Var, k: Var, v: Var, causal: bool = True, scale: float | N
 
         return flash_attention(q, k, v, causal, scale)
     return math_attention(q, k, v, causal, scale)
+
+
+def attention_rows(q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None, impl: str = "auto") -> Var:
+    """Attention between the model's row layout and the head layout, as one node where the form allows:
+    q [B, H, T, D], k [B, Hkv, T, D] (from ``qk_norm_rope``), v [B*T, Hkv*D] (the v projection's rows)
+    -> [B*T, H*D] (the o projection's input rows). Where the math form runs (``impl`` "math", or "auto" on
+    the CPU below CPU_FLASH_MIN_T), the head transposes of v, of the output and the output's contiguous copy
+    happen inside one node (``xtrain.kernels.attention``), the same values as the unfused
+    reshape/transpose/attention/transpose/contiguous/reshape chain bit for bit; other forms ("composed",
+    "flash", "auto" on CUDA) run that chain of nodes."""
+    check_attention_inputs("attention_rows", q, k, k)
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    check(v.ndim == 2 and tuple(v.shape) == (B * T, Hkv * D), "attention_rows", "v must be [B*T, Hkv*D]", q, k, v)
+    _check_same("attention_rows", q, v)
+    use_math = impl == "math" or (impl == "auto" and not prefer_fused(q.data) and T <= CPU_FLASH_MIN_T)
+    if not use_math:
+        from xtrain.ops.basic import contiguous, reshape
+
+        fn = {"composed": attention, "auto": auto_attention}.get(impl)
+        if fn is None:
+            from xtrain.ops.flash import flash_attention as fn
+        v4 = transpose(reshape(v, (B, T, Hkv, D)), 1, 2)  # [B, Hkv, T, D]
+        a = fn(q, k, v4, causal, scale)  # [B, H, T, D]
+        return reshape(contiguous(transpose(a, 1, 2)), (B * T, H * D))
+    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    qd, kd = q.data, k.data
+    vd = v.data.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+    o, p = K_attn.attention_fwd(qd, kd, vd, causal, s)  # [B, H, T, D]
+    out = o.transpose(1, 2).contiguous().view(B * T, H * D)  # [B*T, H*D]
+
+    def backward(dout):
+        do = dout.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+        dq, dk, dv = K_attn.attention_bwd(do, qd, kd, vd, p, causal, s)
+        return dq, dk, dv.transpose(1, 2).reshape(B * T, Hkv * D)
+
+    return Var.from_op(out, (q, k, v), backward, "attention_rows")

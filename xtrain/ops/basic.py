@@ -77,6 +77,9 @@ def _check_float(op: str, *xs: Var) -> None:
 
 
 def _check_same(op: str, a: Var, b: Var) -> None:
+    ad, bd = a.data, b.data
+    if ad.dtype is bd.dtype and ad.dtype in _FLOAT and ad.device == bd.device:
+        return  # the common case, decided without building messages or shape strings
     _check_float(op, a, b)
     check(a.dtype == b.dtype, op, f"dtypes differ: {a.dtype} vs {b.dtype}", a, b)
     check(a.device == b.device, op, f"devices differ: {a.device} vs {b.device}", a, b)
