@@ -37,7 +37,7 @@ from pathlib import Path
 # Defaults of the main job, sized so `xtrain train` (data preparation included) finishes in under 4 minutes
 # on 2 CPU cores that train the tiny preset at ~2,100 tokens/s; see README "The main job".
 DEFAULTS = dict(
-    preset="tiny", steps=200, batch_size=16, seq_len=128, lr=3e-3, warmup=20, eval_every=100, eval_batches=8, seed=1337
+    preset="tiny", steps=160, batch_size=16, seq_len=128, lr=3e-3, warmup=20, eval_every=80, eval_batches=8, seed=1337
 )
 # settings a resumed run may change; every other flag must match the run's saved value
 RESUME_MAY_CHANGE = ("--steps", "--eval-every", "--ckpt-every", "--skip-nonfinite", "--stop-after", "--device")
@@ -46,7 +46,7 @@ RESUME_MAY_CHANGE = ("--steps", "--eval-every", "--ckpt-every", "--skip-nonfinit
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "train",
-        help="train a model (default: tiny preset on the Python stdlib corpus, ~4 min on 2 CPU cores)",
+        help="train a model (default: tiny preset on the Python stdlib corpus, under 4 min on 2 CPU cores)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -291,7 +291,8 @@ def _expected_duration(timing: list[tuple[float, int]], step: int, tcfg, eval_ba
     secs = sum(t for t, _ in timing[1:]) or 1e-9
     tok_s = sum(n for _, n in timing[1:]) / secs
     left = tcfg.steps - step
-    evals = (tcfg.steps // tcfg.eval_every - step // tcfg.eval_every + 1) if tcfg.eval_every else 1
+    every = tcfg.eval_every
+    evals = (tcfg.steps // every - step // every + (1 if tcfg.steps % every else 0)) if every else 1
     eval_tokens = evals * eval_batches * tcfg.batch_size * tcfg.seq_len
     eta = (left * tcfg.tokens_per_step + eval_tokens / 3) / tok_s
     return (
