@@ -87,6 +87,12 @@ def add_parser(subparsers) -> None:
         help="attention implementation (auto: flash on CUDA, math on the CPU)",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument(
+        "--cuda-graph",
+        choices=["on", "off"],
+        default=None,
+        help="replay each optimizer step as one CUDA graph (default: on for CUDA; falls back with a message)",
+    )
     p.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this directory")
     p.add_argument(
         "--stop-after",
@@ -287,6 +293,7 @@ def _run(args, info) -> int:
         all_reduce=D.all_reduce_sum if world > 1 else None,
         rank=rank,
         world_size=world,
+        cuda_graph=None if args.cuda_graph is None else args.cuda_graph == "on",
     )
     if args.resume:
         try:
