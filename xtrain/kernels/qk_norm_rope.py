@@ -79,8 +79,20 @@ def qk_norm_rope_bwd_ref(dy, x, w, G: int, inv_rms, positions, theta: float, tab
     D = F // G
     acc = _acc(x)
     dn = _rotate(dy, table[0], table[1], -1.0, acc).transpose(1, 2)  # [B, T, G, D]
-    dx, dw = K_rms.rms_norm_bwd_ref(dn, x.view(B, T, G, D), w, inv_rms)
-    return dx.reshape(x.shape), dw
+    # rms_norm_bwd_ref's operations, in its order: dx = r (g - xhat * mean(g * xhat)), g = dn * w
+    xf = x.reshape(-1, D)  # [B*T*G, D]
+    dyf = dn.reshape(-1, D)  # a copy: dn is transposed
+    if xf.dtype != acc:
+        xf, dyf = xf.to(acc), dyf.to(acc)
+    r = (inv_rms if inv_rms.dtype == acc else inv_rms.to(acc))[:, None]  # [B*T*G, 1]
+    xhat = xf * r
+    dw = (dyf * xhat).sum(dim=0)  # [D]
+    g = dyf * (w if w.dtype == acc else w.to(acc))
+    dot = (g * xhat).mean(dim=-1, keepdim=True)
+    dx = g.sub_(xhat.mul_(dot)).mul_(r)
+    if dx.dtype != x.dtype:
+        dx = dx.to(x.dtype)
+    return dx.reshape(x.shape), (dw if dw.dtype == w.dtype else dw.to(w.dtype))
 
 
 def qk_norm_rope_fwd(x, w, G: int, eps: float, positions, theta: float, table):
