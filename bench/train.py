@@ -140,6 +140,51 @@ class TorchQwen3(nn.Module):
 # -- the benchmark -------------------------------------------------------------------------------------
 
 
+def graph_sides(c, dev, ids, ref, autocast, B: int, recompute: bool) -> list:
+    """The trainer's own step (``Trainer.train_step``: capture-ready, lr as a device tensor, one read per
+    step) with the CUDA graph on and off, and eager PyTorch under ``torch.compile`` (same weights, batch,
+    clip and AdamW). On a machine without CUDA the graph row falls back (one line) and runs eagerly; the
+    compile row needs a working inductor backend (skipped with a line if it fails)."""
+    import copy
+
+    from xtrain.config import TrainConfig
+    from xtrain.train.trainer import Trainer
+
+    T = ids.shape[1] - 1
+    tcfg = TrainConfig(steps=10**9, batch_size=B, seq_len=T, lr=1e-3, warmup_steps=0, schedule="constant")
+    out = []
+    for name, graph in (("xtrain trainer, graph", True), ("xtrain trainer, no graph", False)):
+        m = Model(c, device=dev, seed=0)
+        tr = Trainer(m, tcfg, lambda: ids.cpu(), cuda_graph=graph, capture_ready=True)
+        out.append((name, tr.train_step))
+    comp = copy.deepcopy(ref)
+    named = dict(comp.named_parameters())
+    groups = [
+        {"params": [p for n, p in named.items() if decays(n, p.shape)], "weight_decay": 0.1},
+        {"params": [p for n, p in named.items() if not decays(n, p.shape)], "weight_decay": 0.0},
+    ]
+    fused = dev.type == "cuda"
+    copt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+    fwd = torch.compile(comp)
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def step_compiled():
+        with autocast:
+            loss = fwd(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(comp.parameters(), 1.0, foreach=True)
+        copt.step()
+        copt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    try:
+        step_compiled()
+        out.append(("torch.compile", step_compiled))
+    except Exception as e:  # no C++ compiler / Triton for inductor here
+        print(f"  torch.compile row skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    return out
+
+
 def flops_per_token(c, T: int) -> float:
     n = c.num_params() - c.vocab_size * c.n_embd * (0 if c.tie_embeddings else 1)  # head counted once
     return 6.0 * n + 6.0 * c.n_layer * T * c.n_head * c.head_dim
@@ -174,6 +219,12 @@ def main(argv=None) -> int:
         help="also time a second xtrain model with the copies the other way, interleaved",
     )
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--graph-rows",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="also time the trainer's step with the CUDA graph on and off, and torch.compile (auto: on CUDA)",
+    )
     ap.add_argument(
         "--dtype",
         default="float32",
@@ -247,6 +298,8 @@ def main(argv=None) -> int:
         return float(loss.detach())
 
     sides = [("torch eager", step_torch), ("xtrain", step_xtrain)] + other
+    if args.graph_rows == "on" or (args.graph_rows == "auto" and dev.type == "cuda"):
+        sides += graph_sides(c, dev, ids, ref, autocast, B, args.recompute)
     first = (step_xtrain(), step_torch())
     for _ in range(args.warmup):
         for _, fn in sides[1:] + sides[:1]:
@@ -274,11 +327,11 @@ def main(argv=None) -> int:
         f"compute copies={'on' if model.weight_copy is not None else 'off'}; "
         f"torch attention={args.torch_attention}; first-step loss xtrain {first[0]:.6f} torch {first[1]:.6f}"
     )
-    print(f"{'impl':<22}{'step ms':>10}{'p25-p75 ms':>14}{'tokens/s':>12}{'GFLOP/s':>10}{'ratio':>8}")
+    print(f"{'impl':<26}{'step ms':>10}{'p25-p75 ms':>14}{'tokens/s':>12}{'GFLOP/s':>10}{'ratio':>8}")
     for name, _ in sides:
         m = med[name]
         print(
-            f"{name:<22}{m * 1e3:>10.1f}{f'{q[name][0] * 1e3:.1f}-{q[name][2] * 1e3:.1f}':>14}{tok / m:>12.0f}"
+            f"{name:<26}{m * 1e3:>10.1f}{f'{q[name][0] * 1e3:.1f}-{q[name][2] * 1e3:.1f}':>14}{tok / m:>12.0f}"
             f"{tok * fpt / m / 1e9:>10.1f}{mt / m:>8.2f}"
         )
     return 0

@@ -35,12 +35,14 @@ def rope_table(positions: torch.Tensor, D: int, theta: float, dtype: torch.dtype
     return c, s
 
 
-def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, sign: float, acc: torch.dtype) -> torch.Tensor:
-    """kernels.rope._rotate with the table given: y1 = x1 c - sign x2 s, y2 = x2 c + sign x1 s."""
+def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, sign: float, acc: torch.dtype, y=None) -> torch.Tensor:
+    """kernels.rope._rotate with the table given: y1 = x1 c - sign x2 s, y2 = x2 c + sign x1 s. ``y``: where to
+    write (shaped like x, in acc; any layout), e.g. a transposed view of the layout the next step reads."""
     h = x.shape[-1] // 2
     xf = x if x.dtype == acc else x.to(acc)
     x1, x2 = xf[..., :h], xf[..., h:]
-    y = torch.empty(xf.shape, dtype=acc, device=x.device)
+    if y is None:
+        y = torch.empty(xf.shape, dtype=acc, device=x.device)
     y1, y2 = y[..., :h], y[..., h:]
     torch.mul(x1, c, out=y1)
     y1.addcmul_(x2, s, value=-sign)
@@ -78,9 +80,23 @@ def qk_norm_rope_bwd_ref(dy, x, w, G: int, inv_rms, positions, theta: float, tab
     B, T, F = _bt(x, positions)
     D = F // G
     acc = _acc(x)
-    dn = _rotate(dy, table[0], table[1], -1.0, acc).transpose(1, 2)  # [B, T, G, D]
-    dx, dw = K_rms.rms_norm_bwd_ref(dn, x.view(B, T, G, D), w, inv_rms)
-    return dx.reshape(x.shape), dw
+    # written straight into [B, T, G, D] memory (through its [B, G, T, D] view), so the rows below need no copy
+    buf = torch.empty((B, T, G, D), dtype=acc, device=dy.device)
+    dn = _rotate(dy, table[0], table[1], -1.0, acc, y=buf.transpose(1, 2)).transpose(1, 2)  # [B, T, G, D]
+    # rms_norm_bwd_ref's operations, in its order: dx = r (g - xhat * mean(g * xhat)), g = dn * w
+    xf = x.reshape(-1, D)  # [B*T*G, D]
+    dyf = dn.reshape(-1, D)  # a view
+    if xf.dtype != acc:
+        xf, dyf = xf.to(acc), dyf.to(acc)
+    r = (inv_rms if inv_rms.dtype == acc else inv_rms.to(acc))[:, None]  # [B*T*G, 1]
+    xhat = xf * r
+    dw = (dyf * xhat).sum(dim=0)  # [D]
+    g = dyf * (w if w.dtype == acc else w.to(acc))
+    dot = (g * xhat).mean(dim=-1, keepdim=True)
+    dx = g.sub_(xhat.mul_(dot)).mul_(r)
+    if dx.dtype != x.dtype:
+        dx = dx.to(x.dtype)
+    return dx.reshape(x.shape), (dw if dw.dtype == w.dtype else dw.to(w.dtype))
 
 
 def qk_norm_rope_fwd(x, w, G: int, eps: float, positions, theta: float, table):

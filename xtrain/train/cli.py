@@ -96,6 +96,12 @@ def add_parser(subparsers) -> None:
         help="attention implementation (auto: flash on CUDA, math on the CPU)",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument(
+        "--cuda-graph",
+        choices=["on", "off"],
+        default=None,
+        help="replay each optimizer step as one CUDA graph (default: on for CUDA; falls back with a message)",
+    )
     p.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this directory")
     p.add_argument(
         "--stop-after",
@@ -504,6 +510,7 @@ def _train(args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, tra
         all_reduce=D.all_reduce_sum if world > 1 else None,
         rank=rank,
         world_size=world,
+        cuda_graph=None if args.cuda_graph is None else args.cuda_graph == "on",
     )
     if args.resume:
         try:

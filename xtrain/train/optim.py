@@ -5,11 +5,14 @@ untied lm_head) decays; 1-D RMSNorm weights and the token embedding do not (deca
 to 0, not to the identity; decaying embeddings shrinks rare tokens' rows that get almost no gradient).
 A tied embedding is the embedding, so it does not decay either.
 
-The update is ``xtrain.kernels.adamw.adamw_step`` (decoupled weight decay, torch's exact operation
-order), so in fp32 on the CPU it matches ``torch.optim.AdamW(foreach=False)`` with the same two groups
-bit for bit (tests/test_train.py). Moments are kept in the master dtype (fp32). Every parameter is updated
-on every step; a parameter that received no gradient is updated with a zero gradient (its moments decay,
-weight decay applies), so the step count is one per optimizer, not per parameter.
+The update is ``xtrain.kernels.adamw.adamw_step`` on CUDA (the Triton kernel, one launch) and torch's fused
+CPU AdamW kernel elsewhere (``xtrain.kernels.adamw_foreach.adamw_step_fused_cpu``: decoupled weight decay, one
+call per decay group), so in fp32 on the CPU it matches ``torch.optim.AdamW(fused=True)`` with the same two
+groups bit for bit (tests/test_train.py); the single-tensor reference order (``adamw_step_ref``, and its
+multi-tensor form ``adamw_step_foreach``) rounds differently by about an ulp per step. Moments are kept in
+the master dtype (fp32). Every parameter is updated on every step; a parameter that received no gradient is
+updated with a zero gradient (its moments decay, weight decay applies), so the step count is one per
+optimizer, not per parameter.
 
 ``grad_norm`` / ``clip_grads_`` compute exactly what ``torch.nn.utils.clip_grad_norm_`` computes
 (norm of the per-tensor 2-norms; coefficient max_norm / (norm + 1e-6), clamped to 1).
@@ -25,7 +28,7 @@ import torch
 from xtrain.autograd import Var
 from xtrain.kernels._dispatch import use_triton
 from xtrain.kernels.adamw import adamw_step
-from xtrain.kernels.adamw_foreach import adamw_step_device, adamw_step_foreach
+from xtrain.kernels.adamw_foreach import adamw_step_device, adamw_step_fused_cpu
 
 
 def decays(name: str, shape) -> bool:
@@ -167,8 +170,8 @@ class AdamW:
             self.step_tensor.fill_(float(self.step_count))
         have_copies = any(c is not None for c in self.copies)
         datas = [p.data for p in self.params]
-        # the Triton kernel on CUDA (one launch); elsewhere the multi-tensor reference (same maths, bit for bit)
-        update = adamw_step if use_triton(datas[0]) else adamw_step_foreach
+        # the Triton kernel on CUDA (one launch); on the CPU torch's fused kernel (one pass per tensor)
+        update = adamw_step if use_triton(datas[0]) or datas[0].is_cuda else adamw_step_fused_cpu
         update(
             datas,
             grads,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -130,6 +131,88 @@ def _check_batch_values(inputs: torch.Tensor, targets: torch.Tensor, V: int, ign
         )
 
 
+def cuda_graph_capture(fn):
+    """Capture ``fn()`` (one optimizer step on static buffers) as a CUDA graph; -> (replay, outputs): replay()
+    re-runs the recorded work on the same buffers, outputs are the tensors fn returned (rewritten by each
+    replay). Capturing records without executing, so the caller replays once for the step it captured on."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def eager_capture(fn):
+    """The stand-in for ``cuda_graph_capture`` without a GPU (tests use it on the CPU): "capturing" records
+    nothing and executes nothing, and each replay runs ``fn`` again on the same static buffers, writing its
+    results into the one output list (so the caller sees the same protocol: replay, then read outputs)."""
+    out: list = []
+
+    def replay():
+        out[:] = fn()
+
+    return replay, out
+
+
+class GraphedStep:
+    """The trainer's optimizer step replayed from static input buffers.
+
+    ``run(inputs, targets)`` copies the batch into buffers that keep their addresses, warms up ``warmup``
+    eager steps on them (allocator, Triton JIT, launch plans), then captures ``step_fn(inputs_s, targets_s)``
+    once with ``capture`` and from then on only replays it. A batch of another shape or dtype, or a change
+    of ``key`` (settings the captured work depends on), re-captures, saying so in one line. ``unsupported()``
+    names what the graph cannot hold yet (None: nothing); then, or if a capture fails, the step runs
+    eagerly from then on, after one line on stderr."""
+
+    def __init__(self, step_fn, capture=cuda_graph_capture, warmup: int = 3, say=None):
+        self.step_fn, self.capture, self.warmup = step_fn, capture, warmup
+        self.say = say or (lambda msg: print(f"xtrain: {msg}", file=sys.stderr))
+        self.enabled = True
+        self.key = None
+        self.inputs = self.targets = None
+        self.replay = self.out = None
+        self.warm = 0
+        self.captures = 0
+
+    def disable(self, why: str) -> None:
+        if self.enabled:
+            self.say(f"CUDA graph off: {why}; running the step without a graph")
+        self.enabled = False
+        self.replay = self.out = self.inputs = self.targets = None
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, key=()):
+        if not self.enabled:
+            return self.step_fn(inputs, targets)
+        k = (tuple(inputs.shape), inputs.dtype, tuple(targets.shape), targets.dtype, inputs.device, key)
+        if k != self.key:
+            if self.key is not None:
+                self.say("CUDA graph: the batch shape or a setting changed; capturing the step again")
+            self.key, self.replay, self.out, self.warm = k, None, None, 0
+            self.inputs, self.targets = torch.empty_like(inputs), torch.empty_like(targets)
+        self.inputs.copy_(inputs)
+        self.targets.copy_(targets)
+        if self.replay is None:
+            if self.warm < self.warmup:
+                self.warm += 1
+                if not self.inputs.is_cuda:
+                    return self.step_fn(self.inputs, self.targets)
+                # warm-up on a side stream, as CUDA graph capture expects (lazy initialisations stay off the
+                # capturing stream)
+                main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    out = self.step_fn(self.inputs, self.targets)
+                main.wait_stream(side)
+                return out
+            try:
+                self.replay, self.out = self.capture(lambda: self.step_fn(self.inputs, self.targets))
+                self.captures += 1
+            except Exception as e:  # a capture that fails executed nothing: run this step eagerly
+                self.disable(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+                return self.step_fn(inputs, targets)
+        self.replay()
+        return self.out
+
+
 class Trainer:
     """Trains ``model`` with ``config`` on batches from ``data``.
 
@@ -157,6 +240,8 @@ class Trainer:
         rank: int = 0,
         world_size: int = 1,
         capture_ready: bool = False,
+        cuda_graph: bool | None = None,
+        graph_capture=cuda_graph_capture,
     ):
         check_compatible(model.config, config)  # before any work
         if not (callable(data) or hasattr(data, "next_batch")):
@@ -176,8 +261,20 @@ class Trainer:
         self.optimizer = AdamW.for_model(
             model, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay
         )
-        # capture_ready: run each step as ``device_step`` (no host read inside it; see there)
-        self.capture_ready = bool(capture_ready)
+        # capture_ready: run each step as ``device_step`` (no host read inside it; see there). cuda_graph
+        # (default: on for a CUDA model) replays that step as one CUDA graph (``GraphedStep``); it implies
+        # capture_ready. ``graph_capture``: how a step is captured (``eager_capture`` runs it again instead).
+        if cuda_graph is None:
+            cuda_graph = model.device.type == "cuda"
+        self.capture_ready = bool(capture_ready) or bool(cuda_graph)
+        self.graphed: GraphedStep | None = None
+        if cuda_graph:
+            self.graphed = GraphedStep(lambda x, y: self.device_step(x, y, self._lr_t), capture=graph_capture)
+            why = self._graph_unsupported(model, all_reduce)
+            if why is None and graph_capture is cuda_graph_capture and model.device.type != "cuda":
+                why = "the model is not on a CUDA device"
+            if why is not None:
+                self.graphed.disable(why)
         self._lr_t: torch.Tensor | None = None  # the learning rate as a device tensor (one buffer, reused)
         self.step = 0  # optimizer steps done (skipped steps included)
         self.skips = 0
@@ -284,6 +381,15 @@ class Trainer:
         self.optimizer.zero_grad()
         return loss_sum, counted, ok, norm
 
+    @staticmethod
+    def _graph_unsupported(model: Model, all_reduce) -> str | None:
+        """Why the step cannot be captured yet (None: it can)."""
+        if model.config.dropout > 0:
+            return "dropout seeds are host integers a captured graph would freeze"
+        if all_reduce is not None:
+            return "the data-parallel all-reduce is not captured yet"
+        return None
+
     def _train_step_capture_ready(self) -> dict:
         """``train_step`` through ``device_step``: the host reads the step's results once, after it."""
         cfg, model = self.config, self.model
@@ -305,7 +411,11 @@ class Trainer:
                 self._lr_t = torch.zeros((), dtype=torch.float32, device=model.device)
             self._lr_t.fill_(lr)  # a host write into the same buffer every step, never a read
             with _deferred_sigint(), gc_paused():
-                loss_sum_t, counted_t, ok_t, norm_t = self.device_step(inputs, targets, self._lr_t)
+                if self.graphed is not None:
+                    key = (model.training, cfg.grad_clip, cfg.grad_accum)
+                    loss_sum_t, counted_t, ok_t, norm_t = self.graphed.run(inputs, targets, key)
+                else:
+                    loss_sum_t, counted_t, ok_t, norm_t = self.device_step(inputs, targets, self._lr_t)
             # the one read of the step, outside it
             loss_sum, n_tok, ok, norm = torch.stack(
                 [loss_sum_t, counted_t.double(), ok_t.double(), norm_t.double()]
