@@ -26,6 +26,7 @@ dk and dv are summed over each group of query heads. Precision: fp32 (fp64 for f
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -39,8 +40,10 @@ REF_TILE = 128  # K/V tile of the flash references
 # ---------------------------------------------------------------------------------------------------------
 # math attention
 # ---------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=32)
 def _causal_mask(T: int, device) -> torch.Tensor:
-    return torch.ones(T, T, dtype=torch.bool, device=device).triu(1)  # True above the diagonal
+    # True above the diagonal; cached per (T, device): read-only, and every block of every step asks for it
+    return torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
 
 
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
