@@ -2,8 +2,8 @@
 
 An idle GPU's clocks (and the power state behind them) take a while to come up: in a fresh process the first
 timings can read slow (bench/RESULTS.md: 10-30 % for 0.1 ms kernels). ``warm_up`` keeps the GPU busy with
-large matmuls for a few seconds first. It is not enough on a machine that has just started: on the H200 in
-session 5 the first ``xtrain bench kernels`` process on a fresh machine read some RMSNorm backward rows at
+large matmuls for a few seconds first. It is not enough on a machine that has just started: on an H200 the
+first ``xtrain bench kernels`` process on a fresh machine read some RMSNorm backward rows at
 59-83 % of copy with this warm-up (62-66 % without it) where later processes read 83-90 %, every time. Trust
 a number once a second process agrees.
 """

@@ -16,7 +16,7 @@ Timing: ``bench._gpu.gpu_time`` (CUDA events, warm-up, median, L2 flushed before
 ahead of the GPU), so every contender's time is its GPU time, not its host launch overhead; that overhead
 (one call's launch cost on the CPU, measured with the GPU busy) is printed in a table of its own, for xtrain
 and cuDNN. (``triton.testing.do_bench`` lets the GPU wait for the host inside the timed interval: on the
-H200 machine of session 6 xtrain's forward at T = 1k took 0.26-0.37 ms of host time per call for 0.16-0.21 ms
+H200 xtrain's forward at T = 1k took 0.26-0.37 ms of host time per call for 0.16-0.21 ms
 of GPU time, so do_bench read it 15-40 % slow.) Random normal data.
 
 ``--rounds R`` times every contender R times per size in alternating order (xtrain first, then last, ...) and
@@ -213,7 +213,7 @@ def timed_rounds(q, k, v, do, causal, cfg, rounds: int, host: dict) -> dict:
 
     Each round times every contender once, in alternating order (even rounds xtrain first, odd rounds xtrain
     last), so that none is always measured on a GPU the others have just heated: under sustained load the H200
-    sits at its power cap and a kernel's time follows the energy it spends (bench/RESULTS.md, sessions 14-18).
+    sits at its power cap and a kernel's time follows the energy it spends (docs/performance.md).
     The host cost of a call is recorded in the first round only (``host``: {name: [ms, ...]})."""
     names = ["xtrain", *sdpa_backends()]
     times: dict = {n: [] for n in names}

@@ -197,7 +197,7 @@ if HAVE_GLUON:
         step's query tile and lse row carried from the step before (no integer division in the loop), and one
         arrival per step on one "empty" barrier for both of the slot's tiles. SMEM (with LEAN, instead of PF):
         lse and delta read from the slot's shared rows (the producer's TMA) just before their use, so no
-        register holds them across the step. PEEL (with SMEM; session 15): each group head's walk in three parts,
+        register holds them across the step. PEEL (with SMEM): each group head's walk in three parts,
         the steps wholly above this half's keys skipped (``_dkdv_skip``), the diagonal ones masked, the rest with
         no mask code (``_dkdv_step``), instead of the mask's branch in every step."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
@@ -246,7 +246,7 @@ if HAVE_GLUON:
                         LSEMMA, DMMA,
                     )  # fmt: skip
                     it += 1
-        else:  # the walk with the mask in a branch of every step (session 13 and before)
+        else:  # the walk with the mask in a branch of every step
             for it in range(n_iter):
                 if not LEAN:
                     start_m = (mt0 + it % n_m) * BLOCK_M

@@ -292,7 +292,7 @@ if HAVE_GLUON:
         if HALF_DIAG:
             # the diagonal tile: S over its first 64 keys, issued ahead of the previous tile's P·V as above (the
             # loop's issue order written out again: a helper shared with the loop changed the SASS of every
-            # variant, the measured ones included, in session 17, when no GPU was left to time it)
+            # variant, the measured ones included)
             h_layout: gl.constexpr = _half_layout()
             prev = (t_last - 1) % STAGES
             _pp_enter(sched, sc0 + n_tiles - 1, HALF, PINGPONG)

@@ -133,7 +133,7 @@ if HAVE_GLUON:
     ):  # fmt: skip
         """Step ``it`` of dK/dV warpgroup HALF up to the dS hand-off (module docstring). Returns the in-flight
         dv, dk and the register A operand p_op that must stay alive until dV retires. Its first half repeats
-        the split's ``_dkdv_consumer`` loop body on purpose: one shared function (tried in session 5) moved the
+        the split's ``_dkdv_consumer`` loop body on purpose: one shared function moved the
         SASS spill stores of the split's hd128 causal dK/dV kernel from 37 to 39 (triton 3.6), or, with the
         mask indices hoisted as the split has them, this kernel's from 57 to 53 / 60 (3.6 / 3.9); both are
         tuned and measured as they are."""
