@@ -1,9 +1,7 @@
 """AdamW as multi-tensor (``torch._foreach_*``) operations: one dispatch per step of the update for all
 parameters, instead of one per parameter per step.
 
-``adamw_step_foreach`` performs, per element, exactly the operations of ``xtrain.kernels.adamw.adamw_step_ref``
-(torch's single-tensor AdamW order) on lists, so on the CPU it matches the reference bit for bit (a test
-checks this): a foreach op there loops over the tensors in C++ calling the same per-tensor kernels.
+The update, per element, in torch's single-tensor AdamW order (``xtrain.kernels.adamw.adamw_step_ref``):
 
     p <- p * (1 - lr * wd)            only the parameters with wd != 0
     m <- lerp(m, g, 1 - b1)
@@ -21,28 +19,6 @@ rounding differs from the float64-scalar path by at most an ulp of the step size
 from __future__ import annotations
 
 import torch
-
-
-def adamw_step_foreach(
-    params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decays, copies=None,
-) -> None:  # fmt: skip
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    decayed = [(p, wd) for p, wd in zip(params, weight_decays) if wd != 0]
-    for wd in sorted({wd for _, wd in decayed}):  # one multi-tensor multiply per distinct decay
-        torch._foreach_mul_([p for p, w in decayed if w == wd], 1 - lr * wd)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-(lr / bias_correction1))
-    if copies is not None:
-        pairs = [(c, p) for c, p in zip(copies, params) if c is not None]
-        if pairs:
-            torch._foreach_copy_([c for c, _ in pairs], [p for _, p in pairs])
 
 
 def adamw_step_device(
@@ -90,7 +66,7 @@ def adamw_step_fused_cpu(
     """The same update through torch's fused CPU AdamW kernel (``torch._fused_adamw_``: one vectorised pass
     per tensor instead of eight multi-tensor passes), one call per distinct weight decay, as
     ``torch.optim.AdamW(fused=True)`` calls it per parameter group: bit for bit what that optimizer computes.
-    Its rounding differs from the single-tensor reference (``adamw_step_ref``, ``adamw_step_foreach``) by about
+    Its rounding differs from the single-tensor reference (``adamw_step_ref``) by about
     an ulp per step (the kernel folds the bias corrections differently)."""
     step_t = torch.tensor(float(step))  # the kernel reads the step count from a tensor per parameter
     for wd in sorted(set(weight_decays)):

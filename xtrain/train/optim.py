@@ -8,11 +8,10 @@ A tied embedding is the embedding, so it does not decay either.
 The update is ``xtrain.kernels.adamw.adamw_step`` on CUDA (the Triton kernel, one launch) and torch's fused
 CPU AdamW kernel elsewhere (``xtrain.kernels.adamw_foreach.adamw_step_fused_cpu``: decoupled weight decay, one
 call per decay group), so in fp32 on the CPU it matches ``torch.optim.AdamW(fused=True)`` with the same two
-groups bit for bit (tests/test_train.py); the single-tensor reference order (``adamw_step_ref``, and its
-multi-tensor form ``adamw_step_foreach``) rounds differently by about an ulp per step. Moments are kept in
-the master dtype (fp32). Every parameter is updated on every step; a parameter that received no gradient is
-updated with a zero gradient (its moments decay, weight decay applies), so the step count is one per
-optimizer, not per parameter.
+groups bit for bit (tests/test_train.py); the single-tensor reference order (``adamw_step_ref``) rounds
+differently by about an ulp per step. Moments are kept in the master dtype (fp32). Every parameter is updated
+on every step; a parameter that received no gradient is updated with a zero gradient (its moments decay,
+weight decay applies), so the step count is one per optimizer, not per parameter.
 
 ``grad_norm`` / ``clip_grads_`` compute exactly what ``torch.nn.utils.clip_grad_norm_`` computes
 (norm of the per-tensor 2-norms; coefficient max_norm / (norm + 1e-6), clamped to 1).
