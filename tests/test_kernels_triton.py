@@ -618,6 +618,55 @@ def test_linear_cross_entropy_gpu(V, dtype):
     assert _rel(dx, dlog @ w64) < tol and _rel(dw, dlog.T @ x64) < tol
 
 
+def _adam_device_vs_host(device, recip_div=None):
+    """Three steps (one skipped) of the device-scalar kernel (lr, step, go-ahead and clip coefficient as
+    tensors) and of the host-scalar kernel on gradients clipped beforehand: bit for bit the same state, and
+    the skipped step writes nothing (its gradients are NaN). Returns the device step count."""
+    torch.manual_seed(1)
+    shapes = [(5, 123), (3, 7, 64), (1,), (4097,), (33,)]
+    a = [[None if t is None else t.to(device) for t in lst] for lst in _adam_state(shapes)]
+    a[4][2] = None
+    b = [[None if t is None else t.clone() for t in lst] for lst in a]
+    wds = [0.1, 0.0, 0.1, 0.0, 0.1]
+    kw = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decays=wds)
+    step_t = torch.zeros((), device=device)
+    host_step = 0
+    for lr, coef, ok in ((1e-3, 0.37, True), (2e-3, 1.0, False), (3e-4, 0.81, True)):
+        grads = [torch.randn(s, device=device) for s in shapes]
+        if not ok:
+            grads[1][0, 0, 0] = float("nan")
+        before = [[None if t is None else t.clone() for t in lst] for lst in a]
+        for g, x, y in zip(grads, a[1], b[1]):
+            x.copy_(g)
+            y.copy_(g)
+        lr_t, ok_t = torch.tensor(lr, dtype=torch.float64, device=device), torch.tensor(ok, device=device)
+        K_adam.adamw_step_triton_device(
+            *a[:4], step=step_t, lr=lr_t, ok=ok_t, grad_scale=torch.tensor(coef, device=device), copies=a[4],
+            recip_div=recip_div, **kw,
+        )  # fmt: skip
+        if not ok:
+            for k in (0, 2, 3, 4):
+                assert all(x is None or torch.equal(x, y) for x, y in zip(a[k], before[k])), k
+            continue
+        host_step += 1
+        torch._foreach_mul_(b[1], torch.tensor(coef, device=device))  # clip_grads_' product, then the host step
+        K_adam.adamw_step_triton(*b[:4], step=host_step, lr=lr, copies=b[4], recip_div=recip_div, **kw)
+        for k in (0, 2, 3, 4):
+            assert all(x is None or torch.equal(x, y) for x, y in zip(a[k], b[k])), k
+    return float(step_t)
+
+
+@needs_cpu_interp
+def test_adamw_device_scalars_cpu():
+    assert _adam_device_vs_host("cpu") == 2.0
+    assert _adam_device_vs_host("cpu", recip_div=True) == 2.0  # the CUDA rounding order
+
+
+@gpu
+def test_adamw_device_scalars_gpu():
+    assert _adam_device_vs_host("cuda") == 2.0
+
+
 @gpu
 def test_adamw_gpu_bit_exact():
     shapes = [(4096, 4096), (11008, 4096), (4096,), (1,), (50257, 768), (3, 333)]

@@ -93,54 +93,70 @@ def _adamw_update(
 
 @_jit
 def _adamw_kernel(
-    P, G, M, VS, COPY, TABLE, DECAY, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps,
+    P, G, M, VS, COPY, TABLE, DECAY, SCAL, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps,
     HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr, LERP_SMALL: tl.constexpr, RECIP_DIV: tl.constexpr,
-    BLOCK: tl.constexpr,
+    DEVICE_SCALARS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = TABLE + tl.program_id(0).to(tl.int64) * 8
-    p_off = tl.load(row + 0)
-    g_off = tl.load(row + 1)
-    m_off = tl.load(row + 2)
-    v_off = tl.load(row + 3)
-    c_off = tl.load(row + 4)
-    n = tl.load(row + 5)
-    n_copy = tl.load(row + 6)  # n, or 0 when this parameter has no copy of this dtype
-    decay = tl.load(DECAY + tl.load(row + 7))
-    if ALIGNED:  # every block starts on 16 elements: lets the compiler use 16-byte accesses
-        p_off = tl.multiple_of(p_off, 16)
-        g_off = tl.multiple_of(g_off, 16)
-        m_off = tl.multiple_of(m_off, 16)
-        v_off = tl.multiple_of(v_off, 16)
-        c_off = tl.multiple_of(c_off, 16)
-    i = tl.arange(0, BLOCK)
-    if n == BLOCK:  # a full block, unmasked: 16-byte accesses (module docstring)
-        p = tl.load(P + p_off + i)
-        g = tl.load(G + g_off + i)
-        m = tl.load(M + m_off + i)
-        v = tl.load(VS + v_off + i)
-        p, m, v = _adamw_update(
-            p, g, m, v, decay, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps, LERP_SMALL, RECIP_DIV
-        )
-        tl.store(P + p_off + i, p)
-        tl.store(M + m_off + i, m)
-        tl.store(VS + v_off + i, v)
-        if HAS_COPY:
-            if n_copy > 0:
-                tl.store(COPY + c_off + i, p.to(COPY.dtype.element_ty))
-    else:
-        mask = i < n
-        p = tl.load(P + p_off + i, mask=mask, other=0.0)
-        g = tl.load(G + g_off + i, mask=mask, other=0.0)
-        m = tl.load(M + m_off + i, mask=mask, other=0.0)
-        v = tl.load(VS + v_off + i, mask=mask, other=0.0)
-        p, m, v = _adamw_update(
-            p, g, m, v, decay, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps, LERP_SMALL, RECIP_DIV
-        )
-        tl.store(P + p_off + i, p, mask=mask)
-        tl.store(M + m_off + i, m, mask=mask)
-        tl.store(VS + v_off + i, v, mask=mask)
-        if HAS_COPY:
-            tl.store(COPY + c_off + i, p.to(COPY.dtype.element_ty), mask=i < n_copy)
+    # DEVICE_SCALARS: SCAL holds [neg_step_size, inv_bc2_sqrt, grad_scale, go] (fp32, on the device); the
+    # scalar arguments of the same names are ignored, and with go == 0 the program writes nothing
+    go = 1.0
+    grad_scale = 1.0
+    if DEVICE_SCALARS:
+        neg_step_size = tl.load(SCAL + 0)
+        inv_bc2_sqrt = tl.load(SCAL + 1)
+        grad_scale = tl.load(SCAL + 2)
+        go = tl.load(SCAL + 3)
+    if go != 0.0:
+        row = TABLE + tl.program_id(0).to(tl.int64) * 8
+        p_off = tl.load(row + 0)
+        g_off = tl.load(row + 1)
+        m_off = tl.load(row + 2)
+        v_off = tl.load(row + 3)
+        c_off = tl.load(row + 4)
+        n = tl.load(row + 5)
+        n_copy = tl.load(row + 6)  # n, or 0 when this parameter has no copy of this dtype
+        decay = tl.load(DECAY + tl.load(row + 7))
+        if ALIGNED:  # every block starts on 16 elements: lets the compiler use 16-byte accesses
+            p_off = tl.multiple_of(p_off, 16)
+            g_off = tl.multiple_of(g_off, 16)
+            m_off = tl.multiple_of(m_off, 16)
+            v_off = tl.multiple_of(v_off, 16)
+            c_off = tl.multiple_of(c_off, 16)
+        i = tl.arange(0, BLOCK)
+        if n == BLOCK:  # a full block, unmasked: 16-byte accesses (module docstring)
+            p = tl.load(P + p_off + i)
+            g = tl.load(G + g_off + i)
+            m = tl.load(M + m_off + i)
+            v = tl.load(VS + v_off + i)
+            if DEVICE_SCALARS:
+                g = g * grad_scale  # the clip, as clip_grads_ multiplies (one rounding)
+            p, m, v = _adamw_update(
+                p, g, m, v, decay, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps, LERP_SMALL,
+                RECIP_DIV,
+            )  # fmt: skip
+            tl.store(P + p_off + i, p)
+            tl.store(M + m_off + i, m)
+            tl.store(VS + v_off + i, v)
+            if HAS_COPY:
+                if n_copy > 0:
+                    tl.store(COPY + c_off + i, p.to(COPY.dtype.element_ty))
+        else:
+            mask = i < n
+            p = tl.load(P + p_off + i, mask=mask, other=0.0)
+            g = tl.load(G + g_off + i, mask=mask, other=0.0)
+            m = tl.load(M + m_off + i, mask=mask, other=0.0)
+            v = tl.load(VS + v_off + i, mask=mask, other=0.0)
+            if DEVICE_SCALARS:
+                g = g * grad_scale
+            p, m, v = _adamw_update(
+                p, g, m, v, decay, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps, LERP_SMALL,
+                RECIP_DIV,
+            )  # fmt: skip
+            tl.store(P + p_off + i, p, mask=mask)
+            tl.store(M + m_off + i, m, mask=mask)
+            tl.store(VS + v_off + i, v, mask=mask)
+            if HAS_COPY:
+                tl.store(COPY + c_off + i, p.to(COPY.dtype.element_ty), mask=i < n_copy)
 
 
 _plan_cache: dict = {}
@@ -272,12 +288,66 @@ def adamw_step_triton(
     lerp_w = 1 - beta1
     _adamw_kernel[(table.shape[0],)](
         params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], params[0] if copy_base is None else copy_base, table, decay,
-        _f32(lerp_w), _f32(beta2), _f32(1 - beta2), _f32(-(lr / bias_correction1)), inv_bc2, _f32(eps),
+        decay, _f32(lerp_w), _f32(beta2), _f32(1 - beta2), _f32(-(lr / bias_correction1)), inv_bc2, _f32(eps),
         HAS_COPY=copy_base is not None, ALIGNED=aligned, LERP_SMALL=abs(lerp_w) < 0.5,
-        RECIP_DIV=params[0].is_cuda if recip_div is None else recip_div, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        RECIP_DIV=params[0].is_cuda if recip_div is None else recip_div, DEVICE_SCALARS=False, BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )  # fmt: skip
     for i in leftover:
+        copies[i].copy_(params[i])
+
+
+_wd_cache: dict = {}
+
+
+def device_scalars(step, lr, ok, grad_scale, *, beta1: float, beta2: float, weight_decays):
+    """The step's scalars computed on the device from 0-dim tensors, with no host read, in the same order and
+    precision as ``adamw_step_triton`` computes them on the host (float64, rounded to fp32 where it passes
+    them): ``step`` (the count of updates done, incremented here where ``ok``), ``lr`` (float64), ``ok``
+    (bool), ``grad_scale`` (the clip coefficient; None: 1). Returns (scal [4] fp32, decay [n] fp32)."""
+    dev = step.device
+    okf = ok.to(step.dtype)
+    step.add_(okf)
+    t = torch.clamp(step.double(), min=1.0)  # a skipped first step keeps 0; its scalars are then unused
+    lr = lr.double()
+    neg_step_size = -(lr / (1 - torch.pow(beta1, t)))
+    inv_bc2 = 1.0 / torch.sqrt(1 - torch.pow(beta2, t)).float()  # fp32 / fp32, as the host path divides
+    gs = torch.ones((), device=dev) if grad_scale is None else grad_scale.float()
+    scal = torch.stack([neg_step_size.float(), inv_bc2, gs, ok.float()])
+    key = (tuple(weight_decays), dev)
+    wd = _wd_cache.get(key)
+    if wd is None:
+        wd = _wd_cache.setdefault(key, torch.tensor(weight_decays, dtype=torch.float64, device=dev))
+    decay = (1 - lr * wd).float()  # exactly 1 where wd == 0
+    return scal, decay
+
+
+def adamw_step_triton_device(
+    params, grads, exp_avgs, exp_avg_sqs, *, step: torch.Tensor, lr: torch.Tensor, ok: torch.Tensor,
+    grad_scale: torch.Tensor | None = None, beta1: float, beta2: float, eps: float, weight_decays, copies=None,
+    recip_div: bool | None = None,
+) -> None:  # fmt: skip
+    """The one-launch step with its scalars as device tensors (``device_scalars``): nothing is read back to the
+    host, so it can be captured in a CUDA graph. ``grad_scale`` multiplies each gradient as it is read (the clip,
+    fused: the grads themselves are not written); where ``ok`` is false nothing is written at all. With the same
+    scalars it computes bit for bit what ``adamw_step_triton`` computes on gradients clipped beforehand."""
+    if not params:
+        return
+    plan = _plan(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies)
+    if plan is None:
+        raise ValueError("adamw_step_triton_device: needs contiguous fp32 params, grads and moments on one device")
+    table, aligned, copy_base, leftover = plan
+    scal, decay = device_scalars(step, lr, ok, grad_scale, beta1=beta1, beta2=beta2, weight_decays=weight_decays)
+    lerp_w = 1 - beta1
+    _adamw_kernel[(table.shape[0],)](
+        params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], params[0] if copy_base is None else copy_base, table, decay,
+        scal, _f32(lerp_w), _f32(beta2), _f32(1 - beta2), 0.0, 0.0, _f32(eps),
+        HAS_COPY=copy_base is not None, ALIGNED=aligned, LERP_SMALL=abs(lerp_w) < 0.5,
+        RECIP_DIV=params[0].is_cuda if recip_div is None else recip_div, DEVICE_SCALARS=True, BLOCK=BLOCK,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+    for i in leftover:  # a copy of a second dtype (rare): it mirrors the master, updated or not
         copies[i].copy_(params[i])
 
 

@@ -27,6 +27,7 @@ def adamw_step_device(
 ) -> None:  # fmt: skip
     """The update with ``lr`` (0-dim fp32), ``step`` (0-dim fp32, the count of updates done; incremented here
     where ``ok``) and ``ok`` (0-dim bool) on the parameters' device; no host reads."""
+    lr = lr.to(params[0].dtype)
     okf = ok.to(params[0].dtype)
     step.add_(okf)
     t = torch.clamp(step, min=1.0)  # a skipped first step keeps step 0; the result is discarded anyway

@@ -195,6 +195,18 @@ def cases() -> dict[str, Callable[[], None]]:
 
     out["adamw fp32 (and bf16 copies)"] = adamw_
     out["adamw fp32, CUDA's division"] = lambda: adamw_(recip_div=True)
+
+    def adamw_device():
+        ps = [r(300), r(17, 5)]
+        copies = [torch.empty(p.shape, dtype=torch.bfloat16) for p in ps]
+        adamw.adamw_step_triton_device(
+            ps, [r(*p.shape) for p in ps], [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps],
+            step=torch.zeros(()), lr=torch.tensor(1e-3, dtype=torch.float64), ok=torch.tensor(True),
+            grad_scale=torch.tensor(0.5), beta1=0.9, beta2=0.95, eps=1e-8, weight_decays=[0.1, 0.0], copies=copies,
+            recip_div=True,
+        )  # fmt: skip
+
+    out["adamw fp32, scalars on the device (the captured step)"] = adamw_device
     return out
 
 

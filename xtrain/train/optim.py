@@ -26,7 +26,7 @@ import torch
 
 from xtrain.autograd import Var
 from xtrain.kernels._dispatch import use_triton
-from xtrain.kernels.adamw import adamw_step
+from xtrain.kernels.adamw import adamw_step, adamw_step_triton_device
 from xtrain.kernels.adamw_foreach import adamw_step_device, adamw_step_fused_cpu
 
 
@@ -45,13 +45,18 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
+def clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """The clip coefficient torch computes: max_norm / (norm + 1e-6), clamped to 1 (a 0-dim tensor)."""
+    return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+
+
 def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
     """Scale grads in place so their global norm is at most max_norm; returns the coefficient used (a 0-dim
     tensor on the grads' device). The coefficient is computed as torch does, as a tensor in the norm's dtype
     (a Python-float coefficient could differ from torch's in the last bit), and never read back to the host:
     the grads are always multiplied by it (by exactly 1.0 when the norm is below max_norm, which changes
     nothing), so a step stays free of host-device synchronisation."""
-    coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    coef = clip_coef(max_norm, total_norm)
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return coef
@@ -189,20 +194,20 @@ class AdamW:
                 if c is not None:
                     self._record_copy(i)
 
-    def step_device(self, lr: torch.Tensor, ok: torch.Tensor) -> None:
-        """The update with the learning rate and the go-ahead as device tensors (0-dim fp32 ``lr``, 0-dim bool
-        ``ok``): nothing is read back to the host, so it can be captured in a CUDA graph. Where ``ok`` is false
-        nothing changes (weights, moments, step). The step count lives on the device (``step_tensor``);
-        ``sync_step_count()`` copies it into ``step_count`` (a host read: call it outside the step)."""
+    def step_device(self, lr: torch.Tensor, ok: torch.Tensor, grad_scale: torch.Tensor | None = None) -> None:
+        """The update with the learning rate, the go-ahead and the gradient scale as device tensors (0-dim
+        ``lr``, 0-dim bool ``ok``, 0-dim ``grad_scale``: the clip coefficient, None for 1): nothing is read back
+        to the host, so it can be captured in a CUDA graph. Where ``ok`` is false nothing changes (weights,
+        moments, step). The step count lives on the device (``step_tensor``); ``sync_step_count()`` copies it
+        into ``step_count`` (a host read: call it outside the step). On CUDA this is the one-launch Triton
+        kernel with the clip folded into its read of the gradients (the grads are left unscaled); elsewhere
+        the multi-tensor form (the grads are scaled in place first)."""
         grads = self.grads()
+        datas = [p.data for p in self.params]
         if self.step_tensor is None:
-            self.step_tensor = torch.tensor(float(self.step_count), device=self.params[0].data.device)
+            self.step_tensor = torch.tensor(float(self.step_count), device=datas[0].device)
         have_copies = any(c is not None for c in self.copies)
-        adamw_step_device(
-            [p.data for p in self.params],
-            grads,
-            self.exp_avgs,
-            self.exp_avg_sqs,
+        kw = dict(
             step=self.step_tensor,
             lr=lr,
             ok=ok,
@@ -212,6 +217,12 @@ class AdamW:
             weight_decays=self.weight_decays,
             copies=self.copies if have_copies else None,
         )
+        if use_triton(datas[0]) and datas[0].is_cuda:
+            adamw_step_triton_device(datas, grads, self.exp_avgs, self.exp_avg_sqs, grad_scale=grad_scale, **kw)
+        else:
+            if grad_scale is not None and grads:
+                torch._foreach_mul_(grads, grad_scale.to(grads[0].dtype))
+            adamw_step_device(datas, grads, self.exp_avgs, self.exp_avg_sqs, **kw)
         if have_copies:
             for i, c in enumerate(self.copies):
                 if c is not None:

@@ -50,7 +50,7 @@ from xtrain.autograd import gc_paused, no_grad
 from xtrain.config import ConfigError, TrainConfig, check_compatible
 from xtrain.model import Model, mix_seed
 from xtrain.train import checkpoint as ckpt_io
-from xtrain.train.optim import AdamW, clip_grads_, grad_norm
+from xtrain.train.optim import AdamW, clip_coef, clip_grads_, grad_norm
 from xtrain.train.schedule import Schedule
 
 IGNORE_INDEX = -100
@@ -344,13 +344,15 @@ class Trainer:
         """One optimizer step on batch tensors already on the model's device, reading nothing back to the host
         (capture-ready): the token count, 1/N, the loss sum, the grad norm, the go-ahead ``ok`` (loss and norm
         finite), the clip coefficient and the update all stay device tensors; a non-finite step is skipped on
-        the device (``AdamW.step_device``: weights, moments and step count untouched). ``lr`` is a 0-dim fp32
+        the device (``AdamW.step_device``: weights, moments and step count untouched). ``lr`` is a 0-dim float64
         device tensor. Value checks of the ops are off (the trainer checked the batch on the CPU).
         Returns device tensors (loss_sum fp64, counted, ok, norm); reading them is the caller's business.
 
-        Rounding: the backward seed 1/N is the same fp32 value as the host path's; the AdamW bias corrections
-        are computed in fp32 on the device (the host path uses float64 scalars), so the two paths may differ
-        in the last ulp of the step size."""
+        Rounding: the backward seed 1/N is the same fp32 value as the host path's. On CUDA the update is the
+        host path's Triton kernel with its scalars computed on the device in the same float64 order and the
+        clip folded into its gradient read (the same products): the two paths agree bit for bit (a GPU test
+        checks it). Elsewhere the multi-tensor form computes the bias corrections in fp32, within an ulp of
+        the step size of the host path."""
         cfg, model = self.config, self.model
         k, mb = cfg.grad_accum, cfg.micro_batch_size
         counted = (targets != self.ignore_index).sum()
@@ -375,9 +377,9 @@ class Trainer:
             loss_sum = loss_t[0]
         norm = grad_norm(grads)
         ok = torch.isfinite(norm) & torch.isfinite(loss_sum)
-        if cfg.grad_clip > 0:
-            clip_grads_(grads, cfg.grad_clip, norm)
-        self.optimizer.step_device(lr, ok)
+        # the clip is folded into the update (the one-launch kernel scales each gradient as it reads it)
+        coef = clip_coef(cfg.grad_clip, norm) if cfg.grad_clip > 0 else None
+        self.optimizer.step_device(lr, ok, coef)
         self.optimizer.zero_grad()
         return loss_sum, counted, ok, norm
 
@@ -408,7 +410,7 @@ class Trainer:
             inputs, targets = inputs.to(model.device), targets.to(model.device)
             lr = self.schedule(self.step)
             if self._lr_t is None:
-                self._lr_t = torch.zeros((), dtype=torch.float32, device=model.device)
+                self._lr_t = torch.zeros((), dtype=torch.float64, device=model.device)
             self._lr_t.fill_(lr)  # a host write into the same buffer every step, never a read
             with _deferred_sigint(), gc_paused():
                 if self.graphed is not None:
