@@ -9,15 +9,24 @@ side runs its step as the trainer does: Python's cyclic GC paused for the step, 
 dtype) AdamW's compute copies of the weights read by the forward (``--no-copies``: a cast per weight per
 forward instead).
 
+Rows: torch eager; xtrain (its plain step, host reads included); on CUDA (``--graph-rows``) the trainer's own
+step (``Trainer.train_step``, capture-ready) with the CUDA graph on and off, and the eager model under
+``torch.compile`` (default mode, autocast, fused AdamW). Every side starts from the same weights and batch; the
+first-step losses are printed (they must agree).
+
 Timing: wall clock per step after warm-up, median (and quartiles) over ``--steps`` steps, the sides
 interleaved step by step so machine noise hits all alike (the host's speed drifts between processes by
 more than most changes measured here: compare variants inside one process, e.g. ``--compare-copies``).
-tokens/s = B * T / median step time. Both losses are printed for the first step (they must agree: same
-model, same batch).
+tokens/s = B * T / median step time.
 
-FLOPs per token (printed for scale): 6 * (parameters, the LM head counted once) for the matmuls, forward
-and backward, plus attention's 12 * L * H * D * T (nanoGPT's estimate for the full T x T square) halved
-for the causal mask: 6 * L * H * D * T.
+Peak memory (CUDA): each side is built and warmed up alone, before any timing; its peak is the most memory
+allocated during that (``torch.cuda.max_memory_allocated``) above what the sides built before it hold: its
+weights, optimizer state, compute copies, activations and, for the graph, what the capture allocated.
+
+FLOPs per token: 6 * (parameters, the LM head counted once) for the matmuls, forward and backward, plus
+attention's 12 * L * H * D * T (nanoGPT's estimate for the full T x T square) halved for the causal mask:
+6 * L * H * D * T. MFU = tokens/s * FLOPs per token / the tensor cores' dense peak (H100/H200 bf16:
+989.4 TFLOP/s; ``--peak-tflops`` for other devices).
 """
 
 from __future__ import annotations
@@ -140,49 +149,62 @@ class TorchQwen3(nn.Module):
 # -- the benchmark -------------------------------------------------------------------------------------
 
 
-def graph_sides(c, dev, ids, ref, autocast, B: int, recompute: bool) -> list:
-    """The trainer's own step (``Trainer.train_step``: capture-ready, lr as a device tensor, one read per
-    step) with the CUDA graph on and off, and eager PyTorch under ``torch.compile`` (same weights, batch,
-    clip and AdamW). On a machine without CUDA the graph row falls back (one line) and runs eagerly; the
-    compile row needs a working inductor backend (skipped with a line if it fails)."""
-    import copy
-
-    from xtrain.config import TrainConfig
-    from xtrain.train.trainer import Trainer
-
-    T = ids.shape[1] - 1
-    tcfg = TrainConfig(steps=10**9, batch_size=B, seq_len=T, lr=1e-3, warmup_steps=0, schedule="constant")
-    out = []
-    for name, graph in (("xtrain trainer, graph", True), ("xtrain trainer, no graph", False)):
-        m = Model(c, device=dev, seed=0)
-        tr = Trainer(m, tcfg, lambda: ids.cpu(), cuda_graph=graph, capture_ready=True)
-        out.append((name, tr.train_step))
-    comp = copy.deepcopy(ref)
-    named = dict(comp.named_parameters())
+def _torch_opt(model, dev, fused_cpu: bool):
+    """AdamW over the torch model with the two decay groups; the fused kernel on CUDA, the plain loop on CPU."""
+    named = dict(model.named_parameters())
     groups = [
         {"params": [p for n, p in named.items() if decays(n, p.shape)], "weight_decay": 0.1},
         {"params": [p for n, p in named.items() if not decays(n, p.shape)], "weight_decay": 0.0},
     ]
     fused = dev.type == "cuda"
-    copt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
-    fwd = torch.compile(comp)
-    x, y = ids[:, :-1], ids[:, 1:]
+    return torch.optim.AdamW(
+        groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=None if fused or fused_cpu else False, fused=fused or None
+    )
 
-    def step_compiled():
+
+def torch_step(ref, opt, x, y, autocast, dev, compiled: bool):
+    fwd = torch.compile(ref) if compiled else ref
+
+    def step():
         with autocast:
             loss = fwd(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(comp.parameters(), 1.0, foreach=True)
-        copt.step()
-        copt.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, foreach=dev.type == "cuda" or compiled)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    try:
-        step_compiled()
-        out.append(("torch.compile", step_compiled))
-    except Exception as e:  # no C++ compiler / Triton for inductor here
-        print(f"  torch.compile row skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-    return out
+    return step
+
+
+def trainer_step(c, dev, ids, B: int, graph: bool):
+    """The trainer's own step (``Trainer.train_step``: capture-ready, lr as a device tensor, one read per step),
+    with the CUDA graph on or off. On a machine without CUDA the graph falls back (one line) and runs eagerly."""
+    from xtrain.config import TrainConfig
+    from xtrain.train.trainer import Trainer
+
+    T = ids.shape[1] - 1
+    tcfg = TrainConfig(steps=10**9, batch_size=B, seq_len=T, lr=1e-3, warmup_steps=0, schedule="constant")
+    batch = ids.cpu()  # as a loader hands it over: on the host, moved by the step
+    tr = Trainer(Model(c, device=dev, seed=0), tcfg, lambda: batch, cuda_graph=graph, capture_ready=True)
+    return lambda: tr.train_step()["loss"]
+
+
+# dense matmul peak of the tensor cores (no sparsity), FLOP/s, by device name and compute dtype (datasheets)
+# (the fp32 rows are TF32's peak, what torch's fp32 matmuls may use)
+_PEAK = {
+    ("H100", "bfloat16"): 989.4e12,
+    ("H200", "bfloat16"): 989.4e12,
+    ("H100", "float32"): 494.7e12,
+    ("H200", "float32"): 494.7e12,
+}
+
+
+def peak_matmul_flops(dev, dtype: str) -> float | None:
+    if dev.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(dev)
+    return next((v for (k, dt), v in _PEAK.items() if k in name and dt == dtype), None)
 
 
 def flops_per_token(c, T: int) -> float:
@@ -219,6 +241,7 @@ def main(argv=None) -> int:
         help="also time a second xtrain model with the copies the other way, interleaved",
     )
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak for MFU (default: H100/H200)")
     ap.add_argument(
         "--graph-rows",
         choices=["auto", "on", "off"],
@@ -242,68 +265,81 @@ def main(argv=None) -> int:
     B, T = args.batch_size, args.seq_len or c.max_seq_len
     dev = torch.device(args.device)
 
-    model = Model(c, device=dev, seed=0)
-    opt = AdamW.for_model(model, copies=not args.no_copies, lr=1e-3, weight_decay=0.1)  # as the trainer does
-    if args.compare_copies and model.compute_dtype == model.master_dtype:
-        ap.error("--compare-copies needs a compute dtype below the fp32 masters (--dtype bfloat16)")
-    ref = TorchQwen3(c, args.torch_attention).to(dev)
-    ref.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, strict=True)
-    named = dict(ref.named_parameters())
-    groups = [
-        {"params": [p for n, p in named.items() if decays(n, p.shape)], "weight_decay": 0.1},
-        {"params": [p for n, p in named.items() if not decays(n, p.shape)], "weight_decay": 0.0},
-    ]
-    # the strongest stock optimizer on each device: the fused CUDA kernel on GPU, the plain loop on CPU
-    fused = dev.type == "cuda"
-    topt = torch.optim.AdamW(
-        groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False if not fused else None, fused=fused or None
-    )
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else contextlib.nullcontext()
+    if dev.type == "cuda":
+        from bench._gpu import warm_up
 
+        warm_up()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=g).to(dev)
     x, y = ids[:, :-1], ids[:, 1:]
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else contextlib.nullcontext()
+    init = Model(c, device="cpu", seed=0).state_dict()  # every side starts from these weights (seed 0)
+
+    def xtrain_side(copies: bool):
+        def build():
+            model = Model(c, device=dev, seed=0)
+            opt = AdamW.for_model(model, copies=copies, lr=1e-3, weight_decay=0.1)  # as the trainer does
+
+            def step():
+                with gc_paused():  # as the trainer runs a step (the tape is acyclic; see autograd.gc_paused)
+                    loss = model.loss(x, y)
+                    loss.backward()
+                    grads = opt.grads()
+                    clip_grads_(grads, 1.0, grad_norm(grads))
+                    opt.step()
+                    opt.zero_grad()
+                    return float(loss.data)
+
+            return step
+
+        return build
+
+    def torch_side(compiled: bool):
+        def build():
+            ref = TorchQwen3(c, args.torch_attention).to(dev)
+            ref.load_state_dict({k: v.to(dev) for k, v in init.items()}, strict=True)
+            return torch_step(ref, _torch_opt(ref, dev, fused_cpu=False), x, y, autocast, dev, compiled)
+
+        return build
+
+    copies = not args.no_copies and args.dtype != "float32"
+    builders = [("torch eager", torch_side(False)), ("xtrain", xtrain_side(not args.no_copies))]
+    if args.compare_copies:  # the same step with the copies the other way, in the same process, interleaved
+        if args.dtype == "float32":
+            ap.error("--compare-copies needs a compute dtype below the fp32 masters (--dtype bfloat16)")
+        builders.append(("xtrain, copies " + ("on" if args.no_copies else "off"), xtrain_side(args.no_copies)))
+    if args.graph_rows == "on" or (args.graph_rows == "auto" and dev.type == "cuda"):
+        builders += [
+            ("xtrain trainer, graph", lambda: trainer_step(c, dev, ids, B, True)),
+            ("xtrain trainer, no graph", lambda: trainer_step(c, dev, ids, B, False)),
+            ("torch.compile", torch_side(True)),
+        ]
 
     def sync():
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def xtrain_step(model, opt):
-        def step():
-            with gc_paused():  # as the trainer runs a step (the tape is acyclic; see autograd.gc_paused)
-                loss = model.loss(x, y)
-                loss.backward()
-                grads = opt.grads()
-                clip_grads_(grads, 1.0, grad_norm(grads))
-                opt.step()
-                opt.zero_grad()
-                return float(loss.data)
-
-        return step
-
-    step_xtrain = xtrain_step(model, opt)
-    other = []
-    if args.compare_copies:  # the same step with the copies the other way, in the same process, interleaved
-        model2 = Model(c, device=dev, seed=0)
-        opt2 = AdamW.for_model(model2, copies=args.no_copies, lr=1e-3, weight_decay=0.1)
-        other = [("xtrain, copies " + ("on" if args.no_copies else "off"), xtrain_step(model2, opt2))]
-
-    def step_torch():
-        with autocast:
-            loss = ref(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, foreach=fused)
-        topt.step()
-        topt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    sides = [("torch eager", step_torch), ("xtrain", step_xtrain)] + other
-    if args.graph_rows == "on" or (args.graph_rows == "auto" and dev.type == "cuda"):
-        sides += graph_sides(c, dev, ids, ref, autocast, B, args.recompute)
-    first = (step_xtrain(), step_torch())
-    for _ in range(args.warmup):
-        for _, fn in sides[1:] + sides[:1]:
+    # build each side and warm it up alone: its first loss (every side the same weights and batch: they must
+    # agree) and, on CUDA, its peak memory: the most allocated during its build and warm-up above what the
+    # sides built before it hold (its weights, optimizer state, graph pool, activations)
+    sides, first, peak = [], {}, {}
+    for name, build in builders:
+        sync()
+        base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        try:
+            fn = build()
+            first[name] = fn()
+        except Exception as e:  # e.g. torch.compile without a C++ compiler / Triton for inductor here
+            print(f"  {name} row skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            continue
+        for _ in range(args.warmup):
             fn()
+        sync()
+        if dev.type == "cuda":
+            peak[name] = torch.cuda.max_memory_allocated(dev) - base
+        sides.append((name, fn))
     times = {name: [] for name, _ in sides}
     for _ in range(args.steps):  # interleaved step by step, so machine noise hits every side alike
         for name, fn in sides:
@@ -317,22 +353,32 @@ def main(argv=None) -> int:
     mt = med["torch eager"]
     tok = B * T
     fpt = flops_per_token(c, T)
+    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else peak_matmul_flops(dev, args.dtype)
     print(
-        f"xtrain bench train: preset={args.preset} params={model.num_params() / 1e6:.2f}M B={B} T={T} "
-        f"V={c.vocab_size} device={dev} dtype={args.dtype} threads={torch.get_num_threads()} "
-        f"torch={torch.__version__}"
+        f"xtrain bench train: preset={args.preset} params={c.num_params() / 1e6:.2f}M B={B} T={T} "
+        f"V={c.vocab_size} device={dev}{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else ''} "
+        f"dtype={args.dtype} threads={torch.get_num_threads()} torch={torch.__version__}"
     )
     print(
         f"  xtrain attention={args.attention} loss={args.loss} recompute={args.recompute} "
-        f"compute copies={'on' if model.weight_copy is not None else 'off'}; "
-        f"torch attention={args.torch_attention}; first-step loss xtrain {first[0]:.6f} torch {first[1]:.6f}"
+        f"compute copies={'on' if copies else 'off'}; torch attention={args.torch_attention}; "
+        f"GFLOP/token {fpt / 1e9:.3f}; "
+        + (f"MFU against {peak_flops / 1e12:.1f} TFLOP/s" if peak_flops else "no peak known for MFU (--peak-tflops)")
     )
-    print(f"{'impl':<26}{'step ms':>10}{'p25-p75 ms':>14}{'tokens/s':>12}{'GFLOP/s':>10}{'ratio':>8}")
+    print("  first-step loss: " + ", ".join(f"{n} {v:.6f}" for n, v in first.items()))
+    print(
+        f"{'impl':<26}{'step ms':>10}{'p25-p75 ms':>14}{'tokens/s':>12}{'MFU %':>8}{'peak GiB':>10}{'vs eager':>10}"
+        f"{'vs compile':>12}"
+    )
+    mc = med.get("torch.compile")
     for name, _ in sides:
         m = med[name]
+        mfu = f"{100 * tok * fpt / m / peak_flops:.1f}" if peak_flops else "-"
+        mem = f"{peak[name] / 2**30:.2f}" if name in peak else "-"
+        vs_c = f"{mc / m:.2f}" if mc else "-"
         print(
             f"{name:<26}{m * 1e3:>10.1f}{f'{q[name][0] * 1e3:.1f}-{q[name][2] * 1e3:.1f}':>14}{tok / m:>12.0f}"
-            f"{tok * fpt / m / 1e9:>10.1f}{mt / m:>8.2f}"
+            f"{mfu:>8}{mem:>10}{mt / m:>10.2f}{vs_c:>12}"
         )
     return 0
 
