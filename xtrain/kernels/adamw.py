@@ -25,6 +25,12 @@ a mask ``i < n`` has unknown divisibility and Triton emitted one 4-byte access p
 sm_90 PTX); unmasked, the accesses are 16 bytes wide. H200: 2.50 ms for 341M parameters in 217 tensors
 (96% of copy bandwidth; 4.89 ms masked).
 
+Device scalars (``adamw_step_triton_device``, the captured training step): the same kernel reads the step size,
+the bias correction, a gradient scale (the clip coefficient, applied as each gradient is read) and a go-ahead
+flag from a 4-element device tensor that a few 0-dim torch ops compute in float64 from the lr, step and clip
+tensors (``device_scalars``), in the order the host computes them, so nothing is read back to the host and the
+result is the host path's bit for bit; with the flag off (a non-finite step) nothing is written.
+
 Bit-exactness: the kernel repeats the rounding steps of the CUDA reference (torch's own kernels), with
 Triton's fp contraction switched off and every fused multiply-add written out where torch has one:
     p = p * fl(1 - lr*wd)                               mul_

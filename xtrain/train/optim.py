@@ -13,6 +13,9 @@ differently by about an ulp per step. Moments are kept in the master dtype (fp32
 on every step; a parameter that received no gradient is updated with a zero gradient (its moments decay,
 weight decay applies), so the step count is one per optimizer, not per parameter.
 
+The capture-ready step (``step_device``) takes the lr, the go-ahead and the clip coefficient as device
+tensors; on CUDA the same kernel then scales each gradient as it reads it (the clip costs no pass of its own).
+
 ``grad_norm`` / ``clip_grads_`` compute exactly what ``torch.nn.utils.clip_grad_norm_`` computes
 (norm of the per-tensor 2-norms; coefficient max_norm / (norm + 1e-6), clamped to 1).
 """
