@@ -81,6 +81,12 @@ def test_rms_norm_cpu(shape):
     dx, dw = K_rms.rms_norm_bwd_triton(dy, x, w, r0)
     dx0, dw0 = K_rms.rms_norm_bwd_ref(dy, x, w, r0)
     assert _max_err(dx, dx0) <= CPU_TOL and _max_err(dw, dw0) <= CPU_TOL * 10  # dw sums up to 21 rows
+    # the output in another dtype (fp16: the interpreter's bf16 is wrong), and a gradient arriving in it
+    y16, _ = K_rms.rms_norm_fwd_triton(x, w, 1e-6, torch.float16)
+    assert y16.dtype == torch.float16 and _max_err(y16, y0.half()) <= 1e-3 * y0.abs().max().item()
+    dx16, _ = K_rms.rms_norm_bwd_triton(dy.half(), x, w, r0)
+    assert dx16.dtype == torch.float32
+    assert _max_err(dx16, K_rms.rms_norm_bwd_ref(dy.half(), x, w, r0)[0]) <= CPU_TOL
 
 
 @needs_cpu_interp

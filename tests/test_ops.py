@@ -238,6 +238,29 @@ def test_dropout_hash_is_pinned():
     assert m == PINNED_MASK
 
 
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_fused_casts_are_the_composition_bit_for_bit(low):
+    """rms_norm(x, w, eps, low) == cast(rms_norm(x, w, eps), low) and add_cast(x, y) == add(x, cast(y, x.dtype)):
+    outputs and every gradient, bit for bit (one rounding either way)."""
+    g = torch.Generator().manual_seed(7)
+    x0, w0 = torch.randn(6, 16, generator=g), torch.rand(16, generator=g) + 0.5
+    y0, dy = torch.randn(6, 16, generator=g).to(low), torch.randn(6, 16, generator=g).to(low)
+    forms = [
+        (lambda x, w, y: ops.rms_norm(x, w, 1e-6, low), lambda x, w, y: ops.cast(ops.rms_norm(x, w, 1e-6), low)),
+        (lambda x, w, y: ops.add_cast(x, y), lambda x, w, y: ops.add(x, ops.cast(y, torch.float32))),
+    ]
+    for fused, composed in forms:
+        outs = []
+        for f in (fused, composed):
+            x, w, y = Var(x0.clone(), True), Var(w0.clone(), True), Var(y0.clone(), True)
+            out = f(x, w, y)
+            out.backward(dy.to(out.dtype))
+            outs.append((out.data, x.grad, w.grad, y.grad))
+        for a, b in zip(*outs):
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+        assert outs[0][0].dtype == (low if fused is forms[0][0] else torch.float32)
+
+
 # dropout_mask_ref(16, 0.5, 12345); re-pinned 2026-11-29 when the mask moved to one hash per element pair
 PINNED_MASK = [0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0]
 
@@ -262,6 +285,9 @@ BAD = [
     ("embedding", lambda: ops.embedding(torch.tensor([0, 7]), V(7, 3))),
     ("embedding", lambda: ops.embedding(torch.tensor([0.0]), V(7, 3))),
     ("rms_norm", lambda: ops.rms_norm(V(2, 8), V(7))),
+    ("rms_norm", lambda: ops.rms_norm(V(2, 8), V(8), 1e-6, torch.int32)),
+    ("add_cast", lambda: ops.add_cast(V(2, 3, dtype=torch.bfloat16), V(2, 3))),
+    ("add_cast", lambda: ops.add_cast(V(2, 3), V(3, dtype=torch.bfloat16))),
     ("swiglu", lambda: ops.swiglu(V(2, 8), V(2, 7))),
     ("softmax", lambda: ops.softmax(V(2, 3), dim=2)),
     ("cross_entropy", lambda: ops.cross_entropy(V(4, 10), torch.tensor([0, 1, 2, 10]))),

@@ -580,10 +580,24 @@ def test_bench_train_smoke(capsys):
     )
     out = capsys.readouterr().out
     assert "tokens/s" in out and "xtrain" in out and "torch eager" in out
-    # same model, same batch: the two first-step losses agree
+    # same model, same batch: the first-step losses of every side agree
     line = [ln for ln in out.splitlines() if "first-step loss" in ln][0]
-    a, b = float(line.split("xtrain ")[-1].split()[0]), float(line.split("torch ")[-1].split()[0])
-    assert abs(a - b) < 1e-4
+    losses = dict(part.strip().rsplit(" ", 1) for part in line.split(":", 1)[1].split(", "))
+    assert {"torch eager", "xtrain"} <= set(losses)
+    assert abs(float(losses["xtrain"]) - float(losses["torch eager"])) < 1e-4
+
+
+@pytest.mark.parametrize("step", ["xtrain", "trainer"])
+def test_bench_profile_train_smoke(capsys, step):
+    from xtrain.bench.cli import BENCH_DIR
+    from xtrain.cli import main
+
+    if not (BENCH_DIR / "profile_train.py").is_file():
+        pytest.skip("bench/ is not part of this checkout")
+    args = ["bench", "profile_train", "--device", "cpu", "--step", step, "--seq-len", "16", "--batch-size", "1"]
+    assert main(args + ["--steps", "1", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"profile: step={step}" in out and "Self CPU" in out
 
 
 def test_model_config_roundtrip_in_checkpoint(tmp_path):

@@ -41,6 +41,7 @@ def cases() -> list[Case]:
 
     return [
         Case("add", "[3,4] + [4] (broadcast)", lambda g: ([_r(g, 3, 4), _r(g, 4)], []), ops.add),
+        Case("add_cast", "[3,4] + [3,4]", lambda g: ([_r(g, 3, 4), _r(g, 3, 4)], []), ops.add_cast),
         Case("sub", "[2,1,5] - [3,1]", lambda g: ([_r(g, 2, 1, 5), _r(g, 3, 1)], []), ops.sub),
         Case("mul", "[3,4] * [3,1]", lambda g: ([_r(g, 3, 4), _r(g, 3, 1)], []), ops.mul),
         Case("mul(x,x)", "same Var twice", lambda g: ([_r(g, 5)], []), lambda x: ops.mul(x, x)),

@@ -275,11 +275,11 @@ class Model:
         one mm without reshapes). ``seed`` is
         (dropout seed, row_start, row_stride) captured at forward time (None: no dropout), so a recompute
         in backward reuses it. ``table``: the RoPE cos/sin table of ``positions`` (``ops.rope_table``)."""
-        cfg, P, w, dt, m = self.config, self._layers[i], self._w, self.compute_dtype, self.master_dtype
+        cfg, P, w, dt = self.config, self._layers[i], self._w, self.compute_dtype
         T = positions.shape[-1]
         H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
 
-        h = ops.cast(ops.rms_norm(x, P["input_layernorm.weight"], eps), dt)  # [B*T, C]
+        h = ops.rms_norm(x, P["input_layernorm.weight"], eps, dt)  # [B*T, C], normed straight into dt
         q = ops.linear(h, w(P["self_attn.q_proj.weight"]))  # [B*T, H*D]
         k = ops.linear(h, w(P["self_attn.k_proj.weight"]))  # [B*T, Hkv*D]
         v = ops.linear(h, w(P["self_attn.v_proj.weight"]))  # [B*T, Hkv*D]
@@ -288,13 +288,13 @@ class Model:
         k = ops.qk_norm_rope(k, w(P["self_attn.k_norm.weight"]), Hkv, positions, cfg.rope_theta, eps, table)
         a = ops.attention_rows(q, k, v, causal=True, impl=self._attention)  # [B*T, H*D]
         a = ops.linear(a, w(P["self_attn.o_proj.weight"]))  # [B*T, C]
-        x = ops.add(x, ops.cast(self._dropout(a, seed, i, SITE_ATTN, T), m))
+        x = ops.add_cast(x, self._dropout(a, seed, i, SITE_ATTN, T))  # the branch promoted to m in the add
 
-        h = ops.cast(ops.rms_norm(x, P["post_attention_layernorm.weight"], eps), dt)  # [B*T, C]
+        h = ops.rms_norm(x, P["post_attention_layernorm.weight"], eps, dt)  # [B*T, C]
         # silu(h Wgᵀ) * (h Wuᵀ) as one node                                    [B*T, F]
         s = ops.swiglu_linear(h, w(P["mlp.gate_proj.weight"]), w(P["mlp.up_proj.weight"]))
         y = ops.linear(s, w(P["mlp.down_proj.weight"]))  # [B*T, C]
-        return ops.add(x, ops.cast(self._dropout(y, seed, i, SITE_MLP, T), m))
+        return ops.add_cast(x, self._dropout(y, seed, i, SITE_MLP, T))
 
     def _check_ids(self, ids: torch.Tensor, what: str = "ids") -> None:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
@@ -327,7 +327,7 @@ class Model:
                 x = checkpoint(self._block, x, i, positions, seed, table)
             else:
                 x = self._block(x, i, positions, seed, table)
-        return ops.cast(ops.rms_norm(x, self.params["model.norm.weight"], cfg.norm_eps), self.compute_dtype)
+        return ops.rms_norm(x, self.params["model.norm.weight"], cfg.norm_eps, self.compute_dtype)
 
     @property
     def head_weight(self) -> Var:

@@ -1,8 +1,10 @@
 """RMSNorm over the last dim: y = x * inv_rms * w, inv_rms = 1 / sqrt(mean(x^2) + eps).
 
 Contract (shared by the reference and the Triton kernels):
-    rms_norm_fwd(x[..., C], w[C], eps) -> (y[..., C] in x.dtype, inv_rms[N] fp32), N = x.numel() // C
-    rms_norm_bwd(dy[..., C], x, w, inv_rms) -> (dx in x.dtype, dw[C] in w.dtype)
+    rms_norm_fwd(x[..., C], w[C], eps, out_dtype=None) -> (y[..., C] in out_dtype (None: x.dtype), inv_rms[N] fp32),
+        N = x.numel() // C; y is rounded once, from fp32, to out_dtype (the model's fp32 residual stream normed
+        straight into bf16 for the next matmul: no cast pass)
+    rms_norm_bwd(dy[..., C] in any float dtype, x, w, inv_rms) -> (dx in x.dtype, dw[C] in w.dtype)
 Statistics are computed in fp32 whatever the input dtype; inv_rms is saved so backward skips the
 reduction. With g = dy * w and n = C:
     dx = inv_rms * g - x * inv_rms^3 / n * sum_c(g * x)
@@ -32,12 +34,12 @@ from xtrain.kernels._dispatch import gdc_wait, pdl_ok, sm_count, tl, triton, use
 from xtrain.kernels._dispatch import jit as _jit
 
 
-def rms_norm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
+def rms_norm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None):
     C = x.shape[-1]
     xf = x.reshape(-1, C).float() if x.dtype != torch.float64 else x.reshape(-1, C)
     inv_rms = torch.rsqrt((xf * xf).mean(dim=-1) + eps)  # [N]
     y = torch.mul(xf, inv_rms[:, None]).mul_(w.to(xf.dtype))
-    return y.to(x.dtype).reshape(x.shape), inv_rms
+    return y.to(out_dtype or x.dtype).reshape(x.shape), inv_rms
 
 
 def rms_norm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms: torch.Tensor):
@@ -156,11 +158,17 @@ def _num_programs(x: torch.Tensor, N: int, per_sm: int) -> int:
     return max(1, min(N, 4))  # the interpreter: few programs, each several rows
 
 
-def rms_norm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float, config: RmsNormConfig | None = None):
+def rms_norm_fwd_triton(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
+    config: RmsNormConfig | None = None,
+):
     C = x.shape[-1]
     x2 = x.reshape(-1, C).contiguous()  # [N, C]
     N = x2.shape[0]
-    y = torch.empty_like(x2)
+    y = torch.empty_like(x2, dtype=out_dtype or x.dtype)
     inv_rms = torch.empty(N, dtype=torch.float32, device=x.device)
     if N > 0:
         cfg = config or rms_norm_config(C)
@@ -198,10 +206,10 @@ def rms_norm_bwd_triton(
     return dx.reshape(x.shape), dw
 
 
-def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
+def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None):
     if x.dtype != torch.float64 and use_triton(x, w):
-        return rms_norm_fwd_triton(x, w, eps)
-    return rms_norm_fwd_ref(x, w, eps)
+        return rms_norm_fwd_triton(x, w, eps, out_dtype)
+    return rms_norm_fwd_ref(x, w, eps, out_dtype)
 
 
 def rms_norm_bwd(dy, x, w, inv_rms):

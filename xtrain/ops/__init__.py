@@ -1,6 +1,6 @@
 """Differentiable ops on ``Var``. Public signatures here are relied on by outside code.
 
-basic: add, sub, mul, div, scale, neg, matmul, linear, add_bias, sum, mean, reshape, transpose,
+basic: add, add_cast, sub, mul, div, scale, neg, matmul, linear, add_bias, sum, mean, reshape, transpose,
        contiguous, cast, cast_as
 nn:    embedding, rms_norm, silu, swiglu, softmax, cross_entropy, rope, dropout
 attention: attention (composed), math_attention (one node, hand-written backward), auto_attention (the form the
@@ -14,6 +14,7 @@ from xtrain.ops.attention import attention, attention_rows, auto_attention, caus
 from xtrain.ops.basic import (
     add,
     add_bias,
+    add_cast,
     cast,
     cast_as,
     contiguous,
@@ -34,6 +35,7 @@ from xtrain.ops.nn import cross_entropy, dropout, embedding, rms_norm, rope, sil
 
 __all__ = [
     "add",
+    "add_cast",
     "add_bias",
     "attention",
     "attention_rows",

@@ -131,6 +131,30 @@ def add(a, b) -> Var:
     return Var.from_op(_apply("add", torch.add, a, b), (a, b), backward, "add")
 
 
+def add_cast(x: Var, y: Var) -> Var:
+    """x + y with y (a lower float dtype, e.g. a bf16 branch output) promoted to x's dtype (the fp32 residual
+    stream) inside the add: ``add(x, cast(y, x.dtype))`` in one kernel, bit for bit (the sum of two values
+    exact in x's dtype, rounded once). The gradient of y is cast back to y's dtype, as ``cast`` does."""
+    check(isinstance(x, Var) and isinstance(y, Var), "add_cast", "x and y must be Vars", x, y)
+    xd, yd = x.data, y.data
+    check(
+        xd.dtype in _FLOAT and yd.dtype in _FLOAT and xd.device == yd.device and xd.shape == yd.shape,
+        "add_cast",
+        "x and y must be float tensors of one shape on one device",
+        x,
+        y,
+    )
+    check(
+        torch.promote_types(xd.dtype, yd.dtype) == xd.dtype,
+        "add_cast",
+        f"y's dtype {yd.dtype} must promote to x's {xd.dtype}",
+        x,
+        y,
+    )
+    src = yd.dtype
+    return Var.from_op(torch.add(xd, yd), (x, y), lambda d: (d, d.to(src)), "add_cast")
+
+
 def sub(a, b) -> Var:
     a, b = _binary_prep("sub", a, b)
     sa, sb = a.shape, b.shape

@@ -45,8 +45,10 @@ def embedding(ids: torch.Tensor, table: Var) -> Var:
     return Var.from_op(out, (table,), lambda d: (K_emb.embedding_bwd(d, ids, V, plan).to(table.dtype),), "embedding")
 
 
-def rms_norm(x: Var, weight: Var, eps: float = 1e-6) -> Var:
-    """RMSNorm over the last dim, statistics in fp32, inverse RMS saved for backward."""
+def rms_norm(x: Var, weight: Var, eps: float = 1e-6, dtype: torch.dtype | None = None) -> Var:
+    """RMSNorm over the last dim, statistics in fp32, inverse RMS saved for backward. ``dtype``: the output's
+    dtype (None: x's), rounded once from fp32: ``cast(rms_norm(x), dtype)`` in one kernel each way (the fp32
+    residual stream normed straight into the bf16 matmul input; the gradient returns in x's dtype)."""
     _check_same("rms_norm", x, weight)
     check(
         weight.ndim == 1 and x.ndim >= 1 and x.shape[-1] == weight.shape[0],
@@ -56,8 +58,9 @@ def rms_norm(x: Var, weight: Var, eps: float = 1e-6) -> Var:
         weight,
     )
     check(eps > 0, "rms_norm", f"eps must be > 0, got {eps}", x)
+    check(dtype is None or dtype.is_floating_point, "rms_norm", f"dtype must be floating point, got {dtype}", x)
     xd, wd = x.data, weight.data
-    y, inv_rms = K_rms.rms_norm_fwd(xd, wd, eps)
+    y, inv_rms = K_rms.rms_norm_fwd(xd, wd, eps, dtype if dtype is not None and dtype != xd.dtype else None)
 
     def backward(d):
         return K_rms.rms_norm_bwd(d, xd, wd, inv_rms)
