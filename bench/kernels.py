@@ -155,11 +155,12 @@ def _dropout(shape, dt):
     from xtrain.kernels import dropout as K
 
     x = _rand(*shape, dtype=dt)
+    seed = K.seed_tensor(1234, x.device)  # on the device, as the model passes it (an int would copy per call)
     yield (
         f"dropout fwd {shape[0]}x{shape[1]} {_name(dt)}",
         2 * x.numel() * _esize(dt),
-        lambda: K.dropout_fwd_triton(x, 0.1, 1234),
-        lambda: K.dropout_fwd_ref(x, 0.1, 1234),
+        lambda: K.dropout_fwd_triton(x, 0.1, seed),
+        lambda: K.dropout_fwd_ref(x, 0.1, seed),
     )
 
 

@@ -113,6 +113,88 @@ def test_triton_matches_reference_with_rows(shape, start, stride):
         assert torch.equal(K.dropout_bwd_triton(x, p, seed, start, stride), want)
 
 
+def _int_seed_mask(shape, p, seed, start=0, stride=1):
+    """The mask as the reference drew it while seeds were host integers (lo/hi split on the host): the masks of
+    the device seed must be these, bit for bit."""
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    lo, hi = seed & 0xFFFFFFFF, seed >> 32
+    g = K._global_index(shape, start, stride, "cpu")
+    k = g >> 1
+    h = K._mix32(K._mix32((k & 0xFFFFFFFF) ^ lo) ^ hi ^ (k >> 32))
+    return torch.where((g & 1) == 0, h & 0xFFFF, h >> 16) >= K.keep_threshold(p)
+
+
+SEEDS = [0, 1, 12345, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**63 + 11, 2**64 - 1, -1]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_device_seed_masks_are_the_host_int_masks(seed):
+    # the seed as a one-element int64 tensor (two's complement; a view into a buffer, as the model passes it)
+    buf = torch.zeros(3, dtype=torch.int64)
+    buf[1:2].copy_(K.seed_tensor(seed, "cpu").reshape(1))
+    want = _int_seed_mask((B, T, C), 0.3, seed, 5, 3)
+    assert torch.equal(_mask((B, T, C), 0.3, seed, 5, 3), want)  # an int seed goes through the same tensor path
+    assert torch.equal(_mask((B, T, C), 0.3, buf[1], 5, 3), want)
+    assert int(K.seed_tensor(seed, "cpu")) & (2**64 - 1) == seed & (2**64 - 1)
+
+
+def test_op_takes_a_device_seed_and_checks_it():
+    x = Var(torch.randn(4, 6, 10, dtype=torch.float64), requires_grad=True)
+    seeds = torch.tensor([7, 2**40 + 3], dtype=torch.int64)
+    y = ops.dropout(x, 0.4, seeds[1], row_start=3, row_stride=2)
+    assert torch.equal(y.data, ops.dropout(Var(x.data), 0.4, 2**40 + 3, True, 3, 2).data)
+    y.backward(torch.ones_like(y.data))
+    torch.testing.assert_close(x.grad, (y.data != 0).double() / 0.6)
+    for bad in (seeds.int()[1], seeds, seeds[1].double(), torch.zeros(1, 1, dtype=torch.int64, device="meta")):
+        with pytest.raises(ValueError, match="dropout"):
+            ops.dropout(x, 0.4, bad)
+
+
+def test_op_backward_refuses_a_seed_written_after_the_forward():
+    # the backward regenerates the mask from the seed tensor: a rewrite in between would give another mask
+    seeds = torch.tensor([7, 8], dtype=torch.int64)
+    x = Var(torch.randn(3, 8), requires_grad=True)
+    y = ops.dropout(x, 0.5, seeds[0])
+    seeds.copy_(torch.tensor([9, 10]))
+    with pytest.raises(RuntimeError, match="dropout"):
+        y.backward(torch.ones_like(y.data))
+
+
+def test_graph_stand_in_freezes_host_seeds_and_reads_device_seeds():
+    """The CUDA-graph stand-in (``xtrain.testing.replay_capture``) re-runs the recorded tensor work, not Python:
+    an int seed is frozen at its capture-time value (what a CUDA graph of the old host-int seeding did), a
+    seed in a device buffer is read afresh by every replay."""
+    from xtrain.testing import replay_capture
+
+    x = Var(torch.randn(4, 64))
+    host = {"seed": 1}
+    replay, out = replay_capture(lambda: [ops.dropout(x, 0.5, host["seed"]).data])
+    host["seed"] = 2
+    replay()
+    assert torch.equal(out[0], K.dropout_fwd_ref(x.data, 0.5, 1))  # still seed 1's mask: frozen
+
+    buf = torch.tensor([1, 0], dtype=torch.int64)
+    replay, out = replay_capture(lambda: [ops.dropout(x, 0.5, buf[0]).data])
+    for seed in (2, 3, 2**63 + 5):
+        buf[0:1].copy_(K.seed_tensor(seed, "cpu").reshape(1))
+        replay()
+        assert torch.equal(out[0], K.dropout_fwd_ref(x.data, 0.5, seed))
+    assert not torch.equal(K.dropout_fwd_ref(x.data, 0.5, 2), K.dropout_fwd_ref(x.data, 0.5, 3))
+
+
+@needs_cpu_interp
+@pytest.mark.parametrize("seed", [0, 2**63 + 11, 2**64 - 1])
+def test_triton_reads_the_device_seed(seed):
+    # an entry at an 8-byte (not 16-byte) aligned address, as the model's buffer hands out
+    buf = torch.zeros(4, dtype=torch.int64)
+    buf[3:4].copy_(K.seed_tensor(seed, "cpu").reshape(1))
+    x = torch.randn(3, 5, 64)
+    want = K.dropout_fwd_ref(x, 0.1, seed, 2, 3)
+    assert torch.equal(want != 0, _int_seed_mask(x.shape, 0.1, seed, 2, 3))
+    assert torch.equal(K.dropout_fwd_triton(x, 0.1, buf[3], 2, 3), want)
+    assert torch.equal(K.dropout_bwd_triton(x, 0.1, buf[3], 2, 3), want)
+
+
 @pytest.mark.slow
 def test_cli_one_process_accumulation_and_ranks_agree_fp32(tmp_path, corpus):
     """The real command with dropout 0.1 in fp32: one process with B = 8, --grad-accum 2, and two gloo ranks
@@ -145,3 +227,7 @@ def test_gpu_kernel_matches_reference_with_rows(dtype, shape, start, stride):
     want = K.dropout_fwd_ref(x, 0.1, 2**64 - 3, start, stride)
     assert torch.equal(K.dropout_fwd_triton(x, 0.1, 2**64 - 3, start, stride), want)
     assert torch.equal(K.dropout_bwd_triton(x, 0.1, 2**64 - 3, start, stride), want)
+    buf = torch.zeros(2, dtype=torch.int64, device="cuda")  # the seed read on the device, at an 8-byte offset
+    buf[1:2].copy_(K.seed_tensor(2**64 - 3, "cuda").reshape(1))
+    assert torch.equal(K.dropout_fwd_triton(x, 0.1, buf[1], start, stride), want)
+    assert torch.equal(K.dropout_fwd_ref(x, 0.1, buf[1], start, stride), want)

@@ -399,12 +399,37 @@ def test_dropout_seeds_per_site_and_step():
     m = Model(c, seed=3)
     ids, tg = batch(c)
     with no_grad():
-        m.dropout_seed = 11
+        m.set_dropout_step(11)
         a = m.loss(ids, tg).item()
         b = m.loss(ids, tg).item()
-        m.dropout_seed = 12
+        m.set_dropout_step(12)
         d = m.loss(ids, tg).item()
     assert a == b and a != d
+
+
+def test_dropout_seeds_live_in_one_device_buffer():
+    # set_dropout_step writes every site's seed into the same buffer (same address every step); the masks it
+    # draws are those of the host-int site seeds, bit for bit
+    from xtrain.kernels.dropout import dropout_mask_ref
+    from xtrain.model import SITES
+
+    c = small_cfg(dropout=0.3, n_layer=3)
+    m = Model(c, seed=3)
+    buf, addr = m.dropout_seeds, m.dropout_seeds.data_ptr()
+    assert buf.shape == (3, len(SITES)) and buf.dtype == torch.int64
+    for step_seed in (0, 5, 2**64 - 1):
+        m.set_dropout_step(step_seed)
+        assert m.dropout_seeds is buf and buf.data_ptr() == addr
+        for i in range(3):
+            for k, site in enumerate(SITES):
+                s = site_seed(step_seed, i, site)
+                assert int(buf[i, k]) % 2**64 == s
+                assert torch.equal(
+                    dropout_mask_ref((2, 4, 8), 0.3, buf[i, k], "cpu"), dropout_mask_ref((2, 4, 8), 0.3, s, "cpu")
+                )
+    off = Model(small_cfg(dropout=0.0), seed=3)
+    off.set_dropout_step(5)  # p == 0: nothing reads the seeds, nothing is written
+    assert not off.dropout_seeds.any()
 
 
 # -- activation recompute -----------------------------------------------------------------------------
@@ -416,7 +441,8 @@ def test_recompute_bit_identical(p):
     ids, tg = batch(c, B=4, T=16)
     plain = Model(c, seed=4)
     rc = Model(dataclasses.replace(c, recompute=True), seed=4)
-    plain.dropout_seed = rc.dropout_seed = 99
+    plain.set_dropout_step(99)
+    rc.set_dropout_step(99)
     l0, g0, _ = _loss_and_grads(plain, ids, tg)
     l1, g1, n1 = _loss_and_grads(rc, ids, tg)
     assert n1.count("checkpoint") == 3

@@ -33,12 +33,19 @@ softmax (inside the kernel) and the loss are fp32 whatever the compute dtype; th
 elementwise MLP run in the compute dtype. In fp32 every cast is the identity and records nothing.
 
 Dropout (residual path only, at the attention and MLP outputs; never on attention probabilities): the mask
-of each site is a pure function of ``site_seed(dropout_seed, layer, site)`` and of the element's place in
+of each site is a pure function of ``site_seed(step_seed, layer, site)`` and of the element's place in
 the step's global batch: ``model.dropout_rows = (row_start, row_stride)`` says that row b of the model's
-input is global row ``row_start + b * row_stride``. The trainer sets ``model.dropout_seed`` once per step
-from (run seed, step) and ``dropout_rows`` per micro-batch from (rank, world size, micro index), so a token
-draws the same mask in one process, in a micro-batch or on any data-parallel rank, and a recomputed block
-and a resumed run draw the same masks. ``model.eval()`` (and p == 0) builds no dropout node at all.
+input is global row ``row_start + b * row_stride``. The site seeds live on the device, in one int64 buffer
+per model (``dropout_seeds``, one entry per (layer, site), allocated once, so its address never changes):
+``model.set_dropout_step(step_seed)`` computes them all on the host and writes them with one host-to-device
+copy, and each dropout kernel reads its entry. So a captured CUDA graph of the step draws the masks of
+whatever step the buffer holds when it replays, not those of the step it was captured on. The trainer calls
+``set_dropout_step`` once per step with ``mix_seed(run seed, step)``, outside the captured work, and sets
+``dropout_rows`` per micro-batch from (rank, world size, micro index) (host integers, the same every step
+for a micro-batch, so a graph may hold them), so a token draws the same mask in one process, in a
+micro-batch or on any data-parallel rank, and a recomputed block and a resumed run draw the same masks.
+The buffer must not be rewritten between a forward and its backward (the dropout op checks). ``model.eval()``
+(and p == 0) builds no dropout node at all.
 
 Activation recompute (``config.recompute``): each block runs under ``xtrain.autograd.checkpoint``: only
 its input is kept; its forward is re-run during backward. Same ops in the same order, so loss and
@@ -62,6 +69,7 @@ _MASK64 = (1 << 64) - 1
 
 SITE_ATTN = 0xA77  # dropout site constants, mixed into the per-site seed
 SITE_MLP = 0xF77
+SITES = (SITE_ATTN, SITE_MLP)  # entry (layer, k) of the seed buffer is the seed of site SITES[k]
 
 BLOCK_KEYS = (  # per-layer parameter names, in init order, after "model.layers.{i}."
     "input_layernorm.weight",
@@ -94,9 +102,9 @@ def mix_seed(*parts: int) -> int:
     return h
 
 
-def site_seed(dropout_seed: int, layer: int, site: int) -> int:
+def site_seed(step_seed: int, layer: int, site: int) -> int:
     """The dropout seed of one site: a pure function of the step's seed, the layer index and the site."""
-    return mix_seed(dropout_seed, layer, site)
+    return mix_seed(step_seed, layer, site)
 
 
 def param_shapes(cfg: ModelConfig) -> OrderedDict[str, tuple[int, ...]]:
@@ -167,8 +175,9 @@ class Model:
         self.compute_dtype = _DTYPES[config.compute_dtype]
         self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         self.training = True
-        self.dropout_seed = 0
         self.dropout_rows = (0, 1)  # (row_start, row_stride) of this input's rows in the global batch
+        # the per-site dropout seeds [L, len(SITES)] on the device: one buffer, rewritten in place each step
+        self.dropout_seeds = torch.zeros((config.n_layer, len(SITES)), dtype=torch.int64, device=self.device)
         # optional hook p -> compute-dtype copy of p.data or None (the trainer sets AdamW.copy_for)
         self.weight_copy = None
         self._attention = _resolve_attention(config.attention)
@@ -186,6 +195,7 @@ class Model:
         )
         self._layers = [{k: self.params[f"model.layers.{i}.{k}"] for k in BLOCK_KEYS} for i in range(config.n_layer)]
         self.init_weights(seed)
+        self.set_dropout_step(0)
 
     # -- parameters -----------------------------------------------------------------------------------
     def init_weights(self, seed: int) -> None:
@@ -240,6 +250,20 @@ class Model:
         for k in want:
             self.params[k].data.copy_(sd[k])
 
+    # -- dropout seeds ---------------------------------------------------------------------------------
+    def set_dropout_step(self, step_seed: int) -> None:
+        """Make the dropout masks those of ``step_seed``: every site's ``site_seed(step_seed, layer, site)`` is
+        computed on the host and written into ``dropout_seeds`` with one host-to-device copy (a write, never a
+        read; the buffer keeps its address, so a captured graph reads the new seeds). Nothing to write when p
+        is 0. Call it before a step's forward, never between a forward and its backward."""
+        if self.config.dropout == 0.0:
+            return
+        seeds = [site_seed(step_seed, i, site) for i in range(self.config.n_layer) for site in SITES]  # unsigned
+        host = torch.tensor([s - (1 << 64) if s >> 63 else s for s in seeds], dtype=torch.int64)  # two's complement
+        # non_blocking, as AdamW's decay table: the driver stages the pageable host tensor before it returns, and
+        # stream order puts the copy after the previous step's reads of the buffer and before this step's
+        self.dropout_seeds.copy_(host.reshape(self.dropout_seeds.shape), non_blocking=True)
+
     # -- modes -----------------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Model:
         self.training = bool(mode)
@@ -259,22 +283,22 @@ class Model:
                 return ops.cast_as(p, c)
         return ops.cast(p, dt)
 
-    def _dropout(self, x: Var, seed: tuple[int, int, int] | None, layer: int, site: int, T: int) -> Var:
+    def _dropout(self, x: Var, seed: tuple | None, layer: int, site: int, T: int) -> Var:
         """Dropout of x [B*T, C]; the mask is keyed by (row of the batch, position, feature), so it is drawn on
-        the [B, T, C] view."""
+        the [B, T, C] view. The seed is the buffer's entry of (layer, site)."""
         if seed is None:
             return x  # no node: p == 0 (or eval) builds exactly the graph of a model without dropout
-        step_seed, row_start, row_stride = seed
+        seeds, row_start, row_stride = seed
         N, C = x.shape
         x = ops.reshape(x, (N // T, T, C))  # [B, T, C]
-        y = ops.dropout(x, self.config.dropout, site_seed(step_seed, layer, site), True, row_start, row_stride)
+        y = ops.dropout(x, self.config.dropout, seeds[layer, SITES.index(site)], True, row_start, row_stride)
         return ops.reshape(y, (N, C))
 
-    def _block(self, x: Var, i: int, positions: torch.Tensor, seed: tuple[int, int, int] | None, table=None) -> Var:
+    def _block(self, x: Var, i: int, positions: torch.Tensor, seed: tuple | None, table=None) -> Var:
         """One transformer block on the residual stream x [B*T, C] (master dtype; kept 2-D so every linear is
-        one mm without reshapes). ``seed`` is
-        (dropout seed, row_start, row_stride) captured at forward time (None: no dropout), so a recompute
-        in backward reuses it. ``table``: the RoPE cos/sin table of ``positions`` (``ops.rope_table``)."""
+        one mm without reshapes). ``seed`` is (seed buffer, row_start, row_stride) taken at forward time (None:
+        no dropout); a recompute in backward reads the same buffer, which holds the same step's seeds until the
+        next ``set_dropout_step``. ``table``: the RoPE cos/sin table of ``positions`` (``ops.rope_table``)."""
         cfg, P, w, dt = self.config, self._layers[i], self._w, self.compute_dtype
         T = positions.shape[-1]
         H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
@@ -321,7 +345,7 @@ class Model:
         table = ops.rope_table(positions, cfg.head_dim, cfg.rope_theta, acc)  # shared by every layer
         x = ops.embedding(ids.reshape(B * T), self.params["model.embed_tokens.weight"])  # [B*T, C] master dtype
         recompute = cfg.recompute and is_grad_enabled()
-        seed = (self.dropout_seed, *self.dropout_rows) if (self.training and cfg.dropout > 0.0) else None
+        seed = (self.dropout_seeds, *self.dropout_rows) if (self.training and cfg.dropout > 0.0) else None
         for i in range(cfg.n_layer):
             if recompute:
                 x = checkpoint(self._block, x, i, positions, seed, table)

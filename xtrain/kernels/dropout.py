@@ -22,13 +22,20 @@ Why pairs: the hash is ~20 integer operations; at one hash per element the bf16 
 throughput (72% of copy bandwidth on an H200), at one per pair it reaches 95-97%. A row of odd length N
 breaks the pairing inside a program, so that case (``EVEN=False``) hashes every element.
 
+The seed is read from the device: a one-element int64 tensor on x's device (the 64 bits of the seed, as two's
+complement), which the kernel loads and splits into lo/hi on the device, so a CUDA graph that captured a launch
+draws the mask of whatever seed the tensor holds when it replays (the model keeps all its per-site seeds in one
+persistent buffer and rewrites it each step). The reference splits it with tensor ops, never reading it back to
+the host. A Python int is accepted too (``seed_tensor`` turns it into such a tensor: a host-to-device copy, for
+direct callers and tests, not for a captured step).
+
 Contract: dropout_fwd(x, p, seed, row_start=0, row_stride=1) -> y;  dropout_bwd(dy, p, seed, ...) -> dx
 (the same mask, regenerated from the seed rather than stored).
 
-Triton kernel ``_dropout_kernel``: one program per (row, block of 2*BLOCK elements); the same hash in uint32
-registers, where multiplication wraps mod 2^32 as the reference's ``& 0xFFFFFFFF`` and ``>>`` is a logical
-shift, so the mask is bit-for-bit the reference's; the scale is the fp32-rounded 1/(1-p) the reference
-multiplies by. One read, one write.
+Triton kernel ``_dropout_kernel``: one program per (row, block of 2*BLOCK elements); each loads the seed (one
+int64), then computes the same hash in uint32 registers, where multiplication wraps mod 2^32 as the reference's
+``& 0xFFFFFFFF`` and ``>>`` is a logical shift, so the mask is bit-for-bit the reference's; the scale is the
+fp32-rounded 1/(1-p) the reference multiplies by. One read, one write.
 """
 
 from __future__ import annotations
@@ -66,11 +73,29 @@ def _global_index(shape, row_start: int, row_stride: int, device) -> torch.Tenso
     return (g_row[:, None] * n + torch.arange(n, device=device, dtype=torch.int64)).reshape(shape)
 
 
-def dropout_mask_ref(shape, p: float, seed: int, device, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
-    """Boolean keep mask (True = kept) of a tensor of ``shape`` (an int means a flat tensor)."""
+def seed_tensor(seed, device) -> torch.Tensor:
+    """The seed as the kernels read it: a one-element int64 tensor on ``device``. A tensor is checked and
+    returned as it is (its memory is what a captured launch reads); an int is taken mod 2^64 and copied to the
+    device as two's complement."""
+    device = torch.device(device)
+    if isinstance(seed, torch.Tensor):
+        same = seed.device.type == device.type and device.index in (None, seed.device.index)
+        if seed.dtype != torch.int64 or seed.numel() != 1 or not same:
+            raise ValueError(
+                f"dropout: the seed must be an int or a one-element int64 tensor on {device}, got "
+                f"{seed.dtype} {tuple(seed.shape)} on {seed.device}"
+            )
+        return seed
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return torch.tensor(s - (1 << 64) if s >> 63 else s, dtype=torch.int64, device=device)
+
+
+def dropout_mask_ref(shape, p: float, seed, device, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
+    """Boolean keep mask (True = kept) of a tensor of ``shape`` (an int means a flat tensor). ``seed``: an int or
+    a one-element int64 tensor (split into its 32-bit halves with tensor ops: no read back to the host)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    lo, hi = seed & _M32, seed >> 32
+    s = seed_tensor(seed, device).reshape(())
+    lo, hi = s & _M32, (s >> 32) & _M32  # >> is arithmetic on int64: mask the sign extension off
     g = _global_index(shape, row_start, row_stride, device)
     k = g >> 1  # pair index
     h = _mix32(_mix32((k & _M32) ^ lo) ^ hi ^ (k >> 32))
@@ -78,14 +103,14 @@ def dropout_mask_ref(shape, p: float, seed: int, device, row_start: int = 0, row
     return u >= keep_threshold(p)
 
 
-def dropout_fwd_ref(x: torch.Tensor, p: float, seed: int, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
+def dropout_fwd_ref(x: torch.Tensor, p: float, seed, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
     keep = dropout_mask_ref(x.shape, p, seed, x.device, row_start, row_stride)
     scale = 1.0 / (1.0 - p)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     return torch.where(keep, x.to(acc) * scale, torch.zeros((), dtype=acc, device=x.device)).to(x.dtype)
 
 
-def dropout_bwd_ref(dy: torch.Tensor, p: float, seed: int, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
+def dropout_bwd_ref(dy: torch.Tensor, p: float, seed, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
     # dropout with a fixed mask is the elementwise linear map y_i = c_i x_i, so dx_i = c_i dy_i
     return dropout_fwd_ref(dy, p, seed, row_start, row_stride)
 
@@ -107,17 +132,16 @@ def _mix32_tl(h):
     return h
 
 
-@_jit(do_not_specialize=["row_start", "row_stride", "seed_lo", "seed_hi", "threshold"])  # no recompile per value
-def _dropout_kernel(
-    X, Y, N, row_start, row_stride, seed_lo, seed_hi, threshold, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr
-):
+@_jit(do_not_specialize=["row_start", "row_stride", "threshold"])  # no recompile per value
+def _dropout_kernel(X, Y, SEED, N, row_start, row_stride, threshold, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr):
     # program (row b, block j) covers elements [j*2*BLOCK, (j+1)*2*BLOCK) of row b, which is global row
     # row_start + b*row_stride; EVEN (N even): pairs never straddle a program, one hash per pair
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64)
     g0 = (row_start + b * row_stride) * N + j * (2 * BLOCK)  # global index of the block's first element
-    sl = seed_lo.to(tl.uint32)
-    sh = seed_hi.to(tl.uint32)
+    seed = tl.load(SEED)  # int64: its low and high 32 bits (the casts truncate)
+    sl = seed.to(tl.uint32)
+    sh = (seed >> 32).to(tl.uint32)
     thr = threshold.to(tl.uint32)
     if EVEN:
         k = (g0 >> 1) + tl.arange(0, BLOCK)  # pair index, int64
@@ -139,8 +163,8 @@ def _dropout_kernel(
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _dropout_triton(x: torch.Tensor, p: float, seed: int, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
-    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+def _dropout_triton(x: torch.Tensor, p: float, seed, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
+    seed = seed_tensor(seed, x.device)
     x = x.contiguous()
     y = torch.empty_like(x)
     rows = x.shape[0] if x.dim() else 1
@@ -151,17 +175,17 @@ def _dropout_triton(x: torch.Tensor, p: float, seed: int, row_start: int = 0, ro
     scale = float(torch.tensor(1.0 / (1.0 - p), dtype=torch.float32))
     grid = (rows, triton.cdiv(n, 2 * BLOCK))
     _dropout_kernel[grid](
-        x, y, n, int(row_start), int(row_stride), seed & _M32, seed >> 32, keep_threshold(p), scale,
+        x, y, seed, n, int(row_start), int(row_stride), keep_threshold(p), scale,
         BLOCK=BLOCK, EVEN=n % 2 == 0, num_warps=NUM_WARPS,
     )  # fmt: skip
     return y
 
 
-def dropout_fwd_triton(x: torch.Tensor, p: float, seed: int, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
+def dropout_fwd_triton(x: torch.Tensor, p: float, seed, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
     return _dropout_triton(x, p, seed, row_start, row_stride)
 
 
-def dropout_bwd_triton(dy: torch.Tensor, p: float, seed: int, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
+def dropout_bwd_triton(dy: torch.Tensor, p: float, seed, row_start: int = 0, row_stride: int = 1) -> torch.Tensor:
     return _dropout_triton(dy, p, seed, row_start, row_stride)
 
 

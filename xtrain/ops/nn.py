@@ -154,18 +154,36 @@ def rope(x: Var, positions: torch.Tensor, theta: float = 10000.0) -> Var:
     return Var.from_op(y, (x,), lambda d: (K_rope.rope_bwd(d, positions, theta),), "rope")
 
 
-def dropout(x: Var, p: float, seed: int, training: bool = True, row_start: int = 0, row_stride: int = 1) -> Var:
+def dropout(x: Var, p: float, seed, training: bool = True, row_start: int = 0, row_stride: int = 1) -> Var:
     """Inverted dropout; the keep mask is a pure function of (seed, global element index) — see
     ``xtrain.kernels.dropout``: row b of x (the first dim) is row ``row_start + b * row_stride`` of the
-    global batch. ``p == 0`` or ``training=False`` returns x itself (no node)."""
+    global batch. ``seed``: an int, or a one-element int64 tensor on x's device that the kernels read on the
+    device (what a captured step needs: the model passes an entry of its seed buffer). The backward reads the
+    same tensor, so it must not change between forward and backward (checked by its version counter, on the
+    host). ``p == 0`` or ``training=False`` returns x itself (no node)."""
     check(0.0 <= p < 1.0, "dropout", f"p must lie in [0, 1), got {p}", x)
     check(row_start >= 0 and row_stride >= 1, "dropout", f"need row_start >= 0, row_stride >= 1, got "
           f"{row_start}, {row_stride}", x)  # fmt: skip
+    if isinstance(seed, torch.Tensor):
+        check(
+            seed.dtype == torch.int64 and seed.numel() == 1 and seed.device == x.device,
+            "dropout",
+            f"seed must be an int or a one-element int64 tensor on {x.device}, got {seed.dtype} on {seed.device}",
+            x,
+            seed,
+        )
     if p == 0.0 or not training:
         return x
     _check_float("dropout", x)
     check(x.data.is_contiguous(), "dropout", "x must be contiguous (the mask indexes flat elements)", x)
-    seed = int(seed)
+    seed = K_dropout.seed_tensor(seed, x.device)
+    version = seed._version
     rows = (int(row_start), int(row_stride))
     y = K_dropout.dropout_fwd(x.data, p, seed, *rows)
-    return Var.from_op(y, (x,), lambda d: (K_dropout.dropout_bwd(d.contiguous(), p, seed, *rows),), "dropout")
+
+    def backward(d):
+        if seed._version != version:
+            raise RuntimeError("dropout: the seed tensor was written between forward and backward")
+        return (K_dropout.dropout_bwd(d.contiguous(), p, seed, *rows),)
+
+    return Var.from_op(y, (x,), backward, "dropout")

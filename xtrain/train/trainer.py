@@ -263,14 +263,15 @@ class Trainer:
         )
         # capture_ready: run each step as ``device_step`` (no host read inside it; see there). cuda_graph
         # (default: on for a CUDA model) replays that step as one CUDA graph (``GraphedStep``); it implies
-        # capture_ready. ``graph_capture``: how a step is captured (``eager_capture`` runs it again instead).
+        # capture_ready. ``graph_capture``: how a step is captured (``eager_capture`` runs it again instead;
+        # ``xtrain.testing.replay_capture`` replays its recorded aten calls on the CPU, as a graph would).
         if cuda_graph is None:
             cuda_graph = model.device.type == "cuda"
         self.capture_ready = bool(capture_ready) or bool(cuda_graph)
         self.graphed: GraphedStep | None = None
         if cuda_graph:
             self.graphed = GraphedStep(lambda x, y: self.device_step(x, y, self._lr_t), capture=graph_capture)
-            why = self._graph_unsupported(model, all_reduce)
+            why = self._graph_unsupported(all_reduce)
             if why is None and graph_capture is cuda_graph_capture and model.device.type != "cuda":
                 why = "the model is not on a CUDA device"
             if why is not None:
@@ -316,7 +317,7 @@ class Trainer:
         inv_n = 1.0 / max(n_tok, 1)
 
         model.train()
-        model.dropout_seed = mix_seed(cfg.seed, self.step)
+        model.set_dropout_step(mix_seed(cfg.seed, self.step))
         self.optimizer.zero_grad()
         loss_sum = 0.0
         for j in range(k):
@@ -345,7 +346,9 @@ class Trainer:
         (capture-ready): the token count, 1/N, the loss sum, the grad norm, the go-ahead ``ok`` (loss and norm
         finite), the clip coefficient and the update all stay device tensors; a non-finite step is skipped on
         the device (``AdamW.step_device``: weights, moments and step count untouched). ``lr`` is a 0-dim float64
-        device tensor. Value checks of the ops are off (the trainer checked the batch on the CPU).
+        device tensor. Value checks of the ops are off (the trainer checked the batch on the CPU). The step's
+        dropout seeds are the caller's to write first (``model.set_dropout_step``), outside this function, so a
+        captured graph of it reads each step's seeds from the model's buffer instead of holding the first step's.
         Returns device tensors (loss_sum fp64, counted, ok, norm); reading them is the caller's business.
 
         Rounding: the backward seed 1/N is the same fp32 value as the host path's. On CUDA the update is the
@@ -360,11 +363,11 @@ class Trainer:
             self.all_reduce([counted])
         inv_n = (1.0 / counted.clamp(min=1).double()).float()  # (float)(1.0 / N), as the host path's scale
         model.train()
-        model.dropout_seed = mix_seed(cfg.seed, self.step)
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
         with ops.value_checks_off():
             for j in range(k):
+                # host integers, the same every step for micro-batch j: a captured graph may hold them
                 model.dropout_rows = (j * mb * self.world_size + self.rank, self.world_size)
                 x, y = inputs[j * mb : (j + 1) * mb], targets[j * mb : (j + 1) * mb]  # [B/k, T]
                 loss = model.loss(x, y, reduction="sum", ignore_index=self.ignore_index)  # fp32 scalar
@@ -384,10 +387,8 @@ class Trainer:
         return loss_sum, counted, ok, norm
 
     @staticmethod
-    def _graph_unsupported(model: Model, all_reduce) -> str | None:
+    def _graph_unsupported(all_reduce) -> str | None:
         """Why the step cannot be captured yet (None: it can)."""
-        if model.config.dropout > 0:
-            return "dropout seeds are host integers a captured graph would freeze"
         if all_reduce is not None:
             return "the data-parallel all-reduce is not captured yet"
         return None
@@ -412,6 +413,7 @@ class Trainer:
             if self._lr_t is None:
                 self._lr_t = torch.zeros((), dtype=torch.float64, device=model.device)
             self._lr_t.fill_(lr)  # a host write into the same buffer every step, never a read
+            model.set_dropout_step(mix_seed(cfg.seed, self.step))  # likewise, outside the captured step
             with _deferred_sigint(), gc_paused():
                 if self.graphed is not None:
                     key = (model.training, cfg.grad_clip, cfg.grad_accum)
