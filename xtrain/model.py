@@ -30,7 +30,10 @@ through ``ops.cast_as`` with the bf16 copies that AdamW writes in its update pas
 same node without a cast launch per weight per forward. The residual
 stream ``x`` stays in the master dtype (as under torch autocast): RMSNorm statistics, the residual adds,
 softmax (inside the kernel) and the loss are fp32 whatever the compute dtype; the matmuls and the
-elementwise MLP run in the compute dtype. In fp32 every cast is the identity and records nothing.
+elementwise MLP run in the compute dtype. The casts between the two are folded into neighbours: each RMSNorm of
+the stream writes its output in the compute dtype (``rms_norm(..., dtype)``) and each residual add promotes the
+branch inside the add (``add_cast``), bit for bit the separate casts. In fp32 every cast is the identity and
+records nothing.
 
 Dropout (residual path only, at the attention and MLP outputs; never on attention probabilities): the mask
 of each site is a pure function of ``site_seed(step_seed, layer, site)`` and of the element's place in
