@@ -22,6 +22,7 @@ WORKER = textwrap.dedent("""
 
     device, dtype = (sys.argv[2], sys.argv[3]) if len(sys.argv) > 3 else ("cpu", "float64")
     dropout, accum = (float(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (0.0, 1)
+    graph = sys.argv[6] if len(sys.argv) > 6 else "default"  # "replay": the CPU stand-in for a CUDA graph
     info = D.init(device)
     B, T, V = 6, 12, 61
     fused = "auto" if device == "cuda" else "composed"  # on CUDA: flash attention, Triton kernels
@@ -43,9 +44,20 @@ WORKER = textwrap.dedent("""
         return x[info.rank::info.world_size], y[info.rank::info.world_size]
 
     m = Model(cfg, device=info.device, seed=3)
+    kw = {}
+    if graph == "replay":
+        from xtrain.testing import replay_capture
+        kw = dict(cuda_graph=True, graph_capture=replay_capture)
+    elif graph == "capture-ready":
+        kw = dict(cuda_graph=False, capture_ready=True)
     tr = Trainer(m, tc, source, all_reduce=D.all_reduce_sum if info.world_size > 1 else None,
-                 rank=info.rank, world_size=info.world_size)
+                 rank=info.rank, world_size=info.world_size, **kw)
+    if graph == "replay":
+        tr.graphed.warmup = 1
+        tr.graphed.say = lambda msg: sys.exit("graph message: " + msg)
     hist = tr.fit()
+    if graph == "replay":
+        assert tr.graphed.enabled and tr.graphed.captures == 1
     if info.rank == 0:
         save_file({k: p.data.contiguous().cpu() for k, p in m.params.items()}, sys.argv[1])
         print("losses", [round(h["loss"], 12) for h in hist if h["kind"] == "train"])
@@ -110,6 +122,21 @@ def test_dropout_same_masks_for_one_process_accumulation_and_ranks_fp64(tmp_path
     plain = _worker(tmp_path, "plain", 2, "cpu", "float64", "0.0", "1")
     assert plain[1][0] != one[1][0]
     assert any(float((plain[0][k] - one[0][k]).abs().max()) > 1e-6 for k in plain[0])
+
+
+@pytest.mark.slow
+def test_data_parallel_step_replayed_as_a_graph_fp64(tmp_path):
+    # The all-reduce is part of the captured step: two gloo ranks whose step is replayed by the CPU stand-in for
+    # a CUDA graph (one eager warm-up step, then replays of the recorded aten calls, collectives included) train
+    # bit for bit as the same capture-ready step run eagerly, with dropout.
+    args = ("cpu", "float64", "0.3", "1")
+    eager = _worker(tmp_path, "eager", 2, *args, "capture-ready")
+    replayed = _worker(tmp_path, "replayed", 2, *args, "replay")
+    assert eager[1] == replayed[1]
+    assert all(torch.equal(eager[0][k], replayed[0][k]) for k in eager[0])
+    # and as one process running the same capture-ready step (whose CPU AdamW computes its bias corrections in
+    # fp32, so it is compared with its own kind, not with the host step)
+    _assert_same_training(_worker(tmp_path, "one", 1, *args, "capture-ready"), replayed)
 
 
 @pytest.mark.slow

@@ -83,5 +83,9 @@ def replay_capture(fn):
             for o, r in zip(tree_leaves(out), tree_leaves(res)):
                 if isinstance(o, torch.Tensor) and o.data_ptr() != r.data_ptr():
                     o.copy_(r)
+                elif isinstance(r, torch.ScriptObject) and hasattr(r, "wait"):
+                    # a collective's work handle (c10d): the caller waited for it outside the dispatcher; a
+                    # graph's later kernels are ordered after the collective on the stream, so wait here
+                    r.wait()
 
     return replay, outputs

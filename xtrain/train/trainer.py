@@ -159,9 +159,9 @@ class GraphedStep:
     ``run(inputs, targets)`` copies the batch into buffers that keep their addresses, warms up ``warmup``
     eager steps on them (allocator, Triton JIT, launch plans), then captures ``step_fn(inputs_s, targets_s)``
     once with ``capture`` and from then on only replays it. A batch of another shape or dtype, or a change
-    of ``key`` (settings the captured work depends on), re-captures, saying so in one line. ``unsupported()``
-    names what the graph cannot hold yet (None: nothing); then, or if a capture fails, the step runs
-    eagerly from then on, after one line on stderr."""
+    of ``key`` (settings the captured work depends on), re-captures, saying so in one line. Where the graph
+    cannot run (``disable``: a model off CUDA) or a capture fails, the step runs eagerly from then on, after
+    one line on stderr."""
 
     def __init__(self, step_fn, capture=cuda_graph_capture, warmup: int = 3, say=None):
         self.step_fn, self.capture, self.warmup = step_fn, capture, warmup
@@ -271,11 +271,10 @@ class Trainer:
         self.graphed: GraphedStep | None = None
         if cuda_graph:
             self.graphed = GraphedStep(lambda x, y: self.device_step(x, y, self._lr_t), capture=graph_capture)
-            why = self._graph_unsupported(all_reduce)
-            if why is None and graph_capture is cuda_graph_capture and model.device.type != "cuda":
-                why = "the model is not on a CUDA device"
-            if why is not None:
-                self.graphed.disable(why)
+            # the data-parallel all-reduce is captured with the rest (NCCL collectives can be recorded in a
+            # CUDA graph; each replay runs them on the replayed buffers)
+            if graph_capture is cuda_graph_capture and model.device.type != "cuda":
+                self.graphed.disable("the model is not on a CUDA device")
         self._lr_t: torch.Tensor | None = None  # the learning rate as a device tensor (one buffer, reused)
         self.step = 0  # optimizer steps done (skipped steps included)
         self.skips = 0
@@ -385,13 +384,6 @@ class Trainer:
         self.optimizer.step_device(lr, ok, coef)
         self.optimizer.zero_grad()
         return loss_sum, counted, ok, norm
-
-    @staticmethod
-    def _graph_unsupported(all_reduce) -> str | None:
-        """Why the step cannot be captured yet (None: it can)."""
-        if all_reduce is not None:
-            return "the data-parallel all-reduce is not captured yet"
-        return None
 
     def _train_step_capture_ready(self) -> dict:
         """``train_step`` through ``device_step``: the host reads the step's results once, after it."""
