@@ -7,13 +7,13 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; git log -1 --oneline; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 if [ -n "${TESTS:-}" ]; then
-  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS > "$OUT/pytest_gpu.txt" 2>&1
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS > "$OUT/pytest_gpu.txt" 2>&1
   echo "pytest rc $?"; grep -E "passed|failed|error" "$OUT/pytest_gpu.txt" | tail -2; grep -E "^FAILED|^ERROR|Error" "$OUT/pytest_gpu.txt" | head -20
 fi
-for spec in ${BENCH:-"seed 8" "gpt2-small 16"}; do
-  set -- $spec
-  timeout 240 python3 -m xtrain.cli bench train --device cuda --dtype bfloat16 --preset $1 --batch-size $2 \
-    --steps ${STEPS:-10} --warmup 3 > "$OUT/train_$1.txt" 2>&1; echo "bench train $1 rc $?"; tail -9 "$OUT/train_$1.txt"
+for spec in ${BENCH:-seed:8 gpt2-small:16}; do
+  set -- ${spec%%:*} ${spec##*:}
+  timeout ${BENCH_TIMEOUT:-200} python3 -m xtrain.cli bench train --device cuda --dtype bfloat16 --preset $1 --batch-size $2 \
+    --steps ${STEPS:-10} --warmup 3 ${BENCH_ARGS:-} > "$OUT/train_$1.txt" 2>&1; echo "bench train $1 rc $?"; tail -9 "$OUT/train_$1.txt"
 done
 for s in ${PROFILE:-}; do
   timeout 150 python3 -m xtrain.cli bench profile_train --device cuda --dtype bfloat16 --preset seed --batch-size 8 \
