@@ -32,6 +32,47 @@ def test_same_var_twice_in_one_op():
     torch.testing.assert_close(x.grad, 2 * x.data, rtol=0, atol=1e-15)
 
 
+def test_adds_into_gets_the_sum_so_far_of_intermediates_only():
+    # a backward marked adds_into is offered parent i's gradient so far: an intermediate's, never a leaf's,
+    # never one read twice by the op; it returns acc + its own gradient and the engine takes that as the sum
+    from xtrain.autograd import adds_into
+
+    seen = []
+
+    def op(*parents):
+        @adds_into
+        def backward(d, acc):
+            seen.append(tuple(a is not None for a in acc))
+            return tuple(d.sum() * torch.ones_like(p.data) + (0 if a is None else a) for p, a in zip(parents, acc))
+
+        return Var.from_op(sum(p.data.sum() for p in parents), parents, backward, "probe")
+
+    x = Var(r(4), requires_grad=True)
+    h = ops.scale(x, 2.0)  # intermediate, read by three ops
+    y = ops.add(ops.add(ops.sum(h * h), op(h, x)), op(h, h))
+    y.backward()
+    assert sorted(seen) == [(False, False), (True, False)]  # h read twice by one op: no acc; x a leaf: none
+    torch.testing.assert_close(x.grad, 2 * (4 * x.data + 1 + 2) + 1, rtol=0, atol=1e-13)
+
+
+def test_linear_and_norm_fold_the_sum_of_a_shared_input():
+    # a norm's output read by three linears and the residual read by a norm and an add (the model's pattern):
+    # the matmul epilogues and the norm kernel add the gradient so far; torch.autograd is the oracle
+    x0, w = r(6, 8), [r(8, 8, seed=s) for s in (1, 2, 3)]
+    g = r(8, seed=4)
+    xs = Var(x0.clone(), requires_grad=True)
+    res = ops.scale(xs, 1.5)
+    h = ops.rms_norm(res, Var(g), 1e-6)
+    out = ops.add(res, ops.add(ops.add(ops.linear(h, Var(w[0])), ops.linear(h, Var(w[1]))), ops.linear(h, Var(w[2]))))
+    ops.sum(out * out).backward()
+    xt = x0.clone().requires_grad_()
+    rt = 1.5 * xt
+    ht = rt * torch.rsqrt((rt * rt).mean(-1, keepdim=True) + 1e-6) * g
+    ot = rt + ht @ w[0].t() + ht @ w[1].t() + ht @ w[2].t()
+    (ot * ot).sum().backward()
+    torch.testing.assert_close(xs.grad, xt.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_fanout_through_intermediate():
     x = Var(r(5), requires_grad=True)
     h = ops.scale(x, 3.0)  # used by two consumers

@@ -87,6 +87,11 @@ def test_rms_norm_cpu(shape):
     dx16, _ = K_rms.rms_norm_bwd_triton(dy.half(), x, w, r0)
     assert dx16.dtype == torch.float32
     assert _max_err(dx16, K_rms.rms_norm_bwd_ref(dy.half(), x, w, r0)[0]) <= CPU_TOL
+    # a gradient x already holds (the residual's) added in the kernel: the reference adds it in fp32
+    dres = torch.randn(shape) * 3
+    dxr, dwr = K_rms.rms_norm_bwd_triton(dy, x, w, r0, dres)
+    assert _max_err(dxr, K_rms.rms_norm_bwd_ref(dy, x, w, r0, dres)[0]) <= CPU_TOL
+    assert _max_err(dxr, dx0 + dres) <= CPU_TOL and torch.equal(dwr, dw)
 
 
 @needs_cpu_interp

@@ -265,6 +265,29 @@ def _accumulate(node: Var, g: torch.Tensor, is_leaf: bool, owned: bool = False) 
         node.grad = node.grad + g
 
 
+def adds_into(fn: Callable) -> Callable:
+    """Mark a backward closure that can fold the gradient sum of a parent into its own kernels.
+
+    A node read by several ops (the residual stream: the next block's add and its norm; a norm's output: the
+    q, k and v projections) collects one gradient per reader, and the engine adds them: one more pass over
+    the activation each time. A backward marked ``adds_into`` is called ``fn(dout, acc)``: ``acc[i]`` is parent
+    i's gradient summed so far when parent i is an intermediate node that already has one (and appears once
+    among the op's parents), else None. For each parent handed an ``acc[i]`` the backward returns ``acc[i]``
+    plus its own gradient (the matmul's epilogue adds it: ``addmm``; the norm's kernel reads it), as a new
+    tensor: ``acc[i]`` is only read. The engine then sets that sum as the parent's gradient instead of adding.
+    """
+    fn.adds_into = True
+    return fn
+
+
+def _acc_of(p: Var, parents) -> torch.Tensor | None:
+    """Parent p's gradient so far, offered to an ``adds_into`` backward: intermediate nodes only (a leaf's
+    gradient is summed in place), and only when p is not read twice by the same op (two sums of one acc)."""
+    if p.grad is None or p._backward is None:
+        return None
+    return p.grad if _count_same(parents, p) == 1 else None
+
+
 def _count_same(grads, t) -> int:
     """How many entries of grads are the tensor t itself (a plain loop: cheaper than any(genexpr))."""
     n = 0
@@ -325,10 +348,15 @@ def _run_backward(root: Var, grad: torch.Tensor, retain_graph: bool) -> None:
             node.grad = None
         if g is None:  # nothing flowed here (e.g. every consumer returned None)
             continue
-        grads = fn(g)
+        if getattr(fn, "adds_into", False):
+            accs = tuple(_acc_of(p, parents) for p in parents)
+            grads = fn(g, accs)
+        else:
+            accs = None
+            grads = fn(g)
         if len(grads) != len(parents):
             raise RuntimeError(f"backward of '{node.name}' returned {len(grads)} gradients for {len(parents)} parents")
-        for p, pg in zip(parents, grads):
+        for j, (p, pg) in enumerate(zip(parents, grads)):
             if pg is None or not p.requires_grad:
                 continue
             if pg.shape != p.data.shape:
@@ -336,6 +364,9 @@ def _run_backward(root: Var, grad: torch.Tensor, retain_graph: bool) -> None:
                     f"backward of '{node.name}' returned a gradient of shape "
                     f"{tuple(pg.shape)} for a parent of shape {tuple(p.data.shape)}"
                 )
+            if accs is not None and accs[j] is not None:
+                p.grad = pg  # the op returned acc + its gradient: the sum is done
+                continue
             leaf = p._backward is None
             # A gradient the op computed afresh (not the upstream g, not a view, not handed to another
             # parent too) is owned by its leaf outright; anything else is copied on first arrival. With
@@ -357,11 +388,14 @@ def checkpoint(fn: Callable[..., Var], *inputs):
     """Run ``fn(*inputs)`` keeping only its inputs; re-run its forward during backward.
 
     The forward runs under ``no_grad``, so none of the segment's activations are kept. During backward
-    the segment is run again with the tape on, from fresh leaves holding the same input tensors, and the
-    upstream gradient is pushed through that inner graph. Parameters that ``fn`` reads directly (not via
-    ``inputs``) are leaves, so the inner backward accumulates straight into their ``.grad``, as the
-    outer one would. ``fn`` must be deterministic (dropout is: its mask is a pure function of the seed),
-    so the recomputed forward equals the first one bit for bit. Non-Var inputs are passed through as is.
+    the segment is run again with the tape on, from fresh entry nodes holding the same input tensors, and the
+    upstream gradient is pushed through that inner graph. An input that is a leaf enters as a fresh leaf; any
+    other enters as an intermediate node that hands its total gradient back, so the engine sums an input's
+    gradients the same way as in the plain graph (``adds_into`` for intermediates, in place for leaves).
+    Parameters that ``fn`` reads directly (not via ``inputs``) are leaves, so the inner backward accumulates
+    straight into their ``.grad``, as the outer one would. ``fn`` must be deterministic (dropout is: its mask
+    is a pure function of the seed), so the recomputed forward equals the first one bit for bit. Non-Var
+    inputs are passed through as is.
     """
     if not _grad_enabled:
         return fn(*inputs)
@@ -380,13 +414,27 @@ def checkpoint(fn: Callable[..., Var], *inputs):
         )
 
     def backward(dout: torch.Tensor):
-        fresh = {id(x): Var(x.data, requires_grad=x.requires_grad, name=x.name) for x in var_inputs}
+        got: dict[int, torch.Tensor] = {}  # id(input) -> its gradient, from the entry node
+        anchor = Var(torch.zeros((), dtype=out.data.dtype, device=out.data.device), True, name="checkpoint-anchor")
+
+        def entry(x: Var) -> Var:
+            if x._backward is None:  # a leaf outside, a leaf inside: its gradient lands in .grad
+                return Var(x.data, requires_grad=x.requires_grad, name=x.name)
+
+            def hand_back(d, key=id(x)):
+                got[key] = d
+                return (None,)
+
+            with enable_grad():
+                return Var.from_op(x.data, (anchor,), hand_back, "checkpoint-input")
+
+        fresh = {id(x): entry(x) for x in var_inputs}
         replay = [fresh[id(x)] if isinstance(x, Var) else x for x in inputs]
         with enable_grad():
             inner = fn(*replay)
         if inner.requires_grad:
             run_backward(inner, dout)
-        grads = tuple(fresh[id(x)].grad for x in var_inputs)
+        grads = tuple(got.get(id(x), fresh[id(x)].grad) for x in var_inputs)
         return grads + (None,) * (len(parents) - len(grads))
 
     return Var.from_op(out.data, parents, backward, "checkpoint")

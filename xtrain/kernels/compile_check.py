@@ -121,6 +121,7 @@ def cases() -> dict[str, Callable[[], None]]:
                 x, w = r(8, C, dtype=dt), r(C, dtype=dt)
                 y, inv = rms_norm.rms_norm_fwd_triton(x, w, 1e-6)
                 rms_norm.rms_norm_bwd_triton(r(8, C, dtype=dt), x, w, inv)
+                rms_norm.rms_norm_bwd_triton(r(8, C, dtype=dt), x, w, inv, r(8, C, dtype=dt))  # + the residual's
 
         def rope_(dt=dt):
             x, pos = r(2, 4, 16, 64, dtype=dt), torch.arange(16)

@@ -4,7 +4,9 @@ Contract (shared by the reference and the Triton kernels):
     rms_norm_fwd(x[..., C], w[C], eps, out_dtype=None) -> (y[..., C] in out_dtype (None: x.dtype), inv_rms[N] fp32),
         N = x.numel() // C; y is rounded once, from fp32, to out_dtype (the model's fp32 residual stream normed
         straight into bf16 for the next matmul: no cast pass)
-    rms_norm_bwd(dy[..., C] in any float dtype, x, w, inv_rms) -> (dx in x.dtype, dw[C] in w.dtype)
+    rms_norm_bwd(dy[..., C] in any float dtype, x, w, inv_rms, dres=None) -> (dx in x.dtype, dw[C] in w.dtype)
+        dres (x's shape and dtype): a gradient x already holds from another reader (the residual stream's next
+        add); dx is then dres + the norm's gradient, added in fp32 and rounded once (no add pass)
 Statistics are computed in fp32 whatever the input dtype; inv_rms is saved so backward skips the
 reduction. With g = dy * w and n = C:
     dx = inv_rms * g - x * inv_rms^3 / n * sum_c(g * x)
@@ -42,7 +44,9 @@ def rms_norm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: to
     return y.to(out_dtype or x.dtype).reshape(x.shape), inv_rms
 
 
-def rms_norm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms: torch.Tensor):
+def rms_norm_bwd_ref(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms: torch.Tensor, dres: torch.Tensor | None = None
+):
     # With xhat = x * r (r = inv_rms) the docstring's dx = r g - x r^3 / C sum(g x) reads
     # dx = r (g - xhat * mean_c(g * xhat)); written with in-place steps on fresh temporaries.
     C = x.shape[-1]
@@ -55,6 +59,8 @@ def rms_norm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms
     g = dyf * w.to(acc)  # [N, C]
     dot = (g * xhat).mean(dim=-1, keepdim=True)  # [N, 1]
     dx = g.sub_(xhat.mul_(dot)).mul_(r)
+    if dres is not None:
+        dx.add_(dres.reshape(-1, C).to(acc))
     return dx.to(x.dtype).reshape(x.shape), dw.to(w.dtype)
 
 
@@ -79,10 +85,11 @@ def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps, BLOCK_R: tl.constexpr, BLO
 
 @_jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, INV_RMS, DX, DW_PARTIAL, N, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr
+    DY, X, W, INV_RMS, DRES, DX, DW_PARTIAL, N, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
+    HAS_RES: tl.constexpr,
 ):  # fmt: skip
     """Program pid: tiles pid, pid + P, pid + 2P, ... of BLOCK_R rows, loads pipelined STAGES - 1 tiles ahead; dw
-    partial row pid, so the sum is deterministic."""
+    partial row pid, so the sum is deterministic. HAS_RES: dx also adds DRES (the gradient x holds already)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -99,6 +106,8 @@ def _rms_norm_bwd_kernel(
         gs = dys * w[None, :]
         dots = tl.sum(gs * xs, axis=1)
         dxs = rs[:, None] * gs - xs * ((rs * rs * rs / C) * dots)[:, None]  # r g - x r^3 / C sum(g x)
+        if HAS_RES:
+            dxs += tl.load(DRES + o_s, mask=m_s, other=0.0).to(tl.float32)
         tl.store(DX + o_s, dxs.to(DX.dtype.element_ty), mask=m_s)
         dw_acc += dys * xs * rs[:, None]
     tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, tl.sum(dw_acc, axis=0), mask=cmask)
@@ -180,13 +189,19 @@ def rms_norm_fwd_triton(
 
 
 def rms_norm_bwd_triton(
-    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms: torch.Tensor, config: RmsNormConfig | None = None
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    inv_rms: torch.Tensor,
+    dres: torch.Tensor | None = None,
+    config: RmsNormConfig | None = None,
 ):
     C = x.shape[-1]
     x2 = x.reshape(-1, C).contiguous()  # [N, C]
     dy2 = dy.reshape(-1, C).contiguous()
     N = x2.shape[0]
     dx = torch.empty_like(x2)
+    res = dres.reshape(-1, C).contiguous() if dres is not None else dx  # dx: a placeholder, never read
     if N == 0:
         return dx.reshape(x.shape), torch.zeros_like(w)
     cfg = config or rms_norm_config(C)
@@ -194,8 +209,8 @@ def rms_norm_bwd_triton(
     P = triton.cdiv(N, triton.cdiv(N, P))  # no program without rows
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
     _rms_norm_bwd_kernel[(P,)](
-        dy2, x2, w.contiguous(), inv_rms.contiguous(), dx, dw_partial, N, C, BLOCK_R=cfg.bwd_rows,
-        BLOCK_C=cfg.block_c, STAGES=cfg.stages, num_warps=cfg.bwd_warps,
+        dy2, x2, w.contiguous(), inv_rms.contiguous(), res, dx, dw_partial, N, C, BLOCK_R=cfg.bwd_rows,
+        BLOCK_C=cfg.block_c, STAGES=cfg.stages, HAS_RES=dres is not None, num_warps=cfg.bwd_warps,
     )  # fmt: skip
     dw = torch.empty(C, dtype=w.dtype, device=x.device)
     pdl = pdl_ok(x)
@@ -212,7 +227,7 @@ def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.
     return rms_norm_fwd_ref(x, w, eps, out_dtype)
 
 
-def rms_norm_bwd(dy, x, w, inv_rms):
+def rms_norm_bwd(dy, x, w, inv_rms, dres=None):
     if x.dtype != torch.float64 and use_triton(dy, x, w, inv_rms):
-        return rms_norm_bwd_triton(dy, x, w, inv_rms)
-    return rms_norm_bwd_ref(dy, x, w, inv_rms)
+        return rms_norm_bwd_triton(dy, x, w, inv_rms, dres)
+    return rms_norm_bwd_ref(dy, x, w, inv_rms, dres)

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from xtrain.autograd import Var
+from xtrain.autograd import Var, adds_into
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -263,11 +263,15 @@ def linear(x: Var, w: Var, b: Var | None = None) -> Var:
     if not flat:
         y = y.reshape(*xd.shape[:-1], wd.shape[0])
 
-    def backward(d):
+    @adds_into
+    def backward(d, acc=(None, None, None)):
         d2 = d if flat else d.reshape(-1, d.shape[-1])  # [N, out]
         dx = None
         if x.requires_grad:
-            dx = torch.mm(d2, wd)
+            if acc[0] is None:
+                dx = torch.mm(d2, wd)
+            else:  # x's gradient so far + d w, the sum in the matmul's epilogue (one pass, no add)
+                dx = torch.addmm(acc[0] if flat else acc[0].reshape(-1, wd.shape[1]), d2, wd)
             if not flat:
                 dx = dx.reshape(xd.shape)
         dw = torch.mm(d2.t(), x2) if w.requires_grad else None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from xtrain.autograd import Var, is_grad_enabled
+from xtrain.autograd import Var, adds_into, is_grad_enabled
 from xtrain.kernels import linear_cross_entropy as K
 from xtrain.kernels import qk_norm_rope as K_qk
 from xtrain.kernels import swiglu as K_swiglu
@@ -140,8 +140,9 @@ def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100
 def swiglu_linear(x: Var, w_gate: Var, w_up: Var) -> Var:
     """swiglu(x @ w_gate^T, x @ w_up^T) as one node (the MLP's input half): x [N, C], w_gate and w_up [F, C]
     -> [N, F]. Forward: two mm and the swiglu kernel; backward: the swiglu kernel's (dg, du), then
-    dx = dg w_gate + du w_up and the two weight gradients. The same values as the three unfused ops bit for
-    bit (the engine's sum of x's two gradients is the same single addition, and addition commutes)."""
+    dx = dg w_gate + du w_up (the second product added in its matmul's epilogue, as the engine sums the two
+    unfused linears' gradients) and the two weight gradients. The same values as the three unfused ops bit for
+    bit."""
     op = "swiglu_linear"
     _check_same(op, x, w_gate)
     _check_same(op, x, w_up)
@@ -151,9 +152,13 @@ def swiglu_linear(x: Var, w_gate: Var, w_up: Var) -> Var:
     g = torch.mm(xd, wg.t())  # [N, F]
     u = torch.mm(xd, wu.t())  # [N, F]
 
-    def backward(dy):
+    @adds_into
+    def backward(dy, acc=(None, None, None)):
         dg, du = K_swiglu.swiglu_bwd(dy, g, u)
-        dx = torch.mm(dg, wg) + torch.mm(du, wu) if x.requires_grad else None
+        dx = None
+        if x.requires_grad:  # (x's gradient so far +) dg w_gate + du w_up: the sums in the matmuls' epilogues
+            dx = torch.mm(dg, wg) if acc[0] is None else torch.addmm(acc[0], dg, wg)
+            dx.addmm_(du, wu)
         return (
             dx,
             torch.mm(dg.t(), xd) if w_gate.requires_grad else None,

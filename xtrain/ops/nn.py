@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from xtrain.autograd import Var, is_grad_enabled
+from xtrain.autograd import Var, adds_into, is_grad_enabled
 from xtrain.kernels import cross_entropy as K_ce
 from xtrain.kernels import dropout as K_dropout
 from xtrain.kernels import embedding as K_emb
@@ -62,8 +62,9 @@ def rms_norm(x: Var, weight: Var, eps: float = 1e-6, dtype: torch.dtype | None =
     xd, wd = x.data, weight.data
     y, inv_rms = K_rms.rms_norm_fwd(xd, wd, eps, dtype if dtype is not None and dtype != xd.dtype else None)
 
-    def backward(d):
-        return K_rms.rms_norm_bwd(d, xd, wd, inv_rms)
+    @adds_into
+    def backward(d, acc=(None, None)):  # acc[0]: x's gradient so far (the residual's), added in the kernel
+        return K_rms.rms_norm_bwd(d, xd, wd, inv_rms, acc[0])
 
     return Var.from_op(y, (x, weight), backward, "rms_norm")
 
