@@ -308,3 +308,59 @@ BAD = [
 def test_bad_input_raises_value_error_naming_op_and_shapes(op, call):
     with pytest.raises(ValueError, match=rf"^{op}: .*\(shapes: "):
         call()
+
+
+def test_linear_with_a_compute_copy_is_linear_of_the_cast():
+    # linear(x, w, w_compute=cast(w)) == linear(x, cast(w)) on the CPU bit for bit, with the weight's
+    # gradient landing in the master dtype (fp32); the cast node is gone, the values are not
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(6, 5, generator=g).bfloat16()
+    w0, wu0 = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
+    dy = torch.randn(6, 4, generator=g).bfloat16()
+    outs = []
+    for fused in (True, False):
+        x, w, wu = Var(x0.clone(), True), Var(w0.clone(), True), Var(wu0.clone(), True)
+        h = ops.reshape(x, x0.shape)
+        if fused:
+            y = ops.linear(h, w, w_compute=w0.bfloat16())
+            s = ops.swiglu_linear(h, w, wu, w_compute=(w0.bfloat16(), wu0.bfloat16()))
+        else:
+            y = ops.linear(h, ops.cast(w, torch.bfloat16))
+            s = ops.swiglu_linear(h, ops.cast(w, torch.bfloat16), ops.cast(wu, torch.bfloat16))
+        ops.add(ops.sum(ops.mul(y, Var(dy))), ops.sum(s)).backward()
+        outs.append((y.data, s.data, x.grad, w.grad, wu.grad))
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert outs[0][3].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda w: torch.zeros(4, 5),  # x's dtype is bf16
+        lambda w: torch.zeros(5, 4, dtype=torch.bfloat16),  # w's shape is [4, 5]
+        lambda w: "not a tensor",
+    ],
+)
+def test_linear_w_compute_bad_inputs(bad):
+    x, w = Var(torch.zeros(3, 5, dtype=torch.bfloat16)), Var(torch.zeros(4, 5))
+    with pytest.raises(ValueError, match="linear"):
+        ops.linear(x, w, w_compute=bad(w))
+    with pytest.raises(ValueError, match="swiglu_linear"):
+        ops.swiglu_linear(x, w, w, w_compute=(bad(w), bad(w)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_weight_gradient_comes_out_of_the_matmul_in_fp32_on_cuda():
+    # on CUDA the bf16 product wanted in fp32 is written from cuBLAS's fp32 accumulators: it matches the fp32
+    # product of the same bf16 operands to fp32 rounding, far below one bf16 rounding (~4e-3 relative)
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(512, 256, generator=g).bfloat16().cuda()
+    dy = torch.randn(512, 384, generator=g).bfloat16().cuda()
+    w = Var(torch.randn(384, 256, generator=g).cuda(), True)
+    y = ops.linear(Var(x0), w, w_compute=w.data.bfloat16())
+    y.backward(dy)
+    ref = dy.float().t() @ x0.float()
+    assert w.grad.dtype == torch.float32
+    assert float((w.grad - ref).norm() / ref.norm()) < 1e-5

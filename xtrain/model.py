@@ -24,10 +24,11 @@ the same seed gives the same weights on every device):
     scaling that keeps the residual stream's variance independent of depth at init
   * every RMSNorm weight (input/post_attention_layernorm, q_norm, k_norm, norm): ones.
 
-Precision: weights are read through ``ops.cast`` to the compute dtype inside the forward (inside each
-block, so activation recompute re-casts and the gradient lands in fp32 on the master); under the trainer,
-through ``ops.cast_as`` with the bf16 copies that AdamW writes in its update pass (``weight_copy``), the
-same node without a cast launch per weight per forward. The residual
+Precision: each weight matrix enters its matmul in the compute dtype (``linear``'s ``w_compute``): under the
+trainer the bf16 copy that AdamW writes in its update pass (``weight_copy``: no cast launch per weight per
+forward), else a cast inside the forward (inside each block, so activation recompute re-casts). Its gradient
+lands in fp32 on the master, the cast folded into the weight-gradient matmul (on CUDA cuBLAS writes fp32 from
+its accumulators). The norm weights and the LM head go through ``ops.cast`` / ``ops.cast_as``. The residual
 stream ``x`` stays in the master dtype (as under torch autocast): RMSNorm statistics, the residual adds,
 softmax (inside the kernel) and the loss are fp32 whatever the compute dtype; the matmuls and the
 elementwise MLP run in the compute dtype. The casts between the two are folded into neighbours: each RMSNorm of
@@ -286,6 +287,19 @@ class Model:
                 return ops.cast_as(p, c)
         return ops.cast(p, dt)
 
+    def _compute(self, p: Var) -> torch.Tensor | None:
+        """A weight matrix's values in the compute dtype for ``linear``'s ``w_compute``: the optimizer's current
+        compute copy when one is attached, else a cast (None when the dtypes agree: the weight itself)."""
+        dt = self.compute_dtype
+        if p.dtype == dt:
+            return None
+        c = self.weight_copy(p) if self.weight_copy is not None else None
+        return c if c is not None and c.dtype == dt else p.data.to(dt)
+
+    def _linear(self, x: Var, p: Var) -> Var:
+        """x @ p^T in the compute dtype; p's gradient comes back in its master dtype (the cast folded in)."""
+        return ops.linear(x, p, w_compute=self._compute(p))
+
     def _dropout(self, x: Var, seed: tuple | None, layer: int, site: int, T: int) -> Var:
         """Dropout of x [B*T, C]; the mask is keyed by (row of the batch, position, feature), so it is drawn on
         the [B, T, C] view. The seed is the buffer's entry of (layer, site)."""
@@ -307,20 +321,21 @@ class Model:
         H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
 
         h = ops.rms_norm(x, P["input_layernorm.weight"], eps, dt)  # [B*T, C], normed straight into dt
-        q = ops.linear(h, w(P["self_attn.q_proj.weight"]))  # [B*T, H*D]
-        k = ops.linear(h, w(P["self_attn.k_proj.weight"]))  # [B*T, Hkv*D]
-        v = ops.linear(h, w(P["self_attn.v_proj.weight"]))  # [B*T, Hkv*D]
+        q = self._linear(h, P["self_attn.q_proj.weight"])  # [B*T, H*D]
+        k = self._linear(h, P["self_attn.k_proj.weight"])  # [B*T, Hkv*D]
+        v = self._linear(h, P["self_attn.v_proj.weight"])  # [B*T, Hkv*D]
         # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
         q = ops.qk_norm_rope(q, w(P["self_attn.q_norm.weight"]), H, positions, cfg.rope_theta, eps, table)
         k = ops.qk_norm_rope(k, w(P["self_attn.k_norm.weight"]), Hkv, positions, cfg.rope_theta, eps, table)
         a = ops.attention_rows(q, k, v, causal=True, impl=self._attention)  # [B*T, H*D]
-        a = ops.linear(a, w(P["self_attn.o_proj.weight"]))  # [B*T, C]
+        a = self._linear(a, P["self_attn.o_proj.weight"])  # [B*T, C]
         x = ops.add_cast(x, self._dropout(a, seed, i, SITE_ATTN, T))  # the branch promoted to m in the add
 
         h = ops.rms_norm(x, P["post_attention_layernorm.weight"], eps, dt)  # [B*T, C]
         # silu(h Wgᵀ) * (h Wuᵀ) as one node                                    [B*T, F]
-        s = ops.swiglu_linear(h, w(P["mlp.gate_proj.weight"]), w(P["mlp.up_proj.weight"]))
-        y = ops.linear(s, w(P["mlp.down_proj.weight"]))  # [B*T, C]
+        wg, wu = P["mlp.gate_proj.weight"], P["mlp.up_proj.weight"]
+        s = ops.swiglu_linear(h, wg, wu, w_compute=None if wg.dtype == dt else (self._compute(wg), self._compute(wu)))
+        y = self._linear(s, P["mlp.down_proj.weight"])  # [B*T, C]
         return ops.add_cast(x, self._dropout(y, seed, i, SITE_MLP, T))
 
     def _check_ids(self, ids: torch.Tensor, what: str = "ids") -> None:

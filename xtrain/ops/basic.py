@@ -241,12 +241,49 @@ def _binary_prep_mm(op, a, b):
     return a, b
 
 
-def linear(x: Var, w: Var, b: Var | None = None) -> Var:
+def _mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b as a ``dtype`` tensor. A bf16/fp16 product wanted in fp32 on CUDA comes straight out of cuBLAS's fp32
+    accumulators (``torch.mm``'s ``out_dtype``): no rounding to bf16, no cast pass. Elsewhere: mm, then a cast."""
+    if dtype is a.dtype:
+        return torch.mm(a, b)
+    if dtype is torch.float32 and a.is_cuda and _MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a, b).to(dtype)
+
+
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # the out_dtype overload (torch >= 2.8)
+
+
+def _check_compute(op: str, w: Var, wc: torch.Tensor, x: Var) -> None:
+    check(
+        isinstance(wc, torch.Tensor)
+        and wc.shape == w.shape
+        and wc.dtype is x.dtype
+        and wc.device == w.data.device
+        and wc.dtype in _FLOAT,
+        op,
+        f"w_compute must be a tensor of w's shape in x's dtype ({x.dtype}) on w's device, got "
+        f"{tuple(getattr(wc, 'shape', ()))} {getattr(wc, 'dtype', type(wc).__name__)}",
+        x,
+        w,
+    )
+
+
+def linear(x: Var, w: Var, b: Var | None = None, *, w_compute: torch.Tensor | None = None) -> Var:
     """y[..., out] = x[..., in] @ w[out, in]^T (+ b[out]). On 2-D x (the model's [N, C] activations) no
-    reshape is issued either way: the forward is one mm, the backward two."""
+    reshape is issued either way: the forward is one mm, the backward two.
+
+    ``w_compute``: w's values in x's dtype (the bf16 compute copy of an fp32 master weight), used for the
+    products; w's gradient still comes back in w's dtype, the cast folded into its matmul on CUDA (``_mm_to``).
+    The same node as ``linear(x, cast(w, x.dtype))`` without the cast node."""
     if type(x) is not Var or type(w) is not Var:
         x, w = _binary_prep_mm("linear", x, w)
-    xd, wd = x.data, w.data
+    xd = x.data
+    if w_compute is not None:
+        _check_compute("linear", w, w_compute, x)
+        wd = w_compute
+    else:
+        wd = w.data
     if xd.dtype is not wd.dtype or xd.dtype not in _FLOAT or xd.device != wd.device:
         _check_same("linear", x, w)
     check(wd.dim() == 2, "linear", "weight must be 2-D [out, in]", x, w)
@@ -274,7 +311,7 @@ def linear(x: Var, w: Var, b: Var | None = None) -> Var:
                 dx = torch.addmm(acc[0] if flat else acc[0].reshape(-1, wd.shape[1]), d2, wd)
             if not flat:
                 dx = dx.reshape(xd.shape)
-        dw = torch.mm(d2.t(), x2) if w.requires_grad else None
+        dw = _mm_to(d2.t(), x2, w.dtype) if w.requires_grad else None
         if b is None:
             return dx, dw
         db = d2.sum(dim=0) if b.requires_grad else None

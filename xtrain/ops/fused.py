@@ -20,7 +20,7 @@ from xtrain.kernels import linear_cross_entropy as K
 from xtrain.kernels import qk_norm_rope as K_qk
 from xtrain.kernels import swiglu as K_swiglu
 from xtrain.kernels._dispatch import prefer_fused
-from xtrain.ops.basic import _check_same, check, check_values, linear
+from xtrain.ops.basic import _check_compute, _check_same, _mm_to, check, check_values, linear
 from xtrain.ops.nn import cross_entropy
 
 _INT = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -137,18 +137,24 @@ def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100
     return cross_entropy(linear(x, w), targets, ignore_index=ignore_index, reduction=reduction)
 
 
-def swiglu_linear(x: Var, w_gate: Var, w_up: Var) -> Var:
+def swiglu_linear(x: Var, w_gate: Var, w_up: Var, *, w_compute: tuple[torch.Tensor, torch.Tensor] | None = None) -> Var:
     """swiglu(x @ w_gate^T, x @ w_up^T) as one node (the MLP's input half): x [N, C], w_gate and w_up [F, C]
     -> [N, F]. Forward: two mm and the swiglu kernel; backward: the swiglu kernel's (dg, du), then
     dx = dg w_gate + du w_up (the second product added in its matmul's epilogue, as the engine sums the two
     unfused linears' gradients) and the two weight gradients. The same values as the three unfused ops bit for
-    bit."""
+    bit. ``w_compute``: (gate, up) in x's dtype, as ``linear``'s (weight gradients in the weights' dtype)."""
     op = "swiglu_linear"
-    _check_same(op, x, w_gate)
-    _check_same(op, x, w_up)
+    if w_compute is None:
+        _check_same(op, x, w_gate)
+        _check_same(op, x, w_up)
+        wg, wu = w_gate.data, w_up.data
+    else:
+        _check_compute(op, w_gate, w_compute[0], x)
+        _check_compute(op, w_up, w_compute[1], x)
+        wg, wu = w_compute
     check(x.ndim == 2 and w_gate.ndim == 2 and w_gate.shape == w_up.shape and w_gate.shape[1] == x.shape[1], op,
           "expected x [N, C] and w_gate, w_up [F, C]", x, w_gate, w_up)  # fmt: skip
-    xd, wg, wu = x.data, w_gate.data, w_up.data
+    xd = x.data
     g = torch.mm(xd, wg.t())  # [N, F]
     u = torch.mm(xd, wu.t())  # [N, F]
 
@@ -161,8 +167,8 @@ def swiglu_linear(x: Var, w_gate: Var, w_up: Var) -> Var:
             dx.addmm_(du, wu)
         return (
             dx,
-            torch.mm(dg.t(), xd) if w_gate.requires_grad else None,
-            torch.mm(du.t(), xd) if w_up.requires_grad else None,
+            _mm_to(dg.t(), xd, w_gate.dtype) if w_gate.requires_grad else None,
+            _mm_to(du.t(), xd, w_up.dtype) if w_up.requires_grad else None,
         )
 
     return Var.from_op(K_swiglu.swiglu_fwd(g, u), (x, w_gate, w_up), backward, op)
