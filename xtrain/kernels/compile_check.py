@@ -103,6 +103,7 @@ def cases() -> dict[str, Callable[[], None]]:
         dropout,
         embedding,
         linear_cross_entropy,
+        qk_norm_rope,
         rms_norm,
         rope,
         swiglu,
@@ -127,6 +128,15 @@ def cases() -> dict[str, Callable[[], None]]:
             x, pos = r(2, 4, 16, 64, dtype=dt), torch.arange(16)
             rope.rope_fwd_triton(x, pos)
             rope.rope_bwd_triton(x, pos)
+
+        def qk_(dt=dt):
+            for pos in (torch.arange(16), torch.arange(32).view(2, 16)):  # positions [T] and [B, T]
+                x, w = r(32, 4 * 64, dtype=dt), r(64, dtype=dt)
+                table = qk_norm_rope.rope_table(pos, 64, 10000.0, torch.float32)
+                y, inv = qk_norm_rope.qk_norm_rope_fwd_triton(x, w, 4, 1e-6, pos, table)
+                qk_norm_rope.qk_norm_rope_bwd_triton(y, x, w, 4, inv, pos, table)  # dy in the forward's layout
+                dy = r(2, 4, 16, 64, dtype=dt)
+                qk_norm_rope.qk_norm_rope_bwd_triton(dy, x, w, 4, inv, pos, table)  # and contiguous
 
         def swiglu_(dt=dt):
             a, b, dy = r(8, 96, dtype=dt), r(8, 96, dtype=dt), r(8, 96, dtype=dt)
@@ -167,6 +177,7 @@ def cases() -> dict[str, Callable[[], None]]:
         for name, fn in (
             ("rms_norm", norm),
             ("rope", rope_),
+            ("qk_norm_rope", qk_),
             ("swiglu", swiglu_),
             ("dropout", dropout_),
             ("cross_entropy", xent),

@@ -94,8 +94,9 @@ def qk_norm_rope(
 ) -> Var:
     """rope(rms_norm(x viewed as [B, T, heads, D], w [D]) transposed to [B, heads, T, D]) as one node: the
     same values as ``ops.rope(ops.transpose(ops.rms_norm(ops.reshape(x, ...), w, eps), 1, 2), ...)``, bit
-    for bit. x [B, T, heads*D] (a q or k projection); positions [T] or [B, T]; ``table`` from
-    ``rope_table`` (computed here when None)."""
+    for bit on the reference path (one fused kernel each way on CUDA, the same roundings; its output a
+    [B, heads, T, D] view of token-row memory). x [B, T, heads*D] (a q or k projection); positions [T] or
+    [B, T]; ``table`` from ``rope_table`` (computed here when None)."""
     op = "qk_norm_rope"
     _check_same(op, x, w)
     check(x.ndim in (2, 3) and heads > 0 and x.shape[-1] % heads == 0, op,

@@ -260,11 +260,21 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
     return all(_tma_view(x) is not None for x in (q, k, v, do))
 
 
+def fresh_grad(like: torch.Tensor, follow: bool = True) -> torch.Tensor:
+    """An empty gradient buffer for ``like`` [B, Hx, T, D]: in like's layout when ``follow`` and like is a
+    [B, T, Hx, D] tensor seen through a transpose (k and v as the model's projections give them: dk and dv then
+    go back to the projections' token rows without a copy), else contiguous."""
+    B, Hx, T, D = like.shape
+    if follow and not like.is_contiguous() and like.stride() == (T * Hx * D, D, Hx * D, 1):
+        return torch.empty((B, T, Hx, D), dtype=like.dtype, device=like.device).transpose(1, 2)
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
 def _grad_buf(op: str, name: str, buf, like: torch.Tensor):
-    """A caller's output buffer (tests pass NaN-poisoned ones) in a layout the descriptors take, or a fresh
-    contiguous one (as flash_attention_bwd_triton returns)."""
+    """A caller's output buffer (tests pass NaN-poisoned ones) in a layout the descriptors take, or a fresh one:
+    dk and dv in k's and v's layout, dq contiguous (``fresh_grad``)."""
     if buf is None:
-        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return fresh_grad(like, follow=name != "dq")
     if not _buf_ok(buf, like):
         raise ValueError(
             f"{op}: {name} buffer must be {tuple(like.shape)} {like.dtype} on {like.device}, "
@@ -344,15 +354,14 @@ def _prologue(
 
 
 def plan_outputs(pre, do, q, k, v, o, lse=None, columns: bool = False):
-    """What both backward plans do first: allocate dq, dk, dv (contiguous, as the full path's ``_grad_buf``)
+    """What both backward plans do first: allocate dq, dk, dv (as the full path's ``_grad_buf``)
     and delta, and launch the cached delta preprocess ``pre``. Returns (dq, dk, dv, delta, lse2, cols): with ``lse``
     (a plan made with ``_prologue(base2=True)``) lse2 is the lse·log2(e) buffer the preprocess writes from it, else
     None; with ``columns`` (a plan made with ``_prologue(cols=...)``) cols is the (lse, delta) column buffers it
     fills, else None."""
     B, H, T, _ = q.shape
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dk, dv = fresh_grad(k), fresh_grad(v)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     if lse is None:  # (as _prologue without base2: LSE, LSE2, LSEC, DELTAC not touched)
         pre(O=o, DO=do, DELTA=delta, LSE=delta, LSE2=delta, LSEC=delta, DELTAC=delta)
