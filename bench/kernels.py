@@ -129,6 +129,37 @@ def _rope(shape, batched, dt):
     )
 
 
+def qk_norm_rope_cases():
+    # the seed preset's q and k (12 and 4 heads of 64, 8 x 1024 tokens) and a wide model's q (32 heads of 128)
+    for B, T, G, D, dt in [(8, 1024, 12, 64, torch.bfloat16), (8, 1024, 4, 64, torch.bfloat16),
+                           (4, 4096, 32, 128, torch.bfloat16), (8, 1024, 12, 64, torch.float32)]:  # fmt: skip
+        yield from _qk_norm_rope(B, T, G, D, dt)
+
+
+def _qk_norm_rope(B, T, G, D, dt):
+    from xtrain.kernels import qk_norm_rope as K
+
+    e, R = _esize(dt), B * T * G
+    x, w = _rand(B * T, G * D, dtype=dt), _rand(D, dtype=dt)
+    pos = torch.arange(T, device="cuda")
+    table = K.rope_table(pos, D, 1e6, torch.float32)
+    y, r = K.qk_norm_rope_fwd_triton(x, w, G, 1e-6, pos, table)
+    dy = _rand(B, G, T, D, dtype=dt)  # contiguous, as the flash backward returns dq
+    lbl = f"{B * T}x{G}x{D} {_name(dt)}"
+    yield (
+        f"qk_norm_rope fwd {lbl}",
+        2 * R * D * e + 4 * R,
+        lambda: K.qk_norm_rope_fwd_triton(x, w, G, 1e-6, pos, table),
+        lambda: K.qk_norm_rope_fwd_ref(x, w, G, 1e-6, pos, 1e6, table),
+    )
+    yield (
+        f"qk_norm_rope bwd {lbl}",
+        3 * R * D * e + 4 * R,
+        lambda: K.qk_norm_rope_bwd_triton(dy, x, w, G, r, pos, table),
+        lambda: K.qk_norm_rope_bwd_ref(dy, x, w, G, r, pos, 1e6, table),
+    )
+
+
 def swiglu_cases():
     for shape, dt in [((8192, 14336), torch.bfloat16), ((4096, 14336), torch.float32)]:
         yield from _swiglu(shape, dt)
@@ -271,6 +302,7 @@ def _embedding(N, V, C, dt):
 GROUPS = {
     "rms_norm": rms_cases,
     "rope": rope_cases,
+    "qk_norm_rope": qk_norm_rope_cases,
     "swiglu": swiglu_cases,
     "dropout": dropout_cases,
     "cross_entropy": ce_cases,

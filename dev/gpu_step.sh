@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for the whole training step: the step's GPU tests, `bench train` at the seed and gpt2-small
-# presets (bf16), and profiles of the trainer's device step and of torch.compile; logs under $OUT.
+# One device call for the whole training step: the step's GPU tests (TESTS), kernel rows (KERNELS), `bench train`
+# at the seed and gpt2-small presets (bf16; BENCH=preset:batch ...), and profiles of the trainer's device step and of torch.compile; logs under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv
@@ -9,6 +9,10 @@ cat "$OUT/env.txt"
 if [ -n "${TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS > "$OUT/pytest_gpu.txt" 2>&1
   echo "pytest rc $?"; grep -E "passed|failed|error" "$OUT/pytest_gpu.txt" | tail -2; grep -E "^FAILED|^ERROR|Error" "$OUT/pytest_gpu.txt" | head -20
+fi
+if [ -n "${KERNELS:-}" ]; then
+  timeout 120 python3 -m xtrain.cli bench kernels --only $KERNELS > "$OUT/kernels.txt" 2>&1; echo "bench kernels rc $?"
+  grep -E "fwd|bwd|copy" "$OUT/kernels.txt" | tail -20
 fi
 for spec in ${BENCH:-seed:8 gpt2-small:16}; do
   set -- ${spec%%:*} ${spec##*:}
