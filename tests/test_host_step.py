@@ -354,3 +354,23 @@ def test_graph_stand_in_keeps_tensors_as_a_capture_does():
     replay()
     assert tr.optimizer.sync_step_count() == 2
     assert not all(torch.equal(p.data, before[n]) for n, p in tr.model.params.items())
+
+
+def test_qk_norm_rope_takes_an_fp32_master_weight_for_bf16_activations():
+    # no cast node: the op reads the fp32 weight as the kernel computes (in fp32) and returns its gradient in fp32;
+    # the same values as a bf16 weight holding the same (bf16-representable) numbers
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(2 * 4, 3 * 8, generator=g).bfloat16()
+    w0 = (1 + 0.1 * torch.randn(8, generator=g)).bfloat16().float()
+    pos = torch.arange(4)
+    outs = []
+    for wt in (w0, w0.bfloat16()):
+        x, w = Var(x0.clone(), True), Var(wt.clone(), True)
+        y = ops.qk_norm_rope(x, w, 3, pos)
+        ops.sum(ops.cast(y, torch.float32)).backward()
+        outs.append((y.data, x.grad, w.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][2].dtype == torch.float32 and outs[1][2].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[0][2], outs[1][2].float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="qk_norm_rope"):  # fp32 activations with a bf16 weight: no
+        ops.qk_norm_rope(Var(x0.float()), Var(w0.bfloat16()), 3, pos)

@@ -125,6 +125,14 @@ def test_qk_norm_rope_cpu(B, T, G, D, batched):
     y16, _ = K_qk.qk_norm_rope_fwd_triton(x.half(), w.half(), G, 1e-6, pos, table)
     y16r, _ = K_qk.qk_norm_rope_fwd_ref(x.half(), w.half(), G, 1e-6, pos, 10000.0, table)
     assert y16.dtype == torch.float16 and _max_err(y16, y16r) <= 2e-3
+    # an fp32 master weight with fp16 activations (the model's case): read in fp32, dw back in fp32
+    y16w, r16 = K_qk.qk_norm_rope_fwd_triton(x.half(), w, G, 1e-6, pos, table)
+    y16wr, r16r = K_qk.qk_norm_rope_fwd_ref(x.half(), w, G, 1e-6, pos, 10000.0, table)
+    assert _max_err(y16w, y16wr) <= 2e-3
+    dx16, dw16 = K_qk.qk_norm_rope_bwd_triton(dy.half(), x.half(), w, G, r16r, pos, table)
+    dx16r, dw16r = K_qk.qk_norm_rope_bwd_ref(dy.half(), x.half(), w, G, r16r, pos, 10000.0, table)
+    assert dw16.dtype == torch.float32 and _max_err(dw16, dw16r) <= CPU_TOL * 10
+    assert _max_err(dx16, dx16r) <= 2e-3 * dx16r.abs().max().item()
 
 
 @needs_cpu_interp

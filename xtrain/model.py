@@ -325,8 +325,10 @@ class Model:
         k = self._linear(h, P["self_attn.k_proj.weight"])  # [B*T, Hkv*D]
         v = self._linear(h, P["self_attn.v_proj.weight"])  # [B*T, Hkv*D]
         # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
-        q = ops.qk_norm_rope(q, w(P["self_attn.q_norm.weight"]), H, positions, cfg.rope_theta, eps, table)
-        k = ops.qk_norm_rope(k, w(P["self_attn.k_norm.weight"]), Hkv, positions, cfg.rope_theta, eps, table)
+        # the norm weights straight from fp32 masters for bf16/fp16 activations (read in fp32: no cast node)
+        nw = (lambda p: p) if dt in (torch.bfloat16, torch.float16) and self.master_dtype == torch.float32 else w
+        q = ops.qk_norm_rope(q, nw(P["self_attn.q_norm.weight"]), H, positions, cfg.rope_theta, eps, table)
+        k = ops.qk_norm_rope(k, nw(P["self_attn.k_norm.weight"]), Hkv, positions, cfg.rope_theta, eps, table)
         a = ops.attention_rows(q, k, v, causal=True, impl=self._attention)  # [B*T, H*D]
         a = self._linear(a, P["self_attn.o_proj.weight"])  # [B*T, C]
         x = ops.add_cast(x, self._dropout(a, seed, i, SITE_ATTN, T))  # the branch promoted to m in the add

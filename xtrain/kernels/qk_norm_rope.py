@@ -21,9 +21,10 @@ token; D a power of two, else the reference runs):
                                view of [B, T, G, D] memory, the layout the flash kernels read in place (their
                                output then comes back in token rows, so attention needs no transposing copy).
     _qk_norm_rope_bwd_kernel   a persistent grid: dy read through its strides (contiguous or token-row layout,
-                               as the flash backward gives dq and dk), the inverse rotation and the norm's
-                               backward in registers, dx written in x's layout; dw's share of each program in
-                               one partial row, the rows summed in a fixed order (deterministic).
+                               as the flash backward gives dq and dk), the inverse rotation (rounded to dy's
+                               dtype, as the reference rounds it) and the norm's backward in registers, dx
+                               written in x's layout; dw's share of each program in one partial row, the rows
+                               summed in a fixed order (deterministic).
 One pass each way instead of three (rms_norm, a layout copy, rope) forward and four backward.
 """
 
@@ -148,8 +149,9 @@ def _qk_norm_rope_bwd_kernel(
     BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Program p: row tiles p, p + P, ...; dy read through its strides (any [B, G, T, D] layout), rotated back
-    (dn, kept in fp32), then the norm's backward: dx = r (g - xhat mean(g xhat)), g = dn w, written at the row's
-    offset in x's layout; dw's share summed in registers into partial row p (a fixed order: deterministic)."""
+    (dn, rounded to dy's dtype), then the norm's backward: dx = r (g - xhat mean(g xhat)), g = dn w, written at
+    the row's offset in x's layout; dw's share summed in registers into partial row p (a fixed order:
+    deterministic)."""
     pid = tl.program_id(0)
     h = tl.arange(0, HALF)
     w1 = tl.load(W + h).to(tl.float32)
@@ -170,8 +172,9 @@ def _qk_norm_rope_bwd_kernel(
         oc = (b * c_sb + t * c_st)[:, None] + h[None, :]
         c = tl.load(C + oc, mask=m, other=0.0)
         s = tl.load(S + oc, mask=m, other=0.0)
-        dn1 = dy1 * c + dy2 * s  # the inverse rotation
-        dn2 = dy2 * c - dy1 * s
+        # the inverse rotation, rounded to dy's dtype as the reference (and the unfused rope backward) rounds it
+        dn1 = (dy1 * c + dy2 * s).to(DY.dtype.element_ty).to(tl.float32)
+        dn2 = (dy2 * c - dy1 * s).to(DY.dtype.element_ty).to(tl.float32)
         o1 = rows[:, None] * (2 * HALF) + h[None, :]
         r = tl.load(INV_RMS + rows, mask=rm, other=0.0)[:, None]
         xh1 = tl.load(X + o1, mask=m, other=0.0).to(tl.float32) * r

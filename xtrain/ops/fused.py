@@ -96,9 +96,11 @@ def qk_norm_rope(
     same values as ``ops.rope(ops.transpose(ops.rms_norm(ops.reshape(x, ...), w, eps), 1, 2), ...)``, bit
     for bit on the reference path (one fused kernel each way on CUDA, the same roundings; its output a
     [B, heads, T, D] view of token-row memory). x [B, T, heads*D] (a q or k projection); positions [T] or
-    [B, T]; ``table`` from ``rope_table`` (computed here when None)."""
+    [B, T]; ``table`` from ``rope_table`` (computed here when None). w: in x's dtype, or the fp32 master for
+    bf16/fp16 x (no cast node either way; its gradient comes back in w's dtype)."""
     op = "qk_norm_rope"
-    _check_same(op, x, w)
+    if not (x.dtype in (torch.bfloat16, torch.float16) and w.dtype == torch.float32 and x.device == w.device):
+        _check_same(op, x, w)  # else: an fp32 master weight for 16-bit activations, read in fp32 by the kernel
     check(x.ndim in (2, 3) and heads > 0 and x.shape[-1] % heads == 0, op,
           f"x must be [B, T, heads*D] or [B*T, heads*D], heads={heads}", x)  # fmt: skip
     check(isinstance(positions, torch.Tensor) and positions.ndim in (1, 2), op, "positions must be [T] or [B, T]", x,
