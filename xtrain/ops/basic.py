@@ -241,17 +241,22 @@ def _binary_prep_mm(op, a, b):
     return a, b
 
 
+# whether torch.mm takes out_dtype (the aten overload exists from torch 2.8); set False for the process if a call
+# refuses it (the first call is an eager warm-up step, never inside a CUDA graph capture)
+_MM_OUT_DTYPE = [hasattr(torch.ops.aten.mm, "dtype")]
+
+
 def _mm_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """a @ b as a ``dtype`` tensor. A bf16/fp16 product wanted in fp32 on CUDA comes straight out of cuBLAS's fp32
     accumulators (``torch.mm``'s ``out_dtype``): no rounding to bf16, no cast pass. Elsewhere: mm, then a cast."""
     if dtype is a.dtype:
         return torch.mm(a, b)
-    if dtype is torch.float32 and a.is_cuda and _MM_OUT_DTYPE:
-        return torch.mm(a, b, out_dtype=dtype)
+    if dtype is torch.float32 and a.is_cuda and _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(a, b, out_dtype=dtype)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[0] = False
     return torch.mm(a, b).to(dtype)
-
-
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # the out_dtype overload (torch >= 2.8)
 
 
 def _check_compute(op: str, w: Var, wc: torch.Tensor, x: Var) -> None:
