@@ -28,7 +28,7 @@ Precision: each weight matrix enters its matmul in the compute dtype (``linear``
 trainer the bf16 copy that AdamW writes in its update pass (``weight_copy``: no cast launch per weight per
 forward), else a cast inside the forward (inside each block, so activation recompute re-casts). Its gradient
 lands in fp32 on the master, the cast folded into the weight-gradient matmul (on CUDA cuBLAS writes fp32 from
-its accumulators). The norm weights and the LM head go through ``ops.cast`` / ``ops.cast_as``. The residual
+its accumulators). Norm weights are read as their masters; the LM head goes through ``ops.cast_as``. The residual
 stream ``x`` stays in the master dtype (as under torch autocast): RMSNorm statistics, the residual adds,
 softmax (inside the kernel) and the loss are fp32 whatever the compute dtype; the matmuls and the
 elementwise MLP run in the compute dtype. The casts between the two are folded into neighbours: each RMSNorm of
@@ -277,24 +277,20 @@ class Model:
         return self.train(False)
 
     # -- forward ---------------------------------------------------------------------------------------
-    def _w(self, p: Var) -> Var:
-        """A weight in the compute dtype: the optimizer's current compute copy when one is attached
-        (``weight_copy``, set by the trainer: no cast launch), else a cast (identity when dtypes agree)."""
-        dt = self.compute_dtype
-        if p.dtype != dt and self.weight_copy is not None:
-            c = self.weight_copy(p)
-            if c is not None and c.dtype == dt:
-                return ops.cast_as(p, c)
-        return ops.cast(p, dt)
-
     def _compute(self, p: Var) -> torch.Tensor | None:
-        """A weight matrix's values in the compute dtype for ``linear``'s ``w_compute``: the optimizer's current
-        compute copy when one is attached, else a cast (None when the dtypes agree: the weight itself)."""
+        """A weight's values in the compute dtype: the optimizer's current compute copy when one is attached
+        (``weight_copy``, set by the trainer: no cast launch), else a cast (None when the dtypes agree)."""
         dt = self.compute_dtype
         if p.dtype == dt:
             return None
         c = self.weight_copy(p) if self.weight_copy is not None else None
         return c if c is not None and c.dtype == dt else p.data.to(dt)
+
+    def _w(self, p: Var) -> Var:
+        """A weight as a Var in the compute dtype (a cast node over ``_compute``'s values; p itself when the dtypes
+        agree), for the ops that take no ``w_compute``."""
+        c = self._compute(p)
+        return p if c is None else ops.cast_as(p, c)
 
     def _linear(self, x: Var, p: Var) -> Var:
         """x @ p^T in the compute dtype; p's gradient comes back in its master dtype (the cast folded in)."""
@@ -316,7 +312,7 @@ class Model:
         one mm without reshapes). ``seed`` is (seed buffer, row_start, row_stride) taken at forward time (None:
         no dropout); a recompute in backward reads the same buffer, which holds the same step's seeds until the
         next ``set_dropout_step``. ``table``: the RoPE cos/sin table of ``positions`` (``ops.rope_table``)."""
-        cfg, P, w, dt = self.config, self._layers[i], self._w, self.compute_dtype
+        cfg, P, dt = self.config, self._layers[i], self.compute_dtype
         T = positions.shape[-1]
         H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
 
@@ -325,10 +321,9 @@ class Model:
         k = self._linear(h, P["self_attn.k_proj.weight"])  # [B*T, Hkv*D]
         v = self._linear(h, P["self_attn.v_proj.weight"])  # [B*T, Hkv*D]
         # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
-        # the norm weights straight from fp32 masters for bf16/fp16 activations (read in fp32: no cast node)
-        nw = (lambda p: p) if dt in (torch.bfloat16, torch.float16) and self.master_dtype == torch.float32 else w
-        q = ops.qk_norm_rope(q, nw(P["self_attn.q_norm.weight"]), H, positions, cfg.rope_theta, eps, table)
-        k = ops.qk_norm_rope(k, nw(P["self_attn.k_norm.weight"]), Hkv, positions, cfg.rope_theta, eps, table)
+        # the norm weights straight from their masters (an fp32 master with bf16/fp16 activations is read in fp32)
+        q = ops.qk_norm_rope(q, P["self_attn.q_norm.weight"], H, positions, cfg.rope_theta, eps, table)
+        k = ops.qk_norm_rope(k, P["self_attn.k_norm.weight"], Hkv, positions, cfg.rope_theta, eps, table)
         a = ops.attention_rows(q, k, v, causal=True, impl=self._attention)  # [B*T, H*D]
         a = self._linear(a, P["self_attn.o_proj.weight"])  # [B*T, C]
         x = ops.add_cast(x, self._dropout(a, seed, i, SITE_ATTN, T))  # the branch promoted to m in the add
@@ -336,7 +331,8 @@ class Model:
         h = ops.rms_norm(x, P["post_attention_layernorm.weight"], eps, dt)  # [B*T, C]
         # silu(h Wgᵀ) * (h Wuᵀ) as one node                                    [B*T, F]
         wg, wu = P["mlp.gate_proj.weight"], P["mlp.up_proj.weight"]
-        s = ops.swiglu_linear(h, wg, wu, w_compute=None if wg.dtype == dt else (self._compute(wg), self._compute(wu)))
+        cg, cu = self._compute(wg), self._compute(wu)
+        s = ops.swiglu_linear(h, wg, wu, w_compute=None if cg is None else (cg, cu))
         y = self._linear(s, P["mlp.down_proj.weight"])  # [B*T, C]
         return ops.add_cast(x, self._dropout(y, seed, i, SITE_MLP, T))
 
