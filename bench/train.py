@@ -187,7 +187,20 @@ def trainer_step(c, dev, ids, B: int, graph: bool):
     tcfg = TrainConfig(steps=10**9, batch_size=B, seq_len=T, lr=1e-3, warmup_steps=0, schedule="constant")
     batch = ids.cpu()  # as a loader hands it over: on the host, moved by the step
     tr = Trainer(Model(c, device=dev, seed=0), tcfg, lambda: batch, cuda_graph=graph, capture_ready=True)
-    return lambda: tr.train_step()["loss"]
+
+    def step():
+        m = tr.train_step()
+        if graph and m.get("graph") == "off":  # never time a fallback under the graph's name
+            raise GraphFellBack(tr.graphed.off_reason)
+        return m["loss"]
+
+    if graph:  # warm up through the capture: the timed calls are replays
+        step.min_warmup = tr.graphed.warmup + 1
+    return step
+
+
+class GraphFellBack(RuntimeError):
+    pass
 
 
 # dense matmul peak of the tensor cores (no sparsity), FLOP/s, by device name and compute dtype (datasheets)
@@ -331,11 +344,14 @@ def main(argv=None) -> int:
         try:
             fn = build()
             first[name] = fn()
+            for _ in range(max(args.warmup, getattr(fn, "min_warmup", 0))):
+                fn()
+        except GraphFellBack as e:
+            print(f"  graph: fell back ({e}); no '{name}' row")
+            continue
         except Exception as e:  # e.g. torch.compile without a C++ compiler / Triton for inductor here
             print(f"  {name} row skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             continue
-        for _ in range(args.warmup):
-            fn()
         sync()
         if dev.type == "cuda":
             peak[name] = torch.cuda.max_memory_allocated(dev) - base

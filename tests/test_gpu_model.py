@@ -233,3 +233,47 @@ def test_cuda_graph_with_dropout_trains_as_the_step_without_a_graph(recompute, a
     assert out[0][0] == out[1][0], out
     for k in out[0][1]:
         assert torch.equal(out[0][1][k], out[1][1][k]), k
+
+
+def test_default_cuda_step_captures_and_resumes_bit_for_bit(tmp_path):
+    """The trainer's default on CUDA is the graph, and it must really capture: every step after the warm-up is
+    a replay (``graph`` in the metrics), one capture, no fallback. A run stopped after 4 steps, saved, and
+    resumed in a fresh trainer (which captures again) ends with the uninterrupted run's weights bit for bit."""
+    from xtrain.config import TrainConfig
+    from xtrain.train.trainer import Trainer
+
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 512, (4, 65), generator=g) for _ in range(9)]
+    tc = TrainConfig(steps=9, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=2, grad_clip=1.0)
+
+    class Data:
+        def __init__(self):
+            self.i = 0
+
+        def next_batch(self):
+            self.i += 1
+            return batches[self.i - 1]
+
+        def state_dict(self):
+            return {"i": self.i}
+
+        def load_state_dict(self, d):
+            self.i = d["i"]
+
+    def trainer(run_dir=None):
+        m = Model(_cfg("bfloat16", "auto", "auto"), device="cuda", seed=0)
+        return Trainer(m, tc, Data(), run_dir=run_dir)
+
+    whole = trainer()
+    hist = whole.fit(9)
+    assert [h["graph"] for h in hist] == ["warm-up"] * 3 + ["replay"] * 6
+    assert whole.graphed.captures == 1 and whole.graphed.fallbacks == 0
+    first = trainer(tmp_path / "run")
+    first.fit(4)
+    second = trainer(tmp_path / "run")
+    assert second.resume() == 4
+    hist2 = second.fit(9)
+    assert hist2[-1]["graph"] == "replay" and second.graphed.captures == 1
+    assert [h["loss"] for h in hist2] == [h["loss"] for h in hist[4:]]
+    for k, p in whole.model.params.items():
+        assert torch.equal(p.data, second.model.params[k].data), k

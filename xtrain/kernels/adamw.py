@@ -13,12 +13,17 @@ Contract: adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, b
           of low-precision compute copies (e.g. bf16) to refresh from the updated masters in the same pass.
 
 Triton: ``_adamw_kernel`` updates every parameter in ONE launch. The work is cut into blocks of BLOCK
-elements; a block table (int64 [n_blocks, 8]: element offsets of the block in p, g, m, v and the copy,
-its length, the length to copy (0: no copy), its tensor index) says where each block lives. Offsets are
-taken relative to one base tensor per state (the first parameter, the first gradient, ...), so a block's address is
-``base + offset`` in the one flat device address space: no copying into a flat buffer and back. The
-table depends only on the tensors' addresses and sizes and is cached. Each element moves once: read
-p, g, m, v (16 B), write p, m, v and the bf16 copy (14 B).
+elements; a block table (int64 [n_blocks, 8]: element offsets of the block in p, m, v and the copy, its
+start inside its tensor, its length, the length to copy (0: no copy), its tensor index) says where each block
+lives. Offsets are taken relative to one base tensor per state (the first parameter, the first moment, ...), so a
+block's address is ``base + offset`` in the one flat device address space: no copying into a flat buffer and
+back. The table depends only on the addresses and sizes of the tensors that live across steps (params,
+moments, copies) and is built once and cached. The gradients are new tensors each step, so where each one
+starts (relative to the first) is a second, per-tensor table of n int64 (``_grad_offsets``), cached by the
+gradients' addresses: eager steps that reuse the allocator's blocks hit it; a CUDA graph capture, whose
+gradients come from the graph's own pool, builds it once into pinned host memory that the cache keeps alive,
+and the graph records its copy to the device as one 8n-byte copy node (no pageable host memory, which a
+capture refuses). Each element moves once: read p, g, m, v (16 B), write p, m, v and the bf16 copy (14 B).
 
 Full blocks (all but each tensor's last) take an unmasked path: with the length read from the table,
 a mask ``i < n`` has unknown divisibility and Triton emitted one 4-byte access per element (seen in the
@@ -99,7 +104,7 @@ def _adamw_update(
 
 @_jit
 def _adamw_kernel(
-    P, G, M, VS, COPY, TABLE, DECAY, SCAL, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps,
+    P, G, M, VS, COPY, TABLE, GOFF, DECAY, SCAL, lerp_w, beta2, one_minus_beta2, neg_step_size, inv_bc2_sqrt, eps,
     HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr, LERP_SMALL: tl.constexpr, RECIP_DIV: tl.constexpr,
     DEVICE_SCALARS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -115,13 +120,15 @@ def _adamw_kernel(
     if go != 0.0:
         row = TABLE + tl.program_id(0).to(tl.int64) * 8
         p_off = tl.load(row + 0)
-        g_off = tl.load(row + 1)
+        start = tl.load(row + 1)  # the block's first element inside its tensor
         m_off = tl.load(row + 2)
         v_off = tl.load(row + 3)
         c_off = tl.load(row + 4)
         n = tl.load(row + 5)
         n_copy = tl.load(row + 6)  # n, or 0 when this parameter has no copy of this dtype
-        decay = tl.load(DECAY + tl.load(row + 7))
+        tid = tl.load(row + 7)
+        g_off = tl.load(GOFF + tid) + start
+        decay = tl.load(DECAY + tid)
         if ALIGNED:  # every block starts on 16 elements: lets the compiler use 16-byte accesses
             p_off = tl.multiple_of(p_off, 16)
             g_off = tl.multiple_of(g_off, 16)
@@ -176,9 +183,20 @@ def _offsets(ts, base: torch.Tensor) -> np.ndarray:
     return d // es
 
 
-def _validate(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies) -> bool:
+def _validate(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies, grads_only: bool = False) -> bool:
     """Raise on inconsistent lists or shapes; return False where only the reference can run (not all
-    contiguous fp32 on one device)."""
+    contiguous fp32 on one device). ``grads_only``: the rest was validated when the plan was built (same
+    addresses and sizes): check only the gradients, which are new tensors each step."""
+    if grads_only:
+        if len(grads) != len(params):
+            raise ValueError(f"adamw_step: lists differ in length: params {len(params)}, grads {len(grads)}")
+        device = params[0].device
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g.shape != p.shape:
+                raise ValueError(f"adamw_step: tensor {i} shapes differ: param {tuple(p.shape)}, grad {tuple(g.shape)}")
+            if g.device != device or g.dtype != torch.float32 or not g.is_contiguous():
+                return False
+        return True
     n_lists = {len(params), len(grads), len(exp_avgs), len(exp_avg_sqs), len(weight_decays)}
     if copies is not None:
         n_lists.add(len(copies))
@@ -208,12 +226,12 @@ def _validate(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies) -> bo
 
 
 def _plan(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies):
-    """Everything about a step that depends only on the tensors' identities (addresses, sizes, dtypes):
-    validation, the block table, the copy base. Cached, so a training step pays only a dictionary lookup
-    on a key of addresses (the host time matters: it sits between the launches)."""
+    """Everything about a step that depends only on the identities of the tensors that live across steps
+    (addresses, sizes, dtypes of params, moments, copies): validation, the block table, the copy base. Cached, so
+    a training step pays only a dictionary lookup on a key of addresses (the host time matters: it sits between
+    the launches). The gradients' addresses are not in the key (``_grad_offsets`` has them)."""
     key = (
         tuple(t.data_ptr() for t in params),
-        tuple(t.data_ptr() for t in grads),
         tuple(t.data_ptr() for t in exp_avgs),
         tuple(t.data_ptr() for t in exp_avg_sqs),
         None if copies is None else tuple((0, None) if c is None else (c.data_ptr(), c.dtype) for c in copies),
@@ -224,6 +242,8 @@ def _plan(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies):
     )
     plan = _plan_cache.get(key)
     if plan is not None:
+        if not _validate(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies, grads_only=True):
+            return None
         return plan
     if not _validate(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies):
         plan = None
@@ -234,7 +254,7 @@ def _plan(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies):
         kernel_copies = None
         if copy_base is not None:
             kernel_copies = [c if c is not None and c.dtype == copy_base.dtype else None for c in copies]
-        table, aligned = _block_table(params, grads, exp_avgs, exp_avg_sqs, kernel_copies, copy_base, params[0].device)
+        table, aligned = _block_table(params, exp_avgs, exp_avg_sqs, kernel_copies, copy_base, params[0].device)
         leftover = (
             [] if copies is None else [i for i, c in enumerate(copies) if c is not None and kernel_copies[i] is None]
         )
@@ -245,24 +265,51 @@ def _plan(params, grads, exp_avgs, exp_avg_sqs, weight_decays, copies):
     return plan
 
 
-def _block_table(params, grads, exp_avgs, exp_avg_sqs, copies, copy_base, device):
+def _block_table(params, exp_avgs, exp_avg_sqs, copies, copy_base, device):
     n = np.array([t.numel() for t in params], dtype=np.int64)
     nb = (n + BLOCK - 1) // BLOCK  # blocks per tensor
     tid = np.repeat(np.arange(len(params), dtype=np.int64), nb)
     start = (np.arange(int(nb.sum()), dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)) * BLOCK
-    cols = [_offsets(ts, ts[0])[tid] + start for ts in (params, grads, exp_avgs, exp_avg_sqs)]
+    p_col, m_col, v_col = (_offsets(ts, ts[0])[tid] + start for ts in (params, exp_avgs, exp_avg_sqs))
     have = np.zeros(len(params), dtype=bool)
     c = np.zeros(len(params), dtype=np.int64)  # offsets may be negative: tensors lie either side of the base
     if copy_base is not None:
         have = np.array([x is not None for x in copies])
         c[have] = _offsets([x for x in copies if x is not None], copy_base)
-    cols.append(c[tid] + start)
     length = np.minimum(BLOCK, n[tid] - start)
-    cols += [length, np.where(have[tid], length, 0), tid]
-    table_np = np.stack(cols, axis=1)  # [n_blocks, 8]
-    aligned = bool(np.all(table_np[:, :5] % 16 == 0))
+    table_np = np.stack([p_col, start, m_col, v_col, c[tid] + start, length, np.where(have[tid], length, 0), tid], 1)
+    aligned = bool(np.all(table_np[:, :5] % 16 == 0))  # start is a multiple of BLOCK
     table = torch.from_numpy(np.ascontiguousarray(table_np)).to(device)
     return table, aligned
+
+
+_grad_cache: dict = {}
+_captured_grad_tables: list = []  # (pinned host, device) pairs a CUDA graph's copy node reads: kept for good
+
+
+def _grad_offsets(grads) -> tuple[torch.Tensor, bool]:
+    """Where each gradient starts, in elements from the first one (int64 [n] on the grads' device), and whether
+    every offset is a multiple of 16 elements. Cached by the gradients' addresses. Under CUDA graph capture the
+    table is staged in pinned host memory that is never freed, so the graph's copy node reads valid bytes at
+    every replay (its addresses are the graph pool's, the same at every replay)."""
+    key = (tuple(t.data_ptr() for t in grads), grads[0].device)
+    hit = _grad_cache.get(key)
+    if hit is not None:
+        return hit
+    offs = _offsets(grads, grads[0])
+    aligned = bool(np.all(offs % 16 == 0))
+    dev = grads[0].device
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        host = torch.from_numpy(offs).pin_memory()
+        table = torch.empty(len(grads), dtype=torch.int64, device=dev)
+        table.copy_(host, non_blocking=True)
+        _captured_grad_tables.append((host, table))
+    else:
+        table = torch.from_numpy(offs).to(dev)
+    if len(_grad_cache) > 8:
+        _grad_cache.clear()
+    _grad_cache[key] = hit = (table, aligned)
+    return hit
 
 
 def _f32(x: float) -> float:
@@ -285,6 +332,7 @@ def adamw_step_triton(
             "device (adamw_step falls back to the reference for anything else)"
         )
     table, aligned, copy_base, leftover = plan
+    goff, g_aligned = _grad_offsets(grads)
     decay = torch.tensor([_f32(1 - lr * wd) if wd != 0 else 1.0 for wd in weight_decays], dtype=torch.float32).to(
         params[0].device, non_blocking=True
     )
@@ -293,9 +341,9 @@ def adamw_step_triton(
     inv_bc2 = float(np.float32(1.0) / np.float32(bias_correction2_sqrt))
     lerp_w = 1 - beta1
     _adamw_kernel[(table.shape[0],)](
-        params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], params[0] if copy_base is None else copy_base, table, decay,
-        decay, _f32(lerp_w), _f32(beta2), _f32(1 - beta2), _f32(-(lr / bias_correction1)), inv_bc2, _f32(eps),
-        HAS_COPY=copy_base is not None, ALIGNED=aligned, LERP_SMALL=abs(lerp_w) < 0.5,
+        params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], params[0] if copy_base is None else copy_base, table, goff,
+        decay, decay, _f32(lerp_w), _f32(beta2), _f32(1 - beta2), _f32(-(lr / bias_correction1)), inv_bc2, _f32(eps),
+        HAS_COPY=copy_base is not None, ALIGNED=aligned and g_aligned, LERP_SMALL=abs(lerp_w) < 0.5,
         RECIP_DIV=params[0].is_cuda if recip_div is None else recip_div, DEVICE_SCALARS=False, BLOCK=BLOCK,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
@@ -344,12 +392,13 @@ def adamw_step_triton_device(
     if plan is None:
         raise ValueError("adamw_step_triton_device: needs contiguous fp32 params, grads and moments on one device")
     table, aligned, copy_base, leftover = plan
+    goff, g_aligned = _grad_offsets(grads)
     scal, decay = device_scalars(step, lr, ok, grad_scale, beta1=beta1, beta2=beta2, weight_decays=weight_decays)
     lerp_w = 1 - beta1
     _adamw_kernel[(table.shape[0],)](
-        params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], params[0] if copy_base is None else copy_base, table, decay,
-        scal, _f32(lerp_w), _f32(beta2), _f32(1 - beta2), 0.0, 0.0, _f32(eps),
-        HAS_COPY=copy_base is not None, ALIGNED=aligned, LERP_SMALL=abs(lerp_w) < 0.5,
+        params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], params[0] if copy_base is None else copy_base, table, goff,
+        decay, scal, _f32(lerp_w), _f32(beta2), _f32(1 - beta2), 0.0, 0.0, _f32(eps),
+        HAS_COPY=copy_base is not None, ALIGNED=aligned and g_aligned, LERP_SMALL=abs(lerp_w) < 0.5,
         RECIP_DIV=params[0].is_cuda if recip_div is None else recip_div, DEVICE_SCALARS=True, BLOCK=BLOCK,
         num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip

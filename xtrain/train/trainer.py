@@ -171,11 +171,14 @@ class GraphedStep:
         self.inputs = self.targets = None
         self.replay = self.out = None
         self.warm = 0
-        self.captures = 0
+        self.captures = 0  # successful captures (a re-capture after a shape or setting change counts again)
+        self.fallbacks = 0  # captures that failed (the step then runs without a graph)
+        self.off_reason: str | None = None  # why the graph is off, once it is
 
     def disable(self, why: str) -> None:
         if self.enabled:
             self.say(f"CUDA graph off: {why}; running the step without a graph")
+            self.off_reason = why
         self.enabled = False
         self.replay = self.out = self.inputs = self.targets = None
 
@@ -207,6 +210,7 @@ class GraphedStep:
                 self.replay, self.out = self.capture(lambda: self.step_fn(self.inputs, self.targets))
                 self.captures += 1
             except Exception as e:  # a capture that fails executed nothing: run this step eagerly
+                self.fallbacks += 1
                 self.disable(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
                 return self.step_fn(inputs, targets)
         self.replay()
@@ -442,6 +446,10 @@ class Trainer:
             "skipped": not ok,
             "skips": self.skips,
         }
+        if self.graphed is not None:  # whether the step ran as a graph: a fallback is never silent
+            g = self.graphed
+            m["graph"] = "off" if not g.enabled else ("replay" if g.replay is not None else "warm-up")
+            m["graph_captures"], m["graph_fallbacks"] = g.captures, g.fallbacks
         self._emit(m)
         return m
 
