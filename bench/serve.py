@@ -11,7 +11,8 @@ and batch-1 decode against transformers' ``generate`` on the exported model.
    ``[DONE]`` or a token count other than ``--tokens``.
 2. Batch-1 decode. One prompt of ``--prompt-len`` tokens continued by ``--tokens`` greedy tokens with our
    KV-cache engine (``Engine.generate``) and with ``transformers`` ``generate(do_sample=False)`` on
-   ``export_hf`` of the same weights (fp32, Qwen3ForCausalLM, its own KV cache), same process,
+   ``export_hf`` of the same weights (Qwen3ForCausalLM, its own KV cache, on the model's device in its compute
+   dtype), same process,
    interleaved, median of ``--reps``. tokens/s = new tokens / time of the whole call (prefill included on
    both sides). The two must produce the same tokens (printed).
 
@@ -152,10 +153,11 @@ def batch1(model, args) -> None:
 
     with tempfile.TemporaryDirectory() as d:
         export_hf(model.config, model.state_dict(), d, dtype="float32")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(d).float().eval()
+        # on the model's device in its compute dtype: the same work as ours
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d).to(model.device, model.compute_dtype).eval()
     eng = Engine(model)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, model.config.vocab_size, (1, args.prompt_len), generator=g)
+    ids = torch.randint(1, model.config.vocab_size, (1, args.prompt_len), generator=g).to(model.device)
     n = args.tokens
 
     def ours():
@@ -163,6 +165,14 @@ def batch1(model, args) -> None:
 
         with no_grad():
             return eng.generate(ids, n, temperature=0)[0, ids.shape[1] :].tolist()
+
+    eng_plain = Engine(model, cuda_graph=False) if model.device.type == "cuda" else None
+
+    def ours_plain():
+        from xtrain.autograd import no_grad
+
+        with no_grad():
+            return eng_plain.generate(ids, n, temperature=0)[0, ids.shape[1] :].tolist()
 
     def theirs():
         with torch.no_grad():
@@ -177,14 +187,29 @@ def batch1(model, args) -> None:
             )
         return out[0, ids.shape[1] :].tolist()
 
+    def sync():
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+
     a, b = ours(), theirs()  # warm-up, and the tokens to compare
-    t_ours, t_hf = [], []
+    t_ours, t_hf, t_plain = [], [], []
+    if eng_plain is not None:
+        assert ours_plain() == a, "decode with and without CUDA graphs gave different greedy tokens"
     for _ in range(args.reps):
+        if eng_plain is not None:
+            sync()
+            t = time.perf_counter()
+            ours_plain()
+            sync()
+            t_plain.append(time.perf_counter() - t)
+        sync()
         t = time.perf_counter()
         ours()
+        sync()
         t_ours.append(time.perf_counter() - t)
         t = time.perf_counter()
         theirs()
+        sync()
         t_hf.append(time.perf_counter() - t)
     mo, mh = statistics.median(t_ours), statistics.median(t_hf)
     same = sum(x == y for x, y in zip(a, b))
@@ -192,8 +217,12 @@ def batch1(model, args) -> None:
     print("| engine | s per call | tokens/s |")
     print("|---|---|---|")
     print(f"| xtrain Engine.generate (KV cache) | {mo:.3f} | {n / mo:.0f} |")
-    print(f"| transformers {transformers.__version__} generate (exported, fp32) | {mh:.3f} | {n / mh:.0f} |")
-    print(f"ratio xtrain / transformers: {mh / mo:.2f}x (goal >= 2x); same greedy tokens: {same}/{n}")
+    if t_plain:
+        mp = statistics.median(t_plain)
+        print(f"| xtrain Engine.generate, no CUDA graphs | {mp:.3f} | {n / mp:.0f} |")
+    hf_name = f"transformers {transformers.__version__} generate ({str(model.compute_dtype)[6:]}, {model.device.type})"
+    print(f"| {hf_name} | {mh:.3f} | {n / mh:.0f} |")
+    print(f"ratio xtrain / transformers: {mh / mo:.2f}x ; same greedy tokens: {same}/{n}")
 
 
 def main(argv=None) -> int:

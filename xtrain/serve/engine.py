@@ -63,8 +63,54 @@ class SlotCache:
         self.slots, self.max_len = slots, max_len
 
 
+class DecodeGraphs:
+    """The decode step as CUDA graphs: on a GPU a batch-1 step of a small model is a few hundred small
+    launches, and the host issuing them one by one is what limits tokens/s, not the card. A step's work
+    depends only on its batch size B and on how many cached positions it reads, so each (cache, B, S
+    bucket) is captured once (S rounded up to a multiple of ``bucket``: keys past a row's position are
+    masked, as rows of longer neighbours already are) and replayed from static buffers that the host fills
+    with the step's tokens, slots and positions (plain host-to-device copies outside the graph). Eager and
+    replayed steps run the same kernels on the same values, so they agree bit for bit (a GPU test). All
+    graphs share one memory pool: they never run at the same time."""
+
+    def __init__(self, engine: Engine, bucket: int = 256):
+        self.engine, self.bucket = engine, bucket
+        self.graphs: dict = {}
+        self.pool = None
+        self.captures = 0
+
+    def s_bucket(self, S: int, max_len: int) -> int:
+        return min(max_len, -(-S // self.bucket) * self.bucket)
+
+    def run(self, cache: SlotCache, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, S: int):
+        eng = self.engine
+        key = (id(cache), slots.shape[0], S)
+        g = self.graphs.get(key)
+        if g is None:
+            dev = eng.device
+            bufs = [t.to(dev) for t in (slots, tokens, pos)]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: Triton JIT, cuBLAS handles, allocator, off the graph
+                eng._decode(cache, *bufs, S)
+            torch.cuda.current_stream().wait_stream(side)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = eng._decode(cache, *bufs, S)
+            self.graphs[key] = g = (graph, bufs, out, cache)  # the cache held: its id stays its own
+            self.captures += 1
+        graph, bufs, out, _ = g
+        for b, t in zip(bufs, (slots, tokens, pos)):
+            b.copy_(t, non_blocking=True)
+        graph.replay()
+        return out.clone()
+
+
 class Engine:
-    def __init__(self, model):
+    def __init__(self, model, cuda_graph: bool | None = None):
+        """``cuda_graph``: decode steps as CUDA graphs (``DecodeGraphs``); default on for a CUDA model."""
         self.model = model
         self.config = cfg = model.config
         dt = model.compute_dtype
@@ -84,6 +130,11 @@ class Engine:
         self.head_t = T(self.w["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"])
         self.dtype = dt
         self.device = model.device
+        if cuda_graph is None:
+            cuda_graph = self.device.type == "cuda"
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"Engine: cuda_graph needs a CUDA model, this one is on {self.device}")
+        self.graphs = DecodeGraphs(self) if cuda_graph else None
 
     # -- one layer, for a block of new positions --------------------------------------------------------
     def _qkv(self, i: int, x: torch.Tensor, pos: torch.Tensor):
@@ -161,19 +212,31 @@ class Engine:
         return logits
 
     def decode(self, cache: SlotCache, slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """One step for several sequences at once: tokens [B] go to cache rows slots [B] at each row's own
-        position pos_b = cache.lengths[slot_b] -> logits [B, V]; each row's length grows by one."""
-        cfg = self.config
-        B = slots.shape[0]
-        H, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        G = H // Hkv
+        """One step for several sequences at once: tokens [B] go to cache rows slots [B] (CPU int64) at each
+        row's own position pos_b = cache.lengths[slot_b] -> logits [B, V]; each row's length grows by one.
+        With CUDA graphs on, the step is a replay (``DecodeGraphs``) over a bucketed key length."""
         pos = cache.lengths[slots]  # [B] (CPU int64)
         S = int(pos.max()) + 1  # the longest row after this step
-        slots_d, pos_d = slots.to(self.device), pos.to(self.device)
+        if self.graphs is not None:
+            logits = self.graphs.run(cache, slots, tokens, pos, self.graphs.s_bucket(S, cache.max_len))
+        else:
+            dev = self.device
+            logits = self._decode(cache, slots.to(dev), tokens.to(dev), pos.to(dev), S)
+        cache.lengths[slots] = pos + 1
+        return logits
+
+    def _decode(self, cache: SlotCache, slots_d, tokens_d, pos_d, S: int) -> torch.Tensor:
+        """The device work of ``decode``: slots, tokens, positions [B] on the device; keys 0..S-1 are read,
+        those past a row's position hidden. Nothing here reads a value back to the host (a graph captures
+        it)."""
+        cfg = self.config
+        B = slots_d.shape[0]
+        H, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        G = H // Hkv
         # key j of row b is visible when j <= pos_b; the rows past it belong to a longer neighbour or are stale
         hidden = torch.arange(S, device=self.device)[None, :] > pos_d[:, None]  # [B, S]
         hidden = hidden[:, None, None, :]  # [B, 1, 1, S] over [B, Hkv, G, S]
-        x = self.model.params["model.embed_tokens.weight"].data[tokens.to(self.device)][:, None]  # [B, 1, C]
+        x = self.model.params["model.embed_tokens.weight"].data[tokens_d][:, None]  # [B, 1, C]
         for i in range(cfg.n_layer):
             q, k, v = self._qkv(i, x, pos_d[:, None])  # q [B, H, 1, D], k, v [B, Hkv, 1, D]
             ck, cv = cache.kv[i]
@@ -184,7 +247,6 @@ class Engine:
             s.masked_fill_(hidden, float("-inf"))
             a = (torch.softmax(s, dim=-1).to(self.dtype) @ vals).reshape(B, H, 1, D)
             x = self._out_and_mlp(i, x, a)
-        cache.lengths[slots] = pos + 1
         return self._head(x)
 
     def new_caches(self, B: int, Tmax: int):
@@ -233,21 +295,34 @@ class Engine:
             raise ValueError(f"Engine.generate: token ids must lie in [0, {cfg.vocab_size})")
         ids = ids.to(self.device)
         g = torch.Generator().manual_seed(int(seed))
-        caches = self.new_caches(B, T0 + max_new_tokens)
-        out = [ids]
-        logits = self._forward(ids, caches, 0)  # prefill
-        t = T0
+        # one cache row per sequence, as the batcher's: prefill all rows at once, then ``decode`` steps
+        # (CUDA graphs where on)
+        cache = self._generate_cache(B, T0 + max_new_tokens)
+        rows = torch.arange(B)
+        out = [ids.cpu()]
+        logits = self._forward(ids, cache.kv, 0)  # prefill
+        cache.lengths[:] = T0
         for step in range(max_new_tokens):
-            nxt = next_token(logits.cpu(), temperature, top_k, top_p, g).to(self.device)  # [B]
+            nxt = next_token(logits.cpu(), temperature, top_k, top_p, g)  # [B] (CPU)
             out.append(nxt[:, None])
             if stream is not None:
                 stream(step, nxt)
             if eos_id is not None and bool((nxt == eos_id).all()):
                 break
             if step + 1 < max_new_tokens:
-                logits = self._forward(nxt[:, None], caches, t)  # decode one position
-                t += 1
-        return torch.cat(out, dim=1)
+                logits = self.decode(cache, rows, nxt)  # decode one position
+        return torch.cat(out, dim=1).to(self.device)
+
+    def _generate_cache(self, B: int, need: int) -> SlotCache:
+        """A slot cache for ``generate``, kept between calls of the same batch size (its decode graphs with
+        it), grown to the model's context when a call needs more than it holds."""
+        c = getattr(self, "_gen_cache", None)
+        if c is None or c.slots != B or c.max_len < need:
+            if c is not None and self.graphs is not None:  # graphs of the old cache go with it
+                self.graphs.graphs = {k: v for k, v in self.graphs.graphs.items() if v[3] is not c}
+            max_len = need if self.graphs is None else max(need, min(self.config.max_seq_len, 256))
+            c = self._gen_cache = SlotCache(self, B, max_len)
+        return c
 
 
 # ---------------------------------------------------------------------------------------- continuous batching
