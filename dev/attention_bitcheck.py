@@ -27,6 +27,7 @@ import re
 import sys
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "interp"
+ONLY = sys.argv[2] if len(sys.argv) > 2 else ""  # ptx: only the families named (any of triton, fwd, bwd, onepass)
 if MODE == "interp":
     os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
@@ -95,9 +96,11 @@ _DEBUG = re.compile(r"^\s*(\.loc\b|\.file\b|\$L__tmp\d+:)")
 
 
 def _ptx_hash(label: str, ptx: str) -> str:
-    """sha1 of the PTX without its debug lines (.loc, .file and the $L__tmp labels that mark inlined scopes for
-    the line table); with BITCHECK_DUMP set, the stripped text is also written there, for a diff."""
-    text = "\n".join(ln for ln in ptx.splitlines() if not _DEBUG.match(ln))
+    """sha1 of the PTX without its debug information (.loc, .file, the $L__tmp labels that mark inlined scopes for
+    the line table, and the DWARF sections at the end); with BITCHECK_DUMP set, the stripped text is also
+    written there, for a diff."""
+    cut = ptx.find("\t.section\t.debug")  # the DWARF sections (they name the source files and their paths)
+    text = "\n".join(ln for ln in (ptx if cut < 0 else ptx[:cut]).splitlines() if not _DEBUG.match(ln))
     dump = os.environ.get("BITCHECK_DUMP")
     if dump:
         os.makedirs(dump, exist_ok=True)
@@ -135,7 +138,7 @@ def ptx():
         try:
             # the Triton attention kernels as `xtrain check --kernels 90` launches them
             for name, fn in compile_check.cases().items():
-                if name.startswith("flash_attention"):
+                if name.startswith("flash_attention") and (not ONLY or "triton" in ONLY):
                     n0 = len(out)
                     fn()
                     report(f"triton {name}", n0)
@@ -150,7 +153,7 @@ def ptx():
                         if causal or (dt == torch.bfloat16 and not tr):
                             cases.append((causal, dt, tr))
             for causal, dt, tr in cases:
-                for fam in ("fwd", "bwd", "onepass"):
+                for fam in [f for f in ("fwd", "bwd", "onepass") if not ONLY or f in ONLY]:
                     for D, cfg in shipped[fam]:
                         if fam == "bwd" and cfg.lse_mma and dt != torch.bfloat16:
                             continue
@@ -172,7 +175,7 @@ def ptx():
         finally:
             JITFunction.run = inner
     # and the modules' own offline compiles (compile_check's): GQA and MHA (GROUP = 1 compiled in)
-    for D, cfg in shipped["bwd"]:
+    for D, cfg in shipped["bwd"] if not ONLY or "bwd" in ONLY else ():
         for name, ck in gluon_bwd.compile_sm90(D, True, cfg, mha=True).items():
             label = f"gluon bwd compile_sm90 hd{D} {cfg} mha {name}"
             print(label, _ptx_hash(label, ck.asm["ptx"]), flush=True)

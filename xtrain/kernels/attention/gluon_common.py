@@ -87,7 +87,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _next_query_tile(start_m, step, T, m0):
         """(start_m + step, or m0 once that reaches T: the group's next head from its first tile again; 1 if it
-        wrapped, else 0): the LEAN dK/dV walk's next query tile, carried instead of divided out of the step."""
+        wrapped, else 0): the split's dK/dV walk's next query tile, carried instead of divided out of the step."""
         start_m += step
         wrap = (start_m == T).to(gl.int32)
         return start_m - wrap * (T - m0), wrap
@@ -104,16 +104,16 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
-    def _dkdv_load(desc, row_desc, bar, dst, row_dst, row, col, lt, SMEM: gl.constexpr, COLS: gl.constexpr = False):
-        """One Q or dO tile into its ring slot, and (SMEM) row lt of the lse / delta view beside it, on one barrier.
-        COLS (``lse_mma``): row_desc is the [B·H·T, LSE_COLS] lse-column view, and its [BLOCK_M, LSE_COLS] tile
-        of the step's queries comes instead."""
-        if SMEM:
-            mbarrier.expect(bar, desc.block_type.nbytes + row_desc.block_type.nbytes)
+    def _dkdv_load(desc, stat_desc, bar, dst, stat_dst, row, col, lt, STATS: gl.constexpr, COLS: gl.constexpr):
+        """One Q or dO tile into its ring slot and, with STATS, its lse (delta) statistic beside it on the same
+        barrier: row lt of the [B·H·T / BLOCK_M, BLOCK_M] view, or with COLS (``lse_mma``) the step's [BLOCK_M,
+        LSE_COLS] tile of the [B·H·T, LSE_COLS] column view."""
+        if STATS:
+            mbarrier.expect(bar, desc.block_type.nbytes + stat_desc.block_type.nbytes)
             if COLS:
-                _tma_load(row_desc, [lt * desc.block_type.shape[0], 0], bar, row_dst)
+                _tma_load(stat_desc, [lt * desc.block_type.shape[0], 0], bar, stat_dst)
             else:
-                _tma_load(row_desc, [lt, 0], bar, row_dst)
+                _tma_load(stat_desc, [lt, 0], bar, stat_dst)
         else:
             mbarrier.expect(bar, desc.block_type.nbytes)
         _tma_load(desc, [row, col], bar, dst)
@@ -122,14 +122,15 @@ if HAVE_GLUON:
     def _dkdv_producer(
         q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
         kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, k_col, v_row, v_col, q_base, q_rh, q_ch, do_base, do_rh,
-        do_ch, h0, mt0, n_m, n_iter, T, lt0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LEAN: gl.constexpr,
-        SMEM: gl.constexpr, LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False,
+        do_ch, h0, mt0, n_m, n_iter, T, lt0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+        COLS: gl.constexpr,
     ):  # fmt: skip
         """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile).
-        LEAN: the (head, tile) of a step carried from the step before (no division), and one "empty" barrier
-        per slot for both tiles (``q_empty``). SMEM (with LEAN): each step's lse and delta rows too (row lt of
-        the [B·H·T / BLOCK_M, BLOCK_M] views, from lt0 on), beside Q and dO, on their barriers; with LSEMMA (DMMA)
-        the step's [BLOCK_M, LSE_COLS] tile of the lse (delta) columns instead of its row."""
+        SPLIT (the two-kernel backward): each step's (head, tile) carried from the step before (no division),
+        one "empty" barrier per slot for both tiles (``q_empty``), and each step's lse and delta statistics
+        beside Q and dO (``_dkdv_load``: rows lt0, lt0 + 1, ... of the row views; with COLS the column tiles).
+        Otherwise (the one-pass backward): (head, tile) divided out of the step, an "empty" barrier per tile,
+        and no statistics (the lse / delta descriptors and buffers are stand-ins)."""
         KH: gl.constexpr = k_desc.block_type.shape[0]
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
@@ -140,7 +141,7 @@ if HAVE_GLUON:
         start_m = mt0 * BLOCK_M
         lt = lt0
         for it in range(n_iter):
-            if not LEAN:
+            if not SPLIT:
                 h = h0 + it // n_m
                 start_m = (mt0 + it % n_m) * BLOCK_M
             slot = it % STAGES
@@ -148,15 +149,15 @@ if HAVE_GLUON:
             mbarrier.wait(q_empty.index(slot), phase)
             _dkdv_load(
                 q_desc, lse_desc, q_bars.index(slot), q_smem.index(slot), lse_smem.index(slot),
-                q_base + h * q_rh + start_m, h * q_ch, lt, SMEM, LSEMMA,
+                q_base + h * q_rh + start_m, h * q_ch, lt, SPLIT, COLS,
             )  # fmt: skip
-            if not LEAN:
+            if not SPLIT:
                 mbarrier.wait(do_empty.index(slot), phase)
             _dkdv_load(
                 do_desc, delta_desc, do_bars.index(slot), do_smem.index(slot), delta_smem.index(slot),
-                do_base + h * do_rh + start_m, h * do_ch, lt, SMEM, DMMA,
+                do_base + h * do_rh + start_m, h * do_ch, lt, SPLIT, COLS,
             )  # fmt: skip
-            if LEAN:
+            if SPLIT:
                 start_m, wrap = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
                 lt += 1
                 lt += wrap * mt0

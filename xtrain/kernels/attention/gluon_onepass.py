@@ -177,10 +177,11 @@ if HAVE_GLUON:
         q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full, ds_empty,
         dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n,
         qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, HALF: gl.constexpr, PF: gl.constexpr, NDS: gl.constexpr,
+        CAUSAL: gl.constexpr, HALF: gl.constexpr, NDS: gl.constexpr,
     ):  # fmt: skip
-        """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Its only wait on another consumer is ds_empty
-        (the dQ warpgroup NDS steps behind)."""
+        """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Each step's lse and delta are loaded in the step
+        before, ahead of its products. Its only wait on another consumer is ds_empty (the dQ warpgroup NDS steps
+        behind)."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)
         k_half = k_smem.index(HALF)
@@ -191,12 +192,8 @@ if HAVE_GLUON:
         lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, BLOCK_M)
         mbarrier.wait(kv_bar, 0)
         for it in range(n_iter):
-            if PF:
-                lse2n, deltan = _lse_delta(
-                    lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1), BLOCK_M
-                )
-            else:
-                lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
+            nxt = gl.minimum(it + 1, n_iter - 1)  # the next step's statistics, loaded ahead (the last: its own)
+            lse2n, deltan = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, nxt, BLOCK_M)
             dv, dk, p_op = _kv_step(
                 it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta, dv, dk,
                 mt0, n_m, k_lo, qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, NDS,
@@ -205,8 +202,7 @@ if HAVE_GLUON:
             slot = it % STAGES
             mbarrier.arrive(q_empty.index(slot), count=1)  # dV, dK were the last readers of Q, dO
             mbarrier.arrive(do_empty.index(slot), count=1)
-            if PF:
-                lse2, delta = lse2n, deltan
+            lse2, delta = lse2n, deltan
         # both K halves feed the dQ warpgroup's products: its ds_empty arrival of the last step comes after its
         # last dQ wgmmas retired (and, in its program order, every earlier one)
         last = n_iter - 1
@@ -247,7 +243,7 @@ if HAVE_GLUON:
         q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP, T,
         q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh,
         dv_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
-        NDS: gl.constexpr, CAUSAL: gl.constexpr, PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
+        NDS: gl.constexpr, CAUSAL: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
     ):  # fmt: skip
         """Program (key tile of 128, batch·kv head); num_warps = 4 (the default partition is dK/dV warpgroup
         0). dq_desc: the fp32 accumulator [B·H·T, D] with [BLOCK_M, D] tiles."""
@@ -292,7 +288,7 @@ if HAVE_GLUON:
                         q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full,
                         ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
                         off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M,
-                        STAGES, CAUSAL, 0, PF, NDS,
+                        STAGES, CAUSAL, 0, NDS,
                     ),
                 ),
                 (
@@ -301,7 +297,7 @@ if HAVE_GLUON:
                         q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full,
                         ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
                         off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M,
-                        STAGES, CAUSAL, 1, PF, NDS,
+                        STAGES, CAUSAL, 1, NDS,
                     ),
                 ),
                 (
@@ -319,7 +315,7 @@ if HAVE_GLUON:
                         off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, T,
                         0, BLOCK_M, STAGES, False, False,
                     ),
-                ),  # (no lse/delta rows: LEAN, SMEM off)
+                ),  # (the one-pass walk: no lse / delta statistics; their descriptors and buffers are stand-ins)
             ],
             [4, 4, 1],
             [KV_REGS, DQ_REGS, _PRODUCER_REGS],
@@ -413,7 +409,6 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg: OnepassConfig):
     """(kernel, grid, args, constexprs) of the one-pass kernel; CUDA tensors or CPU stand-ins."""
-    stages, slots, nds, pf, kv_regs, dq_regs = cfg.stages, cfg.slots, cfg.nds, True, cfg.kv_regs, cfg.dq_regs
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
@@ -428,9 +423,15 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
         dq_desc=_desc(acc2, BLOCK_M, D),
     )  # fmt: skip
     consts = dict(
-        HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf, KV_REGS=kv_regs,
-        DQ_REGS=dq_regs,
-    )  # fmt: skip
+        HEAD_DIM=D,
+        BLOCK_M=BLOCK_M,
+        STAGES=cfg.stages,
+        SLOTS=cfg.slots,
+        NDS=cfg.nds,
+        CAUSAL=bool(causal),
+        KV_REGS=cfg.kv_regs,
+        DQ_REGS=cfg.dq_regs,
+    )
     nb = T // RESIDENT
     args["TAIL"] = tail_heads(nb, B * Hkv, grid_sms(q.device))
     return _onepass_kernel, (nb * B * Hkv,), args, consts
