@@ -37,7 +37,6 @@ from xtrain.kernels.attention.gluon_common import (
     HALF_M,
     HAVE_GLUON,
     HEAD_DIMS,
-    LOG2E,
     LSE_COLS,
     RESIDENT,
     _compile,
@@ -53,6 +52,7 @@ from xtrain.kernels.attention.gluon_common import (
     supported_bwd,
     tail_heads,
 )
+from xtrain.kernels.attention.reference import LOG2E
 from xtrain.kernels.attention.triton import grid_sms
 
 

@@ -26,7 +26,7 @@ import torch
 
 from xtrain.kernels._dispatch import capability, launch_cached, rebased
 from xtrain.kernels.attention import triton as TR
-from xtrain.kernels.attention.reference import _check_bwd, _scale, _shapes
+from xtrain.kernels.attention.reference import LN2, LOG2E, _check_bwd, _scale, _shapes
 
 try:  # Gluon and its Hopper module (tested: triton 3.6 on the GPU machines, 3.9 here)
     import triton
@@ -52,7 +52,6 @@ CONSUMER_REGS = 232  # registers per thread of the second consumer partition (se
 PRODUCER_REGS = 24
 LSE_COLS = 16  # the split backward's lse / delta columns: one k16 slice of a wgmma, 3 of them used
 TAIL_WAVES = 2  # the Gluon backwards' program order: the last 2 waves of heads start tile-major
-LOG2E = 1.4426950408889634  # 1 / ln 2
 
 if HAVE_GLUON:
     # Gluon renamed a few builtins after 3.6; module-level aliases resolve as globals inside @gluon.jit
@@ -62,6 +61,8 @@ if HAVE_GLUON:
     HALF_ROWS = gl.constexpr(HALF_M)  # globals a @gluon.jit body reads must be constexpr objects
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+    _LOG2E = gl.constexpr(LOG2E)
+    _LN2 = gl.constexpr(LN2)
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
     @gluon.constexpr_function

@@ -30,7 +30,6 @@ from xtrain.kernels._dispatch import HAVE_TRITON, launch_cached
 from xtrain.kernels.attention.gluon_common import (
     HALF_M,
     HAVE_GLUON,
-    LOG2E,
     RESIDENT,
     _compile,
     _desc,
@@ -43,7 +42,7 @@ from xtrain.kernels.attention.gluon_common import (
     tail_heads,
 )
 from xtrain.kernels.attention.gluon_common import supported_bwd as _split_supported
-from xtrain.kernels.attention.reference import _shapes
+from xtrain.kernels.attention.reference import LOG2E, _shapes
 from xtrain.kernels.attention.triton import grid_sms
 
 BLOCK_M = 64  # queries per step (one wgmma M of the dQ product)
@@ -65,6 +64,7 @@ class OnepassConfig:
 
 if HAVE_GLUON:
     from xtrain.kernels.attention.gluon_common import (
+        _LOG2E,
         _PRODUCER_REGS,
         _acc_layout,
         _cta_barrier,
@@ -82,7 +82,6 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    _LOG2E = gl.constexpr(LOG2E)
     _tma_reduce_add = getattr(tma, "async_atomic_add", None)
     if _tma_reduce_add is None:  # Gluon 3.6: the builder op exists (tl's descriptor atomic_add uses it) but
         # Gluon has no wrapper; wrap it as newer Gluon does
