@@ -13,12 +13,13 @@ dK/dV and dQ; the one-pass backward's dq convert) through the Triton interpreter
 for every tile config the routing ships and for ragged and even T, causal and not, GQA.
 
 ``ptx``: hashes of the sm_90 PTX of every shipped instantiation (no GPU; ``compile_check.compile_only``): the
-Triton attention kernels as ``xtrain check --kernels 90`` launches them, the Triton kernels the Gluon
-backwards launch (preprocess with lse·log2(e) and the lse_mma columns, dq convert), and every Gluon config of
-``attention.shipped_configs()`` through the modules' ``compile_sm90`` (causal and not; contiguous and
-transposed layouts). The PTX is hashed without its debug lines (``.loc``, ``.file``, the DWARF sections), which
-name source lines; every instruction is kept. Run with an empty TRITON_CACHE_DIR, outside the interpreter.
-Nothing in xtrain/ or tests/ imports this file.
+Triton attention kernels with every config ``choose`` gives (D 32/64/128; fp32, bf16, fp16; ragged and even
+T; causal and not), and every Gluon config of ``attention.shipped_configs()`` through the Gluon entry points
+(causal: bf16 and fp16, contiguous and transposed layouts; bf16 non-causal), with the Triton kernels they
+launch (delta preprocess in its three forms, the one-pass dq convert), and the MHA builds of ``compile_sm90``. The
+PTX is hashed without its debug lines (``.loc``, ``.file``, the DWARF sections), which name source lines; every
+instruction is kept. Run with an empty TRITON_CACHE_DIR, outside the interpreter. Nothing in xtrain/ or tests/
+imports this file.
 """
 
 import hashlib
@@ -136,12 +137,21 @@ def ptx():
 
         JITFunction.run = record
         try:
-            # the Triton attention kernels as `xtrain check --kernels 90` launches them
-            for name, fn in compile_check.cases().items():
-                if name.startswith("flash_attention") and (not ONLY or "triton" in ONLY):
-                    n0 = len(out)
-                    fn()
-                    report(f"triton {name}", n0)
+            # the Triton attention kernels with every config the routing gives them, T ragged (no TMA, masked
+            # loads) and even, causal and not, GQA, in the three dtypes
+            if not ONLY or "triton" in ONLY:
+                g = torch.Generator().manual_seed(0)
+                for D in (32, 64, 128):
+                    for dt in (torch.float32, torch.bfloat16, torch.float16):
+                        for T in (200, 1024, 8192):
+                            for causal in (True, False):
+                                c = A.choose(None, dt, T, D, causal, False)
+                                q = torch.randn(1, 4, T, D, generator=g).to(dt)
+                                k = torch.randn(1, 2, T, D, generator=g).to(dt)
+                                n0 = len(out)
+                                o, lse = A.flash_attention_fwd_triton(q, k, k, causal, config=c.fwd[-1])
+                                A.flash_attention_bwd_triton(q, q, k, k, o, lse, causal, config=c.bwd[-1])
+                                report(f"triton hd{D} {dt} T={T} causal={causal}", n0)
             # the Gluon entry points on CPU stand-ins (every launch compiles and returns): the shipped configs
             # (causal; bf16 and fp16 where the routing sends both; contiguous and transposed layouts), and
             # bf16 non-causal; the backwards launch their Triton preprocess and dq convert too

@@ -48,6 +48,7 @@ from xtrain.kernels.attention.gluon_common import (
     new_columns,
     plan_outputs,
     rebase_all,
+    row_coords,
     stand_ins,
     supported_bwd,
     tail_heads,
@@ -525,36 +526,43 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg: 
     (``new_columns``) as the preprocess wrote them (``_prologue(cols=...)``)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    bm1, st1, bn2, st2 = BLOCK_M1, STAGES1, BLOCK_N2, STAGES2
-    (q2, *q_c), (do2, *do_c), (k2, *k_c), (v2, *v_c) = (_row_view(x) for x in (q, do, k, v))
-    (dq2, *dq_c), (dk2, *dk_c), (dv2, *dv_c) = (_row_view(x) for x in (dq, dk, dv))
+    views, coords = {}, {}
+    for name, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dq", dq), ("dk", dk), ("dv", dv)):
+        views[name], coords[name] = row_coords(name, x)
     common = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
-    coords = {}
-    for name, c in (("q", q_c), ("do", do_c), ("k", k_c), ("v", v_c)):
-        coords.update({f"{name}_rb": c[0], f"{name}_rh": c[1], f"{name}_ch": c[2]})
     # lse and delta as [B·H·T / BLOCK_M1, BLOCK_M1] rows for the dK/dV kernel's TMA loads, or (lse_mma)
     # -lse·log2(e) / qk_scale and -delta as the columns of a k16 slice, [B·H·T, LSE_COLS]
-    (lse2, *_), (delta2, *_) = (_row_view(x.view(B, H, T // bm1, bm1)) for x in (lse, delta))
     if cfg.lse_mma:
-        lse_d = _desc(cols[0].view(B * H * T, LSE_COLS), bm1, LSE_COLS)
-        delta_d = _desc(cols[1].view(B * H * T, LSE_COLS), bm1, LSE_COLS)
+        lse_d, delta_d = (_desc(c.view(B * H * T, LSE_COLS), BLOCK_M1, LSE_COLS) for c in cols)
     else:
-        lse_d, delta_d = _desc(lse2, 1, bm1), _desc(delta2, 1, bm1)
+        lse_d, delta_d = (_desc(_row_view(x.view(B, H, T // BLOCK_M1, BLOCK_M1))[0], 1, BLOCK_M1) for x in (lse, delta))
     dkdv = dict(
-        q_desc=_desc(q2, bm1, D), do_desc=_desc(do2, bm1, D), k_desc=_desc(k2, HALF_M, D), lse_desc=lse_d,
-        delta_desc=delta_d, v_desc=_desc(v2, HALF_M, D), dk_desc=_desc(dk2, HALF_M, D), dv_desc=_desc(dv2, HALF_M, D),
-        **common, **coords, dk_rb=dk_c[0], dk_rh=dk_c[1], dk_ch=dk_c[2], dv_rb=dv_c[0], dv_rh=dv_c[1], dv_ch=dv_c[2],
-    )  # fmt: skip
+        q_desc=_desc(views["q"], BLOCK_M1, D),
+        do_desc=_desc(views["do"], BLOCK_M1, D),
+        k_desc=_desc(views["k"], HALF_M, D),
+        v_desc=_desc(views["v"], HALF_M, D),
+        dk_desc=_desc(views["dk"], HALF_M, D),
+        dv_desc=_desc(views["dv"], HALF_M, D),
+        lse_desc=lse_d,
+        delta_desc=delta_d,
+        **common,
+        **{k: v for name in ("q", "do", "k", "v", "dk", "dv") for k, v in coords[name].items()},
+    )
     dqa = dict(
-        q_desc=_desc(q2, HALF_M, D), do_desc=_desc(do2, HALF_M, D), k_desc=_desc(k2, bn2, D), v_desc=_desc(v2, bn2, D),
-        dq_desc=_desc(dq2, HALF_M, D), **common, **coords, dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2],
-    )  # fmt: skip
-    c1 = dict(HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), LSE_MMA=cfg.lse_mma)
-    c2 = dict(HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), DOREG=cfg.doreg)
+        q_desc=_desc(views["q"], HALF_M, D),
+        do_desc=_desc(views["do"], HALF_M, D),
+        k_desc=_desc(views["k"], BLOCK_N2, D),
+        v_desc=_desc(views["v"], BLOCK_N2, D),
+        dq_desc=_desc(views["dq"], HALF_M, D),
+        **common,
+        **{k: v for name in ("q", "do", "k", "v", "dq") for k, v in coords[name].items()},
+    )
+    c1 = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M1, STAGES=STAGES1, CAUSAL=bool(causal), LSE_MMA=cfg.lse_mma)
+    c2 = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N2, STAGES=STAGES2, CAUSAL=bool(causal), DOREG=cfg.doreg)
     nb = T // RESIDENT
     n_sm = grid_sms(q.device)
-    w = cfg.tail_waves
-    dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm, w), tail_heads(nb, B * H, n_sm, w)
+    dkdv["TAIL"] = tail_heads(nb, B * Hkv, n_sm, cfg.tail_waves)
+    dqa["TAIL"] = tail_heads(nb, B * H, n_sm, cfg.tail_waves)
     return [(_bwd_dkdv_kernel, (nb * B * Hkv,), dkdv, c1), (_bwd_dq_kernel, (nb * B * H,), dqa, c2)]
 
 
@@ -604,9 +612,22 @@ class _SplitPlan:
 
 
 def flash_attention_bwd_gluon(
-    do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *, config: GluonBwdConfig, dq=None, dk=None,
-    dv=None, checked: bool = False, plan: bool = False,
-):  # fmt: skip
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    config: GluonBwdConfig,
+    dq=None,
+    dk=None,
+    dv=None,
+    checked: bool = False,
+    plan: bool = False,
+):
     """Launch the delta preprocess, then the dK/dV and dQ kernels of ``config``. Returns (dq, dk, dv).
     ``dq``/``dk``/``dv``: optional output buffers (contiguous or [B, T, H, D]-transposed). ``checked``: the
     caller has just checked the inputs and ``supported_bwd``. ``plan``: also return a ``_SplitPlan`` that

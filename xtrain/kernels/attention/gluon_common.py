@@ -208,6 +208,13 @@ def _desc(view: torch.Tensor, rows: int, D: int):
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
 
 
+def row_coords(name: str, x: torch.Tensor) -> tuple:
+    """(2-D row view of x for its descriptor, the kernel's coordinate arguments {name_rb, name_rh, name_ch}) of x
+    in one of the two layouts (``_row_view``)."""
+    view, rb, rh, ch = _row_view(x)
+    return view, {f"{name}_rb": rb, f"{name}_rh": rh, f"{name}_ch": ch}
+
+
 def descriptor_templates(args: dict) -> dict:
     """The tensor descriptors among a launch's arguments, as templates that hold no tensor (``rebased``)."""
     return {name: rebased(val, None) for name, val in args.items() if name.endswith("_desc")}
@@ -315,9 +322,24 @@ def check_inputs(op: str, supported, head_dims, do, q, k, v, o, lse) -> None:
 
 
 def _prologue(
-    op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False, plan: bool = False,
-    base2: bool = False, cols=None,
-):  # fmt: skip
+    op: str,
+    supported,
+    head_dims,
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    scale,
+    dq,
+    dk,
+    dv,
+    checked: bool = False,
+    plan: bool = False,
+    base2: bool = False,
+    cols=None,
+):
     """What both Gluon backwards do before their kernels: check the inputs (``supported``: the backward's own
     predicate; a ValueError naming ``op`` otherwise; skipped when ``checked``: the caller has just run both
     checks, as the routing does), the scale, the output buffers (``_grad_buf``), then
@@ -337,17 +359,8 @@ def _prologue(
     dk = _grad_buf(op, "dk", dk, k)
     dv = _grad_buf(op, "dv", dv, v)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta) if base2 else delta
-    PRE_M = 64
-    # LSE / LSE2 are read and written only with SCALE_LSE; otherwise delta stands in for both
-    lsec, deltac = cols if cols is not None else (delta, delta)  # stand-ins the preprocess does not touch
-    pre_args = dict(
-        O=o, DO=do, DELTA=delta, LSE=lse if base2 else delta, LSE2=lse2, LSEC=lsec, DELTAC=deltac, INV_SCALE=1.0 / s,
-        SCALE_LSE=base2, COLS=LSE_COLS if cols is not None else 0, stride_ob=o.stride(0), stride_oh=o.stride(1),
-        stride_ot=o.stride(2), stride_dob=do.stride(0), stride_doh=do.stride(1), stride_dot=do.stride(2), H=H, T=T,
-        HEAD_DIM=D, BLOCK_M=PRE_M,
-    )  # fmt: skip
-    grid = (triton.cdiv(T, PRE_M), B * H)
+    lse2 = torch.empty_like(delta) if base2 else None
+    grid, pre_args = TR.preprocess_launch(o, do, delta, lse if base2 else None, lse2, cols, inv_scale=1.0 / s)
     out = lse2 if base2 else lse
     if plan:
         return do, out, dq, dk, dv, delta, s, launch_cached(TR._flash_bwd_preprocess_kernel, grid, pre_args)
@@ -365,13 +378,12 @@ def plan_outputs(pre, do, q, k, v, o, lse=None, columns: bool = False):
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk, dv = fresh_grad(k), fresh_grad(v)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    if lse is None:  # (as _prologue without base2: LSE, LSE2, LSEC, DELTAC not touched)
-        pre(O=o, DO=do, DELTA=delta, LSE=delta, LSE2=delta, LSEC=delta, DELTAC=delta)
+    if lse is None:
+        pre(**TR.preprocess_buffers(o, do, delta))
         return dq, dk, dv, delta, None, None
     lse2 = torch.empty_like(delta)
     c = new_columns(q, columns)
-    lsec, deltac = c or (delta, delta)
-    pre(O=o, DO=do, DELTA=delta, LSE=lse.to(torch.float32).contiguous(), LSE2=lse2, LSEC=lsec, DELTAC=deltac)
+    pre(**TR.preprocess_buffers(o, do, delta, lse.to(torch.float32).contiguous(), lse2, c))
     return dq, dk, dv, delta, lse2, c
 
 

@@ -43,6 +43,7 @@ from xtrain.kernels.attention.gluon_common import (
     capability,
     descriptor_templates,
     rebase_all,
+    row_coords,
 )
 from xtrain.kernels.attention.reference import LOG2E, _scale
 
@@ -711,29 +712,57 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, config: GluonFwdConfig,
     NW = config.warpgroups
     if NW not in (2, 3) or (NW == 3 and (D != 64 or config.half_diag)):
         raise ValueError(f"flash_attention_fwd_gluon: 3 warpgroups take D = 64 and no half_diag, got {config}, D={D}")
-    q2, q_rb, q_rh, q_ch = _row_view(q)
-    k2, kv_rb, kv_rh, kv_ch = _row_view(k)
+    q2, q_coords = row_coords("q", q)  # (o shares q's layout, v k's)
+    k2, kv_coords = row_coords("kv", k)
     v2, o2 = _row_view(v)[0], _row_view(o)[0]
     n_m = -(-T // (NW * HALF_M))  # items per head (NW = 3: the last may hold fewer than 192 rows)
     U = B * H * n_m  # work items; programs take them in pairs, so more than ceil(U / 2) would idle
     grid = (max(1, min(n_prog, (U + 1) // 2)),)
     ord_off, ord_items = _schedule_tensors(q.device, B * H, n_m, T, NW, causal, grid[0])
     args = dict(
-        q_desc=_desc(q2, HALF_M, D), k_desc=_desc(k2, BLOCK_N, D), v_desc=_desc(v2, BLOCK_N, D),
-        o_desc=_desc(o2, HALF_M, D), lse_ptr=lse, qk_scale=scale * LOG2E, H=H, GROUP=H // k.shape[1], T=T, U=U, n_m=n_m,
-        q_rb=q_rb, q_rh=q_rh, q_ch=q_ch, kv_rb=kv_rb, kv_rh=kv_rh, kv_ch=kv_ch, ord_off=ord_off, ord_items=ord_items,
-    )  # fmt: skip
+        q_desc=_desc(q2, HALF_M, D),
+        k_desc=_desc(k2, BLOCK_N, D),
+        v_desc=_desc(v2, BLOCK_N, D),
+        o_desc=_desc(o2, HALF_M, D),
+        lse_ptr=lse,
+        qk_scale=scale * LOG2E,
+        H=H,
+        GROUP=H // k.shape[1],
+        T=T,
+        U=U,
+        n_m=n_m,
+        **q_coords,
+        **kv_coords,
+        ord_off=ord_off,
+        ord_items=ord_items,
+    )
     consts = dict(
-        HEAD_DIM=D, BLOCK_N=BLOCK_N, STAGES=config.stages, CAUSAL=bool(causal), NUM_Q=config.num_q,
-        PINGPONG=config.pingpong, NW=NW, HALF_DIAG=bool(causal and config.half_diag),
-    )  # fmt: skip
+        HEAD_DIM=D,
+        BLOCK_N=BLOCK_N,
+        STAGES=config.stages,
+        CAUSAL=bool(causal),
+        NUM_Q=config.num_q,
+        PINGPONG=config.pingpong,
+        NW=NW,
+        HALF_DIAG=bool(causal and config.half_diag),
+    )
     return _flash_fwd_gluon_pers_kernel, grid, args, consts
 
 
 def flash_attention_fwd_gluon(
-    q, k, v, causal: bool = True, scale: float | None = None, *, config: GluonFwdConfig, o=None, lse=None,
-    programs: int | None = None, checked: bool = False, plan: bool = False,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    config: GluonFwdConfig,
+    o=None,
+    lse=None,
+    programs: int | None = None,
+    checked: bool = False,
+    plan: bool = False,
+):
     """Launch the Gluon forward of ``config``. q, k, v must share a dtype; ``o``/``lse``: optional output buffers,
     o in q's layout, lse contiguous fp32. ``programs``: the persistent grid (None: the device's SM count).
     ``checked``: the caller has just seen ``supported(q, k, v)`` hold. ``plan``: also return a ``_FwdPlan`` that

@@ -34,10 +34,10 @@ from xtrain.kernels.attention.gluon_common import (
     _compile,
     _desc,
     _prologue,
-    _row_view,
     descriptor_templates,
     plan_outputs,
     rebase_all,
+    row_coords,
     stand_ins,
     tail_heads,
 )
@@ -382,9 +382,17 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float, cached: bool =
         )
     B, H, T, D = dq.shape
     args = dict(
-        ACC=acc, DQ=dq, scale=scale, H=H, T=T, stride_b=dq.stride(0), stride_h=dq.stride(1), stride_t=dq.stride(2),
-        HEAD_DIM=D, ROWS=CONVERT_ROWS,
-    )  # fmt: skip
+        ACC=acc,
+        DQ=dq,
+        scale=scale,
+        H=H,
+        T=T,
+        stride_b=dq.stride(0),
+        stride_h=dq.stride(1),
+        stride_t=dq.stride(2),
+        HEAD_DIM=D,
+        ROWS=CONVERT_ROWS,
+    )
     grid = (triton.cdiv(T, CONVERT_ROWS), B * H)
     if cached:
         return launch_cached(_dq_convert_kernel, grid, args, num_warps=4)
@@ -410,17 +418,20 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
     """(kernel, grid, args, constexprs) of the one-pass kernel; CUDA tensors or CPU stand-ins."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
     args = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
-    for n, (_, rb, rh, ch) in views.items():
-        args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
-    acc2 = dq_acc.view(B * H * T, D)
+    views = {}
+    for name, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv)):
+        views[name], coords = row_coords(name, x)
+        args.update(coords)
     args.update(
-        q_desc=_desc(views["q"][0], BLOCK_M, D), do_desc=_desc(views["do"][0], BLOCK_M, D),
-        k_desc=_desc(views["k"][0], HALF_M, D), v_desc=_desc(views["v"][0], HALF_M, D),
-        dk_desc=_desc(views["dk"][0], HALF_M, D), dv_desc=_desc(views["dv"][0], HALF_M, D),
-        dq_desc=_desc(acc2, BLOCK_M, D),
-    )  # fmt: skip
+        q_desc=_desc(views["q"], BLOCK_M, D),
+        do_desc=_desc(views["do"], BLOCK_M, D),
+        k_desc=_desc(views["k"], HALF_M, D),
+        v_desc=_desc(views["v"], HALF_M, D),
+        dk_desc=_desc(views["dk"], HALF_M, D),
+        dv_desc=_desc(views["dv"], HALF_M, D),
+        dq_desc=_desc(dq_acc.view(B * H * T, D), BLOCK_M, D),  # the fp32 accumulator
+    )
     consts = dict(
         HEAD_DIM=D,
         BLOCK_M=BLOCK_M,
@@ -437,9 +448,22 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
 
 
 def flash_attention_bwd_gluon_onepass(
-    do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *, dq=None, dk=None, dv=None,
-    config: OnepassConfig = OnepassConfig(), checked: bool = False, plan: bool = False,
-):  # fmt: skip
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    dq=None,
+    dk=None,
+    dv=None,
+    config: OnepassConfig = OnepassConfig(),
+    checked: bool = False,
+    plan: bool = False,
+):
     """Delta preprocess, the one-pass kernel, the dQ convert. Returns (dq, dk, dv). ``dq``/``dk``/``dv``:
     optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: an ``OnepassConfig``. Holds
     an fp32 dQ accumulator [B, H, T, D] while it runs.
