@@ -641,7 +641,7 @@ def flash_attention_bwd_gluon(
         raise ValueError(f"{op}: lse_mma takes bf16 inputs only, got {q.dtype}")
     cols = new_columns(q, config.lse_mma)  # the preprocess also writes the lse / delta columns
     do, lse, dq, dk, dv, delta, s, pre = _prologue(
-        op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk, dv, True, plan, base2=True, cols=cols
+        op, do, q, k, v, o, lse, scale, dq, dk, dv, plan=plan, base2=True, cols=cols
     )
     cfg = config
     (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg, cols)

@@ -321,39 +321,17 @@ def check_inputs(op: str, supported, head_dims, do, q, k, v, o, lse) -> None:
         )
 
 
-def _prologue(
-    op: str,
-    supported,
-    head_dims,
-    do,
-    q,
-    k,
-    v,
-    o,
-    lse,
-    scale,
-    dq,
-    dk,
-    dv,
-    checked: bool = False,
-    plan: bool = False,
-    base2: bool = False,
-    cols=None,
-):
-    """What both Gluon backwards do before their kernels: check the inputs (``supported``: the backward's own
-    predicate; a ValueError naming ``op`` otherwise; skipped when ``checked``: the caller has just run both
-    checks, as the routing does), the scale, the output buffers (``_grad_buf``), then
-    the delta preprocess. Returns (do in q's dtype, lse fp32 contiguous, dq, dk, dv, delta, scale, the
-    preprocess as a ``CachedLaunch`` if ``plan``, else None). ``base2`` (the split's kernels): the returned lse
-    is a new buffer, lse·log2(e), written by the preprocess beside delta (the dK/dV kernel's TMA
-    rows then need no multiply between their shared-memory load and the exponentials). ``cols`` (with base2): the
-    (lse, delta) column buffers of ``lse_mma`` ([B, H, T, LSE_COLS] in q's dtype, ``new_columns``) for the
-    preprocess to fill as well."""
-    if not checked:
-        check_inputs(op, supported, head_dims, do, q, k, v, o, lse)
+def _prologue(op: str, do, q, k, v, o, lse, scale, dq, dk, dv, *, plan: bool = False, base2: bool = False, cols=None):
+    """What both Gluon backwards do before their kernels, once the inputs are checked (``check_inputs``): the scale,
+    the output buffers (``_grad_buf``), then the delta preprocess. Returns (do in q's dtype, lse fp32 contiguous,
+    dq, dk, dv, delta, scale, the preprocess as a ``CachedLaunch`` if ``plan``, else None). ``base2`` (the split's
+    kernels): the returned lse is a new buffer, lse·log2(e), written by the preprocess beside delta (the dK/dV
+    kernel's TMA rows then need no multiply between their shared-memory load and the exponentials). ``cols`` (with
+    base2): the (lse, delta) column buffers of ``lse_mma`` ([B, H, T, LSE_COLS] in q's dtype, ``new_columns``) for
+    the preprocess to fill as well."""
     B, H, T, D = q.shape
     s = _scale(op, scale, D)
-    do = do.to(q.dtype)  # a dense tensor keeps its strides (its layout was checked above)
+    do = do.to(q.dtype)  # a dense tensor keeps its strides (its layout was checked before)
     lse = lse.to(torch.float32).contiguous()
     dq = _grad_buf(op, "dq", dq, q)
     dk = _grad_buf(op, "dk", dk, k)

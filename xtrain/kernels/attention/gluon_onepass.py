@@ -34,6 +34,7 @@ from xtrain.kernels.attention.gluon_common import (
     _compile,
     _desc,
     _prologue,
+    check_inputs,
     descriptor_templates,
     plan_outputs,
     rebase_all,
@@ -467,15 +468,15 @@ def flash_attention_bwd_gluon_onepass(
     """Delta preprocess, the one-pass kernel, the dQ convert. Returns (dq, dk, dv). ``dq``/``dk``/``dv``:
     optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: an ``OnepassConfig``. Holds
     an fp32 dQ accumulator [B, H, T, D] while it runs.
-    ``checked``: the caller has just checked the inputs and ``supported_bwd`` (``_prologue``). ``plan``: also
+    ``checked``: the caller has just checked the inputs and ``supported_bwd`` (``check_inputs``). ``plan``: also
     return a ``_OnepassPlan`` that repeats these launches for inputs of the same signature (dq, dk, dv left to
     this function)."""
     op = "flash_attention_bwd_gluon_onepass"
     if plan and (dq is not None or dk is not None or dv is not None):
         raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
-    do, lse, dq, dk, dv, delta, s, pre = _prologue(
-        op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk, dv, checked, plan
-    )
+    if not checked:
+        check_inputs(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse)
+    do, lse, dq, dk, dv, delta, s, pre = _prologue(op, do, q, k, v, o, lse, scale, dq, dk, dv, plan=plan)
     cfg = config
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kern, grid, args, consts = _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s, causal, cfg)
