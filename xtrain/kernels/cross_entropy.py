@@ -41,9 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
+from xtrain.kernels._consts import LOG2E
+from xtrain.kernels._dispatch import HAVE_TRITON, tl, triton, use_triton
 from xtrain.kernels._dispatch import acc_dtype as _acc
 from xtrain.kernels._dispatch import jit as _jit
-from xtrain.kernels._dispatch import tl, triton, use_triton
 
 
 def _check(name: str, logits: torch.Tensor, targets: torch.Tensor, reduction: str | None = None):
@@ -118,6 +119,9 @@ def cross_entropy_fwd_bwd_ref(
 # ------------------------------------------------------------------------------------------------ Triton
 
 
+_LOG2E = tl.constexpr(LOG2E) if HAVE_TRITON else LOG2E  # (a global a kernel reads must be a constexpr)
+
+
 @_jit
 def _row_lse(ROW, V, BLOCK_V: tl.constexpr):
     """Online log-sum-exp of one row of V logits, in fp32 (one exp per logit).
@@ -155,23 +159,22 @@ def _ce_fwd_group_kernel(
     c0 = 0
     c1 = V
     NG: tl.constexpr = BLOCK_V // GROUP
-    LOG2E: tl.constexpr = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
     offs = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP] columns
     x = tl.load(ROW + c0 + offs, mask=c0 + offs < c1, other=-float("inf")).to(tl.float32)
     nxt = tl.load(ROW + c0 + BLOCK_V + offs, mask=c0 + BLOCK_V + offs < c1, other=-float("inf"))
     m = tl.max(x, axis=1)  # [NG]; -inf for a group with no column yet
-    ml = tl.where(m == -float("inf"), 0.0, m * LOG2E)  # a safe shift: exp2(-inf - 0) = 0, never nan
-    s = tl.sum(tl.exp2(x * LOG2E - ml[:, None]), axis=1)
+    ml = tl.where(m == -float("inf"), 0.0, m * _LOG2E)  # a safe shift: exp2(-inf - 0) = 0, never nan
+    s = tl.sum(tl.exp2(x * _LOG2E - ml[:, None]), axis=1)
     for start in range(c0 + BLOCK_V, c1, BLOCK_V):
         x = nxt.to(tl.float32)
         nxt = tl.load(ROW + start + BLOCK_V + offs, mask=start + BLOCK_V + offs < c1, other=-float("inf"))
         m_new = tl.maximum(m, tl.max(x, axis=1))
-        ml_new = tl.where(m_new == -float("inf"), 0.0, m_new * LOG2E)
-        s = s * tl.exp2(ml - ml_new) + tl.sum(tl.exp2(x * LOG2E - ml_new[:, None]), axis=1)
+        ml_new = tl.where(m_new == -float("inf"), 0.0, m_new * _LOG2E)
+        s = s * tl.exp2(ml - ml_new) + tl.sum(tl.exp2(x * _LOG2E - ml_new[:, None]), axis=1)
         m = m_new
         ml = ml_new
     mx = tl.max(m, axis=0)  # finite: the first step holds at least one column of the range
-    tot = tl.sum(s * tl.exp2((m - mx) * LOG2E), axis=0)  # a group still at m = -inf adds 0 (not 0 * inf)
+    tot = tl.sum(s * tl.exp2((m - mx) * _LOG2E), axis=0)  # a group still at m = -inf adds 0 (not 0 * inf)
     lse = mx + tl.log(tot)
     t = tl.load(TARGETS + row)
     valid = t != ignore_index

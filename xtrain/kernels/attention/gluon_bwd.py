@@ -37,7 +37,6 @@ from xtrain.kernels.attention.gluon_common import (
     HALF_M,
     HAVE_GLUON,
     HEAD_DIMS,
-    LOG2E,
     LSE_COLS,
     RESIDENT,
     _compile,
@@ -49,10 +48,12 @@ from xtrain.kernels.attention.gluon_common import (
     new_columns,
     plan_outputs,
     rebase_all,
+    row_coords,
     stand_ins,
     supported_bwd,
     tail_heads,
 )
+from xtrain.kernels.attention.reference import LOG2E
 from xtrain.kernels.attention.triton import grid_sms
 
 
@@ -80,7 +81,6 @@ if HAVE_GLUON:
         _dkdv_producer,
         _dkdv_store,
         _kv_rows,
-        _next_query_tile,
         _ring_init,
         _tail_order,
         _tma_load,
@@ -100,73 +100,61 @@ if HAVE_GLUON:
     # dK/dV kernel
     # -----------------------------------------------------------------------------------------------------
     @gluon.jit
-    def _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, cols, BLOCK_M: gl.constexpr):
-        """lse·log2(e) and delta of step ``it``'s queries (``cols`` in the Sᵀ column layout)."""
-        row = lse_row0 + (it // n_m) * T + (mt0 + it % n_m) * BLOCK_M  # int64 row of the [B·H·T] lse / delta
-        return _dkdv_lse_delta_at(lse_ptr, delta_ptr, row, cols)
-
-    @gluon.jit
-    def _dkdv_lse_delta_at(lse_ptr, delta_ptr, row, cols):
-        """lse·log2(e) (the split's lse input is in base 2 already) and delta of the queries from int64 row ``row``
-        of the [B·H·T] lse / delta on."""
-        return gl.load(lse_ptr + row + cols), gl.load(delta_ptr + row + cols)
-
-    @gluon.jit
     def _dkdv_issue_sdp(
-        k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES: gl.constexpr, ones_smem=None,
-        lse_smem=None, delta_smem=None, LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False,
+        k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, ones_smem, lse_smem, delta_smem,
+        STAGES: gl.constexpr, LSE_MMA: gl.constexpr,
     ):  # fmt: skip
-        """Step ``it``'s Sᵀ = K Qᵀ and dPᵀ = V dOᵀ wgmmas, each once its tile has landed; LSEMMA (DMMA): Sᵀ's (dPᵀ's)
-        chain with one more k16 slice, ``ones_smem`` against the slot's lse (delta) columns. Returns the ring slot,
-        its Q and dO tiles and the two in-flight products."""
+        """Step ``it``'s Sᵀ = K Qᵀ and dPᵀ = V dOᵀ wgmmas, each once its tile has landed; LSE_MMA: each chain with
+        one more k16 slice, ``ones_smem`` against the slot's lse (delta) columns. Returns the ring slot, its Q and
+        dO tiles and the two in-flight products."""
         slot = it % STAGES
         phase = (it // STAGES) & 1
         q_t = q_smem.index(slot)
         do_t = do_smem.index(slot)
         mbarrier.wait(q_bars.index(slot), phase)
         st = warpgroup_mma(k_half, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if LSEMMA:
+        if LSE_MMA:
             st = warpgroup_mma(ones_smem, lse_smem.index(slot).permute((1, 0)), st, is_async=True)
         mbarrier.wait(do_bars.index(slot), phase)
         dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if DMMA:
+        if LSE_MMA:
             dpt = warpgroup_mma(ones_smem, delta_smem.index(slot).permute((1, 0)), dpt, is_async=True)
         return slot, q_t, do_t, st, dpt
 
     @gluon.jit
     def _dkdv_step(
-        k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero, it, start_m,
-        offs_k, cols, qk_scale, dtype: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
-        STAGES: gl.constexpr, MASK: gl.constexpr, ones_smem=None, LSEMMA: gl.constexpr = False,
-        DMMA: gl.constexpr = False,
+        k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, ones_smem, q_bars, do_bars, q_empty, dk, dv, s_zero,
+        it, start_m, offs_k, cols, qk_scale, dtype: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
+        STAGES: gl.constexpr, MASK: gl.constexpr, LSE_MMA: gl.constexpr,
     ):  # fmt: skip
-        """One step of the PEEL walk (LEAN and SMEM): ``_dkdv_consumer``'s loop body with the causal mask a
-        compile-time choice (MASK: the step's query tile starts at start_m) instead of a branch in every step.
-        LSEMMA (``OPT_LSEMMA``): Sᵀ's wgmma chain takes one more k16 slice, the shared [64, LSE_COLS] tile
-        ``ones_smem`` (1 in its first three columns) against the slot's lse columns (-lse·log2(e) / qk_scale in
-        three bf16 parts), so Sᵀ arrives with the lse subtracted and no thread reads lse from shared memory."""
+        """One step of the walk (``_dkdv_consumer``) with the causal mask a compile-time choice (MASK: the step's
+        query tile starts at start_m) instead of a branch in every step. lse·log2(e) and delta come from the
+        slot's shared rows just before their use, so no register holds them across the step; LSE_MMA: Sᵀ and dPᵀ
+        arrive with them subtracted instead (``_dkdv_issue_sdp``: the shared [64, LSE_COLS] tile ``ones_smem``, 1
+        in its first three columns, against the slot's columns, -lse·log2(e) / qk_scale and -delta in three bf16
+        parts each), so no thread reads a statistic."""
         slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(
-            k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES, ones_smem, lse_smem, delta_smem,
-            LSEMMA, DMMA,
+            k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, ones_smem, lse_smem, delta_smem,
+            STAGES=STAGES, LSE_MMA=LSE_MMA,
         )  # fmt: skip
-        if LSEMMA:
+        if LSE_MMA:
             st = warpgroup_mma_wait(1, deps=(st,))
             pt = gl.exp2(st * qk_scale)
         else:
-            lse_b = lse_smem.index(slot).load(s_layout)
-            st = warpgroup_mma_wait(1, deps=(st,))
+            lse_b = lse_smem.index(slot).load(s_layout)  # [1, BLOCK_M] lse·log2(e), broadcast over the keys
+            st = warpgroup_mma_wait(1, deps=(st,))  # retires Sᵀ; dPᵀ may still run
             pt = gl.exp2(st * qk_scale - lse_b)
         if MASK:
             keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
             pt = gl.where(keep, pt, 0.0)
         p_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
-        if DMMA:  # dPᵀ arrives with delta subtracted (the ones tile against the slot's delta columns)
+        if LSE_MMA:
             dpt = warpgroup_mma_wait(1, deps=(dpt,))
             dst = pt * dpt
         else:
             delta_b = delta_smem.index(slot).load(s_layout)
-            dpt = warpgroup_mma_wait(1, deps=(dpt,))
+            dpt = warpgroup_mma_wait(1, deps=(dpt,))  # retires dPᵀ; dV may still run
             dst = pt * (dpt - delta_b)
         ds_op = gl.convert_layout(dst.to(dtype), op_layout)
         dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
@@ -176,8 +164,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES: gl.constexpr):
-        """A PEEL step whose queries all precede this half's keys (P = 0: nothing to add): the slot is only
-        waited for and released."""
+        """A step whose queries all precede this half's keys (P = 0: nothing to add): the slot is only waited
+        for and released."""
         slot = it % STAGES
         phase = (it // STAGES) & 1
         mbarrier.wait(q_bars.index(slot), phase)
@@ -186,20 +174,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_consumer(
-        q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, dk_desc,
-        dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n, qk_scale,
-        sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, HALF: gl.constexpr, PF: gl.constexpr, LEAN: gl.constexpr, SMEM: gl.constexpr,
-        PEEL: gl.constexpr = False, ones_smem=None, LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False,
+        q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, dk_desc, dv_desc,
+        dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, ones_smem, dtype: gl.constexpr,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
+        LSE_MMA: gl.constexpr,
     ):  # fmt: skip
-        """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). PF: each
-        step's lse and delta are loaded in the step before, once its dK wgmma is issued. LEAN (with PF): the
-        step's query tile and lse row carried from the step before (no integer division in the loop), and one
-        arrival per step on one "empty" barrier for both of the slot's tiles. SMEM (with LEAN, instead of PF):
-        lse and delta read from the slot's shared rows (the producer's TMA) just before their use, so no
-        register holds them across the step. PEEL (with SMEM): each group head's walk in three parts,
-        the steps wholly above this half's keys skipped (``_dkdv_skip``), the diagonal ones masked, the rest with
-        no mask code (``_dkdv_step``), instead of the mask's branch in every step."""
+        """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). Each group
+        head's walk in three parts: the steps wholly above this half's keys skipped (``_dkdv_skip``), the
+        diagonal ones masked, the rest with no mask code (``_dkdv_step``)."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_M)  # [KH, BLOCK_M] Sᵀ, dPᵀ
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
@@ -213,84 +195,34 @@ if HAVE_GLUON:
         dk = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
         dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
         start_m = mt0 * BLOCK_M
-        lrow = lse_row0 + start_m  # LEAN: int64 row of the step's first query in the [B·H·T] lse / delta
-        if PF and not SMEM:
-            lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, cols, BLOCK_M)
         mbarrier.wait(kv_bar, 0)
-        if PEEL:  # (LEAN and SMEM) per group head: its diagonal steps masked, then the rest with no mask code
-            gl.static_assert(SMEM and LEAN and not PF)
-            # causal: the first steps of each head's walk (start_m from start_n = mt0·BLOCK_M) hold queries before
-            # some key of this half; those entirely before it (the first HALF·KH / BLOCK_M) add nothing
-            if CAUSAL:
-                n_skip: gl.constexpr = (HALF * KH) // BLOCK_M
-                n_diag: gl.constexpr = ((HALF + 1) * KH + BLOCK_M - 1) // BLOCK_M - n_skip
-            else:
-                n_skip: gl.constexpr = 0
-                n_diag: gl.constexpr = 0
-            it = 0
-            for _g in range(n_iter // n_m):
-                for _i in gl.static_range(n_skip):
-                    _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES)
-                    it += 1
-                for i in gl.static_range(n_diag):
-                    dk, dv = _dkdv_step(
-                        k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero,
-                        it, start_m + (n_skip + i) * BLOCK_M, offs_k, cols, qk_scale, dtype, s_layout, op_layout,
-                        STAGES, True, ones_smem, LSEMMA, DMMA,
-                    )  # fmt: skip
-                    it += 1
-                for _i in range(n_m - n_skip - n_diag):
-                    dk, dv = _dkdv_step(
-                        k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars, q_empty, dk, dv, s_zero,
-                        it, start_m, offs_k, cols, qk_scale, dtype, s_layout, op_layout, STAGES, False, ones_smem,
-                        LSEMMA, DMMA,
-                    )  # fmt: skip
-                    it += 1
-        else:  # the walk with the mask in a branch of every step
-            for it in range(n_iter):
-                if not LEAN:
-                    start_m = (mt0 + it % n_m) * BLOCK_M
-                if not PF and not SMEM:  # plain loads, issued before the barrier wait
-                    lse2, delta = _dkdv_lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, cols, BLOCK_M)
-                slot, q_t, do_t, st, dpt = _dkdv_issue_sdp(
-                    k_half, v_half, q_smem, do_smem, q_bars, do_bars, s_zero, it, STAGES
-                )
-                if SMEM:
-                    lse_b = lse_smem.index(slot).load(s_layout)  # [1, BLOCK_M] lse·log2(e), broadcast over the keys
-                else:
-                    lse_b = gl.expand_dims(lse2, 0)
-                st = warpgroup_mma_wait(1, deps=(st,))  # retires Sᵀ; dPᵀ may still run
-                pt = gl.exp2(st * qk_scale - lse_b)
-                if CAUSAL:
-                    if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
-                        keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-                        pt = gl.where(keep, pt, 0.0)
-                p_op = gl.convert_layout(pt.to(dtype), op_layout)
-                dv_tok = warpgroup_mma(p_op, do_t, dv, is_async=True)
-                if SMEM:
-                    delta_b = delta_smem.index(slot).load(s_layout)
-                else:
-                    delta_b = gl.expand_dims(delta, 0)
-                dpt = warpgroup_mma_wait(1, deps=(dpt,))  # retires dPᵀ; dV may still run
-                dst = pt * (dpt - delta_b)
-                ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-                dk_tok = warpgroup_mma(ds_op, q_t, dk, is_async=True)
-                if SMEM:
-                    start_m, _ = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
-                elif LEAN:  # the next step's query tile (the last step keeps its own: nothing is read past the end)
-                    more = (it + 1 < n_iter).to(gl.int32)
-                    start_m, wrap = _next_query_tile(start_m, more * BLOCK_M, T, mt0 * BLOCK_M)
-                    lrow += more * BLOCK_M
-                    lrow += wrap * (mt0 * BLOCK_M)
-                    lse2, delta = _dkdv_lse_delta_at(lse_ptr, delta_ptr, lrow, cols)
-                elif PF:  # the next step's, while dV and dK run: Sᵀ, dPᵀ and their fp32 values are dead here
-                    lse2, delta = _dkdv_lse_delta(
-                        lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1), cols, BLOCK_M
-                    )
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-                mbarrier.arrive(q_empty.index(slot), count=1)
-                if not LEAN:
-                    mbarrier.arrive(do_empty.index(slot), count=1)
+        # causal: the first steps of each head's walk (start_m from start_n = mt0·BLOCK_M) hold queries before
+        # some key of this half; those entirely before it (the first HALF·KH / BLOCK_M) add nothing
+        if CAUSAL:
+            n_skip: gl.constexpr = (HALF * KH) // BLOCK_M
+            n_diag: gl.constexpr = ((HALF + 1) * KH + BLOCK_M - 1) // BLOCK_M - n_skip
+        else:
+            n_skip: gl.constexpr = 0
+            n_diag: gl.constexpr = 0
+        it = 0
+        for _g in range(n_iter // n_m):
+            for _i in gl.static_range(n_skip):
+                _dkdv_skip(q_bars, do_bars, q_empty, it, STAGES)
+                it += 1
+            for i in gl.static_range(n_diag):
+                dk, dv = _dkdv_step(
+                    k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, ones_smem, q_bars, do_bars, q_empty, dk, dv,
+                    s_zero, it, start_m + (n_skip + i) * BLOCK_M, offs_k, cols, qk_scale, dtype, s_layout, op_layout,
+                    STAGES=STAGES, MASK=True, LSE_MMA=LSE_MMA,
+                )  # fmt: skip
+                it += 1
+            for _i in range(n_m - n_skip - n_diag):
+                dk, dv = _dkdv_step(
+                    k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, ones_smem, q_bars, do_bars, q_empty, dk, dv,
+                    s_zero, it, start_m, offs_k, cols, qk_scale, dtype, s_layout, op_layout,
+                    STAGES=STAGES, MASK=False, LSE_MMA=LSE_MMA,
+                )  # fmt: skip
+                it += 1
         _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype, HALF)
 
     @gluon.jit
@@ -298,12 +230,12 @@ if HAVE_GLUON:
         q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, delta_desc, lse_ptr, delta_ptr, qk_scale, sm_scale,
         H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch,
         dv_rb, dv_rh, dv_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, PF: gl.constexpr = False, LEAN: gl.constexpr = False, SMEM: gl.constexpr = False,
-        PEEL: gl.constexpr = False, LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False,
+        CAUSAL: gl.constexpr, LSE_MMA: gl.constexpr,
     ):  # fmt: skip
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
-        64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles."""
+        64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles; lse and delta come through lse_desc and
+        delta_desc (the row views, or with LSE_MMA the column views), lse_ptr and delta_ptr are the dQ kernel's."""
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         gl.static_assert((2 * KH) % BLOCK_M == 0)
@@ -313,7 +245,6 @@ if HAVE_GLUON:
         off_kvh = off_bkv % Hkv
         start_n = pid_n * (2 * KH)
         h0 = off_kvh * GROUP  # first query head of the group
-        lse_row0 = (off_b * H + h0).to(gl.int64) * T
         if CAUSAL:
             mt0 = start_n // BLOCK_M  # query tiles above the key tile see none of it
         else:
@@ -325,26 +256,20 @@ if HAVE_GLUON:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, KH, HEAD_DIM], v_desc.layout)
-        ones_smem = k_smem  # a stand-in unless LSEMMA
-        if LSEMMA:  # the lse (and DMMA: delta) column tiles in the ring, and the constant [KH, LSE_COLS] tile
-            gl.static_assert(SMEM and PEEL and KH == BLOCK_M)
+        ones_smem = k_smem  # a stand-in unless LSE_MMA
+        if LSE_MMA:  # the lse and delta column tiles in the ring, and the constant [KH, LSE_COLS] tile
+            gl.static_assert(KH == BLOCK_M)
             LC: gl.constexpr = _LSE_COLS
-            lse_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, LC], lse_desc.layout)  # (DMMA needs LSEMMA)
+            lse_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, LC], lse_desc.layout)
             ones_smem = gl.allocate_shared_memory(dtype, [KH, LC], lse_desc.layout)
-            if DMMA:
-                delta_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, LC], delta_desc.layout)
-            else:
-                delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
+            delta_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, LC], delta_desc.layout)
             ones_l: gl.constexpr = gl.BlockedLayout([1, LC], [32, 1], [4, 1], [1, 0])
             c = gl.arange(0, LC, layout=gl.SliceLayout(0, ones_l))
             one_row = gl.expand_dims((c < 3).to(gl.float32), 0)
             ones_smem.store((gl.zeros([KH, LC], gl.float32, ones_l) + one_row).to(dtype))
-        elif SMEM:
+        else:  # the lse and delta rows in the ring
             lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
             delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
-        else:  # stand-ins that no partition reads
-            lse_smem = q_smem
-            delta_smem = q_smem
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -365,18 +290,16 @@ if HAVE_GLUON:
                     _dkdv_consumer,
                     (
                         q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty,
-                        do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
-                        off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M,
-                        STAGES, CAUSAL, 0, PF, LEAN, SMEM, PEEL, ones_smem, LSEMMA, DMMA,
+                        dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n,
+                        qk_scale, sm_scale, ones_smem, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, LSE_MMA,
                     ),
                 ),
                 (
                     _dkdv_consumer,
                     (
                         q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty,
-                        do_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
-                        off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M,
-                        STAGES, CAUSAL, 1, PF, LEAN, SMEM, PEEL, ones_smem, LSEMMA, DMMA,
+                        dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n,
+                        qk_scale, sm_scale, ones_smem, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, LSE_MMA,
                     ),
                 ),
                 (
@@ -385,7 +308,7 @@ if HAVE_GLUON:
                         q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                         lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row,
                         off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, T,
-                        (off_b * H + h0) * (T // BLOCK_M) + mt0, BLOCK_M, STAGES, LEAN, SMEM, LSEMMA, DMMA,
+                        (off_b * H + h0) * (T // BLOCK_M) + mt0, BLOCK_M, STAGES, True, LSE_MMA,
                     ),
                 ),
             ],
@@ -478,12 +401,11 @@ if HAVE_GLUON:
     def _dq_consumer(
         q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr, delta_ptr, lse_row,
         dq_row, dq_col, start_m, n_tiles, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, PIPE: gl.constexpr,
-        SKIP: gl.constexpr = False, DOREG: gl.constexpr = False,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, DOREG: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring
-        (PIPE: ``_dq_loop_pipelined``). SKIP (causal): the tiles whose keys all follow this half's queries (P = 0)
-        are only waited for and released, not computed (with BLOCK_N = 64: warpgroup 0's last tile)."""
+        (``_dq_loop_pipelined``). Causal: the tiles whose keys all follow this half's queries (P = 0) are only
+        waited for and released, not computed (with BLOCK_N = 64: warpgroup 0's last tile)."""
         QH: gl.constexpr = dq_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_N)  # [QH, BLOCK_N] S, dP
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [QH, HEAD_DIM] dQ
@@ -502,29 +424,14 @@ if HAVE_GLUON:
         if DOREG:  # the resident dO half as dP's A operand in registers (32 per thread), read from shared memory once
             do_a = do_half.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         n_all = n_tiles
-        if SKIP and CAUSAL:
+        if CAUSAL:
             # tiles starting at or after this half's last query + 1 (q_lo + QH) add nothing
             n_tiles = gl.minimum(n_tiles, (q_lo + QH + BLOCK_N - 1) // BLOCK_N)
-        if PIPE:
-            dq = _dq_loop_pipelined(
-                q_half, do_a, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta, dq, s_zero, q_lo, offs_q,
-                cols, n_tiles, qk_scale, dtype, op_layout, BLOCK_N, STAGES, CAUSAL,
-            )  # fmt: skip
-        else:
-            for j in range(n_tiles):
-                slot = j % STAGES
-                k_t = k_smem.index(slot)
-                s, dp = _dq_issue_sdp(q_half, do_a, k_smem, v_smem, k_bars, v_bars, s_zero, j, STAGES)
-                s = warpgroup_mma_wait(1, deps=(s,))
-                p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N, CAUSAL)
-                dp = warpgroup_mma_wait(0, deps=(dp,))
-                mbarrier.arrive(v_empty.index(slot), count=1)
-                ds = p * (dp - gl.expand_dims(delta, 1))
-                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-                dq_tok = warpgroup_mma(ds_op, k_t, dq, is_async=True)
-                dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
-                mbarrier.arrive(k_empty.index(slot), count=1)
-        for j in range(n_tiles, n_all):  # SKIP: the tiles past this half's queries, released unread
+        dq = _dq_loop_pipelined(
+            q_half, do_a, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta, dq, s_zero, q_lo, offs_q, cols,
+            n_tiles, qk_scale, dtype, op_layout, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL,
+        )  # fmt: skip
+        for j in range(n_tiles, n_all):  # the tiles past this half's queries, released unread
             slot = j % STAGES
             phase = (j // STAGES) & 1
             mbarrier.wait(k_bars.index(slot), phase)
@@ -541,8 +448,7 @@ if HAVE_GLUON:
     def _bwd_dq_kernel(
         q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP, T, q_rb, q_rh, q_ch,
         do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, dq_rb, dq_rh, dq_ch, TAIL, HEAD_DIM: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr = False,
-        SKIP: gl.constexpr = False, DOREG: gl.constexpr = False,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DOREG: gl.constexpr,
     ):  # fmt: skip
         """Program (query tile, batch·head) of a 1-D grid in ``_tail_order``, heaviest causal tiles first;
         num_warps = 4. Q/dO/dQ descriptors have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
@@ -586,7 +492,7 @@ if HAVE_GLUON:
                     (
                         q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr,
                         delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale, sm_scale, dtype,
-                        HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, PIPE, SKIP, DOREG,
+                        HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, DOREG,
                     ),
                 ),
                 (
@@ -594,7 +500,7 @@ if HAVE_GLUON:
                     (
                         q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr,
                         delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale, sm_scale, dtype,
-                        HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, PIPE, SKIP, DOREG,
+                        HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, DOREG,
                     ),
                 ),
                 (
@@ -620,41 +526,43 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg: 
     (``new_columns``) as the preprocess wrote them (``_prologue(cols=...)``)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    bm1, st1, bn2, st2 = BLOCK_M1, STAGES1, BLOCK_N2, STAGES2
-    (q2, *q_c), (do2, *do_c), (k2, *k_c), (v2, *v_c) = (_row_view(x) for x in (q, do, k, v))
-    (dq2, *dq_c), (dk2, *dk_c), (dv2, *dv_c) = (_row_view(x) for x in (dq, dk, dv))
+    views, coords = {}, {}
+    for name, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dq", dq), ("dk", dk), ("dv", dv)):
+        views[name], coords[name] = row_coords(name, x)
     common = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
-    coords = {}
-    for name, c in (("q", q_c), ("do", do_c), ("k", k_c), ("v", v_c)):
-        coords.update({f"{name}_rb": c[0], f"{name}_rh": c[1], f"{name}_ch": c[2]})
     # lse and delta as [B·H·T / BLOCK_M1, BLOCK_M1] rows for the dK/dV kernel's TMA loads, or (lse_mma)
     # -lse·log2(e) / qk_scale and -delta as the columns of a k16 slice, [B·H·T, LSE_COLS]
-    (lse2, *_), (delta2, *_) = (_row_view(x.view(B, H, T // bm1, bm1)) for x in (lse, delta))
     if cfg.lse_mma:
-        lse_d = _desc(cols[0].view(B * H * T, LSE_COLS), bm1, LSE_COLS)
-        delta_d = _desc(cols[1].view(B * H * T, LSE_COLS), bm1, LSE_COLS)
+        lse_d, delta_d = (_desc(c.view(B * H * T, LSE_COLS), BLOCK_M1, LSE_COLS) for c in cols)
     else:
-        lse_d, delta_d = _desc(lse2, 1, bm1), _desc(delta2, 1, bm1)
+        lse_d, delta_d = (_desc(_row_view(x.view(B, H, T // BLOCK_M1, BLOCK_M1))[0], 1, BLOCK_M1) for x in (lse, delta))
     dkdv = dict(
-        q_desc=_desc(q2, bm1, D), do_desc=_desc(do2, bm1, D), k_desc=_desc(k2, HALF_M, D), lse_desc=lse_d,
-        delta_desc=delta_d, v_desc=_desc(v2, HALF_M, D), dk_desc=_desc(dk2, HALF_M, D), dv_desc=_desc(dv2, HALF_M, D),
-        **common, **coords, dk_rb=dk_c[0], dk_rh=dk_c[1], dk_ch=dk_c[2], dv_rb=dv_c[0], dv_rh=dv_c[1], dv_ch=dv_c[2],
-    )  # fmt: skip
+        q_desc=_desc(views["q"], BLOCK_M1, D),
+        do_desc=_desc(views["do"], BLOCK_M1, D),
+        k_desc=_desc(views["k"], HALF_M, D),
+        v_desc=_desc(views["v"], HALF_M, D),
+        dk_desc=_desc(views["dk"], HALF_M, D),
+        dv_desc=_desc(views["dv"], HALF_M, D),
+        lse_desc=lse_d,
+        delta_desc=delta_d,
+        **common,
+        **{k: v for name in ("q", "do", "k", "v", "dk", "dv") for k, v in coords[name].items()},
+    )
     dqa = dict(
-        q_desc=_desc(q2, HALF_M, D), do_desc=_desc(do2, HALF_M, D), k_desc=_desc(k2, bn2, D), v_desc=_desc(v2, bn2, D),
-        dq_desc=_desc(dq2, HALF_M, D), **common, **coords, dq_rb=dq_c[0], dq_rh=dq_c[1], dq_ch=dq_c[2],
-    )  # fmt: skip
-    c1 = dict(
-        HEAD_DIM=D, BLOCK_M=bm1, STAGES=st1, CAUSAL=bool(causal), PF=False, LEAN=True, SMEM=True, PEEL=True,
-        LSEMMA=cfg.lse_mma, DMMA=cfg.lse_mma,
-    )  # fmt: skip
-    c2 = dict(
-        HEAD_DIM=D, BLOCK_N=bn2, STAGES=st2, CAUSAL=bool(causal), PIPE=True, SKIP=True, DOREG=cfg.doreg,
-    )  # fmt: skip
+        q_desc=_desc(views["q"], HALF_M, D),
+        do_desc=_desc(views["do"], HALF_M, D),
+        k_desc=_desc(views["k"], BLOCK_N2, D),
+        v_desc=_desc(views["v"], BLOCK_N2, D),
+        dq_desc=_desc(views["dq"], HALF_M, D),
+        **common,
+        **{k: v for name in ("q", "do", "k", "v", "dq") for k, v in coords[name].items()},
+    )
+    c1 = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M1, STAGES=STAGES1, CAUSAL=bool(causal), LSE_MMA=cfg.lse_mma)
+    c2 = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N2, STAGES=STAGES2, CAUSAL=bool(causal), DOREG=cfg.doreg)
     nb = T // RESIDENT
     n_sm = grid_sms(q.device)
-    w = cfg.tail_waves
-    dkdv["TAIL"], dqa["TAIL"] = tail_heads(nb, B * Hkv, n_sm, w), tail_heads(nb, B * H, n_sm, w)
+    dkdv["TAIL"] = tail_heads(nb, B * Hkv, n_sm, cfg.tail_waves)
+    dqa["TAIL"] = tail_heads(nb, B * H, n_sm, cfg.tail_waves)
     return [(_bwd_dkdv_kernel, (nb * B * Hkv,), dkdv, c1), (_bwd_dq_kernel, (nb * B * H,), dqa, c2)]
 
 
@@ -704,9 +612,22 @@ class _SplitPlan:
 
 
 def flash_attention_bwd_gluon(
-    do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *, config: GluonBwdConfig, dq=None, dk=None,
-    dv=None, checked: bool = False, plan: bool = False,
-):  # fmt: skip
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    config: GluonBwdConfig,
+    dq=None,
+    dk=None,
+    dv=None,
+    checked: bool = False,
+    plan: bool = False,
+):
     """Launch the delta preprocess, then the dK/dV and dQ kernels of ``config``. Returns (dq, dk, dv).
     ``dq``/``dk``/``dv``: optional output buffers (contiguous or [B, T, H, D]-transposed). ``checked``: the
     caller has just checked the inputs and ``supported_bwd``. ``plan``: also return a ``_SplitPlan`` that
@@ -720,7 +641,7 @@ def flash_attention_bwd_gluon(
         raise ValueError(f"{op}: lse_mma takes bf16 inputs only, got {q.dtype}")
     cols = new_columns(q, config.lse_mma)  # the preprocess also writes the lse / delta columns
     do, lse, dq, dk, dv, delta, s, pre = _prologue(
-        op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk, dv, True, plan, base2=True, cols=cols
+        op, do, q, k, v, o, lse, scale, dq, dk, dv, plan=plan, base2=True, cols=cols
     )
     cfg = config
     (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg, cols)

@@ -26,7 +26,7 @@ import torch
 
 from xtrain.kernels._dispatch import capability, launch_cached, rebased
 from xtrain.kernels.attention import triton as TR
-from xtrain.kernels.attention.reference import _check_bwd, _scale, _shapes
+from xtrain.kernels.attention.reference import LN2, LOG2E, _check_bwd, _scale, _shapes
 
 try:  # Gluon and its Hopper module (tested: triton 3.6 on the GPU machines, 3.9 here)
     import triton
@@ -52,7 +52,6 @@ CONSUMER_REGS = 232  # registers per thread of the second consumer partition (se
 PRODUCER_REGS = 24
 LSE_COLS = 16  # the split backward's lse / delta columns: one k16 slice of a wgmma, 3 of them used
 TAIL_WAVES = 2  # the Gluon backwards' program order: the last 2 waves of heads start tile-major
-LOG2E = 1.4426950408889634  # 1 / ln 2
 
 if HAVE_GLUON:
     # Gluon renamed a few builtins after 3.6; module-level aliases resolve as globals inside @gluon.jit
@@ -62,6 +61,8 @@ if HAVE_GLUON:
     HALF_ROWS = gl.constexpr(HALF_M)  # globals a @gluon.jit body reads must be constexpr objects
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+    _LOG2E = gl.constexpr(LOG2E)
+    _LN2 = gl.constexpr(LN2)
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
     @gluon.constexpr_function
@@ -87,7 +88,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _next_query_tile(start_m, step, T, m0):
         """(start_m + step, or m0 once that reaches T: the group's next head from its first tile again; 1 if it
-        wrapped, else 0): the LEAN dK/dV walk's next query tile, carried instead of divided out of the step."""
+        wrapped, else 0): the split's dK/dV walk's next query tile, carried instead of divided out of the step."""
         start_m += step
         wrap = (start_m == T).to(gl.int32)
         return start_m - wrap * (T - m0), wrap
@@ -104,16 +105,16 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
-    def _dkdv_load(desc, row_desc, bar, dst, row_dst, row, col, lt, SMEM: gl.constexpr, COLS: gl.constexpr = False):
-        """One Q or dO tile into its ring slot, and (SMEM) row lt of the lse / delta view beside it, on one barrier.
-        COLS (``lse_mma``): row_desc is the [B·H·T, LSE_COLS] lse-column view, and its [BLOCK_M, LSE_COLS] tile
-        of the step's queries comes instead."""
-        if SMEM:
-            mbarrier.expect(bar, desc.block_type.nbytes + row_desc.block_type.nbytes)
+    def _dkdv_load(desc, stat_desc, bar, dst, stat_dst, row, col, lt, STATS: gl.constexpr, COLS: gl.constexpr):
+        """One Q or dO tile into its ring slot and, with STATS, its lse (delta) statistic beside it on the same
+        barrier: row lt of the [B·H·T / BLOCK_M, BLOCK_M] view, or with COLS (``lse_mma``) the step's [BLOCK_M,
+        LSE_COLS] tile of the [B·H·T, LSE_COLS] column view."""
+        if STATS:
+            mbarrier.expect(bar, desc.block_type.nbytes + stat_desc.block_type.nbytes)
             if COLS:
-                _tma_load(row_desc, [lt * desc.block_type.shape[0], 0], bar, row_dst)
+                _tma_load(stat_desc, [lt * desc.block_type.shape[0], 0], bar, stat_dst)
             else:
-                _tma_load(row_desc, [lt, 0], bar, row_dst)
+                _tma_load(stat_desc, [lt, 0], bar, stat_dst)
         else:
             mbarrier.expect(bar, desc.block_type.nbytes)
         _tma_load(desc, [row, col], bar, dst)
@@ -122,14 +123,15 @@ if HAVE_GLUON:
     def _dkdv_producer(
         q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
         kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, k_col, v_row, v_col, q_base, q_rh, q_ch, do_base, do_rh,
-        do_ch, h0, mt0, n_m, n_iter, T, lt0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LEAN: gl.constexpr,
-        SMEM: gl.constexpr, LSEMMA: gl.constexpr = False, DMMA: gl.constexpr = False,
+        do_ch, h0, mt0, n_m, n_iter, T, lt0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+        COLS: gl.constexpr,
     ):  # fmt: skip
         """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile).
-        LEAN: the (head, tile) of a step carried from the step before (no division), and one "empty" barrier
-        per slot for both tiles (``q_empty``). SMEM (with LEAN): each step's lse and delta rows too (row lt of
-        the [B·H·T / BLOCK_M, BLOCK_M] views, from lt0 on), beside Q and dO, on their barriers; with LSEMMA (DMMA)
-        the step's [BLOCK_M, LSE_COLS] tile of the lse (delta) columns instead of its row."""
+        SPLIT (the two-kernel backward): each step's (head, tile) carried from the step before (no division),
+        one "empty" barrier per slot for both tiles (``q_empty``), and each step's lse and delta statistics
+        beside Q and dO (``_dkdv_load``: rows lt0, lt0 + 1, ... of the row views; with COLS the column tiles).
+        Otherwise (the one-pass backward): (head, tile) divided out of the step, an "empty" barrier per tile,
+        and no statistics (the lse / delta descriptors and buffers are stand-ins)."""
         KH: gl.constexpr = k_desc.block_type.shape[0]
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
@@ -140,7 +142,7 @@ if HAVE_GLUON:
         start_m = mt0 * BLOCK_M
         lt = lt0
         for it in range(n_iter):
-            if not LEAN:
+            if not SPLIT:
                 h = h0 + it // n_m
                 start_m = (mt0 + it % n_m) * BLOCK_M
             slot = it % STAGES
@@ -148,15 +150,15 @@ if HAVE_GLUON:
             mbarrier.wait(q_empty.index(slot), phase)
             _dkdv_load(
                 q_desc, lse_desc, q_bars.index(slot), q_smem.index(slot), lse_smem.index(slot),
-                q_base + h * q_rh + start_m, h * q_ch, lt, SMEM, LSEMMA,
+                q_base + h * q_rh + start_m, h * q_ch, lt, SPLIT, COLS,
             )  # fmt: skip
-            if not LEAN:
+            if not SPLIT:
                 mbarrier.wait(do_empty.index(slot), phase)
             _dkdv_load(
                 do_desc, delta_desc, do_bars.index(slot), do_smem.index(slot), delta_smem.index(slot),
-                do_base + h * do_rh + start_m, h * do_ch, lt, SMEM, DMMA,
+                do_base + h * do_rh + start_m, h * do_ch, lt, SPLIT, COLS,
             )  # fmt: skip
-            if LEAN:
+            if SPLIT:
                 start_m, wrap = _next_query_tile(start_m, BLOCK_M, T, mt0 * BLOCK_M)
                 lt += 1
                 lt += wrap * mt0
@@ -204,6 +206,13 @@ def _desc(view: torch.Tensor, rows: int, D: int):
     if layout is None:
         layout = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([rows, D], _GL_DTYPES[view.dtype])
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
+
+
+def row_coords(name: str, x: torch.Tensor) -> tuple:
+    """(2-D row view of x for its descriptor, the kernel's coordinate arguments {name_rb, name_rh, name_ch}) of x
+    in one of the two layouts (``_row_view``)."""
+    view, rb, rh, ch = _row_view(x)
+    return view, {f"{name}_rb": rb, f"{name}_rh": rh, f"{name}_ch": ch}
 
 
 def descriptor_templates(args: dict) -> dict:
@@ -312,40 +321,24 @@ def check_inputs(op: str, supported, head_dims, do, q, k, v, o, lse) -> None:
         )
 
 
-def _prologue(
-    op: str, supported, head_dims, do, q, k, v, o, lse, scale, dq, dk, dv, checked: bool = False, plan: bool = False,
-    base2: bool = False, cols=None,
-):  # fmt: skip
-    """What both Gluon backwards do before their kernels: check the inputs (``supported``: the backward's own
-    predicate; a ValueError naming ``op`` otherwise; skipped when ``checked``: the caller has just run both
-    checks, as the routing does), the scale, the output buffers (``_grad_buf``), then
-    the delta preprocess. Returns (do in q's dtype, lse fp32 contiguous, dq, dk, dv, delta, scale, the
-    preprocess as a ``CachedLaunch`` if ``plan``, else None). ``base2`` (the split's kernels): the returned lse
-    is a new buffer, lse·log2(e), written by the preprocess beside delta (the dK/dV kernel's TMA
-    rows then need no multiply between their shared-memory load and the exponentials). ``cols`` (with base2): the
-    (lse, delta) column buffers of ``lse_mma`` ([B, H, T, LSE_COLS] in q's dtype, ``new_columns``) for the
-    preprocess to fill as well."""
-    if not checked:
-        check_inputs(op, supported, head_dims, do, q, k, v, o, lse)
+def _prologue(op: str, do, q, k, v, o, lse, scale, dq, dk, dv, *, plan: bool = False, base2: bool = False, cols=None):
+    """What both Gluon backwards do before their kernels, once the inputs are checked (``check_inputs``): the scale,
+    the output buffers (``_grad_buf``), then the delta preprocess. Returns (do in q's dtype, lse fp32 contiguous,
+    dq, dk, dv, delta, scale, the preprocess as a ``CachedLaunch`` if ``plan``, else None). ``base2`` (the split's
+    kernels): the returned lse is a new buffer, lse·log2(e), written by the preprocess beside delta (the dK/dV
+    kernel's TMA rows then need no multiply between their shared-memory load and the exponentials). ``cols`` (with
+    base2): the (lse, delta) column buffers of ``lse_mma`` ([B, H, T, LSE_COLS] in q's dtype, ``new_columns``) for
+    the preprocess to fill as well."""
     B, H, T, D = q.shape
     s = _scale(op, scale, D)
-    do = do.to(q.dtype)  # a dense tensor keeps its strides (its layout was checked above)
+    do = do.to(q.dtype)  # a dense tensor keeps its strides (its layout was checked before)
     lse = lse.to(torch.float32).contiguous()
     dq = _grad_buf(op, "dq", dq, q)
     dk = _grad_buf(op, "dk", dk, k)
     dv = _grad_buf(op, "dv", dv, v)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta) if base2 else delta
-    PRE_M = 64
-    # LSE / LSE2 are read and written only with SCALE_LSE; otherwise delta stands in for both
-    lsec, deltac = cols if cols is not None else (delta, delta)  # stand-ins the preprocess does not touch
-    pre_args = dict(
-        O=o, DO=do, DELTA=delta, LSE=lse if base2 else delta, LSE2=lse2, LSEC=lsec, DELTAC=deltac, INV_SCALE=1.0 / s,
-        SCALE_LSE=base2, COLS=LSE_COLS if cols is not None else 0, stride_ob=o.stride(0), stride_oh=o.stride(1),
-        stride_ot=o.stride(2), stride_dob=do.stride(0), stride_doh=do.stride(1), stride_dot=do.stride(2), H=H, T=T,
-        HEAD_DIM=D, BLOCK_M=PRE_M,
-    )  # fmt: skip
-    grid = (triton.cdiv(T, PRE_M), B * H)
+    lse2 = torch.empty_like(delta) if base2 else None
+    grid, pre_args = TR.preprocess_launch(o, do, delta, lse if base2 else None, lse2, cols, inv_scale=1.0 / s)
     out = lse2 if base2 else lse
     if plan:
         return do, out, dq, dk, dv, delta, s, launch_cached(TR._flash_bwd_preprocess_kernel, grid, pre_args)
@@ -363,13 +356,12 @@ def plan_outputs(pre, do, q, k, v, o, lse=None, columns: bool = False):
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk, dv = fresh_grad(k), fresh_grad(v)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    if lse is None:  # (as _prologue without base2: LSE, LSE2, LSEC, DELTAC not touched)
-        pre(O=o, DO=do, DELTA=delta, LSE=delta, LSE2=delta, LSEC=delta, DELTAC=delta)
+    if lse is None:
+        pre(**TR.preprocess_buffers(o, do, delta))
         return dq, dk, dv, delta, None, None
     lse2 = torch.empty_like(delta)
     c = new_columns(q, columns)
-    lsec, deltac = c or (delta, delta)
-    pre(O=o, DO=do, DELTA=delta, LSE=lse.to(torch.float32).contiguous(), LSE2=lse2, LSEC=lsec, DELTAC=deltac)
+    pre(**TR.preprocess_buffers(o, do, delta, lse.to(torch.float32).contiguous(), lse2, c))
     return dq, dk, dv, delta, lse2, c
 
 

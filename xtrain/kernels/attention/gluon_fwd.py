@@ -37,15 +37,15 @@ from xtrain.kernels.attention.gluon_common import (
     HALF_M,
     HAVE_GLUON,
     HEAD_DIMS,
-    LOG2E,
     _compile,
     _desc,
     _row_view,
     capability,
     descriptor_templates,
     rebase_all,
+    row_coords,
 )
-from xtrain.kernels.attention.reference import _scale
+from xtrain.kernels.attention.reference import LOG2E, _scale
 
 BLOCK_M = 128  # query rows of a two-warpgroup item
 BLOCK_N = 128  # K/V rows per tile
@@ -69,8 +69,10 @@ class GluonFwdConfig:
 if HAVE_GLUON:
     from xtrain.kernels.attention.gluon_common import (
         _CONSUMER_REGS,
+        _LN2,
         _PRODUCER_REGS,
         HALF_ROWS,
+        _acc_layout,
         _cta_barrier,
         _tma_load,
         _tma_store,
@@ -86,16 +88,16 @@ if HAVE_GLUON:
     _CONSUMER3_REGS = gl.constexpr(CONSUMER3_REGS)
 
     @gluon.constexpr_function
-    def _mma_layouts(BLOCK_N, HEAD_DIM):
-        """wgmma accumulator layouts of one warpgroup: S [64, BLOCK_N] and O [64, HEAD_DIM]."""
-        s_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-        o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-        return s_layout, o_layout
+    def _exact(NW):
+        """Whether items of NW·64 query rows tile every T the kernel takes (a multiple of BLOCK_M = 128) exactly:
+        NW = 2. Then every item lies inside the sequence and a causal item's last K/V tile ends on its diagonal,
+        and the kernel computes neither the grid's offset nor a rounding up (NW = 3: ``_tile_coords``)."""
+        return BLOCK_M % (NW * HALF_M) == 0
 
     @gluon.jit
     def _tile_coords(
         bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-        NW: gl.constexpr = 2,
+        NW: gl.constexpr,
     ):  # fmt: skip
         """Descriptor coordinates of item (query tile pid_m of NW·64 rows, batch·head bh): row b·rb + h·rh + t,
         column h·ch (q and o share a layout; k and v share one). Returns (start_m, q_row, q_col, kv_row0,
@@ -103,24 +105,25 @@ if HAVE_GLUON:
         T is a multiple of 128, not of 192, so the item grid starts 0, 64 or 128 rows before the sequence and
         its FIRST item is the partial one (a few rows, one or two K/V tiles), never its heaviest; start_m may
         then be negative and the rows below 0 belong to nobody."""
+        ROWS: gl.constexpr = NW * HALF_ROWS
         off_b = bh // H
         off_h = bh % H
         off_hk = off_h // GROUP
-        if NW == 2:  # (the NW = 2 forms keep the measured two-warpgroup kernels' code as it was)
-            start_m = pid_m * (NW * HALF_ROWS)
+        if _exact(NW):
+            start_m = pid_m * ROWS
         else:
-            items = (T + NW * HALF_ROWS - 1) // (NW * HALF_ROWS)
-            start_m = pid_m * (NW * HALF_ROWS) - (items * NW * HALF_ROWS - T)
+            items = (T + ROWS - 1) // ROWS
+            start_m = pid_m * ROWS - (items * ROWS - T)
         q_row = off_b * q_rb + off_h * q_rh + start_m
         q_col = off_h * q_ch
         kv_row0 = off_b * kv_rb + off_hk * kv_rh
         kv_col = off_hk * kv_ch
         lse_row = bh.to(gl.int64) * T + start_m
         if CAUSAL:
-            if NW == 2:
-                n_tiles = (start_m + 2 * HALF_ROWS) // BLOCK_N
+            if _exact(NW):
+                n_tiles = (start_m + ROWS) // BLOCK_N
             else:
-                n_tiles = (start_m + NW * HALF_ROWS + BLOCK_N - 1) // BLOCK_N  # the last item ends at T
+                n_tiles = (start_m + ROWS + BLOCK_N - 1) // BLOCK_N  # the last item ends at T
         else:
             n_tiles = T // BLOCK_N
         return start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles
@@ -160,7 +163,7 @@ if HAVE_GLUON:
         q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles, qk_scale, start_m,
         s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
-        RELEASE_Q: gl.constexpr, HALF_DIAG: gl.constexpr = False,
+        RELEASE_Q: gl.constexpr, HALF_DIAG: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup's pass over an item's n_tiles K/V tiles, ring tiles t0 .. t0 + n_tiles - 1 (slot
         t % STAGES, phase (t // STAGES) & 1). Step j issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; wait(1)
@@ -177,25 +180,22 @@ if HAVE_GLUON:
             if n_tiles == 1:
                 acc, m_i, l_i = _diag_only(
                     q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, qk_scale,
-                    start_m, s_layout, o_layout, dtype, HEAD_DIM, STAGES, HALF, PINGPONG, RELEASE_Q,
+                    start_m, s_layout, o_layout, dtype, HEAD_DIM, STAGES=STAGES, HALF=HALF, PINGPONG=PINGPONG,
+                    RELEASE_Q=RELEASE_Q,
                 )  # fmt: skip
             else:
                 acc, m_i, l_i = _consumer_steps(
                     q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles,
-                    qk_scale, start_m, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG,
-                    RELEASE_Q, True,
+                    qk_scale, start_m, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES,
+                    CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG, RELEASE_Q=RELEASE_Q, HALF_DIAG=True,
                 )  # fmt: skip
         else:
             acc, m_i, l_i = _consumer_steps(
                 q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles, qk_scale,
-                start_m, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, RELEASE_Q, False,
+                start_m, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL,
+                HALF=HALF, PINGPONG=PINGPONG, RELEASE_Q=RELEASE_Q, HALF_DIAG=False,
             )  # fmt: skip
         return acc, m_i, l_i
-
-    @gluon.constexpr_function
-    def _half_layout():
-        """The wgmma accumulator layout of a [64, 64] S (the half-width diagonal step)."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_M, 16])
 
     @gluon.jit
     def _diag_only(
@@ -205,7 +205,7 @@ if HAVE_GLUON:
     ):  # fmt: skip
         """``_consumer_loop`` with HALF_DIAG for an item of one tile (the head's first): S and P·V over the
         tile's first 64 keys only."""
-        h_layout: gl.constexpr = _half_layout()
+        h_layout: gl.constexpr = _acc_layout(HALF_ROWS)  # [64, 64] S: the tile's first 64 keys
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         m_i = gl.full([HALF_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, h_layout))
         l_i = gl.full([HALF_ROWS], 0.0, gl.float32, gl.SliceLayout(1, h_layout))
@@ -224,7 +224,7 @@ if HAVE_GLUON:
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, m_i, l_i, alpha = _softmax_tile(
-            s, m_i, l_i, qk_scale, start_m, start_m, h_layout, HALF_ROWS, HALF_ROWS, True
+            s, m_i, l_i, qk_scale, start_m, start_m, h_layout, ROWS=HALF_ROWS, BLOCK_N=HALF_ROWS, CAUSAL=True
         )
         p16 = gl.convert_layout(p.to(dtype), p_layout)
         if RELEASE_Q:
@@ -262,7 +262,9 @@ if HAVE_GLUON:
         _pp_leave(sched, HALF, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, 0, s_layout, HALF_ROWS, BLOCK_N, CAUSAL)
+        p, m_i, l_i, alpha = _softmax_tile(
+            s, m_i, l_i, qk_scale, start_m, 0, s_layout, ROWS=HALF_ROWS, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL
+        )
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
         n_full = n_tiles - 1 if HALF_DIAG else n_tiles  # the full-width tiles
@@ -279,7 +281,7 @@ if HAVE_GLUON:
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, m_i, l_i, alpha = _softmax_tile(
-                s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, s_layout, HALF_ROWS, BLOCK_N, CAUSAL
+                s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, s_layout, ROWS=HALF_ROWS, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL
             )
             p16_next = gl.convert_layout(p.to(dtype), p_layout)
             acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))  # P_{j-1} stays alive until its wgmma retires
@@ -293,7 +295,7 @@ if HAVE_GLUON:
             # the diagonal tile: S over its first 64 keys, issued ahead of the previous tile's P·V as above (the
             # loop's issue order written out again: a helper shared with the loop changed the SASS of every
             # variant, the measured ones included)
-            h_layout: gl.constexpr = _half_layout()
+            h_layout: gl.constexpr = _acc_layout(HALF_ROWS)
             prev = (t_last - 1) % STAGES
             _pp_enter(sched, sc0 + n_tiles - 1, HALF, PINGPONG)
             mbarrier.wait(k_full.index(last), (t_last // STAGES) & 1)
@@ -310,10 +312,17 @@ if HAVE_GLUON:
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(last), count=1)
             ph, mh, lh, alpha = _softmax_tile(
-                s, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
-                gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), qk_scale, start_m, start_m, h_layout, HALF_ROWS,
-                HALF_ROWS, True,
-            )  # fmt: skip
+                s,
+                gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
+                gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)),
+                qk_scale,
+                start_m,
+                start_m,
+                h_layout,
+                ROWS=HALF_ROWS,
+                BLOCK_N=HALF_ROWS,
+                CAUSAL=True,
+            )
             ph16 = gl.convert_layout(ph.to(dtype), p_layout)
             acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
             mbarrier.arrive(v_empty.index(prev), count=1)
@@ -351,14 +360,14 @@ if HAVE_GLUON:
         fence_async_shared()
         _cta_barrier()
         _tma_store(o_desc, [o_row, o_col], o_buf)
-        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # ln 2
+        lse = (m_i + gl.log2(l_i)) * _LN2  # log2 domain -> natural log
         offs = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, s_layout))
         gl.store(lse_ptr + lse_row + offs, lse)
 
     @gluon.jit
     def _load_item(
         q_desc, k_desc, v_desc, q_smem, qb, q_bar, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_row, q_col,
-        kv_row0, kv_col, t0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr = 2,
+        kv_row0, kv_col, t0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
     ):  # fmt: skip
         """The producer's work for one item: its NW 64-row Q tiles into q_smem[qb .. qb + NW) (q_bar counts
         their bytes), then every K/V tile into its ring slot (running tile t0 + j) once every consumer has
@@ -378,15 +387,13 @@ if HAVE_GLUON:
             _tma_load(v_desc, [kv_row0 + j * BLOCK_N, kv_col], v_full.index(slot), v_smem.index(slot))
 
     @gluon.jit
-    def _init_ring(k_full, v_full, k_empty, v_empty, STAGES: gl.constexpr, NW: gl.constexpr = 2):
+    def _init_ring(k_full, v_full, k_empty, v_empty, STAGES: gl.constexpr, NW: gl.constexpr):
         for i in gl.static_range(STAGES):
             mbarrier.init(k_full.index(i), count=1)
             mbarrier.init(v_full.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=NW)  # one arrival per consumer warpgroup
             mbarrier.init(v_empty.index(i), count=NW)
 
-    # ---- lib: one program per item ------------------------------------------------------------------------
-    # ---- pers, q2, pp, q2pp: persistent programs ----------------------------------------------------------
     @gluon.jit
     def _items_begin(ord_off, ord_items, pid):
         """(count, first index into ord_items, the first item's code) of the program's items: program pid owns
@@ -406,7 +413,7 @@ if HAVE_GLUON:
     def _pers_producer(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, pid, n_prog,
         U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, NW: gl.constexpr = 2,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, NW: gl.constexpr,
     ):  # fmt: skip
         """The TMA warp: per item, its NW Q tiles into Q slot idx % NUM_Q once every consumer released it,
         then the item's K/V tiles into the ring (running counter t, continued across items)."""
@@ -415,13 +422,13 @@ if HAVE_GLUON:
         for idx in range(n_loc):
             bh, pid_m, code = _items_next(ord_items, base, idx, n_loc, code, n_m)
             start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
-                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL, NW
+                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, NW=NW
             )
             qs = idx % NUM_Q
             mbarrier.wait(q_empty.index(qs), ((idx // NUM_Q) & 1) ^ 1)  # first use passes on a fresh barrier
             _load_item(
                 q_desc, k_desc, v_desc, q_smem, NW * qs, q_full.index(qs), k_smem, v_smem, k_full, v_full, k_empty,
-                v_empty, q_row, q_col, kv_row0, kv_col, t, n_tiles, BLOCK_N, STAGES, NW,
+                v_empty, q_row, q_col, kv_row0, kv_col, t, n_tiles, BLOCK_N=BLOCK_N, STAGES=STAGES, NW=NW,
             )  # fmt: skip
             t += n_tiles
 
@@ -430,16 +437,14 @@ if HAVE_GLUON:
         q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched, o_desc, lse_ptr,
         qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items,
         dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_Q: gl.constexpr, PINGPONG: gl.constexpr, HALF: gl.constexpr, NW: gl.constexpr = 2,
-        HALF_DIAG: gl.constexpr = False,
+        NUM_Q: gl.constexpr, PINGPONG: gl.constexpr, HALF: gl.constexpr, NW: gl.constexpr, HALF_DIAG: gl.constexpr,
     ):  # fmt: skip
         """Consumer warpgroup HALF: query rows 64·HALF .. +64 of every item of the program. NW = 3: its rows
         may lie before the sequence (a head's first item, ``_tile_coords``) and, causal, its diagonal may come
         before the item's last tile: it computes its own first n_mine tiles and only waits for and releases
         the rest (``_skip_tiles``)."""
-        layouts: gl.constexpr = _mma_layouts(BLOCK_N, HEAD_DIM)
-        s_layout: gl.constexpr = layouts[0]
-        o_layout: gl.constexpr = layouts[1]
+        s_layout: gl.constexpr = _acc_layout(BLOCK_N)  # [64, BLOCK_N] S
+        o_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [64, HEAD_DIM] O
         o_half = o_smem.index(HALF)
         t = pid * 0  # running K/V tile counter (ring slot and phase), continued across items
         sc = pid * 0  # running ping-pong step counter: n_tiles + 1 steps per item
@@ -447,15 +452,16 @@ if HAVE_GLUON:
         for idx in range(n_loc):
             bh, pid_m, code = _items_next(ord_items, base, idx, n_loc, code, n_m)
             start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
-                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N, CAUSAL, NW
+                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, NW=NW
             )
             qs = idx % NUM_Q
             mbarrier.wait(q_full.index(qs), (idx // NUM_Q) & 1)
-            if NW == 2:
+            if _exact(NW):  # every row of the item in the sequence, its diagonal on the item's last tile
                 acc, m_i, l_i = _consumer_loop(
-                    q_smem.index(2 * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty.index(qs),
+                    q_smem.index(NW * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty.index(qs),
                     sched, t, sc, n_tiles, qk_scale, start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM,
-                    BLOCK_N, STAGES, CAUSAL, HALF, PINGPONG, True, CAUSAL and HALF_DIAG and HALF == 0,
+                    BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG, RELEASE_Q=True,
+                    HALF_DIAG=CAUSAL and HALF_DIAG and HALF == 0,
                 )  # fmt: skip
                 _store_half(
                     acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout, o_layout, dtype, HALF
@@ -470,7 +476,8 @@ if HAVE_GLUON:
                     acc, m_i, l_i = _consumer_loop(
                         q_smem.index(NW * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                         q_empty.index(qs), sched, t, sc, n_mine, qk_scale, row0, s_layout, o_layout, dtype, HEAD_DIM,
-                        BLOCK_N, STAGES, CAUSAL, HALF, False, True,
+                        BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=False, RELEASE_Q=True,
+                        HALF_DIAG=False,
                     )  # fmt: skip
                     _skip_tiles(k_full, v_full, k_empty, v_empty, t, n_mine, n_tiles, STAGES)
                     _store_half(
@@ -514,7 +521,7 @@ if HAVE_GLUON:
     def _flash_fwd_gluon_pers_kernel(
         q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T, U, n_m, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
         ord_off, ord_items, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_Q: gl.constexpr, PINGPONG: gl.constexpr, NW: gl.constexpr = 2, HALF_DIAG: gl.constexpr = False,
+        NUM_Q: gl.constexpr, PINGPONG: gl.constexpr, NW: gl.constexpr, HALF_DIAG: gl.constexpr,
     ):  # fmt: skip
         """Persistent program over U = B·H·n_m items of NW·64 query rows (n_m = ceil(T / (NW·64))), grid <=
         ceil(U / 2). num_warps = 4 (default partition = consumer 0; workers: the other NW - 1 consumers (4 warps
@@ -551,6 +558,7 @@ if HAVE_GLUON:
                             q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
                             o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
                             kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 0, 3,
+                            False,
                         ),
                     ),
                     (
@@ -559,6 +567,7 @@ if HAVE_GLUON:
                             q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
                             o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
                             kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 1, 3,
+                            False,
                         ),
                     ),
                     (
@@ -567,6 +576,7 @@ if HAVE_GLUON:
                             q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
                             o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
                             kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 2, 3,
+                            False,
                         ),
                     ),
                     (
@@ -627,10 +637,9 @@ def item_tiles(pid_m: int, n_m: int, T: int, NW: int, causal: bool) -> int:
     """The K/V tiles item pid_m of a head reads (``_tile_coords``' n_tiles, on the host)."""
     if not causal:
         return T // BLOCK_N
-    start_m = pid_m * NW * HALF_M - (n_m * NW * HALF_M - T if NW != 2 else 0)
-    if NW == 2:
-        return (start_m + 2 * HALF_M) // BLOCK_N
-    return (start_m + NW * HALF_M + BLOCK_N - 1) // BLOCK_N
+    rows = NW * HALF_M
+    start_m = pid_m * rows - (n_m * rows - T)  # (the grid's offset: 0 for NW = 2)
+    return -(-(start_m + rows) // BLOCK_N)
 
 
 def schedule(BH: int, n_m: int, T: int, NW: int, causal: bool, G: int) -> tuple[list, list]:
@@ -703,29 +712,57 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, config: GluonFwdConfig,
     NW = config.warpgroups
     if NW not in (2, 3) or (NW == 3 and (D != 64 or config.half_diag)):
         raise ValueError(f"flash_attention_fwd_gluon: 3 warpgroups take D = 64 and no half_diag, got {config}, D={D}")
-    q2, q_rb, q_rh, q_ch = _row_view(q)
-    k2, kv_rb, kv_rh, kv_ch = _row_view(k)
+    q2, q_coords = row_coords("q", q)  # (o shares q's layout, v k's)
+    k2, kv_coords = row_coords("kv", k)
     v2, o2 = _row_view(v)[0], _row_view(o)[0]
     n_m = -(-T // (NW * HALF_M))  # items per head (NW = 3: the last may hold fewer than 192 rows)
     U = B * H * n_m  # work items; programs take them in pairs, so more than ceil(U / 2) would idle
     grid = (max(1, min(n_prog, (U + 1) // 2)),)
     ord_off, ord_items = _schedule_tensors(q.device, B * H, n_m, T, NW, causal, grid[0])
     args = dict(
-        q_desc=_desc(q2, HALF_M, D), k_desc=_desc(k2, BLOCK_N, D), v_desc=_desc(v2, BLOCK_N, D),
-        o_desc=_desc(o2, HALF_M, D), lse_ptr=lse, qk_scale=scale * LOG2E, H=H, GROUP=H // k.shape[1], T=T, U=U, n_m=n_m,
-        q_rb=q_rb, q_rh=q_rh, q_ch=q_ch, kv_rb=kv_rb, kv_rh=kv_rh, kv_ch=kv_ch, ord_off=ord_off, ord_items=ord_items,
-    )  # fmt: skip
+        q_desc=_desc(q2, HALF_M, D),
+        k_desc=_desc(k2, BLOCK_N, D),
+        v_desc=_desc(v2, BLOCK_N, D),
+        o_desc=_desc(o2, HALF_M, D),
+        lse_ptr=lse,
+        qk_scale=scale * LOG2E,
+        H=H,
+        GROUP=H // k.shape[1],
+        T=T,
+        U=U,
+        n_m=n_m,
+        **q_coords,
+        **kv_coords,
+        ord_off=ord_off,
+        ord_items=ord_items,
+    )
     consts = dict(
-        HEAD_DIM=D, BLOCK_N=BLOCK_N, STAGES=config.stages, CAUSAL=bool(causal), NUM_Q=config.num_q,
-        PINGPONG=config.pingpong, NW=NW, HALF_DIAG=bool(causal and config.half_diag),
-    )  # fmt: skip
+        HEAD_DIM=D,
+        BLOCK_N=BLOCK_N,
+        STAGES=config.stages,
+        CAUSAL=bool(causal),
+        NUM_Q=config.num_q,
+        PINGPONG=config.pingpong,
+        NW=NW,
+        HALF_DIAG=bool(causal and config.half_diag),
+    )
     return _flash_fwd_gluon_pers_kernel, grid, args, consts
 
 
 def flash_attention_fwd_gluon(
-    q, k, v, causal: bool = True, scale: float | None = None, *, config: GluonFwdConfig, o=None, lse=None,
-    programs: int | None = None, checked: bool = False, plan: bool = False,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    config: GluonFwdConfig,
+    o=None,
+    lse=None,
+    programs: int | None = None,
+    checked: bool = False,
+    plan: bool = False,
+):
     """Launch the Gluon forward of ``config``. q, k, v must share a dtype; ``o``/``lse``: optional output buffers,
     o in q's layout, lse contiguous fp32. ``programs``: the persistent grid (None: the device's SM count).
     ``checked``: the caller has just seen ``supported(q, k, v)`` hold. ``plan``: also return a ``_FwdPlan`` that

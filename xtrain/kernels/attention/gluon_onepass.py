@@ -30,20 +30,20 @@ from xtrain.kernels._dispatch import HAVE_TRITON, launch_cached
 from xtrain.kernels.attention.gluon_common import (
     HALF_M,
     HAVE_GLUON,
-    LOG2E,
     RESIDENT,
     _compile,
     _desc,
     _prologue,
-    _row_view,
+    check_inputs,
     descriptor_templates,
     plan_outputs,
     rebase_all,
+    row_coords,
     stand_ins,
     tail_heads,
 )
 from xtrain.kernels.attention.gluon_common import supported_bwd as _split_supported
-from xtrain.kernels.attention.reference import _shapes
+from xtrain.kernels.attention.reference import LOG2E, _shapes
 from xtrain.kernels.attention.triton import grid_sms
 
 BLOCK_M = 64  # queries per step (one wgmma M of the dQ product)
@@ -65,6 +65,7 @@ class OnepassConfig:
 
 if HAVE_GLUON:
     from xtrain.kernels.attention.gluon_common import (
+        _LOG2E,
         _PRODUCER_REGS,
         _acc_layout,
         _cta_barrier,
@@ -82,7 +83,6 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    _LOG2E = gl.constexpr(LOG2E)
     _tma_reduce_add = getattr(tma, "async_atomic_add", None)
     if _tma_reduce_add is None:  # Gluon 3.6: the builder op exists (tl's descriptor atomic_add uses it) but
         # Gluon has no wrapper; wrap it as newer Gluon does
@@ -177,10 +177,11 @@ if HAVE_GLUON:
         q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full, ds_empty,
         dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n,
         qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, HALF: gl.constexpr, PF: gl.constexpr, NDS: gl.constexpr,
+        CAUSAL: gl.constexpr, HALF: gl.constexpr, NDS: gl.constexpr,
     ):  # fmt: skip
-        """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Its only wait on another consumer is ds_empty
-        (the dQ warpgroup NDS steps behind)."""
+        """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Each step's lse and delta are loaded in the step
+        before, ahead of its products. Its only wait on another consumer is ds_empty (the dQ warpgroup NDS steps
+        behind)."""
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)
         k_half = k_smem.index(HALF)
@@ -191,12 +192,8 @@ if HAVE_GLUON:
         lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, 0, BLOCK_M)
         mbarrier.wait(kv_bar, 0)
         for it in range(n_iter):
-            if PF:
-                lse2n, deltan = _lse_delta(
-                    lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, gl.minimum(it + 1, n_iter - 1), BLOCK_M
-                )
-            else:
-                lse2, delta = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, it, BLOCK_M)
+            nxt = gl.minimum(it + 1, n_iter - 1)  # the next step's statistics, loaded ahead (the last: its own)
+            lse2n, deltan = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, nxt, BLOCK_M)
             dv, dk, p_op = _kv_step(
                 it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta, dv, dk,
                 mt0, n_m, k_lo, qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, NDS,
@@ -205,8 +202,7 @@ if HAVE_GLUON:
             slot = it % STAGES
             mbarrier.arrive(q_empty.index(slot), count=1)  # dV, dK were the last readers of Q, dO
             mbarrier.arrive(do_empty.index(slot), count=1)
-            if PF:
-                lse2, delta = lse2n, deltan
+            lse2, delta = lse2n, deltan
         # both K halves feed the dQ warpgroup's products: its ds_empty arrival of the last step comes after its
         # last dQ wgmmas retired (and, in its program order, every earlier one)
         last = n_iter - 1
@@ -247,7 +243,7 @@ if HAVE_GLUON:
         q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP, T,
         q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh,
         dv_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
-        NDS: gl.constexpr, CAUSAL: gl.constexpr, PF: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
+        NDS: gl.constexpr, CAUSAL: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
     ):  # fmt: skip
         """Program (key tile of 128, batch·kv head); num_warps = 4 (the default partition is dK/dV warpgroup
         0). dq_desc: the fp32 accumulator [B·H·T, D] with [BLOCK_M, D] tiles."""
@@ -292,7 +288,7 @@ if HAVE_GLUON:
                         q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full,
                         ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
                         off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M,
-                        STAGES, CAUSAL, 0, PF, NDS,
+                        STAGES, CAUSAL, 0, NDS,
                     ),
                 ),
                 (
@@ -301,7 +297,7 @@ if HAVE_GLUON:
                         q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full,
                         ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
                         off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M,
-                        STAGES, CAUSAL, 1, PF, NDS,
+                        STAGES, CAUSAL, 1, NDS,
                     ),
                 ),
                 (
@@ -319,7 +315,7 @@ if HAVE_GLUON:
                         off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, T,
                         0, BLOCK_M, STAGES, False, False,
                     ),
-                ),  # (no lse/delta rows: LEAN, SMEM off)
+                ),  # (the one-pass walk: no lse / delta statistics; their descriptors and buffers are stand-ins)
             ],
             [4, 4, 1],
             [KV_REGS, DQ_REGS, _PRODUCER_REGS],
@@ -387,9 +383,17 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float, cached: bool =
         )
     B, H, T, D = dq.shape
     args = dict(
-        ACC=acc, DQ=dq, scale=scale, H=H, T=T, stride_b=dq.stride(0), stride_h=dq.stride(1), stride_t=dq.stride(2),
-        HEAD_DIM=D, ROWS=CONVERT_ROWS,
-    )  # fmt: skip
+        ACC=acc,
+        DQ=dq,
+        scale=scale,
+        H=H,
+        T=T,
+        stride_b=dq.stride(0),
+        stride_h=dq.stride(1),
+        stride_t=dq.stride(2),
+        HEAD_DIM=D,
+        ROWS=CONVERT_ROWS,
+    )
     grid = (triton.cdiv(T, CONVERT_ROWS), B * H)
     if cached:
         return launch_cached(_dq_convert_kernel, grid, args, num_warps=4)
@@ -413,45 +417,66 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg: OnepassConfig):
     """(kernel, grid, args, constexprs) of the one-pass kernel; CUDA tensors or CPU stand-ins."""
-    stages, slots, nds, pf, kv_regs, dq_regs = cfg.stages, cfg.slots, cfg.nds, True, cfg.kv_regs, cfg.dq_regs
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    views = {n: _row_view(x) for n, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv))}
     args = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
-    for n, (_, rb, rh, ch) in views.items():
-        args.update({f"{n}_rb": rb, f"{n}_rh": rh, f"{n}_ch": ch})
-    acc2 = dq_acc.view(B * H * T, D)
+    views = {}
+    for name, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv)):
+        views[name], coords = row_coords(name, x)
+        args.update(coords)
     args.update(
-        q_desc=_desc(views["q"][0], BLOCK_M, D), do_desc=_desc(views["do"][0], BLOCK_M, D),
-        k_desc=_desc(views["k"][0], HALF_M, D), v_desc=_desc(views["v"][0], HALF_M, D),
-        dk_desc=_desc(views["dk"][0], HALF_M, D), dv_desc=_desc(views["dv"][0], HALF_M, D),
-        dq_desc=_desc(acc2, BLOCK_M, D),
-    )  # fmt: skip
+        q_desc=_desc(views["q"], BLOCK_M, D),
+        do_desc=_desc(views["do"], BLOCK_M, D),
+        k_desc=_desc(views["k"], HALF_M, D),
+        v_desc=_desc(views["v"], HALF_M, D),
+        dk_desc=_desc(views["dk"], HALF_M, D),
+        dv_desc=_desc(views["dv"], HALF_M, D),
+        dq_desc=_desc(dq_acc.view(B * H * T, D), BLOCK_M, D),  # the fp32 accumulator
+    )
     consts = dict(
-        HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=stages, SLOTS=slots, NDS=nds, CAUSAL=bool(causal), PF=pf, KV_REGS=kv_regs,
-        DQ_REGS=dq_regs,
-    )  # fmt: skip
+        HEAD_DIM=D,
+        BLOCK_M=BLOCK_M,
+        STAGES=cfg.stages,
+        SLOTS=cfg.slots,
+        NDS=cfg.nds,
+        CAUSAL=bool(causal),
+        KV_REGS=cfg.kv_regs,
+        DQ_REGS=cfg.dq_regs,
+    )
     nb = T // RESIDENT
     args["TAIL"] = tail_heads(nb, B * Hkv, grid_sms(q.device))
     return _onepass_kernel, (nb * B * Hkv,), args, consts
 
 
 def flash_attention_bwd_gluon_onepass(
-    do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *, dq=None, dk=None, dv=None,
-    config: OnepassConfig = OnepassConfig(), checked: bool = False, plan: bool = False,
-):  # fmt: skip
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    dq=None,
+    dk=None,
+    dv=None,
+    config: OnepassConfig = OnepassConfig(),
+    checked: bool = False,
+    plan: bool = False,
+):
     """Delta preprocess, the one-pass kernel, the dQ convert. Returns (dq, dk, dv). ``dq``/``dk``/``dv``:
     optional output buffers (contiguous or [B, T, H, D]-transposed); ``config``: an ``OnepassConfig``. Holds
     an fp32 dQ accumulator [B, H, T, D] while it runs.
-    ``checked``: the caller has just checked the inputs and ``supported_bwd`` (``_prologue``). ``plan``: also
+    ``checked``: the caller has just checked the inputs and ``supported_bwd`` (``check_inputs``). ``plan``: also
     return a ``_OnepassPlan`` that repeats these launches for inputs of the same signature (dq, dk, dv left to
     this function)."""
     op = "flash_attention_bwd_gluon_onepass"
     if plan and (dq is not None or dk is not None or dv is not None):
         raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
-    do, lse, dq, dk, dv, delta, s, pre = _prologue(
-        op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse, scale, dq, dk, dv, checked, plan
-    )
+    if not checked:
+        check_inputs(op, supported_bwd, HEAD_DIMS, do, q, k, v, o, lse)
+    do, lse, dq, dk, dv, delta, s, pre = _prologue(op, do, q, k, v, o, lse, scale, dq, dk, dv, plan=plan)
     cfg = config
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kern, grid, args, consts = _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s, causal, cfg)

@@ -31,9 +31,9 @@ import math
 
 import torch
 
+from xtrain.kernels._consts import LN2, LOG2E  # noqa: F401 (re-exported to the kernel modules)
 from xtrain.kernels._dispatch import acc_dtype as _acc
 
-LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x * LOG2E)
 REF_TILE = 128  # K/V tile of the flash references
 
 

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from xtrain.kernels._dispatch import HAVE_TRITON, run_side_by_side, sm_count
-from xtrain.kernels.attention.reference import LOG2E, _check_bwd, _check_qkv, _scale, _shapes
+from xtrain.kernels.attention.reference import LN2, LOG2E, _check_bwd, _check_qkv, _scale, _shapes
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
+PRE_M = 64  # rows of o / dO per program of the delta preprocess
 _HAVE_DESC = False  # set below when Triton's host-side tensor descriptors import
 
 
@@ -74,7 +75,8 @@ if HAVE_TRITON:
         _HAVE_DESC = True
     except ImportError:  # pragma: no cover
         _HAVE_DESC = False
-    _LOG2E_C = tl.constexpr(LOG2E)
+    _LOG2E = tl.constexpr(LOG2E)
+    _LN2 = tl.constexpr(LN2)
 
     @triton.jit
     def _tail_order(pid, nb, n_heads, TAIL):
@@ -168,30 +170,26 @@ if HAVE_TRITON:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
-            # keys strictly left of this query tile: never masked
-            acc, l_i, m_i = _fwd_tiles(
-                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale, 0,
-                start_m, False, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA,
-            )  # fmt: skip
-            # the diagonal band: causal mask
+            mid = start_m  # keys strictly left of this query tile: never masked
+        else:
+            mid = (T // BLOCK_N) * BLOCK_N  # every full K/V tile
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale,
+            lo=0, hi=mid, MASK=False, CAUSAL=CAUSAL, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+            DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
+        )  # fmt: skip
+        if CAUSAL or not EVEN_T:  # the diagonal band (causal mask) or the ragged last K/V tile (keys >= T masked)
+            if CAUSAL:
+                end = tl.minimum(start_m + BLOCK_M, T)
+            else:
+                end = T
             acc, l_i, m_i = _fwd_tiles(
                 acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale,
-                start_m, tl.minimum(start_m + BLOCK_M, T), True, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION,
-                USE_TMA,
+                lo=mid, hi=end, MASK=True, CAUSAL=CAUSAL, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+                DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
             )  # fmt: skip
-        else:
-            t_full = (T // BLOCK_N) * BLOCK_N
-            acc, l_i, m_i = _fwd_tiles(
-                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale, 0,
-                t_full, False, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA,
-            )  # fmt: skip
-            if not EVEN_T:  # the ragged last K/V tile: keys >= T masked
-                acc, l_i, m_i = _fwd_tiles(
-                    acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T,
-                    qk_scale, t_full, T, True, CAUSAL, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA,
-                )  # fmt: skip
         acc = acc / l_i[:, None]
-        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # log2 domain -> natural log (x ln 2)
+        lse = (m_i + tl.log2(l_i)) * _LN2  # log2 domain -> natural log
         o_ptrs = o_base + offs_m[:, None] * stride_ot + offs_d[None, :]
         lse_ptrs = LSE + off_bh.to(tl.int64) * T + offs_m
         if EVEN_T:
@@ -211,7 +209,8 @@ if HAVE_TRITON:
         (the Gluon split backward's base-2 row statistic; LSE, LSE2 contiguous fp32 [B, H, T]). COLS (> 0, with
         SCALE_LSE): also LSEC and DELTAC, contiguous [B, H, T, COLS] in O's dtype, row i holding -LSE[i] · INV_SCALE
         (INV_SCALE = 1 / softmax scale) and -DELTA[i] each as three parts in that dtype (columns 0-2, the parts
-        summing to the fp32 value to ~24 bits; zeros after): the Gluon split's OPT_LSEMMA columns."""
+        summing to the fp32 value to ~24 bits; zeros after): the Gluon split's ``lse_mma`` columns. LSE and LSE2
+        are not touched without SCALE_LSE, LSEC and DELTAC not without COLS (``preprocess_buffers``)."""
         pid_m = tl.program_id(0)
         off_bh = tl.program_id(1)
         off_b = off_bh // H
@@ -241,7 +240,7 @@ if HAVE_TRITON:
         tl.store(DELTA + off_bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
         if SCALE_LSE:
             lse = tl.load(LSE + off_bh.to(tl.int64) * T + offs_m, mask=offs_m < T)
-            tl.store(LSE2 + off_bh.to(tl.int64) * T + offs_m, lse * _LOG2E_C, mask=offs_m < T)
+            tl.store(LSE2 + off_bh.to(tl.int64) * T + offs_m, lse * _LOG2E, mask=offs_m < T)
             if COLS > 0:
                 cols = tl.arange(0, COLS)
                 at = (off_bh.to(tl.int64) * T + offs_m)[:, None] * COLS + cols[None, :]
@@ -285,7 +284,7 @@ if HAVE_TRITON:
                 q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)
                 lse = tl.load(lse_base + offs_m, mask=offs_m < T, other=0.0)
             s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-            p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])  # lse to log2 domain
+            p_t = tl.exp2(s_t * qk_scale - (lse * _LOG2E)[None, :])  # lse to log2 domain
             if MASK:
                 p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
             if USE_TMA:
@@ -350,23 +349,20 @@ if HAVE_TRITON:
             lse_base = LSE + (off_b * H + off_h).to(tl.int64) * T
             delta_base = DELTA + (off_b * H + off_h).to(tl.int64) * T
             q_row0 = (off_b * H + off_h) * T  # first row of this head in [B*H*T, D] (TMA coordinates)
-            if CAUSAL:
-                # query rows in this key tile's diagonal band see only part of it: masked
+            if CAUSAL:  # query rows in this key tile's diagonal band see only part of it: masked
                 dk, dv = _bwd_dkdv_tiles(
                     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_row0,
-                    offs_n, T, qk_scale, start_n, tl.minimum(start_n + BLOCK_N, T), True, EVEN_T, BLOCK_M, HEAD_DIM,
-                    DOT_PRECISION, USE_TMA,
+                    offs_n, T, qk_scale, lo=start_n, hi=tl.minimum(start_n + BLOCK_N, T), MASK=True, EVEN_T=EVEN_T,
+                    BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
                 )  # fmt: skip
-                # query rows below the band see all of it
-                dk, dv = _bwd_dkdv_tiles(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_row0,
-                    offs_n, T, qk_scale, start_n + BLOCK_N, T, False, EVEN_T, BLOCK_M, HEAD_DIM, DOT_PRECISION, USE_TMA,
-                )  # fmt: skip
+                below = start_n + BLOCK_N  # query rows below the band see all of it
             else:
-                dk, dv = _bwd_dkdv_tiles(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_row0,
-                    offs_n, T, qk_scale, 0, T, False, EVEN_T, BLOCK_M, HEAD_DIM, DOT_PRECISION, USE_TMA,
-                )  # fmt: skip
+                below = 0
+            dk, dv = _bwd_dkdv_tiles(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_row0,
+                offs_n, T, qk_scale, lo=below, hi=T, MASK=False, EVEN_T=EVEN_T, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM,
+                DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
+            )  # fmt: skip
         dk = dk * sm_scale
         dk_ptrs = (
             DK
@@ -465,25 +461,25 @@ if HAVE_TRITON:
             do = tl.load(do_ptrs, mask=offs_m[:, None] < T, other=0.0)
             lse = tl.load(LSE + row, mask=offs_m < T, other=0.0)
             delta = tl.load(DELTA + row, mask=offs_m < T, other=0.0)
-        lse2 = lse * 1.4426950408889634  # natural log -> log2 domain (x 1/ln 2)
+        lse2 = lse * _LOG2E  # natural log -> log2 domain
         k_base = K + off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
         v_base = V + off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
         kv_row0 = (off_b * (H // GROUP) + off_kvh) * T
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
-            dq = _bwd_dq_tiles(
-                dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T,
-                qk_scale, 0, start_m, False, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA,
-            )  # fmt: skip
-            dq = _bwd_dq_tiles(
-                dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T,
-                qk_scale, start_m, tl.minimum(start_m + BLOCK_M, T), True, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION,
-                USE_TMA,
-            )  # fmt: skip
+            mid = start_m  # keys strictly left of this query tile: never masked
         else:
+            mid = T
+        dq = _bwd_dq_tiles(
+            dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale,
+            lo=0, hi=mid, MASK=False, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
+            USE_TMA=USE_TMA,
+        )  # fmt: skip
+        if CAUSAL:  # the diagonal band: causal mask
             dq = _bwd_dq_tiles(
                 dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T,
-                qk_scale, 0, T, False, EVEN_T, BLOCK_N, HEAD_DIM, DOT_PRECISION, USE_TMA,
+                qk_scale, lo=start_m, hi=tl.minimum(start_m + BLOCK_M, T), MASK=True, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N,
+                HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
             )  # fmt: skip
         dq = dq * sm_scale
         dq_ptrs = (
@@ -543,6 +539,40 @@ def _tma_ok(tma: bool, even: bool, *ts) -> bool:
     return bool(tma) and _HAVE_DESC and even and all(t.is_contiguous() for t in ts)
 
 
+def _strides(name: str, x: torch.Tensor) -> dict:
+    """The kernels' stride arguments of x [B, Hx, T, D] (unit last stride): stride_{name}b, _{name}h, _{name}t."""
+    return {f"stride_{name}b": x.stride(0), f"stride_{name}h": x.stride(1), f"stride_{name}t": x.stride(2)}
+
+
+def preprocess_buffers(o, do, delta, lse=None, lse2=None, cols=None) -> dict:
+    """The tensor arguments of ``_flash_bwd_preprocess_kernel``: delta = rowsum(dO ∘ O) from o and do [B, H, T, D]
+    into delta [B, H, T]; with ``lse`` also lse·log2(e) into ``lse2`` (both [B, H, T] fp32); with ``cols`` also
+    the (lse, delta) column buffers of the Gluon split's ``lse_mma``. A buffer its form does not touch is given
+    as delta (the kernel neither reads nor writes it)."""
+    lsec, deltac = cols if cols is not None else (delta, delta)
+    lse, lse2 = (delta, delta) if lse is None else (lse, lse2)
+    return dict(O=o, DO=do, DELTA=delta, LSE=lse, LSE2=lse2, LSEC=lsec, DELTAC=deltac)
+
+
+def preprocess_launch(o, do, delta, lse=None, lse2=None, cols=None, inv_scale: float = 1.0) -> tuple:
+    """(grid, arguments) of the delta preprocess in the form ``preprocess_buffers`` describes; ``inv_scale`` (with
+    ``cols``): 1 / the softmax scale."""
+    B, H, T, D = o.shape
+    args = dict(
+        preprocess_buffers(o, do, delta, lse, lse2, cols),
+        INV_SCALE=inv_scale,
+        **_strides("o", o),
+        **_strides("do", do),
+        H=H,
+        T=T,
+        HEAD_DIM=D,
+        BLOCK_M=PRE_M,
+        SCALE_LSE=lse is not None,
+        COLS=cols[0].shape[-1] if cols is not None else 0,
+    )
+    return (triton.cdiv(T, PRE_M), B * H), args
+
+
 def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None = None, *, config, o=None, lse=None):
     """Launch the forward kernel with ``config`` (a ``TritonFwdConfig``). ``o``/``lse``: optional output buffers
     (tests pass NaN-poisoned ones)."""
@@ -566,12 +596,32 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
     desc_k, desc_v = (_descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N)) if use_tma else (None, None)
     nb = triton.cdiv(T, BLOCK_M)
     _flash_fwd_kernel[(nb * B * H,)](
-        q, k, v, o, lse, desc_k, desc_v, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, T, H // Hkv, s * LOG2E,
-        tail_heads(nb, B * H, grid_sms(q.device), config.tail_waves), CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, num_warps=num_warps,
+        Q=q,
+        K=k,
+        V=v,
+        O=o,
+        LSE=lse,
+        desc_k=desc_k,
+        desc_v=desc_v,
+        **_strides("q", q),
+        **_strides("k", k),
+        **_strides("v", v),
+        **_strides("o", o),
+        H=H,
+        T=T,
+        GROUP=H // Hkv,
+        qk_scale=s * LOG2E,
+        TAIL=tail_heads(nb, B * H, grid_sms(q.device), config.tail_waves),
+        CAUSAL=bool(causal),
+        EVEN_T=even,
+        HEAD_DIM=D,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        DOT_PRECISION=_precision(q.dtype),
+        USE_TMA=use_tma,
+        num_warps=num_warps,
         num_stages=num_stages,
-    )  # fmt: skip
+    )
     return o, lse
 
 
@@ -598,12 +648,10 @@ def flash_attention_bwd_triton(
     dk = _out(dk, (B, Hkv, T, D), k.dtype, q.device, "dk", op)
     dv = _out(dv, (B, Hkv, T, D), v.dtype, q.device, "dv", op)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    PRE_M = 64
-    _flash_bwd_preprocess_kernel[(triton.cdiv(T, PRE_M), B * H)](
-        o, do, delta, delta, delta, delta, delta, 1.0, o.stride(0), o.stride(1), o.stride(2), do.stride(0),
-        do.stride(1), do.stride(2), H, T, HEAD_DIM=D, BLOCK_M=PRE_M,
-    )  # fmt: skip
+    pre_grid, pre_args = preprocess_launch(o, do, delta)
+    _flash_bwd_preprocess_kernel[pre_grid](**pre_args)
     prec = _precision(q.dtype)
+    common = dict(H=H, T=T, GROUP=H // Hkv, qk_scale=s * LOG2E, sm_scale=s, CAUSAL=bool(causal), HEAD_DIM=D)
     even1 = T % BM1 == 0 and T % BN1 == 0
     use_tma1 = _tma_ok(tma1, even1, q, do)
     desc_q, desc_do = (_descriptor(q, BM1), _descriptor(do, BM1)) if use_tma1 else (None, None)
@@ -611,13 +659,33 @@ def flash_attention_bwd_triton(
     def launch_dkdv():
         nb = triton.cdiv(T, BN1)
         _flash_bwd_dkdv_kernel[(nb * B * Hkv,)](
-            q, k, v, do, lse, delta, dk, dv, desc_q, desc_do, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
-            k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), H, Hkv, T, H // Hkv,
-            s * LOG2E, s, tail_heads(nb, B * Hkv, grid_sms(q.device), config.tail_waves), CAUSAL=bool(causal),
-            EVEN_T=even1, HEAD_DIM=D, BLOCK_M=BM1, BLOCK_N=BN1, DOT_PRECISION=prec, USE_TMA=use_tma1, num_warps=W1,
+            Q=q,
+            K=k,
+            V=v,
+            DO=do,
+            LSE=lse,
+            DELTA=delta,
+            DK=dk,
+            DV=dv,
+            desc_q=desc_q,
+            desc_do=desc_do,
+            **_strides("q", q),
+            **_strides("k", k),
+            **_strides("v", v),
+            **_strides("do", do),
+            **_strides("dk", dk),
+            **_strides("dv", dv),
+            Hkv=Hkv,
+            TAIL=tail_heads(nb, B * Hkv, grid_sms(q.device), config.tail_waves),
+            EVEN_T=even1,
+            BLOCK_M=BM1,
+            BLOCK_N=BN1,
+            DOT_PRECISION=prec,
+            USE_TMA=use_tma1,
+            **common,
+            num_warps=W1,
             num_stages=S1,
-        )  # fmt: skip
+        )
 
     even2 = T % BM2 == 0 and T % BN2 == 0
     use_tma2 = _tma_ok(tma2, even2, k, v)
@@ -626,12 +694,30 @@ def flash_attention_bwd_triton(
     def launch_dq():
         nb = triton.cdiv(T, BM2)
         _flash_bwd_dq_kernel[(nb * B * H,)](
-            q, k, v, do, lse, delta, dq, desc_k, desc_v, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
-            k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-            dq.stride(0), dq.stride(1), dq.stride(2), H, T, H // Hkv, s * LOG2E, s,
-            tail_heads(nb, B * H, grid_sms(q.device), config.tail_waves), CAUSAL=bool(causal), EVEN_T=even2, HEAD_DIM=D,
-            BLOCK_M=BM2, BLOCK_N=BN2, DOT_PRECISION=prec, USE_TMA=use_tma2, num_warps=W2, num_stages=S2,
-        )  # fmt: skip
+            Q=q,
+            K=k,
+            V=v,
+            DO=do,
+            LSE=lse,
+            DELTA=delta,
+            DQ=dq,
+            desc_k=desc_k,
+            desc_v=desc_v,
+            **_strides("q", q),
+            **_strides("k", k),
+            **_strides("v", v),
+            **_strides("do", do),
+            **_strides("dq", dq),
+            TAIL=tail_heads(nb, B * H, grid_sms(q.device), config.tail_waves),
+            EVEN_T=even2,
+            BLOCK_M=BM2,
+            BLOCK_N=BN2,
+            DOT_PRECISION=prec,
+            USE_TMA=use_tma2,
+            **common,
+            num_warps=W2,
+            num_stages=S2,
+        )
 
     if config.two_streams and q.is_cuda:
         # the dK/dV and dQ kernels are independent once delta exists: the dQ kernel runs on a side stream so
