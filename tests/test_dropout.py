@@ -231,3 +231,40 @@ def test_gpu_kernel_matches_reference_with_rows(dtype, shape, start, stride):
     buf[1:2].copy_(K.seed_tensor(2**64 - 3, "cuda").reshape(1))
     assert torch.equal(K.dropout_fwd_triton(x, 0.1, buf[1], start, stride), want)
     assert torch.equal(K.dropout_fwd_ref(x, 0.1, buf[1], start, stride), want)
+
+
+@pytest.mark.parametrize("capture_ready", [False, True])
+def test_trainer_gives_a_rank_its_global_rows(capture_ready):
+    """Fast in-process form of the torchrun equivalence: rank 1 of 2 with two micro-batches holds global rows
+    1, 3 (micro-batch 0) and 5, 7 (micro-batch 1) of an 8-row batch, so its loss sum and gradient are those of
+    the whole batch with the other rank's rows' targets ignored (same masks for the same tokens). A trainer that
+    drops the rank (or the micro-batch offset) from ``dropout_rows`` draws rank 0's masks and differs."""
+    from xtrain.config import ModelConfig, TrainConfig
+    from xtrain.model import Model, mix_seed
+    from xtrain.train.trainer import Trainer
+
+    cfg = ModelConfig(vocab_size=41, n_layer=1, n_embd=16, n_head=2, n_kv_head=1, head_dim=8, ffn_dim=24,
+                      max_seq_len=8, dropout=0.3, compute_dtype="float64")  # fmt: skip
+    g = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, cfg.vocab_size, (8, 7), generator=g)  # the step's global batch [8, T + 1]
+    x, y = ids[:, :-1], ids[:, 1:]
+    tc = TrainConfig(steps=1, batch_size=4, seq_len=6, grad_accum=2, lr=1e-2, warmup_steps=0, seed=4)
+    tr = Trainer(Model(cfg, seed=2), tc, lambda: ids[1::2], rank=1, world_size=2, capture_ready=capture_ready)
+    whole = Model(cfg, seed=2).train()
+    whole.set_dropout_step(mix_seed(tc.seed, 0))
+    y_other_ignored = y.clone()
+    y_other_ignored[0::2] = -100
+    want = whole.loss(x, y_other_ignored, reduction="sum")
+    n = int((y_other_ignored != -100).sum())
+    ops.scale(want, 1.0 / n).backward()
+    m = tr.train_step()  # the step path's gradient is gone after its update: its norm and loss are kept
+    want_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in whole.params.values()))
+    assert m["tokens"] == n and not m["skipped"]
+    assert math.isclose(m["loss"], float(want.data) / n, rel_tol=1e-12)
+    # the capture-ready step seeds its backward with 1/N rounded to fp32 (as the host path's fp32 runs do): a
+    # relative 3e-8 in fp64; a wrong mask changes the norm by percents
+    assert math.isclose(m["grad_norm"], want_norm, rel_tol=1e-6 if capture_ready else 1e-12)
+    # dropout is live here: rank 0's rows for the same tokens would give another loss
+    other = Model(cfg, seed=2).train()
+    other.set_dropout_step(mix_seed(tc.seed, 0))
+    assert not math.isclose(float(other.loss(x[1::2], y[1::2], reduction="sum").data), float(want.data), rel_tol=1e-6)

@@ -1,6 +1,8 @@
 """Hugging Face export: the checkpoint loads in transformers' Qwen3ForCausalLM (an implementation written
 independently of ours) and gives the same logits; import brings it back bit for bit; bad shapes fail."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -97,6 +99,33 @@ def test_export_command(tmp_path):
     c2, state = import_hf(tmp_path / "hf")
     assert c2.tie_embeddings and "lm_head.weight" not in state
     assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "hf2")]) == 2
+
+
+def test_exported_tokenizer_starts_every_encoding_with_endoftext(tmp_path):
+    """What training saw: every document starts with <|endoftext|>. The exported tokenizer.json must put it in
+    front of tokenizer(prompt) (its post-processor), else transformers users continue a different sequence."""
+    transformers = pytest.importorskip("transformers")
+    import inspect
+    import json as json_mod
+
+    from xtrain.cli import main
+    from xtrain.data.tokenizer import Tokenizer
+    from xtrain.train import checkpoint as ck
+    from xtrain.train.optim import AdamW
+
+    texts = [inspect.getsource(json_mod)[i * 800 : (i + 1) * 800] for i in range(12)]
+    tok = Tokenizer.train(texts, vocab_size=300)
+    c = dataclasses.replace(cfg(True), vocab_size=tok.vocab_size)
+    m = Model(c, seed=0)
+    ck.save_checkpoint(tmp_path / "run", model=m, optimizer=AdamW(m.params, lr=1e-3), trainer_state={"step": 0})
+    tok.save(tmp_path / "run" / "tokenizer.json")
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    for prompt in ["def ", "", "import os\n", "  \u00e9t\u00e9 = {'a': 1}"]:
+        ids = [tok.eot_id] + tok.encode(prompt)
+        assert hf_tok(prompt)["input_ids"] == ids, prompt
+        assert hf_tok.decode(ids, skip_special_tokens=True) == prompt
+    assert hf_tok.eos_token_id == tok.eot_id
 
 
 @pytest.mark.slow

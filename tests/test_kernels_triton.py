@@ -63,6 +63,11 @@ def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
+def _scaled_err(a, b):
+    """The largest error relative to the reference's largest magnitude (tolerances scale with the values)."""
+    return _max_err(a, b) / max(b.double().abs().max().item(), 1e-30)
+
+
 def _rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -109,30 +114,32 @@ def _qk_case(B, T, G, D, batched, dtype, device="cpu", seed=0):
 @pytest.mark.parametrize("batched", [False, True])
 def test_qk_norm_rope_cpu(B, T, G, D, batched):
     # one fused kernel each way against the reference (rms_norm then rope, and back); the forward's output is a
-    # [B, G, T, D] view of [B, T, G, D] memory; the backward reads dy in either layout
+    # [B, G, T, D] view of [B, T, G, D] memory; the backward reads dy in either layout. Errors are measured
+    # relative to the reference's largest value (_scaled_err): dw sums B*T rows of values near 20, where an
+    # absolute 1e-4 bound is a few fp32 ulps of the result and fails on some random draws
     x, w, pos, table = _qk_case(B, T, G, D, batched, torch.float32)
     y, r = K_qk.qk_norm_rope_fwd_triton(x, w, G, 1e-6, pos, table)
     y0, r0 = K_qk.qk_norm_rope_fwd_ref(x, w, G, 1e-6, pos, 10000.0, table)
     assert y.shape == (B, G, T, D) and y.transpose(1, 2).is_contiguous()
-    assert _max_err(y, y0) <= CPU_TOL and _max_err(r, r0) <= CPU_TOL
-    dy = torch.randn(B, G, T, D)
+    assert _scaled_err(y, y0) <= CPU_TOL and _scaled_err(r, r0) <= CPU_TOL
+    dy = torch.randn(B, G, T, D, generator=torch.Generator().manual_seed(B * 1000 + T * 100 + G * 10 + D))
     dx0, dw0 = K_qk.qk_norm_rope_bwd_ref(dy, x, w, G, r0, pos, 10000.0, table)
     for d in (dy, dy.transpose(1, 2).contiguous().transpose(1, 2)):
         dx, dw = K_qk.qk_norm_rope_bwd_triton(d, x, w, G, r0, pos, table)
-        assert dx.shape == x.shape and _max_err(dx, dx0) <= CPU_TOL and _max_err(dw, dw0) <= CPU_TOL * 10
+        assert dx.shape == x.shape and _scaled_err(dx, dx0) <= CPU_TOL and _scaled_err(dw, dw0) <= CPU_TOL
     # fp16 storage (the interpreter's bf16 is wrong): the norm's output rounded before the rotation, as the
-    # reference does
+    # reference does; a bound of 4 fp16 ulps (2^-11 each) of the largest value
     y16, _ = K_qk.qk_norm_rope_fwd_triton(x.half(), w.half(), G, 1e-6, pos, table)
     y16r, _ = K_qk.qk_norm_rope_fwd_ref(x.half(), w.half(), G, 1e-6, pos, 10000.0, table)
-    assert y16.dtype == torch.float16 and _max_err(y16, y16r) <= 2e-3
+    assert y16.dtype == torch.float16 and _scaled_err(y16, y16r) <= 2e-3
     # an fp32 master weight with fp16 activations (the model's case): read in fp32, dw back in fp32
     y16w, r16 = K_qk.qk_norm_rope_fwd_triton(x.half(), w, G, 1e-6, pos, table)
     y16wr, r16r = K_qk.qk_norm_rope_fwd_ref(x.half(), w, G, 1e-6, pos, 10000.0, table)
-    assert _max_err(y16w, y16wr) <= 2e-3
+    assert _scaled_err(y16w, y16wr) <= 2e-3
     dx16, dw16 = K_qk.qk_norm_rope_bwd_triton(dy.half(), x.half(), w, G, r16r, pos, table)
     dx16r, dw16r = K_qk.qk_norm_rope_bwd_ref(dy.half(), x.half(), w, G, r16r, pos, 10000.0, table)
-    assert dw16.dtype == torch.float32 and _max_err(dw16, dw16r) <= CPU_TOL * 10
-    assert _max_err(dx16, dx16r) <= 2e-3 * dx16r.abs().max().item()
+    assert dw16.dtype == torch.float32 and _scaled_err(dw16, dw16r) <= CPU_TOL
+    assert _scaled_err(dx16, dx16r) <= 2e-3
 
 
 @needs_cpu_interp
