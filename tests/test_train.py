@@ -446,12 +446,23 @@ def test_update_defers_sigint():
 
     from xtrain.train.trainer import _deferred_sigint
 
-    done = []
-    with pytest.raises(KeyboardInterrupt):
+    # the disposition set here, not inherited: under a parent that ignores SIGINT (a background job, some CI
+    # runners) Python starts with SIG_IGN, and the deferred interrupt would rightly be dropped
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        done = []
+        with pytest.raises(KeyboardInterrupt):
+            with _deferred_sigint():
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append(1)  # still runs: the interrupt waits for the end of the block
+        assert done == [1] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        # an ignored SIGINT stays ignored: the block neither raises nor changes the disposition
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         with _deferred_sigint():
             os.kill(os.getpid(), signal.SIGINT)
-            done.append(1)  # still runs: the interrupt waits for the end of the block
-    assert done == [1] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 # -- training works -----------------------------------------------------------------------------------
