@@ -113,15 +113,39 @@ def test_triton_matches_reference_with_rows(shape, start, stride):
         assert torch.equal(K.dropout_bwd_triton(x, p, seed, start, stride), want)
 
 
-def _int_seed_mask(shape, p, seed, start=0, stride=1):
-    """The mask as the reference drew it while seeds were host integers (lo/hi split on the host): the masks of
-    the device seed must be these, bit for bit."""
+def _doc_mask(shape, p, seed, start=0, stride=1):
+    """The keep mask recomputed element by element in plain Python integers from the hash as the module docstring
+    of ``xtrain.kernels.dropout`` states it (independent of the kernel file's helpers): element (b, rest) has
+    global index g = (start + b * stride) * N + rest; k = g // 2; h = mix(mix(k_lo ^ seed_lo) ^ seed_hi ^ k_hi);
+    u = the low 16 bits of h for even g, the high 16 for odd g; kept when u >= round(p * 2^16)."""
+    M = 0xFFFFFFFF
+
+    def mix(h):
+        h ^= h >> 16
+        h = (h * 0x7FEB352D) & M
+        h ^= h >> 15
+        h = (h * 0x2C1B3C6D) & M
+        return h ^ (h >> 16)
+
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    lo, hi = seed & 0xFFFFFFFF, seed >> 32
-    g = K._global_index(shape, start, stride, "cpu")
-    k = g >> 1
-    h = K._mix32(K._mix32((k & 0xFFFFFFFF) ^ lo) ^ hi ^ (k >> 32))
-    return torch.where((g & 1) == 0, h & 0xFFFF, h >> 16) >= K.keep_threshold(p)
+    s_lo, s_hi = seed & M, seed >> 32
+    rows, n = shape[0], math.prod(shape[1:])
+    threshold = round(p * 65536)
+    keep = []
+    for b in range(rows):
+        for rest in range(n):
+            g = (start + b * stride) * n + rest
+            k = g >> 1
+            h = mix(mix((k & M) ^ s_lo) ^ s_hi ^ (k >> 32))
+            u = h & 0xFFFF if g % 2 == 0 else h >> 16
+            keep.append(u >= threshold)
+    return torch.tensor(keep).reshape(shape)
+
+
+def test_masks_are_the_documented_hash():
+    # the reference against the plain-Python recomputation, over seeds whose halves matter and far rows
+    for seed, start, stride, p in ((0, 0, 1, 0.3), (2**63 + 11, 5, 3, 0.1), (2**64 - 1, (1 << 33) // 60, 1, 0.5)):
+        assert torch.equal(_mask((B, T, C), p, seed, start, stride), _doc_mask((B, T, C), p, seed, start, stride))
 
 
 SEEDS = [0, 1, 12345, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**63 + 11, 2**64 - 1, -1]
@@ -132,7 +156,7 @@ def test_device_seed_masks_are_the_host_int_masks(seed):
     # the seed as a one-element int64 tensor (two's complement; a view into a buffer, as the model passes it)
     buf = torch.zeros(3, dtype=torch.int64)
     buf[1:2].copy_(K.seed_tensor(seed, "cpu").reshape(1))
-    want = _int_seed_mask((B, T, C), 0.3, seed, 5, 3)
+    want = _doc_mask((B, T, C), 0.3, seed, 5, 3)
     assert torch.equal(_mask((B, T, C), 0.3, seed, 5, 3), want)  # an int seed goes through the same tensor path
     assert torch.equal(_mask((B, T, C), 0.3, buf[1], 5, 3), want)
     assert int(K.seed_tensor(seed, "cpu")) & (2**64 - 1) == seed & (2**64 - 1)
@@ -190,7 +214,7 @@ def test_triton_reads_the_device_seed(seed):
     buf[3:4].copy_(K.seed_tensor(seed, "cpu").reshape(1))
     x = torch.randn(3, 5, 64)
     want = K.dropout_fwd_ref(x, 0.1, seed, 2, 3)
-    assert torch.equal(want != 0, _int_seed_mask(x.shape, 0.1, seed, 2, 3))
+    assert torch.equal(want != 0, _doc_mask(x.shape, 0.1, seed, 2, 3))
     assert torch.equal(K.dropout_fwd_triton(x, 0.1, buf[3], 2, 3), want)
     assert torch.equal(K.dropout_bwd_triton(x, 0.1, buf[3], 2, 3), want)
 
