@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import xtrain.ops as ops
 from xtrain import Var, checkpoint, no_grad
@@ -218,46 +219,249 @@ def test_checkpoint_reaches_parameters_read_inside():
     torch.testing.assert_close(x.grad, tx.grad)
 
 
-def _rooted_at_torch(node) -> bool:
+def _root(node):
+    """The name an attribute chain / call chain starts from (``a`` for ``a.b(c).d``), or None."""
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _dotted(node) -> str | None:
+    """``torch.nn.Parameter`` for that attribute chain, None for anything else."""
+    parts = []
     while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
         node = node.value
-    return isinstance(node, ast.Name) and node.id == "torch"
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+FORBIDDEN = ("torch.autograd", "torch.enable_grad", "torch.set_grad_enabled", "torch.func", "torch.nn.Parameter",
+             "torch.nn.parameter", "functorch")  # fmt: skip
+
+
+def _forbidden(name: str) -> bool:
+    return any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
+
+
+def autograd_offences(src: str) -> list[tuple[int, str]]:
+    """(line, what) for every use of torch.autograd in a module's source, by syntax and by what is imported:
+
+    * torch.autograd, torch.enable_grad / set_grad_enabled, torch.func, nn.Parameter reached through any alias
+      (``import torch as t``, ``import torch.autograd as ag``, ``from torch import autograd, nn``, ``from
+      torch.autograd import grad`` -- the import itself is the offence);
+    * ``.requires_grad_()``, ``t.requires_grad = ...`` on a torch tensor t (a ``Var``'s own flag is legal),
+      ``torch.*(..., requires_grad=<not False>)``;
+    * ``.backward()`` on a torch tensor: on an expression built from torch, on ``.data`` / ``.grad`` (a
+      ``Var``'s tensors), or on a name assigned from one of those in the same module. ``Var.backward()``
+      (our engine) is legal: a name bound to an ``ops`` result or a ``Var`` is not a torch tensor.
+    """
+    tree = ast.parse(src)
+    alias: dict[str, str] = {}  # local name -> dotted torch name it stands for
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if _forbidden(a.name):
+                    found.append((node.lineno, f"import {a.name}"))
+                if a.name == "torch" or a.name.startswith("torch."):
+                    if a.asname:
+                        alias[a.asname] = a.name
+                    else:
+                        alias["torch"] = "torch"
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if _forbidden(node.module) or _forbidden(full):
+                    found.append((node.lineno, f"from {node.module} import {a.name}"))
+                if node.module == "torch" or node.module.startswith("torch."):
+                    alias[a.asname or a.name] = full
+
+    def resolve(node) -> str | None:
+        d = _dotted(node)
+        if d is None:
+            return None
+        head, _, rest = d.partition(".")
+        return None if head not in alias else alias[head] + ("." + rest if rest else "")
+
+    def torch_rooted(node) -> bool:
+        r = _root(node)
+        return r is not None and r in alias
+
+    tensor_names: set[str] = set()  # names assigned from torch expressions or a Var's tensors
+
+    def tensorish(node) -> bool:
+        """An expression whose value is a torch tensor, as far as syntax tells: built from torch (through an
+        alias), from a Var's ``.data`` / ``.grad``, or from a name assigned from one of those."""
+        if isinstance(node, ast.Name):
+            return node.id in tensor_names or node.id in alias
+        if isinstance(node, ast.Attribute):
+            return node.attr in ("data", "grad") or tensorish(node.value)
+        if isinstance(node, ast.Call):
+            return tensorish(node.func)
+        if isinstance(node, ast.Subscript):
+            return tensorish(node.value)
+        if isinstance(node, ast.BinOp):
+            return tensorish(node.left) or tensorish(node.right)
+        if isinstance(node, ast.UnaryOp):
+            return tensorish(node.operand)
+        return False
+
+    assigns = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and len(n.targets) == 1]
+    for _ in range(3):  # names assigned from names assigned from tensors, a few levels deep
+        for node in assigns:
+            if isinstance(node.targets[0], ast.Name) and tensorish(node.value):
+                tensor_names.add(node.targets[0].id)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            name = resolve(node)
+            if name is not None and _forbidden(name) and not _forbidden(resolve(node.value) or ""):
+                found.append((node.lineno, name))
+            if node.attr == "requires_grad" and isinstance(node.ctx, ast.Store) and tensorish(node.value):
+                found.append((node.lineno, ".requires_grad = ..."))
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and _forbidden(alias.get(node.id, "")):
+            found.append((node.lineno, alias[node.id]))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr == "requires_grad_":
+                found.append((node.lineno, ".requires_grad_()"))
+            elif torch_rooted(f) and any(
+                k.arg == "requires_grad" and not (isinstance(k.value, ast.Constant) and not k.value.value)
+                for k in node.keywords
+            ):
+                found.append((node.lineno, "torch.*(requires_grad=...)"))
+            elif f.attr == "backward":
+                if tensorish(f.value):
+                    found.append((node.lineno, "torch tensor .backward()"))
+    return sorted(set(found))
 
 
 def test_library_never_uses_torch_autograd():
-    """Library code may not touch torch.autograd (tests may, as an oracle). A syntax-level scan of every
-    module: any ``torch.autograd`` / ``torch.enable_grad`` attribute, any ``.requires_grad_(...)`` call, and
-    any ``torch.*(..., requires_grad=True)`` call is an offence (our own ``Var(..., requires_grad=True)``
-    is not)."""
+    """Library code may not touch torch.autograd (tests may, as an oracle): ``autograd_offences`` over every
+    module of the package (our own ``Var(..., requires_grad=True)`` and ``Var.backward()`` are legal)."""
     root = pathlib.Path(__file__).resolve().parents[1] / "xtrain"
-    offenders = []
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            bad = None
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr in ("autograd", "enable_grad", "set_grad_enabled")
-                and isinstance(node.value, ast.Name)
-                and node.value.id == "torch"
-            ):
-                bad = f"torch.{node.attr}"
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                if node.func.attr == "requires_grad_":
-                    bad = ".requires_grad_()"
-                elif _rooted_at_torch(node.func) and any(
-                    k.arg == "requires_grad" and not (isinstance(k.value, ast.Constant) and not k.value.value)
-                    for k in node.keywords
-                ):
-                    bad = "torch.*(requires_grad=...)"
-            if bad:
-                offenders.append(f"{path.relative_to(root.parent)}:{node.lineno}: {bad}")
+    offenders = [
+        f"{path.relative_to(root.parent)}:{line}: {what}"
+        for path in sorted(root.rglob("*.py"))
+        for line, what in autograd_offences(path.read_text())
+    ]
     assert not offenders, "library code uses torch.autograd:\n" + "\n".join(offenders)
 
 
-def test_scan_would_catch_an_offence(tmp_path):
-    src = "import torch\nx = torch.zeros(3, requires_grad=True)\ntorch.autograd.grad(x, x)\n"
-    found = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Attribute) and n.attr == "autograd"]
-    assert found and any(isinstance(n, ast.Call) and _rooted_at_torch(n.func) for n in ast.walk(ast.parse(src)))
+OFFENCES = [
+    "import torch\ntorch.autograd.grad(y, x)",
+    "import torch\nclass F(torch.autograd.Function):\n    pass",
+    "from torch.autograd import grad",
+    "from torch.autograd.functional import jacobian",
+    "import torch.autograd as ag",
+    "import torch.autograd",
+    "from torch import autograd",
+    "from torch import autograd as ag\nag.grad(y, x)",
+    "import torch as t\nt.autograd.backward(y)",
+    "import torch\nwith torch.enable_grad():\n    pass",
+    "from torch import set_grad_enabled",
+    "from torch.func import grad",
+    "import torch\nw = torch.nn.Parameter(torch.zeros(3))",
+    "from torch import nn\nw = nn.Parameter(x)",
+    "import torch.nn as nn\nw = nn.Parameter(x)",
+    "from torch.nn import Parameter",
+    "from torch.nn.parameter import Parameter",
+    "import torch\nx = torch.zeros(3, requires_grad=True)",
+    "import torch\nx = torch.zeros(3)\nx.requires_grad_()",
+    "import torch\nx = torch.zeros(3)\nx.requires_grad = True",
+    "import torch\nloss = (torch.ones(3) * 2).sum()\nloss.backward()",
+    "import torch\ntorch.ones(3).sum().backward()",
+    "from xtrain import Var\ndef f(v: Var):\n    v.data.sum().backward()",
+    "def f(v):\n    g = v.grad\n    g.backward()",
+]
+LEGAL = [
+    "from xtrain import Var, ops\nloss = ops.sum(Var(x, requires_grad=True))\nloss.backward()",
+    "from xtrain import ops\ndef step(model, x, y):\n    ops.scale(model.loss(x, y), 0.5).backward()",
+    "import torch\nwith torch.no_grad():\n    y = torch.zeros(3, requires_grad=False)",
+    "from xtrain.micro.engine import Value\nloss = Value(2.0) * Value(3.0)\nloss.backward()",
+    "class V:\n    def __init__(self, data):\n        self.data = data\n        self.requires_grad = True",
+]
+
+
+@pytest.mark.parametrize("src", OFFENCES)
+def test_scan_flags_every_form(src):
+    assert autograd_offences(src), src
+
+
+@pytest.mark.parametrize("src", LEGAL)
+def test_scan_passes_our_engine(src):
+    assert autograd_offences(src) == [], src
+
+
+class NoTorchAutograd(TorchFunctionMode):
+    """Fails on any torch call whose inputs or outputs include a tensor that torch.autograd tracks
+    (``requires_grad`` or a ``grad_fn``): every torch function and tensor method called from Python passes
+    through here, so library code that builds a torch graph (an nn.Parameter, ``requires_grad_``, an
+    autograd.Function, ``.backward()``) fails at its first such call, whatever its syntax."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._check(func, (args, kwargs), "input")
+        out = func(*args, **kwargs)
+        self._check(func, out, "output")
+        self.calls += 1
+        return out
+
+    @staticmethod
+    def _check(func, tree, what):
+        for t in torch.utils._pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor) and (t.requires_grad or t.grad_fn is not None):
+                raise AssertionError(f"torch.autograd tracks an {what} of {getattr(func, '__name__', func)}")
+
+
+def test_guard_catches_torch_autograd():
+    with pytest.raises(AssertionError, match="torch.autograd tracks"), NoTorchAutograd():
+        torch.zeros(3, requires_grad=True) * 2
+    w = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(AssertionError, match="torch.autograd tracks"), NoTorchAutograd():
+        w.sum()
+
+
+def test_train_sample_serve_export_never_touch_torch_autograd(tmp_path):
+    """The rule at run time: training steps (host step and capture-ready step, dropout and grad accumulation
+    on), sampling (the model's generate, the KV-cache engine, the batcher's slots) and export + import run under
+    ``NoTorchAutograd``."""
+    from xtrain.config import ModelConfig, TrainConfig
+    from xtrain.export import export_hf, import_hf
+    from xtrain.model import Model
+    from xtrain.serve.engine import Batcher, Engine, EngineConfig, Sampling
+    from xtrain.train.trainer import Trainer
+
+    cfg = ModelConfig(vocab_size=61, n_layer=2, n_embd=16, n_head=4, n_kv_head=2, head_dim=4, ffn_dim=32,
+                      max_seq_len=16, dropout=0.1)  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    batches = lambda: torch.randint(0, cfg.vocab_size, (4, 9), generator=g)  # noqa: E731
+    guard = NoTorchAutograd()
+    with guard:
+        for capture in (False, True):
+            tc = TrainConfig(steps=2, batch_size=4, seq_len=8, grad_accum=2, lr=1e-2, warmup_steps=1, grad_clip=0.5)
+            tr = Trainer(Model(cfg, seed=0), tc, batches, capture_ready=capture)
+            for _ in range(2):
+                assert not tr.train_step()["skipped"]
+        model = tr.model.eval()
+        ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=g)
+        model.generate(ids, 4, temperature=0.8, top_k=10, top_p=0.9, seed=1)
+        Engine(model).generate(ids, 4, temperature=0.0)
+        b = Batcher(Engine(model), EngineConfig(slots=2, max_queue=2))
+        seqs = b.submit([([1, 2, 3], 3, Sampling(temperature=0), None, lambda *a: None),
+                         ([4, 5], 3, Sampling(temperature=1.0, seed=2), None, lambda *a: None)])  # fmt: skip
+        while not all(s.done for s in seqs):  # the batcher's loop, on this thread (the guard is per thread)
+            newcomers = []
+            while b.waiting and b.free:
+                newcomers.append(b.waiting.popleft())
+                newcomers[-1].slot = b.free.pop()
+            b._step(newcomers)
+        export_hf(cfg, model.state_dict(), tmp_path / "hf", dtype="float32")
+        import_hf(tmp_path / "hf")
+    assert guard.calls > 1000  # the guard saw the work
 
 
 def test_torch_tensors_never_require_grad_in_ops():

@@ -113,15 +113,39 @@ def test_triton_matches_reference_with_rows(shape, start, stride):
         assert torch.equal(K.dropout_bwd_triton(x, p, seed, start, stride), want)
 
 
-def _int_seed_mask(shape, p, seed, start=0, stride=1):
-    """The mask as the reference drew it while seeds were host integers (lo/hi split on the host): the masks of
-    the device seed must be these, bit for bit."""
+def _doc_mask(shape, p, seed, start=0, stride=1):
+    """The keep mask recomputed element by element in plain Python integers from the hash as the module docstring
+    of ``xtrain.kernels.dropout`` states it (independent of the kernel file's helpers): element (b, rest) has
+    global index g = (start + b * stride) * N + rest; k = g // 2; h = mix(mix(k_lo ^ seed_lo) ^ seed_hi ^ k_hi);
+    u = the low 16 bits of h for even g, the high 16 for odd g; kept when u >= round(p * 2^16)."""
+    M = 0xFFFFFFFF
+
+    def mix(h):
+        h ^= h >> 16
+        h = (h * 0x7FEB352D) & M
+        h ^= h >> 15
+        h = (h * 0x2C1B3C6D) & M
+        return h ^ (h >> 16)
+
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    lo, hi = seed & 0xFFFFFFFF, seed >> 32
-    g = K._global_index(shape, start, stride, "cpu")
-    k = g >> 1
-    h = K._mix32(K._mix32((k & 0xFFFFFFFF) ^ lo) ^ hi ^ (k >> 32))
-    return torch.where((g & 1) == 0, h & 0xFFFF, h >> 16) >= K.keep_threshold(p)
+    s_lo, s_hi = seed & M, seed >> 32
+    rows, n = shape[0], math.prod(shape[1:])
+    threshold = round(p * 65536)
+    keep = []
+    for b in range(rows):
+        for rest in range(n):
+            g = (start + b * stride) * n + rest
+            k = g >> 1
+            h = mix(mix((k & M) ^ s_lo) ^ s_hi ^ (k >> 32))
+            u = h & 0xFFFF if g % 2 == 0 else h >> 16
+            keep.append(u >= threshold)
+    return torch.tensor(keep).reshape(shape)
+
+
+def test_masks_are_the_documented_hash():
+    # the reference against the plain-Python recomputation, over seeds whose halves matter and far rows
+    for seed, start, stride, p in ((0, 0, 1, 0.3), (2**63 + 11, 5, 3, 0.1), (2**64 - 1, (1 << 33) // 60, 1, 0.5)):
+        assert torch.equal(_mask((B, T, C), p, seed, start, stride), _doc_mask((B, T, C), p, seed, start, stride))
 
 
 SEEDS = [0, 1, 12345, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**63 + 11, 2**64 - 1, -1]
@@ -132,7 +156,7 @@ def test_device_seed_masks_are_the_host_int_masks(seed):
     # the seed as a one-element int64 tensor (two's complement; a view into a buffer, as the model passes it)
     buf = torch.zeros(3, dtype=torch.int64)
     buf[1:2].copy_(K.seed_tensor(seed, "cpu").reshape(1))
-    want = _int_seed_mask((B, T, C), 0.3, seed, 5, 3)
+    want = _doc_mask((B, T, C), 0.3, seed, 5, 3)
     assert torch.equal(_mask((B, T, C), 0.3, seed, 5, 3), want)  # an int seed goes through the same tensor path
     assert torch.equal(_mask((B, T, C), 0.3, buf[1], 5, 3), want)
     assert int(K.seed_tensor(seed, "cpu")) & (2**64 - 1) == seed & (2**64 - 1)
@@ -190,7 +214,7 @@ def test_triton_reads_the_device_seed(seed):
     buf[3:4].copy_(K.seed_tensor(seed, "cpu").reshape(1))
     x = torch.randn(3, 5, 64)
     want = K.dropout_fwd_ref(x, 0.1, seed, 2, 3)
-    assert torch.equal(want != 0, _int_seed_mask(x.shape, 0.1, seed, 2, 3))
+    assert torch.equal(want != 0, _doc_mask(x.shape, 0.1, seed, 2, 3))
     assert torch.equal(K.dropout_fwd_triton(x, 0.1, buf[3], 2, 3), want)
     assert torch.equal(K.dropout_bwd_triton(x, 0.1, buf[3], 2, 3), want)
 
@@ -231,3 +255,40 @@ def test_gpu_kernel_matches_reference_with_rows(dtype, shape, start, stride):
     buf[1:2].copy_(K.seed_tensor(2**64 - 3, "cuda").reshape(1))
     assert torch.equal(K.dropout_fwd_triton(x, 0.1, buf[1], start, stride), want)
     assert torch.equal(K.dropout_fwd_ref(x, 0.1, buf[1], start, stride), want)
+
+
+@pytest.mark.parametrize("capture_ready", [False, True])
+def test_trainer_gives_a_rank_its_global_rows(capture_ready):
+    """Fast in-process form of the torchrun equivalence: rank 1 of 2 with two micro-batches holds global rows
+    1, 3 (micro-batch 0) and 5, 7 (micro-batch 1) of an 8-row batch, so its loss sum and gradient are those of
+    the whole batch with the other rank's rows' targets ignored (same masks for the same tokens). A trainer that
+    drops the rank (or the micro-batch offset) from ``dropout_rows`` draws rank 0's masks and differs."""
+    from xtrain.config import ModelConfig, TrainConfig
+    from xtrain.model import Model, mix_seed
+    from xtrain.train.trainer import Trainer
+
+    cfg = ModelConfig(vocab_size=41, n_layer=1, n_embd=16, n_head=2, n_kv_head=1, head_dim=8, ffn_dim=24,
+                      max_seq_len=8, dropout=0.3, compute_dtype="float64")  # fmt: skip
+    g = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, cfg.vocab_size, (8, 7), generator=g)  # the step's global batch [8, T + 1]
+    x, y = ids[:, :-1], ids[:, 1:]
+    tc = TrainConfig(steps=1, batch_size=4, seq_len=6, grad_accum=2, lr=1e-2, warmup_steps=0, seed=4)
+    tr = Trainer(Model(cfg, seed=2), tc, lambda: ids[1::2], rank=1, world_size=2, capture_ready=capture_ready)
+    whole = Model(cfg, seed=2).train()
+    whole.set_dropout_step(mix_seed(tc.seed, 0))
+    y_other_ignored = y.clone()
+    y_other_ignored[0::2] = -100
+    want = whole.loss(x, y_other_ignored, reduction="sum")
+    n = int((y_other_ignored != -100).sum())
+    ops.scale(want, 1.0 / n).backward()
+    m = tr.train_step()  # the step path's gradient is gone after its update: its norm and loss are kept
+    want_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in whole.params.values()))
+    assert m["tokens"] == n and not m["skipped"]
+    assert math.isclose(m["loss"], float(want.data) / n, rel_tol=1e-12)
+    # the capture-ready step seeds its backward with 1/N rounded to fp32 (as the host path's fp32 runs do): a
+    # relative 3e-8 in fp64; a wrong mask changes the norm by percents
+    assert math.isclose(m["grad_norm"], want_norm, rel_tol=1e-6 if capture_ready else 1e-12)
+    # dropout is live here: rank 0's rows for the same tokens would give another loss
+    other = Model(cfg, seed=2).train()
+    other.set_dropout_step(mix_seed(tc.seed, 0))
+    assert not math.isclose(float(other.loss(x[1::2], y[1::2], reduction="sum").data), float(want.data), rel_tol=1e-6)

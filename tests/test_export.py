@@ -1,6 +1,10 @@
 """Hugging Face export: the checkpoint loads in transformers' Qwen3ForCausalLM (an implementation written
 independently of ours) and gives the same logits; import brings it back bit for bit; bad shapes fail."""
 
+import dataclasses
+import inspect
+import json as json_mod
+
 import pytest
 import torch
 
@@ -99,29 +103,64 @@ def test_export_command(tmp_path):
     assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "hf2")]) == 2
 
 
-@pytest.mark.slow
-def test_exported_tokenizer_and_greedy_generate_match_xtrain_sample(corpus, tmp_path, monkeypatch, capsys):
+def test_exported_tokenizer_starts_every_encoding_with_endoftext(tmp_path):
+    """What training saw: every document starts with <|endoftext|>. The exported tokenizer.json must put it in
+    front of tokenizer(prompt) (its post-processor), else transformers users continue a different sequence."""
+    transformers = pytest.importorskip("transformers")
+    import inspect
+    import json as json_mod
+
+    from xtrain.cli import main
+    from xtrain.data.tokenizer import Tokenizer
+    from xtrain.train import checkpoint as ck
+    from xtrain.train.optim import AdamW
+
+    texts = [inspect.getsource(json_mod)[i * 800 : (i + 1) * 800] for i in range(12)]
+    tok = Tokenizer.train(texts, vocab_size=300)
+    c = dataclasses.replace(cfg(True), vocab_size=tok.vocab_size)
+    m = Model(c, seed=0)
+    ck.save_checkpoint(tmp_path / "run", model=m, optimizer=AdamW(m.params, lr=1e-3), trainer_state={"step": 0})
+    tok.save(tmp_path / "run" / "tokenizer.json")
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    for prompt in ["def ", "", "import os\n", "  \u00e9t\u00e9 = {'a': 1}"]:
+        ids = [tok.eot_id] + tok.encode(prompt)
+        assert hf_tok(prompt)["input_ids"] == ids, prompt
+        assert hf_tok.decode(ids, skip_special_tokens=True) == prompt
+    assert hf_tok.eos_token_id == tok.eot_id
+
+
+def test_exported_tokenizer_and_greedy_generate_match_xtrain_sample(tmp_path, capsys):
     """transformers users call tokenizer(prompt) + generate: the export's post-processor puts <|endoftext|>
-    in front as training did, so greedy generation gives xtrain sample's tokens, for any prompt."""
+    in front as training did, so greedy generation gives xtrain sample's tokens, for any prompt. The run's
+    weights are drawn at std 0.3 (not trained for a few steps, which gives one token repeated for every prompt):
+    its continuations differ between prompts, also between prompts that end alike, so a wrong position, cache
+    or prefix shows."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Qwen3ForCausalLM"):
         pytest.skip("this transformers has no Qwen3")
     from xtrain.cli import main
-    from xtrain.data.tokenizer import load_tokenizer
-    from xtrain.train.checkpoint import load_model
+    from xtrain.data.tokenizer import Tokenizer
+    from xtrain.train import checkpoint as ck
+    from xtrain.train.optim import AdamW
 
-    monkeypatch.setenv("XTRAIN_CACHE", str(tmp_path / "cache"))
     run, hf_dir = tmp_path / "run", tmp_path / "hf"
-    args = ["--data", str(corpus), "--vocab-size", "300", "--out", str(run), "--steps", "8", "--batch-size", "4"]
-    args += ["--seq-len", "32", "--warmup", "2", "--eval-every", "0", "--no-progress", "--sample-tokens", "0"]
-    assert main(["train", *args]) == 0
+    tok = Tokenizer.train([inspect.getsource(json_mod)[i * 2000 : (i + 1) * 2000] for i in range(12)], 300)
+    c = dataclasses.replace(cfg(False), vocab_size=tok.vocab_size, max_seq_len=64, init_std=0.3)
+    m = Model(c, seed=1)
+    ck.save_checkpoint(run, model=m, optimizer=AdamW(m.params, lr=1e-3), trainer_state={"step": 0})
+    tok.save(run / "tokenizer.json")
     assert main(["export", str(run), "--out", str(hf_dir), "--dtype", "float32"]) == 0
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir)).float().eval()
-    tok = load_tokenizer(run / "tokenizer.json")
-    model = load_model(run)
-    n = 12
-    for prompt in ["def ", "", "import os\n", "class Path(object):\n    ", "  \u00e9t\u00e9 = {'a': 1}"]:
+    n, seen = 12, []
+    for prompt in [
+        "def ",
+        "",
+        "import os\n    return ",
+        "class Path(object):\n    return ",
+        "  \u00e9t\u00e9 = {'a': 1}",
+    ]:
         enc = hf_tok(prompt, return_tensors="pt")
         ids = [tok.eot_id] + tok.encode(prompt)
         assert enc["input_ids"][0].tolist() == ids, prompt
@@ -130,14 +169,10 @@ def test_exported_tokenizer_and_greedy_generate_match_xtrain_sample(corpus, tmp_
                 **enc, do_sample=False, max_new_tokens=n, eos_token_id=tok.eot_id, pad_token_id=tok.eot_id
             )
         theirs = out[0, len(ids) :].tolist()
-        if tok.eot_id in theirs:
-            theirs = theirs[: theirs.index(tok.eot_id)]
-        with no_grad():
-            mine = model.generate(torch.tensor([ids]), n, temperature=0.0, eos_id=tok.eot_id)[0, len(ids) :].tolist()
-        if tok.eot_id in mine:
-            mine = mine[: mine.index(tok.eot_id)]
-        assert theirs == mine, prompt
+        assert len(theirs) == n and tok.eot_id not in theirs, prompt  # a real continuation
+        seen.append(tuple(theirs))
         capsys.readouterr()
         args = ["sample", str(run), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", str(n)]
         assert main(args) == 0
         assert capsys.readouterr().out == prompt + hf_tok.decode(theirs) + "\n", prompt
+    assert len(set(seen)) == len(seen), seen  # the continuation depends on the prompt, not only its end

@@ -193,6 +193,37 @@ def test_capture_ready_training_tracks_the_default_path():
         torch.testing.assert_close(b.model.params[n].data, p.data, rtol=1e-5, atol=1e-6)
 
 
+def test_capture_ready_scales_by_the_step_token_count():
+    """Micro-batches that count different numbers of targets (ignored targets in the first): each micro-batch's
+    loss sum is divided by the step's count N, not by its own count. Equal counts per micro-batch (as above)
+    would hide a per-micro-batch count: it scales every gradient alike, which AdamW's first steps undo."""
+    counts = []
+
+    def trainer(capture):
+        g = torch.Generator().manual_seed(8)  # each trainer its own: both see the same batches
+
+        def batches():
+            ids = torch.randint(0, CFG.vocab_size, (4, 9), generator=g)
+            x, y = ids[:, :-1].clone(), ids[:, 1:].clone()
+            y[0, :6] = -100  # micro-batch 0 (rows 0, 1) counts 10 targets, micro-batch 1 (rows 2, 3) 16
+            counts.append([int((y[2 * j : 2 * j + 2] != -100).sum()) for j in (0, 1)])
+            return x, y
+
+        tc = TrainConfig(steps=100, batch_size=4, seq_len=8, grad_accum=2, lr=1e-2, warmup_steps=2)
+        return Trainer(Model(CFG, seed=0), tc, batches, capture_ready=capture)
+
+    a, b = trainer(False), trainer(True)
+    for _ in range(3):
+        ma, mb = a.train_step(), b.train_step()
+        assert ma["tokens"] == mb["tokens"] == 26
+        assert math.isclose(ma["loss"], mb["loss"], rel_tol=1e-5)
+        # the norm of the step's gradient before the update (fp32: the paths differ in summation order only)
+        assert math.isclose(ma["grad_norm"], mb["grad_norm"], rel_tol=1e-5), (ma["grad_norm"], mb["grad_norm"])
+    assert counts[0] == [10, 16]
+    for n, p in a.model.params.items():
+        torch.testing.assert_close(b.model.params[n].data, p.data, rtol=1e-5, atol=1e-6)
+
+
 def test_capture_ready_skips_a_nonfinite_step_on_the_device():
     b = _trainer(True, skip_nonfinite=True, max_skips=3)
     b.train_step()

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -216,7 +217,7 @@ def test_short_body_times_out_with_400(server):
     assert httpx.get(url + "/health").status_code == 200
 
 
-def test_full_queue_is_429_and_disconnect_frees_the_slot():
+def test_full_queue_is_429():
     svc = Service(small().eval(), ByteTokenizer(), "m", EngineConfig(slots=1, max_queue=0))
     url, stop = serve_in_thread(svc)
     try:
@@ -231,12 +232,7 @@ def test_full_queue_is_429_and_disconnect_frees_the_slot():
         code, err = _raw(url, json.dumps({"prompt": "x", "max_tokens": 2}).encode())
         assert code == 429 and err["error"]["type"] == "rate_limit_error" and "capacity" in err["error"]["message"]
         gate.set()
-        # a streaming client that leaves after its first chunk: its slot is freed for the next request
-        body = {"prompt": "x", "max_tokens": 40, "temperature": 0, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-            assert r.status_code == 200
-            next(r.iter_lines())
-        for _ in range(200):
+        for _ in range(600):  # the held request finishes its 5 tokens; then the slot takes the next one
             if svc.batcher.load()["running"] == 0:
                 break
             threading.Event().wait(0.05)
@@ -244,6 +240,46 @@ def test_full_queue_is_429_and_disconnect_frees_the_slot():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
     finally:
         stop()
+    # after shutdown the engine refuses work (the API answers that with 503)
+    with pytest.raises(Exception, match="shutting down"):
+        svc.batcher.submit([([1], 1, Sampling(), None, lambda *a: None)])
+
+
+def test_disconnect_frees_the_slot_within_a_bound():
+    """A streaming client that leaves after its first chunk: its sequence is cancelled and its slot freed within
+    BOUND seconds, although the request (40 tokens at STEP_S a decode step, >= 4 s) would still be running then;
+    the next request gets the slot. The engine's decode is slowed by a sleep (a wrapper on this service's
+    engine) so that "still running" does not depend on how fast the machine is."""
+    STEP_S, BOUND, N = 0.1, 1.5, 40
+    svc = Service(small().eval(), ByteTokenizer(), "m", EngineConfig(slots=1, max_queue=0))
+    decode = svc.batcher.engine.decode
+
+    def slow_decode(*args):
+        threading.Event().wait(STEP_S)
+        return decode(*args)
+
+    svc.batcher.engine.decode = slow_decode
+    seqs, submit = [], svc.batcher.submit
+    svc.batcher.submit = lambda reqs: seqs.extend(submit(reqs)) or seqs[-len(reqs) :]
+    url, stop = serve_in_thread(svc)
+    try:
+        body = {"prompt": "x", "max_tokens": N, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+            assert svc.batcher.load()["running"] == 1
+        left = time.monotonic()
+        while svc.batcher.load()["running"] and time.monotonic() - left < BOUND:
+            threading.Event().wait(0.02)
+        freed_after = time.monotonic() - left
+        assert svc.batcher.load()["running"] == 0, f"slot still busy {freed_after:.2f} s after the client left"
+        (seq,) = seqs
+        assert seq.done and seq.cancelled and seq.generated < N // 2, seq.generated
+        r = httpx.post(url + "/v1/completions", json={"prompt": "y", "max_tokens": 2, "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    finally:
+        stop()
+
     # after shutdown the engine refuses work (the API answers that with 503)
     with pytest.raises(Exception, match="shutting down"):
         svc.batcher.submit([([1], 1, Sampling(), None, lambda *a: None)])

@@ -108,6 +108,39 @@ def test_adamw_matches_torch_bit_for_bit():
             assert torch.equal(opt.exp_avgs[i], st["exp_avg"]) and torch.equal(opt.exp_avg_sqs[i], st["exp_avg_sq"])
 
 
+def test_adamw_reference_matches_torch_single_tensor_adamw_fp64():
+    """``adamw_step_ref`` is the oracle of the Triton and the device AdamW kernels (tests/test_kernels_triton.py),
+    so it is checked against torch's own single-tensor AdamW (foreach=False), in fp64 where no rounding order
+    can hide a wrong term: six steps with weight decay on some tensors, the learning rate changing every step and
+    gradients of different magnitudes. The two compute the same formula in the same order: bit for bit."""
+    from xtrain.kernels.adamw import adamw_step_ref
+
+    g = torch.Generator().manual_seed(4)
+    shapes, wds = [(7, 5), (6,), (3, 4, 2), (1,)], [0.1, 0.0, 0.05, 0.0]
+    ps = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    theirs = [torch.nn.Parameter(p.clone()) for p in ps]
+    start = [p.clone() for p in ps]
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    betas, eps = (0.9, 0.95), 1e-8
+    groups = [{"params": [t], "weight_decay": wd} for t, wd in zip(theirs, wds)]
+    topt = torch.optim.AdamW(groups, lr=1e-2, betas=betas, eps=eps, foreach=False, fused=False)
+    for step in range(1, 7):
+        lr = 1e-2 * (1.2 - 0.15 * step)
+        grads = [torch.randn(s, generator=g, dtype=torch.float64) * 10.0 ** (step % 3 - 1) for s in shapes]
+        for t, gr in zip(theirs, grads):
+            t.grad = gr.clone()
+        for gr in topt.param_groups:
+            gr["lr"] = lr
+        topt.step()
+        adamw_step_ref(ps, grads, ms, vs, step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                       weight_decays=wds)  # fmt: skip
+        for i, t in enumerate(theirs):
+            st = topt.state[t]
+            assert torch.equal(ps[i], t.data), (step, i, float((ps[i] - t.data).abs().max()))
+            assert torch.equal(ms[i], st["exp_avg"]) and torch.equal(vs[i], st["exp_avg_sq"]), (step, i)
+    assert all(not torch.equal(p, p0) for p, p0 in zip(ps, start))  # every tensor moved
+
+
 def test_clip_matches_torch():
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(5, 7, generator=g), torch.randn(3, generator=g) * 4]
@@ -413,12 +446,23 @@ def test_update_defers_sigint():
 
     from xtrain.train.trainer import _deferred_sigint
 
-    done = []
-    with pytest.raises(KeyboardInterrupt):
+    # the disposition set here, not inherited: under a parent that ignores SIGINT (a background job, some CI
+    # runners) Python starts with SIG_IGN, and the deferred interrupt would rightly be dropped
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        done = []
+        with pytest.raises(KeyboardInterrupt):
+            with _deferred_sigint():
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append(1)  # still runs: the interrupt waits for the end of the block
+        assert done == [1] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        # an ignored SIGINT stays ignored: the block neither raises nor changes the disposition
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         with _deferred_sigint():
             os.kill(os.getpid(), signal.SIGINT)
-            done.append(1)  # still runs: the interrupt waits for the end of the block
-    assert done == [1] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 # -- training works -----------------------------------------------------------------------------------
