@@ -113,6 +113,43 @@ def test_gpu_plan_key_follows_the_choice_inputs():
 
 
 @pytest.mark.gpu
+def test_gpu_backend_switch_for_the_same_shapes_takes_effect(monkeypatch):
+    """After a Gluon call has left its plans, the same shapes under ``backend("reference")`` run the tiled
+    references (the plans are neither looked up nor used), and back under "auto" the plans serve again."""
+    from xtrain.kernels import backend
+
+    q, k, v, do, o, lse = inputs(1, 4, 2, 1024, 64, torch.bfloat16, True, seed=8)
+    o, lse = FA.flash_attention_fwd(q, k, v, True)  # leaves the forward's plan
+    FA.flash_attention_bwd(do, q, k, v, o, lse, True)  # and the backward's
+    assert FA._FWD_PLANS and FA._BWD_PLANS
+    with backend("reference"):
+        o_ref, lse_ref = FA.flash_attention_fwd(q, k, v, True)
+        grads_ref = FA.flash_attention_bwd(do, q, k, v, o, lse, True)
+    want = FA.flash_attention_fwd_ref(q, k, v, True)
+    assert torch.equal(o_ref, want[0]) and torch.equal(lse_ref, want[1])
+    for got, w in zip(grads_ref, FA.flash_attention_bwd_ref(do, q, k, v, o, lse, True)):
+        assert torch.equal(got, w)
+    _forbid(monkeypatch, G, "flash_attention_fwd_gluon")  # "auto" again: the plan, not the full path
+    o2, _ = FA.flash_attention_fwd(q, k, v, True)
+    assert torch.equal(o2, o)
+
+
+def test_plan_signature_holds_the_backend():
+    """The plan key holds everything that picks the kernel, the calling thread's backend included: the same
+    shapes under two backends are two keys."""
+    from xtrain.kernels import backend
+
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    auto = FA.plan_signature("fwd", (q, k, v), None, True)
+    with backend("triton"):
+        forced = FA.plan_signature("fwd", (q, k, v), None, True)
+    with backend("reference"):
+        ref = FA.plan_signature("fwd", (q, k, v), None, True)
+    assert len({auto, forced, ref}) == 3
+    assert auto == FA.plan_signature("fwd", (q.clone(), k, v), None, True)
+
+
+@pytest.mark.gpu
 def test_gpu_cached_launch_takes_exactly_the_per_call_arguments():
     acc = torch.randn(1, 2, 128, 64, device="cuda")
     dq = torch.empty(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
