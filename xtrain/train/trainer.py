@@ -460,25 +460,25 @@ class Trainer:
             self.skips += not ok
             self.step += 1
             self.tokens_total += n_tok
-        dt = time.perf_counter() - t0
-        m = {
-            "kind": "train",
-            "step": self.step,
-            "loss": loss_sum / max(n_tok, 1) if ok else float("nan"),
-            "lr": lr,
-            "grad_norm": norm,
-            "tokens": n_tok,
-            "tokens_total": self.tokens_total,
-            "time": dt,
-            "tokens_per_s": n_tok / dt if dt > 0 else float("inf"),
-            "skipped": not ok,
-            "skips": self.skips,
-        }
-        if self.graphed is not None:  # whether the step ran as a graph: a fallback is never silent
-            g = self.graphed
-            m["graph"] = "off" if not g.enabled else ("replay" if g.replay is not None else "warm-up")
-            m["graph_captures"], m["graph_fallbacks"] = g.captures, g.fallbacks
-        self._emit(m)
+            dt = time.perf_counter() - t0
+            m = {
+                "kind": "train",
+                "step": self.step,
+                "loss": loss_sum / max(n_tok, 1) if ok else float("nan"),
+                "lr": lr,
+                "grad_norm": norm,
+                "tokens": n_tok,
+                "tokens_total": self.tokens_total,
+                "time": dt,
+                "tokens_per_s": n_tok / dt if dt > 0 else float("inf"),
+                "skipped": not ok,
+                "skips": self.skips,
+            }
+            if self.graphed is not None:  # whether the step ran as a graph: a fallback is never silent
+                g = self.graphed
+                m["graph"] = "off" if not g.enabled else ("replay" if g.replay is not None else "warm-up")
+                m["graph_captures"], m["graph_fallbacks"] = g.captures, g.fallbacks
+            self._emit(m)  # the row of a step that counted is written before a deferred Ctrl-C lands
         return m
 
     def _emit(self, m: dict) -> None:
