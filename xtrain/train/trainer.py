@@ -230,9 +230,9 @@ class GraphedStep:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """The host values the optimizer step reads, as one frozen tuple: ``Trainer.device_step`` reads them from
-    here and nowhere else, and a captured CUDA graph holds them, so the graph is keyed by this object (any
-    change captures again)."""
+    """The host values the optimizer step reads, as one frozen tuple, and so the key of its CUDA graph (which
+    holds them): any change captures again. ``Trainer.device_step`` reads the trainer's settings from here;
+    AdamW reads its hyper-parameters from the optimizer, of which these fields are a copy taken each step."""
 
     grad_accum: int  # k micro-batches of micro_batch_size rows
     micro_batch_size: int
