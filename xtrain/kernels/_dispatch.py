@@ -252,11 +252,20 @@ def rebased(desc, base):
 
 class PlanCache(dict):
     """Cached launch plans by key, dropped wholesale past ``limit`` entries (a new shape per call would
-    otherwise grow it without bound)."""
+    otherwise grow it without bound). ``lookup`` counts the calls it served (``hits``), so a test or a bench
+    sees whether a plan ran instead of patching the full path."""
 
     def __init__(self, limit: int = 64):
         super().__init__()
         self.limit = limit
+        self.hits = 0
+
+    def lookup(self, key):
+        """The plan of ``key`` (counted in ``hits``), or None; a None key (no plan possible) is None."""
+        plan = self.get(key) if key is not None else None
+        if plan is not None:
+            self.hits += 1
+        return plan
 
     def put(self, key, plan) -> None:
         if len(self) >= self.limit:

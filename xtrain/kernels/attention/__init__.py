@@ -186,7 +186,7 @@ def flash_attention_fwd(q, k, v, causal: bool = True, scale: float | None = None
     tiled reference. Returns (o in q.dtype, lse [B, H, T] fp32, natural log)."""
     op = "flash_attention_fwd"
     key = _plan_key("fwd", (q, k, v), scale, causal) if isinstance(q, torch.Tensor) and q.is_cuda else None
-    plan = _FWD_PLANS.get(key) if key is not None else None
+    plan = _FWD_PLANS.lookup(key)
     if plan is not None:  # this signature took the Gluon forward before
         return plan(q, k, v)
     _check_qkv(op, q, k, v)
@@ -232,7 +232,7 @@ def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float |
     ts = (do, q, k, v, o, lse)
     cuda = all(isinstance(t, torch.Tensor) and t.is_cuda for t in ts)
     key = _plan_key("bwd", ts, scale, causal) if cuda else None
-    plan = _BWD_PLANS.get(key) if key is not None else None
+    plan = _BWD_PLANS.lookup(key)
     if plan is not None:  # this signature took a Gluon backward before
         return plan(*ts)
     _check_bwd(op, do, q, k, v, o, lse)
