@@ -360,7 +360,7 @@ class Trainer:
         )
 
     def accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, s: StepSettings):
-        """Steps 2-3 of the module docstring: the gradient of the mean loss over the (global) batch into the
+        """Steps 3-4 of the module docstring: the gradient of the mean loss over the (global) batch into the
         leaves' ``.grad`` (zeroed first), in ``s.grad_accum`` micro-batches; -> (loss_sum fp64, counted), device
         tensors (the token count already summed over the ranks, the loss sum this rank's)."""
         model, k, mb = self.model, s.grad_accum, s.micro_batch_size
