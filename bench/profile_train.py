@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         from xtrain.train.trainer import Trainer
 
         tc = TrainConfig(steps=10**9, batch_size=B, seq_len=T, lr=1e-3, warmup_steps=0, schedule="constant")
-        tr = Trainer(Model(c, device=dev, seed=0), tc, lambda: ids, capture_ready=True, cuda_graph=False)
+        tr = Trainer(Model(c, device=dev, seed=0), tc, lambda: ids, cuda_graph=False)
         lr = torch.tensor(1e-3, dtype=torch.float64, device=dev)
 
         def step():

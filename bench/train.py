@@ -186,7 +186,7 @@ def trainer_step(c, dev, ids, B: int, graph: bool):
     T = ids.shape[1] - 1
     tcfg = TrainConfig(steps=10**9, batch_size=B, seq_len=T, lr=1e-3, warmup_steps=0, schedule="constant")
     batch = ids.cpu()  # as a loader hands it over: on the host, moved by the step
-    tr = Trainer(Model(c, device=dev, seed=0), tcfg, lambda: batch, cuda_graph=graph, capture_ready=True)
+    tr = Trainer(Model(c, device=dev, seed=0), tcfg, lambda: batch, cuda_graph=graph)
 
     def step():
         m = tr.train_step()

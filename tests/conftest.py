@@ -2,7 +2,7 @@
 
 Without CUDA, Triton kernels are checked through the Triton interpreter (fp32 only: the interpreter's
 bf16 is not trustworthy). TRITON_INTERPRET must be set before Triton is first imported, so it is set
-here, before any test module imports xtrain.
+here, before any test module imports xtrain. Subprocesses get this checkout first on PYTHONPATH.
 """
 
 import os
@@ -22,6 +22,12 @@ def _has_cuda() -> bool:
 HAS_CUDA = _has_cuda()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Processes the tests start (data-parallel workers, the CLI, run from a temporary directory) import the xtrain of
+# this checkout, not whichever xtrain is installed: a script's own directory or the cwd comes first on sys.path,
+# and an editable install may point at another checkout.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 
 def pytest_collection_modifyitems(config, items):

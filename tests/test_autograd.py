@@ -163,6 +163,44 @@ def test_no_grad_records_nothing():
     assert not y.requires_grad and y._backward is None
 
 
+def test_grad_mode_value_checks_and_backend_are_per_thread():
+    """A thread inside no_grad, value_checks_off and backend("reference") changes none of them for another
+    thread, which records its tape, checks values and keeps the backend it started with; each block restores its
+    own thread's state on exit, whatever the other thread did meanwhile."""
+    import threading
+
+    from xtrain.autograd import is_grad_enabled
+    from xtrain.kernels import backend, get_backend
+    from xtrain.ops.basic import check_values
+
+    start = get_backend()
+    inside, release, seen = threading.Event(), threading.Event(), {}
+
+    def hold():
+        with no_grad(), ops.value_checks_off(), backend("reference"):
+            seen["holder"] = (is_grad_enabled(), check_values(torch.zeros(1)), get_backend())
+            inside.set()
+            release.wait(30)
+        seen["after"] = (is_grad_enabled(), check_values(torch.zeros(1)), get_backend())
+
+    th = threading.Thread(target=hold)
+    th.start()
+    try:
+        assert inside.wait(30)
+        x = Var(r(3), requires_grad=True)
+        y = ops.mul(x, x)  # recorded in this thread while the other holds no_grad
+        assert y.requires_grad and is_grad_enabled()
+        assert check_values(torch.zeros(1)) and get_backend() == start
+        with no_grad():  # and this thread's block ends before the other's
+            assert not is_grad_enabled()
+    finally:
+        release.set()
+        th.join(30)
+    assert seen["holder"] == (False, False, "reference")
+    assert seen["after"] == (True, True, start)
+    assert is_grad_enabled() and check_values(torch.zeros(1)) and get_backend() == start
+
+
 def test_detach_cuts_the_tape():
     x = Var(r(3), requires_grad=True)
     y = ops.sum(ops.mul(x.detach(), x))

@@ -88,13 +88,13 @@ def test_val_fraction_is_about_right():
     assert not any(is_val_key(k, 0.0) for k in keys)
 
 
-def test_txt_reader_splits_on_eot_across_chunks(tmp_path, monkeypatch):
+def test_txt_reader_splits_on_eot_across_chunks(tmp_path):
     stories = [f"Story {i}: Once upon a time, é{'x' * (i % 7)}." for i in range(50)]
     p = tmp_path / "stories.txt"
     p.write_text(f"\n{EOT_TEXT}\n".join(stories) + f"\n{EOT_TEXT}\n", encoding="utf-8")
-    monkeypatch.setattr(corpus_mod, "_READ_CHUNK", 7)  # separators and UTF-8 characters split by chunks
-    docs = list(read_path(p))
+    docs = list(corpus_mod.read_text_file(p, chunk_bytes=7))  # separators and UTF-8 characters split by chunks
     assert [d.text for d in docs] == stories
+    assert [d.text for d in read_path(p)] == stories  # the default chunk (the whole file in one)
     assert len({d.key for d in docs}) == len(docs)
 
 
@@ -275,7 +275,7 @@ def _corrupt(tmp_path, name, header=None, payload=None):
     return p
 
 
-def test_corrupt_shards(tmp_path, monkeypatch):
+def test_corrupt_shards(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.bin.*bad magic 12345"):
         read_shard(_corrupt(tmp_path, "bad.bin", header={0: 12345}))
     with pytest.raises(ValueError, match=r"ver\.bin.*version 1.*says 7"):
@@ -292,9 +292,11 @@ def test_corrupt_shards(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="absent"):
         read_shard(tmp_path / "absent.bin")
     # ids out of range, found by a chunked scan (chunk smaller than the shard)
-    monkeypatch.setattr(shards_mod, "_CHECK_CHUNK", 7)
     toks = np.arange(100) % 50
     toks[93] = 77
+    with pytest.raises(ValueError, match=r"scan: token id 77 at position 93.*\[0, 50\)"):
+        shards_mod.check_token_range(toks, 50, "scan", chunk_tokens=7)
+    shards_mod.check_token_range(toks[:93], 50, "scan", chunk_tokens=7)
     p = write_shard(tmp_path / "range.bin", toks, 100)
     read_shard(p)  # fine without a vocab
     with pytest.raises(ValueError, match=r"range\.bin.*token id 77 at position 93.*\[0, 50\)"):

@@ -48,8 +48,6 @@ WORKER = textwrap.dedent("""
     if graph == "replay":
         from xtrain.testing import replay_capture
         kw = dict(cuda_graph=True, graph_capture=replay_capture)
-    elif graph == "capture-ready":
-        kw = dict(cuda_graph=False, capture_ready=True)
     tr = Trainer(m, tc, source, all_reduce=D.all_reduce_sum if info.world_size > 1 else None,
                  rank=info.rank, world_size=info.world_size, **kw)
     if graph == "replay":
@@ -128,15 +126,14 @@ def test_dropout_same_masks_for_one_process_accumulation_and_ranks_fp64(tmp_path
 def test_data_parallel_step_replayed_as_a_graph_fp64(tmp_path):
     # The all-reduce is part of the captured step: two gloo ranks whose step is replayed by the CPU stand-in for
     # a CUDA graph (one eager warm-up step, then replays of the recorded aten calls, collectives included) train
-    # bit for bit as the same capture-ready step run eagerly, with dropout.
+    # bit for bit as the same step run eagerly, with dropout.
     args = ("cpu", "float64", "0.3", "1")
-    eager = _worker(tmp_path, "eager", 2, *args, "capture-ready")
+    eager = _worker(tmp_path, "eager", 2, *args)
     replayed = _worker(tmp_path, "replayed", 2, *args, "replay")
     assert eager[1] == replayed[1]
     assert all(torch.equal(eager[0][k], replayed[0][k]) for k in eager[0])
-    # and as one process running the same capture-ready step (whose CPU AdamW computes its bias corrections in
-    # fp32, so it is compared with its own kind, not with the host step)
-    _assert_same_training(_worker(tmp_path, "one", 1, *args, "capture-ready"), replayed)
+    # and as one process
+    _assert_same_training(_worker(tmp_path, "one", 1, *args), replayed)
 
 
 @pytest.mark.slow

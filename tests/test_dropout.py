@@ -219,6 +219,26 @@ def test_triton_reads_the_device_seed(seed):
     assert torch.equal(K.dropout_bwd_triton(x, 0.1, buf[3], 2, 3), want)
 
 
+def test_model_loss_takes_the_rows_place_in_the_batch():
+    """``model.loss(..., dropout_rows=(start, stride))`` draws the masks of those rows of the global batch: the
+    summed loss of the whole batch equals the sum over two halves passed with their rows (fp64: up to the order
+    of the sums), and a half passed with the wrong rows draws other masks (a different loss)."""
+    from xtrain.config import ModelConfig
+    from xtrain.model import Model
+
+    cfg = ModelConfig(vocab_size=50, n_layer=2, n_embd=16, n_head=4, n_kv_head=2, head_dim=4, ffn_dim=32,
+                      max_seq_len=8, dropout=0.3, compute_dtype="float64")  # fmt: skip
+    m = Model(cfg, seed=1)
+    m.set_dropout_step(12345)
+    ids = torch.randint(0, 50, (4, 9), generator=torch.Generator().manual_seed(2))
+    x, y = ids[:, :-1], ids[:, 1:]
+    whole = float(m.loss(x, y, reduction="sum").data)
+    even = [float(m.loss(x[i::2], y[i::2], reduction="sum", dropout_rows=(i, 2)).data) for i in (0, 1)]
+    assert abs(sum(even) - whole) <= 1e-12 * abs(whole)
+    wrong = float(m.loss(x[1::2], y[1::2], reduction="sum").data)  # the odd rows keyed as rows 0, 1
+    assert abs(wrong - even[1]) > 1e-6 * abs(whole)
+
+
 @pytest.mark.slow
 def test_cli_one_process_accumulation_and_ranks_agree_fp32(tmp_path, corpus):
     """The real command with dropout 0.1 in fp32: one process with B = 8, --grad-accum 2, and two gloo ranks

@@ -119,10 +119,10 @@ def test_bf16_compute_copies_on_cuda_are_exact_casts():
         assert torch.equal(out[0][1][k], out[1][1][k]), k
 
 
-def test_cuda_graph_step_is_the_host_step_bit_for_bit():
-    """The trainer's step replayed as a CUDA graph (device scalars, the clip folded into the update kernel) and
-    the host path (host scalars, clip_grads_ then the same kernel): the same losses, norms and weights bit for
-    bit over 5 steps, with the clip active and two micro-batches."""
+def test_cuda_graph_step_is_the_eager_step_bit_for_bit():
+    """The trainer's step replayed as a CUDA graph and the same step run eagerly (device scalars, the clip folded
+    into the update kernel): the same losses, norms and weights bit for bit over 5 steps, with the clip active and
+    two micro-batches."""
     from xtrain.config import TrainConfig
     from xtrain.train.trainer import Trainer
 
@@ -134,7 +134,7 @@ def test_cuda_graph_step_is_the_host_step_bit_for_bit():
         it = iter(batches)
         m = Model(_cfg("bfloat16", "auto", "auto"), device="cuda")
         tr = Trainer(m, tc, lambda it=it: next(it).cuda(), cuda_graph=graph)
-        assert (tr.graphed is not None and tr.graphed.enabled) == graph and tr.capture_ready == graph
+        assert (tr.graphed is not None and tr.graphed.enabled) == graph
         hist = tr.fit()
         if graph:
             assert tr.graphed.captures == 1
@@ -205,7 +205,7 @@ def test_gluon_attention_paths_equal_composed_in_the_model(head_dim, monkeypatch
 @pytest.mark.parametrize("recompute,accum", [(False, 1), (True, 2)])
 def test_cuda_graph_with_dropout_trains_as_the_step_without_a_graph(recompute, accum):
     """Dropout 0.1, bf16 compute: the trainer's step captured as a CUDA graph (one eager warm-up step, then
-    replays) against the same capture-ready step run eagerly (``cuda_graph=False``), same weights and batches,
+    replays) against the same step run eagerly (``cuda_graph=False``), same weights and batches,
     5 steps. Bit for bit: the graph replays the very kernels the eager step launches, on the same values; the
     dropout seeds reach each replay through the model's seed buffer (frozen host seeds would change the
     losses from the third step on)."""
@@ -222,7 +222,7 @@ def test_cuda_graph_with_dropout_trains_as_the_step_without_a_graph(recompute, a
     for graph in (True, False):
         it = iter(batches)
         m = Model(cfg, device="cuda")
-        tr = Trainer(m, tc, lambda it=it: next(it), cuda_graph=graph, capture_ready=True)
+        tr = Trainer(m, tc, lambda it=it: next(it), cuda_graph=graph)
         msgs = []
         if graph:
             tr.graphed.warmup, tr.graphed.say = 1, msgs.append

@@ -1,6 +1,8 @@
-"""The host-cheap, capture-ready training step: multi-tensor AdamW (bit for bit vs the reference), the fused
-qk_norm_rope op (bit for bit vs the composition, finite differences, torch.autograd), the model's lack of
-device branches, and a trainer step that reads nothing back to the host."""
+"""The host-cheap, capture-ready training step: multi-tensor AdamW (close to the reference) and the fused CPU
+update with a device go-ahead (bit for bit torch's), the fused qk_norm_rope op (bit for bit vs the composition,
+finite differences, torch.autograd), the model's lack of device branches, and the trainer's one step: it reads
+nothing back to the host, trains on the CPU bit for bit as loss + backward + torch's clip + AdamW, and skips a
+non-finite step on the device."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from xtrain import Var
 from xtrain.check import cases, run_case
 from xtrain.config import ModelConfig, TrainConfig
 from xtrain.kernels.adamw import adamw_step_ref
-from xtrain.kernels.adamw_foreach import adamw_step_device
-from xtrain.model import Model
+from xtrain.kernels.adamw_foreach import adamw_step_device, adamw_step_fused_cpu
+from xtrain.model import Model, mix_seed
+from xtrain.train.optim import AdamW, clip_grads_, grad_norm
 from xtrain.train.trainer import NonFiniteError, Trainer
 
 
@@ -162,44 +165,89 @@ def _batches(seed=0, B=4, T=8):
     return lambda: torch.randint(0, CFG.vocab_size, (B, T + 1), generator=g)
 
 
-def _trainer(capture, **kw):
+def _trainer(**kw):
     tc = TrainConfig(steps=100, batch_size=4, seq_len=8, grad_accum=2, lr=1e-2, warmup_steps=2, **kw)
-    return Trainer(Model(CFG, seed=0), tc, _batches(), capture_ready=capture)
+    return Trainer(Model(CFG, seed=0), tc, _batches())
+
+
+def test_adamw_fused_cpu_with_device_scalars_is_torch_adamw_and_skips_exactly():
+    """The CPU update of the trainer's step (tensor lr, tensor step count, a device go-ahead) is bit for bit
+    ``torch.optim.AdamW(fused=True)``; with the go-ahead false it changes nothing, a NaN gradient included."""
+    a = _state(2, SHAPES)
+    ref = [torch.nn.Parameter(x.clone()) for x in a[0]]
+    groups = [{"params": [p for p, w in zip(ref, WDS) if w == wd], "weight_decay": wd} for wd in (0.0, 0.1)]
+    topt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    p, m, v = [x.clone() for x in a[0]], [torch.zeros_like(x) for x in a[0]], [torch.zeros_like(x) for x in a[0]]
+    step_t, lr_t = torch.zeros(()), torch.tensor(3e-3, dtype=torch.float64)
+    kw = dict(step=step_t, lr=lr_t, beta1=0.9, beta2=0.95, eps=1e-8, weight_decays=WDS)
+    for it in range(3):
+        grads = [x * (it + 1) for x in a[1]]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        topt.step()
+        adamw_step_fused_cpu(p, [g.clone() for g in grads], m, v, ok=torch.tensor(True), **kw)
+    assert all(torch.equal(x, r.detach()) for x, r in zip(p, ref)) and float(step_t) == 3.0
+    before = [[x.clone() for x in xs] for xs in (p, m, v)]
+    bad = [g.clone() for g in a[1]]
+    bad[1].fill_(float("nan"))
+    adamw_step_fused_cpu(p, bad, m, v, ok=torch.tensor(False), **kw)
+    assert all(torch.equal(x, y) for xs, ys in zip(before, (p, m, v)) for x, y in zip(xs, ys))
+    assert float(step_t) == 3.0
 
 
 def test_device_step_reads_nothing_back():
-    tr = _trainer(True)
-    lr = torch.tensor(1e-2)
+    tr = _trainer()
+    lr = torch.tensor(1e-2, dtype=torch.float64)
     ids = _batches(5)()
     with NoHostReads():
         for step in range(3):
             tr.model.set_dropout_step(step)  # a host write, never a read; the masks read the seed on the device
             tr.device_step(ids[:, :-1], ids[:, 1:], lr)
-    # the guard can fail: the default step reads values (the token count, the loss, the norm)
+    # the guard can fail: the batch checks before the step read values (on the CPU, by design)
+    tr.data = lambda: ids
     with pytest.raises(AssertionError, match="host read"), NoHostReads():
-        _trainer(False).forward_backward(ids[:, :-1], ids[:, 1:])
+        tr._batch()
 
 
-def test_capture_ready_training_tracks_the_default_path():
-    a, b = _trainer(False), _trainer(True)
-    for _ in range(4):
-        ma, mb = a.train_step(), b.train_step()
-        assert mb["tokens"] == ma["tokens"] and not mb["skipped"]
-        assert math.isclose(ma["loss"], mb["loss"], rel_tol=1e-5)
-    assert b.optimizer.step_count == a.optimizer.step_count == 4
-    # the device path's step size lr / bc1 is an fp32 tensor (the host path's a float64 scalar): after 4 steps of
-    # lr 1e-2 the weights differ by ~1e-7 (1e-5 of one step); a wrong update differs by ~1e-2
-    for n, p in a.model.params.items():
-        torch.testing.assert_close(b.model.params[n].data, p.data, rtol=1e-5, atol=1e-6)
+def test_step_is_loss_backward_torch_clip_and_adamw_bit_for_bit():
+    """The trainer's one step on the CPU (device scalars, the skip decided on the device) trains bit for bit as
+    the plain loop: per micro-batch loss + backward of loss/N, torch's clip (``clip_grads_``) and AdamW's fused
+    update with host scalars (torch.optim.AdamW(fused=True)); dropout on, two micro-batches, the clip acting."""
+    tc = TrainConfig(steps=100, batch_size=4, seq_len=8, grad_accum=2, lr=1e-2, warmup_steps=2, grad_clip=0.5)
+    tr = Trainer(Model(CFG, seed=0), tc, _batches())
+    model, nxt = Model(CFG, seed=0), _batches()
+    opt = AdamW.for_model(model, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, weight_decay=tc.weight_decay)
+    for step in range(4):
+        got = tr.train_step()
+        ids = nxt()
+        x, y = ids[:, :-1], ids[:, 1:]
+        model.set_dropout_step(mix_seed(tc.seed, step))
+        loss_sum = 0.0
+        for j in range(2):
+            loss = model.loss(x[2 * j : 2 * j + 2], y[2 * j : 2 * j + 2], reduction="sum", dropout_rows=(2 * j, 1))
+            loss_sum += float(loss.data)
+            ops.scale(loss, 1.0 / y.numel()).backward()
+        grads = opt.grads()
+        norm = grad_norm(grads)
+        clip_grads_(grads, tc.grad_clip, norm)
+        opt.step(tr.schedule(step))
+        opt.zero_grad()
+        assert (got["loss"], got["grad_norm"]) == (loss_sum / y.numel(), float(norm)) and float(norm) > 0.5
+    assert tr.optimizer.step_count == opt.step_count == 4
+    for n, p in model.params.items():
+        assert torch.equal(tr.model.params[n].data, p.data), n
+    for a, b in zip(tr.optimizer.exp_avg_sqs, opt.exp_avg_sqs):
+        assert torch.equal(a, b)
 
 
-def test_capture_ready_scales_by_the_step_token_count():
+def test_accumulation_scales_by_the_step_token_count():
     """Micro-batches that count different numbers of targets (ignored targets in the first): each micro-batch's
     loss sum is divided by the step's count N, not by its own count. Equal counts per micro-batch (as above)
-    would hide a per-micro-batch count: it scales every gradient alike, which AdamW's first steps undo."""
+    would hide a per-micro-batch count: it scales every gradient alike, which AdamW's first steps undo. The same
+    batches in one micro-batch (grad_accum 1) are the oracle."""
     counts = []
 
-    def trainer(capture):
+    def trainer(accum):
         g = torch.Generator().manual_seed(8)  # each trainer its own: both see the same batches
 
         def batches():
@@ -209,10 +257,10 @@ def test_capture_ready_scales_by_the_step_token_count():
             counts.append([int((y[2 * j : 2 * j + 2] != -100).sum()) for j in (0, 1)])
             return x, y
 
-        tc = TrainConfig(steps=100, batch_size=4, seq_len=8, grad_accum=2, lr=1e-2, warmup_steps=2)
-        return Trainer(Model(CFG, seed=0), tc, batches, capture_ready=capture)
+        tc = TrainConfig(steps=100, batch_size=4, seq_len=8, grad_accum=accum, lr=1e-2, warmup_steps=2)
+        return Trainer(Model(CFG, seed=0), tc, batches)
 
-    a, b = trainer(False), trainer(True)
+    a, b = trainer(1), trainer(2)
     for _ in range(3):
         ma, mb = a.train_step(), b.train_step()
         assert ma["tokens"] == mb["tokens"] == 26
@@ -224,8 +272,8 @@ def test_capture_ready_scales_by_the_step_token_count():
         torch.testing.assert_close(b.model.params[n].data, p.data, rtol=1e-5, atol=1e-6)
 
 
-def test_capture_ready_skips_a_nonfinite_step_on_the_device():
-    b = _trainer(True, skip_nonfinite=True, max_skips=3)
+def test_step_skips_a_nonfinite_step_on_the_device():
+    b = _trainer(skip_nonfinite=True, max_skips=3)
     b.train_step()
     before = {n: p.data.clone() for n, p in b.model.params.items()}
     moments = [m.clone() for m in b.optimizer.exp_avgs]
@@ -236,7 +284,7 @@ def test_capture_ready_skips_a_nonfinite_step_on_the_device():
         if n != "model.norm.weight":
             assert torch.equal(p.data, before[n])
     assert all(torch.equal(x, y) for x, y in zip(moments, b.optimizer.exp_avgs))
-    c = _trainer(True)
+    c = _trainer()
     c.model.params["model.norm.weight"].data.fill_(float("nan"))
     with pytest.raises(NonFiniteError, match="step 1"):
         c.train_step()
@@ -288,7 +336,7 @@ def test_graphed_step_static_buffers_match_the_eager_device_step():
     from xtrain.train.trainer import eager_capture
 
     cfg = ModelConfig(**{**CFG.to_dict(), "dropout": 0.0})
-    a = Trainer(Model(cfg, seed=0), _trainer(True).config, _batches(), capture_ready=True)
+    a = Trainer(Model(cfg, seed=0), _trainer().config, _batches())
     b, msgs = _graphed(eager_capture, cfg)
     addr = None
     for i in range(6):
@@ -310,7 +358,7 @@ def test_graphed_step_falls_back_with_one_line():
         raise RuntimeError("operation not permitted when stream is capturing")
 
     cfg = ModelConfig(**{**CFG.to_dict(), "dropout": 0.0})
-    ref = Trainer(Model(cfg, seed=0), _trainer(True).config, _batches(), capture_ready=True)
+    ref = Trainer(Model(cfg, seed=0), _trainer().config, _batches())
     b, msgs = _graphed(failing, cfg)
     for _ in range(5):
         assert ref.train_step()["loss"] == b.train_step()["loss"]  # the failed capture step ran once
@@ -323,7 +371,7 @@ def test_graphed_step_falls_back_with_one_line():
 
     c, _ = _graphed(cuda_graph_capture, cfg)
     assert not c.graphed.enabled
-    assert Trainer(Model(cfg), _trainer(False).config, _batches()).graphed is None  # CPU default: no graph
+    assert Trainer(Model(cfg), _trainer().config, _batches()).graphed is None  # CPU default: no graph
 
 
 def _replayed(cfg, accum, graph):
@@ -333,7 +381,7 @@ def _replayed(cfg, accum, graph):
 
     tc = TrainConfig(steps=100, batch_size=4, seq_len=8, grad_accum=accum, lr=1e-2, warmup_steps=2)
     if not graph:
-        return Trainer(Model(cfg, seed=0), tc, _batches(), capture_ready=True)
+        return Trainer(Model(cfg, seed=0), tc, _batches())
     tr = Trainer(Model(cfg, seed=0), tc, _batches(), cuda_graph=True, graph_capture=replay_capture)
     tr.graphed.warmup = 1
     tr.graphed.say = pytest.fail  # no fallback, no re-capture
@@ -374,7 +422,7 @@ def test_graph_stand_in_keeps_tensors_as_a_capture_does():
     from xtrain.testing import replay_capture
 
     cfg = ModelConfig(**{**CFG.to_dict(), "dropout": 0.0})
-    tr = Trainer(Model(cfg, seed=0), _trainer(True).config, _batches(), capture_ready=True)
+    tr = Trainer(Model(cfg, seed=0), _trainer().config, _batches())
     tr._lr_t = torch.tensor(1e-2)
     ids = _batches(3)()
     tr.device_step(ids[:, :-1], ids[:, 1:], tr._lr_t)  # the optimizer's state exists now
@@ -405,3 +453,27 @@ def test_qk_norm_rope_takes_an_fp32_master_weight_for_bf16_activations():
     torch.testing.assert_close(outs[0][2], outs[1][2].float(), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="qk_norm_rope"):  # fp32 activations with a bf16 weight: no
         ops.qk_norm_rope(Var(x0.float()), Var(w0.bfloat16()), 3, pos)
+
+
+def test_graph_is_keyed_by_the_step_settings():
+    """The graph's key is the frozen ``StepSettings`` the step reads: a changed setting (here the clip, a host
+    float the captured step holds) captures again, and the replays train with the new value, as the step
+    without a graph does."""
+    import dataclasses
+
+    from xtrain.testing import replay_capture
+
+    cfg = ModelConfig(**{**CFG.to_dict(), "dropout": 0.0})
+    a = Trainer(Model(cfg, seed=0), _trainer().config, _batches())
+    b, msgs = _graphed(replay_capture, cfg)
+    b.graphed.warmup = 1
+    for step in range(6):
+        if step == 3:
+            a.config = b.config = dataclasses.replace(a.config, grad_clip=0.05)
+        ma, mb = a.train_step(), b.train_step()
+        assert (ma["loss"], ma["grad_norm"]) == (mb["loss"], mb["grad_norm"]) and ma["grad_norm"] > 0.05
+    assert b.graphed.captures == 2 and len(msgs) == 1 and "again" in msgs[0]
+    for n, p in a.model.params.items():
+        assert torch.equal(p.data, b.model.params[n].data), n
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        b.step_settings().grad_clip = 1.0

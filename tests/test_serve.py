@@ -231,3 +231,49 @@ def test_sample_rows_draws_from_the_filtered_distribution(temperature, top_k, to
         logits.expand(2, 7), [Sampling(temperature=0), smp[0]], [None, torch.Generator().manual_seed(100)]
     )
     assert mixed[0] == logits.argmax() and mixed[1] == toks[0]
+
+
+def test_training_beside_the_batcher_records_its_tape_and_both_work():
+    """Grad mode, value checks and the kernel backend are per thread: a trainer stepping in one thread while the
+    batcher (under ``no_grad`` for its whole life) serves in another trains exactly as it does alone, the served
+    tokens are those of the engine alone, and the batcher's exit leaves the other threads' grad mode as it was."""
+    from xtrain.autograd import is_grad_enabled
+    from xtrain.config import TrainConfig
+    from xtrain.train.trainer import Trainer
+
+    tc = TrainConfig(steps=4, batch_size=2, seq_len=12, lr=1e-2, warmup_steps=0, schedule="constant")
+
+    def batches():
+        g = torch.Generator().manual_seed(9)
+        return lambda: torch.randint(0, 257, (2, 13), generator=g)
+
+    alone = Trainer(small(), tc, batches())
+    alone_losses = [m["loss"] for m in alone.fit()]
+    m = small()
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    want = [Engine(m).generate(torch.tensor([p]), 12, temperature=0)[0, len(p) :].tolist() for p in prompts]
+    b = Batcher(Engine(m), EngineConfig(slots=2)).start()
+    try:
+        assert b.generate(prompts[0], 12, Sampling(temperature=0))[0] == want[0]  # the batcher holds no_grad now
+        beside = Trainer(small(), tc, batches())
+        out: dict = {}
+
+        def train():
+            try:
+                out["losses"] = [r["loss"] for r in beside.fit()]
+            except BaseException as e:  # reported below, in the test's thread
+                out["error"] = e
+
+        th = threading.Thread(target=train)
+        th.start()
+        served = _run_together(b, [(p, 12, Sampling(temperature=0)) for p in prompts])
+        th.join(120)
+        assert not th.is_alive()
+        assert "error" not in out, out.get("error")
+        assert out["losses"] == alone_losses  # every step recorded its tape and trained as it does alone
+        for k, v in alone.model.state_dict().items():
+            assert torch.equal(beside.model.state_dict()[k], v), k
+        assert [t for t, _ in served] == want
+    finally:
+        b.close()
+    assert is_grad_enabled()

@@ -23,40 +23,49 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
 BackwardFn = Callable[[torch.Tensor], Sequence[torch.Tensor | None]]
 
-_grad_enabled = True
+
+class _GradMode(threading.local):
+    """Grad mode, per thread (as torch keeps its own): a server's batcher thread running under ``no_grad``
+    leaves a trainer in another thread recording its tape. Every thread starts with recording on."""
+
+    enabled = True
+
+
+_grad_mode = _GradMode()
 
 
 def is_grad_enabled() -> bool:
-    return _grad_enabled
+    """Whether ops record on the tape in the calling thread."""
+    return _grad_mode.enabled
 
 
 @contextlib.contextmanager
+def _grad_set(enabled: bool):
+    mode = _grad_mode
+    prev = mode.enabled
+    mode.enabled = enabled
+    try:
+        yield
+    finally:
+        mode.enabled = prev
+
+
 def no_grad():
-    """Within this block ops record nothing on the tape (inference, optimizer updates, recompute)."""
-    global _grad_enabled
-    prev = _grad_enabled
-    _grad_enabled = False
-    try:
-        yield
-    finally:
-        _grad_enabled = prev
+    """Within this block the calling thread's ops record nothing on the tape (inference, optimizer updates,
+    recompute). Other threads are not affected."""
+    return _grad_set(False)
 
 
-@contextlib.contextmanager
 def enable_grad():
-    global _grad_enabled
-    prev = _grad_enabled
-    _grad_enabled = True
-    try:
-        yield
-    finally:
-        _grad_enabled = prev
+    """Within this block the calling thread's ops record on the tape (recompute's replay inside backward)."""
+    return _grad_set(True)
 
 
 @contextlib.contextmanager
@@ -114,7 +123,7 @@ class Var:
         out.requires_grad = False
         out._parents = ()
         out._backward = None
-        if _grad_enabled:
+        if _grad_mode.enabled:
             for p in parents:  # a plain loop: any(genexpr) costs more than the check itself
                 if p.requires_grad:
                     out.requires_grad = True
@@ -397,7 +406,7 @@ def checkpoint(fn: Callable[..., Var], *inputs):
     is a pure function of the seed), so the recomputed forward equals the first one bit for bit. Non-Var
     inputs are passed through as is.
     """
-    if not _grad_enabled:
+    if not _grad_mode.enabled:
         return fn(*inputs)
     var_inputs = [x for x in inputs if isinstance(x, Var)]
     with no_grad():

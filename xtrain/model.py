@@ -38,13 +38,14 @@ records nothing.
 
 Dropout (residual path only, at the attention and MLP outputs; never on attention probabilities): the mask
 of each site is a pure function of ``site_seed(step_seed, layer, site)`` and of the element's place in
-the step's global batch: ``model.dropout_rows = (row_start, row_stride)`` says that row b of the model's
-input is global row ``row_start + b * row_stride``. The site seeds live on the device, in one int64 buffer
-per model (``dropout_seeds``, one entry per (layer, site), allocated once, so its address never changes):
+the step's global batch: the argument ``dropout_rows = (row_start, row_stride)`` of ``loss`` / ``forward``
+says that row b of the model's input is global row ``row_start + b * row_stride``. The site seeds live on
+the device, in one int64 buffer per model (``dropout_seeds``, one entry per (layer, site), allocated once, so
+its address never changes):
 ``model.set_dropout_step(step_seed)`` computes them all on the host and writes them with one host-to-device
 copy, and each dropout kernel reads its entry. So a captured CUDA graph of the step draws the masks of
 whatever step the buffer holds when it replays, not those of the step it was captured on. The trainer calls
-``set_dropout_step`` once per step with ``mix_seed(run seed, step)``, outside the captured work, and sets
+``set_dropout_step`` once per step with ``mix_seed(run seed, step)``, outside the captured work, and passes
 ``dropout_rows`` per micro-batch from (rank, world size, micro index) (host integers, the same every step
 for a micro-batch, so a graph may hold them), so a token draws the same mask in one process, in a
 micro-batch or on any data-parallel rank, and a recomputed block and a resumed run draw the same masks.
@@ -179,7 +180,6 @@ class Model:
         self.compute_dtype = _DTYPES[config.compute_dtype]
         self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         self.training = True
-        self.dropout_rows = (0, 1)  # (row_start, row_stride) of this input's rows in the global batch
         # the per-site dropout seeds [L, len(SITES)] on the device: one buffer, rewritten in place each step
         self.dropout_seeds = torch.zeros((config.n_layer, len(SITES)), dtype=torch.int64, device=self.device)
         # optional hook p -> compute-dtype copy of p.data or None (the trainer sets AdamW.copy_for)
@@ -345,14 +345,16 @@ class Model:
         if ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"Model: sequence length {ids.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
 
-    def hidden(self, ids: torch.Tensor) -> Var:
+    def hidden(self, ids: torch.Tensor, dropout_rows: tuple[int, int] = (0, 1)) -> Var:
         """The final-normed hidden states [B, T, C] in the compute dtype."""
         B, T = ids.shape if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (0, 0)
-        x = self._hidden(ids)  # [B*T, C]
+        x = self._hidden(ids, dropout_rows)  # [B*T, C]
         return ops.reshape(x, (B, T, x.shape[1]))
 
-    def _hidden(self, ids: torch.Tensor) -> Var:
-        """The final-normed hidden states as [B*T, C] (compute dtype)."""
+    def _hidden(self, ids: torch.Tensor, dropout_rows: tuple[int, int]) -> Var:
+        """The final-normed hidden states as [B*T, C] (compute dtype). ``dropout_rows``: (row_start,
+        row_stride), row b of ``ids`` is row ``row_start + b * row_stride`` of the step's global batch (the
+        dropout masks' key)."""
         self._check_ids(ids)
         cfg = self.config
         B, T = ids.shape
@@ -361,7 +363,7 @@ class Model:
         table = ops.rope_table(positions, cfg.head_dim, cfg.rope_theta, acc)  # shared by every layer
         x = ops.embedding(ids.reshape(B * T), self.params["model.embed_tokens.weight"])  # [B*T, C] master dtype
         recompute = cfg.recompute and is_grad_enabled()
-        seed = (self.dropout_seeds, *self.dropout_rows) if (self.training and cfg.dropout > 0.0) else None
+        seed = (self.dropout_seeds, *dropout_rows) if (self.training and cfg.dropout > 0.0) else None
         for i in range(cfg.n_layer):
             if recompute:
                 x = checkpoint(self._block, x, i, positions, seed, table)
@@ -380,11 +382,14 @@ class Model:
         *,
         reduction: str = "mean",
         ignore_index: int = -100,
+        dropout_rows: tuple[int, int] = (0, 1),
     ) -> Var:
         """ids [B, T] -> logits [B, T, V] (compute dtype), or, with targets [B, T], the scalar fp32 loss
         (cross-entropy, "mean" over counted targets or "sum"; targets equal to ignore_index count for
-        nothing)."""
-        x2 = self._hidden(ids)  # [N, C], N = B*T
+        nothing). ``dropout_rows = (row_start, row_stride)``: where the rows of ``ids`` sit in the step's global
+        batch (row b is global row ``row_start + b * row_stride``), which keys the dropout masks; (0, 1) for a
+        batch that is the whole global batch."""
+        x2 = self._hidden(ids, dropout_rows)  # [N, C], N = B*T
         B, T = ids.shape
         w = self._w(self.head_weight)  # [V, C]
         if targets is None:
@@ -401,8 +406,16 @@ class Model:
 
     __call__ = forward
 
-    def loss(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", ignore_index: int = -100) -> Var:
-        return self.forward(ids, targets, reduction=reduction, ignore_index=ignore_index)
+    def loss(
+        self,
+        ids: torch.Tensor,
+        targets: torch.Tensor,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+        dropout_rows: tuple[int, int] = (0, 1),
+    ) -> Var:
+        """The cross-entropy of ``forward(ids, targets, ...)`` (see there for ``dropout_rows``)."""
+        return self.forward(ids, targets, reduction=reduction, ignore_index=ignore_index, dropout_rows=dropout_rows)
 
     def generate(
         self,

@@ -1,7 +1,7 @@
 """Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus).
 
-Shared by ``Model.generate`` and, later, the serving engine. Works on fp32 logits [B, V] on the CPU with
-a seeded ``torch.Generator``, so a seed gives the same tokens on any device the model ran on.
+Shared by ``Model.generate`` and the serving engine (``xtrain.serve.engine``). Works on fp32 logits [B, V] on
+the CPU with a seeded ``torch.Generator``, so a seed gives the same tokens on any device the model ran on.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", 
 TINYSTORIES_REPO = "roneneldan/TinyStories"
 TINYSTORIES_FILES = {"train": "TinyStoriesV2-GPT4-train.txt", "val": "TinyStoriesV2-GPT4-valid.txt"}
 
-_READ_CHUNK = 1 << 20  # bytes read at a time when streaming a .txt file
+READ_CHUNK = 1 << 20  # bytes read at a time when streaming a .txt file
 SNIFF_BYTES = 1 << 16  # bytes of each file checked for binary content before it is read
 MAX_INVALID_UTF8 = 0.01  # fraction of bytes that may fail to decode before a file counts as binary
 
@@ -112,9 +112,10 @@ def is_val_key(key: str, val_fraction: float) -> bool:
 # readers: each yields Documents lazily
 
 
-def read_text_file(path: Path, key_prefix: str | None = None) -> Iterator[Document]:
+def read_text_file(path: Path, key_prefix: str | None = None, *, chunk_bytes: int = READ_CHUNK) -> Iterator[Document]:
     """A ``.txt`` file split on ``<|endoftext|>`` (each piece stripped, empty pieces dropped); any other
-    suffix is one document. Keys are ``name#i`` for split files and ``name`` for whole files."""
+    suffix is one document. Keys are ``name#i`` for split files and ``name`` for whole files. A ``.txt`` file is
+    streamed ``chunk_bytes`` at a time (a separator or a UTF-8 character may straddle two chunks)."""
     path = Path(path)
     name = key_prefix if key_prefix is not None else path.name
     if path.suffix != ".txt":
@@ -129,7 +130,7 @@ def read_text_file(path: Path, key_prefix: str | None = None) -> Iterator[Docume
     seen = bad = 0  # bytes read, characters that failed to decode
     with open(path, "rb") as f:
         while True:
-            chunk = f.read(_READ_CHUNK)
+            chunk = f.read(chunk_bytes)
             text = decoder.decode(chunk, final=not chunk)
             if (nul := chunk.find(b"\0")) != -1:
                 raise ValueError(

@@ -30,7 +30,7 @@ FORMATS = {
     20240801: (7, np.dtype("<u4")),
 }
 MAX_TOKENS_PER_SHARD = 2**31 - 1  # header[2] is an int32
-_CHECK_CHUNK = 1 << 24  # tokens scanned at a time when checking ids (bounded memory for big shards)
+CHECK_CHUNK = 1 << 24  # tokens scanned at a time when checking ids (bounded memory for big shards)
 
 
 def magic_for_vocab(vocab_size: int) -> int:
@@ -52,10 +52,11 @@ def _header(magic: int, n: int) -> bytes:
     return h.tobytes()
 
 
-def _check_range(tokens: np.ndarray, vocab_size: int, what: str) -> None:
-    """Raise if any token is outside [0, vocab_size); scans in chunks so huge memmaps stay cheap."""
-    for start in range(0, len(tokens), _CHECK_CHUNK):
-        chunk = tokens[start : start + _CHECK_CHUNK]
+def check_token_range(tokens: np.ndarray, vocab_size: int, what: str, chunk_tokens: int = CHECK_CHUNK) -> None:
+    """Raise ValueError naming ``what`` and the first bad id's position if any token is outside [0, vocab_size);
+    scans ``chunk_tokens`` at a time so huge memmaps stay cheap."""
+    for start in range(0, len(tokens), chunk_tokens):
+        chunk = tokens[start : start + chunk_tokens]
         lo, hi = int(chunk.min()), int(chunk.max())
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
@@ -130,7 +131,7 @@ class ShardWriter:
         tokens = np.asarray(tokens).reshape(-1)
         if tokens.size == 0:
             return
-        _check_range(tokens, self.vocab_size, f"{self.out_dir / self._name(len(self.shards))}")
+        check_token_range(tokens, self.vocab_size, f"{self.out_dir / self._name(len(self.shards))}")
         self.counts += np.bincount(tokens, minlength=self.vocab_size)
         tokens = tokens.astype(self.dtype, copy=False)
         while tokens.size:
@@ -215,5 +216,5 @@ def read_shard(path: str | os.PathLike, vocab_size: int | None = None) -> np.nda
     else:
         tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n,))
     if vocab_size is not None:
-        _check_range(tokens, vocab_size, f"shard {path}")
+        check_token_range(tokens, vocab_size, f"shard {path}")
     return tokens

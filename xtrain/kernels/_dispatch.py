@@ -1,8 +1,10 @@
 """One rule decides whether a kernel call runs Triton or the plain-torch reference.
 
 Triton runs when every tensor is on CUDA, Triton imports, and the backend is not forced to "reference"
-(``XTRAIN_KERNELS=reference`` in the environment, or ``set_backend("reference")``). Everything else —
+(``XTRAIN_KERNELS=reference`` in the environment, or ``with backend("reference")``). Everything else —
 CPU tensors, no Triton, the reference forced — runs the reference, which is the oracle for the Triton path.
+The backend is per thread: every thread starts with ``XTRAIN_KERNELS`` (default "auto"), and ``backend`` /
+``set_backend`` change the calling thread's only.
 
 Tests call the private ``*_triton`` launchers directly to check a kernel on CPU through the Triton
 interpreter (``TRITON_INTERPRET=1`` must be set before Triton is imported; ``tests/conftest.py`` does it).
@@ -12,13 +14,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 
 _BACKENDS = ("auto", "triton", "reference")
-_backend = os.environ.get("XTRAIN_KERNELS", "auto")
-if _backend not in _BACKENDS:
-    raise ValueError(f"XTRAIN_KERNELS must be one of {_BACKENDS}, got {_backend!r}")
+_ENV_BACKEND = os.environ.get("XTRAIN_KERNELS", "auto")
+if _ENV_BACKEND not in _BACKENDS:
+    raise ValueError(f"XTRAIN_KERNELS must be one of {_BACKENDS}, got {_ENV_BACKEND!r}")
+
+
+class _Backend(threading.local):
+    name = _ENV_BACKEND  # each thread starts here
+
+
+_backend = _Backend()
 
 try:  # Triton is optional: CPU-only installs run the references.
     import triton
@@ -81,21 +91,21 @@ def interpreting() -> bool:
 
 
 def get_backend() -> str:
-    return _backend
+    """The calling thread's kernel backend."""
+    return _backend.name
 
 
 def set_backend(name: str) -> None:
-    """Force "reference" or "triton" kernels, or let "auto" pick Triton on CUDA."""
-    global _backend
+    """Force "reference" or "triton" kernels in the calling thread, or let "auto" pick Triton on CUDA."""
     if name not in _BACKENDS:
         raise ValueError(f"kernel backend must be one of {_BACKENDS}, got {name!r}")
-    _backend = name
+    _backend.name = name
 
 
 @contextlib.contextmanager
 def backend(name: str):
-    """Context manager form of set_backend: ``with backend("reference"): ...``."""
-    old = _backend
+    """Context manager form of set_backend: ``with backend("reference"): ...`` (the calling thread only)."""
+    old = _backend.name
     set_backend(name)
     try:
         yield
@@ -105,7 +115,7 @@ def backend(name: str):
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """The dispatch rule: Triton on CUDA tensors unless the reference is forced."""
-    if _backend == "reference" or not HAVE_TRITON:
+    if _backend.name == "reference" or not HAVE_TRITON:
         return False
     return all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor))
 
@@ -242,11 +252,20 @@ def rebased(desc, base):
 
 class PlanCache(dict):
     """Cached launch plans by key, dropped wholesale past ``limit`` entries (a new shape per call would
-    otherwise grow it without bound)."""
+    otherwise grow it without bound). ``lookup`` counts the calls it served (``hits``), so a test or a bench
+    sees whether a plan ran instead of patching the full path."""
 
     def __init__(self, limit: int = 64):
         super().__init__()
         self.limit = limit
+        self.hits = 0
+
+    def lookup(self, key):
+        """The plan of ``key`` (counted in ``hits``), or None; a None key (no plan possible) is None."""
+        plan = self.get(key) if key is not None else None
+        if plan is not None:
+            self.hits += 1
+        return plan
 
     def put(self, key, plan) -> None:
         if len(self) >= self.limit:

@@ -13,7 +13,11 @@ flag ``ok`` (a 0-dim bool): nothing in it reads a value back to the host, so it 
 CUDA graph. Where ``ok`` is false the update leaves parameters, moments and the step count exactly as they
 were (the non-finite gradient is replaced by zeros before the arithmetic, and the result is selected by a
 lerp of weight 0 or 1, which is exact). Its bias corrections are computed in fp32 on the device, so its
-rounding differs from the float64-scalar path by at most an ulp of the step size.
+rounding differs from the float64-scalar path by at most an ulp of the step size. The trainer's step runs it
+only for CUDA tensors under the reference kernel backend.
+
+``adamw_step_fused_cpu``: the update on the CPU, through torch's fused kernel (the trainer's step and
+``AdamW.step`` alike), with host or device scalars; bit for bit ``torch.optim.AdamW(fused=True)``.
 """
 
 from __future__ import annotations
@@ -61,15 +65,27 @@ def adamw_step_device(
 
 
 def adamw_step_fused_cpu(
-    params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decays, copies=None,
+    params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1: float, beta2: float, eps: float,
+    weight_decays, copies=None, ok: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """The same update through torch's fused CPU AdamW kernel (``torch._fused_adamw_``: one vectorised pass
     per tensor instead of eight multi-tensor passes), one call per distinct weight decay, as
     ``torch.optim.AdamW(fused=True)`` calls it per parameter group: bit for bit what that optimizer computes.
     Its rounding differs from the single-tensor reference (``adamw_step_ref``) by about
-    an ulp per step (the kernel folds the bias corrections differently)."""
-    step_t = torch.tensor(float(step))  # the kernel reads the step count from a tensor per parameter
+    an ulp per step (the kernel folds the bias corrections differently).
+
+    ``step``: the count of updates including this one (an int), or a 0-dim fp32 tensor of the updates done,
+    incremented here where ``ok``. ``lr``: a float or a 0-dim float64 tensor (the kernel reads it as the same
+    double). ``ok`` (a 0-dim bool tensor, or None for True): where false, the kernel returns before touching
+    anything (torch's ``found_inf``), so weights, moments and the step count stay exactly as they were. With
+    tensors for all three no value is read back by a Python-level op (the kernel reads its scalar tensors in
+    C++), which keeps the step capture-ready."""
+    if isinstance(step, torch.Tensor):
+        step.add_(1.0 if ok is None else ok.to(step.dtype))
+        step_t = step
+    else:
+        step_t = torch.tensor(float(step))  # the kernel reads the step count from a tensor per parameter
+    found_inf = None if ok is None else torch.logical_not(ok).to(torch.float32)  # the kernel reads a float
     for wd in sorted(set(weight_decays)):
         idx = [i for i, w in enumerate(weight_decays) if w == wd]
         torch._fused_adamw_(
@@ -86,6 +102,7 @@ def adamw_step_fused_cpu(
             eps=eps,
             amsgrad=False,
             maximize=False,
+            found_inf=found_inf,
         )
     if copies is not None:
         pairs = [(c, p) for c, p in zip(copies, params) if c is not None]

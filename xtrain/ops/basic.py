@@ -13,6 +13,7 @@ import builtins
 import contextlib
 import numbers
 import os
+import threading
 
 import torch
 
@@ -32,21 +33,30 @@ def check(cond: bool, op: str, msg: str, *xs) -> None:
 
 
 _CHECK_VALUES_ON_GPU = os.environ.get("XTRAIN_CHECK_VALUES", "0") == "1"
-_values_off = False
+
+
+class _ValueChecks(threading.local):
+    """Whether value checks are off, per thread: a trainer's step turning them off leaves a server's
+    requests in another thread checked."""
+
+    off = False
+
+
+_value_checks = _ValueChecks()
 
 
 @contextlib.contextmanager
 def value_checks_off():
-    """Within this block no op runs a check that reads tensor values (on any device), so nothing in it
-    reads a value back to the host: a capture-ready training step runs its ops this way, after the trainer
-    has checked the batch on the CPU. Shape, dtype and device checks still run."""
-    global _values_off
-    prev = _values_off
-    _values_off = True
+    """Within this block no op of the calling thread runs a check that reads tensor values (on any device),
+    so nothing in it reads a value back to the host: the training step runs its ops this way, after the
+    trainer has checked the batch on the CPU. Shape, dtype and device checks still run."""
+    state = _value_checks
+    prev = state.off
+    state.off = True
     try:
         yield
     finally:
-        _values_off = prev
+        state.off = prev
 
 
 def check_values(t: torch.Tensor) -> bool:
@@ -55,7 +65,7 @@ def check_values(t: torch.Tensor) -> bool:
     queue. So they run on CPU tensors always, and on GPU tensors when ``XTRAIN_CHECK_VALUES=1``; the
     trainer checks every batch on the CPU before moving it to the device. Shape, dtype and device checks
     never read values and always run. Inside ``value_checks_off()``: never."""
-    if _values_off:
+    if _value_checks.off:
         return False
     return not t.is_cuda or _CHECK_VALUES_ON_GPU
 

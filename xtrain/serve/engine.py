@@ -498,7 +498,7 @@ class Batcher:
     def _loop(self) -> None:
         from xtrain.autograd import no_grad
 
-        with no_grad():
+        with no_grad():  # this thread's grad mode (kept per thread): a trainer beside it still records
             while True:
                 with self.cond:
                     while not self.stopping and not self.waiting and not self.active:

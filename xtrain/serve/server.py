@@ -54,13 +54,14 @@ def add_parser(subparsers) -> None:
 def load_service(
     run_dir: str | Path, device: str | None = None, name: str | None = None, engine_config=EngineConfig()
 ) -> Service:
+    from xtrain.device import resolve_device
     from xtrain.model import Model
     from xtrain.train import checkpoint as ckpt_io
     from xtrain.train.sample_cli import load_run_tokenizer
 
     run_dir = Path(run_dir)
     ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
-    model = Model(ck.model_config, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = Model(ck.model_config, device=resolve_device(device))
     ckpt_io.restore(ck, model)
     return Service(model.eval(), load_run_tokenizer(run_dir), name or run_dir.resolve().name, engine_config)
 

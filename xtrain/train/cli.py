@@ -179,39 +179,16 @@ class MetricsLog:
 def run(args) -> int:
     from xtrain.train import distributed as D
 
-    info = D.init(args.device) if D.launched_by_torchrun() else None
+    try:
+        info = D.init(args.device) if D.launched_by_torchrun() else None
+    except ValueError as e:  # the device flag (xtrain.device.resolve_device)
+        print(f"xtrain train: {e}", file=sys.stderr)
+        return 2
     try:
         return _run(args, info)
     finally:
         if info is not None:
             D.shutdown()
-
-
-def resolve_device(spec: str | None) -> str:
-    """The device to run on: ``spec`` checked against what this torch build and machine have (ValueError with
-    one line saying why not), or cuda when available, else cpu."""
-    import torch
-
-    if spec is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(spec)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {spec}: not a device name; use cpu or cuda (cuda:N)") from None
-    if dev.type == "cpu":
-        return str(dev)
-    if dev.type != "cuda":
-        raise ValueError(f"--device {spec}: xtrain runs on cpu or cuda only")
-    if not torch.cuda.is_available():
-        why = (
-            f"this torch ({torch.__version__}) was built without CUDA"
-            if torch.version.cuda is None
-            else "no CUDA GPU is visible (driver missing, or CUDA_VISIBLE_DEVICES empty)"
-        )
-        raise ValueError(f"--device {spec}: {why}; use --device cpu")
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    return str(dev)
 
 
 def available_memory(device: str) -> int | None:
@@ -333,6 +310,7 @@ def truncate_metrics(path: Path, step: int) -> int:
 def _run(args, info) -> int:
 
     from xtrain.config import ConfigError, ModelConfig, TrainConfig, preset
+    from xtrain.device import resolve_device
     from xtrain.fileio import DirectoryBusyError, DirLock, lock_owner
     from xtrain.train import checkpoint as ckpt_io
     from xtrain.train import distributed as D

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from xtrain.device import resolve_device
+
 BUCKET_BYTES = 32 << 20  # gradients are flattened into buckets of about this size: few, large collectives
 
 
@@ -40,11 +42,13 @@ def launched_by_torchrun() -> bool:
 
 
 def init(device: str | None = None) -> DistInfo:
-    """Join the process group torchrun set up (env:// rendezvous). One process: nothing to join."""
+    """Join the process group torchrun set up (env:// rendezvous). One process: nothing to join. ``device``: the
+    ``--device`` flag, checked by ``xtrain.device.resolve_device`` (ValueError); each rank takes the GPU of its
+    LOCAL_RANK."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    use_cuda = resolve_device(device).startswith("cuda")
     if use_cuda:
         if torch.cuda.device_count() <= local:
             raise RuntimeError(f"rank {rank}: LOCAL_RANK {local} but only {torch.cuda.device_count()} GPUs")

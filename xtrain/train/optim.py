@@ -13,8 +13,9 @@ differently by about an ulp per step. Moments are kept in the master dtype (fp32
 on every step; a parameter that received no gradient is updated with a zero gradient (its moments decay,
 weight decay applies), so the step count is one per optimizer, not per parameter.
 
-The capture-ready step (``step_device``) takes the lr, the go-ahead and the clip coefficient as device
-tensors; on CUDA the same kernel then scales each gradient as it reads it (the clip costs no pass of its own).
+The trainer's step (``step_device``) takes the lr, the go-ahead and the clip coefficient as device tensors;
+on CUDA the same kernel then scales each gradient as it reads it (the clip costs no pass of its own); on the CPU
+it is the same fused kernel as ``step``, which skips itself where the go-ahead is false.
 
 ``grad_norm`` / ``clip_grads_`` compute exactly what ``torch.nn.utils.clip_grad_norm_`` computes
 (norm of the per-tensor 2-norms; coefficient max_norm / (norm + 1e-6), clamped to 1).
@@ -203,8 +204,9 @@ class AdamW:
         to the host, so it can be captured in a CUDA graph. Where ``ok`` is false nothing changes (weights,
         moments, step). The step count lives on the device (``step_tensor``); ``sync_step_count()`` copies it
         into ``step_count`` (a host read: call it outside the step). On CUDA this is the one-launch Triton
-        kernel with the clip folded into its read of the gradients (the grads are left unscaled); elsewhere
-        the multi-tensor form (the grads are scaled in place first)."""
+        kernel with the clip folded into its read of the gradients (the grads are left unscaled); on the CPU the
+        grads are scaled in place first and the update is ``step``'s fused kernel, so with ``grad_scale`` the
+        clip coefficient the result is bit for bit ``clip_grads_`` + ``step``."""
         grads = self.grads()
         datas = [p.data for p in self.params]
         if self.step_tensor is None:
@@ -223,9 +225,12 @@ class AdamW:
         if use_triton(datas[0]) and datas[0].is_cuda:
             adamw_step_triton_device(datas, grads, self.exp_avgs, self.exp_avg_sqs, grad_scale=grad_scale, **kw)
         else:
-            if grad_scale is not None and grads:
+            if grad_scale is not None and grads:  # as clip_grads_ (and torch's clip_grad_norm_) scale them
                 torch._foreach_mul_(grads, grad_scale.to(grads[0].dtype))
-            adamw_step_device(datas, grads, self.exp_avgs, self.exp_avg_sqs, **kw)
+            # the CPU: torch's fused kernel, as ``step`` runs it (bit for bit torch.optim.AdamW(fused=True));
+            # CUDA tensors under the reference backend: the multi-tensor form
+            update = adamw_step_device if datas[0].is_cuda else adamw_step_fused_cpu
+            update(datas, grads, self.exp_avgs, self.exp_avg_sqs, **kw)
         if have_copies:
             for i, c in enumerate(self.copies):
                 if c is not None:

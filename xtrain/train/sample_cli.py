@@ -71,9 +71,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from xtrain.device import resolve_device
     from xtrain.model import Model
     from xtrain.train import checkpoint as ckpt_io
-    from xtrain.train.cli import resolve_device
 
     run_dir = Path(args.run)
     try:

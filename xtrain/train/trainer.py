@@ -3,28 +3,36 @@
 No CLI code here: the command line (progress bar, metrics JSONL, plots) lives in ``xtrain.train.cli`` and
 talks to this module through ``Trainer`` and its ``on_metrics`` callback.
 
-One optimizer step (``Trainer.train_step``):
+One optimizer step (``Trainer.train_step``), one code path on every device:
   1. fetch one batch of ``batch_size`` sequences: ``ids [B, T+1]`` (inputs ids[:, :-1], targets ids[:, 1:])
-     or a pair ``(inputs [B, T], targets [B, T])`` whose targets may hold ``ignore_index`` (-100);
-  2. split it into ``grad_accum`` = k micro-batches of B/k rows and count the targets that count, N;
-  3. per micro-batch j: set its rows' place in the global batch (dropout keys); loss_j = sum-reduced cross-entropy;
-     backward of loss_j / N. The leaf grads accumulate to d(sum_j loss_j / N), which is exactly the
-     gradient of the mean loss over the whole batch however the rows are split and however many targets
-     each micro-batch ignores (a per-micro-batch mean divided by k would weight tokens unequally);
-  4. ``all_reduce`` hook (data parallel, later): sums tensors across ranks in place; called on the token
-     count before the micro-batches and on [grads..., loss sum] after them. None on one process;
-  5. global grad norm; a nan/inf loss or norm stops the run (``NonFiniteError`` naming the step) before any
-     weight changes, or with ``skip_nonfinite`` drops the step's gradients and counts a skip;
-  6. clip to ``grad_clip``; AdamW with the scheduled lr; zero grads; metrics.
+     or a pair ``(inputs [B, T], targets [B, T])`` whose targets may hold ``ignore_index`` (-100); check its
+     shape, and its ids on the CPU before moving it to the model's device;
+  2. write the step's lr and dropout seeds into their device buffers; then ``device_step`` (or its CUDA graph,
+     ``GraphedStep``), which reads nothing back to the host:
+  3. split the batch into ``grad_accum`` = k micro-batches of B/k rows and count the targets that count, N;
+  4. per micro-batch j: loss_j = sum-reduced cross-entropy, its rows' place in the global batch passed to
+     ``model.loss`` (the dropout masks' key); backward of loss_j / N. The leaf grads accumulate to
+     d(sum_j loss_j / N), which is exactly the gradient of the mean loss over the whole batch however the rows
+     are split and however many targets each micro-batch ignores (a per-micro-batch mean divided by k would
+     weight tokens unequally);
+  5. ``all_reduce`` hook (data parallel, ``xtrain.train.distributed``): sums tensors across ranks in place;
+     called on the token count before the micro-batches and on [grads..., loss sum] after them. None on one
+     process;
+  6. global grad norm; ok = loss and norm finite; clip to ``grad_clip``; AdamW with the scheduled lr where ok
+     (where not, weights, moments and the step count stay as they were); zero grads;
+  7. read (loss sum, N, ok, norm) once: a step that was not ok stops the run (``NonFiniteError`` naming the
+     step), or with ``skip_nonfinite`` counts a skip; metrics.
 
 Metrics (one dict per step, handed to ``on_metrics`` and returned): kind="train", step (1-based count of
 optimizer steps done), loss (mean over counted targets), lr, grad_norm (before clipping), tokens (counted
-targets this step), tokens_total, time (seconds this step), tokens_per_s, skipped, skips.
+targets this step), tokens_total, time (seconds this step), tokens_per_s, skipped, skips; with a CUDA graph
+also graph ("warm-up", "replay" or "off"), graph_captures, graph_fallbacks.
 Eval rows: kind="eval", step, plus whatever ``eval_fn(model)`` returns (run under eval mode and no_grad).
 
-Atomic steps: an exception before the update (nan stop, Ctrl-C, a bad batch) restores the data position
-and drops the partial gradients; the update itself runs with Ctrl-C deferred. So after any interruption
-the trainer is at a step boundary and ``save()`` writes a state that resumes exactly.
+Atomic steps: an exception before the update (a bad batch, a failing op, a non-finite stop) restores the data
+position and drops the partial gradients; Ctrl-C is deferred from the start of the step to the end of its
+bookkeeping. So after any interruption the trainer is at a step boundary and ``save()`` writes a state that
+resumes exactly.
 
 Reproducibility: the only randomness in a step is dropout, whose masks are pure functions of
 (seed, step, layer, site) and the element's place in the global batch (row, position, feature). A
@@ -41,6 +49,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,7 +59,7 @@ from xtrain.autograd import gc_paused, no_grad
 from xtrain.config import ConfigError, TrainConfig, check_compatible
 from xtrain.model import Model, mix_seed
 from xtrain.train import checkpoint as ckpt_io
-from xtrain.train.optim import AdamW, clip_coef, clip_grads_, grad_norm
+from xtrain.train.optim import AdamW, clip_coef, grad_norm
 from xtrain.train.schedule import Schedule
 
 IGNORE_INDEX = -100
@@ -156,10 +165,12 @@ def eager_capture(fn):
 class GraphedStep:
     """The trainer's optimizer step replayed from static input buffers.
 
-    ``run(inputs, targets)`` copies the batch into buffers that keep their addresses, warms up ``warmup``
-    eager steps on them (allocator, Triton JIT, launch plans), then captures ``step_fn(inputs_s, targets_s)``
-    once with ``capture`` and from then on only replays it. A batch of another shape or dtype, or a change
-    of ``key`` (settings the captured work depends on), re-captures, saying so in one line. Where the graph
+    ``run(inputs, targets, settings)`` copies the batch into buffers that keep their addresses, warms up
+    ``warmup`` eager steps on them (allocator, Triton JIT, launch plans), then captures
+    ``step_fn(inputs_s, targets_s, settings)`` once with ``capture`` and from then on only replays it.
+    ``settings`` is a frozen, comparable object holding every host value the step reads (``StepSettings``);
+    the graph is keyed by it with the batch's shapes, dtypes and device: a change of any re-captures, saying
+    so in one line. Where the graph
     cannot run (``disable``: a model off CUDA) or a capture fails, the step runs eagerly from then on, after
     one line on stderr."""
 
@@ -182,10 +193,10 @@ class GraphedStep:
         self.enabled = False
         self.replay = self.out = self.inputs = self.targets = None
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, key=()):
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, settings):
         if not self.enabled:
-            return self.step_fn(inputs, targets)
-        k = (tuple(inputs.shape), inputs.dtype, tuple(targets.shape), targets.dtype, inputs.device, key)
+            return self.step_fn(inputs, targets, settings)
+        k = (tuple(inputs.shape), inputs.dtype, tuple(targets.shape), targets.dtype, inputs.device, settings)
         if k != self.key:
             if self.key is not None:
                 self.say("CUDA graph: the batch shape or a setting changed; capturing the step again")
@@ -197,24 +208,41 @@ class GraphedStep:
             if self.warm < self.warmup:
                 self.warm += 1
                 if not self.inputs.is_cuda:
-                    return self.step_fn(self.inputs, self.targets)
+                    return self.step_fn(self.inputs, self.targets, settings)
                 # warm-up on a side stream, as CUDA graph capture expects (lazy initialisations stay off the
                 # capturing stream)
                 main, side = torch.cuda.current_stream(), torch.cuda.Stream()
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
-                    out = self.step_fn(self.inputs, self.targets)
+                    out = self.step_fn(self.inputs, self.targets, settings)
                 main.wait_stream(side)
                 return out
             try:
-                self.replay, self.out = self.capture(lambda: self.step_fn(self.inputs, self.targets))
+                self.replay, self.out = self.capture(lambda: self.step_fn(self.inputs, self.targets, settings))
                 self.captures += 1
             except Exception as e:  # a capture that fails executed nothing: run this step eagerly
                 self.fallbacks += 1
                 self.disable(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-                return self.step_fn(inputs, targets)
+                return self.step_fn(inputs, targets, settings)
         self.replay()
         return self.out
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The host values the optimizer step reads, as one frozen tuple, and so the key of its CUDA graph (which
+    holds them): any change captures again. ``Trainer.device_step`` reads the trainer's settings from here;
+    AdamW reads its hyper-parameters from the optimizer, of which these fields are a copy taken each step."""
+
+    grad_accum: int  # k micro-batches of micro_batch_size rows
+    micro_batch_size: int
+    grad_clip: float  # 0: no clipping
+    ignore_index: int
+    rank: int  # this rank's rows of the global batch: r, r + world_size, ...
+    world_size: int
+    betas: tuple[float, float]  # AdamW's hyper-parameters, Python floats in the update's launch
+    eps: float
+    weight_decays: tuple[float, ...]
 
 
 class Trainer:
@@ -228,6 +256,9 @@ class Trainer:
     eval_fn: ``eval_fn(model) -> dict`` every ``eval_every`` steps (see ``evaluate``).
     on_metrics: called with each metrics dict (train and eval rows).
     all_reduce: ``all_reduce(list[Tensor])`` summing in place across data-parallel ranks (None: one rank).
+    cuda_graph: replay the step as one CUDA graph (``GraphedStep``); default: on for a CUDA model.
+    graph_capture: how a step is captured (``eager_capture`` runs it again instead;
+        ``xtrain.testing.replay_capture`` replays its recorded aten calls on the CPU, as a graph would).
     """
 
     def __init__(
@@ -243,7 +274,6 @@ class Trainer:
         ignore_index: int = IGNORE_INDEX,
         rank: int = 0,
         world_size: int = 1,
-        capture_ready: bool = False,
         cuda_graph: bool | None = None,
         graph_capture=cuda_graph_capture,
     ):
@@ -265,21 +295,17 @@ class Trainer:
         self.optimizer = AdamW.for_model(
             model, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay
         )
-        # capture_ready: run each step as ``device_step`` (no host read inside it; see there). cuda_graph
-        # (default: on for a CUDA model) replays that step as one CUDA graph (``GraphedStep``); it implies
-        # capture_ready. ``graph_capture``: how a step is captured (``eager_capture`` runs it again instead;
-        # ``xtrain.testing.replay_capture`` replays its recorded aten calls on the CPU, as a graph would).
+        self.graphed: GraphedStep | None = None
         if cuda_graph is None:
             cuda_graph = model.device.type == "cuda"
-        self.capture_ready = bool(capture_ready) or bool(cuda_graph)
-        self.graphed: GraphedStep | None = None
         if cuda_graph:
-            self.graphed = GraphedStep(lambda x, y: self.device_step(x, y, self._lr_t), capture=graph_capture)
+            self.graphed = GraphedStep(lambda x, y, s: self.device_step(x, y, self._lr_t, s), capture=graph_capture)
             # the data-parallel all-reduce is captured with the rest (NCCL collectives can be recorded in a
             # CUDA graph; each replay runs them on the replayed buffers)
             if graph_capture is cuda_graph_capture and model.device.type != "cuda":
                 self.graphed.disable("the model is not on a CUDA device")
-        self._lr_t: torch.Tensor | None = None  # the learning rate as a device tensor (one buffer, reused)
+        # the learning rate as a device tensor: one buffer, written (never read) before each step
+        self._lr_t = torch.zeros((), dtype=torch.float64, device=model.device)
         self.step = 0  # optimizer steps done (skipped steps included)
         self.skips = 0
         self.tokens_total = 0
@@ -289,54 +315,6 @@ class Trainer:
     def _next_batch(self):
         return self.data.next_batch() if hasattr(self.data, "next_batch") else self.data()
 
-    def _fail(self, what: str, micro: int | None) -> None:
-        where = "" if micro is None else f" (micro-batch {micro + 1} of {self.config.grad_accum})"
-        msg = f"step {self.step + 1}: {what}{where}; the weights were not updated"
-        if not self.config.skip_nonfinite:
-            raise NonFiniteError(msg + " (set skip_nonfinite to skip such steps instead of stopping)")
-        if self.skips + 1 > self.config.max_skips:
-            raise NonFiniteError(msg + f"; {self.skips + 1} non-finite steps exceed max_skips={self.config.max_skips}")
-
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """Accumulate the gradient of the mean loss over one step's batch into the leaves' ``.grad``
-        (zeroed first), in ``grad_accum`` micro-batches. Returns (loss_sum, counted_tokens, bad) where bad
-        is None or (message, micro index) for a non-finite micro-batch loss (backward stops there)."""
-        cfg, model = self.config, self.model
-        B, T = inputs.shape
-        if B != cfg.batch_size:
-            raise ValueError(f"step {self.step + 1}: batch has {B} sequences, config.batch_size is {cfg.batch_size}")
-        if T > model.config.max_seq_len:
-            raise ValueError(
-                f"step {self.step + 1}: sequence length {T} exceeds max_seq_len {model.config.max_seq_len}"
-            )
-        if not inputs.is_cuda:  # on the CPU, before the move: on the GPU the ops skip value checks
-            _check_batch_values(inputs, targets, model.config.vocab_size, self.ignore_index, self.step + 1)
-        inputs, targets = inputs.to(model.device), targets.to(model.device)
-        k, mb = cfg.grad_accum, cfg.micro_batch_size
-        counted = (targets != self.ignore_index).sum()
-        if self.all_reduce is not None:
-            self.all_reduce([counted])
-        n_tok = int(counted)
-        inv_n = 1.0 / max(n_tok, 1)
-
-        model.train()
-        model.set_dropout_step(mix_seed(cfg.seed, self.step))
-        self.optimizer.zero_grad()
-        loss_sum = 0.0
-        for j in range(k):
-            # a token's dropout mask is keyed by its row in the global batch: this rank holds rows r, r+R, ...
-            # (TokenLoader's layout), and micro-batch j the rank's rows j*mb ... (j+1)*mb - 1
-            model.dropout_rows = (j * mb * self.world_size + self.rank, self.world_size)
-            x, y = inputs[j * mb : (j + 1) * mb], targets[j * mb : (j + 1) * mb]  # [B/k, T]
-            loss = model.loss(x, y, reduction="sum", ignore_index=self.ignore_index)  # fp32 scalar
-            lv = float(loss.data)
-            if not math.isfinite(lv):
-                return loss_sum, n_tok, (f"loss is {lv}", j)
-            loss_sum += lv
-            # the sum over micro-batches of loss_j / N is the whole batch's mean loss (N counted tokens)
-            ops.scale(loss, inv_n).backward()
-        return loss_sum, n_tok, None
-
     def _data_state(self):
         return (
             self.data.state_dict()
@@ -344,38 +322,84 @@ class Trainer:
             else None
         )
 
-    def device_step(self, inputs: torch.Tensor, targets: torch.Tensor, lr: torch.Tensor):
-        """One optimizer step on batch tensors already on the model's device, reading nothing back to the host
-        (capture-ready): the token count, 1/N, the loss sum, the grad norm, the go-ahead ``ok`` (loss and norm
-        finite), the clip coefficient and the update all stay device tensors; a non-finite step is skipped on
-        the device (``AdamW.step_device``: weights, moments and step count untouched). ``lr`` is a 0-dim float64
-        device tensor. Value checks of the ops are off (the trainer checked the batch on the CPU). The step's
-        dropout seeds are the caller's to write first (``model.set_dropout_step``), outside this function, so a
-        captured graph of it reads each step's seeds from the model's buffer instead of holding the first step's.
-        Returns device tensors (loss_sum fp64, counted, ok, norm); reading them is the caller's business.
+    def _fail(self, what: str) -> None:
+        """Raise NonFiniteError naming the step, unless the step may be skipped."""
+        msg = f"step {self.step + 1}: {what}; the weights were not updated"
+        if not self.config.skip_nonfinite:
+            raise NonFiniteError(msg + " (set skip_nonfinite to skip such steps instead of stopping)")
+        if self.skips + 1 > self.config.max_skips:
+            raise NonFiniteError(msg + f"; {self.skips + 1} non-finite steps exceed max_skips={self.config.max_skips}")
 
-        Rounding: the backward seed 1/N is the same fp32 value as the host path's. On CUDA the update is the
-        host path's Triton kernel with its scalars computed on the device in the same float64 order and the
-        clip folded into its gradient read (the same products): the two paths agree bit for bit (a GPU test
-        checks it). Elsewhere the multi-tensor form computes the bias corrections in fp32, within an ulp of
-        the step size of the host path."""
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch, checked and on the model's device: (inputs [B, T], targets [B, T])."""
         cfg, model = self.config, self.model
-        k, mb = cfg.grad_accum, cfg.micro_batch_size
-        counted = (targets != self.ignore_index).sum()
+        inputs, targets = split_batch(self._next_batch())
+        B, T = inputs.shape
+        if B != cfg.batch_size:
+            raise ValueError(f"step {self.step + 1}: batch has {B} sequences, config.batch_size is {cfg.batch_size}")
+        if T > model.config.max_seq_len:
+            raise ValueError(
+                f"step {self.step + 1}: sequence length {T} exceeds max_seq_len {model.config.max_seq_len}"
+            )
+        if not inputs.is_cuda:  # on the CPU, before the move: inside the step the ops skip value checks
+            _check_batch_values(inputs, targets, model.config.vocab_size, self.ignore_index, self.step + 1)
+        return inputs.to(model.device), targets.to(model.device)
+
+    def step_settings(self) -> StepSettings:
+        cfg, opt = self.config, self.optimizer
+        return StepSettings(
+            grad_accum=cfg.grad_accum,
+            micro_batch_size=cfg.micro_batch_size,
+            grad_clip=float(cfg.grad_clip),
+            ignore_index=self.ignore_index,
+            rank=self.rank,
+            world_size=self.world_size,
+            betas=tuple(opt.betas),
+            eps=opt.eps,
+            weight_decays=tuple(opt.weight_decays),
+        )
+
+    def accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, s: StepSettings):
+        """Steps 3-4 of the module docstring: the gradient of the mean loss over the (global) batch into the
+        leaves' ``.grad`` (zeroed first), in ``s.grad_accum`` micro-batches; -> (loss_sum fp64, counted), device
+        tensors (the token count already summed over the ranks, the loss sum this rank's)."""
+        model, k, mb = self.model, s.grad_accum, s.micro_batch_size
+        counted = (targets != s.ignore_index).sum()
         if self.all_reduce is not None:
             self.all_reduce([counted])
-        inv_n = (1.0 / counted.clamp(min=1).double()).float()  # (float)(1.0 / N), as the host path's scale
+        inv_n = (1.0 / counted.clamp(min=1).double()).float()  # the backward seed (float)(1.0 / N)
         model.train()
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
         with ops.value_checks_off():
             for j in range(k):
-                # host integers, the same every step for micro-batch j: a captured graph may hold them
-                model.dropout_rows = (j * mb * self.world_size + self.rank, self.world_size)
+                # a token's dropout mask is keyed by its row in the global batch: this rank holds rows r, r+R, ...
+                # (TokenLoader's layout), and micro-batch j the rank's rows j*mb ... (j+1)*mb - 1
+                rows = (j * mb * s.world_size + s.rank, s.world_size)
                 x, y = inputs[j * mb : (j + 1) * mb], targets[j * mb : (j + 1) * mb]  # [B/k, T]
-                loss = model.loss(x, y, reduction="sum", ignore_index=self.ignore_index)  # fp32 scalar
+                loss = model.loss(x, y, reduction="sum", ignore_index=s.ignore_index, dropout_rows=rows)  # fp32
                 loss_sum = loss_sum + loss.data.double()
-                loss.backward(inv_n.to(loss.dtype))  # d(loss_j / N)
+                # the sum over micro-batches of loss_j / N is the whole batch's mean loss (N counted tokens)
+                loss.backward(inv_n.to(loss.dtype))
+        return loss_sum, counted
+
+    def device_step(self, inputs: torch.Tensor, targets: torch.Tensor, lr: torch.Tensor, settings=None):
+        """One optimizer step on batch tensors already on the model's device, reading nothing back to the host
+        (so a CUDA graph can capture it): the token count, 1/N, the loss sum, the grad norm, the go-ahead ``ok``
+        (loss and norm finite), the clip coefficient and the update all stay device tensors; a non-finite step is
+        skipped on the device (``AdamW.step_device``: weights, moments and step count untouched). ``lr``: a 0-dim
+        float64 device tensor. ``settings``: the host values it reads (default: ``step_settings()``). Value checks
+        of the ops are off (the trainer checked the batch on the CPU). The step's dropout seeds are the caller's
+        to write first (``model.set_dropout_step``), outside this function, so a captured graph of it reads each
+        step's seeds from the model's buffer instead of holding the first step's.
+        Returns device tensors (loss_sum fp64, counted, ok, norm); reading them is the caller's business.
+
+        Rounding: on the CPU the clip scales the gradients as ``torch.nn.utils.clip_grad_norm_`` does and the
+        update is torch's fused AdamW kernel, so a step is bit for bit ``clip_grad_norm_`` + ``torch.optim.AdamW(
+        fused=True)`` on the same gradients. On CUDA the update is the one-launch Triton kernel with its scalars
+        computed on the device in float64 and the clip folded into its gradient read."""
+        s = self.step_settings() if settings is None else settings
+        loss_sum, counted = self.accumulate(inputs, targets, s)
         grads = self.optimizer.grads()
         if self.all_reduce is not None:
             loss_t = loss_sum.reshape(1)
@@ -383,144 +407,78 @@ class Trainer:
             loss_sum = loss_t[0]
         norm = grad_norm(grads)
         ok = torch.isfinite(norm) & torch.isfinite(loss_sum)
-        # the clip is folded into the update (the one-launch kernel scales each gradient as it reads it)
-        coef = clip_coef(cfg.grad_clip, norm) if cfg.grad_clip > 0 else None
+        # the clip is folded into the update (on CUDA the one-launch kernel scales each gradient as it reads it)
+        coef = clip_coef(s.grad_clip, norm) if s.grad_clip > 0 else None
         self.optimizer.step_device(lr, ok, coef)
         self.optimizer.zero_grad()
         return loss_sum, counted, ok, norm
 
-    def _train_step_capture_ready(self) -> dict:
-        """``train_step`` through ``device_step``: the host reads the step's results once, after it."""
-        cfg, model = self.config, self.model
-        t0 = time.perf_counter()
-        data_before = self._data_state()
-        try:
-            inputs, targets = split_batch(self._next_batch())
-            B, T = inputs.shape
-            if B != cfg.batch_size or T > model.config.max_seq_len:
-                raise ValueError(
-                    f"step {self.step + 1}: batch [{B}, {T}] does not fit batch_size {cfg.batch_size}, "
-                    f"max_seq_len {model.config.max_seq_len}"
-                )
-            if not inputs.is_cuda:
-                _check_batch_values(inputs, targets, model.config.vocab_size, self.ignore_index, self.step + 1)
-            inputs, targets = inputs.to(model.device), targets.to(model.device)
-            lr = self.schedule(self.step)
-            if self._lr_t is None:
-                self._lr_t = torch.zeros((), dtype=torch.float64, device=model.device)
-            self._lr_t.fill_(lr)  # a host write into the same buffer every step, never a read
-            model.set_dropout_step(mix_seed(cfg.seed, self.step))  # likewise, outside the captured step
-            with _deferred_sigint(), gc_paused():
-                if self.graphed is not None:
-                    key = (model.training, cfg.grad_clip, cfg.grad_accum)
-                    loss_sum_t, counted_t, ok_t, norm_t = self.graphed.run(inputs, targets, key)
-                else:
-                    loss_sum_t, counted_t, ok_t, norm_t = self.device_step(inputs, targets, self._lr_t)
-            # the one read of the step, outside it
-            loss_sum, n_tok, ok, norm = torch.stack(
-                [loss_sum_t, counted_t.double(), ok_t.double(), norm_t.double()]
-            ).tolist()
-            n_tok, ok = int(n_tok), ok > 0
-            if not ok:
-                self._fail(f"loss sum {loss_sum} or gradient norm {norm} is not finite", None)
-        except BaseException:
-            self.optimizer.zero_grad()
-            if data_before is not None:
-                self.data.load_state_dict(data_before)
-            raise
-        self.optimizer.sync_step_count()
-        self.skips += not ok
-        self.step += 1
-        self.tokens_total += n_tok
-        dt = time.perf_counter() - t0
-        m = {
-            "kind": "train",
-            "step": self.step,
-            "loss": loss_sum / max(n_tok, 1) if ok else float("nan"),
-            "lr": lr,
-            "grad_norm": norm,
-            "tokens": n_tok,
-            "tokens_total": self.tokens_total,
-            "time": dt,
-            "tokens_per_s": n_tok / dt if dt > 0 else float("inf"),
-            "skipped": not ok,
-            "skips": self.skips,
-        }
-        if self.graphed is not None:  # whether the step ran as a graph: a fallback is never silent
-            g = self.graphed
-            m["graph"] = "off" if not g.enabled else ("replay" if g.replay is not None else "warm-up")
-            m["graph_captures"], m["graph_fallbacks"] = g.captures, g.fallbacks
-        self._emit(m)
-        return m
-
     def train_step(self) -> dict:
-        """One optimizer step. Atomic: an exception (nan stop, Ctrl-C, a failing batch) before the update
-        leaves weights, moments, step and the data position as they were; the update itself runs with
-        Ctrl-C deferred, so a checkpoint saved after an interrupt is always a consistent state."""
-        if self.capture_ready:
-            return self._train_step_capture_ready()
+        """One optimizer step (``device_step``, or its CUDA graph); the host reads its results once, after it.
+        Atomic: an exception before the step runs (a bad batch, Ctrl-C while the batch is drawn) or from inside it
+        before the update (a failing op), or a non-finite loss or norm that stops the run, leaves weights,
+        moments, step and the data position as they were; Ctrl-C during the step is delivered after it and its
+        bookkeeping, so a checkpoint saved after an interrupt is always a consistent state."""
         cfg, model = self.config, self.model
         t0 = time.perf_counter()
         data_before = self._data_state()
         try:
-            inputs, targets = split_batch(self._next_batch())
-            with gc_paused():  # the tape is acyclic: refcounting frees it; see autograd.gc_paused
-                loss_sum, n_tok, bad = self.forward_backward(inputs, targets)
-            inv_n = 1.0 / max(n_tok, 1)
-            grads = self.optimizer.grads()
-            if self.all_reduce is not None:
-                # Every rank joins the collective even after a non-finite micro-batch (or the others would
-                # wait for it forever); the flag makes every rank take the same stop/skip decision.
-                loss_t = torch.tensor(
-                    [0.0 if bad is not None else loss_sum, float(bad is not None)],
-                    dtype=torch.float64,
-                    device=model.device,
-                )
-                self.all_reduce(grads + [loss_t])
-                loss_sum = float(loss_t[0])
-                if bad is None and loss_t[1] > 0:
-                    bad = ("a non-finite loss on another data-parallel rank", None)
-            norm, norm_t = float("nan"), None
-            if bad is None:
-                norm_t = grad_norm(grads)
-                norm = float(norm_t)
-                if not math.isfinite(norm):
-                    bad = (f"gradient norm is {norm} (loss {loss_sum * inv_n:.6g})", None)
-            if bad is not None:
-                self._fail(*bad)  # raises unless the step may be skipped
+            inputs, targets = self._batch()
         except BaseException:
-            self.optimizer.zero_grad()
             if data_before is not None:
                 self.data.load_state_dict(data_before)  # the batch will be drawn again
             raise
         lr = self.schedule(self.step)
+        settings = self.step_settings()
         with _deferred_sigint():
-            if bad is not None:
-                self.optimizer.zero_grad()  # drop the poisoned gradients; weights and moments untouched
-                self.skips += 1
-            else:
-                if cfg.grad_clip > 0:
-                    clip_grads_(grads, cfg.grad_clip, norm_t)
-                self.optimizer.step(lr)
+            try:
+                self._lr_t.fill_(lr)  # host writes into the same buffers every step, never reads
+                model.set_dropout_step(mix_seed(cfg.seed, self.step))
+                with gc_paused():  # the tape is acyclic: refcounting frees it; see autograd.gc_paused
+                    if self.graphed is not None:
+                        out = self.graphed.run(inputs, targets, settings)
+                    else:
+                        out = self.device_step(inputs, targets, self._lr_t, settings)
+                loss_sum_t, counted_t, ok_t, norm_t = out
+                # the one read of the step, after it
+                loss_sum, n_tok, ok, norm = torch.stack(
+                    [loss_sum_t, counted_t.double(), ok_t.double(), norm_t.double()]
+                ).tolist()
+                n_tok, ok = int(n_tok), ok > 0
+                if not ok:
+                    self._fail(
+                        f"loss is {loss_sum}"
+                        if not math.isfinite(loss_sum)
+                        else f"gradient norm is {norm} (loss {loss_sum / max(n_tok, 1):.6g})"
+                    )
+            except BaseException:
                 self.optimizer.zero_grad()
+                if data_before is not None:
+                    self.data.load_state_dict(data_before)
+                raise
+            self.optimizer.sync_step_count()
+            self.skips += not ok
             self.step += 1
             self.tokens_total += n_tok
-        skipped = bad is not None
-        dt = time.perf_counter() - t0
-        m = {
-            "kind": "train",
-            "step": self.step,
-            "loss": loss_sum * inv_n if not skipped else float("nan"),
-            "lr": lr,
-            "grad_norm": norm,
-            "tokens": n_tok,
-            "tokens_total": self.tokens_total,
-            "time": dt,
-            "tokens_per_s": n_tok / dt if dt > 0 else float("inf"),
-            "skipped": skipped,
-            "skips": self.skips,
-        }
-        self._emit(m)
+            dt = time.perf_counter() - t0
+            m = {
+                "kind": "train",
+                "step": self.step,
+                "loss": loss_sum / max(n_tok, 1) if ok else float("nan"),
+                "lr": lr,
+                "grad_norm": norm,
+                "tokens": n_tok,
+                "tokens_total": self.tokens_total,
+                "time": dt,
+                "tokens_per_s": n_tok / dt if dt > 0 else float("inf"),
+                "skipped": not ok,
+                "skips": self.skips,
+            }
+            if self.graphed is not None:  # whether the step ran as a graph: a fallback is never silent
+                g = self.graphed
+                m["graph"] = "off" if not g.enabled else ("replay" if g.replay is not None else "warm-up")
+                m["graph_captures"], m["graph_fallbacks"] = g.captures, g.fallbacks
+            self._emit(m)  # the row of a step that counted is written before a deferred Ctrl-C lands
         return m
 
     def _emit(self, m: dict) -> None:

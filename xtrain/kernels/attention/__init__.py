@@ -16,9 +16,11 @@ the Triton kernel, last in every list, takes anything:
             run, so never under torch.use_deterministic_algorithms(True)); hd128 from T = 1024, and hd64 from
             4096 in deterministic mode, the two-kernel Gluon backward (lse through the tensor cores for bf16)
   otherwise the Triton kernels, tiles by (D, fp32 or 16-bit) and, for the hd128 16-bit forward, T <= 4096.
-Calls that take a Gluon path with default buffers keep a launch plan per input signature (shapes, strides,
-dtypes, device, scale, deterministic mode): later calls allocate the outputs and launch the compiled kernels
-directly, which halves the host time per call.
+Calls that take a Gluon path with default buffers keep a launch plan keyed by everything that picks the kernel:
+the calling thread's kernel backend, the input signature (shapes, strides, dtypes, device: the capability and
+the shape inputs of ``choose``), the scale, causality and the deterministic mode. Later calls allocate the
+outputs and launch the compiled kernels directly, which halves the host time per call; a call under the
+reference backend never looks a plan up.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xtrain.kernels._dispatch import PlanCache, capability, use_triton
+from xtrain.kernels._dispatch import PlanCache, capability, get_backend, use_triton
 from xtrain.kernels.attention import gluon_bwd, gluon_fwd, gluon_onepass
 from xtrain.kernels.attention.gluon_bwd import GluonBwdConfig
 from xtrain.kernels.attention.gluon_common import HAVE_GLUON, supported_bwd
@@ -156,16 +158,24 @@ _FWD_PLANS = PlanCache()
 _BWD_PLANS = PlanCache()
 
 
+def plan_signature(kind: str, ts, scale, causal: bool) -> tuple:
+    """Everything that picks the kernel a call runs, and so a cached plan's validity: the calling thread's kernel
+    backend, each tensor's shape, strides, dtype and device (the device gives the capability), the scale,
+    causality and the deterministic mode (the inputs of ``choose``)."""
+    det = torch.are_deterministic_algorithms_enabled()
+    sig = tuple((t.shape, t.stride(), t.dtype, t.device) for t in ts)
+    return (kind, get_backend(), scale, bool(causal), det) + sig
+
+
 def _plan_key(kind: str, ts, scale, causal: bool) -> tuple | None:
-    """Everything a cached plan's validity depends on: each tensor's shape, strides, dtype and device, the scale,
-    causality and the deterministic mode (the inputs of ``choose``); None (no plan) unless the call could take
-    a Gluon path and every base address is 16-byte aligned (TMA needs it)."""
-    if not (HAVE_GLUON and all(t.is_cuda for t in ts) and capability(ts[0].device) == (9, 0)):
+    """``plan_signature``, or None (no plan is looked up or kept) unless the call could take a Gluon path: Triton
+    kernels for these tensors (not the reference backend), an sm_90 device, every base address 16-byte aligned
+    (TMA needs it)."""
+    if not (HAVE_GLUON and use_triton(*ts) and capability(ts[0].device) == (9, 0)):
         return None
     if not all(t.data_ptr() % 16 == 0 for t in ts):
         return None
-    det = torch.are_deterministic_algorithms_enabled()
-    return (kind, scale, bool(causal), det) + tuple((t.shape, t.stride(), t.dtype, t.device) for t in ts)
+    return plan_signature(kind, ts, scale, causal)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -176,7 +186,7 @@ def flash_attention_fwd(q, k, v, causal: bool = True, scale: float | None = None
     tiled reference. Returns (o in q.dtype, lse [B, H, T] fp32, natural log)."""
     op = "flash_attention_fwd"
     key = _plan_key("fwd", (q, k, v), scale, causal) if isinstance(q, torch.Tensor) and q.is_cuda else None
-    plan = _FWD_PLANS.get(key) if key is not None else None
+    plan = _FWD_PLANS.lookup(key)
     if plan is not None:  # this signature took the Gluon forward before
         return plan(q, k, v)
     _check_qkv(op, q, k, v)
@@ -222,7 +232,7 @@ def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float |
     ts = (do, q, k, v, o, lse)
     cuda = all(isinstance(t, torch.Tensor) and t.is_cuda for t in ts)
     key = _plan_key("bwd", ts, scale, causal) if cuda else None
-    plan = _BWD_PLANS.get(key) if key is not None else None
+    plan = _BWD_PLANS.lookup(key)
     if plan is not None:  # this signature took a Gluon backward before
         return plan(*ts)
     _check_bwd(op, do, q, k, v, o, lse)
