@@ -275,6 +275,8 @@ def run(args) -> int:
     try:
         check_export_dir(args.out, run_dir)
         ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
+        for note in ck.notes:
+            print(f"xtrain export: {note}", file=sys.stderr)
         eos = None
         tok_path = run_dir / "tokenizer.json"
         if tok_path.is_file():

@@ -60,6 +60,8 @@ def load_service(
 
     run_dir = Path(run_dir)
     ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
+    for note in ck.notes:
+        print(f"xtrain serve: {note}", file=sys.stderr)
     model = Model(ck.model_config, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ckpt_io.restore(ck, model)
     return Service(model.eval(), load_run_tokenizer(run_dir), name or run_dir.resolve().name, engine_config)

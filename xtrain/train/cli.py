@@ -437,11 +437,27 @@ def _run(args, info) -> int:
                 file=sys.stderr,
             )
             return 2
+        if args.resume:
+            _settle_checkpoint(run_dir)
     try:
         return _train(args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, train_data, val_data, t_start)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _settle_checkpoint(run_dir: Path) -> None:
+    """Under the run's lock, before resuming: finish a save a crash stopped after its commit, drop one it
+    stopped before (each with one line), so the run directory holds exactly its last complete checkpoint."""
+    from xtrain.train import checkpoint as ckpt_io
+
+    if ckpt_io.finish_commit(run_dir):
+        print(f"xtrain train: {run_dir}: finished moving an interrupted save's committed checkpoint into place")
+    if (run_dir / ckpt_io.STAGING).is_dir():
+        shutil.rmtree(run_dir / ckpt_io.STAGING)
+        print(
+            f"xtrain train: {run_dir}: dropped {ckpt_io.STAGING}/, a checkpoint save a crash stopped before its commit"
+        )
 
 
 def _train(args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, train_data, val_data, t_start) -> int:

@@ -79,6 +79,8 @@ def run(args) -> int:
     try:
         device = resolve_device(args.device)
         ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
+        for note in ck.notes:
+            print(f"xtrain sample: {note}", file=sys.stderr)
         model = Model(ck.model_config, device=device)
         ckpt_io.restore(ck, model)
         for i in range(args.num_samples):
