@@ -163,3 +163,167 @@ def test_degenerate_request_beside_others_in_the_batcher():
         assert math.isfinite(sum(got[4][0]))
     finally:
         b.close()
+
+
+# -- over HTTP: what clients send by default, and what a web page could send ---------------------------------
+
+httpx = pytest.importorskip("httpx")
+
+# The bodies LangChain's OpenAI classes send with their defaults (langchain_openai BaseOpenAI._default_params
+# and ChatOpenAI's; the openai client sends a None argument as null)
+LANGCHAIN_COMPLETION = {
+    "model": "tiny-test",
+    "prompt": ["def f(x):"],
+    "temperature": 0.7,
+    "top_p": 1,
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "n": 1,
+    "logit_bias": {},
+    "seed": None,
+    "logprobs": None,
+    "max_tokens": 8,
+}
+LANGCHAIN_CHAT = {
+    "model": "tiny-test",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": False,
+    "n": 1,
+    "temperature": 0.7,
+    "max_tokens": 8,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": {},
+    "logprobs": False,
+    "response_format": None,
+    "tools": None,
+    "parallel_tool_calls": None,
+}
+
+
+class CountingTokenizer:
+    """The byte tokenizer, counting the bytes it was asked to encode."""
+
+    def __init__(self):
+        from xtrain.data.tokenizer import ByteTokenizer
+
+        self.inner = ByteTokenizer()
+        self.eot_id, self.vocab_size, self.max_token_bytes = 256, 257, 1
+        self.encoded = 0
+
+    def encode(self, text):
+        self.encoded += len(text)
+        return self.inner.encode(text)
+
+    def decode(self, ids):
+        return self.inner.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def server():
+    from xtrain.serve.api import ServerConfig, Service
+    from xtrain.serve.server import allowed_hosts, serve_in_thread
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tok = CountingTokenizer()
+    cfg = ServerConfig(allowed_hosts=allowed_hosts("127.0.0.1", ["my.example"]))
+    svc = Service(small().eval(), tok, "tiny-test", EngineConfig(slots=4, max_queue=8), cfg)
+    url, stop = serve_in_thread(svc)
+    yield url, svc, tok
+    stop()
+    torch.set_num_threads(threads)
+
+
+def test_langchain_default_payloads_are_served(server):
+    url = server[0]
+    r = httpx.post(url + "/v1/completions", json=LANGCHAIN_COMPLETION, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    r = httpx.post(url + "/v1/chat/completions", json=LANGCHAIN_CHAT, timeout=60)
+    assert r.status_code == 200, r.text
+    # the same fields with values that would change the result are refused, naming the field
+    for key, value, chat in [
+        ("presence_penalty", 0.5, False),
+        ("frequency_penalty", -1, True),
+        ("logit_bias", {"50": 100}, False),
+        ("suffix", "end", False),
+        ("best_of", 3, False),
+        ("echo", True, False),
+        ("logprobs", True, True),
+        ("tools", [{"type": "function"}], True),
+        ("response_format", {"type": "json_object"}, True),
+    ]:
+        body = {**(LANGCHAIN_CHAT if chat else LANGCHAIN_COMPLETION), key: value}
+        r = httpx.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body, timeout=60)
+        assert r.status_code == 400, (key, r.text)
+        assert r.json()["error"]["param"] == key and "not supported" in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/v1/completions", json={**LANGCHAIN_COMPLETION, "suffix": None, "user": "u1"})
+    assert r.status_code == 200, r.text
+
+
+def test_degenerate_settings_over_http_do_not_touch_another_stream(server):
+    url = server[0]
+    body = {"prompt": "abc", "max_tokens": 20, "temperature": 0.9, "seed": 3, "stream": True, "ignore_eos": True}
+    alone = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=60).json()["choices"][0]
+    out = {}
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            out["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    th = threading.Thread(target=stream)
+    th.start()
+    for extra in ({"temperature": 1e-40}, {"top_p": 1e-300}, {"temperature": 5e-324, "top_p": 1e-320}):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, **extra}, timeout=60)
+        assert r.status_code == 200, (extra, r.text)
+    th.join(60)
+    assert out["lines"][-1] == "data: [DONE]"
+    import json
+
+    chunks = [json.loads(ln[6:]) for ln in out["lines"][:-1]]
+    assert not any("error" in c for c in chunks), chunks
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == alone["text"]
+
+
+def test_posts_need_json_and_a_known_host(server):
+    url, _, _ = server
+    port = url.rsplit(":", 1)[1]
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {} if ctype is None else {"Content-Type": ctype}
+        r = httpx.post(url + "/v1/completions", content=b'{"prompt": "x"}', headers=headers)
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (ctype, r.text)
+    ok = {"Content-Type": "application/json; charset=utf-8"}
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "MY.example"):
+        r = httpx.post(url + "/v1/completions", content=body, headers={**ok, "Host": host})
+        assert r.status_code == 200, (host, r.text)
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example"):
+        for method, path in (("POST", "/v1/completions"), ("GET", "/health"), ("GET", "/v1/models")):
+            r = httpx.request(method, url + path, content=body, headers={**ok, "Host": host})
+            assert r.status_code == 403 and "--allow-host" in r.json()["error"]["message"], (host, path, r.text)
+
+
+def test_allowed_hosts_of_the_cli():
+    from xtrain.serve.server import allowed_hosts
+
+    assert allowed_hosts("127.0.0.1", []) == ("127.0.0.1", "localhost", "::1")
+    assert allowed_hosts("0.0.0.0", []) is None  # every interface: its names are not known
+    assert allowed_hosts("0.0.0.0", ["box.lan"]) == ("0.0.0.0", "localhost", "127.0.0.1", "::1", "box.lan")
+    assert allowed_hosts("127.0.0.1", ["*"]) is None
+
+
+def test_an_over_long_prompt_is_refused_before_it_is_tokenized(server):
+    url, svc, tok = server
+    before = tok.encoded
+    for body in (
+        {"prompt": "y" * 900_000},
+        {"prompt": ["ok", "z" * 5000]},
+        {"messages": [{"role": "user", "content": "w" * 900_000}]},
+    ):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert tok.encoded - before <= 10  # only "ok" was tokenized
+    r = httpx.post(url + "/v1/completions", json={"prompt": "y" * 40, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text  # under the context still runs
