@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 
+from tests._cli import tree_hash  # noqa: E402
 from tests.test_serve import small
 from xtrain.train import checkpoint as ckpt_io
 from xtrain.train.optim import AdamW
@@ -48,6 +49,11 @@ FS_CALLS = [(os, "replace"), (os, "rename"), (os, "fsync"), (os, "mkdir"), (os, 
 def _save_dying_at(run, n: int) -> bool:
     """Save step 2 (seed 2) over ``run`` in a forked child that dies before its n-th filesystem call.
     -> True when the child died (the save did not finish)."""
+    return _dying_at(n, lambda: _save(run, 2, 2))
+
+
+def _dying_at(n: int, work) -> bool:
+    """Run ``work()`` in a forked child that dies before its n-th filesystem call -> True when it died."""
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         try:
@@ -68,7 +74,7 @@ def _save_dying_at(run, n: int) -> bool:
             builtins.open = lambda f, mode="r", *a, **k: (counted(real_open) if "w" in mode else real_open)(
                 f, mode, *a, **k
             )
-            _save(run, 2, 2)
+            work()
             os._exit(0)
         except BaseException:
             os._exit(3)
@@ -170,3 +176,36 @@ def test_readers_racing_a_writer_never_see_a_mix(tmp_path):
         t.join(30)
     assert not errors, errors[:3]
     assert reads[0] > 5
+
+
+@pytest.mark.parametrize("previous", [False, True])
+def test_a_kill_at_every_point_of_an_export_leaves_the_old_or_the_new_export(tmp_path, previous):
+    from xtrain.export import check_export_dir, export_hf
+
+    torch.set_num_threads(1)
+    old_m, new_m = _state(1, 1)[0], _state(2, 2)[0]
+    export_hf(old_m.config, old_m.state_dict(), tmp_path / "ref_old", "float32")
+    export_hf(new_m.config, new_m.state_dict(), tmp_path / "ref_new", "float32")
+    want_old, want_new = tree_hash(tmp_path / "ref_old"), tree_hash(tmp_path / "ref_new")
+    seen = set()
+    n = 0
+    while True:
+        n += 1
+        assert n < 200, "the export never finished"
+        parent = tmp_path / f"p{n}"
+        parent.mkdir()
+        out = parent / "hf"
+        if previous:
+            export_hf(old_m.config, old_m.state_dict(), out, "float32")
+        died = _dying_at(n, lambda out=out: export_hf(new_m.config, new_m.state_dict(), out, "float32"))
+        got = tree_hash(out)
+        assert got in ({}, want_new) + ((want_old,) if previous else ()), (n, sorted(got))
+        seen.add("new" if got == want_new else "old" if got == want_old else "none")
+        check_export_dir(out)  # a re-export is allowed, and it cleans what the killed one left
+        export_hf(new_m.config, new_m.state_dict(), out, "float32")
+        assert tree_hash(out) == want_new and [p.name for p in parent.iterdir()] == ["hf"]
+        shutil.rmtree(parent)
+        if not died:
+            break
+    assert n > 5
+    assert seen == ({"old", "new"} if previous else {"none", "new"}), seen
