@@ -168,6 +168,9 @@ def preset(name: str, **overrides) -> ModelConfig:
     return dataclasses.replace(PRESETS[name], **overrides).validate()
 
 
+MAX_SEED = 1 << 63  # run seeds lie in [0, MAX_SEED)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. ``batch_size`` is the number of sequences per optimizer step; with
@@ -211,6 +214,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 p.append(f"{name}={v!r} must be an integer >= 0")
+        if isinstance(self.seed, int) and self.seed >= MAX_SEED:
+            p.append(f"seed={self.seed} must be below 2**63 (torch's generators take 64-bit signed seeds)")
         if (
             isinstance(self.batch_size, int)
             and isinstance(self.grad_accum, int)

@@ -9,8 +9,13 @@ when the run has one, the tokenizer (``tokenizer.json`` + ``tokenizer_config.jso
 The parameter names are mapped through an explicit table (``hf_key``), and every tensor's shape is checked
 against the shape the Hugging Face config implies (``hf_shapes``, derived from the HF field names, not from
 xtrain's own table), so a layout mismatch fails here instead of loading garbage. With tied embeddings
-there is no ``lm_head.weight`` in the file (HF ties it to ``model.embed_tokens.weight``). Every file is
-written to a temporary name and renamed.
+there is no ``lm_head.weight`` in the file (HF ties it to ``model.embed_tokens.weight``).
+
+An export is committed as one unit: its files are written into a staging folder beside DIR
+(``.DIR.export-PID``) and the folder is renamed to DIR, or, over a previous export, swapped with it in one
+atomic step (Linux ``renameat2``; elsewhere the old one is renamed aside first) and the old one removed.
+A kill at any instant leaves DIR as it was (absent, empty, or the previous export) or the complete new
+export, never a mix; the next export removes the staging folders a killed one left (their process gone).
 
 DIR must be new, empty, or a previous export (only the files an export writes): a run directory, or any
 other non-empty directory, is refused before anything is written. The exported tokenizer's post-processor
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from xtrain.config import ModelConfig
-from xtrain.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from xtrain.fileio import _pid_alive, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 # xtrain parameter name (per layer, after "model.layers.{i}.") -> Hugging Face Qwen3 name. The same strings
 # today (xtrain adopted the HF names), kept as an explicit table so a rename on either side is one edit here.
@@ -130,6 +137,11 @@ def check_export_dir(out_dir: str | Path, run_dir: str | Path | None = None) -> 
     out = Path(out_dir)
     if run_dir is not None and out.exists() and out.resolve() == Path(run_dir).resolve():
         raise ValueError(f"export: --out {out} is the run directory itself; pick a new directory")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"export: --out {out}: {parent} is not writable")
     if not out.exists():
         return
     if not out.is_dir():
@@ -198,7 +210,72 @@ def export_hf(
         tok_text = Path(tokenizer_json).read_text()
         if eos_id is not None and json.loads(tok_text).get("model") is not None:  # an HF tokenizer.json
             tok_text = hf_tokenizer_json(tokenizer_json, eos_id)
-    out.mkdir(parents=True, exist_ok=True)
+    final = out
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(final)
+    out = final.parent / f".{final.name}.export-{os.getpid()}"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+    _write_export(out, tensors, hf, eos_id, tok_text, tokenizer_json, model_config)
+    _fsync_dir(out)
+    if final.exists():  # empty, or a previous export (check_export_dir): swapped with the new one, then dropped
+        if _exchange(out, final):
+            shutil.rmtree(out)
+        else:  # no atomic swap here: a kill between these two renames leaves no DIR (the old export aside)
+            aside = final.parent / f".{final.name}.export-old-{os.getpid()}"
+            os.replace(final, aside)
+            os.replace(out, final)
+            shutil.rmtree(aside)
+    else:
+        os.replace(out, final)  # the commit point
+    _fsync_dir(final.parent)
+    return final
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system has no such call."""
+    import ctypes
+    import errno
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _remove_stale_staging(final: Path) -> None:
+    """Drop the staging folders (``.NAME.export-PID``, ``.NAME.export-old-PID``) of exports to ``final`` whose
+    process is gone (killed mid-export)."""
+    prefix = f".{final.name}.export-"
+    for p in final.parent.glob(prefix + "*"):
+        pid = p.name[len(prefix) :].removeprefix("old-")
+        if p.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_export(out: Path, tensors, hf: dict, eos_id, tok_text, tokenizer_json, model_config) -> None:
     atomic_write_bytes(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
     if eos_id is not None:
         hf["eos_token_id"] = hf["bos_token_id"] = eos_id
@@ -216,7 +293,6 @@ def export_hf(
             if eos_id in names:
                 tcfg.update(eos_token=names[eos_id], bos_token=names[eos_id])
         atomic_write_json(out / "tokenizer_config.json", tcfg)
-    return out
 
 
 def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -275,6 +351,8 @@ def run(args) -> int:
     try:
         check_export_dir(args.out, run_dir)
         ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
+        for note in ck.notes:
+            print(f"xtrain export: {note}", file=sys.stderr)
         eos = None
         tok_path = run_dir / "tokenizer.json"
         if tok_path.is_file():
@@ -284,6 +362,9 @@ def run(args) -> int:
         out = export_hf(ck.model_config, ck.model_state, args.out, args.dtype, tok_path, eos)
     except (ValueError, FileNotFoundError) as e:
         print(f"xtrain export: {e}", file=sys.stderr)
+        return 2
+    except PermissionError as e:
+        print(f"xtrain export: {e.filename}: permission denied ({e.strerror})", file=sys.stderr)
         return 2
     print(
         f"wrote {out}/ (config.json, model.safetensors, generation_config.json"

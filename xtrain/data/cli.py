@@ -103,6 +103,9 @@ def run(args) -> int:
     except (FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         print(f"xtrain data: error: {e}", file=sys.stderr)
         return 2
+    except PermissionError as e:
+        print(f"xtrain data: error: {e.filename}: permission denied ({e.strerror})", file=sys.stderr)
+        return 2
 
 
 def _prepare(args) -> int:

@@ -49,6 +49,10 @@ class Tokenizer:
             raise ValueError(f"tokenizer {source} has no {EOT_TOKEN} token")
         self.eot_id: int = eot
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        # an upper bound on the UTF-8 bytes one token stands for (a byte-level token's string spends 1 or 2
+        # bytes per byte it stands for), so a text of n bytes has at least n / max_token_bytes tokens: a
+        # server can refuse an over-long prompt without tokenizing it
+        self.max_token_bytes: int = max(len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True))
 
     # -- training ------------------------------------------------------------------------------------
     @classmethod
@@ -139,6 +143,7 @@ class ByteTokenizer:
     def __init__(self):
         self.eot_id: int = 256
         self.vocab_size: int = 257
+        self.max_token_bytes: int = 1
 
     @classmethod
     def train(cls, docs: Iterable[str] = (), vocab_size: int = 257, **_) -> ByteTokenizer:

@@ -11,7 +11,11 @@ greedy), ``top_p`` (0 < p <= 1, default 1), ``top_k`` (0 = off), ``seed`` (0 <= 
 ``n`` uses seed + i; without a seed each request draws one), ``stop`` (a string or up to 4), ``n``,
 ``stream``, ``stream_options`` ({"include_usage": bool}), ``user`` (ignored), ``ignore_eos`` (as vLLM:
 run to max_tokens); completions also take ``logprobs`` (0..5: top log-probabilities of each sampled
-token). Responses carry ``id``, ``object``, ``created``, ``model``, ``choices`` (``text`` / ``message``,
+token). A temperature below ``xtrain.sampling.GREEDY_BELOW`` samples greedily, and a top_p however small
+keeps the most likely token. Fields that clients send by default are accepted where their value changes
+nothing (``NO_OP_FIELDS``: ``presence_penalty``/``frequency_penalty`` 0, ``logit_bias`` {}, ``suffix`` "",
+``best_of`` 1, ``echo`` false, ``tools`` [], chat ``logprobs`` false, ..., or null) and are a 400 naming
+the field otherwise. Responses carry ``id``, ``object``, ``created``, ``model``, ``choices`` (``text`` / ``message``,
 or ``delta`` when streaming, with ``finish_reason`` "stop" or "length") and ``usage``. ``stream: true``
 answers with server-sent events, ``data: {chunk}`` lines and a final ``data: [DONE]``.
 
@@ -31,8 +35,10 @@ starting the next turn). ``content`` is a string or a list of ``{"type": "text",
 Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON (NaN and Infinity included), wrong types, out-of-range values, prompts that do not fit the context
 and text that is not valid Unicode (a lone surrogate); 404 for an unknown model or path; 413 for a body
-over ``ServerConfig.max_body_bytes``; 429 when every slot is busy and the queue is full; 503 while
-shutting down. A body shorter than its Content-Length is a 400 after ``body_timeout_s``.
+over ``ServerConfig.max_body_bytes``; 415 for a POST whose Content-Type is not application/json; 403 for a
+Host header outside ``ServerConfig.allowed_hosts``; 429 when every slot is busy and the queue is full; 503
+while shutting down. A body shorter than its Content-Length is a 400 after ``body_timeout_s``; a prompt whose
+bytes alone exceed the context is a 400 before it is tokenized.
 """
 
 import asyncio
@@ -64,6 +70,39 @@ COMMON_FIELDS = {
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 
+# OpenAI fields clients send by default (LangChain's OpenAI sends presence_penalty 0, frequency_penalty 0 and
+# logit_bias {}): accepted when their value changes nothing, a 400 naming the field otherwise.
+# field -> (is the value a no-op?, the values accepted, for the message)
+_none = lambda v: v is None
+NO_OP_FIELDS = {
+    "presence_penalty": (lambda v: _none(v) or (_isnum(v) and v == 0), "0"),
+    "frequency_penalty": (lambda v: _none(v) or (_isnum(v) and v == 0), "0"),
+    "repetition_penalty": (lambda v: _none(v) or (_isnum(v) and v == 1), "1"),
+    "logit_bias": (lambda v: _none(v) or v == {}, "{}"),
+    "response_format": (lambda v: _none(v) or v == {"type": "text"}, '{"type": "text"}'),
+    "tools": (lambda v: _none(v) or v == [], "[]"),
+    "functions": (lambda v: _none(v) or v == [], "[]"),
+    "tool_choice": (lambda v: _none(v) or v == "none", '"none"'),
+    "function_call": (lambda v: _none(v) or v == "none", '"none"'),
+    "parallel_tool_calls": (lambda v: _none(v) or isinstance(v, bool), "true or false (there are no tools)"),
+    "service_tier": (lambda v: _none(v) or v in ("auto", "default"), '"auto" or "default"'),
+    "store": (lambda v: _none(v) or v is False, "false"),
+    "metadata": (lambda v: _none(v) or isinstance(v, dict), "an object (kept nowhere)"),
+}
+COMPLETION_NO_OP = {
+    "suffix": (lambda v: _none(v) or v == "", '""'),
+    "echo": (lambda v: _none(v) or v is False, "false"),
+    "best_of": (lambda v: _none(v) or v == 1, "1"),
+}
+CHAT_NO_OP = {
+    "logprobs": (lambda v: _none(v) or v is False, "false"),
+    "top_logprobs": (lambda v: _none(v) or v == 0, "0"),
+}
+
+
+def _isnum(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -73,6 +112,10 @@ class ServerConfig:
     body_timeout_s: float = 10.0  # a body that does not arrive in full by then is a 400
     max_choices: int = 16  # n x prompts in one request
     default_max_tokens: int = 16  # completions (chat defaults to the rest of the context)
+    # the Host header values requests may carry (lower case, without the port); None accepts any. ``xtrain
+    # serve`` sets the bind address and the loopback names, so a web page the user visits cannot reach the
+    # server through a DNS name that points at it (DNS rebinding)
+    allowed_hosts: tuple[str, ...] | None = None
 
 
 class APIError(Exception):
@@ -162,10 +205,20 @@ class Params:
     logprobs: int = 0
 
 
-def parse_params(body: dict, allowed: set[str], max_choices: int) -> Params:
-    unknown = sorted(set(body) - allowed)
+def parse_params(body: dict, allowed: set[str], max_choices: int, no_op: dict | None = None) -> Params:
+    no_op = no_op or {}
+    unknown = sorted(set(body) - allowed - set(no_op))
     if unknown:
         raise bad(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0], "unknown_field")
+    for key in sorted(set(body) & set(no_op)):
+        is_no_op, accepted = no_op[key]
+        if not is_no_op(body[key]):
+            raise bad(
+                f"{key} {json.dumps(body[key])[:60]} is not supported by this server; it accepts only {accepted} "
+                "(or leaving the field out), which changes nothing",
+                key,
+                "unsupported_value",
+            )
     temperature = _num(body, "temperature", 1.0)
     if temperature < 0:
         raise bad(f"temperature must be >= 0, got {temperature}", "temperature", "invalid_value")
@@ -283,7 +336,22 @@ class Service:
                 "model_not_found",
             )
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """[eot] + the text's tokens. A text whose UTF-8 bytes alone show it cannot fit the context (each token
+        stands for at most ``tok.max_token_bytes`` bytes) is refused before it is tokenized: tokenizing a
+        megabyte takes seconds that every other stream would wait for."""
+        per_token = getattr(self.tok, "max_token_bytes", None)
+        ctx = self.batcher.max_len
+        if per_token:
+            n = len(text.encode("utf-8", errors="surrogatepass"))
+            at_least = -(-n // per_token) + 1  # ceil(n / per_token) tokens, plus end-of-text
+            if at_least >= ctx:
+                raise bad(
+                    f"the {param} is {n} bytes, at least {at_least} tokens; the context holds {ctx} "
+                    "(prompt + max_tokens)",
+                    param,
+                    "context_length_exceeded",
+                )
         return [self.tok.eot_id] + self.tok.encode(text)
 
     def completion_prompts(self, body: dict) -> list[list[int]]:
@@ -323,12 +391,13 @@ class Service:
 
     def prepare(self, body: dict, chat: bool):
         """-> (prompts, params, max_new_tokens) or APIError."""
-        params = parse_params(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, self.config.max_choices)
+        no_op = {**NO_OP_FIELDS, **(CHAT_NO_OP if chat else COMPLETION_NO_OP)}
+        params = parse_params(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, self.config.max_choices, no_op)
         self._check_model(body)
         if chat:
             if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
                 params.max_tokens = _int(body, "max_completion_tokens", None, 1, 1 << 31)
-            prompts = [self.encode(chat_prompt(body.get("messages")))]
+            prompts = [self.encode(chat_prompt(body.get("messages")), "messages")]
             params.stop = params.stop + [s for s in CHAT_STOPS if s not in params.stop]
             default = None
         else:
@@ -469,6 +538,25 @@ def create_app(service: Service):
     async def _any_error(request, e: Exception):
         return err(APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error", "server_error"))
 
+    allowed = service.config.allowed_hosts
+
+    @app.middleware("http")
+    async def _check_host(request, call_next):
+        if allowed is not None:
+            host = request.headers.get("host")
+            if host is not None and host_name(host) not in allowed:
+                return err(
+                    APIError(
+                        403,
+                        f"Host {host[:100]!r} is not an address of this server ({', '.join(allowed)}); start "
+                        f"xtrain serve with --allow-host {host_name(host)[:100]} to accept it",
+                        None,
+                        "host_not_allowed",
+                        "permission_error",
+                    )
+                )
+        return await call_next(request)
+
     @app.get("/health")
     async def health():
         return service.health()
@@ -491,6 +579,12 @@ def create_app(service: Service):
         return await _handle(request, chat=True)
 
     async def _handle(request, chat: bool):
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            # a form or text/plain post is what a web page can send without asking the browser first (CORS)
+            raise APIError(
+                415, f"Content-Type must be application/json, got {ctype[:60]!r}", None, "unsupported_media_type"
+            )
         body = parse_body(await read_body(request, service.config))
         prompts, params, max_new = service.prepare(body, chat)
         choices, queue = service.start(prompts, params, max_new, asyncio.get_running_loop())
@@ -575,6 +669,14 @@ def create_app(service: Service):
                 c.seq.cancel()
 
     return app
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header, lower case, without the port (``[::1]:8000`` -> ``::1``)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _usage(choices: list[Choice], prompt_tokens: int) -> dict:

@@ -44,7 +44,7 @@ import torch
 from xtrain.kernels import rms_norm as K_rms
 from xtrain.kernels import rope as K_rope
 from xtrain.kernels import swiglu as K_swiglu
-from xtrain.sampling import next_token
+from xtrain.sampling import GREEDY_BELOW, next_token, nonfinite_rows
 
 
 class SlotCache:
@@ -342,9 +342,11 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class Sampling:
-    """One sequence's sampling settings: temperature 0 is greedy; top_k / top_p as in ``xtrain.sampling``;
-    ``logprobs`` > 0 also reports that many top log-probabilities at each step (of the unfiltered,
-    temperature-1 distribution, as OpenAI's ``logprobs``)."""
+    """One sequence's sampling settings: temperature 0 (or below ``xtrain.sampling.GREEDY_BELOW``) is
+    greedy; top_k / top_p as in ``xtrain.sampling``; ``logprobs`` > 0 also reports that many top
+    log-probabilities at each step (of the unfiltered, temperature-1 distribution, as OpenAI's ``logprobs``).
+    Degenerate but finite values are safe: a tiny temperature samples greedily, a top_p that rounds to 0 keeps
+    the most likely token, a top_k past the vocabulary keeps all; ``validate`` refuses the rest."""
 
     temperature: float = 1.0
     top_k: int | None = None
@@ -352,18 +354,32 @@ class Sampling:
     seed: int = 0
     logprobs: int = 0
 
+    def validate(self) -> Sampling:
+        ok = (
+            isinstance(self.temperature, (int, float))
+            and math.isfinite(self.temperature)
+            and self.temperature >= 0
+            and (self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 0))
+            and (self.top_p is None or (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1))
+            and isinstance(self.seed, int)
+            and 0 <= self.logprobs
+        )
+        if not ok:
+            raise ValueError(f"Sampling: need a finite temperature >= 0, top_k >= 0, 0 < top_p <= 1, got {self}")
+        return self
+
 
 def sample_rows(logits: torch.Tensor, settings: list[Sampling], generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of fp32 CPU logits [B, V], row b with its own settings and generator -> ids [B].
 
-    Greedy rows (temperature 0) take the argmax. The others, all at once: logits / temperature, sorted
-    once; the same filters as ``xtrain.sampling.filter_logits`` (keep the top_k ranks, then drop a token
-    when the tokens ranked above it already hold top_p of the mass); then one uniform u from the row's
+    Greedy rows (temperature below ``GREEDY_BELOW``) take the argmax. The others, all at once: logits /
+    temperature, sorted once; the same filters as ``xtrain.sampling.filter_logits`` (keep the top_k ranks,
+    then drop a token when the tokens ranked above it already hold top_p of the mass); then one uniform u from the row's
     generator picks the token where the kept mass's running sum first exceeds u * (kept mass). One draw
     per row, so a row's tokens depend on its own seed only, never on its neighbours in the batch."""
     B, V = logits.shape
     out = logits.argmax(dim=-1)  # [B]
-    rows = [b for b, s in enumerate(settings) if s.temperature > 0]
+    rows = [b for b, s in enumerate(settings) if s.temperature >= GREEDY_BELOW]
     if not rows:
         return out
     idx = torch.tensor(rows)
@@ -374,7 +390,8 @@ def sample_rows(logits: torch.Tensor, settings: list[Sampling], generators: list
     rank = torch.arange(V)[None, :]
     sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
-    drop = (probs.cumsum(dim=-1) - probs) >= p  # the first token is never dropped
+    drop = (probs.cumsum(dim=-1) - probs) >= p
+    drop[:, 0] = False  # the first token is never dropped (a top_p that rounds to 0 in fp32 would drop all)
     probs = probs.masked_fill(drop, 0.0)
     cdf = probs.cumsum(dim=-1)  # [R, V]
     u = torch.stack([torch.rand((), generator=generators[b], dtype=torch.float64) for b in rows]).float()
@@ -382,6 +399,10 @@ def sample_rows(logits: torch.Tensor, settings: list[Sampling], generators: list
     pick = torch.minimum(pick, (probs > 0).sum(dim=-1, keepdim=True) - 1)  # never past the kept tokens
     out[idx] = order.gather(1, pick)[:, 0]
     return out
+
+
+def _error(e: Exception) -> str:
+    return f"error: {type(e).__name__}: {e}"
 
 
 class QueueFull(RuntimeError):
@@ -444,8 +465,9 @@ class Batcher:
     def submit(self, requests: list[tuple[list[int], int, Sampling, int | None, Callable]]) -> list[Sequence]:
         """Queue (ids, max_new_tokens, sampling, eos_id, on_event) requests, all or none: raises QueueFull
         when they do not all fit the waiting list, ValueError (from ``check``) for a bad one."""
-        for ids, n, *_ in requests:
+        for ids, n, smp, *_ in requests:
             self.check(ids, n)
+            smp.validate()
         seqs = [Sequence(list(ids), n, smp, eos, cb) for ids, n, smp, eos, cb in requests]
         with self.cond:
             if self.stopping:
@@ -520,29 +542,92 @@ class Batcher:
                     self._retire()
 
     def _step(self, newcomers: list[Sequence]) -> None:
+        """Prefill the newcomers, then one decode step for every running sequence. A failure that belongs to
+        one sequence (its prefill, its decode row, its logits, its sampling) ends that sequence alone with
+        "error: ..."; the others go on with the tokens they would get alone."""
         eng = self.engine
         for s in newcomers:  # prefill one at a time; each gives its first token
             self.active.append(s)
             if s.cancelled:
                 continue
-            logits = eng.prefill(self.cache, s.slot, torch.tensor(s.ids, dtype=torch.long))
+            try:
+                logits = eng.prefill(self.cache, s.slot, torch.tensor(s.ids, dtype=torch.long))
+            except Exception as e:
+                self._finish(s, _error(e))
+                continue
             self._emit([s], logits[None].cpu())
         self._retire()
         running = [s for s in self.active if s.last is not None and not s.cancelled and s not in newcomers]
         if running:
-            slots = torch.tensor([s.slot for s in running], dtype=torch.long)
-            tokens = torch.tensor([s.last for s in running], dtype=torch.long)
-            logits = eng.decode(self.cache, slots, tokens).cpu()  # [B, V]
+            logits = self._decode(running)
             self.steps += 1
             self.max_batch = max(self.max_batch, len(running))
             self._emit(running, logits)
             self._retire()
 
+    def _decode(self, running: list[Sequence]) -> torch.Tensor:
+        """Logits [B, V] of one decode step for ``running``. When the batched step raises, each row is
+        decoded alone (the cache positions put back first): a row that fails alone too gets nan logits,
+        which ``_emit`` turns into that sequence's error, and the others get their own row's logits."""
+        eng = self.engine
+        slots = torch.tensor([s.slot for s in running], dtype=torch.long)
+        tokens = torch.tensor([s.last for s in running], dtype=torch.long)
+        pos = self.cache.lengths[slots].clone()
+        try:
+            return eng.decode(self.cache, slots, tokens).cpu()  # [B, V]
+        except Exception as e:
+            if len(running) == 1:
+                self.cache.lengths[slots] = pos
+                return self._failed_rows(running, [e])
+            errors, rows = [], []
+            for b in range(len(running)):
+                self.cache.lengths[slots[b : b + 1]] = pos[b : b + 1]
+                try:
+                    rows.append(eng.decode(self.cache, slots[b : b + 1], tokens[b : b + 1]).cpu()[0])
+                    errors.append(None)
+                except Exception as e_b:
+                    self.cache.lengths[slots[b : b + 1]] = pos[b : b + 1]
+                    rows.append(None)
+                    errors.append(e_b)
+            V = next((r.shape[0] for r in rows if r is not None), eng.config.vocab_size)
+            out = torch.stack([torch.full((V,), float("nan")) if r is None else r for r in rows])
+            for s, err in zip(running, errors):
+                if err is not None:
+                    self._finish(s, _error(err))
+            return out
+
+    def _failed_rows(self, seqs: list[Sequence], errors: list[Exception]) -> torch.Tensor:
+        for s, e in zip(seqs, errors):
+            self._finish(s, _error(e))
+        return torch.full((len(seqs), self.engine.config.vocab_size), float("nan"))
+
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample one token for each sequence from its row of logits [B, V] and report it."""
-        toks = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs]).tolist()
+        """Sample one token for each sequence from its row of logits [B, V] and report it. A row with nan or
+        inf logits, or whose sampling raises, ends its own sequence with an error; the other rows are sampled
+        exactly as they would be alone (every step of ``sample_rows`` works row by row)."""
+        bad = nonfinite_rows(logits).tolist()
+        for s, b in zip(seqs, bad):
+            if b:
+                self._finish(s, "error: the model's logits for this sequence hold nan or inf")
+        live = [b for b, s in enumerate(seqs) if not bad[b] and not s.done]
+        if not live:
+            return
+        rows = logits if len(live) == len(seqs) else logits[live]
+        try:
+            picked = sample_rows(rows, [seqs[b].sampling for b in live], [seqs[b].generator for b in live]).tolist()
+        except Exception:  # find the row at fault: each row sampled alone draws what it draws in the batch
+            picked = []
+            for j, b in enumerate(live):
+                try:
+                    picked.append(int(sample_rows(rows[j : j + 1], [seqs[b].sampling], [seqs[b].generator])[0]))
+                except Exception as e:
+                    self._finish(seqs[b], _error(e))
+                    picked.append(None)
         logp = None
-        for b, (s, tok) in enumerate(zip(seqs, toks)):
+        for b, tok in zip(live, picked):
+            s = seqs[b]
+            if tok is None:
+                continue
             s.generated += 1
             if s.eos_id is not None and tok == s.eos_id:
                 self._finish(s, "stop")

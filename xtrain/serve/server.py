@@ -8,7 +8,10 @@ Endpoints (details, fields, the chat template and the error shapes: ``xtrain.ser
 GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with ``stream: true`` as
 server-sent events. The model is named after the run directory (``--name`` overrides). Requests decode
 together (continuous batching, ``--slots`` sequences at once, ``--max-queue`` more waiting; past that a
-429). Binds to 127.0.0.1 unless told otherwise. A port already in use is a one-line error, exit code 2.
+429). Binds to 127.0.0.1 unless told otherwise, and answers only requests whose Host header names the bind
+address or localhost (``--allow-host NAME`` adds a name; a 403 otherwise) and whose POST body is
+``Content-Type: application/json`` (a 415 otherwise): a web page the user visits cannot post to it. A port
+already in use, or a bad --port / --threads / --slots, is a one-line error, exit code 2.
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--slots", type=int, default=d.slots, help=f"sequences decoded together (default {d.slots})")
     p.add_argument("--max-queue", type=int, default=d.max_queue, help=f"requests waiting (default {d.max_queue})")
     p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also accept requests whose Host header names NAME (repeatable; '*' accepts any). By default "
+        "only the bind address and localhost are accepted, so a web page cannot reach the server through "
+        "a DNS name of its own (binding to 0.0.0.0 or :: accepts any Host unless --allow-host is given)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -52,7 +64,11 @@ def add_parser(subparsers) -> None:
 
 
 def load_service(
-    run_dir: str | Path, device: str | None = None, name: str | None = None, engine_config=EngineConfig()
+    run_dir: str | Path,
+    device: str | None = None,
+    name: str | None = None,
+    engine_config=EngineConfig(),
+    config: ServerConfig = ServerConfig(),
 ) -> Service:
     from xtrain.device import resolve_device
     from xtrain.model import Model
@@ -61,9 +77,11 @@ def load_service(
 
     run_dir = Path(run_dir)
     ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
+    for note in ck.notes:
+        print(f"xtrain serve: {note}", file=sys.stderr)
     model = Model(ck.model_config, device=resolve_device(device))
     ckpt_io.restore(ck, model)
-    return Service(model.eval(), load_run_tokenizer(run_dir), name or run_dir.resolve().name, engine_config)
+    return Service(model.eval(), load_run_tokenizer(run_dir), name or run_dir.resolve().name, engine_config, config)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -110,7 +128,32 @@ def serve_in_thread(service: Service, host: str = "127.0.0.1", port: int = 0):
     return f"http://{host}:{sock.getsockname()[1]}", stop
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def allowed_hosts(bind_host: str, extra: list[str]) -> tuple[str, ...] | None:
+    """The Host header names ``xtrain serve`` accepts: the bind address and the loopback names, plus
+    ``--allow-host`` names; None (any) for '*', or for a bind to every interface without --allow-host."""
+    from xtrain.serve.api import host_name
+
+    extra = [host_name(h) for h in extra]
+    if "*" in extra or (bind_host in ("0.0.0.0", "::", "") and not extra):
+        return None
+    return tuple(dict.fromkeys([host_name(bind_host), *LOOPBACK_NAMES, *extra]))
+
+
 def run(args) -> int:
+    if not 0 <= args.port <= 65535:
+        print(f"xtrain serve: --port {args.port}: must lie in [0, 65535] (0 picks a free port)", file=sys.stderr)
+        return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"xtrain serve: --threads {args.threads}: must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        engine_config = EngineConfig(slots=args.slots, max_queue=args.max_queue).validate()
+    except ValueError as e:
+        print(f"xtrain serve: {e}", file=sys.stderr)
+        return 2
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
@@ -119,8 +162,8 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        engine_config = EngineConfig(slots=args.slots, max_queue=args.max_queue).validate()
-        service = load_service(args.run, args.device, args.name, engine_config)
+        config = ServerConfig(allowed_hosts=allowed_hosts(args.host, args.allow_host))
+        service = load_service(args.run, args.device, args.name, engine_config, config)
     except (ValueError, FileNotFoundError) as e:
         sock.close()
         print(f"xtrain serve: {e}", file=sys.stderr)

@@ -7,10 +7,20 @@ A run directory holds four files:
     optimizer.safetensors   "exp_avg.<name>", "exp_avg_sq.<name>" per parameter; metadata: step, hyperparams
     trainer_state.json      step, seeds, skip count, tokens seen, data-loader position, schedule
 
-Writing: each file goes to a temporary name in the same directory, is flushed and fsync'ed, then renamed
-over the real name (``os.replace`` is atomic), so a crash never leaves a half-written file under a real
-name. trainer_state.json is written last. Every file carries the step it belongs to (safetensors metadata,
-JSON field), so a crash *between* files (new model, old optimizer) is caught at load time as a mismatch.
+Writing is one commit (``save_checkpoint``): the four files are written (each fsync'ed) into the staging
+folder ``RUN/.checkpoint-next/``; renaming that folder to ``RUN/.checkpoint-commit/`` is the commit point
+(one atomic rename); the files are then moved over the run directory's own (``os.replace``, one at a time)
+and the empty folder removed. Until the commit the run directory's files are the previous checkpoint,
+untouched and complete; after it, the new checkpoint is each file in ``.checkpoint-commit/`` if still there,
+else in the run directory (a moved file left the folder by the same rename that put it in place). So a
+``kill -9`` at any instant leaves one complete checkpoint: the previous one (a torn staging folder is
+ignored, with one line) or the new one (readers take the files still waiting in the commit folder, with one
+line; the next save or ``--resume`` finishes the moves). Every file also carries the step it belongs to
+(safetensors metadata, JSON field), so files mixed by hand are caught as a mismatch.
+
+Readers (``read_checkpoint``, ``read_config``) never write. A reader racing a save (``xtrain sample`` while
+training checkpoints) may read files of two commits; it notices that the directory changed under it and
+reads again, so it never reports a spurious mismatch.
 
 Loading (``read_checkpoint``): every file is read and parsed, steps are cross-checked, and the tensors are
 checked against the model and optimizer (names, shapes) before anything is copied in (``restore``), so a
@@ -21,6 +31,9 @@ half-loaded.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +47,7 @@ from xtrain.fileio import atomic_write_bytes, atomic_write_json  # noqa: F401 (r
 FORMAT = "xtrain-checkpoint/1"
 CONFIG, MODEL, OPTIMIZER, STATE = "config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json"
 FILES = (CONFIG, MODEL, OPTIMIZER, STATE)
+STAGING, COMMITTED = ".checkpoint-next", ".checkpoint-commit"
 
 
 class CheckpointError(ValueError):
@@ -47,34 +61,78 @@ def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def save_checkpoint(
     run_dir: str | Path, *, model, optimizer, trainer_state: dict, train_config: TrainConfig | None = None
 ) -> Path:
-    """Write the four files of a checkpoint of ``model`` / ``optimizer`` at ``trainer_state["step"]``."""
+    """Commit a checkpoint of ``model`` / ``optimizer`` at ``trainer_state["step"]`` as one unit (see the
+    module docstring): staged, committed by one rename, then moved into place."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    finish_commit(run_dir)  # a commit a crash left half moved goes into place first
+    stage = run_dir / STAGING
+    if stage.exists():
+        shutil.rmtree(stage)  # a save a crash interrupted before its commit: never current, drop it
+    stage.mkdir()
     step = int(trainer_state["step"])
     meta = {"format": FORMAT, "step": str(step)}
     atomic_write_json(
-        run_dir / CONFIG,
+        stage / CONFIG,
         {
             "format": FORMAT,
             "model": model.config.to_dict(),
             "train": None if train_config is None else train_config.to_dict(),
         },
     )
-    atomic_write_bytes(run_dir / MODEL, st_save(_cpu(model.state_dict()), metadata=meta))
+    atomic_write_bytes(stage / MODEL, st_save(_cpu(model.state_dict()), metadata=meta))
     opt_meta = dict(meta, optimizer=json.dumps(optimizer.state_meta()))
-    atomic_write_bytes(run_dir / OPTIMIZER, st_save(_cpu(optimizer.state_tensors()), metadata=opt_meta))
-    atomic_write_json(run_dir / STATE, dict(trainer_state, format=FORMAT))
+    atomic_write_bytes(stage / OPTIMIZER, st_save(_cpu(optimizer.state_tensors()), metadata=opt_meta))
+    atomic_write_json(stage / STATE, dict(trainer_state, format=FORMAT))
+    _fsync_dir(stage)
+    os.replace(stage, run_dir / COMMITTED)  # the commit point
+    _fsync_dir(run_dir)
+    finish_commit(run_dir)
     return run_dir
+
+
+def finish_commit(run_dir: str | Path) -> bool:
+    """Move the files of a committed checkpoint (``.checkpoint-commit/``) over the run directory's and remove
+    the folder; a no-op without one. Idempotent, so a crash inside it is finished by the next call. Only the
+    process that owns the run directory calls it (a save, ``--resume``). Returns whether there was one."""
+    run_dir = Path(run_dir)
+    commit = run_dir / COMMITTED
+    if not commit.is_dir():
+        return False
+    for name in FILES:
+        if (commit / name).is_file():
+            os.replace(commit / name, run_dir / name)
+    _fsync_dir(run_dir)
+    shutil.rmtree(commit)
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames inside ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 # -- reading ------------------------------------------------------------------------------------------
 
 
+def _missing(path: Path) -> CheckpointError:
+    return CheckpointError(f"{path}: missing (a checkpoint directory needs {', '.join(FILES)})")
+
+
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (a checkpoint directory needs {', '.join(FILES)})")
     try:
         obj = json.loads(path.read_text())
+    except (FileNotFoundError, IsADirectoryError):
+        raise _missing(path) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON (truncated or corrupt?): {e}") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
@@ -87,9 +145,10 @@ def _read_json(path: Path) -> dict:
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (a checkpoint directory needs {', '.join(FILES)})")
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        raise _missing(path) from None
     try:
         tensors = st_load(data)
         # the metadata lives in the JSON header: 8-byte little-endian length, then the header
@@ -102,9 +161,47 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     return tensors, meta
 
 
+def current_files(run_dir: str | Path) -> dict[str, Path]:
+    """Where each file of the run's current checkpoint is: in ``.checkpoint-commit/`` while a committed save
+    is being moved into place, else in the run directory."""
+    run_dir = Path(run_dir)
+    commit = run_dir / COMMITTED
+    return {n: commit / n if (commit / n).is_file() else run_dir / n for n in FILES}
+
+
+def _signature(run_dir: Path) -> tuple:
+    """What changes when a save renames anything in the run directory (inode, mtime, size of each file)."""
+    sig = []
+    for base in (run_dir, run_dir / COMMITTED):
+        for n in FILES:
+            try:
+                st = os.stat(base / n)
+                sig.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                sig.append(None)
+    return tuple(sig)
+
+
+def _consistent(run_dir: Path, read):
+    """``read()`` again while a save renamed files under it (a reader racing a writer); a failure on a
+    directory that did not change while it was read is a real one and is raised."""
+    for attempt in range(20):
+        before = _signature(run_dir)
+        try:
+            return read()
+        except CheckpointError:
+            if attempt == 19 or _signature(run_dir) == before:
+                raise
+        time.sleep(0.02 * (attempt + 1))
+
+
 def read_config(run_dir: str | Path) -> tuple[ModelConfig, TrainConfig | None]:
-    """The model and train configs stored in ``run_dir/config.json`` (validated)."""
-    path = Path(run_dir) / CONFIG
+    """The model and train configs stored in the run's ``config.json`` (validated)."""
+    return _consistent(Path(run_dir), lambda: _read_config(run_dir))
+
+
+def _read_config(run_dir: str | Path) -> tuple[ModelConfig, TrainConfig | None]:
+    path = current_files(run_dir)[CONFIG]
     obj = _read_json(path)
     try:
         model_cfg = ModelConfig.from_dict(obj.get("model")).validate()
@@ -124,40 +221,57 @@ class Checkpoint:
     optim_meta: dict | None
     trainer_state: dict
     step: int
+    notes: list[str]  # one line each for what a reader should tell the user (an interrupted save)
 
 
 def read_checkpoint(run_dir: str | Path, *, with_optimizer: bool = True) -> Checkpoint:
-    """Read and cross-check every file of a checkpoint; loads nothing into any model."""
+    """Read and cross-check every file of the run's current checkpoint; loads nothing into any model."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such checkpoint directory")
-    model_cfg, train_cfg = read_config(run_dir)
-    state = _read_json(run_dir / STATE)
+    ck = _consistent(run_dir, lambda: _read_checkpoint(run_dir, with_optimizer))
+    if (run_dir / COMMITTED).is_dir():
+        ck.notes.append(
+            f"{run_dir}: checkpoint step {ck.step} was committed but a crash stopped it before all its files "
+            f"were moved into place; reading them from {COMMITTED}/ (the next save or --resume finishes it)"
+        )
+    if (run_dir / STAGING).is_dir():
+        ck.notes.append(
+            f"{run_dir}: ignoring {STAGING}/, a checkpoint save that has not finished (interrupted, or still "
+            f"being written); using the last complete checkpoint, step {ck.step}"
+        )
+    return ck
+
+
+def _read_checkpoint(run_dir: Path, with_optimizer: bool) -> Checkpoint:
+    files = current_files(run_dir)
+    model_cfg, train_cfg = _read_config(run_dir)
+    state = _read_json(files[STATE])
     step = state.get("step")
     if not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"{run_dir / STATE}: 'step' must be an integer >= 0, got {step!r}")
-    model_state, meta = _read_safetensors(run_dir / MODEL)
+        raise CheckpointError(f"{files[STATE]}: 'step' must be an integer >= 0, got {step!r}")
+    model_state, meta = _read_safetensors(files[MODEL])
     if meta.get("step") != str(step):
         raise CheckpointError(
-            f"{run_dir / MODEL}: holds step {meta.get('step')}, but {STATE} says step {step} "
-            "(files from different saves: an interrupted checkpoint?)"
+            f"{files[MODEL]}: holds step {meta.get('step')}, but {STATE} says step {step} "
+            "(files from different saves, and no interrupted commit to explain them: edited by hand?)"
         )
     optim_state = optim_meta = None
     if with_optimizer:
-        optim_state, ometa = _read_safetensors(run_dir / OPTIMIZER)
+        optim_state, ometa = _read_safetensors(files[OPTIMIZER])
         if ometa.get("step") != str(step):
             raise CheckpointError(
-                f"{run_dir / OPTIMIZER}: holds step {ometa.get('step')}, but {STATE} says "
-                f"step {step} (files from different saves: an interrupted checkpoint?)"
+                f"{files[OPTIMIZER]}: holds step {ometa.get('step')}, but {STATE} says "
+                f"step {step} (files from different saves, and no interrupted commit to explain them: edited by hand?)"
             )
         try:
             optim_meta = json.loads(ometa.get("optimizer", ""))
         except json.JSONDecodeError:
-            raise CheckpointError(f"{run_dir / OPTIMIZER}: optimizer metadata is not valid JSON") from None
+            raise CheckpointError(f"{files[OPTIMIZER]}: optimizer metadata is not valid JSON") from None
     for k, t in model_state.items():
         if not torch.isfinite(t).all():
-            raise CheckpointError(f"{run_dir / MODEL}: tensor {k} holds nan or inf")
-    return Checkpoint(run_dir, model_cfg, train_cfg, model_state, optim_state, optim_meta, state, step)
+            raise CheckpointError(f"{files[MODEL]}: tensor {k} holds nan or inf")
+    return Checkpoint(run_dir, model_cfg, train_cfg, model_state, optim_state, optim_meta, state, step, [])
 
 
 def restore(ckpt: Checkpoint, model, optimizer=None) -> None:

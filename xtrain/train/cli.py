@@ -30,6 +30,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -104,6 +105,11 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this directory")
     p.add_argument(
+        "--restart",
+        action="store_true",
+        help="--out holds a run that stopped before its first checkpoint: delete its files and start afresh",
+    )
+    p.add_argument(
         "--stop-after",
         type=int,
         default=None,
@@ -126,6 +132,58 @@ def add_parser(subparsers) -> None:
     p.add_argument("--sample-tokens", type=int, default=120, help="tokens to sample at the end (0: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per eval instead)")
     p.set_defaults(func=run)
+
+
+# what a run directory holds before its first checkpoint is complete (``--restart`` deletes these); temporary
+# files of atomic writes (".NAME.tmp-PID") and a stale lock's leftovers count too
+RUN_LEFTOVERS = ("metrics.jsonl", "tokenizer.json", "loss.png", ".checkpoint-next", ".checkpoint-commit")
+
+
+def _leftover(name: str) -> bool:
+    return name in RUN_LEFTOVERS or (name.startswith(".") and ".tmp-" in name) or name.startswith(".xtrain.lock")
+
+
+def check_out_dir(run_dir: Path, restart: bool) -> list[Path]:
+    """Refuse (ConfigError, one line) an ``--out`` that ``train`` may not write into: anything but a new or
+    empty directory, or one holding only the files of a run stopped before its first checkpoint (then only
+    with ``restart``; those files are returned, to delete once the directory is locked). Nothing is written."""
+    from xtrain.config import ConfigError
+    from xtrain.train import checkpoint as ckpt_io
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--out {run_dir}: exists and is not a directory")
+    if ckpt_io.current_files(run_dir)[ckpt_io.CONFIG].is_file():
+        raise ConfigError(f"{run_dir}: already holds a run; pass --resume {run_dir} or another --out")
+    parent = run_dir
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {run_dir}: {parent} is not writable")
+    if not run_dir.exists():
+        return []
+    names = sorted(n for n in os.listdir(run_dir) if n != ".xtrain.lock")
+    if not names:
+        return []
+    foreign = [n for n in names if not _leftover(n)]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ConfigError(
+            f"--out {run_dir}: not empty and not an xtrain run (holds {shown}); pick a new or empty directory"
+        )
+    if not restart:
+        raise ConfigError(
+            f"--out {run_dir}: holds a run that stopped before its first checkpoint ({', '.join(names)}); "
+            f"pass --restart to delete those files and start afresh there, or pick another --out"
+        )
+    return [run_dir / n for n in names]
+
+
+def data_fingerprint(data_dir: str | Path) -> str:
+    """sha256 of the data directory's meta.json, which lists every shard with its token count (and the
+    tokenizer): a different preparation of the data has a different fingerprint."""
+    import hashlib
+
+    return hashlib.sha256((Path(data_dir) / "meta.json").read_bytes()).hexdigest()[:16]
 
 
 def _pick(v, default):
@@ -309,7 +367,7 @@ def truncate_metrics(path: Path, step: int) -> int:
 
 def _run(args, info) -> int:
 
-    from xtrain.config import ConfigError, ModelConfig, TrainConfig, preset
+    from xtrain.config import MAX_SEED, ConfigError, ModelConfig, TrainConfig, preset
     from xtrain.device import resolve_device
     from xtrain.fileio import DirectoryBusyError, DirLock, lock_owner
     from xtrain.train import checkpoint as ckpt_io
@@ -326,7 +384,22 @@ def _run(args, info) -> int:
             run_dir = Path(args.resume)
             if main and (owner := lock_owner(run_dir)) is not None:
                 raise DirectoryBusyError(f"{run_dir}: in use by process {owner} (lock file {run_dir / '.xtrain.lock'})")
+            if not run_dir.is_dir():
+                raise ConfigError(f"--resume {run_dir}: no such run directory")
+            if not ckpt_io.current_files(run_dir)[ckpt_io.CONFIG].is_file() and any(
+                _leftover(n) for n in os.listdir(run_dir)
+            ):
+                raise ConfigError(
+                    f"--resume {run_dir}: the run stopped before its first checkpoint, so there is nothing to "
+                    f"resume; start it afresh with --out {run_dir} --restart"
+                )
+            if not os.access(run_dir, os.W_OK | os.X_OK):
+                raise ConfigError(f"--resume {run_dir}: the run directory is not writable")
             model_cfg, stored = ckpt_io.read_config(run_dir)
+            if (run_dir / "tokenizer.json").is_file():  # the final sample reads it: a corrupt one stops now
+                from xtrain.data.tokenizer import load_tokenizer
+
+                load_tokenizer(run_dir / "tokenizer.json")
             if stored is None:
                 raise ConfigError(f"{run_dir / 'config.json'}: holds no train config")
             eval_batches = int(stored.extra.get("eval_batches", 16))  # runs made before it was saved used 16
@@ -348,15 +421,24 @@ def _run(args, info) -> int:
             if eval_batches <= 0:
                 raise ConfigError(f"--eval-batches must be a positive integer, got {eval_batches}")
             run_dir = Path(args.out or f"runs/{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-            if (run_dir / "config.json").exists():
-                raise ConfigError(f"{run_dir}: already holds a run; pass --resume {run_dir} or another --out")
+            if args.seed is not None and not 0 <= args.seed < MAX_SEED:
+                raise ConfigError(f"--seed {args.seed}: must lie in [0, 2**63)")
             if main and (owner := lock_owner(run_dir)) is not None:
                 raise DirectoryBusyError(f"{run_dir}: in use by process {owner} (lock file {run_dir / '.xtrain.lock'})")
+            if main:
+                check_out_dir(run_dir, args.restart)
         if not main:
             D.barrier()  # rank 0 prepares the data first; the others then find it complete and reuse it
         meta = resolve_data(data_spec, _pick(args.vocab_size, 4096), log=print if main else (lambda *a, **k: None))
         if main:
             D.barrier()
+        fingerprint = data_fingerprint(meta["dir"])
+        if args.resume and stored.extra.get("data_fingerprint") not in (None, fingerprint):
+            raise ConfigError(
+                f"--resume {run_dir}: the data in {meta['dir']} changed since the run started (meta.json "
+                f"fingerprint {fingerprint}, the run recorded {stored.extra['data_fingerprint']}); resuming "
+                "would not continue the same run"
+            )
         if not args.resume:
             seq_len = _pick(args.seq_len, d["seq_len"])
             base = preset(preset_name)
@@ -387,7 +469,11 @@ def _run(args, info) -> int:
                 eval_every=_pick(args.eval_every, d["eval_every"]),
                 ckpt_every=_pick(args.ckpt_every, 0),
                 skip_nonfinite=bool(args.skip_nonfinite),
-                extra={"data_dir": str(meta["dir"]), "eval_batches": eval_batches},
+                extra={
+                    "data_dir": str(Path(meta["dir"]).resolve()),
+                    "data_fingerprint": fingerprint,
+                    "eval_batches": eval_batches,
+                },
             ).validate()
         need, have = estimate_train_bytes(model_cfg, tcfg, str(device)), available_memory(str(device))
         if have is not None and need > have:
@@ -400,29 +486,101 @@ def _run(args, info) -> int:
     except (ConfigError, ValueError, FileNotFoundError, DirectoryBusyError) as e:
         print(f"xtrain train: {e}", file=sys.stderr)
         return 2
+    except PermissionError as e:
+        print(f"xtrain train: {e.filename or run_dir}: permission denied ({e.strerror})", file=sys.stderr)
+        return 2
 
     lock = None
     if main:
         try:
             lock = DirLock(run_dir, log=lambda msg: print(f"xtrain train: {msg}", file=sys.stderr)).acquire()
-        except DirectoryBusyError as e:
+            if not args.resume:  # again under the lock: another process may have started a run here meanwhile
+                for leftover in check_out_dir(run_dir, args.restart):
+                    if leftover.is_dir():
+                        shutil.rmtree(leftover)
+                    else:
+                        leftover.unlink()
+        except (DirectoryBusyError, ConfigError) as e:
+            if lock is not None:
+                lock.release()
             print(f"xtrain train: {e}", file=sys.stderr)
             return 2
-        if not args.resume and (run_dir / "config.json").exists():  # another process finished a run here
-            lock.release()
-            print(
-                f"xtrain train: {run_dir}: already holds a run; pass --resume {run_dir} or another --out",
-                file=sys.stderr,
-            )
+        except PermissionError as e:
+            print(f"xtrain train: {e.filename or run_dir}: permission denied ({e.strerror})", file=sys.stderr)
             return 2
+        if args.resume:
+            _settle_checkpoint(run_dir)
     try:
-        return _train(args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, train_data, val_data, t_start)
+        with StopSignals() as stop:
+            return _train(
+                args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, train_data, val_data, t_start, stop
+            )
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, train_data, val_data, t_start) -> int:
+def _settle_checkpoint(run_dir: Path) -> None:
+    """Under the run's lock, before resuming: finish a save a crash stopped after its commit, drop one it
+    stopped before (each with one line), so the run directory holds exactly its last complete checkpoint."""
+    from xtrain.train import checkpoint as ckpt_io
+
+    if ckpt_io.finish_commit(run_dir):
+        print(f"xtrain train: {run_dir}: finished moving an interrupted save's committed checkpoint into place")
+    if (run_dir / ckpt_io.STAGING).is_dir():
+        shutil.rmtree(run_dir / ckpt_io.STAGING)
+        print(
+            f"xtrain train: {run_dir}: dropped {ckpt_io.STAGING}/, a checkpoint save a crash stopped before its commit"
+        )
+
+
+# exit codes of a run stopped by a signal (128 + the signal's number, as a shell reports a signal's death)
+STOP_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}
+
+
+class StopSignals:
+    """SIGTERM, SIGINT and SIGHUP (a scheduler's preemption, Ctrl-C, a closed terminal) ask the run to stop
+    at the next step boundary: the step in flight finishes, the checkpoint is saved, and the run exits with
+    ``STOP_EXIT_CODES``. A second Ctrl-C stops at once (the step in flight is undone; the state before it is
+    saved). Once training is over (``immediate``: the evaluation, plot and sample that follow save nothing)
+    a signal exits at once with its code. Installed only on the main thread (elsewhere signals cannot be
+    handled)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.old: dict = {}
+        self.immediate = False
+
+    def __enter__(self) -> StopSignals:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for name in STOP_EXIT_CODES:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self.old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.immediate:
+            raise SystemExit(STOP_EXIT_CODES[signal.Signals(signum).name])
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.signum is None:
+            self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+
+def _train(
+    args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, train_data, val_data, t_start, stop
+) -> int:
     import torch
 
     from xtrain.model import Model
@@ -511,8 +669,28 @@ def _train(args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, tra
             f"data {meta['dir']} ({meta['train']['tokens']:,} train tokens, vocab {meta['vocab_size']}); "
             f"{tcfg.steps} steps x {tcfg.tokens_per_step * world} tokens from step {trainer.step}"
         )
+
+    def should_stop() -> bool:
+        if world == 1:
+            return stop.signum is not None
+        # every rank must stop at the same step (a rank alone in the next all-reduce would wait forever)
+        flag = torch.tensor([0.0 if stop.signum is None else 1.0], dtype=torch.float64, device=device)
+        D.all_reduce_sum([flag])
+        if flag.item() > 0 and stop.signum is None:
+            stop.signum = signal.SIGTERM  # another rank got the signal
+        return flag.item() > 0
+
     try:
-        trainer.fit(args.stop_after)
+        trainer.fit(args.stop_after, should_stop=should_stop)
+        stop.immediate = True  # the checkpoint is saved: from here a signal needs no step boundary
+        if stop.signum is not None:
+            if main:
+                print(
+                    f"\nstopped by {stop.name} at step {trainer.step}; checkpoint saved, continue with: "
+                    f"xtrain train --resume {run_dir}",
+                    flush=True,
+                )
+            return STOP_EXIT_CODES[stop.name]
         if val_data is not None and (not trainer.history or trainer.history[-1].get("kind") != "eval"):
             trainer.run_eval()
     except NonFiniteError as e:

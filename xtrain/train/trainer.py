@@ -501,13 +501,16 @@ class Trainer:
         self._emit(m)
         return m
 
-    def fit(self, steps: int | None = None) -> list[dict]:
-        """Run until ``config.steps`` optimizer steps are done (or ``steps`` more); checkpoint and eval on
-        their schedules and save at the end (when there is a run directory). Returns this call's metrics."""
+    def fit(self, steps: int | None = None, should_stop: Callable[[], bool] | None = None) -> list[dict]:
+        """Run until ``config.steps`` optimizer steps are done (or ``steps`` more, or ``should_stop()``, asked
+        before each step, says so); checkpoint and eval on their schedules and save at the end (when there is
+        a run directory). Returns this call's metrics."""
         cfg = self.config
         end = cfg.steps if steps is None else min(cfg.steps, self.step + int(steps))
         start = len(self.history)
         while self.step < end:
+            if should_stop is not None and should_stop():
+                break
             self.train_step()
             if cfg.eval_every and self.step % cfg.eval_every == 0:
                 self.run_eval()

@@ -1,0 +1,64 @@
+"""Helpers shared by the command-line fault tests: run ``python -m xtrain.cli`` in a subprocess, hash a
+directory tree, check an exit code and the first line of stderr."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--batch-size", "4", "--seq-len", "32", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1"]
+QUIET = ["--no-progress", "--sample-tokens", "0"]
+
+
+def env(cwd) -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "XTRAIN_CACHE": str(Path(cwd) / "cache")}
+
+
+def xtrain(*args, cwd, timeout=300, env_extra=None):
+    return subprocess.run(
+        [sys.executable, "-m", "xtrain.cli", *map(str, args)],
+        cwd=cwd,
+        env={**env(cwd), **(env_extra or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def xtrain_popen(*args, cwd, **kw):
+    return subprocess.Popen(
+        [sys.executable, "-m", "xtrain.cli", *map(str, args)],
+        cwd=cwd,
+        env=env(cwd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def first_line(text: str) -> str:
+    return next((ln for ln in text.splitlines() if ln.strip()), "")
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under root (hidden ones included); {} when root is missing."""
+    root = Path(root)
+    if not root.exists():
+        return {}
+    if root.is_file():
+        return {root.name: hashlib.sha256(root.read_bytes()).hexdigest()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def check(r, rc: int, first: str):
+    assert r.returncode == rc, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    if first:
+        assert first in first_line(r.stderr), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
