@@ -342,6 +342,17 @@ def _expected_duration(timing: list[tuple[float, int]], step: int, tcfg, eval_ba
     )
 
 
+def last_train_loss(run_dir: Path) -> float:
+    """The last training row's loss in the run's metrics.jsonl (nan if none)."""
+    loss = float("nan")
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        for line in f:
+            row = json.loads(line)
+            if row.get("kind") == "train":
+                loss = row.get("loss", loss)
+    return loss
+
+
 def truncate_metrics(path: Path, step: int) -> int:
     """Cut metrics.jsonl back to the rows of steps <= ``step`` (and drop a torn last line), rewriting it
     atomically, so a resumed run's log agrees with its weights. Returns the number of rows dropped."""
@@ -718,10 +729,13 @@ def _train(
 
     val = last_val.get("eval_loss", float("nan"))
     uni = meta.get("unigram_val_loss", float("nan"))
-    print(
-        f"val loss {val:.4f} nats/token  vs  unigram baseline {uni:.4f}  vs  uniform ln V "
-        f"{math.log(meta['vocab_size']):.4f}"
-    )
+    if math.isfinite(val):
+        print(
+            f"val loss {val:.4f} nats/token  vs  unigram baseline {uni:.4f}  vs  uniform ln V "
+            f"{math.log(meta['vocab_size']):.4f}"
+        )
+    else:  # no validation split (one document) or no evaluation ran: say so rather than print nan
+        print(f"no validation loss (no validation run); last train loss {last_train_loss(run_dir):.4f} nats/token")
     print(
         f"wrote {run_dir}/ (config.json, model.safetensors, optimizer.safetensors, trainer_state.json, "
         f"metrics.jsonl, loss.png) in {time.perf_counter() - t_start:.0f}s"
