@@ -227,15 +227,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _bwd_dkdv_kernel(
-        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, delta_desc, lse_ptr, delta_ptr, qk_scale, sm_scale,
-        H, GROUP, T, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch,
-        dv_rb, dv_rh, dv_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, LSE_MMA: gl.constexpr,
+        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, delta_desc, qk_scale, sm_scale, H, GROUP, T,
+        q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh,
+        dv_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        LSE_MMA: gl.constexpr,
     ):  # fmt: skip
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
         64-row tiles (one warpgroup's half), Q/dO BLOCK_M-row tiles; lse and delta come through lse_desc and
-        delta_desc (the row views, or with LSE_MMA the column views), lse_ptr and delta_ptr are the dQ kernel's."""
+        delta_desc (the row views, or with LSE_MMA the column views)."""
         dtype: gl.constexpr = q_desc.dtype
         KH: gl.constexpr = k_desc.block_type.shape[0]
         gl.static_assert((2 * KH) % BLOCK_M == 0)
@@ -529,7 +529,7 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg: 
     views, coords = {}, {}
     for name, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dq", dq), ("dk", dk), ("dv", dv)):
         views[name], coords[name] = row_coords(name, x)
-    common = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
+    common = dict(qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
     # lse and delta as [B·H·T / BLOCK_M1, BLOCK_M1] rows for the dK/dV kernel's TMA loads, or (lse_mma)
     # -lse·log2(e) / qk_scale and -delta as the columns of a k16 slice, [B·H·T, LSE_COLS]
     if cfg.lse_mma:
@@ -554,6 +554,8 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg: 
         k_desc=_desc(views["k"], BLOCK_N2, D),
         v_desc=_desc(views["v"], BLOCK_N2, D),
         dq_desc=_desc(views["dq"], HALF_M, D),
+        lse_ptr=lse,
+        delta_ptr=delta,
         **common,
         **{k: v for name in ("q", "do", "k", "v", "dq") for k, v in coords[name].items()},
     )
@@ -598,7 +600,7 @@ class _SplitPlan:
             ts["lse"], ts["delta"] = c
 
         def launch_dkdv():
-            self.dkdv(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.dkdv_descs, ts))
+            self.dkdv(**rebase_all(self.dkdv_descs, ts))
 
         def launch_dq():
             self.dq(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.dq_descs, ts))

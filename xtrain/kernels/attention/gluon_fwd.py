@@ -130,14 +130,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _softmax_tile(
-        s, m_i, l_i, qk_scale, start_m, start_n, s_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+        s, m_i, l_i, qk_scale, start_m, start_n, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
         CAUSAL: gl.constexpr,
     ):  # fmt: skip
-        """One online-softmax step on the unscaled fp32 scores s = Q K_jᵀ. Returns (p, m, l, alpha): m in
-        the log2 domain (scores times qk_scale), alpha = exp2(m_old - m_new) rescales what was accumulated."""
+        """One online-softmax step on the unscaled fp32 scores s = Q K_jᵀ of one warpgroup's 64 query rows (from
+        start_m) and BLOCK_N keys (from start_n). Returns (p, m, l, alpha): m in the log2 domain (scores times
+        qk_scale), alpha = exp2(m_old - m_new) rescales what was accumulated."""
         if CAUSAL:
             if start_n + BLOCK_N > start_m:  # the tile meets the diagonal: mask keys right of the query
-                offs_m = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+                offs_m = start_m + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, s_layout))
                 offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
@@ -163,14 +164,14 @@ if HAVE_GLUON:
         q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles, qk_scale, start_m,
         s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
-        RELEASE_Q: gl.constexpr, HALF_DIAG: gl.constexpr,
+        HALF_DIAG: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup's pass over an item's n_tiles K/V tiles, ring tiles t0 .. t0 + n_tiles - 1 (slot
         t % STAGES, phase (t // STAGES) & 1). Step j issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; wait(1)
         retires S_j only, so the softmax of S_j overlaps the P·V wgmma; wait(0) retires P·V, then O is
         rescaled to the new max. A slot's empty barrier is arrived on once the wgmma that read it retired.
-        PINGPONG: steps sc0 .. sc0 + n_tiles take turns with the other warpgroup (``_pp_enter``). RELEASE_Q:
-        arrive on q_empty once the last Q Kᵀ has retired (the persistent kernel's next Q may land).
+        PINGPONG: steps sc0 .. sc0 + n_tiles take turns with the other warpgroup (``_pp_enter``). q_empty is
+        arrived on once the last Q Kᵀ has retired (the persistent kernel's next Q may land).
         HALF_DIAG (causal, the item's first 64 rows, whose diagonal is the first half of its last tile): the
         last tile's keys past the warpgroup's own 64 are masked for every one of its rows, so its S and P·V
         products take only the tile's first 64 keys (``_diag_only`` for a one-tile item, the end of
@@ -181,19 +182,18 @@ if HAVE_GLUON:
                 acc, m_i, l_i = _diag_only(
                     q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, qk_scale,
                     start_m, s_layout, o_layout, dtype, HEAD_DIM, STAGES=STAGES, HALF=HALF, PINGPONG=PINGPONG,
-                    RELEASE_Q=RELEASE_Q,
                 )  # fmt: skip
             else:
                 acc, m_i, l_i = _consumer_steps(
                     q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles,
                     qk_scale, start_m, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES,
-                    CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG, RELEASE_Q=RELEASE_Q, HALF_DIAG=True,
+                    CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG, HALF_DIAG=True,
                 )  # fmt: skip
         else:
             acc, m_i, l_i = _consumer_steps(
                 q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles, qk_scale,
                 start_m, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL,
-                HALF=HALF, PINGPONG=PINGPONG, RELEASE_Q=RELEASE_Q, HALF_DIAG=False,
+                HALF=HALF, PINGPONG=PINGPONG, HALF_DIAG=False,
             )  # fmt: skip
         return acc, m_i, l_i
 
@@ -201,7 +201,7 @@ if HAVE_GLUON:
     def _diag_only(
         q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, qk_scale, start_m,
         s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-        STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr,
+        STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
     ):  # fmt: skip
         """``_consumer_loop`` with HALF_DIAG for an item of one tile (the head's first): S and P·V over the
         tile's first 64 keys only."""
@@ -224,11 +224,10 @@ if HAVE_GLUON:
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, m_i, l_i, alpha = _softmax_tile(
-            s, m_i, l_i, qk_scale, start_m, start_m, h_layout, ROWS=HALF_ROWS, BLOCK_N=HALF_ROWS, CAUSAL=True
+            s, m_i, l_i, qk_scale, start_m, start_m, h_layout, BLOCK_N=HALF_ROWS, CAUSAL=True
         )
         p16 = gl.convert_layout(p.to(dtype), p_layout)
-        if RELEASE_Q:
-            mbarrier.arrive(q_empty, count=1)
+        mbarrier.arrive(q_empty, count=1)  # the item's only Q Kᵀ wgmma has retired
         _pp_enter(sched, sc0 + 1, HALF, PINGPONG)
         mbarrier.wait(v_full.index(slot), (t0 // STAGES) & 1)
         o_tok = warpgroup_mma(p16, v_smem.index(slot).slice(0, HALF_ROWS), acc, is_async=True)
@@ -246,7 +245,7 @@ if HAVE_GLUON:
         q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles, qk_scale, start_m,
         s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
-        RELEASE_Q: gl.constexpr, HALF_DIAG: gl.constexpr,
+        HALF_DIAG: gl.constexpr,
     ):  # fmt: skip
         """``_consumer_loop``'s steps (HALF_DIAG: n_tiles >= 2, the last tile a half-width step)."""
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -262,9 +261,7 @@ if HAVE_GLUON:
         _pp_leave(sched, HALF, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(
-            s, m_i, l_i, qk_scale, start_m, 0, s_layout, ROWS=HALF_ROWS, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL
-        )
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, 0, s_layout, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
         n_full = n_tiles - 1 if HALF_DIAG else n_tiles  # the full-width tiles
@@ -281,7 +278,7 @@ if HAVE_GLUON:
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, m_i, l_i, alpha = _softmax_tile(
-                s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, s_layout, ROWS=HALF_ROWS, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL
+                s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, s_layout, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL
             )
             p16_next = gl.convert_layout(p.to(dtype), p_layout)
             acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))  # P_{j-1} stays alive until its wgmma retires
@@ -319,7 +316,6 @@ if HAVE_GLUON:
                 start_m,
                 start_m,
                 h_layout,
-                ROWS=HALF_ROWS,
                 BLOCK_N=HALF_ROWS,
                 CAUSAL=True,
             )
@@ -329,8 +325,7 @@ if HAVE_GLUON:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             m_i = gl.convert_layout(mh, gl.SliceLayout(1, s_layout))
             l_i = gl.convert_layout(lh, gl.SliceLayout(1, s_layout))
-            if RELEASE_Q:  # every Q Kᵀ wgmma of the item has retired
-                mbarrier.arrive(q_empty, count=1)
+            mbarrier.arrive(q_empty, count=1)  # every Q Kᵀ wgmma of the item has retired
             _pp_enter(sched, sc0 + n_tiles, HALF, PINGPONG)
             mbarrier.wait(v_full.index(last), (t_last // STAGES) & 1)
             o_tok = warpgroup_mma(ph16, v_smem.index(last).slice(0, HALF_ROWS), acc, is_async=True)
@@ -338,8 +333,7 @@ if HAVE_GLUON:
             acc, ph16 = warpgroup_mma_wait(0, deps=(o_tok, ph16))
             mbarrier.arrive(v_empty.index(last), count=1)
         else:
-            if RELEASE_Q:  # every Q Kᵀ wgmma of the item has retired
-                mbarrier.arrive(q_empty, count=1)
+            mbarrier.arrive(q_empty, count=1)  # every Q Kᵀ wgmma of the item has retired
             _pp_enter(sched, sc0 + n_tiles, HALF, PINGPONG)
             mbarrier.wait(v_full.index(last), (t_last // STAGES) & 1)
             o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
@@ -460,7 +454,7 @@ if HAVE_GLUON:
                 acc, m_i, l_i = _consumer_loop(
                     q_smem.index(NW * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty.index(qs),
                     sched, t, sc, n_tiles, qk_scale, start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM,
-                    BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG, RELEASE_Q=True,
+                    BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG,
                     HALF_DIAG=CAUSAL and HALF_DIAG and HALF == 0,
                 )  # fmt: skip
                 _store_half(
@@ -476,7 +470,7 @@ if HAVE_GLUON:
                     acc, m_i, l_i = _consumer_loop(
                         q_smem.index(NW * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                         q_empty.index(qs), sched, t, sc, n_mine, qk_scale, row0, s_layout, o_layout, dtype, HEAD_DIM,
-                        BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=False, RELEASE_Q=True,
+                        BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=False,
                         HALF_DIAG=False,
                     )  # fmt: skip
                     _skip_tiles(k_full, v_full, k_empty, v_empty, t, n_mine, n_tiles, STAGES)
