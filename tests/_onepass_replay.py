@@ -22,28 +22,31 @@ def ptxas_report(ck) -> str:
     """From the kernel's SASS (cuobjdump -sass of the cubin Triton built): HGMMA count, WARPGROUP.DEPBAR
     (wgmma wait) count and STL (spill store) count. ptxas SERIALIZES the wgmmas ("C7512 ... insufficient
     register resources": a wait after every HGMMA) when DEPBAR == HGMMA. cuobjdump -res-usage's LOCAL stays 0
-    for these warp-specialised kernels even when they spill: the spills live in the STACK frame."""
+    for these warp-specialised kernels even when they spill: the spills live in the STACK frame. Fails loudly
+    when cuobjdump is missing or fails (as ``_child.sass_report``)."""
     import re
     import subprocess
     import tempfile
 
-    try:
-        import triton.backends.nvidia as nv
+    import triton.backends.nvidia as nv
 
-        tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.cubin")
-            with open(path, "wb") as f:
-                f.write(ck.asm["cubin"])
-            sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=300).stdout
-            res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, timeout=60).stdout
-        n_mma, n_dep = len(re.findall(r"\bHGMMA\b", sass)), sass.count("WARPGROUP.DEPBAR")
-        n_stl = len(re.findall(r"\bSTL\b", sass))
-        stack = re.search(r"STACK:(\d+)", res)
-        ser = "wgmma SERIALIZED" if n_mma and n_dep >= n_mma else "not serialized"
-        return f"SASS: HGMMA {n_mma}, DEPBAR {n_dep} ({ser}), STL {n_stl}, stack {stack.group(1) if stack else '?'} B"
-    except Exception as e:  # noqa: BLE001
-        return f"SASS n/a ({type(e).__name__})"
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    if not os.access(tool, os.X_OK):
+        raise FileNotFoundError(f"SASS check: no cuobjdump at {tool} (Triton's NVIDIA backend ships it)")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(ck.asm["cubin"])
+        r = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0 or res.returncode != 0 or "Function" not in r.stdout:
+        raise RuntimeError(f"SASS check: cuobjdump failed (exit {r.returncode}, {res.returncode}): {r.stderr[-2000:]}")
+    sass = r.stdout
+    n_mma, n_dep = len(re.findall(r"\bHGMMA\b", sass)), sass.count("WARPGROUP.DEPBAR")
+    n_stl = len(re.findall(r"\bSTL\b", sass))
+    stack = re.search(r"STACK:(\d+)", res.stdout)
+    ser = "wgmma SERIALIZED" if n_mma and n_dep >= n_mma else "not serialized"
+    return f"SASS: HGMMA {n_mma}, DEPBAR {n_dep} ({ser}), STL {n_stl}, stack {stack.group(1) if stack else '?'} B"
 
 
 def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0):

@@ -211,6 +211,35 @@ def test_a_stale_lock_is_taken_over_and_released(base, tmp_path):
     assert (out / "model.safetensors").is_file() and not (out / ".xtrain.lock").exists()
 
 
+def test_dir_lock_excludes_a_second_owner_then_takes_over_a_dead_ones(tmp_path):
+    """DirLock itself, deterministically: while another process holds the lock, acquire() fails naming it and
+    leaves its lock file alone; once that process is dead, the stale lock is taken over (with a log line) and
+    released again."""
+    from xtrain.fileio import DirectoryBusyError, DirLock
+
+    code = "import sys, time; from xtrain.fileio import DirLock; DirLock(sys.argv[1]).acquire(); "
+    code += "print('held', flush=True); time.sleep(600)"
+    e = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "d")], env=e, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = (tmp_path / "d" / ".xtrain.lock").read_text()
+        with pytest.raises(DirectoryBusyError, match=f"in use by process {holder.pid}"):
+            DirLock(tmp_path / "d").acquire()
+        assert (tmp_path / "d" / ".xtrain.lock").read_text() == before
+    finally:
+        holder.kill()
+        holder.wait()
+    said = []
+    lock = DirLock(tmp_path / "d", log=said.append).acquire()
+    assert said and f"stale lock of process {holder.pid}" in said[0]
+    assert json.loads((tmp_path / "d" / ".xtrain.lock").read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / "d" / ".xtrain.lock").exists()
+
+
 def test_a_trainer_holding_the_lock_turns_the_second_away(base, tmp_path, spawn):
     """Deterministic: the first trainer is seen holding the lock (its PID in .xtrain.lock) before the second
     starts, so the second can only be turned away by the lock: `--resume` of the running run (which has written

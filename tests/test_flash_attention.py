@@ -540,13 +540,13 @@ for key in {keys!r}:
 def test_gluon_forward_compiles_for_sm90(i, fwd_compiled):
     """No GPU needed: each shipped Gluon forward config compiles for sm_90 with the installed Triton (causal and
     not, both K/V layouts) and uses what it is built on: wgmma, TMA bulk copies, setmaxnreg of the warp
-    specialisation, mbarrier waits. Where cuobjdump is at hand, also that ptxas did not serialise the wgmmas."""
+    specialisation, mbarrier waits. And that ptxas did not serialise the wgmmas (the SASS, read with the cuobjdump
+    Triton ships; its absence fails)."""
     for causal, bthd in ((False, False), (True, True)):
         got = dict(fwd_compiled[repr([i, causal, bthd])])
         sass = got.pop("sass")
         assert all(got.values()), (GLUON_FWD[i], got)
-        if not sass.startswith("SASS n/a"):
-            assert "not serialized" in sass, (GLUON_FWD[i], causal, sass)
+        assert "not serialized" in sass, (GLUON_FWD[i], causal, sass)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ ulps of accumulated rounding over reductions of <= 100 terms).
 """
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -13,6 +14,14 @@ import torch.nn.functional as F
 import xtrain.ops as ops
 from xtrain import Var
 from xtrain.check import cases, run_case
+
+
+@pytest.fixture(autouse=True)
+def _own_seed(request):
+    """Every test's unseeded draws (torch.randn without a generator) come from the global generator seeded from
+    the test's own name: the same inputs whatever ran before it, or whether -k or xdist picked it."""
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
 
 CASES = cases()
 
@@ -176,13 +185,21 @@ def test_rope_batched_positions_and_inverse():
 
 
 def test_bf16_inputs_keep_fp32_statistics():
+    """rms_norm of bf16 inputs computes its statistics in fp32 and rounds only the output. Each output element is
+    then within one bf16 spacing (2^-7 relative, at most half of it from the final rounding) of the fp32
+    computation, and the rounding errors of a row's 1024 outputs average out: each row's mean ratio to the fp32
+    result is 1 within 1e-3 (measured 1.3e-4). Statistics in bf16 (squares, mean and rsqrt rounded) scale a whole
+    row by the rounding of its rsqrt, 2^-9 relative: measured 4.3e-3 off, and up to 1.75 spacings per element;
+    the old bound (1% of the largest value) could not tell the two apart."""
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, 64, generator=g) * 100).to(torch.bfloat16)
-    w = torch.ones(64, dtype=torch.bfloat16)
+    x = (torch.randn(64, 1024, generator=g) * 100).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(1024, generator=g)).to(torch.bfloat16)
     y = ops.rms_norm(Var(x), Var(w))
     assert y.dtype == torch.bfloat16
-    ref = F.rms_norm(x.float(), (64,), w.float(), 1e-6)
-    assert (y.data.float() - ref).abs().max() <= 0.01 * ref.abs().max()
+    ref = F.rms_norm(x.double(), (1024,), w.double(), 1e-6)
+    spacing = torch.finfo(torch.bfloat16).eps * ref.abs()
+    assert ((y.data.double() - ref).abs() <= spacing).all()
+    assert ((y.data.double() / ref).mean(-1) - 1).abs().max() <= 1e-3
     logits = Var(torch.randn(8, 50, generator=g).to(torch.bfloat16), requires_grad=True)
     loss = ops.cross_entropy(logits, torch.randint(0, 50, (8,), generator=g))
     assert loss.dtype == torch.float32
