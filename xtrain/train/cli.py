@@ -17,6 +17,13 @@ On resume only --steps, --eval-every, --ckpt-every, --skip-nonfinite, --stop-aft
 output flags may change; every other setting (eval-batches included) keeps the run's saved value, and
 passing a different one is an error. metrics.jsonl is cut back to the checkpoint's step.
 
+SIGTERM, SIGINT and SIGHUP stop the run at the next step boundary: the checkpoint is saved and the command
+exits with 143, 130 or 129 (128 + the signal); ``--resume`` continues bit-exactly. ``--out`` must be new or
+empty: a directory holding a run is refused (use --resume), one holding a run that stopped before its first
+checkpoint needs ``--restart``, anything else is refused before anything is written. ``--data`` is recorded
+as an absolute path with its meta.json fingerprint; resuming on another number of ranks keeps the global
+batch (the per-rank batch becomes global / ranks) or refuses with one line.
+
 A run directory is owned by one process at a time (the lock file .xtrain.lock, holding its PID): a second
 `xtrain train --out DIR` or `--resume DIR` on it stops with that PID; a lock left by a killed process is
 taken over. Unavailable devices and sizes whose memory estimate exceeds what the device has stop with one
