@@ -351,3 +351,33 @@ def test_resume_under_two_ranks_keeps_the_global_batch(base, tmp_path):
     # the same step on the same 4 sequences, summed in another order (with 8 sequences it would differ ~1e-3)
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=2e-6) for k in a)
     assert any(not torch.equal(a[k], load_file(base["run"] / "model.safetensors")[k]) for k in a)
+
+
+# -- xtrain serve: only JSON posts, only its own Host names -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_xtrain_serve_checks_host_and_content_type(base, tmp_path):
+    import re
+
+    import httpx
+
+    p = xtrain_popen("serve", base["run"], "--port", 0, "--allow-host", "box.lan", cwd=tmp_path)
+    try:
+        line = p.stdout.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        assert m, (line, p.poll())
+        url = f"http://127.0.0.1:{m.group(1)}"
+        body = {"prompt": "def ", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert httpx.post(url + "/v1/completions", json=body, headers={"Host": "box.lan"}).status_code == 200
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Host": "attacker.example"}, timeout=60)
+        assert r.status_code == 403 and "--allow-host attacker.example" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", content=json.dumps(body), headers={"Content-Type": "text/plain"})
+        assert r.status_code == 415
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.communicate(timeout=30)
+        finally:
+            _stop(p)
