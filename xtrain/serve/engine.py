@@ -374,9 +374,10 @@ def sample_rows(logits: torch.Tensor, settings: list[Sampling], generators: list
 
     Greedy rows (temperature below ``GREEDY_BELOW``) take the argmax. The others, all at once: logits /
     temperature, sorted once; the same filters as ``xtrain.sampling.filter_logits`` (keep the top_k ranks,
-    then drop a token when the tokens ranked above it already hold top_p of the mass); then one uniform u from the row's
-    generator picks the token where the kept mass's running sum first exceeds u * (kept mass). One draw
-    per row, so a row's tokens depend on its own seed only, never on its neighbours in the batch."""
+    then drop a token when the tokens ranked above it already hold top_p of the mass, never the first);
+    then one uniform u from the row's generator picks the token where the kept mass's running sum first
+    exceeds u * (kept mass). One draw per row, so a row's tokens depend on its own seed only, never on its
+    neighbours in the batch."""
     B, V = logits.shape
     out = logits.argmax(dim=-1)  # [B]
     rows = [b for b, s in enumerate(settings) if s.temperature >= GREEDY_BELOW]

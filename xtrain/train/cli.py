@@ -17,6 +17,13 @@ On resume only --steps, --eval-every, --ckpt-every, --skip-nonfinite, --stop-aft
 output flags may change; every other setting (eval-batches included) keeps the run's saved value, and
 passing a different one is an error. metrics.jsonl is cut back to the checkpoint's step.
 
+SIGTERM, SIGINT and SIGHUP stop the run at the next step boundary: the checkpoint is saved and the command
+exits with 143, 130 or 129 (128 + the signal); ``--resume`` continues bit-exactly. ``--out`` must be new or
+empty: a directory holding a run is refused (use --resume), one holding a run that stopped before its first
+checkpoint needs ``--restart``, anything else is refused before anything is written. ``--data`` is recorded
+as an absolute path with its meta.json fingerprint; resuming on another number of ranks keeps the global
+batch (the per-rank batch becomes global / ranks) or refuses with one line.
+
 A run directory is owned by one process at a time (the lock file .xtrain.lock, holding its PID): a second
 `xtrain train --out DIR` or `--resume DIR` on it stops with that PID; a lock left by a killed process is
 taken over. Unavailable devices and sizes whose memory estimate exceeds what the device has stop with one
@@ -176,6 +183,27 @@ def check_out_dir(run_dir: Path, restart: bool) -> list[Path]:
             f"pass --restart to delete those files and start afresh there, or pick another --out"
         )
     return [run_dir / n for n in names]
+
+
+def resume_batch_size(stored, world: int) -> int:
+    """The per-rank batch that keeps a run's global batch (its batch_size x the ranks it was started on,
+    ``extra["world_size"]``) when it resumes on ``world`` ranks; ConfigError (one line) when the ranks cannot
+    share it evenly. The data order is a function of the global batch only (``TokenLoader``), and dropout is
+    keyed by the global row, so the run continues the same steps. Runs that did not record their world size
+    keep their per-rank batch."""
+    from xtrain.config import ConfigError
+
+    was = stored.extra.get("world_size")
+    if was is None or was == world:
+        return stored.batch_size
+    global_batch = stored.batch_size * was
+    if global_batch % world or (global_batch // world) % stored.grad_accum:
+        raise ConfigError(
+            f"--resume: the run's global batch of {global_batch} sequences ({was} rank(s) x {stored.batch_size}, "
+            f"grad-accum {stored.grad_accum}) cannot be split evenly over {world} ranks; resume on a number of "
+            "ranks that divides it"
+        )
+    return global_batch // world
 
 
 def data_fingerprint(data_dir: str | Path) -> str:
@@ -421,6 +449,14 @@ def _run(args, info) -> int:
                     f"{', '.join(RESUME_MAY_CHANGE)}"
                 )
             changes = {"steps": _pick(args.steps, stored.steps)}
+            per_rank = resume_batch_size(stored, world)
+            if per_rank != stored.batch_size:
+                changes.update(batch_size=per_rank, extra={**stored.extra, "world_size": world})
+                if main:
+                    print(
+                        f"resuming on {world} rank(s): {per_rank} sequences each keep the run's global batch of "
+                        f"{per_rank * world}"
+                    )
             for k in ("eval_every", "ckpt_every", "skip_nonfinite"):
                 if getattr(args, k) is not None:
                     changes[k] = getattr(args, k)
@@ -484,6 +520,7 @@ def _run(args, info) -> int:
                     "data_dir": str(Path(meta["dir"]).resolve()),
                     "data_fingerprint": fingerprint,
                     "eval_batches": eval_batches,
+                    "world_size": world,
                 },
             ).validate()
         need, have = estimate_train_bytes(model_cfg, tcfg, str(device)), available_memory(str(device))
@@ -697,7 +734,7 @@ def _train(
         if stop.signum is not None:
             if main:
                 print(
-                    f"\nstopped by {stop.name} at step {trainer.step}; checkpoint saved, continue with: "
+                    f"\ninterrupted at step {trainer.step} by {stop.name}; checkpoint saved, continue with: "
                     f"xtrain train --resume {run_dir}",
                     flush=True,
                 )

@@ -559,6 +559,12 @@ class Trainer:
                 for k, v in ck.train_config.to_dict().items()
                 if k not in RESUMABLE_CHANGES and getattr(self.config, k) != v
             ]
+            # another world size may split the same global batch differently (the data order and dropout keys
+            # depend on the global batch only)
+            was = ck.train_config.extra.get("world_size")
+            same_global = was and ck.train_config.batch_size * was == self.config.batch_size * self.world_size
+            if diff == ["batch_size"] and same_global:
+                diff = []
             if diff:
                 raise ckpt_io.CheckpointError(
                     f"{run_dir / ckpt_io.CONFIG}: train config differs from this run in {diff}; resuming would "
