@@ -464,9 +464,8 @@ def test_guard_catches_torch_autograd():
 
 
 def test_train_sample_serve_export_never_touch_torch_autograd(tmp_path):
-    """The rule at run time: training steps (host step and capture-ready step, dropout and grad accumulation
-    on), sampling (the model's generate, the KV-cache engine, the batcher's slots) and export + import run under
-    ``NoTorchAutograd``."""
+    """The rule at run time: training steps (dropout and grad accumulation on), sampling (the model's generate,
+    the KV-cache engine, the batcher's slots) and export + import run under ``NoTorchAutograd``."""
     from xtrain.config import ModelConfig, TrainConfig
     from xtrain.export import export_hf, import_hf
     from xtrain.model import Model
@@ -479,11 +478,10 @@ def test_train_sample_serve_export_never_touch_torch_autograd(tmp_path):
     batches = lambda: torch.randint(0, cfg.vocab_size, (4, 9), generator=g)  # noqa: E731
     guard = NoTorchAutograd()
     with guard:
-        for capture in (False, True):
-            tc = TrainConfig(steps=2, batch_size=4, seq_len=8, grad_accum=2, lr=1e-2, warmup_steps=1, grad_clip=0.5)
-            tr = Trainer(Model(cfg, seed=0), tc, batches, capture_ready=capture)
-            for _ in range(2):
-                assert not tr.train_step()["skipped"]
+        tc = TrainConfig(steps=2, batch_size=4, seq_len=8, grad_accum=2, lr=1e-2, warmup_steps=1, grad_clip=0.5)
+        tr = Trainer(Model(cfg, seed=0), tc, batches)
+        for _ in range(2):
+            assert not tr.train_step()["skipped"]
         model = tr.model.eval()
         ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=g)
         model.generate(ids, 4, temperature=0.8, top_k=10, top_p=0.9, seed=1)
