@@ -11,7 +11,8 @@ import math
 import torch
 
 # A temperature below this samples greedily (argmax). Dividing fp32 logits by a tinier one can overflow them
-# to inf and turn the softmax into nan; at such temperatures the distribution is the argmax anyway.
+# to inf and turn the softmax into nan; and below it a token whose logit trails the best by 2e-3 or more
+# already has probability under exp(-20), so only near-ties could be drawn differently.
 GREEDY_BELOW = 1e-4
 
 
