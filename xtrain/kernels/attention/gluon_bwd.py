@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xtrain.kernels._consts import LOG2E
 from xtrain.kernels._dispatch import launch_cached, run_side_by_side
 from xtrain.kernels.attention.gluon_common import (
     HALF_M,
@@ -53,7 +54,6 @@ from xtrain.kernels.attention.gluon_common import (
     supported_bwd,
     tail_heads,
 )
-from xtrain.kernels.attention.reference import LOG2E
 from xtrain.kernels.attention.triton import grid_sms
 
 

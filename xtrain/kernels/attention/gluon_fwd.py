@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xtrain.kernels._consts import LOG2E
 from xtrain.kernels._dispatch import PlanCache, launch_cached, sm_count
 from xtrain.kernels.attention.gluon_common import (
     HALF_M,
@@ -45,7 +46,7 @@ from xtrain.kernels.attention.gluon_common import (
     rebase_all,
     row_coords,
 )
-from xtrain.kernels.attention.reference import LOG2E, _scale
+from xtrain.kernels.attention.reference import _scale
 
 BLOCK_M = 128  # query rows of a two-warpgroup item
 BLOCK_N = 128  # K/V rows per tile

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xtrain.kernels._consts import LOG2E
 from xtrain.kernels._dispatch import HAVE_TRITON, launch_cached
 from xtrain.kernels.attention.gluon_common import (
     HALF_M,
@@ -43,7 +44,7 @@ from xtrain.kernels.attention.gluon_common import (
     tail_heads,
 )
 from xtrain.kernels.attention.gluon_common import supported_bwd as _split_supported
-from xtrain.kernels.attention.reference import LOG2E, _shapes
+from xtrain.kernels.attention.reference import _shapes
 from xtrain.kernels.attention.triton import grid_sms
 
 BLOCK_M = 64  # queries per step (one wgmma M of the dQ product)
