@@ -11,8 +11,8 @@ import random
 
 import torch
 
+from xtrain.kernels._consts import LOG2E
 from xtrain.kernels.attention import gluon_onepass as OP
-from xtrain.kernels.attention.reference import LOG2E
 
 KH = OP.HALF_M  # keys per dK/dV warpgroup (resident tile = 2 x KH = 128 keys)
 BLOCK_M = OP.BLOCK_M  # queries per step

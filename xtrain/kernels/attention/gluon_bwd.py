@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xtrain.kernels._consts import LOG2E
 from xtrain.kernels._dispatch import launch_cached, run_side_by_side
 from xtrain.kernels.attention.gluon_common import (
     HALF_M,
@@ -53,7 +54,6 @@ from xtrain.kernels.attention.gluon_common import (
     supported_bwd,
     tail_heads,
 )
-from xtrain.kernels.attention.reference import LOG2E
 from xtrain.kernels.attention.triton import grid_sms
 
 
@@ -212,15 +212,15 @@ if HAVE_GLUON:
             for i in gl.static_range(n_diag):
                 dk, dv = _dkdv_step(
                     k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, ones_smem, q_bars, do_bars, q_empty, dk, dv,
-                    s_zero, it, start_m + (n_skip + i) * BLOCK_M, offs_k, cols, qk_scale, dtype, s_layout, op_layout,
-                    STAGES=STAGES, MASK=True, LSE_MMA=LSE_MMA,
+                    s_zero, it, start_m + (n_skip + i) * BLOCK_M, offs_k, cols, qk_scale,
+                    dtype=dtype, s_layout=s_layout, op_layout=op_layout, STAGES=STAGES, MASK=True, LSE_MMA=LSE_MMA,
                 )  # fmt: skip
                 it += 1
             for _i in range(n_m - n_skip - n_diag):
                 dk, dv = _dkdv_step(
                     k_half, v_half, q_smem, do_smem, lse_smem, delta_smem, ones_smem, q_bars, do_bars, q_empty, dk, dv,
-                    s_zero, it, start_m, offs_k, cols, qk_scale, dtype, s_layout, op_layout,
-                    STAGES=STAGES, MASK=False, LSE_MMA=LSE_MMA,
+                    s_zero, it, start_m, offs_k, cols, qk_scale,
+                    dtype=dtype, s_layout=s_layout, op_layout=op_layout, STAGES=STAGES, MASK=False, LSE_MMA=LSE_MMA,
                 )  # fmt: skip
                 it += 1
         _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype, HALF)
@@ -429,7 +429,7 @@ if HAVE_GLUON:
             n_tiles = gl.minimum(n_tiles, (q_lo + QH + BLOCK_N - 1) // BLOCK_N)
         dq = _dq_loop_pipelined(
             q_half, do_a, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta, dq, s_zero, q_lo, offs_q, cols,
-            n_tiles, qk_scale, dtype, op_layout, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL,
+            n_tiles, qk_scale, dtype=dtype, op_layout=op_layout, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL,
         )  # fmt: skip
         for j in range(n_tiles, n_all):  # the tiles past this half's queries, released unread
             slot = j % STAGES

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from xtrain.kernels._consts import LN2, LOG2E
 from xtrain.kernels._dispatch import capability, launch_cached, rebased
 from xtrain.kernels.attention import triton as TR
-from xtrain.kernels.attention.reference import LN2, LOG2E, _check_bwd, _scale, _shapes
+from xtrain.kernels.attention.reference import _check_bwd, _scale, _shapes
 
 try:  # Gluon and its Hopper module (tested: triton 3.6 on the GPU machines, 3.9 here)
     import triton

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xtrain.kernels._consts import LOG2E
 from xtrain.kernels._dispatch import PlanCache, launch_cached, sm_count
 from xtrain.kernels.attention.gluon_common import (
     HALF_M,
@@ -45,7 +46,7 @@ from xtrain.kernels.attention.gluon_common import (
     rebase_all,
     row_coords,
 )
-from xtrain.kernels.attention.reference import LOG2E, _scale
+from xtrain.kernels.attention.reference import _scale
 
 BLOCK_M = 128  # query rows of a two-warpgroup item
 BLOCK_N = 128  # K/V rows per tile
@@ -181,19 +182,20 @@ if HAVE_GLUON:
             if n_tiles == 1:
                 acc, m_i, l_i = _diag_only(
                     q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, qk_scale,
-                    start_m, s_layout, o_layout, dtype, HEAD_DIM, STAGES=STAGES, HALF=HALF, PINGPONG=PINGPONG,
+                    start_m, s_layout=s_layout, o_layout=o_layout, dtype=dtype, HEAD_DIM=HEAD_DIM, STAGES=STAGES,
+                    HALF=HALF, PINGPONG=PINGPONG,
                 )  # fmt: skip
             else:
                 acc, m_i, l_i = _consumer_steps(
                     q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles,
-                    qk_scale, start_m, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES,
-                    CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG, HALF_DIAG=True,
+                    qk_scale, start_m, s_layout=s_layout, o_layout=o_layout, dtype=dtype, HEAD_DIM=HEAD_DIM,
+                    BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG, HALF_DIAG=True,
                 )  # fmt: skip
         else:
             acc, m_i, l_i = _consumer_steps(
                 q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles, qk_scale,
-                start_m, s_layout, o_layout, dtype, HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL,
-                HALF=HALF, PINGPONG=PINGPONG, HALF_DIAG=False,
+                start_m, s_layout=s_layout, o_layout=o_layout, dtype=dtype, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
+                STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG, HALF_DIAG=False,
             )  # fmt: skip
         return acc, m_i, l_i
 
@@ -453,9 +455,9 @@ if HAVE_GLUON:
             if _exact(NW):  # every row of the item in the sequence, its diagonal on the item's last tile
                 acc, m_i, l_i = _consumer_loop(
                     q_smem.index(NW * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty.index(qs),
-                    sched, t, sc, n_tiles, qk_scale, start_m + HALF * HALF_ROWS, s_layout, o_layout, dtype, HEAD_DIM,
-                    BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG,
-                    HALF_DIAG=CAUSAL and HALF_DIAG and HALF == 0,
+                    sched, t, sc, n_tiles, qk_scale, start_m + HALF * HALF_ROWS, s_layout=s_layout, o_layout=o_layout,
+                    dtype=dtype, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF,
+                    PINGPONG=PINGPONG, HALF_DIAG=CAUSAL and HALF_DIAG and HALF == 0,
                 )  # fmt: skip
                 _store_half(
                     acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout, o_layout, dtype, HALF
@@ -469,9 +471,9 @@ if HAVE_GLUON:
                 if row0 >= 0:
                     acc, m_i, l_i = _consumer_loop(
                         q_smem.index(NW * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty, v_empty,
-                        q_empty.index(qs), sched, t, sc, n_mine, qk_scale, row0, s_layout, o_layout, dtype, HEAD_DIM,
-                        BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=False,
-                        HALF_DIAG=False,
+                        q_empty.index(qs), sched, t, sc, n_mine, qk_scale, row0, s_layout=s_layout, o_layout=o_layout,
+                        dtype=dtype, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF,
+                        PINGPONG=False, HALF_DIAG=False,
                     )  # fmt: skip
                     _skip_tiles(k_full, v_full, k_empty, v_empty, t, n_mine, n_tiles, STAGES)
                     _store_half(

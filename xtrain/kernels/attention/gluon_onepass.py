@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xtrain.kernels._consts import LOG2E
 from xtrain.kernels._dispatch import HAVE_TRITON, launch_cached
 from xtrain.kernels.attention.gluon_common import (
     HALF_M,
@@ -43,7 +44,7 @@ from xtrain.kernels.attention.gluon_common import (
     tail_heads,
 )
 from xtrain.kernels.attention.gluon_common import supported_bwd as _split_supported
-from xtrain.kernels.attention.reference import LOG2E, _shapes
+from xtrain.kernels.attention.reference import _shapes
 from xtrain.kernels.attention.triton import grid_sms
 
 BLOCK_M = 64  # queries per step (one wgmma M of the dQ product)
@@ -196,7 +197,8 @@ if HAVE_GLUON:
             lse2n, deltan = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, nxt, BLOCK_M)
             dv, dk, p_op = _kv_step(
                 it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta, dv, dk,
-                mt0, n_m, k_lo, qk_scale, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, HALF, NDS,
+                mt0, n_m, k_lo, qk_scale, dtype=dtype, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, STAGES=STAGES, CAUSAL=CAUSAL,
+                HALF=HALF, NDS=NDS,
             )  # fmt: skip
             dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op))
             slot = it % STAGES

@@ -31,7 +31,6 @@ import math
 
 import torch
 
-from xtrain.kernels._consts import LN2, LOG2E  # noqa: F401 (re-exported to the kernel modules)
 from xtrain.kernels._dispatch import acc_dtype as _acc
 
 REF_TILE = 128  # K/V tile of the flash references

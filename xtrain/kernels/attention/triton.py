@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from xtrain.kernels._consts import LN2, LOG2E
 from xtrain.kernels._dispatch import HAVE_TRITON, run_side_by_side, sm_count
-from xtrain.kernels.attention.reference import LN2, LOG2E, _check_bwd, _check_qkv, _scale, _shapes
+from xtrain.kernels.attention.reference import _check_bwd, _check_qkv, _scale, _shapes
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 PRE_M = 64  # rows of o / dO per program of the delta preprocess
