@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import zlib
 
 import pytest
 import torch
@@ -54,13 +53,6 @@ else:
     _EMB_SMALL_TIERS, _EMB_CONFIGS = None, []
 
 CPU_TOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _own_seed(request):
-    """Every test's unseeded draws (torch.randn without a generator) come from the global generator seeded from
-    the test's own name: the same inputs whatever ran before it, or whether -k or xdist picked it."""
-    torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
 
 gpu = pytest.mark.gpu
