@@ -213,17 +213,16 @@ def test_triton_matches_reference_fp32_tiny(B, H, Hkv, T, D, configs, causal):
 
 @needs_triton
 @pytest.mark.parametrize("causal", [True, False])
-def test_triton_program_order_keeps_the_bits(causal, monkeypatch):
+def test_triton_program_order_keeps_the_bits(causal):
     """The Triton kernels' program order (``_tail_order``, the configs' ``tail_waves``) only decides which program
-    runs when: head by head (0 waves), the last 1 or 3 heads tile-major (an SM count of 2 stands in for the
-    device's, so the tail is part of the grid), or every head tile-major give the same bits in all five outputs.
-    The last differs from the first in every program's (tile, head), so a kernel that mapped ids wrongly would
+    runs when: head by head (0 waves), the last 1 or 3 heads tile-major (``plan_sms`` = 2 stands in for the
+    device's SM count, so the tail is part of the grid), or every head tile-major give the same bits in all five
+    outputs. The last differs from the first in every program's (tile, head), so a kernel that mapped ids wrongly would
     leave NaN or wrong rows."""
     q, k, v, do = rand_qkv(2, 4, 2, 40, 32, dtype=torch.float32, device=DEV, seed=3)
     runs = []
     for waves, n_sm in ((0, 132), (1, 2), (3, 2), (100, 132)):
-        monkeypatch.setattr(TR, "grid_sms", lambda device, n=n_sm: n)
-        fcfg, bcfg = cfgs((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1), tail_waves=waves)
+        fcfg, bcfg = cfgs((32, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1), tail_waves=waves, plan_sms=n_sm)
         runs.append(_run_triton(q, k, v, do, causal, None, fcfg, bcfg))
     assert TR.tail_heads(2, 8, 2, 1) == 1 and TR.tail_heads(2, 8, 2, 3) == 3 and TR.tail_heads(2, 8, 132, 100) == 8
     for got in runs[1:]:

@@ -48,22 +48,25 @@ class Tiles:
 
 @dataclass(frozen=True)
 class TritonFwdConfig:
-    """The forward kernel's tiles (block_m a multiple of block_n: the causal split) and program order."""
+    """The forward kernel's tiles (block_m a multiple of block_n: the causal split) and program order
+    (``plan_sms``: the SM count the order plans for; None: the device's, ``grid_sms``)."""
 
     tiles: Tiles
     tail_waves: int = 2
+    plan_sms: int | None = None
 
 
 @dataclass(frozen=True)
 class TritonBwdConfig:
     """The dK/dV kernel's tiles (block_n keys resident, block_m queries a step; block_n % block_m == 0), the dQ
     kernel's (block_m queries resident, block_n keys a step; block_m % block_n == 0), the program order, and
-    whether the two run on two CUDA streams."""
+    whether the two run on two CUDA streams (``plan_sms`` as in ``TritonFwdConfig``)."""
 
     dkdv: Tiles
     dq: Tiles
     tail_waves: int = 2
     two_streams: bool = True
+    plan_sms: int | None = None
 
 
 if HAVE_TRITON:
@@ -612,7 +615,7 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
         T=T,
         GROUP=H // Hkv,
         qk_scale=s * LOG2E,
-        TAIL=tail_heads(nb, B * H, grid_sms(q.device), config.tail_waves),
+        TAIL=tail_heads(nb, B * H, config.plan_sms or grid_sms(q.device), config.tail_waves),
         CAUSAL=bool(causal),
         EVEN_T=even,
         HEAD_DIM=D,
@@ -677,7 +680,7 @@ def flash_attention_bwd_triton(
             **_strides("dk", dk),
             **_strides("dv", dv),
             Hkv=Hkv,
-            TAIL=tail_heads(nb, B * Hkv, grid_sms(q.device), config.tail_waves),
+            TAIL=tail_heads(nb, B * Hkv, config.plan_sms or grid_sms(q.device), config.tail_waves),
             EVEN_T=even1,
             BLOCK_M=BM1,
             BLOCK_N=BN1,
@@ -709,7 +712,7 @@ def flash_attention_bwd_triton(
             **_strides("v", v),
             **_strides("do", do),
             **_strides("dq", dq),
-            TAIL=tail_heads(nb, B * H, grid_sms(q.device), config.tail_waves),
+            TAIL=tail_heads(nb, B * H, config.plan_sms or grid_sms(q.device), config.tail_waves),
             EVEN_T=even2,
             BLOCK_M=BM2,
             BLOCK_N=BN2,
