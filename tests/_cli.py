@@ -16,6 +16,25 @@ def env(cwd) -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "XTRAIN_CACHE": str(Path(cwd) / "cache")}
 
 
+def make_base(d: Path) -> dict:
+    """A prepared corpus (the source of json and pathlib cut into 40 documents, vocab 300) and a finished
+    2-step tiny run under ``d``: {"dir": d, "data": prepared data dir, "run": the run}."""
+    import inspect
+    import json
+    import pathlib
+
+    corpus = d / "corpus"
+    corpus.mkdir()
+    src = inspect.getsource(json) + inspect.getsource(pathlib)
+    for i in range(40):
+        (corpus / f"doc{i:02d}.py").write_text(src[i * 1500 : (i + 1) * 1500])
+    r = xtrain("data", "prepare", "--corpus", corpus, "--vocab-size", 300, "--out", d / "data", "--no-progress", cwd=d)
+    assert r.returncode == 0, r.stderr
+    r = xtrain("train", "--data", d / "data", "--out", d / "run", "--steps", 2, *TINY, *QUIET, cwd=d)
+    assert r.returncode == 0, r.stderr
+    return {"dir": d, "data": d / "data", "run": d / "run"}
+
+
 def xtrain(*args, cwd, timeout=300, env_extra=None):
     return subprocess.run(
         [sys.executable, "-m", "xtrain.cli", *map(str, args)],

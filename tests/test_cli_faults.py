@@ -18,37 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--batch-size", "4", "--seq-len", "32", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1"]
-QUIET = ["--no-progress", "--sample-tokens", "0"]
+from tests._cli import QUIET, ROOT, TINY, first_line, make_base, tree_hash
+from tests._cli import xtrain as _xtrain
 
 
 def xtrain(*args, cwd, timeout=300, env=None):
-    e = {**os.environ, "PYTHONPATH": str(ROOT), "XTRAIN_CACHE": str(Path(cwd) / "cache"), **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "xtrain.cli", *map(str, args)],
-        cwd=cwd,
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def first_line(text: str) -> str:
-    return next((ln for ln in text.splitlines() if ln.strip()), "")
-
-
-def tree_hash(root: Path) -> dict[str, str]:
-    if not root.exists():
-        return {}
-    if root.is_file():
-        return {root.name: hashlib.sha256(root.read_bytes()).hexdigest()}
-    return {
-        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
+    return _xtrain(*args, cwd=cwd, timeout=timeout, env_extra=env)
 
 
 def dead_pid() -> int:
@@ -116,19 +91,7 @@ def train_steps_logged(run: Path) -> int:
 def base(tmp_path_factory):
     """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}"""
     d = tmp_path_factory.mktemp("faults")
-    corpus = d / "corpus"
-    corpus.mkdir()
-    import inspect
-    import pathlib
-
-    src = inspect.getsource(json) + inspect.getsource(pathlib)
-    for i in range(40):
-        (corpus / f"doc{i:02d}.py").write_text(src[i * 1500 : (i + 1) * 1500])
-    r = xtrain("data", "prepare", "--corpus", corpus, "--vocab-size", 300, "--out", d / "data", "--no-progress", cwd=d)
-    assert r.returncode == 0, r.stderr
-    r = xtrain("train", "--data", d / "data", "--out", d / "run", "--steps", 2, *TINY, *QUIET, cwd=d)
-    assert r.returncode == 0, r.stderr
-    return {"dir": d, "data": d / "data", "run": d / "run"}
+    return make_base(d)
 
 
 def check(r, rc: int, first: str):

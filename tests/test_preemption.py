@@ -20,26 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests._cli import QUIET, ROOT, TINY, check, first_line, tree_hash, xtrain, xtrain_popen
+from tests._cli import QUIET, ROOT, TINY, check, first_line, make_base, tree_hash, xtrain, xtrain_popen
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}"""
     d = tmp_path_factory.mktemp("preempt")
-    corpus = d / "corpus"
-    corpus.mkdir()
-    import inspect
-    import pathlib
-
-    src = inspect.getsource(json) + inspect.getsource(pathlib)
-    for i in range(40):
-        (corpus / f"doc{i:02d}.py").write_text(src[i * 1500 : (i + 1) * 1500])
-    r = xtrain("data", "prepare", "--corpus", corpus, "--vocab-size", 300, "--out", d / "data", "--no-progress", cwd=d)
-    assert r.returncode == 0, r.stderr
-    r = xtrain("train", "--data", d / "data", "--out", d / "run", "--steps", 2, *TINY, *QUIET, cwd=d)
-    assert r.returncode == 0, r.stderr
-    return {"dir": d, "data": d / "data", "run": d / "run"}
+    return make_base(d)
 
 
 def _rows(run: Path) -> list[dict]:
