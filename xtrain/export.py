@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save
 
 from xtrain.config import ModelConfig
 from xtrain.fileio import _pid_alive, atomic_write_bytes, atomic_write_json, atomic_write_text
+from xtrain.fileio import fsync_dir as _fsync_dir
 
 # xtrain parameter name (per layer, after "model.layers.{i}.") -> Hugging Face Qwen3 name. The same strings
 # today (xtrain adopted the HF names), kept as an explicit table so a rename on either side is one edit here.
@@ -260,19 +261,6 @@ def _remove_stale_staging(final: Path) -> None:
         pid = p.name[len(prefix) :].removeprefix("old-")
         if p.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_export(out: Path, tensors, hf: dict, eos_id, tok_text, tokenizer_json, model_config) -> None:

@@ -23,6 +23,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the renames inside the directory ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 

@@ -43,6 +43,7 @@ from safetensors.torch import save as st_save
 
 from xtrain.config import ModelConfig, TrainConfig
 from xtrain.fileio import atomic_write_bytes, atomic_write_json  # noqa: F401 (re-exported)
+from xtrain.fileio import fsync_dir as _fsync_dir
 
 FORMAT = "xtrain-checkpoint/1"
 CONFIG, MODEL, OPTIMIZER, STATE = "config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json"
@@ -105,20 +106,6 @@ def finish_commit(run_dir: str | Path) -> bool:
     _fsync_dir(run_dir)
     shutil.rmtree(commit)
     return True
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the renames inside ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # -- reading ------------------------------------------------------------------------------------------
