@@ -34,6 +34,7 @@ S cache slots.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -73,11 +74,12 @@ class DecodeGraphs:
     replayed steps run the same kernels on the same values, so they agree bit for bit (a GPU test). All
     graphs share one memory pool: they never run at the same time."""
 
-    def __init__(self, engine: Engine, bucket: int = 256):
+    def __init__(self, engine: Engine, bucket: int = 256, say=None):
         self.engine, self.bucket = engine, bucket
         self.graphs: dict = {}
         self.pool = None
         self.captures = 0
+        self.say = say or (lambda msg: print(f"xtrain: {msg}", file=sys.stderr))
 
     def s_bucket(self, S: int, max_len: int) -> int:
         return min(max_len, -(-S // self.bucket) * self.bucket)
@@ -97,8 +99,13 @@ class DecodeGraphs:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = eng._decode(cache, *bufs, S)
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = eng._decode(cache, *bufs, S)
+            except Exception as e:  # a failed capture ran nothing: decode without graphs from now on
+                eng.graphs = None
+                self.say(f"decode CUDA graphs off: capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+                return eng._decode(cache, *bufs, S)
             self.graphs[key] = g = (graph, bufs, out, cache)  # the cache held: its id stays its own
             self.captures += 1
         graph, bufs, out, _ = g
