@@ -181,7 +181,9 @@ class TrainConfig:
     0 disables clipping. ``skip_nonfinite``: a step whose loss or grad norm is nan/inf is skipped (counted,
     weights untouched) instead of stopping the run; at most ``max_skips`` skips before stopping anyway.
     ``ckpt_every`` / ``eval_every``: 0 means never (a checkpoint is still written at the end when the
-    trainer has a run directory).
+    trainer has a run directory). ``doc_mask``: the packed documents of a window are kept apart (attention within
+    each document, RoPE positions restarting at each): a document starts at its ``eot_id`` token (the data's
+    end-of-text id, which inference prepends as BOS); training and evaluation both run so.
     """
 
     steps: int = 1000
@@ -202,6 +204,8 @@ class TrainConfig:
     eval_every: int = 0
     skip_nonfinite: bool = False
     max_skips: int = 10
+    doc_mask: bool = False
+    eot_id: int | None = None  # the data's end-of-text token: where documents start (needed by doc_mask)
     extra: dict = field(default_factory=dict)  # free-form notes kept in config.json (e.g. data paths)
 
     def validate(self) -> TrainConfig:
@@ -214,6 +218,14 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 p.append(f"{name}={v!r} must be an integer >= 0")
+        if not isinstance(self.doc_mask, bool):
+            p.append(f"doc_mask={self.doc_mask!r} must be a bool")
+        if self.eot_id is not None and (
+            not isinstance(self.eot_id, int) or isinstance(self.eot_id, bool) or self.eot_id < 0
+        ):
+            p.append(f"eot_id={self.eot_id!r} must be an integer >= 0 (or None)")
+        if self.doc_mask is True and self.eot_id is None:
+            p.append("doc_mask needs eot_id (the token a document starts with)")
         if isinstance(self.seed, int) and self.seed >= MAX_SEED:
             p.append(f"seed={self.seed} must be below 2**63 (torch's generators take 64-bit signed seeds)")
         if (

@@ -110,6 +110,13 @@ def add_parser(subparsers) -> None:
         default=None,
         help="replay each optimizer step as one CUDA graph (default: on for CUDA; falls back with a message)",
     )
+    p.add_argument(
+        "--doc-mask",
+        choices=["on", "off"],
+        default=None,
+        help="keep the packed documents of a window apart: attention within each document, RoPE positions "
+        "restarting at each (a document starts at the data's end-of-text token; default off)",
+    )
     p.add_argument("--resume", default=None, metavar="RUN", help="continue the run in this directory")
     p.add_argument(
         "--restart",
@@ -334,6 +341,7 @@ def _resume_conflicts(args, model_cfg, stored, eval_batches: int) -> list[str]:
         "--recompute": (args.recompute, model_cfg.recompute),
         "--dropout": (args.dropout, model_cfg.dropout),
         "--attention": (args.attention, model_cfg.attention),
+        "--doc-mask": (args.doc_mask, "on" if stored.doc_mask else "off"),
     }
     out = [f"{k} {new} (the run has {old})" for k, (new, old) in given.items() if new is not None and new != old]
     if args.preset is not None:
@@ -516,6 +524,8 @@ def _run(args, info) -> int:
                 eval_every=_pick(args.eval_every, d["eval_every"]),
                 ckpt_every=_pick(args.ckpt_every, 0),
                 skip_nonfinite=bool(args.skip_nonfinite),
+                doc_mask=args.doc_mask == "on",
+                eot_id=int(meta["eot_id"]),
                 extra={
                     "data_dir": str(Path(meta["dir"]).resolve()),
                     "data_fingerprint": fingerprint,
@@ -643,7 +653,7 @@ def _train(
             shutil.copyfile(tok_src, run_dir / "tokenizer.json")
 
     def eval_fn(model):
-        res = evaluate(model, val_data.val_batches(eval_batches))
+        res = evaluate(model, val_data.val_batches(eval_batches), doc_eot=tcfg.eot_id if tcfg.doc_mask else None)
         if world > 1:  # each rank scored its slice of the validation batches: sum the totals
             t = torch.tensor(
                 [res["eval_loss"] * res["eval_tokens"], res["eval_tokens"]], dtype=torch.float64, device=device

@@ -57,7 +57,7 @@ import torch
 from xtrain import ops
 from xtrain.autograd import gc_paused, no_grad
 from xtrain.config import ConfigError, TrainConfig, check_compatible
-from xtrain.model import Model, mix_seed
+from xtrain.model import Model, doc_starts, mix_seed
 from xtrain.train import checkpoint as ckpt_io
 from xtrain.train.optim import AdamW, clip_coef, grad_norm
 from xtrain.train.schedule import Schedule
@@ -110,8 +110,9 @@ def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @no_grad()
-def evaluate(model: Model, batches: Iterable, ignore_index: int = IGNORE_INDEX) -> dict:
-    """Mean cross-entropy over every counted target of ``batches`` (eval mode, no dropout, no tape)."""
+def evaluate(model: Model, batches: Iterable, ignore_index: int = IGNORE_INDEX, doc_eot: int | None = None) -> dict:
+    """Mean cross-entropy over every counted target of ``batches`` (eval mode, no dropout, no tape);
+    ``doc_eot``: documents kept apart as in training (``TrainConfig.doc_mask``), starting at this token."""
     was = model.training
     model.eval()
     total, count = 0.0, 0
@@ -119,7 +120,8 @@ def evaluate(model: Model, batches: Iterable, ignore_index: int = IGNORE_INDEX) 
         for b in batches:
             x, y = split_batch(b)
             x, y = x.to(model.device), y.to(model.device)
-            total += float(model.loss(x, y, reduction="sum", ignore_index=ignore_index).data)
+            starts = None if doc_eot is None else doc_starts(x, doc_eot)
+            total += float(model.loss(x, y, reduction="sum", ignore_index=ignore_index, doc_starts=starts).data)
             count += int((y != ignore_index).sum())
     finally:
         model.train(was)
@@ -243,6 +245,7 @@ class StepSettings:
     betas: tuple[float, float]  # AdamW's hyper-parameters, Python floats in the update's launch
     eps: float
     weight_decays: tuple[float, ...]
+    doc_eot: int | None = None  # documents start at this token (attention and positions kept apart); None: off
 
 
 class Trainer:
@@ -357,6 +360,7 @@ class Trainer:
             betas=tuple(opt.betas),
             eps=opt.eps,
             weight_decays=tuple(opt.weight_decays),
+            doc_eot=cfg.eot_id if cfg.doc_mask else None,
         )
 
     def accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, s: StepSettings):
@@ -377,7 +381,10 @@ class Trainer:
                 # (TokenLoader's layout), and micro-batch j the rank's rows j*mb ... (j+1)*mb - 1
                 rows = (j * mb * s.world_size + s.rank, s.world_size)
                 x, y = inputs[j * mb : (j + 1) * mb], targets[j * mb : (j + 1) * mb]  # [B/k, T]
-                loss = model.loss(x, y, reduction="sum", ignore_index=s.ignore_index, dropout_rows=rows)  # fp32
+                starts = None if s.doc_eot is None else doc_starts(x, s.doc_eot)  # device ops, no host read
+                loss = model.loss(
+                    x, y, reduction="sum", ignore_index=s.ignore_index, dropout_rows=rows, doc_starts=starts
+                )  # fp32
                 loss_sum = loss_sum + loss.data.double()
                 # the sum over micro-batches of loss_j / N is the whole batch's mean loss (N counted tokens)
                 loss.backward(inv_n.to(loss.dtype))
