@@ -174,6 +174,40 @@ def test_no_eot_and_t1_are_plain_causal(attention):
         assert torch.equal(m.forward(ids, doc_starts=doc_starts(ids, EOT)).data, m.forward(ids).data)
 
 
+def test_rope_positions_restart_per_document(monkeypatch):
+    """RoPE is relative, so inside a document a shift of every position changes the scores only by rounding
+    (the packed == separate test cannot see it): check the positions themselves, and that each document's
+    rotated q and k rows are those of the document run alone (to rounding: the projections' matmuls have
+    other row counts, so not bit for bit; rows rotated by other positions would be O(1) apart)."""
+    T = 300
+    ids, tg, rows = packed_window(T)
+    m = Model(cfg("math"), seed=1)
+    seen = []
+    real = ops.qk_norm_rope
+
+    def spy(x, w, heads, positions, theta, eps, table):
+        y = real(x, w, heads, positions, theta, eps, table)
+        seen.append((positions, table, y.data))
+        return y
+
+    monkeypatch.setattr(ops, "qk_norm_rope", spy)
+    ds = doc_starts(ids, EOT)
+    with no_grad():
+        m.forward(ids, doc_starts=ds)
+    packed, seen[:] = list(seen), []
+    want = torch.arange(T)[None, :] - ds  # [B, T]
+    assert len(packed) == 2 * m.config.n_layer
+    for positions, table, _ in packed:
+        assert torch.equal(positions, want)
+        assert torch.equal(table[0], ops.rope_table(want, 8, m.config.rope_theta, torch.float64)[0])
+    for b, s, e in documents(rows, T)[:6]:
+        with no_grad():
+            m.forward(ids[b : b + 1, s:e])
+        for (_, _, yp), (_, _, ya) in zip(packed[:2], seen[:2]):  # layer 0's q and k: same inputs up to RoPE
+            assert rel_err(yp[b : b + 1, :, s:e], ya) <= REL, (b, s, e)  # shifted positions: O(1) apart
+        seen[:] = []
+
+
 def node_names(out: Var) -> list[str]:
     names, stack, seen = [], [out], set()
     while stack:
