@@ -384,3 +384,19 @@ def test_bad_doc_starts_raise_in_rows_and_model():
     for bad in (torch.zeros(2, 6, dtype=torch.int32), torch.zeros(2, 5, dtype=torch.int64)):
         with pytest.raises(ValueError, match=r"Model: doc_starts"):
             m.loss(ids, ids, doc_starts=bad)
+
+
+def test_cuda_fallback_is_counted(monkeypatch):
+    """A document-masked flash call runs the tiled reference on every device; where a kernel would otherwise have
+    run (the device rule says Triton: faked here, the test has no GPU) it is counted, forward and backward."""
+    import xtrain.kernels.attention as KA
+
+    q, k, v = (Var(x.float(), True) for x in qkv(1, 2, 1, 9, 4))
+    ds = torch.zeros(1, 9, dtype=torch.int64)
+    before = KA.doc_mask_fallbacks()
+    ops.flash_attention(q, k, v, True, None, ds).backward(torch.ones(1, 2, 9, 4))
+    assert KA.doc_mask_fallbacks() == before  # CPU: the reference is the path anyway, no fallback
+    monkeypatch.setattr(KA, "use_triton", lambda *ts: True)
+    ops.flash_attention(q, k, v, True, None, ds).backward(torch.ones(1, 2, 9, 4))
+    after = KA.doc_mask_fallbacks()
+    assert (after["fwd"] - before["fwd"], after["bwd"] - before["bwd"]) == (1, 1)
