@@ -52,6 +52,13 @@ micro-batch or on any data-parallel rank, and a recomputed block and a resumed r
 The buffer must not be rewritten between a forward and its backward (the dropout op checks). ``model.eval()``
 (and p == 0) builds no dropout node at all.
 
+Packed documents (``doc_starts``, from ``doc_starts(ids, eot_id)``): a training window holds several documents,
+each starting at its ``eot`` (the BOS inference prepends). Given ``doc_starts`` [B, T] (where each token's
+document starts in the window; 0 for the document the window opens in), ``loss`` / ``forward`` / ``hidden``
+confine attention to the document (query t sees key s iff doc_starts[b, t] <= s <= t) and restart RoPE
+positions per document (position t - doc_starts[b, t]), so each document is computed as if it ran alone from
+its eot. Without it (None) the graph is exactly the plain causal one.
+
 Activation recompute (``config.recompute``): each block runs under ``xtrain.autograd.checkpoint``: only
 its input is kept; its forward is re-run during backward. Same ops in the same order, so loss and
 gradients are bit-identical to the plain path.
@@ -169,6 +176,22 @@ def _resolve_loss(impl: str):
             raise ConfigError("loss='fused' but xtrain.ops.linear_cross_entropy is not available in this build")
         return fused
     return ops.lm_head_loss if fused is not None else None  # "auto"
+
+
+def doc_starts(ids: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """ids int [B, T] -> int64 [B, T] on ids' device: for each position, the index (within the window) of the
+    first token of its document. A document starts AT its ``eot_id`` token (the BOS inference prepends, so it
+    belongs to the document after it); tokens before the window's first eot belong to a document that began
+    before the window, and start at 0. Device ops only (a running max over T), no host read, so a CUDA graph can
+    capture it."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"doc_starts: ids must be an int32/int64 tensor [B, T], got "
+            f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
+        )
+    t = torch.arange(ids.shape[1], dtype=torch.int64, device=ids.device)  # [T]
+    starts = torch.where(ids == eot_id, t, 0)  # [B, T]: t where a document starts, else 0
+    return torch.cummax(starts, dim=1).values  # the latest start at or before t
 
 
 class Model:
@@ -307,11 +330,12 @@ class Model:
         y = ops.dropout(x, self.config.dropout, seeds[layer, SITES.index(site)], True, row_start, row_stride)
         return ops.reshape(y, (N, C))
 
-    def _block(self, x: Var, i: int, positions: torch.Tensor, seed: tuple | None, table=None) -> Var:
+    def _block(self, x: Var, i: int, positions: torch.Tensor, seed: tuple | None, table=None, doc_starts=None) -> Var:
         """One transformer block on the residual stream x [B*T, C] (master dtype; kept 2-D so every linear is
         one mm without reshapes). ``seed`` is (seed buffer, row_start, row_stride) taken at forward time (None:
         no dropout); a recompute in backward reads the same buffer, which holds the same step's seeds until the
-        next ``set_dropout_step``. ``table``: the RoPE cos/sin table of ``positions`` (``ops.rope_table``)."""
+        next ``set_dropout_step``. ``table``: the RoPE cos/sin table of ``positions`` (``ops.rope_table``; [T] or,
+        with packed documents, [B, T]). ``doc_starts``: None, or int64 [B, T] (attention within each document)."""
         cfg, P, dt = self.config, self._layers[i], self.compute_dtype
         T = positions.shape[-1]
         H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
@@ -324,7 +348,10 @@ class Model:
         # the norm weights straight from their masters (an fp32 master with bf16/fp16 activations is read in fp32)
         q = ops.qk_norm_rope(q, P["self_attn.q_norm.weight"], H, positions, cfg.rope_theta, eps, table)
         k = ops.qk_norm_rope(k, P["self_attn.k_norm.weight"], Hkv, positions, cfg.rope_theta, eps, table)
-        a = ops.attention_rows(q, k, v, causal=True, impl=self._attention)  # [B*T, H*D]
+        if doc_starts is None:
+            a = ops.attention_rows(q, k, v, causal=True, impl=self._attention)  # [B*T, H*D]
+        else:
+            a = ops.attention_rows(q, k, v, causal=True, impl=self._attention, doc_starts=doc_starts)
         a = self._linear(a, P["self_attn.o_proj.weight"])  # [B*T, C]
         x = ops.add_cast(x, self._dropout(a, seed, i, SITE_ATTN, T))  # the branch promoted to m in the add
 
@@ -345,27 +372,52 @@ class Model:
         if ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"Model: sequence length {ids.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
 
-    def hidden(self, ids: torch.Tensor, dropout_rows: tuple[int, int] = (0, 1)) -> Var:
-        """The final-normed hidden states [B, T, C] in the compute dtype."""
+    def _check_doc_starts(self, ids: torch.Tensor, doc_starts) -> None:
+        if doc_starts is None:
+            return
+        if (
+            not isinstance(doc_starts, torch.Tensor)
+            or doc_starts.dtype != torch.int64
+            or doc_starts.shape != ids.shape
+            or doc_starts.device != ids.device
+        ):
+            raise ValueError(
+                f"Model: doc_starts must be int64 [B, T] = {list(ids.shape)} on {ids.device} (see "
+                f"xtrain.model.doc_starts), got {getattr(doc_starts, 'dtype', type(doc_starts).__name__)} "
+                f"{tuple(getattr(doc_starts, 'shape', ()))} {getattr(doc_starts, 'device', '')}"
+            )
+
+    def hidden(
+        self, ids: torch.Tensor, dropout_rows: tuple[int, int] = (0, 1), doc_starts: torch.Tensor | None = None
+    ) -> Var:
+        """The final-normed hidden states [B, T, C] in the compute dtype (``doc_starts``: see ``forward``)."""
         B, T = ids.shape if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (0, 0)
-        x = self._hidden(ids, dropout_rows)  # [B*T, C]
+        x = self._hidden(ids, dropout_rows, doc_starts)  # [B*T, C]
         return ops.reshape(x, (B, T, x.shape[1]))
 
-    def _hidden(self, ids: torch.Tensor, dropout_rows: tuple[int, int]) -> Var:
+    def _hidden(self, ids: torch.Tensor, dropout_rows: tuple[int, int], doc_starts=None) -> Var:
         """The final-normed hidden states as [B*T, C] (compute dtype). ``dropout_rows``: (row_start,
         row_stride), row b of ``ids`` is row ``row_start + b * row_stride`` of the step's global batch (the
-        dropout masks' key)."""
+        dropout masks' key). ``doc_starts``: None, or int64 [B, T] (packed documents)."""
         self._check_ids(ids)
+        self._check_doc_starts(ids, doc_starts)
         cfg = self.config
         B, T = ids.shape
         positions = torch.arange(T, device=ids.device)
+        if doc_starts is not None:  # RoPE restarts at each document: position t - start of t's document
+            positions = positions[None, :] - doc_starts  # [B, T]
         acc = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         table = ops.rope_table(positions, cfg.head_dim, cfg.rope_theta, acc)  # shared by every layer
         x = ops.embedding(ids.reshape(B * T), self.params["model.embed_tokens.weight"])  # [B*T, C] master dtype
         recompute = cfg.recompute and is_grad_enabled()
         seed = (self.dropout_seeds, *dropout_rows) if (self.training and cfg.dropout > 0.0) else None
         for i in range(cfg.n_layer):
-            if recompute:
+            if doc_starts is not None:
+                if recompute:
+                    x = checkpoint(self._block, x, i, positions, seed, table, doc_starts)
+                else:
+                    x = self._block(x, i, positions, seed, table, doc_starts)
+            elif recompute:
                 x = checkpoint(self._block, x, i, positions, seed, table)
             else:
                 x = self._block(x, i, positions, seed, table)
@@ -383,13 +435,16 @@ class Model:
         reduction: str = "mean",
         ignore_index: int = -100,
         dropout_rows: tuple[int, int] = (0, 1),
+        doc_starts: torch.Tensor | None = None,
     ) -> Var:
         """ids [B, T] -> logits [B, T, V] (compute dtype), or, with targets [B, T], the scalar fp32 loss
         (cross-entropy, "mean" over counted targets or "sum"; targets equal to ignore_index count for
         nothing). ``dropout_rows = (row_start, row_stride)``: where the rows of ``ids`` sit in the step's global
         batch (row b is global row ``row_start + b * row_stride``), which keys the dropout masks; (0, 1) for a
-        batch that is the whole global batch."""
-        x2 = self._hidden(ids, dropout_rows)  # [N, C], N = B*T
+        batch that is the whole global batch. ``doc_starts`` (int64 [B, T], ``doc_starts(ids, eot_id)``): packed
+        documents, each computed as if alone (attention within it, RoPE positions from its start); None: one
+        sequence, plain causal."""
+        x2 = self._hidden(ids, dropout_rows, doc_starts)  # [N, C], N = B*T
         B, T = ids.shape
         w = self._w(self.head_weight)  # [V, C]
         if targets is None:
@@ -413,9 +468,17 @@ class Model:
         reduction: str = "mean",
         ignore_index: int = -100,
         dropout_rows: tuple[int, int] = (0, 1),
+        doc_starts: torch.Tensor | None = None,
     ) -> Var:
-        """The cross-entropy of ``forward(ids, targets, ...)`` (see there for ``dropout_rows``)."""
-        return self.forward(ids, targets, reduction=reduction, ignore_index=ignore_index, dropout_rows=dropout_rows)
+        """The cross-entropy of ``forward(ids, targets, ...)`` (see there for ``dropout_rows`` and ``doc_starts``)."""
+        return self.forward(
+            ids,
+            targets,
+            reduction=reduction,
+            ignore_index=ignore_index,
+            dropout_rows=dropout_rows,
+            doc_starts=doc_starts,
+        )
 
     def generate(
         self,

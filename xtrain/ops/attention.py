@@ -6,6 +6,10 @@ function without them.
 
 Shapes: q [B, H, T, D]; k, v [B, Hkv, T, D] with Hkv dividing H (grouped-query attention: query head h
 reads key/value head h // (H // Hkv)).
+
+Every form takes ``doc_starts`` (None, or int64 [B, T]: packed documents, where each query's document
+starts): query t then sees key s iff doc_starts[b, t] <= s <= t. None is plain causal attention, with
+exactly the nodes and kernels it had before.
 """
 
 from __future__ import annotations
@@ -62,29 +66,45 @@ def causal_mask(scores: Var) -> Var:
     return Var.from_op(y, (scores,), lambda d: (d.masked_fill(masked, 0.0),), "causal_mask")
 
 
-def attention(q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None) -> Var:
-    """softmax(q kᵀ · scale [+ causal mask]) v, composed from tape ops. Returns [B, H, T, D]."""
+def doc_mask(scores: Var, doc_starts: torch.Tensor) -> Var:
+    """scores [B, H, T, T]: set scores[b, :, t, s] = -inf unless doc_starts[b, t] <= s <= t; those positions get
+    zero gradient."""
+    masked = K_attn.reference.doc_mask(doc_starts)[:, None]  # [B, 1, T, T]
+    y = scores.data.masked_fill(masked, float("-inf"))
+    return Var.from_op(y, (scores,), lambda d: (d.masked_fill(masked, 0.0),), "doc_mask")
+
+
+def attention(
+    q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None, doc_starts: torch.Tensor | None = None
+) -> Var:
+    """softmax(q kᵀ · scale [+ causal or document mask]) v, composed from tape ops. Returns [B, H, T, D]."""
     check_attention_inputs("attention", q, k, v)
+    K_attn.check_doc_starts("attention", doc_starts, q.data, causal)
     B, H, T, D = q.shape
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     groups = H // k.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     scores = scale_op(matmul(q, transpose(k, -1, -2)), s)  # [B, H, T, T]
-    if causal:
+    if doc_starts is not None:
+        scores = doc_mask(scores, doc_starts)
+    elif causal:
         scores = causal_mask(scores)
     probs = softmax(scores, dim=-1)  # [B, H, T, T]
     return matmul(probs, v)  # [B, H, T, D]
 
 
-def math_attention(q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None) -> Var:
+def math_attention(
+    q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None, doc_starts: torch.Tensor | None = None
+) -> Var:
     """The same function as ``attention`` as one tape node with a hand-written backward
     (``xtrain.kernels.attention``): no K/V copies for GQA, two matmuls forward and four backward. It keeps
     the [B, H, T, T] probabilities, like the composed path; the model's CPU default."""
     check_attention_inputs("math_attention", q, k, v)
+    K_attn.check_doc_starts("math_attention", doc_starts, q.data, causal)
     D = q.shape[-1]
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qd, kd, vd = q.data, k.data, v.data
-    o, p = K_attn.attention_fwd(qd, kd, vd, causal, s)
+    o, p = K_attn.attention_fwd(qd, kd, vd, causal, s, doc_starts)  # p is 0 wherever the mask is
 
     def backward(do):
         return K_attn.attention_bwd(do, qd, kd, vd, p, causal, s)
@@ -98,25 +118,36 @@ def math_attention(q: Var, k: Var, v: Var, causal: bool = True, scale: float | N
 CPU_FLASH_MIN_T = 2048
 
 
-def auto_attention(q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None) -> Var:
+def auto_attention(
+    q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None, doc_starts: torch.Tensor | None = None
+) -> Var:
     """The attention form the device rule picks (``kernels._dispatch.prefer_fused``): flash attention on CUDA
     and on long CPU sequences (T > CPU_FLASH_MIN_T), math attention otherwise. Same function, same contract."""
     if prefer_fused(q.data) or q.shape[-2] > CPU_FLASH_MIN_T:
         from xtrain.ops.flash import flash_attention
 
-        return flash_attention(q, k, v, causal, scale)
-    return math_attention(q, k, v, causal, scale)
+        return flash_attention(q, k, v, causal, scale, doc_starts)
+    return math_attention(q, k, v, causal, scale, doc_starts)
 
 
-def attention_rows(q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None, impl: str = "auto") -> Var:
+def attention_rows(
+    q: Var,
+    k: Var,
+    v: Var,
+    causal: bool = True,
+    scale: float | None = None,
+    impl: str = "auto",
+    doc_starts: torch.Tensor | None = None,
+) -> Var:
     """Attention between the model's row layout and the head layout, as one node where the form allows:
     q [B, H, T, D], k [B, Hkv, T, D] (from ``qk_norm_rope``), v [B*T, Hkv*D] (the v projection's rows)
     -> [B*T, H*D] (the o projection's input rows). Where the math form runs (``impl`` "math", or "auto" on
     the CPU below CPU_FLASH_MIN_T), the head transposes of v, of the output and the output's contiguous copy
     happen inside one node (``xtrain.kernels.attention``), the same values as the unfused
     reshape/transpose/attention/transpose/contiguous/reshape chain bit for bit; other forms ("composed",
-    "flash", "auto" on CUDA) run that chain of nodes."""
+    "flash", "auto" on CUDA) run that chain of nodes. ``doc_starts`` is passed to the form that runs."""
     check_attention_inputs("attention_rows", q, k, k)
+    K_attn.check_doc_starts("attention_rows", doc_starts, q.data, causal)
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     check(v.ndim == 2 and tuple(v.shape) == (B * T, Hkv * D), "attention_rows", "v must be [B*T, Hkv*D]", q, k, v)
@@ -129,12 +160,12 @@ def attention_rows(q: Var, k: Var, v: Var, causal: bool = True, scale: float | N
         if fn is None:
             from xtrain.ops.flash import flash_attention as fn
         v4 = transpose(reshape(v, (B, T, Hkv, D)), 1, 2)  # [B, Hkv, T, D]
-        a = fn(q, k, v4, causal, scale)  # [B, H, T, D]
+        a = fn(q, k, v4, causal, scale) if doc_starts is None else fn(q, k, v4, causal, scale, doc_starts)
         return reshape(contiguous(transpose(a, 1, 2)), (B * T, H * D))
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qd, kd = q.data, k.data
     vd = v.data.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
-    o, p = K_attn.attention_fwd(qd, kd, vd, causal, s)  # [B, H, T, D]
+    o, p = K_attn.attention_fwd(qd, kd, vd, causal, s, doc_starts)  # [B, H, T, D]
     out = o.transpose(1, 2).contiguous().view(B * T, H * D)  # [B*T, H*D]
 
     def backward(dout):

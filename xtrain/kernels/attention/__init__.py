@@ -1,9 +1,14 @@
 """Attention kernels: the references, the portable Triton flash kernels, the Hopper Gluon kernels, and the one
 place that chooses between them.
 
-    flash_attention_fwd(q [B,H,T,D], k [B,Hkv,T,D], v, causal=True, scale=None) -> (o, lse [B,H,T])
-    flash_attention_bwd(do, q, k, v, o, lse, causal=True, scale=None) -> (dq, dk, dv)
+    flash_attention_fwd(q [B,H,T,D], k [B,Hkv,T,D], v, causal=True, scale=None, doc_starts=None) -> (o, lse [B,H,T])
+    flash_attention_bwd(do, q, k, v, o, lse, causal=True, scale=None, doc_starts=None) -> (dq, dk, dv)
     attention_fwd / attention_bwd: the composed ("math") attention of ``ops.math_attention`` (reference.py)
+
+``doc_starts`` (int64 [B, T], packed documents: query t sees key s iff doc_starts[b, t] <= s <= t) runs the
+tiled reference on every device: the Triton and Gluon kernels take no document mask yet, so on CUDA a masked
+call is this documented fallback (correct, O(T) memory, skipping key tiles before the query tile's documents,
+but plain-torch speed).
 
 Modules, imported one way: reference (the oracles) <- triton <- gluon_common <- gluon_fwd, gluon_bwd,
 gluon_onepass <- this file. Off CUDA (or with the reference backend, or fp64) the entry points run the tiled
@@ -41,6 +46,7 @@ from xtrain.kernels.attention.reference import (
     _scale,
     attention_bwd,
     attention_fwd,
+    check_doc_starts,
     flash_attention_bwd_ref,
     flash_attention_fwd_ref,
 )
@@ -65,6 +71,7 @@ __all__ = [
     "attention_bwd",
     "attention_fwd",
     "bwd_route",
+    "check_doc_starts",
     "choose",
     "flash_attention_bwd",
     "flash_attention_bwd_ref",
@@ -181,10 +188,13 @@ def _plan_key(kind: str, ts, scale, causal: bool) -> tuple | None:
 # ---------------------------------------------------------------------------------------------------------
 # public entry points
 # ---------------------------------------------------------------------------------------------------------
-def flash_attention_fwd(q, k, v, causal: bool = True, scale: float | None = None):
+def flash_attention_fwd(q, k, v, causal: bool = True, scale: float | None = None, doc_starts=None):
     """Flash attention forward: the kernel ``choose`` gives on CUDA (fp32/bf16/fp16, D in 32/64/128), else the
-    tiled reference. Returns (o in q.dtype, lse [B, H, T] fp32, natural log)."""
+    tiled reference; with ``doc_starts`` the tiled reference on every device (the kernels take no document mask
+    yet). Returns (o in q.dtype, lse [B, H, T] fp32, natural log)."""
     op = "flash_attention_fwd"
+    if doc_starts is not None:  # fallback: no kernel takes a document mask yet
+        return flash_attention_fwd_ref(q, k, v, causal, scale, doc_starts=doc_starts)
     key = _plan_key("fwd", (q, k, v), scale, causal) if isinstance(q, torch.Tensor) and q.is_cuda else None
     plan = _FWD_PLANS.lookup(key)
     if plan is not None:  # this signature took the Gluon forward before
@@ -225,10 +235,13 @@ def bwd_route(do, q, k, v, o, lse, causal: bool = True) -> tuple:
     raise AssertionError("unreachable: the Triton config is last in every choice")
 
 
-def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None):
+def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, doc_starts=None):
     """Flash attention backward: the kernel ``choose`` gives on CUDA (fp32/bf16/fp16, D in 32/64/128), else the
-    tiled reference. Returns (dq, dk, dv), dk and dv summed over each group of query heads."""
+    tiled reference; with ``doc_starts`` the tiled reference on every device, as the forward. Returns (dq, dk,
+    dv), dk and dv summed over each group of query heads."""
     op = "flash_attention_bwd"
+    if doc_starts is not None:  # fallback: no kernel takes a document mask yet
+        return flash_attention_bwd_ref(do, q, k, v, o, lse, causal, scale, doc_starts=doc_starts)
     ts = (do, q, k, v, o, lse)
     cuda = all(isinstance(t, torch.Tensor) and t.is_cuda for t in ts)
     key = _plan_key("bwd", ts, scale, causal) if cuda else None

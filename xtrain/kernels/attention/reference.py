@@ -6,15 +6,25 @@ h // (H // Hkv), grouped-query attention), T sequence, D head dim.
 Math attention, the CPU hot path of ``ops.math_attention``: two batched matmuls forward and four backward,
 grouped-query attention folded into the matmul shapes (q [B, H, T, D] viewed as [B, Hkv, G*T, D]) instead
 of copying K/V; P = softmax(scale q kᵀ [+ causal -inf]) is kept for the backward.
-    attention_fwd(q, k, v, causal, scale) -> (o [B, H, T, D] in q.dtype, p [B, Hkv, G*T, T])
-    attention_bwd(do, q, k, v, p, causal, scale) -> (dq, dk, dv)
+    attention_fwd(q, k, v, causal, scale, doc_starts=None) -> (o [B, H, T, D] in q.dtype, p [B, Hkv, G*T, T])
+    attention_bwd(do, q, k, v, p, causal, scale) -> (dq, dk, dv)   (the mask is in p's zeros)
     dV = Pᵀ dO,  dP = dO vᵀ,  dS = P (dP - rowsum(dP P)),  dQ = scale dS k,  dK = scale dSᵀ q
 
 Flash references, the oracles of every flash kernel (Triton and Gluon) and the CPU path of
 ``ops.flash_attention``; the same tiled online-softmax recurrences as the kernels, O(T · tile) memory:
-    flash_attention_fwd_ref(q, k, v, causal=True, scale=None) -> (o in q.dtype, lse [B, H, T])
-    flash_attention_bwd_ref(do, q, k, v, o, lse, causal=True, scale=None) -> (dq, dk, dv)
-``scale`` defaults to 1/sqrt(D) and must be > 0. ``lse`` is the natural-log row logsumexp of the scaled,
+    flash_attention_fwd_ref(q, k, v, causal=True, scale=None, tile=REF_TILE, doc_starts=None) -> (o, lse [B, H, T])
+    flash_attention_bwd_ref(do, q, k, v, o, lse, causal=True, scale=None, tile=REF_TILE, doc_starts=None)
+        -> (dq, dk, dv)
+``scale`` defaults to 1/sqrt(D) and must be > 0.
+
+Document masks (packed documents): every entry point takes an optional ``doc_starts`` int64 [B, T], the
+first position of each query's document; query t then sees key s iff doc_starts[b, t] <= s <= t (causal
+within the document; needs causal=True). None is plain causal attention, computed exactly as before. The
+flash references with a mask tile the queries too (tiles of ``tile`` rows) and skip key tiles that lie
+wholly before the query tile's earliest document start (the minimum over its rows and the batch: one host
+read per call, left out while a CUDA graph is being captured, where every causal tile is computed: a
+skipped tile contributes exact zeros, so both give the same bits). The values are trusted, not read on the
+host: doc_starts[b, t] > t leaves row t without keys (NaN). ``lse`` is the natural-log row logsumexp of the scaled,
 masked scores, fp32 (fp64 for fp64 inputs): all the forward saves besides q, k, v, o. Forward (online
 softmax, Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022): per K/V tile j,
     m_new = max(m, rowmax(s_j)),  l = l·exp(m - m_new) + rowsum(exp(s_j - m_new)),
@@ -45,14 +55,23 @@ def _causal_mask(T: int, device) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
 
 
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+def doc_mask(doc_starts: torch.Tensor) -> torch.Tensor:
+    """doc_starts [B, T] -> bool [B, T, T], True where query t may not see key s: s > t or s < doc_starts[b, t]."""
+    T = doc_starts.shape[-1]
+    cols = torch.arange(T, device=doc_starts.device)
+    return (cols[None, None, :] < doc_starts[:, :, None]) | _causal_mask(T, doc_starts.device)
+
+
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, doc_starts=None):
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     qg = q.reshape(B, Hkv, G * T, D)  # [B, Hkv, G*T, D]
     s = torch.matmul(qg, k.transpose(-1, -2)).to(_acc(q))  # [B, Hkv, G*T, T]
     s.mul_(scale)
-    if causal:
+    if doc_starts is not None:  # [B, 1, 1, T, T] over the (Hkv, G) heads
+        s.view(B, Hkv, G, T, T).masked_fill_(doc_mask(doc_starts)[:, None, None], float("-inf"))
+    elif causal:
         s.view(B, Hkv, G, T, T).masked_fill_(_causal_mask(T, q.device), float("-inf"))
     p = torch.softmax(s, dim=-1)  # fp32; every row has its diagonal, so no row is all -inf
     o = torch.matmul(p.to(v.dtype), v)  # [B, Hkv, G*T, D]
@@ -103,6 +122,22 @@ def _check_qkv(op: str, q, k, v) -> None:
         raise ValueError(f"{op}: q, k, v must be on one device, got {_shapes(*ts)}")
 
 
+def check_doc_starts(op: str, doc_starts, q, causal: bool = True) -> None:
+    """doc_starts must be None or an int64 [B, T] tensor on q's device with q's B and T (q [B, H, T, D]);
+    a document mask is causal, so it needs causal=True. Values are not read (no host sync)."""
+    if doc_starts is None:
+        return
+    if not isinstance(doc_starts, torch.Tensor):
+        raise ValueError(f"{op}: doc_starts must be an int64 tensor [B, T], got {type(doc_starts).__name__}")
+    B, T = q.shape[0], q.shape[-2]
+    if doc_starts.dtype != torch.int64 or tuple(doc_starts.shape) != (B, T) or doc_starts.device != q.device:
+        raise ValueError(f"{op}: doc_starts must be int64 [B, T] = [{B}, {T}] on q's device, got doc_starts/q "
+                         f"{_shapes(doc_starts, q)}")  # fmt: skip
+    if not causal:
+        raise ValueError(f"{op}: a document mask is causal within each document; got causal=False, doc_starts "
+                         f"{_shapes(doc_starts)}")  # fmt: skip
+
+
 def _check_bwd(op: str, do, q, k, v, o, lse) -> None:
     _check_qkv(op, q, k, v)
     B, H, T, D = q.shape
@@ -137,12 +172,98 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(B, Hkv, groups, T, D).reshape(B, Hkv * groups, T, D)
 
 
-def flash_attention_fwd_ref(q, k, v, causal: bool = True, scale: float | None = None, tile: int = REF_TILE):
-    """Online-softmax forward over K/V tiles of width ``tile``. Returns (o in q.dtype, lse natural log)."""
+def _first_tiles(doc_starts: torch.Tensor, tile: int) -> list[int]:
+    """Per query tile i (rows i*tile ..), the first key tile any of its rows sees: the tile holding the earliest
+    document start of those rows over the batch. All zeros while a CUDA graph is captured (no host read)."""
+    T = doc_starts.shape[-1]
+    n = -(-T // tile)
+    if doc_starts.is_cuda and torch.cuda.is_current_stream_capturing():
+        return [0] * n
+    pad = n * tile - T  # pad with T (no row's start) so the last tile's min is over its real rows
+    lo = torch.nn.functional.pad(doc_starts, (0, pad), value=T).view(-1, n, tile).amin(dim=(0, 2))  # [n]
+    return [int(x) // tile for x in lo.tolist()]
+
+
+def _doc_fwd(q, k, v, s: float, doc_starts, tile: int):
+    """The document-masked forward, tiled over queries and keys: query tile [i0, i1) visits the key tiles from
+    its first (``_first_tiles``) to the one holding its last row."""
+    B, H, T, D = q.shape
+    acc_t = _acc_dtype(q.dtype)
+    groups = H // k.shape[1]
+    qf = q.to(acc_t)
+    kf, vf = _expand_kv(k.to(acc_t), groups), _expand_kv(v.to(acc_t), groups)  # [B, H, T, D]
+    o = torch.empty((B, H, T, D), dtype=acc_t, device=q.device)
+    lse = torch.empty((B, H, T), dtype=acc_t, device=q.device)
+    for qi, jt in enumerate(_first_tiles(doc_starts, tile)):
+        i0, i1 = qi * tile, min(qi * tile + tile, T)
+        rows = torch.arange(i0, i1, device=q.device)
+        start = doc_starts[:, i0:i1, None]  # [B, tile, 1]
+        m = torch.full((B, H, i1 - i0), float("-inf"), dtype=acc_t, device=q.device)
+        l = torch.zeros((B, H, i1 - i0), dtype=acc_t, device=q.device)
+        acc = torch.zeros((B, H, i1 - i0, D), dtype=acc_t, device=q.device)
+        for j0 in range(jt * tile, i1, tile):
+            j1 = min(j0 + tile, T)
+            cols = torch.arange(j0, j1, device=q.device)
+            masked = (cols[None, None, :] > rows[None, :, None]) | (cols[None, None, :] < start)  # [B, tile, tile]
+            sc = (qf[:, :, i0:i1] @ kf[:, :, j0:j1].transpose(-1, -2)) * s  # [B, H, tile, tile]
+            sc = sc.masked_fill(masked[:, None], float("-inf"))
+            m_new = torch.maximum(m, sc.amax(dim=-1))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # as in the causal loop
+            p = torch.exp(sc - m_safe[..., None])
+            alpha = torch.exp(m - m_safe)
+            l = l * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + p @ vf[:, :, j0:j1]
+            m = m_new
+        o[:, :, i0:i1] = acc / l[..., None]
+        lse[:, :, i0:i1] = m + torch.log(l)
+    return o.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def _doc_bwd(do, q, k, v, o, lse, s: float, doc_starts, tile: int):
+    """The document-masked backward, over the same (query tile, key tile) pairs as ``_doc_fwd``."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    groups = H // Hkv
+    acc_t = _acc_dtype(q.dtype)
+    qf, dof, lsef = q.to(acc_t), do.to(acc_t), lse.to(acc_t)
+    kf, vf = _expand_kv(k.to(acc_t), groups), _expand_kv(v.to(acc_t), groups)  # [B, H, T, D]
+    delta = (dof * o.to(acc_t)).sum(dim=-1)  # D_i = rowsum(dO ∘ O), [B, H, T]
+    dq = torch.zeros_like(qf)
+    dk = torch.zeros_like(kf)  # per query head; summed over groups at the end
+    dv = torch.zeros_like(vf)
+    for qi, jt in enumerate(_first_tiles(doc_starts, tile)):
+        i0, i1 = qi * tile, min(qi * tile + tile, T)
+        rows = torch.arange(i0, i1, device=q.device)
+        start = doc_starts[:, i0:i1, None]  # [B, tile, 1]
+        qi_, doi = qf[:, :, i0:i1], dof[:, :, i0:i1]  # [B, H, tile, D]
+        for j0 in range(jt * tile, i1, tile):
+            j1 = min(j0 + tile, T)
+            cols = torch.arange(j0, j1, device=q.device)
+            masked = (cols[None, None, :] > rows[None, :, None]) | (cols[None, None, :] < start)  # [B, tile, tile]
+            kj, vj = kf[:, :, j0:j1], vf[:, :, j0:j1]
+            p = torch.exp((qi_ @ kj.transpose(-1, -2)) * s - lsef[:, :, i0:i1, None])  # [B, H, tile, tile]
+            p = p.masked_fill(masked[:, None], 0.0)
+            dv[:, :, j0:j1] += p.transpose(-1, -2) @ doi
+            ds = p * (doi @ vj.transpose(-1, -2) - delta[:, :, i0:i1, None])
+            dq[:, :, i0:i1] += (ds @ kj) * s
+            dk[:, :, j0:j1] += (ds.transpose(-1, -2) @ qi_) * s
+    dk = dk.reshape(B, Hkv, groups, T, D).sum(dim=2)  # GQA: a K/V head's gradient sums over its group
+    dv = dv.reshape(B, Hkv, groups, T, D).sum(dim=2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def flash_attention_fwd_ref(
+    q, k, v, causal: bool = True, scale: float | None = None, tile: int = REF_TILE, doc_starts=None
+):
+    """Online-softmax forward over K/V tiles of width ``tile`` (and query tiles with ``doc_starts``). Returns
+    (o in q.dtype, lse natural log)."""
     op = "flash_attention_fwd_ref"
     _check_qkv(op, q, k, v)
+    check_doc_starts(op, doc_starts, q, causal)
     B, H, T, D = q.shape
     s = _scale(op, scale, D)
+    if doc_starts is not None:
+        return _doc_fwd(q, k, v, s, doc_starts, tile)
     acc_t = _acc_dtype(q.dtype)
     groups = H // k.shape[1]
     qf = q.to(acc_t)
@@ -170,14 +291,19 @@ def flash_attention_fwd_ref(q, k, v, causal: bool = True, scale: float | None = 
     return o.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
-def flash_attention_bwd_ref(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, tile: int = REF_TILE):
+def flash_attention_bwd_ref(
+    do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, tile: int = REF_TILE, doc_starts=None
+):
     """Backward by recomputing P one K/V tile at a time from lse. Returns (dq, dk, dv)."""
     op = "flash_attention_bwd_ref"
     _check_bwd(op, do, q, k, v, o, lse)
+    check_doc_starts(op, doc_starts, q, causal)
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     groups = H // Hkv
     s = _scale(op, scale, D)
+    if doc_starts is not None:
+        return _doc_bwd(do, q, k, v, o, lse, s, doc_starts, tile)
     acc_t = _acc_dtype(q.dtype)
     qf, dof, lsef = q.to(acc_t), do.to(acc_t), lse.to(acc_t)
     kf, vf = _expand_kv(k.to(acc_t), groups), _expand_kv(v.to(acc_t), groups)  # [B, H, T, D]
