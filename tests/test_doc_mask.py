@@ -9,6 +9,8 @@ reference's tile edges (REF_TILE = 128 in the model tests, small tiles in the ke
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -400,3 +402,19 @@ def test_cuda_fallback_is_counted(monkeypatch):
     ops.flash_attention(q, k, v, True, None, ds).backward(torch.ones(1, 2, 9, 4))
     after = KA.doc_mask_fallbacks()
     assert (after["fwd"] - before["fwd"], after["bwd"] - before["bwd"]) == (1, 1)
+
+
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_recompute_with_dropout_and_doc_starts_is_bit_identical(attention):
+    """Recompute replays each block with the same doc_starts (and the same dropout masks): the same bits."""
+    ids, tg, _ = packed_window(260, seed=5)
+    ds = doc_starts(ids, EOT)
+    got = []
+    for recompute in (False, True):
+        m = Model(dataclasses.replace(cfg(attention, recompute), dropout=0.1), seed=6)
+        m.set_dropout_step(9)
+        loss = m.loss(ids, tg, doc_starts=ds)
+        loss.backward()
+        got.append((loss.data, [p.grad for p in m.parameters()]))
+    assert torch.equal(got[0][0], got[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1]))

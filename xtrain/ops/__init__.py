@@ -4,13 +4,21 @@ basic: add, add_cast, sub, mul, div, scale, neg, matmul, linear, add_bias, sum, 
        contiguous, cast, cast_as
 nn:    embedding, rms_norm, silu, swiglu, softmax, cross_entropy, rope, dropout
 attention: attention (composed), math_attention (one node, hand-written backward), auto_attention (the form the
-           device rule picks), attention_rows (row layout in and out), repeat_kv, causal_mask;
+           device rule picks), attention_rows (row layout in and out), repeat_kv, causal_mask, doc_mask;
            flash_attention (fused, xtrain.ops.flash)
 fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, rope_table, swiglu_linear
        (xtrain.ops.fused)
 """
 
-from xtrain.ops.attention import attention, attention_rows, auto_attention, causal_mask, math_attention, repeat_kv
+from xtrain.ops.attention import (
+    attention,
+    attention_rows,
+    auto_attention,
+    causal_mask,
+    doc_mask,
+    math_attention,
+    repeat_kv,
+)
 from xtrain.ops.basic import (
     add,
     add_bias,
@@ -43,6 +51,7 @@ __all__ = [
     "cast",
     "cast_as",
     "causal_mask",
+    "doc_mask",
     "contiguous",
     "cross_entropy",
     "div",

@@ -8,7 +8,9 @@ place that chooses between them.
 ``doc_starts`` (int64 [B, T], packed documents: query t sees key s iff doc_starts[b, t] <= s <= t) runs the
 tiled reference on every device: the Triton and Gluon kernels take no document mask yet, so on CUDA a masked
 call is this documented fallback (correct, O(T) memory, skipping key tiles before the query tile's documents,
-but plain-torch speed).
+but plain-torch speed). ``doc_mask_fallbacks()`` counts the calls that took it where a kernel would have run
+(CUDA tensors under the Triton backend, not fp64), forward and backward apart: the evidence that it ran (under
+a captured CUDA graph, Python runs once per capture, so replays do not count).
 
 Modules, imported one way: reference (the oracles) <- triton <- gluon_common <- gluon_fwd, gluon_bwd,
 gluon_onepass <- this file. Off CUDA (or with the reference backend, or fp64) the entry points run the tiled
@@ -72,6 +74,7 @@ __all__ = [
     "attention_fwd",
     "bwd_route",
     "check_doc_starts",
+    "doc_mask_fallbacks",
     "choose",
     "flash_attention_bwd",
     "flash_attention_bwd_ref",
@@ -186,6 +189,23 @@ def _plan_key(kind: str, ts, scale, causal: bool) -> tuple | None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the document-mask fallback and its count
+# ---------------------------------------------------------------------------------------------------------
+_DOC_MASK_FALLBACKS = {"fwd": 0, "bwd": 0}  # process-wide: read by doc_mask_fallbacks(), never a setting
+
+
+def doc_mask_fallbacks() -> dict:
+    """{"fwd": n, "bwd": n}: document-masked flash calls that ran the tiled reference where, without the mask,
+    a Triton or Gluon kernel would have run."""
+    return dict(_DOC_MASK_FALLBACKS)
+
+
+def _count_fallback(kind: str, *ts) -> None:
+    if use_triton(*ts) and ts[0].dtype != torch.float64:
+        _DOC_MASK_FALLBACKS[kind] += 1
+
+
+# ---------------------------------------------------------------------------------------------------------
 # public entry points
 # ---------------------------------------------------------------------------------------------------------
 def flash_attention_fwd(q, k, v, causal: bool = True, scale: float | None = None, doc_starts=None):
@@ -194,7 +214,9 @@ def flash_attention_fwd(q, k, v, causal: bool = True, scale: float | None = None
     yet). Returns (o in q.dtype, lse [B, H, T] fp32, natural log)."""
     op = "flash_attention_fwd"
     if doc_starts is not None:  # fallback: no kernel takes a document mask yet
-        return flash_attention_fwd_ref(q, k, v, causal, scale, doc_starts=doc_starts)
+        o, lse = flash_attention_fwd_ref(q, k, v, causal, scale, doc_starts=doc_starts)  # validates first
+        _count_fallback("fwd", q, k, v)
+        return o, lse
     key = _plan_key("fwd", (q, k, v), scale, causal) if isinstance(q, torch.Tensor) and q.is_cuda else None
     plan = _FWD_PLANS.lookup(key)
     if plan is not None:  # this signature took the Gluon forward before
@@ -241,7 +263,9 @@ def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float |
     dv), dk and dv summed over each group of query heads."""
     op = "flash_attention_bwd"
     if doc_starts is not None:  # fallback: no kernel takes a document mask yet
-        return flash_attention_bwd_ref(do, q, k, v, o, lse, causal, scale, doc_starts=doc_starts)
+        grads = flash_attention_bwd_ref(do, q, k, v, o, lse, causal, scale, doc_starts=doc_starts)  # validates first
+        _count_fallback("bwd", do, q, k, v, o, lse)
+        return grads
     ts = (do, q, k, v, o, lse)
     cuda = all(isinstance(t, torch.Tensor) and t.is_cuda for t in ts)
     key = _plan_key("bwd", ts, scale, causal) if cuda else None
