@@ -128,6 +128,10 @@ def test_exported_tokenizer_starts_every_encoding_with_endoftext(tmp_path):
         assert hf_tok(prompt)["input_ids"] == ids, prompt
         assert hf_tok.decode(ids, skip_special_tokens=True) == prompt
     assert hf_tok.eos_token_id == tok.eot_id
+    # a literal "<|endoftext|>" in prompt text is text to both tokenizers, never the control token
+    prompt = "x = 1 <|endoftext|> y"
+    assert hf_tok(prompt)["input_ids"] == [tok.eot_id] + tok.encode(prompt)
+    assert hf_tok(prompt)["input_ids"].count(tok.eot_id) == 1
 
 
 def test_exported_tokenizer_and_greedy_generate_match_xtrain_sample(tmp_path, capsys):

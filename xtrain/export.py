@@ -274,7 +274,13 @@ def _write_export(out: Path, tensors, hf: dict, eos_id, tok_text, tokenizer_json
     )
     if tok_text is not None:
         atomic_write_text(out / "tokenizer.json", tok_text)
-        tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_config.max_seq_len}
+        # split_special_tokens: a literal "<|endoftext|>" in a prompt is text, as xtrain's tokenizer reads it
+        # (transformers would otherwise turn it into the control token: prompt text could inject one)
+        tcfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": model_config.max_seq_len,
+            "split_special_tokens": True,
+        }
         if eos_id is not None:
             tok = json.loads(Path(tokenizer_json).read_text())
             names = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
