@@ -1,12 +1,11 @@
-"""Test helpers for the Gluon backwards, run on the CPU: the SASS report of a compiled kernel (``ptxas_report``),
-and a replay of the one-pass kernel (gluon_onepass.py) in fp64 torch (``replay_math``: its programs, steps, masks
-and dQ accumulation) and of its four partitions' barrier protocol under random interleavings
-(``replay_protocol_dqwg``; ``drop`` leaves one wait out, which the replay must catch).
+"""Test helpers for the Gluon one-pass backward, run on the CPU: a replay of the kernel (gluon_onepass.py) in
+fp64 torch (``replay_math``: its programs, steps, masks and dQ accumulation) and of its four partitions' barrier
+protocol under random interleavings (``replay_protocol_dqwg``; ``drop`` leaves one wait out, which the replay must
+catch).
 """
 
 from __future__ import annotations
 
-import os
 import random
 
 import torch
@@ -16,37 +15,6 @@ from xtrain.kernels.attention import gluon_onepass as OP
 
 KH = OP.HALF_M  # keys per dK/dV warpgroup (resident tile = 2 x KH = 128 keys)
 BLOCK_M = OP.BLOCK_M  # queries per step
-
-
-def ptxas_report(ck) -> str:
-    """From the kernel's SASS (cuobjdump -sass of the cubin Triton built): HGMMA count, WARPGROUP.DEPBAR
-    (wgmma wait) count and STL (spill store) count. ptxas SERIALIZES the wgmmas ("C7512 ... insufficient
-    register resources": a wait after every HGMMA) when DEPBAR == HGMMA. cuobjdump -res-usage's LOCAL stays 0
-    for these warp-specialised kernels even when they spill: the spills live in the STACK frame. Fails loudly
-    when cuobjdump is missing or fails (as ``_child.sass_report``)."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton.backends.nvidia as nv
-
-    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-    if not os.access(tool, os.X_OK):
-        raise FileNotFoundError(f"SASS check: no cuobjdump at {tool} (Triton's NVIDIA backend ships it)")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(ck.asm["cubin"])
-        r = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=300)
-        res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, timeout=60)
-    if r.returncode != 0 or res.returncode != 0 or "Function" not in r.stdout:
-        raise RuntimeError(f"SASS check: cuobjdump failed (exit {r.returncode}, {res.returncode}): {r.stderr[-2000:]}")
-    sass = r.stdout
-    n_mma, n_dep = len(re.findall(r"\bHGMMA\b", sass)), sass.count("WARPGROUP.DEPBAR")
-    n_stl = len(re.findall(r"\bSTL\b", sass))
-    stack = re.search(r"STACK:(\d+)", res.stdout)
-    ser = "wgmma SERIALIZED" if n_mma and n_dep >= n_mma else "not serialized"
-    return f"SASS: HGMMA {n_mma}, DEPBAR {n_dep} ({ser}), STL {n_stl}, stack {stack.group(1) if stack else '?'} B"
 
 
 def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0):
