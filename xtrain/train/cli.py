@@ -378,17 +378,6 @@ def _expected_duration(timing: list[tuple[float, int]], step: int, tcfg, eval_ba
     )
 
 
-def last_train_loss(run_dir: Path) -> float:
-    """The last training row's loss in the run's metrics.jsonl (nan if none)."""
-    loss = float("nan")
-    with open(Path(run_dir) / "metrics.jsonl") as f:
-        for line in f:
-            row = json.loads(line)
-            if row.get("kind") == "train":
-                loss = row.get("loss", loss)
-    return loss
-
-
 def truncate_metrics(path: Path, step: int) -> int:
     """Cut metrics.jsonl back to the rows of steps <= ``step`` (and drop a torn last line), rewriting it
     atomically, so a resumed run's log agrees with its weights. Returns the number of rows dropped."""
@@ -669,12 +658,11 @@ def _train(
         from tqdm import tqdm
 
         bar = tqdm(total=tcfg.steps, unit="step", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
-    last_val = {}
+    last_val, last_train = {}, {}
     timing: list[tuple[float, int]] = []  # (seconds, tokens) of this invocation's first steps
 
     def on_metrics(m: dict) -> None:
-        if m.get("kind") == "eval":
-            last_val.update(m)
+        (last_val if m.get("kind") == "eval" else last_train).update(m)
         if not main:
             return
         log(m)
@@ -782,7 +770,9 @@ def _train(
             f"{math.log(meta['vocab_size']):.4f}"
         )
     else:  # no validation split (one document) or no evaluation ran: say so rather than print nan
-        print(f"no validation loss (no validation run); last train loss {last_train_loss(run_dir):.4f} nats/token")
+        print(
+            f"no validation loss (no validation run); last train loss {last_train.get('loss', math.nan):.4f} nats/token"
+        )
     print(
         f"wrote {run_dir}/ (config.json, model.safetensors, optimizer.safetensors, trainer_state.json, "
         f"metrics.jsonl, loss.png) in {time.perf_counter() - t_start:.0f}s"
