@@ -48,7 +48,7 @@ def test_cached_logits_equal_full_window_logits(tie):
     ids = torch.randint(0, 257, (3, 20), generator=torch.Generator().manual_seed(0))
     with no_grad():
         ref = m.forward(ids).data  # [B, T, V], every position from the full window
-    caches = e.new_caches(3, 20)
+    caches = SlotCache(e, 3, 20).kv
     got = [e._forward(ids[:, :7], caches, 0)]  # prefill 7, then one position at a time
     got += [e._forward(ids[:, t : t + 1], caches, t) for t in range(7, 20)]
     got = torch.stack(got, dim=1)  # [B, 14, V] for positions 6..19

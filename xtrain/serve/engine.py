@@ -142,6 +142,7 @@ class Engine:
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"Engine: cuda_graph needs a CUDA model, this one is on {self.device}")
         self.graphs = DecodeGraphs(self) if cuda_graph else None
+        self._gen_cache: SlotCache | None = None  # generate's cache, kept between calls (``_generate_cache``)
 
     # -- one layer, for a block of new positions --------------------------------------------------------
     def _qkv(self, i: int, x: torch.Tensor, pos: torch.Tensor):
@@ -256,17 +257,6 @@ class Engine:
             x = self._out_and_mlp(i, x, a)
         return self._head(x)
 
-    def new_caches(self, B: int, Tmax: int):
-        cfg = self.config
-        shape = (B, cfg.n_kv_head, Tmax, cfg.head_dim)
-        return [
-            (
-                torch.empty(shape, dtype=self.dtype, device=self.device),
-                torch.empty(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(cfg.n_layer)
-        ]
-
     def generate(
         self,
         ids: torch.Tensor,
@@ -323,7 +313,7 @@ class Engine:
     def _generate_cache(self, B: int, need: int) -> SlotCache:
         """A slot cache for ``generate``, kept between calls of the same batch size (its decode graphs with
         it), grown to the model's context when a call needs more than it holds."""
-        c = getattr(self, "_gen_cache", None)
+        c = self._gen_cache
         if c is None or c.slots != B or c.max_len < need:
             if c is not None and self.graphs is not None:  # graphs of the old cache go with it
                 self.graphs.graphs = {k: v for k, v in self.graphs.graphs.items() if v[3] is not c}
