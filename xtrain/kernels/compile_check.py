@@ -166,13 +166,14 @@ def cases() -> dict[str, Callable[[], None]]:
             for config in embedding.SHIPPED:
                 embedding.embedding_bwd_triton(d, ids, 100, config=config)
 
-        def attn(D, dt=dt):  # T = 128 takes the short-sequence configs, 1024 the others; GQA, causal and not
-            for T in (128, 1024):
+        def attn(D, dt=dt):  # T = 128 takes the short-sequence configs, 1024 the others; GQA, causal and not,
+            for T in (128, 1024):  # and causal with a document mask
                 q, k = r(1, 4, T, D, dtype=dt), r(1, 2, T, D, dtype=dt)
-                for causal in (True, False):
+                starts = (torch.arange(T) // 100 * 100)[None]
+                for causal, ds in ((True, None), (False, None), (True, starts)):
                     c = attention.choose(None, dt, T, D, causal, False)  # the Triton configs (the last of each)
-                    o, lse = attention.flash_attention_fwd_triton(q, k, k, causal, config=c.fwd[-1])
-                    attention.flash_attention_bwd_triton(q, q, k, k, o, lse, causal, config=c.bwd[-1])
+                    o, lse = attention.flash_attention_fwd_triton(q, k, k, causal, config=c.fwd[-1], doc_starts=ds)
+                    attention.flash_attention_bwd_triton(q, q, k, k, o, lse, causal, config=c.bwd[-1], doc_starts=ds)
 
         for name, fn in (
             ("rms_norm", norm),

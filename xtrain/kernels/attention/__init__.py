@@ -6,11 +6,11 @@ place that chooses between them.
     attention_fwd / attention_bwd: the composed ("math") attention of ``ops.math_attention`` (reference.py)
 
 ``doc_starts`` (int64 [B, T], packed documents: query t sees key s iff doc_starts[b, t] <= s <= t) runs the
-tiled reference on every device: the Triton and Gluon kernels take no document mask yet, so on CUDA a masked
-call is this documented fallback (correct, O(T) memory, skipping key tiles before the query tile's documents,
-but plain-torch speed). ``doc_mask_fallbacks()`` counts the calls that took it where a kernel would have run
-(CUDA tensors under the Triton backend, not fp64), forward and backward apart: the evidence that it ran (under
-a captured CUDA graph, Python runs once per capture, so replays do not count).
+Triton kernels on CUDA (their config from ``choose``; they skip key blocks outside each query block's documents,
+triton.py "Document masks") and the tiled reference elsewhere. The Hopper Gluon kernels take no document mask:
+a masked call whose unmasked twin would run a Gluon kernel runs the Triton kernel instead, the one documented
+fallback. ``doc_mask_fallbacks()`` counts those calls, forward and backward apart (under a captured CUDA graph,
+Python runs once per capture, so replays do not count).
 
 Modules, imported one way: reference (the oracles) <- triton <- gluon_common <- gluon_fwd, gluon_bwd,
 gluon_onepass <- this file. Off CUDA (or with the reference backend, or fp64) the entry points run the tiled
@@ -195,14 +195,43 @@ _DOC_MASK_FALLBACKS = {"fwd": 0, "bwd": 0}  # process-wide: read by doc_mask_fal
 
 
 def doc_mask_fallbacks() -> dict:
-    """{"fwd": n, "bwd": n}: document-masked flash calls that ran the tiled reference where, without the mask,
-    a Triton or Gluon kernel would have run."""
+    """{"fwd": n, "bwd": n}: document-masked flash calls that ran the Triton kernel where, without the mask, a
+    Gluon kernel would have run."""
     return dict(_DOC_MASK_FALLBACKS)
 
 
-def _count_fallback(kind: str, *ts) -> None:
-    if use_triton(*ts) and ts[0].dtype != torch.float64:
-        _DOC_MASK_FALLBACKS[kind] += 1
+def _doc_fwd(q, k, v, causal, scale, doc_starts):
+    """The masked forward: the Triton kernel where a kernel runs (counted when the unmasked call's route is a
+    Gluon kernel), else the tiled reference."""
+    op = "flash_attention_fwd"
+    _check_qkv(op, q, k, v)
+    check_doc_starts(op, doc_starts, q, causal)
+    fwd = _choice(q, causal).fwd if use_triton(q, k, v) and q.dtype != torch.float64 else ()
+    if not fwd:
+        return flash_attention_fwd_ref(q, k, v, causal, scale, doc_starts=doc_starts)
+    _check_triton(op, q, k, v)
+    s = _scale(op, scale, q.shape[-1])
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    if isinstance(fwd[0], GluonFwdConfig) and gluon_fwd.supported(q, k, v):
+        _DOC_MASK_FALLBACKS["fwd"] += 1
+    return flash_attention_fwd_triton(q, k, v, causal, s, config=fwd[-1], doc_starts=doc_starts)
+
+
+def _doc_bwd(do, q, k, v, o, lse, causal, scale, doc_starts):
+    """The masked backward, routed as ``_doc_fwd``."""
+    op = "flash_attention_bwd"
+    _check_bwd(op, do, q, k, v, o, lse)
+    check_doc_starts(op, doc_starts, q, causal)
+    bwd = _choice(q, causal).bwd if use_triton(do, q, k, v, o, lse) and q.dtype != torch.float64 else ()
+    if not bwd:
+        return flash_attention_bwd_ref(do, q, k, v, o, lse, causal, scale, doc_starts=doc_starts)
+    _check_triton(op, q, k, v)
+    s = _scale(op, scale, q.shape[-1])
+    do = do.to(q.dtype)
+    name, _ = bwd_route(do, q, k, v, o, lse, causal)
+    if name != "triton":
+        _DOC_MASK_FALLBACKS["bwd"] += 1
+    return flash_attention_bwd_triton(do, q, k, v, o, lse, causal, s, config=bwd[-1], doc_starts=doc_starts)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -210,13 +239,11 @@ def _count_fallback(kind: str, *ts) -> None:
 # ---------------------------------------------------------------------------------------------------------
 def flash_attention_fwd(q, k, v, causal: bool = True, scale: float | None = None, doc_starts=None):
     """Flash attention forward: the kernel ``choose`` gives on CUDA (fp32/bf16/fp16, D in 32/64/128), else the
-    tiled reference; with ``doc_starts`` the tiled reference on every device (the kernels take no document mask
-    yet). Returns (o in q.dtype, lse [B, H, T] fp32, natural log)."""
+    tiled reference; with ``doc_starts`` the Triton kernel on CUDA (module docstring). Returns (o in q.dtype, lse
+    [B, H, T] fp32, natural log)."""
     op = "flash_attention_fwd"
-    if doc_starts is not None:  # fallback: no kernel takes a document mask yet
-        o, lse = flash_attention_fwd_ref(q, k, v, causal, scale, doc_starts=doc_starts)  # validates first
-        _count_fallback("fwd", q, k, v)
-        return o, lse
+    if doc_starts is not None:
+        return _doc_fwd(q, k, v, causal, scale, doc_starts)
     key = _plan_key("fwd", (q, k, v), scale, causal) if isinstance(q, torch.Tensor) and q.is_cuda else None
     plan = _FWD_PLANS.lookup(key)
     if plan is not None:  # this signature took the Gluon forward before
@@ -259,13 +286,11 @@ def bwd_route(do, q, k, v, o, lse, causal: bool = True) -> tuple:
 
 def flash_attention_bwd(do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, doc_starts=None):
     """Flash attention backward: the kernel ``choose`` gives on CUDA (fp32/bf16/fp16, D in 32/64/128), else the
-    tiled reference; with ``doc_starts`` the tiled reference on every device, as the forward. Returns (dq, dk,
-    dv), dk and dv summed over each group of query heads."""
+    tiled reference; with ``doc_starts`` the Triton kernels on CUDA, as the forward. Returns (dq, dk, dv), dk and
+    dv summed over each group of query heads."""
     op = "flash_attention_bwd"
-    if doc_starts is not None:  # fallback: no kernel takes a document mask yet
-        grads = flash_attention_bwd_ref(do, q, k, v, o, lse, causal, scale, doc_starts=doc_starts)  # validates first
-        _count_fallback("bwd", do, q, k, v, o, lse)
-        return grads
+    if doc_starts is not None:
+        return _doc_bwd(do, q, k, v, o, lse, causal, scale, doc_starts)
     ts = (do, q, k, v, o, lse)
     cuda = all(isinstance(t, torch.Tensor) and t.is_cuda for t in ts)
     key = _plan_key("bwd", ts, scale, causal) if cuda else None

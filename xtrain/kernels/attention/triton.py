@@ -18,6 +18,14 @@ the last ``tail_waves`` waves of heads, which start tile-major so the grid ends 
 descriptors (TMA) load the streamed tiles where the config asks and T is a multiple of the tiles.
 On an H200 (bf16, causal) these kernels run at 0.8-1.0x cuDNN; on Hopper the routing sends the shapes where
 the Gluon kernels are faster to them.
+
+Document masks (``doc_starts`` int64 [B, T], packed documents: query t sees key s iff ds[t] <= s <= t; the idea of
+skipping whole blocks is that of FlexAttention's block masks). A query-tile program (forward, dQ) reads its rows'
+starts and splits the keys left of its diagonal in three: tiles before the earliest start are skipped, tiles up
+to the latest start run masked, the rest run the unmasked hot loop; the diagonal band is masked by both rules. A
+dK/dV program reads two per-tile bounds computed on the device (``doc_query_bounds``): query rows after the band
+that see the whole key tile run unmasked, later rows masked up to the last row that sees any key of the tile,
+and no row after it is visited. So for documents shorter than T the work falls with the mean document length.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch
 
 from xtrain.kernels._consts import LN2, LOG2E
 from xtrain.kernels._dispatch import HAVE_TRITON, run_side_by_side, sm_count
-from xtrain.kernels.attention.reference import _check_bwd, _check_qkv, _scale, _shapes
+from xtrain.kernels.attention.reference import _check_bwd, _check_qkv, _scale, _shapes, check_doc_starts
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 PRE_M = 64  # rows of o / dO per program of the delta preprocess
@@ -99,13 +107,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale, lo, hi,
-        MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, starts, T, qk_scale,
+        lo, hi, MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DOC: tl.constexpr = False,
     ):  # fmt: skip
         """Online-softmax update of (acc, l_i, m_i) over the K/V tiles starting at lo, lo+BLOCK_N, .. < hi.
         m_i is kept in the log2 domain (scores times qk_scale = scale·log2 e). MASK=False is the hot loop:
-        no mask arithmetic, every key valid."""
+        no mask arithmetic, every key valid. DOC (with MASK): also drop keys before each row's document start
+        ``starts`` [BLOCK_M]; a row may then have seen no key yet (m_i = -inf), so the exponent subtracts 0 there."""
         offs_d = tl.arange(0, HEAD_DIM)
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -124,10 +133,16 @@ if HAVE_TRITON:
                     keep = offs_m[:, None] >= offs_n[None, :]  # also drops keys >= T: every query row < T
                 else:
                     keep = (offs_n < T)[None, :]
+                if DOC:
+                    keep = keep & (offs_n[None, :] >= starts[:, None])
                 s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+            if DOC:
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            p = tl.exp2(s * qk_scale - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)  # 0 on the first tile (m_i = -inf)
             l_i = l_i * alpha + tl.sum(p, 1)
             if USE_TMA:
                 v = desc_v.load([kv_row0 + start_n, 0])
@@ -142,14 +157,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _flash_fwd_kernel(
-        Q, K, V, O, LSE, desc_k, desc_v, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb,
-        stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, H, T, GROUP, qk_scale, TAIL, CAUSAL: tl.constexpr,
-        EVEN_T: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+        Q, K, V, O, LSE, DS, desc_k, desc_v, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+        stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, H, T, GROUP, qk_scale, TAIL,
+        CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DOC: tl.constexpr = False,
     ):  # fmt: skip
         """One program: BLOCK_M query rows of one (batch, head); a 1-D grid of cdiv(T, BLOCK_M)·B·H programs
         in ``_tail_order``. With USE_TMA, K/V tiles come through host-built tensor descriptors over the
-        [B*Hkv*T, D] rows."""
+        [B*Hkv*T, D] rows. DOC: packed documents, DS the contiguous int64 [B, T] document starts (module
+        docstring, "Document masks")."""
         nb = tl.cdiv(T, BLOCK_M)
         pid_m, off_bh = _tail_order(tl.program_id(0), nb, tl.num_programs(0) // nb, TAIL)
         if CAUSAL:  # heaviest query tiles first: the short ones fill the tail of the grid
@@ -177,9 +193,23 @@ if HAVE_TRITON:
             mid = start_m  # keys strictly left of this query tile: never masked
         else:
             mid = (T // BLOCK_N) * BLOCK_N  # every full K/V tile
+        lo = 0
+        starts = offs_m  # unused without DOC
+        if DOC:  # key tiles before the rows' earliest start: skipped; up to the latest start: masked
+            starts = tl.load(DS + off_b.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0).to(tl.int32)
+            first = tl.min(tl.where(offs_m < T, starts, T))
+            last = tl.max(starts)
+            full = tl.minimum(tl.cdiv(last, BLOCK_N) * BLOCK_N, mid)
+            lo = tl.minimum((first // BLOCK_N) * BLOCK_N, full)
+            acc, l_i, m_i = _fwd_tiles(
+                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, starts, T,
+                qk_scale, lo=lo, hi=full, MASK=True, CAUSAL=CAUSAL, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N,
+                HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA, DOC=True,
+            )  # fmt: skip
+            lo = full
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale,
-            lo=0, hi=mid, MASK=False, CAUSAL=CAUSAL, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, starts, T,
+            qk_scale, lo=lo, hi=mid, MASK=False, CAUSAL=CAUSAL, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
             DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
         )  # fmt: skip
         if CAUSAL or not EVEN_T:  # the diagonal band (causal mask) or the ragged last K/V tile (keys >= T masked)
@@ -188,9 +218,9 @@ if HAVE_TRITON:
             else:
                 end = T
             acc, l_i, m_i = _fwd_tiles(
-                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale,
-                lo=mid, hi=end, MASK=True, CAUSAL=CAUSAL, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-                DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
+                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, starts, T,
+                qk_scale, lo=mid, hi=end, MASK=True, CAUSAL=CAUSAL, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N,
+                HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA, DOC=DOC,
             )  # fmt: skip
         acc = acc / l_i[:, None]
         lse = (m_i + tl.log2(l_i)) * _LN2  # log2 domain -> natural log
@@ -265,13 +295,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _bwd_dkdv_tiles(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_row0, offs_n, T,
-        qk_scale, lo, hi, MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot, desc_q, desc_do, q_row0,
+        offs_n, T, qk_scale, lo, hi, MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DOC: tl.constexpr = False,
     ):  # fmt: skip
         """Accumulate dK, dV of one resident K/V tile over the query tiles lo, lo+BLOCK_M, .. < hi, working
         transposed ([keys, queries]) so the products with q and dO need no transposes of the results.
-        Query rows >= T load as zeros (q, dO, lse, delta) and so contribute exactly zero."""
+        Query rows >= T load as zeros (q, dO, lse, delta) and so contribute exactly zero. MASK: the causal mask;
+        DOC (with MASK): also drop keys before each query row's document start (read from ``ds_base``)."""
         offs_d = tl.arange(0, HEAD_DIM)
         for start_m in range(lo, hi, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -290,7 +321,11 @@ if HAVE_TRITON:
             s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
             p_t = tl.exp2(s_t * qk_scale - (lse * _LOG2E)[None, :])  # lse to log2 domain
             if MASK:
-                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+                keep = offs_m[None, :] >= offs_n[:, None]
+                if DOC:
+                    starts = tl.load(ds_base + offs_m, mask=offs_m < T, other=0).to(tl.int32)
+                    keep = keep & (offs_n[:, None] >= starts[None, :])
+                p_t = tl.where(keep, p_t, 0.0)
             if USE_TMA:
                 do = desc_do.load([q_row0 + start_m, 0])
                 delta = tl.load(delta_base + offs_m)
@@ -308,15 +343,16 @@ if HAVE_TRITON:
 
     @triton.jit
     def _flash_bwd_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
-        stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh,
-        stride_dkt, stride_dvb, stride_dvh, stride_dvt, H, Hkv, T, GROUP, qk_scale, sm_scale, TAIL,
+        Q, K, V, DO, LSE, DELTA, DK, DV, DS, QB, desc_q, desc_do, stride_qb, stride_qh, stride_qt, stride_kb,
+        stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, stride_dkb,
+        stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, H, Hkv, T, GROUP, qk_scale, sm_scale, TAIL,
         CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DOC: tl.constexpr = False,
     ):  # fmt: skip
         """One program: BLOCK_N keys of one (batch, K/V head), over all query heads of its group; a 1-D grid
         of cdiv(T, BLOCK_N)·B·Hkv programs in ``_tail_order``. Causal programs at small pid_n have the most
-        work and start first."""
+        work and start first. DOC: packed documents; DS the int64 [B, T] document starts, QB the int32
+        [B, cdiv(T, BLOCK_N), 2] query-row bounds of each key tile (``doc_query_bounds``)."""
         nb = tl.cdiv(T, BLOCK_N)
         pid_n, off_bkv = _tail_order(tl.program_id(0), nb, tl.num_programs(0) // nb, TAIL)
         off_b = off_bkv // Hkv
@@ -346,6 +382,14 @@ if HAVE_TRITON:
             v = tl.load(v_ptrs, mask=offs_n[:, None] < T, other=0.0)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        ds_base = DS
+        full_end = T
+        rows_end = T
+        if DOC:  # query rows [band end, full_end) see the whole key tile; [full_end, rows_end) part of it
+            ds_base = DS + off_b.to(tl.int64) * T
+            bounds = QB + (off_b * nb + pid_n).to(tl.int64) * 2
+            rows_end = tl.load(bounds + 1)
+            full_end = tl.maximum((tl.load(bounds) // BLOCK_M) * BLOCK_M, start_n + BLOCK_N)
         for g in range(GROUP):
             off_h = off_kvh * GROUP + g
             q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
@@ -355,18 +399,25 @@ if HAVE_TRITON:
             q_row0 = (off_b * H + off_h) * T  # first row of this head in [B*H*T, D] (TMA coordinates)
             if CAUSAL:  # query rows in this key tile's diagonal band see only part of it: masked
                 dk, dv = _bwd_dkdv_tiles(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_row0,
-                    offs_n, T, qk_scale, lo=start_n, hi=tl.minimum(start_n + BLOCK_N, T), MASK=True, EVEN_T=EVEN_T,
-                    BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot, desc_q,
+                    desc_do, q_row0, offs_n, T, qk_scale, lo=start_n, hi=tl.minimum(start_n + BLOCK_N, T), MASK=True,
+                    EVEN_T=EVEN_T, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
+                    DOC=DOC,
                 )  # fmt: skip
                 below = start_n + BLOCK_N  # query rows below the band see all of it
             else:
                 below = 0
             dk, dv = _bwd_dkdv_tiles(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_row0,
-                offs_n, T, qk_scale, lo=below, hi=T, MASK=False, EVEN_T=EVEN_T, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM,
-                DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot, desc_q, desc_do,
+                q_row0, offs_n, T, qk_scale, lo=below, hi=full_end, MASK=False, EVEN_T=EVEN_T, BLOCK_M=BLOCK_M,
+                HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
             )  # fmt: skip
+            if DOC:  # rows of later documents up to the last row that sees a key of this tile
+                dk, dv = _bwd_dkdv_tiles(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, ds_base, stride_qt, stride_dot, desc_q,
+                    desc_do, q_row0, offs_n, T, qk_scale, lo=full_end, hi=rows_end, MASK=True, EVEN_T=EVEN_T,
+                    BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA, DOC=True,
+                )  # fmt: skip
         dk = dk * sm_scale
         dk_ptrs = (
             DK
@@ -391,12 +442,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _bwd_dq_tiles(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale, lo,
-        hi, MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, starts, T,
+        qk_scale, lo, hi, MASK: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DOC: tl.constexpr = False,
     ):  # fmt: skip
         """Accumulate dQ of one resident query tile over the K/V tiles lo, lo+BLOCK_N, .. < hi.
-        Keys >= T load as zero rows of K, so their dS (whatever it is) times k adds exactly zero."""
+        Keys >= T load as zero rows of K, so their dS (whatever it is) times k adds exactly zero. DOC (with
+        MASK): also drop keys before each row's document start ``starts`` [BLOCK_M]."""
         offs_d = tl.arange(0, HEAD_DIM)
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -415,7 +467,10 @@ if HAVE_TRITON:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
             p = tl.exp2(s * qk_scale - lse2[:, None])
             if MASK:
-                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+                keep = offs_m[:, None] >= offs_n[None, :]
+                if DOC:
+                    keep = keep & (offs_n[None, :] >= starts[:, None])
+                p = tl.where(keep, p, 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -423,13 +478,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _flash_bwd_dq_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-        stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt, H, T,
-        GROUP, qk_scale, sm_scale, TAIL, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+        Q, K, V, DO, LSE, DELTA, DQ, DS, desc_k, desc_v, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
+        stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh,
+        stride_dqt, H, T, GROUP, qk_scale, sm_scale, TAIL, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        USE_TMA: tl.constexpr, DOC: tl.constexpr = False,
     ):  # fmt: skip
         """One program: BLOCK_M query rows of one (batch, head); a 1-D grid of cdiv(T, BLOCK_M)·B·H programs in
-        ``_tail_order``, heaviest causal tiles first."""
+        ``_tail_order``, heaviest causal tiles first. DOC: as the forward kernel (the same key tiles)."""
         nb = tl.cdiv(T, BLOCK_M)
         pid_m, off_bh = _tail_order(tl.program_id(0), nb, tl.num_programs(0) // nb, TAIL)
         if CAUSAL:
@@ -474,16 +530,28 @@ if HAVE_TRITON:
             mid = start_m  # keys strictly left of this query tile: never masked
         else:
             mid = T
+        lo = 0
+        starts = offs_m  # unused without DOC
+        if DOC:  # as in the forward: skipped, then masked, key tiles before the rows' latest document start
+            starts = tl.load(DS + off_b.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0).to(tl.int32)
+            full = tl.minimum(tl.cdiv(tl.max(starts), BLOCK_N) * BLOCK_N, mid)
+            lo = tl.minimum((tl.min(tl.where(offs_m < T, starts, T)) // BLOCK_N) * BLOCK_N, full)
+            dq = _bwd_dq_tiles(
+                dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, starts,
+                T, qk_scale, lo=lo, hi=full, MASK=True, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+                DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA, DOC=True,
+            )  # fmt: skip
+            lo = full
         dq = _bwd_dq_tiles(
-            dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T, qk_scale,
-            lo=0, hi=mid, MASK=False, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
-            USE_TMA=USE_TMA,
+            dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, starts, T,
+            qk_scale, lo=lo, hi=mid, MASK=False, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+            DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
         )  # fmt: skip
         if CAUSAL:  # the diagonal band: causal mask
             dq = _bwd_dq_tiles(
-                dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, T,
-                qk_scale, lo=start_m, hi=tl.minimum(start_m + BLOCK_M, T), MASK=True, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N,
-                HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
+                dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, starts,
+                T, qk_scale, lo=start_m, hi=tl.minimum(start_m + BLOCK_M, T), MASK=True, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N,
+                HEAD_DIM=HEAD_DIM, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA, DOC=DOC,
             )  # fmt: skip
         dq = dq * sm_scale
         dq_ptrs = (
@@ -577,12 +645,32 @@ def preprocess_launch(o, do, delta, lse=None, lse2=None, cols=None, inv_scale: f
     return (triton.cdiv(T, PRE_M), B * H), args
 
 
-def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None = None, *, config, o=None, lse=None):
+def doc_query_bounds(doc_starts: torch.Tensor, block_n: int) -> torch.Tensor:
+    """int32 [B, cdiv(T, block_n), 2]: for key tile j (keys n0 = j·block_n .. n1 - 1) of row b, (F, R): every
+    query row t in [n1, F) sees the whole tile (its document starts at or before n0), and no row t >= R sees
+    any of it (its document starts after n1 - 1). F = #{t : max(ds[..t]) <= n0} (prefix maxima are sorted),
+    R = #{t : min(ds[t..]) <= n1 - 1} (suffix minima are sorted): exact for any starts, not only the sorted ones
+    that ``xtrain.model.doc_starts`` gives. Device ops only (no host read: fine under a CUDA graph capture)."""
+    B, T = doc_starts.shape
+    n0 = torch.arange(0, T, block_n, device=doc_starts.device)
+    n1 = torch.clamp(n0 + block_n, max=T)
+    pre_max = torch.cummax(doc_starts, dim=1).values
+    suf_min = torch.cummin(doc_starts.flip(1), dim=1).values.flip(1).contiguous()
+    full = torch.searchsorted(pre_max, n0.expand(B, -1).contiguous(), right=True)
+    rows = torch.searchsorted(suf_min, (n1 - 1).expand(B, -1).contiguous(), right=True)
+    return torch.stack((full, rows), dim=-1).to(torch.int32).contiguous()
+
+
+def flash_attention_fwd_triton(
+    q, k, v, causal: bool = True, scale: float | None = None, *, config, o=None, lse=None, doc_starts=None
+):
     """Launch the forward kernel with ``config`` (a ``TritonFwdConfig``). ``o``/``lse``: optional output buffers
-    (tests pass NaN-poisoned ones)."""
+    (tests pass NaN-poisoned ones). ``doc_starts``: int64 [B, T] packed-document starts (the reference's
+    contract: query t sees key s iff doc_starts[b, t] <= s <= t)."""
     op = "flash_attention_fwd_triton"
     _check_qkv(op, q, k, v)
     _check_triton(op, q, k, v)
+    check_doc_starts(op, doc_starts, q, causal)
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     s = _scale(op, scale, D)
@@ -605,6 +693,7 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
         V=v,
         O=o,
         LSE=lse,
+        DS=None if doc_starts is None else doc_starts.contiguous(),
         desc_k=desc_k,
         desc_v=desc_v,
         **_strides("q", q),
@@ -623,6 +712,7 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
         BLOCK_N=BLOCK_N,
         DOT_PRECISION=_precision(q.dtype),
         USE_TMA=use_tma,
+        DOC=doc_starts is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -630,13 +720,28 @@ def flash_attention_fwd_triton(q, k, v, causal: bool = True, scale: float | None
 
 
 def flash_attention_bwd_triton(
-    do, q, k, v, o, lse, causal: bool = True, scale: float | None = None, *, config, dq=None, dk=None, dv=None
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    config,
+    dq=None,
+    dk=None,
+    dv=None,
+    doc_starts=None,
 ):
     """Launch the delta preprocess, the dK/dV and the dQ kernels with ``config`` (a ``TritonBwdConfig``). No
-    atomics: bit-identical run to run. ``dq``/``dk``/``dv``: optional output buffers."""
+    atomics: bit-identical run to run. ``dq``/``dk``/``dv``: optional output buffers. ``doc_starts``: as the
+    forward."""
     op = "flash_attention_bwd_triton"
     _check_bwd(op, do, q, k, v, o, lse)
     _check_triton(op, q, k, v)
+    check_doc_starts(op, doc_starts, q, causal)
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     s = _scale(op, scale, D)
@@ -656,6 +761,14 @@ def flash_attention_bwd_triton(
     _flash_bwd_preprocess_kernel[pre_grid](**pre_args)
     prec = _precision(q.dtype)
     common = dict(H=H, T=T, GROUP=H // Hkv, qk_scale=s * LOG2E, sm_scale=s, CAUSAL=bool(causal), HEAD_DIM=D)
+    doc = doc_starts is not None
+    if doc:
+        doc_starts = doc_starts.contiguous()
+        common.update(DS=doc_starts, DOC=True)
+        bounds = doc_query_bounds(doc_starts, BN1)
+    else:
+        common.update(DS=None, DOC=False)
+        bounds = None
     even1 = T % BM1 == 0 and T % BN1 == 0
     use_tma1 = _tma_ok(tma1, even1, q, do)
     desc_q, desc_do = (_descriptor(q, BM1), _descriptor(do, BM1)) if use_tma1 else (None, None)
@@ -671,6 +784,7 @@ def flash_attention_bwd_triton(
             DELTA=delta,
             DK=dk,
             DV=dv,
+            QB=bounds,
             desc_q=desc_q,
             desc_do=desc_do,
             **_strides("q", q),
