@@ -26,11 +26,24 @@ default) compares contenders measured a few hundred milliseconds apart, which at
 from 0.89 to 1.00 across processes (bench/RESULTS.md).
 
 ``--sweep`` first times a few kernel configs per head dim at one T and uses the fastest in the table.
+
+``--docs [MEAN ...]``: packed documents (default mean lengths 256 512 1024 2048; ``bench/_docs.py`` draws
+geometric lengths per row, a row opening mid-document), causal bf16 at T = 4k, 8k, 16k, head dims 64 and 128.
+Contenders, fwd and bwd each: xtrain's ``flash_attention_fwd/bwd`` with ``doc_starts``; FlexAttention under
+``torch.compile`` with the same mask (``create_block_mask``, causal and same document; its build timed apart on
+the wall clock, since training builds one per batch; its backward through torch.autograd); full causal SDPA
+without the document mask (the fastest backend per direction), the anchor that a mask has to beat by skipping
+work. Ratios are speeds (the other's ms / xtrain's); goal lines: xtrain fwd+bwd >= 1.2x FlexAttention at every
+cell, and faster than full causal SDPA where the mean document is at most T/4. xtrain's outputs (o, dq, dk, dv)
+are checked against FlexAttention's at every cell, from the timed calls. Without CUDA (or ``--device cpu``) it
+runs fp32 at T = 256 .. 1024 with FlexAttention eager (unfused; torch has no FlexAttention backward on the CPU,
+so its bwd cells print '-'; ``--flex compiled`` compiles it, about 20 s per shape on two cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import sys
@@ -329,12 +342,428 @@ def verify(D, fcfg, bcfg, causal, T=4096, B=1, H=4, Hkv=2):
     return max(float((a.double() - b).norm() / b.norm()) for a, b in zip(got, want))
 
 
+# -- packed documents (--docs) --------------------------------------------------------------------------------
+
+DOC_MEANS = {"cuda": [256, 512, 1024, 2048], "cpu": [64, 256]}
+DOC_DEFAULTS = {  # per device: seqs, head dims, tokens (B·T), width (H·D), timed calls per measurement
+    "cuda": dict(seqs=[4096, 8192, 16384], head_dims=[64, 128], tokens=16384, width=2048, reps=30),
+    "cpu": dict(seqs=[256, 512, 1024], head_dims=[64], tokens=2048, width=256, reps=5),
+}
+FLEX_BLOCK = 128  # create_block_mask's BLOCK_SIZE (its default)
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def wall_ms(fn, dev, reps: int, warmup: int = 1) -> float:
+    """Median wall-clock ms of ``fn()`` (the device synchronised around each call)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def time_ms(fn, dev, reps: int) -> float:
+    """ms per call: GPU time (``bench._gpu.gpu_time`` through ``_bench``) on CUDA, the wall clock on the CPU."""
+    if dev.type == "cuda":
+        return _bench(fn, reps=reps)
+    return wall_ms(fn, dev, reps)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def kept_fraction(ds: torch.Tensor) -> float:
+    """The fraction of the causal mask's (query, key) pairs that the document mask keeps."""
+    T = ds.shape[-1]
+    t = torch.arange(T, device=ds.device)
+    return float((t - ds + 1).sum()) / (ds.shape[0] * T * (T + 1) / 2)
+
+
+def doc_mask_mod(ds: torch.Tensor):
+    """FlexAttention mask_mod: causal, and the key in the query's document (doc_starts[b, q] <= kv)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (ds[b, q_idx] <= kv_idx)
+
+    return mask_mod
+
+
+class Flex:
+    """FlexAttention with a document mask: ``mode`` "compiled" (``torch.compile(flex_attention, dynamic=False)``,
+    block masks built with ``create_block_mask(..., _compile=True)`` where that option exists) or "eager" (the
+    unfused implementation, which materialises the scores: a correctness check and plumbing, not a speed)."""
+
+    def __init__(self, mode: str, dev):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        self.mode, self.dev, self._create = mode, dev, create_block_mask
+        self.fn = flex_attention
+        self.mask_kw = {"device": dev, "BLOCK_SIZE": FLEX_BLOCK}
+        if mode == "compiled":
+            import torch._dynamo
+
+            cfg = torch._dynamo.config
+            for name in ("recompile_limit", "cache_size_limit"):  # one compile per (T, D) and per grad mode
+                if hasattr(cfg, name):
+                    setattr(cfg, name, max(64, getattr(cfg, name)))
+                    break
+            if hasattr(cfg, "fail_on_recompile_limit_hit"):  # never time the unfused eager fallback as "compiled"
+                cfg.fail_on_recompile_limit_hit = True
+            self.fn = torch.compile(flex_attention, dynamic=False)
+            if "_compile" in inspect.signature(create_block_mask).parameters:
+                import warnings
+
+                self.mask_kw["_compile"] = True
+                warnings.filterwarnings("ignore", message="_compile flag on create_block_mask")  # newer torch
+        else:
+            import warnings
+
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+
+    @property
+    def label(self) -> str:
+        if self.mode == "compiled":
+            return "flex (compiled" + (", mask compiled)" if self.mask_kw.get("_compile") else ")")
+        return "flex (eager, unfused)"
+
+    def block_mask(self, ds: torch.Tensor):
+        B, T = ds.shape
+        try:
+            return self._create(doc_mask_mod(ds), B, None, T, T, **self.mask_kw)
+        except Exception:
+            if not self.mask_kw.pop("_compile", False):
+                raise
+            print("  flex: create_block_mask(_compile=True) failed; building masks uncompiled", flush=True)
+            return self._create(doc_mask_mod(ds), B, None, T, T, **self.mask_kw)
+
+    def __call__(self, q, k, v, bm):
+        return self.fn(q, k, v, block_mask=bm)
+
+
+def _inputs_on(B, H, T, D, dtype, dev, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return [torch.randn(B, H, T, D, generator=g, device=dev, dtype=dtype) for _ in range(4)]  # q k v do
+
+
+class Failures:
+    """Prints a contender's failure in one line, once per (contender, part, message)."""
+
+    def __init__(self):
+        self.seen: set = set()
+
+    def __call__(self, who: str, e: Exception) -> None:
+        msg = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+        if (who, msg) not in self.seen:
+            self.seen.add((who, msg))
+            print(f"  {who} failed ({msg}); its cells print '-'", flush=True)
+
+
+def time_xtrain_docs(q, k, v, do, ds, dev, reps):
+    """(fwd_ms, bwd_ms, (o, dq, dk, dv)) of xtrain's flash attention with the document mask."""
+    f = lambda: FA.flash_attention_fwd(q, k, v, True, doc_starts=ds)  # noqa: E731
+    fwd_ms = time_ms(f, dev, reps)
+    o, lse = f()
+    b = lambda: FA.flash_attention_bwd(do, q, k, v, o, lse, True, doc_starts=ds)  # noqa: E731
+    bwd_ms = time_ms(b, dev, reps)
+    return fwd_ms, bwd_ms, (o, *b())
+
+
+def time_flex_docs(flex, q, k, v, do, ds, dev, reps, fail):
+    """{"mask": ms, "fwd": ms, "bwd": ms} (a part that failed is missing) and the outputs [o, dq, dk, dv] that
+    ran. The block mask's build is timed on the wall clock (host work, device synchronised): a training step
+    builds it for every batch. The backward runs through torch.autograd, as ``time_sdpa``'s does."""
+    ms, outs = {}, []
+    try:
+        flex.block_mask(ds)  # warm-up (compiles once per shape)
+        ms["mask"] = wall_ms(lambda: flex.block_mask(ds), dev, max(3, reps // 3), warmup=0)
+        bm = flex.block_mask(ds)
+        f = lambda: flex(q, k, v, bm)  # noqa: E731
+        ms["fwd"] = time_ms(f, dev, reps)
+        outs.append(f())
+    except Exception as e:
+        fail(flex.label + " forward", e)
+        return ms, outs
+    try:
+        qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        out = flex(qr, kr, vr, bm)
+        b = lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)  # noqa: E731
+        ms["bwd"] = time_ms(b, dev, reps)
+        outs += list(b())
+    except Exception as e:
+        fail(flex.label + " backward", e)
+    return ms, outs
+
+
+def time_sdpa_docs(q, k, v, do, dev, reps, fail):
+    """Full causal SDPA (no document mask): {"fwd", "bwd", "backend"} of the fastest backend per direction
+    (CUDA: every backend of ``sdpa_backends`` that runs, as the plain table; CPU: torch's default)."""
+    if dev.type == "cuda":
+        got = {n: time_sdpa(b, q, k, v, do, True) for n, b in sdpa_backends().items()}
+        got = {n: t for n, t in got.items() if t is not None}
+        if not got:
+            fail("sdpa", RuntimeError("no backend runs these inputs"))
+            return {}
+        fwd_n, bwd_n = (min(got, key=lambda n, i=i: got[n][i]) for i in (0, 1))
+        return {"fwd": got[fwd_n][0], "bwd": got[bwd_n][1], "backend": f"{fwd_n}/{bwd_n}", "all": got}
+    import torch.nn.functional as F
+
+    try:
+        ms = {"fwd": time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), dev, reps)}
+        qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+        b = lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)  # noqa: E731
+        ms["bwd"] = time_ms(b, dev, reps)
+        ms["backend"] = "default"
+        return ms
+    except Exception as e:
+        fail("sdpa", e)
+        return {}
+
+
+def _total(ms: dict) -> float | None:
+    return ms["fwd"] + ms["bwd"] if "fwd" in ms and "bwd" in ms else None
+
+
+def speed_ratios(xt: dict, other: dict) -> dict:
+    """other's ms / xtrain's ms (above 1: xtrain faster) for fwd, bwd and fwd+bwd, where both were timed."""
+    out = {p: other[p] / xt[p] for p in ("fwd", "bwd") if p in other and p in xt}
+    if _total(xt) is not None and _total(other) is not None:
+        out["total"] = _total(other) / _total(xt)
+    return out
+
+
+def docs_goals(rows: list) -> list[str]:
+    """The two goal lines: xtrain fwd+bwd >= 1.2x FlexAttention at every cell; faster than full causal SDPA
+    where mean doc <= T/4. Cells without both totals are counted apart."""
+
+    def line(head, cells, ratio_of, bar):
+        got = [(r, ratio_of(r)) for r in cells]
+        meas = [(r, x) for r, x in got if x is not None]
+        missed = [f"T={r['T']} D={r['D']} doc={r['mean']} {x:.2f}" for r, x in meas if not x >= bar]
+        s = f"goal: {head}: met at {len(meas) - len(missed)} of {len(meas)} cells"
+        s += f"; missed at {', '.join(missed)}" if missed else ""
+        return s + (f" ({len(got) - len(meas)} cells without both fwd+bwd times)" if len(meas) < len(got) else "")
+
+    return [
+        line(
+            "xtrain fwd+bwd >= 1.2x FlexAttention at every cell (block mask build not counted)",
+            rows,
+            lambda r: r["vs_flex"].get("total"),
+            1.2,
+        ),
+        line(
+            "xtrain fwd+bwd faster than full causal SDPA where mean doc <= T/4",
+            [r for r in rows if r["mean"] <= r["T"] / 4],
+            lambda r: r["vs_sdpa"].get("total"),
+            1.0,
+        ),
+    ]
+
+
+def _ms_cell(ms: dict) -> str:
+    f = lambda p: f"{ms[p]:.2f}" if p in ms else "-"  # noqa: E731
+    return f"{f('fwd')}/{f('bwd')}"
+
+
+def _ratio_cell(r: dict) -> str:
+    f = lambda p: f"{r[p]:.2f}" if p in r else "-"  # noqa: E731
+    return f"{f('fwd')}/{f('bwd')}/{f('total')}"
+
+
+def docs_table(rows: list, flex_label: str, sdpa_note: str) -> list[str]:
+    hdr = (
+        f"{'T':>6} {'D':>4} {'doc':>5} {'kept':>5} | {'xtrain':>13} | {'flex':>13} {'mask':>6} | {'sdpa':>13} | "
+        f"{'vs flex':>14} | {'vs sdpa':>14} | {'err':>7}"
+    )
+    out = [
+        f"\nms fwd/bwd; flex = {flex_label}, mask = its block mask build (wall clock, its own column); "
+        f"sdpa = full causal, no document mask ({sdpa_note}); vs X = X's ms / xtrain's ms, fwd/bwd/fwd+bwd "
+        "(above 1: xtrain faster); doc = mean document length; kept = share of the causal mask the documents keep; "
+        "err = xtrain vs flex outputs (o, dq, dk, dv), max relative norm error",
+        hdr,
+        "-" * len(hdr),
+    ]
+    for r in rows:
+        mask = f"{r['flex']['mask']:.2f}" if "mask" in r["flex"] else "-"
+        err = "-" if r["err"] is None else f"{r['err']:.1e}"
+        out.append(
+            f"{r['T']:>6} {r['D']:>4} {r['mean']:>5} {r['kept']:>5.2f} | {_ms_cell(r['xtrain']):>13} | "
+            f"{_ms_cell(r['flex']):>13} {mask:>6} | {_ms_cell(r['sdpa']):>13} | {_ratio_cell(r['vs_flex']):>14} | "
+            f"{_ratio_cell(r['vs_sdpa']):>14} | {err:>7}"
+        )
+    return out
+
+
+def docs_main(args, means: list) -> int:
+    """``--docs``: xtrain's doc-masked flash attention vs FlexAttention with the same mask vs full causal SDPA."""
+    from bench._docs import random_doc_starts
+
+    if args.device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("xtrain bench attention --docs: --device cuda needs a CUDA GPU", file=sys.stderr)
+        return 1
+    d = DOC_DEFAULTS[dev.type]
+    seqs, dims = args.seqs or d["seqs"], args.head_dims or d["head_dims"]
+    tokens, width = args.tokens or d["tokens"], args.width or d["width"]
+    reps = args.reps or d["reps"]
+    means = means or DOC_MEANS[dev.type]
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    flex_mode = args.flex if args.flex != "auto" else ("compiled" if dev.type == "cuda" else "eager")
+    fail = Failures()
+    try:
+        flex = Flex(flex_mode, dev)
+    except Exception as e:  # no FlexAttention in this torch
+        fail("flex", e)
+        flex = None
+    if dev.type == "cuda":
+        from bench._gpu import warm_up
+
+        warm_up()
+        name = torch.cuda.get_device_name()
+    else:
+        name = f"CPU ({torch.get_num_threads()} threads)"
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "-"
+    print(
+        f"# {name} | torch {torch.__version__} | triton {tv} | document-masked causal {str(dtype)[6:]}, "
+        f"B·T={tokens}, H·D={width}, mean document lengths {means}",
+        flush=True,
+    )
+    rows: list[dict] = []
+    cell = 0
+    for D in dims:
+        for T in seqs:
+            B, H = max(1, tokens // T), max(1, width // D)
+            q, k, v, do = _inputs_on(B, H, T, D, dtype, dev, seed=T + D)
+            sdpa = time_sdpa_docs(q, k, v, do, dev, reps, fail)
+            flex_ok = flex is not None  # a forward that fails at these shapes is not retried at the next mean
+            for mean in means:
+                ds = random_doc_starts(B, T, mean, seed=T + mean, device=dev)
+                r = {"T": T, "D": D, "B": B, "H": H, "mean": mean, "kept": kept_fraction(ds), "sdpa": sdpa}
+                fb = getattr(FA, "doc_mask_fallbacks", lambda: {})()
+                order = ["xtrain", "flex"] if cell % 2 == 0 else ["flex", "xtrain"]  # neither always first
+                outs = {}
+                for who in order:
+                    if who == "xtrain":
+                        try:
+                            fwd_ms, bwd_ms, outs["xtrain"] = time_xtrain_docs(q, k, v, do, ds, dev, reps)
+                            r["xtrain"] = {"fwd": fwd_ms, "bwd": bwd_ms}
+                        except Exception as e:
+                            fail("xtrain", e)
+                            r["xtrain"] = {}
+                    elif not flex_ok:
+                        r["flex"] = {}
+                    else:
+                        r["flex"], outs["flex"] = time_flex_docs(flex, q, k, v, do, ds, dev, reps, fail)
+                        flex_ok = "fwd" in r["flex"]
+                fb2 = getattr(FA, "doc_mask_fallbacks", lambda: {})()
+                r["xtrain_path"] = (
+                    "reference fallback" if fb2 != fb else "kernels" if dev.type == "cuda" else "reference (CPU)"
+                )
+                pairs = list(zip(outs.get("xtrain", ()), outs.get("flex", ())))
+                r["err"] = max((rel_err(a, b) for a, b in pairs), default=None)
+                r["err_parts"] = len(pairs)
+                r["vs_flex"] = speed_ratios(r["xtrain"], r["flex"])
+                r["vs_sdpa"] = speed_ratios(r["xtrain"], {p: sdpa[p] for p in ("fwd", "bwd") if p in sdpa})
+                rows.append(r)
+                cell += 1
+                print(
+                    f"  T={T} D={D} doc={mean} done: xtrain {_ms_cell(r['xtrain'])} ms ({r['xtrain_path']}), "
+                    f"vs flex {_ratio_cell(r['vs_flex'])}, vs sdpa {_ratio_cell(r['vs_sdpa'])}",
+                    flush=True,
+                )
+                del ds, outs
+            del q, k, v, do
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    sdpa_note = "fastest backend per direction" if dev.type == "cuda" else "torch's CPU default"
+    flex_label = "-" if flex is None else flex.label
+    lines = docs_table(rows, flex_label, sdpa_note)
+    goals = docs_goals(rows)
+    print("\n".join(lines + goals))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+    bad = [f"T={r['T']} D={r['D']} doc={r['mean']} {r['err']:.1e}" for r in rows if r["err"] and r["err"] > tol]
+    checked = sum(r["err"] is not None for r in rows)
+    print(
+        f"check: xtrain vs flex at {checked} of {len(rows)} cells, relative error <= {tol:g}: "
+        + (f"FAILED at {', '.join(bad)}" if bad else "OK")
+    )
+    if args.json:
+        atomic_write_text(
+            args.json,
+            json.dumps(
+                {
+                    "mode": "docs",
+                    "device": name,
+                    "torch": torch.__version__,
+                    "triton": tv,
+                    "dtype": str(dtype),
+                    "flex": flex_label,
+                    "sdpa": sdpa_note,
+                    "tokens": tokens,
+                    "width": width,
+                    "reps": reps,
+                    "means": means,
+                    "rows": rows,
+                    "goals": goals,
+                    "check_ok": not bad,
+                },
+                indent=1,
+                default=str,
+            ),
+        )
+    return 0 if not bad else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="xtrain bench attention", description=__doc__.splitlines()[0])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    ap.add_argument("--tokens", type=int, default=16384, help="B·T")
-    ap.add_argument("--width", type=int, default=2048, help="H·D")
+    ap.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128 (--docs on a CPU: 64)")
+    ap.add_argument(
+        "--seqs",
+        type=int,
+        nargs="+",
+        default=None,
+        help="default 1024 .. 16384 (--docs: 4096 8192 16384; CPU 256 .. 1024)",
+    )
+    ap.add_argument("--tokens", type=int, default=None, help="B·T (default 16384; --docs on a CPU: 2048)")
+    ap.add_argument("--width", type=int, default=None, help="H·D (default 2048; --docs on a CPU: 256)")
+    ap.add_argument(
+        "--docs",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="MEAN",
+        help="packed documents of these mean lengths (default 256 512 1024 2048; CPU 64 256): xtrain's "
+        "document-masked attention vs FlexAttention with the same mask vs full causal SDPA",
+    )
+    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="--docs: where to run")
+    ap.add_argument(
+        "--flex",
+        default="auto",
+        choices=["auto", "compiled", "eager"],
+        help="--docs: FlexAttention under torch.compile or eager (auto: compiled on CUDA, eager on the CPU)",
+    )
+    ap.add_argument("--reps", type=int, default=None, help="--docs: timed calls per measurement (CUDA 30, CPU 5)")
     ap.add_argument("--non-causal", action="store_true")
     ap.add_argument("--no-composed", action="store_true", help="skip xtrain's composed path")
     ap.add_argument(
@@ -356,6 +785,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.docs is not None:
+        if any(m < 1 for m in args.docs):
+            ap.error(f"--docs: mean document lengths must be >= 1, got {args.docs}")
+        return docs_main(args, args.docs)
+    args.head_dims = args.head_dims or [64, 128]
+    args.seqs = args.seqs or [1024, 2048, 4096, 8192, 16384]
+    args.tokens = args.tokens or 16384
+    args.width = args.width or 2048
     if not torch.cuda.is_available():
         print("xtrain bench attention: needs a CUDA GPU", file=sys.stderr)
         return 1

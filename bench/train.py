@@ -14,6 +14,11 @@ step (``Trainer.train_step``, capture-ready) with the CUDA graph on and off, and
 ``torch.compile`` (default mode, autocast, fused AdamW). Every side starts from the same weights and batch; the
 first-step losses are printed (they must agree).
 
+``--doc-mask MEAN``: the batch holds packed documents of mean length MEAN (``bench/_docs.py``: geometric lengths,
+an eot, id 0, at each document start and nowhere else), and two more rows time the trainer's step on it with the
+document mask on and off (``TrainConfig.doc_mask``; the CUDA graph on CUDA); a last line gives their tokens/s and
+the ratio on/off. The other rows run the same batch unmasked.
+
 Timing: wall clock per step after warm-up, median (and quartiles) over ``--steps`` steps, the sides
 interleaved step by step so machine noise hits all alike (the host's speed drifts between processes by
 more than most changes measured here: compare variants inside one process, e.g. ``--compare-copies``).
@@ -177,14 +182,24 @@ def torch_step(ref, opt, x, y, autocast, dev, compiled: bool):
     return step
 
 
-def trainer_step(c, dev, ids, B: int, graph: bool):
+def trainer_step(c, dev, ids, B: int, graph: bool, doc_eot: int | None = None):
     """The trainer's own step (``Trainer.train_step``: capture-ready, lr as a device tensor, one read per step),
-    with the CUDA graph on or off. On a machine without CUDA the graph falls back (one line) and runs eagerly."""
+    with the CUDA graph on or off. On a machine without CUDA the graph falls back (one line) and runs eagerly.
+    ``doc_eot``: packed documents kept apart, each starting at this token (``TrainConfig.doc_mask``); None: off."""
     from xtrain.config import TrainConfig
     from xtrain.train.trainer import Trainer
 
     T = ids.shape[1] - 1
-    tcfg = TrainConfig(steps=10**9, batch_size=B, seq_len=T, lr=1e-3, warmup_steps=0, schedule="constant")
+    tcfg = TrainConfig(
+        steps=10**9,
+        batch_size=B,
+        seq_len=T,
+        lr=1e-3,
+        warmup_steps=0,
+        schedule="constant",
+        doc_mask=doc_eot is not None,
+        eot_id=doc_eot,
+    )
     batch = ids.cpu()  # as a loader hands it over: on the host, moved by the step
     tr = Trainer(Model(c, device=dev, seed=0), tcfg, lambda: batch, cuda_graph=graph)
 
@@ -201,6 +216,9 @@ def trainer_step(c, dev, ids, B: int, graph: bool):
 
 class GraphFellBack(RuntimeError):
     pass
+
+
+DOC_EOT = 0  # --doc-mask: the token every document starts with
 
 
 # dense matmul peak of the tensor cores (no sparsity), FLOP/s, by device name and compute dtype (datasheets)
@@ -262,6 +280,14 @@ def main(argv=None) -> int:
         help="also time the trainer's step with the CUDA graph on and off, and torch.compile (auto: on CUDA)",
     )
     ap.add_argument(
+        "--doc-mask",
+        type=int,
+        default=None,
+        metavar="MEAN",
+        help="packed documents of this mean length in the batch (an eot, id 0, at each document start); adds the "
+        "trainer's step with the document mask on and off (the CUDA graph on CUDA), on the same data",
+    )
+    ap.add_argument(
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16"],
@@ -282,8 +308,15 @@ def main(argv=None) -> int:
         from bench._gpu import warm_up
 
         warm_up()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=g).to(dev)
+    if args.doc_mask is not None and args.doc_mask < 1:
+        ap.error(f"--doc-mask: the mean document length must be >= 1, got {args.doc_mask}")
+    if args.doc_mask is None:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=g).to(dev)
+    else:  # the eot (id DOC_EOT) at each document start, nowhere else
+        from bench._docs import packed_ids
+
+        ids = packed_ids(B, T + 1, args.doc_mask, c.vocab_size, eot=DOC_EOT, seed=0).to(dev)
     x, y = ids[:, :-1], ids[:, 1:]
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if args.dtype == "bfloat16" else contextlib.nullcontext()
     init = Model(c, device="cpu", seed=0).state_dict()  # every side starts from these weights (seed 0)
@@ -327,6 +360,16 @@ def main(argv=None) -> int:
             ("xtrain trainer, no graph", lambda: trainer_step(c, dev, ids, B, False)),
             ("torch.compile", torch_side(True)),
         ]
+    doc_rows = []
+    if args.doc_mask is not None:  # the trainer's step with the document mask on and off, on the same batch
+        graph = dev.type == "cuda"
+        for on in (True, False):
+            name = (
+                f"trainer{'+graph' if graph else ''} doc mask {'on' if on else 'off'}"  # no comma: see the losses line
+            )
+            doc_rows.append(name)
+            eot = DOC_EOT if on else None
+            builders.append((name, lambda eot=eot, graph=graph: trainer_step(c, dev, ids, B, graph, doc_eot=eot)))
 
     def sync():
         if dev.type == "cuda":
@@ -395,6 +438,21 @@ def main(argv=None) -> int:
         print(
             f"{name:<26}{m * 1e3:>10.1f}{f'{q[name][0] * 1e3:.1f}-{q[name][2] * 1e3:.1f}':>14}{tok / m:>12.0f}"
             f"{mfu:>8}{mem:>10}{mt / m:>10.2f}{vs_c:>12}"
+        )
+    if args.doc_mask is not None:
+        from xtrain.model import doc_starts
+
+        starts = doc_starts(x, DOC_EOT)
+        t = torch.arange(T, device=starts.device)
+        kept = float((t - starts + 1).sum()) / (B * T * (T + 1) / 2)
+        n_docs = int((x == DOC_EOT).sum())
+        on, off = (med.get(n) for n in doc_rows)
+        print(
+            f"doc mask (mean document {args.doc_mask} tokens, eot id {DOC_EOT}, {n_docs} document starts in the "
+            f"batch, {100 * kept:.1f} % of the causal mask kept): "
+            + (f"on {tok / on:.0f} tokens/s" if on else "on -")
+            + (f", off {tok / off:.0f} tokens/s" if off else ", off -")
+            + (f", on/off {off / on:.3f} (tokens/s)" if on and off else "")
         )
     return 0
 
