@@ -8,7 +8,8 @@ with the backend, the scale, causality and the deterministic mode (what picks th
 and is None for a misaligned tensor; under the reference backend no plan serves a call; a cached launch
 refuses a wrong set of per-call arguments. CPU (in CI): each plan, fed recording stand-ins for its cached
 launches, passes every launch exactly its per-call arguments, with every descriptor re-based on the right new
-tensor (a swapped argument fails it); the plan key holds the backend; the cache counts the calls it serves.
+tensor (a swapped argument fails it); the plan key holds the backend; the cache counts the calls it serves
+(hits) and the lookups it had no plan for (misses).
 """
 
 from __future__ import annotations
@@ -124,15 +125,19 @@ def test_gpu_backend_switch_for_the_same_shapes_takes_effect():
 
 
 def test_plan_cache_counts_the_calls_it_serves():
+    """``hits`` counts the lookups a plan served, ``misses`` those of a key without a plan (the full path ran
+    where a plan was possible); a None key (no plan possible) counts in neither."""
     from xtrain.kernels._dispatch import PlanCache
 
     c = PlanCache(limit=2)
-    assert c.lookup(None) is None and c.lookup("a") is None and c.hits == 0
+    assert c.lookup(None) is None and (c.hits, c.misses) == (0, 0)
+    assert c.lookup("a") is None and (c.hits, c.misses) == (0, 1)
     c.put("a", "plan a")
-    assert c.lookup("a") == "plan a" and c.hits == 1
+    assert c.lookup("a") == "plan a" and (c.hits, c.misses) == (1, 1)
     c.put("b", 1)
     c.put("c", 2)  # past the limit: dropped wholesale, then c kept
-    assert c.lookup("a") is None and c.lookup("c") == 2 and c.hits == 2
+    assert c.lookup("a") is None and c.lookup("c") == 2 and (c.hits, c.misses) == (2, 2)
+    assert c.lookup(None) is None and (c.hits, c.misses) == (2, 2)
 
 
 def test_plan_signature_holds_the_backend():

@@ -252,18 +252,25 @@ def rebased(desc, base):
 
 class PlanCache(dict):
     """Cached launch plans by key, dropped wholesale past ``limit`` entries (a new shape per call would
-    otherwise grow it without bound). ``lookup`` counts the calls it served (``hits``), so a test or a bench
+    otherwise grow it without bound). ``lookup`` counts the calls it served (``hits``) and the keys it had no
+    plan for (``misses``: the calls that took the full path where a plan was possible), so a test or a bench
     sees whether a plan ran instead of patching the full path."""
 
     def __init__(self, limit: int = 64):
         super().__init__()
         self.limit = limit
         self.hits = 0
+        self.misses = 0
 
     def lookup(self, key):
-        """The plan of ``key`` (counted in ``hits``), or None; a None key (no plan possible) is None."""
-        plan = self.get(key) if key is not None else None
-        if plan is not None:
+        """The plan of ``key`` (counted in ``hits``), or None (counted in ``misses``); a None key (no plan
+        possible) is None and counts in neither."""
+        if key is None:
+            return None
+        plan = self.get(key)
+        if plan is None:
+            self.misses += 1
+        else:
             self.hits += 1
         return plan
 
