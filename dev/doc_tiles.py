@@ -16,7 +16,13 @@ from xtrain.kernels.attention import triton as TR
 
 T, TOKENS, WIDTH = 8192, 16384, 2048
 FWD = {
-    64: [Tiles(128, 64, 4, 3), Tiles(64, 64, 4, 3), Tiles(128, 32, 4, 3), Tiles(64, 32, 4, 3), Tiles(128, 64, 4, 3, True)],
+    64: [
+        Tiles(128, 64, 4, 3),
+        Tiles(64, 64, 4, 3),
+        Tiles(128, 32, 4, 3),
+        Tiles(64, 32, 4, 3),
+        Tiles(128, 64, 4, 3, True),
+    ],
     128: [Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 3, True), Tiles(128, 64, 8, 3), Tiles(64, 32, 4, 3)],
 }
 BWD = {  # (dK/dV, dQ)
@@ -25,6 +31,14 @@ BWD = {  # (dK/dV, dQ)
     128: [(Tiles(64, 64, 4, 2, True), Tiles(64, 64, 4, 2, True)), (Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
           (Tiles(64, 128, 8, 2), Tiles(64, 64, 4, 2, True))],
 }  # fmt: skip
+
+
+def fwd_call(q, k, v, c, ds):
+    return lambda: TR.flash_attention_fwd_triton(q, k, v, True, config=c, doc_starts=ds)
+
+
+def bwd_call(do, q, k, v, o, lse, c, ds):
+    return lambda: TR.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=c, doc_starts=ds)
 
 
 def main():
@@ -39,8 +53,9 @@ def main():
             for t in FWD[D]:
                 c = TritonFwdConfig(t)
                 try:
-                    ms = gpu_time(lambda: TR.flash_attention_fwd_triton(q, k, v, True, config=c, doc_starts=ds))["ms"]
-                    o2, _ = TR.flash_attention_fwd_triton(q, k, v, True, config=c, doc_starts=ds)
+                    f = fwd_call(q, k, v, c, ds)
+                    ms = gpu_time(f)["ms"]
+                    o2, _ = f()
                     e = float((o2.float() - o.float()).norm() / o.float().norm())
                     print(f"D={D} doc={mean} fwd {t}: {ms:.3f} ms err {e:.1e}", flush=True)
                 except Exception as ex:
@@ -48,8 +63,7 @@ def main():
             for a, b in BWD[D]:
                 c = TritonBwdConfig(a, b)
                 try:
-                    f = lambda: TR.flash_attention_bwd_triton(do, q, k, v, o, lse, True, config=c, doc_starts=ds)  # noqa: E731
-                    ms = gpu_time(f)["ms"]
+                    ms = gpu_time(bwd_call(do, q, k, v, o, lse, c, ds))["ms"]
                     print(f"D={D} doc={mean} bwd {a} {b}: {ms:.3f} ms", flush=True)
                 except Exception as ex:
                     print(f"D={D} doc={mean} bwd {a} {b}: failed {type(ex).__name__}: {str(ex)[:120]}", flush=True)

@@ -19,6 +19,9 @@ for part in ${PARTS:-tests docs64}; do
     timeout ${DOCS_TIMEOUT:-300} python3 -m xtrain.cli bench attention --docs ${MEANS:-} --head-dims ${part#docs} ${DOCS_ARGS:-} \
       --json "$OUT/$part.json" > "$OUT/$part.txt" 2>&1
     echo "bench $part rc $?"; grep -v -i warn "$OUT/$part.txt" | tail -16 ;;
+  tiles)
+    timeout ${TILES_TIMEOUT:-150} python3 dev/doc_tiles.py > "$OUT/doc_tiles.txt" 2>&1; echo "doc tiles rc $?"
+    grep -v -i warn "$OUT/doc_tiles.txt" | tail -40 ;;
   train)
     timeout ${TRAIN_TIMEOUT:-200} python3 -m xtrain.cli bench train --device cuda --dtype bfloat16 --preset ${PRESET:-seed} \
       --batch-size ${BATCH:-8} --doc-mask ${DOC_MEAN:-256} --steps 10 --warmup 3 ${TRAIN_ARGS:-} > "$OUT/train_docs.txt" 2>&1
