@@ -150,6 +150,32 @@ def test_blocks_outside_the_documents_are_never_visited():
     assert err(dv[:, :, :cut], g_ref[2][:, :, :cut]) <= TOL32
 
 
+@needs_triton
+def test_changing_one_document_leaves_the_others_bit_identical():
+    """New queries, keys, values and output gradients in one document (straddling tile edges): every other
+    document's o, lse, dq, dk and dv keep their bits (masked scores are -inf, so the changed values enter
+    only as exact zeros)."""
+    B, H, Hkv, T, D = 1, 2, 1, 48, 32
+    ds = torch.zeros(B, T, dtype=torch.int64)
+    ds[:, 13:29] = 13  # document [13, 29) crosses the 16- and 32-tile edges
+    ds[:, 29:] = 29
+    fcfg, bcfg = configs("16x8")
+    q, k, v, do = qkv(B, H, Hkv, T, D, seed=6)
+    q2, k2, v2, do2 = (x.clone() for x in (q, k, v, do))
+    g = torch.Generator().manual_seed(7)
+    for x in (q2, k2, v2, do2):
+        x[:, :, 13:29] = torch.randn(x[:, :, 13:29].shape, generator=g)
+    outs = []
+    for a in ((q, k, v, do), (q2, k2, v2, do2)):
+        o, lse = TR.flash_attention_fwd_triton(*a[:3], True, None, config=fcfg, doc_starts=ds)
+        outs.append((o, lse, *TR.flash_attention_bwd_triton(a[3], *a[:3], o, lse, True, None, config=bcfg,
+                                                             doc_starts=ds)))  # fmt: skip
+    rest = torch.cat([torch.arange(13), torch.arange(29, T)])
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), *outs):
+        assert torch.equal(a[:, :, rest], b[:, :, rest]), name
+        assert not torch.equal(a[:, :, 13:29], b[:, :, 13:29]), name  # the changed document did change
+
+
 def test_doc_query_bounds_are_exact():
     """(F, R) per key tile against their definitions, by brute force, for packed and arbitrary starts."""
     g = torch.Generator().manual_seed(2)
