@@ -172,8 +172,9 @@ def cases() -> dict[str, Callable[[], None]]:
                 starts = (torch.arange(T) // 100 * 100)[None]
                 for causal, ds in ((True, None), (False, None), (True, starts)):
                     c = attention.choose(None, dt, T, D, causal, False)  # the Triton configs (the last of each)
-                    o, lse = attention.flash_attention_fwd_triton(q, k, k, causal, config=c.fwd[-1], doc_starts=ds)
-                    attention.flash_attention_bwd_triton(q, q, k, k, o, lse, causal, config=c.bwd[-1], doc_starts=ds)
+                    f, b = (c.fwd[-1], c.bwd[-1]) if ds is None else attention.doc_configs(dt, T, D)
+                    o, lse = attention.flash_attention_fwd_triton(q, k, k, causal, config=f, doc_starts=ds)
+                    attention.flash_attention_bwd_triton(q, q, k, k, o, lse, causal, config=b, doc_starts=ds)
 
         for name, fn in (
             ("rms_norm", norm),

@@ -74,6 +74,7 @@ __all__ = [
     "attention_fwd",
     "bwd_route",
     "check_doc_starts",
+    "doc_configs",
     "doc_mask_fallbacks",
     "choose",
     "flash_attention_bwd",
@@ -103,6 +104,11 @@ _TRITON_BWD = {
     (64, "fp32"): (Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2)),
     (128, "fp32"): (Tiles(16, 32, 4, 2), Tiles(32, 16, 4, 2)),
 }
+# document-masked 16-bit calls: fewer rows per query tile (the masked bands shrink with the documents), from
+# dev/doc_tiles.py on an H100 at T = 8192, mean documents 256 and 1024 (forward 0.20 vs 0.27 ms hd64, 0.16 vs
+# 0.24 ms hd128; hd64 backward 0.57 vs 0.63 ms; the hd128 backward kept: nothing tried beat it)
+_TRITON_DOC_FWD = {64: Tiles(64, 64, 4, 3), 128: Tiles(64, 64, 4, 3, True)}
+_TRITON_DOC_BWD = {64: (Tiles(32, 64, 4, 3), Tiles(64, 64, 4, 3))}
 GLUON_FWD_MIN_T = 1024  # the Gluon forward from this T (both head dims); below it was not measured faster
 ONEPASS_MIN_T = 1024  # hd64 backward, not deterministic
 GLUON_BWD_MIN_T = {64: 4096, 128: 1024}  # the split backward (hd64: deterministic mode only)
@@ -138,6 +144,19 @@ def choose(cap: tuple | None, dtype: torch.dtype, T: int, D: int, causal: bool, 
     if D == 64 and T >= ONEPASS_MIN_T and not deterministic:
         bwd.insert(0, OnepassConfig())
     return Choice(tuple(fwd), tuple(bwd))
+
+
+def doc_configs(dtype: torch.dtype, T: int, D: int) -> tuple:
+    """(TritonFwdConfig, TritonBwdConfig) for a document-masked call: the tiles measured with the mask for 16-bit
+    D = 64/128, else the Triton configs ``choose`` gives. Needs a (D, dtype) the Triton kernels take."""
+    c = choose(None, dtype, T, D, True, False)
+    fwd, bwd = c.fwd[-1], c.bwd[-1]
+    if dtype in (torch.bfloat16, torch.float16):
+        if D in _TRITON_DOC_FWD:
+            fwd = TritonFwdConfig(_TRITON_DOC_FWD[D])
+        if D in _TRITON_DOC_BWD:
+            bwd = TritonBwdConfig(*_TRITON_DOC_BWD[D])
+    return fwd, bwd
 
 
 def shipped_configs() -> dict:
@@ -214,7 +233,8 @@ def _doc_fwd(q, k, v, causal, scale, doc_starts):
     q, k, v = _rows(q), _rows(k), _rows(v)
     if isinstance(fwd[0], GluonFwdConfig) and gluon_fwd.supported(q, k, v):
         _DOC_MASK_FALLBACKS["fwd"] += 1
-    return flash_attention_fwd_triton(q, k, v, causal, s, config=fwd[-1], doc_starts=doc_starts)
+    cfg = doc_configs(q.dtype, q.shape[2], q.shape[3])[0]
+    return flash_attention_fwd_triton(q, k, v, causal, s, config=cfg, doc_starts=doc_starts)
 
 
 def _doc_bwd(do, q, k, v, o, lse, causal, scale, doc_starts):
@@ -231,7 +251,8 @@ def _doc_bwd(do, q, k, v, o, lse, causal, scale, doc_starts):
     name, _ = bwd_route(do, q, k, v, o, lse, causal)
     if name != "triton":
         _DOC_MASK_FALLBACKS["bwd"] += 1
-    return flash_attention_bwd_triton(do, q, k, v, o, lse, causal, s, config=bwd[-1], doc_starts=doc_starts)
+    cfg = doc_configs(q.dtype, q.shape[2], q.shape[3])[1]
+    return flash_attention_bwd_triton(do, q, k, v, o, lse, causal, s, config=cfg, doc_starts=doc_starts)
 
 
 # ---------------------------------------------------------------------------------------------------------
