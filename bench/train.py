@@ -300,6 +300,8 @@ def main(argv=None) -> int:
     over = {"attention": args.attention, "loss": args.loss, "recompute": args.recompute, "compute_dtype": args.dtype}
     if args.vocab:
         over["vocab_size"] = args.vocab
+    if args.seq_len and args.seq_len > PRESETS[args.preset].max_seq_len:  # a longer context than the preset's
+        over["max_seq_len"] = args.seq_len
     c = dataclasses.replace(PRESETS[args.preset], **over).validate()
     B, T = args.batch_size, args.seq_len or c.max_seq_len
     dev = torch.device(args.device)

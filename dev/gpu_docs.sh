@@ -22,9 +22,10 @@ for part in ${PARTS:-tests docs64}; do
   tiles)
     timeout ${TILES_TIMEOUT:-150} python3 dev/doc_tiles.py > "$OUT/doc_tiles.txt" 2>&1; echo "doc tiles rc $?"
     grep -v -i warn "$OUT/doc_tiles.txt" | tail -40 ;;
-  train)
+  train|train4k)  # train: the preset's T (seed: 1024); train4k: T = 4096, a quarter of the batch
+    [ $part = train4k ] && extra="--seq-len 4096" && batch=$(( ${BATCH:-8} / 4 )) || { extra=""; batch=${BATCH:-8}; }
     timeout ${TRAIN_TIMEOUT:-200} python3 -m xtrain.cli bench train --device cuda --dtype bfloat16 --preset ${PRESET:-seed} \
-      --batch-size ${BATCH:-8} --doc-mask ${DOC_MEAN:-256} --steps 10 --warmup 3 ${TRAIN_ARGS:-} > "$OUT/train_docs.txt" 2>&1
-    echo "bench train rc $?"; grep -v -i warn "$OUT/train_docs.txt" | tail -12 ;;
+      --batch-size $batch $extra --doc-mask ${DOC_MEAN:-256} --steps 10 --warmup 3 ${TRAIN_ARGS:-} > "$OUT/$part.txt" 2>&1
+    echo "bench $part rc $?"; grep -v -i warn "$OUT/$part.txt" | tail -8 ;;
   esac
 done
