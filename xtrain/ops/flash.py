@@ -21,8 +21,8 @@ def flash_attention(
     q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None, doc_starts: torch.Tensor | None = None
 ) -> Var:
     """softmax(q kᵀ · scale [+ causal mask]) v; scale defaults to 1/sqrt(D). ``doc_starts`` (int64 [B, T],
-    packed documents): query t sees key s iff doc_starts[b, t] <= s <= t; it runs the tiled reference on every
-    device (``xtrain.kernels.attention``: the kernels take no document mask yet)."""
+    packed documents): query t sees key s iff doc_starts[b, t] <= s <= t; on CUDA the Triton kernels take it
+    (``xtrain.kernels.attention``: the Gluon kernels do not, so their routes fall back to Triton)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Var):
             raise ValueError(f"flash_attention: {name} must be a Var, got {type(x).__name__}")
