@@ -106,6 +106,16 @@ if HAVE_TRITON:
         return tile, head
 
     @triton.jit
+    def _doc_key_tiles(DS, off_b, offs_m, T, mid, BLOCK_N: tl.constexpr):
+        """A query tile's document starts (int32 [BLOCK_M], from DS [B, T]) and its key range [lo, full) of masked
+        tiles: those before ``lo`` (the tile holding the rows' earliest start) are skipped, those from ``full`` (the
+        first tile at or after the latest start) up to ``mid`` need no document mask."""
+        starts = tl.load(DS + off_b.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0).to(tl.int32)
+        full = tl.minimum(tl.cdiv(tl.max(starts), BLOCK_N) * BLOCK_N, mid)
+        lo = tl.minimum((tl.min(tl.where(offs_m < T, starts, T)) // BLOCK_N) * BLOCK_N, full)
+        return starts, lo, full
+
+    @triton.jit
     def _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, starts, T, qk_scale,
         lo, hi, MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_T: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -196,11 +206,7 @@ if HAVE_TRITON:
         lo = 0
         starts = offs_m  # unused without DOC
         if DOC:  # key tiles before the rows' earliest start: skipped; up to the latest start: masked
-            starts = tl.load(DS + off_b.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0).to(tl.int32)
-            first = tl.min(tl.where(offs_m < T, starts, T))
-            last = tl.max(starts)
-            full = tl.minimum(tl.cdiv(last, BLOCK_N) * BLOCK_N, mid)
-            lo = tl.minimum((first // BLOCK_N) * BLOCK_N, full)
+            starts, lo, full = _doc_key_tiles(DS, off_b, offs_m, T, mid, BLOCK_N)
             acc, l_i, m_i = _fwd_tiles(
                 acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, starts, T,
                 qk_scale, lo=lo, hi=full, MASK=True, CAUSAL=CAUSAL, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N,
@@ -533,9 +539,7 @@ if HAVE_TRITON:
         lo = 0
         starts = offs_m  # unused without DOC
         if DOC:  # as in the forward: skipped, then masked, key tiles before the rows' latest document start
-            starts = tl.load(DS + off_b.to(tl.int64) * T + offs_m, mask=offs_m < T, other=0).to(tl.int32)
-            full = tl.minimum(tl.cdiv(tl.max(starts), BLOCK_N) * BLOCK_N, mid)
-            lo = tl.minimum((tl.min(tl.where(offs_m < T, starts, T)) // BLOCK_N) * BLOCK_N, full)
+            starts, lo, full = _doc_key_tiles(DS, off_b, offs_m, T, mid, BLOCK_N)
             dq = _bwd_dq_tiles(
                 dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, kv_row0, offs_m, starts,
                 T, qk_scale, lo=lo, hi=full, MASK=True, EVEN_T=EVEN_T, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
