@@ -55,6 +55,13 @@ def packed_starts(T: int, B: int, g: torch.Generator, max_len: int = 12) -> torc
     return out
 
 
+def edge_starts(T: int, B: int) -> torch.Tensor:
+    """Documents starting on the last position of every 8-block (7, 15, 23, ...): a key tile's last key is then a
+    document's first, seen by that document's rows only (the edge of the dK/dV rows bound)."""
+    t = torch.arange(T)
+    return ((t + 1) // 8 * 8 - 1).clamp(min=0).expand(B, T).contiguous()
+
+
 def any_starts(T: int, B: int, g: torch.Generator) -> torch.Tensor:
     """ds[t] uniform in [0, t]: not a packing (not sorted), still a valid mask."""
     t = torch.arange(T)
@@ -86,7 +93,7 @@ def run_both(q, k, v, do, ds, fcfg, bcfg):
 @pytest.mark.parametrize("tiles", sorted(TILES))
 @pytest.mark.parametrize(
     "layout,T",
-    [("packed", 45), ("packed", 64), ("long", 61), ("one", 40), ("any", 37)],
+    [("packed", 45), ("packed", 64), ("long", 61), ("one", 40), ("any", 37), ("edge", 50)],
 )
 def test_triton_doc_mask_matches_the_reference(layout, T, tiles):
     g = torch.Generator().manual_seed(T)
@@ -96,6 +103,7 @@ def test_triton_doc_mask_matches_the_reference(layout, T, tiles):
         "long": lambda: packed_starts(T, B, g, max_len=40),  # documents across several tiles
         "one": lambda: torch.zeros(B, T, dtype=torch.int64),  # a single document: plain causal
         "any": lambda: any_starts(T, B, g),
+        "edge": lambda: edge_starts(T, B),
     }[layout]()
     q, k, v, do = qkv(B, H, Hkv, T, D, seed=T)
     got, want = run_both(q, k, v, do, ds, *configs(tiles))
@@ -198,7 +206,7 @@ def test_changing_one_document_leaves_the_others_bit_identical():
 def test_doc_query_bounds_are_exact():
     """(F, R) per key tile against their definitions, by brute force, for packed and arbitrary starts."""
     g = torch.Generator().manual_seed(2)
-    for ds in (packed_starts(50, 2, g), any_starts(50, 2, g)):
+    for ds in (packed_starts(50, 2, g), any_starts(50, 2, g), edge_starts(50, 2)):
         T, bn = ds.shape[1], 16
         got = TR.doc_query_bounds(ds, bn)
         for b in range(ds.shape[0]):
