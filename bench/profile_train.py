@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench.train import TorchQwen3, _torch_opt, torch_step
+from bench.train import TorchMode, TorchQwen3, torch_step
 from xtrain.autograd import gc_paused
 from xtrain.config import PRESETS, TrainConfig
 from xtrain.model import Model
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         ref = TorchQwen3(c).to(dev)
         bf16 = a.dtype == "bfloat16"
         autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        step = torch_step(ref, _torch_opt(ref, dev, fused_cpu=False), x, y, autocast, dev, compiled=True)
+        step = torch_step(ref, x, y, autocast, dev, TorchMode("default"))
     elif a.step == "trainer":
         from xtrain.train.trainer import Trainer
 

@@ -10,16 +10,21 @@ dtype) AdamW's compute copies of the weights read by the forward (``--no-copies`
 forward instead).
 
 Rows: torch eager; xtrain (its plain step, host reads included); on CUDA (``--graph-rows``) the trainer's own
-step (``Trainer.train_step``, capture-ready) with the CUDA graph on and off, and the eager model under
-``torch.compile`` (default mode, autocast, fused AdamW). Every side starts from the same weights and batch; the
-first-step losses are printed (they must agree).
+step (``Trainer.train_step``, capture-ready) with the CUDA graph on and off; and the torch sides a speed-minded
+user would try (``--torch-modes``, all of them on CUDA): the model under ``torch.compile`` in its default,
+``max-autotune-no-cudagraphs`` and ``reduce-overhead`` modes with fused AdamW, and eager / default /
+max-autotune with the whole step (forward, backward, clip, fused AdamW with ``capturable=True``) captured as one
+CUDA graph. The RoPE tables are module buffers built once, as HF, torchtitan and nanoGPT-style code keep them.
+Every side starts from the same weights and batch; the first-step losses are printed (they must agree). The
+fastest torch side is named on the last line and is the "vs best torch" column's reference.
 
 ``--doc-mask MEAN``: the batch holds packed documents of mean length MEAN (``bench/_docs.py``: geometric lengths,
 an eot, id 0, at each document start and nowhere else), and two more rows time the trainer's step on it with the
 document mask on and off (``TrainConfig.doc_mask``; the CUDA graph on CUDA); a last line gives their tokens/s and
 the ratio on/off. The other rows run the same batch unmasked.
 
-Timing: wall clock per step after warm-up, median (and quartiles) over ``--steps`` steps, the sides
+Timing: wall clock per step after warm-up, median (and quartiles) over ``--steps`` steps (CUDA events around the
+same call beside it, the GPU's view), the sides
 interleaved step by step so machine noise hits all alike (the host's speed drifts between processes by
 more than most changes measured here: compare variants inside one process, e.g. ``--compare-copies``).
 tokens/s = B * T / median step time.
@@ -66,6 +71,9 @@ class _RMSNorm(nn.Module):
 
 
 def _rope_cos_sin(T: int, D: int, theta: float, device):
+    """RoPE tables [T, D] in fp32, built once per model (``TorchQwen3`` keeps them as buffers, as HF, torchtitan and
+    nanoGPT-style code do: computed inside a compiled forward, Inductor inlines the pow/cos/sin chain into every
+    q/k element of every layer, forward and backward)."""
     inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float64, device=device) / D)
     ang = torch.outer(torch.arange(T, dtype=torch.float64, device=device), inv).float()  # [T, D/2]
     ang = torch.cat([ang, ang], dim=-1)  # [T, D]
@@ -138,10 +146,14 @@ class TorchQwen3(nn.Module):
         self.model.norm = _RMSNorm(c.n_embd, c.norm_eps)
         if not c.tie_embeddings:
             self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        cos, sin = _rope_cos_sin(c.max_seq_len, c.head_dim, c.rope_theta, None)  # [Tmax, D], moved with .to()
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, ids, targets):
         c = self.c
-        cos, sin = _rope_cos_sin(ids.shape[1], c.head_dim, c.rope_theta, ids.device)
+        T = ids.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.model.embed_tokens(ids)
         for blk in self.model.layers:
             x = blk(x, cos, sin)
@@ -154,8 +166,9 @@ class TorchQwen3(nn.Module):
 # -- the benchmark -------------------------------------------------------------------------------------
 
 
-def _torch_opt(model, dev, fused_cpu: bool):
-    """AdamW over the torch model with the two decay groups; the fused kernel on CUDA, the plain loop on CPU."""
+def _torch_opt(model, dev, fused_cpu: bool, capturable: bool = False):
+    """AdamW over the torch model with the two decay groups; the fused kernel on CUDA (``capturable``: its step
+    count and lr on the device, so a CUDA graph can hold the step), the plain loop on CPU."""
     named = dict(model.named_parameters())
     groups = [
         {"params": [p for n, p in named.items() if decays(n, p.shape)], "weight_decay": 0.1},
@@ -163,22 +176,82 @@ def _torch_opt(model, dev, fused_cpu: bool):
     ]
     fused = dev.type == "cuda"
     return torch.optim.AdamW(
-        groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=None if fused or fused_cpu else False, fused=fused or None
+        groups,
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=None if fused or fused_cpu else False,
+        fused=fused or None,
+        capturable=capturable,
     )
 
 
-def torch_step(ref, opt, x, y, autocast, dev, compiled: bool):
-    fwd = torch.compile(ref) if compiled else ref
+@dataclasses.dataclass(frozen=True)
+class TorchMode:
+    """One way a speed-minded PyTorch user runs the step. ``compile``: None (eager) or a ``torch.compile`` mode
+    of the model ("default", "max-autotune-no-cudagraphs", "reduce-overhead": CUDA graphs of the forward and
+    backward); ``step_graph``: the whole step (forward, backward, clip, fused AdamW with ``capturable=True``)
+    captured as one CUDA graph after a warm-up on a side stream, PyTorch's whole-network capture recipe."""
 
-    def step():
+    compile: str | None = None
+    step_graph: bool = False
+
+    @property
+    def name(self) -> str:
+        base = "torch eager" if self.compile is None else f"torch.compile {self.compile}"
+        return base + (" + step graph" if self.step_graph else "")
+
+
+# the torch sides timed on CUDA (--torch-modes all); eager comes first and is the "vs eager" reference
+TORCH_MODES = {
+    "eager": TorchMode(),
+    "default": TorchMode("default"),
+    "max-autotune": TorchMode("max-autotune-no-cudagraphs"),
+    "reduce-overhead": TorchMode("reduce-overhead"),
+    "eager+graph": TorchMode(None, True),
+    "default+graph": TorchMode("default", True),
+    "max-autotune+graph": TorchMode("max-autotune-no-cudagraphs", True),
+}
+
+
+def torch_step(ref, x, y, autocast, dev, mode: TorchMode = TorchMode()):
+    """-> step(): one optimizer step of the torch model ``ref`` run as ``mode`` says, returning the loss (a float:
+    one read per step, as xtrain's trainer reads its metrics). A step-graph ``step`` carries ``first_loss``, the
+    loss of its first warm-up step (the same weights and batch as every other side's first step)."""
+    opt = _torch_opt(ref, dev, fused_cpu=False, capturable=mode.step_graph)
+    fwd = ref
+    if mode.compile is not None:
+        fwd = torch.compile(ref, mode=None if mode.compile == "default" else mode.compile)
+
+    def one_step():
         with autocast:
             loss = fwd(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, foreach=dev.type == "cuda" or compiled)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, foreach=dev.type == "cuda" or mode.compile is not None)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return loss.detach()
 
+    if not mode.step_graph:
+        return lambda: float(one_step())
+    if dev.type != "cuda":
+        raise RuntimeError("a step graph needs CUDA")
+    side = torch.cuda.Stream()  # warm up on a side stream (lazy inits, compilation, autotuning) before capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        first = float(one_step())
+        for _ in range(2):
+            one_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = one_step()  # gradients come from the graph's pool and are static across replays
+
+    def step():
+        graph.replay()
+        return float(static_loss)
+
+    step.first_loss = first
     return step
 
 
@@ -249,7 +322,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's max_seq_len")
     ap.add_argument("--vocab", type=int, default=None, help="override the preset's vocab size")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
     ap.add_argument(
@@ -277,7 +350,15 @@ def main(argv=None) -> int:
         "--graph-rows",
         choices=["auto", "on", "off"],
         default="auto",
-        help="also time the trainer's step with the CUDA graph on and off, and torch.compile (auto: on CUDA)",
+        help="also time the trainer's step with the CUDA graph on and off (auto: on CUDA)",
+    )
+    ap.add_argument(
+        "--torch-modes",
+        default="auto",
+        help="comma-separated torch sides beside eager, from: "
+        + ", ".join(k for k in TORCH_MODES if k != "eager")
+        + "; 'all'; 'none' (auto: all on CUDA, none on the CPU). 'X+graph' captures the whole step (fused AdamW, "
+        "capturable) as one CUDA graph",
     )
     ap.add_argument(
         "--doc-mask",
@@ -342,16 +423,28 @@ def main(argv=None) -> int:
 
         return build
 
-    def torch_side(compiled: bool):
+    def torch_side(mode: TorchMode):
         def build():
             ref = TorchQwen3(c, args.torch_attention).to(dev)
             ref.load_state_dict({k: v.to(dev) for k, v in init.items()}, strict=True)
-            return torch_step(ref, _torch_opt(ref, dev, fused_cpu=False), x, y, autocast, dev, compiled)
+            return torch_step(ref, x, y, autocast, dev, mode)
 
         return build
 
+    if args.torch_modes == "auto":
+        modes = [k for k in TORCH_MODES if k != "eager"] if dev.type == "cuda" else []
+    elif args.torch_modes == "all":
+        modes = [k for k in TORCH_MODES if k != "eager"]
+    elif args.torch_modes == "none":
+        modes = []
+    else:
+        modes = [m.strip() for m in args.torch_modes.split(",") if m.strip()]
+        bad = [m for m in modes if m not in TORCH_MODES]
+        if bad:
+            ap.error(f"--torch-modes: unknown {', '.join(bad)}; choose from {', '.join(TORCH_MODES)}")
+
     copies = not args.no_copies and args.dtype != "float32"
-    builders = [("torch eager", torch_side(False)), ("xtrain", xtrain_side(not args.no_copies))]
+    builders = [("torch eager", torch_side(TORCH_MODES["eager"])), ("xtrain", xtrain_side(not args.no_copies))]
     if args.compare_copies:  # the same step with the copies the other way, in the same process, interleaved
         if args.dtype == "float32":
             ap.error("--compare-copies needs a compute dtype below the fp32 masters (--dtype bfloat16)")
@@ -360,8 +453,8 @@ def main(argv=None) -> int:
         builders += [
             ("xtrain trainer, graph", lambda: trainer_step(c, dev, ids, B, True)),
             ("xtrain trainer, no graph", lambda: trainer_step(c, dev, ids, B, False)),
-            ("torch.compile", torch_side(True)),
         ]
+    builders += [(TORCH_MODES[m].name, torch_side(TORCH_MODES[m])) for m in modes if m != "eager"]
     doc_rows = []
     if args.doc_mask is not None:  # the trainer's step with the document mask on and off, on the same batch
         graph = dev.type == "cuda"
@@ -388,7 +481,7 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats(dev)
         try:
             fn = build()
-            first[name] = fn()
+            first[name] = getattr(fn, "first_loss", None) or fn()
             for _ in range(max(args.warmup, getattr(fn, "min_warmup", 0))):
                 fn()
         except GraphFellBack as e:
@@ -402,14 +495,23 @@ def main(argv=None) -> int:
             peak[name] = torch.cuda.max_memory_allocated(dev) - base
         sides.append((name, fn))
     times = {name: [] for name, _ in sides}
+    gpu_times = {name: [] for name, _ in sides}  # CUDA events around the call: the GPU's view of the same step
     for _ in range(args.steps):  # interleaved step by step, so machine noise hits every side alike
         for name, fn in sides:
             sync()
+            if dev.type == "cuda":
+                ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev[0].record()
             t0 = time.perf_counter()
             fn()
+            if dev.type == "cuda":
+                ev[1].record()
             sync()
             times[name].append(time.perf_counter() - t0)
+            if dev.type == "cuda":
+                gpu_times[name].append(ev[0].elapsed_time(ev[1]) / 1e3)
     med = {n: statistics.median(t) for n, t in times.items()}
+    gmed = {n: statistics.median(t) for n, t in gpu_times.items() if t}
     q = {n: statistics.quantiles(t, n=4) if len(t) >= 2 else [t[0]] * 3 for n, t in times.items()}
     mt = med["torch eager"]
     tok = B * T
@@ -427,20 +529,24 @@ def main(argv=None) -> int:
         + (f"MFU against {peak_flops / 1e12:.1f} TFLOP/s" if peak_flops else "no peak known for MFU (--peak-tflops)")
     )
     print("  first-step loss: " + ", ".join(f"{n} {v:.6f}" for n, v in first.items()))
+    torch_rows = [n for n in med if n.startswith("torch")]
+    best = min(torch_rows, key=med.get) if torch_rows else None
+    w = max(26, *(len(n) + 2 for n in med))
     print(
-        f"{'impl':<26}{'step ms':>10}{'p25-p75 ms':>14}{'tokens/s':>12}{'MFU %':>8}{'peak GiB':>10}{'vs eager':>10}"
-        f"{'vs compile':>12}"
+        f"{'impl':<{w}}{'step ms':>9}{'event ms':>10}{'p25-p75 ms':>14}{'tokens/s':>11}{'MFU %':>7}{'peak GiB':>10}"
+        f"{'vs eager':>10}{'vs best torch':>15}"
     )
-    mc = med.get("torch.compile")
     for name, _ in sides:
         m = med[name]
         mfu = f"{100 * tok * fpt / m / peak_flops:.1f}" if peak_flops else "-"
         mem = f"{peak[name] / 2**30:.2f}" if name in peak else "-"
-        vs_c = f"{mc / m:.2f}" if mc else "-"
+        ev = f"{gmed[name] * 1e3:.2f}" if name in gmed else "-"
         print(
-            f"{name:<26}{m * 1e3:>10.1f}{f'{q[name][0] * 1e3:.1f}-{q[name][2] * 1e3:.1f}':>14}{tok / m:>12.0f}"
-            f"{mfu:>8}{mem:>10}{mt / m:>10.2f}{vs_c:>12}"
+            f"{name:<{w}}{m * 1e3:>9.2f}{ev:>10}{f'{q[name][0] * 1e3:.1f}-{q[name][2] * 1e3:.1f}':>14}{tok / m:>11.0f}"
+            f"{mfu:>7}{mem:>10}{mt / m:>10.2f}{med[best] / m:>15.2f}"
         )
+    if best:
+        print(f"best torch side: {best} ({med[best] * 1e3:.2f} ms)")
     if args.doc_mask is not None:
         from xtrain.model import doc_starts
 

@@ -9,7 +9,7 @@ with a ratio column. Results that matter are recorded in ``bench/RESULTS.md``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import pathlib
 import sys
 
@@ -41,7 +41,5 @@ def run(args) -> int:
         return 2
     if str(BENCH_DIR.parent) not in sys.path:
         sys.path.insert(0, str(BENCH_DIR.parent))
-    spec = importlib.util.spec_from_file_location(f"bench.{args.name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module(f"bench.{args.name}")  # registered in sys.modules (dataclasses need it)
     return int(mod.main(args.args) or 0)
