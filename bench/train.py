@@ -14,7 +14,10 @@ step (``Trainer.train_step``, capture-ready) with the CUDA graph on and off; and
 user would try (``--torch-modes``, all of them on CUDA): the model under ``torch.compile`` in its default,
 ``max-autotune-no-cudagraphs`` and ``reduce-overhead`` modes with fused AdamW, and eager / default /
 max-autotune with the whole step (forward, backward, clip, fused AdamW with ``capturable=True``) captured as one
-CUDA graph. The RoPE tables are module buffers built once, as HF, torchtitan and nanoGPT-style code keep them.
+CUDA graph. Under CUDA graphs (reduce-overhead, the step graphs) the torch side's SDPA may take FlashAttention-2 or
+the memory-efficient kernel but not cuDNN's, which faults there (pytorch#169849); elsewhere SDPA picks freely, and
+the graph rows' autocast keeps no weight cache (PyTorch's rule for capture). The RoPE tables are module buffers
+built once, as HF, torchtitan and nanoGPT-style code keep them.
 Every side starts from the same weights and batch; the first-step losses are printed (they must agree). The
 fastest torch side is named on the last line and is the "vs best torch" column's reference.
 
@@ -51,6 +54,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from xtrain.autograd import gc_paused
 from xtrain.config import PRESETS
@@ -108,6 +112,9 @@ class _Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         if self.impl == "sdpa":
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=(K != H))
+        elif self.impl == "sdpa-no-cudnn":  # under CUDA graphs: cuDNN's SDPA can fault there (pytorch#169849)
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=(K != H))
         else:
             k = k.repeat_interleave(H // K, dim=1)
             v = v.repeat_interleave(H // K, dim=1)
@@ -425,9 +432,16 @@ def main(argv=None) -> int:
 
     def torch_side(mode: TorchMode):
         def build():
-            ref = TorchQwen3(c, args.torch_attention).to(dev)
+            attn = args.torch_attention
+            graphed = mode.step_graph or mode.compile == "reduce-overhead"
+            if attn == "sdpa" and graphed and dev.type == "cuda":
+                attn = "sdpa-no-cudnn"  # cuDNN's SDPA under CUDA graphs can fault (pytorch#169849)
+            ref = TorchQwen3(c, attn).to(dev)
             ref.load_state_dict({k: v.to(dev) for k, v in init.items()}, strict=True)
-            return torch_step(ref, x, y, autocast, dev, mode)
+            ac = autocast
+            if mode.step_graph and args.dtype == "bfloat16":  # autocast's weight cache must be off under capture
+                ac = torch.autocast(dev.type, dtype=torch.bfloat16, cache_enabled=False)
+            return torch_step(ref, x, y, ac, dev, mode)
 
         return build
 
