@@ -507,6 +507,7 @@ def main(argv=None) -> int:
         sync()
         if dev.type == "cuda":
             peak[name] = torch.cuda.max_memory_allocated(dev) - base
+        print(f"  built {name}: first loss {first[name]:.6f}", flush=True)  # a crash later names the last built
         sides.append((name, fn))
     times = {name: [] for name, _ in sides}
     gpu_times = {name: [] for name, _ in sides}  # CUDA events around the call: the GPU's view of the same step
