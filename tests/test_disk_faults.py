@@ -215,7 +215,19 @@ def test_the_loss_plot_on_a_full_disk(base, tmp_path):
     """Training and its checkpoint are done; the plot fails: one line, the old loss.png, no temporary file."""
     run = copy_run(base, tmp_path)
     before = tree_hash(run)
-    r = faulty("train", "--resume", run, "--steps", 3, *QUIET, cwd=tmp_path, fault="ENOSPC", prefix=run, at="loss.png")
+    r = faulty(
+        "train",
+        "--resume",
+        run,
+        "--steps",
+        3,
+        *QUIET,
+        cwd=tmp_path,
+        fault="ENOSPC",
+        prefix=run,
+        at="loss.png",
+        budget=1000,
+    )
     one_line(r, rf"xtrain train: cannot write {run}/loss\.png: no space left on device")
     after = tree_hash(run)
     assert set(after) == set(before) and after["loss.png"] == before["loss.png"]
@@ -224,10 +236,11 @@ def test_the_loss_plot_on_a_full_disk(base, tmp_path):
 
 @pytest.mark.slow
 def test_a_new_run_on_a_full_disk(base, tmp_path):
-    """The tokenizer copy fails, then the lock: each one line, and what is left can be restarted."""
+    """The tokenizer copy fails part-way, then (another try) making the run directory: each one line, and
+    nothing half-written is left."""
     new = tmp_path / "new"
     args = ("train", "--data", base["data"], "--out", new, "--steps", 2, *TINY, *QUIET)
-    r = faulty(*args, cwd=tmp_path, fault="ENOSPC", prefix=tmp_path, at="tokenizer.json")
+    r = faulty(*args, cwd=tmp_path, fault="ENOSPC", prefix=tmp_path, at="tokenizer.json", budget=100)
     one_line(r, rf"xtrain train: cannot write {new}/tokenizer\.json: no space left on device")
     assert os.listdir(new) == []
     shutil.rmtree(new)
@@ -295,7 +308,7 @@ def test_export_failures_keep_the_previous_export(base, exported, tmp_path, faul
         r = faulty(*args, cwd=tmp_path, fault="EROFS", prefix=tmp_path, at=".hf.export-")
         cause, name = "read-only file system", ""
     else:
-        r = faulty(*args, cwd=tmp_path, fault="ENOSPC", prefix=tmp_path, at="tokenizer.json")
+        r = faulty(*args, cwd=tmp_path, fault="ENOSPC", prefix=tmp_path, at="tokenizer.json", budget=100)
         cause, name = "no space left on device", r"tokenizer\.json"
     staged = rf"{tmp_path}/\.hf\.export-\d+" + (f"/{name}" if name else "")
     one_line(r, rf"xtrain export: cannot write {staged}: {cause}")

@@ -14,7 +14,8 @@ Once the budget is spent, on a full disk (ENOSPC, EDQUOT) creating a file or fol
 removing and renaming work (they free space); on a read-only one (EROFS) every change fails, removal
 included. The calls wrapped are the ones the library's writers reach: ``open`` (builtins and io, so pathlib and
 os.fdopen too) in a writing mode, ``os.open`` with a writing flag, ``os.write``, ``os.mkdir``,
-``os.rename``, ``os.replace``, ``os.unlink``, ``os.remove``, ``os.rmdir``, ``os.truncate``, ``os.ftruncate``.
+``os.rename``, ``os.replace``, ``os.unlink``, ``os.remove``, ``os.rmdir``, ``os.truncate``, ``os.ftruncate``,
+``os.sendfile`` (shutil.copyfile).
 The library's own code runs unchanged: only the answers of the file system are faked.
 """
 
@@ -91,7 +92,13 @@ class _File:
         return self
 
     def __exit__(self, *exc):
-        return self._f.__exit__(*exc)
+        self.close()
+        return False
+
+    def close(self):
+        if not self._f.closed:
+            DISK.fds.pop(self._f.fileno(), None)
+        return self._f.close()
 
     def __iter__(self):
         return iter(self._f)
@@ -102,7 +109,7 @@ class _File:
 
 def _install(disk: _Disk) -> None:
     real = {n: getattr(os, n) for n in ("open", "write", "close", "mkdir", "rename", "replace", "unlink", "remove")}
-    real.update(rmdir=os.rmdir, truncate=os.truncate, ftruncate=os.ftruncate, io_open=io.open)
+    real.update(rmdir=os.rmdir, truncate=os.truncate, ftruncate=os.ftruncate, sendfile=os.sendfile, io_open=io.open)
 
     def open_(file, mode="r", *a, **k):
         writes = any(c in mode for c in "wax+")
@@ -111,7 +118,9 @@ def _install(disk: _Disk) -> None:
             return real["io_open"](file, mode, *a, **k)
         if not isinstance(file, int):
             disk.change(path, "other" if os.path.exists(path) else "create")
-        return _File(real["io_open"](file, mode, *a, **k), path)
+        f = real["io_open"](file, mode, *a, **k)
+        disk.fds[f.fileno()] = os.fsdecode(path)  # for os.sendfile into it (shutil.copyfile)
+        return _File(f, path)
 
     def os_open(path, flags, mode=0o777, *, dir_fd=None):
         full = _resolve(path, dir_fd)
@@ -134,6 +143,14 @@ def _install(disk: _Disk) -> None:
                 return real["write"](fd, bytes(data)[:k])  # a short write; the next one fails
             disk.fail(path)
         return real["write"](fd, data)
+
+    def sendfile(out_fd, in_fd, offset, count):
+        path = disk.fds.get(out_fd)
+        if path is not None:
+            count = disk.allowed(path, count)
+            if count == 0:
+                disk.fail(path)
+        return real["sendfile"](out_fd, in_fd, offset, count)
 
     def os_close(fd):
         disk.fds.pop(fd, None)
@@ -172,7 +189,7 @@ def _install(disk: _Disk) -> None:
     os.open, os.write, os.close, os.mkdir = os_open, os_write, os_close, mkdir
     os.rename, os.replace = renaming("rename"), renaming("replace")
     os.unlink, os.remove, os.rmdir = removing("unlink"), removing("remove"), removing("rmdir")
-    os.truncate, os.ftruncate = truncate, ftruncate
+    os.truncate, os.ftruncate, os.sendfile = truncate, ftruncate, sendfile
 
 
 if _KIND:
