@@ -18,7 +18,10 @@ output flags may change; every other setting (eval-batches included) keeps the r
 passing a different one is an error. metrics.jsonl is cut back to the checkpoint's step.
 
 SIGTERM, SIGINT and SIGHUP stop the run at the next step boundary: the checkpoint is saved and the command
-exits with 143, 130 or 129 (128 + the signal); ``--resume`` continues bit-exactly. ``--out`` must be new or
+exits with 143, 130 or 129 (128 + the signal); ``--resume`` continues bit-exactly. A write the disk refuses
+(full, ``ulimit -f``, read-only) stops the run at once with one line naming the file and exit code 74: a
+failed checkpoint save (periodic, final or on a signal) leaves the previous checkpoint as it was, a refused
+metrics.jsonl row is taken back. ``--out`` must be new or
 empty: a directory holding a run is refused (use --resume), one holding a run that stopped before its first
 checkpoint needs ``--restart``, anything else is refused before anything is written. ``--data`` is recorded
 as an absolute path with its meta.json fingerprint; resuming on another number of ranks keeps the global
