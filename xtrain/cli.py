@@ -2,7 +2,8 @@
 them up (lazily, so ``xtrain micro`` never imports the tensor stack's heavier pieces).
 
 Every owning module exposes ``add_parser(subparsers)`` which registers its subcommand and sets
-``func=run`` (a function taking the parsed args and returning an exit code).
+``func=run`` (a function taking the parsed args and returning an exit code). A write that fails for a reason of
+the disk, in any subcommand, ends here as one line and exit code 74 (``xtrain.fileio.WriteFailed``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    rc = args.func(args)
+    try:
+        rc = args.func(args)
+    except OSError as e:
+        # the one place where a write the disk refused (full, over ``ulimit -f``, read-only) becomes one line
+        # and its exit code; the writer has already put back what was there (xtrain.fileio)
+        from xtrain.fileio import EXIT_WRITE_FAILED, write_failure
+
+        failed = write_failure(e)
+        if failed is None:
+            raise
+        print(f"xtrain {args.command}: {failed}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
     return int(rc or 0)
 
 

@@ -16,6 +16,8 @@ An export is committed as one unit: its files are written into a staging folder 
 atomic step (Linux ``renameat2``; elsewhere the old one is renamed aside first) and the old one removed.
 A kill at any instant leaves DIR as it was (absent, empty, or the previous export) or the complete new
 export, never a mix; the next export removes the staging folders a killed one left (their process gone).
+A write that fails (disk full, ``ulimit -f``, read-only file system) stops the export with one line naming
+the file and the cause and exit code 74; DIR is as it was and the staging folder is removed.
 
 DIR must be new, empty, or a previous export (only the files an export writes): a run directory, or any
 other non-empty directory, is refused before anything is written. The exported tokenizer's post-processor
@@ -36,7 +38,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from xtrain.config import ModelConfig
-from xtrain.fileio import _pid_alive, atomic_write_bytes, atomic_write_json, atomic_write_text
+from xtrain.fileio import _pid_alive, atomic_write_bytes, atomic_write_json, atomic_write_text, not_writable, writing
 from xtrain.fileio import fsync_dir as _fsync_dir
 
 # xtrain parameter name (per layer, after "model.layers.{i}.") -> Hugging Face Qwen3 name. The same strings
@@ -141,8 +143,8 @@ def check_export_dir(out_dir: str | Path, run_dir: str | Path | None = None) -> 
     parent = out.parent
     while not parent.exists():
         parent = parent.parent
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"export: --out {out}: {parent} is not writable")
+    if why := not_writable(parent):
+        raise ValueError(f"export: --out {out}: {parent} is not writable ({why})")
     if not out.exists():
         return
     if not out.is_dir():
@@ -212,26 +214,48 @@ def export_hf(
         if eos_id is not None and json.loads(tok_text).get("model") is not None:  # an HF tokenizer.json
             tok_text = hf_tokenizer_json(tokenizer_json, eos_id)
     final = out
-    final.parent.mkdir(parents=True, exist_ok=True)
+    with writing(final.parent):
+        final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(final)
-    out = final.parent / f".{final.name}.export-{os.getpid()}"
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir()
-    _write_export(out, tensors, hf, eos_id, tok_text, tokenizer_json, model_config)
-    _fsync_dir(out)
-    if final.exists():  # empty, or a previous export (check_export_dir): swapped with the new one, then dropped
-        if _exchange(out, final):
-            shutil.rmtree(out)
-        else:  # no atomic swap here: a kill between these two renames leaves no DIR (the old export aside)
-            aside = final.parent / f".{final.name}.export-old-{os.getpid()}"
-            os.replace(final, aside)
-            os.replace(out, final)
-            shutil.rmtree(aside)
-    else:
-        os.replace(out, final)  # the commit point
+    stage = final.parent / f".{final.name}.export-{os.getpid()}"
+    with writing(stage):
+        if stage.exists():
+            shutil.rmtree(stage)
+        stage.mkdir()
+    try:
+        _write_export(stage, tensors, hf, eos_id, tok_text, tokenizer_json, model_config)
+        _fsync_dir(stage)
+        with writing(final):
+            old = _commit_export(stage, final)
+    except BaseException:
+        # not committed (a full disk, a file-size limit, ...): DIR is as it was; the staging folder goes, so a
+        # full disk gets its space back (on a file system that turned read-only it stays, for the next export)
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if old is not None:  # the previous export, now aside; one left behind is removed by the next export
+        shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(final.parent)
     return final
+
+
+def _commit_export(stage: Path, final: Path) -> Path | None:
+    """Put the complete export ``stage`` in place as ``final``; -> where the previous export (if any) now is.
+    On failure ``final`` is as it was."""
+    if not final.exists():
+        os.replace(stage, final)  # the commit point
+        return None
+    # empty, or a previous export (check_export_dir): swapped with the new one in one step, then dropped
+    if _exchange(stage, final):
+        return stage
+    # no atomic swap here: a kill between these two renames leaves no DIR (the old export aside)
+    aside = final.parent / f".{final.name}.export-old-{os.getpid()}"
+    os.replace(final, aside)
+    try:
+        os.replace(stage, final)
+    except BaseException:
+        os.replace(aside, final)  # the previous export back in place
+        raise
+    return aside
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -1,26 +1,97 @@
 """Atomic file writes: every file xtrain writes (checkpoints, tokenizers, data meta) goes to a temporary
 name in the same directory, is flushed to disk, then renamed over the real name, so a crash never leaves a
-half-written file under the real name (``os.replace`` is atomic on POSIX and Windows)."""
+half-written file under the real name (``os.replace`` is atomic on POSIX and Windows).
+
+Write failures of the disk: a write that fails because the file system is full (ENOSPC, EDQUOT), a file would
+pass the file-size limit (EFBIG: ``ulimit -f``; Python ignores SIGXFSZ, so the write fails instead of the
+process dying) or the file system is read-only (EROFS) is raised as ``WriteFailed``, whose text is one line
+naming the file and the cause ("cannot write RUN/model.safetensors: no space left on device"). Every writer
+of xtrain goes through ``writing(path)`` (the atomic writers and ``AppendLog`` do it for theirs), and the
+``xtrain`` command turns a ``WriteFailed`` (or any OSError of these kinds that reaches it) into that line
+on stderr and exit code ``EXIT_WRITE_FAILED``. The writers clean up what the failed write left (a temporary
+file, a staging folder) before raising, so what was there before stays as it was.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 from pathlib import Path
 
+EXIT_WRITE_FAILED = 74  # sysexits.h EX_IOERR: a write failed (disk full, file too large, read-only)
+
+# errno -> the cause, as the one-line message says it
+DISK_ERRORS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large (over the file-size limit, ulimit -f)",
+    errno.EROFS: "read-only file system",
+}
+
+
+class WriteFailed(OSError):
+    """A write failed for a reason of the file system (``DISK_ERRORS``); ``str()`` is the one-line message.
+    ``filename`` is the file (or folder) being written, ``errno`` the cause."""
+
+    def __str__(self) -> str:
+        return f"cannot write {self.filename}: {self.strerror}"
+
+
+def write_failure(e: BaseException, path: str | os.PathLike | None = None) -> WriteFailed | None:
+    """The one classification of write errors: a ``WriteFailed`` naming ``path`` (else the file the error
+    names) when ``e`` is an OSError of the disk, None for anything else (a bug, a permission, a missing
+    folder: those keep their own handling)."""
+    if isinstance(e, WriteFailed):
+        return e
+    if not isinstance(e, OSError) or e.errno not in DISK_ERRORS:
+        return None
+    where = path if path is not None else (e.filename if e.filename is not None else "(a file)")
+    return WriteFailed(e.errno, DISK_ERRORS[e.errno], os.fspath(where))
+
+
+def not_writable(path: str | os.PathLike) -> str | None:
+    """Why the existing folder ``path`` cannot be written into ("read-only file system", "no write
+    permission"), or None when it can: for refusing an output folder before anything is written."""
+    if os.access(path, os.W_OK | os.X_OK):
+        return None
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs (Windows)
+        read_only = False
+    return "read-only file system" if read_only else "no write permission"
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike):
+    """Writes in this block that fail for a reason of the disk raise ``WriteFailed`` naming ``path``."""
+    try:
+        yield
+    except OSError as e:
+        failed = write_failure(e, path)
+        if failed is None or failed is e:
+            raise
+        raise failed from e
+
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary name, fsync'ed, then renamed over it. On any failure the
+    temporary file is removed and ``path`` is as it was; a failure of the disk is ``WriteFailed`` naming
+    ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with writing(path):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):  # on a read-only file system nothing can be removed either
+                tmp.unlink(missing_ok=True)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -43,6 +114,35 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+class AppendLog:
+    """A file that grows by whole lines (metrics.jsonl): each ``write(line)`` appends it with unbuffered
+    writes. A line that cannot be written completely is taken back (the file is cut to its size before it,
+    which needs no space), so the file never ends in a torn line, and ``WriteFailed`` names the file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        with writing(self.path):
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, line: str) -> None:
+        data = line.encode("utf-8")
+        size = os.fstat(self.fd).st_size
+        try:
+            with writing(self.path):
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self.fd, view) :]
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, size)
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 # -- ownership of a directory -------------------------------------------------------------------------
@@ -93,18 +193,25 @@ class DirLock:
         self.held = False
 
     def _try_create(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"pid": os.getpid()}) + "\n")
+        with writing(self.path):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps({"pid": os.getpid()}) + "\n")
+            except BaseException:  # an empty lock file would read as a stale one: leave none
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+                raise
         return True
 
     def acquire(self) -> DirLock:
         import atexit
 
-        self.dir.mkdir(parents=True, exist_ok=True)
+        with writing(self.dir):
+            self.dir.mkdir(parents=True, exist_ok=True)
         for _ in range(3):
             if self._try_create():
                 self.held = True
@@ -126,7 +233,8 @@ class DirLock:
                 )
             # stale: move it aside atomically (of two processes taking over, one rename wins), then retry
             try:
-                os.replace(self.path, self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}"))
+                with writing(self.path):
+                    os.replace(self.path, self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}"))
             except FileNotFoundError:
                 continue
             self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}").unlink(missing_ok=True)

@@ -42,7 +42,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from xtrain.config import ModelConfig, TrainConfig
-from xtrain.fileio import atomic_write_bytes, atomic_write_json  # noqa: F401 (re-exported)
+from xtrain.fileio import atomic_write_bytes, atomic_write_json, writing  # noqa: F401 (re-exported)
 from xtrain.fileio import fsync_dir as _fsync_dir
 
 FORMAT = "xtrain-checkpoint/1"
@@ -65,28 +65,38 @@ def save_checkpoint(
     """Commit a checkpoint of ``model`` / ``optimizer`` at ``trainer_state["step"]`` as one unit (see the
     module docstring): staged, committed by one rename, then moved into place."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with writing(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
     finish_commit(run_dir)  # a commit a crash left half moved goes into place first
     stage = run_dir / STAGING
-    if stage.exists():
-        shutil.rmtree(stage)  # a save a crash interrupted before its commit: never current, drop it
-    stage.mkdir()
+    with writing(stage):
+        if stage.exists():
+            shutil.rmtree(stage)  # a save a crash interrupted before its commit: never current, drop it
+        stage.mkdir()
     step = int(trainer_state["step"])
     meta = {"format": FORMAT, "step": str(step)}
-    atomic_write_json(
-        stage / CONFIG,
-        {
-            "format": FORMAT,
-            "model": model.config.to_dict(),
-            "train": None if train_config is None else train_config.to_dict(),
-        },
-    )
-    atomic_write_bytes(stage / MODEL, st_save(_cpu(model.state_dict()), metadata=meta))
-    opt_meta = dict(meta, optimizer=json.dumps(optimizer.state_meta()))
-    atomic_write_bytes(stage / OPTIMIZER, st_save(_cpu(optimizer.state_tensors()), metadata=opt_meta))
-    atomic_write_json(stage / STATE, dict(trainer_state, format=FORMAT))
-    _fsync_dir(stage)
-    os.replace(stage, run_dir / COMMITTED)  # the commit point
+    try:
+        atomic_write_json(
+            stage / CONFIG,
+            {
+                "format": FORMAT,
+                "model": model.config.to_dict(),
+                "train": None if train_config is None else train_config.to_dict(),
+            },
+        )
+        atomic_write_bytes(stage / MODEL, st_save(_cpu(model.state_dict()), metadata=meta))
+        opt_meta = dict(meta, optimizer=json.dumps(optimizer.state_meta()))
+        atomic_write_bytes(stage / OPTIMIZER, st_save(_cpu(optimizer.state_tensors()), metadata=opt_meta))
+        atomic_write_json(stage / STATE, dict(trainer_state, format=FORMAT))
+        _fsync_dir(stage)
+        with writing(run_dir / COMMITTED):
+            os.replace(stage, run_dir / COMMITTED)  # the commit point
+    except BaseException:
+        # not committed (a full disk, a file-size limit, an error of ours): the previous checkpoint stays the
+        # current one; the staging folder goes, so a full disk gets its space back (on a file system that
+        # turned read-only nothing can be removed: it stays, and readers and the next save ignore it)
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
     _fsync_dir(run_dir)
     finish_commit(run_dir)
     return run_dir
@@ -102,9 +112,11 @@ def finish_commit(run_dir: str | Path) -> bool:
         return False
     for name in FILES:
         if (commit / name).is_file():
-            os.replace(commit / name, run_dir / name)
+            with writing(run_dir / name):
+                os.replace(commit / name, run_dir / name)
     _fsync_dir(run_dir)
-    shutil.rmtree(commit)
+    with writing(commit):
+        shutil.rmtree(commit)
     return True
 
 

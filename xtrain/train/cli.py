@@ -18,7 +18,10 @@ output flags may change; every other setting (eval-batches included) keeps the r
 passing a different one is an error. metrics.jsonl is cut back to the checkpoint's step.
 
 SIGTERM, SIGINT and SIGHUP stop the run at the next step boundary: the checkpoint is saved and the command
-exits with 143, 130 or 129 (128 + the signal); ``--resume`` continues bit-exactly. ``--out`` must be new or
+exits with 143, 130 or 129 (128 + the signal); ``--resume`` continues bit-exactly. A write the disk refuses
+(full, ``ulimit -f``, read-only) stops the run at once with one line naming the file and exit code 74: a
+failed checkpoint save (periodic, final or on a signal) leaves the previous checkpoint as it was, a refused
+metrics.jsonl row is taken back. ``--out`` must be new or
 empty: a directory holding a run is refused (use --resume), one holding a run that stopped before its first
 checkpoint needs ``--restart``, anything else is refused before anything is written. ``--data`` is recorded
 as an absolute path with its meta.json fingerprint; resuming on another number of ranks keeps the global
@@ -162,6 +165,7 @@ def check_out_dir(run_dir: Path, restart: bool) -> list[Path]:
     empty directory, or one holding only the files of a run stopped before its first checkpoint (then only
     with ``restart``; those files are returned, to delete once the directory is locked). Nothing is written."""
     from xtrain.config import ConfigError
+    from xtrain.fileio import not_writable
     from xtrain.train import checkpoint as ckpt_io
 
     if run_dir.exists() and not run_dir.is_dir():
@@ -171,8 +175,8 @@ def check_out_dir(run_dir: Path, restart: bool) -> list[Path]:
     parent = run_dir
     while not parent.exists():
         parent = parent.parent
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {run_dir}: {parent} is not writable")
+    if why := not_writable(parent):
+        raise ConfigError(f"--out {run_dir}: {parent} is not writable ({why})")
     if not run_dir.exists():
         return []
     names = sorted(n for n in os.listdir(run_dir) if n != ".xtrain.lock")
@@ -256,14 +260,16 @@ def _loaders(meta: dict, batch_size: int, seq_len: int, seed: int, rank: int = 0
 
 
 class MetricsLog:
-    """Appends one JSON line per metrics row, flushed at once (a crash loses at most the current line)."""
+    """Appends one JSON line per metrics row, written at once (a crash loses at most the current line). A row
+    the disk refuses is taken back and raises ``WriteFailed``, which stops the run (``xtrain.fileio.AppendLog``)."""
 
     def __init__(self, path: Path):
-        self.f = open(path, "a")
+        from xtrain.fileio import AppendLog
+
+        self.f = AppendLog(path)
 
     def __call__(self, m: dict) -> None:
         self.f.write(json.dumps(m) + "\n")
-        self.f.flush()
 
     def close(self):
         self.f.close()
@@ -405,7 +411,7 @@ def _run(args, info) -> int:
 
     from xtrain.config import MAX_SEED, ConfigError, ModelConfig, TrainConfig, preset
     from xtrain.device import resolve_device
-    from xtrain.fileio import DirectoryBusyError, DirLock, lock_owner
+    from xtrain.fileio import DirectoryBusyError, DirLock, lock_owner, not_writable
     from xtrain.train import checkpoint as ckpt_io
     from xtrain.train import distributed as D
 
@@ -429,8 +435,8 @@ def _run(args, info) -> int:
                     f"--resume {run_dir}: the run stopped before its first checkpoint, so there is nothing to "
                     f"resume; start it afresh with --out {run_dir} --restart"
                 )
-            if not os.access(run_dir, os.W_OK | os.X_OK):
-                raise ConfigError(f"--resume {run_dir}: the run directory is not writable")
+            if why := not_writable(run_dir):
+                raise ConfigError(f"--resume {run_dir}: the run directory is not writable ({why})")
             model_cfg, stored = ckpt_io.read_config(run_dir)
             if (run_dir / "tokenizer.json").is_file():  # the final sample reads it: a corrupt one stops now
                 from xtrain.data.tokenizer import load_tokenizer
@@ -630,6 +636,7 @@ def _train(
 ) -> int:
     import torch
 
+    from xtrain.fileio import atomic_write_bytes
     from xtrain.model import Model
     from xtrain.train import distributed as D
     from xtrain.train.trainer import NonFiniteError, Trainer, evaluate
@@ -639,7 +646,7 @@ def _train(
     if main:
         tok_src = Path(meta["dir"]) / meta.get("tokenizer", "tokenizer.json")
         if tok_src.is_file() and not (run_dir / "tokenizer.json").exists():
-            shutil.copyfile(tok_src, run_dir / "tokenizer.json")
+            atomic_write_bytes(run_dir / "tokenizer.json", tok_src.read_bytes())
 
     def eval_fn(model):
         res = evaluate(model, val_data.val_batches(eval_batches), doc_eot=tcfg.eot_id if tcfg.doc_mask else None)

@@ -7,10 +7,13 @@ chart shows each run's training loss (light) with its validation loss (dark mark
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
 import sys
+
+from xtrain.fileio import atomic_write_bytes
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
@@ -34,10 +37,20 @@ def plot_runs(
 ) -> pathlib.Path:
     """Draw training and validation loss of every run on one chart and save it (written atomically).
     ``baseline`` (e.g. the data's unigram loss) is drawn as a dashed horizontal line."""
-    import matplotlib
+    import logging
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # With HOME read-only matplotlib cannot make its config and font-cache folder: it uses a temporary one
+    # (removed at exit) and says so in two warnings. A cache there only costs time, so it says nothing here.
+    mpl_log = logging.getLogger("matplotlib")
+    level = mpl_log.level
+    mpl_log.setLevel(logging.ERROR)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    finally:
+        mpl_log.setLevel(level)
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     for i, run in enumerate(run_dirs):
@@ -59,10 +72,10 @@ def plot_runs(
     ax.legend(fontsize=8)
     fig.tight_layout()
     out = pathlib.Path(out)
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
+    atomic_write_bytes(out, buf.getvalue())
     return out
 
 
