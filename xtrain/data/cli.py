@@ -29,7 +29,7 @@ interrupted build leaves the previous data as it was.
 
 Exit codes: 0 done; 2 refused input or output folder (one line, nothing changed); 74 a disk refused a
 write (full, file too large, read-only; one line naming the path, nothing changed); 130/143 Ctrl-C/SIGTERM
-(nothing changed)."""
+(the output folder holds its previous data, or the new data if it was complete)."""
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
 
@@ -157,10 +157,10 @@ def run(args) -> int:
         print(f"xtrain data: error: {one_line_os_error(e)}", file=sys.stderr)
         return EXIT_IO
     except KeyboardInterrupt:
-        print("xtrain data: interrupted (SIGINT); the output folder is as it was", file=sys.stderr)
+        print("xtrain data: interrupted (SIGINT); nothing half-built was left in the output folder", file=sys.stderr)
         return 130
     except _Terminated:
-        print("xtrain data: stopped (SIGTERM); the output folder is as it was", file=sys.stderr)
+        print("xtrain data: stopped (SIGTERM); nothing half-built was left in the output folder", file=sys.stderr)
         return 143
     finally:
         if old_term is not None:

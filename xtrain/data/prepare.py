@@ -52,6 +52,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -302,22 +303,32 @@ def clean_leftovers(target: Path, log=print) -> None:
 
 @contextmanager
 def _signals_held():
-    """SIGINT/SIGTERM/SIGHUP wait until the block ends (a handler, Ctrl-C's KeyboardInterrupt included, then
-    runs), so no signal lands between two renames that must both happen."""
-    sigs = {signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])}
-    if not hasattr(signal, "pthread_sigmask"):
+    """SIGINT/SIGTERM/SIGHUP that arrive inside the block are recorded and raised again when it ends (the
+    handler that was installed, Ctrl-C's KeyboardInterrupt included, then runs), so no signal lands between
+    two renames that must both happen. Python handlers, not a signal mask: a mask is per thread, and the
+    tokenizers library's threads would take the signal. Only the main thread may set handlers; elsewhere
+    the block runs unprotected."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    caught: list[int] = []
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) not in (signal.SIG_IGN, None):
+            old[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for signum in caught:
+            signal.raise_signal(signum)
 
 
-def _swap_in(staging: Path, target: Path) -> None:
+def _swap_in(staging: Path, target: Path, done: list) -> None:
     """Put the complete ``staging`` folder at ``target``: a missing or empty ``target`` is replaced by one
-    rename; an existing data directory is renamed aside, the new one renamed in, the old one deleted."""
+    rename; an existing data directory is renamed aside, the new one renamed in, the old one deleted.
+    Appends to ``done`` once the new data is in place (a signal held off meanwhile lands after that)."""
     with _signals_held():
         if target.is_dir() and not any(target.iterdir()):
             target.rmdir()
@@ -337,6 +348,7 @@ def _swap_in(staging: Path, target: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)  # if this is cut short, the next prepare removes the rest
         else:
             os.rename(staging, target)
+        done.append(True)
     fsync_dir(target.parent)
 
 
@@ -458,6 +470,7 @@ def prepare(
     staging = _side_name(target, "staging")
     existed = False
     created: list[Path] = []
+    swapped: list = []
     try:
         clean_leftovers(target, log)
         check_out_dir(target)
@@ -488,8 +501,11 @@ def prepare(
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         with _naming(staging / "meta.json"):
             atomic_write_text(staging / "meta.json", json.dumps(meta, indent=2) + "\n")
-        _swap_in(staging, target)
+        _swap_in(staging, target, swapped)
     except BaseException as e:
+        if swapped:  # a signal held off during the swap lands here: the new data is complete and in place
+            log(f"data: wrote {out_dir} (complete) before stopping")
+            raise
         shutil.rmtree(staging, ignore_errors=True)
         for folder in created:  # deepest first; only those still empty
             try:
