@@ -327,7 +327,6 @@ def test_sample_serve_export_resume_refuse_a_tokenizer_of_another_vocabulary(wor
     commands = {
         "sample": ["sample", str(run), "--max-new-tokens", "2"],
         "export": ["export", str(run), "--out", str(work / "hf")],
-        "serve": ["serve", str(run), "--port", "0"],
         "resume": ["train", "--resume", str(run), "--steps", "3", "--no-progress"],
     }
     for name, argv in commands.items():
@@ -336,6 +335,17 @@ def test_sample_serve_export_resume_refuse_a_tokenizer_of_another_vocabulary(wor
         assert rc == 2, (name, rc, err)
         assert err.count("\n") == 1 and "vocabulary of 257 tokens but the model has 300" in err, (name, err)
         assert snapshot(work) == before, name
+    # serve: what `xtrain serve` loads before it listens (main() would serve forever if the check were gone;
+    # it prints a ValueError from here as one line with exit 2)
+    from xtrain.serve.server import load_service
+
+    try:
+        service = load_service(run)
+    except TokenizerMismatchError as e:
+        assert "vocabulary of 257 tokens but the model has 300" in str(e)
+    else:
+        service.close()
+        pytest.fail("serve loaded a tokenizer of another vocabulary")
 
 
 # ------------------------------------------------------------------------------------------------------
