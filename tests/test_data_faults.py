@@ -203,10 +203,28 @@ def test_out_refuses_what_xtrain_did_not_write(work, case, capsys):
 
 def test_out_takes_a_new_or_empty_folder_or_a_data_dir(work):
     (work / "empty").mkdir()
+    inode = (work / "empty").stat().st_ino
     for out in (work / "empty", work / "new" / "deeper", work / "data"):
         meta = prepare(str(work / "corpus"), out, vocab_size=257, force=True, log=quiet)
         assert load_meta(out)["vocab_size"] == 257 == meta["vocab_size"]
+    assert (work / "empty").stat().st_ino == inode  # the user's folder itself (maybe their shell's cwd) stays
     assert not [p for p in work.iterdir() if p.name.startswith(".")]
+
+
+def test_reuse_needs_no_split_decision_and_old_data_is_rebuilt(work, monkeypatch):
+    from xtrain.data.corpus import Corpus
+
+    logs = []
+    with monkeypatch.context() as m:  # reusing must not read the corpus to decide its split
+        m.setattr(Corpus, "split", lambda self: pytest.fail("split decided for a reuse"))
+        prepare(str(work / "corpus"), work / "data", vocab_size=300, log=logs.append)
+    assert "reusing" in logs[-1]
+    # data prepared before the split rule was recorded (possibly with an empty val split) is rebuilt
+    meta = json.loads((work / "data" / "meta.json").read_text())
+    del meta["config"]["corpus"]["split"]
+    (work / "data" / "meta.json").write_text(json.dumps(meta))
+    prepare(str(work / "corpus"), work / "data", vocab_size=300, log=logs.append)
+    assert "wrote" in logs[-1] and load_meta(work / "data")["config"]["corpus"]["split"] == "tail"
 
 
 @pytest.mark.parametrize("fault", [ValueError("a failure in the middle"), KeyboardInterrupt()])

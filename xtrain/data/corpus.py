@@ -343,15 +343,16 @@ class Corpus:
         for doc in _capped(train_docs(), max_bytes):
             yield doc.text
 
-    def describe(self) -> dict:
+    def describe(self, with_split: bool = True) -> dict:
         """JSON-able description, recorded in meta.json and compared to decide whether prepared data can
-        be reused (it includes a fingerprint of the source files)."""
+        be reused (it includes a fingerprint of the source files). ``with_split`` adds the split rule, which
+        may read the whole corpus to decide."""
         return {
             "name": self.name,
             "kind": self.kind,
             "max_bytes": self.max_bytes,
             "val_fraction": self.val_fraction,
-            "split": self.split()["rule"],
+            **({"split": self.split()["rule"]} if with_split else {}),
             **(self._describe or {}),
         }
 

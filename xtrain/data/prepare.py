@@ -195,12 +195,19 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
 
 
 def _complete(out_dir: Path, config: dict) -> dict | None:
-    """The existing meta if ``out_dir`` holds complete data built with exactly ``config``, else None."""
+    """The existing meta if ``out_dir`` holds complete data built with exactly ``config`` (whose corpus part
+    has no ``split``), else None."""
     try:
         meta = load_meta(out_dir)
     except (FileNotFoundError, ValueError):
         return None
-    if meta["config"] != config:
+    stored = meta["config"]
+    # ``config`` leaves out the corpus's split rule (deciding it may read the whole corpus): the rule is a
+    # function of what the rest of the config pins (the corpus fingerprint, max_bytes, val_fraction), so data
+    # that records one is reused; data prepared before the rules were recorded is rebuilt
+    if "split" not in stored["corpus"]:
+        return None
+    if {**stored, "corpus": {k: v for k, v in stored["corpus"].items() if k != "split"}} != config:
         return None
     try:  # a tokenizer.json replaced since (another vocabulary, unreadable) makes the data incomplete
         load_tokenizer(out_dir / meta["tokenizer"], vocab_size=meta["vocab_size"], expected_by=f"{out_dir}/meta.json")
@@ -326,17 +333,24 @@ def _signals_held():
 
 
 def _swap_in(staging: Path, target: Path, done: list) -> None:
-    """Put the complete ``staging`` folder at ``target``: a missing or empty ``target`` is replaced by one
-    rename; an existing data directory is renamed aside, the new one renamed in, the old one deleted.
+    """Put the complete ``staging`` folder at ``target``: a missing ``target`` is one rename, an empty one
+    receives the files (meta.json last); an existing data directory is renamed aside, the new one renamed
+    in, the old one deleted.
     Appends to ``done`` once the new data is in place (a signal held off meanwhile lands after that)."""
     with _signals_held():
         if target.is_dir() and not any(target.iterdir()):
-            target.rmdir()
+            # the files move into the user's empty folder (it may be their shell's working directory, which
+            # a rename over it would leave deleted); meta.json, which marks the data complete, moves last
+            moved = []
             try:
-                os.rename(staging, target)
+                for name in sorted(os.listdir(staging), key=lambda n: n == "meta.json"):
+                    os.rename(staging / name, target / name)
+                    moved.append(name)
             except BaseException:
-                target.mkdir(exist_ok=True)  # the user's empty folder, as it was
+                for name in moved:
+                    os.rename(target / name, staging / name)
                 raise
+            staging.rmdir()
         elif target.exists():
             old = _side_name(target, "old")
             os.rename(target, old)
@@ -476,7 +490,7 @@ def prepare(
         check_out_dir(target)
         existed = target.is_dir() and any(target.iterdir())
         config = {
-            "corpus": corpus.describe(),
+            "corpus": corpus.describe(with_split=False),
             "tokenizer": tok.kind if tok is not None else tokenizer,
             "vocab_size": tok.vocab_size if tok is not None else vocab_size,
             "tokenizer_source": tok_source,
@@ -492,6 +506,7 @@ def prepare(
                     f"val tokens, vocab {meta['vocab_size']})"
                 )
                 return {**meta, "dir": str(out_dir)}
+        config["corpus"] = corpus.describe()  # with the split rule, decided now
         log(f"data: {corpus.split_note()}")
         created = _make_parents(target.parent)
         staging.mkdir()
