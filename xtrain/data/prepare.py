@@ -70,10 +70,8 @@ DEFAULT_TOKENIZER_MAX_BYTES = 64_000_000  # BPE is trained on at most this much 
 META_FORMAT = "xtrain-data"
 META_VERSION = 1
 _ENCODE_BATCH_BYTES = 4_000_000  # documents are encoded in batches of about this many bytes
-# errors of a disk that will not take a write (as opposed to a missing or unreadable input)
-DISK_ERRNOS = frozenset(
-    getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EFBIG", "EROFS", "EIO") if hasattr(errno, name)
-)
+# errors only a write gets: a disk that will not take one (EIO is left out: a read of the corpus gets it too)
+DISK_ERRNOS = frozenset(getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EFBIG", "EROFS") if hasattr(errno, name))
 _SHARD_NAME = re.compile(r"(train|val)_\d{6}\.bin")
 _TEMP_NAME = re.compile(r"\..+\.tmp-?\d+")  # shards' and atomic writes' temporary names
 
