@@ -56,8 +56,8 @@ def _own_seed(request):
 
 @pytest.fixture
 def corpus(tmp_path):
-    """A small real-text corpus: the source of a few stdlib modules, cut into 60 documents (enough for the
-    hash split to give a validation part)."""
+    """A small real-text corpus: the source of a few stdlib modules, cut into 60 documents (fewer than 100, so
+    its validation part is the tail of the text: see xtrain/data/corpus.py)."""
     import inspect
     import json
     import pathlib

@@ -64,7 +64,9 @@ def rng_tokens(n, vocab, seed=0):
 
 
 def test_pystdlib_order_split_and_cap():
-    c = open_corpus("pystdlib", max_bytes=SMALL)
+    cap = 2_000_000  # about 110 files: enough documents to split by name
+    c = open_corpus("pystdlib", max_bytes=cap)
+    assert c.split()["rule"] == "by-name"
     docs = list(c.documents())
     keys = [d.key for _, d in docs]
     assert keys == sorted(keys, key=lambda k: k.split("/"))
@@ -72,7 +74,7 @@ def test_pystdlib_order_split_and_cap():
     assert all(k.endswith(".py") and "site-packages" not in k for k in keys)
     assert not any(part in ("test", "tests", "idle_test") for k in keys for part in k.split("/"))
     total = sum(len(d.text.encode()) for _, d in docs)
-    assert SMALL - 4 < total <= SMALL  # the last file is cut at the cap (on a character boundary)
+    assert cap - 4 < total <= cap  # the last file is cut at the cap (on a character boundary)
     for split, d in docs:  # the split is a pure function of the key
         assert split == ("val" if is_val_key(d.key, c.val_fraction) else "train")
     assert list(c.train_texts()) == [d.text for s, d in docs if s == "train"]
@@ -630,6 +632,6 @@ def test_binary_files_are_refused_alone_and_skipped_in_a_directory(tmp_path):
     (d / "b.txt").write_bytes(b"\0\1\2" * 100)
     c = open_corpus(d)
     assert [s.split(":")[0] for s in c.skipped] == ["b.txt"]
-    assert [doc.key for _, doc in c.documents()] == ["a.txt"]
+    assert [doc.key for _, doc in c.documents()] == ["a.txt", "a.txt#tail"]  # one file: val is its tail
     with pytest.raises(ValueError, match="b.txt: binary, not text: a NUL byte at offset 0"):
         open_corpus(d / "b.txt")

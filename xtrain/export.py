@@ -376,7 +376,7 @@ def run(args) -> int:
         if tok_path.is_file():
             from xtrain.data.tokenizer import load_tokenizer
 
-            eos = load_tokenizer(tok_path).eot_id
+            eos = load_tokenizer(tok_path, ck.model_config.vocab_size).eot_id
         out = export_hf(ck.model_config, ck.model_state, args.out, args.dtype, tok_path, eos)
     except (ValueError, FileNotFoundError) as e:
         print(f"xtrain export: {e}", file=sys.stderr)

@@ -15,6 +15,22 @@ import os
 import sys
 from pathlib import Path
 
+PREPARE_DESCRIPTION = """Train a tokenizer and write train/val token shards + meta.json into one folder.
+
+Validation split: a corpus with its own val file (tinystories, --val-corpus) uses it. A corpus of at
+least 100 documents is split by name: a document is in val when a hash of its name falls in the lowest
+--val-fraction. A smaller one (e.g. one input.txt with no <|endoftext|>), or one whose name split leaves a
+side empty, gets the last --val-fraction of its text bytes as val, cut at the next line start. The log
+says which rule it used.
+
+--out: a new or empty folder, or an xtrain data dir (a meta.json of format xtrain-data) to rebuild; any
+other folder is refused. A build is staged beside --out and swapped in when complete: a failed or
+interrupted build leaves the previous data as it was.
+
+Exit codes: 0 done; 2 refused input or output folder (one line, nothing changed); 74 a disk refused a
+write (full, file too large, read-only; one line naming the path, nothing changed); 130/143 Ctrl-C/SIGTERM
+(the output folder holds its previous data, or the new data if it was complete)."""
+
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
 
 
@@ -40,7 +56,12 @@ def add_parser(subparsers) -> None:
     )
     sub = p.add_subparsers(dest="data_command", metavar="ACTION")
 
-    pp = sub.add_parser("prepare", help="train a tokenizer and write train/val token shards + meta.json")
+    pp = sub.add_parser(
+        "prepare",
+        help="train a tokenizer and write train/val token shards + meta.json",
+        description=PREPARE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     pp.add_argument(
         "--corpus",
         default="pystdlib",
@@ -50,7 +71,7 @@ def add_parser(subparsers) -> None:
     pp.add_argument(
         "--val-corpus",
         default=None,
-        help="explicit val file/dir (default: a hash split of the corpus, or its own val file)",
+        help="explicit val file/dir (default: the corpus's own val file, else a split of the corpus: see above)",
     )
     pp.add_argument(
         "--vocab-size",
@@ -68,7 +89,8 @@ def add_parser(subparsers) -> None:
     pp.add_argument(
         "--out",
         default=None,
-        help="output dir (default $XTRAIN_CACHE/data/<corpus>-v<vocab>, XTRAIN_CACHE defaults to ~/.cache/xtrain)",
+        help="output dir: a new or empty folder, or an xtrain data dir to rebuild (anything else is refused); "
+        "default $XTRAIN_CACHE/data/<corpus>-v<vocab>, XTRAIN_CACHE defaults to ~/.cache/xtrain",
     )
     pp.add_argument(
         "--max-bytes",
@@ -76,7 +98,13 @@ def add_parser(subparsers) -> None:
         default=None,
         help="cap on corpus text, e.g. 300k, 16M (default: 16M for pystdlib, none otherwise; 0: none)",
     )
-    pp.add_argument("--val-fraction", type=float, default=None, help="hash-split val fraction (default 0.02)")
+    pp.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="val share (default 0.02): by document name (a hash) when the corpus has >= 100 documents and "
+        "that leaves neither side empty, else the last val-fraction of the text bytes, from a line start",
+    )
     pp.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 100M)")
     pp.add_argument(
         "--workers", type=int, default=None, help="encoding threads (the tokenizers library's pool; default: all cores)"
@@ -92,20 +120,63 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run, data_help=p.format_help)
 
 
+EXIT_REFUSED = 2  # a refused input or output folder: one line, nothing changed
+EXIT_IO = 74  # a disk refused a write (full, file too large, read-only): one line, nothing changed (EX_IOERR)
+
+
+class _Terminated(BaseException):
+    """SIGTERM during `data prepare`: unwinds like Ctrl-C, so the staging folder is removed."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def run(args) -> int:
+    import signal
+    import threading
+
+    # SIGTERM unwinds like Ctrl-C while data prepare runs (only the main thread may set a handler)
+    old_term = None
+    if args.data_command == "prepare" and threading.current_thread() is threading.main_thread():
+        old_term = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         if args.data_command == "prepare":
             return _prepare(args)
         if args.data_command == "info":
             return _info(args)
         print(args.data_help(), file=sys.stderr)  # bare `xtrain data`
-        return 2
+        return EXIT_REFUSED
     except (FileNotFoundError, ValueError, RuntimeError, ImportError) as e:
         print(f"xtrain data: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     except PermissionError as e:
         print(f"xtrain data: error: {e.filename}: permission denied ({e.strerror})", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
+    except OSError as e:  # DataWriteError (a disk refusing a write) is already one line naming path and cause
+        print(f"xtrain data: error: {one_line_os_error(e)}", file=sys.stderr)
+        return EXIT_IO
+    except KeyboardInterrupt:
+        print("xtrain data: interrupted (SIGINT); nothing half-built was left in the output folder", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print("xtrain data: stopped (SIGTERM); nothing half-built was left in the output folder", file=sys.stderr)
+        return 143
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def one_line_os_error(e: OSError) -> str:
+    """``path: cause (ENAME)`` for an OSError, or its own message when it has one line of its own."""
+    import errno
+
+    from xtrain.data.prepare import DataWriteError
+
+    if isinstance(e, DataWriteError) or e.errno is None:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    where = f"{e.filename}: " if e.filename is not None else ""
+    return f"{where}{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
 
 
 def _prepare(args) -> int:
@@ -124,14 +195,9 @@ def _prepare(args) -> int:
         val_fraction=args.val_fraction if args.val_fraction is not None else DEFAULT_VAL_FRACTION,
         val_path=args.val_corpus,
     )
-    out = args.out
-    if out is None:
-        from xtrain.data.prepare import default_data_dir
-
-        out = default_data_dir(vocab, args.corpus)
     meta = prepare(
         corpus,
-        out,
+        args.out,  # None: the default folder under $XTRAIN_CACHE
         vocab,
         tokenizer=args.tokenizer,
         tokenizer_path=args.tokenizer_path,

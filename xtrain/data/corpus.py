@@ -32,10 +32,24 @@ a path
     pyarrow), or a directory, walked in sorted order, whose ``.txt``/``.md``/``.py`` files are read as
     above.
 
-Train/val split: unless the source has its own val file, a document is in val when
-``sha256(key)`` (first 8 bytes, as an integer) mod 10**6 is below ``val_fraction * 10**6``: a pure
-function of the document's name, so adding or removing other documents never moves it between splits.
-The default ``val_fraction`` is 2%.
+Train/val split (``Corpus.split``), one of four rules, recorded in ``describe()["split"]``:
+
+``val-file``  the source has its own val file (``tinystories``, ``--val-corpus``): that file is val.
+``none``      ``val_fraction`` is 0: everything is train.
+``by-name``   a document is in val when ``sha256(key)`` (first 8 bytes, as an integer) mod 10**6 is below
+              ``val_fraction * 10**6``: a pure function of the document's name, so adding or removing other
+              documents never moves it between splits. Used when the corpus (after ``max_bytes``) has at least
+              ``MIN_DOCS_BY_NAME`` (100) documents and this puts at least one of them on each side.
+``tail``      otherwise (one ``input.txt`` with no separator, a handful of files, or a name split that left
+              one side empty): val is the end of the text. Of the corpus's T UTF-8 bytes (documents in
+              stream order), train is the first ``int(T * (1 - val_fraction))`` bytes and val the rest, with
+              the cut moved forward to the next line start (the byte after a newline, or the start of the
+              next document; to the next character boundary when neither follows). The document the cut
+              falls in is split there into two documents.
+
+Deciding reads the document stream once up to the point where the rule is settled (the first 100 or so
+documents for a large corpus; the whole text when the tail rule applies, whose length it needs). The
+default ``val_fraction`` is 2%.
 
 Binary files: a file is binary when it holds a NUL byte or when more than ``MAX_INVALID_UTF8`` (1%) of
 its bytes are not valid UTF-8 (``binary_reason``: checked on each file's first 64 KB before reading it,
@@ -57,7 +71,7 @@ import os
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -65,6 +79,7 @@ EOT_TEXT = "<|endoftext|>"
 DEFAULT_MAX_BYTES = 16_000_000  # cap for the pystdlib corpus (it is ~12 MB on CPython 3.11)
 DEFAULT_VAL_FRACTION = 0.02
 TEXT_SUFFIXES = (".txt", ".md", ".py")  # what a directory walk picks up
+MIN_DOCS_BY_NAME = 100  # fewer documents than this: the val split is the tail of the text, not by name
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
 
 TINYSTORIES_REPO = "roneneldan/TinyStories"
@@ -257,41 +272,87 @@ class Corpus:
     _describe: dict | None = None
     size_hint: int | None = None  # total bytes, for progress bars (None if unknown)
     skipped: tuple[str, ...] = ()  # binary files of a directory corpus, left out ("name: reason")
+    _split: dict | None = field(default=None, repr=False)  # split(), decided on first use
 
     def documents(self) -> Iterator[tuple[str, Document]]:
-        """Yield ``(split, Document)`` lazily, train and val interleaved in stream order for a hash split,
-        all train then all val for a source with a val file."""
-        if self._val_source is None:
-            for doc in _capped(self._train_source(), self.max_bytes):
-                yield ("val" if is_val_key(doc.key, self.val_fraction) else "train"), doc
-        else:
+        """Yield ``(split, Document)`` lazily: in stream order for the by-name and tail rules (see the
+        module docstring), all train then all val for a source with a val file."""
+        rule = self.split()["rule"]
+        if rule == "val-file":
             for doc in _capped(self._train_source(), self.max_bytes):
                 yield "train", doc
             val_cap = None if self.max_bytes is None else max(1, int(self.max_bytes * self.val_fraction))
             for doc in _capped(self._val_source(), val_cap):
                 yield "val", doc
+        elif rule == "tail":
+            yield from _tail_split(_capped(self._train_source(), self.max_bytes), self.split()["cut"])
+        else:  # "by-name", or "none" (val_fraction 0: is_val_key is never true)
+            for doc in _capped(self._train_source(), self.max_bytes):
+                yield ("val" if is_val_key(doc.key, self.val_fraction) else "train"), doc
+
+    def split(self) -> dict:
+        """How this corpus is split, decided once (module docstring): ``{"rule", "docs", "cut", "why"}``.
+        ``docs`` counts the documents read to decide (all of them for the tail rule); ``cut`` is the nominal
+        byte offset where val starts under the tail rule (before moving to a line start), else None."""
+        if self._split is None:
+            self._split = self._decide_split()
+        return self._split
+
+    def _decide_split(self) -> dict:
+        f = self.val_fraction
+        if self._val_source is not None:
+            return {"rule": "val-file", "docs": None, "cut": None, "why": "the source has its own val file"}
+        if f == 0:
+            return {"rule": "none", "docs": None, "cut": None, "why": "val_fraction is 0"}
+        n = n_val = total = 0
+        for doc in _capped(self._train_source(), self.max_bytes):
+            n += 1
+            n_val += is_val_key(doc.key, f)
+            total += len(doc.text.encode("utf-8"))
+            if n >= MIN_DOCS_BY_NAME and 0 < n_val < n:
+                return {"rule": "by-name", "docs": n, "cut": None, "why": f"at least {MIN_DOCS_BY_NAME} documents"}
+        if n < MIN_DOCS_BY_NAME:
+            why = f"{n} document{'s' if n != 1 else ''}, fewer than {MIN_DOCS_BY_NAME} to split by name"
+        else:
+            why = f"the split by name put all {n} documents on one side"
+        return {"rule": "tail", "docs": n, "cut": int(total * (1 - f)), "why": why}
+
+    def split_note(self) -> str:
+        """One line for the log: which rule splits this corpus, and why."""
+        s, pct = self.split(), f"{self.val_fraction * 100:g}%"
+        text = {
+            "val-file": "val is the source's own val file",
+            "none": "no val split (val_fraction 0)",
+            "by-name": f"val is the documents whose name hashes into the lowest {pct}",
+            "tail": f"val is the last {pct} of the text bytes, from a line start",
+        }[s["rule"]]
+        return f"{text} ({s['why']})"
 
     def train_texts(self, max_bytes: int | None = None) -> Iterator[str]:
         """The train documents' texts (for tokenizer training), optionally capped further."""
+
+        val_comes_last = self.split()["rule"] in ("val-file", "tail")
 
         def train_docs() -> Iterator[Document]:
             for split, doc in self.documents():
                 if split == "train":
                     yield doc
-                elif self._val_source is not None:
-                    return  # a val file comes after all of train: no need to read it
+                elif val_comes_last:
+                    return  # all of train came before the first val document: no need to read on
 
         for doc in _capped(train_docs(), max_bytes):
             yield doc.text
 
-    def describe(self) -> dict:
+    def describe(self, with_split: bool = True) -> dict:
         """JSON-able description, recorded in meta.json and compared to decide whether prepared data can
-        be reused (it includes a fingerprint of the source files)."""
+        be reused (it includes a fingerprint of the source files). ``with_split`` adds the split rule, which
+        may read the whole corpus to decide."""
         return {
             "name": self.name,
             "kind": self.kind,
             "max_bytes": self.max_bytes,
             "val_fraction": self.val_fraction,
+            **({"split": self.split()["rule"]} if with_split else {}),
             **(self._describe or {}),
         }
 
@@ -310,6 +371,37 @@ def _capped(docs: Iterator[Document], max_bytes: int | None) -> Iterator[Documen
                 return
             taken += len(data)
         yield doc
+
+
+def _tail_split(docs: Iterator[Document], cut: int) -> Iterator[tuple[str, Document]]:
+    """The tail rule: documents before byte offset ``cut`` of the stream are train, those after it val; the
+    one that straddles it is split at its first line start at or after the cut (or, with none, at the next
+    document when there is one, else at the next character boundary)."""
+    pos = 0
+    nxt = next(docs, None)
+    while nxt is not None:
+        doc, nxt = nxt, next(docs, None)  # one document of lookahead: is there a next document?
+        data = doc.text.encode("utf-8")
+        end = pos + len(data)
+        if end <= cut:
+            yield "train", doc
+        elif pos >= cut:
+            yield "val", doc
+        else:
+            k = cut - pos  # 0 < k < len(data)
+            nl = data.find(b"\n", k - 1)  # a newline at k-1 or later starts a line at k or later
+            if nl != -1 and nl + 1 < len(data):
+                k = nl + 1
+            elif nxt is not None:
+                k = len(data)  # the next document's start is the next line start
+            else:
+                while k < len(data) and data[k] & 0xC0 == 0x80:  # a UTF-8 continuation byte
+                    k += 1
+            if k > 0:
+                yield "train", Document(doc.key, data[:k].decode("utf-8"))
+            if k < len(data):
+                yield "val", Document(f"{doc.key}#tail", data[k:].decode("utf-8"))
+        pos = end
 
 
 def stdlib_files(include_tests: bool = False) -> tuple[Path, list[Path]]:

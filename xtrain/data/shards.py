@@ -18,6 +18,7 @@ numbered shards the same way. ``read_shard`` validates and returns a read-only `
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -134,33 +135,48 @@ class ShardWriter:
         check_token_range(tokens, self.vocab_size, f"{self.out_dir / self._name(len(self.shards))}")
         self.counts += np.bincount(tokens, minlength=self.vocab_size)
         tokens = tokens.astype(self.dtype, copy=False)
-        while tokens.size:
-            if self._f is None:
-                self._open()
-            room = self.shard_tokens - self._n
-            if room == 0:
-                if self.prefix.endswith(".bin"):
-                    raise ValueError(f"{self.out_dir / self.prefix}: more than {self.shard_tokens} tokens")
-                self._finish()
-                continue
-            part, tokens = tokens[:room], tokens[room:]
-            self._f.write(part.tobytes())
-            self._n += part.size
+        with self._naming():
+            while tokens.size:
+                if self._f is None:
+                    self._open()
+                room = self.shard_tokens - self._n
+                if room == 0:
+                    if self.prefix.endswith(".bin"):
+                        raise ValueError(f"{self.out_dir / self.prefix}: more than {self.shard_tokens} tokens")
+                    self._finish()
+                    continue
+                part, tokens = tokens[:room], tokens[room:]
+                self._f.write(part.tobytes())
+                self._n += part.size
 
     def close(self) -> list[tuple[str, int]]:
         """Finish the last shard (an empty stream still writes one empty shard) and return the list."""
-        if self._f is None and not self.shards:
-            self._open()
-        if self._f is not None:
-            self._finish()
+        with self._naming():
+            if self._f is None and not self.shards:
+                self._open()
+            if self._f is not None:
+                self._finish()
         return self.shards
 
     def abort(self) -> None:
-        """Drop the shard in progress (its temp file); finished shards stay."""
+        """Drop the shard in progress (its temp file); finished shards stay. Safe after a failed write."""
         if self._f is not None:
-            self._f.close()
+            f, self._f = self._f, None
+            try:
+                f.close()  # flushes what is buffered: on a full disk this fails again
+            except OSError:
+                pass
             self._tmp(self._name(len(self.shards))).unlink(missing_ok=True)
-            self._f = None
+
+    @contextmanager
+    def _naming(self):
+        """A failed write()/flush() raises an OSError with no file name: name the shard being written."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is None:
+                e.filename = str(self.out_dir / self._name(len(self.shards)))
+            raise
 
     def __enter__(self) -> ShardWriter:
         return self

@@ -13,7 +13,7 @@ Both round-trip exactly: ``decode(encode(s)) == s`` for every str. The special t
 inside text: a document that happens to contain the characters ``<|endoftext|>`` is encoded as those
 characters, and the end-of-text id only appears where the data pipeline puts it (``encode_documents``).
 
-``load_tokenizer(path)`` opens either kind.
+``load_tokenizer(path, vocab_size)`` opens either kind, and refuses one whose vocabulary is not ``vocab_size``.
 """
 
 from __future__ import annotations
@@ -220,16 +220,31 @@ def _read_json(path: Path) -> dict:
     return doc
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer | ByteTokenizer:
+class TokenizerMismatchError(ValueError):
+    """A tokenizer whose vocabulary is not the one its model (or data) was built with."""
+
+
+def load_tokenizer(
+    path: str | os.PathLike, vocab_size: int | None = None, expected_by: str = "the model"
+) -> Tokenizer | ByteTokenizer:
     """Open a ``tokenizer.json`` of either kind (a Hugging Face BPE file or an xtrain byte tokenizer).
-    ``path`` may be the file or the data directory that holds it."""
+    ``path`` may be the file or the data directory that holds it.
+
+    ``vocab_size``: the vocabulary the caller's model (or data) has. When given, a tokenizer of another size
+    raises TokenizerMismatchError (a ValueError) naming both sizes: every command that pairs a model with a
+    tokenizer (train, --resume, sample, serve, export) opens it here, so a tokenizer.json replaced by one of
+    another run never encodes or decodes silently wrong ids."""
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
     doc = _read_json(path)
-    if "xtrain_tokenizer" in doc:
-        return ByteTokenizer.load(path)
-    return Tokenizer.load(path)
+    tok = ByteTokenizer.load(path) if "xtrain_tokenizer" in doc else Tokenizer.load(path)
+    if vocab_size is not None and tok.vocab_size != vocab_size:
+        raise TokenizerMismatchError(
+            f"{path}: this tokenizer has a vocabulary of {tok.vocab_size} tokens but {expected_by} has "
+            f"{vocab_size}; it belongs to another model or data (use the tokenizer.json it was trained with)"
+        )
+    return tok
 
 
 def make_tokenizer(kind: str, vocab_size: int, docs: Iterable[str] = (), **kw) -> Tokenizer | ByteTokenizer:

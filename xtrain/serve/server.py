@@ -81,7 +81,8 @@ def load_service(
         print(f"xtrain serve: {note}", file=sys.stderr)
     model = Model(ck.model_config, device=resolve_device(device))
     ckpt_io.restore(ck, model)
-    return Service(model.eval(), load_run_tokenizer(run_dir), name or run_dir.resolve().name, engine_config, config)
+    tok = load_run_tokenizer(run_dir, ck.model_config.vocab_size)  # refuses another vocabulary
+    return Service(model.eval(), tok, name or run_dir.resolve().name, engine_config, config)
 
 
 def bind(host: str, port: int) -> socket.socket:

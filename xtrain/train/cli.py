@@ -232,12 +232,16 @@ def _pick(v, default):
 def resolve_data(spec: str | None, vocab_size: int, log=print) -> dict:
     """A prepared data dir's meta (preparing and caching a corpus first when needed)."""
     from xtrain.data.prepare import load_meta, prepare
+    from xtrain.data.tokenizer import load_tokenizer
 
     if spec and (Path(spec) / "meta.json").is_file():
         meta = load_meta(spec)
         meta.setdefault("dir", str(Path(spec)))
-        return meta
-    return prepare(spec or "pystdlib", None, vocab_size, progress=True, log=log)
+    else:
+        meta = prepare(spec or "pystdlib", None, vocab_size, progress=True, log=log)
+    # the model is built with the data's vocabulary: a tokenizer.json of another size there is refused
+    load_tokenizer(Path(meta["dir"]) / meta["tokenizer"], meta["vocab_size"], f"{meta['dir']}/meta.json")
+    return meta
 
 
 def _loaders(meta: dict, batch_size: int, seq_len: int, seed: int, rank: int = 0, world_size: int = 1):
@@ -410,6 +414,7 @@ def truncate_metrics(path: Path, step: int) -> int:
 def _run(args, info) -> int:
 
     from xtrain.config import MAX_SEED, ConfigError, ModelConfig, TrainConfig, preset
+    from xtrain.data.prepare import DataWriteError
     from xtrain.device import resolve_device
     from xtrain.fileio import DirectoryBusyError, DirLock, lock_owner, not_writable
     from xtrain.train import checkpoint as ckpt_io
@@ -441,7 +446,7 @@ def _run(args, info) -> int:
             if (run_dir / "tokenizer.json").is_file():  # the final sample reads it: a corrupt one stops now
                 from xtrain.data.tokenizer import load_tokenizer
 
-                load_tokenizer(run_dir / "tokenizer.json")
+                load_tokenizer(run_dir / "tokenizer.json", model_cfg.vocab_size)
             if stored is None:
                 raise ConfigError(f"{run_dir / 'config.json'}: holds no train config")
             eval_batches = int(stored.extra.get("eval_batches", 16))  # runs made before it was saved used 16
@@ -542,6 +547,9 @@ def _run(args, info) -> int:
     except PermissionError as e:
         print(f"xtrain train: {e.filename or run_dir}: permission denied ({e.strerror})", file=sys.stderr)
         return 2
+    except DataWriteError as e:  # preparing the data: a full or read-only disk (one line; nothing left)
+        print(f"xtrain train: {e}", file=sys.stderr)
+        return 74
 
     lock = None
     if main:

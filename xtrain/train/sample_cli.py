@@ -34,16 +34,18 @@ def check_args(args) -> None:
         raise ValueError(f"--seed {args.seed}: must lie in [0, 2**63)")
 
 
-def load_run_tokenizer(run_dir: Path):
+def load_run_tokenizer(run_dir: Path, vocab_size: int | None = None):
+    """The run's tokenizer (its own tokenizer.json, else its data directory's); with ``vocab_size`` (the
+    model's), one of another vocabulary is refused (ValueError)."""
     from xtrain.data.tokenizer import load_tokenizer
     from xtrain.train import checkpoint as ckpt_io
 
     if (run_dir / "tokenizer.json").is_file():
-        return load_tokenizer(run_dir / "tokenizer.json")
+        return load_tokenizer(run_dir / "tokenizer.json", vocab_size)
     _, tcfg = ckpt_io.read_config(run_dir)
     data_dir = tcfg.extra.get("data_dir") if tcfg else None
     if data_dir and Path(data_dir).is_dir():
-        return load_tokenizer(data_dir)
+        return load_tokenizer(data_dir, vocab_size)
     raise FileNotFoundError(f"{run_dir}: no tokenizer.json in the run directory or its data directory")
 
 
@@ -57,7 +59,7 @@ def sample_text(
     top_p: float | None = None,
     seed: int = 0,
 ) -> str:
-    tok = load_run_tokenizer(Path(run_dir))
+    tok = load_run_tokenizer(Path(run_dir), model.config.vocab_size)
     ids = [tok.eot_id] + tok.encode(prompt)  # documents start after an end-of-text token in training
     ids = ids[-model.config.max_seq_len :]  # a prompt longer than the context keeps its end
     x = torch.tensor([ids], dtype=torch.long, device=model.device)
@@ -104,6 +106,7 @@ def run(args) -> int:
         ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
         for note in ck.notes:
             print(f"xtrain sample: {note}", file=sys.stderr)
+        load_run_tokenizer(run_dir, ck.model_config.vocab_size)  # one of another model's vocabulary stops here
         model = Model(ck.model_config, device=device)
         ckpt_io.restore(ck, model)
         for i in range(args.num_samples):
