@@ -74,6 +74,58 @@ SLOWER = ["--batch-size", "8", "--seq-len", "64", "--warmup", "1", "--eval-every
 # -- signals --------------------------------------------------------------------------------------------------
 
 
+def _ignore_terminal_signals():
+    """In the child before exec: what ``nohup xtrain train ... &`` gives a run (SIGHUP and SIGINT ignored)."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def test_sigterm_mid_run_saves_and_exits_143_and_an_inherited_sig_ign_is_kept(base, tmp_path):
+    """The quick tier's SIGTERM case, on a run started as ``nohup xtrain train ... &`` starts it (SIGINT and SIGHUP
+    inherited as ignored): SIGINT and SIGHUP leave it training, SIGTERM stops it at a step boundary with exit 143,
+    a checkpoint of the last logged step, no lock, and a state that resumes (loaded into a trainer with the same
+    data, it continues from that step). Caught: StopSignals without SIGTERM (the run dies by the signal, rc -15);
+    StopSignals overriding an inherited SIG_IGN (rc 130, stopped by SIGINT)."""
+    from xtrain.data.loader import TokenLoader
+    from xtrain.train import checkpoint as ckpt_io
+    from xtrain.train.trainer import build_trainer
+
+    a = tmp_path / "a"
+    args = ["--steps", 100000, *TINY, *QUIET]
+    p = xtrain_popen(
+        "train", "--data", base["data"], "--out", a, *args, cwd=tmp_path, preexec_fn=_ignore_terminal_signals
+    )
+    try:
+        _wait_for_rows(p, a, 1)
+        p.send_signal(signal.SIGINT)
+        p.send_signal(signal.SIGHUP)
+        n = len(_rows(a))
+        _wait_for_rows(p, a, n + 2)  # two more steps after both: still training
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        _stop(p)
+    assert p.returncode == 143, (p.returncode, out[-1000:], err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    k = _step(a)
+    assert f"interrupted at step {k} by SIGTERM; checkpoint saved" in out, out[-1000:]
+    assert k >= n + 2 and [m["step"] for m in _rows(a)] == list(range(1, k + 1))
+    assert not (a / ".xtrain.lock").exists() and not (a / ckpt_io.STAGING).exists()
+    meta = json.loads((base["data"] / "meta.json").read_text())
+    stored = ckpt_io.read_config(a)[1]
+    loader = TokenLoader(
+        [base["data"] / f for f, _ in meta["train"]["files"]],
+        stored.batch_size,
+        stored.seq_len,
+        seed=stored.seed,
+        vocab_size=meta["vocab_size"],
+    )
+    tr = build_trainer(a, loader)
+    assert tr.step == k and tr.optimizer.step_count == k
+    tr.fit(1)
+    assert tr.step == k + 1 and _step(a) == k + 1
+
+
 @pytest.mark.slow
 def test_sigterm_stops_at_a_step_boundary_saves_and_resumes_bit_exactly(base, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"

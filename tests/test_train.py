@@ -489,9 +489,10 @@ def test_interrupted_step_leaves_a_consistent_state(tmp_path):
     assert all(torch.equal(resumed.model.params[n].data, w) for n, w in weights(straight).items())
 
 
-def test_sigint_during_the_step_lands_after_it(tmp_path):
+def test_sigint_during_the_step_lands_after_it(tmp_path, default_sigint):
     """A real Ctrl-C (SIGINT) while the step computes is delivered after the step and its bookkeeping: the step
-    counts, the data position moved on, the weights are that step's; save + resume continues the same run."""
+    counts, the data position moved on, the weights are that step's; save + resume continues the same run.
+    ``default_sigint``: SIGINT raises here even when the suite runs with SIGINT ignored (a background job)."""
     import signal
 
     c, t = mcfg(dropout=0.1), tcfg(steps=5, grad_accum=2)

@@ -18,9 +18,10 @@ output flags may change; every other setting (eval-batches included) keeps the r
 passing a different one is an error. metrics.jsonl is cut back to the checkpoint's step.
 
 SIGTERM, SIGINT and SIGHUP stop the run at the next step boundary: the checkpoint is saved and the command
-exits with 143, 130 or 129 (128 + the signal); ``--resume`` continues bit-exactly. ``--out`` must be new or
-empty: a directory holding a run is refused (use --resume), one holding a run that stopped before its first
-checkpoint needs ``--restart``, anything else is refused before anything is written. ``--data`` is recorded
+exits with 143, 130 or 129 (128 + the signal); ``--resume`` continues bit-exactly. SIGINT and SIGHUP that the
+process inherits as ignored (a background job, ``nohup``) stay ignored; SIGTERM is always handled. ``--out``
+must be new or empty: a directory holding a run is refused (use --resume), one holding a run that stopped before
+its first checkpoint needs ``--restart``, anything else is refused before anything is written. ``--data`` is recorded
 as an absolute path with its meta.json fingerprint; resuming on another number of ranks keeps the global
 batch (the per-rank batch becomes global / ranks) or refuses with one line.
 
@@ -583,6 +584,8 @@ def _settle_checkpoint(run_dir: Path) -> None:
 
 # exit codes of a run stopped by a signal (128 + the signal's number, as a shell reports a signal's death)
 STOP_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}
+# the terminal's signals: inherited as ignored (nohup, a background job), they stay ignored (see StopSignals)
+KEEPS_IGNORED = ("SIGINT", "SIGHUP")
 
 
 class StopSignals:
@@ -591,7 +594,13 @@ class StopSignals:
     ``STOP_EXIT_CODES``. A second Ctrl-C stops at once (the step in flight is undone; the state before it is
     saved). Once training is over (``immediate``: the evaluation, plot and sample that follow save nothing)
     a signal exits at once with its code. Installed only on the main thread (elsewhere signals cannot be
-    handled)."""
+    handled).
+
+    A terminal's signals that the process inherited as ignored stay ignored (``KEEPS_IGNORED``): ``nohup``
+    ignores SIGHUP and a shell starts a background job with SIGINT ignored precisely so that a closed terminal or
+    a Ctrl-C meant for the foreground does not stop the run (the classic ``if (signal(SIGINT, SIG_IGN) !=
+    SIG_IGN)`` rule). SIGTERM is always handled: it is how schedulers and ``kill`` ask a run to stop before the
+    SIGKILL that follows, and ignoring it would lose the steps since the last checkpoint."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -604,8 +613,9 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for name in STOP_EXIT_CODES:
                 sig = getattr(signal, name, None)
-                if sig is not None:
-                    self.old[sig] = signal.signal(sig, self._handle)
+                if sig is None or (name in KEEPS_IGNORED and signal.getsignal(sig) is signal.SIG_IGN):
+                    continue
+                self.old[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
