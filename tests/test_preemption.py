@@ -197,6 +197,40 @@ def test_kill_9_while_checkpointing_every_step_always_resumes(base, tmp_path):
     assert rows == sorted(set(rows)), "a resumed run repeated or skipped a logged step"
 
 
+@pytest.mark.slow
+def test_readers_racing_a_run_that_saves_every_step_read_silently(base, tmp_path):
+    """`train --ckpt-every 1` saves all the time (a save folder exists about half of the time): reads racing it
+    (in this process, then `sample` and `export` as commands) each take a complete checkpoint and say nothing,
+    since the run's lock has a live owner. Caught: the notes added without asking the lock (the in-process reads
+    then say they ignore .checkpoint-next/, or that a crash stopped a committed save)."""
+    from xtrain.train import checkpoint as ckpt_io
+
+    run, readers = tmp_path / "run", []
+    p = xtrain_popen(
+        "train", "--data", base["data"], "--out", run, "--steps", 100000, "--ckpt-every", 1, *TINY, *QUIET, cwd=tmp_path
+    )
+    try:
+        _wait_for_rows(p, run, 2)
+        steps, notes, deadline = [], [], time.time() + 120
+        while len(steps) < 8 or len(set(steps)) < 3:
+            assert time.time() < deadline and p.poll() is None
+            ck = ckpt_io.read_checkpoint(run, with_optimizer=False)
+            steps.append(ck.step)
+            notes += ck.notes
+        assert notes == [] and steps == sorted(steps), (notes[:2], steps)
+        readers += [
+            xtrain_popen("sample", run, "--max-new-tokens", 2, cwd=tmp_path),
+            xtrain_popen("export", run, "--out", tmp_path / "hf", cwd=tmp_path),
+        ]
+        for r in readers:
+            _, err = r.communicate(timeout=300)
+            assert r.returncode == 0 and err == "", (r.args, err[-2000:])
+        assert p.poll() is None  # the trainer ran throughout
+    finally:
+        for r in [p, *readers]:
+            _stop(r)
+
+
 # -- train --out: only a new or empty directory, or the run's own -------------------------------------------
 
 
