@@ -200,6 +200,19 @@ def _read_config(run_dir: str | Path) -> tuple[ModelConfig, TrainConfig | None]:
     return model_cfg, train_cfg
 
 
+def read_step(run_dir: str | Path) -> int:
+    """The step of the run's current checkpoint, from its ``trainer_state.json`` alone."""
+
+    def read() -> int:
+        path = current_files(run_dir)[STATE]
+        step = _read_json(path).get("step")
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"{path}: 'step' must be an integer >= 0, got {step!r}")
+        return step
+
+    return _consistent(Path(run_dir), read)
+
+
 @dataclass
 class Checkpoint:
     run_dir: Path

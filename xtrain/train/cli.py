@@ -59,29 +59,40 @@ def add_parser(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from xtrain import argtypes as A
+    from xtrain.config import PRESETS
+    from xtrain.train.sample_cli import MAX_NEW_TOKENS
+
     d = DEFAULTS
-    p.add_argument("--preset", default=None, help=f"model preset: tiny, seed, gpt2-small (default {d['preset']})")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help=f"model preset (default {d['preset']})")
     p.add_argument(
         "--data",
         default=None,
         help="a prepared data dir (with meta.json), or a corpus to prepare: pystdlib, tinystories, "
         "or a .txt/.jsonl/.parquet file or directory (default: pystdlib, cached)",
     )
-    p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocab when preparing data (default 4096)")
+    p.add_argument(
+        "--vocab-size",
+        type=A.int_in(256),
+        default=None,
+        help="tokenizer vocab when preparing data: 256 or 257 for bytes, more for BPE (default 4096)",
+    )
     p.add_argument("--out", default=None, help="run directory (default runs/<preset>-<date>-<time>)")
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d['steps']})")
+    p.add_argument("--steps", type=A.positive_int, default=None, help=f"optimizer steps (default {d['steps']})")
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=A.positive_int,
         default=None,
         help=f"sequences per optimizer step, all micro-batches together (default {d['batch_size']})",
     )
-    p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence T (default {d['seq_len']})")
-    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d['lr']})")
-    p.add_argument("--warmup", type=int, default=None, help=f"linear warmup steps (default {d['warmup']})")
+    p.add_argument(
+        "--seq-len", type=A.positive_int, default=None, help=f"tokens per sequence T (default {d['seq_len']})"
+    )
+    p.add_argument("--lr", type=A.positive_float, default=None, help=f"peak learning rate (default {d['lr']})")
+    p.add_argument("--warmup", type=A.count, default=None, help=f"linear warmup steps (default {d['warmup']})")
     p.add_argument(
         "--grad-accum",
-        type=int,
+        type=A.positive_int,
         default=None,
         help="split each step's batch into this many micro-batches (same update, less memory)",
     )
@@ -97,7 +108,9 @@ def add_parser(subparsers) -> None:
         default=None,
         help="recompute each block's activations in backward (less memory, ~1/3 more compute)",
     )
-    p.add_argument("--dropout", type=float, default=None, help="residual dropout p (default 0)")
+    p.add_argument(
+        "--dropout", type=A.float_in(0.0, 1.0, hi_open=True), default=None, help="residual dropout p (default 0)"
+    )
     p.add_argument(
         "--attention",
         choices=["auto", "composed", "math", "flash"],
@@ -126,25 +139,31 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--stop-after",
-        type=int,
+        type=A.positive_int,
         default=None,
         metavar="N",
-        help="stop (with a checkpoint) after N steps of this invocation; --resume continues the same "
-        "schedule, bit-identical to an uninterrupted run",
+        help="stop (with a checkpoint) after N steps of this invocation, at most the steps left; --resume "
+        "continues the same schedule, bit-identical to an uninterrupted run",
     )
-    p.add_argument("--seed", type=int, default=None, help=f"run seed: init, data order, dropout (default {d['seed']})")
-    p.add_argument("--eval-every", type=int, default=None, help=f"validate every N steps (default {d['eval_every']})")
+    p.add_argument(
+        "--seed", type=A.seed, default=None, help=f"run seed: init, data order, dropout (default {d['seed']})"
+    )
+    p.add_argument(
+        "--eval-every", type=A.count, default=None, help=f"validate every N steps (default {d['eval_every']})"
+    )
     p.add_argument(
         "--eval-batches",
-        type=int,
+        type=A.positive_int,
         default=None,
         help=f"validation batches per evaluation (default {d['eval_batches']})",
     )
-    p.add_argument("--ckpt-every", type=int, default=None, help="also checkpoint every N steps (default: end only)")
+    p.add_argument("--ckpt-every", type=A.count, default=None, help="also checkpoint every N steps (default: end only)")
     p.add_argument(
         "--skip-nonfinite", action="store_true", default=None, help="skip (and count) steps with nan/inf loss"
     )
-    p.add_argument("--sample-tokens", type=int, default=120, help="tokens to sample at the end (0: none)")
+    p.add_argument(
+        "--sample-tokens", type=A.int_in(0, MAX_NEW_TOKENS), default=120, help="tokens to sample at the end (0: none)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per eval instead)")
     p.set_defaults(func=run)
 
@@ -220,6 +239,19 @@ def data_fingerprint(data_dir: str | Path) -> str:
     import hashlib
 
     return hashlib.sha256((Path(data_dir) / "meta.json").read_bytes()).hexdigest()[:16]
+
+
+def check_steps(steps: int, stop_after: int | None, done: int = 0, resume: Path | None = None) -> None:
+    """The step counts a run is given, before anything is written (ConfigError, one line): a resumed run's
+    ``--steps`` reaches at least the checkpoint's step ``done``, and ``--stop-after`` stops within the steps
+    left."""
+    from xtrain.config import ConfigError
+
+    if steps < done:
+        raise ConfigError(f"--steps {steps}: {resume} is already at step {done}; pass --steps {done} or more")
+    if stop_after is not None and stop_after > steps - done:
+        left = f"the {steps - done} steps left of {steps}" if resume else f"the run's {steps} steps"
+        raise ConfigError(f"--stop-after {stop_after}: more than {left}; leave it out to run to the end")
 
 
 def _pick(v, default):
@@ -404,7 +436,7 @@ def truncate_metrics(path: Path, step: int) -> int:
 
 def _run(args, info) -> int:
 
-    from xtrain.config import MAX_SEED, ConfigError, ModelConfig, TrainConfig, preset
+    from xtrain.config import ConfigError, ModelConfig, TrainConfig, preset
     from xtrain.device import resolve_device
     from xtrain.fileio import DirectoryBusyError, DirLock, lock_owner
     from xtrain.train import checkpoint as ckpt_io
@@ -447,6 +479,7 @@ def _run(args, info) -> int:
                     f"{', '.join(RESUME_MAY_CHANGE)}"
                 )
             changes = {"steps": _pick(args.steps, stored.steps)}
+            check_steps(changes["steps"], args.stop_after, done=ckpt_io.read_step(run_dir), resume=run_dir)
             per_rank = resume_batch_size(stored, world)
             if per_rank != stored.batch_size:
                 changes.update(batch_size=per_rank, extra={**stored.extra, "world_size": world})
@@ -463,11 +496,11 @@ def _run(args, info) -> int:
         else:
             data_spec = args.data
             eval_batches = _pick(args.eval_batches, d["eval_batches"])
-            if eval_batches <= 0:
-                raise ConfigError(f"--eval-batches must be a positive integer, got {eval_batches}")
             run_dir = Path(args.out or f"runs/{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-            if args.seed is not None and not 0 <= args.seed < MAX_SEED:
-                raise ConfigError(f"--seed {args.seed}: must lie in [0, 2**63)")
+            check_steps(_pick(args.steps, d["steps"]), args.stop_after)
+            batch, accum = _pick(args.batch_size, d["batch_size"]), _pick(args.grad_accum, 1)
+            if batch % accum:
+                raise ConfigError(f"--grad-accum {accum}: must divide --batch-size {batch}")
             if main and (owner := lock_owner(run_dir)) is not None:
                 raise DirectoryBusyError(f"{run_dir}: in use by process {owner} (lock file {run_dir / '.xtrain.lock'})")
             if main:
