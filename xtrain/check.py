@@ -180,7 +180,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=A.seed, default=0, help="seed for the random inputs (default 0)")
     p.add_argument(
         "--kernels",
-        type=A.positive_int,
+        type=A.int_in(1, what="a CUDA compute capability x 10 (90 for sm_90)"),
         default=None,
         metavar="ARCH",
         help="instead: compile every Triton kernel the library launches for CUDA sm_ARCH (e.g. 90) with "
