@@ -5,10 +5,10 @@ The rule under test is ``xtrain.cli.Parser`` (argparse errors in one line) with 
 what depends on two arguments or on a file (``--stop-after`` within the steps, a resumed run's ``--steps``,
 ``--out`` replacing only what xtrain wrote). The commands run in this process through ``xtrain.cli.main`` (a
 refused command line costs no process start), with a workspace of a prepared corpus, a one-step run and files
-xtrain did not write; every file and folder of the workspace is compared before and after each case.
+xtrain did not write; every file and folder of the workspace is compared before and after each case (inode,
+size, modification time).
 """
 
-import hashlib
 import shutil
 from pathlib import Path
 
@@ -63,11 +63,13 @@ def ws(tmp_path_factory):
     return d
 
 
-def snapshot(root: Path) -> dict[str, str]:
-    """Every path under root (folders too) -> sha256 of its bytes ("dir" for a folder)."""
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every path under root (folders too) -> (inode, size, mtime in ns): any write, rename or new file shows
+    (cheaper than hashing the run's weights for each of the ~90 cases)."""
     return {
-        p.relative_to(root).as_posix(): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        p.relative_to(root).as_posix(): (st.st_ino, st.st_size, st.st_mtime_ns)
         for p in sorted(root.rglob("*"))
+        if (st := p.stat())
     }
 
 
