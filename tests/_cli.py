@@ -3,6 +3,7 @@ directory tree, check an exit code and the first line of stderr."""
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,15 @@ def make_base(d: Path) -> dict:
     return {"dir": d, "data": d / "data", "run": d / "run"}
 
 
+def terminal_signals_default():
+    """Run in a child before exec: SIGINT and SIGHUP back to their default dispositions, whatever the test
+    process inherited. Under a parent that ignores them (a background job ignores SIGINT, ``nohup`` SIGHUP, and so
+    do some CI runners) the child would inherit SIG_IGN, and xtrain keeps an inherited SIG_IGN for these two (as
+    a run started so should), so a test that sends them would see them ignored."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def xtrain(*args, cwd, timeout=300, env_extra=None):
     return subprocess.run(
         [sys.executable, "-m", "xtrain.cli", *map(str, args)],
@@ -43,10 +53,13 @@ def xtrain(*args, cwd, timeout=300, env_extra=None):
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=terminal_signals_default,
     )
 
 
-def xtrain_popen(*args, cwd, **kw):
+def xtrain_popen(*args, cwd, preexec_fn=terminal_signals_default, **kw):
+    """``xtrain ...`` started without waiting; SIGINT and SIGHUP at their defaults unless ``preexec_fn`` says
+    otherwise."""
     return subprocess.Popen(
         [sys.executable, "-m", "xtrain.cli", *map(str, args)],
         cwd=cwd,
@@ -54,6 +67,7 @@ def xtrain_popen(*args, cwd, **kw):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=preexec_fn,
         **kw,
     )
 

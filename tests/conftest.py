@@ -82,3 +82,17 @@ def _fresh_attention_plans():
         fa._FWD_PLANS.clear()
         fa._BWD_PLANS.clear()
     yield
+
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT raises KeyboardInterrupt for the test's duration (``signal.default_int_handler``), whatever this
+    process inherited: a background job, ``nohup`` or some CI runners start it with SIGINT ignored, and Python
+    then installs no handler. The inherited disposition is put back after the test."""
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -133,6 +133,39 @@ def test_an_interrupted_commit_is_finished_by_the_owner(tmp_path):
     assert ckpt_io.read_checkpoint(run).step == 2 and not ckpt_io.read_checkpoint(run).notes
 
 
+def test_a_save_in_progress_of_a_live_owner_is_read_silently(tmp_path):
+    """The save folders of a run whose lock names a live process are that owner's save in progress: a reader
+    takes the current checkpoint (the committed files still waiting in ``.checkpoint-commit/``) and says nothing;
+    the same folders once the owner is gone are reported, one line each. Caught: the notes added without asking
+    the lock (the first read then says a crash stopped the save)."""
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    _save(run, 1, 1)
+    new = _save(tmp_path / "ref", 2, 2)
+    # step 2 committed, config and state still in the commit folder; a next save already staging
+    (run / ckpt_io.COMMITTED).mkdir()
+    for name in (ckpt_io.CONFIG, ckpt_io.STATE):
+        shutil.copyfile(tmp_path / "ref" / name, run / ckpt_io.COMMITTED / name)
+    for name in (ckpt_io.MODEL, ckpt_io.OPTIMIZER):
+        shutil.copyfile(tmp_path / "ref" / name, run / name)
+    shutil.copytree(tmp_path / "ref", run / ckpt_io.STAGING)
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / ".xtrain.lock").write_text(json.dumps({"pid": owner.pid}) + "\n")
+        ck = ckpt_io.read_checkpoint(run)
+        assert ck.step == 2 and ck.notes == [], ck.notes
+        assert all(torch.equal(ck.model_state[k], v) for k, v in new[0].items())
+    finally:
+        owner.kill()
+        owner.wait()
+    ck = ckpt_io.read_checkpoint(run)
+    assert ck.step == 2 and len(ck.notes) == 2, ck.notes
+    assert "committed but a crash stopped it" in ck.notes[0] and ckpt_io.STAGING in ck.notes[1]
+
+
 def test_files_mixed_by_hand_are_still_refused(tmp_path):
     run = tmp_path / "run"
     _save(run, 1, 1)

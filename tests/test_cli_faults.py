@@ -128,7 +128,7 @@ def test_export_into_another_run_or_a_full_directory_is_refused(base, tmp_path):
     full.mkdir()
     (full / "notes.txt").write_text("mine")
     r = xtrain("export", base["run"], "--out", full, cwd=tmp_path)
-    check(r, 2, "not empty and not a previous export")
+    check(r, 2, "not empty and not a previous xtrain export")
     assert tree_hash(full) == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
 
 

@@ -473,4 +473,7 @@ def test_cli_errors(tmp_path, capsys):
     data.write_text("ab\n")
     assert _cli(["--data", str(data), "--embd", "10", "--heads", "4"]) == 2
     assert "divisible" in capsys.readouterr().err
-    assert _cli(["--data", str(data), "--temperature", "0"]) == 2
+    from xtrain.cli import main  # a value its type refuses stops while the command line is parsed
+
+    assert main(["micro", "--data", str(data), "--temperature", "0"]) == 2
+    assert "argument --temperature: must be a finite number > 0" in capsys.readouterr().err

@@ -169,16 +169,18 @@ def run_all(seed: int = 0, verbose: bool = True) -> int:
 
 
 def add_parser(subparsers) -> None:
+    from xtrain import argtypes as A
+
     p = subparsers.add_parser(
         "check",
         help="grad-check every op against finite differences",
         description="Grad-check every op (float64 central differences) and print a table; "
         "exits non-zero on any failure.",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for the random inputs (default 0)")
+    p.add_argument("--seed", type=A.seed, default=0, help="seed for the random inputs (default 0)")
     p.add_argument(
         "--kernels",
-        type=int,
+        type=A.int_in(1, what="a CUDA compute capability x 10 (90 for sm_90)"),
         default=None,
         metavar="ARCH",
         help="instead: compile every Triton kernel the library launches for CUDA sm_ARCH (e.g. 90) with "

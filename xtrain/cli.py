@@ -4,6 +4,9 @@ them up (lazily, so ``xtrain micro`` never imports the tensor stack's heavier pi
 Every owning module exposes ``add_parser(subparsers)`` which registers its subcommand and sets
 ``func=run`` (a function taking the parsed args and returning an exit code). A write that fails for a reason of
 the disk, in any subcommand, ends here as one line and exit code 74 (``xtrain.fileio.WriteFailed``).
+
+A command line that cannot be parsed (an unknown flag, a missing argument or command, a value that its
+``xtrain.argtypes`` type refuses) is one line on stderr and exit code 2 (``Parser``), before any command runs.
 """
 
 from __future__ import annotations
@@ -26,8 +29,21 @@ SUBCOMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with xtrain's rule for refused input: one line on stderr, exit code 2 (argparse's own error
+    prints the whole usage first). Every subcommand's parser is one of these (argparse makes subparsers of the
+    parent's class), and a parser with subcommands requires one."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("required", True)
+        return super().add_subparsers(**kwargs)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="xtrain",
         description="xtrain: a readable, verified LLM training stack (our own autograd, Triton kernels).",
     )
@@ -51,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     # import only the chosen subcommand's module, so start-up stays fast
     only = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     parser = build_parser(only)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0), or a refused command line (2, one line already printed)
+        return int(e.code or 0)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -19,8 +19,9 @@ export, never a mix; the next export removes the staging folders a killed one le
 A write that fails (disk full, ``ulimit -f``, read-only file system) stops the export with one line naming
 the file and the cause and exit code 74; DIR is as it was and the staging folder is removed.
 
-DIR must be new, empty, or a previous export (only the files an export writes): a run directory, or any
-other non-empty directory, is refused before anything is written. The exported tokenizer's post-processor
+DIR must be new, empty, or a previous export (only the files an export writes, its model.safetensors marked
+``EXPORT_MARK``): a run directory, a Hugging Face model that xtrain did not write, or any other non-empty
+directory, is refused before anything is written. The exported tokenizer's post-processor
 puts ``<|endoftext|>`` in front of every encoded text, as every training document starts with it, so
 ``tokenizer(prompt)`` + ``generate`` continue a prompt exactly as ``xtrain sample`` does.
 """
@@ -132,11 +133,25 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXPORT_FILES = frozenset(
     {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
 )
+# the safetensors metadata of an export's model.safetensors: "format" is what transformers reads; "producer" marks
+# the folder as xtrain's, so a later export replaces it and never a Hugging Face model someone downloaded there
+EXPORT_MARK = {"format": "pt", "producer": "xtrain export"}
+
+
+def _is_export(out: Path) -> bool:
+    """Whether ``out`` holds an export written by xtrain (its model.safetensors carries ``EXPORT_MARK``)."""
+    try:
+        with open(out / "model.safetensors", "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(n, 1 << 24)))
+        return header.get("__metadata__", {}).get("producer") == EXPORT_MARK["producer"]
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def check_export_dir(out_dir: str | Path, run_dir: str | Path | None = None) -> None:
-    """ValueError unless ``out_dir`` is missing, empty, or a previous export (nothing but EXPORT_FILES, and
-    a config.json with a Hugging Face ``model_type``): never write over a run or unrelated files."""
+    """ValueError unless ``out_dir`` is missing, empty, or a previous export (nothing but EXPORT_FILES, its
+    model.safetensors marked as xtrain's): never write over a run or files xtrain did not write."""
     out = Path(out_dir)
     if run_dir is not None and out.exists() and out.resolve() == Path(run_dir).resolve():
         raise ValueError(f"export: --out {out} is the run directory itself; pick a new directory")
@@ -154,16 +169,10 @@ def check_export_dir(out_dir: str | Path, run_dir: str | Path | None = None) -> 
         return
     if "trainer_state.json" in names or "optimizer.safetensors" in names:
         raise ValueError(f"export: --out {out} is an xtrain run directory; pick a new directory")
-    previous = False
-    if names <= EXPORT_FILES and "config.json" in names:
-        try:
-            previous = "model_type" in json.loads((out / "config.json").read_text())
-        except (OSError, ValueError):
-            previous = False
-    if not previous:
+    if not (names <= EXPORT_FILES and _is_export(out)):
         shown = ", ".join(sorted(names)[:4]) + (" ..." if len(names) > 4 else "")
         raise ValueError(
-            f"export: --out {out} is not empty and not a previous export (holds {shown}); pick a new directory"
+            f"export: --out {out} is not empty and not a previous xtrain export (holds {shown}); pick a new directory"
         )
 
 
@@ -288,7 +297,7 @@ def _remove_stale_staging(final: Path) -> None:
 
 
 def _write_export(out: Path, tensors, hf: dict, eos_id, tok_text, tokenizer_json, model_config) -> None:
-    atomic_write_bytes(out / "model.safetensors", save(tensors, metadata={"format": "pt"}))
+    atomic_write_bytes(out / "model.safetensors", save(tensors, metadata=EXPORT_MARK))
     if eos_id is not None:
         hf["eos_token_id"] = hf["bos_token_id"] = eos_id
     atomic_write_json(out / "config.json", hf)

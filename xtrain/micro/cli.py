@@ -16,18 +16,25 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from xtrain import argtypes as A
+
     p = subparsers.add_parser(
         "micro",
         help="train the scalar-autograd microGPT on names and sample from it",
         description="Train a tiny GPT built only from scalar Values (xtrain.micro) on one document per "
         "step, then print samples. Default data: first names from the `names` package.",
     )
-    p.add_argument("--steps", type=int, default=2000, help="training steps, one document each (default 2000)")
-    p.add_argument("--layers", type=int, default=1, help="transformer layers (default 1)")
-    p.add_argument("--embd", type=int, default=16, help="model width C (default 16)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads; must divide --embd (default 4)")
     p.add_argument(
-        "--block-size", type=int, default=16, help="max positions per document; longer ones are cut (default 16)"
+        "--steps", type=A.positive_int, default=2000, help="training steps, one document each (default 2000)"
+    )
+    p.add_argument("--layers", type=A.positive_int, default=1, help="transformer layers (default 1)")
+    p.add_argument("--embd", type=A.positive_int, default=16, help="model width C (default 16)")
+    p.add_argument("--heads", type=A.positive_int, default=4, help="attention heads; must divide --embd (default 4)")
+    p.add_argument(
+        "--block-size",
+        type=A.positive_int,
+        default=16,
+        help="max positions per document; longer ones are cut (default 16)",
     )
     p.add_argument("--seed", type=int, default=42, help="seeds init, document order and sampling")
     p.add_argument(
@@ -36,9 +43,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="text file with one document per line (default: the `names` package)",
     )
-    p.add_argument("--lr", type=float, default=0.01, help="peak Adam learning rate, decayed linearly to 0")
-    p.add_argument("--temperature", type=float, default=0.5, help="sampling temperature > 0 (default 0.5)")
-    p.add_argument("--samples", type=int, default=20, help="documents to sample after training")
+    p.add_argument("--lr", type=A.positive_float, default=0.01, help="peak Adam learning rate, decayed linearly to 0")
+    p.add_argument("--temperature", type=A.positive_float, default=0.5, help="sampling temperature > 0 (default 0.5)")
+    p.add_argument("--samples", type=A.count, default=20, help="documents to sample after training")
     p.set_defaults(func=run)
     return p
 
@@ -52,10 +59,6 @@ def run(args: argparse.Namespace) -> int:
     from xtrain.micro.data import CharTokenizer, load_docs
     from xtrain.micro.gpt import MicroConfig, MicroGPT, train
 
-    if args.steps < 1 or args.samples < 0:
-        return _fail("--steps must be >= 1 and --samples >= 0")
-    if not args.temperature > 0:
-        return _fail(f"--temperature must be > 0, got {args.temperature}")
     try:
         docs = load_docs(args.data)
     except RuntimeError as e:

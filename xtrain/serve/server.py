@@ -37,14 +37,18 @@ def add_parser(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from xtrain import argtypes as A
+
     d = EngineConfig()
     p.add_argument("run", help="run directory (written by xtrain train)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--port", type=A.port, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--name", default=None, help="model name clients send (default: the run directory's name)")
-    p.add_argument("--slots", type=int, default=d.slots, help=f"sequences decoded together (default {d.slots})")
-    p.add_argument("--max-queue", type=int, default=d.max_queue, help=f"requests waiting (default {d.max_queue})")
+    p.add_argument(
+        "--slots", type=A.positive_int, default=d.slots, help=f"sequences decoded together (default {d.slots})"
+    )
+    p.add_argument("--max-queue", type=A.count, default=d.max_queue, help=f"requests waiting (default {d.max_queue})")
     p.add_argument(
         "--allow-host",
         action="append",
@@ -56,7 +60,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=A.positive_int,
         default=None,
         help="torch intra-op threads (default: torch's; 1 is best for small models on a busy CPU)",
     )

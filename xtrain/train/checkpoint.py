@@ -20,7 +20,9 @@ line; the next save or ``--resume`` finishes the moves). Every file also carries
 
 Readers (``read_checkpoint``, ``read_config``) never write. A reader racing a save (``xtrain sample`` while
 training checkpoints) may read files of two commits; it notices that the directory changed under it and
-reads again, so it never reports a spurious mismatch.
+reads again, so it never reports a spurious mismatch. It reports a save folder left behind (the lines in
+``Checkpoint.notes``) only when no live process holds the run's lock (``.xtrain.lock``): the folders of the
+owner's save in progress are no crash, and are read around in silence.
 
 Loading (``read_checkpoint``): every file is read and parsed, steps are cross-checked, and the tensors are
 checked against the model and optimizer (names, shapes) before anything is copied in (``restore``), so a
@@ -42,7 +44,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from xtrain.config import ModelConfig, TrainConfig
-from xtrain.fileio import atomic_write_bytes, atomic_write_json, writing  # noqa: F401 (re-exported)
+from xtrain.fileio import atomic_write_bytes, atomic_write_json, lock_owner, writing  # noqa: F401 (re-exported)
 from xtrain.fileio import fsync_dir as _fsync_dir
 
 FORMAT = "xtrain-checkpoint/1"
@@ -210,6 +212,19 @@ def _read_config(run_dir: str | Path) -> tuple[ModelConfig, TrainConfig | None]:
     return model_cfg, train_cfg
 
 
+def read_step(run_dir: str | Path) -> int:
+    """The step of the run's current checkpoint, from its ``trainer_state.json`` alone."""
+
+    def read() -> int:
+        path = current_files(run_dir)[STATE]
+        step = _read_json(path).get("step")
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"{path}: 'step' must be an integer >= 0, got {step!r}")
+        return step
+
+    return _consistent(Path(run_dir), read)
+
+
 @dataclass
 class Checkpoint:
     run_dir: Path
@@ -229,17 +244,30 @@ def read_checkpoint(run_dir: str | Path, *, with_optimizer: bool = True) -> Chec
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such checkpoint directory")
     ck = _consistent(run_dir, lambda: _read_checkpoint(run_dir, with_optimizer))
-    if (run_dir / COMMITTED).is_dir():
-        ck.notes.append(
-            f"{run_dir}: checkpoint step {ck.step} was committed but a crash stopped it before all its files "
+    ck.notes.extend(_interrupted_saves(run_dir, ck.step))
+    return ck
+
+
+def _interrupted_saves(run_dir: Path, step: int) -> list[str]:
+    """One line for each save folder that a stopped process left behind. While the run's lock has a live owner
+    (a trainer checkpointing), its folders are a save in progress, read around silently: no line. A folder is
+    reported only if it is still there after the owner was found gone, since a trainer that exits cleanly
+    finishes its save first (it may do so between the two looks)."""
+    found = [name for name in (COMMITTED, STAGING) if (run_dir / name).is_dir()]
+    if not found or lock_owner(run_dir) is not None:
+        return []
+    notes = []
+    if COMMITTED in found and (run_dir / COMMITTED).is_dir():
+        notes.append(
+            f"{run_dir}: checkpoint step {step} was committed but a crash stopped it before all its files "
             f"were moved into place; reading them from {COMMITTED}/ (the next save or --resume finishes it)"
         )
-    if (run_dir / STAGING).is_dir():
-        ck.notes.append(
+    if STAGING in found and (run_dir / STAGING).is_dir():
+        notes.append(
             f"{run_dir}: ignoring {STAGING}/, a checkpoint save that has not finished (interrupted, or still "
-            f"being written); using the last complete checkpoint, step {ck.step}"
+            f"being written); using the last complete checkpoint, step {step}"
         )
-    return ck
+    return notes
 
 
 def _read_checkpoint(run_dir: Path, with_optimizer: bool) -> Checkpoint:

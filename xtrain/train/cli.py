@@ -18,12 +18,13 @@ output flags may change; every other setting (eval-batches included) keeps the r
 passing a different one is an error. metrics.jsonl is cut back to the checkpoint's step.
 
 SIGTERM, SIGINT and SIGHUP stop the run at the next step boundary: the checkpoint is saved and the command
-exits with 143, 130 or 129 (128 + the signal); ``--resume`` continues bit-exactly. A write the disk refuses
-(full, ``ulimit -f``, read-only) stops the run at once with one line naming the file and exit code 74: a
-failed checkpoint save (periodic, final or on a signal) leaves the previous checkpoint as it was, a refused
-metrics.jsonl row is taken back. ``--out`` must be new or
-empty: a directory holding a run is refused (use --resume), one holding a run that stopped before its first
-checkpoint needs ``--restart``, anything else is refused before anything is written. ``--data`` is recorded
+exits with 143, 130 or 129 (128 + the signal); ``--resume`` continues bit-exactly. SIGINT and SIGHUP that the
+process inherits as ignored (a background job, ``nohup``) stay ignored; SIGTERM is always handled. A write the
+disk refuses (full, ``ulimit -f``, read-only) stops the run at once with one line naming the file and exit code
+74: a failed checkpoint save (periodic, final or on a signal) leaves the previous checkpoint as it was, a refused
+metrics.jsonl row is taken back. ``--out`` must be new or empty: a directory holding a run is refused (use
+--resume), one holding a run that stopped before its first checkpoint needs ``--restart``, anything else is
+refused before anything is written. ``--data`` is recorded
 as an absolute path with its meta.json fingerprint; resuming on another number of ranks keeps the global
 batch (the per-rank batch becomes global / ranks) or refuses with one line.
 
@@ -61,29 +62,40 @@ def add_parser(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from xtrain import argtypes as A
+    from xtrain.config import PRESETS
+    from xtrain.train.sample_cli import MAX_NEW_TOKENS
+
     d = DEFAULTS
-    p.add_argument("--preset", default=None, help=f"model preset: tiny, seed, gpt2-small (default {d['preset']})")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help=f"model preset (default {d['preset']})")
     p.add_argument(
         "--data",
         default=None,
         help="a prepared data dir (with meta.json), or a corpus to prepare: pystdlib, tinystories, "
         "or a .txt/.jsonl/.parquet file or directory (default: pystdlib, cached)",
     )
-    p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocab when preparing data (default 4096)")
+    p.add_argument(
+        "--vocab-size",
+        type=A.int_in(256),
+        default=None,
+        help="tokenizer vocab when preparing data: 256 or 257 for bytes, more for BPE (default 4096)",
+    )
     p.add_argument("--out", default=None, help="run directory (default runs/<preset>-<date>-<time>)")
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d['steps']})")
+    p.add_argument("--steps", type=A.positive_int, default=None, help=f"optimizer steps (default {d['steps']})")
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=A.positive_int,
         default=None,
         help=f"sequences per optimizer step, all micro-batches together (default {d['batch_size']})",
     )
-    p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence T (default {d['seq_len']})")
-    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d['lr']})")
-    p.add_argument("--warmup", type=int, default=None, help=f"linear warmup steps (default {d['warmup']})")
+    p.add_argument(
+        "--seq-len", type=A.positive_int, default=None, help=f"tokens per sequence T (default {d['seq_len']})"
+    )
+    p.add_argument("--lr", type=A.positive_float, default=None, help=f"peak learning rate (default {d['lr']})")
+    p.add_argument("--warmup", type=A.count, default=None, help=f"linear warmup steps (default {d['warmup']})")
     p.add_argument(
         "--grad-accum",
-        type=int,
+        type=A.positive_int,
         default=None,
         help="split each step's batch into this many micro-batches (same update, less memory)",
     )
@@ -99,7 +111,9 @@ def add_parser(subparsers) -> None:
         default=None,
         help="recompute each block's activations in backward (less memory, ~1/3 more compute)",
     )
-    p.add_argument("--dropout", type=float, default=None, help="residual dropout p (default 0)")
+    p.add_argument(
+        "--dropout", type=A.float_in(0.0, 1.0, hi_open=True), default=None, help="residual dropout p (default 0)"
+    )
     p.add_argument(
         "--attention",
         choices=["auto", "composed", "math", "flash"],
@@ -128,25 +142,31 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--stop-after",
-        type=int,
+        type=A.positive_int,
         default=None,
         metavar="N",
-        help="stop (with a checkpoint) after N steps of this invocation; --resume continues the same "
-        "schedule, bit-identical to an uninterrupted run",
+        help="stop (with a checkpoint) after N steps of this invocation, at most the steps left; --resume "
+        "continues the same schedule, bit-identical to an uninterrupted run",
     )
-    p.add_argument("--seed", type=int, default=None, help=f"run seed: init, data order, dropout (default {d['seed']})")
-    p.add_argument("--eval-every", type=int, default=None, help=f"validate every N steps (default {d['eval_every']})")
+    p.add_argument(
+        "--seed", type=A.seed, default=None, help=f"run seed: init, data order, dropout (default {d['seed']})"
+    )
+    p.add_argument(
+        "--eval-every", type=A.count, default=None, help=f"validate every N steps (default {d['eval_every']})"
+    )
     p.add_argument(
         "--eval-batches",
-        type=int,
+        type=A.positive_int,
         default=None,
         help=f"validation batches per evaluation (default {d['eval_batches']})",
     )
-    p.add_argument("--ckpt-every", type=int, default=None, help="also checkpoint every N steps (default: end only)")
+    p.add_argument("--ckpt-every", type=A.count, default=None, help="also checkpoint every N steps (default: end only)")
     p.add_argument(
         "--skip-nonfinite", action="store_true", default=None, help="skip (and count) steps with nan/inf loss"
     )
-    p.add_argument("--sample-tokens", type=int, default=120, help="tokens to sample at the end (0: none)")
+    p.add_argument(
+        "--sample-tokens", type=A.int_in(0, MAX_NEW_TOKENS), default=120, help="tokens to sample at the end (0: none)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per eval instead)")
     p.set_defaults(func=run)
 
@@ -223,6 +243,19 @@ def data_fingerprint(data_dir: str | Path) -> str:
     import hashlib
 
     return hashlib.sha256((Path(data_dir) / "meta.json").read_bytes()).hexdigest()[:16]
+
+
+def check_steps(steps: int, stop_after: int | None, done: int = 0, resume: Path | None = None) -> None:
+    """The step counts a run is given, before anything is written (ConfigError, one line): a resumed run's
+    ``--steps`` reaches at least the checkpoint's step ``done``, and ``--stop-after`` stops within the steps
+    left."""
+    from xtrain.config import ConfigError
+
+    if steps < done:
+        raise ConfigError(f"--steps {steps}: {resume} is already at step {done}; pass --steps {done} or more")
+    if stop_after is not None and stop_after > steps - done:
+        left = f"the {steps - done} steps left of {steps}" if resume else f"the run's {steps} steps"
+        raise ConfigError(f"--stop-after {stop_after}: more than {left}; leave it out to run to the end")
 
 
 def _pick(v, default):
@@ -413,7 +446,7 @@ def truncate_metrics(path: Path, step: int) -> int:
 
 def _run(args, info) -> int:
 
-    from xtrain.config import MAX_SEED, ConfigError, ModelConfig, TrainConfig, preset
+    from xtrain.config import ConfigError, ModelConfig, TrainConfig, preset
     from xtrain.data.prepare import DataWriteError
     from xtrain.device import resolve_device
     from xtrain.fileio import DirectoryBusyError, DirLock, lock_owner, not_writable
@@ -457,6 +490,7 @@ def _run(args, info) -> int:
                     f"{', '.join(RESUME_MAY_CHANGE)}"
                 )
             changes = {"steps": _pick(args.steps, stored.steps)}
+            check_steps(changes["steps"], args.stop_after, done=ckpt_io.read_step(run_dir), resume=run_dir)
             per_rank = resume_batch_size(stored, world)
             if per_rank != stored.batch_size:
                 changes.update(batch_size=per_rank, extra={**stored.extra, "world_size": world})
@@ -473,11 +507,11 @@ def _run(args, info) -> int:
         else:
             data_spec = args.data
             eval_batches = _pick(args.eval_batches, d["eval_batches"])
-            if eval_batches <= 0:
-                raise ConfigError(f"--eval-batches must be a positive integer, got {eval_batches}")
             run_dir = Path(args.out or f"runs/{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-            if args.seed is not None and not 0 <= args.seed < MAX_SEED:
-                raise ConfigError(f"--seed {args.seed}: must lie in [0, 2**63)")
+            check_steps(_pick(args.steps, d["steps"]), args.stop_after)
+            batch, accum = _pick(args.batch_size, d["batch_size"]), _pick(args.grad_accum, 1)
+            if batch % accum:
+                raise ConfigError(f"--grad-accum {accum}: must divide --batch-size {batch}")
             if main and (owner := lock_owner(run_dir)) is not None:
                 raise DirectoryBusyError(f"{run_dir}: in use by process {owner} (lock file {run_dir / '.xtrain.lock'})")
             if main:
@@ -597,6 +631,8 @@ def _settle_checkpoint(run_dir: Path) -> None:
 
 # exit codes of a run stopped by a signal (128 + the signal's number, as a shell reports a signal's death)
 STOP_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}
+# the terminal's signals: inherited as ignored (nohup, a background job), they stay ignored (see StopSignals)
+KEEPS_IGNORED = ("SIGINT", "SIGHUP")
 
 
 class StopSignals:
@@ -605,7 +641,13 @@ class StopSignals:
     ``STOP_EXIT_CODES``. A second Ctrl-C stops at once (the step in flight is undone; the state before it is
     saved). Once training is over (``immediate``: the evaluation, plot and sample that follow save nothing)
     a signal exits at once with its code. Installed only on the main thread (elsewhere signals cannot be
-    handled)."""
+    handled).
+
+    A terminal's signals that the process inherited as ignored stay ignored (``KEEPS_IGNORED``): ``nohup``
+    ignores SIGHUP and a shell starts a background job with SIGINT ignored precisely so that a closed terminal or
+    a Ctrl-C meant for the foreground does not stop the run (the classic ``if (signal(SIGINT, SIG_IGN) !=
+    SIG_IGN)`` rule). SIGTERM is always handled: it is how schedulers and ``kill`` ask a run to stop before the
+    SIGKILL that follows, and ignoring it would lose the steps since the last checkpoint."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -618,8 +660,9 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for name in STOP_EXIT_CODES:
                 sig = getattr(signal, name, None)
-                if sig is not None:
-                    self.old[sig] = signal.signal(sig, self._handle)
+                if sig is None or (name in KEEPS_IGNORED and signal.getsignal(sig) is signal.SIG_IGN):
+                    continue
+                self.old[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:

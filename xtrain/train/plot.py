@@ -1,5 +1,8 @@
 """Loss curves from run directories: ``xtrain plot RUN [RUN ...] [--out FILE]``.
 
+``--out`` is written only where it replaces nothing that xtrain did not write: a new file, a chart xtrain drew (its
+PNG's "Software" text is ``MARK``), or a run directory's ``loss.png``; anything else is refused (exit code 2).
+
 A run directory's ``metrics.jsonl`` holds one JSON object per line: training steps carry ``step``,
 ``loss``, ``lr``, ``grad_norm``, ``tokens``, ``time``; evaluations carry ``step`` and ``eval_loss``. The
 chart shows each run's training loss (light) with its validation loss (dark markers) on one axis.
@@ -73,10 +76,49 @@ def plot_runs(
     fig.tight_layout()
     out = pathlib.Path(out)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", metadata={"Software": MARK})
     plt.close(fig)
     atomic_write_bytes(out, buf.getvalue())
     return out
+
+
+# the PNG text chunk ("Software") of every chart xtrain draws: only a file carrying it is redrawn in place
+MARK = "xtrain plot"
+
+
+def _png_software(path: pathlib.Path) -> str | None:
+    """The "Software" text of a PNG file (None: not a PNG, or no such chunk)."""
+    with open(path, "rb") as f:
+        if f.read(8) != b"\x89PNG\r\n\x1a\n":
+            return None
+        while len(head := f.read(8)) == 8:
+            n, kind = int.from_bytes(head[:4], "big"), head[4:]
+            data = f.read(n)
+            f.read(4)  # crc
+            if kind == b"tEXt" and data.startswith(b"Software\x00"):
+                return data[len(b"Software\x00") :].decode("latin-1")
+            if kind == b"IEND" or len(data) < n:
+                return None
+    return None
+
+
+def check_out(out: pathlib.Path) -> None:
+    """ValueError (one line) unless ``out`` may be written: a new file in an existing directory, a chart xtrain
+    drew (its PNG says ``MARK``), or the ``loss.png`` of an xtrain run directory (runs written before the mark).
+    Nothing that xtrain did not write is replaced."""
+    if out.is_dir():
+        raise ValueError(f"--out {out}: is a directory; name the PNG file to write")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {out}: no such directory {out.parent}")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {out.parent} is not writable")
+    if not out.exists():
+        return
+    if out.is_file() and _png_software(out) == MARK:
+        return
+    if out.name == "loss.png" and (out.parent / "metrics.jsonl").is_file() and (out.parent / "config.json").is_file():
+        return
+    raise ValueError(f"--out {out}: exists and is not a chart xtrain drew; pick a new file name")
 
 
 def add_parser(subparsers) -> None:
@@ -86,17 +128,28 @@ def add_parser(subparsers) -> None:
         description="Redraw loss curves from run directories (their metrics.jsonl).",
     )
     p.add_argument("runs", nargs="+", help="run directories")
-    p.add_argument("--out", default=None, help="output PNG (default: RUN/loss.png for one run, ./loss.png else)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output PNG (default: RUN/loss.png for one run, ./loss.png else); an existing file is replaced only "
+        "if it is a chart xtrain drew",
+    )
     p.add_argument("--title", default=None)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    out = args.out or (str(pathlib.Path(args.runs[0]) / "loss.png") if len(args.runs) == 1 else "loss.png")
+    out = pathlib.Path(args.out or (pathlib.Path(args.runs[0]) / "loss.png" if len(args.runs) == 1 else "loss.png"))
     try:
+        for r in args.runs:
+            read_metrics(r)  # every run readable before anything is drawn
+        check_out(out)
         path = plot_runs(args.runs, out, args.title)
     except (FileNotFoundError, ValueError) as e:
         print(f"xtrain plot: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"xtrain plot: {e.filename or out}: {e.strerror or e}", file=sys.stderr)
         return 1
     print(f"wrote {path}")
     return 0

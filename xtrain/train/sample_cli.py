@@ -9,29 +9,12 @@ the temperature, cut to the top-k tokens and then to the smallest set whose prob
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 import torch
 
 MAX_NEW_TOKENS = 16384  # past this a CPU sample runs for many minutes without a line of output
-
-
-def check_args(args) -> None:
-    """ValueError (one line) for settings that cannot sample, before anything is loaded."""
-    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must lie in [0, {MAX_NEW_TOKENS}]")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise ValueError(f"--temperature {args.temperature}: must be a finite number >= 0 (0: greedy)")
-    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
-        raise ValueError(f"--top-p {args.top_p}: must lie in (0, 1]")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k {args.top_k}: must be >= 0 (0: off)")
-    if not 1 <= args.num_samples <= 1000:
-        raise ValueError(f"--num-samples {args.num_samples}: must lie in [1, 1000]")
-    if not 0 <= args.seed < 1 << 63:
-        raise ValueError(f"--seed {args.seed}: must lie in [0, 2**63)")
 
 
 def load_run_tokenizer(run_dir: Path, vocab_size: int | None = None):
@@ -73,6 +56,8 @@ def sample_text(
 
 
 def add_parser(subparsers) -> None:
+    from xtrain import argtypes as A
+
     p = subparsers.add_parser(
         "sample",
         help="sample text from a trained run",
@@ -80,15 +65,30 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run", help="run directory (written by xtrain train)")
-    p.add_argument("--prompt", default="", help="text to continue (default: empty)")
+    p.add_argument("--prompt", type=A.utf8_text, default="", help="text to continue, UTF-8 (default: empty)")
     p.add_argument(
-        "--max-new-tokens", type=int, default=200, help=f"tokens to generate, at most {MAX_NEW_TOKENS} (default 200)"
+        "--max-new-tokens",
+        type=A.int_in(0, MAX_NEW_TOKENS),
+        default=200,
+        help=f"tokens to generate, at most {MAX_NEW_TOKENS} (default 200)",
     )
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=50, help="keep the k most likely tokens (0: off; default 50)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus probability mass (1: off; default 0.95)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--num-samples", type=int, default=1, help="how many samples (seeds seed, seed+1, ...)")
+    p.add_argument(
+        "--temperature",
+        type=A.nonnegative_float,
+        default=0.8,
+        help="softmax temperature; 0 = greedy (default 0.8)",
+    )
+    p.add_argument("--top-k", type=A.count, default=50, help="keep the k most likely tokens (0: off; default 50)")
+    p.add_argument(
+        "--top-p",
+        type=A.float_in(0.0, 1.0, lo_open=True),
+        default=0.95,
+        help="nucleus probability mass (1: off; default 0.95)",
+    )
+    p.add_argument("--seed", type=A.seed, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--num-samples", type=A.int_in(1, 1000), default=1, help="how many samples (seeds seed, seed+1, ...)"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=run)
 
@@ -100,7 +100,6 @@ def run(args) -> int:
 
     run_dir = Path(args.run)
     try:
-        check_args(args)
         device = resolve_device(args.device)
         load_run_tokenizer(run_dir)  # a missing or corrupt tokenizer stops here, before the weights load
         ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)

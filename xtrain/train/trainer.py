@@ -11,7 +11,8 @@ One optimizer step (``Trainer.train_step``), one code path on every device:
      ``GraphedStep``), which reads nothing back to the host:
   3. split the batch into ``grad_accum`` = k micro-batches of B/k rows and count the targets that count, N;
   4. per micro-batch j: loss_j = sum-reduced cross-entropy, its rows' place in the global batch passed to
-     ``model.loss`` (the dropout masks' key); backward of loss_j / N. The leaf grads accumulate to
+     ``model.loss`` (the dropout masks' key); backward of loss_j / N (the seed 1/N computed in float64 and
+     rounded once to the loss's dtype, so exact in fp64 too). The leaf grads accumulate to
      d(sum_j loss_j / N), which is exactly the gradient of the mean loss over the whole batch however the rows
      are split and however many targets each micro-batch ignores (a per-micro-batch mean divided by k would
      weight tokens unequally);
@@ -371,7 +372,9 @@ class Trainer:
         counted = (targets != s.ignore_index).sum()
         if self.all_reduce is not None:
             self.all_reduce([counted])
-        inv_n = (1.0 / counted.clamp(min=1).double()).float()  # the backward seed (float)(1.0 / N)
+        # the backward seed 1/N, computed in float64 and rounded once, to the loss's dtype at the backward: exact
+        # to the last bit in fp32 and in fp64 (a float32 seed would move every fp64 gradient by up to 3e-8)
+        inv_n = 1.0 / counted.clamp(min=1).double()
         model.train()
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
