@@ -113,18 +113,24 @@ def _refused(out: dict, code: str = "shutting_down"):
 
 def test_sigterm_ends_every_stream_and_answers_the_queue(run_dir, tmp_path):
     """Three running streams and a running non-streamed request past a short grace period, one stream and one
-    non-streamed request queued: SIGTERM ends each running one properly (finish_reason "abort", [DONE] for
-    streams, a whole JSON body otherwise), the queued ones get a 503, and the process exits 0, quietly."""
+    non-streamed request queued, one request whose body is still arriving: SIGTERM ends each running one
+    properly (finish_reason "abort", [DONE] for streams, a whole JSON body otherwise), the queued ones and the
+    unfinished body get a 503, and the process exits 0, quietly."""
     with serving(run_dir, tmp_path / "err", "--slots", 4, "--max-queue", 4, "--shutdown-grace", 0.5) as (p, url, log):
         running = [_start(url, _long(True)) for _ in range(3)] + [_start(url, _long(False))]
         _until(lambda: _health(url)["running"] == 4, 30, "four requests running")
         queued = [_start(url, _long(True)), _start(url, _long(False))]
         _until(lambda: _health(url)["waiting"] == 2, 30, "two requests queued")
+        slow = _connect(url)  # a body still on its way when the signal comes
+        req = _request_bytes(_long(False))
+        slow.sendall(req[:-10])
         p.send_signal(signal.SIGTERM)
         for th, _ in running + queued:
             th.join(30)
+        reply = _read_all(slow)
         rc = p.wait(30)
     stderr = log.read_text()
+    assert reply.startswith(b"HTTP/1.1 503") and b"shutting_down" in reply, reply[:300]
     for _, out in running[:3]:
         chunks = _ended_stream(out, "abort")
         assert "".join(c["choices"][0]["text"] for c in chunks), "the streams had tokens before the end"
@@ -208,6 +214,14 @@ def _request_bytes(body: dict, host: str = "localhost") -> bytes:
     data = json.dumps(body).encode()
     head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
     return head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+
+
+def _read_all(s: socket.socket) -> bytes:
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    s.close()
+    return got
 
 
 def _reset(s: socket.socket):
