@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn): text in, text out over the token-id engine.
 
     GET  /health                  {"status": "ok", "model": ..., "running": r, "waiting": w, "slots": s, ...}
+                                  (a 503 with "status": "draining" once a shutdown has begun)
     GET  /v1/models               {"object": "list", "data": [{"id": MODEL, "object": "model", ...}]}
+    GET  /v1/models/{MODEL}       the model card (MODEL may hold "/")
     POST /v1/completions          prompt (string, list of strings, token ids or lists of token ids)
     POST /v1/chat/completions     messages [{"role": "system" | "user" | "assistant", "content": ...}]
 
@@ -9,15 +11,17 @@ Request fields (both endpoints): ``model`` (the served name; another gets 404), 
 completions default 16, chat default: the rest of the context), ``temperature`` (>= 0, default 1; 0 is
 greedy), ``top_p`` (0 < p <= 1, default 1), ``top_k`` (0 = off), ``seed`` (0 <= seed < 2**64; choice i of
 ``n`` uses seed + i; without a seed each request draws one), ``stop`` (a string or up to 4), ``n``,
-``stream``, ``stream_options`` ({"include_usage": bool}), ``user`` (ignored), ``ignore_eos`` (as vLLM:
+``stream``, ``stream_options`` ({"include_usage": bool}), ``user`` (a string, ignored), ``ignore_eos`` (as vLLM:
 run to max_tokens); completions also take ``logprobs`` (0..5: top log-probabilities of each sampled
 token). A temperature below ``xtrain.sampling.GREEDY_BELOW`` samples greedily, and a top_p however small
 keeps the most likely token. Fields that clients send by default are accepted where their value changes
 nothing (``NO_OP_FIELDS``: ``presence_penalty``/``frequency_penalty`` 0, ``logit_bias`` {}, ``suffix`` "",
 ``best_of`` 1, ``echo`` false, ``tools`` [], chat ``logprobs`` false, ..., or null) and are a 400 naming
 the field otherwise. Responses carry ``id``, ``object``, ``created``, ``model``, ``choices`` (``text`` / ``message``,
-or ``delta`` when streaming, with ``finish_reason`` "stop" or "length") and ``usage``. ``stream: true``
-answers with server-sent events, ``data: {chunk}`` lines and a final ``data: [DONE]``.
+or ``delta`` when streaming, with ``finish_reason`` "stop", "length", or "abort" for a request a shutdown
+ended, ``Service.shutdown``) and ``usage``. ``stream: true`` answers with server-sent events, ``data: {chunk}``
+lines and a final ``data: [DONE]``; the status line waits for the first token, so a request that never ran
+gets its error status rather than a 200.
 
 Tokens: a string prompt is preceded by the end-of-text token, as every training document is (so the
 tokens match ``xtrain sample``); a token-id prompt is used as given. Generation stops at the next
@@ -32,13 +36,19 @@ ending in ``Assistant:``; the reply is what the model writes next, up to end-of-
 string of the request, or the template's own stops ``\\n\\nUser:`` and ``\\n\\nSystem:`` (the model
 starting the next turn). ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts.
 
-Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
-JSON (NaN and Infinity included), wrong types, out-of-range values, prompts that do not fit the context
+Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that
+is empty, not UTF-8 or not JSON (NaN and Infinity included), has duplicate keys, nests deeper than
+``MAX_DEPTH`` or is not an object, for wrong types, out-of-range values, prompts that do not fit the context
 and text that is not valid Unicode (a lone surrogate); 404 for an unknown model or path; 413 for a body
 over ``ServerConfig.max_body_bytes``; 415 for a POST whose Content-Type is not application/json; 403 for a
 Host header outside ``ServerConfig.allowed_hosts``; 429 when every slot is busy and the queue is full; 503
-while shutting down. A body shorter than its Content-Length is a 400 after ``body_timeout_s``; a prompt whose
-bytes alone exceed the context is a 400 before it is tokenized.
+while shutting down (new requests, queued ones, bodies still arriving). A body shorter than its
+Content-Length is a 400 after ``body_timeout_s``; a prompt whose bytes alone exceed the context is a 400
+before it is tokenized.
+
+Connections: each running request watches its client's connection (``Job``); a client that goes away, at
+any point, ends its request at once and frees its slot or its place in the queue, with one debug-level log
+line (logger ``xtrain.serve``) and no traceback.
 """
 
 import asyncio
