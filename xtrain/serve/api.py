@@ -387,6 +387,7 @@ class Service:
         self.created = int(time.time())
         self.jobs: set[Job] = set()  # requests in flight (a shutdown ends them)
         self.draining = False  # ``shutdown`` has begun: new requests get a 503
+        self.drained = asyncio.Event()  # set with ``draining``: bodies still arriving stop being waited for
         self.hurry = False  # end the running requests now, without waiting out the grace period
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
 
@@ -537,6 +538,7 @@ class Service:
         client that stopped reading) -> how many requests the grace period's end cut short."""
         loop = asyncio.get_running_loop()
         self.draining = True
+        self.drained.set()
         self.batcher.drain()  # the queued requests' sequences end "cancelled": their handlers answer 503
         end = loop.time() + grace
         while self.jobs and loop.time() < end and not self.hurry:
@@ -606,8 +608,11 @@ class ClientGone(Exception):
 async def _watch_disconnect(receive, queue: asyncio.Queue) -> None:
     """Wait for the ASGI ``http.disconnect`` of a request whose body has been read (the server reports it when
     the connection closes), then tell the request's handler through its queue."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception as e:  # a server whose receive fails once the connection is gone: the same news
+        log.debug("xtrain serve: receive failed (%s: %s); taking the client as gone", type(e).__name__, e)
     queue.put_nowait(GONE)
 
 
@@ -655,9 +660,10 @@ class Job:
 
 
 # -- the app -------------------------------------------------------------------------------------------------
-async def read_body(request, config: ServerConfig) -> bytes:
+async def read_body(request, config: ServerConfig, drained: asyncio.Event | None = None) -> bytes:
     """The body, at most max_body_bytes (413 past it), in full within body_timeout_s (400 otherwise);
-    ClientGone when the client disconnects before it is in."""
+    ClientGone when the client disconnects before it is in; a 503 when ``drained`` is set first (a shutdown
+    does not wait for a body still on its way)."""
     from starlette.requests import ClientDisconnect
 
     cl = request.headers.get("content-length")
@@ -678,13 +684,22 @@ async def read_body(request, config: ServerConfig) -> bytes:
                 raise APIError(413, f"the body exceeds {config.max_body_bytes} bytes", None, "body_too_large")
             chunks.append(chunk)
 
+    reader = asyncio.ensure_future(read())
+    waits = {reader} if drained is None else {reader, asyncio.ensure_future(drained.wait())}
     try:
-        await asyncio.wait_for(read(), config.body_timeout_s)
-    except asyncio.TimeoutError:
-        raise bad(f"the body did not arrive in full within {config.body_timeout_s} s", code="body_timeout") from None
-    except ClientDisconnect:
-        raise ClientGone from None
-    return b"".join(chunks)
+        await asyncio.wait(waits, timeout=config.body_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()  # a no-op on the one that finished
+    if reader.done() and not reader.cancelled():
+        try:
+            reader.result()
+        except ClientDisconnect:
+            raise ClientGone from None
+        return b"".join(chunks)
+    if drained is not None and drained.is_set():
+        raise APIError(503, "the server is shutting down; retry later", None, "shutting_down")
+    raise bad(f"the body did not arrive in full within {config.body_timeout_s} s", code="body_timeout")
 
 
 def create_app(service: Service):
@@ -802,7 +817,7 @@ def create_app(service: Service):
             raise APIError(
                 415, f"Content-Type must be application/json, got {ctype[:60]!r}", None, "unsupported_media_type"
             )
-        body = parse_body(await read_body(request, service.config))
+        body = parse_body(await read_body(request, service.config, service.drained))
         prompts, params, max_new = service.prepare(body, chat)
         job = service.start(prompts, params, max_new, request.receive)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
