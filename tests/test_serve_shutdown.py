@@ -284,3 +284,39 @@ def test_a_client_that_goes_away_frees_its_slot_or_queue_place(busy_server):
     assert short[1].get("status") == 200, short[1]
     assert json.loads("".join(short[1]["lines"]))["usage"]["completion_tokens"] <= 3
     assert _health(url)["running"] == 0
+
+
+def test_a_draining_server_refuses_new_requests_and_a_hurry_ends_the_running_ones():
+    """In-process, the drain itself (``Service.shutdown`` on the server's loop, as the signal handler runs
+    it) with a long grace period: a new request gets a 503 and /health a 503 "draining" while the running
+    stream goes on; ``hurry`` (a second signal) ends that stream at once with "abort" and [DONE]."""
+    import asyncio
+
+    import torch
+
+    from xtrain.serve.api import Service
+    from xtrain.serve.engine import EngineConfig
+    from xtrain.serve.server import serve_in_thread
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    svc = Service(small(max_seq_len=4096).eval(), ByteTokenizer(), "m", EngineConfig(slots=1, max_queue=1))
+    url, stop = serve_in_thread(svc)
+    try:
+        th, out = _start(url, _long(True))
+        _until(lambda: svc.batcher.load()["running"] == 1, 30, "the stream running")
+        done = asyncio.run_coroutine_threadsafe(svc.shutdown(grace=60), svc.loop)
+        _until(lambda: svc.draining, 10, "the drain begun")
+        refused: dict = {}
+        _post(url, {"prompt": "z", "max_tokens": 2}, refused)
+        _refused(refused)
+        r = httpx.get(url + "/health", timeout=10)
+        assert r.status_code == 503 and r.json()["status"] == "draining", r.text
+        assert th.is_alive() and not done.done()  # the running stream has its grace period
+        svc.hurry = True
+        assert done.result(timeout=10) == 1  # one request cut short
+        th.join(10)
+        _ended_stream(out, "abort")
+    finally:
+        stop()
+        torch.set_num_threads(threads)
