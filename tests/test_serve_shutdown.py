@@ -320,3 +320,12 @@ def test_a_draining_server_refuses_new_requests_and_a_hurry_ends_the_running_one
     finally:
         stop()
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("grace", ["-1", "nan", "inf"])
+def test_a_bad_shutdown_grace_is_one_line_and_exit_2(grace, tmp_path, capsys):
+    from xtrain.cli import main
+
+    assert main(["serve", str(tmp_path), "--port", "0", "--shutdown-grace", grace]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--shutdown-grace" in err[0], err

@@ -17,7 +17,8 @@ Shutdown: SIGINT (Ctrl-C) or SIGTERM drains the server. New requests get a 503 (
 "status": "draining"), queued requests a 503 at once, and running requests go on to their end for up to
 --shutdown-grace seconds; past it each ends with what it has: a stream gets a final chunk with finish_reason
 "abort" and "data: [DONE]", a non-streamed request its JSON body with finish_reason "abort". A second signal
-ends the running requests at once, the same way. Then the process exits with code 0.
+ends the running requests at once, the same way. Then the process exits with code 0 (130 for a Ctrl-C while
+the model is still loading).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from xtrain.serve.engine import EngineConfig
 __all__ = ["Service", "ServerConfig", "EngineConfig", "create_app", "bind", "load_service", "serve_in_thread"]
 
 DEFAULT_GRACE_S = 5.0
+DRAIN_FLUSH_S = 2.0  # after the grace period: how long the ended requests' last bytes may take to go out
 
 
 def add_parser(subparsers) -> None:
@@ -145,10 +147,8 @@ class Drain:
         self.server = uvicorn.Server(cfg)
         self.server.handle_exit = self.on_signal
         self.task: asyncio.Task | None = None
-        self.signals: list[int] = []
 
     def on_signal(self, sig: int, frame=None) -> None:
-        self.signals.append(sig)
         loop = self.service.loop
         if loop is None or loop.is_closed():  # the app has not started (or has stopped): nothing to drain
             self.server.should_exit = True
@@ -178,20 +178,13 @@ class Drain:
         self.server.run(sockets=[sock])
 
 
-DRAIN_FLUSH_S = 2.0  # after the grace period: how long the ended requests' last bytes may take to go out
-
-
-def uvicorn_server(service: Service, grace: float = 0.0) -> Drain:
-    return Drain(service, grace)
-
-
 def serve_in_thread(service: Service, host: str = "127.0.0.1", port: int = 0, grace: float = 0.0):
     """Start a server on a background thread -> (base url, stop()). For tests and benchmarks. ``stop()``
     drains as a signal does, with ``grace`` seconds for the running requests."""
     import time
 
     sock = bind(host, port)
-    drain = uvicorn_server(service, grace)
+    drain = Drain(service, grace)
     server = drain.server
     th = threading.Thread(target=drain.run, args=(sock,), daemon=True)
     th.start()
@@ -251,6 +244,7 @@ def run(args) -> int:
     try:
         config = ServerConfig(allowed_hosts=allowed_hosts(host, args.allow_host))
         service = load_service(args.run, args.device, args.name, engine_config, config)
+        drain = Drain(service, args.shutdown_grace, say=lambda msg: print(f"xtrain serve: {msg}", file=sys.stderr))
     except (ValueError, FileNotFoundError) as e:
         sock.close()
         print(f"xtrain serve: {e}", file=sys.stderr)
@@ -259,8 +253,6 @@ def run(args) -> int:
         sock.close()
         print("xtrain serve: interrupted while loading the model", file=sys.stderr)
         return 130
-    say = lambda msg: print(f"xtrain serve: {msg}", file=sys.stderr, flush=True)
-    drain = Drain(service, args.shutdown_grace, say=say)
     url = url_of(sock)
     print(
         f"xtrain serve: model {service.name!r} on {url}/v1 (completions, chat/completions, models; GET /health); "
