@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn): text in, text out over the token-id engine.
 
     GET  /health                  {"status": "ok", "model": ..., "running": r, "waiting": w, "slots": s, ...}
+                                  (a 503 with "status": "draining" once a shutdown has begun)
     GET  /v1/models               {"object": "list", "data": [{"id": MODEL, "object": "model", ...}]}
+    GET  /v1/models/{MODEL}       the model card (MODEL may hold "/")
     POST /v1/completions          prompt (string, list of strings, token ids or lists of token ids)
     POST /v1/chat/completions     messages [{"role": "system" | "user" | "assistant", "content": ...}]
 
@@ -9,15 +11,17 @@ Request fields (both endpoints): ``model`` (the served name; another gets 404), 
 completions default 16, chat default: the rest of the context), ``temperature`` (>= 0, default 1; 0 is
 greedy), ``top_p`` (0 < p <= 1, default 1), ``top_k`` (0 = off), ``seed`` (0 <= seed < 2**64; choice i of
 ``n`` uses seed + i; without a seed each request draws one), ``stop`` (a string or up to 4), ``n``,
-``stream``, ``stream_options`` ({"include_usage": bool}), ``user`` (ignored), ``ignore_eos`` (as vLLM:
+``stream``, ``stream_options`` ({"include_usage": bool}), ``user`` (a string, ignored), ``ignore_eos`` (as vLLM:
 run to max_tokens); completions also take ``logprobs`` (0..5: top log-probabilities of each sampled
 token). A temperature below ``xtrain.sampling.GREEDY_BELOW`` samples greedily, and a top_p however small
 keeps the most likely token. Fields that clients send by default are accepted where their value changes
 nothing (``NO_OP_FIELDS``: ``presence_penalty``/``frequency_penalty`` 0, ``logit_bias`` {}, ``suffix`` "",
 ``best_of`` 1, ``echo`` false, ``tools`` [], chat ``logprobs`` false, ..., or null) and are a 400 naming
 the field otherwise. Responses carry ``id``, ``object``, ``created``, ``model``, ``choices`` (``text`` / ``message``,
-or ``delta`` when streaming, with ``finish_reason`` "stop" or "length") and ``usage``. ``stream: true``
-answers with server-sent events, ``data: {chunk}`` lines and a final ``data: [DONE]``.
+or ``delta`` when streaming, with ``finish_reason`` "stop", "length", or "abort" for a request a shutdown
+ended, ``Service.shutdown``) and ``usage``. ``stream: true`` answers with server-sent events, ``data: {chunk}``
+lines and a final ``data: [DONE]``; the status line waits for the first token, so a request that never ran
+gets its error status rather than a 200.
 
 Tokens: a string prompt is preceded by the end-of-text token, as every training document is (so the
 tokens match ``xtrain sample``); a token-id prompt is used as given. Generation stops at the next
@@ -32,17 +36,24 @@ ending in ``Assistant:``; the reply is what the model writes next, up to end-of-
 string of the request, or the template's own stops ``\\n\\nUser:`` and ``\\n\\nSystem:`` (the model
 starting the next turn). ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts.
 
-Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
-JSON (NaN and Infinity included), wrong types, out-of-range values, prompts that do not fit the context
+Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that
+is empty, not UTF-8 or not JSON (NaN and Infinity included), has duplicate keys, nests deeper than
+``MAX_DEPTH`` or is not an object, for wrong types, out-of-range values, prompts that do not fit the context
 and text that is not valid Unicode (a lone surrogate); 404 for an unknown model or path; 413 for a body
 over ``ServerConfig.max_body_bytes``; 415 for a POST whose Content-Type is not application/json; 403 for a
 Host header outside ``ServerConfig.allowed_hosts``; 429 when every slot is busy and the queue is full; 503
-while shutting down. A body shorter than its Content-Length is a 400 after ``body_timeout_s``; a prompt whose
-bytes alone exceed the context is a 400 before it is tokenized.
+while shutting down (new requests, queued ones, bodies still arriving). A body shorter than its
+Content-Length is a 400 after ``body_timeout_s``; a prompt whose bytes alone exceed the context is a 400
+before it is tokenized.
+
+Connections: each running request watches its client's connection (``Job``); a client that goes away, at
+any point, ends its request at once and frees its slot or its place in the queue, with one debug-level log
+line (logger ``xtrain.serve``) and no traceback.
 """
 
 import asyncio
 import json
+import logging
 import math
 import secrets
 import time
@@ -50,6 +61,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from xtrain.serve.engine import Batcher, Engine, EngineConfig, QueueFull, Sampling
+
+log = logging.getLogger("xtrain.serve")
+DRAIN_SEND_S = 2.0  # while draining, a stream whose client has not taken a chunk in this time is given up
 
 CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 CHAT_STOPS = ("\n\nUser:", "\n\nSystem:")
@@ -127,7 +141,14 @@ class APIError(Exception):
         )
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return {
+            "error": {"message": _utf8(self.message), "type": self.kind, "param": _utf8(self.param), "code": self.code}
+        }
+
+
+def _utf8(text: str | None) -> str | None:
+    """Text that encodes as UTF-8: a lone surrogate from the request (a field name) becomes ``\\udXXX``."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -135,18 +156,68 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 
 
 # -- parsing and validation ---------------------------------------------------------------------------------
+MAX_DEPTH = 32  # JSON nesting a request may have (messages[i].content[j].text is 5 deep)
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _unique_keys(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):  # parsers disagree on which of two values wins: refuse rather than guess
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate key {_clip(k)}")
+            seen.add(k)
+    return d
+
+
+def _too_deep(v, limit: int) -> bool:
+    """Whether v nests lists/objects deeper than ``limit`` (iterative: no recursion on a hostile body)."""
+    stack = [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (list, dict)):
+            if d > limit:
+                return True
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return False
+
+
 def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400: empty, not UTF-8, not JSON (NaN and Infinity included),
+    duplicate keys, nested deeper than MAX_DEPTH, or not an object."""
+    if not raw.strip():
+        raise bad("the body is empty; send a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"the body is not UTF-8 ({e.reason} at byte {e.start})", code="invalid_json") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise bad(f"the body nests deeper than {MAX_DEPTH} levels", code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError is a ValueError; so are the two hooks' refusals
         raise bad(f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise bad("the body must be a JSON object", code="invalid_json")
+        raise bad(f"the body must be a JSON object, got {_kind(body)}", code="invalid_json")
+    if _too_deep(body, MAX_DEPTH):
+        raise bad(f"the body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
     return body
+
+
+def _kind(v) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(v), "a number"
+    )
+
+
+def _clip(v, n: int = 40) -> str:
+    """A short JSON rendering of a request value for an error message."""
+    text = json.dumps(v)  # the body's depth is bounded (parse_body), so this cannot recurse deeply
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _text(v, param: str) -> str:
@@ -164,9 +235,9 @@ def _int(body: dict, key: str, default, lo: int, hi: int):
     if v is None:
         return default
     if not isinstance(v, int) or isinstance(v, bool):
-        raise bad(f"{key} must be an integer, got {json.dumps(v)[:40]}", key, "invalid_type")
+        raise bad(f"{key} must be an integer, got {_clip(v)}", key, "invalid_type")
     if not lo <= v <= hi:
-        raise bad(f"{key} must lie in [{lo}, {hi}], got {v}", key, "invalid_value")
+        raise bad(f"{key} must lie in [{lo}, {hi}], got {_clip(v)}", key, "invalid_value")
     return v
 
 
@@ -175,10 +246,14 @@ def _num(body: dict, key: str, default: float) -> float:
     if v is None:
         return default
     if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise bad(f"{key} must be a number, got {json.dumps(v)[:40]}", key, "invalid_type")
-    if not math.isfinite(v):
-        raise bad(f"{key} must be finite, got {v}", key, "invalid_value")
-    return float(v)
+        raise bad(f"{key} must be a number, got {_clip(v)}", key, "invalid_type")
+    try:
+        f = float(v)  # an integer past the float range (10**400) overflows here
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise bad(f"{key} must be finite, got {_clip(v)}", key, "invalid_value")
+    return f
 
 
 def _bool(body: dict, key: str, default: bool) -> bool:
@@ -186,7 +261,7 @@ def _bool(body: dict, key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad(f"{key} must be true or false, got {json.dumps(v)[:40]}", key, "invalid_type")
+        raise bad(f"{key} must be true or false, got {_clip(v)}", key, "invalid_type")
     return v
 
 
@@ -209,12 +284,13 @@ def parse_params(body: dict, allowed: set[str], max_choices: int, no_op: dict | 
     no_op = no_op or {}
     unknown = sorted(set(body) - allowed - set(no_op))
     if unknown:
-        raise bad(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0], "unknown_field")
+        names = ", ".join(k[:40] for k in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        raise bad(f"Unrecognized request argument supplied: {names}", unknown[0][:40], "unknown_field")
     for key in sorted(set(body) & set(no_op)):
         is_no_op, accepted = no_op[key]
         if not is_no_op(body[key]):
             raise bad(
-                f"{key} {json.dumps(body[key])[:60]} is not supported by this server; it accepts only {accepted} "
+                f"{key} {_clip(body[key], 60)} is not supported by this server; it accepts only {accepted} "
                 "(or leaving the field out), which changes nothing",
                 key,
                 "unsupported_value",
@@ -230,10 +306,13 @@ def parse_params(body: dict, allowed: set[str], max_choices: int, no_op: dict | 
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop must be a non-empty string or a list of up to 4 of them", "stop", "invalid_value")
     stop = [_text(s, "stop") for s in stop]
-    opts = body.get("stream_options") or {}
+    opts = body.get("stream_options")
+    opts = {} if opts is None else opts
     if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
         raise bad('stream_options must be {"include_usage": bool}', "stream_options", "invalid_value")
     seed = _int(body, "seed", None, -(1 << 63), (1 << 64) - 1)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad(f"user must be a string, got {_clip(body['user'])}", "user", "invalid_type")
     return Params(
         max_tokens=_int(body, "max_tokens", None, 1, 1 << 31),
         temperature=temperature,
@@ -254,7 +333,7 @@ def chat_prompt(messages) -> str:
         raise bad("messages must be a non-empty list", "messages", "invalid_value")
     parts = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in CHAT_ROLES:
             raise bad(f"messages[{i}] needs a role in {sorted(CHAT_ROLES)}", "messages", "invalid_value")
         c = m.get("content")
         if isinstance(c, list):  # content parts: text only
@@ -274,6 +353,8 @@ class Choice:
     logprobs: list = field(default_factory=list)
     text: str = ""  # the final text when finished, else what may be sent so far
     sent: int = 0  # characters already streamed
+    lp_sent: int = 0  # logprobs already streamed
+    ended: bool = False  # the final chunk streamed
     finish: str | None = None
     seq: object = None
 
@@ -304,6 +385,11 @@ class Service:
         self.engine = Engine(model)
         self.batcher = Batcher(self.engine, engine_config).start()
         self.created = int(time.time())
+        self.jobs: set[Job] = set()  # requests in flight (a shutdown ends them)
+        self.draining = False  # ``shutdown`` has begun: new requests get a 503
+        self.drained = asyncio.Event()  # set with ``draining``: bodies still arriving stop being waited for
+        self.hurry = False  # end the running requests now, without waiting out the grace period
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once it runs
 
     def close(self) -> None:
         self.batcher.close()
@@ -311,7 +397,7 @@ class Service:
     def health(self) -> dict:
         c = self.model.config
         return {
-            "status": "ok",
+            "status": "draining" if self.draining else "ok",
             "model": self.name,
             "params": self.model.num_params(),
             "vocab_size": c.vocab_size,
@@ -328,10 +414,12 @@ class Service:
     # -- requests -> token ids ---------------------------------------------------------------------------
     def _check_model(self, body: dict) -> None:
         m = body.get("model")
+        if m is not None and not isinstance(m, str):
+            raise bad(f"model must be a string, got {_clip(m)}", "model", "invalid_type")
         if m is not None and m != self.name:
             raise APIError(
                 404,
-                f"The model {str(m)[:100]!r} does not exist; this server serves {self.name!r}",
+                f"The model {m[:100]!r} does not exist; this server serves {self.name!r}",
                 "model",
                 "model_not_found",
             )
@@ -411,8 +499,12 @@ class Service:
         return prompts, params, self._budget(prompts, params.max_tokens, default)
 
     # -- running -----------------------------------------------------------------------------------------
-    def start(self, prompts, params: Params, max_new: int, loop: asyncio.AbstractEventLoop):
-        """Submit every (prompt, choice) -> (choices, asyncio queue of (index, token, logprobs, finish))."""
+    def start(self, prompts, params: Params, max_new: int, receive=None) -> "Job":
+        """Submit every (prompt, choice) -> a ``Job`` whose queue gets (index, token, logprobs, finish) events.
+        ``receive`` (the ASGI receive of the request, its body read) is watched for the client going away."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry later", None, "shutting_down")
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         choices, reqs = [], []
         for pi, ids in enumerate(prompts):
@@ -431,12 +523,33 @@ class Service:
         try:
             seqs = self.batcher.submit(reqs)
         except QueueFull as e:
-            raise APIError(503 if self.batcher.stopping else 429, str(e), None, "server_busy") from None
+            busy = self.batcher.stopping or self.batcher.draining
+            raise APIError(503 if busy else 429, str(e), None, "shutting_down" if busy else "server_busy") from None
         except ValueError as e:
             raise bad(str(e), "prompt", "invalid_value") from None
         for c, s in zip(choices, seqs):
             c.seq = s
-        return choices, queue
+        return Job(self, choices, queue, receive)
+
+    async def shutdown(self, grace: float, flush: float = 2.0) -> int:
+        """Drain (a graceful shutdown): new requests get a 503, the queued ones a 503 now, the running ones
+        run to their end for up to ``grace`` seconds (less once ``hurry`` is set), then end with finish_reason
+        "abort" and whatever they have. Returns once every request is answered, or ``flush`` seconds later (a
+        client that stopped reading) -> how many requests the grace period's end cut short."""
+        loop = asyncio.get_running_loop()
+        self.draining = True
+        self.drained.set()
+        self.batcher.drain()  # the queued requests' sequences end "cancelled": their handlers answer 503
+        end = loop.time() + grace
+        while self.jobs and loop.time() < end and not self.hurry:
+            await asyncio.sleep(0.02)
+        cut = list(self.jobs)
+        for job in cut:
+            job.abort()
+        end = loop.time() + flush
+        while self.jobs and loop.time() < end:
+            await asyncio.sleep(0.02)
+        return len(cut)
 
     def update(self, c: Choice, tok, lp, finish) -> None:
         """Fold one engine event into the choice: new text (held back while it may still become a stop
@@ -461,7 +574,9 @@ class Service:
         if finish is not None and c.finish is None:
             if finish.startswith("error"):
                 raise APIError(500, f"the engine failed: {finish}", None, "engine_error", "server_error")
-            c.finish = "length" if finish == "length" else "stop"
+            # "cancelled" that we did not ask for (a stop string or a client gone set c.finish first) is the
+            # engine dropping the sequence at a shutdown, as "abort" is the shutdown's grace running out
+            c.finish = finish if finish in ("stop", "length") else ABORT
             c.text = self.tok.decode(c.ids)
 
     def completion_logprobs(self, c: Choice, start: int = 0) -> dict | None:
@@ -481,15 +596,84 @@ class Service:
         }
 
 
+# -- requests in flight -------------------------------------------------------------------------------------
+ABORT = "abort"  # the finish_reason of a choice a shutdown ended before it finished (as vLLM's)
+GONE = object()  # put on a job's queue when its client disconnects
+
+
+class ClientGone(Exception):
+    """The client closed its connection: nothing more can be sent; the request ends quietly."""
+
+
+async def _watch_disconnect(receive, queue: asyncio.Queue) -> None:
+    """Wait for the ASGI ``http.disconnect`` of a request whose body has been read (the server reports it when
+    the connection closes), then tell the request's handler through its queue."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception as e:  # a server whose receive fails once the connection is gone: the same news
+        log.debug("xtrain serve: receive failed (%s: %s); taking the client as gone", type(e).__name__, e)
+    queue.put_nowait(GONE)
+
+
+class Job:
+    """One request in flight: its choices, the queue on which their engine events arrive, and a task that
+    watches the client's connection (its disconnect puts GONE on the queue, so a handler waiting for tokens
+    hears of it at once, streamed or not). Registered with the service until ``close``, so a shutdown can end
+    it."""
+
+    def __init__(self, service: Service, choices: list[Choice], queue: asyncio.Queue, receive=None):
+        self.service, self.choices, self.queue = service, choices, queue
+        self.watch = asyncio.ensure_future(_watch_disconnect(receive, queue)) if receive is not None else None
+        service.jobs.add(self)
+
+    async def next(self) -> tuple:
+        """The next engine event (index, token, logprobs, finish); ClientGone when the client left first."""
+        ev = await self.queue.get()
+        if ev is GONE:
+            raise ClientGone
+        return ev
+
+    async def step(self) -> Choice:
+        """Fold the next event into its choice -> that choice."""
+        i, tok, lp, fin = await self.next()
+        self.service.update(self.choices[i], tok, lp, fin)
+        return self.choices[i]
+
+    def never_ran(self) -> bool:
+        """Every choice ended by a shutdown before it produced a token (it was still queued)."""
+        return all(c.finish == ABORT and not c.ids for c in self.choices)
+
+    def abort(self) -> None:
+        """End every unfinished choice now (finish_reason "abort"): the shutdown's grace is over."""
+        for c in self.choices:
+            if c.finish is None:
+                self.queue.put_nowait((c.index, None, None, ABORT))
+        self.service.batcher.withdraw([c.seq for c in self.choices])
+
+    def close(self) -> None:
+        """The response is complete or the client gone: free the slots (and queue places) still held."""
+        self.service.batcher.withdraw([c.seq for c in self.choices if not c.seq.done])
+        if self.watch is not None:
+            self.watch.cancel()
+        self.service.jobs.discard(self)
+
+
 # -- the app -------------------------------------------------------------------------------------------------
-async def read_body(request, config: ServerConfig) -> bytes:
-    """The body, at most max_body_bytes (413 past it), in full within body_timeout_s (400 otherwise)."""
+async def read_body(request, config: ServerConfig, drained: asyncio.Event | None = None) -> bytes:
+    """The body, at most max_body_bytes (413 past it), in full within body_timeout_s (400 otherwise);
+    ClientGone when the client disconnects before it is in; a 503 when ``drained`` is set first (a shutdown
+    does not wait for a body still on its way)."""
+    from starlette.requests import ClientDisconnect
+
     cl = request.headers.get("content-length")
     if cl is not None:
-        if not cl.isdigit():
+        if not (cl.isascii() and cl.isdigit()):
             raise bad(f"bad Content-Length {cl[:40]!r}", code="invalid_request")
-        if int(cl) > config.max_body_bytes:
-            raise APIError(413, f"the body is {cl} bytes; the limit is {config.max_body_bytes}", None, "body_too_large")
+        if len(cl) > 18 or int(cl) > config.max_body_bytes:
+            raise APIError(
+                413, f"the body is {cl[:40]} bytes; the limit is {config.max_body_bytes}", None, "body_too_large"
+            )
     chunks, size = [], 0
 
     async def read():
@@ -500,11 +684,22 @@ async def read_body(request, config: ServerConfig) -> bytes:
                 raise APIError(413, f"the body exceeds {config.max_body_bytes} bytes", None, "body_too_large")
             chunks.append(chunk)
 
+    reader = asyncio.ensure_future(read())
+    waits = {reader} if drained is None else {reader, asyncio.ensure_future(drained.wait())}
     try:
-        await asyncio.wait_for(read(), config.body_timeout_s)
-    except asyncio.TimeoutError:
-        raise bad(f"the body did not arrive in full within {config.body_timeout_s} s", code="body_timeout") from None
-    return b"".join(chunks)
+        await asyncio.wait(waits, timeout=config.body_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()  # a no-op on the one that finished
+    if reader.done() and not reader.cancelled():
+        try:
+            reader.result()
+        except ClientDisconnect:
+            raise ClientGone from None
+        return b"".join(chunks)
+    if drained is not None and drained.is_set():
+        raise APIError(503, "the server is shutting down; retry later", None, "shutting_down")
+    raise bad(f"the body did not arrive in full within {config.body_timeout_s} s", code="body_timeout")
 
 
 def create_app(service: Service):
@@ -512,11 +707,12 @@ def create_app(service: Service):
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     @asynccontextmanager
     async def lifespan(app):
+        service.loop = asyncio.get_running_loop()  # a shutdown signal schedules ``service.shutdown`` on it
         yield
         service.close()
 
@@ -529,6 +725,13 @@ def create_app(service: Service):
     async def _api_error(request, e: APIError):
         return err(e)
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request, e: ClientGone):
+        client = request.client
+        log.debug("xtrain serve: %s %s: the client went away", f"{client.host}:{client.port}" if client else "?",
+                  request.url.path)  # fmt: skip
+        return Response(status_code=400)  # the server drops it: the connection is closed
+
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):
         what = "no such path" if e.status_code == 404 else str(e.detail)
@@ -540,13 +743,18 @@ def create_app(service: Service):
 
     allowed = service.config.allowed_hosts
 
-    @app.middleware("http")
-    async def _check_host(request, call_next):
-        if allowed is not None:
-            host = request.headers.get("host")
-            if host is not None and host_name(host) not in allowed:
-                return err(
-                    APIError(
+    class HostCheck:
+        """A plain ASGI middleware (Starlette's BaseHTTPMiddleware would pipe every response, streams
+        included, through a task of its own): a Host header outside ``allowed`` gets a 403."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http" and allowed is not None:
+                host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
+                if host is not None and host_name(host) not in allowed:
+                    e = APIError(
                         403,
                         f"Host {host[:100]!r} is not an address of this server ({', '.join(allowed)}); start "
                         f"xtrain serve with --allow-host {host_name(host)[:100]} to accept it",
@@ -554,18 +762,42 @@ def create_app(service: Service):
                         "host_not_allowed",
                         "permission_error",
                     )
-                )
-        return await call_next(request)
+                    return await err(e)(scope, receive, send)
+            await self.app(scope, receive, send)
+
+    app.add_middleware(HostCheck)
+
+    class EventStream(StreamingResponse):
+        """Server-sent events from an async iterator of str. Unlike StreamingResponse it does not read
+        ``receive`` itself: the request's ``Job`` watches the connection and ends the iterator when the
+        client goes away. While the server drains, a client that stops reading is given up after a time."""
+
+        async def __call__(self, scope, receive, send):
+            async def put(message):
+                if service.draining:
+                    await asyncio.wait_for(send(message), DRAIN_SEND_S)
+                else:
+                    await send(message)
+
+            try:
+                await put({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                async for chunk in self.body_iterator:
+                    await put({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                await put({"type": "http.response.body", "body": b"", "more_body": False})
+            except (OSError, asyncio.TimeoutError):  # the connection is gone or stuck: nobody to tell
+                log.debug("xtrain serve: a stream's client went away or stopped reading")
+            finally:
+                await self.body_iterator.aclose()
 
     @app.get("/health")
     async def health():
-        return service.health()
+        return JSONResponse(service.health(), status_code=503 if service.draining else 200)
 
     @app.get("/v1/models")
     async def models():
         return service.models()
 
-    @app.get("/v1/models/{model_id}")
+    @app.get("/v1/models/{model_id:path}")  # ids may hold "/" (org/name)
     async def model(model_id: str):
         service._check_model({"model": model_id})
         return service.model_card()
@@ -585,21 +817,37 @@ def create_app(service: Service):
             raise APIError(
                 415, f"Content-Type must be application/json, got {ctype[:60]!r}", None, "unsupported_media_type"
             )
-        body = parse_body(await read_body(request, service.config))
+        body = parse_body(await read_body(request, service.config, service.drained))
         prompts, params, max_new = service.prepare(body, chat)
-        choices, queue = service.start(prompts, params, max_new, asyncio.get_running_loop())
+        job = service.start(prompts, params, max_new, request.receive)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": rid, "created": int(time.time()), "model": service.name}
         prompt_tokens = sum(len(p) for p in prompts)
-        if params.stream:
-            gen = _stream(choices, queue, head, chat, params, prompt_tokens)
-            return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        streaming = False
         try:
-            while any(c.finish is None for c in choices):
-                service.update(choices[(ev := await queue.get())[0]], *ev[1:])
+            if params.stream:
+                # the status line waits for the first token, so a request a shutdown ends while it is queued gets
+                # its 503 rather than a 200 with nothing in it
+                choices = job.choices
+                while not any(c.ids or c.finish not in (None, ABORT) for c in choices) and not all(
+                    c.finish for c in choices
+                ):
+                    await job.step()
+                if job.never_ran():
+                    raise APIError(
+                        503, "the server shut down before this request ran; retry later", None, "shutting_down"
+                    )
+                gen = _stream(job, head, chat, params, prompt_tokens)
+                streaming = True  # the stream closes the job
+                return EventStream(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            while any(c.finish is None for c in job.choices):
+                await job.step()
+            if job.never_ran():
+                raise APIError(503, "the server shut down before this request ran; retry later", None, "shutting_down")
         finally:
-            for c in choices:
-                c.seq.cancel()
+            if not streaming:
+                job.close()
+        choices = job.choices
         usage = _usage(choices, prompt_tokens)
         if chat:
             out = [
@@ -618,8 +866,9 @@ def create_app(service: Service):
         ]
         return {**head, "object": "text_completion", "choices": out, "usage": usage}
 
-    async def _stream(choices, queue, head, chat, params, prompt_tokens):
+    async def _stream(job: Job, head, chat, params, prompt_tokens):
         obj = "chat.completion.chunk" if chat else "text_completion"
+        choices = job.choices
 
         def event(choice_list, usage=None):
             d = {**head, "object": obj, "choices": choice_list}
@@ -627,11 +876,31 @@ def create_app(service: Service):
                 d["usage"] = usage
             return f"data: {json.dumps(d)}\n\n"
 
-        def piece(c: Choice, text: str, finish, lp=None):
-            if chat:
-                delta = {"content": text} if finish is None else {}
-                return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+        def news(c: Choice) -> list[str]:
+            """The events for what choice c has and the client has not: new text, then its end."""
+            out = []
+            if len(c.text) > c.sent:
+                if chat:
+                    p = {
+                        "index": c.index,
+                        "delta": {"content": c.text[c.sent :]},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                else:
+                    lps = service.completion_logprobs(c, c.lp_sent) if len(c.logprobs) > c.lp_sent else None
+                    p = {"index": c.index, "text": c.text[c.sent :], "logprobs": lps, "finish_reason": None}
+                    c.lp_sent = len(c.logprobs)
+                out.append(event([p]))
+                c.sent = len(c.text)
+            if c.finish is not None and not c.ended:
+                c.ended = True
+                if chat:
+                    p = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish}
+                else:
+                    p = {"index": c.index, "text": "", "logprobs": None, "finish_reason": c.finish}
+                out.append(event([p]))
+            return out
 
         try:
             if chat:  # the role comes first, as OpenAI sends it
@@ -641,32 +910,25 @@ def create_app(service: Service):
                         for c in choices
                     ]
                 )
-            open_ = len(choices)
-            while open_:
-                i, tok, lp, fin = await queue.get()
-                c = choices[i]
-                if c.finish is not None:
-                    continue
-                n_lp = len(c.logprobs)
+            for c in choices:  # what came before the status line was sent
+                for e in news(c):
+                    yield e
+            while any(c.finish is None for c in choices):
                 try:
-                    service.update(c, tok, lp, fin)
-                except APIError as e:
+                    c = await job.step()
+                except APIError as e:  # the engine failed this request
                     yield f"data: {json.dumps(e.body())}\n\n"
                     break
-                if len(c.text) > c.sent:
-                    lps = service.completion_logprobs(c, n_lp) if lp is not None else None
-                    yield event([piece(c, c.text[c.sent :], None, lps)])
-                    c.sent = len(c.text)
-                if c.finish is not None:
-                    open_ -= 1
-                    yield event([piece(c, "", c.finish)])
+                for e in news(c):
+                    yield e
             if params.include_usage:
                 last = {**head, "object": obj, "choices": [], "usage": _usage(choices, prompt_tokens)}
                 yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
+        except ClientGone:
+            log.debug("xtrain serve: a stream's client went away")
         finally:  # also when the client goes away: the engine frees the slots at its next step
-            for c in choices:
-                c.seq.cancel()
+            job.close()
 
     return app
 

@@ -442,6 +442,7 @@ class Batcher:
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.draining = False  # ``drain()``: no new requests, the running ones go on
         self.steps = 0  # decode steps run (a test hook: did requests share steps?)
         self.max_batch = 0  # the largest decode batch so far
 
@@ -468,7 +469,7 @@ class Batcher:
             smp.validate()
         seqs = [Sequence(list(ids), n, smp, eos, cb) for ids, n, smp, eos, cb in requests]
         with self.cond:
-            if self.stopping:
+            if self.stopping or self.draining:
                 raise QueueFull("the engine is shutting down")
             room = len(self.free) - len(self.waiting) + self.config.max_queue
             if len(seqs) > room:
@@ -509,6 +510,27 @@ class Batcher:
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+
+    def withdraw(self, seqs: list[Sequence]) -> None:
+        """Cancel ``seqs`` (their client went away): those still waiting leave the waiting list now, finished
+        "cancelled", so they free their place in the queue at once; running ones free their slot before the next
+        step."""
+        with self.cond:
+            waiting = [s for s in seqs if s in self.waiting]
+            for s in waiting:
+                self.waiting.remove(s)
+        for s in seqs:
+            s.cancel()
+        for s in waiting:
+            self._finish(s, "cancelled")
+
+    def drain(self) -> None:
+        """Refuse new requests from now on (``submit`` raises QueueFull) and withdraw every waiting one; the
+        running ones go on to their end (a server's graceful shutdown)."""
+        with self.cond:
+            self.draining = True
+            waiting = list(self.waiting)
+        self.withdraw(waiting)
 
     def load(self) -> dict:
         with self.cond:

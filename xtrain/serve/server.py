@@ -11,12 +11,22 @@ together (continuous batching, ``--slots`` sequences at once, ``--max-queue`` mo
 429). Binds to 127.0.0.1 unless told otherwise, and answers only requests whose Host header names the bind
 address or localhost (``--allow-host NAME`` adds a name; a 403 otherwise) and whose POST body is
 ``Content-Type: application/json`` (a 415 otherwise): a web page the user visits cannot post to it. A port
-already in use, or a bad --port / --threads / --slots, is a one-line error, exit code 2.
+already in use, or a bad --port / --threads / --slots / --shutdown-grace, is a one-line error, exit code 2.
+
+Shutdown: SIGINT (Ctrl-C) or SIGTERM drains the server. New requests get a 503 (and GET /health a 503 with
+"status": "draining"), queued requests a 503 at once, and running requests go on to their end for up to
+--shutdown-grace seconds; past it each ends with what it has: a stream gets a final chunk with finish_reason
+"abort" and "data: [DONE]", a non-streamed request its JSON body with finish_reason "abort". A second signal
+ends the running requests at once, the same way. Then the process exits with code 0 (130 for a Ctrl-C while
+the model is still loading).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import math
+import signal
 import socket
 import sys
 import threading
@@ -28,6 +38,9 @@ from xtrain.serve.api import ServerConfig, Service, create_app
 from xtrain.serve.engine import EngineConfig
 
 __all__ = ["Service", "ServerConfig", "EngineConfig", "create_app", "bind", "load_service", "serve_in_thread"]
+
+DEFAULT_GRACE_S = 5.0
+DRAIN_FLUSH_S = 2.0  # after the grace period: how long the ended requests' last bytes may take to go out
 
 
 def add_parser(subparsers) -> None:
@@ -57,6 +70,14 @@ def add_parser(subparsers) -> None:
         help="also accept requests whose Host header names NAME (repeatable; '*' accepts any). By default "
         "only the bind address and localhost are accepted, so a web page cannot reach the server through "
         "a DNS name of its own (binding to 0.0.0.0 or :: accepts any Host unless --allow-host is given)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, how long running requests may go on before they end with finish_reason "
+        f"'abort' (default {DEFAULT_GRACE_S:g}: inside docker stop's 10 s before SIGKILL)",
     )
     p.add_argument(
         "--threads",
@@ -93,7 +114,10 @@ def bind(host: str, port: int) -> socket.socket:
     """A listening socket (OSError when the address is taken). Bound before the model loads, so a busy
     port fails at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP, and without it
+    # a response written in two parts (uvicorn writes the head, then the body) waits for the client's delayed
+    # ACK, 40 ms a request on Linux
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -104,20 +128,70 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_server(service: Service):
-    import uvicorn
+def url_of(sock: socket.socket) -> str:
+    """http://HOST:PORT of a listening socket, an IPv6 address in brackets (``http://[::1]:8000``)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
-    cfg = uvicorn.Config(create_app(service), log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-    return uvicorn.Server(cfg)
+
+class Drain:
+    """A uvicorn server that drains on SIGINT/SIGTERM (``Service.shutdown``) instead of cutting its
+    connections. ``on_signal`` is installed as the server's signal handler (uvicorn calls it from the main
+    thread; it only schedules work on the event loop). The first signal starts the drain; a later one ends
+    the running requests at once. When the drain is done the server exits as uvicorn does (``should_exit``),
+    and the signal is not raised again afterwards (uvicorn's own handler would, killing the process)."""
+
+    def __init__(self, service: Service, grace: float, say=None):
+        import uvicorn
+
+        self.service, self.grace = service, grace
+        self.say = say or (lambda msg: None)
+        cfg = uvicorn.Config(
+            create_app(service), log_level="warning", access_log=False, timeout_graceful_shutdown=DRAIN_FLUSH_S
+        )
+        self.server = uvicorn.Server(cfg)
+        self.server.handle_exit = self.on_signal
+        self.task: asyncio.Task | None = None
+
+    def on_signal(self, sig: int, frame=None) -> None:
+        loop = self.service.loop
+        if loop is None or loop.is_closed():  # the app has not started (or has stopped): nothing to drain
+            self.server.should_exit = True
+            return
+        loop.call_soon_threadsafe(self._begin, sig)
+
+    def _begin(self, sig: int) -> None:
+        if self.task is None:
+            load = self.service.batcher.load()
+            name = signal.Signals(sig).name if sig else "stop"
+            self.say(
+                f"{name}: draining ({load['running']} running, {load['waiting']} queued; running requests get "
+                f"{self.grace:g} s, a second signal ends them now)"
+            )
+            self.task = asyncio.get_running_loop().create_task(self._drain())
+        else:
+            self.service.hurry = True
+
+    async def _drain(self) -> None:
+        try:
+            cut = await self.service.shutdown(self.grace, flush=DRAIN_FLUSH_S)
+            self.say(f"stopped ({cut} running requests ended with finish_reason 'abort')" if cut else "stopped")
+        finally:
+            self.server.should_exit = True
+
+    def run(self, sock: socket.socket) -> None:
+        self.server.run(sockets=[sock])
 
 
-def serve_in_thread(service: Service, host: str = "127.0.0.1", port: int = 0):
-    """Start a server on a background thread -> (base url, stop()). For tests and benchmarks."""
+def serve_in_thread(service: Service, host: str = "127.0.0.1", port: int = 0, grace: float = 0.0):
+    """Start a server on a background thread -> (base url, stop()). For tests and benchmarks. ``stop()``
+    drains as a signal does, with ``grace`` seconds for the running requests."""
     import time
 
     sock = bind(host, port)
-    server = uvicorn_server(service)
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    drain = Drain(service, grace)
+    server = drain.server
+    th = threading.Thread(target=drain.run, args=(sock,), daemon=True)
     th.start()
     while not server.started:
         if not th.is_alive():
@@ -125,12 +199,12 @@ def serve_in_thread(service: Service, host: str = "127.0.0.1", port: int = 0):
         time.sleep(0.01)
 
     def stop():
-        server.should_exit = True
-        th.join(timeout=10)
+        drain.on_signal(0)
+        th.join(timeout=grace + 10)
         sock.close()
         service.close()
 
-    return f"http://{host}:{sock.getsockname()[1]}", stop
+    return url_of(sock), stop
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -154,35 +228,44 @@ def run(args) -> int:
     if args.threads is not None and args.threads < 1:
         print(f"xtrain serve: --threads {args.threads}: must be at least 1", file=sys.stderr)
         return 2
+    if not (math.isfinite(args.shutdown_grace) and args.shutdown_grace >= 0):
+        print(
+            f"xtrain serve: --shutdown-grace {args.shutdown_grace}: must be a number of seconds >= 0", file=sys.stderr
+        )
+        return 2
     try:
         engine_config = EngineConfig(slots=args.slots, max_queue=args.max_queue).validate()
     except ValueError as e:
         print(f"xtrain serve: {e}", file=sys.stderr)
         return 2
+    host = args.host[1:-1] if args.host.startswith("[") and args.host.endswith("]") else args.host  # [::1]
     try:
-        sock = bind(args.host, args.port)
+        sock = bind(host, args.port)
     except OSError as e:
         print(f"xtrain serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        config = ServerConfig(allowed_hosts=allowed_hosts(args.host, args.allow_host))
+        config = ServerConfig(allowed_hosts=allowed_hosts(host, args.allow_host))
         service = load_service(args.run, args.device, args.name, engine_config, config)
+        drain = Drain(service, args.shutdown_grace, say=lambda msg: print(f"xtrain serve: {msg}", file=sys.stderr))
     except (ValueError, FileNotFoundError) as e:
         sock.close()
         print(f"xtrain serve: {e}", file=sys.stderr)
         return 2
-    host, port = sock.getsockname()[:2]
+    except KeyboardInterrupt:
+        sock.close()
+        print("xtrain serve: interrupted while loading the model", file=sys.stderr)
+        return 130
+    url = url_of(sock)
     print(
-        f"xtrain serve: model {service.name!r} on http://{host}:{port}/v1 (completions, chat/completions, "
-        f"models; GET /health); Ctrl-C stops",
+        f"xtrain serve: model {service.name!r} on {url}/v1 (completions, chat/completions, models; GET /health); "
+        "Ctrl-C or SIGTERM drains and stops",
         flush=True,
     )
     try:
-        uvicorn_server(service).run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
+        drain.run(sock)
     finally:
         sock.close()
         service.close()
