@@ -176,3 +176,41 @@ def make_checkpoint(d: Path, tie: bool, *, shard: str | None = None, dtype=torch
 def write_jsonl(path: Path, convs=CONVERSATIONS, repeat: int = 1) -> Path:
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for _ in range(repeat) for c in convs))
     return path
+
+
+def hf_float64(hf_model):
+    """transformers' Qwen3 computes its RMSNorm statistics and RoPE's cos/sin tables in float32 whatever the model's
+    dtype (both cast to float), which puts ~1e-7 into a float64 comparison. The oracle gets float64 versions of the
+    two, same formulas, every other op as transformers runs it (attention: SDPA, in the model's dtype)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    rotary = hf_model.model.rotary_emb
+    base = rotary.config.rope_parameters["rope_theta"]
+    dim = rotary.config.head_dim
+
+    def rope(x, position_ids):
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # [D/2]
+        freqs = position_ids[..., None].double() * inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def norm(module):
+        def forward(h):
+            return module.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon))
+
+        return forward
+
+    rotary.forward = rope
+    for m in hf_model.modules():
+        if isinstance(m, Qwen3RMSNorm):
+            m.forward = norm(m)
+    return hf_model
+
+
+def load_hf_float64(path, training: bool = False):
+    """transformers' Qwen3ForCausalLM from ``path`` in float64 (``hf_float64``), in train or eval mode. The mode is
+    set before the float64 patches: transformers' ``train()``/``eval()`` may put its own module forwards back."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64, attn_implementation="sdpa")
+    return hf_float64(m.train(training))

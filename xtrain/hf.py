@@ -208,7 +208,7 @@ def checkpoint_index(ckpt: Path) -> dict[str, TensorEntry]:
         for name, v in head.items():
             if name == "__metadata__":
                 continue
-            if wm is not None and wm.get(name) != f:
+            if wm is not None and name in wm and wm[name] != f:
                 raise CheckpointFormatError(f"{ckpt / f}: holds {name}, which the index puts in {wm.get(name)!r}")
             out[name] = TensorEntry(ckpt / f, v["dtype"], tuple(v["shape"]))
     if wm is not None:

@@ -376,7 +376,8 @@ class Trainer:
         counted = (targets != s.ignore_index).sum()
         if self.all_reduce is not None:
             self.all_reduce([counted])
-        inv_n = (1.0 / counted.clamp(min=1).double()).float()  # the backward seed (float)(1.0 / N)
+        # the backward seed 1/N, rounded once to the loss dtype: (float)(1.0 / N) for the fp32 loss, exact in fp64
+        inv_n = 1.0 / counted.clamp(min=1).double()
         model.train()
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
