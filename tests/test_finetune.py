@@ -15,7 +15,7 @@ from xtrain.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
 
-T = 128
+T = 96
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +46,10 @@ def test_sft_steps_equal_transformers_and_torch_adamw_float64(setup, tie, accum)
     ck = open_checkpoint(ck_dir)
     model = Model(ck.model_config(compute_dtype="float64", attention="math", loss="composed"))
     ck.load_into(model)
-    tc = TrainConfig(steps=3, batch_size=4, grad_accum=accum, seq_len=T, lr=3e-3, schedule="constant",
+    tc = TrainConfig(steps=3, batch_size=2, grad_accum=accum, seq_len=T, lr=3e-3, schedule="constant",
                      warmup_steps=0, weight_decay=0.1, grad_clip=0.5, doc_mask=True, eot_id=sep,
                      doc_start="after_eot")  # fmt: skip
-    trainer = Trainer(model, tc, MaskedTokenLoader(shard, 4, T, seed=7))
+    trainer = Trainer(model, tc, MaskedTokenLoader(shard, 2, T, seed=7))
 
     hf = Q.load_hf_float64(ck_dir, training=True)
     params = dict(hf.named_parameters())
@@ -58,7 +58,7 @@ def test_sft_steps_equal_transformers_and_torch_adamw_float64(setup, tie, accum)
     rest = [p for n, p in params.items() if not (p.ndim == 2 and n != "model.embed_tokens.weight")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)  # fmt: skip
-    loader = MaskedTokenLoader(shard, 4, T, seed=7)
+    loader = MaskedTokenLoader(shard, 2, T, seed=7)
     clipped = 0
     for _ in range(3):
         m = trainer.train_step()
@@ -67,6 +67,8 @@ def test_sft_steps_equal_transformers_and_torch_adamw_float64(setup, tie, accum)
         total = torch.zeros((), dtype=torch.float64)
         for b in range(x.shape[0]):
             for s, e in _segments(x[b], sep):  # each conversation alone, positions from 0
+                if (y[b, s:e] == -100).all():
+                    continue  # padding or a conversation's untrained tail: contributes nothing
                 logits = hf(x[b, s:e][None]).logits[0]  # [e - s, V]
                 total = total + torch.nn.functional.cross_entropy(logits, y[b, s:e], ignore_index=-100, reduction="sum")
         (total / n).backward()
@@ -122,3 +124,47 @@ def test_targets_outside_assistant_turns_get_exactly_zero_gradient(setup):
     assert not torch.equal(x, x2)
     g2 = grads(x2)
     assert all(torch.equal(g[k], g2[k]) for k in g)
+
+
+def test_schedule_flags_and_fine_tune_defaults():
+    """--init-from brings fine-tuning defaults (peak 2e-5, min lr/10, no weight decay, 3 % warmup); each flag
+    overrides; without --init-from the pretraining defaults stay; conflicting flags are refused."""
+    import argparse
+
+    from xtrain.config import ConfigError
+    from xtrain.train.init_from import check_args, schedule
+
+    def ns(**kw):
+        base = dict(lr=None, min_lr=None, weight_decay=None, warmup=None, warmup_frac=None, init_from=None,
+                    preset=None, vocab_size=None)  # fmt: skip
+        return argparse.Namespace(**{**base, **kw})
+
+    ft = schedule(ns(), True, 200, 3e-3, 20)
+    assert ft == {
+        "lr": 2e-5,
+        "min_lr": pytest.approx(2e-6),
+        "weight_decay": 0.0,
+        "warmup_steps": 6,
+        "warmup_frac": 0.03,
+    }
+    got = schedule(ns(lr=1e-4, min_lr=0.0, weight_decay=0.01, warmup_frac=0.25), True, 200, 3e-3, 20)
+    assert got == {"lr": 1e-4, "min_lr": 0.0, "weight_decay": 0.01, "warmup_steps": 50, "warmup_frac": 0.25}
+    assert schedule(ns(warmup=7), True, 200, 3e-3, 20)["warmup_steps"] == 7
+    pre = schedule(ns(), False, 160, 3e-3, 20)
+    assert pre == {
+        "lr": 3e-3,
+        "min_lr": pytest.approx(3e-4),
+        "weight_decay": 0.1,
+        "warmup_steps": 20,
+        "warmup_frac": None,
+    }
+    assert schedule(ns(warmup_frac=0.5), False, 160, 3e-3, 20)["warmup_steps"] == 80
+    for bad, words in [
+        (ns(warmup=5, warmup_frac=0.1), "--warmup and --warmup-frac exclude each other"),
+        (ns(warmup_frac=1.5), "--warmup-frac 1.5: must lie in"),
+        (ns(weight_decay=-1.0), "--weight-decay -1.0"),
+        (ns(init_from="x", preset="tiny"), "--preset and --init-from"),
+        (ns(init_from="x", vocab_size=300), "--vocab-size and --init-from"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            check_args(bad)

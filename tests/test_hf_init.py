@@ -152,6 +152,7 @@ def test_hub_id_needs_the_hub_extra_and_a_network(monkeypatch, tmp_path):
         resolve_checkpoint(str(tmp_path / "nope" / "deeper" / "x"))
 
 
+@pytest.mark.slow
 def test_train_init_from_refuses_with_one_line_and_writes_nothing(ckpts, tmp_path):
     """As real commands: an offline Hub id, a checkpoint with a wrong tensor, and --preset with --init-from each
     stop with exit code 2, one line naming what is wrong, no traceback, and no run directory."""
