@@ -8,28 +8,40 @@ import torch
 
 # A ChatML template in the style of Qwen3's: a system message first, then turns between <|im_start|>ROLE and
 # <|im_end|>; the last assistant turn after the last user message carries an empty think block, earlier turns
-# do not (so the rendering of a prefix is not a prefix of the whole: the trained-token rule must cope).
-TEMPLATE = (
-    "{%- if messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- set ns = namespace(last_query=-1) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- elif m.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if loop.index0 > ns.last_query and loop.last %}"
-    "{% generation %}{{- '<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>' }}{% endgeneration %}"
-    "{%- else %}"
-    "{% generation %}{{- m.content + '<|im_end|>' }}{% endgeneration %}"
-    "{%- endif %}"
-    "{{- '\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# do not (so the rendering of a prefix is not a prefix of the whole: the trained-token rule must cope). Written
+# over several lines as Hub templates are, half of it relying on trim_blocks / lstrip_blocks (the newline after a
+# block tag and the indentation before one are not output), half on {%- -%} whitespace control.
+TEMPLATE = """\
+{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query=-1) %}
+{%- for m in messages %}
+    {%- if m.role == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}
+{%- endfor %}
+{% for m in messages %}
+  {% if m.role == 'user' or (m.role == 'system' and not loop.first) %}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+  {% elif m.role == 'assistant' %}
+<|im_start|>assistant
+    {% if loop.index0 > ns.last_query and loop.last %}
+{% generation %}<think>
+
+</think>
+
+{{ m.content }}<|im_end|>{% endgeneration %}
+
+    {% else %}
+{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}
+
+    {% endif %}
+  {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}
+"""
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}],

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 # the same template without the {% generation %} marks transformers needs for its assistant mask: xtrain's rule
 # (the tokens after each turn's generation prompt, through the end-of-turn token) must not need them
-PLAIN = Q.TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+PLAIN = Q.TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}\n", "")
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +109,11 @@ def test_loader_targets_train_exactly_the_assistant_tokens_and_conversations_sta
     x, y = loader.next_batch()
     assert x.shape == y.shape == (3, T) and loader.trained_tokens == want
     im_start = chat.encode("<|im_start|>")[0]
-    seen = 0
+    seen, trained_ids = 0, []
     for x, y in MaskedTokenLoader(shard, 1, T).val_batches():  # every window once, in order: [1, T] each
         trained = y != -100
         seen += int(trained.sum())
+        trained_ids += y[trained].tolist()
         # every trained target is an assistant token of some conversation, never padding or the separator
         assert not (y[trained] == chat.separator_id).any()
         # with the separator closing each conversation, every trained target's document starts at the
@@ -121,6 +122,9 @@ def test_loader_targets_train_exactly_the_assistant_tokens_and_conversations_sta
         first = torch.gather(x, 1, starts)
         assert (first[trained] == im_start).all()
     assert seen == want  # the windows see every trained token once (they tile the stream)
+    # and they are exactly the assistant tokens, in order: the targets are the masked tokens, not their neighbours
+    assistant = [t for c in Q.CONVERSATIONS for t, m in zip(*chat.conversation(c)) if m]
+    assert trained_ids == assistant * 3
     # the same data made again is reused; a different window length is a different directory's business
     again = prepare_chat(src, d, tmp_path / "data", T, val_fraction=0.0, log=lambda *a: None)
     assert again["config"] == meta["config"]
