@@ -168,3 +168,18 @@ def test_data_prepare_chat_and_info_show_trained_tokens(tokdirs, tmp_path, capsy
     assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
     assert main(args[:-2] + ["--out", str(tmp_path / "d3")]) == 2  # --chat without --seq-len
     assert "--chat needs --seq-len" in capsys.readouterr().err
+
+
+def test_masked_loader_resumes_the_same_stream(tokdirs, tmp_path):
+    """A resumed chat run continues with exactly the batches (inputs and masked targets) it would have drawn."""
+    src = Q.write_jsonl(tmp_path / "chat.jsonl", repeat=3)
+    prepare_chat(src, tokdirs["jinja-file"], tmp_path / "data", 64, val_fraction=0.0, log=lambda *a: None)
+    shard = tmp_path / "data" / "train_000000.bin"
+    a = MaskedTokenLoader(shard, 3, 64, seed=4)
+    straight = [a.next_batch() for _ in range(5)]
+    b = MaskedTokenLoader(shard, 3, 64, seed=4)
+    [b.next_batch() for _ in range(2)]
+    c = MaskedTokenLoader(shard, 3, 64, seed=0)
+    c.load_state_dict(json.loads(json.dumps(b.state_dict())))
+    for (x, y), (x2, y2) in zip(straight[2:], [c.next_batch() for _ in range(3)]):
+        assert torch.equal(x, x2) and torch.equal(y, y2)

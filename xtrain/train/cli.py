@@ -24,6 +24,10 @@ checkpoint needs ``--restart``, anything else is refused before anything is writ
 as an absolute path with its meta.json fingerprint; resuming on another number of ranks keeps the global
 batch (the per-rank batch becomes global / ranks) or refuses with one line.
 
+``xtrain train --init-from DIR|REPO_ID --data chats.jsonl`` fine-tunes a Hugging Face Qwen3 checkpoint instead of
+building a preset: model config, weights and tokenizer from the checkpoint, the loss on the assistant turns of the
+conversations, fine-tuning defaults for --lr, --min-lr, --weight-decay and --warmup-frac (``xtrain.train.init_from``).
+
 A run directory is owned by one process at a time (the lock file .xtrain.lock, holding its PID): a second
 `xtrain train --out DIR` or `--resume DIR` on it stops with that PID; a lock left by a killed process is
 taken over. Unavailable devices and sizes whose memory estimate exceeds what the device has stop with one
