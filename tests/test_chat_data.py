@@ -66,6 +66,8 @@ def test_messages_holding_control_tokens_are_refused(tokdirs):
             chat.conversation([{"role": "user", "content": bad}, {"role": "assistant", "content": "ok"}])
         with pytest.raises(ChatError, match="holds the control token"):
             chat.prompt_ids([{"role": "user", "content": [{"type": "text", "text": bad}]}])
+    with pytest.raises(ChatError, match=r"messages\[1\] is not valid Unicode"):
+        chat.prompt_ids([{"role": "system", "content": "s"}, {"role": "user", "content": "a\ud800b"}])
     # <think> is an added token but not a special one (as in Qwen3): allowed, and encoded as transformers does
     hf = transformers.AutoTokenizer.from_pretrained(str(tokdirs["jinja-file"]))
     conv = [{"role": "user", "content": "a <think> b"}, {"role": "assistant", "content": "c"}]

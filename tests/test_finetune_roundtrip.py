@@ -61,9 +61,14 @@ def _serve_and_compare(run, hf_dir, eos, new=NEW):
         got = _chat(url, "ft", PROMPTS, new)
         r = httpx.post(f"{url}/v1/chat/completions",
                        json={"model": "ft", "messages": [{"role": "user", "content": "x <|im_end|>"}]})  # fmt: skip
+        body = (
+            b'{"model": "ft", "messages": [{"role": "user", "content": "a\\ud800"}]}'  # JSON escapes a lone surrogate
+        )
+        r2 = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
     finally:
         stop()
     assert r.status_code == 400 and "control token" in r.json()["error"]["message"]
+    assert r2.status_code == 400 and "not valid Unicode" in r2.json()["error"]["message"]
     for (text, finish), (ids, stopped) in zip(got, ref):
         assert text == tok.decode(ids)
         assert finish == ("stop" if stopped else "length")

@@ -107,6 +107,26 @@ def _jinja_env():
     return env
 
 
+def _strings(obj):
+    """Every string inside a message (its values, nested lists and objects)."""
+    if isinstance(obj, str):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _strings(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _strings(v)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def _text_part(p) -> bool:
     return isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
 
@@ -196,20 +216,14 @@ class ChatTemplate:
                 ):
                     raise ChatError(f"messages[{i}].content: only text parts are supported")
                 m["content"] = "".join(p["text"] for p in c)
-            bad = self._control_in(m)
+            texts = list(_strings(m))
+            if not all(_encodable(t) for t in texts):
+                raise ChatError(f"messages[{i}] is not valid Unicode (a lone surrogate?)")
+            bad = next((t for s in texts for t in self.control if t in s), None)
             if bad is not None:
                 raise ChatError(f"messages[{i}] holds the control token {bad!r} as text")
             out.append(m)
         return out
-
-    def _control_in(self, obj) -> str | None:
-        if isinstance(obj, str):
-            return next((t for t in self.control if t in obj), None)
-        if isinstance(obj, dict):
-            obj = list(obj.values())
-        if isinstance(obj, (list, tuple)):
-            return next((b for x in obj if (b := self._control_in(x)) is not None), None)
-        return None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The template's text for already-checked messages (``check_messages``)."""

@@ -376,8 +376,6 @@ class Service:
             return self.chat_template.prompt_ids(messages)
         except ChatError as e:
             raise bad(str(e), "messages", "invalid_value") from None
-        except UnicodeEncodeError:
-            raise bad("messages: not valid Unicode (a lone surrogate?)", "messages", "invalid_unicode") from None
 
     def completion_prompts(self, body: dict) -> list[list[int]]:
         p = body.get("prompt")
