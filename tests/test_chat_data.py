@@ -185,3 +185,17 @@ def test_masked_loader_resumes_the_same_stream(tokdirs, tmp_path):
     c.load_state_dict(json.loads(json.dumps(b.state_dict())))
     for (x, y), (x2, y2) in zip(straight[2:], [c.next_batch() for _ in range(3)]):
         assert torch.equal(x, x2) and torch.equal(y, y2)
+
+
+def test_a_turn_whose_prompt_is_not_what_inference_sees_is_refused(tmp_path):
+    """A template that writes an assistant turn's header one way in the conversation and another way as the
+    generation prompt would train on a context inference never gives: refused, naming the message."""
+    odd = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.role == 'assistant' %}:{% endif %}\n"
+        "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    chat = ChatTemplate.from_dir(Q.save_tokenizer(tmp_path / "odd", template=odd))
+    with pytest.raises(
+        ChatError, match=r"messages\[1\]: the template's prompt for this assistant turn is not a prefix"
+    ):
+        chat.conversation(Q.CONVERSATIONS[0])
