@@ -180,7 +180,10 @@ def _header(path: Path) -> dict:
         raise CheckpointFormatError(f"{path}: missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointFormatError(f"{path}: not a safetensors file ({e})") from None
-    end = max((v["data_offsets"][1] for k, v in head.items() if k != "__metadata__"), default=0)
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in head.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError):
+        raise CheckpointFormatError(f"{path}: not a safetensors file (a tensor entry without data_offsets)") from None
     if 8 + n + end > size:
         raise CheckpointFormatError(f"{path}: truncated (its tensors end at byte {8 + n + end}, the file has {size})")
     return head
@@ -210,7 +213,10 @@ def checkpoint_index(ckpt: Path) -> dict[str, TensorEntry]:
                 continue
             if wm is not None and name in wm and wm[name] != f:
                 raise CheckpointFormatError(f"{ckpt / f}: holds {name}, which the index puts in {wm.get(name)!r}")
-            out[name] = TensorEntry(ckpt / f, v["dtype"], tuple(v["shape"]))
+            try:
+                out[name] = TensorEntry(ckpt / f, str(v["dtype"]), tuple(int(d) for d in v["shape"]))
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointFormatError(f"{ckpt / f}: the header entry of {name} has no dtype or shape") from None
     if wm is not None:
         absent = sorted(set(wm) - set(out))
         if absent:

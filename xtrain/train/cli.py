@@ -496,7 +496,7 @@ def _run(args, info) -> int:
             D.barrier()  # rank 0 prepares the data first; the others then find it complete and reuse it
         log = print if main else (lambda *a, **k: None)
         if init is not None:
-            seq_len = _pick(args.seq_len, init_from.FINETUNE["seq_len"])
+            seq_len = _pick(args.seq_len, init_from.default_seq_len(init))
             meta = init_from.resolve_data(init, data_spec, seq_len, log=log)
         else:
             meta = resolve_data(data_spec, _pick(args.vocab_size, 4096), log=log)
@@ -512,7 +512,7 @@ def _run(args, info) -> int:
         if not args.resume and init is not None:
             model_cfg = init_from.model_config(init, args, device)
         if not args.resume:
-            seq_len = _pick(args.seq_len, init_from.FINETUNE["seq_len"] if init else d["seq_len"])
+            seq_len = _pick(args.seq_len, init_from.default_seq_len(init) if init else d["seq_len"])
             init_from.check_chat_data(meta, seq_len, args.doc_mask)
             base = preset(preset_name)
         if not args.resume and init is None:

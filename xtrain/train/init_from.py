@@ -17,9 +17,9 @@ chat_template.jinja, generation_config.json, ...), so ``xtrain export`` writes t
 weights and ``xtrain serve`` renders chats with the template and stops at its end-of-turn token.
 
 Defaults with ``--init-from`` (each a flag): peak lr 2e-5, --min-lr 0.1 x lr, --weight-decay 0, --warmup-frac
-0.03, --seq-len 1024, --steps one epoch of the training windows. Without it: --min-lr 0.1 x lr, --weight-decay
-0.1, --warmup 20 steps. The values are recorded in the run's config.json (train.lr, min_lr, weight_decay,
-warmup_steps; train.extra holds warmup_frac and init_from).
+0.03, --seq-len 1024 (or the checkpoint's context if shorter), --steps one epoch of the training windows.
+Without it: --min-lr 0.1 x lr, --weight-decay 0.1, --warmup 20 steps. The values are recorded in the run's
+config.json (train.lr, min_lr, weight_decay, warmup_steps; train.extra holds warmup_frac and init_from).
 """
 
 from __future__ import annotations
@@ -126,6 +126,11 @@ def _json(path: Path) -> dict:
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {}
+
+
+def default_seq_len(init: InitFrom) -> int:
+    """--seq-len's default with --init-from: 1024, or the checkpoint's context when that is shorter."""
+    return min(FINETUNE["seq_len"], int(init.ckpt.hf_config.get("max_position_embeddings", 2048)))
 
 
 def model_config(init: InitFrom, args, device: str):
