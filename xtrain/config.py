@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 ATTENTION_IMPLS = ("composed", "math", "flash", "auto")
 LOSS_IMPLS = ("composed", "fused", "auto")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float64")
+DOC_STARTS = ("at_eot", "after_eot")
 
 
 class ConfigError(ValueError):
@@ -182,8 +183,10 @@ class TrainConfig:
     weights untouched) instead of stopping the run; at most ``max_skips`` skips before stopping anyway.
     ``ckpt_every`` / ``eval_every``: 0 means never (a checkpoint is still written at the end when the
     trainer has a run directory). ``doc_mask``: the packed documents of a window are kept apart (attention within
-    each document, RoPE positions restarting at each): a document starts at its ``eot_id`` token (the data's
-    end-of-text id, which inference prepends as BOS); training and evaluation both run so.
+    each document, RoPE positions restarting at each): with ``doc_start`` "at_eot" a document starts at its
+    ``eot_id`` token (the data's end-of-text id, which inference prepends as BOS), with "after_eot" right after it
+    (packed chat conversations: the eot closes each one, and a prompt at inference starts with the chat template's
+    first token); training and evaluation both run so.
     """
 
     steps: int = 1000
@@ -206,6 +209,7 @@ class TrainConfig:
     max_skips: int = 10
     doc_mask: bool = False
     eot_id: int | None = None  # the data's end-of-text token: where documents start (needed by doc_mask)
+    doc_start: str = "at_eot"  # "at_eot": a document starts at its eot; "after_eot": right after one
     extra: dict = field(default_factory=dict)  # free-form notes kept in config.json (e.g. data paths)
 
     def validate(self) -> TrainConfig:
@@ -224,6 +228,8 @@ class TrainConfig:
             not isinstance(self.eot_id, int) or isinstance(self.eot_id, bool) or self.eot_id < 0
         ):
             p.append(f"eot_id={self.eot_id!r} must be an integer >= 0 (or None)")
+        if self.doc_start not in DOC_STARTS:
+            p.append(f"doc_start={self.doc_start!r} must be one of {DOC_STARTS}")
         if self.doc_mask is True and self.eot_id is None:
             p.append("doc_mask needs eot_id (the token a document starts with)")
         if isinstance(self.seed, int) and self.seed >= MAX_SEED:

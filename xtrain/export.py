@@ -24,6 +24,11 @@ DIR must be new, empty, or a previous export (only the files an export writes, i
 directory, is refused before anything is written. The exported tokenizer's post-processor
 puts ``<|endoftext|>`` in front of every encoded text, as every training document starts with it, so
 ``tokenizer(prompt)`` + ``generate`` continue a prompt exactly as ``xtrain sample`` does.
+
+A run fine-tuned from a Hugging Face checkpoint (``xtrain train --init-from``) keeps that checkpoint's tokenizer
+files; its export writes them back unchanged (tokenizer.json, tokenizer_config.json, chat_template.jinja,
+special_tokens_map.json, generation_config.json: whichever the checkpoint had), with the original bos/eos/pad ids
+in config.json, so ``apply_chat_template`` + ``generate`` work on it as on the original (tested).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 
 from xtrain.config import ModelConfig
 from xtrain.fileio import _pid_alive, atomic_write_bytes, atomic_write_json, atomic_write_text, not_writable, writing
@@ -131,7 +136,15 @@ def hf_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXPORT_FILES = frozenset(
-    {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+    {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "special_tokens_map.json",
+    }
 )
 # the safetensors metadata of an export's model.safetensors: "format" is what transformers reads; "producer" marks
 # the folder as xtrain's, so a later export replaces it and never a Hugging Face model someone downloaded there
@@ -199,8 +212,12 @@ def export_hf(
     dtype: str = "bfloat16",
     tokenizer_json: str | Path | None = None,
     eos_id: int | None = None,
+    hf_files: str | Path | None = None,
 ) -> Path:
-    """Write a Hugging Face Qwen3 checkpoint of ``state`` (xtrain names -> tensors) into out_dir."""
+    """Write a Hugging Face Qwen3 checkpoint of ``state`` (xtrain names -> tensors) into out_dir. ``hf_files``: a
+    directory holding a Hugging Face checkpoint's tokenizer files (a run fine-tuned from one): they are written
+    unchanged (``xtrain.hf.TOKENIZER_FILES``) and the config's bos/eos ids come from its generation_config.json,
+    instead of the tokenizer_config.json and the end-of-text post-processor made for xtrain's own tokenizers."""
     if dtype not in _DTYPES:
         raise ValueError(f"export: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     hf = hf_config(model_config, dtype)
@@ -232,7 +249,10 @@ def export_hf(
             shutil.rmtree(stage)
         stage.mkdir()
     try:
-        _write_export(stage, tensors, hf, eos_id, tok_text, tokenizer_json, model_config)
+        if hf_files is not None:
+            _write_hf_files(stage, tensors, hf, Path(hf_files))
+        else:
+            _write_export(stage, tensors, hf, eos_id, tok_text, tokenizer_json, model_config)
         _fsync_dir(stage)
         with writing(final):
             old = _commit_export(stage, final)
@@ -296,6 +316,24 @@ def _remove_stale_staging(final: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _write_hf_files(out: Path, tensors, hf: dict, src: Path) -> None:
+    """A fine-tuned checkpoint's export: the weights, config.json with the original bos/eos/pad ids, and the
+    original tokenizer, chat template and generation files, byte for byte."""
+    from xtrain.hf import TOKENIZER_FILES
+
+    atomic_write_bytes(out / "model.safetensors", save(tensors, metadata=EXPORT_MARK))
+    gen = {}
+    if (src / "generation_config.json").is_file():
+        gen = json.loads((src / "generation_config.json").read_text())
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if gen.get(k) is not None:
+            hf[k] = gen[k]
+    atomic_write_json(out / "config.json", hf)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            atomic_write_bytes(out / name, (src / name).read_bytes())
+
+
 def _write_export(out: Path, tensors, hf: dict, eos_id, tok_text, tokenizer_json, model_config) -> None:
     atomic_write_bytes(out / "model.safetensors", save(tensors, metadata=EXPORT_MARK))
     if eos_id is not None:
@@ -323,39 +361,13 @@ def _write_export(out: Path, tensors, hf: dict, eos_id, tok_text, tokenizer_json
 
 
 def import_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A Qwen3 checkpoint directory -> (ModelConfig, xtrain state dict in fp32); shapes checked."""
-    hf_dir = Path(hf_dir)
-    hf = json.loads((hf_dir / "config.json").read_text())
-    if hf.get("model_type") != "qwen3":
-        raise ValueError(f"{hf_dir / 'config.json'}: model_type {hf.get('model_type')!r}, expected 'qwen3'")
-    cfg = ModelConfig(
-        vocab_size=hf["vocab_size"],
-        n_layer=hf["num_hidden_layers"],
-        n_embd=hf["hidden_size"],
-        n_head=hf["num_attention_heads"],
-        n_kv_head=hf["num_key_value_heads"],
-        head_dim=hf["head_dim"],
-        ffn_dim=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    ).validate()
-    expected = hf_shapes(hf)
-    raw = load_file(str(hf_dir / "model.safetensors"))
-    from xtrain.model import param_shapes
+    """A Qwen3 checkpoint directory (one ``model.safetensors`` or shards with their index; bf16, fp16 or fp32)
+    -> (ModelConfig, xtrain state dict in fp32); names, shapes and dtypes checked first (``xtrain.hf``)."""
+    from xtrain.hf import open_checkpoint
 
-    inverse = {hf_key(name): name for name in param_shapes(cfg)}  # HF name -> xtrain name
-    state = {}
-    for key, shape in expected.items():
-        if key not in raw:
-            raise ValueError(f"{hf_dir / 'model.safetensors'}: missing {key}")
-        if tuple(raw[key].shape) != shape:
-            raise ValueError(
-                f"{hf_dir / 'model.safetensors'}: {key} has shape {tuple(raw[key].shape)}, config.json needs {shape}"
-            )
-        state[inverse[key]] = raw[key].float()
-    return cfg, state
+    ck = open_checkpoint(hf_dir)
+    ck.check_tied_head()
+    return ck.model_config(), ck.state(torch.float32)
 
 
 def add_parser(subparsers) -> None:
@@ -382,11 +394,14 @@ def run(args) -> int:
             print(f"xtrain export: {note}", file=sys.stderr)
         eos = None
         tok_path = run_dir / "tokenizer.json"
-        if tok_path.is_file():
+        # a run fine-tuned from a Hugging Face checkpoint keeps its tokenizer files (tokenizer_config.json among
+        # them): those go out unchanged
+        hf_files = run_dir if (run_dir / "tokenizer_config.json").is_file() else None
+        if tok_path.is_file() and hf_files is None:
             from xtrain.data.tokenizer import load_tokenizer
 
             eos = load_tokenizer(tok_path, ck.model_config.vocab_size).eot_id
-        out = export_hf(ck.model_config, ck.model_state, args.out, args.dtype, tok_path, eos)
+        out = export_hf(ck.model_config, ck.model_state, args.out, args.dtype, tok_path, eos, hf_files)
     except (ValueError, FileNotFoundError) as e:
         print(f"xtrain export: {e}", file=sys.stderr)
         return 2
@@ -394,8 +409,7 @@ def run(args) -> int:
         print(f"xtrain export: {e.filename}: permission denied ({e.strerror})", file=sys.stderr)
         return 2
     print(
-        f"wrote {out}/ (config.json, model.safetensors, generation_config.json"
-        f"{', tokenizer.json' if tok_path.is_file() else ''}): load with "
+        f"wrote {out}/ ({', '.join(sorted(p.name for p in out.iterdir()))}): load with "
         f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
     )
     return 0

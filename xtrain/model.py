@@ -178,19 +178,23 @@ def _resolve_loss(impl: str):
     return ops.lm_head_loss if fused is not None else None  # "auto"
 
 
-def doc_starts(ids: torch.Tensor, eot_id: int) -> torch.Tensor:
+def doc_starts(ids: torch.Tensor, eot_id: int, after: bool = False) -> torch.Tensor:
     """ids int [B, T] -> int64 [B, T] on ids' device: for each position, the index (within the window) of the
     first token of its document. A document starts AT its ``eot_id`` token (the BOS inference prepends, so it
-    belongs to the document after it); tokens before the window's first eot belong to a document that began
-    before the window, and start at 0. Device ops only (a running max over T), no host read, so a CUDA graph can
-    capture it."""
+    belongs to the document after it), or with ``after`` right AFTER it (the eot closes the document before it:
+    packed chat conversations, whose prompts at inference start with the template's first token, not an eot);
+    tokens before the window's first document start belong to a document that began before the window, and
+    start at 0. Device ops only (a running max over T), no host read, so a CUDA graph can capture it."""
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"doc_starts: ids must be an int32/int64 tensor [B, T], got "
             f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
         )
     t = torch.arange(ids.shape[1], dtype=torch.int64, device=ids.device)  # [T]
-    starts = torch.where(ids == eot_id, t, 0)  # [B, T]: t where a document starts, else 0
+    is_start = ids == eot_id  # [B, T]
+    if after:  # t starts a document when t - 1 is an eot
+        is_start = torch.nn.functional.pad(is_start[:, :-1], (1, 0))
+    starts = torch.where(is_start, t, 0)  # [B, T]: t where a document starts, else 0
     return torch.cummax(starts, dim=1).values  # the latest start at or before t
 
 

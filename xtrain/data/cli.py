@@ -5,6 +5,7 @@ xtrain data prepare --corpus tinystories --vocab-size 8192 --max-bytes 200M
 xtrain data prepare --corpus my_texts/ --vocab-size 256 --out runs/data   # byte tokenizer
 xtrain data info ~/.cache/xtrain/data/pystdlib-v4096       # meta + shard headers
 xtrain data info train_000000.bin                          # one shard's header
+xtrain data prepare --corpus chats.jsonl --chat Qwen3-0.6B/ --seq-len 1024   # chat data (xtrain.data.chat)
 """
 
 from __future__ import annotations
@@ -109,6 +110,14 @@ def add_parser(subparsers) -> None:
     pp.add_argument(
         "--workers", type=int, default=None, help="encoding threads (the tokenizers library's pool; default: all cores)"
     )
+    pp.add_argument(
+        "--chat",
+        default=None,
+        metavar="CKPT",
+        help="--corpus is a .jsonl of {messages: [...]}: render it with this Hugging Face checkpoint's chat template "
+        "and tokenizer, train on assistant tokens only, packed for --seq-len windows",
+    )
+    pp.add_argument("--seq-len", type=int, default=None, help="with --chat: the training window the data is packed for")
     pp.add_argument("--force", action="store_true", help="rebuild even if matching data exists")
     pp.add_argument("--no-progress", action="store_true", help="no progress bar")
     pp.set_defaults(func=run)
@@ -180,6 +189,14 @@ def one_line_os_error(e: OSError) -> str:
 
 
 def _prepare(args) -> int:
+    if args.chat is not None:  # conversations, rendered and masked (xtrain.data.chat)
+        from xtrain.data.chat import prepare_chat
+
+        if args.seq_len is None:
+            raise ValueError("--chat needs --seq-len (the training window the conversations are packed for)")
+        frac = args.val_fraction if args.val_fraction is not None else 0.02
+        print(prepare_chat(args.corpus, args.chat, args.out, args.seq_len, val_fraction=frac, force=args.force)["dir"])
+        return 0
     if args.workers is not None:  # must be set before the tokenizers thread pool starts
         os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))
     from xtrain.data.prepare import DEFAULT_SHARD_TOKENS, DEFAULT_VOCAB_SIZE, prepare
@@ -234,6 +251,10 @@ def _info(args) -> int:
             f"baseline   unigram val loss {meta['unigram_val_loss']:.4f} nats/token "
             f"(uniform ln V = {meta['uniform_loss']:.4f})"
         )
+        if "chat" in meta:  # the tokens trained on (assistant turns)
+            from xtrain.data.chat import info_lines
+
+            print("\n".join(info_lines(meta)))
         shards = [path / name for split in ("train", "val") for name, _ in meta[split]["files"]]
         vocab = meta["vocab_size"]
     elif path.is_file():

@@ -234,3 +234,66 @@ def read_shard(path: str | os.PathLike, vocab_size: int | None = None) -> np.nda
     if vocab_size is not None:
         check_token_range(tokens, vocab_size, f"shard {path}")
     return tokens
+
+
+# -- loss-mask shards -------------------------------------------------------------------------------------
+# A chat data directory keeps, beside each token shard NAME.bin, a mask shard NAME.mask (not *.bin, so a glob for
+# token shards never picks one up): the same 256-int32 header with its own magic, then one uint8 per token, 1 where
+# that token is a trained target (an assistant token), 0 elsewhere. The token shard itself is a plain llm.c shard.
+MASK_MAGIC, MASK_VERSION = 20250611, 1
+
+
+def mask_path(shard: str | os.PathLike) -> Path:
+    """The mask shard that goes with a token shard: ``train_000000.bin`` -> ``train_000000.mask``."""
+    shard = Path(shard)
+    return shard.with_suffix(".mask")
+
+
+def write_mask_shard(path: str | os.PathLike, mask) -> Path:
+    """Write a 0/1 mask (N,) as a mask shard; atomic (temp name + rename)."""
+    path = Path(path)
+    mask = np.asarray(mask)
+    if mask.ndim != 1 or (mask.size and not np.isin(mask, (0, 1)).all()):
+        raise ValueError(f"write_mask_shard {path}: the mask must be 1-D and hold only 0 and 1")
+    if mask.size > MAX_TOKENS_PER_SHARD:
+        raise ValueError(f"write_mask_shard {path}: more than {MAX_TOKENS_PER_SHARD} tokens")
+    h = np.zeros(HEADER_INTS, dtype="<i4")
+    h[0], h[1], h[2] = MASK_MAGIC, MASK_VERSION, mask.size
+    tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(h.tobytes())
+            f.write(mask.astype(np.uint8).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_mask_shard(path: str | os.PathLike, num_tokens: int | None = None) -> np.ndarray:
+    """A mask shard as a read-only uint8 memmap (N,); its header and size are checked, and N against
+    ``num_tokens`` (its token shard's count) when given. Values are checked to be 0 or 1 (one chunked scan)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"mask shard {path} not found (chat data keeps one beside each token shard)")
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise ValueError(f"mask shard {path}: truncated header ({size} bytes)")
+    with open(path, "rb") as f:
+        header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    magic, version, n = int(header[0]), int(header[1]), int(header[2])
+    if magic != MASK_MAGIC or version != MASK_VERSION:
+        raise ValueError(f"mask shard {path}: magic {magic} version {version}, expected {MASK_MAGIC} {MASK_VERSION}")
+    if size != HEADER_BYTES + n:
+        raise ValueError(f"mask shard {path}: header says {n} entries, the file holds {size - HEADER_BYTES}")
+    if num_tokens is not None and n != num_tokens:
+        raise ValueError(f"mask shard {path}: {n} entries for a token shard of {num_tokens} tokens")
+    if n == 0:
+        return np.zeros(0, dtype=np.uint8)
+    mask = np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(n,))
+    for start in range(0, n, CHECK_CHUNK):
+        if int(mask[start : start + CHECK_CHUNK].max()) > 1:
+            raise ValueError(f"mask shard {path}: holds values other than 0 and 1")
+    return mask

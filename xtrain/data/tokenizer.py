@@ -225,7 +225,7 @@ class TokenizerMismatchError(ValueError):
 
 
 def load_tokenizer(
-    path: str | os.PathLike, vocab_size: int | None = None, expected_by: str = "the model"
+    path: str | os.PathLike, vocab_size: int | None = None, expected_by: str = "the model", padded: bool = False
 ) -> Tokenizer | ByteTokenizer:
     """Open a ``tokenizer.json`` of either kind (a Hugging Face BPE file or an xtrain byte tokenizer).
     ``path`` may be the file or the data directory that holds it.
@@ -233,13 +233,15 @@ def load_tokenizer(
     ``vocab_size``: the vocabulary the caller's model (or data) has. When given, a tokenizer of another size
     raises TokenizerMismatchError (a ValueError) naming both sizes: every command that pairs a model with a
     tokenizer (train, --resume, sample, serve, export) opens it here, so a tokenizer.json replaced by one of
-    another run never encodes or decodes silently wrong ids."""
+    another run never encodes or decodes silently wrong ids. ``padded``: the model's vocabulary may be larger
+    than the tokenizer's (a Hugging Face checkpoint pads it: Qwen3's 151,936 rows for 151,669 tokens), never
+    smaller."""
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
     doc = _read_json(path)
     tok = ByteTokenizer.load(path) if "xtrain_tokenizer" in doc else Tokenizer.load(path)
-    if vocab_size is not None and tok.vocab_size != vocab_size:
+    if vocab_size is not None and (tok.vocab_size > vocab_size if padded else tok.vocab_size != vocab_size):
         raise TokenizerMismatchError(
             f"{path}: this tokenizer has a vocabulary of {tok.vocab_size} tokens but {expected_by} has "
             f"{vocab_size}; it belongs to another model or data (use the tokenizer.json it was trained with)"

@@ -27,7 +27,11 @@ Tokens: a string prompt is preceded by the end-of-text token, as every training 
 tokens match ``xtrain sample``); a token-id prompt is used as given. Generation stops at the next
 end-of-text token or a stop string ("stop") or after max_tokens ("length").
 
-Chat template (our models are base models trained on plain text, so the template is plain text):
+Chat template. A run fine-tuned from a Hugging Face checkpoint (``xtrain train --init-from``) keeps the
+checkpoint's Jinja chat template: ``messages`` are rendered with it and its generation prompt
+(``xtrain.data.chat.ChatTemplate``, as transformers' ``apply_chat_template`` renders them; no end-of-text in
+front), a message holding a special token's text (``<|im_end|>``, ...) is a 400, and the reply stops at the
+template's end-of-turn token. Our own base models are trained on plain text, so their template is plain text:
 
     <|endoftext|>System: {system}\\n\\nUser: {user}\\n\\nAssistant: {assistant}\\n\\nUser: {user}\\n\\nAssistant:
 
@@ -278,6 +282,7 @@ class Params:
     include_usage: bool
     ignore_eos: bool
     logprobs: int = 0
+    eos_id: int | None = None  # the token that ends a reply (None: the tokenizer's end-of-text)
 
 
 def parse_params(body: dict, allowed: set[str], max_choices: int, no_op: dict | None = None) -> Params:
@@ -380,8 +385,10 @@ class Service:
         name: str = "xtrain",
         engine_config: EngineConfig = EngineConfig(),
         config: ServerConfig = ServerConfig(),
+        chat_template=None,
     ):
         self.model, self.tok, self.name, self.config = model, tokenizer, name, config
+        self.chat_template = chat_template  # a checkpoint's ChatTemplate, or None: the plain-text template
         self.engine = Engine(model)
         self.batcher = Batcher(self.engine, engine_config).start()
         self.created = int(time.time())
@@ -442,6 +449,22 @@ class Service:
                 )
         return [self.tok.eot_id] + self.tok.encode(text)
 
+    def template_prompt(self, messages) -> list[int]:
+        """The run's own chat template's prompt ids; refused before rendering when the texts alone cannot fit."""
+        from xtrain.data.chat import ChatError
+
+        ctx, per_token = self.batcher.max_len, self.chat_template.max_token_bytes
+        texts = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+        n = sum(len(t.encode("utf-8", errors="surrogatepass")) for t in texts if isinstance(t, str))
+        if -(-n // per_token) >= ctx:
+            raise bad(
+                f"the messages are {n} bytes; the context holds {ctx} tokens", "messages", "context_length_exceeded"
+            )
+        try:
+            return self.chat_template.prompt_ids(messages)
+        except ChatError as e:
+            raise bad(str(e), "messages", "invalid_value") from None
+
     def completion_prompts(self, body: dict) -> list[list[int]]:
         p = body.get("prompt")
         V = self.model.config.vocab_size
@@ -485,8 +508,12 @@ class Service:
         if chat:
             if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
                 params.max_tokens = _int(body, "max_completion_tokens", None, 1, 1 << 31)
-            prompts = [self.encode(chat_prompt(body.get("messages")), "messages")]
-            params.stop = params.stop + [s for s in CHAT_STOPS if s not in params.stop]
+            if self.chat_template is not None:
+                prompts = [self.template_prompt(body.get("messages"))]
+                params.eos_id = self.chat_template.end_of_turn_id
+            else:
+                prompts = [self.encode(chat_prompt(body.get("messages")), "messages")]
+                params.stop = params.stop + [s for s in CHAT_STOPS if s not in params.stop]
             default = None
         else:
             if "prompt" not in body:
@@ -519,7 +546,8 @@ class Service:
                     logprobs=params.logprobs,
                 )
                 cb = lambda t, lp, f, i=idx: loop.call_soon_threadsafe(queue.put_nowait, (i, t, lp, f))
-                reqs.append((ids, max_new, smp, None if params.ignore_eos else self.tok.eot_id, cb))
+                eos = self.tok.eot_id if params.eos_id is None else params.eos_id
+                reqs.append((ids, max_new, smp, None if params.ignore_eos else eos, cb))
         try:
             seqs = self.batcher.submit(reqs)
         except QueueFull as e:

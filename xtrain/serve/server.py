@@ -12,6 +12,9 @@ together (continuous batching, ``--slots`` sequences at once, ``--max-queue`` mo
 address or localhost (``--allow-host NAME`` adds a name; a 403 otherwise) and whose POST body is
 ``Content-Type: application/json`` (a 415 otherwise): a web page the user visits cannot post to it. A port
 already in use, or a bad --port / --threads / --slots / --shutdown-grace, is a one-line error, exit code 2.
+Each sequence holds at most ``--max-len`` positions (default: the model's context, capped at 8192). A run
+fine-tuned from a Hugging Face checkpoint serves chats with that checkpoint's own chat template and stops at
+its end-of-turn token.
 
 Shutdown: SIGINT (Ctrl-C) or SIGTERM drains the server. New requests get a 503 (and GET /health a 503 with
 "status": "draining"), queued requests a 503 at once, and running requests go on to their end for up to
@@ -36,6 +39,8 @@ import torch
 
 from xtrain.serve.api import ServerConfig, Service, create_app
 from xtrain.serve.engine import EngineConfig
+
+DEFAULT_MAX_LEN = 8192  # a fine-tuned Qwen3's context is 40,960: 16 slots of that would not fit most memories
 
 __all__ = ["Service", "ServerConfig", "EngineConfig", "create_app", "bind", "load_service", "serve_in_thread"]
 
@@ -62,6 +67,13 @@ def add_parser(subparsers) -> None:
         "--slots", type=A.positive_int, default=d.slots, help=f"sequences decoded together (default {d.slots})"
     )
     p.add_argument("--max-queue", type=A.count, default=d.max_queue, help=f"requests waiting (default {d.max_queue})")
+    p.add_argument(
+        "--max-len",
+        type=A.positive_int,
+        default=None,
+        help="positions per sequence (prompt + reply; default: the model's context, at most "
+        f"{DEFAULT_MAX_LEN}): the KV cache holds slots x max-len positions per layer",
+    )
     p.add_argument(
         "--allow-host",
         action="append",
@@ -104,10 +116,14 @@ def load_service(
     ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
     for note in ck.notes:
         print(f"xtrain serve: {note}", file=sys.stderr)
+    from xtrain.data.chat import load_chat_template
+
+    chat = load_chat_template(run_dir)  # a fine-tuned checkpoint's own template (None: the plain-text one)
     model = Model(ck.model_config, device=resolve_device(device))
     ckpt_io.restore(ck, model)
     tok = load_run_tokenizer(run_dir, ck.model_config.vocab_size)  # refuses another vocabulary
-    return Service(model.eval(), tok, name or run_dir.resolve().name, engine_config, config)
+    name = name or run_dir.resolve().name
+    return Service(model.eval(), tok, name, engine_config, config, chat_template=chat)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -234,7 +250,8 @@ def run(args) -> int:
         )
         return 2
     try:
-        engine_config = EngineConfig(slots=args.slots, max_queue=args.max_queue).validate()
+        max_len = args.max_len if args.max_len is not None else DEFAULT_MAX_LEN
+        engine_config = EngineConfig(slots=args.slots, max_queue=args.max_queue, max_len=max_len).validate()
     except ValueError as e:
         print(f"xtrain serve: {e}", file=sys.stderr)
         return 2

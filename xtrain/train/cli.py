@@ -28,6 +28,10 @@ refused before anything is written. ``--data`` is recorded
 as an absolute path with its meta.json fingerprint; resuming on another number of ranks keeps the global
 batch (the per-rank batch becomes global / ranks) or refuses with one line.
 
+``xtrain train --init-from DIR|REPO_ID --data chats.jsonl`` fine-tunes a Hugging Face Qwen3 checkpoint instead of
+building a preset: model config, weights and tokenizer from the checkpoint, the loss on the assistant turns of the
+conversations, fine-tuning defaults for --lr, --min-lr, --weight-decay and --warmup-frac (``xtrain.train.init_from``).
+
 A run directory is owned by one process at a time (the lock file .xtrain.lock, holding its PID): a second
 `xtrain train --out DIR` or `--resume DIR` on it stops with that PID; a lock left by a killed process is
 taken over. Unavailable devices and sizes whose memory estimate exceeds what the device has stop with one
@@ -45,6 +49,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+from xtrain.train import init_from
 
 # Defaults of the main job, sized so `xtrain train` (data preparation included) finishes in under 4 minutes
 # on 2 CPU cores that train the tiny preset at ~2,100 tokens/s; see README "The main job".
@@ -164,6 +170,7 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--skip-nonfinite", action="store_true", default=None, help="skip (and count) steps with nan/inf loss"
     )
+    init_from.add_arguments(p)
     p.add_argument(
         "--sample-tokens", type=A.int_in(0, MAX_NEW_TOKENS), default=120, help="tokens to sample at the end (0: none)"
     )
@@ -173,7 +180,14 @@ def add_parser(subparsers) -> None:
 
 # what a run directory holds before its first checkpoint is complete (``--restart`` deletes these); temporary
 # files of atomic writes (".NAME.tmp-PID") and a stale lock's leftovers count too
-RUN_LEFTOVERS = ("metrics.jsonl", "tokenizer.json", "loss.png", ".checkpoint-next", ".checkpoint-commit")
+RUN_LEFTOVERS = (
+    "metrics.jsonl",
+    "tokenizer.json",
+    "loss.png",
+    ".checkpoint-next",
+    ".checkpoint-commit",
+    *init_from.TOKENIZER_FILES,
+)
 
 
 def _leftover(name: str) -> bool:
@@ -282,6 +296,8 @@ def _loaders(meta: dict, batch_size: int, seq_len: int, seed: int, rank: int = 0
 
     root = Path(meta["dir"])
     kw = dict(seed=seed, vocab_size=meta["vocab_size"], rank=rank, world_size=world_size)
+    if "chat" in meta:  # targets outside the assistant turns are ignore_index (xtrain.data.chat)
+        from xtrain.data.chat import MaskedTokenLoader as TokenLoader
     train = TokenLoader([root / f for f, _ in meta["train"]["files"]], batch_size, seq_len, **kw)
     if meta["val"]["tokens"] < batch_size * world_size * (seq_len + 1):
         if rank == 0:
@@ -387,6 +403,7 @@ def _resume_conflicts(args, model_cfg, stored, eval_batches: int) -> list[str]:
         "--doc-mask": (args.doc_mask, "on" if stored.doc_mask else "off"),
     }
     out = [f"{k} {new} (the run has {old})" for k, (new, old) in given.items() if new is not None and new != old]
+    out += init_from.resume_conflicts(args, stored)
     if args.preset is not None:
         shape = ("n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "ffn_dim")
         try:
@@ -458,7 +475,9 @@ def _run(args, info) -> int:
     main = rank == 0
     d = DEFAULTS
     preset_name = _pick(args.preset, d["preset"])
+    init = None
     try:
+        init_from.check_args(args)
         device = info.device if info else resolve_device(args.device)
         if args.resume:
             run_dir = Path(args.resume)
@@ -479,7 +498,8 @@ def _run(args, info) -> int:
             if (run_dir / "tokenizer.json").is_file():  # the final sample reads it: a corrupt one stops now
                 from xtrain.data.tokenizer import load_tokenizer
 
-                load_tokenizer(run_dir / "tokenizer.json", model_cfg.vocab_size)
+                padded = (run_dir / "tokenizer_config.json").is_file()  # a fine-tune of an HF checkpoint
+                load_tokenizer(run_dir / "tokenizer.json", model_cfg.vocab_size, padded=padded)
             if stored is None:
                 raise ConfigError(f"{run_dir / 'config.json'}: holds no train config")
             eval_batches = int(stored.extra.get("eval_batches", 16))  # runs made before it was saved used 16
@@ -507,8 +527,11 @@ def _run(args, info) -> int:
         else:
             data_spec = args.data
             eval_batches = _pick(args.eval_batches, d["eval_batches"])
-            run_dir = Path(args.out or f"runs/{preset_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-            check_steps(_pick(args.steps, d["steps"]), args.stop_after)
+            init = init_from.resolve(args)  # the checkpoint checked (config, tensors, tokenizer); no weights read
+            name = init.path.resolve().name if init else preset_name
+            run_dir = Path(args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+            if not (init and args.steps is None):  # a fine-tune's default length (an epoch) is known after its data
+                check_steps(_pick(args.steps, d["steps"]), args.stop_after)
             batch, accum = _pick(args.batch_size, d["batch_size"]), _pick(args.grad_accum, 1)
             if batch % accum:
                 raise ConfigError(f"--grad-accum {accum}: must divide --batch-size {batch}")
@@ -518,7 +541,12 @@ def _run(args, info) -> int:
                 check_out_dir(run_dir, args.restart)
         if not main:
             D.barrier()  # rank 0 prepares the data first; the others then find it complete and reuse it
-        meta = resolve_data(data_spec, _pick(args.vocab_size, 4096), log=print if main else (lambda *a, **k: None))
+        log = print if main else (lambda *a, **k: None)
+        if init is not None:
+            seq_len = _pick(args.seq_len, init_from.default_seq_len(init))
+            meta = init_from.resolve_data(init, data_spec, seq_len, log=log)
+        else:
+            meta = resolve_data(data_spec, _pick(args.vocab_size, 4096), log=log)
         if main:
             D.barrier()
         fingerprint = data_fingerprint(meta["dir"])
@@ -528,9 +556,13 @@ def _run(args, info) -> int:
                 f"fingerprint {fingerprint}, the run recorded {stored.extra['data_fingerprint']}); resuming "
                 "would not continue the same run"
             )
+        if not args.resume and init is not None:
+            model_cfg = init_from.model_config(init, args, device)
         if not args.resume:
-            seq_len = _pick(args.seq_len, d["seq_len"])
+            seq_len = _pick(args.seq_len, init_from.default_seq_len(init) if init else d["seq_len"])
+            init_from.check_chat_data(meta, seq_len, args.doc_mask)
             base = preset(preset_name)
+        if not args.resume and init is None:
             model_cfg = ModelConfig.from_dict(
                 {
                     **base.to_dict(),
@@ -545,26 +577,34 @@ def _run(args, info) -> int:
                     "attention": _pick(args.attention, base.attention),
                 }
             ).validate()
-            steps = _pick(args.steps, d["steps"])
+        if not args.resume:
+            batch_size = _pick(args.batch_size, d["batch_size"])
+            steps = args.steps or (init_from.epoch_steps(meta, batch_size, seq_len, world) if init else d["steps"])
+            sched = init_from.schedule(args, init is not None, steps, d["lr"], d["warmup"])
+            chat = "chat" in meta  # conversations: each closed by the eot, the document mask always on
             tcfg = TrainConfig(
                 steps=steps,
-                batch_size=_pick(args.batch_size, d["batch_size"]),
+                batch_size=batch_size,
                 seq_len=seq_len,
                 grad_accum=_pick(args.grad_accum, 1),
-                lr=_pick(args.lr, d["lr"]),
-                min_lr=_pick(args.lr, d["lr"]) / 10,
-                warmup_steps=min(_pick(args.warmup, d["warmup"]), steps),
+                lr=sched["lr"],
+                min_lr=sched["min_lr"],
+                weight_decay=sched["weight_decay"],
+                warmup_steps=sched["warmup_steps"],
                 seed=_pick(args.seed, d["seed"]),
                 eval_every=_pick(args.eval_every, d["eval_every"]),
                 ckpt_every=_pick(args.ckpt_every, 0),
                 skip_nonfinite=bool(args.skip_nonfinite),
-                doc_mask=args.doc_mask == "on",
+                doc_mask=args.doc_mask == "on" or chat,
                 eot_id=int(meta["eot_id"]),
+                doc_start="after_eot" if chat else "at_eot",
                 extra={
                     "data_dir": str(Path(meta["dir"]).resolve()),
                     "data_fingerprint": fingerprint,
                     "eval_batches": eval_batches,
                     "world_size": world,
+                    "warmup_frac": sched["warmup_frac"],
+                    **({"init_from": init.record()} if init else {}),
                 },
             ).validate()
         need, have = estimate_train_bytes(model_cfg, tcfg, str(device)), available_memory(str(device))
@@ -608,11 +648,29 @@ def _run(args, info) -> int:
     try:
         with StopSignals() as stop:
             return _train(
-                args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, train_data, val_data, t_start, stop
+                args,
+                info,
+                run_dir,
+                meta,
+                model_cfg,
+                tcfg,
+                eval_batches,
+                device,
+                train_data,
+                val_data,
+                t_start,
+                stop,
+                init,
             )
     finally:
         if lock is not None:
             lock.release()
+
+
+def _run_label(args, init) -> str:
+    if args.resume:
+        return "resumed"
+    return f"Qwen3 from {init.spec}" if init is not None else _pick(args.preset, DEFAULTS["preset"])
 
 
 def _settle_checkpoint(run_dir: Path) -> None:
@@ -683,10 +741,11 @@ class StopSignals:
 
 
 def _train(
-    args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, train_data, val_data, t_start, stop
+    args, info, run_dir, meta, model_cfg, tcfg, eval_batches, device, train_data, val_data, t_start, stop, init=None
 ) -> int:
     import torch
 
+    from xtrain.data.chat import load_chat_template
     from xtrain.fileio import atomic_write_bytes
     from xtrain.model import Model
     from xtrain.train import distributed as D
@@ -694,13 +753,20 @@ def _train(
 
     rank, world = (info.rank, info.world_size) if info else (0, 1)
     main = rank == 0
+    if main and init is not None:
+        init_from.copy_tokenizer_files(init, run_dir)
     if main:
         tok_src = Path(meta["dir"]) / meta.get("tokenizer", "tokenizer.json")
         if tok_src.is_file() and not (run_dir / "tokenizer.json").exists():
             atomic_write_bytes(run_dir / "tokenizer.json", tok_src.read_bytes())
 
     def eval_fn(model):
-        res = evaluate(model, val_data.val_batches(eval_batches), doc_eot=tcfg.eot_id if tcfg.doc_mask else None)
+        res = evaluate(
+            model,
+            val_data.val_batches(eval_batches),
+            doc_eot=tcfg.eot_id if tcfg.doc_mask else None,
+            doc_after=tcfg.doc_start == "after_eot",
+        )
         if world > 1:  # each rank scored its slice of the validation batches: sum the totals
             t = torch.tensor(
                 [res["eval_loss"] * res["eval_tokens"], res["eval_tokens"]], dtype=torch.float64, device=device
@@ -740,6 +806,12 @@ def _train(
             bar.refresh()
 
     model = Model(model_cfg, device=device, seed=tcfg.seed)
+    if init is not None and not args.resume:
+        try:  # the checkpoint's weights (names, shapes and dtypes were checked before the run began)
+            init.ckpt.load_into(model)
+        except ValueError as e:  # a corrupt tensor, nan or inf in a weight
+            print(f"xtrain train: {e}", file=sys.stderr)
+            return 2
     trainer = Trainer(
         model,
         tcfg,
@@ -768,7 +840,7 @@ def _train(
     if main:
         dp = f", data parallel over {world} ranks ({tcfg.batch_size} sequences each)" if world > 1 else ""
         print(
-            f"run {run_dir}: {_pick(args.preset, DEFAULTS['preset']) if not args.resume else 'resumed'} model, "
+            f"run {run_dir}: {_run_label(args, init)} model, "
             f"{model.num_params() / 1e6:.2f}M params, {device}, {model_cfg.compute_dtype}{dp}; "
             f"data {meta['dir']} ({meta['train']['tokens']:,} train tokens, vocab {meta['vocab_size']}); "
             f"{tcfg.steps} steps x {tcfg.tokens_per_step * world} tokens from step {trainer.step}"
@@ -835,7 +907,13 @@ def _train(
         f"wrote {run_dir}/ (config.json, model.safetensors, optimizer.safetensors, trainer_state.json, "
         f"metrics.jsonl, loss.png) in {time.perf_counter() - t_start:.0f}s"
     )
-    if args.sample_tokens > 0:
+    chat = load_chat_template(run_dir) if args.sample_tokens > 0 else None
+    if chat is not None:
+        prompt = "Hello! Who are you?"
+        text = init_from.sample_chat(model, chat, prompt, args.sample_tokens, tcfg.seed, temperature=0.8, top_k=50)
+        print(f"--- sample (chat template, user: {prompt!r}, temperature 0.8, top-k 50) ---")
+        print(text)
+    elif args.sample_tokens > 0:
         from xtrain.train.sample_cli import sample_text
 
         text = sample_text(

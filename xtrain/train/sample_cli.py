@@ -19,12 +19,14 @@ MAX_NEW_TOKENS = 16384  # past this a CPU sample runs for many minutes without a
 
 def load_run_tokenizer(run_dir: Path, vocab_size: int | None = None):
     """The run's tokenizer (its own tokenizer.json, else its data directory's); with ``vocab_size`` (the
-    model's), one of another vocabulary is refused (ValueError)."""
+    model's), one of another vocabulary is refused (ValueError); a run fine-tuned from a Hugging Face checkpoint
+    (its tokenizer_config.json kept) may have a model vocabulary padded past the tokenizer's."""
     from xtrain.data.tokenizer import load_tokenizer
     from xtrain.train import checkpoint as ckpt_io
 
-    if (run_dir / "tokenizer.json").is_file():
-        return load_tokenizer(run_dir / "tokenizer.json", vocab_size)
+    if (run_dir / "tokenizer.json").is_file():  # a run fine-tuned from a Hugging Face checkpoint may be padded
+        padded = (run_dir / "tokenizer_config.json").is_file()
+        return load_tokenizer(run_dir / "tokenizer.json", vocab_size, padded=padded)
     _, tcfg = ckpt_io.read_config(run_dir)
     data_dir = tcfg.extra.get("data_dir") if tcfg else None
     if data_dir and Path(data_dir).is_dir():

@@ -111,9 +111,12 @@ def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @no_grad()
-def evaluate(model: Model, batches: Iterable, ignore_index: int = IGNORE_INDEX, doc_eot: int | None = None) -> dict:
+def evaluate(
+    model: Model, batches: Iterable, ignore_index: int = IGNORE_INDEX, doc_eot: int | None = None, doc_after=False
+) -> dict:
     """Mean cross-entropy over every counted target of ``batches`` (eval mode, no dropout, no tape);
-    ``doc_eot``: documents kept apart as in training (``TrainConfig.doc_mask``), starting at this token."""
+    ``doc_eot``: documents kept apart as in training (``TrainConfig.doc_mask``), starting at this token (or,
+    with ``doc_after``, right after it: ``TrainConfig.doc_start``)."""
     was = model.training
     model.eval()
     total, count = 0.0, 0
@@ -121,7 +124,7 @@ def evaluate(model: Model, batches: Iterable, ignore_index: int = IGNORE_INDEX, 
         for b in batches:
             x, y = split_batch(b)
             x, y = x.to(model.device), y.to(model.device)
-            starts = None if doc_eot is None else doc_starts(x, doc_eot)
+            starts = None if doc_eot is None else doc_starts(x, doc_eot, after=doc_after)
             total += float(model.loss(x, y, reduction="sum", ignore_index=ignore_index, doc_starts=starts).data)
             count += int((y != ignore_index).sum())
     finally:
@@ -247,6 +250,7 @@ class StepSettings:
     eps: float
     weight_decays: tuple[float, ...]
     doc_eot: int | None = None  # documents start at this token (attention and positions kept apart); None: off
+    doc_after: bool = False  # documents start right after doc_eot instead (TrainConfig.doc_start "after_eot")
 
 
 class Trainer:
@@ -362,6 +366,7 @@ class Trainer:
             eps=opt.eps,
             weight_decays=tuple(opt.weight_decays),
             doc_eot=cfg.eot_id if cfg.doc_mask else None,
+            doc_after=cfg.doc_start == "after_eot",
         )
 
     def accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, s: StepSettings):
@@ -384,7 +389,8 @@ class Trainer:
                 # (TokenLoader's layout), and micro-batch j the rank's rows j*mb ... (j+1)*mb - 1
                 rows = (j * mb * s.world_size + s.rank, s.world_size)
                 x, y = inputs[j * mb : (j + 1) * mb], targets[j * mb : (j + 1) * mb]  # [B/k, T]
-                starts = None if s.doc_eot is None else doc_starts(x, s.doc_eot)  # device ops, no host read
+                # device ops, no host read
+                starts = None if s.doc_eot is None else doc_starts(x, s.doc_eot, after=s.doc_after)
                 loss = model.loss(
                     x, y, reduction="sum", ignore_index=s.ignore_index, dropout_rows=rows, doc_starts=starts
                 )  # fp32

@@ -1,0 +1,235 @@
+"""``xtrain bench finetune`` (bench/finetune.py): a fine-tuning step of xtrain vs transformers' Qwen3ForCausalLM.
+
+The shape is Qwen3-0.6B's (``--shape qwen3-0.6b``: 28 layers, hidden 1024, 16 query / 8 key-value heads, head_dim
+128, FFN 3072, vocabulary 151,936, tied embeddings), with random weights, bf16 compute on fp32 master weights,
+T = 2048 (``--seq-len``). Both sides take the same batch of random ids and run forward, backward, global-norm
+clipping at 1.0 and AdamW:
+
+* xtrain: the trainer's own step (``Trainer.train_step``: fused LM head + loss, flash attention, the one-launch
+  AdamW writing bf16 compute copies, the whole step one CUDA graph on CUDA; ``bench.train.trainer_step``).
+* transformers: ``Qwen3ForCausalLM`` built from the same config (fp32 parameters, ``torch.autocast`` to bf16, SDPA
+  attention), its forward and the loss (``F.cross_entropy`` on the fp32-upcast logits, as its own loss does) under
+  ``torch.compile`` in each mode of ``--compile-modes`` (default: default and max-autotune-no-cudagraphs; "eager"
+  for none), ``torch.optim.AdamW(fused=True)`` and ``clip_grad_norm_`` as a skilled user writes it. The fastest mode
+  is the baseline the ratios are against.
+
+Each side is built, warmed up and timed alone (``--steps`` steps after ``--warmup``, wall clock with the device
+synchronised, median), then freed; its peak memory is the most allocated from its build to its last step above
+what was allocated before it (``torch.cuda.max_memory_allocated``). ``--max-batch``: for each side, the largest
+batch (doubling from ``--batch-size``, up to ``--max-batch-limit``) whose steps run without running out of memory,
+each batch tried in a fresh build.
+
+The issue's goals (one H100, Qwen3-0.6B, T = 2048): xtrain's tokens/s >= 1.3x transformers' best compile mode at the
+same batch, peak memory <= 0.5x, largest batch >= 2x. The last lines say whether each holds.
+
+On the CPU the same code runs at ``--shape tiny`` for a smoke test (fp32, compile modes "eager" by default there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from xtrain.config import ModelConfig
+
+SHAPES = {
+    "qwen3-0.6b": dict(
+        vocab_size=151936, n_layer=28, n_embd=1024, n_head=16, n_kv_head=8, head_dim=128, ffn_dim=3072, tied=True
+    ),
+    "tiny": dict(vocab_size=512, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, head_dim=128, ffn_dim=192, tied=True),
+}
+
+
+def model_config(shape: str, T: int, dtype: str) -> ModelConfig:
+    s = dict(SHAPES[shape])
+    tied = s.pop("tied")
+    return ModelConfig(
+        **s, max_seq_len=T, rope_theta=1e6, tie_embeddings=tied, compute_dtype=dtype, attention="auto", loss="auto"
+    ).validate()
+
+
+def hf_config(c: ModelConfig):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.ffn_dim,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_kv_head,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_seq_len,
+        rope_theta=c.rope_theta,
+        rms_norm_eps=c.norm_eps,
+        tie_word_embeddings=c.tie_embeddings,
+        attn_implementation="sdpa",
+    )
+
+
+def xtrain_side(c: ModelConfig, dev, B: int, T: int):
+    from bench.train import trainer_step
+
+    ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
+    return trainer_step(c, dev, ids, B, graph=dev.type == "cuda")
+
+
+def transformers_side(c: ModelConfig, dev, B: int, T: int, mode: str):
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(hf_config(c)).to(dev).train()  # fp32 parameters: the master weights
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=dev.type == "cuda")
+    ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0)).to(dev)
+    x, y = ids[:, :-1], ids[:, 1:]
+    low = c.compute_dtype == "bfloat16"
+
+    def loss_fn(x, y):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=low):
+            logits = model(input_ids=x).logits  # [B, T, V]
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    if mode != "eager":
+        loss_fn = torch.compile(loss_fn, mode=None if mode == "default" else mode)
+
+    def step():
+        loss = loss_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _free(dev):
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_side(build, dev, steps: int, warmup: int) -> dict:
+    """Build, warm up and time one side alone -> {"ms": median step, "peak": bytes or None, "loss": first}."""
+    _free(dev)
+    _sync(dev)
+    base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    fn = build()
+    first = float(fn())
+    for _ in range(max(warmup, getattr(fn, "min_warmup", 0))):
+        fn()
+    times = []
+    for _ in range(steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else None
+    del fn
+    _free(dev)
+    return {"ms": statistics.median(times) * 1e3, "peak": peak, "loss": first}
+
+
+def fits(build, dev) -> bool:
+    """Whether two steps of a fresh build run without running out of device memory."""
+    _free(dev)
+    try:
+        fn = build()
+        for _ in range(max(2, getattr(fn, "min_warmup", 0))):
+            fn()
+        _sync(dev)
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+    finally:
+        fn = None  # noqa: F841 (drop the step and what it holds before the next try)
+        _free(dev)
+
+
+def max_batch(make, dev, start: int, limit: int) -> int:
+    """The largest batch of start, 2 start, 4 start, ... <= limit that fits (0: not even start)."""
+    best, b = 0, start
+    while b <= limit and fits(lambda b=b: make(b), dev):
+        best, b = b, 2 * b
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="xtrain bench finetune", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: qwen3-0.6b on CUDA, tiny on CPU")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 4 on CUDA, 2 on CPU)")
+    ap.add_argument("--seq-len", type=int, default=None, help="T (default 2048 on CUDA, 64 on CPU)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument(
+        "--compile-modes",
+        nargs="+",
+        default=None,
+        help="torch.compile modes for transformers (default: default max-autotune-no-cudagraphs on CUDA, eager on CPU)",
+    )
+    ap.add_argument("--max-batch", action="store_true", help="also find each side's largest batch that fits")
+    ap.add_argument("--max-batch-limit", type=int, default=256)
+    args = ap.parse_args(argv)
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    shape = args.shape or ("qwen3-0.6b" if cuda else "tiny")
+    B = args.batch_size or (4 if cuda else 2)
+    T = args.seq_len or (2048 if cuda else 64)
+    modes = args.compile_modes or (["default", "max-autotune-no-cudagraphs"] if cuda else ["eager"])
+    dtype = "bfloat16" if cuda else "float32"
+    c = model_config(shape, T, dtype)
+    if cuda:
+        from bench._gpu import warm_up
+
+        warm_up()
+    name = torch.cuda.get_device_name(dev) if cuda else "cpu"
+    print(
+        f"xtrain bench finetune: shape={shape} params={c.num_params() / 1e6:.1f}M B={B} T={T} V={c.vocab_size} "
+        f"device={dev} ({name}) dtype={dtype} (fp32 masters) torch={torch.__version__}"
+    )
+    rows = {}
+    builders = [("xtrain trainer", lambda b: xtrain_side(c, dev, b, T))]
+    builders += [(f"transformers {m}", lambda b, m=m: transformers_side(c, dev, b, T, m)) for m in modes]
+    for label, make in builders:
+        try:
+            rows[label] = run_side(lambda make=make: make(B), dev, args.steps, args.warmup)
+        except Exception as e:  # a compile mode that does not build here, a graph that falls back, out of memory
+            print(f"  {label}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+            continue
+        if args.max_batch:
+            rows[label]["max_batch"] = max_batch(make, dev, B, args.max_batch_limit)
+    hf = [r for k, r in rows.items() if k.startswith("transformers")]
+    best = min(hf, key=lambda r: r["ms"]) if hf else None
+    print(f"{'side':<42}{'step ms':>10}{'tokens/s':>12}{'peak GiB':>10}{'max batch':>11}{'first loss':>12}")
+    for label, r in rows.items():
+        mem = f"{r['peak'] / 2**30:.2f}" if r["peak"] is not None else "-"
+        mb = str(r.get("max_batch", "-"))
+        print(f"{label:<42}{r['ms']:>10.1f}{B * T / r['ms'] * 1e3:>12.0f}{mem:>10}{mb:>11}{r['loss']:>12.4f}")
+    ours = rows.get("xtrain trainer")
+    if ours and best:
+        speed = best["ms"] / ours["ms"]
+        print(f"tokens/s, xtrain / transformers' fastest mode: {speed:.2f}x (goal >= 1.3x)")
+        if ours["peak"] is not None and best["peak"]:
+            print(f"peak memory, xtrain / transformers: {ours['peak'] / best['peak']:.2f}x (goal <= 0.5x)")
+        if "max_batch" in ours and best.get("max_batch"):
+            print(f"largest batch, xtrain / transformers: {ours['max_batch'] / best['max_batch']:.2f}x (goal >= 2x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
