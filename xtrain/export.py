@@ -151,6 +151,21 @@ EXPORT_FILES = frozenset(
 EXPORT_MARK = {"format": "pt", "producer": "xtrain export"}
 
 
+def _marked_safetensors(tensors: dict) -> bytes:
+    """The safetensors bytes of ``tensors`` with ``EXPORT_MARK`` as metadata, the same bytes for the same tensors:
+    safetensors writes a metadata map's keys in a random order, so its header is re-written with them sorted (the
+    same keys and values, so the same length)."""
+    data = bytearray(save(tensors, metadata=EXPORT_MARK))
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8 : 8 + n]))
+    header = {"__metadata__": dict(sorted(header.pop("__metadata__").items())), **header}
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > n:  # not the compact JSON safetensors writes: keep its bytes rather than guess
+        return bytes(data)
+    data[8 : 8 + n] = text + b" " * (n - len(text))
+    return bytes(data)
+
+
 def _is_export(out: Path) -> bool:
     """Whether ``out`` holds an export written by xtrain (its model.safetensors carries ``EXPORT_MARK``)."""
     try:
@@ -321,7 +336,7 @@ def _write_hf_files(out: Path, tensors, hf: dict, src: Path) -> None:
     original tokenizer, chat template and generation files, byte for byte."""
     from xtrain.hf import TOKENIZER_FILES
 
-    atomic_write_bytes(out / "model.safetensors", save(tensors, metadata=EXPORT_MARK))
+    atomic_write_bytes(out / "model.safetensors", _marked_safetensors(tensors))
     gen = {}
     if (src / "generation_config.json").is_file():
         gen = json.loads((src / "generation_config.json").read_text())
@@ -335,7 +350,7 @@ def _write_hf_files(out: Path, tensors, hf: dict, src: Path) -> None:
 
 
 def _write_export(out: Path, tensors, hf: dict, eos_id, tok_text, tokenizer_json, model_config) -> None:
-    atomic_write_bytes(out / "model.safetensors", save(tensors, metadata=EXPORT_MARK))
+    atomic_write_bytes(out / "model.safetensors", _marked_safetensors(tensors))
     if eos_id is not None:
         hf["eos_token_id"] = hf["bos_token_id"] = eos_id
     atomic_write_json(out / "config.json", hf)
