@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from xtrain.config import ModelConfig
-from xtrain.model import Model, doc_starts
+from xtrain.mask import Documents
+from xtrain.model import Model
 
 GOLDEN = Path(__file__).with_name("golden") / "model_grads.safetensors"
 EOT = 1
@@ -60,13 +61,13 @@ def run_case(name: str) -> dict[str, torch.Tensor]:
         made = {id(p): p.data.to(m.compute_dtype) for p in m.parameters()}
         m.weight_copy = lambda p: made.get(id(p))
     x, y = _batch()
-    starts = doc_starts(x, EOT) if docs else None
-    loss = m.loss(x, y, reduction="mean" if mean else "sum", dropout_rows=rows, doc_starts=starts)
+    mask = Documents.of(x, EOT) if docs else None
+    loss = m.loss(x, y, reduction="mean" if mean else "sum", dropout_rows=rows, mask=mask)
     loss.backward()
     out = {"loss": loss.data.detach().clone()}
     out.update({f"grad.{k}": p.grad.clone() for k, p in m.named_parameters()})
     m.eval()
-    out["logits"] = m.forward(x, doc_starts=starts).data.clone()
+    out["logits"] = m.forward(x, mask=mask).data.clone()
     return out
 
 
