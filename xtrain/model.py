@@ -56,16 +56,17 @@ Masks (``xtrain.mask``), built once per batch and handed to every block: ``forwa
 (plain causal), ``Documents.of(ids, eot_id)`` (a training window of packed documents, each starting at its
 ``eot``, the BOS inference prepends: attention within each document and RoPE positions restarting at its start,
 so each document is computed as if it ran alone from its eot), or ``Cached`` (new tokens over a KV cache). The
-mask gives the RoPE positions (one cos/sin table per forward, shared by every layer) and the attention form.
+mask gives the attention form and the RoPE positions, whose cos/sin rows it takes from ``rope_table`` (every
+position's, computed once at construction; a row is bit for bit what a table of that position alone holds).
 
 Training, prefill and decode are this one forward. With ``cache`` (a KV cache such as ``serve.cache.SlotCache``,
 whose ``Cached`` mask says which rows and positions the new tokens take), each block writes its new keys and
 values into the cache and attends over the cache rows; it is inference (under ``no_grad``). The decode path
 reads its matmul weights in the compute dtype, stacked where one input feeds several (q/k/v, gate/up) and stored
 transposed ([in, out], so x @ W is one GEMM over rows it reads in order: at batch 1 on the CPU the [1, 256] x
-[256, 4096] head runs 2.6x faster than on W.t()); they are cast once and rewritten in place when a parameter
-changes (its version counter), so a captured decode graph reads the current values. Without a cache the forward
-is the training forward, every op as the tape records it.
+[256, 4096] head ran 1.4x faster than on W.t()); they are cast once and rewritten in place when a parameter
+changes (its version counter), so a captured decode graph reads the current values. A forward with a cache never
+drops out. Without a cache the forward is the training forward, every op as the tape records it.
 
 Activation recompute (``config.recompute``): each block runs under ``xtrain.autograd.checkpoint``: only
 its input is kept; its forward is re-run during backward. Same ops in the same order, so loss and
@@ -81,7 +82,7 @@ import torch
 
 from xtrain import ops
 from xtrain.autograd import Var, checkpoint, is_grad_enabled, no_grad
-from xtrain.config import ConfigError, ModelConfig
+from xtrain.config import ModelConfig
 from xtrain.mask import CAUSAL, Mask, doc_starts
 
 __all__ = ["BLOCK_KEYS", "Model", "doc_starts", "mix_seed", "param_shapes", "site_seed"]
@@ -157,37 +158,6 @@ def param_shapes(cfg: ModelConfig) -> OrderedDict[str, tuple[int, ...]]:
     return shapes
 
 
-def _resolve_attention(impl: str) -> str:
-    """-> the ``impl`` for ``ops.attention_rows``. "auto" lets the op pick its form from the tensors' device
-    (``kernels._dispatch.prefer_fused``), so the model has no device branch."""
-    if impl in ("flash", "auto"):
-        try:
-            ops.flash_attention  # noqa: B018 - is it in this build?
-        except (ImportError, AttributeError):
-            if impl == "flash":
-                raise ConfigError(
-                    "attention='flash' but xtrain.ops.flash_attention is not available in this build"
-                ) from None
-            return "math"
-    return impl
-
-
-def _resolve_loss(impl: str):
-    """-> the LM head + loss op (x [N, C], w [V, C], targets [N], ignore_index=, reduction=). "auto" is
-    ``ops.lm_head_loss``, which picks the fused form from the device."""
-    if impl == "composed":
-        return None
-    try:
-        fused = ops.linear_cross_entropy
-    except (ImportError, AttributeError):
-        fused = None
-    if impl == "fused":
-        if fused is None:
-            raise ConfigError("loss='fused' but xtrain.ops.linear_cross_entropy is not available in this build")
-        return fused
-    return ops.lm_head_loss if fused is not None else None  # "auto"
-
-
 class Model:
     """The Qwen3-style decoder. ``Model(config, device, seed)``; parameters in ``model.params``."""
 
@@ -206,8 +176,9 @@ class Model:
         self.rope_table = ops.rope_table(
             torch.arange(config.max_seq_len, device=self.device), config.head_dim, config.rope_theta, acc
         )
-        self._attention = _resolve_attention(config.attention)
-        self._fused_loss = _resolve_loss(config.loss)
+        self._attention = config.attention  # "auto": the op picks its form from the device (no device branch here)
+        # the LM head + loss op (x [N, C], w [V, C], targets [N]); "auto": the op picks the fused form by device
+        self._fused_loss = {"composed": None, "fused": ops.linear_cross_entropy, "auto": ops.lm_head_loss}[config.loss]
         self.params: OrderedDict[str, Var] = OrderedDict(
             (
                 name,
@@ -338,21 +309,20 @@ class Model:
         key = [(id(p.data), p.data._version) for p in self._matmul_params]
         if W is not None and W["key"] == key:
             return W
-        dt, L = self.compute_dtype, [f"model.layers.{i}." for i in range(self.config.n_layer)]
-        stack = lambda names: torch.cat([self.params[n].data for n in names]).to(dt).t()  # noqa: E731 - [in, out]
+        dt, L = self.compute_dtype, [f"model.layers.{i}.{{}}.weight" for i in range(self.config.n_layer)]
+        stack = lambda *names: torch.cat([self.params[n].data for n in names]).to(dt).t()  # noqa: E731 - [in, out]
         new = {
-            "qkv": [stack([p + f"self_attn.{n}_proj.weight" for n in "qkv"]) for p in L],
-            "o": [stack([p + "self_attn.o_proj.weight"]) for p in L],
-            "gate_up": [stack([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]) for p in L],
-            "down": [stack([p + "mlp.down_proj.weight"]) for p in L],
-            "head": [stack([self.head_weight.name])],
+            "qkv": [stack(*(p.format(f"self_attn.{n}_proj") for n in "qkv")) for p in L],
+            "o": [stack(p.format("self_attn.o_proj")) for p in L],
+            "gate_up": [stack(p.format("mlp.gate_proj"), p.format("mlp.up_proj")) for p in L],
+            "down": [stack(p.format("mlp.down_proj")) for p in L],
+            "head": [stack(self.head_weight.name)],
         }
         if W is None:
             W = self._decode_w = {k: [t.contiguous() for t in v] for k, v in new.items()}
-        else:  # the same storage: a captured decode graph reads the new values
-            for k, v in new.items():
-                for old, t in zip(W[k], v):
-                    old.copy_(t)
+        for k, v in new.items():  # in place: a captured decode graph reads the new values
+            for old, t in zip(W[k], v):
+                old.copy_(t)
         W["key"] = key
         return W
 
@@ -469,16 +439,8 @@ class Model:
 
     __call__ = forward
 
-    def loss(
-        self,
-        ids: torch.Tensor,
-        targets: torch.Tensor,
-        reduction: str = "mean",
-        ignore_index: int = -100,
-        dropout_rows: tuple[int, int] = (0, 1),
-        mask: Mask | None = None,
-    ) -> Var:
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", ignore_index: int = -100,
+             dropout_rows: tuple[int, int] = (0, 1), mask: Mask | None = None) -> Var:  # fmt: skip
         """The cross-entropy of ``forward(ids, targets, ...)`` (see there for ``dropout_rows`` and ``mask``)."""
-        return self.forward(
-            ids, targets, reduction=reduction, ignore_index=ignore_index, dropout_rows=dropout_rows, mask=mask
-        )
+        return self.forward(ids, targets, reduction=reduction, ignore_index=ignore_index, dropout_rows=dropout_rows,
+                            mask=mask)  # fmt: skip

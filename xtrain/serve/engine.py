@@ -41,8 +41,6 @@ from xtrain.mask import Cached
 from xtrain.sampling import Sampling, sample_rows
 from xtrain.serve.cache import SlotCache
 
-__all__ = ["Batcher", "DecodeGraphs", "Engine", "EngineConfig", "QueueFull", "Sampling", "SlotCache", "sample_rows"]
-
 
 class DecodeGraphs:
     """The decode step as CUDA graphs: on a GPU a batch-1 step of a small model is a few hundred small
@@ -152,24 +150,14 @@ class Engine:
         b = self._batchers.get(len(prompts))
         if b is None:
             b = self._batchers[len(prompts)] = Batcher(self, EngineConfig(slots=len(prompts), max_queue=0))
-        out: list[list[int]] = [[] for _ in prompts]
-        ends: list = [None] * len(prompts)
-
-        def listener(i):
-            def on_event(tok, lp, fin):
-                if tok is not None:
-                    out[i].append(tok)
-                ends[i] = fin or ends[i]
-
-            return on_event
-
         smp = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        b.submit([(list(p), max_new_tokens, smp[i], eos_id, listener(i)) for i, p in enumerate(prompts)], slide)
+        outs = [Collect() for _ in prompts]
+        b.submit([(list(p), max_new_tokens, smp[i], eos_id, outs[i]) for i, p in enumerate(prompts)], slide)
         b.run()
-        bad = [e for e in ends if e is None or e.startswith("error")]
-        if bad:
-            raise ValueError(f"generate: {bad[0]}")
-        return out
+        for c in outs:
+            if c.finish is None or c.finish.startswith("error"):
+                raise ValueError(f"generate: {c.finish}")
+        return [c.tokens for c in outs]
 
 
 @dataclass(frozen=True)
@@ -192,6 +180,20 @@ def _error(e: Exception) -> str:
 
 class QueueFull(RuntimeError):
     """Every slot is busy and the waiting list is at ``EngineConfig.max_queue``."""
+
+
+class Collect:
+    """An ``on_event`` listener that keeps a sequence's tokens and its finish reason (``done`` set at the end)."""
+
+    def __init__(self):
+        self.tokens, self.finish, self.done = [], None, threading.Event()
+
+    def __call__(self, tok, lp, fin) -> None:
+        if tok is not None:
+            self.tokens.append(tok)
+        if fin is not None:
+            self.finish = fin
+            self.done.set()
 
 
 class Sequence:
@@ -271,19 +273,10 @@ class Batcher:
 
     def generate(self, ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), eos_id=None):
         """Blocking helper for a started batcher: -> (new token ids, finish reason)."""
-        out, done = [], threading.Event()
-        finish = []
-
-        def on_event(tok, lp, fin):
-            if tok is not None:
-                out.append(tok)
-            if fin is not None:
-                finish.append(fin)
-                done.set()
-
-        self.submit([(ids, max_new_tokens, sampling, eos_id, on_event)])
-        done.wait()
-        return out, finish[0]
+        c = Collect()
+        self.submit([(ids, max_new_tokens, sampling, eos_id, c)])
+        c.done.wait()
+        return c.tokens, c.finish
 
     def start(self) -> Batcher:
         if self.thread is None:
@@ -371,29 +364,28 @@ class Batcher:
 
     def _decode(self, running: list[Sequence]) -> torch.Tensor:
         """Logits [B, V] of one decode step for ``running``. When the batched step raises, each row is
-        decoded alone (the cache positions put back first): a row that fails alone too ends its sequence
-        (its row of logits nan), and the others get their own row's logits."""
-        eng = self.engine
+        decoded alone (its cache position put back first): a row that fails alone too ends its sequence (its
+        row of logits nan), and the others get their own row's logits."""
+        eng, lengths = self.engine, self.cache.lengths
         slots = torch.tensor([s.slot for s in running], dtype=torch.long)
         tokens = torch.tensor([s.last for s in running], dtype=torch.long)
-        pos = self.cache.lengths[slots].clone()
+        pos = lengths[slots].clone()
         try:
             return eng.decode(self.cache, slots, tokens)  # [B, V]
         except Exception as e:
-            if len(running) == 1:
-                self.cache.lengths[slots] = pos
-                self._finish(running[0], _error(e))
-                return torch.full((1, self.engine.config.vocab_size), float("nan"), device=eng.device)
-            rows = []
-            for b, s in enumerate(running):
-                self.cache.lengths[slots[b : b + 1]] = pos[b : b + 1]
-                try:
-                    rows.append(eng.decode(self.cache, slots[b : b + 1], tokens[b : b + 1])[0])
-                except Exception as e_b:
-                    self.cache.lengths[slots[b : b + 1]] = pos[b : b + 1]
-                    self._finish(s, _error(e_b))
-                    rows.append(torch.full((self.engine.config.vocab_size,), float("nan"), device=eng.device))
-            return torch.stack(rows)
+            failed = e
+        rows = []
+        for b, s in enumerate(running):
+            lengths[slots[b]] = pos[b]
+            try:
+                if len(running) == 1:
+                    raise failed
+                rows.append(eng.decode(self.cache, slots[b : b + 1], tokens[b : b + 1])[0])
+            except Exception as e:
+                lengths[slots[b]] = pos[b]
+                self._finish(s, _error(e))
+                rows.append(torch.full((eng.config.vocab_size,), float("nan"), device=eng.device))
+        return torch.stack(rows)
 
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each live sequence from its row of logits [B, V] (on the device: only the ids
