@@ -276,6 +276,22 @@ def test_sample_rows_draws_from_the_filtered_distribution(temperature, top_k, to
     assert mixed[0] == logits.argmax() and mixed[1] == toks[0]
 
 
+def test_sample_rows_gives_the_tokens_of_the_host_sampler():
+    """Sampling moved to the logits' device with the same semantics: six rows (greedy, temperature, top-k, top-p,
+    both, ties) over six steps draw exactly the tokens the host sampler of 3319483 (``sample_rows`` on CPU
+    logits, one uniform per sampled row from its own generator) drew for the same seeds (recorded there)."""
+    g = torch.Generator().manual_seed(58)
+    logits = torch.randn(6, 40, generator=g)
+    logits[5] = logits[5].round()  # ties
+    sets = [Sampling(temperature=0), Sampling(temperature=0.7, seed=1), Sampling(temperature=1.3, top_k=5, seed=2),
+            Sampling(temperature=1.0, top_p=0.6, seed=3), Sampling(temperature=0.9, top_k=12, top_p=0.8, seed=4),
+            Sampling(temperature=1.1, top_p=0.95, seed=5)]  # fmt: skip
+    gens = [torch.Generator().manual_seed(s.seed) for s in sets]
+    got = [sample_rows(logits, sets, gens).tolist() for _ in range(6)]
+    assert got == [[4, 31, 0, 24, 0, 4], [4, 31, 13, 8, 10, 9], [4, 31, 33, 10, 0, 21], [4, 31, 24, 24, 14, 17],
+                   [4, 39, 0, 10, 14, 9], [4, 31, 24, 37, 38, 37]]  # fmt: skip
+
+
 def test_training_beside_the_batcher_records_its_tape_and_both_work():
     """Grad mode, value checks and the kernel backend are per thread: a trainer stepping in one thread while the
     batcher (under ``no_grad`` for its whole life) serves in another trains exactly as it does alone, the served
