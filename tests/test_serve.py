@@ -96,6 +96,30 @@ def test_a_slide_sample_outgrows_the_context():
     assert out[19:] == greedy_full_window(m, (p + out)[49 - 24 : 49], 21)  # then the last 24 of the 49 so far
 
 
+@pytest.mark.parametrize(
+    "starts,new,keys,row",
+    [
+        ([3], 1, 4, True),
+        ([3], 1, 9, True),
+        ([3], 4, 7, True),
+        ([3], 1, 9, False),
+        ([5, 0, 2], 1, 8, False),
+        ([2, 4], 3, 7, False),
+    ],
+)
+def test_cached_mask_hides_exactly_the_keys_past_each_query(starts, new, keys, row):
+    """Query t of row b sees keys 0 .. starts[b] + t: ``hidden`` is that set's complement over the keys read (None
+    only when it is empty), the RoPE positions are starts[b] + t, for the lone-row form and the many-row form."""
+    B = len(starts)
+    st = torch.tensor(starts)
+    m = Cached(torch.arange(B), st, new, keys, (0, starts[0]) if row else None)
+    pos = st[:, None] + torch.arange(new)  # [B, Tn]
+    want = torch.arange(keys)[None, None, :] > pos[:, :, None]  # [B, Tn, S]
+    got = torch.zeros(B, new, keys, dtype=torch.bool) if m.hidden is None else m.hidden.expand(B, 1, 1, new, keys)
+    assert torch.equal(got.reshape(B, new, keys), want)
+    assert torch.equal(m.positions(new, "cpu").expand(B, new), pos)
+
+
 def test_engine_rejects_bad_input():
     e = Engine(small())
     with pytest.raises(ValueError, match="exceeds the context of 48"):
