@@ -255,11 +255,11 @@ def time_composed(q, k, v, do, causal):
 
     def fwd():
         with no_grad():
-            attention(Var(q), Var(k), Var(v), causal=causal)
+            attention(Var(q), Var(k), Var(v), causal)
 
     def fwd_bwd():
         vs = [Var(t, requires_grad=True) for t in (q, k, v)]
-        attention(*vs, causal=causal).backward(do)
+        attention(*vs, causal).backward(do)
 
     few = dict(reps=3, warmup=1, host_calls=1)  # 0.1-2 s per call: a few calls are a stable median
     fwd_ms = _bench(fwd, **few)

@@ -10,7 +10,8 @@ and batch-1 decode against transformers' ``generate`` on the exported model.
    the ratio (b) / (a) is what continuous batching buys. A failure is a non-200 answer, a missing
    ``[DONE]`` or a token count other than ``--tokens``.
 2. Batch-1 decode. One prompt of ``--prompt-len`` tokens continued by ``--tokens`` greedy tokens with our
-   KV-cache engine (``Engine.generate``) and with ``transformers`` ``generate(do_sample=False)`` on
+   KV-cache engine (``Engine.generate``: the model's forward with a slot cache, sampling on the device, decode CUDA
+   graphs on a GPU) and with ``transformers`` ``generate(do_sample=False)`` on
    ``export_hf`` of the same weights (Qwen3ForCausalLM, its own KV cache, on the model's device in its compute
    dtype), same process,
    interleaved, median of ``--reps``. tokens/s = new tokens / time of the whole call (prefill included on
@@ -34,7 +35,7 @@ import torch
 from xtrain.config import preset
 from xtrain.model import Model
 from xtrain.serve.api import Service
-from xtrain.serve.engine import Engine, EngineConfig
+from xtrain.serve.engine import Engine, EngineConfig, Sampling
 from xtrain.serve.server import serve_in_thread
 
 
@@ -158,21 +159,16 @@ def batch1(model, args) -> None:
     eng = Engine(model)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, model.config.vocab_size, (1, args.prompt_len), generator=g).to(model.device)
+    prompt = ids[0].tolist()
     n = args.tokens
 
     def ours():
-        from xtrain.autograd import no_grad
-
-        with no_grad():
-            return eng.generate(ids, n, temperature=0)[0, ids.shape[1] :].tolist()
+        return eng.generate([prompt], n, Sampling(temperature=0))[0]
 
     eng_plain = Engine(model, cuda_graph=False) if model.device.type == "cuda" else None
 
     def ours_plain():
-        from xtrain.autograd import no_grad
-
-        with no_grad():
-            return eng_plain.generate(ids, n, temperature=0)[0, ids.shape[1] :].tolist()
+        return eng_plain.generate([prompt], n, Sampling(temperature=0))[0]
 
     def theirs():
         with torch.no_grad():

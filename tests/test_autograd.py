@@ -464,8 +464,8 @@ def test_guard_catches_torch_autograd():
 
 
 def test_train_sample_serve_export_never_touch_torch_autograd(tmp_path):
-    """The rule at run time: training steps (dropout and grad accumulation on), sampling (the model's generate,
-    the KV-cache engine, the batcher's slots) and export + import run under ``NoTorchAutograd``."""
+    """The rule at run time: training steps (dropout and grad accumulation on), sampling (the KV-cache engine's
+    generate, past the context too, the batcher's slots) and export + import run under ``NoTorchAutograd``."""
     from xtrain.config import ModelConfig, TrainConfig
     from xtrain.export import export_hf, import_hf
     from xtrain.model import Model
@@ -483,18 +483,14 @@ def test_train_sample_serve_export_never_touch_torch_autograd(tmp_path):
         for _ in range(2):
             assert not tr.train_step()["skipped"]
         model = tr.model.eval()
-        ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=g)
-        model.generate(ids, 4, temperature=0.8, top_k=10, top_p=0.9, seed=1)
-        Engine(model).generate(ids, 4, temperature=0.0)
+        ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=g).tolist()
+        Engine(model).generate(ids, 4, Sampling(temperature=0.8, top_k=10, top_p=0.9, seed=1))
+        Engine(model).generate(ids, 14, Sampling(temperature=0.0), slide=True)  # past the context of 16
         b = Batcher(Engine(model), EngineConfig(slots=2, max_queue=2))
         seqs = b.submit([([1, 2, 3], 3, Sampling(temperature=0), None, lambda *a: None),
                          ([4, 5], 3, Sampling(temperature=1.0, seed=2), None, lambda *a: None)])  # fmt: skip
-        while not all(s.done for s in seqs):  # the batcher's loop, on this thread (the guard is per thread)
-            newcomers = []
-            while b.waiting and b.free:
-                newcomers.append(b.waiting.popleft())
-                newcomers[-1].slot = b.free.pop()
-            b._step(newcomers)
+        b.run()  # the batcher's loop, on this thread (the guard is per thread)
+        assert all(s.done for s in seqs)
         export_hf(cfg, model.state_dict(), tmp_path / "hf", dtype="float32")
         import_hf(tmp_path / "hf")
     assert guard.calls > 1000  # the guard saw the work

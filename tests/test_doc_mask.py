@@ -19,7 +19,8 @@ from xtrain.autograd import Var, no_grad
 from xtrain.config import ModelConfig
 from xtrain.gradcheck import TOL_SMOOTH, gradcheck
 from xtrain.kernels.attention import reference as R
-from xtrain.model import Model, doc_starts
+from xtrain.mask import Documents, doc_starts
+from xtrain.model import Model
 
 EOT = 0
 REL = 1e-10  # fp64: the packed and separate runs differ only in summation order (~1e-15 measured)
@@ -108,7 +109,7 @@ def test_packed_equals_separate_documents(attention, recompute):
     T = 300  # three tiles of the flash reference (128): documents straddle 128 and 256
     ids, tg, rows = packed_window(T)
     m = Model(cfg(attention, recompute), seed=1)
-    loss = m.loss(ids, tg, reduction="sum", doc_starts=doc_starts(ids, EOT))
+    loss = m.loss(ids, tg, reduction="sum", mask=Documents.of(ids, EOT))
     loss.backward()
     packed = {k: p.grad.clone() for k, p in m.params.items()}
     m.zero_grad()
@@ -137,8 +138,8 @@ def test_changing_one_document_leaves_the_others_bit_identical(attention):
     changed[b, s + 1 : e] = torch.randint(1, 50, (e - s - 1,))  # its eot stays: the layout is unchanged
     assert not torch.equal(changed, ids)
     with no_grad():
-        a = m.forward(ids, doc_starts=doc_starts(ids, EOT)).data
-        c = m.forward(changed, doc_starts=doc_starts(changed, EOT)).data
+        a = m.forward(ids, mask=Documents.of(ids, EOT)).data
+        c = m.forward(changed, mask=Documents.of(changed, EOT)).data
     keep = torch.ones(2, T, dtype=torch.bool)
     keep[b, s:e] = False
     assert torch.equal(a[keep], c[keep])
@@ -147,8 +148,8 @@ def test_changing_one_document_leaves_the_others_bit_identical(attention):
 
 @pytest.mark.parametrize("attention", ["composed", "math", "flash"])
 def test_no_eot_and_t1_are_plain_causal(attention):
-    """doc_starts all zeros (no eot in the window, or T = 1) gives the bits of doc_starts=None: the same mask
-    set, the same RoPE positions (through the [B, T] table), and masked entries contribute exact zeros. One
+    """Documents with all-zero starts (no eot in the window, or T = 1) give the bits of the causal mask: the same
+    mask set, the same RoPE positions (through the [B, T] table), and masked entries contribute exact zeros. One
     exception: flash's tiled reference beyond one tile (T > 128), whose masked backward sums dK, dV (and dQ) one
     query tile at a time where the causal one sums every row in one matmul: the same sums in another order,
     so its gradients agree to rounding (REL), not bit for bit; its loss is bit-identical."""
@@ -158,7 +159,7 @@ def test_no_eot_and_t1_are_plain_causal(attention):
         tg = torch.randint(0, 50, (2, T))
         ds = doc_starts(ids, EOT)
         assert not bool(ds.any())
-        la = m.loss(ids, tg, doc_starts=ds)
+        la = m.loss(ids, tg, mask=Documents(ds))
         la.backward()
         ga = {k: p.grad.clone() for k, p in m.params.items()}
         m.zero_grad()
@@ -173,7 +174,7 @@ def test_no_eot_and_t1_are_plain_causal(attention):
         m.zero_grad()
     ids = torch.tensor([[EOT]])  # T = 1 with an eot: one document starting at 0
     with no_grad():
-        assert torch.equal(m.forward(ids, doc_starts=doc_starts(ids, EOT)).data, m.forward(ids).data)
+        assert torch.equal(m.forward(ids, mask=Documents.of(ids, EOT)).data, m.forward(ids).data)
 
 
 def test_rope_positions_restart_per_document(monkeypatch):
@@ -195,7 +196,7 @@ def test_rope_positions_restart_per_document(monkeypatch):
     monkeypatch.setattr(ops, "qk_norm_rope", spy)
     ds = doc_starts(ids, EOT)
     with no_grad():
-        m.forward(ids, doc_starts=ds)
+        m.forward(ids, mask=Documents(ds))
     packed, seen[:] = list(seen), []
     want = torch.arange(T)[None, :] - ds  # [B, T]
     assert len(packed) == 2 * m.config.n_layer
@@ -222,11 +223,12 @@ def node_names(out: Var) -> list[str]:
 
 
 def test_default_path_builds_the_causal_graph():
-    """doc_starts=None records the plain causal graph; the document mask replaces causal_mask node for node."""
+    """The default (causal) mask records the plain causal graph; the document mask replaces causal_mask node for
+    node."""
     m = Model(cfg("composed"), seed=0)
     ids = torch.randint(1, 50, (1, 16))
     plain = node_names(m.forward(ids))
-    masked = node_names(m.forward(ids, doc_starts=doc_starts(ids, EOT)))
+    masked = node_names(m.forward(ids, mask=Documents.of(ids, EOT)))
     assert "doc_mask" not in plain and plain.count("causal_mask") == 2
     assert masked == sorted(n.replace("causal_mask", "doc_mask") for n in plain)
 
@@ -324,13 +326,13 @@ def test_ops_match_the_definition_with_gradients(which):
     qv, kv, vv = Var(q.clone(), True), Var(k.clone(), True), Var(v.clone(), True)
     if which == "rows":
         v_rows = Var(v.transpose(1, 2).reshape(B * T, Hkv * D).clone(), True)
-        out = ops.attention_rows(qv, kv, v_rows, impl="math", doc_starts=ds)  # [B*T, H*D]
+        out = ops.attention_rows(qv, kv, v_rows, Documents(ds), impl="math")  # [B*T, H*D]
         out.backward(do.transpose(1, 2).reshape(B * T, H * D))
         got = (out.data.view(B, T, H, D).transpose(1, 2), qv.grad, kv.grad,
                v_rows.grad.view(B, T, Hkv, D).transpose(1, 2))  # fmt: skip
     else:
         fn = {"composed": ops.attention, "math": ops.math_attention, "flash": ops.flash_attention}[which]
-        out = fn(qv, kv, vv, True, None, ds)
+        out = fn(qv, kv, vv, Documents(ds))
         out.backward(do)
         got = (out.data, qv.grad, kv.grad, vv.grad)
     with torch.no_grad():
@@ -347,8 +349,8 @@ def test_gradcheck_with_doc_starts(name):
         torch.tensor([[EOT, 1, 1, EOT, EOT, 1, 1, 1, 1, EOT, 1], [1, 1, 1, 1, EOT, 1, EOT, 1, 1, 1, 1]]), EOT
     )
     fn = {
-        "math": lambda q, k, v, d: ops.math_attention(q, k, v, True, None, d),
-        "flash": lambda q, k, v, d: ops.flash_attention(q, k, v, True, None, d),
+        "math": lambda q, k, v, d: ops.math_attention(q, k, v, Documents(d)),
+        "flash": lambda q, k, v, d: ops.flash_attention(q, k, v, Documents(d)),
         "flash_tile4": _RefFlash(4),
     }[name]
     errs = gradcheck(fn, [q, k, v], others=(ds,))
@@ -358,10 +360,10 @@ def test_gradcheck_with_doc_starts(name):
 @pytest.mark.parametrize(
     "fn",
     [
-        lambda q, k, v, d: ops.attention(q, k, v, True, None, d),
-        lambda q, k, v, d: ops.math_attention(q, k, v, True, None, d),
-        lambda q, k, v, d: ops.flash_attention(q, k, v, True, None, d),
-        lambda q, k, v, d: ops.auto_attention(q, k, v, True, None, d),
+        lambda q, k, v, d: ops.attention(q, k, v, Documents(d)),
+        lambda q, k, v, d: ops.math_attention(q, k, v, Documents(d)),
+        lambda q, k, v, d: ops.flash_attention(q, k, v, Documents(d)),
+        lambda q, k, v, d: ops.auto_attention(q, k, v, Documents(d)),
     ],
     ids=["attention", "math_attention", "flash_attention", "auto_attention"],
 )
@@ -370,22 +372,20 @@ def test_bad_doc_starts_raise(fn):
     good = torch.zeros(2, 6, dtype=torch.int64)
     for bad in (good.to(torch.int32), torch.zeros(2, 7, dtype=torch.int64), torch.zeros(1, 6, dtype=torch.int64),
                 good[0], [[0] * 6] * 2):  # fmt: skip
-        with pytest.raises(ValueError, match=r"attention.*doc_starts|doc_starts.*\[2, 6\]"):
+        with pytest.raises(ValueError, match=r"Documents: starts must be|attention: the document mask .* \[2, 6\]"):
             fn(q, k, v, bad)
-    with pytest.raises(ValueError, match="causal"):
-        ops.math_attention(q, k, v, False, None, good)
 
 
 def test_bad_doc_starts_raise_in_rows_and_model():
     q, k, v = (Var(x) for x in qkv(2, 2, 1, 6, 4))
     v_rows = Var(v.data.transpose(1, 2).reshape(12, 4))
     with pytest.raises(ValueError, match="attention_rows"):
-        ops.attention_rows(q, k, v_rows, doc_starts=torch.zeros(2, 5, dtype=torch.int64))
+        ops.attention_rows(q, k, v_rows, Documents(torch.zeros(2, 5, dtype=torch.int64)))
     m = Model(cfg("math"), seed=0)
     ids = torch.randint(1, 50, (2, 6))
     for bad in (torch.zeros(2, 6, dtype=torch.int32), torch.zeros(2, 5, dtype=torch.int64)):
-        with pytest.raises(ValueError, match=r"Model: doc_starts"):
-            m.loss(ids, ids, doc_starts=bad)
+        with pytest.raises(ValueError, match=r"Documents: starts must be|Model: the document mask"):
+            m.loss(ids, ids, mask=Documents(bad))
 
 
 @pytest.mark.parametrize("attention", ["math", "flash"])
@@ -397,7 +397,7 @@ def test_recompute_with_dropout_and_doc_starts_is_bit_identical(attention):
     for recompute in (False, True):
         m = Model(dataclasses.replace(cfg(attention, recompute), dropout=0.1), seed=6)
         m.set_dropout_step(9)
-        loss = m.loss(ids, tg, doc_starts=ds)
+        loss = m.loss(ids, tg, mask=Documents(ds))
         loss.backward()
         got.append((loss.data, [p.grad for p in m.parameters()]))
     assert torch.equal(got[0][0], got[1][0])

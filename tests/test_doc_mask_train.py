@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from xtrain.config import ConfigError, ModelConfig, TrainConfig
-from xtrain.model import Model, doc_starts
+from xtrain.mask import Documents
+from xtrain.model import Model
 from xtrain.train.trainer import Trainer, evaluate
 
 EOT = 0
@@ -45,7 +46,7 @@ def test_the_step_scores_each_micro_batch_with_its_own_document_starts():
     cfg = ModelConfig(**{**CFG.to_dict(), "dropout": 0.0, "compute_dtype": "float64"})
     batch = _batches()()
     x, y = batch[:, :-1], batch[:, 1:]
-    want = Model(cfg, seed=0).loss(x, y, reduction="mean", doc_starts=doc_starts(x, EOT))
+    want = Model(cfg, seed=0).loss(x, y, reduction="mean", mask=Documents.of(x, EOT))
     plain = Model(cfg, seed=0).loss(x, y, reduction="mean")
     assert abs(float(want.data) - float(plain.data)) > 1e-3  # the windows really hold several documents
     runs = []
@@ -80,9 +81,9 @@ def test_evaluate_keeps_documents_apart_when_asked():
     batches = [_batches(1)() for _ in range(2)]
     on, off = evaluate(m, batches, doc_eot=EOT), evaluate(m, batches)
     x, y = batches[0][:, :-1], batches[0][:, 1:]
-    first = float(m.loss(x, y, reduction="sum", doc_starts=doc_starts(x, EOT)).data)
+    first = float(m.loss(x, y, reduction="sum", mask=Documents.of(x, EOT)).data)
     x2, y2 = batches[1][:, :-1], batches[1][:, 1:]
-    second = float(m.loss(x2, y2, reduction="sum", doc_starts=doc_starts(x2, EOT)).data)
+    second = float(m.loss(x2, y2, reduction="sum", mask=Documents.of(x2, EOT)).data)
     assert math.isclose(on["eval_loss"], (first + second) / on["eval_tokens"], rel_tol=1e-6)
     assert on["eval_loss"] != off["eval_loss"]
 
@@ -149,6 +150,6 @@ def test_cuda_graph_with_doc_mask_is_the_eager_step_bit_for_bit():
         assert torch.equal(runs[0][1][k], runs[1][1][k]), k
     plain = Model(cfg, device="cuda", seed=0)  # the mask matters on these batches
     x = batches[0][:, :-1].cuda()
-    with_mask = plain.loss(x, batches[0][:, 1:].cuda(), doc_starts=doc_starts(x, EOT))
+    with_mask = plain.loss(x, batches[0][:, 1:].cuda(), mask=Documents.of(x, EOT))
     without = plain.loss(x, batches[0][:, 1:].cuda())
     assert abs(float(with_mask.data) - float(without.data)) > 1e-3

@@ -105,7 +105,7 @@ def test_reference_matches_xtrain_composed_attention():
         outs = []
         for fn in (ops.attention, flash_attention):
             vs = [Var(t.clone(), requires_grad=True) for t in (q, k, v)]
-            out = fn(*vs, causal=causal)
+            out = fn(*vs, mask=causal)
             out.backward(do)
             outs.append([out.data] + [x.grad for x in vs])
         for a, b in zip(*outs):
@@ -118,7 +118,7 @@ def test_gradcheck_finite_differences():
 
     q, k, v, _ = rand_qkv(1, 4, 2, 6, 4, seed=5)
     for causal in (True, False):
-        errs = gradcheck(lambda a, b, c, causal=causal: flash_attention(a, b, c, causal=causal, scale=0.7), [q, k, v])
+        errs = gradcheck(lambda a, b, c, causal=causal: flash_attention(a, b, c, causal, scale=0.7), [q, k, v])
         assert max(errs) < TOL_SMOOTH, errs
 
 

@@ -142,10 +142,10 @@ def test_expected_duration_line():
 
 
 def test_top_p_and_top_k_filtering():
-    from xtrain.sampling import filter_logits
+    from xtrain.sampling import Sampling, sample_rows
 
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    kept = torch.isfinite(filter_logits(logits, top_p=0.7))
-    assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7, so the second token is still needed
-    kept = torch.isfinite(filter_logits(logits, top_k=1))
-    assert kept.tolist() == [[True, False, False, False]]
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(2000, 4)
+    gens = [torch.Generator().manual_seed(i) for i in range(2000)]
+    drawn = set(sample_rows(logits, [Sampling(top_p=0.7)] * 2000, gens).tolist())
+    assert drawn == {0, 1}  # 0.5 < 0.7, so the second token is still needed
+    assert set(sample_rows(logits, [Sampling(top_k=1)] * 2000, gens).tolist()) == {0}

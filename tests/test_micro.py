@@ -267,7 +267,7 @@ def _tensor_gpt_loss(model: MicroGPT, tokens: list[int]):
     for i in range(c.n_layer):
         h = ops.rms_norm(x, ones, c.eps)
         q, k, v = (heads(ops.linear(h, P[f"layer{i}.attn_{w}"])) for w in ("wq", "wk", "wv"))
-        o = ops.attention(q, k, v, causal=True)  # [1, H, T, D]
+        o = ops.attention(q, k, v, mask=True)  # [1, H, T, D]
         o = ops.reshape(ops.transpose(o, 1, 2), (T, C))
         x = ops.add(x, ops.linear(o, P[f"layer{i}.attn_wo"]))
         h = relu(ops.linear(ops.rms_norm(x, ones, c.eps), P[f"layer{i}.mlp_fc1"]))

@@ -424,10 +424,13 @@ def test_eval_and_sampling_never_drop():
         assert not torch.equal(drop.forward(ids).data, want)  # training: dropout active
         drop.eval()
         assert torch.equal(drop.forward(ids).data, want)
+    from xtrain.serve.engine import Engine, Sampling
+
     drop.train()
-    out = drop.generate(ids[:, :4], 5, temperature=0.0)
-    assert drop.training  # generate restores the mode
-    assert torch.equal(out, plain.generate(ids[:, :4], 5, temperature=0.0))
+    prompts = ids[:, :4].tolist()
+    out = Engine(drop).generate(prompts, 5, Sampling(temperature=0.0))  # the forward with a cache never drops
+    assert drop.training  # and leaves the mode alone
+    assert out == Engine(plain).generate(prompts, 5, Sampling(temperature=0.0))
 
 
 def test_dropout_seeds_per_site_and_step():
@@ -530,9 +533,11 @@ def test_fast_paths_match_composed(field, value, op):
 
 
 def test_generate_deterministic():
+    from xtrain.serve.engine import Engine, Sampling
+
     c = small_cfg()
     m = Model(c, seed=0)
     ids, _ = batch(c, B=2, T=3)
-    a = m.generate(ids, 6, temperature=1.0, top_k=10, seed=7)
-    b = m.generate(ids, 6, temperature=1.0, top_k=10, seed=7)
-    assert a.shape == (2, 9) and torch.equal(a, b) and torch.equal(a[:, :3], ids)
+    a = Engine(m).generate(ids.tolist(), 6, Sampling(temperature=1.0, top_k=10, seed=7))
+    b = Engine(m).generate(ids.tolist(), 6, Sampling(temperature=1.0, top_k=10, seed=7))
+    assert [len(r) for r in a] == [6, 6] and a == b

@@ -1,6 +1,8 @@
-"""The KV-cache engine computes the model's logits and greedy tokens; batched decoding over cache slots (sequences
-of different lengths in one batch) gives each sequence the tokens it gets alone; the batcher's queue is bounded.
-The HTTP API is tested in test_serve_api.py, the train -> export -> serve loop in test_serve_loop.py."""
+"""The KV-cache engine computes the model's logits and greedy tokens (the model's forward with a slot cache equals
+its full-window forward); batched decoding over cache slots (sequences of different lengths in one batch) gives
+each sequence the tokens it gets alone; a sample may outgrow the context; the batcher's queue is bounded; sampling
+runs on the logits' device with the same tokens for the same seed. The HTTP API is tested in test_serve_api.py,
+the train -> export -> serve loop in test_serve_loop.py."""
 
 import math
 import threading
@@ -10,8 +12,8 @@ import torch
 
 from xtrain.autograd import no_grad
 from xtrain.config import ModelConfig
+from xtrain.mask import Cached
 from xtrain.model import Model
-from xtrain.sampling import filter_logits
 from xtrain.serve.engine import Batcher, Engine, EngineConfig, QueueFull, Sampling, SlotCache, sample_rows
 
 
@@ -41,39 +43,106 @@ def small(**kw):
     return Model(ModelConfig(**base), seed=5)
 
 
+def greedy_full_window(m: Model, ids: list[int], n: int) -> list[int]:
+    """The oracle: n greedy tokens, each from the model's full-window forward (no cache)."""
+    seq = list(ids)
+    with no_grad():
+        for _ in range(n):
+            seq.append(int(m.forward(torch.tensor([seq])).data[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_cached_logits_equal_full_window_logits(tie):
+    """Three rows prefilled together (one forward, B = 3, a Cached mask), then decoded one position at a time
+    through the forward's decode path: every position's logits equal the full window's."""
     m = small(tie_embeddings=tie)
-    e = Engine(m)
     ids = torch.randint(0, 257, (3, 20), generator=torch.Generator().manual_seed(0))
+    cache = SlotCache(m, 3, 20)
+    rows = torch.arange(3)
     with no_grad():
         ref = m.forward(ids).data  # [B, T, V], every position from the full window
-    caches = SlotCache(e, 3, 20).kv
-    got = [e._forward(ids[:, :7], caches, 0)]  # prefill 7, then one position at a time
-    got += [e._forward(ids[:, t : t + 1], caches, t) for t in range(7, 20)]
-    got = torch.stack(got, dim=1)  # [B, 14, V] for positions 6..19
-    assert (got - ref[:, 6:]).abs().max() <= 1e-5 * ref.abs().max()
+        got = [m.forward(ids[:, :7], mask=cache.mask(rows, 7), cache=cache).data]  # [3, 7, V]
+        cache.lengths[:] = 7
+        for t in range(7, 20):
+            got.append(m.forward(ids[:, t : t + 1], mask=cache.mask(rows, 1), cache=cache, last=True).data)
+            cache.lengths += 1
+    got = torch.cat(got, dim=1)  # [B, 20, V]
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-def test_greedy_tokens_equal_model_generate_and_stream():
+def test_greedy_tokens_equal_the_full_window_and_generate_is_seeded():
     m = small()
-    ids = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(1))
-    seen = []
-    out = Engine(m).generate(ids, 15, temperature=0, stream=lambda i, t: seen.append(t.clone()))
-    assert torch.equal(out, m.generate(ids, 15, temperature=0))
-    assert torch.equal(torch.stack(seen, 1), out[:, 9:])
-    a = Engine(m).generate(ids, 10, temperature=0.9, top_k=20, seed=4)
-    assert torch.equal(a, Engine(m).generate(ids, 10, temperature=0.9, top_k=20, seed=4))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 257, (n,), generator=g).tolist() for n in (9, 4)]
+    e = Engine(m)
+    assert e.generate(prompts, 15, Sampling(temperature=0)) == [greedy_full_window(m, p, 15) for p in prompts]
+    a = e.generate(prompts, 10, Sampling(temperature=0.9, top_k=20, seed=4))
+    assert a == Engine(m).generate(prompts, 10, Sampling(temperature=0.9, top_k=20, seed=4))
+    assert a[0] == e.generate(prompts[:1], 10, Sampling(temperature=0.9, top_k=20, seed=4))[0]  # alone: the same
+
+
+def test_a_slide_sample_outgrows_the_context():
+    """``slide``: a row that fills the context goes on from its last max_len // 2 tokens, re-read from position 0
+    (one prefill), so the tokens after the refill are those of the full window over that half."""
+    m = small()
+    p = torch.randint(0, 257, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    e = Engine(m)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        e.generate([p], 40, Sampling(temperature=0))
+    out = e.generate([p], 40, Sampling(temperature=0), slide=True)[0]
+    assert len(out) == 40
+    assert out[:19] == greedy_full_window(m, p, 19)  # the row holds 30 + 18 = 48 positions after 19 tokens
+    assert out[19:] == greedy_full_window(m, (p + out)[49 - 24 : 49], 21)  # then the last 24 of the 49 so far
+
+
+@pytest.mark.parametrize(
+    "starts,new,keys,row",
+    [
+        ([3], 1, 4, True),
+        ([3], 1, 9, True),
+        ([3], 4, 7, True),
+        ([3], 1, 9, False),
+        ([5, 0, 2], 1, 8, False),
+        ([2, 4], 3, 7, False),
+    ],
+)
+def test_cached_mask_hides_exactly_the_keys_past_each_query(starts, new, keys, row):
+    """Query t of row b sees keys 0 .. starts[b] + t: ``hidden`` is that set's complement over the keys read (None
+    only when it is empty), the RoPE positions are starts[b] + t, for the lone-row form and the many-row form."""
+    B = len(starts)
+    st = torch.tensor(starts)
+    m = Cached(torch.arange(B), st, new, keys, (0, starts[0]) if row else None)
+    pos = st[:, None] + torch.arange(new)  # [B, Tn]
+    want = torch.arange(keys)[None, None, :] > pos[:, :, None]  # [B, Tn, S]
+    got = torch.zeros(B, new, keys, dtype=torch.bool) if m.hidden is None else m.hidden.expand(B, 1, 1, new, keys)
+    assert torch.equal(got.reshape(B, new, keys), want)
+    assert torch.equal(m.positions(new, "cpu").expand(B, new), pos)
 
 
 def test_engine_rejects_bad_input():
     e = Engine(small())
-    with pytest.raises(ValueError, match="exceeds the model's max_seq_len"):
-        e.generate(torch.zeros(1, 40, dtype=torch.long), 20)
+    with pytest.raises(ValueError, match="exceeds the context of 48"):
+        e.generate([[0] * 40], 20)
     with pytest.raises(ValueError, match="token ids must lie"):
-        e.generate(torch.full((1, 3), 999), 2)
-    with pytest.raises(ValueError, match="integer tensor"):
-        e.generate(torch.zeros(1, 3), 2)
+        e.generate([[999] * 3], 2)
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        e.generate([[]], 2)
+    with pytest.raises(ValueError, match="Sampling: need"):
+        e.generate([[1, 2]], 2, Sampling(temperature=-1))
+    m = small()
+    cache = SlotCache(m, 2, 8)
+    with no_grad():
+        with pytest.raises(ValueError, match="Cached exactly when a cache is given"):
+            m.forward(torch.zeros(2, 3, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match="the cache mask holds 2 rows of 3"):
+            m.forward(torch.zeros(2, 4, dtype=torch.long), mask=cache.mask(torch.arange(2), 3), cache=cache)
+        with pytest.raises(ValueError, match="do not fit 8 positions"):
+            cache.mask(torch.arange(2), 9)
+    with pytest.raises(ValueError, match="inference"):  # the cache path records no tape
+        m.forward(torch.zeros(2, 3, dtype=torch.long), mask=cache.mask(torch.arange(2), 3), cache=cache)
+    with pytest.raises(ValueError, match="Cached: need"):
+        Cached(torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), 1, 4)
 
 
 def test_slot_decode_equals_full_window_logits():
@@ -84,7 +153,7 @@ def test_slot_decode_equals_full_window_logits():
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, 257, (n,), generator=g) for n in (19, 21, 16)]
     starts, slots = (5, 9, 2), torch.tensor([4, 0, 2])
-    cache = SlotCache(e, 5, 24)
+    cache = SlotCache(m, 5, 24)
     cache.kv[0][0].normal_(generator=g)  # stale rows must stay hidden by the mask
     for s, slot, t0 in zip(seqs, slots.tolist(), starts):
         e.prefill(cache, slot, s[:t0])
@@ -119,7 +188,7 @@ def test_batched_greedy_equals_alone_and_sampling_is_per_sequence():
     e = Engine(m)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 17, 5, 11, 2)]
-    alone = [e.generate(torch.tensor([p]), 20, temperature=0)[0, len(p) :].tolist() for p in prompts]
+    alone = [e.generate([p], 20, Sampling(temperature=0))[0] for p in prompts]
     b = Batcher(e, EngineConfig(slots=4, max_queue=8)).start()
     try:
         jobs = [(p, 20, Sampling(temperature=0)) for p in prompts]
@@ -216,8 +285,6 @@ def test_sample_rows_draws_from_the_filtered_distribution(temperature, top_k, to
     logits = torch.randn(1, 7, generator=g) * 1.5
     want = _filtered_probs(logits[0].tolist(), temperature, top_k, top_p)
     assert 0 < int((want > 0).sum()) < 7 or (top_k is None and top_p is None)  # the filter cuts something
-    # the library's own filter agrees (the multinomial path of Model.generate uses it)
-    torch.testing.assert_close(torch.softmax(filter_logits(logits / temperature, top_k, top_p), -1)[0].double(), want)
     N = 4000
     smp = [Sampling(temperature=temperature, top_k=top_k, top_p=top_p)] * N
     gens = [torch.Generator().manual_seed(100 + i) for i in range(N)]
@@ -231,6 +298,22 @@ def test_sample_rows_draws_from_the_filtered_distribution(temperature, top_k, to
         logits.expand(2, 7), [Sampling(temperature=0), smp[0]], [None, torch.Generator().manual_seed(100)]
     )
     assert mixed[0] == logits.argmax() and mixed[1] == toks[0]
+
+
+def test_sample_rows_gives_the_tokens_of_the_host_sampler():
+    """Sampling moved to the logits' device with the same semantics: six rows (greedy, temperature, top-k, top-p,
+    both, ties) over six steps draw exactly the tokens the host sampler of 3319483 (``sample_rows`` on CPU
+    logits, one uniform per sampled row from its own generator) drew for the same seeds (recorded there)."""
+    g = torch.Generator().manual_seed(58)
+    logits = torch.randn(6, 40, generator=g)
+    logits[5] = logits[5].round()  # ties
+    sets = [Sampling(temperature=0), Sampling(temperature=0.7, seed=1), Sampling(temperature=1.3, top_k=5, seed=2),
+            Sampling(temperature=1.0, top_p=0.6, seed=3), Sampling(temperature=0.9, top_k=12, top_p=0.8, seed=4),
+            Sampling(temperature=1.1, top_p=0.95, seed=5)]  # fmt: skip
+    gens = [torch.Generator().manual_seed(s.seed) for s in sets]
+    got = [sample_rows(logits, sets, gens).tolist() for _ in range(6)]
+    assert got == [[4, 31, 0, 24, 0, 4], [4, 31, 13, 8, 10, 9], [4, 31, 33, 10, 0, 21], [4, 31, 24, 24, 14, 17],
+                   [4, 39, 0, 10, 14, 9], [4, 31, 24, 37, 38, 37]]  # fmt: skip
 
 
 def test_training_beside_the_batcher_records_its_tape_and_both_work():
@@ -251,7 +334,7 @@ def test_training_beside_the_batcher_records_its_tape_and_both_work():
     alone_losses = [m["loss"] for m in alone.fit()]
     m = small()
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
-    want = [Engine(m).generate(torch.tensor([p]), 12, temperature=0)[0, len(p) :].tolist() for p in prompts]
+    want = Engine(m).generate(prompts, 12, Sampling(temperature=0))
     b = Batcher(Engine(m), EngineConfig(slots=2)).start()
     try:
         assert b.generate(prompts[0], 12, Sampling(temperature=0))[0] == want[0]  # the batcher holds no_grad now

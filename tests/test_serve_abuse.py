@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.test_serve import small
-from xtrain.sampling import GREEDY_BELOW, filter_logits, next_token
+from xtrain.sampling import GREEDY_BELOW
 from xtrain.serve.engine import Batcher, Engine, EngineConfig, Sampling, sample_rows
 
 
@@ -38,13 +38,15 @@ def test_degenerate_settings_sample_sensibly():
     greedy = logits.argmax(-1)
     assert toks[[0, 1, 2, 4]].tolist() == greedy[[0, 1, 2, 4]].tolist()  # tiny temperature / top_p: the argmax
     assert 0 <= int(toks[3]) < 50
-    for s in DEGENERATE:  # the sampler of `xtrain sample` agrees
-        t = next_token(logits[:1], s.temperature, s.top_k, s.top_p, torch.Generator().manual_seed(0))
-        assert 0 <= int(t) < 50
-        if s.temperature < GREEDY_BELOW or (s.top_p or 1) < 1e-30:
-            assert int(t) == int(greedy[0])
-    kept = filter_logits(logits[:1], None, 1e-300)
-    assert torch.isfinite(kept).sum() == 1 and torch.isfinite(kept[0, greedy[0]])
+    for s in DEGENERATE:  # each row alone draws what it draws in the batch
+        assert s.greedy == (s.temperature < GREEDY_BELOW)
+    again = [sample_rows(logits[b : b + 1], [s], [torch.Generator().manual_seed(b)]) for b, s in enumerate(DEGENERATE)]
+    assert torch.cat(again).tolist() == toks.tolist()
+    # rows no token can be drawn from come back as -1, their neighbours untouched
+    bad = logits.clone()
+    bad[1, 3], bad[2, 0], bad[3] = float("nan"), float("inf"), float("-inf")
+    gens = [torch.Generator().manual_seed(i) for i in range(len(DEGENERATE))]
+    assert sample_rows(bad, DEGENERATE, gens).tolist() == [toks[0].item(), -1, -1, -1, toks[4].item()]
 
 
 @pytest.mark.parametrize(
@@ -63,8 +65,6 @@ def test_invalid_settings_are_refused_at_submit(bad):
     with pytest.raises(ValueError, match="Sampling: need"):
         b.submit([([1, 2], 3, bad, None, lambda *a: None)])
     assert b.load()["waiting"] == 0
-    with pytest.raises(ValueError, match="temperature"):
-        next_token(torch.zeros(1, 5), float("nan"), None, None, torch.Generator())
 
 
 POISON = 200  # a prompt starting with this id is the faulty sequence

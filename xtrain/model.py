@@ -52,12 +52,21 @@ micro-batch or on any data-parallel rank, and a recomputed block and a resumed r
 The buffer must not be rewritten between a forward and its backward (the dropout op checks). ``model.eval()``
 (and p == 0) builds no dropout node at all.
 
-Packed documents (``doc_starts``, from ``doc_starts(ids, eot_id)``): a training window holds several documents,
-each starting at its ``eot`` (the BOS inference prepends). Given ``doc_starts`` [B, T] (where each token's
-document starts in the window; 0 for the document the window opens in), ``loss`` / ``forward`` / ``hidden``
-confine attention to the document (query t sees key s iff doc_starts[b, t] <= s <= t) and restart RoPE
-positions per document (position t - doc_starts[b, t]), so each document is computed as if it ran alone from
-its eot. Without it (None) the graph is exactly the plain causal one.
+Masks (``xtrain.mask``), built once per batch and handed to every block: ``forward(ids, mask=...)`` with None
+(plain causal), ``Documents.of(ids, eot_id)`` (a training window of packed documents, each starting at its
+``eot``, the BOS inference prepends: attention within each document and RoPE positions restarting at its start,
+so each document is computed as if it ran alone from its eot), or ``Cached`` (new tokens over a KV cache). The
+mask gives the attention form and the RoPE positions, whose cos/sin rows it takes from ``rope_table`` (every
+position's, computed once at construction; a row is bit for bit what a table of that position alone holds).
+
+Training, prefill and decode are this one forward. With ``cache`` (a KV cache such as ``serve.cache.SlotCache``,
+whose ``Cached`` mask says which rows and positions the new tokens take), each block writes its new keys and
+values into the cache and attends over the cache rows; it is inference (under ``no_grad``). The decode path
+reads its matmul weights in the compute dtype, stacked where one input feeds several (q/k/v, gate/up) and stored
+transposed ([in, out], so x @ W is one GEMM over rows it reads in order: at batch 1 on the CPU the [1, 256] x
+[256, 4096] head ran 1.4x faster than on W.t()); they are cast once and rewritten in place when a parameter
+changes (its version counter), so a captured decode graph reads the current values. A forward with a cache never
+drops out. Without a cache the forward is the training forward, every op as the tape records it.
 
 Activation recompute (``config.recompute``): each block runs under ``xtrain.autograd.checkpoint``: only
 its input is kept; its forward is re-run during backward. Same ops in the same order, so loss and
@@ -73,8 +82,10 @@ import torch
 
 from xtrain import ops
 from xtrain.autograd import Var, checkpoint, is_grad_enabled, no_grad
-from xtrain.config import ConfigError, ModelConfig
-from xtrain.sampling import next_token
+from xtrain.config import ModelConfig
+from xtrain.mask import CAUSAL, Mask, doc_starts
+
+__all__ = ["BLOCK_KEYS", "Model", "doc_starts", "mix_seed", "param_shapes", "site_seed"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _MASK64 = (1 << 64) - 1
@@ -147,57 +158,6 @@ def param_shapes(cfg: ModelConfig) -> OrderedDict[str, tuple[int, ...]]:
     return shapes
 
 
-def _resolve_attention(impl: str) -> str:
-    """-> the ``impl`` for ``ops.attention_rows``. "auto" lets the op pick its form from the tensors' device
-    (``kernels._dispatch.prefer_fused``), so the model has no device branch."""
-    if impl in ("flash", "auto"):
-        try:
-            ops.flash_attention  # noqa: B018 - is it in this build?
-        except (ImportError, AttributeError):
-            if impl == "flash":
-                raise ConfigError(
-                    "attention='flash' but xtrain.ops.flash_attention is not available in this build"
-                ) from None
-            return "math"
-    return impl
-
-
-def _resolve_loss(impl: str):
-    """-> the LM head + loss op (x [N, C], w [V, C], targets [N], ignore_index=, reduction=). "auto" is
-    ``ops.lm_head_loss``, which picks the fused form from the device."""
-    if impl == "composed":
-        return None
-    try:
-        fused = ops.linear_cross_entropy
-    except (ImportError, AttributeError):
-        fused = None
-    if impl == "fused":
-        if fused is None:
-            raise ConfigError("loss='fused' but xtrain.ops.linear_cross_entropy is not available in this build")
-        return fused
-    return ops.lm_head_loss if fused is not None else None  # "auto"
-
-
-def doc_starts(ids: torch.Tensor, eot_id: int, after: bool = False) -> torch.Tensor:
-    """ids int [B, T] -> int64 [B, T] on ids' device: for each position, the index (within the window) of the
-    first token of its document. A document starts AT its ``eot_id`` token (the BOS inference prepends, so it
-    belongs to the document after it), or with ``after`` right AFTER it (the eot closes the document before it:
-    packed chat conversations, whose prompts at inference start with the template's first token, not an eot);
-    tokens before the window's first document start belong to a document that began before the window, and
-    start at 0. Device ops only (a running max over T), no host read, so a CUDA graph can capture it."""
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"doc_starts: ids must be an int32/int64 tensor [B, T], got "
-            f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
-        )
-    t = torch.arange(ids.shape[1], dtype=torch.int64, device=ids.device)  # [T]
-    is_start = ids == eot_id  # [B, T]
-    if after:  # t starts a document when t - 1 is an eot
-        is_start = torch.nn.functional.pad(is_start[:, :-1], (1, 0))
-    starts = torch.where(is_start, t, 0)  # [B, T]: t where a document starts, else 0
-    return torch.cummax(starts, dim=1).values  # the latest start at or before t
-
-
 class Model:
     """The Qwen3-style decoder. ``Model(config, device, seed)``; parameters in ``model.params``."""
 
@@ -211,8 +171,14 @@ class Model:
         self.dropout_seeds = torch.zeros((config.n_layer, len(SITES)), dtype=torch.int64, device=self.device)
         # optional hook p -> compute-dtype copy of p.data or None (the trainer sets AdamW.copy_for)
         self.weight_copy = None
-        self._attention = _resolve_attention(config.attention)
-        self._fused_loss = _resolve_loss(config.loss)
+        acc = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
+        # RoPE cos/sin of every position, computed once (a forward takes its rows: ``Mask.rope``)
+        self.rope_table = ops.rope_table(
+            torch.arange(config.max_seq_len, device=self.device), config.head_dim, config.rope_theta, acc
+        )
+        self._attention = config.attention  # "auto": the op picks its form from the device (no device branch here)
+        # the LM head + loss op (x [N, C], w [V, C], targets [N]); "auto": the op picks the fused form by device
+        self._fused_loss = {"composed": None, "fused": ops.linear_cross_entropy, "auto": ops.lm_head_loss}[config.loss]
         self.params: OrderedDict[str, Var] = OrderedDict(
             (
                 name,
@@ -225,6 +191,7 @@ class Model:
             for name, shape in param_shapes(config).items()
         )
         self._layers = [{k: self.params[f"model.layers.{i}.{k}"] for k in BLOCK_KEYS} for i in range(config.n_layer)]
+        self._matmul_params = [p for p in self.params.values() if p.ndim == 2]  # what the decode weights hold
         self.init_weights(seed)
         self.set_dropout_step(0)
 
@@ -334,98 +301,78 @@ class Model:
         y = ops.dropout(x, self.config.dropout, seeds[layer, SITES.index(site)], True, row_start, row_stride)
         return ops.reshape(y, (N, C))
 
-    def _block(self, x: Var, i: int, positions: torch.Tensor, seed: tuple | None, table=None, doc_starts=None) -> Var:
+    def _decode_weights(self) -> dict:
+        """The decode path's matmul weights (module docstring): per layer "qkv", "o", "gate_up", "down", and
+        "head", each a contiguous [in, out] tensor in the compute dtype (x @ W is one GEMM). Cast on first use;
+        written again, in place, when a parameter's version or storage changed since."""
+        W = self.__dict__.get("_decode_w")
+        key = [(id(p.data), p.data._version) for p in self._matmul_params]
+        if W is not None and W["key"] == key:
+            return W
+        dt, L = self.compute_dtype, [f"model.layers.{i}.{{}}.weight" for i in range(self.config.n_layer)]
+        stack = lambda *names: torch.cat([self.params[n].data for n in names]).to(dt).t()  # noqa: E731 - [in, out]
+        new = {
+            "qkv": [stack(*(p.format(f"self_attn.{n}_proj") for n in "qkv")) for p in L],
+            "o": [stack(p.format("self_attn.o_proj")) for p in L],
+            "gate_up": [stack(p.format("mlp.gate_proj"), p.format("mlp.up_proj")) for p in L],
+            "down": [stack(p.format("mlp.down_proj")) for p in L],
+            "head": [stack(self.head_weight.name)],
+        }
+        if W is None:
+            W = self._decode_w = {k: [t.contiguous() for t in v] for k, v in new.items()}
+        for k, v in new.items():  # in place: a captured decode graph reads the new values
+            for old, t in zip(W[k], v):
+                old.copy_(t)
+        W["key"] = key
+        return W
+
+    def _block(self, x: Var, i: int, mask: Mask, rope: tuple, seed: tuple | None, cache=None, W=None) -> Var:
         """One transformer block on the residual stream x [B*T, C] (master dtype; kept 2-D so every linear is
-        one mm without reshapes). ``seed`` is (seed buffer, row_start, row_stride) taken at forward time (None:
-        no dropout); a recompute in backward reads the same buffer, which holds the same step's seeds until the
-        next ``set_dropout_step``. ``table``: the RoPE cos/sin table of ``positions`` (``ops.rope_table``; [T] or,
-        with packed documents, [B, T]). ``doc_starts``: None, or int64 [B, T] (attention within each document)."""
+        one mm without reshapes). ``mask`` (``xtrain.mask``) picks the attention; ``rope`` is (positions, table):
+        the mask's RoPE positions ([T] or [B, T]) and their cos/sin (``ops.rope_table``), shared by every layer.
+        ``seed`` is (seed buffer, row_start, row_stride) taken at forward time (None: no dropout); a recompute in
+        backward reads the same buffer, which holds the same step's seeds until the next ``set_dropout_step``.
+        ``cache`` (inference): the new keys and values go into it and attention reads its rows; ``W``: the
+        decode weights (``_decode_weights``), or None for the parameters themselves (training)."""
         cfg, P, dt = self.config, self._layers[i], self.compute_dtype
+        H, Hkv, D, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
+        positions, table = rope
         T = positions.shape[-1]
-        H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
 
         h = ops.rms_norm(x, P["input_layernorm.weight"], eps, dt)  # [B*T, C], normed straight into dt
-        q = self._linear(h, P["self_attn.q_proj.weight"])  # [B*T, H*D]
-        k = self._linear(h, P["self_attn.k_proj.weight"])  # [B*T, Hkv*D]
-        v = self._linear(h, P["self_attn.v_proj.weight"])  # [B*T, Hkv*D]
+        if W is None:  # [B*T, H*D], [B*T, Hkv*D] x2
+            q, k, v = (self._linear(h, P[f"self_attn.{n}_proj.weight"]) for n in "qkv")
+        else:  # decode (inference, no tape): one GEMM over the stacked weights, split by columns
+            q, k, v = (Var(t) for t in (h.data @ W["qkv"][i]).split((H * D, Hkv * D, Hkv * D), dim=1))
         # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
         # the norm weights straight from their masters (an fp32 master with bf16/fp16 activations is read in fp32)
         q = ops.qk_norm_rope(q, P["self_attn.q_norm.weight"], H, positions, cfg.rope_theta, eps, table)
         k = ops.qk_norm_rope(k, P["self_attn.k_norm.weight"], Hkv, positions, cfg.rope_theta, eps, table)
-        if doc_starts is None:
-            a = ops.attention_rows(q, k, v, causal=True, impl=self._attention)  # [B*T, H*D]
-        else:
-            a = ops.attention_rows(q, k, v, causal=True, impl=self._attention, doc_starts=doc_starts)
-        a = self._linear(a, P["self_attn.o_proj.weight"])  # [B*T, C]
+        if cache is not None:  # the new keys and values into the cache; attention over the cache rows
+            k, v = cache.store(i, k, v, mask)
+        a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
+        a = self._linear(a, P["self_attn.o_proj.weight"]) if W is None else Var(a.data @ W["o"][i])  # [B*T, C]
         x = ops.add_cast(x, self._dropout(a, seed, i, SITE_ATTN, T))  # the branch promoted to m in the add
 
         h = ops.rms_norm(x, P["post_attention_layernorm.weight"], eps, dt)  # [B*T, C]
-        # silu(h Wgᵀ) * (h Wuᵀ) as one node                                    [B*T, F]
-        wg, wu = P["mlp.gate_proj.weight"], P["mlp.up_proj.weight"]
-        cg, cu = self._compute(wg), self._compute(wu)
-        s = ops.swiglu_linear(h, wg, wu, w_compute=None if cg is None else (cg, cu))
-        y = self._linear(s, P["mlp.down_proj.weight"])  # [B*T, C]
+        if W is None:  # silu(h Wgᵀ) * (h Wuᵀ) as one node                     [B*T, F]
+            wg, wu = P["mlp.gate_proj.weight"], P["mlp.up_proj.weight"]
+            cg, cu = self._compute(wg), self._compute(wu)
+            s = ops.swiglu_linear(h, wg, wu, w_compute=None if cg is None else (cg, cu))
+            y = self._linear(s, P["mlp.down_proj.weight"])  # [B*T, C]
+        else:
+            g, u = (h.data @ W["gate_up"][i]).chunk(2, dim=1)
+            y = Var(ops.swiglu(Var(g), Var(u)).data @ W["down"][i])
         return ops.add_cast(x, self._dropout(y, seed, i, SITE_MLP, T))
 
-    def _check_ids(self, ids: torch.Tensor, what: str = "ids") -> None:
+    def _check_ids(self, ids: torch.Tensor) -> None:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(
-                f"Model: {what} must be an int32/int64 tensor [B, T], got "
+                f"Model: ids must be an int32/int64 tensor [B, T], got "
                 f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
             )
         if ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"Model: sequence length {ids.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
-
-    def _check_doc_starts(self, ids: torch.Tensor, doc_starts) -> None:
-        if doc_starts is None:
-            return
-        if (
-            not isinstance(doc_starts, torch.Tensor)
-            or doc_starts.dtype != torch.int64
-            or doc_starts.shape != ids.shape
-            or doc_starts.device != ids.device
-        ):
-            raise ValueError(
-                f"Model: doc_starts must be int64 [B, T] = {list(ids.shape)} on {ids.device} (see "
-                f"xtrain.model.doc_starts), got {getattr(doc_starts, 'dtype', type(doc_starts).__name__)} "
-                f"{tuple(getattr(doc_starts, 'shape', ()))} {getattr(doc_starts, 'device', '')}"
-            )
-
-    def hidden(
-        self, ids: torch.Tensor, dropout_rows: tuple[int, int] = (0, 1), doc_starts: torch.Tensor | None = None
-    ) -> Var:
-        """The final-normed hidden states [B, T, C] in the compute dtype (``doc_starts``: see ``forward``)."""
-        B, T = ids.shape if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (0, 0)
-        x = self._hidden(ids, dropout_rows, doc_starts)  # [B*T, C]
-        return ops.reshape(x, (B, T, x.shape[1]))
-
-    def _hidden(self, ids: torch.Tensor, dropout_rows: tuple[int, int], doc_starts=None) -> Var:
-        """The final-normed hidden states as [B*T, C] (compute dtype). ``dropout_rows``: (row_start,
-        row_stride), row b of ``ids`` is row ``row_start + b * row_stride`` of the step's global batch (the
-        dropout masks' key). ``doc_starts``: None, or int64 [B, T] (packed documents)."""
-        self._check_ids(ids)
-        self._check_doc_starts(ids, doc_starts)
-        cfg = self.config
-        B, T = ids.shape
-        positions = torch.arange(T, device=ids.device)
-        if doc_starts is not None:  # RoPE restarts at each document: position t - start of t's document
-            positions = positions[None, :] - doc_starts  # [B, T]
-        acc = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
-        table = ops.rope_table(positions, cfg.head_dim, cfg.rope_theta, acc)  # shared by every layer
-        x = ops.embedding(ids.reshape(B * T), self.params["model.embed_tokens.weight"])  # [B*T, C] master dtype
-        recompute = cfg.recompute and is_grad_enabled()
-        seed = (self.dropout_seeds, *dropout_rows) if (self.training and cfg.dropout > 0.0) else None
-        for i in range(cfg.n_layer):
-            if doc_starts is not None:
-                if recompute:
-                    x = checkpoint(self._block, x, i, positions, seed, table, doc_starts)
-                else:
-                    x = self._block(x, i, positions, seed, table, doc_starts)
-            elif recompute:
-                x = checkpoint(self._block, x, i, positions, seed, table)
-            else:
-                x = self._block(x, i, positions, seed, table)
-        return ops.rms_norm(x, self.params["model.norm.weight"], cfg.norm_eps, self.compute_dtype)
 
     @property
     def head_weight(self) -> Var:
@@ -436,20 +383,47 @@ class Model:
         ids: torch.Tensor,
         targets: torch.Tensor | None = None,
         *,
+        mask: Mask | None = None,
+        cache=None,
         reduction: str = "mean",
         ignore_index: int = -100,
         dropout_rows: tuple[int, int] = (0, 1),
-        doc_starts: torch.Tensor | None = None,
+        last: bool = False,
     ) -> Var:
         """ids [B, T] -> logits [B, T, V] (compute dtype), or, with targets [B, T], the scalar fp32 loss
         (cross-entropy, "mean" over counted targets or "sum"; targets equal to ignore_index count for
-        nothing). ``dropout_rows = (row_start, row_stride)``: where the rows of ``ids`` sit in the step's global
-        batch (row b is global row ``row_start + b * row_stride``), which keys the dropout masks; (0, 1) for a
-        batch that is the whole global batch. ``doc_starts`` (int64 [B, T], ``doc_starts(ids, eot_id)``): packed
-        documents, each computed as if alone (attention within it, RoPE positions from its start); None: one
-        sequence, plain causal."""
-        x2 = self._hidden(ids, dropout_rows, doc_starts)  # [N, C], N = B*T
+        nothing). ``mask`` (``xtrain.mask``): None is plain causal; ``Documents.of(ids, eot_id)`` packed
+        documents, each computed as if alone; ``Cached`` with ``cache`` (inference): the new tokens of cache rows
+        (module docstring). ``dropout_rows = (row_start, row_stride)``: where the rows of ``ids`` sit in the step's
+        global batch (row b is global row ``row_start + b * row_stride``), which keys the dropout masks; (0, 1)
+        for a batch that is the whole global batch. ``last`` (inference): the logits of each row's last position
+        only, [B, 1, V]."""
+        self._check_ids(ids)
         B, T = ids.shape
+        mask = CAUSAL if mask is None else mask
+        if not isinstance(mask, Mask) or (mask.kind == "cached") != (cache is not None):
+            raise ValueError(f"Model: mask must be a Mask (xtrain.mask), Cached exactly when a cache is given; got "
+                             f"{type(mask).__name__} {mask!r} with cache {type(cache).__name__}")  # fmt: skip
+        mask.check("Model", B, T, ids.device)
+        if (last or cache is not None) and (targets is not None or is_grad_enabled()):
+            raise ValueError("Model: a forward with a cache or last=True is inference: no targets, under no_grad()")
+        cfg = self.config
+        W = None if cache is None else self._decode_weights()
+        rope = mask.rope(self.rope_table, T)  # positions [T] or [B, T] and their cos/sin: shared by every layer
+        x = ops.embedding(ids.reshape(B * T), self.params["model.embed_tokens.weight"])  # [B*T, C] master dtype
+        recompute = cfg.recompute and is_grad_enabled()
+        dropout = self.training and cfg.dropout > 0.0 and cache is None  # inference (a cache) never drops
+        seed = (self.dropout_seeds, *dropout_rows) if dropout else None
+        for i in range(cfg.n_layer):
+            if recompute:
+                x = checkpoint(self._block, x, i, mask, rope, seed)
+            else:
+                x = self._block(x, i, mask, rope, seed, cache, W)
+        if last:  # [B, C]: each row's last position
+            x, T = Var(x.data.view(B, T, -1)[:, -1]), 1
+        x2 = ops.rms_norm(x, self.params["model.norm.weight"], cfg.norm_eps, self.compute_dtype)  # [N, C]
+        if W is not None:  # decode: the [in, out] head
+            return Var((x2.data @ W["head"][0]).view(B, T, -1))  # [B, T, V]
         w = self._w(self.head_weight)  # [V, C]
         if targets is None:
             return ops.reshape(ops.linear(x2, w), (B, T, w.shape[0]))  # [B, T, V]
@@ -465,52 +439,8 @@ class Model:
 
     __call__ = forward
 
-    def loss(
-        self,
-        ids: torch.Tensor,
-        targets: torch.Tensor,
-        reduction: str = "mean",
-        ignore_index: int = -100,
-        dropout_rows: tuple[int, int] = (0, 1),
-        doc_starts: torch.Tensor | None = None,
-    ) -> Var:
-        """The cross-entropy of ``forward(ids, targets, ...)`` (see there for ``dropout_rows`` and ``doc_starts``)."""
-        return self.forward(
-            ids,
-            targets,
-            reduction=reduction,
-            ignore_index=ignore_index,
-            dropout_rows=dropout_rows,
-            doc_starts=doc_starts,
-        )
-
-    def generate(
-        self,
-        ids: torch.Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int = 0,
-        eos_id: int | None = None,
-    ) -> torch.Tensor:
-        """Sample continuations of ids [B, T0] (no KV cache: the whole window is re-run each token).
-        temperature 0 is greedy; top_k / top_p filter as in ``xtrain.sampling``. Never applies dropout."""
-        self._check_ids(ids)
-        was_training = self.training
-        self.eval()
-        g = torch.Generator(device="cpu").manual_seed(int(seed))
-        out = ids
-        try:
-            with no_grad():
-                for _ in range(int(max_new_tokens)):
-                    window = out[:, -self.config.max_seq_len :]
-                    logits = self.forward(window).data[:, -1, :].float().cpu()  # [B, V]
-                    nxt = next_token(logits, temperature, top_k, top_p, g)
-                    out = torch.cat([out, nxt.to(out.device, out.dtype)[:, None]], dim=1)
-                    if eos_id is not None and bool((nxt == eos_id).all()):
-                        break
-        finally:
-            self.train(was_training)
-        return out
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", ignore_index: int = -100,
+             dropout_rows: tuple[int, int] = (0, 1), mask: Mask | None = None) -> Var:  # fmt: skip
+        """The cross-entropy of ``forward(ids, targets, ...)`` (see there for ``dropout_rows`` and ``mask``)."""
+        return self.forward(ids, targets, reduction=reduction, ignore_index=ignore_index, dropout_rows=dropout_rows,
+                            mask=mask)  # fmt: skip

@@ -4,8 +4,9 @@ basic: add, add_cast, sub, mul, div, scale, neg, matmul, linear, add_bias, sum, 
        contiguous, cast, cast_as
 nn:    embedding, rms_norm, silu, swiglu, softmax, cross_entropy, rope, dropout
 attention: attention (composed), math_attention (one node, hand-written backward), auto_attention (the form the
-           device rule picks), attention_rows (row layout in and out), repeat_kv, causal_mask, doc_mask;
-           flash_attention (fused, xtrain.ops.flash)
+           device rule picks), attention_rows (row layout in and out), cached_attention (over KV cache rows,
+           inference), repeat_kv, causal_mask, doc_mask; flash_attention (fused, xtrain.ops.flash); each takes
+           a mask (xtrain.mask)
 fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, rope_table, swiglu_linear
        (xtrain.ops.fused)
 """
@@ -14,6 +15,7 @@ from xtrain.ops.attention import (
     attention,
     attention_rows,
     auto_attention,
+    cached_attention,
     causal_mask,
     doc_mask,
     math_attention,
@@ -48,6 +50,7 @@ __all__ = [
     "attention",
     "attention_rows",
     "auto_attention",
+    "cached_attention",
     "cast",
     "cast_as",
     "causal_mask",
@@ -85,13 +88,15 @@ __all__ = [
 
 
 def __getattr__(name):
-    # fused ops live in their own modules (owned by the kernel work) and are imported on first use
+    # fused ops live in their own modules (owned by the kernel work) and are imported on first use, then kept
+    # here (a decode step looks them up many times)
     if name == "flash_attention":
-        from xtrain.ops.flash import flash_attention
-
-        return flash_attention
-    if name in ("linear_cross_entropy", "lm_head_loss", "qk_norm_rope", "rope_table", "swiglu_linear"):
+        from xtrain.ops.flash import flash_attention as fn
+    elif name in ("linear_cross_entropy", "lm_head_loss", "qk_norm_rope", "rope_table", "swiglu_linear"):
         from xtrain.ops import fused
 
-        return getattr(fused, name)
-    raise AttributeError(f"module 'xtrain.ops' has no attribute {name!r}")
+        fn = getattr(fused, name)
+    else:
+        raise AttributeError(f"module 'xtrain.ops' has no attribute {name!r}")
+    globals()[name] = fn
+    return fn

@@ -7,9 +7,10 @@ function without them.
 Shapes: q [B, H, T, D]; k, v [B, Hkv, T, D] with Hkv dividing H (grouped-query attention: query head h
 reads key/value head h // (H // Hkv)).
 
-Every form takes ``doc_starts`` (None, or int64 [B, T]: packed documents, where each query's document
-starts): query t then sees key s iff doc_starts[b, t] <= s <= t. None is plain causal attention, with
-exactly the nodes and kernels it had before.
+Every form takes a ``mask`` (``xtrain.mask``: a Mask value, or True / False for CAUSAL / FULL) and picks its
+computation by the mask's kind: causal and full as ever, ``Documents`` (packed documents: query t sees keys
+starts[b, t] .. t) through the same kernels given the starts, and ``Cached`` (new tokens over a KV cache's
+rows, inference only) in ``attention_rows``, whose keys and values are the cache rows.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import math
 
 import torch
 
-from xtrain.autograd import Var
+from xtrain.autograd import Var, is_grad_enabled
 from xtrain.kernels import attention as K_attn
 from xtrain.kernels._dispatch import prefer_fused
-from xtrain.ops.basic import _check_same, check, matmul, transpose
+from xtrain.mask import Mask, as_mask
+from xtrain.ops.basic import _FLOAT, _check_same, check, matmul, transpose
 from xtrain.ops.basic import scale as scale_op
 from xtrain.ops.nn import softmax
 
@@ -58,6 +60,15 @@ def repeat_kv(x: Var, groups: int) -> Var:
     return Var.from_op(y, (x,), backward, "repeat_kv")
 
 
+def _mask(op: str, mask, q: Var, cached: bool = False) -> Mask:
+    """The mask as a Mask that fits q [B, H, T, D] (its kind's shape check); a Cached mask only where ``cached``."""
+    m = as_mask(mask)
+    check(cached or m.kind != "cached", op, "a Cached mask runs in attention_rows (keys from the cache)", q)
+    if q.ndim == 4:  # else the form's own shape check names the problem
+        m.check(op, q.shape[0], q.shape[2], q.device)
+    return m
+
+
 def causal_mask(scores: Var) -> Var:
     """Set scores[..., i, j] = -inf for j > i; those positions get zero gradient."""
     T, S = scores.shape[-2], scores.shape[-1]
@@ -74,40 +85,36 @@ def doc_mask(scores: Var, doc_starts: torch.Tensor) -> Var:
     return Var.from_op(y, (scores,), lambda d: (d.masked_fill(masked, 0.0),), "doc_mask")
 
 
-def attention(
-    q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None, doc_starts: torch.Tensor | None = None
-) -> Var:
-    """softmax(q kᵀ · scale [+ causal or document mask]) v, composed from tape ops. Returns [B, H, T, D]."""
+def attention(q: Var, k: Var, v: Var, mask: Mask | bool = True, scale: float | None = None) -> Var:
+    """softmax(q kᵀ · scale [+ the mask's -inf]) v, composed from tape ops. Returns [B, H, T, D]."""
     check_attention_inputs("attention", q, k, v)
-    K_attn.check_doc_starts("attention", doc_starts, q.data, causal)
+    m = _mask("attention", mask, q)
     B, H, T, D = q.shape
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     groups = H // k.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     scores = scale_op(matmul(q, transpose(k, -1, -2)), s)  # [B, H, T, T]
-    if doc_starts is not None:
-        scores = doc_mask(scores, doc_starts)
-    elif causal:
+    if m.kind == "documents":
+        scores = doc_mask(scores, m.doc_starts)
+    elif m.causal:
         scores = causal_mask(scores)
     probs = softmax(scores, dim=-1)  # [B, H, T, T]
     return matmul(probs, v)  # [B, H, T, D]
 
 
-def math_attention(
-    q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None, doc_starts: torch.Tensor | None = None
-) -> Var:
+def math_attention(q: Var, k: Var, v: Var, mask: Mask | bool = True, scale: float | None = None) -> Var:
     """The same function as ``attention`` as one tape node with a hand-written backward
     (``xtrain.kernels.attention``): no K/V copies for GQA, two matmuls forward and four backward. It keeps
     the [B, H, T, T] probabilities, like the composed path; the model's CPU default."""
     check_attention_inputs("math_attention", q, k, v)
-    K_attn.check_doc_starts("math_attention", doc_starts, q.data, causal)
+    m = _mask("math_attention", mask, q)
     D = q.shape[-1]
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qd, kd, vd = q.data, k.data, v.data
-    o, p = K_attn.attention_fwd(qd, kd, vd, causal, s, doc_starts)  # p is 0 wherever the mask is
+    o, p = K_attn.attention_fwd(qd, kd, vd, m.causal, s, m.doc_starts)  # p is 0 wherever the mask is
 
     def backward(do):
-        return K_attn.attention_bwd(do, qd, kd, vd, p, causal, s)
+        return K_attn.attention_bwd(do, qd, kd, vd, p, m.causal, s)
 
     return Var.from_op(o, (q, k, v), backward, "math_attention")
 
@@ -118,36 +125,65 @@ def math_attention(
 CPU_FLASH_MIN_T = 2048
 
 
-def auto_attention(
-    q: Var, k: Var, v: Var, causal: bool = True, scale: float | None = None, doc_starts: torch.Tensor | None = None
-) -> Var:
+def auto_attention(q: Var, k: Var, v: Var, mask: Mask | bool = True, scale: float | None = None) -> Var:
     """The attention form the device rule picks (``kernels._dispatch.prefer_fused``): flash attention on CUDA
     and on long CPU sequences (T > CPU_FLASH_MIN_T), math attention otherwise. Same function, same contract."""
     if prefer_fused(q.data) or q.shape[-2] > CPU_FLASH_MIN_T:
         from xtrain.ops.flash import flash_attention
 
-        return flash_attention(q, k, v, causal, scale, doc_starts)
-    return math_attention(q, k, v, causal, scale, doc_starts)
+        return flash_attention(q, k, v, mask, scale)
+    return math_attention(q, k, v, mask, scale)
 
 
-def attention_rows(
-    q: Var,
-    k: Var,
-    v: Var,
-    causal: bool = True,
-    scale: float | None = None,
-    impl: str = "auto",
-    doc_starts: torch.Tensor | None = None,
-) -> Var:
+def cached_attention(q: Var, k: Var, v: Var, mask, scale: float | None = None) -> Var:
+    """Attention of Tn new queries over cache rows (inference: no backward): q [B, H, Tn, D], k and v
+    [B, Hkv, S, D] (the rows ``mask.slots`` of a KV cache, keys 0 .. S-1), ``mask`` a ``Cached`` -> rows
+    [B*Tn, H*D]. Math attention's computation (GQA folded into the matmul shapes, scores and softmax in fp32)
+    with the mask's ``hidden`` keys at -inf; every query sees at least its own key."""
+    op = "cached_attention"
+    qd, kd, vd = q.data, k.data, v.data
+    B, H, Tn, D = qd.shape if qd.dim() == 4 else (0, 0, 0, 0)
+    Hkv, S = (kd.shape[1], kd.shape[2]) if kd.dim() == 4 else (1, 0)
+    if not (  # one expression for the common case; the checks below name what is wrong
+        qd.dtype is kd.dtype is vd.dtype and qd.dtype in _FLOAT and qd.device == kd.device == vd.device
+        and qd.dim() == 4 and kd.shape == vd.shape and kd.dim() == 4 and kd.shape[0] == B and kd.shape[3] == D
+        and Hkv > 0 and H % Hkv == 0 and getattr(mask, "kind", None) == "cached" and mask.keys == S
+    ):  # fmt: skip
+        _check_same(op, q, k)
+        _check_same(op, q, v)
+        check(q.ndim == 4 and k.ndim == 4 and k.shape == v.shape, op,
+              "q must be [B, H, Tn, D], k and v [B, Hkv, S, D]", q, k, v)  # fmt: skip
+        check(k.shape[0] == B and k.shape[3] == D and Hkv > 0 and H % Hkv == 0, op,
+              "k/v must be [B, Hkv, S, D], Hkv dividing H", q, k, v)  # fmt: skip
+        check(False, op, f"mask must be a Cached mask of {S} keys", q, k)
+    mask.check(op, B, Tn, qd.device)
+    check(not (is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)), op,
+          "inference only: run it under no_grad()", q)  # fmt: skip
+    G = H // Hkv
+    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(qd.reshape(B, Hkv, G * Tn, D), kd.transpose(-1, -2)).to(acc)  # [B, Hkv, G*Tn, S]
+    scores.mul_(s)
+    if mask.hidden is not None:
+        scores.view(B, Hkv, G, Tn, S).masked_fill_(mask.hidden, float("-inf"))
+    o = torch.matmul(torch.softmax(scores, dim=-1).to(vd.dtype), vd)  # [B, Hkv, G*Tn, D]
+    return Var(o.view(B, H, Tn, D).transpose(1, 2).reshape(B * Tn, H * D))
+
+
+def attention_rows(q: Var, k: Var, v: Var, mask: Mask | bool = True, scale: float | None = None,
+                   impl: str = "auto") -> Var:  # fmt: skip
     """Attention between the model's row layout and the head layout, as one node where the form allows:
     q [B, H, T, D], k [B, Hkv, T, D] (from ``qk_norm_rope``), v [B*T, Hkv*D] (the v projection's rows)
     -> [B*T, H*D] (the o projection's input rows). Where the math form runs (``impl`` "math", or "auto" on
     the CPU below CPU_FLASH_MIN_T), the head transposes of v, of the output and the output's contiguous copy
     happen inside one node (``xtrain.kernels.attention``), the same values as the unfused
     reshape/transpose/attention/transpose/contiguous/reshape chain bit for bit; other forms ("composed",
-    "flash", "auto" on CUDA) run that chain of nodes. ``doc_starts`` is passed to the form that runs."""
+    "flash", "auto" on CUDA) run that chain of nodes. A ``Cached`` mask takes ``cached_attention`` whatever
+    ``impl`` says: k and v are then the cache rows [B, Hkv, S, D]."""
+    if isinstance(mask, Mask) and mask.kind == "cached":
+        return cached_attention(q, k, v, mask, scale)
     check_attention_inputs("attention_rows", q, k, k)
-    K_attn.check_doc_starts("attention_rows", doc_starts, q.data, causal)
+    m = _mask("attention_rows", mask, q)
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     check(v.ndim == 2 and tuple(v.shape) == (B * T, Hkv * D), "attention_rows", "v must be [B*T, Hkv*D]", q, k, v)
@@ -160,17 +196,16 @@ def attention_rows(
         if fn is None:
             from xtrain.ops.flash import flash_attention as fn
         v4 = transpose(reshape(v, (B, T, Hkv, D)), 1, 2)  # [B, Hkv, T, D]
-        a = fn(q, k, v4, causal, scale) if doc_starts is None else fn(q, k, v4, causal, scale, doc_starts)
-        return reshape(contiguous(transpose(a, 1, 2)), (B * T, H * D))
+        return reshape(contiguous(transpose(fn(q, k, v4, m, scale), 1, 2)), (B * T, H * D))
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qd, kd = q.data, k.data
     vd = v.data.view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
-    o, p = K_attn.attention_fwd(qd, kd, vd, causal, s, doc_starts)  # [B, H, T, D]
+    o, p = K_attn.attention_fwd(qd, kd, vd, m.causal, s, m.doc_starts)  # [B, H, T, D]
     out = o.transpose(1, 2).contiguous().view(B * T, H * D)  # [B*T, H*D]
 
     def backward(dout):
         do = dout.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-        dq, dk, dv = K_attn.attention_bwd(do, qd, kd, vd, p, causal, s)
+        dq, dk, dv = K_attn.attention_bwd(do, qd, kd, vd, p, m.causal, s)
         return dq, dk, dv.transpose(1, 2).reshape(B * T, Hkv * D)
 
     return Var.from_op(out, (q, k, v), backward, "attention_rows")

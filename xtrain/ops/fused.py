@@ -20,7 +20,7 @@ from xtrain.kernels import linear_cross_entropy as K
 from xtrain.kernels import qk_norm_rope as K_qk
 from xtrain.kernels import swiglu as K_swiglu
 from xtrain.kernels._dispatch import prefer_fused
-from xtrain.ops.basic import _check_compute, _check_same, _mm_to, check, check_values, linear
+from xtrain.ops.basic import _FLOAT, _check_compute, _check_same, _mm_to, check, check_values, linear
 from xtrain.ops.nn import cross_entropy
 
 _INT = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -89,16 +89,8 @@ def rope_table(positions: torch.Tensor, head_dim: int, theta: float, dtype: torc
     return K_qk.rope_table(positions, head_dim, theta, dtype)
 
 
-def qk_norm_rope(
-    x: Var, w: Var, heads: int, positions: torch.Tensor, theta: float = 10000.0, eps: float = 1e-6, table=None
-) -> Var:
-    """rope(rms_norm(x viewed as [B, T, heads, D], w [D]) transposed to [B, heads, T, D]) as one node: the
-    same values as ``ops.rope(ops.transpose(ops.rms_norm(ops.reshape(x, ...), w, eps), 1, 2), ...)``, bit
-    for bit on the reference path (one fused kernel each way on CUDA, the same roundings; its output a
-    [B, heads, T, D] view of token-row memory). x [B, T, heads*D] (a q or k projection); positions [T] or
-    [B, T]; ``table`` from ``rope_table`` (computed here when None). w: in x's dtype, or the fp32 master for
-    bf16/fp16 x (no cast node either way; its gradient comes back in w's dtype)."""
-    op = "qk_norm_rope"
+def _check_qk_norm_rope(op: str, x: Var, w: Var, heads: int, positions, theta: float, eps: float) -> None:
+    """qk_norm_rope's input checks, each naming what is wrong (raises ValueError)."""
     if not (x.dtype in (torch.bfloat16, torch.float16) and w.dtype == torch.float32 and x.device == w.device):
         _check_same(op, x, w)  # else: an fp32 master weight for 16-bit activations, read in fp32 by the kernel
     check(x.ndim in (2, 3) and heads > 0 and x.shape[-1] % heads == 0, op,
@@ -116,14 +108,43 @@ def qk_norm_rope(
           "positions must be an integer tensor on x's device", x, positions)  # fmt: skip
     check(positions.shape in ((T,), (B, T)), op, "positions must be [T] or [B, T]", x, positions)
     check(eps > 0 and theta > 0, op, f"eps and theta must be > 0, got {eps}, {theta}", x)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    raise AssertionError("unreachable: qk_norm_rope's fast check refused inputs that every check accepts")
+
+
+def qk_norm_rope(
+    x: Var, w: Var, heads: int, positions: torch.Tensor, theta: float = 10000.0, eps: float = 1e-6, table=None
+) -> Var:
+    """rope(rms_norm(x viewed as [B, T, heads, D], w [D]) transposed to [B, heads, T, D]) as one node: the
+    same values as ``ops.rope(ops.transpose(ops.rms_norm(ops.reshape(x, ...), w, eps), 1, 2), ...)``, bit
+    for bit on the reference path (one fused kernel each way on CUDA, the same roundings; its output a
+    [B, heads, T, D] view of token-row memory). x [B, T, heads*D] (a q or k projection); positions [T] or
+    [B, T]; ``table`` from ``rope_table`` (computed here when None). w: in x's dtype, or the fp32 master for
+    bf16/fp16 x (no cast node either way; its gradient comes back in w's dtype)."""
+    op = "qk_norm_rope"
+    xd, wd = x.data, w.data
+    acc = torch.float64 if xd.dtype == torch.float64 else torch.float32
+    # the common case decided in one expression (a decode step calls this op 2L times); else the checks below name
+    # what is wrong
+    ok = False
+    if isinstance(positions, torch.Tensor) and positions.dim() in (1, 2) and xd.dim() in (2, 3) and heads > 0:
+        T, F = positions.shape[-1], xd.shape[-1]
+        N = xd.shape[0] if xd.dim() == 2 else xd.shape[0] * xd.shape[1]
+        D = F // heads
+        ok = (
+            (xd.dtype is wd.dtype or (xd.dtype in (torch.bfloat16, torch.float16) and wd.dtype is torch.float32))
+            and xd.dtype in _FLOAT and xd.device == wd.device == positions.device and F % heads == 0
+            and T > 0 and N % T == 0 and (xd.dim() == 2 or xd.shape[1] == T) and wd.dim() == 1
+            and wd.shape[0] == D and D % 2 == 0 and positions.dtype in _INT
+            and positions.shape in ((T,), (N // T, T)) and eps > 0 and theta > 0
+        )  # fmt: skip
+    if not ok:
+        _check_qk_norm_rope(op, x, w, heads, positions, theta, eps)
     if table is None:
         table = K_qk.rope_table(positions, D, theta, acc)
     else:
         c = table[0]
-        check(c.dtype == acc and c.shape[-1] == D // 2 and c.shape[-2] == T and c.device == x.device, op,
-              f"table must be rope_table(positions, {D}, theta, {acc})", x, c)  # fmt: skip
-    xd, wd = x.data, w.data
+        if not (c.dtype == acc and c.shape[-1] == D // 2 and c.shape[-2] == T and c.device == xd.device):
+            check(False, op, f"table must be rope_table(positions, {D}, theta, {acc})", x, c)
     y, inv_rms = K_qk.qk_norm_rope_fwd(xd, wd, heads, eps, positions, theta, table)
 
     def backward(dy):

@@ -16,7 +16,7 @@ from xtrain.kernels import rms_norm as K_rms
 from xtrain.kernels import rope as K_rope
 from xtrain.kernels import softmax as K_softmax
 from xtrain.kernels import swiglu as K_swiglu
-from xtrain.ops.basic import _check_float, _check_same, check, check_values
+from xtrain.ops.basic import _FLOAT, _check_float, _check_same, check, check_values
 
 _INT = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -49,17 +49,21 @@ def rms_norm(x: Var, weight: Var, eps: float = 1e-6, dtype: torch.dtype | None =
     """RMSNorm over the last dim, statistics in fp32, inverse RMS saved for backward. ``dtype``: the output's
     dtype (None: x's), rounded once from fp32: ``cast(rms_norm(x), dtype)`` in one kernel each way (the fp32
     residual stream normed straight into the bf16 matmul input; the gradient returns in x's dtype)."""
-    _check_same("rms_norm", x, weight)
-    check(
-        weight.ndim == 1 and x.ndim >= 1 and x.shape[-1] == weight.shape[0],
-        "rms_norm",
-        "weight must be 1-D and match x's last dim",
-        x,
-        weight,
-    )
-    check(eps > 0, "rms_norm", f"eps must be > 0, got {eps}", x)
-    check(dtype is None or dtype.is_floating_point, "rms_norm", f"dtype must be floating point, got {dtype}", x)
     xd, wd = x.data, weight.data
+    if not (  # the common case in one expression; else the checks below name what is wrong
+        xd.dtype is wd.dtype and xd.dtype in _FLOAT and xd.device == wd.device and wd.dim() == 1 and xd.dim() >= 1
+        and xd.shape[-1] == wd.shape[0] and eps > 0 and (dtype is None or dtype.is_floating_point)
+    ):  # fmt: skip
+        _check_same("rms_norm", x, weight)
+        check(
+            weight.ndim == 1 and x.ndim >= 1 and x.shape[-1] == weight.shape[0],
+            "rms_norm",
+            "weight must be 1-D and match x's last dim",
+            x,
+            weight,
+        )
+        check(eps > 0, "rms_norm", f"eps must be > 0, got {eps}", x)
+        check(dtype is None or dtype.is_floating_point, "rms_norm", f"dtype must be floating point, got {dtype}", x)
     y, inv_rms = K_rms.rms_norm_fwd(xd, wd, eps, dtype if dtype is not None and dtype != xd.dtype else None)
 
     @adds_into

@@ -249,14 +249,13 @@ def copy_tokenizer_files(init: InitFrom, run_dir: Path) -> None:
 
 
 def sample_chat(model, chat, prompt: str, max_new_tokens: int, seed: int, **sampling) -> str:
-    """A reply to one user message, rendered with the chat template, up to its end-of-turn token."""
-    import torch
+    """A reply to one user message, rendered with the chat template, up to its end-of-turn token (the engine's
+    one generation loop, with the KV cache)."""
+    from xtrain.sampling import Sampling
+    from xtrain.serve.engine import Engine
 
     ids = chat.prompt_ids([{"role": "user", "content": prompt}])
     ids = ids[-(model.config.max_seq_len - max_new_tokens) :]
-    x = torch.tensor([ids], dtype=torch.long, device=model.device)
-    out = model.generate(x, max_new_tokens, seed=seed, eos_id=chat.end_of_turn_id, **sampling)
-    new = out[0, len(ids) :].tolist()
-    if chat.end_of_turn_id in new:
-        new = new[: new.index(chat.end_of_turn_id)]
+    smp = Sampling(seed=seed, **sampling).validate()
+    new = Engine(model).generate([ids], max_new_tokens, smp, eos_id=chat.end_of_turn_id)[0]
     return chat.decode(new)

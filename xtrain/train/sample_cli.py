@@ -1,9 +1,12 @@
 """``xtrain sample RUN``: text from a trained run.
 
 Loads the run's config and weights (model.safetensors) and its tokenizer (the run's tokenizer.json, or the
-data directory's), encodes the prompt, and samples token by token: logits of the last position divided by
-the temperature, cut to the top-k tokens and then to the smallest set whose probability reaches top-p
-(nucleus sampling), drawn with a seeded generator. Temperature 0 is greedy (argmax), with no randomness.
+data directory's), encodes the prompt, and samples token by token through the serving engine (KV cache; the
+samples of --num-samples decode together, each what its seed gives alone): logits of the last position divided
+by the temperature, cut to the top-k tokens and then to the smallest set whose probability reaches top-p
+(nucleus sampling), drawn with a generator seeded per sample. Temperature 0 is greedy (argmax), with no
+randomness. Past the model's context a sample goes on from its last half context (re-read once per half
+context).
 """
 
 from __future__ import annotations
@@ -11,8 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-
-import torch
 
 MAX_NEW_TOKENS = 16384  # past this a CPU sample runs for many minutes without a line of output
 
@@ -34,27 +35,32 @@ def load_run_tokenizer(run_dir: Path, vocab_size: int | None = None):
     raise FileNotFoundError(f"{run_dir}: no tokenizer.json in the run directory or its data directory")
 
 
-def sample_text(
-    model,
-    run_dir,
-    prompt: str = "",
-    max_new_tokens: int = 200,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
-) -> str:
+SAMPLE_ROWS = 8  # samples decoded together: a cache row each (the whole context of every layer)
+
+
+def sample_texts(model, run_dir, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None,
+                 top_p: float | None, seeds: list[int]) -> list[str]:  # fmt: skip
+    """One continuation of ``prompt`` per seed, each ending at the tokenizer's end-of-text, decoded together (up
+    to SAMPLE_ROWS at a time) by ``Engine.generate``: each is what its seed gives alone."""
+    from xtrain.sampling import Sampling
+    from xtrain.serve.engine import Engine
+
     tok = load_run_tokenizer(Path(run_dir), model.config.vocab_size)
     ids = [tok.eot_id] + tok.encode(prompt)  # documents start after an end-of-text token in training
     ids = ids[-model.config.max_seq_len :]  # a prompt longer than the context keeps its end
-    x = torch.tensor([ids], dtype=torch.long, device=model.device)
-    out = model.generate(
-        x, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=tok.eot_id
-    )
-    new = out[0, len(ids) :].tolist()
-    if tok.eot_id in new:
-        new = new[: new.index(tok.eot_id)]
-    return prompt + tok.decode(new)
+    engine = Engine(model)
+    smp = [Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=s).validate() for s in seeds]
+    out = []
+    for i in range(0, len(seeds), SAMPLE_ROWS):
+        part = smp[i : i + SAMPLE_ROWS]
+        out += engine.generate([ids] * len(part), max_new_tokens, part, eos_id=tok.eot_id, slide=True)
+    return [prompt + tok.decode(new) for new in out]
+
+
+def sample_text(model, run_dir, prompt: str = "", max_new_tokens: int = 200, temperature: float = 1.0,
+                top_k: int | None = None, top_p: float | None = None, seed: int = 0) -> str:  # fmt: skip
+    """One continuation of ``prompt`` (``sample_texts`` with one seed)."""
+    return sample_texts(model, run_dir, prompt, max_new_tokens, temperature, top_k, top_p, [seed])[0]
 
 
 def add_parser(subparsers) -> None:
@@ -108,19 +114,13 @@ def run(args) -> int:
         for note in ck.notes:
             print(f"xtrain sample: {note}", file=sys.stderr)
         load_run_tokenizer(run_dir, ck.model_config.vocab_size)  # one of another model's vocabulary stops here
-        model = Model(ck.model_config, device=device)
+        model = Model(ck.model_config, device=device).eval()
         ckpt_io.restore(ck, model)
-        for i in range(args.num_samples):
-            text = sample_text(
-                model,
-                run_dir,
-                args.prompt,
-                args.max_new_tokens,
-                args.temperature,
-                args.top_k or None,
-                args.top_p,
-                args.seed + i,
-            )
+        seeds = [args.seed + i for i in range(args.num_samples)]
+        texts = sample_texts(
+            model, run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, seeds
+        )
+        for i, text in enumerate(texts):
             if args.num_samples > 1:
                 print(f"--- sample {i + 1} (seed {args.seed + i}) ---")
             print(text)

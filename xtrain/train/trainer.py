@@ -58,7 +58,8 @@ import torch
 from xtrain import ops
 from xtrain.autograd import gc_paused, no_grad
 from xtrain.config import ConfigError, TrainConfig, check_compatible
-from xtrain.model import Model, doc_starts, mix_seed
+from xtrain.mask import Documents
+from xtrain.model import Model, mix_seed
 from xtrain.train import checkpoint as ckpt_io
 from xtrain.train.optim import AdamW, clip_coef, grad_norm
 from xtrain.train.schedule import Schedule
@@ -124,8 +125,8 @@ def evaluate(
         for b in batches:
             x, y = split_batch(b)
             x, y = x.to(model.device), y.to(model.device)
-            starts = None if doc_eot is None else doc_starts(x, doc_eot, after=doc_after)
-            total += float(model.loss(x, y, reduction="sum", ignore_index=ignore_index, doc_starts=starts).data)
+            mask = None if doc_eot is None else Documents.of(x, doc_eot, after=doc_after)
+            total += float(model.loss(x, y, reduction="sum", ignore_index=ignore_index, mask=mask).data)
             count += int((y != ignore_index).sum())
     finally:
         model.train(was)
@@ -390,10 +391,8 @@ class Trainer:
                 rows = (j * mb * s.world_size + s.rank, s.world_size)
                 x, y = inputs[j * mb : (j + 1) * mb], targets[j * mb : (j + 1) * mb]  # [B/k, T]
                 # device ops, no host read
-                starts = None if s.doc_eot is None else doc_starts(x, s.doc_eot, after=s.doc_after)
-                loss = model.loss(
-                    x, y, reduction="sum", ignore_index=s.ignore_index, dropout_rows=rows, doc_starts=starts
-                )  # fp32
+                mask = None if s.doc_eot is None else Documents.of(x, s.doc_eot, after=s.doc_after)
+                loss = model.loss(x, y, reduction="sum", ignore_index=s.ignore_index, dropout_rows=rows, mask=mask)
                 loss_sum = loss_sum + loss.data.double()
                 # the sum over micro-batches of loss_j / N is the whole batch's mean loss (N counted tokens)
                 loss.backward(inv_n.to(loss.dtype))
