@@ -377,7 +377,7 @@ def test_a_full_disk_keeps_the_old_data(work, budget):
         *prepare_args("corpus", "data", "--force", "--no-progress"), cwd=work, fault=f"ENOSPC:{budget}", prefix=work
     )
     where = "tokenizer.json" if budget < 7000 else "train_000000.bin"
-    one_line(r, 74, f"cannot write {work / 'data' / where}: No space left on device (ENOSPC)", "is unchanged")
+    one_line(r, 74, f"cannot write {work / 'data' / where}: no space left on device (ENOSPC)", "is unchanged")
     assert snapshot(work) == before
 
 
@@ -385,7 +385,7 @@ def test_a_full_disk_leaves_nothing_in_a_new_folder(work):
     before = snapshot(work)
     out = work / "new" / "deeper" / "data"
     r = xtrain_child(*prepare_args("corpus", out, "--no-progress"), cwd=work, fault="ENOSPC:30000", prefix=work)
-    one_line(r, 74, f"cannot write {out / 'train_000000.bin'}: No space left on device (ENOSPC)", "nothing was left")
+    one_line(r, 74, f"cannot write {out / 'train_000000.bin'}: no space left on device (ENOSPC)", "nothing was left")
     assert snapshot(work) == before  # not even the parent folders it made
 
 
@@ -398,7 +398,8 @@ def test_a_file_size_limit_keeps_the_old_data(work):
 
     before = snapshot(work)
     r = xtrain_child(*prepare_args("corpus", "data", "--force", "--no-progress"), cwd=work, preexec_fn=limit)
-    one_line(r, 74, f"cannot write {work / 'data' / 'train_000000.bin'}: File too large (EFBIG)", "is unchanged")
+    too_large = "file too large (over the file-size limit, ulimit -f) (EFBIG)"
+    one_line(r, 74, f"cannot write {work / 'data' / 'train_000000.bin'}: {too_large}", "is unchanged")
     assert snapshot(work) == before
 
 
@@ -420,7 +421,7 @@ def test_a_read_only_filesystem(work, where):
     before = snapshot(work)
     args = prepare_args("corpus", out, "--force", "--no-progress")
     r = xtrain_child(*args, cwd=work, fault="EROFS", prefix=ro, env=env)
-    one_line(r, 74, f"cannot write {named}", "Read-only file system (EROFS)")
+    one_line(r, 74, f"cannot write {named}", "read-only file system (EROFS)")
     if out is None:
         assert "set XTRAIN_CACHE to a writable folder, or pass --out" in r.stderr
     assert snapshot(work) == before
@@ -435,7 +436,7 @@ def test_train_with_a_read_only_cache(work):
         "train", "--data", "corpus", "--out", "run", "--steps", "1", "--no-progress",
         cwd=work, fault="EROFS", prefix=ro, env={"XTRAIN_CACHE": str(ro / "cache")},
     )  # fmt: skip
-    one_line(r, 74, "xtrain train: cannot write", f"{ro / 'cache'}: Read-only file system (EROFS)")
+    one_line(r, 74, "xtrain train: cannot write", f"{ro / 'cache'}: read-only file system (EROFS)")
     assert snapshot(work) == before
 
 

@@ -264,7 +264,7 @@ def test_home_and_the_cache_on_a_read_only_file_system(base, tmp_path):
     r = faulty("export", tmp_path / "r", "--out", tmp_path / "hf", cwd=tmp_path, **ro)
     assert r.returncode == 0 and not r.stderr.strip(), r.stderr[-3000:]
     r = faulty("train", "--data", base["dir"] / "corpus", "--out", tmp_path / "r2", *TINY, *QUIET, cwd=tmp_path, **ro)
-    one_line(r, rf"xtrain train: cannot write {cache}\S*: read-only file system")
+    one_line(r, rf"xtrain train: cannot write {cache}\S*: read-only file system \(EROFS\); .*")
     assert os.listdir(home) == [] and not cache.exists()
 
 

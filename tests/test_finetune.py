@@ -10,7 +10,8 @@ from xtrain.autograd import no_grad
 from xtrain.config import TrainConfig
 from xtrain.data.chat import MaskedTokenLoader, prepare_chat
 from xtrain.hf import open_checkpoint
-from xtrain.model import Model, doc_starts
+from xtrain.mask import Documents
+from xtrain.model import Model
 from xtrain.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -102,7 +103,7 @@ def test_targets_outside_assistant_turns_get_exactly_zero_gradient(setup):
     x, y = MaskedTokenLoader(shard, 4, T, seed=1).next_batch()
     sep = meta["chat"]["separator_id"]
     with no_grad():
-        logits = model.forward(x, doc_starts=doc_starts(x, sep, after=True)).data  # [B, T, V]
+        logits = model.forward(x, mask=Documents.of(x, sep, after=True)).data  # [B, T, V]
     logits = logits.reshape(-1, logits.shape[-1])
     leaf = Var(logits, True)  # [B*T, V]
     ops.cross_entropy(leaf, y.reshape(-1), reduction="sum").backward()
@@ -113,7 +114,7 @@ def test_targets_outside_assistant_turns_get_exactly_zero_gradient(setup):
 
     def grads(x):
         model.zero_grad()
-        model.loss(x, y, reduction="sum", doc_starts=doc_starts(x, sep, after=True)).backward()
+        model.loss(x, y, reduction="sum", mask=Documents.of(x, sep, after=True)).backward()
         return {k: p.grad.clone() for k, p in model.params.items()}
 
     g = grads(x)

@@ -14,7 +14,8 @@ from xtrain.autograd import no_grad
 from xtrain.data.chat import ChatTemplate
 from xtrain.hf import TOKENIZER_FILES, open_checkpoint
 from xtrain.model import Model
-from xtrain.serve.engine import EngineConfig
+from xtrain.sampling import Sampling
+from xtrain.serve.engine import Engine, EngineConfig
 from xtrain.serve.server import load_service, serve_in_thread
 from xtrain.train import checkpoint as ckpt_io
 from xtrain.train.optim import AdamW
@@ -91,8 +92,7 @@ def test_export_then_transformers_generate_equals_serve_chat_completions(ckpt, t
     model = Model(ck.model_config())
     ck.load_into(model)
     with no_grad():  # the token greedy decoding picks third for the first prompt: <|im_end|> now just beats it
-        ids = torch.tensor([chat.prompt_ids(PROMPTS[0])])
-        third = int(model.generate(ids, 3, temperature=0)[0, -1])
+        third = Engine(model).generate([chat.prompt_ids(PROMPTS[0])], 3, Sampling(temperature=0))[0][-1]
         head = model.params["lm_head.weight"].data
         head[eos] = 1.05 * head[third]
     run = tmp_path / "run"

@@ -394,7 +394,7 @@ def _disk_error(e: OSError, target: Path, staging: Path, existed: bool, default_
         where = target / where.relative_to(staging)  # the user knows the final name, not the staging one
     except ValueError:
         pass
-    cause = f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)})"
+    cause = f"{DISK_ERRORS.get(e.errno) or e.strerror} ({errno.errorcode.get(e.errno, e.errno)})"  # fileio's words
     state = f"the data in {target} is unchanged" if existed else "nothing was left behind"
     hint = ""
     if default_dir:
