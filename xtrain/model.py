@@ -419,7 +419,7 @@ class Model:
                 x = checkpoint(self._block, x, i, mask, rope, seed)
             else:
                 x = self._block(x, i, mask, rope, seed, cache, W)
-        if last:  # [B, C]: each row's last position
+        if last and T > 1:  # [B, C]: each row's last position
             x, T = Var(x.data.view(B, T, -1)[:, -1]), 1
         x2 = ops.rms_norm(x, self.params["model.norm.weight"], cfg.norm_eps, self.compute_dtype)  # [N, C]
         if W is not None:  # decode: the [in, out] head

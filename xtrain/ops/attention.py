@@ -162,11 +162,13 @@ def cached_attention(q: Var, k: Var, v: Var, mask, scale: float | None = None) -
     G = H // Hkv
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.matmul(qd.reshape(B, Hkv, G * Tn, D), kd.transpose(-1, -2)).to(acc)  # [B, Hkv, G*Tn, S]
-    scores.mul_(s)
+    # batched matmuls over the B*Hkv (row, K/V head) pairs, the G query heads of a K/V head stacked as rows
+    scores = torch.bmm(qd.reshape(B * Hkv, G * Tn, D), kd.reshape(B * Hkv, S, D).transpose(1, 2))  # [B*Hkv, G*Tn, S]
+    scores = scores.mul_(s) if scores.dtype == acc else scores.to(acc).mul_(s)
     if mask.hidden is not None:
         scores.view(B, Hkv, G, Tn, S).masked_fill_(mask.hidden, float("-inf"))
-    o = torch.matmul(torch.softmax(scores, dim=-1).to(vd.dtype), vd)  # [B, Hkv, G*Tn, D]
+    p = torch.softmax(scores, dim=-1)
+    o = torch.bmm(p if p.dtype == vd.dtype else p.to(vd.dtype), vd.reshape(B * Hkv, S, D))  # [B*Hkv, G*Tn, D]
     return Var(o.view(B, H, Tn, D).transpose(1, 2).reshape(B * Tn, H * D))
 
 
