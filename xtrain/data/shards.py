@@ -188,18 +188,23 @@ class ShardWriter:
             self.abort()
 
 
+def _header_ints(path: Path, what: str, why_missing: str) -> tuple[int, int, int, int]:
+    """-> (file size, magic, version, count) of a shard's 256-int header; errors name ``what`` and the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} not found{why_missing}")
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise ValueError(f"{what} {path}: truncated header ({size} bytes, expected at least {HEADER_BYTES})")
+    with open(path, "rb") as f:
+        header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    return size, int(header[0]), int(header[1]), int(header[2])
+
+
 def read_header(path: str | os.PathLike) -> dict:
     """Validate a shard's header and size; return ``{"magic", "version", "num_tokens", "dtype"}``.
     Raises ``FileNotFoundError`` or ``ValueError`` naming the file and what is wrong."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"shard {path} not found")
-    size = path.stat().st_size
-    if size < HEADER_BYTES:
-        raise ValueError(f"shard {path}: truncated header ({size} bytes, expected at least {HEADER_BYTES})")
-    with open(path, "rb") as f:
-        header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
-    magic, version, n = int(header[0]), int(header[1]), int(header[2])
+    size, magic, version, n = _header_ints(path, "shard", "")
     if magic not in FORMATS:
         raise ValueError(
             f"shard {path}: bad magic {magic} (expected one of {sorted(FORMATS)}); not an llm.c token shard"
@@ -276,14 +281,7 @@ def read_mask_shard(path: str | os.PathLike, num_tokens: int | None = None) -> n
     """A mask shard as a read-only uint8 memmap (N,); its header and size are checked, and N against
     ``num_tokens`` (its token shard's count) when given. Values are checked to be 0 or 1 (one chunked scan)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"mask shard {path} not found (chat data keeps one beside each token shard)")
-    size = path.stat().st_size
-    if size < HEADER_BYTES:
-        raise ValueError(f"mask shard {path}: truncated header ({size} bytes)")
-    with open(path, "rb") as f:
-        header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
-    magic, version, n = int(header[0]), int(header[1]), int(header[2])
+    size, magic, version, n = _header_ints(path, "mask shard", " (chat data keeps one beside each token shard)")
     if magic != MASK_MAGIC or version != MASK_VERSION:
         raise ValueError(f"mask shard {path}: magic {magic} version {version}, expected {MASK_MAGIC} {MASK_VERSION}")
     if size != HEADER_BYTES + n:
