@@ -4,6 +4,7 @@ directory tree, check an exit code and the first line of stderr."""
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,13 @@ def check(r, rc: int, first: str):
     if first:
         assert first in first_line(r.stderr), r.stderr[-2000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether this machine can bind ::1 (the IPv6 server tests skip without it)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False

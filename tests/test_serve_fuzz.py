@@ -5,11 +5,11 @@ server keeps serving afterwards. Also: model ids may hold "/" (the route and the
 ::1 answers on the URL it reports."""
 
 import json
-import socket
 
 import pytest
 import torch
 
+from tests._cli import has_ipv6_loopback
 from tests.test_serve import small
 from xtrain.data.tokenizer import ByteTokenizer
 from xtrain.serve.api import (
@@ -178,16 +178,7 @@ def test_model_ids_may_hold_a_slash(server):
         assert r.status_code == 404, r.text
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback")
 def test_an_ipv6_server_reports_a_usable_url():
     with bind("::1", 0) as s:
         assert url_of(s) == f"http://[::1]:{s.getsockname()[1]}"

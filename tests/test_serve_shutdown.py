@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from tests._cli import has_ipv6_loopback
 from tests.test_serve import small
 from xtrain.data.tokenizer import ByteTokenizer
 from xtrain.train import checkpoint as ck
@@ -187,21 +188,12 @@ def test_sigint_drain_lets_running_requests_finish_and_a_second_signal_ends_them
     _quiet(stderr)
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def busy_server(run_dir, tmp_path_factory):
     """One server for the client-behaviour tests: one slot, one queue place, on ::1 where the machine has it
     (``--host ::1`` must report ``http://[::1]:PORT``). At the end: SIGTERM, exit code 0, and not one traceback
     in its stderr over all the tests."""
-    host = "::1" if _has_ipv6_loopback() else "127.0.0.1"
+    host = "::1" if has_ipv6_loopback() else "127.0.0.1"
     log = tmp_path_factory.mktemp("busy") / "err"
     with serving(run_dir, log, "--host", host, "--slots", 1, "--max-queue", 1) as (p, url, _):
         if host == "::1":
