@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call of several stages (STAGES="tests serve finetune train"), each under its own timeout; logs under
+# $OUT, a short summary of each stage printed as it ends.
+#   tests:    the whole `-m gpu` suite (TEST_S seconds)
+#   serve:    batch-1 decode at the seed preset vs transformers generate (`bench serve --skip serving`)
+#   finetune: `bench finetune` at Qwen3-0.6B's shape (FT_ARGS, e.g. "--compile-modes default --max-batch")
+#   train:    `bench train` at PRESETS (e.g. "seed:8 gpt2-small:16") with TRAIN_ARGS
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+{ nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  git log -1 --oneline; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+for stage in ${STAGES:-tests serve}; do
+  t0=$(date +%s)
+  case $stage in
+  tests)
+    timeout "${TEST_S:-270}" python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rfE tests \
+      --ignore=tests/test_serve_api.py --ignore=tests/test_serve_loop.py > "$OUT/pytest_gpu.txt" 2>&1
+    echo "tests rc $?"; grep -E "passed|failed|error" "$OUT/pytest_gpu.txt" | tail -1
+    grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.txt" | head -20 ;;
+  serve)
+    timeout "${SERVE_S:-100}" python3 -m xtrain.cli bench serve --preset seed --skip serving --tokens 128 \
+      --prompt-len 16 --reps 5 > "$OUT/serve_seed.txt" 2>&1
+    echo "serve rc $?"; tail -8 "$OUT/serve_seed.txt" ;;
+  finetune)
+    timeout "${FT_S:-240}" python3 -m xtrain.cli bench finetune --device cuda ${FT_ARGS:-} > "$OUT/finetune.txt" 2>&1
+    echo "finetune rc $?"; grep -vE "^\s*$" "$OUT/finetune.txt" | tail -9 ;;
+  train)
+    for spec in ${PRESETS:-seed:8}; do
+      set -- ${spec%%:*} ${spec##*:}
+      timeout "${TRAIN_S:-300}" python3 -m xtrain.cli bench train --device cuda --dtype bfloat16 --preset $1 \
+        --batch-size $2 --steps 20 --warmup 3 ${TRAIN_ARGS:-} > "$OUT/train_$1.txt" 2>&1; echo "train $1 rc $?"
+      grep -E "skipped|fell back|Error" "$OUT/train_$1.txt" | head -5; sed -n '/first-step loss/,$p' "$OUT/train_$1.txt"
+    done ;;
+  esac
+  echo "[$stage took $(( $(date +%s) - t0 )) s]"
+done
