@@ -5,6 +5,7 @@
 #   serve:    batch-1 decode at the seed preset vs transformers generate (`bench serve --skip serving`)
 #   finetune: `bench finetune` at Qwen3-0.6B's shape (FT_ARGS, e.g. "--compile-modes default --max-batch")
 #   train:    `bench train` at PRESETS (e.g. "seed:8 gpt2-small:16") with TRAIN_ARGS
+#   profile:  `bench profile_train` of the trainer's step and of torch.compile's at gpt2-small B16
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv,noheader
@@ -32,6 +33,12 @@ for stage in ${STAGES:-tests serve}; do
       timeout "${TRAIN_S:-300}" python3 -m xtrain.cli bench train --device cuda --dtype bfloat16 --preset $1 \
         --batch-size $2 --steps 20 --warmup 3 ${TRAIN_ARGS:-} > "$OUT/train_$1.txt" 2>&1; echo "train $1 rc $?"
       grep -E "skipped|fell back|Error" "$OUT/train_$1.txt" | head -5; sed -n '/first-step loss/,$p' "$OUT/train_$1.txt"
+    done ;;
+  profile)
+    for st in trainer compile; do
+      timeout "${PROF_S:-120}" python3 -m xtrain.cli bench profile_train --device cuda --dtype bfloat16 \
+        --preset gpt2-small --batch-size 16 --step $st --top 45 > "$OUT/profile_$st.txt" 2>&1; echo "profile $st rc $?"
+      grep -iE "busy|launches|wall" "$OUT/profile_$st.txt" | head -4
     done ;;
   esac
   echo "[$stage took $(( $(date +%s) - t0 )) s]"
