@@ -6,7 +6,10 @@ T = 2048 (``--seq-len``). Both sides take the same batch of random ids and run f
 clipping at 1.0 and AdamW:
 
 * xtrain: the trainer's own step (``Trainer.train_step``: fused LM head + loss, flash attention, the one-launch
-  AdamW writing bf16 compute copies, the whole step one CUDA graph on CUDA; ``bench.train.trainer_step``).
+  AdamW writing bf16 compute copies, the whole step one CUDA graph on CUDA; ``bench.train.trainer_step``), with
+  every activation kept ("plain") and with activation recompute ("recompute"; ``--xtrain`` picks).
+  transformers' side keeps every activation (no gradient checkpointing): the speed goal compares it with the plain
+  side; the recompute side is the memory a user can trade for its extra forward.
 * transformers: ``Qwen3ForCausalLM`` built from the same config (fp32 parameters, ``torch.autocast`` to bf16, SDPA
   attention), its forward and the loss (``F.cross_entropy`` on the fp32-upcast logits, as its own loss does) under
   ``torch.compile`` in each mode of ``--compile-modes`` (default: default and max-autotune-no-cudagraphs; "eager"
@@ -31,6 +34,7 @@ import argparse
 import gc
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -82,8 +86,15 @@ def xtrain_side(c: ModelConfig, dev, B: int, T: int):
 def transformers_side(c: ModelConfig, dev, B: int, T: int, mode: str):
     from transformers import Qwen3ForCausalLM
 
+    from xtrain.model import Model
+
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(hf_config(c)).to(dev).train()  # fp32 parameters: the master weights
+    model = Qwen3ForCausalLM(hf_config(c)).train()  # fp32 parameters: the master weights
+    # xtrain's initial weights (the same Hugging Face names), so both sides' first losses agree
+    missing, unexpected = model.load_state_dict(Model(c, device="cpu", seed=0).state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise ValueError(f"bench finetune: weights do not map: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model = model.to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=dev.type == "cuda")
     ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0)).to(dev)
     x, y = ids[:, :-1], ids[:, 1:]
@@ -181,6 +192,14 @@ def main(argv=None) -> int:
         default=None,
         help="torch.compile modes for transformers (default: default max-autotune-no-cudagraphs on CUDA, eager on CPU)",
     )
+    ap.add_argument(
+        "--xtrain",
+        nargs="+",
+        default=["plain", "recompute"],
+        choices=["plain", "recompute"],
+        help="xtrain sides: plain (every activation kept) and/or recompute (activation recompute, each block's "
+        "forward re-run in backward); default both",
+    )
     ap.add_argument("--max-batch", action="store_true", help="also find each side's largest batch that fits")
     ap.add_argument("--max-batch-limit", type=int, default=256)
     args = ap.parse_args(argv)
@@ -203,7 +222,8 @@ def main(argv=None) -> int:
         f"device={dev} ({name}) dtype={dtype} (fp32 masters) torch={torch.__version__}"
     )
     rows = {}
-    builders = [("xtrain trainer", lambda b: xtrain_side(c, dev, b, T))]
+    variants = {"plain": ("xtrain trainer", c), "recompute": ("xtrain trainer, recompute", replace(c, recompute=True))}
+    builders = [(variants[v][0], lambda b, cv=variants[v][1]: xtrain_side(cv, dev, b, T)) for v in args.xtrain]
     builders += [(f"transformers {m}", lambda b, m=m: transformers_side(c, dev, b, T, m)) for m in modes]
     for label, make in builders:
         try:
@@ -220,14 +240,16 @@ def main(argv=None) -> int:
         mem = f"{r['peak'] / 2**30:.2f}" if r["peak"] is not None else "-"
         mb = str(r.get("max_batch", "-"))
         print(f"{label:<42}{r['ms']:>10.1f}{B * T / r['ms'] * 1e3:>12.0f}{mem:>10}{mb:>11}{r['loss']:>12.4f}")
-    ours = rows.get("xtrain trainer")
-    if ours and best:
-        speed = best["ms"] / ours["ms"]
-        print(f"tokens/s, xtrain / transformers' fastest mode: {speed:.2f}x (goal >= 1.3x)")
+    for label in (variants[v][0] for v in args.xtrain):
+        ours = rows.get(label)
+        if not (ours and best):
+            continue
+        print(f"{label} / transformers' fastest mode: tokens/s {best['ms'] / ours['ms']:.2f}x (goal >= 1.3x)", end="")
         if ours["peak"] is not None and best["peak"]:
-            print(f"peak memory, xtrain / transformers: {ours['peak'] / best['peak']:.2f}x (goal <= 0.5x)")
+            print(f", peak memory {ours['peak'] / best['peak']:.2f}x (goal <= 0.5x)", end="")
         if "max_batch" in ours and best.get("max_batch"):
-            print(f"largest batch, xtrain / transformers: {ours['max_batch'] / best['max_batch']:.2f}x (goal >= 2x)")
+            print(f", largest batch {ours['max_batch'] / best['max_batch']:.2f}x (goal >= 2x)", end="")
+        print()
     return 0
 
 
