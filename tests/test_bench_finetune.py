@@ -1,5 +1,5 @@
 """``xtrain bench finetune`` runs on the CPU at its tiny shape (a smoke test: the GPU measurement is the point of
-it): both sides build from one config, start from the same loss level and print the table and the goal lines."""
+it): both sides build from one config, start from the same weights (the same first loss) and print the table and the goal lines."""
 
 import pytest
 
@@ -22,12 +22,11 @@ def test_bench_finetune_cpu_smoke(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    rows = {
-        ln.split()[0] + " " + ln.split()[1]: ln.split()
-        for ln in out.splitlines()
-        if ln.startswith(("xtrain t", "transformers e"))
+    rows = {  # label -> [step ms, tokens/s, peak, max batch, first loss]
+        r[0]: r[1:] for r in (ln.rsplit(maxsplit=5) for ln in out.splitlines()) if len(r) == 6 and r[-1][-1].isdigit()
     }
-    assert set(rows) == {"xtrain trainer", "transformers eager"}
-    ours, theirs = float(rows["xtrain trainer"][-1]), float(rows["transformers eager"][-1])
-    assert abs(ours - theirs) < 0.5 and rows["xtrain trainer"][-2] == "4"  # same init scale; CPU: the limit fits
-    assert "tokens/s, xtrain / transformers' fastest mode" in out
+    assert set(rows) == {"xtrain trainer", "xtrain trainer, recompute", "transformers eager"}
+    # both sides start from xtrain's initial weights: the same first loss (fp32 on the CPU)
+    losses = [float(r[-1]) for r in rows.values()]
+    assert max(losses) - min(losses) < 1e-3 and rows["xtrain trainer"][-2] == "4"  # CPU: the limit fits
+    assert "xtrain trainer / transformers' fastest mode: tokens/s" in out
