@@ -24,6 +24,7 @@ import math
 import secrets
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
@@ -89,18 +90,18 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] | None = None
 
 
+ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}  # else invalid_request
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind=None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
-            status, "invalid_request_error"
-        )
+        self.kind = kind or ERROR_TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict:
-        return {
-            "error": {"message": _utf8(self.message), "type": self.kind, "param": _utf8(self.param), "code": self.code}
-        }
+        e = {"message": _utf8(self.message), "type": self.kind, "param": _utf8(self.param), "code": self.code}
+        return {"error": e}
 
 
 def _utf8(text: str | None) -> str | None:
@@ -117,6 +118,9 @@ def unavailable(message: str = "the server is shutting down; retry later") -> AP
 
 
 # -- parsing and validation ---------------------------------------------------------------------------------
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -124,11 +128,8 @@ def _reject_constant(name: str):
 def _unique_keys(pairs: list) -> dict:
     d = dict(pairs)
     if len(d) != len(pairs):  # parsers disagree on which of two values wins: refuse rather than guess
-        seen = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise ValueError(f"duplicate key {_clip(k)}")
-            seen.add(k)
+        dup = next(k for k, count in Counter(k for k, _ in pairs).items() if count > 1)
+        raise ValueError(f"duplicate key {_clip(dup)}")
     return d
 
 
@@ -160,16 +161,10 @@ def parse_body(raw: bytes) -> dict:
     except ValueError as e:  # JSONDecodeError is a ValueError; so are the two hooks' refusals
         raise bad(f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise bad(f"the body must be a JSON object, got {_kind(body)}", code="invalid_json")
+        raise bad(f"the body must be a JSON object, got {JSON_KINDS.get(type(body), 'a number')}", code="invalid_json")
     if _too_deep(body, MAX_DEPTH):
         raise bad(f"the body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
     return body
-
-
-def _kind(v) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(v), "a number"
-    )
 
 
 def _clip(v, n: int = 40) -> str:
@@ -247,6 +242,7 @@ def parse_params(body: dict, chat: bool, max_choices: int) -> Params:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop must be a non-empty string or a list of up to 4 of them", "stop", "invalid_value")
+    stop = [_text(s, "stop") for s in stop]
     opts = body.get("stream_options")
     opts = {} if opts is None else opts
     if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
@@ -264,7 +260,6 @@ def parse_params(body: dict, chat: bool, max_choices: int) -> Params:
         seed=secrets.randbits(63) if seed is None else seed % (1 << 64),
         logprobs=0 if chat else _field(body, "logprobs", 0, int, 0, 5),
     )
-    stop = [_text(s, "stop") for s in stop]
     n = _field(body, "n", 1, int, 1, max_choices)
     stream, include_usage = _field(body, "stream", False, bool), _field(opts, "include_usage", False, bool)
     return Params(sampling, max_tokens, stop, n, stream, include_usage, _field(body, "ignore_eos", False, bool))
