@@ -1,58 +1,20 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn): text in, text out over the token-id engine.
 
-    GET  /health                  {"status": "ok", "model": ..., "running": r, "waiting": w, "slots": s, ...}
-                                  (a 503 with "status": "draining" once a shutdown has begun)
-    GET  /v1/models               {"object": "list", "data": [{"id": MODEL, "object": "model", ...}]}
-    GET  /v1/models/{MODEL}       the model card (MODEL may hold "/")
-    POST /v1/completions          prompt (string, list of strings, token ids or lists of token ids)
-    POST /v1/chat/completions     messages [{"role": "system" | "user" | "assistant", "content": ...}]
+    GET /health, /v1/models, /v1/models/{MODEL}; POST /v1/completions, /v1/chat/completions
 
-Request fields (both endpoints): ``model`` (the served name; another gets 404), ``max_tokens`` (>= 1;
-completions default 16, chat default: the rest of the context), ``temperature`` (>= 0, default 1; 0 is
-greedy), ``top_p`` (0 < p <= 1, default 1), ``top_k`` (0 = off), ``seed`` (0 <= seed < 2**64; choice i of
-``n`` uses seed + i; without a seed each request draws one), ``stop`` (a string or up to 4), ``n``,
-``stream``, ``stream_options`` ({"include_usage": bool}), ``user`` (a string, ignored), ``ignore_eos`` (as vLLM:
-run to max_tokens); completions also take ``logprobs`` (0..5: top log-probabilities of each sampled
-token). A temperature below ``xtrain.sampling.GREEDY_BELOW`` samples greedily, and a top_p however small
-keeps the most likely token. Fields that clients send by default are accepted where their value changes
-nothing (``NO_OP_FIELDS``: ``presence_penalty``/``frequency_penalty`` 0, ``logit_bias`` {}, ``suffix`` "",
-``best_of`` 1, ``echo`` false, ``tools`` [], chat ``logprobs`` false, ..., or null) and are a 400 naming
-the field otherwise. Responses carry ``id``, ``object``, ``created``, ``model``, ``choices`` (``text`` / ``message``,
-or ``delta`` when streaming, with ``finish_reason`` "stop", "length", or "abort" for a request a shutdown
-ended, ``Service.shutdown``) and ``usage``. ``stream: true`` answers with server-sent events, ``data: {chunk}``
-lines and a final ``data: [DONE]``; the status line waits for the first token, so a request that never ran
-gets its error status rather than a 200.
+``docs/serve.md`` is the reference: request fields, responses, the chat templates, error statuses. A request's
+way through this module:
 
-Tokens: a string prompt is preceded by the end-of-text token, as every training document is (so the
-tokens match ``xtrain sample``); a token-id prompt is used as given. Generation stops at the next
-end-of-text token or a stop string ("stop") or after max_tokens ("length").
+    read_body        the body, within ``ServerConfig``'s size and time limits (413, 400; 503 once draining)
+    parse_body       strict JSON: one object, unique keys, no NaN, bounded nesting (400)
+    Service.prepare  the fields (``parse_params``), the model, the prompts' token ids, the token budget
+    Service.start    a ``Job``: one engine sequence per choice, their events on one asyncio queue
+    _handle          the whole response, or server-sent events whose status line waits for the first token
 
-Chat template. A run fine-tuned from a Hugging Face checkpoint (``xtrain train --init-from``) keeps the
-checkpoint's Jinja chat template: ``messages`` are rendered with it and its generation prompt
-(``xtrain.data.chat.ChatTemplate``, as transformers' ``apply_chat_template`` renders them; no end-of-text in
-front), a message holding a special token's text (``<|im_end|>``, ...) is a 400, and the reply stops at the
-template's end-of-turn token. Our own base models are trained on plain text, so their template is plain text:
-
-    <|endoftext|>System: {system}\\n\\nUser: {user}\\n\\nAssistant: {assistant}\\n\\nUser: {user}\\n\\nAssistant:
-
-each message rendered as ``Role: content`` followed by a blank line, in the order given, and the prompt
-ending in ``Assistant:``; the reply is what the model writes next, up to end-of-text, max_tokens, a stop
-string of the request, or the template's own stops ``\\n\\nUser:`` and ``\\n\\nSystem:`` (the model
-starting the next turn). ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts.
-
-Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that
-is empty, not UTF-8 or not JSON (NaN and Infinity included), has duplicate keys, nests deeper than
-``MAX_DEPTH`` or is not an object, for wrong types, out-of-range values, prompts that do not fit the context
-and text that is not valid Unicode (a lone surrogate); 404 for an unknown model or path; 413 for a body
-over ``ServerConfig.max_body_bytes``; 415 for a POST whose Content-Type is not application/json; 403 for a
-Host header outside ``ServerConfig.allowed_hosts``; 429 when every slot is busy and the queue is full; 503
-while shutting down (new requests, queued ones, bodies still arriving). A body shorter than its
-Content-Length is a 400 after ``body_timeout_s``; a prompt whose bytes alone exceed the context is a 400
-before it is tokenized.
-
-Connections: each running request watches its client's connection (``Job``); a client that goes away, at
-any point, ends its request at once and frees its slot or its place in the queue, with one debug-level log
-line (logger ``xtrain.serve``) and no traceback.
+A string prompt is preceded by the end-of-text token, as every training document is (so the tokens match
+``xtrain sample``); a token-id prompt is used as given. Errors are ``APIError``s in OpenAI's shape. A client
+that goes away at any point ends its request at once and frees its slot or its place in the queue (``Job``),
+with one debug-level log line (logger ``xtrain.serve``) and no traceback.
 """
 
 import asyncio
@@ -62,59 +24,51 @@ import math
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 from xtrain.serve.engine import Batcher, Engine, EngineConfig, QueueFull, Sampling
 
 log = logging.getLogger("xtrain.serve")
 DRAIN_SEND_S = 2.0  # while draining, a stream whose client has not taken a chunk in this time is given up
+MAX_DEPTH = 32  # JSON nesting a request may have (messages[i].content[j].text is 5 deep)
+ABORT = "abort"  # the finish_reason of a choice a shutdown ended before it finished (as vLLM's)
 
 CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 CHAT_STOPS = ("\n\nUser:", "\n\nSystem:")
-COMMON_FIELDS = {
-    "model",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "n",
-    "stream",
-    "stream_options",
-    "user",
-    "ignore_eos",
-}
+COMMON_FIELDS = set(
+    "model max_tokens temperature top_p top_k seed stop n stream stream_options user ignore_eos".split()
+)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 
 # OpenAI fields clients send by default (LangChain's OpenAI sends presence_penalty 0, frequency_penalty 0 and
-# logit_bias {}): accepted when their value changes nothing, a 400 naming the field otherwise.
+# logit_bias {}): accepted when null or when their value changes nothing, a 400 naming the field otherwise.
 # field -> (is the value a no-op?, the values accepted, for the message)
-_none = lambda v: v is None
 NO_OP_FIELDS = {
-    "presence_penalty": (lambda v: _none(v) or (_isnum(v) and v == 0), "0"),
-    "frequency_penalty": (lambda v: _none(v) or (_isnum(v) and v == 0), "0"),
-    "repetition_penalty": (lambda v: _none(v) or (_isnum(v) and v == 1), "1"),
-    "logit_bias": (lambda v: _none(v) or v == {}, "{}"),
-    "response_format": (lambda v: _none(v) or v == {"type": "text"}, '{"type": "text"}'),
-    "tools": (lambda v: _none(v) or v == [], "[]"),
-    "functions": (lambda v: _none(v) or v == [], "[]"),
-    "tool_choice": (lambda v: _none(v) or v == "none", '"none"'),
-    "function_call": (lambda v: _none(v) or v == "none", '"none"'),
-    "parallel_tool_calls": (lambda v: _none(v) or isinstance(v, bool), "true or false (there are no tools)"),
-    "service_tier": (lambda v: _none(v) or v in ("auto", "default"), '"auto" or "default"'),
-    "store": (lambda v: _none(v) or v is False, "false"),
-    "metadata": (lambda v: _none(v) or isinstance(v, dict), "an object (kept nowhere)"),
+    "presence_penalty": (lambda v: _isnum(v) and v == 0, "0"),
+    "frequency_penalty": (lambda v: _isnum(v) and v == 0, "0"),
+    "repetition_penalty": (lambda v: _isnum(v) and v == 1, "1"),
+    "logit_bias": (lambda v: v == {}, "{}"),
+    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'),
+    "tools": (lambda v: v == [], "[]"),
+    "functions": (lambda v: v == [], "[]"),
+    "tool_choice": (lambda v: v == "none", '"none"'),
+    "function_call": (lambda v: v == "none", '"none"'),
+    "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false (there are no tools)"),
+    "service_tier": (lambda v: v in ("auto", "default"), '"auto" or "default"'),
+    "store": (lambda v: v is False, "false"),
+    "metadata": (lambda v: isinstance(v, dict), "an object (kept nowhere)"),
 }
 COMPLETION_NO_OP = {
-    "suffix": (lambda v: _none(v) or v == "", '""'),
-    "echo": (lambda v: _none(v) or v is False, "false"),
-    "best_of": (lambda v: _none(v) or v == 1, "1"),
+    "suffix": (lambda v: v == "", '""'),
+    "echo": (lambda v: v is False, "false"),
+    "best_of": (lambda v: v == 1, "1"),
 }
 CHAT_NO_OP = {
-    "logprobs": (lambda v: _none(v) or v is False, "false"),
-    "top_logprobs": (lambda v: _none(v) or v == 0, "0"),
+    "logprobs": (lambda v: v is False, "false"),
+    "top_logprobs": (lambda v: v == 0, "0"),
 }
 
 
@@ -136,18 +90,18 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] | None = None
 
 
+ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}  # else invalid_request
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind=None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
-            status, "invalid_request_error"
-        )
+        self.kind = kind or ERROR_TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict:
-        return {
-            "error": {"message": _utf8(self.message), "type": self.kind, "param": _utf8(self.param), "code": self.code}
-        }
+        e = {"message": _utf8(self.message), "type": self.kind, "param": _utf8(self.param), "code": self.code}
+        return {"error": e}
 
 
 def _utf8(text: str | None) -> str | None:
@@ -159,8 +113,12 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param, code)
 
 
+def unavailable(message: str = "the server is shutting down; retry later") -> APIError:
+    return APIError(503, message, None, "shutting_down")
+
+
 # -- parsing and validation ---------------------------------------------------------------------------------
-MAX_DEPTH = 32  # JSON nesting a request may have (messages[i].content[j].text is 5 deep)
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
 
 
 def _reject_constant(name: str):
@@ -170,11 +128,8 @@ def _reject_constant(name: str):
 def _unique_keys(pairs: list) -> dict:
     d = dict(pairs)
     if len(d) != len(pairs):  # parsers disagree on which of two values wins: refuse rather than guess
-        seen = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise ValueError(f"duplicate key {_clip(k)}")
-            seen.add(k)
+        dup = next(k for k, count in Counter(k for k, _ in pairs).items() if count > 1)
+        raise ValueError(f"duplicate key {_clip(dup)}")
     return d
 
 
@@ -206,16 +161,10 @@ def parse_body(raw: bytes) -> dict:
     except ValueError as e:  # JSONDecodeError is a ValueError; so are the two hooks' refusals
         raise bad(f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise bad(f"the body must be a JSON object, got {_kind(body)}", code="invalid_json")
+        raise bad(f"the body must be a JSON object, got {JSON_KINDS.get(type(body), 'a number')}", code="invalid_json")
     if _too_deep(body, MAX_DEPTH):
         raise bad(f"the body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
     return body
-
-
-def _kind(v) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(v), "a number"
-    )
 
 
 def _clip(v, n: int = 40) -> str:
@@ -234,76 +183,59 @@ def _text(v, param: str) -> str:
     return v
 
 
-def _int(body: dict, key: str, default, lo: int, hi: int):
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _field(body: dict, key: str, default, kind: type = int, lo: int = 0, hi: int = 1 << 31):
+    """body[key] (``default`` when absent or null) as ``kind``: an int in [lo, hi], a finite float or a bool;
+    a 400 naming the field otherwise (a bool is not a number here, as JSON's true is not 1)."""
     v = body.get(key)
     if v is None:
         return default
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise bad(f"{key} must be an integer, got {_clip(v)}", key, "invalid_type")
-    if not lo <= v <= hi:
+    if isinstance(v, bool) != (kind is bool) or not isinstance(v, (int, float) if kind is float else kind):
+        raise bad(f"{key} must be {_TYPE_NAMES[kind]}, got {_clip(v)}", key, "invalid_type")
+    if kind is int and not lo <= v <= hi:
         raise bad(f"{key} must lie in [{lo}, {hi}], got {_clip(v)}", key, "invalid_value")
-    return v
-
-
-def _num(body: dict, key: str, default: float) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise bad(f"{key} must be a number, got {_clip(v)}", key, "invalid_type")
-    try:
-        f = float(v)  # an integer past the float range (10**400) overflows here
-    except OverflowError:
-        f = math.inf
-    if not math.isfinite(f):
-        raise bad(f"{key} must be finite, got {_clip(v)}", key, "invalid_value")
-    return f
-
-
-def _bool(body: dict, key: str, default: bool) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(f"{key} must be true or false, got {_clip(v)}", key, "invalid_type")
+    if kind is float:
+        try:
+            v = float(v)  # an integer past the float range (10**400) overflows here
+        except OverflowError:
+            v = math.inf
+        if not math.isfinite(v):
+            raise bad(f"{key} must be finite, got {_clip(body[key])}", key, "invalid_value")
     return v
 
 
 @dataclass
 class Params:
+    """A request's settings apart from its prompts."""
+
+    sampling: Sampling  # the first choice's: choice j of n uses seed + j
     max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
     stop: list[str]
     n: int
     stream: bool
     include_usage: bool
     ignore_eos: bool
-    logprobs: int = 0
     eos_id: int | None = None  # the token that ends a reply (None: the tokenizer's end-of-text)
 
 
-def parse_params(body: dict, allowed: set[str], max_choices: int, no_op: dict | None = None) -> Params:
-    no_op = no_op or {}
-    unknown = sorted(set(body) - allowed - set(no_op))
+def parse_params(body: dict, chat: bool, max_choices: int) -> Params:
+    """The fields of a chat (or completions) request other than its prompts, checked -> Params, or a 400."""
+    no_op = {**NO_OP_FIELDS, **(CHAT_NO_OP if chat else COMPLETION_NO_OP)}
+    unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS) - set(no_op))
     if unknown:
         names = ", ".join(k[:40] for k in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
         raise bad(f"Unrecognized request argument supplied: {names}", unknown[0][:40], "unknown_field")
     for key in sorted(set(body) & set(no_op)):
         is_no_op, accepted = no_op[key]
-        if not is_no_op(body[key]):
-            raise bad(
-                f"{key} {_clip(body[key], 60)} is not supported by this server; it accepts only {accepted} "
-                "(or leaving the field out), which changes nothing",
-                key,
-                "unsupported_value",
-            )
-    temperature = _num(body, "temperature", 1.0)
+        if body[key] is not None and not is_no_op(body[key]):
+            msg = f"{key} {_clip(body[key], 60)} is not supported by this server; it accepts only {accepted} "
+            raise bad(msg + "(or leaving the field out), which changes nothing", key, "unsupported_value")
+    temperature = _field(body, "temperature", 1.0, float)
     if temperature < 0:
         raise bad(f"temperature must be >= 0, got {temperature}", "temperature", "invalid_value")
-    top_p = _num(body, "top_p", 1.0)
+    top_p = _field(body, "top_p", 1.0, float)
     if not 0 < top_p <= 1:
         raise bad(f"top_p must lie in (0, 1], got {top_p}", "top_p", "invalid_value")
     stop = body.get("stop")
@@ -315,25 +247,27 @@ def parse_params(body: dict, allowed: set[str], max_choices: int, no_op: dict | 
     opts = {} if opts is None else opts
     if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
         raise bad('stream_options must be {"include_usage": bool}', "stream_options", "invalid_value")
-    seed = _int(body, "seed", None, -(1 << 63), (1 << 64) - 1)
+    seed = _field(body, "seed", None, int, -(1 << 63), (1 << 64) - 1)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad(f"user must be a string, got {_clip(body['user'])}", "user", "invalid_type")
-    return Params(
-        max_tokens=_int(body, "max_tokens", None, 1, 1 << 31),
+    max_tokens = _field(body, "max_tokens", None, int, 1)
+    if chat and max_tokens is None:  # the newer name of the same field
+        max_tokens = _field(body, "max_completion_tokens", None, int, 1)
+    sampling = Sampling(
         temperature=temperature,
+        top_k=_field(body, "top_k", 0, int, 0),
         top_p=top_p,
-        top_k=_int(body, "top_k", 0, 0, 1 << 31),
         seed=secrets.randbits(63) if seed is None else seed % (1 << 64),
-        stop=stop,
-        n=_int(body, "n", 1, 1, max_choices),
-        stream=_bool(body, "stream", False),
-        include_usage=_bool(opts, "include_usage", False),
-        ignore_eos=_bool(body, "ignore_eos", False),
+        logprobs=0 if chat else _field(body, "logprobs", 0, int, 0, 5),
     )
+    n = _field(body, "n", 1, int, 1, max_choices)
+    stream, include_usage = _field(body, "stream", False, bool), _field(opts, "include_usage", False, bool)
+    return Params(sampling, max_tokens, stop, n, stream, include_usage, _field(body, "ignore_eos", False, bool))
 
 
 def chat_prompt(messages) -> str:
-    """The documented chat template (module docstring) -> the prompt text (end-of-text is added later)."""
+    """The plain-text chat template of our base models (``docs/serve.md``) -> the prompt text (end-of-text is
+    added later)."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages", "invalid_value")
     parts = []
@@ -412,54 +346,40 @@ class Service:
             **self.batcher.load(),
         }
 
-    def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
-
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "xtrain"}
 
     # -- requests -> token ids ---------------------------------------------------------------------------
-    def _check_model(self, body: dict) -> None:
+    def check_model(self, body: dict) -> None:
         m = body.get("model")
         if m is not None and not isinstance(m, str):
             raise bad(f"model must be a string, got {_clip(m)}", "model", "invalid_type")
         if m is not None and m != self.name:
-            raise APIError(
-                404,
-                f"The model {m[:100]!r} does not exist; this server serves {self.name!r}",
-                "model",
-                "model_not_found",
-            )
+            msg = f"The model {m[:100]!r} does not exist; this server serves {self.name!r}"
+            raise APIError(404, msg, "model", "model_not_found")
+
+    def _check_bytes(self, texts: list[str], per_token: int, extra: int, param: str) -> None:
+        """A 400 for texts whose UTF-8 bytes alone show they cannot fit the context (each token stands for at
+        most ``per_token`` bytes; ``extra`` tokens are added): tokenizing a megabyte takes seconds that every
+        other stream would wait for."""
+        n = sum(len(t.encode("utf-8", errors="surrogatepass")) for t in texts)
+        at_least, ctx = -(-n // per_token) + extra, self.batcher.max_len  # ceil(n / per_token) + extra tokens
+        if at_least >= ctx:
+            msg = f"the {param}: {n} bytes, at least {at_least} tokens; the context holds {ctx} (prompt + max_tokens)"
+            raise bad(msg, param, "context_length_exceeded")
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:
-        """[eot] + the text's tokens. A text whose UTF-8 bytes alone show it cannot fit the context (each token
-        stands for at most ``tok.max_token_bytes`` bytes) is refused before it is tokenized: tokenizing a
-        megabyte takes seconds that every other stream would wait for."""
-        per_token = getattr(self.tok, "max_token_bytes", None)
-        ctx = self.batcher.max_len
-        if per_token:
-            n = len(text.encode("utf-8", errors="surrogatepass"))
-            at_least = -(-n // per_token) + 1  # ceil(n / per_token) tokens, plus end-of-text
-            if at_least >= ctx:
-                raise bad(
-                    f"the {param} is {n} bytes, at least {at_least} tokens; the context holds {ctx} "
-                    "(prompt + max_tokens)",
-                    param,
-                    "context_length_exceeded",
-                )
+        """[eot] + the text's tokens (refused first when its bytes alone cannot fit: ``_check_bytes``)."""
+        if getattr(self.tok, "max_token_bytes", None):
+            self._check_bytes([text], self.tok.max_token_bytes, 1, param)
         return [self.tok.eot_id] + self.tok.encode(text)
 
     def template_prompt(self, messages) -> list[int]:
         """The run's own chat template's prompt ids; refused before rendering when the texts alone cannot fit."""
         from xtrain.data.chat import ChatError
 
-        ctx, per_token = self.batcher.max_len, self.chat_template.max_token_bytes
         texts = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
-        n = sum(len(t.encode("utf-8", errors="surrogatepass")) for t in texts if isinstance(t, str))
-        if -(-n // per_token) >= ctx:
-            raise bad(
-                f"the messages are {n} bytes; the context holds {ctx} tokens", "messages", "context_length_exceeded"
-            )
+        self._check_bytes([t for t in texts if isinstance(t, str)], self.chat_template.max_token_bytes, 0, "messages")
         try:
             return self.chat_template.prompt_ids(messages)
         except ChatError as e:
@@ -481,78 +401,55 @@ class Service:
             return p
         raise bad("prompt must be a non-empty string, a list of strings, or token ids", "prompt", "invalid_type")
 
-    def _budget(self, prompts: list[list[int]], max_tokens: int | None, default: int | None) -> int:
-        ctx = self.batcher.max_len
-        longest = max(len(p) for p in prompts)
-        if longest >= ctx:
-            raise bad(
-                f"the prompt is {longest} tokens; the context holds {ctx} (prompt + max_tokens)",
-                "prompt",
-                "context_length_exceeded",
-            )
-        if max_tokens is None:
-            return min(default or ctx, ctx - longest)
-        if longest + max_tokens > ctx:
-            raise bad(
-                f"max_tokens {max_tokens} + the prompt's {longest} tokens exceed the context of {ctx}",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        return max_tokens
-
     def prepare(self, body: dict, chat: bool):
         """-> (prompts, params, max_new_tokens) or APIError."""
-        no_op = {**NO_OP_FIELDS, **(CHAT_NO_OP if chat else COMPLETION_NO_OP)}
-        params = parse_params(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, self.config.max_choices, no_op)
-        self._check_model(body)
-        if chat:
-            if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
-                params.max_tokens = _int(body, "max_completion_tokens", None, 1, 1 << 31)
-            if self.chat_template is not None:
-                prompts = [self.template_prompt(body.get("messages"))]
-                params.eos_id = self.chat_template.end_of_turn_id
-            else:
-                prompts = [self.encode(chat_prompt(body.get("messages")), "messages")]
-                params.stop = params.stop + [s for s in CHAT_STOPS if s not in params.stop]
-            default = None
+        params = parse_params(body, chat, self.config.max_choices)
+        self.check_model(body)
+        if chat and self.chat_template is not None:
+            prompts = [self.template_prompt(body.get("messages"))]
+            params.eos_id = self.chat_template.end_of_turn_id
+        elif chat:
+            prompts = [self.encode(chat_prompt(body.get("messages")), "messages")]
+            params.stop = params.stop + [s for s in CHAT_STOPS if s not in params.stop]
+        elif "prompt" not in body:
+            raise bad("missing field 'prompt'", "prompt", "missing_field")
         else:
-            if "prompt" not in body:
-                raise bad("missing field 'prompt'", "prompt", "missing_field")
             prompts = self.completion_prompts(body)
-            params.logprobs = _int(body, "logprobs", 0, 0, 5)
-            default = self.config.default_max_tokens
         if len(prompts) * params.n > self.config.max_choices:
             raise bad(f"n x prompts must be at most {self.config.max_choices}", "n", "invalid_value")
-        return prompts, params, self._budget(prompts, params.max_tokens, default)
+        # the token budget: the prompt and max_tokens within the context
+        ctx, longest, max_tokens = self.batcher.max_len, max(len(p) for p in prompts), params.max_tokens
+        if longest >= ctx:
+            msg = f"the prompt is {longest} tokens; the context holds {ctx} (prompt + max_tokens)"
+            raise bad(msg, "prompt", "context_length_exceeded")
+        if max_tokens is None:
+            return prompts, params, min(ctx if chat else self.config.default_max_tokens, ctx - longest)
+        if longest + max_tokens > ctx:
+            msg = f"max_tokens {max_tokens} + the prompt's {longest} tokens exceed the context of {ctx}"
+            raise bad(msg, "max_tokens", "context_length_exceeded")
+        return prompts, params, max_tokens
 
     # -- running -----------------------------------------------------------------------------------------
     def start(self, prompts, params: Params, max_new: int, receive=None) -> "Job":
         """Submit every (prompt, choice) -> a ``Job`` whose queue gets (index, token, logprobs, finish) events.
         ``receive`` (the ASGI receive of the request, its body read) is watched for the client going away."""
         if self.draining:
-            raise APIError(503, "the server is shutting down; retry later", None, "shutting_down")
+            raise unavailable()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        eos = None if params.ignore_eos else self.tok.eot_id if params.eos_id is None else params.eos_id
         choices, reqs = [], []
-        for pi, ids in enumerate(prompts):
-            for j in range(params.n):
-                idx = pi * params.n + j
-                choices.append(Choice(idx, params.stop))
-                smp = Sampling(
-                    temperature=params.temperature,
-                    top_k=params.top_k or None,
-                    top_p=params.top_p,
-                    seed=(params.seed + j) % (1 << 64),
-                    logprobs=params.logprobs,
-                )
-                cb = lambda t, lp, f, i=idx: loop.call_soon_threadsafe(queue.put_nowait, (i, t, lp, f))
-                eos = self.tok.eot_id if params.eos_id is None else params.eos_id
-                reqs.append((ids, max_new, smp, None if params.ignore_eos else eos, cb))
+        for i, (ids, j) in enumerate((ids, j) for ids in prompts for j in range(params.n)):
+            choices.append(Choice(i, params.stop))
+            smp = replace(params.sampling, seed=(params.sampling.seed + j) % (1 << 64))
+            cb = lambda t, lp, f, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, t, lp, f))
+            reqs.append((ids, max_new, smp, eos, cb))
         try:
             seqs = self.batcher.submit(reqs)
         except QueueFull as e:
-            busy = self.batcher.stopping or self.batcher.draining
-            raise APIError(503 if busy else 429, str(e), None, "shutting_down" if busy else "server_busy") from None
+            if self.batcher.stopping or self.batcher.draining:
+                raise unavailable(str(e)) from None
+            raise APIError(429, str(e), None, "server_busy") from None
         except ValueError as e:
             raise bad(str(e), "prompt", "invalid_value") from None
         for c, s in zip(choices, seqs):
@@ -608,24 +505,20 @@ class Service:
             c.text = self.tok.decode(c.ids)
 
     def completion_logprobs(self, c: Choice, start: int = 0) -> dict | None:
-        if not c.logprobs:
+        """OpenAI's completions ``logprobs`` of choice c's tokens from ``start`` on (None when there are none)."""
+        lps, d = c.logprobs[start:], self.tok.decode
+        if not lps:
             return None
-        d = self.tok.decode
-        toks = [d([t]) for t, _ in c.logprobs[start:]]
-        offsets, o = [], 0
-        for t in toks:
-            offsets.append(o)
-            o += len(t)
+        toks = [d([t]) for t, _ in lps]
         return {
             "tokens": toks,
-            "token_logprobs": [lp[0] for _, lp in c.logprobs[start:]],
-            "top_logprobs": [{d([i]): v for i, v in lp[1]} for _, lp in c.logprobs[start:]],
-            "text_offset": offsets,
+            "token_logprobs": [lp[0] for _, lp in lps],
+            "top_logprobs": [{d([i]): v for i, v in lp[1]} for _, lp in lps],
+            "text_offset": list(accumulate(map(len, toks[:-1]), initial=0)),
         }
 
 
 # -- requests in flight -------------------------------------------------------------------------------------
-ABORT = "abort"  # the finish_reason of a choice a shutdown ended before it finished (as vLLM's)
 GONE = object()  # put on a job's queue when its client disconnects
 
 
@@ -655,16 +548,13 @@ class Job:
         self.watch = asyncio.ensure_future(_watch_disconnect(receive, queue)) if receive is not None else None
         service.jobs.add(self)
 
-    async def next(self) -> tuple:
-        """The next engine event (index, token, logprobs, finish); ClientGone when the client left first."""
+    async def step(self) -> Choice:
+        """Fold the next engine event (index, token, logprobs, finish) into its choice -> that choice;
+        ClientGone when the client left first."""
         ev = await self.queue.get()
         if ev is GONE:
             raise ClientGone
-        return ev
-
-    async def step(self) -> Choice:
-        """Fold the next event into its choice -> that choice."""
-        i, tok, lp, fin = await self.next()
+        i, tok, lp, fin = ev
         self.service.update(self.choices[i], tok, lp, fin)
         return self.choices[i]
 
@@ -699,9 +589,8 @@ async def read_body(request, config: ServerConfig, drained: asyncio.Event | None
         if not (cl.isascii() and cl.isdigit()):
             raise bad(f"bad Content-Length {cl[:40]!r}", code="invalid_request")
         if len(cl) > 18 or int(cl) > config.max_body_bytes:
-            raise APIError(
-                413, f"the body is {cl[:40]} bytes; the limit is {config.max_body_bytes}", None, "body_too_large"
-            )
+            msg = f"the body is {cl[:40]} bytes; the limit is {config.max_body_bytes}"
+            raise APIError(413, msg, None, "body_too_large")
     chunks, size = [], 0
 
     async def read():
@@ -726,7 +615,7 @@ async def read_body(request, config: ServerConfig, drained: asyncio.Event | None
             raise ClientGone from None
         return b"".join(chunks)
     if drained is not None and drained.is_set():
-        raise APIError(503, "the server is shutting down; retry later", None, "shutting_down")
+        raise unavailable()
     raise bad(f"the body did not arrive in full within {config.body_timeout_s} s", code="body_timeout")
 
 
@@ -782,14 +671,9 @@ def create_app(service: Service):
             if scope["type"] == "http" and allowed is not None:
                 host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
                 if host is not None and host_name(host) not in allowed:
-                    e = APIError(
-                        403,
-                        f"Host {host[:100]!r} is not an address of this server ({', '.join(allowed)}); start "
-                        f"xtrain serve with --allow-host {host_name(host)[:100]} to accept it",
-                        None,
-                        "host_not_allowed",
-                        "permission_error",
-                    )
+                    msg = f"Host {host[:100]!r} is not an address of this server ({', '.join(allowed)}); "
+                    msg += f"start xtrain serve with --allow-host {host_name(host)[:100]} to accept it"
+                    e = APIError(403, msg, None, "host_not_allowed", "permission_error")
                     return await err(e)(scope, receive, send)
             await self.app(scope, receive, send)
 
@@ -823,11 +707,11 @@ def create_app(service: Service):
 
     @app.get("/v1/models")
     async def models():
-        return service.models()
+        return {"object": "list", "data": [service.model_card()]}
 
     @app.get("/v1/models/{model_id:path}")  # ids may hold "/" (org/name)
     async def model(model_id: str):
-        service._check_model({"model": model_id})
+        service.check_model({"model": model_id})
         return service.model_card()
 
     @app.post("/v1/completions")
@@ -842,9 +726,8 @@ def create_app(service: Service):
         ctype = request.headers.get("content-type", "")
         if ctype.split(";")[0].strip().lower() != "application/json":
             # a form or text/plain post is what a web page can send without asking the browser first (CORS)
-            raise APIError(
-                415, f"Content-Type must be application/json, got {ctype[:60]!r}", None, "unsupported_media_type"
-            )
+            msg = f"Content-Type must be application/json, got {ctype[:60]!r}"
+            raise APIError(415, msg, None, "unsupported_media_type")
         body = parse_body(await read_body(request, service.config, service.drained))
         prompts, params, max_new = service.prepare(body, chat)
         job = service.start(prompts, params, max_new, request.receive)
@@ -853,50 +736,30 @@ def create_app(service: Service):
         prompt_tokens = sum(len(p) for p in prompts)
         streaming = False
         try:
+            # the status line waits for the end, or for a stream's first token: a request that a shutdown ends
+            # while it is queued gets its 503 rather than a 200 with nothing in it
+            started = lambda: any(c.ids or c.finish not in (None, ABORT) for c in job.choices)
+            while not all(c.finish for c in job.choices) and not (params.stream and started()):
+                await job.step()
+            if job.never_ran():
+                raise unavailable("the server shut down before this request ran; retry later")
             if params.stream:
-                # the status line waits for the first token, so a request a shutdown ends while it is queued gets
-                # its 503 rather than a 200 with nothing in it
-                choices = job.choices
-                while not any(c.ids or c.finish not in (None, ABORT) for c in choices) and not all(
-                    c.finish for c in choices
-                ):
-                    await job.step()
-                if job.never_ran():
-                    raise APIError(
-                        503, "the server shut down before this request ran; retry later", None, "shutting_down"
-                    )
                 gen = _stream(job, head, chat, params, prompt_tokens)
                 streaming = True  # the stream closes the job
                 return EventStream(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            while any(c.finish is None for c in job.choices):
-                await job.step()
-            if job.never_ran():
-                raise APIError(503, "the server shut down before this request ran; retry later", None, "shutting_down")
         finally:
             if not streaming:
                 job.close()
-        choices = job.choices
-        usage = _usage(choices, prompt_tokens)
         if chat:
-            out = [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None,
-                    "finish_reason": c.finish,
-                }
-                for c in choices
-            ]
-            return {**head, "object": "chat.completion", "choices": out, "usage": usage}
-        out = [
-            {"index": c.index, "text": c.text, "logprobs": service.completion_logprobs(c), "finish_reason": c.finish}
-            for c in choices
-        ]
-        return {**head, "object": "text_completion", "choices": out, "usage": usage}
+            out = [_choice(c, "message", {"role": "assistant", "content": c.text}, None, c.finish) for c in job.choices]
+        else:
+            out = [_choice(c, "text", c.text, service.completion_logprobs(c), c.finish) for c in job.choices]
+        obj = "chat.completion" if chat else "text_completion"
+        return {**head, "object": obj, "choices": out, "usage": _usage(job.choices, prompt_tokens)}
 
     async def _stream(job: Job, head, chat, params, prompt_tokens):
         obj = "chat.completion.chunk" if chat else "text_completion"
-        choices = job.choices
+        key, choices = "delta" if chat else "text", job.choices
 
         def event(choice_list, usage=None):
             d = {**head, "object": obj, "choices": choice_list}
@@ -904,40 +767,19 @@ def create_app(service: Service):
                 d["usage"] = usage
             return f"data: {json.dumps(d)}\n\n"
 
-        def news(c: Choice) -> list[str]:
+        def news(c: Choice):
             """The events for what choice c has and the client has not: new text, then its end."""
-            out = []
             if len(c.text) > c.sent:
-                if chat:
-                    p = {
-                        "index": c.index,
-                        "delta": {"content": c.text[c.sent :]},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                else:
-                    lps = service.completion_logprobs(c, c.lp_sent) if len(c.logprobs) > c.lp_sent else None
-                    p = {"index": c.index, "text": c.text[c.sent :], "logprobs": lps, "finish_reason": None}
-                    c.lp_sent = len(c.logprobs)
-                out.append(event([p]))
-                c.sent = len(c.text)
+                new, lps = c.text[c.sent :], service.completion_logprobs(c, c.lp_sent)  # chats have no logprobs
+                c.sent, c.lp_sent = len(c.text), len(c.logprobs)
+                yield event([_choice(c, key, {"content": new} if chat else new, lps)])
             if c.finish is not None and not c.ended:
                 c.ended = True
-                if chat:
-                    p = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish}
-                else:
-                    p = {"index": c.index, "text": "", "logprobs": None, "finish_reason": c.finish}
-                out.append(event([p]))
-            return out
+                yield event([_choice(c, key, {} if chat else "", None, c.finish)])
 
         try:
             if chat:  # the role comes first, as OpenAI sends it
-                yield event(
-                    [
-                        {"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                        for c in choices
-                    ]
-                )
+                yield event([_choice(c, key, {"role": "assistant", "content": ""}) for c in choices])
             for c in choices:  # what came before the status line was sent
                 for e in news(c):
                     yield e
@@ -950,8 +792,7 @@ def create_app(service: Service):
                 for e in news(c):
                     yield e
             if params.include_usage:
-                last = {**head, "object": obj, "choices": [], "usage": _usage(choices, prompt_tokens)}
-                yield f"data: {json.dumps(last)}\n\n"
+                yield event([], _usage(choices, prompt_tokens))
             yield "data: [DONE]\n\n"
         except ClientGone:
             log.debug("xtrain serve: a stream's client went away")
@@ -959,6 +800,11 @@ def create_app(service: Service):
             job.close()
 
     return app
+
+
+def _choice(c: Choice, key: str, value, logprobs=None, finish: str | None = None) -> dict:
+    """One entry of a response's ``choices``: key "text" (completions), "message" (chat) or "delta" (chat chunks)."""
+    return {"index": c.index, key: value, "logprobs": logprobs, "finish_reason": finish}
 
 
 def host_name(host: str) -> str:

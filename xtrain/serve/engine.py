@@ -1,27 +1,15 @@
 """Serving over the model's one forward: token ids in, token ids out (nothing here knows text or tokenizers).
 
-The maths is ``Model.forward`` with a KV cache (``serve/cache.py``) and its ``Cached`` mask: the blocks that
-train are the blocks that serve. This module keeps what serving adds around them:
-
-    prefill   a prompt [T0] runs through the forward into its cache row (positions 0..T0-1) -> the last logits
-    decode    one step for every running sequence at once: token [B] at each row's own position; the mask hides
-              the positions of longer neighbours, so sequences of different lengths share the step
-    sample    on the device (``xtrain.sampling.sample_rows``), each row with its own settings and seeded
-              generator: a step reads back the chosen ids only, so a row's tokens do not depend on its neighbours
-    graphs    on CUDA, the decode step is a CUDA graph replay (``DecodeGraphs``)
-
-Continuous batching (``Batcher``): one slot cache, a bounded waiting list, and one step that loops
-
-    admit     waiting requests take free slots; each is prefilled into its row alone
-    decode    one step for every active row, then sample and report each row's token
-    retire    a row that hit eos, its token budget, or was cancelled (client gone, stop string) frees its slot
-
-This is the one generation loop: the server runs it on the batcher's thread (``start``), ``Engine.generate`` on
-the caller's (``xtrain sample`` and the end-of-training sample). Requests that arrive during a step join at the
-next admit; ``submit`` past ``EngineConfig.max_queue`` raises ``QueueFull`` at once, never an unbounded backlog.
-A sequence submitted with ``slide`` (``xtrain sample``) may outgrow its row: when the row is full, its last
-max_len // 2 tokens are prefilled into the row again from position 0 and it goes on (one prefill per
-max_len // 2 tokens instead of a full-window forward per token past the context).
+``Engine`` runs prefill (a prompt [T0] into its cache row -> its last logits) and decode (one token [B] for every
+running row, each at its own position) through ``Model.forward`` with the slot cache (``serve/cache.py``) and its
+``Cached`` mask: the blocks that train are the blocks that serve. On CUDA a decode step is a graph replay
+(``DecodeGraphs``). ``Batcher`` is continuous batching over one slot cache and a bounded waiting list, and the one
+generation loop (DESIGN.md, "Serving and sampling"). Each step admits waiting requests into free slots (each is
+prefilled alone), decodes every active row at once, samples on the device (``xtrain.sampling.sample_rows``: each
+row with its own settings and seeded generator, so its tokens do not depend on its neighbours) and retires the
+rows that hit eos or their budget or were cancelled. The server runs the loop on the batcher's thread,
+``Engine.generate`` on the caller's. ``submit`` past ``EngineConfig.max_queue`` raises ``QueueFull`` at once. A
+``slide`` sequence (``xtrain sample``) may outgrow its row: a full row is refilled from its last max_len // 2 tokens.
 
 Shapes: B batch, T0 prompt length, V vocab, S cache slots.
 """
@@ -43,14 +31,10 @@ from xtrain.serve.cache import SlotCache
 
 
 class DecodeGraphs:
-    """The decode step as CUDA graphs: on a GPU a batch-1 step of a small model is a few hundred small
-    launches, and the host issuing them one by one is what limits tokens/s, not the card. A step's work
-    depends only on its batch size B and on how many cached positions it reads, so each (cache, B, S
-    bucket) is captured once (S rounded up to a multiple of ``bucket``: keys past a row's position are
-    masked, as rows of longer neighbours already are) and replayed from static buffers that the host fills
-    with the step's tokens, slots and positions (plain host-to-device copies outside the graph). Eager and
-    replayed steps run the same kernels on the same values, so they agree bit for bit (a GPU test). All
-    graphs share one memory pool: they never run at the same time."""
+    """The decode step as CUDA graphs (DESIGN.md, "Decode graphs"): one per (cache, B, S rounded up to a multiple
+    of ``bucket``; keys past a row's position are masked), replayed from static buffers that the host fills with
+    the step's tokens, slots and positions. Eager and replayed steps agree bit for bit (a GPU test). All graphs
+    share one memory pool: they never run at the same time. A failed capture turns the graphs off, saying so."""
 
     def __init__(self, engine: Engine, bucket: int = 256, say=None):
         self.engine, self.bucket = engine, bucket
@@ -240,17 +224,13 @@ class Batcher:
     def check(self, ids: list[int], max_new_tokens: int, slide: bool = False) -> None:
         """ValueError when a request cannot run: empty prompt, ids outside the vocab, no room in a row (for a
         ``slide`` request: for the prompt)."""
-        V = self.engine.config.vocab_size
-        if not ids or max_new_tokens < 1:
-            raise ValueError(
-                f"Batcher: need a non-empty prompt and max_new_tokens >= 1, got {len(ids)} ids, {max_new_tokens}"
-            )
+        V, n = self.engine.config.vocab_size, max_new_tokens
+        if not ids or n < 1:
+            raise ValueError(f"Batcher: need a non-empty prompt and max_new_tokens >= 1, got {len(ids)} ids, {n}")
         if min(ids) < 0 or max(ids) >= V:
             raise ValueError(f"Batcher: token ids must lie in [0, {V})")
-        if len(ids) + (0 if slide else max_new_tokens) > self.max_len:
-            raise ValueError(
-                f"Batcher: prompt {len(ids)} + {max_new_tokens} new tokens exceeds the context of {self.max_len}"
-            )
+        if len(ids) + (0 if slide else n) > self.max_len:
+            raise ValueError(f"Batcher: prompt {len(ids)} + {n} new tokens exceeds the context of {self.max_len}")
 
     def submit(self, requests: list[tuple[list[int], int, Sampling, int | None, Callable]], slide: bool = False):
         """Queue (ids, max_new_tokens, sampling, eos_id, on_event) requests, all or none: raises QueueFull
@@ -262,12 +242,10 @@ class Batcher:
         with self.cond:
             if self.stopping or self.draining:
                 raise QueueFull("the engine is shutting down")
-            room = len(self.free) - len(self.waiting) + self.config.max_queue
-            if len(seqs) > room:
-                raise QueueFull(
-                    f"the server is at capacity ({self.config.slots} running, {len(self.waiting)} waiting of "
-                    f"{self.config.max_queue}); retry later"
-                )
+            cfg, waiting = self.config, len(self.waiting)
+            if len(seqs) > len(self.free) - waiting + cfg.max_queue:
+                msg = f"{cfg.slots} running, {waiting} waiting of {cfg.max_queue}"
+                raise QueueFull(f"the server is at capacity ({msg}); retry later")
             self.waiting.extend(seqs)
             self.cond.notify()
         return seqs

@@ -4,7 +4,7 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "tiny-...", "prompt": "def ", "max_tokens": 32, "temperature": 0}'
 
-Endpoints (details, fields, the chat template and the error shapes: ``xtrain.serve.api``):
+Endpoints (fields, the chat templates and the error shapes: docs/serve.md):
 GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, with ``stream: true`` as
 server-sent events. The model is named after the run directory (``--name`` overrides). Requests decode
 together (continuous batching, ``--slots`` sequences at once, ``--max-queue`` more waiting; past that a
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import signal
 import socket
 import sys
@@ -41,9 +40,6 @@ from xtrain.serve.api import ServerConfig, Service, create_app
 from xtrain.serve.engine import EngineConfig
 
 DEFAULT_MAX_LEN = 8192  # a fine-tuned Qwen3's context is 40,960: 16 slots of that would not fit most memories
-
-__all__ = ["Service", "ServerConfig", "EngineConfig", "create_app", "bind", "load_service", "serve_in_thread"]
-
 DEFAULT_GRACE_S = 5.0
 DRAIN_FLUSH_S = 2.0  # after the grace period: how long the ended requests' last bytes may take to go out
 
@@ -64,12 +60,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--name", default=None, help="model name clients send (default: the run directory's name)")
     p.add_argument(
-        "--slots", type=A.positive_int, default=d.slots, help=f"sequences decoded together (default {d.slots})"
+        "--slots", type=A.positive_int, default=d.slots, help="sequences decoded together (default %(default)s)"
     )
     p.add_argument("--max-queue", type=A.count, default=d.max_queue, help=f"requests waiting (default {d.max_queue})")
     p.add_argument(
         "--max-len",
-        type=A.positive_int,
+        type=A.int_in(2),
         default=None,
         help="positions per sequence (prompt + reply; default: the model's context, at most "
         f"{DEFAULT_MAX_LEN}): the KV cache holds slots x max-len positions per layer",
@@ -85,7 +81,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--shutdown-grace",
-        type=float,
+        type=A.nonnegative_float,
         default=DEFAULT_GRACE_S,
         metavar="SECONDS",
         help="on SIGINT/SIGTERM, how long running requests may go on before they end with finish_reason "
@@ -100,30 +96,14 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def load_service(
-    run_dir: str | Path,
-    device: str | None = None,
-    name: str | None = None,
-    engine_config=EngineConfig(),
-    config: ServerConfig = ServerConfig(),
-) -> Service:
-    from xtrain.device import resolve_device
-    from xtrain.model import Model
-    from xtrain.train import checkpoint as ckpt_io
-    from xtrain.train.sample_cli import load_run_tokenizer
+def load_service(run_dir, device=None, name=None, engine_config=EngineConfig(), config=ServerConfig()) -> Service:
+    from xtrain.data.chat import load_chat_template
+    from xtrain.train.sample_cli import load_run
 
     run_dir = Path(run_dir)
-    ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
-    for note in ck.notes:
-        print(f"xtrain serve: {note}", file=sys.stderr)
-    from xtrain.data.chat import load_chat_template
-
     chat = load_chat_template(run_dir)  # a fine-tuned checkpoint's own template (None: the plain-text one)
-    model = Model(ck.model_config, device=resolve_device(device))
-    ckpt_io.restore(ck, model)
-    tok = load_run_tokenizer(run_dir, ck.model_config.vocab_size)  # refuses another vocabulary
-    name = name or run_dir.resolve().name
-    return Service(model.eval(), tok, name, engine_config, config, chat_template=chat)
+    model, tok = load_run(run_dir, device, "xtrain serve")
+    return Service(model, tok, name or run_dir.resolve().name, engine_config, config, chat_template=chat)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -180,10 +160,8 @@ class Drain:
         if self.task is None:
             load = self.service.batcher.load()
             name = signal.Signals(sig).name if sig else "stop"
-            self.say(
-                f"{name}: draining ({load['running']} running, {load['waiting']} queued; running requests get "
-                f"{self.grace:g} s, a second signal ends them now)"
-            )
+            now = f"{load['running']} running, {load['waiting']} queued"
+            self.say(f"{name}: draining ({now}; running requests get {self.grace:g} s, a second signal ends them now)")
             self.task = asyncio.get_running_loop().create_task(self._drain())
         else:
             self.service.hurry = True
@@ -238,23 +216,9 @@ def allowed_hosts(bind_host: str, extra: list[str]) -> tuple[str, ...] | None:
 
 
 def run(args) -> int:
-    if not 0 <= args.port <= 65535:
-        print(f"xtrain serve: --port {args.port}: must lie in [0, 65535] (0 picks a free port)", file=sys.stderr)
-        return 2
-    if args.threads is not None and args.threads < 1:
-        print(f"xtrain serve: --threads {args.threads}: must be at least 1", file=sys.stderr)
-        return 2
-    if not (math.isfinite(args.shutdown_grace) and args.shutdown_grace >= 0):
-        print(
-            f"xtrain serve: --shutdown-grace {args.shutdown_grace}: must be a number of seconds >= 0", file=sys.stderr
-        )
-        return 2
-    try:
-        max_len = args.max_len if args.max_len is not None else DEFAULT_MAX_LEN
-        engine_config = EngineConfig(slots=args.slots, max_queue=args.max_queue, max_len=max_len).validate()
-    except ValueError as e:
-        print(f"xtrain serve: {e}", file=sys.stderr)
-        return 2
+    # each value was checked by its argument type (xtrain.argtypes) while the command line was parsed
+    max_len = args.max_len if args.max_len is not None else DEFAULT_MAX_LEN
+    engine_config = EngineConfig(slots=args.slots, max_queue=args.max_queue, max_len=max_len)
     host = args.host[1:-1] if args.host.startswith("[") and args.host.endswith("]") else args.host  # [::1]
     try:
         sock = bind(host, args.port)
@@ -275,12 +239,8 @@ def run(args) -> int:
         sock.close()
         print("xtrain serve: interrupted while loading the model", file=sys.stderr)
         return 130
-    url = url_of(sock)
-    print(
-        f"xtrain serve: model {service.name!r} on {url}/v1 (completions, chat/completions, models; GET /health); "
-        "Ctrl-C or SIGTERM drains and stops",
-        flush=True,
-    )
+    where = f"model {service.name!r} on {url_of(sock)}/v1 (completions, chat/completions, models; GET /health)"
+    print(f"xtrain serve: {where}; Ctrl-C or SIGTERM drains and stops", flush=True)
     try:
         drain.run(sock)
     finally:

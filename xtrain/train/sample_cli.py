@@ -35,6 +35,25 @@ def load_run_tokenizer(run_dir: Path, vocab_size: int | None = None):
     raise FileNotFoundError(f"{run_dir}: no tokenizer.json in the run directory or its data directory")
 
 
+def load_run(run_dir: Path, device: str | None, prog: str):
+    """-> (model in eval mode on ``device`` (None: cuda when available), tokenizer) of a run, for inference
+    (``xtrain sample``, ``xtrain serve``); the checkpoint's notes go to stderr after ``prog``. A missing or corrupt
+    tokenizer stops before the weights load, one of another vocabulary right after (ValueError)."""
+    from xtrain.device import resolve_device
+    from xtrain.model import Model
+    from xtrain.train import checkpoint as ckpt_io
+
+    device = resolve_device(device)
+    load_run_tokenizer(run_dir)
+    ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
+    for note in ck.notes:
+        print(f"{prog}: {note}", file=sys.stderr)
+    tok = load_run_tokenizer(run_dir, ck.model_config.vocab_size)
+    model = Model(ck.model_config, device=device).eval()
+    ckpt_io.restore(ck, model)
+    return model, tok
+
+
 SAMPLE_ROWS = 8  # samples decoded together: a cache row each (the whole context of every layer)
 
 
@@ -102,20 +121,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from xtrain.device import resolve_device
-    from xtrain.model import Model
-    from xtrain.train import checkpoint as ckpt_io
-
     run_dir = Path(args.run)
     try:
-        device = resolve_device(args.device)
-        load_run_tokenizer(run_dir)  # a missing or corrupt tokenizer stops here, before the weights load
-        ck = ckpt_io.read_checkpoint(run_dir, with_optimizer=False)
-        for note in ck.notes:
-            print(f"xtrain sample: {note}", file=sys.stderr)
-        load_run_tokenizer(run_dir, ck.model_config.vocab_size)  # one of another model's vocabulary stops here
-        model = Model(ck.model_config, device=device).eval()
-        ckpt_io.restore(ck, model)
+        model, _ = load_run(run_dir, args.device, "xtrain sample")
         seeds = [args.seed + i for i in range(args.num_samples)]
         texts = sample_texts(
             model, run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, seeds
