@@ -1,5 +1,6 @@
 """``xtrain bench finetune`` runs on the CPU at its tiny shape (a smoke test: the GPU measurement is the point of
-it): both sides build from one config, start from the same weights (the same first loss) and print the table and the goal lines."""
+it): both sides build from one config, start from the same weights (the same first loss) and print the table and
+the goal lines."""
 
 import pytest
 
