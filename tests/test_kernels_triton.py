@@ -100,6 +100,16 @@ def test_rms_norm_cpu(shape):
     dxr, dwr = K_rms.rms_norm_bwd_triton(dy, x, w, r0, dres)
     assert _max_err(dxr, K_rms.rms_norm_bwd_ref(dy, x, w, r0, dres)[0]) <= CPU_TOL
     assert _max_err(dxr, dx0 + dres) <= CPU_TOL and torch.equal(dwr, dw)
+    # the residual add fused before the norm (add_rms_norm): the sum exactly torch.add's (one fp32 rounding of an
+    # fp32 + fp16 pair), the norm of that sum; and dx written also in a low dtype, exactly dx.to(low)
+    res = torch.randn(shape).half()
+    s, ys, rs = K_rms.rms_norm_fwd_triton(x, w, 1e-6, torch.float16, res=res)
+    s0, ys0, rs0 = K_rms.add_rms_norm_fwd_ref(x, res, w, 1e-6, torch.float16)
+    assert torch.equal(s, s0) and s.dtype == torch.float32 and _max_err(rs, rs0) <= CPU_TOL
+    assert ys.dtype == torch.float16 and _max_err(ys, ys0) <= 1e-3 * ys0.float().abs().max().item()
+    dxl, dwl, lo = K_rms.rms_norm_bwd_triton(dy, x, w, r0, dres, low=torch.float16)
+    assert torch.equal(dxl, dxr) and torch.equal(dwl, dw) and lo.dtype == torch.float16 and torch.equal(lo, dxl.half())
+    assert [t.dtype for t in K_rms.rms_norm_bwd_ref(dy, x, w, r0, dres, torch.float16)] == [x.dtype, x.dtype, lo.dtype]
 
 
 def _qk_case(B, T, G, D, batched, dtype, device="cpu", seed=0):
@@ -602,6 +612,24 @@ def test_rms_norm_gpu(N, C, dtype):
     dx64, dw64 = K_rms.rms_norm_bwd_ref(dy.double(), x.double(), w.double(), r64)
     assert _rel(y, y64) < _tol(dtype) and _rel(r, r64) < 1e-5
     assert _rel(dx, dx64) < _tol(dtype) and _rel(dw, dw64) < _tol(dtype)
+
+
+@gpu
+@pytest.mark.parametrize("N,C", [(4096, 768), (333, 4096)])
+def test_add_rms_norm_is_the_two_kernels_bit_for_bit_gpu(N, C):
+    """The fused residual add + norm (the model's add_rms_norm) on the GPU: the sum torch.add's bits, the norm the
+    plain norm kernel's bits on that sum, and the backward's bf16 copy of dx exactly dx.to(bf16)."""
+    x, w = torch.randn(N, C, device="cuda"), 1 + 0.1 * torch.randn(C, device="cuda")
+    res, dy = torch.randn(N, C, device="cuda").bfloat16(), torch.randn(N, C, device="cuda").bfloat16()
+    dres = torch.randn(N, C, device="cuda")
+    with poisoned():
+        s, y, r = K_rms.rms_norm_fwd_triton(x, w, 1e-6, torch.bfloat16, res=res)
+        dx, dw, lo = K_rms.rms_norm_bwd_triton(dy, s, w, r, dres, low=torch.bfloat16)
+    s0 = torch.add(x, res)
+    y0, r0 = K_rms.rms_norm_fwd_triton(s0, w, 1e-6, torch.bfloat16)
+    dx0, dw0 = K_rms.rms_norm_bwd_triton(dy, s0, w, r0, dres)
+    assert torch.equal(s, s0) and torch.equal(y, y0) and torch.equal(r, r0)
+    assert torch.equal(dx, dx0) and torch.equal(dw, dw0) and torch.equal(lo, dx0.bfloat16())
 
 
 @gpu

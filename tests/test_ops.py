@@ -270,6 +270,32 @@ def test_fused_casts_are_the_composition_bit_for_bit(low):
         assert outs[0][0].dtype == (low if fused is forms[0][0] else torch.float32)
 
 
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16, torch.float32])
+def test_add_rms_norm_is_add_cast_then_rms_norm_bit_for_bit(low):
+    """add_rms_norm(x, y, w) == (s := add_cast(x, y), rms_norm(s, w)) as the model uses it: x an intermediate node
+    (the residual stream), s read by the norm and by the next residual add, h by a matmul. Both outputs and every
+    gradient bit for bit, y's gradient in y's dtype (handed over by the norm's kernel, not cast)."""
+    g = torch.Generator().manual_seed(11)
+    x0, w0 = torch.randn(6, 16, generator=g), torch.rand(16, generator=g) + 0.5
+    y0, m0 = torch.randn(6, 16, generator=g).to(low), torch.randn(16, 16, generator=g).to(low)
+    dt = torch.randn(6, 16, generator=g)
+    outs = []
+    for fused in (True, False):
+        x, w, y, m = Var(x0.clone(), True), Var(w0.clone(), True), Var(y0.clone(), True), Var(m0.clone(), True)
+        xi = ops.scale(x, 1.5)  # an intermediate: its gradients are summed by the engine / the kernel
+        if fused:
+            s, h = ops.add_rms_norm(xi, y, w, 1e-6, low)
+        else:
+            s = ops.add_cast(xi, y)
+            h = ops.rms_norm(s, w, 1e-6, low)
+        t = ops.add_cast(s, ops.linear(h, m))  # the next residual add reads s; the branch reads h
+        t.backward(dt)
+        outs.append((s.data, h.data, t.data, x.grad, w.grad, y.grad, m.grad))
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert outs[0][5].dtype == low
+
+
 # dropout_mask_ref(16, 0.5, 12345); re-pinned 2026-11-29 when the mask moved to one hash per element pair
 PINNED_MASK = [0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0]
 
@@ -297,6 +323,9 @@ BAD = [
     ("rms_norm", lambda: ops.rms_norm(V(2, 8), V(8), 1e-6, torch.int32)),
     ("add_cast", lambda: ops.add_cast(V(2, 3, dtype=torch.bfloat16), V(2, 3))),
     ("add_cast", lambda: ops.add_cast(V(2, 3), V(3, dtype=torch.bfloat16))),
+    ("add_rms_norm", lambda: ops.add_rms_norm(V(2, 3), V(2, 4, dtype=torch.bfloat16), V(3))),
+    ("add_rms_norm", lambda: ops.add_rms_norm(V(2, 3, dtype=torch.bfloat16), V(2, 3), V(3))),
+    ("add_rms_norm", lambda: ops.add_rms_norm(V(2, 3), V(2, 3), V(4))),
     ("swiglu", lambda: ops.swiglu(V(2, 8), V(2, 7))),
     ("softmax", lambda: ops.softmax(V(2, 3), dim=2)),
     ("cross_entropy", lambda: ops.cross_entropy(V(4, 10), torch.tensor([0, 1, 2, 10]))),

@@ -326,20 +326,25 @@ class Model:
         W["key"] = key
         return W
 
-    def _block(self, x: Var, i: int, mask: Mask, rope: tuple, seed: tuple | None, cache=None, W=None) -> Var:
+    def _block(self, x: Var, i: int, mask: Mask, rope: tuple, seed: tuple | None, cache=None, W=None, h=None,
+               next_norm: Var | None = None):  # fmt: skip
         """One transformer block on the residual stream x [B*T, C] (master dtype; kept 2-D so every linear is
         one mm without reshapes). ``mask`` (``xtrain.mask``) picks the attention; ``rope`` is (positions, table):
         the mask's RoPE positions ([T] or [B, T]) and their cos/sin (``ops.rope_table``), shared by every layer.
         ``seed`` is (seed buffer, row_start, row_stride) taken at forward time (None: no dropout); a recompute in
         backward reads the same buffer, which holds the same step's seeds until the next ``set_dropout_step``.
         ``cache`` (inference): the new keys and values go into it and attention reads its rows; ``W``: the
-        decode weights (``_decode_weights``), or None for the parameters themselves (training)."""
+        decode weights (``_decode_weights``), or None for the parameters themselves (training). ``h``: the block's
+        normed input when the previous block made it (see ``next_norm``), else None. ``next_norm``: the weight of
+        the norm that reads this block's output (the next block's input norm, or the final norm): the last residual
+        add and that norm are then one ``add_rms_norm`` and the block returns (x, normed x), else x alone."""
         cfg, P, dt = self.config, self._layers[i], self.compute_dtype
         H, Hkv, D, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
         positions, table = rope
         T = positions.shape[-1]
 
-        h = ops.rms_norm(x, P["input_layernorm.weight"], eps, dt)  # [B*T, C], normed straight into dt
+        if h is None:
+            h = ops.rms_norm(x, P["input_layernorm.weight"], eps, dt)  # [B*T, C], normed straight into dt
         if W is None:  # [B*T, H*D], [B*T, Hkv*D] x2
             q, k, v = (self._linear(h, P[f"self_attn.{n}_proj.weight"]) for n in "qkv")
         else:  # decode (inference, no tape): one GEMM over the stacked weights, split by columns
@@ -352,9 +357,10 @@ class Model:
             k, v = cache.store(i, k, v, mask)
         a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
         a = self._linear(a, P["self_attn.o_proj.weight"]) if W is None else Var(a.data @ W["o"][i])  # [B*T, C]
-        x = ops.add_cast(x, self._dropout(a, seed, i, SITE_ATTN, T))  # the branch promoted to m in the add
-
-        h = ops.rms_norm(x, P["post_attention_layernorm.weight"], eps, dt)  # [B*T, C]
+        # the branch promoted to the master dtype in the add, and the sum normed in the same pass: [B*T, C] each
+        x, h = ops.add_rms_norm(
+            x, self._dropout(a, seed, i, SITE_ATTN, T), P["post_attention_layernorm.weight"], eps, dt
+        )
         if W is None:  # silu(h Wgᵀ) * (h Wuᵀ) as one node                     [B*T, F]
             wg, wu = P["mlp.gate_proj.weight"], P["mlp.up_proj.weight"]
             cg, cu = self._compute(wg), self._compute(wu)
@@ -363,7 +369,8 @@ class Model:
         else:
             g, u = (h.data @ W["gate_up"][i]).chunk(2, dim=1)
             y = Var(ops.swiglu(Var(g), Var(u)).data @ W["down"][i])
-        return ops.add_cast(x, self._dropout(y, seed, i, SITE_MLP, T))
+        y = self._dropout(y, seed, i, SITE_MLP, T)
+        return ops.add_cast(x, y) if next_norm is None else ops.add_rms_norm(x, y, next_norm, eps, dt)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
@@ -414,19 +421,27 @@ class Model:
         recompute = cfg.recompute and is_grad_enabled()
         dropout = self.training and cfg.dropout > 0.0 and cache is None  # inference (a cache) never drops
         seed = (self.dropout_seeds, *dropout_rows) if dropout else None
+        # without recompute each block's last residual add is fused with the norm that reads it (``_block``); a
+        # recomputed block keeps its input alone, so it returns x and the next block norms it
+        final_norm, h = self.params["model.norm.weight"], None
+        norms = [self._layers[i + 1]["input_layernorm.weight"] for i in range(cfg.n_layer - 1)]
+        norms.append(final_norm if not (last and T > 1) else None)  # last: the final norm after the slice
         for i in range(cfg.n_layer):
             if recompute:
                 x = checkpoint(self._block, x, i, mask, rope, seed)
+            elif norms[i] is None:
+                x = self._block(x, i, mask, rope, seed, cache, W, h)
             else:
-                x = self._block(x, i, mask, rope, seed, cache, W)
+                x, h = self._block(x, i, mask, rope, seed, cache, W, h, norms[i])
         if last and T > 1:  # [B, C]: each row's last position
             x, T = Var(x.data.view(B, T, -1)[:, -1]), 1
-        x2 = ops.rms_norm(x, self.params["model.norm.weight"], cfg.norm_eps, self.compute_dtype)  # [N, C]
+        if recompute or norms[-1] is None:
+            h = ops.rms_norm(x, final_norm, cfg.norm_eps, self.compute_dtype)  # [N, C]
         if W is not None:  # decode: the [in, out] head
-            return Var((x2.data @ W["head"][0]).view(B, T, -1))  # [B, T, V]
+            return Var((h.data @ W["head"][0]).view(B, T, -1))  # [B, T, V]
         w = self._w(self.head_weight)  # [V, C]
         if targets is None:
-            return ops.reshape(ops.linear(x2, w), (B, T, w.shape[0]))  # [B, T, V]
+            return ops.reshape(ops.linear(h, w), (B, T, w.shape[0]))  # [B, T, V]
         if not isinstance(targets, torch.Tensor) or targets.shape != ids.shape:
             raise ValueError(
                 f"Model: targets must be a tensor of the ids' shape {tuple(ids.shape)}, got "
@@ -434,8 +449,8 @@ class Model:
             )
         t = targets.reshape(B * T)  # [N]
         if self._fused_loss is not None:
-            return self._fused_loss(x2, w, t, ignore_index=ignore_index, reduction=reduction)
-        return ops.cross_entropy(ops.linear(x2, w), t, ignore_index=ignore_index, reduction=reduction)
+            return self._fused_loss(h, w, t, ignore_index=ignore_index, reduction=reduction)
+        return ops.cross_entropy(ops.linear(h, w), t, ignore_index=ignore_index, reduction=reduction)
 
     __call__ = forward
 

@@ -123,6 +123,8 @@ def cases() -> dict[str, Callable[[], None]]:
                 y, inv = rms_norm.rms_norm_fwd_triton(x, w, 1e-6)
                 rms_norm.rms_norm_bwd_triton(r(8, C, dtype=dt), x, w, inv)
                 rms_norm.rms_norm_bwd_triton(r(8, C, dtype=dt), x, w, inv, r(8, C, dtype=dt))  # + the residual's
+                rms_norm.rms_norm_fwd_triton(x, w, 1e-6, torch.bfloat16, res=r(8, C, dtype=torch.bfloat16))  # + add
+                rms_norm.rms_norm_bwd_triton(r(8, C, dtype=dt), x, w, inv, low=torch.bfloat16)  # + the bf16 dx
 
         def rope_(dt=dt):
             x, pos = r(2, 4, 16, 64, dtype=dt), torch.arange(16)

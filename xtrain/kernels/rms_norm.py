@@ -4,9 +4,15 @@ Contract (shared by the reference and the Triton kernels):
     rms_norm_fwd(x[..., C], w[C], eps, out_dtype=None) -> (y[..., C] in out_dtype (None: x.dtype), inv_rms[N] fp32),
         N = x.numel() // C; y is rounded once, from fp32, to out_dtype (the model's fp32 residual stream normed
         straight into bf16 for the next matmul: no cast pass)
-    rms_norm_bwd(dy[..., C] in any float dtype, x, w, inv_rms, dres=None) -> (dx in x.dtype, dw[C] in w.dtype)
+    add_rms_norm_fwd(x[..., C], res[..., C], w, eps, out_dtype=None) -> (s = x + res in x.dtype, y, inv_rms)
+        the residual add before the norm in the same pass (res promoted to x's dtype inside the add, one rounding:
+        ``torch.add(x, res)`` bit for bit), y the norm of s: no second read of s
+    rms_norm_bwd(dy[..., C] in any float dtype, x, w, inv_rms, dres=None, low=None) -> (dx in x.dtype, dw[C] in
+        w.dtype) or, with a dtype ``low``, (dx, dw, dx.to(low))
         dres (x's shape and dtype): a gradient x already holds from another reader (the residual stream's next
-        add); dx is then dres + the norm's gradient, added in fp32 and rounded once (no add pass)
+        add); dx is then dres + the norm's gradient, added in fp32 and rounded once (no add pass). low: dx also
+        written in that dtype from the same registers (the bf16 gradient of the branch the residual add took in:
+        no cast pass)
 Statistics are computed in fp32 whatever the input dtype; inv_rms is saved so backward skips the
 reduction. With g = dy * w and n = C:
     dx = inv_rms * g - x * inv_rms^3 / n * sum_c(g * x)
@@ -44,9 +50,12 @@ def rms_norm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: to
     return y.to(out_dtype or x.dtype).reshape(x.shape), inv_rms
 
 
-def rms_norm_bwd_ref(
-    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, inv_rms: torch.Tensor, dres: torch.Tensor | None = None
-):
+def add_rms_norm_fwd_ref(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float, out_dtype=None):
+    s = torch.add(x, res)
+    return (s, *rms_norm_fwd_ref(s, w, eps, out_dtype))
+
+
+def rms_norm_bwd_ref(dy, x, w, inv_rms, dres=None, low=None):
     # With xhat = x * r (r = inv_rms) the docstring's dx = r g - x r^3 / C sum(g x) reads
     # dx = r (g - xhat * mean_c(g * xhat)); written with in-place steps on fresh temporaries.
     C = x.shape[-1]
@@ -61,21 +70,29 @@ def rms_norm_bwd_ref(
     dx = g.sub_(xhat.mul_(dot)).mul_(r)
     if dres is not None:
         dx.add_(dres.reshape(-1, C).to(acc))
-    return dx.to(x.dtype).reshape(x.shape), dw.to(w.dtype)
+    dx = dx.to(x.dtype).reshape(x.shape)
+    return (dx, dw.to(w.dtype)) if low is None else (dx, dw.to(w.dtype), dx.to(low))
 
 
 # ------------------------------------------------------------------------------------------------ Triton
 
 
 @_jit
-def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _rms_norm_fwd_kernel(
+    X, RES, S, W, Y, INV_RMS, N, C, eps, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_RES: tl.constexpr
+):
+    """HAS_RES: the row is X + RES (summed in X's dtype, one rounding, stored to S), then normed."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     cols = tl.arange(0, BLOCK_C)  # [BLOCK_C]
     rmask = rows < N
     cmask = cols < C
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]  # int64: N * C may pass 2^31
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(RES + offs, mask=mask, other=0.0).to(x.dtype)
+        tl.store(S + offs, x, mask=mask)
+    x = x.to(tl.float32)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / C + eps)  # [BLOCK_R]
     y = (x * inv_rms[:, None]) * w[None, :]
@@ -85,11 +102,12 @@ def _rms_norm_fwd_kernel(X, W, Y, INV_RMS, N, C, eps, BLOCK_R: tl.constexpr, BLO
 
 @_jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, INV_RMS, DRES, DX, DW_PARTIAL, N, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
-    HAS_RES: tl.constexpr,
+    DY, X, W, INV_RMS, DRES, DX, DX_LOW, DW_PARTIAL, N, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    STAGES: tl.constexpr, HAS_RES: tl.constexpr, HAS_LOW: tl.constexpr,
 ):  # fmt: skip
     """Program pid: tiles pid, pid + P, pid + 2P, ... of BLOCK_R rows, loads pipelined STAGES - 1 tiles ahead; dw
-    partial row pid, so the sum is deterministic. HAS_RES: dx also adds DRES (the gradient x holds already)."""
+    partial row pid, so the sum is deterministic. HAS_RES: dx also adds DRES (the gradient x holds already).
+    HAS_LOW: dx also stored to DX_LOW in its dtype (rounded from DX's value)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -108,7 +126,10 @@ def _rms_norm_bwd_kernel(
         dxs = rs[:, None] * gs - xs * ((rs * rs * rs / C) * dots)[:, None]  # r g - x r^3 / C sum(g x)
         if HAS_RES:
             dxs += tl.load(DRES + o_s, mask=m_s, other=0.0).to(tl.float32)
-        tl.store(DX + o_s, dxs.to(DX.dtype.element_ty), mask=m_s)
+        dxs = dxs.to(DX.dtype.element_ty)
+        tl.store(DX + o_s, dxs, mask=m_s)
+        if HAS_LOW:
+            tl.store(DX_LOW + o_s, dxs.to(DX_LOW.dtype.element_ty), mask=m_s)
         dw_acc += dys * xs * rs[:, None]
     tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, tl.sum(dw_acc, axis=0), mask=cmask)
 
@@ -167,25 +188,23 @@ def _num_programs(x: torch.Tensor, N: int, per_sm: int) -> int:
     return max(1, min(N, 4))  # the interpreter: few programs, each several rows
 
 
-def rms_norm_fwd_triton(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    eps: float,
-    out_dtype: torch.dtype | None = None,
-    config: RmsNormConfig | None = None,
-):
+def rms_norm_fwd_triton(x, w, eps: float, out_dtype=None, config: RmsNormConfig | None = None, res=None):
+    """(y, inv_rms); with ``res``: (x + res, y, inv_rms), y the norm of the sum (``add_rms_norm_fwd``)."""
     C = x.shape[-1]
     x2 = x.reshape(-1, C).contiguous()  # [N, C]
     N = x2.shape[0]
     y = torch.empty_like(x2, dtype=out_dtype or x.dtype)
     inv_rms = torch.empty(N, dtype=torch.float32, device=x.device)
+    r2 = res.reshape(-1, C).contiguous() if res is not None else x2  # x2: a placeholder, never read
+    s = torch.empty_like(x2) if res is not None else x2
     if N > 0:
         cfg = config or rms_norm_config(C)
         _rms_norm_fwd_kernel[(triton.cdiv(N, cfg.fwd_rows),)](
-            x2, w.contiguous(), y, inv_rms, N, C, eps, BLOCK_R=cfg.fwd_rows, BLOCK_C=cfg.block_c,
-            num_warps=cfg.fwd_warps,
+            x2, r2, s, w.contiguous(), y, inv_rms, N, C, eps, BLOCK_R=cfg.fwd_rows, BLOCK_C=cfg.block_c,
+            HAS_RES=res is not None, num_warps=cfg.fwd_warps,
         )  # fmt: skip
-    return y.reshape(x.shape), inv_rms
+    y = y.reshape(x.shape)
+    return (y, inv_rms) if res is None else (s.reshape(x.shape), y, inv_rms)
 
 
 def rms_norm_bwd_triton(
@@ -195,6 +214,7 @@ def rms_norm_bwd_triton(
     inv_rms: torch.Tensor,
     dres: torch.Tensor | None = None,
     config: RmsNormConfig | None = None,
+    low: torch.dtype | None = None,
 ):
     C = x.shape[-1]
     x2 = x.reshape(-1, C).contiguous()  # [N, C]
@@ -202,15 +222,18 @@ def rms_norm_bwd_triton(
     N = x2.shape[0]
     dx = torch.empty_like(x2)
     res = dres.reshape(-1, C).contiguous() if dres is not None else dx  # dx: a placeholder, never read
+    dx_low = torch.empty_like(x2, dtype=low) if low is not None else dx
+    tail = () if low is None else (dx_low.reshape(x.shape),)
     if N == 0:
-        return dx.reshape(x.shape), torch.zeros_like(w)
+        return dx.reshape(x.shape), torch.zeros_like(w), *tail
     cfg = config or rms_norm_config(C)
     P = _num_programs(x2, N, cfg.per_sm)
     P = triton.cdiv(N, triton.cdiv(N, P))  # no program without rows
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
     _rms_norm_bwd_kernel[(P,)](
-        dy2, x2, w.contiguous(), inv_rms.contiguous(), res, dx, dw_partial, N, C, BLOCK_R=cfg.bwd_rows,
-        BLOCK_C=cfg.block_c, STAGES=cfg.stages, HAS_RES=dres is not None, num_warps=cfg.bwd_warps,
+        dy2, x2, w.contiguous(), inv_rms.contiguous(), res, dx, dx_low, dw_partial, N, C, BLOCK_R=cfg.bwd_rows,
+        BLOCK_C=cfg.block_c, STAGES=cfg.stages, HAS_RES=dres is not None, HAS_LOW=low is not None,
+        num_warps=cfg.bwd_warps,
     )  # fmt: skip
     dw = torch.empty(C, dtype=w.dtype, device=x.device)
     pdl = pdl_ok(x)
@@ -218,7 +241,7 @@ def rms_norm_bwd_triton(
         dw_partial, dw, P, C, BLOCK_P=min(cfg.dw_rows, triton.next_power_of_2(P)), BLOCK_C=cfg.dw_block_c,
         num_warps=cfg.dw_warps, **(dict(PDL=True, launch_pdl=True) if pdl else {}),
     )  # fmt: skip
-    return dx.reshape(x.shape), dw
+    return dx.reshape(x.shape), dw, *tail
 
 
 def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None):
@@ -227,7 +250,13 @@ def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.
     return rms_norm_fwd_ref(x, w, eps, out_dtype)
 
 
-def rms_norm_bwd(dy, x, w, inv_rms, dres=None):
+def add_rms_norm_fwd(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float, out_dtype=None):
+    if x.dtype != torch.float64 and use_triton(x, res, w):
+        return rms_norm_fwd_triton(x, w, eps, out_dtype, res=res)
+    return add_rms_norm_fwd_ref(x, res, w, eps, out_dtype)
+
+
+def rms_norm_bwd(dy, x, w, inv_rms, dres=None, low=None):
     if x.dtype != torch.float64 and use_triton(dy, x, w, inv_rms):
-        return rms_norm_bwd_triton(dy, x, w, inv_rms, dres)
-    return rms_norm_bwd_ref(dy, x, w, inv_rms, dres)
+        return rms_norm_bwd_triton(dy, x, w, inv_rms, dres, low=low)
+    return rms_norm_bwd_ref(dy, x, w, inv_rms, dres, low)

@@ -7,8 +7,8 @@ attention: attention (composed), math_attention (one node, hand-written backward
            device rule picks), attention_rows (row layout in and out), cached_attention (over KV cache rows,
            inference), repeat_kv, causal_mask, doc_mask; flash_attention (fused, xtrain.ops.flash); each takes
            a mask (xtrain.mask)
-fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, rope_table, swiglu_linear
-       (xtrain.ops.fused)
+fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, rope_table, swiglu_linear,
+       add_rms_norm (xtrain.ops.fused)
 """
 
 from xtrain.ops.attention import (
@@ -47,6 +47,7 @@ __all__ = [
     "add",
     "add_cast",
     "add_bias",
+    "add_rms_norm",
     "attention",
     "attention_rows",
     "auto_attention",
@@ -92,7 +93,14 @@ def __getattr__(name):
     # here (a decode step looks them up many times)
     if name == "flash_attention":
         from xtrain.ops.flash import flash_attention as fn
-    elif name in ("linear_cross_entropy", "lm_head_loss", "qk_norm_rope", "rope_table", "swiglu_linear"):
+    elif name in (
+        "add_rms_norm",
+        "linear_cross_entropy",
+        "lm_head_loss",
+        "qk_norm_rope",
+        "rope_table",
+        "swiglu_linear",
+    ):
         from xtrain.ops import fused
 
         fn = getattr(fused, name)

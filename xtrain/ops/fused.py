@@ -9,6 +9,9 @@ qk_norm_rope(x, w, heads, positions) = rope(rms_norm(x per head)) in [B, H, T, D
 the cos/sin table computed once per model call (``rope_table``) instead of once per layer, op and direction.
 
 swiglu_linear(x, w_gate, w_up) = swiglu(x w_gate^T, x w_up^T): the MLP's input half as one node.
+
+add_rms_norm(x, y, w) = (s, rms_norm(s, w)) with s = add_cast(x, y): the residual add and the norm after it in one
+pass each way (two nodes, one kernel each way).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from xtrain.autograd import Var, adds_into, is_grad_enabled
 from xtrain.kernels import linear_cross_entropy as K
 from xtrain.kernels import qk_norm_rope as K_qk
+from xtrain.kernels import rms_norm as K_rms
 from xtrain.kernels import swiglu as K_swiglu
 from xtrain.kernels._dispatch import prefer_fused
 from xtrain.ops.basic import _FLOAT, _check_compute, _check_same, _mm_to, check, check_values, linear
@@ -196,3 +200,47 @@ def swiglu_linear(x: Var, w_gate: Var, w_up: Var, *, w_compute: tuple[torch.Tens
         )
 
     return Var.from_op(K_swiglu.swiglu_fwd(g, u), (x, w_gate, w_up), backward, op)
+
+
+def add_rms_norm(x: Var, y: Var, weight: Var, eps: float = 1e-6, dtype: torch.dtype | None = None) -> tuple[Var, Var]:
+    """(s, h) = (add_cast(x, y), rms_norm(s, weight, eps, dtype)), the same two nodes and values bit for bit, with
+    one kernel each way instead of two:
+
+    * forward: the add and the norm in one pass (s is written and normed from the same registers, not read back);
+    * backward: the norm's kernel writes its gradient of s (the residual's gradient so far plus its own, as
+      ``rms_norm``'s) also in y's dtype, and the add's backward hands that to y instead of casting: when the
+      gradient the add is handed is that very tensor (s read by nothing else after the norm; else it casts)."""
+    op = "add_rms_norm"
+    check(isinstance(x, Var) and isinstance(y, Var) and isinstance(weight, Var), op, "x, y, weight must be Vars", x, y)
+    xd, yd, wd = x.data, y.data, weight.data
+    check(
+        xd.dtype in _FLOAT and yd.dtype in _FLOAT and xd.device == yd.device and xd.shape == yd.shape
+        and torch.promote_types(xd.dtype, yd.dtype) == xd.dtype,
+        op, "x and y must be float tensors of one shape on one device, y's dtype promoting to x's", x, y,
+    )  # fmt: skip
+    _check_same(op, x, weight)
+    check(
+        wd.dim() == 1 and xd.dim() >= 1 and xd.shape[-1] == wd.shape[0], op, "weight must be [x's last dim]", x, weight
+    )
+    check(eps > 0 and (dtype is None or dtype.is_floating_point), op, f"eps > 0, float dtype; got {eps}, {dtype}", x)
+    sd, hd, inv_rms = K_rms.add_rms_norm_fwd(
+        xd, yd, wd, eps, dtype if dtype is not None and dtype != xd.dtype else None
+    )
+    low = yd.dtype if yd.dtype is not xd.dtype else None
+    handed = []  # the norm's (gradient of s, the same in y's dtype), for the add's backward
+
+    def add_backward(d):
+        d_low = handed[0][1] if handed and handed[0][0] is d else d.to(yd.dtype)
+        handed.clear()
+        return d, d_low
+
+    s = Var.from_op(sd, (x, y), add_backward, "add_cast")
+
+    @adds_into
+    def norm_backward(d, acc=(None, None)):  # acc[0]: s's gradient so far (the residual's), added in the kernel
+        out = K_rms.rms_norm_bwd(d, sd, wd, inv_rms, acc[0], low)
+        if low is not None:
+            handed[:] = [(out[0], out[2])]
+        return out[0], out[1]
+
+    return s, Var.from_op(hd, (s, weight), norm_backward, "rms_norm")
