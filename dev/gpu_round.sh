@@ -5,6 +5,8 @@
 #   serve:    batch-1 decode at the seed preset vs transformers generate (`bench serve --skip serving`)
 #   finetune: `bench finetune` at Qwen3-0.6B's shape (FT_ARGS, e.g. "--compile-modes default --max-batch")
 #   train:    `bench train` at PRESETS (e.g. "seed:8 gpt2-small:16") with TRAIN_ARGS
+#   ab:       `bench train --torch-modes none` (the xtrain trainer alone) of an older tree (.ab/old, carried: e.g.
+#             `git archive REV xtrain bench | tar -x -C .ab/old`) and of this one, alternating, at PRESETS
 #   profile:  `bench profile_train` of the trainer's step and of torch.compile's at gpt2-small B16
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -33,6 +35,16 @@ for stage in ${STAGES:-tests serve}; do
       timeout "${TRAIN_S:-300}" python3 -m xtrain.cli bench train --device cuda --dtype bfloat16 --preset $1 \
         --batch-size $2 --steps 20 --warmup 3 ${TRAIN_ARGS:-} > "$OUT/train_$1.txt" 2>&1; echo "train $1 rc $?"
       grep -E "skipped|fell back|Error" "$OUT/train_$1.txt" | head -5; sed -n '/first-step loss/,$p' "$OUT/train_$1.txt"
+    done ;;
+  ab)
+    for spec in ${PRESETS:-seed:8}; do
+      set -- ${spec%%:*} ${spec##*:}
+      for round in 1 2; do for side in old new; do
+        root=$PWD; [ $side = old ] && root=$PWD/.ab/old
+        PYTHONPATH=$root timeout "${AB_S:-60}" python3 -m xtrain.cli bench train --device cuda --dtype bfloat16 \
+          --preset $1 --batch-size $2 --steps 30 --warmup 3 --torch-modes none > "$OUT/ab_$1_$side$round.txt" 2>&1
+        echo "ab $1 $side round $round rc $?: $(grep -E '^xtrain trainer' "$OUT/ab_$1_$side$round.txt" | head -1)"
+      done; done
     done ;;
   profile)
     for st in trainer compile; do
