@@ -110,14 +110,20 @@ def test_export_then_transformers_generate_equals_serve_chat_completions(ckpt, t
     assert len({tuple(ids) for ids, _ in ref}) >= 3  # the replies depend on the conversation
 
 
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
 @pytest.mark.slow
-def test_cli_fine_tune_export_serve(ckpt, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, ON_GPU])])
+def test_cli_fine_tune_export_serve(ckpt, tmp_path, device):
     """The commands of the README: ``xtrain train --init-from`` on a .jsonl of conversations (the loss falls as the
     replies are learnt), ``xtrain export``, then transformers' generate on the export equals the served replies, and
-    the learnt reply comes back, stopped at <|im_end|>."""
+    the learnt reply comes back, stopped at <|im_end|>. On a GPU the fine-tune runs in bf16 (fp32 masters: the
+    export and the serving on the CPU read those)."""
     src = Q.write_jsonl(tmp_path / "chat.jsonl", repeat=4)
     args = ["--init-from", ckpt, "--data", src, "--seq-len", 128, "--batch-size", 4, "--steps", 60, "--lr", 5e-3,
             "--warmup-frac", 0.1, "--eval-every", 0, "--no-progress", "--sample-tokens", 8]  # fmt: skip
+    args += ["--device", device] + (["--dtype", "bfloat16"] if device == "cuda" else [])
     r = xtrain("train", *args, "--out", tmp_path / "run", cwd=tmp_path, timeout=600)
     check(r, 0, "")
     assert "--- sample (chat template" in r.stdout
