@@ -225,21 +225,20 @@ def main(argv=None) -> int:
     variants = {"plain": ("xtrain trainer", c), "recompute": ("xtrain trainer, recompute", replace(c, recompute=True))}
     builders = [(variants[v][0], lambda b, cv=variants[v][1]: xtrain_side(cv, dev, b, T)) for v in args.xtrain]
     builders += [(f"transformers {m}", lambda b, m=m: transformers_side(c, dev, b, T, m)) for m in modes]
-    for label, make in builders:
+    print(f"{'side':<42}{'step ms':>10}{'tokens/s':>12}{'peak GiB':>10}{'max batch':>11}{'first loss':>12}")
+    for label, make in builders:  # each row printed as its side ends (a long run cut short keeps what it measured)
         try:
-            rows[label] = run_side(lambda make=make: make(B), dev, args.steps, args.warmup)
+            r = rows[label] = run_side(lambda make=make: make(B), dev, args.steps, args.warmup)
         except Exception as e:  # a compile mode that does not build here, a graph that falls back, out of memory
             print(f"  {label}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
             continue
+        mem = f"{r['peak'] / 2**30:.2f}" if r["peak"] is not None else "-"
+        print(f"{label:<42}{r['ms']:>10.1f}{B * T / r['ms'] * 1e3:>12.0f}{mem:>10}{'':>11}{r['loss']:>12.4f}")
         if args.max_batch:
-            rows[label]["max_batch"] = max_batch(make, dev, B, args.max_batch_limit)
+            r["max_batch"] = max_batch(make, dev, B, args.max_batch_limit)
+            print(f"  {label}: largest batch that fits {r['max_batch']} (limit {args.max_batch_limit})", flush=True)
     hf = [r for k, r in rows.items() if k.startswith("transformers")]
     best = min(hf, key=lambda r: r["ms"]) if hf else None
-    print(f"{'side':<42}{'step ms':>10}{'tokens/s':>12}{'peak GiB':>10}{'max batch':>11}{'first loss':>12}")
-    for label, r in rows.items():
-        mem = f"{r['peak'] / 2**30:.2f}" if r["peak"] is not None else "-"
-        mb = str(r.get("max_batch", "-"))
-        print(f"{label:<42}{r['ms']:>10.1f}{B * T / r['ms'] * 1e3:>12.0f}{mem:>10}{mb:>11}{r['loss']:>12.4f}")
     for label in (variants[v][0] for v in args.xtrain):
         ours = rows.get(label)
         if not (ours and best):

@@ -18,10 +18,11 @@ for stage in ${STAGES:-tests serve}; do
   t0=$(date +%s)
   case $stage in
   tests)
-    timeout "${TEST_S:-270}" python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rfE tests \
+    # -v: every result is logged by name as it comes, so a run cut by its timeout still names its failures
+    timeout "${TEST_S:-270}" python3 -m pytest -m gpu -v -n 8 -p no:cacheprovider -rfE tests \
       --ignore=tests/test_serve_api.py --ignore=tests/test_serve_loop.py > "$OUT/pytest_gpu.txt" 2>&1
-    echo "tests rc $?"; grep -E "passed|failed|error" "$OUT/pytest_gpu.txt" | tail -1
-    grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.txt" | head -20 ;;
+    echo "tests rc $? ($(grep -c ' PASSED ' "$OUT/pytest_gpu.txt") passed)"; grep -E "passed|failed|error" "$OUT/pytest_gpu.txt" | tail -1
+    grep -E " (FAILED|ERROR) " "$OUT/pytest_gpu.txt" | sed 's/^.*\(FAILED\|ERROR\) /\1 /' | sort -u | head -20 ;;
   serve)
     timeout "${SERVE_S:-100}" python3 -m xtrain.cli bench serve --preset seed --skip serving --tokens 128 \
       --prompt-len 16 --reps 5 > "$OUT/serve_seed.txt" 2>&1
