@@ -88,6 +88,17 @@ def corpus(tmp_path):
     return d
 
 
+@pytest.fixture(scope="session")
+def cli_base(tmp_path_factory):
+    """A prepared corpus and a finished 2-step tiny run, built once per test process through real commands and
+    shared by the command-line fault tests (tests/test_cli_faults.py, test_preemption.py, test_disk_faults.py):
+    {"dir": workdir, "data": prepared data dir, "run": the run} (tests/_cli.py make_base). A test copies what it
+    changes; the tests that only read it check that it did not change."""
+    from tests._cli import make_base
+
+    return make_base(tmp_path_factory.mktemp("cli_base"))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_attention_plans():
     """Each test starts with no cached attention launch plans (attention._FWD_PLANS / _BWD_PLANS): a

@@ -2,8 +2,8 @@
 (``python -m xtrain.cli ...``, cwd a temporary directory) and checks the exit code, the first line of what
 it said on stderr, and that no file that existed before changed (every file's sha256, before and after).
 
-One tiny run (tiny preset, vocab 300, two steps) is built once per module and copied where a case needs a
-run it may touch."""
+One tiny run (tiny preset, vocab 300, two steps) is built once per test process (conftest.py ``cli_base``,
+shared with test_preemption.py and test_disk_faults.py) and copied where a case needs a run it may touch."""
 
 import hashlib
 import json
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._cli import QUIET, ROOT, TINY, first_line, make_base, tree_hash
+from tests._cli import QUIET, ROOT, TINY, first_line, tree_hash
 from tests._cli import xtrain as _xtrain
 
 
@@ -88,10 +88,10 @@ def train_steps_logged(run: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}"""
-    d = tmp_path_factory.mktemp("faults")
-    return make_base(d)
+def base(cli_base):
+    """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}: tests/conftest.py cli_base, built
+    once per test process."""
+    return cli_base
 
 
 def check(r, rc: int, first: str):

@@ -5,7 +5,8 @@ recorded absolute with a fingerprint; another world size keeps the global batch;
 line and exit code 2 before anything is written.
 
 Each case runs ``python -m xtrain.cli ...`` in a subprocess and compares every file's sha256 before and
-after where nothing may change. One tiny run is built once per module (tiny preset, vocab 300, two steps)."""
+after where nothing may change. One tiny run (tiny preset, vocab 300, two steps) is built once per test process
+(conftest.py ``cli_base``)."""
 
 import json
 import os
@@ -20,14 +21,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests._cli import QUIET, ROOT, TINY, check, first_line, make_base, tree_hash, xtrain, xtrain_popen
+from tests._cli import QUIET, ROOT, TINY, check, first_line, tree_hash, xtrain, xtrain_popen
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}"""
-    d = tmp_path_factory.mktemp("preempt")
-    return make_base(d)
+def base(cli_base):
+    """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}: tests/conftest.py cli_base, built
+    once per test process."""
+    return cli_base
 
 
 def _rows(run: Path) -> list[dict]:
