@@ -110,6 +110,7 @@ def copy_run(base, name) -> Path:
 # -- export ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py "export {ws}/run --out {ws}/run", in one process
 def test_export_into_the_run_itself_is_refused(base, tmp_path):
     before = tree_hash(base["run"])
     r = xtrain("export", base["run"], "--out", base["run"], cwd=tmp_path)
@@ -118,6 +119,7 @@ def test_export_into_the_run_itself_is_refused(base, tmp_path):
     assert tree_hash(base["run"]) == before
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py "--out {ws}/run2" and "--out {ws}/data", in one process
 def test_export_into_another_run_or_a_full_directory_is_refused(base, tmp_path):
     other = copy_run(base, "other_run_export")
     before = tree_hash(other)
@@ -132,6 +134,7 @@ def test_export_into_another_run_or_a_full_directory_is_refused(base, tmp_path):
     assert tree_hash(full) == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
 
 
+@pytest.mark.slow  # quick tier: test_checkpoint_atomic.py (re-export over a previous export), test_disk_faults.py
 def test_export_over_a_previous_export_is_allowed(base, tmp_path):
     before = tree_hash(base["run"])
     for _ in range(2):
@@ -227,6 +230,7 @@ def test_a_trainer_holding_the_lock_turns_the_second_away(base, tmp_path, spawn)
 # -- resume keeps what may not change, and its log agrees with its weights -----------------------------------
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py "--resume {ws}/run --eval-batches 3 --lr 0.1", in one process
 def test_resume_refuses_a_changed_setting(base, tmp_path):
     run = copy_run(base, "changed")
     before = tree_hash(run)
@@ -255,7 +259,8 @@ def test_resume_drops_metrics_past_the_checkpoint(base, tmp_path):
 # -- unavailable devices, impossible sizes: no run directory left ------------------------------------------------
 
 
-@pytest.mark.parametrize("device", ["cuda", "tpu"])
+# "tpu" is in the slow tier: tests/test_cli_args.py refuses --device tpu in one process
+@pytest.mark.parametrize("device", ["cuda", pytest.param("tpu", marks=pytest.mark.slow)])
 def test_train_on_an_unavailable_device(base, tmp_path, device):
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -266,7 +271,7 @@ def test_train_on_an_unavailable_device(base, tmp_path, device):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("device", ["cuda", "tpu"])
+@pytest.mark.parametrize("device", ["cuda", pytest.param("tpu", marks=pytest.mark.slow)])  # as for train
 def test_sample_on_an_unavailable_device(base, tmp_path, device):
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -276,6 +281,7 @@ def test_sample_on_an_unavailable_device(base, tmp_path, device):
     assert tree_hash(base["run"]) == before
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py "--seq-len 100000 --batch-size 16", in one process
 def test_a_sequence_length_that_cannot_fit(base, tmp_path):
     out = tmp_path / "huge"
     r = xtrain(

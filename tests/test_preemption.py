@@ -257,6 +257,7 @@ def test_out_onto_a_run_killed_before_its_first_checkpoint(base, tmp_path):
     assert [m["step"] for m in _rows(run)] == [1, 2]  # the old rows are gone, not mixed in
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py, the same refusals in one process ("--out {ws}/mine")
 def test_out_into_a_foreign_directory_is_refused_before_any_write(base, tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -323,6 +324,7 @@ def test_a_relative_data_path_resumes_from_anywhere_and_changed_data_is_refused(
 # -- cheap checks first: one line, exit 2, nothing written ---------------------------------------------------
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py runs each of these in one process
 def test_bad_values_are_one_line_and_change_nothing(base, tmp_path):
     """The same rule as tests/test_cli_args.py (which runs every command's bad arguments in one process), here as
     real processes: one line on stderr, exit code 2, nothing written."""
