@@ -336,15 +336,17 @@ def test_prepare_skips_binary_files_of_a_directory(tmp_path):
 # -- what was already handled: corrupt checkpoints and shards ---------------------------------------------------
 
 
-def test_truncated_checkpoint_is_named(base, tmp_path):
-    run = copy_run(base, "truncated")
+# sample reads the checkpoint through the same reader (checkpoint.read_checkpoint) as --resume: slow tier
+@pytest.mark.parametrize("command", ["resume", pytest.param("sample", marks=pytest.mark.slow)])
+def test_truncated_checkpoint_is_named(base, tmp_path, command):
+    run = copy_run(base, f"truncated_{command}")
     data = (run / "model.safetensors").read_bytes()
     (run / "model.safetensors").write_bytes(data[: len(data) // 2])
     before = tree_hash(run)
-    for cmd in (["sample", run, "--max-new-tokens", 2], ["train", "--resume", run, "--steps", 3, *QUIET]):
-        r = xtrain(*cmd, cwd=tmp_path)
-        check(r, 2, f"{run / 'model.safetensors'}: not a valid safetensors file")
-        assert tree_hash(run) == before
+    cmd = {"sample": ["sample", run, "--max-new-tokens", 2], "resume": ["train", "--resume", run, "--steps", 3, *QUIET]}
+    r = xtrain(*cmd[command], cwd=tmp_path)
+    check(r, 2, f"{run / 'model.safetensors'}: not a valid safetensors file")
+    assert tree_hash(run) == before
 
 
 def test_mismatched_checkpoint_files_are_named(base, tmp_path):
