@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from xtrain.cli import main
 
@@ -157,6 +158,11 @@ BAD = [
     (["sample", "{ws}/run", "--seed", "-1"], "argument --seed"),
     (["sample", "{ws}/nothere"], "{ws}/nothere"),
     (["sample", "{ws}/run", "--device", "tpu"], "--device tpu"),
+    *(
+        []
+        if torch.cuda.is_available()
+        else [(["sample", "{ws}/run", "--device", "cuda"], "xtrain sample: --device cuda:")]
+    ),
     (["sample"], "the following arguments are required: run"),
     # export
     (["export", "{ws}/nothere", "--out", "{ws}/e"], "{ws}/nothere: no such checkpoint directory"),

@@ -158,6 +158,7 @@ def test_train_onto_a_directory_a_live_process_owns(base, tmp_path):
     assert tree_hash(owned) == before
 
 
+@pytest.mark.slow  # quick tier: test_a_trainer_holding_the_lock_turns_the_second_away (--resume of a locked run)
 def test_resume_of_a_run_a_live_process_owns(base, tmp_path):
     run = copy_run(base, "owned_resume")
     (run / ".xtrain.lock").write_text(json.dumps({"pid": os.getpid()}))
@@ -271,7 +272,8 @@ def test_train_on_an_unavailable_device(base, tmp_path, device):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("device", ["cuda", pytest.param("tpu", marks=pytest.mark.slow)])  # as for train
+# slow tier: tests/test_cli_args.py refuses both in one process (cuda where there is none)
+@pytest.mark.parametrize("device", [pytest.param(d, marks=pytest.mark.slow) for d in ("cuda", "tpu")])
 def test_sample_on_an_unavailable_device(base, tmp_path, device):
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -349,6 +351,9 @@ def test_truncated_checkpoint_is_named(base, tmp_path, command):
     assert tree_hash(run) == before
 
 
+# quick tier: test_train.py::test_files_from_different_saves_rejected (the check, at resume, nothing changed) and the
+# truncated checkpoint above (a checkpoint error at --resume as one line, exit 2, nothing changed)
+@pytest.mark.slow
 def test_mismatched_checkpoint_files_are_named(base, tmp_path):
     run = copy_run(base, "mismatched")
     st = json.loads((run / "trainer_state.json").read_text())
