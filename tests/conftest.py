@@ -90,8 +90,8 @@ def corpus(tmp_path):
 
 @pytest.fixture(scope="session")
 def cli_base(tmp_path_factory):
-    """A prepared corpus and a finished 2-step tiny run, built once per test process through real commands and
-    shared by the command-line fault tests (tests/test_cli_faults.py, test_preemption.py, test_disk_faults.py):
+    """A prepared corpus and a finished 2-step tiny run, built once per test process and shared by the
+    command-line fault tests (tests/test_cli_faults.py, test_preemption.py, test_disk_faults.py):
     {"dir": workdir, "data": prepared data dir, "run": the run} (tests/_cli.py make_base). A test copies what it
     changes; the tests that only read it check that it did not change."""
     from tests._cli import make_base
