@@ -20,20 +20,28 @@ def env(cwd) -> dict:
 
 def make_base(d: Path) -> dict:
     """A prepared corpus (the source of json and pathlib cut into 40 documents, vocab 300) and a finished
-    2-step tiny run under ``d``: {"dir": d, "data": prepared data dir, "run": the run}."""
+    2-step tiny run under ``d``: {"dir": d, "data": prepared data dir, "run": the run}. Made in this process
+    (``xtrain.cli.main``, cwd ``d``, XTRAIN_CACHE ``d/cache``): the tests start their own processes on it."""
     import inspect
     import json
     import pathlib
+
+    import pytest
+
+    from xtrain.cli import main
 
     corpus = d / "corpus"
     corpus.mkdir()
     src = inspect.getsource(json) + inspect.getsource(pathlib)
     for i in range(40):
         (corpus / f"doc{i:02d}.py").write_text(src[i * 1500 : (i + 1) * 1500])
-    r = xtrain("data", "prepare", "--corpus", corpus, "--vocab-size", 300, "--out", d / "data", "--no-progress", cwd=d)
-    assert r.returncode == 0, r.stderr
-    r = xtrain("train", "--data", d / "data", "--out", d / "run", "--steps", 2, *TINY, *QUIET, cwd=d)
-    assert r.returncode == 0, r.stderr
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(d)
+        mp.setenv("XTRAIN_CACHE", str(d / "cache"))
+        prepare = ["data", "prepare", "--corpus", corpus, "--vocab-size", 300, "--out", d / "data", "--no-progress"]
+        assert main([str(a) for a in prepare]) == 0
+        train = ["train", "--data", d / "data", "--out", d / "run", "--steps", 2, *TINY, *QUIET]
+        assert main([str(a) for a in train]) == 0
     return {"dir": d, "data": d / "data", "run": d / "run"}
 
 

@@ -10,6 +10,24 @@ import os
 import pytest
 
 
+def _threads_per_worker() -> int | None:
+    """Under pytest-xdist, the cores this process may use divided among the workers (at least 1); None otherwise.
+    Each worker's torch would otherwise start one intra-op thread per core, and so would every process its tests
+    start: 2 workers on 2 cores run 4 or more spinning threads, and a test then takes several times longer."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // workers)
+
+
+# Set before torch is first imported (it reads OMP_NUM_THREADS then); processes the tests start inherit it. A value
+# the user set is kept.
+_THREADS = _threads_per_worker()
+if _THREADS is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -68,6 +86,17 @@ def corpus(tmp_path):
     for i in range(60):
         (d / f"doc{i:02d}.py").write_text(src[i * 2000 : (i + 1) * 2000])
     return d
+
+
+@pytest.fixture(scope="session")
+def cli_base(tmp_path_factory):
+    """A prepared corpus and a finished 2-step tiny run, built once per test process and shared by the
+    command-line fault tests (tests/test_cli_faults.py, test_preemption.py, test_disk_faults.py):
+    {"dir": workdir, "data": prepared data dir, "run": the run} (tests/_cli.py make_base). A test copies what it
+    changes; the tests that only read it check that it did not change."""
+    from tests._cli import make_base
+
+    return make_base(tmp_path_factory.mktemp("cli_base"))
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from xtrain.cli import main
 
@@ -22,8 +23,8 @@ QUIET = ["--no-progress", "--sample-tokens", "0"]
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
-    """The workspace: a corpus, its prepared data (byte tokenizer), a finished one-step run, and files that
-    xtrain did not write (a text file, a PNG, a Hugging Face model folder)."""
+    """The workspace: a corpus, its prepared data (byte tokenizer), finished one-step and two-step runs, and files
+    that xtrain did not write (a text file, a folder of someone's files, a PNG, a Hugging Face model folder)."""
     import inspect
     import json
     import pathlib
@@ -53,9 +54,13 @@ def ws(tmp_path_factory):
             == 0
         )
         assert main(["train", "--data", str(d / "data"), "--out", str(d / "run"), "--steps", "1", *TINY, *QUIET]) == 0
+        assert main(["train", "--data", str(d / "data"), "--out", str(d / "run2"), "--steps", "2", *TINY, *QUIET]) == 0
     finally:
         mp.undo()
     (d / "notes.txt").write_text("my notes\n")
+    (d / "mine").mkdir()  # someone's folder: a file of theirs beside one named like a run's
+    (d / "mine" / "notes.txt").write_text("mine")
+    (d / "mine" / "metrics.jsonl").write_text('{"step": 1}\n')
     (d / "mine.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)  # a PNG someone else drew
     (d / "hf").mkdir()  # a Hugging Face model downloaded by hand
     (d / "hf" / "config.json").write_text('{"model_type": "qwen3"}\n')
@@ -104,6 +109,30 @@ BAD = [
     (["train", "--data", "{ws}/corpus", "--steps", "2", "--stop-after", "3"], "--stop-after 3: more than the run's 2"),
     (["train", "--data", "{ws}/data", "--out", "{ws}/notes.txt"], "--out {ws}/notes.txt: exists and is not a dir"),
     (["train", "--data", "{ws}/nothere"], "corpus '{ws}/nothere' is not"),
+    (
+        ["train", "--data", "{ws}/data", "--out", "{ws}/mine", "--steps", "1"],
+        "--out {ws}/mine: not empty and not an xtrain run (holds notes.txt)",
+    ),
+    (
+        ["train", "--data", "{ws}/data", "--out", "{ws}/mine", "--steps", "1", "--restart"],
+        "not empty and not an xtrain run (holds notes.txt)",
+    ),
+    (
+        [
+            "train",
+            "--data",
+            "{ws}/data",
+            "--out",
+            "{ws}/huge",
+            "--steps",
+            "1",
+            "--seq-len",
+            "100000",
+            "--batch-size",
+            "16",
+        ],
+        "batch 16 x seq-len 100000 needs about",
+    ),
     (["train", "--device", "tpu"], "--device tpu"),
     (["train", "--resume", "{ws}/run", "--steps", "0"], "argument --steps"),
     (["train", "--resume", "{ws}/run", "--stop-after", "0"], "argument --stop-after"),
@@ -111,6 +140,11 @@ BAD = [
     (["train", "--resume", "{ws}/run", "--steps", "3", "--stop-after", "3"], "more than the 2 steps left of 3"),
     (["train", "--resume", "{ws}/nothere"], "--resume {ws}/nothere: no such run directory"),
     (["train", "--resume", "{ws}/run", "--lr", "1"], "cannot change --lr"),
+    (
+        ["train", "--resume", "{ws}/run", "--eval-batches", "3", "--lr", "0.1"],
+        ("cannot change --lr 0.1", "--eval-batches 3 (the run has 1)"),
+    ),  # every changed setting, in the one line
+    (["train", "--resume", "{ws}/run2", "--steps", "1"], "--steps 1: {ws}/run2 is already at step 2"),
     # sample
     (["sample", "{ws}/run", "--prompt", b"def \xff\xfe".decode("utf-8", "surrogateescape")], "not valid UTF-8"),
     (["sample", "{ws}/run", "--max-new-tokens", "-1"], "argument --max-new-tokens"),
@@ -124,11 +158,17 @@ BAD = [
     (["sample", "{ws}/run", "--seed", "-1"], "argument --seed"),
     (["sample", "{ws}/nothere"], "{ws}/nothere"),
     (["sample", "{ws}/run", "--device", "tpu"], "--device tpu"),
+    *(
+        []
+        if torch.cuda.is_available()
+        else [(["sample", "{ws}/run", "--device", "cuda"], "xtrain sample: --device cuda:")]
+    ),
     (["sample"], "the following arguments are required: run"),
     # export
     (["export", "{ws}/nothere", "--out", "{ws}/e"], "{ws}/nothere: no such checkpoint directory"),
     (["export", "{ws}/run", "--out", "{ws}/notes.txt"], "exists and is not a directory"),
     (["export", "{ws}/run", "--out", "{ws}/run"], "is the run directory itself"),
+    (["export", "{ws}/run", "--out", "{ws}/run2"], "--out {ws}/run2 is an xtrain run directory"),
     (["export", "{ws}/run", "--out", "{ws}/data"], "not a previous xtrain export"),
     (["export", "{ws}/run", "--out", "{ws}/hf"], "not a previous xtrain export"),
     (["export", "{ws}/run", "--out", "{ws}/e", "--dtype", "int8"], "argument --dtype: invalid choice"),
@@ -175,6 +215,7 @@ BAD = [
 
 @pytest.mark.parametrize("args,first", BAD, ids=[" ".join(a)[:60] for a, _ in BAD])
 def test_a_bad_argument_is_one_line_exit_2_and_writes_nothing(ws, args, first, capsys, monkeypatch):
+    """``first``: a piece of the one line, or a tuple of pieces it must all hold."""
     monkeypatch.chdir(ws)
     monkeypatch.setenv("XTRAIN_CACHE", str(ws / "cache"))
     args = [a.replace("{ws}", str(ws)) for a in args]
@@ -184,7 +225,8 @@ def test_a_bad_argument_is_one_line_exit_2_and_writes_nothing(ws, args, first, c
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, (rc, err[-3000:])
-    assert first.replace("{ws}", str(ws)) in lines[0], lines[0]
+    for piece in first if isinstance(first, tuple) else (first,):
+        assert piece.replace("{ws}", str(ws)) in lines[0], lines[0]
     assert lines[0].startswith("xtrain") and "Traceback" not in err
     assert snapshot(ws) == before
 
@@ -199,6 +241,18 @@ def test_plot_redraws_only_the_charts_it_drew(ws, tmp_path, capsys):
     assert main(["plot", str(run), "--out", str(chart)]) == 0
     assert main(["plot", str(run)]) == 0  # RUN/loss.png
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chart.png", "run"]
+
+
+def test_sampling_values_at_the_far_ends_of_their_ranges_are_taken(ws, capsys):
+    """A temperature of 1e-40 and a top-p of 1e-300 are valid values: ``sample`` takes them, prints text, exit
+    code 0, and writes nothing (tests/test_preemption.py does the same as a real process, in the slow tier)."""
+    before = snapshot(ws)
+    capsys.readouterr()
+    args = ["sample", str(ws / "run"), "--temperature", "1e-40", "--top-p", "1e-300", "--max-new-tokens", "3"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert out and "Traceback" not in err
+    assert snapshot(ws) == before
 
 
 @pytest.mark.slow  # a resumed training step

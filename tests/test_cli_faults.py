@@ -2,8 +2,8 @@
 (``python -m xtrain.cli ...``, cwd a temporary directory) and checks the exit code, the first line of what
 it said on stderr, and that no file that existed before changed (every file's sha256, before and after).
 
-One tiny run (tiny preset, vocab 300, two steps) is built once per module and copied where a case needs a
-run it may touch."""
+One tiny run (tiny preset, vocab 300, two steps) is built once per test process (conftest.py ``cli_base``,
+shared with test_preemption.py and test_disk_faults.py) and copied where a case needs a run it may touch."""
 
 import hashlib
 import json
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._cli import QUIET, ROOT, TINY, first_line, make_base, tree_hash
+from tests._cli import QUIET, ROOT, TINY, first_line, tree_hash
 from tests._cli import xtrain as _xtrain
 
 
@@ -88,10 +88,10 @@ def train_steps_logged(run: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}"""
-    d = tmp_path_factory.mktemp("faults")
-    return make_base(d)
+def base(cli_base):
+    """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}: tests/conftest.py cli_base, built
+    once per test process."""
+    return cli_base
 
 
 def check(r, rc: int, first: str):
@@ -110,6 +110,7 @@ def copy_run(base, name) -> Path:
 # -- export ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py "export {ws}/run --out {ws}/run", in one process
 def test_export_into_the_run_itself_is_refused(base, tmp_path):
     before = tree_hash(base["run"])
     r = xtrain("export", base["run"], "--out", base["run"], cwd=tmp_path)
@@ -118,6 +119,7 @@ def test_export_into_the_run_itself_is_refused(base, tmp_path):
     assert tree_hash(base["run"]) == before
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py "--out {ws}/run2" and "--out {ws}/data", in one process
 def test_export_into_another_run_or_a_full_directory_is_refused(base, tmp_path):
     other = copy_run(base, "other_run_export")
     before = tree_hash(other)
@@ -132,6 +134,7 @@ def test_export_into_another_run_or_a_full_directory_is_refused(base, tmp_path):
     assert tree_hash(full) == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
 
 
+@pytest.mark.slow  # quick tier: test_checkpoint_atomic.py (re-export over a previous export), test_disk_faults.py
 def test_export_over_a_previous_export_is_allowed(base, tmp_path):
     before = tree_hash(base["run"])
     for _ in range(2):
@@ -155,6 +158,7 @@ def test_train_onto_a_directory_a_live_process_owns(base, tmp_path):
     assert tree_hash(owned) == before
 
 
+@pytest.mark.slow  # quick tier: test_a_trainer_holding_the_lock_turns_the_second_away (--resume of a locked run)
 def test_resume_of_a_run_a_live_process_owns(base, tmp_path):
     run = copy_run(base, "owned_resume")
     (run / ".xtrain.lock").write_text(json.dumps({"pid": os.getpid()}))
@@ -227,6 +231,7 @@ def test_a_trainer_holding_the_lock_turns_the_second_away(base, tmp_path, spawn)
 # -- resume keeps what may not change, and its log agrees with its weights -----------------------------------
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py "--resume {ws}/run --eval-batches 3 --lr 0.1", in one process
 def test_resume_refuses_a_changed_setting(base, tmp_path):
     run = copy_run(base, "changed")
     before = tree_hash(run)
@@ -255,7 +260,8 @@ def test_resume_drops_metrics_past_the_checkpoint(base, tmp_path):
 # -- unavailable devices, impossible sizes: no run directory left ------------------------------------------------
 
 
-@pytest.mark.parametrize("device", ["cuda", "tpu"])
+# "tpu" is in the slow tier: tests/test_cli_args.py refuses --device tpu in one process
+@pytest.mark.parametrize("device", ["cuda", pytest.param("tpu", marks=pytest.mark.slow)])
 def test_train_on_an_unavailable_device(base, tmp_path, device):
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -266,7 +272,8 @@ def test_train_on_an_unavailable_device(base, tmp_path, device):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("device", ["cuda", "tpu"])
+# slow tier: tests/test_cli_args.py refuses both in one process (cuda where there is none)
+@pytest.mark.parametrize("device", [pytest.param(d, marks=pytest.mark.slow) for d in ("cuda", "tpu")])
 def test_sample_on_an_unavailable_device(base, tmp_path, device):
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -276,6 +283,7 @@ def test_sample_on_an_unavailable_device(base, tmp_path, device):
     assert tree_hash(base["run"]) == before
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py "--seq-len 100000 --batch-size 16", in one process
 def test_a_sequence_length_that_cannot_fit(base, tmp_path):
     out = tmp_path / "huge"
     r = xtrain(
@@ -330,17 +338,22 @@ def test_prepare_skips_binary_files_of_a_directory(tmp_path):
 # -- what was already handled: corrupt checkpoints and shards ---------------------------------------------------
 
 
-def test_truncated_checkpoint_is_named(base, tmp_path):
-    run = copy_run(base, "truncated")
+# sample reads the checkpoint through the same reader (checkpoint.read_checkpoint) as --resume: slow tier
+@pytest.mark.parametrize("command", ["resume", pytest.param("sample", marks=pytest.mark.slow)])
+def test_truncated_checkpoint_is_named(base, tmp_path, command):
+    run = copy_run(base, f"truncated_{command}")
     data = (run / "model.safetensors").read_bytes()
     (run / "model.safetensors").write_bytes(data[: len(data) // 2])
     before = tree_hash(run)
-    for cmd in (["sample", run, "--max-new-tokens", 2], ["train", "--resume", run, "--steps", 3, *QUIET]):
-        r = xtrain(*cmd, cwd=tmp_path)
-        check(r, 2, f"{run / 'model.safetensors'}: not a valid safetensors file")
-        assert tree_hash(run) == before
+    cmd = {"sample": ["sample", run, "--max-new-tokens", 2], "resume": ["train", "--resume", run, "--steps", 3, *QUIET]}
+    r = xtrain(*cmd[command], cwd=tmp_path)
+    check(r, 2, f"{run / 'model.safetensors'}: not a valid safetensors file")
+    assert tree_hash(run) == before
 
 
+# quick tier: test_train.py::test_files_from_different_saves_rejected (the check, at resume, nothing changed) and the
+# truncated checkpoint above (a checkpoint error at --resume as one line, exit 2, nothing changed)
+@pytest.mark.slow
 def test_mismatched_checkpoint_files_are_named(base, tmp_path):
     run = copy_run(base, "mismatched")
     st = json.loads((run / "trainer_state.json").read_text())

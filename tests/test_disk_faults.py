@@ -5,7 +5,8 @@ bit for bit as it was and still loads; nothing half-written stays (staging folde
 EFBIG is real: the child runs under ``RLIMIT_FSIZE`` (SIGXFSZ ignored, as Python does anyway). A full or
 read-only file system needs no mount: ``tests/_faults/sitecustomize.py``, first on the child's PYTHONPATH,
 makes the child's file system calls under a path answer ENOSPC or EROFS from a chosen point on, so the
-library's own code runs unchanged. One tiny run (vocab 300, two steps) is built once per module."""
+library's own code runs unchanged. One tiny run (vocab 300, two steps) is built once per test process
+(conftest.py ``cli_base``)."""
 
 import json
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._cli import QUIET, ROOT, TINY, env, make_base, tree_hash
+from tests._cli import QUIET, ROOT, TINY, env, tree_hash
 from xtrain.fileio import EXIT_WRITE_FAILED, LOCK_NAME, WriteFailed, lock_owner, write_failure, writing
 from xtrain.train import checkpoint as ckpt_io
 
@@ -29,8 +30,10 @@ CKPT = set(ckpt_io.FILES)
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return make_base(tmp_path_factory.mktemp("disk"))
+def base(cli_base):
+    """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}: tests/conftest.py cli_base, built
+    once per test process."""
+    return cli_base
 
 
 def _child_setup(fsize):
@@ -273,10 +276,11 @@ def test_home_and_the_cache_on_a_read_only_file_system(base, tmp_path):
 
 @pytest.fixture(scope="module")
 def exported(base) -> Path:
-    """A finished export of the base run (bfloat16)."""
+    """A finished export of the base run (bfloat16), made in this process."""
+    from xtrain.cli import main
+
     out = base["dir"] / "hf"
-    r = faulty("export", base["run"], "--out", out, cwd=base["dir"])
-    assert r.returncode == 0, r.stderr
+    assert main(["export", str(base["run"]), "--out", str(out)]) == 0
     return out
 
 

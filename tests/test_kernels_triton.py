@@ -44,9 +44,11 @@ if HAVE_TRITON:
     _EMB_SMALL_TIERS = K_emb.EmbeddingBwdConfig(
         "tiers", k2=8, mt=4, a_block_c=16, ht=4, b_block_c=16, b_warps=4, b_per_sm=2, scan=64, seg=8
     )
+    # small-tiers in the slow tier: its tier B segments are checked quick by test_embedding_bwd_tier_b_segments_cpu,
+    # its multi-tile tier A by the tiers form at C = 21
     _EMB_CONFIGS = [
         *K_emb.SHIPPED,
-        _EMB_SMALL_TIERS,
+        pytest.param(_EMB_SMALL_TIERS, marks=pytest.mark.slow),
         pytest.param(dataclasses.replace(K_emb.SIDE, chunk=1, chain_block_c=16), marks=pytest.mark.slow),
     ]
 else:
@@ -471,7 +473,9 @@ def test_embedding_bwd_tier_b_segments_cpu():
 
 
 @needs_cpu_interp
-@pytest.mark.parametrize("small", [False, True], ids=["tiers", "small-tiers"])
+@pytest.mark.parametrize(  # small-tiers slow: a plan's heavy lists and its checks are the tiers case's too
+    "small", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["tiers", "small-tiers"]
+)
 def test_embedding_bwd_plan_same_bits_cpu(small):
     """The backward given the ids-only part made ahead (``embedding_bwd_plan_triton``) writes every row and gives the
     same bits as the backward that makes it itself, with heavy ids (the heavy lists are the plan's); the plan is only

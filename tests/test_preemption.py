@@ -5,7 +5,8 @@ recorded absolute with a fingerprint; another world size keeps the global batch;
 line and exit code 2 before anything is written.
 
 Each case runs ``python -m xtrain.cli ...`` in a subprocess and compares every file's sha256 before and
-after where nothing may change. One tiny run is built once per module (tiny preset, vocab 300, two steps)."""
+after where nothing may change. One tiny run (tiny preset, vocab 300, two steps) is built once per test process
+(conftest.py ``cli_base``)."""
 
 import json
 import os
@@ -20,14 +21,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests._cli import QUIET, ROOT, TINY, check, first_line, make_base, tree_hash, xtrain, xtrain_popen
+from tests._cli import QUIET, ROOT, TINY, check, first_line, tree_hash, xtrain, xtrain_popen
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}"""
-    d = tmp_path_factory.mktemp("preempt")
-    return make_base(d)
+def base(cli_base):
+    """{"dir": workdir, "data": prepared data dir, "run": a finished 2-step run}: tests/conftest.py cli_base, built
+    once per test process."""
+    return cli_base
 
 
 def _rows(run: Path) -> list[dict]:
@@ -256,6 +257,7 @@ def test_out_onto_a_run_killed_before_its_first_checkpoint(base, tmp_path):
     assert [m["step"] for m in _rows(run)] == [1, 2]  # the old rows are gone, not mixed in
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py, the same refusals in one process ("--out {ws}/mine")
 def test_out_into_a_foreign_directory_is_refused_before_any_write(base, tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -322,6 +324,7 @@ def test_a_relative_data_path_resumes_from_anywhere_and_changed_data_is_refused(
 # -- cheap checks first: one line, exit 2, nothing written ---------------------------------------------------
 
 
+@pytest.mark.slow  # quick tier: tests/test_cli_args.py runs each of these in one process
 def test_bad_values_are_one_line_and_change_nothing(base, tmp_path):
     """The same rule as tests/test_cli_args.py (which runs every command's bad arguments in one process), here as
     real processes: one line on stderr, exit code 2, nothing written."""
