@@ -41,10 +41,17 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 
 from xtrain.config import ModelConfig
-from xtrain.fileio import _pid_alive, atomic_write_bytes, atomic_write_json, atomic_write_text, not_writable, writing
+from xtrain.fileio import (
+    _pid_alive,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    not_writable,
+    safetensors_bytes,
+    writing,
+)
 from xtrain.fileio import fsync_dir as _fsync_dir
 
 # xtrain parameter name (per layer, after "model.layers.{i}.") -> Hugging Face Qwen3 name. The same strings
@@ -152,18 +159,8 @@ EXPORT_MARK = {"format": "pt", "producer": "xtrain export"}
 
 
 def _marked_safetensors(tensors: dict) -> bytes:
-    """The safetensors bytes of ``tensors`` with ``EXPORT_MARK`` as metadata, the same bytes for the same tensors:
-    safetensors writes a metadata map's keys in a random order, so its header is re-written with them sorted (the
-    same keys and values, so the same length)."""
-    data = bytearray(save(tensors, metadata=EXPORT_MARK))
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(bytes(data[8 : 8 + n]))
-    header = {"__metadata__": dict(sorted(header.pop("__metadata__").items())), **header}
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    if len(text) > n:  # not the compact JSON safetensors writes: keep its bytes rather than guess
-        return bytes(data)
-    data[8 : 8 + n] = text + b" " * (n - len(text))
-    return bytes(data)
+    """The safetensors bytes of ``tensors`` with ``EXPORT_MARK`` as metadata, the same bytes for the same tensors."""
+    return safetensors_bytes(tensors, EXPORT_MARK)
 
 
 def _is_export(out: Path) -> bool:

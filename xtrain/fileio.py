@@ -75,6 +75,23 @@ def writing(path: str | os.PathLike):
         raise failed from e
 
 
+def safetensors_bytes(tensors: dict, metadata: dict[str, str]) -> bytes:
+    """The safetensors file of ``tensors`` with ``metadata``, the same bytes for the same tensors and metadata.
+    safetensors writes a metadata map's keys in a random order, so two saves of one state could differ byte for
+    byte; the header is re-written with the keys sorted (the same keys and values, so the same length)."""
+    from safetensors.torch import save
+
+    data = bytearray(save(tensors, metadata=metadata))
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8 : 8 + n]))
+    header = {"__metadata__": dict(sorted(header.pop("__metadata__").items())), **header}
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > n:  # not the compact JSON safetensors writes: keep its bytes rather than guess
+        return bytes(data)
+    data[8 : 8 + n] = text + b" " * (n - len(text))
+    return bytes(data)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary name, fsync'ed, then renamed over it. On any failure the
     temporary file is removed and ``path`` is as it was; a failure of the disk is ``WriteFailed`` naming

@@ -41,10 +41,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from xtrain.config import ModelConfig, TrainConfig
-from xtrain.fileio import atomic_write_bytes, atomic_write_json, lock_owner, writing  # noqa: F401 (re-exported)
+from xtrain.fileio import atomic_write_bytes, atomic_write_json, lock_owner, safetensors_bytes, writing  # noqa: F401
 from xtrain.fileio import fsync_dir as _fsync_dir
 
 FORMAT = "xtrain-checkpoint/1"
@@ -86,9 +85,9 @@ def save_checkpoint(
                 "train": None if train_config is None else train_config.to_dict(),
             },
         )
-        atomic_write_bytes(stage / MODEL, st_save(_cpu(model.state_dict()), metadata=meta))
+        atomic_write_bytes(stage / MODEL, safetensors_bytes(_cpu(model.state_dict()), meta))
         opt_meta = dict(meta, optimizer=json.dumps(optimizer.state_meta()))
-        atomic_write_bytes(stage / OPTIMIZER, st_save(_cpu(optimizer.state_tensors()), metadata=opt_meta))
+        atomic_write_bytes(stage / OPTIMIZER, safetensors_bytes(_cpu(optimizer.state_tensors()), opt_meta))
         atomic_write_json(stage / STATE, dict(trainer_state, format=FORMAT))
         _fsync_dir(stage)
         with writing(run_dir / COMMITTED):
