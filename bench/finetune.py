@@ -83,15 +83,26 @@ def xtrain_side(c: ModelConfig, dev, B: int, T: int):
     return trainer_step(c, dev, ids, B, graph=dev.type == "cuda")
 
 
+_INITIAL: dict = {}  # repr(config) -> xtrain's initial weights on the CPU, drawn once per config (every build reads)
+
+
+def initial_state(c: ModelConfig) -> dict:
+    """xtrain's initial weights for ``c`` (seed 0, Hugging Face names), drawn once: each transformers build (one
+    per compile mode and per batch ``--max-batch`` tries) loads them instead of drawing 0.6B normals again."""
+    from xtrain.model import Model
+
+    if repr(c) not in _INITIAL:
+        _INITIAL[repr(c)] = Model(c, device="cpu", seed=0).state_dict()
+    return _INITIAL[repr(c)]
+
+
 def transformers_side(c: ModelConfig, dev, B: int, T: int, mode: str):
     from transformers import Qwen3ForCausalLM
-
-    from xtrain.model import Model
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(hf_config(c)).train()  # fp32 parameters: the master weights
     # xtrain's initial weights (the same Hugging Face names), so both sides' first losses agree
-    missing, unexpected = model.load_state_dict(Model(c, device="cpu", seed=0).state_dict(), strict=False)
+    missing, unexpected = model.load_state_dict(initial_state(c), strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise ValueError(f"bench finetune: weights do not map: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model = model.to(dev)
