@@ -29,6 +29,8 @@ Triton path uses the fused cross-entropy kernel on CUDA. The chunk logits matmul
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from xtrain.kernels import cross_entropy as K_ce
@@ -59,7 +61,10 @@ def _check(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, reduction: s
         raise ValueError(f"{name}: reduction must be 'mean' or 'sum', got {reduction!r}")
 
 
-def _linear_cross_entropy(x, w, targets, ignore_index, reduction, need_dx, need_dw, chunk_size, fused_ce):
+def _linear_cross_entropy(
+    x, w, targets, ignore_index=-100, reduction="mean", need_dx=True, need_dw=True, chunk_size=None, *, fused_ce
+):
+    """The chunk loop (module docstring); ``fused_ce``: the Triton cross-entropy kernels, else the plain-torch one."""
     _check(x, w, targets, reduction)
     N, C = x.shape
     V = w.shape[0]
@@ -97,45 +102,15 @@ def _linear_cross_entropy(x, w, targets, ignore_index, reduction, need_dx, need_
     return loss, dx, dw
 
 
-def linear_cross_entropy_fwd_ref(
-    x,
-    w,
-    targets,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    need_dx: bool = True,
-    need_dw: bool = True,
-    chunk_size: int | None = None,
-):
-    return _linear_cross_entropy(x, w, targets, ignore_index, reduction, need_dx, need_dw, chunk_size, False)
-
-
-def linear_cross_entropy_fwd_triton(
-    x,
-    w,
-    targets,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    need_dx: bool = True,
-    need_dw: bool = True,
-    chunk_size: int | None = None,
-):
-    return _linear_cross_entropy(x, w, targets, ignore_index, reduction, need_dx, need_dw, chunk_size, True)
+linear_cross_entropy_fwd_ref = functools.partial(_linear_cross_entropy, fused_ce=False)  # any device
+linear_cross_entropy_fwd_triton = functools.partial(_linear_cross_entropy, fused_ce=True)  # CUDA
 
 
 def linear_cross_entropy_fwd(
-    x,
-    w,
-    targets,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    need_dx: bool = True,
-    need_dw: bool = True,
-    chunk_size: int | None = None,
+    x, w, targets, ignore_index=-100, reduction="mean", need_dx=True, need_dw=True, chunk_size=None
 ):
-    if x.dtype != torch.float64 and use_triton(x, w, targets):
-        return linear_cross_entropy_fwd_triton(x, w, targets, ignore_index, reduction, need_dx, need_dw, chunk_size)
-    return linear_cross_entropy_fwd_ref(x, w, targets, ignore_index, reduction, need_dx, need_dw, chunk_size)
+    fused = x.dtype != torch.float64 and use_triton(x, w, targets)
+    return _linear_cross_entropy(x, w, targets, ignore_index, reduction, need_dx, need_dw, chunk_size, fused_ce=fused)
 
 
 def linear_cross_entropy_bwd(dloss: torch.Tensor, dx: torch.Tensor | None, dw: torch.Tensor | None):
