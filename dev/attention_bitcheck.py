@@ -111,7 +111,6 @@ def _ptx_hash(label: str, ptx: str) -> str:
 
 
 def ptx():
-    from dataclasses import replace
 
     from triton.runtime.jit import JITFunction
 
@@ -175,8 +174,7 @@ def ptx():
                         if fam == "fwd":
                             gluon_fwd.flash_attention_fwd_gluon(q, k, k, causal, config=cfg, checked=True, programs=132)
                         elif fam == "bwd":
-                            c = replace(cfg, two_streams=False)  # (streams are not compiled code)
-                            gluon_bwd.flash_attention_bwd_gluon(q, q, k, k, o, lse, causal, config=c, checked=True)
+                            gluon_bwd.flash_attention_bwd_gluon(q, q, k, k, o, lse, causal, config=cfg, checked=True)
                         else:
                             gluon_onepass.flash_attention_bwd_gluon_onepass(
                                 q, q, k, k, o, lse, causal, config=cfg, checked=True

@@ -38,7 +38,7 @@ TILES = {
 
 def configs(name: str):
     f, kv, dq = TILES[name]
-    return TritonFwdConfig(f), TritonBwdConfig(kv, dq, two_streams=False)
+    return TritonFwdConfig(f), TritonBwdConfig(kv, dq)
 
 
 def packed_starts(T: int, B: int, g: torch.Generator, max_len: int = 12) -> torch.Tensor:
@@ -119,8 +119,7 @@ def test_shipped_doc_tiles_match_the_reference(D):
     T, B, H, Hkv = 150, 1, 2, 1
     fcfg, bcfg = FA.doc_configs(torch.bfloat16, T, D)
     fcfg = TritonFwdConfig(dataclasses.replace(fcfg.tiles, tma=False))  # TMA needs a GPU
-    bcfg = TritonBwdConfig(dataclasses.replace(bcfg.dkdv, tma=False), dataclasses.replace(bcfg.dq, tma=False),
-                           two_streams=False)  # fmt: skip
+    bcfg = TritonBwdConfig(dataclasses.replace(bcfg.dkdv, tma=False), dataclasses.replace(bcfg.dq, tma=False))
     ds = packed_starts(T, B, torch.Generator().manual_seed(D), max_len=60)
     q, k, v, do = qkv(B, H, Hkv, T, D, seed=D)
     got, want = run_both(q, k, v, do, ds, fcfg, bcfg)

@@ -230,7 +230,7 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed, D, config):
         q, k, k, dq, k, k, q, lse, lse, 0.125, True, config, GC.new_columns(q, cols)
     )
     pre, r1, r2 = _Recorder(_PRE), _Recorder(a1), _Recorder(a2)
-    split = GB._SplitPlan(pre, r1, r2, a1, a2, two_streams=False, columns=cols)
+    split = GB._SplitPlan(pre, r1, r2, a1, a2, columns=cols)
     do, q2 = GC.stand_ins(D, 256, 4, 2, transposed)[0], GC.stand_ins(D, 256, 4, 2, transposed)[0]
     k2, v2 = (GC.stand_ins(D, 256, 4, 2, transposed)[1] for _ in range(2))
     o2, lse2 = torch.empty_like(q2), torch.empty(1, 4, 256)

@@ -61,12 +61,11 @@ from xtrain.kernels.attention.triton import grid_sms
 class GluonBwdConfig:
     """The split backward's build: ``lse_mma`` takes lse and delta through the tensor cores (bf16 only: fp16's
     range does not hold every fp32 lse / scale and delta), ``doreg`` keeps the dQ kernel's dO half in registers;
-    ``two_streams`` runs the two kernels concurrently; ``tail_waves``: the program order's tile-major tail. The
-    query step (64), the key step (64) and the ring depths (2 and 4) are fixed."""
+    ``tail_waves``: the program order's tile-major tail. The query step (64), the key step (64) and the ring depths
+    (2 and 4) are fixed; on CUDA the two kernels run concurrently on two streams."""
 
     lse_mma: bool = False
     doreg: bool = False
-    two_streams: bool = True
     tail_waves: int = 2
 
 
@@ -549,36 +548,37 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg: 
     return [(_bwd_dkdv_kernel, (nb * B * Hkv,), dkdv, c1), (_bwd_dq_kernel, (nb * B * H,), dqa, c2)]
 
 
+def _side_by_side(q: torch.Tensor, launch_dkdv, launch_dq) -> None:
+    """The two kernels: on CUDA the dQ kernel on the side stream, joined before returning; elsewhere (the offline
+    compiles) one after the other."""
+    if q.is_cuda:
+        run_side_by_side(q.device, launch_dkdv, launch_dq)
+    else:
+        launch_dkdv()
+        launch_dq()
+
+
 class _SplitPlan:
     """``flash_attention_bwd_gluon`` for one signature of inputs with its host work done once (see
     ``gluon_fwd._FwdPlan``): allocates dq, dk, dv and delta, then launches the compiled delta
     preprocess and the two kernels (on two streams as the full path does) with re-based descriptors."""
 
-    __slots__ = ("pre", "dkdv", "dq", "dkdv_descs", "dq_descs", "two_streams", "bm1", "columns")
+    __slots__ = ("pre", "dkdv", "dq", "dkdv_descs", "dq_descs", "bm1", "columns")
 
-    def __init__(self, pre, dkdv, dq, a1: dict, a2: dict, two_streams: bool, columns: bool):
+    def __init__(self, pre, dkdv, dq, a1: dict, a2: dict, columns: bool):
         self.pre, self.dkdv, self.dq = pre, dkdv, dq
         self.dkdv_descs, self.dq_descs = descriptor_templates(a1), descriptor_templates(a2)
-        self.two_streams = two_streams
         self.columns = columns  # lse_mma puts lse's and delta's descriptors on column buffers
         self.bm1 = a1["q_desc"].block_shape[0]  # the dK/dV kernel's query step: lse / delta rows per TMA tile
 
     def __call__(self, do, q, k, v, o, lse):
         dq, dk, dv, delta, lse, c = plan_outputs(self.pre, do, q, k, v, o, lse, self.columns)  # lse·log2(e)
         B, H, T, _ = q.shape
-        ts = {
-            "q": q,
-            "do": do,
-            "k": k,
-            "v": v,
-            "dq": dq,
-            "dk": dk,
-            "dv": dv,
-            "lse": lse.view(B, H, T // self.bm1, self.bm1),
-            "delta": delta.view(B, H, T // self.bm1, self.bm1),
-        }
+        ts = dict(q=q, do=do, k=k, v=v, dq=dq, dk=dk, dv=dv)
         if self.columns:
             ts["lse"], ts["delta"] = c
+        else:
+            ts["lse"], ts["delta"] = (x.view(B, H, T // self.bm1, self.bm1) for x in (lse, delta))
 
         def launch_dkdv():
             self.dkdv(**rebase_all(self.dkdv_descs, ts))
@@ -586,11 +586,7 @@ class _SplitPlan:
         def launch_dq():
             self.dq(lse_ptr=lse, delta_ptr=delta, **rebase_all(self.dq_descs, ts))
 
-        if self.two_streams:
-            run_side_by_side(q.device, launch_dkdv, launch_dq)
-        else:
-            launch_dkdv()
-            launch_dq()
+        _side_by_side(q, launch_dkdv, launch_dq)
         return dq, dk, dv
 
 
@@ -626,30 +622,17 @@ def flash_attention_bwd_gluon(
     do, lse, dq, dk, dv, delta, s, pre = _prologue(
         op, do, q, k, v, o, lse, scale, dq, dk, dv, plan=plan, base2=True, cols=cols
     )
-    cfg = config
-    (k1, g1, a1, c1), (k2, g2, a2, c2) = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), cfg, cols)
-    cached = {}
+    launches = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), config, cols)
+    cached = {}  # (the side stream's dQ launch is issued first)
 
-    def launch_dkdv():
+    def launcher(i, kern, grid, args, consts):
         if plan:
-            cached["dkdv"] = launch_cached(k1, g1, {**a1, **c1}, num_warps=4)
-        else:
-            k1[g1](**a1, **c1, num_warps=4)
+            return lambda: cached.update({i: launch_cached(kern, grid, {**args, **consts}, num_warps=4)})
+        return lambda: kern[grid](**args, **consts, num_warps=4)
 
-    def launch_dq():
-        if plan:
-            cached["dq"] = launch_cached(k2, g2, {**a2, **c2}, num_warps=4)
-        else:
-            k2[g2](**a2, **c2, num_warps=4)
-
-    two_streams = config.two_streams  # dQ on the side stream, joined before returning
-    if two_streams:
-        run_side_by_side(q.device, launch_dkdv, launch_dq)
-    else:
-        launch_dkdv()
-        launch_dq()
+    _side_by_side(q, *(launcher(i, *launch) for i, launch in enumerate(launches)))
     if plan:
-        return dq, dk, dv, _SplitPlan(pre, cached["dkdv"], cached["dq"], a1, a2, two_streams, cfg.lse_mma)
+        return dq, dk, dv, _SplitPlan(pre, cached[0], cached[1], launches[0][2], launches[1][2], config.lse_mma)
     return dq, dk, dv
 
 

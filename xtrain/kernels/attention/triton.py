@@ -67,13 +67,12 @@ class TritonFwdConfig:
 @dataclass(frozen=True)
 class TritonBwdConfig:
     """The dK/dV kernel's tiles (block_n keys resident, block_m queries a step; block_n % block_m == 0), the dQ
-    kernel's (block_m queries resident, block_n keys a step; block_m % block_n == 0), the program order, and
-    whether the two run on two CUDA streams (``plan_sms`` as in ``TritonFwdConfig``)."""
+    kernel's (block_m queries resident, block_n keys a step; block_m % block_n == 0) and the program order
+    (``plan_sms`` as in ``TritonFwdConfig``). On CUDA the two kernels run concurrently on two streams."""
 
     dkdv: Tiles
     dq: Tiles
     tail_waves: int = 2
-    two_streams: bool = True
     plan_sms: int | None = None
 
 
@@ -841,7 +840,7 @@ def flash_attention_bwd_triton(
             num_stages=S2,
         )
 
-    if config.two_streams and q.is_cuda:
+    if q.is_cuda:
         # the dK/dV and dQ kernels are independent once delta exists: the dQ kernel runs on a side stream so
         # the two overlap (each one's tail of short causal programs fills with the other's work)
         run_side_by_side(q.device, launch_dkdv, launch_dq)
