@@ -53,6 +53,10 @@ class Tiles:
     stages: int
     tma: bool = False
 
+    def launch(self) -> dict:
+        """The launch's tile constexprs and options."""
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.warps, num_stages=self.stages)
+
 
 @dataclass(frozen=True)
 class TritonFwdConfig:
@@ -614,9 +618,10 @@ def _tma_ok(tma: bool, even: bool, *ts) -> bool:
     return bool(tma) and _HAVE_DESC and even and all(t.is_contiguous() for t in ts)
 
 
-def _strides(name: str, x: torch.Tensor) -> dict:
-    """The kernels' stride arguments of x [B, Hx, T, D] (unit last stride): stride_{name}b, _{name}h, _{name}t."""
-    return {f"stride_{name}b": x.stride(0), f"stride_{name}h": x.stride(1), f"stride_{name}t": x.stride(2)}
+def _strides(**xs: torch.Tensor) -> dict:
+    """The kernels' stride arguments of each x [B, Hx, T, D] (unit last stride) given as name=x: stride_{name}b,
+    stride_{name}h, stride_{name}t."""
+    return {f"stride_{n}{a}": x.stride(i) for n, x in xs.items() for i, a in enumerate("bht")}
 
 
 def preprocess_buffers(o, do, delta, lse=None, lse2=None, cols=None) -> dict:
@@ -636,8 +641,7 @@ def preprocess_launch(o, do, delta, lse=None, lse2=None, cols=None, inv_scale: f
     args = dict(
         preprocess_buffers(o, do, delta, lse, lse2, cols),
         INV_SCALE=inv_scale,
-        **_strides("o", o),
-        **_strides("do", do),
+        **_strides(o=o, do=do),
         H=H,
         T=T,
         HEAD_DIM=D,
@@ -679,7 +683,7 @@ def flash_attention_fwd_triton(
     s = _scale(op, scale, D)
     q, k, v = _rows(q), _rows(k), _rows(v)
     t = config.tiles
-    BLOCK_M, BLOCK_N, num_warps, num_stages, tma = t.block_m, t.block_n, t.warps, t.stages, t.tma
+    BLOCK_M, BLOCK_N = t.block_m, t.block_n
     if BLOCK_M % BLOCK_N:
         raise ValueError(f"{op}: BLOCK_M={BLOCK_M} must be a multiple of BLOCK_N={BLOCK_N}")
     o = _out(o, (B, H, T, D), q.dtype, q.device, "o", op)
@@ -687,7 +691,7 @@ def flash_attention_fwd_triton(
     if not lse.is_contiguous():
         raise ValueError(f"{op}: lse buffer must be contiguous")
     even = T % BLOCK_M == 0 and T % BLOCK_N == 0
-    use_tma = _tma_ok(tma, even, k, v)
+    use_tma = _tma_ok(t.tma, even, k, v)
     desc_k, desc_v = (_descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N)) if use_tma else (None, None)
     nb = triton.cdiv(T, BLOCK_M)
     _flash_fwd_kernel[(nb * B * H,)](
@@ -699,10 +703,7 @@ def flash_attention_fwd_triton(
         DS=None if doc_starts is None else doc_starts.contiguous(),
         desc_k=desc_k,
         desc_v=desc_v,
-        **_strides("q", q),
-        **_strides("k", k),
-        **_strides("v", v),
-        **_strides("o", o),
+        **_strides(q=q, k=k, v=v, o=o),
         H=H,
         T=T,
         GROUP=H // Hkv,
@@ -711,13 +712,10 @@ def flash_attention_fwd_triton(
         CAUSAL=bool(causal),
         EVEN_T=even,
         HEAD_DIM=D,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
         DOT_PRECISION=_precision(q.dtype),
         USE_TMA=use_tma,
         DOC=doc_starts is not None,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        **t.launch(),
     )
     return o, lse
 
@@ -752,8 +750,7 @@ def flash_attention_bwd_triton(
     do, q, k, v, o = _rows(do), _rows(q), _rows(k), _rows(v), _rows(o)
     lse = lse.to(torch.float32).contiguous()
     c1, c2 = config.dkdv, config.dq
-    BM1, BN1, W1, S1, tma1 = c1.block_m, c1.block_n, c1.warps, c1.stages, c1.tma
-    BM2, BN2, W2, S2, tma2 = c2.block_m, c2.block_n, c2.warps, c2.stages, c2.tma
+    BM1, BN1, BM2, BN2 = c1.block_m, c1.block_n, c2.block_m, c2.block_n
     if BN1 % BM1 or BM2 % BN2:
         raise ValueError(f"{op}: need BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0, got {config}")
     dq = _out(dq, (B, H, T, D), q.dtype, q.device, "dq", op)
@@ -773,7 +770,7 @@ def flash_attention_bwd_triton(
         common.update(DS=None, DOC=False)
         bounds = None
     even1 = T % BM1 == 0 and T % BN1 == 0
-    use_tma1 = _tma_ok(tma1, even1, q, do)
+    use_tma1 = _tma_ok(c1.tma, even1, q, do)
     desc_q, desc_do = (_descriptor(q, BM1), _descriptor(do, BM1)) if use_tma1 else (None, None)
 
     def launch_dkdv():
@@ -790,26 +787,18 @@ def flash_attention_bwd_triton(
             QB=bounds,
             desc_q=desc_q,
             desc_do=desc_do,
-            **_strides("q", q),
-            **_strides("k", k),
-            **_strides("v", v),
-            **_strides("do", do),
-            **_strides("dk", dk),
-            **_strides("dv", dv),
+            **_strides(q=q, k=k, v=v, do=do, dk=dk, dv=dv),
             Hkv=Hkv,
             TAIL=tail_heads(nb, B * Hkv, config.plan_sms or grid_sms(q.device), config.tail_waves),
             EVEN_T=even1,
-            BLOCK_M=BM1,
-            BLOCK_N=BN1,
             DOT_PRECISION=prec,
             USE_TMA=use_tma1,
             **common,
-            num_warps=W1,
-            num_stages=S1,
+            **c1.launch(),
         )
 
     even2 = T % BM2 == 0 and T % BN2 == 0
-    use_tma2 = _tma_ok(tma2, even2, k, v)
+    use_tma2 = _tma_ok(c2.tma, even2, k, v)
     desc_k, desc_v = (_descriptor(k, BN2), _descriptor(v, BN2)) if use_tma2 else (None, None)
 
     def launch_dq():
@@ -824,20 +813,13 @@ def flash_attention_bwd_triton(
             DQ=dq,
             desc_k=desc_k,
             desc_v=desc_v,
-            **_strides("q", q),
-            **_strides("k", k),
-            **_strides("v", v),
-            **_strides("do", do),
-            **_strides("dq", dq),
+            **_strides(q=q, k=k, v=v, do=do, dq=dq),
             TAIL=tail_heads(nb, B * H, config.plan_sms or grid_sms(q.device), config.tail_waves),
             EVEN_T=even2,
-            BLOCK_M=BM2,
-            BLOCK_N=BN2,
             DOT_PRECISION=prec,
             USE_TMA=use_tma2,
             **common,
-            num_warps=W2,
-            num_stages=S2,
+            **c2.launch(),
         )
 
     if q.is_cuda:
