@@ -53,6 +53,7 @@ from xtrain.kernels.attention.gluon_common import (
     stand_ins,
     supported_bwd,
     tail_heads,
+    tma_args,
 )
 from xtrain.kernels.attention.triton import grid_sms
 
@@ -516,29 +517,10 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg: 
         lse_d, delta_d = (_desc(c.view(B * H * T, LSE_COLS), BLOCK_M1, LSE_COLS) for c in cols)
     else:
         lse_d, delta_d = (_desc(_row_view(x.view(B, H, T // BLOCK_M1, BLOCK_M1))[0], 1, BLOCK_M1) for x in (lse, delta))
-    dkdv = dict(
-        q_desc=_desc(views["q"], BLOCK_M1, D),
-        do_desc=_desc(views["do"], BLOCK_M1, D),
-        k_desc=_desc(views["k"], HALF_M, D),
-        v_desc=_desc(views["v"], HALF_M, D),
-        dk_desc=_desc(views["dk"], HALF_M, D),
-        dv_desc=_desc(views["dv"], HALF_M, D),
-        lse_desc=lse_d,
-        delta_desc=delta_d,
-        **common,
-        **{k: v for name in ("q", "do", "k", "v", "dk", "dv") for k, v in coords[name].items()},
-    )
-    dqa = dict(
-        q_desc=_desc(views["q"], HALF_M, D),
-        do_desc=_desc(views["do"], HALF_M, D),
-        k_desc=_desc(views["k"], BLOCK_N2, D),
-        v_desc=_desc(views["v"], BLOCK_N2, D),
-        dq_desc=_desc(views["dq"], HALF_M, D),
-        lse_ptr=lse,
-        delta_ptr=delta,
-        **common,
-        **{k: v for name in ("q", "do", "k", "v", "dq") for k, v in coords[name].items()},
-    )
+    dkdv = dict(tma_args(D, views, coords, q=BLOCK_M1, do=BLOCK_M1, k=HALF_M, v=HALF_M, dk=HALF_M, dv=HALF_M))
+    dkdv.update(lse_desc=lse_d, delta_desc=delta_d, **common)
+    dqa = dict(tma_args(D, views, coords, q=HALF_M, do=HALF_M, k=BLOCK_N2, v=BLOCK_N2, dq=HALF_M))
+    dqa.update(lse_ptr=lse, delta_ptr=delta, **common)
     c1 = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M1, STAGES=STAGES1, CAUSAL=bool(causal), LSE_MMA=cfg.lse_mma)
     c2 = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N2, STAGES=STAGES2, CAUSAL=bool(causal), DOREG=cfg.doreg)
     nb = T // RESIDENT

@@ -216,6 +216,15 @@ def row_coords(name: str, x: torch.Tensor) -> tuple:
     return view, {f"{name}_rb": rb, f"{name}_rh": rh, f"{name}_ch": ch}
 
 
+def tma_args(D: int, views: dict, coords: dict, **rows: int) -> dict:
+    """For each name=rows: the descriptor ``{name}_desc`` over ``views[name]`` with tiles of rows x D, and name's
+    coordinate arguments ``coords[name]`` (``row_coords``)."""
+    out = {f"{n}_desc": _desc(views[n], r, D) for n, r in rows.items()}
+    for n in rows:
+        out.update(coords[n])
+    return out
+
+
 def descriptor_templates(args: dict) -> dict:
     """The tensor descriptors among a launch's arguments, as templates that hold no tensor (``rebased``)."""
     return {name: rebased(val, None) for name, val in args.items() if name.endswith("_desc")}

@@ -42,6 +42,7 @@ from xtrain.kernels.attention.gluon_common import (
     row_coords,
     stand_ins,
     tail_heads,
+    tma_args,
 )
 from xtrain.kernels.attention.gluon_common import supported_bwd as _split_supported
 from xtrain.kernels.attention.reference import _shapes
@@ -406,20 +407,12 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
     """(kernel, grid, args, constexprs) of the one-pass kernel; CUDA tensors or CPU stand-ins."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    args = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
-    views = {}
+    views, coords = {}, {}
     for name, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv)):
-        views[name], coords = row_coords(name, x)
-        args.update(coords)
-    args.update(
-        q_desc=_desc(views["q"], BLOCK_M, D),
-        do_desc=_desc(views["do"], BLOCK_M, D),
-        k_desc=_desc(views["k"], HALF_M, D),
-        v_desc=_desc(views["v"], HALF_M, D),
-        dk_desc=_desc(views["dk"], HALF_M, D),
-        dv_desc=_desc(views["dv"], HALF_M, D),
-        dq_desc=_desc(dq_acc.view(B * H * T, D), BLOCK_M, D),  # the fp32 accumulator
-    )
+        views[name], coords[name] = row_coords(name, x)
+    args = tma_args(D, views, coords, q=BLOCK_M, do=BLOCK_M, k=HALF_M, v=HALF_M, dk=HALF_M, dv=HALF_M)
+    args.update(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
+    args["dq_desc"] = _desc(dq_acc.view(B * H * T, D), BLOCK_M, D)  # the fp32 accumulator
     consts = dict(
         HEAD_DIM=D,
         BLOCK_M=BLOCK_M,
