@@ -111,6 +111,7 @@ def _ptx_hash(label: str, ptx: str) -> str:
 
 
 def ptx():
+    from dataclasses import replace
 
     from triton.runtime.jit import JITFunction
 
@@ -174,7 +175,9 @@ def ptx():
                         if fam == "fwd":
                             gluon_fwd.flash_attention_fwd_gluon(q, k, k, causal, config=cfg, checked=True, programs=132)
                         elif fam == "bwd":
-                            gluon_bwd.flash_attention_bwd_gluon(q, q, k, k, o, lse, causal, config=cfg, checked=True)
+                            # (trees whose GluonBwdConfig still has two_streams: off, streams are not compiled code)
+                            c = replace(cfg, two_streams=False) if hasattr(cfg, "two_streams") else cfg
+                            gluon_bwd.flash_attention_bwd_gluon(q, q, k, k, o, lse, causal, config=c, checked=True)
                         else:
                             gluon_onepass.flash_attention_bwd_gluon_onepass(
                                 q, q, k, k, o, lse, causal, config=cfg, checked=True
