@@ -53,6 +53,7 @@ from xtrain.kernels.attention.gluon_common import (
     stand_ins,
     supported_bwd,
     tail_heads,
+    tma_args,
 )
 from xtrain.kernels.attention.triton import grid_sms
 
@@ -173,14 +174,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_consumer(
-        q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, dk_desc, dv_desc,
-        dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, ones_smem, dtype: gl.constexpr,
-        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr,
-        LSE_MMA: gl.constexpr,
+        args, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, HALF: gl.constexpr, LSE_MMA: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). Each group
         head's walk in three parts: the steps wholly above this half's keys skipped (``_dkdv_skip``), the
         diagonal ones masked, the rest with no mask code (``_dkdv_step``)."""
+        (
+            q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, dk_desc, dv_desc,
+            dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, ones_smem,
+        ) = args  # fmt: skip
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_M)  # [KH, BLOCK_M] Sᵀ, dPᵀ
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [KH, HEAD_DIM] dK, dV
@@ -282,49 +285,37 @@ if HAVE_GLUON:
         k_row, v_row, dk_row, dv_row = _kv_rows(
             off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb, dv_rh
         )
-        # (the partitions' argument lists are spelled out: Gluon 3.6 cannot build tuples holding constexprs)
+        # each partition's runtime arguments as one tuple, its constexprs beside it (a tuple assigned to a name
+        # holds values, not constexprs)
+        kv = (
+            q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, dk_desc, dv_desc,
+            dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, ones_smem,
+        )  # fmt: skip
+        loads = (
+            q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+            delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch,
+            off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, T,
+        )  # fmt: skip
         gl.warp_specialize(
             [
-                (
-                    _dkdv_consumer,
-                    (
-                        q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty,
-                        dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n,
-                        qk_scale, sm_scale, ones_smem, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, LSE_MMA,
-                    ),
-                ),
-                (
-                    _dkdv_consumer,
-                    (
-                        q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty,
-                        dk_desc, dv_desc, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0, n_m, n_iter, start_n,
-                        qk_scale, sm_scale, ones_smem, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, LSE_MMA,
-                    ),
-                ),
-                (
-                    _dkdv_producer,
-                    (
-                        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                        lse_smem, delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row,
-                        off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, T,
-                        (off_b * H + h0) * (T // BLOCK_M) + mt0, BLOCK_M, STAGES, True, LSE_MMA,
-                    ),
-                ),
+                (_dkdv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, LSE_MMA)),
+                (_dkdv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, LSE_MMA)),
+                (_dkdv_producer, (loads, (off_b * H + h0) * (T // BLOCK_M) + mt0, BLOCK_M, STAGES, True, LSE_MMA)),
             ],
             [4, 1],
-            [_CONSUMER_REGS, _PRODUCER_REGS],
-        )  # worker_num_regs: required by Gluon 3.6  # fmt: skip
+            [_CONSUMER_REGS, _PRODUCER_REGS],  # worker_num_regs: required by Gluon 3.6
+        )
 
     # -----------------------------------------------------------------------------------------------------
     # dQ kernel
     # -----------------------------------------------------------------------------------------------------
     @gluon.jit
-    def _dq_producer(
-        q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty,
-        q_row, q_col, do_row, do_col, k_row0, k_col, v_row0, v_col, n_tiles, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
-    ):  # fmt: skip
+    def _dq_producer(args, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """The TMA warp: both halves of Q and dO once, then every K/V tile into the ring."""
+        (
+            q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty,
+            q_row, q_col, do_row, do_col, k_row0, k_col, v_row0, v_col, n_tiles,
+        ) = args  # fmt: skip
         QH: gl.constexpr = q_desc.block_type.shape[0]
         mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
@@ -398,13 +389,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dq_consumer(
-        q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr, delta_ptr, lse_row,
-        dq_row, dq_col, start_m, n_tiles, qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, DOREG: gl.constexpr,
+        args, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, HALF: gl.constexpr, DOREG: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring
         (``_dq_loop_pipelined``). Causal: the tiles whose keys all follow this half's queries (P = 0) are only
         waited for and released, not computed (with BLOCK_N = 64: warpgroup 0's last tile)."""
+        (
+            q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr, delta_ptr,
+            lse_row, dq_row, dq_col, start_m, n_tiles, qk_scale, sm_scale,
+        ) = args  # fmt: skip
         QH: gl.constexpr = dq_desc.block_type.shape[0]
         s_layout: gl.constexpr = _acc_layout(BLOCK_N)  # [QH, BLOCK_N] S, dP
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [QH, HEAD_DIM] dQ
@@ -484,36 +478,24 @@ if HAVE_GLUON:
         q_row = off_b * q_rb + off_h * q_rh + start_m
         do_row = off_b * do_rb + off_h * do_rh + start_m
         dq_row = off_b * dq_rb + off_h * dq_rh + start_m
+        dq = (
+            q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr, delta_ptr,
+            lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale, sm_scale,
+        )  # fmt: skip
+        loads = (
+            q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty,
+            q_row, off_h * q_ch, do_row, off_h * do_ch, off_b * k_rb + off_hk * k_rh, off_hk * k_ch,
+            off_b * v_rb + off_hk * v_rh, off_hk * v_ch, n_tiles,
+        )  # fmt: skip
         gl.warp_specialize(
             [
-                (
-                    _dq_consumer,
-                    (
-                        q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr,
-                        delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale, sm_scale, dtype,
-                        HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, DOREG,
-                    ),
-                ),
-                (
-                    _dq_consumer,
-                    (
-                        q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr,
-                        delta_ptr, lse_row, dq_row, off_h * dq_ch, start_m, n_tiles, qk_scale, sm_scale, dtype,
-                        HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, DOREG,
-                    ),
-                ),
-                (
-                    _dq_producer,
-                    (
-                        q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars,
-                        k_empty, v_empty, q_row, off_h * q_ch, do_row, off_h * do_ch, off_b * k_rb + off_hk * k_rh,
-                        off_hk * k_ch, off_b * v_rb + off_hk * v_rh, off_hk * v_ch, n_tiles, BLOCK_N, STAGES,
-                    ),
-                ),
+                (_dq_consumer, (dq, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, DOREG)),
+                (_dq_consumer, (dq, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, DOREG)),
+                (_dq_producer, (loads, BLOCK_N, STAGES)),
             ],
             [4, 1],
             [_CONSUMER_REGS, _PRODUCER_REGS],
-        )  # fmt: skip
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -535,29 +517,10 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg: 
         lse_d, delta_d = (_desc(c.view(B * H * T, LSE_COLS), BLOCK_M1, LSE_COLS) for c in cols)
     else:
         lse_d, delta_d = (_desc(_row_view(x.view(B, H, T // BLOCK_M1, BLOCK_M1))[0], 1, BLOCK_M1) for x in (lse, delta))
-    dkdv = dict(
-        q_desc=_desc(views["q"], BLOCK_M1, D),
-        do_desc=_desc(views["do"], BLOCK_M1, D),
-        k_desc=_desc(views["k"], HALF_M, D),
-        v_desc=_desc(views["v"], HALF_M, D),
-        dk_desc=_desc(views["dk"], HALF_M, D),
-        dv_desc=_desc(views["dv"], HALF_M, D),
-        lse_desc=lse_d,
-        delta_desc=delta_d,
-        **common,
-        **{k: v for name in ("q", "do", "k", "v", "dk", "dv") for k, v in coords[name].items()},
-    )
-    dqa = dict(
-        q_desc=_desc(views["q"], HALF_M, D),
-        do_desc=_desc(views["do"], HALF_M, D),
-        k_desc=_desc(views["k"], BLOCK_N2, D),
-        v_desc=_desc(views["v"], BLOCK_N2, D),
-        dq_desc=_desc(views["dq"], HALF_M, D),
-        lse_ptr=lse,
-        delta_ptr=delta,
-        **common,
-        **{k: v for name in ("q", "do", "k", "v", "dq") for k, v in coords[name].items()},
-    )
+    dkdv = dict(tma_args(D, views, coords, q=BLOCK_M1, do=BLOCK_M1, k=HALF_M, v=HALF_M, dk=HALF_M, dv=HALF_M))
+    dkdv.update(lse_desc=lse_d, delta_desc=delta_d, **common)
+    dqa = dict(tma_args(D, views, coords, q=HALF_M, do=HALF_M, k=BLOCK_N2, v=BLOCK_N2, dq=HALF_M))
+    dqa.update(lse_ptr=lse, delta_ptr=delta, **common)
     c1 = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M1, STAGES=STAGES1, CAUSAL=bool(causal), LSE_MMA=cfg.lse_mma)
     c2 = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N2, STAGES=STAGES2, CAUSAL=bool(causal), DOREG=cfg.doreg)
     nb = T // RESIDENT

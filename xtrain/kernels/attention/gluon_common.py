@@ -121,18 +121,18 @@ if HAVE_GLUON:
         _tma_load(desc, [row, col], bar, dst)
 
     @gluon.jit
-    def _dkdv_producer(
-        q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-        kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, k_col, v_row, v_col, q_base, q_rh, q_ch, do_base, do_rh,
-        do_ch, h0, mt0, n_m, n_iter, T, lt0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-        COLS: gl.constexpr,
-    ):  # fmt: skip
+    def _dkdv_producer(args, lt0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, COLS: gl.constexpr):
         """The TMA warp: the K and V halves once, then the Q and dO tiles of every (group head, query tile).
         SPLIT (the two-kernel backward): each step's (head, tile) carried from the step before (no division),
         one "empty" barrier per slot for both tiles (``q_empty``), and each step's lse and delta statistics
         beside Q and dO (``_dkdv_load``: rows lt0, lt0 + 1, ... of the row views; with COLS the column tiles).
         Otherwise (the one-pass backward): (head, tile) divided out of the step, an "empty" barrier per tile,
         and no statistics (the lse / delta descriptors and buffers are stand-ins)."""
+        (
+            q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+            delta_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, k_col, v_row, v_col, q_base, q_rh, q_ch,
+            do_base, do_rh, do_ch, h0, mt0, n_m, n_iter, T,
+        ) = args  # fmt: skip
         KH: gl.constexpr = k_desc.block_type.shape[0]
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         _tma_load(k_desc, [k_row, k_col], kv_bar, k_smem.index(0))
@@ -214,6 +214,15 @@ def row_coords(name: str, x: torch.Tensor) -> tuple:
     in one of the two layouts (``_row_view``)."""
     view, rb, rh, ch = _row_view(x)
     return view, {f"{name}_rb": rb, f"{name}_rh": rh, f"{name}_ch": ch}
+
+
+def tma_args(D: int, views: dict, coords: dict, **rows: int) -> dict:
+    """For each name=rows: the descriptor ``{name}_desc`` over ``views[name]`` with tiles of rows x D, and name's
+    coordinate arguments ``coords[name]`` (``row_coords``)."""
+    out = {f"{n}_desc": _desc(views[n], r, D) for n, r in rows.items()}
+    for n in rows:
+        out.update(coords[n])
+    return out
 
 
 def descriptor_templates(args: dict) -> dict:

@@ -407,12 +407,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pers_producer(
-        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, pid, n_prog,
-        U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, NW: gl.constexpr,
+        ring, work, q_desc, k_desc, v_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        NUM_Q: gl.constexpr, NW: gl.constexpr,
     ):  # fmt: skip
         """The TMA warp: per item, its NW Q tiles into Q slot idx % NUM_Q once every consumer released it,
         then the item's K/V tiles into the ring (running counter t, continued across items)."""
+        q_smem, _, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, _ = ring
+        pid, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items = work
         t = pid * 0
         n_loc, base, code = _items_begin(ord_off, ord_items, pid)
         for idx in range(n_loc):
@@ -430,15 +431,18 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pers_consumer(
-        q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched, o_desc, lse_ptr,
-        qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items,
-        dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_Q: gl.constexpr, PINGPONG: gl.constexpr, HALF: gl.constexpr, NW: gl.constexpr, HALF_DIAG: gl.constexpr,
+        ring, work, out, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr,
+        PINGPONG: gl.constexpr, HALF: gl.constexpr, NW: gl.constexpr, HALF_DIAG: gl.constexpr,
     ):  # fmt: skip
         """Consumer warpgroup HALF: query rows 64·HALF .. +64 of every item of the program. NW = 3: its rows
         may lie before the sequence (a head's first item, ``_tile_coords``) and, causal, its diagonal may come
         before the item's last tile: it computes its own first n_mine tiles and only waits for and releases
         the rest (``_skip_tiles``)."""
+        q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched = ring
+        pid, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items = work
+        o_desc, lse_ptr, qk_scale = out
+        dtype: gl.constexpr = q_smem.dtype
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
         s_layout: gl.constexpr = _acc_layout(BLOCK_N)  # [64, BLOCK_N] S
         o_layout: gl.constexpr = _acc_layout(HEAD_DIM)  # [64, HEAD_DIM] O
         o_half = o_smem.index(HALF)
@@ -524,7 +528,6 @@ if HAVE_GLUON:
         each), producer (1 warp))."""
         dtype: gl.constexpr = q_desc.dtype
         pid = gl.program_id(0)
-        n_prog = gl.num_programs(0)
         gl.static_assert(NW == 2 or not PINGPONG)
         q_smem = gl.allocate_shared_memory(dtype, [NW * NUM_Q, HALF_ROWS, HEAD_DIM], q_desc.layout)
         o_smem = gl.allocate_shared_memory(dtype, [NW, HALF_ROWS, HEAD_DIM], o_desc.layout)
@@ -545,82 +548,32 @@ if HAVE_GLUON:
             mbarrier.init(sched.index(i), count=1)
         fence_async_shared()
 
+        # the partitions' shared-memory buffers and barriers, and the work's place; constexprs go beside them (a
+        # tuple assigned to a name holds values, not constexprs)
+        ring = (q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched)
+        work = (pid, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off, ord_items)
+        out = (o_desc, lse_ptr, qk_scale)
         if NW == 3:
             gl.warp_specialize(
                 [
-                    (
-                        _pers_consumer,
-                        (
-                            q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
-                            o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                            kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 0, 3,
-                            False,
-                        ),
-                    ),
-                    (
-                        _pers_consumer,
-                        (
-                            q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
-                            o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                            kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 1, 3,
-                            False,
-                        ),
-                    ),
-                    (
-                        _pers_consumer,
-                        (
-                            q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
-                            o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                            kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 2, 3,
-                            False,
-                        ),
-                    ),
-                    (
-                        _pers_producer,
-                        (
-                            q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
-                            v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off,
-                            ord_items, BLOCK_N, STAGES, CAUSAL, NUM_Q, 3,
-                        ),
-                    ),
+                    (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 0, 3, False)),
+                    (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 1, 3, False)),
+                    (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 2, 3, False)),
+                    (_pers_producer, (ring, work, q_desc, k_desc, v_desc, BLOCK_N, STAGES, CAUSAL, NUM_Q, 3)),
                 ],
                 [4, 4, 1],
                 [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS],
-            )  # fmt: skip
+            )
             return
-
         gl.warp_specialize(
             [
-                (
-                    _pers_consumer,
-                    (
-                        q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
-                        o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                        kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 0, 2,
-                        HALF_DIAG,
-                    ),
-                ),
-                (
-                    _pers_consumer,
-                    (
-                        q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched,
-                        o_desc, lse_ptr, qk_scale, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                        kv_ch, ord_off, ord_items, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 1, 2,
-                        HALF_DIAG,
-                    ),
-                ),
-                (
-                    _pers_producer,
-                    (
-                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
-                        v_empty, pid, n_prog, U, n_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, ord_off,
-                        ord_items, BLOCK_N, STAGES, CAUSAL, NUM_Q, 2,
-                    ),
-                ),
+                (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 0, 2, HALF_DIAG)),
+                (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 1, 2, HALF_DIAG)),
+                (_pers_producer, (ring, work, q_desc, k_desc, v_desc, BLOCK_N, STAGES, CAUSAL, NUM_Q, 2)),
             ],
             [4, 1],
             [_CONSUMER_REGS, _PRODUCER_REGS],
-        )  # fmt: skip
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------

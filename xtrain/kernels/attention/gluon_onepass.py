@@ -42,6 +42,7 @@ from xtrain.kernels.attention.gluon_common import (
     row_coords,
     stand_ins,
     tail_heads,
+    tma_args,
 )
 from xtrain.kernels.attention.gluon_common import supported_bwd as _split_supported
 from xtrain.kernels.attention.reference import _shapes
@@ -175,14 +176,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _kv_consumer(
-        q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full, ds_empty,
-        dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter, start_n,
-        qk_scale, sm_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+        kv, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, HALF: gl.constexpr, NDS: gl.constexpr,
     ):  # fmt: skip
         """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Each step's lse and delta are loaded in the step
         before, ahead of its products. Its only wait on another consumer is ds_empty (the dQ warpgroup NDS steps
         behind)."""
+        (
+            q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full, ds_empty,
+            dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, dk_col, dv_row, dv_col, mt0, n_m, n_iter,
+            start_n, qk_scale, sm_scale,
+        ) = kv  # fmt: skip
         KH: gl.constexpr = dk_desc.block_type.shape[0]
         a_layout: gl.constexpr = _acc_layout(HEAD_DIM)
         k_half = k_smem.index(HALF)
@@ -212,12 +216,10 @@ if HAVE_GLUON:
         _dkdv_store(k_half, v_half, dk, dv, sm_scale, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, dtype, HALF)
 
     @gluon.jit
-    def _dq_consumer(
-        k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
-        BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr,
-    ):  # fmt: skip
+    def _dq_consumer(args, BLOCK_M: gl.constexpr, NDS: gl.constexpr, SLOTS: gl.constexpr):
         """The dQ warpgroup (module docstring): the only issuer of reduce-adds, so its own
         tma.store_wait(SLOTS - 1) frees a staging tile."""
+        k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter = args
         D: gl.constexpr = dq_desc.block_type.shape[1]
         dq_zero = gl.zeros([BLOCK_M, D], gl.float32, _acc_layout(D))
         mbarrier.wait(kv_bar, 0)
@@ -282,46 +284,30 @@ if HAVE_GLUON:
         k_row, v_row, dk_row, dv_row = _kv_rows(
             off_b, off_kvh, start_n, k_rb, k_rh, v_rb, v_rh, dk_rb, dk_rh, dv_rb, dv_rh
         )
+        # the partitions' runtime arguments; their constexprs are added at the call (an assigned tuple's constants
+        # would become tensors)
+        kv = (
+            q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full, ds_empty,
+            dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row, off_kvh * dv_ch, mt0,
+            n_m, n_iter, start_n, qk_scale, sm_scale,
+        )  # fmt: skip
+        dq = (k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter)
+        producer = (
+            q_desc, do_desc, k_desc, v_desc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_smem, do_smem, kv_bar,
+            q_bars, do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row, off_kvh * v_ch, off_b * q_rb, q_rh, q_ch,
+            off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, T,
+        )  # fmt: skip
         gl.warp_specialize(
             [
-                (
-                    _kv_consumer,
-                    (
-                        q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full,
-                        ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
-                        off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M,
-                        STAGES, CAUSAL, 0, NDS,
-                    ),
-                ),
-                (
-                    _kv_consumer,
-                    (
-                        q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, ds_full,
-                        ds_empty, dk_desc, dv_desc, lse_ptr, delta_ptr, lse_row0, T, dk_row, off_kvh * dk_ch, dv_row,
-                        off_kvh * dv_ch, mt0, n_m, n_iter, start_n, qk_scale, sm_scale, dtype, HEAD_DIM, BLOCK_M,
-                        STAGES, CAUSAL, 1, NDS,
-                    ),
-                ),
-                (
-                    _dq_consumer,
-                    (
-                        k_smem, ds_smem, dq_smem, kv_bar, ds_full, ds_empty, dq_desc, dq_row0, T, mt0, n_m, n_iter,
-                        BLOCK_M, NDS, SLOTS,
-                    ),
-                ),
-                (
-                    _dkdv_producer,
-                    (
-                        q_desc, do_desc, k_desc, v_desc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_smem,
-                        do_smem, kv_bar, q_bars, do_bars, q_empty, do_empty, k_row, off_kvh * k_ch, v_row,
-                        off_kvh * v_ch, off_b * q_rb, q_rh, q_ch, off_b * do_rb, do_rh, do_ch, h0, mt0, n_m, n_iter, T,
-                        0, BLOCK_M, STAGES, False, False,
-                    ),
-                ),  # (the one-pass walk: no lse / delta statistics; their descriptors and buffers are stand-ins)
+                (_kv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, NDS)),
+                (_kv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, NDS)),
+                (_dq_consumer, (dq, BLOCK_M, NDS, SLOTS)),
+                # the one-pass walk: no lse / delta statistics (their descriptors and buffers are stand-ins)
+                (_dkdv_producer, (producer, 0, BLOCK_M, STAGES, False, False)),
             ],
             [4, 4, 1],
             [KV_REGS, DQ_REGS, _PRODUCER_REGS],
-        )  # fmt: skip
+        )
 
 
 if HAVE_TRITON:
@@ -421,20 +407,12 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
     """(kernel, grid, args, constexprs) of the one-pass kernel; CUDA tensors or CPU stand-ins."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    args = dict(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
-    views = {}
+    views, coords = {}, {}
     for name, x in (("q", q), ("do", do), ("k", k), ("v", v), ("dk", dk), ("dv", dv)):
-        views[name], coords = row_coords(name, x)
-        args.update(coords)
-    args.update(
-        q_desc=_desc(views["q"], BLOCK_M, D),
-        do_desc=_desc(views["do"], BLOCK_M, D),
-        k_desc=_desc(views["k"], HALF_M, D),
-        v_desc=_desc(views["v"], HALF_M, D),
-        dk_desc=_desc(views["dk"], HALF_M, D),
-        dv_desc=_desc(views["dv"], HALF_M, D),
-        dq_desc=_desc(dq_acc.view(B * H * T, D), BLOCK_M, D),  # the fp32 accumulator
-    )
+        views[name], coords[name] = row_coords(name, x)
+    args = tma_args(D, views, coords, q=BLOCK_M, do=BLOCK_M, k=HALF_M, v=HALF_M, dk=HALF_M, dv=HALF_M)
+    args.update(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
+    args["dq_desc"] = _desc(dq_acc.view(B * H * T, D), BLOCK_M, D)  # the fp32 accumulator
     consts = dict(
         HEAD_DIM=D,
         BLOCK_M=BLOCK_M,
