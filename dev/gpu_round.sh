@@ -7,8 +7,15 @@
 #   train:    `bench train` at PRESETS (e.g. "seed:8 gpt2-small:16") with TRAIN_ARGS
 #   ab:       `bench train --torch-modes none` (the xtrain trainer alone) of an older tree (.ab/old, carried: e.g.
 #             `git archive REV xtrain bench | tar -x -C .ab/old`) and of this one, alternating, at PRESETS
+#   diag:     the probes named in DIAG (e.g. "dev/addnorm_diag.py"), each under DIAG_S seconds
+#   pytest:   pytest PYTEST_ARGS (a selection), under PYTEST_S seconds
 #   profile:  `bench profile_train` of the trainer's step and of torch.compile's at gpt2-small B16
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+# wheels the image lacks (fastapi, uvicorn and their needs, for the serving tests), carried in .whl when present
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -47,6 +54,12 @@ for stage in ${STAGES:-tests serve}; do
         echo "ab $1 $side round $round rc $?: $(grep -E '^xtrain trainer' "$OUT/ab_$1_$side$round.txt" | head -1)"
       done; done
     done ;;
+  diag)
+    for f in ${DIAG:-}; do timeout "${DIAG_S:-120}" python3 "$f" > "$OUT/$(basename "$f" .py).txt" 2>&1; echo "$f rc $?"
+      tail -20 "$OUT/$(basename "$f" .py).txt"; done ;;
+  pytest)
+    timeout "${PYTEST_S:-200}" python3 -m pytest -p no:cacheprovider -rfE ${PYTEST_ARGS:-} > "$OUT/pytest_sel.txt" 2>&1
+    echo "pytest rc $?"; tail -6 "$OUT/pytest_sel.txt" ;;
   profile)
     for st in trainer compile; do
       timeout "${PROF_S:-120}" python3 -m xtrain.cli bench profile_train --device cuda --dtype bfloat16 \

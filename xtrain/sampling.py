@@ -64,29 +64,38 @@ def sample_rows(logits: torch.Tensor, settings: list[Sampling], generators: list
     the kept mass's running sum first exceeds u * (kept mass). Every step works row by row, so a row's token
     depends on its own logits, settings and seed only, never on its neighbours in the batch."""
     B, V = logits.shape
+    sampled = [b for b, s in enumerate(settings) if not s.greedy]
+    if not sampled:
+        return greedy_ids(logits)
     x = logits.float()
     best, ids = x.max(dim=-1)  # the argmax (the first of equal maxima); a nan propagates into best
-    sampled = [b for b, s in enumerate(settings) if not s.greedy]
-    if sampled:
-        # per row: sampled?, temperature, top_k, top_p, u (greedy rows: 0, 1, V, 0, 0); one copy to the device
-        host = torch.zeros(5, B, dtype=torch.float64)
-        host[1], host[2] = 1.0, V
-        for b in sampled:
-            s = settings[b]
-            u = float(torch.rand((), generator=generators[b], dtype=torch.float64))
-            host[:, b] = torch.tensor([1.0, s.temperature, s.top_k or V, 1.0 if s.top_p is None else s.top_p, u])
-        dev = host.to(x.device)
-        temp, k, p, u = dev[1].float()[:, None], dev[2].long()[:, None], dev[3].float()[:, None], dev[4].float()
-        sorted_logits, order = torch.sort(x / temp, dim=-1, descending=True)  # [B, V]
-        rank = torch.arange(V, device=x.device)[None, :]
-        probs = torch.softmax(sorted_logits.masked_fill(rank >= k, float("-inf")), dim=-1)
-        drop = (probs.cumsum(dim=-1) - probs) >= p
-        drop[:, 0] = False  # the first token is never dropped (a top_p that rounds to 0 in fp32 would drop all)
-        probs = probs.masked_fill(drop, 0.0)
-        cdf = probs.cumsum(dim=-1)  # [B, V]
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=V - 1)  # [B, 1]
-        pick = torch.minimum(pick, (probs > 0).sum(dim=-1, keepdim=True) - 1)  # never past the kept tokens
-        pick.clamp_(min=0)  # a non-finite row keeps nothing (its id is -1 below)
-        ids = torch.where(dev[0] > 0, order.gather(1, pick)[:, 0], ids)
+    # per row: sampled?, temperature, top_k, top_p, u (greedy rows: 0, 1, V, 0, 0); one copy to the device
+    host = torch.zeros(5, B, dtype=torch.float64)
+    host[1], host[2] = 1.0, V
+    for b in sampled:
+        s = settings[b]
+        u = float(torch.rand((), generator=generators[b], dtype=torch.float64))
+        host[:, b] = torch.tensor([1.0, s.temperature, s.top_k or V, 1.0 if s.top_p is None else s.top_p, u])
+    dev = host.to(x.device)
+    temp, k, p, u = dev[1].float()[:, None], dev[2].long()[:, None], dev[3].float()[:, None], dev[4].float()
+    sorted_logits, order = torch.sort(x / temp, dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(V, device=x.device)[None, :]
+    probs = torch.softmax(sorted_logits.masked_fill(rank >= k, float("-inf")), dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs) >= p
+    drop[:, 0] = False  # the first token is never dropped (a top_p that rounds to 0 in fp32 would drop all)
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=V - 1)  # [B, 1]
+    pick = torch.minimum(pick, (probs > 0).sum(dim=-1, keepdim=True) - 1)  # never past the kept tokens
+    pick.clamp_(min=0)  # a non-finite row keeps nothing (its id is -1 below)
+    ids = torch.where(dev[0] > 0, order.gather(1, pick)[:, 0], ids)
     finite = (best > float("-inf")) & (best < float("inf"))
     return torch.where(finite, ids, -1)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """``sample_rows`` when every row is greedy: the argmax of each row of logits [B, V] (the first of equal maxima)
+    -> int64 [B] on logits' device, -1 for a row whose best is nan or +-inf. Device ops only (a decode graph
+    captures it, so a greedy step reads back only the ids)."""
+    best, ids = logits.float().max(dim=-1)
+    return torch.where((best > float("-inf")) & (best < float("inf")), ids, -1)
