@@ -19,8 +19,8 @@ clipping at 1.0 and AdamW:
 Each side is built, warmed up and timed alone (``--steps`` steps after ``--warmup``, wall clock with the device
 synchronised, median), then freed; its peak memory is the most allocated from its build to its last step above
 what was allocated before it (``torch.cuda.max_memory_allocated``). ``--max-batch``: for each side, the largest
-batch (doubling from ``--batch-size``, up to ``--max-batch-limit``) whose steps run without running out of memory,
-each batch tried in a fresh build.
+batch (doubling from ``--batch-size``, then bisection, up to ``--max-batch-limit``) whose steps run without running
+out of memory (``max_batch`` says how each side tries a batch).
 
 The issue's goals (one H100, Qwen3-0.6B, T = 2048): xtrain's tokens/s >= 1.3x transformers' best compile mode at the
 same batch, peak memory <= 0.5x, largest batch >= 2x. The last lines say whether each holds.
@@ -107,8 +107,13 @@ def transformers_side(c: ModelConfig, dev, B: int, T: int, mode: str):
         raise ValueError(f"bench finetune: weights do not map: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model = model.to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=dev.type == "cuda")
-    ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0)).to(dev)
-    x, y = ids[:, :-1], ids[:, 1:]
+    batch: dict = {}
+
+    def resize(b: int) -> None:  # the batch of b rows the next steps take (the same build: see max_batch)
+        ids = torch.randint(0, c.vocab_size, (b, T + 1), generator=torch.Generator().manual_seed(0)).to(dev)
+        batch["x"], batch["y"] = ids[:, :-1], ids[:, 1:]
+
+    resize(B)
     low = c.compute_dtype == "bfloat16"
 
     def loss_fn(x, y):
@@ -120,13 +125,16 @@ def transformers_side(c: ModelConfig, dev, B: int, T: int, mode: str):
         loss_fn = torch.compile(loss_fn, mode=None if mode == "default" else mode)
 
     def step():
-        loss = loss_fn(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        try:
+            loss = loss_fn(batch["x"], batch["y"])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        finally:  # also after running out of memory mid-step, so a smaller batch starts clean
+            opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    step.resize = resize
     return step
 
 
@@ -165,28 +173,70 @@ def run_side(build, dev, steps: int, warmup: int) -> dict:
     return {"ms": statistics.median(times) * 1e3, "peak": peak, "loss": first}
 
 
-def fits(build, dev) -> bool:
-    """Whether two steps of a fresh build run without running out of device memory."""
+def fits(step, dev) -> bool:
+    """Whether two steps (at least the step's own warm-up) run without running out of device memory."""
     _free(dev)
     try:
-        fn = build()
-        for _ in range(max(2, getattr(fn, "min_warmup", 0))):
-            fn()
+        for _ in range(max(2, getattr(step, "min_warmup", 0))):
+            step()
         _sync(dev)
         return True
     except torch.cuda.OutOfMemoryError:
         return False
     finally:
-        fn = None  # noqa: F841 (drop the step and what it holds before the next try)
         _free(dev)
 
 
+def largest(fits_b, start: int, limit: int) -> int:
+    """The largest batch b in [start, limit] with fits_b(b) (0: not even start), assuming that fitting is
+    monotone in b: doubling from start to the first batch that does not fit, then bisection between the two."""
+    lo, hi = 0, None
+    b = start
+    while b <= limit:
+        if not fits_b(b):
+            hi = b
+            break
+        lo, b = b, 2 * b
+    if lo == 0:
+        return 0
+    hi = hi if hi is not None else limit + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits_b(mid) else (lo, mid)
+    return lo
+
+
 def max_batch(make, dev, start: int, limit: int) -> int:
-    """The largest batch of start, 2 start, 4 start, ... <= limit that fits (0: not even start)."""
-    best, b = 0, start
-    while b <= limit and fits(lambda b=b: make(b), dev):
-        best, b = b, 2 * b
-    return best
+    """The largest batch that fits (``largest``). xtrain: each batch tried in a fresh build (its step graph is
+    captured for one shape). transformers: one build whose inputs are resized (``step.resize``); torch.compile
+    traces the second shape with a dynamic batch dimension (its automatic dynamic shapes), so the tries after it
+    reuse one compiled graph instead of compiling the 0.6B model once per batch."""
+
+    def fresh(b):
+        step = None
+        try:
+            step = make(b)
+            return fits(step, dev)
+        except torch.cuda.OutOfMemoryError:  # the build itself did not fit
+            return False
+        finally:
+            step = None  # noqa: F841 (drop the step and what it holds before the next try)
+            _free(dev)
+
+    held = [make(start)]
+    if not hasattr(held[0], "resize"):
+        held.clear()
+        return largest(fresh, start, limit)
+
+    def resized(b):
+        held[0].resize(b)
+        return fits(held[0], dev)
+
+    try:
+        return largest(resized, start, limit)
+    finally:
+        held.clear()
+        _free(dev)
 
 
 def main(argv=None) -> int:

@@ -34,3 +34,15 @@ def test_bench_finetune_cpu_smoke(capsys):
     losses = [float(r[-1]) for r in rows.values()]
     assert max(losses) - min(losses) < 1e-3 and fits["xtrain trainer"] == "4"  # CPU: the limit fits
     assert "xtrain trainer / transformers' fastest mode: tokens/s" in out
+
+
+def test_largest_batch_is_found_by_doubling_then_bisection():
+    """``--max-batch``'s search: the largest batch that fits for every place the limit can fall (none, at the
+    start, between doublings, past the search's limit), in a handful of tries."""
+    from bench.finetune import largest
+
+    for cap in (0, 3, 4, 5, 7, 8, 9, 37, 100, 256, 1000):
+        tried = []
+        got = largest(lambda b, cap=cap: tried.append(b) or b <= cap, 4, 256)
+        assert got == (0 if cap < 4 else min(cap, 256)), (cap, got, tried)
+        assert len(tried) <= 14
