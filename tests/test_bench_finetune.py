@@ -43,6 +43,6 @@ def test_largest_batch_is_found_by_doubling_then_bisection():
 
     for cap in (0, 3, 4, 5, 7, 8, 9, 37, 100, 256, 1000):
         tried = []
-        got = largest(lambda b, cap=cap: tried.append(b) or b <= cap, 4, 256)
+        got = largest(lambda b, cap=cap, tried=tried: tried.append(b) or b <= cap, 4, 256)
         assert got == (0 if cap < 4 else min(cap, 256)), (cap, got, tried)
         assert len(tried) <= 14
