@@ -187,9 +187,10 @@ def fits(step, dev) -> bool:
         _free(dev)
 
 
-def largest(fits_b, start: int, limit: int) -> int:
+def largest(fits_b, start: int, limit: int, within: int = 16) -> int:
     """The largest batch b in [start, limit] with fits_b(b) (0: not even start), assuming that fitting is
-    monotone in b: doubling from start to the first batch that does not fit, then bisection between the two."""
+    monotone in b: doubling from start to the first batch that does not fit, then bisection between the two until
+    the gap is at most lo / ``within`` (the answer fits; the true largest is below lo * (1 + 1 / within))."""
     lo, hi = 0, None
     b = start
     while b <= limit:
@@ -200,7 +201,7 @@ def largest(fits_b, start: int, limit: int) -> int:
     if lo == 0:
         return 0
     hi = hi if hi is not None else limit + 1
-    while hi - lo > 1:
+    while hi - lo > max(1, lo // within):
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits_b(mid) else (lo, mid)
     return lo
