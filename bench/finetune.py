@@ -298,7 +298,8 @@ def main(argv=None) -> int:
         print(f"{label:<42}{r['ms']:>10.1f}{B * T / r['ms'] * 1e3:>12.0f}{mem:>10}{'':>11}{r['loss']:>12.4f}")
         if args.max_batch:
             r["max_batch"] = max_batch(make, dev, B, args.max_batch_limit)
-            print(f"  {label}: largest batch that fits {r['max_batch']} (limit {args.max_batch_limit})", flush=True)
+            lim = args.max_batch_limit
+            print(f"  {label}: largest batch that fits {r['max_batch']} (to 1/16, limit {lim})", flush=True)
     hf = [r for k, r in rows.items() if k.startswith("transformers")]
     best = min(hf, key=lambda r: r["ms"]) if hf else None
     for label in (variants[v][0] for v in args.xtrain):
