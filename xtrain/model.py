@@ -353,11 +353,9 @@ class Model:
         # the norm weights straight from their masters (an fp32 master with bf16/fp16 activations is read in fp32)
         q = ops.qk_norm_rope(q, P["self_attn.q_norm.weight"], H, positions, cfg.rope_theta, eps, table)
         k = ops.qk_norm_rope(k, P["self_attn.k_norm.weight"], Hkv, positions, cfg.rope_theta, eps, table)
-        if cache is None:
-            a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
-        else:  # the new keys and values into the cache; attention over the cache rows
-            cache.store(i, k, v, mask)
-            a = ops.cached_attention(q, *cache.kv[i], mask)
+        if cache is not None:  # the new keys and values into the cache; attention over the cache rows
+            k, v = cache.store(i, k, v, mask)
+        a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
         a = self._linear(a, P["self_attn.o_proj.weight"]) if W is None else Var(a.data @ W["o"][i])  # [B*T, C]
         # the branch promoted to the master dtype in the add, and the sum normed in the same pass: [B*T, C] each
         x, h = ops.add_rms_norm(

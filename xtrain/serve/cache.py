@@ -5,7 +5,7 @@
 
 ``mask(slots, new)`` is the ``Cached`` mask (``xtrain.mask``) of a step that appends ``new`` tokens to each of
 the rows ``slots``: the model's forward takes it with the cache, and each block calls ``store``, which writes
-the new keys and values at the row's next positions, then ``ops.cached_attention`` over its layer's cache.
+the new keys and values at the row's next positions and hands back the rows' keys and values for attention.
 Sequences of different lengths share a step: each row reads its own positions, the mask hides the rest.
 """
 
@@ -41,17 +41,19 @@ class SlotCache:
         row = (int(slots[0]), int(start[0])) if slots.shape[0] == 1 else None
         return Cached(slots.to(self.device), start.to(self.device), new, need if keys is None else keys, row)
 
-    def store(self, layer: int, k: Var, v: Var, mask: Cached) -> None:
+    def store(self, layer: int, k: Var, v: Var, mask: Cached) -> tuple[Var, Var]:
         """Write layer ``layer``'s new keys k [B, Hkv, Tn, D] and values v [B*Tn, Hkv*D] (the v projection's
-        rows) at the mask's positions of its rows; attention then reads them from ``kv[layer]``
-        (``ops.cached_attention``). Device ops only (a decode graph captures them)."""
+        rows) at the mask's positions of its rows -> the rows' keys and values [B, Hkv, S, D] (S = mask.keys),
+        gathered for attention. Device ops only (a decode graph captures them)."""
         ck, cv = self.kv[layer]
         B, Hkv, Tn, D = k.shape
-        if mask.row is not None:  # one row known on the host: slices
+        S = mask.keys
+        if mask.row is not None:  # one row known on the host: slices, the keys a view (no gather)
             s, p = mask.row
             ck[s, :, p : p + Tn] = k.data[0]
             cv[s, :, p : p + Tn] = v.data.view(Tn, Hkv, D).transpose(0, 1)
-            return
+            return Var(ck[s : s + 1, :, :S]), Var(cv[s : s + 1, :, :S])
         rows, pos = mask.slots[:, None], mask.positions(Tn, k.device)  # [B, 1], [B, Tn]
         ck[rows, :, pos] = k.data.transpose(1, 2)  # the advanced indices first: the target is [B, Tn, Hkv, D]
         cv[rows, :, pos] = v.data.reshape(B, Tn, Hkv, D)
+        return Var(ck[mask.slots, :, :S]), Var(cv[mask.slots, :, :S])
