@@ -75,18 +75,21 @@ def _bt(x: torch.Tensor, positions: torch.Tensor) -> tuple[int, int, int]:
 
 
 def qk_norm_rope_fwd_ref(x, w, G: int, eps: float, positions, theta: float, table):
+    """``w``: [D], or [G, D] (a weight per head: the decode path's q and k heads normed together, forward only).
+    x may be a column slice of wider rows (the q/k part of the stacked q/k/v projection): its rows are read in
+    place."""
     B, T, F = _bt(x, positions)
     D = F // G
     acc = _acc(x)
-    xf = x.reshape(-1, D)  # [B*T*G, D]
+    xf = x.reshape(-1, G, D)  # [B*T, G, D]
     if xf.dtype != acc:
         xf = xf.to(acc)
-    inv_rms = torch.rsqrt((xf * xf).mean(dim=-1) + eps)  # [B*T*G]
-    n = torch.mul(xf, inv_rms[:, None]).mul_(w if w.dtype == acc else w.to(acc))
+    inv_rms = (xf * xf).mean(dim=-1).add_(eps).rsqrt_()  # [B*T, G]
+    n = torch.mul(xf, inv_rms[..., None]).mul_(w if w.dtype == acc else w.to(acc))
     if n.dtype != x.dtype:
         n = n.to(x.dtype)  # the unfused path rounds the norm's output to x's dtype before rope
     n = n.view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
-    return _rotate(n, table[0], table[1], 1.0, acc), inv_rms
+    return _rotate(n, table[0], table[1], 1.0, acc), inv_rms.view(-1)  # inv_rms [B*T*G]
 
 
 def qk_norm_rope_bwd_ref(dy, x, w, G: int, inv_rms, positions, theta: float, table):
