@@ -48,11 +48,12 @@ class SlotCache:
         ck, cv = self.kv[layer]
         B, Hkv, Tn, D = k.shape
         S = mask.keys
-        if mask.row is not None:  # one row known on the host: slices, the keys a view (no gather)
+        if mask.row is not None:  # one row known on the host: narrowed views (no gather, no indexing parse)
             s, p = mask.row
-            ck[s, :, p : p + Tn] = k.data[0]
-            cv[s, :, p : p + Tn] = v.data.view(Tn, Hkv, D).transpose(0, 1)
-            return Var(ck[s : s + 1, :, :S]), Var(cv[s : s + 1, :, :S])
+            rk, rv = ck.narrow(0, s, 1), cv.narrow(0, s, 1)  # [1, Hkv, max_len, D]
+            rk.narrow(2, p, Tn).copy_(k.data)
+            rv.narrow(2, p, Tn).copy_(v.data.view(1, Tn, Hkv, D).transpose(1, 2))
+            return Var(rk.narrow(2, 0, S)), Var(rv.narrow(2, 0, S))
         rows, pos = mask.slots[:, None], mask.positions(Tn, k.device)  # [B, 1], [B, Tn]
         ck[rows, :, pos] = k.data.transpose(1, 2)  # the advanced indices first: the target is [B, Tn, Hkv, D]
         cv[rows, :, pos] = v.data.reshape(B, Tn, Hkv, D)
