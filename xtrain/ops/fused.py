@@ -241,16 +241,22 @@ def add_rms_norm(x: Var, y: Var, weight: Var, eps: float = 1e-6, dtype: torch.dt
     op = "add_rms_norm"
     check(isinstance(x, Var) and isinstance(y, Var) and isinstance(weight, Var), op, "x, y, weight must be Vars", x, y)
     xd, yd, wd = x.data, y.data, weight.data
-    check(
-        xd.dtype in _FLOAT and yd.dtype in _FLOAT and xd.device == yd.device and xd.shape == yd.shape
-        and torch.promote_types(xd.dtype, yd.dtype) == xd.dtype,
-        op, "x and y must be float tensors of one shape on one device, y's dtype promoting to x's", x, y,
-    )  # fmt: skip
-    _check_same(op, x, weight)
-    check(
-        wd.dim() == 1 and xd.dim() >= 1 and xd.shape[-1] == wd.shape[0], op, "weight must be [x's last dim]", x, weight
-    )
-    check(eps > 0 and (dtype is None or dtype.is_floating_point), op, f"eps > 0, float dtype; got {eps}, {dtype}", x)
+    if not (  # the common case in one expression (a decode step calls this op 2L times); else the checks below
+        xd.dtype is wd.dtype and xd.dtype in _FLOAT and xd.device == yd.device == wd.device and xd.shape == yd.shape
+        and (yd.dtype is xd.dtype or (yd.dtype in _FLOAT and torch.promote_types(xd.dtype, yd.dtype) == xd.dtype))
+        and wd.dim() == 1 and xd.dim() >= 1 and xd.shape[-1] == wd.shape[0] and eps > 0
+        and (dtype is None or dtype.is_floating_point)
+    ):  # fmt: skip
+        check(
+            xd.dtype in _FLOAT and yd.dtype in _FLOAT and xd.device == yd.device and xd.shape == yd.shape
+            and torch.promote_types(xd.dtype, yd.dtype) == xd.dtype,
+            op, "x and y must be float tensors of one shape on one device, y's dtype promoting to x's", x, y,
+        )  # fmt: skip
+        _check_same(op, x, weight)
+        check(wd.dim() == 1 and xd.dim() >= 1 and xd.shape[-1] == wd.shape[0], op, "weight must be [x's last dim]", x,
+              weight)  # fmt: skip
+        check(eps > 0 and (dtype is None or dtype.is_floating_point), op, f"eps > 0, float dtype; got {eps}, {dtype}",
+              x)  # fmt: skip
     sd, hd, inv_rms = K_rms.add_rms_norm_fwd(
         xd, yd, wd, eps, dtype if dtype is not None and dtype != xd.dtype else None
     )

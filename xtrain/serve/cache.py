@@ -33,12 +33,16 @@ class SlotCache:
         """The mask of ``new`` tokens appended to each cache row ``slots`` (int64 [B], CPU), at the rows' current
         lengths. ``keys``: the positions attention reads (default: the longest row after the step; more, e.g. a
         decode graph's bucket, are hidden). ValueError when a row would overflow."""
-        start = self.lengths[slots]  # [B] (CPU)
-        need = int(start.max()) + new
+        if slots.shape[0] == 1:  # a lone row (batch-1 decode): its slot and position as host ints, no reduction
+            s = int(slots[0])
+            p = int(self.lengths[s])
+            row, start, need = (s, p), torch.tensor([p]), p + new  # start [1] (CPU, not a view of lengths)
+        else:
+            row, start = None, self.lengths[slots]  # [B] (CPU)
+            need = int(start.max()) + new
         if need > self.max_len or (keys is not None and not need <= keys <= self.max_len):
             raise ValueError(f"SlotCache: rows {slots.tolist()} at {start.tolist()} + {new} new tokens do not fit "
                              f"{self.max_len} positions (keys {keys})")  # fmt: skip
-        row = (int(slots[0]), int(start[0])) if slots.shape[0] == 1 else None
         return Cached(slots.to(self.device), start.to(self.device), new, need if keys is None else keys, row)
 
     def store(self, layer: int, k: Var, v: Var, mask: Cached) -> tuple[Var, Var]:
