@@ -53,10 +53,10 @@ def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, sign: float, acc:
     write (shaped like x, in acc; any layout), e.g. a transposed view of the layout the next step reads."""
     h = x.shape[-1] // 2
     xf = x if x.dtype == acc else x.to(acc)
-    x1, x2 = xf[..., :h], xf[..., h:]
+    x1, x2 = xf.split(h, dim=-1)  # the halves (views; one call for both)
     if y is None:
         y = torch.empty(xf.shape, dtype=acc, device=x.device)
-    y1, y2 = y[..., :h], y[..., h:]
+    y1, y2 = y.split(h, dim=-1)
     torch.mul(x1, c, out=y1)
     y1.addcmul_(x2, s, value=-sign)
     torch.mul(x2, c, out=y2)

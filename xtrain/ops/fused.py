@@ -176,13 +176,14 @@ def qkv_norm_rope(qkv: torch.Tensor, w: torch.Tensor, H: int, Hkv: int, position
     ):  # fmt: skip
         check(False, op, f"need qkv [N, (H+2Hkv)*D], w [H+Hkv, D], positions [T] or [B, T] on one device, under "
               f"no_grad; H={H}, Hkv={Hkv}", Var(qkv), Var(w), positions)  # fmt: skip
-    qk, v = qkv[:, : G * D], qkv[:, G * D :]  # [N, G*D] (a column slice), [N, Hkv*D]
     if use_triton(qkv, w):
-        q = K_qk.qk_norm_rope_fwd(qk[:, : H * D], w[0], H, eps, positions, theta, table)[0]
-        k = K_qk.qk_norm_rope_fwd(qk[:, H * D :], w[H], Hkv, eps, positions, theta, table)[0]
+        q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=1)  # column slices
+        q = K_qk.qk_norm_rope_fwd(q, w[0], H, eps, positions, theta, table)[0]
+        k = K_qk.qk_norm_rope_fwd(k, w[H], Hkv, eps, positions, theta, table)[0]
         return Var(q), Var(k), Var(v)
-    y = K_qk.qk_norm_rope_fwd_ref(qk, w, G, eps, positions, theta, table)[0]  # [B, G, T, D]
-    return Var(y[:, :H]), Var(y[:, H:]), Var(v)
+    qk, v = qkv.split((G * D, Hkv * D), dim=1)  # [N, G*D] (a column slice), [N, Hkv*D]
+    q, k = K_qk.qk_norm_rope_fwd_ref(qk, w, G, eps, positions, theta, table)[0].split((H, Hkv), dim=1)
+    return Var(q), Var(k), Var(v)
 
 
 def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean") -> Var:
