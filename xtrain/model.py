@@ -64,7 +64,8 @@ whose ``Cached`` mask says which rows and positions the new tokens take), each b
 values into the cache and attends over the cache rows; it is inference (under ``no_grad``). The decode path
 reads its matmul weights in the compute dtype, stacked where one input feeds several (q/k/v, gate/up) and stored
 transposed ([in, out], so x @ W is one GEMM over rows it reads in order: at batch 1 on the CPU the [1, 256] x
-[256, 4096] head ran 1.4x faster than on W.t()); they are cast once and rewritten in place when a parameter
+[256, 4096] head ran 1.4x faster than on W.t()), and q_norm's and k_norm's weights stacked per head, so q and k are
+normed and rotated together (``ops.qkv_norm_rope``); they are made once and rewritten in place when a parameter
 changes (its version counter), so a captured decode graph reads the current values. A forward with a cache never
 drops out. Without a cache the forward is the training forward, every op as the tape records it.
 

@@ -7,7 +7,8 @@
 Contract: qk_norm_rope_fwd(x, w, G, eps, positions, theta, table) -> (y [B, G, T, D] in x.dtype, inv_rms);
           qk_norm_rope_bwd(dy, x, w, G, inv_rms, positions, theta, table) -> (dx [B, T, G*D], dw [D]).
 ``table`` is ``rope_table(positions, D, theta, acc)``: the half-width cos/sin [T, D/2] (or [B, 1, T, D/2]
-for positions [B, T]), computed once per model call and shared by every layer's q and k, each way.
+for positions [B, T]), computed once per model call and shared by every layer's q and k, each way. The reference
+forward also takes w [G, D], one weight per head (the decode path's q and k heads together, inference only).
 
 The reference performs exactly the operations of ``rms_norm_fwd_ref`` then ``rope_fwd_ref`` (and their
 backwards in reverse), with the cos/sin taken from the table instead of recomputed per call, so the model
