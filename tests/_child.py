@@ -18,9 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_without_interpreter(snippet: str, timeout: float = 1800.0):
     """Execute ``snippet`` (which must bind ``out`` to something JSON can hold) in a fresh Python with
-    TRITON_INTERPRET unset and the repository on the path; returns ``out``. Fails with the child's stderr."""
+    TRITON_INTERPRET unset, Triton loaded and the repository on the path; returns ``out``. Fails with the child's
+    stderr."""
     code = snippet + "\nimport json as _json\nprint('@@' + _json.dumps(out))\n"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["XTRAIN_KERNELS"] = "triton"  # a CPU-only torch loads Triton only when asked (xtrain.kernels._dispatch)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("@@")]

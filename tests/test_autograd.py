@@ -3,6 +3,7 @@ and a guard that library code never touches torch.autograd."""
 
 import ast
 import gc
+import os
 import pathlib
 import sys
 import weakref
@@ -544,6 +545,41 @@ def test_everything_imports_and_trains_without_triton():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+_CPU_TORCH = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+_IMPORTS = (
+    "import sys, xtrain.model, xtrain.serve.engine, xtrain.train.sample_cli, xtrain.ops.fused\n"
+    "from xtrain.kernels import HAVE_TRITON\n"
+    "print(HAVE_TRITON, 'triton' in sys.modules)\n"
+)
+
+
+def _loads_triton(**env) -> list[str]:
+    """(HAVE_TRITON, whether triton was imported) in a child that imports the inference path with ``env``."""
+    import subprocess
+
+    base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XTRAIN_KERNELS")}
+    out = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True, timeout=120,
+                         env=dict(base, **env))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+@pytest.mark.skipif(not _CPU_TORCH, reason="a torch built for a GPU loads Triton")
+def test_cpu_only_torch_does_not_import_triton():
+    """On a CPU-only torch no Triton kernel can run: the model, the engine and the sample command import without
+    Triton (start-up time)."""
+    assert _loads_triton() == ["False", "False"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _CPU_TORCH, reason="a torch built for a GPU loads Triton")
+def test_cpu_only_torch_imports_triton_when_asked():
+    """The interpreter (TRITON_INTERPRET=1) or XTRAIN_KERNELS=triton (compile_check) load Triton on a CPU torch."""
+    pytest.importorskip("triton")
+    assert _loads_triton(XTRAIN_KERNELS="triton") == ["True", "True"]
+    assert _loads_triton(TRITON_INTERPRET="1") == ["True", "True"]
 
 
 def test_checkpoint_when_only_parameters_need_grad():

@@ -7,6 +7,9 @@ failure: it is what a user runs to trust a fresh install. The same cases run in 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -191,7 +194,11 @@ def add_parser(subparsers) -> None:
 
 def _run(a) -> int:
     if a.kernels is not None:
-        from xtrain.kernels import compile_check
+        from xtrain.kernels import HAVE_TRITON, compile_check
 
-        return compile_check.main(["--arch", str(a.kernels)])
+        if HAVE_TRITON:
+            return compile_check.main(["--arch", str(a.kernels)])
+        # a CPU-only torch does not load Triton unless asked (``kernels._dispatch``): compile in a child that asks
+        cmd = [sys.executable, "-m", "xtrain.kernels.compile_check", "--arch", str(a.kernels)]
+        return subprocess.run(cmd, env=dict(os.environ, XTRAIN_KERNELS="triton")).returncode
     return 1 if run_all(a.seed) else 0

@@ -142,8 +142,11 @@ class Cached(Mask):
             p = row[1]
             self._positions = torch.arange(p, p + self.new, device=dev)
             hides = self.new > 1 or self.keys > p + 1  # a lone decode step reading just its own keys: nothing
-            cols = torch.arange(self.keys, device=dev)
-            self.hidden = (cols[None, :] > self._positions[:, None])[None, None, None] if hides else None
+            if hides:
+                cols = torch.arange(self.keys, device=dev)
+                self.hidden = (cols[None, :] > self._positions[:, None])[None, None, None]
+            else:
+                self.hidden = None
         else:
             self._positions = start[:, None] + torch.arange(self.new, device=dev)  # [B, Tn]
             cols = torch.arange(self.keys, device=dev)

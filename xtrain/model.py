@@ -64,7 +64,8 @@ whose ``Cached`` mask says which rows and positions the new tokens take), each b
 values into the cache and attends over the cache rows; it is inference (under ``no_grad``). The decode path
 reads its matmul weights in the compute dtype, stacked where one input feeds several (q/k/v, gate/up) and stored
 transposed ([in, out], so x @ W is one GEMM over rows it reads in order: at batch 1 on the CPU the [1, 256] x
-[256, 4096] head ran 1.4x faster than on W.t()); they are cast once and rewritten in place when a parameter
+[256, 4096] head ran 1.4x faster than on W.t()), and q_norm's and k_norm's weights stacked per head, so q and k are
+normed and rotated together (``ops.qkv_norm_rope``); they are made once and rewritten in place when a parameter
 changes (its version counter), so a captured decode graph reads the current values. A forward with a cache never
 drops out. Without a cache the forward is the training forward, every op as the tape records it.
 
@@ -191,7 +192,9 @@ class Model:
             for name, shape in param_shapes(config).items()
         )
         self._layers = [{k: self.params[f"model.layers.{i}.{k}"] for k in BLOCK_KEYS} for i in range(config.n_layer)]
-        self._matmul_params = [p for p in self.params.values() if p.ndim == 2]  # what the decode weights hold
+        # what the decode weights hold: the matmul weights and q_norm/k_norm
+        self._decode_params = [p for n, p in self.params.items() if p.ndim == 2 or n.endswith(("q_norm.weight",
+                               "k_norm.weight"))]  # fmt: skip
         self.init_weights(seed)
         self.set_dropout_step(0)
 
@@ -302,21 +305,26 @@ class Model:
         return ops.reshape(y, (N, C))
 
     def _decode_weights(self) -> dict:
-        """The decode path's matmul weights (module docstring): per layer "qkv", "o", "gate_up", "down", and
-        "head", each a contiguous [in, out] tensor in the compute dtype (x @ W is one GEMM). Cast on first use;
-        written again, in place, when a parameter's version or storage changed since."""
+        """The decode path's weights (module docstring): per layer the matmul weights "qkv", "o", "gate_up", "down",
+        and "head", each a contiguous [in, out] tensor in the compute dtype (x @ W is one GEMM), and "qk_norm" [H +
+        Hkv, D] in the master dtype: q_norm's weight in H rows, then k_norm's in Hkv (``ops.qkv_norm_rope``). Made
+        on first use; written again, in place, when a parameter's version or storage changed since."""
         W = self.__dict__.get("_decode_w")
-        key = [(id(p.data), p.data._version) for p in self._matmul_params]
+        key = [(id(p.data), p.data._version) for p in self._decode_params]
         if W is not None and W["key"] == key:
             return W
-        dt, L = self.compute_dtype, [f"model.layers.{i}.{{}}.weight" for i in range(self.config.n_layer)]
+        cfg, dt = self.config, self.compute_dtype
+        L = [f"model.layers.{i}.{{}}.weight" for i in range(cfg.n_layer)]
         stack = lambda *names: torch.cat([self.params[n].data for n in names]).to(dt).t()  # noqa: E731 - [in, out]
+        qk = (("self_attn.q_norm", cfg.n_head), ("self_attn.k_norm", cfg.n_kv_head))  # [heads, D] rows each
+        norms = lambda p: torch.cat([self.params[p.format(n)].data.expand(g, -1) for n, g in qk])  # noqa: E731
         new = {
             "qkv": [stack(*(p.format(f"self_attn.{n}_proj") for n in "qkv")) for p in L],
             "o": [stack(p.format("self_attn.o_proj")) for p in L],
             "gate_up": [stack(p.format("mlp.gate_proj"), p.format("mlp.up_proj")) for p in L],
             "down": [stack(p.format("mlp.down_proj")) for p in L],
             "head": [stack(self.head_weight.name)],
+            "qk_norm": [norms(p) for p in L],
         }
         if W is None:
             W = self._decode_w = {k: [t.contiguous() for t in v] for k, v in new.items()}
@@ -339,7 +347,7 @@ class Model:
         the norm that reads this block's output (the next block's input norm, or the final norm): the last residual
         add and that norm are then one ``add_rms_norm`` and the block returns (x, normed x), else x alone."""
         cfg, P, dt = self.config, self._layers[i], self.compute_dtype
-        H, Hkv, D, eps = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.norm_eps
+        H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
         positions, table = rope
         T = positions.shape[-1]
 
@@ -347,12 +355,13 @@ class Model:
             h = ops.rms_norm(x, P["input_layernorm.weight"], eps, dt)  # [B*T, C], normed straight into dt
         if W is None:  # [B*T, H*D], [B*T, Hkv*D] x2
             q, k, v = (self._linear(h, P[f"self_attn.{n}_proj.weight"]) for n in "qkv")
-        else:  # decode (inference, no tape): one GEMM over the stacked weights, split by columns
-            q, k, v = (Var(t) for t in (h.data @ W["qkv"][i]).split((H * D, Hkv * D, Hkv * D), dim=1))
-        # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
-        # the norm weights straight from their masters (an fp32 master with bf16/fp16 activations is read in fp32)
-        q = ops.qk_norm_rope(q, P["self_attn.q_norm.weight"], H, positions, cfg.rope_theta, eps, table)
-        k = ops.qk_norm_rope(k, P["self_attn.k_norm.weight"], Hkv, positions, cfg.rope_theta, eps, table)
+            # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
+            # the norm weights straight from their masters (an fp32 master with bf16/fp16 activations is read in fp32)
+            q = ops.qk_norm_rope(q, P["self_attn.q_norm.weight"], H, positions, cfg.rope_theta, eps, table)
+            k = ops.qk_norm_rope(k, P["self_attn.k_norm.weight"], Hkv, positions, cfg.rope_theta, eps, table)
+        else:  # decode (inference, no tape): one GEMM over the stacked weights; the same norm and RoPE of q and k
+            q, k, v = ops.qkv_norm_rope(h.data @ W["qkv"][i], W["qk_norm"][i], H, Hkv, positions, cfg.rope_theta, eps,
+                                        table)  # fmt: skip
         if cache is not None:  # the new keys and values into the cache; attention over the cache rows
             k, v = cache.store(i, k, v, mask)
         a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]

@@ -1,10 +1,11 @@
 """One rule decides whether a kernel call runs Triton or the plain-torch reference.
 
-Triton runs when every tensor is on CUDA, Triton imports, and the backend is not forced to "reference"
+Triton runs when every tensor is on CUDA, Triton is loaded, and the backend is not forced to "reference"
 (``XTRAIN_KERNELS=reference`` in the environment, or ``with backend("reference")``). Everything else —
 CPU tensors, no Triton, the reference forced — runs the reference, which is the oracle for the Triton path.
 The backend is per thread: every thread starts with ``XTRAIN_KERNELS`` (default "auto"), and ``backend`` /
-``set_backend`` change the calling thread's only.
+``set_backend`` change the calling thread's only. Triton is loaded only where a kernel can run (``_triton_can_run``):
+a CPU-only torch leaves it unimported unless the interpreter or ``XTRAIN_KERNELS=triton`` asks for it.
 
 Tests call the private ``*_triton`` launchers directly to check a kernel on CPU through the Triton
 interpreter (``TRITON_INTERPRET=1`` must be set before Triton is imported; ``tests/conftest.py`` does it).
@@ -30,7 +31,20 @@ class _Backend(threading.local):
 
 _backend = _Backend()
 
+
+def _triton_can_run() -> bool:
+    """Whether a Triton kernel can run in this process: torch built for CUDA or ROCm, or the CPU interpreter
+    (TRITON_INTERPRET=1), or Triton asked for by name (XTRAIN_KERNELS=triton: compiling the kernels for a GPU
+    target on a CPU-only torch, ``compile_check``). A CPU-only torch otherwise runs the references alone, and
+    does not pay for importing Triton and jitting every kernel module (about half a second of each command's
+    start-up, e.g. ``xtrain sample`` on the CPU)."""
+    gpu_torch = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+    return gpu_torch or os.environ.get("TRITON_INTERPRET", "0") == "1" or _ENV_BACKEND == "triton"
+
+
 try:  # Triton is optional: CPU-only installs run the references.
+    if not _triton_can_run():
+        raise ImportError("no Triton kernel can run in this process")
     import triton
     import triton.language as tl
 
@@ -46,6 +60,8 @@ except Exception:  # pragma: no cover - depends on the install
 
 
 try:  # grid dependency control (programmatic dependent launch): triton >= 3.4, sm_90+
+    if not HAVE_TRITON:
+        raise ImportError("no Triton")
     from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 except Exception:  # pragma: no cover - no Triton or an older one: programmatic dependent launch stays off
     gdc_launch_dependents = gdc_wait = None

@@ -21,7 +21,8 @@ reference). For sm_90 the run also compiles every Gluon attention config the rou
 (``xtrain.kernels.attention.shipped_configs``) through the Gluon modules' own ``compile_sm90``. Streams are not
 compiled code: the forms that run two chains side by side on
 CUDA launch the same kernels one after the other here. Run this in a process that has not set TRITON_INTERPRET
-(``tests/_child.py`` does so for the test).
+and, on a CPU-only torch, has set XTRAIN_KERNELS=triton (which loads Triton there; ``xtrain check --kernels`` and
+``tests/_child.py`` run it so).
 """
 
 from __future__ import annotations
@@ -293,6 +294,12 @@ def main(argv=None) -> int:
         import triton
     except ImportError:
         print("compile_check: needs Triton (pip install triton)", file=sys.stderr)
+        return 2
+    from xtrain.kernels._dispatch import HAVE_TRITON
+
+    if not HAVE_TRITON:  # the kernel modules were defined without Triton: nothing to compile
+        print("compile_check: Triton is not loaded (a CPU-only torch loads it with XTRAIN_KERNELS=triton)",
+              file=sys.stderr)  # fmt: skip
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print(

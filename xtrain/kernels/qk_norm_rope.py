@@ -7,7 +7,8 @@
 Contract: qk_norm_rope_fwd(x, w, G, eps, positions, theta, table) -> (y [B, G, T, D] in x.dtype, inv_rms);
           qk_norm_rope_bwd(dy, x, w, G, inv_rms, positions, theta, table) -> (dx [B, T, G*D], dw [D]).
 ``table`` is ``rope_table(positions, D, theta, acc)``: the half-width cos/sin [T, D/2] (or [B, 1, T, D/2]
-for positions [B, T]), computed once per model call and shared by every layer's q and k, each way.
+for positions [B, T]), computed once per model call and shared by every layer's q and k, each way. The reference
+forward also takes w [G, D], one weight per head (the decode path's q and k heads together, inference only).
 
 The reference performs exactly the operations of ``rms_norm_fwd_ref`` then ``rope_fwd_ref`` (and their
 backwards in reverse), with the cos/sin taken from the table instead of recomputed per call, so the model
@@ -53,10 +54,10 @@ def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, sign: float, acc:
     write (shaped like x, in acc; any layout), e.g. a transposed view of the layout the next step reads."""
     h = x.shape[-1] // 2
     xf = x if x.dtype == acc else x.to(acc)
-    x1, x2 = xf[..., :h], xf[..., h:]
+    x1, x2 = xf.split(h, dim=-1)  # the halves (views; one call for both)
     if y is None:
         y = torch.empty(xf.shape, dtype=acc, device=x.device)
-    y1, y2 = y[..., :h], y[..., h:]
+    y1, y2 = y.split(h, dim=-1)
     torch.mul(x1, c, out=y1)
     y1.addcmul_(x2, s, value=-sign)
     torch.mul(x2, c, out=y2)
@@ -75,18 +76,21 @@ def _bt(x: torch.Tensor, positions: torch.Tensor) -> tuple[int, int, int]:
 
 
 def qk_norm_rope_fwd_ref(x, w, G: int, eps: float, positions, theta: float, table):
+    """``w``: [D], or [G, D] (a weight per head: the decode path's q and k heads normed together, forward only).
+    x may be a column slice of wider rows (the q/k part of the stacked q/k/v projection): its rows are read in
+    place."""
     B, T, F = _bt(x, positions)
     D = F // G
     acc = _acc(x)
-    xf = x.reshape(-1, D)  # [B*T*G, D]
+    xf = x.reshape(-1, G, D)  # [B*T, G, D]
     if xf.dtype != acc:
         xf = xf.to(acc)
-    inv_rms = torch.rsqrt((xf * xf).mean(dim=-1) + eps)  # [B*T*G]
-    n = torch.mul(xf, inv_rms[:, None]).mul_(w if w.dtype == acc else w.to(acc))
+    inv_rms = (xf * xf).mean(dim=-1).add_(eps).rsqrt_()  # [B*T, G]
+    n = torch.mul(xf, inv_rms[..., None]).mul_(w if w.dtype == acc else w.to(acc))
     if n.dtype != x.dtype:
         n = n.to(x.dtype)  # the unfused path rounds the norm's output to x's dtype before rope
     n = n.view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
-    return _rotate(n, table[0], table[1], 1.0, acc), inv_rms
+    return _rotate(n, table[0], table[1], 1.0, acc), inv_rms.view(-1)  # inv_rms [B*T*G]
 
 
 def qk_norm_rope_bwd_ref(dy, x, w, G: int, inv_rms, positions, theta: float, table):

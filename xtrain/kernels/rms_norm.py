@@ -43,11 +43,17 @@ from xtrain.kernels._dispatch import jit as _jit
 
 
 def rms_norm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None):
-    C = x.shape[-1]
-    xf = x.reshape(-1, C).float() if x.dtype != torch.float64 else x.reshape(-1, C)
-    inv_rms = torch.rsqrt((xf * xf).mean(dim=-1) + eps)  # [N]
-    y = torch.mul(xf, inv_rms[:, None]).mul_(w.to(xf.dtype))
-    return y.to(out_dtype or x.dtype).reshape(x.shape), inv_rms
+    # no call that changes nothing (a same-dtype cast, a reshape of [N, C] rows): a batch-1 decode step on the CPU
+    # runs nine of these norms on 256 values each, where every torch call costs more than its arithmetic
+    xf = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [N, C]
+    if xf.dtype is not torch.float64:
+        xf = xf.float()
+    inv_rms = (xf * xf).mean(dim=-1).add_(eps).rsqrt_()  # [N]
+    y = torch.mul(xf, inv_rms.unsqueeze(1)).mul_(w if w.dtype is xf.dtype else w.to(xf.dtype))
+    out = out_dtype or x.dtype
+    if y.dtype is not out:
+        y = y.to(out)
+    return (y if x.dim() == 2 else y.reshape(x.shape)), inv_rms
 
 
 def add_rms_norm_fwd_ref(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float, out_dtype=None):

@@ -37,8 +37,10 @@ def silu_bwd_ref(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_fwd_ref(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    gf = g.to(_acc(g))
-    return torch.sigmoid(gf).mul_(gf).mul_(u.to(gf.dtype)).to(g.dtype)
+    acc = _acc(g)
+    gf = g if g.dtype is acc else g.to(acc)  # no same-dtype casts: each is a call (a decode step is op-bound)
+    y = torch.sigmoid(gf).mul_(gf).mul_(u if u.dtype is acc else u.to(acc))
+    return y if y.dtype is g.dtype else y.to(g.dtype)
 
 
 def swiglu_bwd_ref(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):

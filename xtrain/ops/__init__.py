@@ -7,8 +7,8 @@ attention: attention (composed), math_attention (one node, hand-written backward
            device rule picks), attention_rows (row layout in and out), cached_attention (over KV cache rows,
            inference), repeat_kv, causal_mask, doc_mask; flash_attention (fused, xtrain.ops.flash); each takes
            a mask (xtrain.mask)
-fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, rope_table, swiglu_linear,
-       add_rms_norm (xtrain.ops.fused)
+fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, qkv_norm_rope (decode),
+       rope_table, swiglu_linear, add_rms_norm (xtrain.ops.fused)
 """
 
 from xtrain.ops.attention import (
@@ -71,6 +71,7 @@ __all__ = [
     "mul",
     "neg",
     "qk_norm_rope",
+    "qkv_norm_rope",
     "repeat_kv",
     "reshape",
     "rms_norm",
@@ -98,6 +99,7 @@ def __getattr__(name):
         "linear_cross_entropy",
         "lm_head_loss",
         "qk_norm_rope",
+        "qkv_norm_rope",
         "rope_table",
         "swiglu_linear",
     ):

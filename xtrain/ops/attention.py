@@ -169,6 +169,8 @@ def cached_attention(q: Var, k: Var, v: Var, mask, scale: float | None = None) -
         scores.view(B, Hkv, G, Tn, S).masked_fill_(mask.hidden, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     o = torch.bmm(p if p.dtype == vd.dtype else p.to(vd.dtype), vd.reshape(B * Hkv, S, D))  # [B*Hkv, G*Tn, D]
+    if Tn == 1:  # a decode step: the rows are o's memory as it is
+        return Var(o.view(B, H * D))
     return Var(o.view(B, H, Tn, D).transpose(1, 2).reshape(B * Tn, H * D))
 
 

@@ -7,6 +7,7 @@ logits exist. The loss is a scalar, so backward only scales the saved gradients 
 
 qk_norm_rope(x, w, heads, positions) = rope(rms_norm(x per head)) in [B, H, T, D], one node each way, with
 the cos/sin table computed once per model call (``rope_table``) instead of once per layer, op and direction.
+qkv_norm_rope: the same for the q and k columns of the decode path's stacked q/k/v rows (inference).
 
 swiglu_linear(x, w_gate, w_up) = swiglu(x w_gate^T, x w_up^T): the MLP's input half as one node.
 
@@ -23,7 +24,7 @@ from xtrain.kernels import linear_cross_entropy as K
 from xtrain.kernels import qk_norm_rope as K_qk
 from xtrain.kernels import rms_norm as K_rms
 from xtrain.kernels import swiglu as K_swiglu
-from xtrain.kernels._dispatch import prefer_fused
+from xtrain.kernels._dispatch import prefer_fused, use_triton
 from xtrain.ops.basic import _FLOAT, _check_compute, _check_same, _mm_to, check, check_values, linear
 from xtrain.ops.nn import cross_entropy
 
@@ -157,6 +158,34 @@ def qk_norm_rope(
     return Var.from_op(y, (x, w), backward, op)
 
 
+def qkv_norm_rope(qkv: torch.Tensor, w: torch.Tensor, H: int, Hkv: int, positions: torch.Tensor, theta: float,
+                  eps: float, table) -> tuple[Var, Var, Var]:  # fmt: skip
+    """Inference (the decode path: no tape): the rows of the stacked q/k/v projection qkv [B*T, (H + 2 Hkv) D]
+    -> (q [B, H, T, D], k [B, Hkv, T, D]) as ``qk_norm_rope`` gives them, and v's rows [B*T, Hkv*D] (views of
+    qkv). ``w`` [H + Hkv, D]: q_norm's weight in H rows, then k_norm's in Hkv (``Model._decode_weights`` stacks
+    them); ``table`` as ``qk_norm_rope``'s. The same values as two ``qk_norm_rope`` calls bit for bit: on CUDA
+    those two calls (their fused kernels), elsewhere the reference's operations once over the H + Hkv heads
+    together (a batch-1 decode step on the CPU is bound by the number of ops, not by their size)."""
+    op = "qkv_norm_rope"
+    N, G = qkv.shape[0] if qkv.dim() == 2 else 0, H + Hkv
+    D = w.shape[-1] if w.dim() == 2 else 0
+    if not (
+        qkv.dim() == 2 and w.dim() == 2 and H > 0 and Hkv > 0 and tuple(w.shape) == (G, D) and D % 2 == 0
+        and qkv.shape[1] == (G + Hkv) * D and qkv.dtype in _FLOAT and qkv.device == w.device == positions.device
+        and positions.dim() in (1, 2) and N % positions.shape[-1] == 0 and not is_grad_enabled()
+    ):  # fmt: skip
+        check(False, op, f"need qkv [N, (H+2Hkv)*D], w [H+Hkv, D], positions [T] or [B, T] on one device, under "
+              f"no_grad; H={H}, Hkv={Hkv}", Var(qkv), Var(w), positions)  # fmt: skip
+    if use_triton(qkv, w):
+        q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=1)  # column slices
+        q = K_qk.qk_norm_rope_fwd(q, w[0], H, eps, positions, theta, table)[0]
+        k = K_qk.qk_norm_rope_fwd(k, w[H], Hkv, eps, positions, theta, table)[0]
+        return Var(q), Var(k), Var(v)
+    qk, v = qkv.split((G * D, Hkv * D), dim=1)  # [N, G*D] (a column slice), [N, Hkv*D]
+    q, k = K_qk.qk_norm_rope_fwd_ref(qk, w, G, eps, positions, theta, table)[0].split((H, Hkv), dim=1)
+    return Var(q), Var(k), Var(v)
+
+
 def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean") -> Var:
     """cross_entropy(x @ w^T, targets) in the form the device rule picks (``kernels._dispatch.prefer_fused``):
     ``linear_cross_entropy`` (no [N, V] logits) on CUDA, the composed linear + cross_entropy elsewhere."""
@@ -213,16 +242,22 @@ def add_rms_norm(x: Var, y: Var, weight: Var, eps: float = 1e-6, dtype: torch.dt
     op = "add_rms_norm"
     check(isinstance(x, Var) and isinstance(y, Var) and isinstance(weight, Var), op, "x, y, weight must be Vars", x, y)
     xd, yd, wd = x.data, y.data, weight.data
-    check(
-        xd.dtype in _FLOAT and yd.dtype in _FLOAT and xd.device == yd.device and xd.shape == yd.shape
-        and torch.promote_types(xd.dtype, yd.dtype) == xd.dtype,
-        op, "x and y must be float tensors of one shape on one device, y's dtype promoting to x's", x, y,
-    )  # fmt: skip
-    _check_same(op, x, weight)
-    check(
-        wd.dim() == 1 and xd.dim() >= 1 and xd.shape[-1] == wd.shape[0], op, "weight must be [x's last dim]", x, weight
-    )
-    check(eps > 0 and (dtype is None or dtype.is_floating_point), op, f"eps > 0, float dtype; got {eps}, {dtype}", x)
+    if not (  # the common case in one expression (a decode step calls this op 2L times); else the checks below
+        xd.dtype is wd.dtype and xd.dtype in _FLOAT and xd.device == yd.device == wd.device and xd.shape == yd.shape
+        and (yd.dtype is xd.dtype or (yd.dtype in _FLOAT and torch.promote_types(xd.dtype, yd.dtype) == xd.dtype))
+        and wd.dim() == 1 and xd.dim() >= 1 and xd.shape[-1] == wd.shape[0] and eps > 0
+        and (dtype is None or dtype.is_floating_point)
+    ):  # fmt: skip
+        check(
+            xd.dtype in _FLOAT and yd.dtype in _FLOAT and xd.device == yd.device and xd.shape == yd.shape
+            and torch.promote_types(xd.dtype, yd.dtype) == xd.dtype,
+            op, "x and y must be float tensors of one shape on one device, y's dtype promoting to x's", x, y,
+        )  # fmt: skip
+        _check_same(op, x, weight)
+        check(wd.dim() == 1 and xd.dim() >= 1 and xd.shape[-1] == wd.shape[0], op, "weight must be [x's last dim]", x,
+              weight)  # fmt: skip
+        check(eps > 0 and (dtype is None or dtype.is_floating_point), op, f"eps > 0, float dtype; got {eps}, {dtype}",
+              x)  # fmt: skip
     sd, hd, inv_rms = K_rms.add_rms_norm_fwd(
         xd, yd, wd, eps, dtype if dtype is not None and dtype != xd.dtype else None
     )

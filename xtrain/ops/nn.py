@@ -34,7 +34,7 @@ def embedding(ids: torch.Tensor, table: Var) -> Var:
     check(ids.device == table.device, "embedding", f"ids on {ids.device}, table on {table.device}", ids, table)
     V = table.shape[0]
     if ids.numel() and check_values(ids):
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = (int(t) for t in torch.aminmax(ids))
         check(lo >= 0 and hi < V, "embedding", f"ids must lie in [0, {V}), got range [{lo}, {hi}]", ids, table)
 
     if is_grad_enabled() and table.requires_grad:

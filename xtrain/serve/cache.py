@@ -33,12 +33,16 @@ class SlotCache:
         """The mask of ``new`` tokens appended to each cache row ``slots`` (int64 [B], CPU), at the rows' current
         lengths. ``keys``: the positions attention reads (default: the longest row after the step; more, e.g. a
         decode graph's bucket, are hidden). ValueError when a row would overflow."""
-        start = self.lengths[slots]  # [B] (CPU)
-        need = int(start.max()) + new
+        if slots.shape[0] == 1:  # a lone row (batch-1 decode): its slot and position as host ints, no reduction
+            s = int(slots[0])
+            p = int(self.lengths[s])
+            row, start, need = (s, p), torch.tensor([p]), p + new  # start [1] (CPU, not a view of lengths)
+        else:
+            row, start = None, self.lengths[slots]  # [B] (CPU)
+            need = int(start.max()) + new
         if need > self.max_len or (keys is not None and not need <= keys <= self.max_len):
             raise ValueError(f"SlotCache: rows {slots.tolist()} at {start.tolist()} + {new} new tokens do not fit "
                              f"{self.max_len} positions (keys {keys})")  # fmt: skip
-        row = (int(slots[0]), int(start[0])) if slots.shape[0] == 1 else None
         return Cached(slots.to(self.device), start.to(self.device), new, need if keys is None else keys, row)
 
     def store(self, layer: int, k: Var, v: Var, mask: Cached) -> tuple[Var, Var]:
@@ -48,11 +52,12 @@ class SlotCache:
         ck, cv = self.kv[layer]
         B, Hkv, Tn, D = k.shape
         S = mask.keys
-        if mask.row is not None:  # one row known on the host: slices, the keys a view (no gather)
+        if mask.row is not None:  # one row known on the host: narrowed views (no gather, no indexing parse)
             s, p = mask.row
-            ck[s, :, p : p + Tn] = k.data[0]
-            cv[s, :, p : p + Tn] = v.data.view(Tn, Hkv, D).transpose(0, 1)
-            return Var(ck[s : s + 1, :, :S]), Var(cv[s : s + 1, :, :S])
+            rk, rv = ck.narrow(0, s, 1), cv.narrow(0, s, 1)  # [1, Hkv, max_len, D]
+            rk.narrow(2, p, Tn).copy_(k.data)
+            rv.narrow(2, p, Tn).copy_(v.data.view(1, Tn, Hkv, D).transpose(1, 2))
+            return Var(rk.narrow(2, 0, S)), Var(rv.narrow(2, 0, S))
         rows, pos = mask.slots[:, None], mask.positions(Tn, k.device)  # [B, 1], [B, Tn]
         ck[rows, :, pos] = k.data.transpose(1, 2)  # the advanced indices first: the target is [B, Tn, Hkv, D]
         cv[rows, :, pos] = v.data.reshape(B, Tn, Hkv, D)

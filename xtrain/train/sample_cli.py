@@ -58,13 +58,14 @@ SAMPLE_ROWS = 8  # samples decoded together: a cache row each (the whole context
 
 
 def sample_texts(model, run_dir, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None,
-                 top_p: float | None, seeds: list[int]) -> list[str]:  # fmt: skip
+                 top_p: float | None, seeds: list[int], tokenizer=None) -> list[str]:  # fmt: skip
     """One continuation of ``prompt`` per seed, each ending at the tokenizer's end-of-text, decoded together (up
-    to SAMPLE_ROWS at a time) by ``Engine.generate``: each is what its seed gives alone."""
+    to SAMPLE_ROWS at a time) by ``Engine.generate``: each is what its seed gives alone. ``tokenizer``: the run's,
+    when the caller has it (``load_run``'s), else read from ``run_dir``."""
     from xtrain.sampling import Sampling
     from xtrain.serve.engine import Engine
 
-    tok = load_run_tokenizer(Path(run_dir), model.config.vocab_size)
+    tok = tokenizer or load_run_tokenizer(Path(run_dir), model.config.vocab_size)
     ids = [tok.eot_id] + tok.encode(prompt)  # documents start after an end-of-text token in training
     ids = ids[-model.config.max_seq_len :]  # a prompt longer than the context keeps its end
     engine = Engine(model)
@@ -123,11 +124,10 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     run_dir = Path(args.run)
     try:
-        model, _ = load_run(run_dir, args.device, "xtrain sample")
+        model, tok = load_run(run_dir, args.device, "xtrain sample")
         seeds = [args.seed + i for i in range(args.num_samples)]
-        texts = sample_texts(
-            model, run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p, seeds
-        )
+        texts = sample_texts(model, run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
+                             args.top_p, seeds, tok)  # fmt: skip
         for i, text in enumerate(texts):
             if args.num_samples > 1:
                 print(f"--- sample {i + 1} (seed {args.seed + i}) ---")

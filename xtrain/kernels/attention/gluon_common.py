@@ -25,11 +25,13 @@ from __future__ import annotations
 import torch
 
 from xtrain.kernels._consts import LN2, LOG2E
-from xtrain.kernels._dispatch import capability, launch_cached, rebased
+from xtrain.kernels._dispatch import HAVE_TRITON, capability, launch_cached, rebased
 from xtrain.kernels.attention import triton as TR
 from xtrain.kernels.attention.reference import _check_bwd, _scale, _shapes
 
 try:  # Gluon and its Hopper module (tested: triton 3.6 on the GPU machines, 3.9 here)
+    if not HAVE_TRITON:  # not loaded where no kernel can run (``_dispatch``)
+        raise ImportError("no Triton")
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
