@@ -362,9 +362,11 @@ class Model:
         else:  # decode (inference, no tape): one GEMM over the stacked weights; the same norm and RoPE of q and k
             q, k, v = ops.qkv_norm_rope(h.data @ W["qkv"][i], W["qk_norm"][i], H, Hkv, positions, cfg.rope_theta, eps,
                                         table)  # fmt: skip
-        if cache is not None:  # the new keys and values into the cache; attention over the cache rows
-            k, v = cache.store(i, k, v, mask)
-        a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
+        if cache is None:
+            a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
+        else:  # the new keys and values into the cache; attention over the layer's cache
+            cache.store(i, k, v, mask)
+            a = ops.cached_attention(q, *cache.kv[i], mask)
         a = self._linear(a, P["self_attn.o_proj.weight"]) if W is None else Var(a.data @ W["o"][i])  # [B*T, C]
         # the branch promoted to the master dtype in the add, and the sum normed in the same pass: [B*T, C] each
         x, h = ops.add_rms_norm(
