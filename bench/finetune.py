@@ -207,36 +207,32 @@ def largest(fits_b, start: int, limit: int, within: int = 16) -> int:
     return lo
 
 
-def max_batch(make, dev, start: int, limit: int) -> int:
-    """The largest batch that fits (``largest``). xtrain: each batch tried in a fresh build (its step graph is
-    captured for one shape). transformers: one build whose inputs are resized (``step.resize``); torch.compile
-    traces the second shape with a dynamic batch dimension (its automatic dynamic shapes), so the tries after it
-    reuse one compiled graph instead of compiling the 0.6B model once per batch."""
+def max_batch(make, dev, start: int, limit: int, resize: bool) -> int:
+    """The largest batch that fits (``largest``). ``resize`` False (xtrain): each batch tried in a fresh build (its
+    step graph is captured for one shape). True (transformers): one build whose inputs are resized
+    (``step.resize``); torch.compile traces the second shape with a dynamic batch dimension (its automatic dynamic
+    shapes), so the tries after it reuse one compiled graph instead of compiling the 0.6B model once per batch."""
+    if not resize:
 
-    def fresh(b):
-        step = None
-        try:
-            step = make(b)
-            return fits(step, dev)
-        except torch.cuda.OutOfMemoryError:  # the build itself did not fit
-            return False
-        finally:
-            step = None  # noqa: F841 (drop the step and what it holds before the next try)
-            _free(dev)
+        def fresh(b):
+            try:
+                return fits(make(b), dev)
+            except torch.cuda.OutOfMemoryError:  # the build itself did not fit
+                return False
+            finally:
+                _free(dev)  # the try's step is gone: nothing holds it
 
-    held = [make(start)]
-    if not hasattr(held[0], "resize"):
-        held.clear()
         return largest(fresh, start, limit)
+    step = make(start)
 
     def resized(b):
-        held[0].resize(b)
-        return fits(held[0], dev)
+        step.resize(b)
+        return fits(step, dev)
 
     try:
         return largest(resized, start, limit)
     finally:
-        held.clear()
+        step = None  # drop the build before the next side
         _free(dev)
 
 
@@ -297,7 +293,7 @@ def main(argv=None) -> int:
         mem = f"{r['peak'] / 2**30:.2f}" if r["peak"] is not None else "-"
         print(f"{label:<42}{r['ms']:>10.1f}{B * T / r['ms'] * 1e3:>12.0f}{mem:>10}{'':>11}{r['loss']:>12.4f}")
         if args.max_batch:
-            r["max_batch"] = max_batch(make, dev, B, args.max_batch_limit)
+            r["max_batch"] = max_batch(make, dev, B, args.max_batch_limit, resize=label.startswith("transformers"))
             lim = args.max_batch_limit
             print(f"  {label}: largest batch that fits {r['max_batch']} (to 1/16, limit {lim})", flush=True)
     hf = [r for k, r in rows.items() if k.startswith("transformers")]

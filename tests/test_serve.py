@@ -316,6 +316,17 @@ def test_sample_rows_gives_the_tokens_of_the_host_sampler():
                    [4, 39, 0, 10, 14, 9], [4, 31, 24, 37, 38, 37]]  # fmt: skip
 
 
+def test_greedy_rows_take_the_first_argmax_and_a_non_finite_row_gives_minus_one():
+    """All-greedy rows (``sample_rows``' greedy path, ``greedy_ids``): the first of equal maxima; -1 for a row
+    whose best is nan, +inf or -inf (every entry -inf), whatever the neighbouring rows hold."""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [0.0, nan, 1.0, 0.0], [0.0, inf, 1.0, 0.0], [-inf] * 4,
+                           [-inf, -inf, 3.0, -inf]])  # fmt: skip
+    greedy = [Sampling(temperature=0)] * 5
+    assert sample_rows(logits, greedy, [None] * 5).tolist() == [1, -1, -1, -1, 2]
+    assert sample_rows(logits.bfloat16(), greedy, [None] * 5).tolist() == [1, -1, -1, -1, 2]
+
+
 def test_training_beside_the_batcher_records_its_tape_and_both_work():
     """Grad mode, value checks and the kernel backend are per thread: a trainer stepping in one thread while the
     batcher (under ``no_grad`` for its whole life) serves in another trains exactly as it does alone, the served

@@ -88,14 +88,15 @@ def sample_rows(logits: torch.Tensor, settings: list[Sampling], generators: list
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=V - 1)  # [B, 1]
     pick = torch.minimum(pick, (probs > 0).sum(dim=-1, keepdim=True) - 1)  # never past the kept tokens
     pick.clamp_(min=0)  # a non-finite row keeps nothing (its id is -1 below)
-    ids = torch.where(dev[0] > 0, order.gather(1, pick)[:, 0], ids)
-    finite = (best > float("-inf")) & (best < float("inf"))
-    return torch.where(finite, ids, -1)
+    return _finite_rows(best, torch.where(dev[0] > 0, order.gather(1, pick)[:, 0], ids))
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """``sample_rows`` when every row is greedy: the argmax of each row of logits [B, V] (the first of equal maxima)
-    -> int64 [B] on logits' device, -1 for a row whose best is nan or +-inf. Device ops only (a decode graph
-    captures it, so a greedy step reads back only the ids)."""
-    best, ids = logits.float().max(dim=-1)
+    -> int64 [B] on logits' device, -1 for a row whose best is nan or +-inf. Device ops only."""
+    return _finite_rows(*logits.float().max(dim=-1))
+
+
+def _finite_rows(best: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """ids, with -1 where the row's best logit is nan or +-inf (no token can be drawn from it)."""
     return torch.where((best > float("-inf")) & (best < float("inf")), ids, -1)
