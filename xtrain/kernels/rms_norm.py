@@ -106,14 +106,17 @@ def _rms_norm_fwd_kernel(
     tl.store(INV_RMS + rows, inv_rms, mask=rmask)
 
 
-@_jit
+@_jit(do_not_specialize=["LOW"])
 def _rms_norm_bwd_kernel(
-    DY, X, W, INV_RMS, DRES, DX, DX_LOW, DW_PARTIAL, N, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    STAGES: tl.constexpr, HAS_RES: tl.constexpr, HAS_LOW: tl.constexpr,
+    DY, X, W, INV_RMS, DRES, DX, DX_LOW, DW_PARTIAL, N, C, LOW, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    STAGES: tl.constexpr, HAS_RES: tl.constexpr,
 ):  # fmt: skip
     """Program pid: tiles pid, pid + P, pid + 2P, ... of BLOCK_R rows, loads pipelined STAGES - 1 tiles ahead; dw
     partial row pid, so the sum is deterministic. HAS_RES: dx also adds DRES (the gradient x holds already).
-    HAS_LOW: dx also stored to DX_LOW in its dtype (rounded from DX's value)."""
+    LOW (0 or 1, a run-time value, never specialized): dx also stored to DX_LOW in its dtype (rounded from DX's
+    value). A run-time switch, not a constexpr: with and without the copy it is one compiled kernel, so the
+    register layouts, and with them the order of the row sums, are the same (a constexpr gave two kernels whose
+    dx differed in the last bit on the H100)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -134,8 +137,7 @@ def _rms_norm_bwd_kernel(
             dxs += tl.load(DRES + o_s, mask=m_s, other=0.0).to(tl.float32)
         dxs = dxs.to(DX.dtype.element_ty)
         tl.store(DX + o_s, dxs, mask=m_s)
-        if HAS_LOW:
-            tl.store(DX_LOW + o_s, dxs.to(DX_LOW.dtype.element_ty), mask=m_s)
+        tl.store(DX_LOW + o_s, dxs.to(DX_LOW.dtype.element_ty), mask=m_s & (rows_s < N * LOW)[:, None])
         dw_acc += dys * xs * rs[:, None]
     tl.store(DW_PARTIAL + pid.to(tl.int64) * C + cols, tl.sum(dw_acc, axis=0), mask=cmask)
 
@@ -228,7 +230,8 @@ def rms_norm_bwd_triton(
     N = x2.shape[0]
     dx = torch.empty_like(x2)
     res = dres.reshape(-1, C).contiguous() if dres is not None else dx  # dx: a placeholder, never read
-    dx_low = torch.empty_like(x2, dtype=low) if low is not None else dx
+    # without ``low`` a bf16 view of dx stands in (never written): the kernel keeps the DX_LOW dtype of the bf16 path
+    dx_low = torch.empty_like(x2, dtype=low) if low is not None else dx.view(torch.bfloat16)
     tail = () if low is None else (dx_low.reshape(x.shape),)
     if N == 0:
         return dx.reshape(x.shape), torch.zeros_like(w), *tail
@@ -237,8 +240,8 @@ def rms_norm_bwd_triton(
     P = triton.cdiv(N, triton.cdiv(N, P))  # no program without rows
     dw_partial = torch.empty(P, C, dtype=torch.float32, device=x.device)  # [P, C]
     _rms_norm_bwd_kernel[(P,)](
-        dy2, x2, w.contiguous(), inv_rms.contiguous(), res, dx, dx_low, dw_partial, N, C, BLOCK_R=cfg.bwd_rows,
-        BLOCK_C=cfg.block_c, STAGES=cfg.stages, HAS_RES=dres is not None, HAS_LOW=low is not None,
+        dy2, x2, w.contiguous(), inv_rms.contiguous(), res, dx, dx_low, dw_partial, N, C, int(low is not None),
+        BLOCK_R=cfg.bwd_rows, BLOCK_C=cfg.block_c, STAGES=cfg.stages, HAS_RES=dres is not None,
         num_warps=cfg.bwd_warps,
     )  # fmt: skip
     dw = torch.empty(C, dtype=w.dtype, device=x.device)
