@@ -24,50 +24,34 @@ the same seed gives the same weights on every device):
     scaling that keeps the residual stream's variance independent of depth at init
   * every RMSNorm weight (input/post_attention_layernorm, q_norm, k_norm, norm): ones.
 
-Precision: each weight matrix enters its matmul in the compute dtype (``linear``'s ``w_compute``): under the
-trainer the bf16 copy that AdamW writes in its update pass (``weight_copy``: no cast launch per weight per
-forward), else a cast inside the forward (inside each block, so activation recompute re-casts). Its gradient
-lands in fp32 on the master, the cast folded into the weight-gradient matmul (on CUDA cuBLAS writes fp32 from
-its accumulators). Norm weights are read as their masters; the LM head goes through ``ops.cast_as``. The residual
-stream ``x`` stays in the master dtype (as under torch autocast): RMSNorm statistics, the residual adds,
-softmax (inside the kernel) and the loss are fp32 whatever the compute dtype; the matmuls and the
-elementwise MLP run in the compute dtype. The casts between the two are folded into neighbours: each RMSNorm of
-the stream writes its output in the compute dtype (``rms_norm(..., dtype)``) and each residual add promotes the
-branch inside the add (``add_cast``), bit for bit the separate casts. In fp32 every cast is the identity and
-records nothing.
+Precision (DESIGN.md, "Compute copies"): each weight matrix enters its matmul in the compute dtype (``linear``'s
+``w_compute``): the bf16 copy AdamW writes in its update pass (``weight_copy``), else a cast inside the block (so
+activation recompute re-casts); its gradient lands in fp32 on the master, the cast folded into the weight-gradient
+matmul. Norm weights are read as their masters; the LM head goes through ``ops.cast_as``. The residual stream ``x``
+stays in the master dtype (as under torch autocast), so norm statistics, residual adds, softmax and the loss are
+fp32; each RMSNorm of the stream writes its output in the compute dtype (``rms_norm(..., dtype)``) and each residual
+add promotes its branch inside the add (``add_cast``), bit for bit the separate casts. In fp32 every cast is the
+identity and records nothing.
 
-Dropout (residual path only, at the attention and MLP outputs; never on attention probabilities): the mask
-of each site is a pure function of ``site_seed(step_seed, layer, site)`` and of the element's place in
-the step's global batch: the argument ``dropout_rows = (row_start, row_stride)`` of ``loss`` / ``forward``
-says that row b of the model's input is global row ``row_start + b * row_stride``. The site seeds live on
-the device, in one int64 buffer per model (``dropout_seeds``, one entry per (layer, site), allocated once, so
-its address never changes):
-``model.set_dropout_step(step_seed)`` computes them all on the host and writes them with one host-to-device
-copy, and each dropout kernel reads its entry. So a captured CUDA graph of the step draws the masks of
-whatever step the buffer holds when it replays, not those of the step it was captured on. The trainer calls
-``set_dropout_step`` once per step with ``mix_seed(run seed, step)``, outside the captured work, and passes
-``dropout_rows`` per micro-batch from (rank, world size, micro index) (host integers, the same every step
-for a micro-batch, so a graph may hold them), so a token draws the same mask in one process, in a
-micro-batch or on any data-parallel rank, and a recomputed block and a resumed run draw the same masks.
-The buffer must not be rewritten between a forward and its backward (the dropout op checks). ``model.eval()``
-(and p == 0) builds no dropout node at all.
+Dropout (DESIGN.md, "Conventions", randomness; residual path only, at the attention and MLP outputs, never on
+attention probabilities): the mask of a site is a pure function of ``site_seed(step_seed, layer, site)`` and of the
+element's place in the step's global batch (``forward``'s ``dropout_rows = (row_start, row_stride)``: row b of the
+input is global row ``row_start + b * row_stride``). The site seeds live on the device in one int64 buffer
+(``dropout_seeds``, an entry per (layer, site), allocated once so its address never changes) that
+``set_dropout_step(step_seed)`` rewrites with one host-to-device copy: a captured CUDA graph of the step draws the
+masks of whatever step the buffer holds when it replays. The buffer must not be rewritten between a forward and its
+backward (the dropout op checks). ``model.eval()`` (and p == 0) builds no dropout node at all.
 
-Masks (``xtrain.mask``), built once per batch and handed to every block: ``forward(ids, mask=...)`` with None
-(plain causal), ``Documents.of(ids, eot_id)`` (a training window of packed documents, each starting at its
-``eot``, the BOS inference prepends: attention within each document and RoPE positions restarting at its start,
-so each document is computed as if it ran alone from its eot), or ``Cached`` (new tokens over a KV cache). The
-mask gives the attention form and the RoPE positions, whose cos/sin rows it takes from ``rope_table`` (every
-position's, computed once at construction; a row is bit for bit what a table of that position alone holds).
+Masks (``xtrain.mask``; DESIGN.md, "Masks are values"), built once per batch and handed to every block:
+``forward(ids, mask=...)`` takes None (plain causal), ``Documents.of(ids, eot_id)`` (packed documents, each computed
+as if it ran alone from its eot) or ``Cached`` (new tokens over a KV cache). The mask gives the attention form and
+the RoPE positions, whose cos/sin rows it takes from ``rope_table`` (every position's, computed once here).
 
-Training, prefill and decode are this one forward. With ``cache`` (a KV cache such as ``serve.cache.SlotCache``,
-whose ``Cached`` mask says which rows and positions the new tokens take), each block writes its new keys and
-values into the cache and attends over the cache rows; it is inference (under ``no_grad``). The decode path
-reads its matmul weights in the compute dtype, stacked where one input feeds several (q/k/v, gate/up) and stored
-transposed ([in, out], so x @ W is one GEMM over rows it reads in order: at batch 1 on the CPU the [1, 256] x
-[256, 4096] head ran 1.4x faster than on W.t()), and q_norm's and k_norm's weights stacked per head, so q and k are
-normed and rotated together (``ops.qkv_norm_rope``); they are made once and rewritten in place when a parameter
-changes (its version counter), so a captured decode graph reads the current values. A forward with a cache never
-drops out. Without a cache the forward is the training forward, every op as the tape records it.
+Training, prefill and decode are this one forward (DESIGN.md, "One model"). With ``cache`` (such as
+``serve.cache.SlotCache``) and its ``Cached`` mask, each block writes its new keys and values into the cache and
+attends over the cache rows: inference only (under ``no_grad``; never drops out), reading the stacked, transposed
+decode weights (``_decode_weights``). Without a cache the forward is the training forward, every op as the tape
+records it.
 
 Activation recompute (``config.recompute``): each block runs under ``xtrain.autograd.checkpoint``: only
 its input is kept; its forward is re-run during backward. Same ops in the same order, so loss and
@@ -95,19 +79,22 @@ SITE_ATTN = 0xA77  # dropout site constants, mixed into the per-site seed
 SITE_MLP = 0xF77
 SITES = (SITE_ATTN, SITE_MLP)  # entry (layer, k) of the seed buffer is the seed of site SITES[k]
 
-BLOCK_KEYS = (  # per-layer parameter names, in init order, after "model.layers.{i}."
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "self_attn.o_proj.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
+# per-layer parameters after "model.layers.{i}.", in init order -> shape in the legend's letters ([out, in] for
+# linear weights); ``param_shapes`` gives the sizes of a config
+BLOCK_SHAPES = {
+    "input_layernorm.weight": ("C",),
+    "self_attn.q_proj.weight": ("H*D", "C"),
+    "self_attn.k_proj.weight": ("Hkv*D", "C"),
+    "self_attn.v_proj.weight": ("Hkv*D", "C"),
+    "self_attn.q_norm.weight": ("D",),
+    "self_attn.k_norm.weight": ("D",),
+    "self_attn.o_proj.weight": ("C", "H*D"),
+    "post_attention_layernorm.weight": ("C",),
+    "mlp.gate_proj.weight": ("F", "C"),
+    "mlp.up_proj.weight": ("F", "C"),
+    "mlp.down_proj.weight": ("C", "F"),
+}
+BLOCK_KEYS = tuple(BLOCK_SHAPES)
 
 
 def splitmix64(x: int) -> int:
@@ -133,26 +120,13 @@ def site_seed(step_seed: int, layer: int, site: int) -> int:
 
 def param_shapes(cfg: ModelConfig) -> OrderedDict[str, tuple[int, ...]]:
     """Every parameter's Hugging Face Qwen3 name and shape ([out, in] for linear weights), in init order."""
-    C, D, F, V = cfg.n_embd, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
-    H, Hkv = cfg.n_head, cfg.n_kv_head
-    per_block = {
-        "input_layernorm.weight": (C,),
-        "self_attn.q_proj.weight": (H * D, C),
-        "self_attn.k_proj.weight": (Hkv * D, C),
-        "self_attn.v_proj.weight": (Hkv * D, C),
-        "self_attn.q_norm.weight": (D,),
-        "self_attn.k_norm.weight": (D,),
-        "self_attn.o_proj.weight": (C, H * D),
-        "post_attention_layernorm.weight": (C,),
-        "mlp.gate_proj.weight": (F, C),
-        "mlp.up_proj.weight": (F, C),
-        "mlp.down_proj.weight": (C, F),
-    }
+    C, D, V = cfg.n_embd, cfg.head_dim, cfg.vocab_size
+    size = {"C": C, "D": D, "F": cfg.ffn_dim, "H*D": cfg.n_head * D, "Hkv*D": cfg.n_kv_head * D}
     shapes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
     shapes["model.embed_tokens.weight"] = (V, C)
     for i in range(cfg.n_layer):
-        for k in BLOCK_KEYS:
-            shapes[f"model.layers.{i}.{k}"] = per_block[k]
+        for k, dims in BLOCK_SHAPES.items():
+            shapes[f"model.layers.{i}.{k}"] = tuple(size[d] for d in dims)
     shapes["model.norm.weight"] = (C,)
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (V, C)
@@ -181,14 +155,7 @@ class Model:
         # the LM head + loss op (x [N, C], w [V, C], targets [N]); "auto": the op picks the fused form by device
         self._fused_loss = {"composed": None, "fused": ops.linear_cross_entropy, "auto": ops.lm_head_loss}[config.loss]
         self.params: OrderedDict[str, Var] = OrderedDict(
-            (
-                name,
-                Var(
-                    torch.empty(shape, dtype=self.master_dtype, device=self.device),
-                    True,  # requires grad
-                    name=name,
-                ),
-            )
+            (name, Var(torch.empty(shape, dtype=self.master_dtype, device=self.device), requires_grad=True, name=name))
             for name, shape in param_shapes(config).items()
         )
         self._layers = [{k: self.params[f"model.layers.{i}.{k}"] for k in BLOCK_KEYS} for i in range(config.n_layer)]
