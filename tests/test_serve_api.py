@@ -98,6 +98,7 @@ def test_streaming_matches_non_streaming(client):
     full = client.completions.create(**kw).choices[0]
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.text
+    assert {c.object for c in chunks} == {"text_completion"}  # a completions chunk is named as the whole response
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.finish_reason
     assert chunks[-1].usage.completion_tokens <= 12
 
@@ -107,6 +108,7 @@ def test_streaming_matches_non_streaming(client):
     for ch in client.chat.completions.create(
         model="tiny-test", messages=msgs, max_tokens=10, temperature=0, n=2, stream=True
     ):
+        assert ch.object == "chat.completion.chunk"  # a chat chunk is not a "chat.completion"
         for c in ch.choices:
             parts[c.index] += c.delta.content or ""
     assert parts == {i: whole.choices[i].message.content for i in (0, 1)}

@@ -146,11 +146,9 @@ class Model:
         self.dropout_seeds = torch.zeros((config.n_layer, len(SITES)), dtype=torch.int64, device=self.device)
         # optional hook p -> compute-dtype copy of p.data or None (the trainer sets AdamW.copy_for)
         self.weight_copy = None
-        acc = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
-        # RoPE cos/sin of every position, computed once (a forward takes its rows: ``Mask.rope``)
-        self.rope_table = ops.rope_table(
-            torch.arange(config.max_seq_len, device=self.device), config.head_dim, config.rope_theta, acc
-        )
+        # RoPE cos/sin of every position in the master dtype, computed once (a forward takes its rows: ``Mask.rope``)
+        positions = torch.arange(config.max_seq_len, device=self.device)
+        self.rope_table = ops.rope_table(positions, config.head_dim, config.rope_theta, self.master_dtype)
         self._attention = config.attention  # "auto": the op picks its form from the device (no device branch here)
         # the LM head + loss op (x [N, C], w [V, C], targets [N]); "auto": the op picks the fused form by device
         self._fused_loss = {"composed": None, "fused": ops.linear_cross_entropy, "auto": ops.lm_head_loss}[config.loss]
@@ -204,11 +202,9 @@ class Model:
         missing = [k for k in want if k not in sd]
         extra = [k for k in sd if k not in want]
         if missing or extra:
-            raise ValueError(
-                f"{source}: parameter names do not match the model config (missing {missing[:5]}"
-                f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
-                f"{'...' if len(extra) > 5 else ''})"
-            )
+            few = lambda keys: f"{keys[:5]}{'...' if len(keys) > 5 else ''}"  # noqa: E731
+            msg = f"parameter names do not match the model config (missing {few(missing)}, unexpected {few(extra)})"
+            raise ValueError(f"{source}: {msg}")
         for k, shape in want.items():
             t = sd[k]
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -348,15 +344,6 @@ class Model:
         y = self._dropout(y, seed, i, SITE_MLP, T)
         return ops.add_cast(x, y) if next_norm is None else ops.add_rms_norm(x, y, next_norm, eps, dt)
 
-    def _check_ids(self, ids: torch.Tensor) -> None:
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"Model: ids must be an int32/int64 tensor [B, T], got "
-                f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
-            )
-        if ids.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"Model: sequence length {ids.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
-
     @property
     def head_weight(self) -> Var:
         return self.params["model.embed_tokens.weight" if self.config.tie_embeddings else "lm_head.weight"]
@@ -381,7 +368,13 @@ class Model:
         global batch (row b is global row ``row_start + b * row_stride``), which keys the dropout masks; (0, 1)
         for a batch that is the whole global batch. ``last`` (inference): the logits of each row's last position
         only, [B, 1, V]."""
-        self._check_ids(ids)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"Model: ids must be an int32/int64 tensor [B, T], got "
+                f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}"
+            )
+        if ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"Model: sequence length {ids.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
         B, T = ids.shape
         mask = CAUSAL if mask is None else mask
         if not isinstance(mask, Mask) or (mask.kind == "cached") != (cache is not None):

@@ -243,8 +243,7 @@ def parse_params(body: dict, chat: bool, max_choices: int) -> Params:
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop must be a non-empty string or a list of up to 4 of them", "stop", "invalid_value")
     stop = [_text(s, "stop") for s in stop]
-    opts = body.get("stream_options")
-    opts = {} if opts is None else opts
+    opts = {} if body.get("stream_options") is None else body["stream_options"]
     if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
         raise bad('stream_options must be {"include_usage": bool}', "stream_options", "invalid_value")
     seed = _field(body, "seed", None, int, -(1 << 63), (1 << 64) - 1)
@@ -299,14 +298,10 @@ class Choice:
 
 
 def _stop_hold(text: str, stops: list[str]) -> int:
-    """How many trailing characters might still become a stop string (so must not be sent yet)."""
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if s.startswith(text[-k:]):
-                hold = k
-                break
-    return hold
+    """How many trailing characters might still become a stop string (so must not be sent yet): the longest end
+    of ``text`` that a stop string begins with, shorter than that stop string."""
+    ends = (k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if s.startswith(text[-k:]))
+    return max(ends, default=0)
 
 
 class Service:
@@ -386,15 +381,11 @@ class Service:
             raise bad(str(e), "messages", "invalid_value") from None
 
     def completion_prompts(self, body: dict) -> list[list[int]]:
-        p = body.get("prompt")
-        V = self.model.config.vocab_size
-        if isinstance(p, str):
-            return [self.encode(_text(p, "prompt"))]
+        p, V = body.get("prompt"), self.model.config.vocab_size
+        is_ids = lambda x: isinstance(x, list) and x and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+        p = [p] if isinstance(p, str) or is_ids(p) else p  # one prompt, or a list of them
         if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
             return [self.encode(_text(x, "prompt")) for x in p]
-        is_ids = lambda x: isinstance(x, list) and x and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
-        if is_ids(p):
-            p = [p]
         if isinstance(p, list) and p and all(is_ids(x) for x in p):
             if any(not 0 <= i < V for x in p for i in x):
                 raise bad(f"prompt token ids must lie in [0, {V})", "prompt", "invalid_value")
@@ -558,10 +549,6 @@ class Job:
         self.service.update(self.choices[i], tok, lp, fin)
         return self.choices[i]
 
-    def never_ran(self) -> bool:
-        """Every choice ended by a shutdown before it produced a token (it was still queued)."""
-        return all(c.finish == ABORT and not c.ids for c in self.choices)
-
     def abort(self) -> None:
         """End every unfinished choice now (finish_reason "abort"): the shutdown's grace is over."""
         for c in self.choices:
@@ -578,7 +565,7 @@ class Job:
 
 
 # -- the app -------------------------------------------------------------------------------------------------
-async def read_body(request, config: ServerConfig, drained: asyncio.Event | None = None) -> bytes:
+async def read_body(request, config: ServerConfig, drained: asyncio.Event) -> bytes:
     """The body, at most max_body_bytes (413 past it), in full within body_timeout_s (400 otherwise);
     ClientGone when the client disconnects before it is in; a 503 when ``drained`` is set first (a shutdown
     does not wait for a body still on its way)."""
@@ -602,7 +589,7 @@ async def read_body(request, config: ServerConfig, drained: asyncio.Event | None
             chunks.append(chunk)
 
     reader = asyncio.ensure_future(read())
-    waits = {reader} if drained is None else {reader, asyncio.ensure_future(drained.wait())}
+    waits = {reader, asyncio.ensure_future(drained.wait())}
     try:
         await asyncio.wait(waits, timeout=config.body_timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -614,7 +601,7 @@ async def read_body(request, config: ServerConfig, drained: asyncio.Event | None
         except ClientDisconnect:
             raise ClientGone from None
         return b"".join(chunks)
-    if drained is not None and drained.is_set():
+    if drained.is_set():
         raise unavailable()
     raise bad(f"the body did not arrive in full within {config.body_timeout_s} s", code="body_timeout")
 
@@ -685,11 +672,8 @@ def create_app(service: Service):
         client goes away. While the server drains, a client that stops reading is given up after a time."""
 
         async def __call__(self, scope, receive, send):
-            async def put(message):
-                if service.draining:
-                    await asyncio.wait_for(send(message), DRAIN_SEND_S)
-                else:
-                    await send(message)
+            async def put(message):  # wait_for with timeout None waits as long as it takes
+                await asyncio.wait_for(send(message), DRAIN_SEND_S if service.draining else None)
 
             try:
                 await put({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -732,7 +716,8 @@ def create_app(service: Service):
         prompts, params, max_new = service.prepare(body, chat)
         job = service.start(prompts, params, max_new, request.receive)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        head = {"id": rid, "created": int(time.time()), "model": service.name}
+        obj = ("chat.completion.chunk" if params.stream else "chat.completion") if chat else "text_completion"
+        head = {"id": rid, "object": obj, "created": int(time.time()), "model": service.name}
         prompt_tokens = sum(len(p) for p in prompts)
         streaming = False
         try:
@@ -741,7 +726,7 @@ def create_app(service: Service):
             started = lambda: any(c.ids or c.finish not in (None, ABORT) for c in job.choices)
             while not all(c.finish for c in job.choices) and not (params.stream and started()):
                 await job.step()
-            if job.never_ran():
+            if all(c.finish == ABORT and not c.ids for c in job.choices):  # each ended by the drain, still queued
                 raise unavailable("the server shut down before this request ran; retry later")
             if params.stream:
                 gen = _stream(job, head, chat, params, prompt_tokens)
@@ -754,15 +739,13 @@ def create_app(service: Service):
             out = [_choice(c, "message", {"role": "assistant", "content": c.text}, None, c.finish) for c in job.choices]
         else:
             out = [_choice(c, "text", c.text, service.completion_logprobs(c), c.finish) for c in job.choices]
-        obj = "chat.completion" if chat else "text_completion"
-        return {**head, "object": obj, "choices": out, "usage": _usage(job.choices, prompt_tokens)}
+        return {**head, "choices": out, "usage": _usage(job.choices, prompt_tokens)}
 
     async def _stream(job: Job, head, chat, params, prompt_tokens):
-        obj = "chat.completion.chunk" if chat else "text_completion"
         key, choices = "delta" if chat else "text", job.choices
 
         def event(choice_list, usage=None):
-            d = {**head, "object": obj, "choices": choice_list}
+            d = {**head, "choices": choice_list}
             if params.include_usage:
                 d["usage"] = usage
             return f"data: {json.dumps(d)}\n\n"
