@@ -136,6 +136,27 @@ def test_stop_strings(client):
     assert "".join(c.choices[0].text for c in s) == r.choices[0].text
 
 
+def test_text_is_held_back_inside_a_character_or_a_stop_string(server):
+    """What a choice may send (``Service.update``) never ends inside a UTF-8 character ("é" is the byte tokens
+    0xC3 0xA9; the first alone decodes to U+FFFD) nor on the start of a stop string; a stop string found ends the
+    choice before it and cancels its sequence."""
+    from xtrain.serve.api import Choice
+
+    class Seq:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    c = Choice(0, ["xyz"], seq=Seq())
+    sent = []
+    for ch in [0xC3, 0xA9, "x", "y", 0xC3, 0xA9, "x", "y", "z", "b"]:
+        server[1].update(c, ord(ch) if isinstance(ch, str) else ch, None, None)
+        sent.append(c.text)
+    assert sent == ["", "é", "é", "é", "éxy", "éxyé", "éxyé", "éxyé", "éxyé", "éxyé"]
+    assert c.finish == "stop" and c.seq.cancelled
+
+
 def _raw(url: str, data: bytes, headers: dict | None = None):
     r = httpx.post(
         url + "/v1/completions",

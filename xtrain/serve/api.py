@@ -429,9 +429,8 @@ class Service:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         eos = None if params.ignore_eos else self.tok.eot_id if params.eos_id is None else params.eos_id
-        choices, reqs = [], []
+        reqs = []
         for i, (ids, j) in enumerate((ids, j) for ids in prompts for j in range(params.n)):
-            choices.append(Choice(i, params.stop))
             smp = replace(params.sampling, seed=(params.sampling.seed + j) % (1 << 64))
             cb = lambda t, lp, f, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, t, lp, f))
             reqs.append((ids, max_new, smp, eos, cb))
@@ -443,9 +442,7 @@ class Service:
             raise APIError(429, str(e), None, "server_busy") from None
         except ValueError as e:
             raise bad(str(e), "prompt", "invalid_value") from None
-        for c, s in zip(choices, seqs):
-            c.seq = s
-        return Job(self, choices, queue, receive)
+        return Job(self, [Choice(i, params.stop, seq=s) for i, s in enumerate(seqs)], queue, receive)
 
     async def shutdown(self, grace: float, flush: float = 2.0) -> int:
         """Drain (a graceful shutdown): new requests get a 503, the queued ones a 503 now, the running ones
@@ -481,11 +478,8 @@ class Service:
                     text = text[:k]
                     c.finish = "stop"
                     c.seq.cancel()
-            if c.finish is None:
-                hold = _stop_hold(text, c.stops)
-                while len(text) - hold > 0 and text[len(text) - hold - 1] == "\ufffd":
-                    hold += 1
-                text = text[: len(text) - hold]
+            if c.finish is None:  # U+FFFD at the end: a character whose bytes have not all come yet
+                text = text[: len(text) - _stop_hold(text, c.stops)].rstrip("\ufffd")
             c.text = text
         if finish is not None and c.finish is None:
             if finish.startswith("error"):

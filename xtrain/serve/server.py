@@ -32,6 +32,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -173,21 +174,15 @@ class Drain:
         finally:
             self.server.should_exit = True
 
-    def run(self, sock: socket.socket) -> None:
-        self.server.run(sockets=[sock])
-
 
 def serve_in_thread(service: Service, host: str = "127.0.0.1", port: int = 0, grace: float = 0.0):
     """Start a server on a background thread -> (base url, stop()). For tests and benchmarks. ``stop()``
     drains as a signal does, with ``grace`` seconds for the running requests."""
-    import time
-
     sock = bind(host, port)
     drain = Drain(service, grace)
-    server = drain.server
-    th = threading.Thread(target=drain.run, args=(sock,), daemon=True)
+    th = threading.Thread(target=drain.server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
-    while not server.started:
+    while not drain.server.started:
         if not th.is_alive():
             raise RuntimeError("xtrain serve: the server thread died while starting")
         time.sleep(0.01)
@@ -242,7 +237,7 @@ def run(args) -> int:
     where = f"model {service.name!r} on {url_of(sock)}/v1 (completions, chat/completions, models; GET /health)"
     print(f"xtrain serve: {where}; Ctrl-C or SIGTERM drains and stops", flush=True)
     try:
-        drain.run(sock)
+        drain.server.run(sockets=[sock])
     finally:
         sock.close()
         service.close()
