@@ -157,7 +157,7 @@ def test_text_is_held_back_inside_a_character_or_a_stop_string(server):
     assert c.finish == "stop" and c.seq.cancelled
 
 
-def _raw(url: str, data: bytes, headers: dict | None = None):
+def _raw(url: str, data, headers: dict | None = None):
     r = httpx.post(
         url + "/v1/completions",
         content=data,
@@ -212,6 +212,11 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client):
         assert set(e) == {"message", "type", "param", "code"} and e["message"], body[:60]
         assert e["param"] == param, (body[:60], e)
     assert httpx.post(url + "/v2/nope", content=b"{}").status_code == 404
+    # a chunked body (no Content-Length) is counted as it arrives: whole when within the limit, a 413 past it
+    parts = [b'{"prompt": "x", ', b'"max_tokens": 2}']
+    assert _raw(url, iter(parts))[0] == 200
+    code, err = _raw(url, iter([b'{"prompt": "', b"z" * (1 << 20), b'"}']))
+    assert code == 413 and err["error"]["code"] == "body_too_large", err
     chat = url + "/v1/chat/completions"
     for msgs in ([], [{"role": "robot", "content": "x"}], [{"role": "user", "content": 5}], "hi"):
         r = httpx.post(chat, json={"messages": msgs})

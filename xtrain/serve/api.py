@@ -572,15 +572,13 @@ async def read_body(request, config: ServerConfig, drained: asyncio.Event) -> by
         if len(cl) > 18 or int(cl) > config.max_body_bytes:
             msg = f"the body is {cl[:40]} bytes; the limit is {config.max_body_bytes}"
             raise APIError(413, msg, None, "body_too_large")
-    chunks, size = [], 0
+    body = bytearray()
 
     async def read():
-        nonlocal size
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > config.max_body_bytes:
+            body.extend(chunk)
+            if len(body) > config.max_body_bytes:
                 raise APIError(413, f"the body exceeds {config.max_body_bytes} bytes", None, "body_too_large")
-            chunks.append(chunk)
 
     reader = asyncio.ensure_future(read())
     waits = {reader, asyncio.ensure_future(drained.wait())}
@@ -594,7 +592,7 @@ async def read_body(request, config: ServerConfig, drained: asyncio.Event) -> by
             reader.result()
         except ClientDisconnect:
             raise ClientGone from None
-        return b"".join(chunks)
+        return bytes(body)
     if drained.is_set():
         raise unavailable()
     raise bad(f"the body did not arrive in full within {config.body_timeout_s} s", code="body_timeout")
