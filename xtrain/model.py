@@ -70,7 +70,7 @@ from xtrain.autograd import Var, checkpoint, is_grad_enabled, no_grad
 from xtrain.config import ModelConfig
 from xtrain.mask import CAUSAL, Mask, doc_starts
 
-__all__ = ["BLOCK_KEYS", "Model", "doc_starts", "mix_seed", "param_shapes", "site_seed"]
+__all__ = ["BLOCK_KEYS", "BLOCK_SHAPES", "Model", "doc_starts", "mix_seed", "param_shapes", "site_seed"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _MASK64 = (1 << 64) - 1
