@@ -232,8 +232,8 @@ def swiglu_linear(x: Var, w_gate: Var, w_up: Var, *, w_compute: tuple[torch.Tens
 
 
 def add_rms_norm(x: Var, y: Var, weight: Var, eps: float = 1e-6, dtype: torch.dtype | None = None) -> tuple[Var, Var]:
-    """(s, h) = (add_cast(x, y), rms_norm(s, weight, eps, dtype)), the same two nodes and values bit for bit (on an
-    H100 the forward's only: the backward's differ there, DESIGN.md), with one kernel each way instead of two:
+    """(s, h) = (add_cast(x, y), rms_norm(s, weight, eps, dtype)), the same two nodes and values bit for bit (the
+    backward on every device: both norms run one compiled kernel, DESIGN.md), with one kernel each way instead of two:
 
     * forward: the add and the norm in one pass (s is written and normed from the same registers, not read back);
     * backward: the norm's kernel writes its gradient of s (the residual's gradient so far plus its own, as
