@@ -18,9 +18,11 @@ clipping at 1.0 and AdamW:
 
 Each side is built, warmed up and timed alone (``--steps`` steps after ``--warmup``, wall clock with the device
 synchronised, median), then freed; its peak memory is the most allocated from its build to its last step above
-what was allocated before it (``torch.cuda.max_memory_allocated``). ``--max-batch``: for each side, the largest
-batch (doubling from ``--batch-size``, then bisection, up to ``--max-batch-limit``) whose steps run without running
-out of memory (``max_batch`` says how each side tries a batch).
+what was allocated before it (``torch.cuda.max_memory_allocated``), and "held" what stays allocated between steps
+(weights, optimizer state, compute copies, graph buffers): the peak less held is what a step adds at its top.
+``--max-batch``: for each side, the largest batch (doubling from ``--batch-size``, then bisection, up to
+``--max-batch-limit``) whose steps run without running out of memory (``max_batch`` says how each side tries a
+batch).
 
 The issue's goals (one H100, Qwen3-0.6B, T = 2048): xtrain's tokens/s >= 1.3x transformers' best compile mode at the
 same batch, peak memory <= 0.5x, largest batch >= 2x. The last lines say whether each holds.
@@ -150,7 +152,8 @@ def _free(dev):
 
 
 def run_side(build, dev, steps: int, warmup: int) -> dict:
-    """Build, warm up and time one side alone -> {"ms": median step, "peak": bytes or None, "loss": first}."""
+    """Build, warm up and time one side alone -> {"ms": median step, "peak": bytes or None, "held": bytes allocated
+    after the last step or None, "loss": first}."""
     _free(dev)
     _sync(dev)
     base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
@@ -167,10 +170,12 @@ def run_side(build, dev, steps: int, warmup: int) -> dict:
         fn()
         _sync(dev)
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else None
+    cuda = dev.type == "cuda"
+    peak = torch.cuda.max_memory_allocated(dev) - base if cuda else None
+    held = torch.cuda.memory_allocated(dev) - base if cuda else None
     del fn
     _free(dev)
-    return {"ms": statistics.median(times) * 1e3, "peak": peak, "loss": first}
+    return {"ms": statistics.median(times) * 1e3, "peak": peak, "held": held, "loss": first}
 
 
 def fits(step, dev) -> bool:
@@ -283,15 +288,18 @@ def main(argv=None) -> int:
     variants = {"plain": ("xtrain trainer", c), "recompute": ("xtrain trainer, recompute", replace(c, recompute=True))}
     builders = [(variants[v][0], lambda b, cv=variants[v][1]: xtrain_side(cv, dev, b, T)) for v in args.xtrain]
     builders += [(f"transformers {m}", lambda b, m=m: transformers_side(c, dev, b, T, m)) for m in modes]
-    print(f"{'side':<42}{'step ms':>10}{'tokens/s':>12}{'peak GiB':>10}{'max batch':>11}{'first loss':>12}")
+    print(f"{'side':<42}{'step ms':>10}{'tokens/s':>12}{'peak GiB':>10}{'held GiB':>10}{'max batch':>11}"
+          f"{'first loss':>12}")  # fmt: skip
     for label, make in builders:  # each row printed as its side ends (a long run cut short keeps what it measured)
         try:
             r = rows[label] = run_side(lambda make=make: make(B), dev, args.steps, args.warmup)
         except Exception as e:  # a compile mode that does not build here, a graph that falls back, out of memory
             print(f"  {label}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
             continue
-        mem = f"{r['peak'] / 2**30:.2f}" if r["peak"] is not None else "-"
-        print(f"{label:<42}{r['ms']:>10.1f}{B * T / r['ms'] * 1e3:>12.0f}{mem:>10}{'':>11}{r['loss']:>12.4f}")
+        peak, held = (f"{r[k] / 2**30:.2f}" if r[k] is not None else "-" for k in ("peak", "held"))
+        print(
+            f"{label:<42}{r['ms']:>10.1f}{B * T / r['ms'] * 1e3:>12.0f}{peak:>10}{held:>10}{'':>11}{r['loss']:>12.4f}"
+        )
         if args.max_batch:
             r["max_batch"] = max_batch(make, dev, B, args.max_batch_limit, resize=label.startswith("transformers"))
             lim = args.max_batch_limit

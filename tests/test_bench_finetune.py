@@ -25,8 +25,8 @@ def test_bench_finetune_cpu_smoke(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    rows = {  # label -> [step ms, tokens/s, peak, first loss]
-        r[0]: r[1:] for r in (ln.rsplit(maxsplit=4) for ln in out.splitlines()) if len(r) == 5 and r[-1][-1].isdigit()
+    rows = {  # label -> [step ms, tokens/s, peak, held, first loss]
+        r[0]: r[1:] for r in (ln.rsplit(maxsplit=5) for ln in out.splitlines()) if len(r) == 6 and r[-1][-1].isdigit()
     }
     fits = dict(re.findall(r"^  (.+): largest batch that fits (\d+)", out, re.M))
     assert set(rows) == set(fits) == {"xtrain trainer", "xtrain trainer, recompute", "transformers eager"}

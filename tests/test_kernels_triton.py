@@ -411,6 +411,31 @@ def test_embedding_bwd_cpu(config):
 
 
 @needs_cpu_interp
+@pytest.mark.parametrize(
+    "config",
+    [K_emb.SIDE, K_emb.TIERS, pytest.param(K_emb.ROWS, marks=pytest.mark.slow)] if HAVE_TRITON else [],
+    ids=["side", "tiers", "rows"] if HAVE_TRITON else [],
+)
+def test_embedding_bwd_into_a_held_gradient_cpu(config, monkeypatch):
+    """``ops.embedding``'s backward into a gradient the table holds (each distinct id summed as its rank among the
+    distinct ids, then added into its row) is, in each form, acc + that form's backward over the whole table, bit
+    for bit: a row's sum does not depend on which row it is."""
+    from xtrain import Var, ops
+
+    bwd = K_emb.embedding_bwd_triton
+    monkeypatch.setattr(K_emb, "embedding_bwd", lambda d, ids, V, plan=None: bwd(d, ids, V, config=config))
+    g = torch.Generator().manual_seed(0)
+    for ids, V in _emb_cases(g):
+        ids, V = ids * 3 + 1, 3 * V + ids.numel()  # ids spread over more rows than tokens
+        d = torch.randn(*ids.shape, 21, generator=g)
+        acc = torch.randn(V, 21, generator=g)
+        v = Var(torch.randn(V, 21, generator=g), requires_grad=True)
+        v.grad = acc.clone()
+        ops.embedding(ids, v).backward(d)
+        assert torch.equal(v.grad, acc + bwd(d, ids, V, config=config)), (config.form, V)
+
+
+@needs_cpu_interp
 def test_embedding_bwd_config_choice_cpu():
     """16-bit gradients take the side form, fp32 the tiers form up to TIERS_MAX_N tokens and the rows form above; the
     two fp32 forms sum rows of at most K tokens alike (the same bits) and differ elsewhere (a tile by a tree); the
@@ -833,6 +858,22 @@ def test_embedding_bwd_gpu(dtype, config):
     b64 = K_emb.embedding_bwd_ref(d.double(), ids, V)
     assert _rel(a, b64) < _tol(dtype)
     assert torch.equal(a, K_emb.embedding_bwd_triton(d, ids, V, config=config))  # deterministic
+
+
+@gpu
+@pytest.mark.parametrize("N", [8192, 40000])  # the tiers and the rows form
+def test_embedding_bwd_into_a_held_gradient_gpu(N):
+    """On the GPU, with the forward's plan made on its side stream: ``ops.embedding``'s backward into a gradient the
+    table holds (a tied head's) is acc + the backward over the whole table bit for bit, in the held tensor."""
+    from xtrain import Var, ops
+
+    V, C = 151936, 256
+    ids = (torch.rand(N, device="cuda") ** 3 * V).long().clamp_max(V - 1).reshape(4, N // 4)
+    d, acc = torch.randn(4, N // 4, C, device="cuda"), torch.randn(V, C, device="cuda")
+    v = Var(torch.randn(V, C, device="cuda"), requires_grad=True)
+    v.grad = held = acc.clone()
+    ops.embedding(ids, v).backward(d)
+    assert v.grad is held and torch.equal(v.grad, acc + K_emb.embedding_bwd_triton(d, ids, V))
 
 
 @gpu

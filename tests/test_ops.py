@@ -165,6 +165,30 @@ def test_embedding_parity_with_repeats():
     torch.testing.assert_close(v.grad, t.grad)
 
 
+def test_embedding_adds_into_the_gradient_a_table_holds(monkeypatch):
+    """A table that holds a gradient already (a tied LM head's, an earlier micro-batch's) gets the embedding's rows
+    added into that tensor in place, bit for bit acc + embedding_bwd(d, ids, V), through a backward over N < V
+    compact rows (no [V, C] temporary); with N >= V, or no gradient yet, the plain backward over all V rows."""
+    from xtrain.kernels import embedding as K_emb
+
+    seen, real = [], K_emb.embedding_bwd
+    monkeypatch.setattr(K_emb, "embedding_bwd", lambda d, ids, V, plan=None: seen.append(V) or real(d, ids, V, plan))
+    g = torch.Generator().manual_seed(0)
+    reps = torch.cat([torch.full((n,), i * 7) for i, n in enumerate((4, 5, 1, 9, 2))])  # repeated ids 0, 7, ..., 28
+    cases = [(reps[torch.randperm(21, generator=g)].view(3, 7), 50), (torch.tensor([[3, 3], [0, 49]]), 50)]
+    for ids, V in cases + [(torch.arange(12) % 5, 5)]:  # the last: more tokens than rows
+        d = torch.randn(*ids.shape, 6, generator=g)
+        want = K_emb.embedding_bwd_ref(d, ids, V)
+        for acc in (None, torch.randn(V, 6, generator=g)):
+            v = Var(torch.randn(V, 6, generator=g), requires_grad=True)
+            v.grad = held = None if acc is None else acc.clone()
+            seen.clear()
+            ops.embedding(ids, v).backward(d)
+            compact = acc is not None and ids.numel() < V
+            assert torch.equal(v.grad, want if acc is None else acc + want), (ids, acc is None)
+            assert seen == [ids.numel() if compact else V] and (v.grad is held) == (acc is not None)
+
+
 def test_rope_batched_positions_and_inverse():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64)

@@ -22,7 +22,9 @@ _INT = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def embedding(ids: torch.Tensor, table: Var) -> Var:
-    """out[..., C] = table[ids]; ids is an integer tensor (not a Var), table [V, C]."""
+    """out[..., C] = table[ids]; ids is an integer tensor (not a Var), table [V, C]. Backward: the [V, C] gradient,
+    or, where the table is a leaf that holds a gradient already and N < V, the rows added into that gradient in
+    place (``_add_rows_into``; DESIGN.md, "One op, end to end")."""
     check(
         isinstance(ids, torch.Tensor) and ids.dtype in _INT,
         "embedding",
@@ -42,7 +44,36 @@ def embedding(ids: torch.Tensor, table: Var) -> Var:
         out, plan = K_emb.embedding_fwd_planned(ids, table.data)
     else:
         out, plan = K_emb.embedding_fwd(ids, table.data), None
-    return Var.from_op(out, (table,), lambda d: (K_emb.embedding_bwd(d, ids, V, plan).to(table.dtype),), "embedding")
+
+    def backward(d):
+        grad = table.grad
+        if grad is not None and table._backward is None and ids.numel() < V:
+            # a leaf that holds a gradient already (a tied LM head's, an earlier micro-batch's): its rows summed
+            # into it in place, as the engine adds into a leaf, without a [V, C] table of mostly zeros
+            _add_rows_into(grad, d, ids, plan)
+            return (None,)
+        return (K_emb.embedding_bwd(d, ids, V, plan).to(table.dtype),)
+
+    return Var.from_op(out, (table,), backward, "embedding")
+
+
+def _add_rows_into(grad: torch.Tensor, d: torch.Tensor, ids: torch.Tensor, plan) -> None:
+    """grad += embedding_bwd(d, ids, V), bit for bit, with [N, C] of temporaries instead of [V, C]. Each distinct
+    id is named by its rank among the distinct ids; the kernel sums d's rows per rank (a row's sum runs over its
+    tokens in token order, as with the ids themselves), and ``index_add_`` adds each summed row into its table row,
+    one add per element (a rank j past the last distinct id holds zeros and adds them to row j: exact, and no row
+    takes more than two adds). Nothing here reads a value back to the host, so a CUDA graph captures it."""
+    flat = ids.reshape(-1).long()
+    s, order = torch.sort(flat)
+    first = torch.ones_like(s, dtype=torch.bool)
+    first[1:] = s[1:] != s[:-1]
+    rank = first.cumsum(0) - 1  # [N]: each sorted token's rank
+    cid = torch.empty_like(flat).scatter_(0, order, rank)  # each token's rank, in token order
+    # rank -> table row (a rank's tokens all write the same id); rank j past the last distinct id keeps row j
+    rows = torch.arange(flat.numel(), device=flat.device).scatter_(0, rank, s)
+    if plan is not None and plan.ready is not None:  # the forward's plan (made for the ids) is unused: join its stream
+        torch.cuda.current_stream(d.device).wait_event(plan.ready)
+    grad.index_add_(0, rows, K_emb.embedding_bwd(d, cid.view(ids.shape), flat.numel()).to(grad.dtype))
 
 
 def rms_norm(x: Var, weight: Var, eps: float = 1e-6, dtype: torch.dtype | None = None) -> Var:
