@@ -171,8 +171,9 @@ def test_embedding_adds_into_the_gradient_a_table_holds(monkeypatch):
     compact rows (no [V, C] temporary); with N >= V, or no gradient yet, the plain backward over all V rows."""
     from xtrain.kernels import embedding as K_emb
 
-    seen, real = [], K_emb.embedding_bwd
+    seen, real, planned, real_fwd = [], K_emb.embedding_bwd, [], K_emb.embedding_fwd_planned
     monkeypatch.setattr(K_emb, "embedding_bwd", lambda d, ids, V, plan=None: seen.append(V) or real(d, ids, V, plan))
+    monkeypatch.setattr(K_emb, "embedding_fwd_planned", lambda ids, t: planned.append(1) or real_fwd(ids, t))
     g = torch.Generator().manual_seed(0)
     reps = torch.cat([torch.full((n,), i * 7) for i, n in enumerate((4, 5, 1, 9, 2))])  # repeated ids 0, 7, ..., 28
     cases = [(reps[torch.randperm(21, generator=g)].view(3, 7), 50), (torch.tensor([[3, 3], [0, 49]]), 50)]
@@ -182,11 +183,21 @@ def test_embedding_adds_into_the_gradient_a_table_holds(monkeypatch):
         for acc in (None, torch.randn(V, 6, generator=g)):
             v = Var(torch.randn(V, 6, generator=g), requires_grad=True)
             v.grad = held = None if acc is None else acc.clone()
-            seen.clear()
+            seen.clear(), planned.clear()
             ops.embedding(ids, v).backward(d)
             compact = acc is not None and ids.numel() < V
             assert torch.equal(v.grad, want if acc is None else acc + want), (ids, acc is None)
             assert seen == [ids.numel() if compact else V] and (v.grad is held) == (acc is not None)
+            assert planned == ([] if compact else [1])  # the full backward's plan only where that backward runs
+    # tied: the gradient arrives before the embedding's backward (here by hand), so no plan is made at the forward
+    ids, V = cases[0]
+    v = Var(torch.randn(V, 6, generator=g), requires_grad=True)
+    planned.clear()
+    out = ops.embedding(ids, v, tied=True)
+    acc = torch.randn(V, 6, generator=g)
+    v.grad = acc.clone()
+    out.backward(d := torch.randn(*ids.shape, 6, generator=g))
+    assert planned == [] and torch.equal(v.grad, acc + K_emb.embedding_bwd_ref(d, ids, V))
 
 
 def test_rope_batched_positions_and_inverse():

@@ -388,7 +388,8 @@ class Model:
         cfg = self.config
         W = None if cache is None else self._decode_weights()
         rope = mask.rope(self.rope_table, T)  # positions [T] or [B, T] and their cos/sin: shared by every layer
-        x = ops.embedding(ids.reshape(B * T), self.params["model.embed_tokens.weight"])  # [B*T, C] master dtype
+        # [B*T, C] in the master dtype
+        x = ops.embedding(ids.reshape(B * T), self.params["model.embed_tokens.weight"], tied=cfg.tie_embeddings)
         recompute = cfg.recompute and is_grad_enabled()
         dropout = self.training and cfg.dropout > 0.0 and cache is None  # inference (a cache) never drops
         seed = (self.dropout_seeds, *dropout_rows) if dropout else None

@@ -21,10 +21,11 @@ from xtrain.ops.basic import _FLOAT, _check_float, _check_same, check, check_val
 _INT = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def embedding(ids: torch.Tensor, table: Var) -> Var:
+def embedding(ids: torch.Tensor, table: Var, *, tied: bool = False) -> Var:
     """out[..., C] = table[ids]; ids is an integer tensor (not a Var), table [V, C]. Backward: the [V, C] gradient,
     or, where the table is a leaf that holds a gradient already and N < V, the rows added into that gradient in
-    place (``_add_rows_into``; DESIGN.md, "One op, end to end")."""
+    place (``_add_rows_into``; DESIGN.md, "One op, end to end"). ``tied``: the table is also read by an op whose
+    backward runs first (a tied LM head), so it will hold a gradient: the full backward's plan is not made ahead."""
     check(
         isinstance(ids, torch.Tensor) and ids.dtype in _INT,
         "embedding",
@@ -39,7 +40,8 @@ def embedding(ids: torch.Tensor, table: Var) -> Var:
         lo, hi = (int(t) for t in torch.aminmax(ids))
         check(lo >= 0 and hi < V, "embedding", f"ids must lie in [0, {V}), got range [{lo}, {hi}]", ids, table)
 
-    if is_grad_enabled() and table.requires_grad:
+    into = ids.numel() < V and table._backward is None and (tied or table.grad is not None)  # _add_rows_into
+    if is_grad_enabled() and table.requires_grad and not into:
         # the backward's ids-only part (its slots pass and lists), made beside the gather where the backward uses it
         out, plan = K_emb.embedding_fwd_planned(ids, table.data)
     else:
