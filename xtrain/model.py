@@ -411,17 +411,20 @@ class Model:
             h = ops.rms_norm(x, final_norm, cfg.norm_eps, self.compute_dtype)  # [N, C]
         if W is not None:  # decode: the [in, out] head
             return Var((h.data @ W["head"][0]).view(B, T, -1))  # [B, T, V]
-        w = self._w(self.head_weight)  # [V, C]
         if targets is None:
-            return ops.reshape(ops.linear(h, w), (B, T, w.shape[0]))  # [B, T, V]
+            return ops.reshape(ops.linear(h, self._w(self.head_weight)), (B, T, cfg.vocab_size))  # [B, T, V]
         if not isinstance(targets, torch.Tensor) or targets.shape != ids.shape:
             raise ValueError(
                 f"Model: targets must be a tensor of the ids' shape {tuple(ids.shape)}, got "
                 f"{tuple(getattr(targets, 'shape', ()))}"
             )
         t = targets.reshape(B * T)  # [N]
-        if self._fused_loss is not None:
-            return self._fused_loss(h, w, t, ignore_index=ignore_index, reduction=reduction)
+        if self._fused_loss is not None:  # the head's gradient delivered by the loss node, in the master dtype
+            wc = self._compute(self.head_weight)
+            return self._fused_loss(
+                h, self.head_weight, t, ignore_index=ignore_index, reduction=reduction, w_compute=wc
+            )
+        w = self._w(self.head_weight)  # [V, C]
         return ops.cross_entropy(ops.linear(h, w), t, ignore_index=ignore_index, reduction=reduction)
 
     __call__ = forward
