@@ -3,7 +3,7 @@ activation recompute, fused loss; B = 1, T = 1024), from the profiler's memory e
 the step above what was allocated before it, the ops just before that moment, and what stays allocated after it
 (the gradients). Compare two trees by running it with PYTHONPATH set to each:
 
-    PYTHONPATH=/tmp/old python dev/cpu_memory_timeline.py old; PYTHONPATH=. python dev/cpu_memory_timeline.py new
+    PYTHONPATH=/tmp/old:. python dev/cpu_memory_timeline.py old; PYTHONPATH=. python dev/cpu_memory_timeline.py new
 
 The CPU runs the reference kernels, whose temporaries are not the GPU kernels', so this shows where the large
 allocations of the step's own (gradients, the embedding's and the LM head's [V, C] tensors) fall, not the GPU's peak
@@ -13,16 +13,16 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
-from xtrain.config import ModelConfig
+from bench.finetune import model_config
 from xtrain.model import Model
 
 label = sys.argv[1] if len(sys.argv) > 1 else "tree"
 L = int(sys.argv[2]) if len(sys.argv) > 2 else 28
-c = ModelConfig(vocab_size=151936, n_layer=L, n_embd=1024, n_head=16, n_kv_head=8, head_dim=128, ffn_dim=3072,
-                max_seq_len=1024, tie_embeddings=True, loss="fused", recompute=True).validate()  # fmt: skip
+c = replace(model_config("qwen3-0.6b", 1024, "float32"), n_layer=L, loss="fused", recompute=True).validate()
 m = Model(c, seed=0)
 ids = torch.randint(0, c.vocab_size, (1, 1025), generator=torch.Generator().manual_seed(0))
 t0 = time.time()

@@ -4,13 +4,15 @@ state, compute copies, gradients) and the step's peak above it, with the CUDA gr
 eager step under the allocator's history: the moment of the peak, what was live then that the step had allocated
 (largest first, each with the innermost xtrain frame that asked for it), and the order of the largest allocations."""
 
+import gc
 import sys
 from collections import Counter
 from dataclasses import replace
 
 import torch
 
-from bench.finetune import model_config, xtrain_side
+from bench.finetune import model_config
+from bench.train import trainer_step
 
 B, T = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (4, 2048)
 dev = torch.device("cuda")
@@ -32,12 +34,8 @@ for side in ("recompute", "plain"):
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        step = xtrain_side(c, dev, B, T) if graph else None
-        if not graph:
-            from bench.train import trainer_step
-
-            ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
-            step = trainer_step(c, dev, ids, B, graph=False)
+        ids = torch.randint(0, c.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
+        step = trainer_step(c, dev, ids, B, graph=graph)  # bench finetune's xtrain side, the graph on or off
         for _ in range(getattr(step, "min_warmup", 2) + 1):
             step()
         torch.cuda.synchronize()
@@ -75,7 +73,5 @@ for side in ("recompute", "plain"):
             for i, size, where in big[:40]:
                 print(f"    {i:7d} {size / 2**20:8.1f}  {where}")
         del step
-        import gc
-
         gc.collect()
         torch.cuda.empty_cache()

@@ -40,8 +40,8 @@ def embedding(ids: torch.Tensor, table: Var, *, tied: bool = False) -> Var:
         lo, hi = (int(t) for t in torch.aminmax(ids))
         check(lo >= 0 and hi < V, "embedding", f"ids must lie in [0, {V}), got range [{lo}, {hi}]", ids, table)
 
-    into = ids.numel() < V and table._backward is None and (tied or table.grad is not None)  # _add_rows_into
-    if is_grad_enabled() and table.requires_grad and not into:
+    fits = ids.numel() < V and table._backward is None  # a leaf with fewer tokens than rows: _add_rows_into can serve
+    if is_grad_enabled() and table.requires_grad and not (fits and (tied or table.grad is not None)):
         # the backward's ids-only part (its slots pass and lists), made beside the gather where the backward uses it
         out, plan = K_emb.embedding_fwd_planned(ids, table.data)
     else:
@@ -49,7 +49,7 @@ def embedding(ids: torch.Tensor, table: Var, *, tied: bool = False) -> Var:
 
     def backward(d):
         grad = table.grad
-        if grad is not None and table._backward is None and ids.numel() < V:
+        if fits and grad is not None:
             # a leaf that holds a gradient already (a tied LM head's, an earlier micro-batch's): its rows summed
             # into it in place, as the engine adds into a leaf, without a [V, C] table of mostly zeros
             _add_rows_into(grad, d, ids, plan)
