@@ -9,6 +9,8 @@
 #             `git archive REV xtrain bench | tar -x -C .ab/old`) and of this one, alternating, at PRESETS
 #   diag:     the probes named in DIAG (e.g. "dev/addnorm_diag.py"), each under DIAG_S seconds
 #   pytest:   pytest PYTEST_ARGS (a selection), under PYTEST_S seconds
+#   kp:       the flash/doc-mask `-m gpu` tests of another tree carried in .ab/kp (KP_S seconds), e.g.
+#             `git archive BRANCH xtrain tests bench pyproject.toml | tar -x -C .ab/kp`
 #   profile:  `bench profile_train` of the trainer's step and of torch.compile's at gpt2-small B16
 # wheels the image lacks (fastapi, uvicorn and their needs, for the serving tests), carried in .whl when present
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -60,6 +62,10 @@ for stage in ${STAGES:-tests serve}; do
   pytest)
     timeout "${PYTEST_S:-200}" python3 -m pytest -p no:cacheprovider -rfE ${PYTEST_ARGS:-} > "$OUT/pytest_sel.txt" 2>&1
     echo "pytest rc $?"; tail -6 "$OUT/pytest_sel.txt" ;;
+  kp)
+    (cd .ab/kp && PYTHONPATH=$PWD${PYTHONPATH#.} timeout "${KP_S:-200}" python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider \
+      -rfE tests/test_flash_*.py tests/test_doc_mask_triton.py > "$OUT/pytest_kp.txt" 2>&1)
+    echo "kp rc $?"; tail -6 "$OUT/pytest_kp.txt" ;;
   profile)
     for st in trainer compile; do
       timeout "${PROF_S:-120}" python3 -m xtrain.cli bench profile_train --device cuda --dtype bfloat16 \

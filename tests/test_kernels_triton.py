@@ -37,6 +37,7 @@ if HAVE_TRITON:
     from xtrain.kernels import qk_norm_rope as K_qk
     from xtrain.kernels import rms_norm as K_rms
     from xtrain.kernels import rope as K_rope
+    from xtrain.kernels import rows_linear as K_rows
     from xtrain.kernels import swiglu as K_sw
     from xtrain.kernels.attention import decode as K_dec
 
@@ -964,3 +965,44 @@ def test_decode_attention_gpu(B, H, Hkv, D, dtype):
         got = K_dec.decode_attention_triton(q, ck, cv, slots, n, D**-0.5)
     want = K_dec.decode_attention_ref(q.double(), ck.double(), cv.double(), slots, n, D**-0.5)
     assert _rel(got, want) < _tol(dtype)
+
+
+def _rows_case(M, K, N, pre, res, dtype, device, seed):
+    """x, w (a [K, N] view of [N, K] memory, as the decode path holds it), g, res for ``rows_linear``; the residual
+    and the normed x in fp32 (the master dtype), the rest in ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, 2 * K if pre == "glu" else K, generator=g)
+    w = torch.randn(N, K, generator=g) / K**0.5
+    gw = 1 + 0.1 * torch.randn(K, generator=g)
+    r = torch.randn(M, N, generator=g) if res else None
+    x = x.to(device, torch.float32 if pre == "norm" else dtype)
+    return x, w.to(device, dtype).t(), gw.to(device), None if r is None else r.to(device)
+
+
+@needs_cpu_interp
+@pytest.mark.parametrize("pre", [None, "norm", "glu"])
+@pytest.mark.parametrize("res", [False, True])
+@pytest.mark.parametrize("M,K,N,config", [(1, 40, 37, (4, 16)), (3, 24, 8, (8, 32))])
+def test_rows_linear_cpu(pre, res, M, K, N, config):
+    """The decode projections' kernel against its composed reference in fp64: the norm, the SwiGLU and the
+    residual add in the product's pass; K and N not multiples of the tile (masked tails, several K steps)."""
+    x, w, gw, r = _rows_case(M, K, N, pre, res, torch.float32, "cpu", M * 7 + K)
+    with poisoned():
+        got = K_rows.rows_linear_triton(x, w, pre, gw, 1e-6, r, config=config)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    want = K_rows.rows_linear_ref(x.double(), w.double(), pre, gw.double(), 1e-6, d(r))
+    assert got.shape == (M, N) and got.dtype == torch.float32 and _rel(got, want) < CPU_TOL
+    assert _rel(K_rows.rows_linear_ref(x, w, pre, gw, 1e-6, r), want) < CPU_TOL
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pre,res,M,K,N", [("norm", False, 1, 768, 1280), (None, True, 1, 768, 768),
+                                           ("glu", True, 4, 3072, 768), ("norm", False, 2, 1024, 151936)])  # fmt: skip
+def test_rows_linear_gpu(pre, res, M, K, N, dtype):
+    x, w, gw, r = _rows_case(M, K, N, pre, res, dtype, "cuda", 3)
+    with poisoned():
+        got = K_rows.rows_linear_triton(x, w, pre, gw, 1e-6, r)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    want = K_rows.rows_linear_ref(x.double(), w.double(), pre, gw.double(), 1e-6, d(r))
+    assert got.dtype == (torch.float32 if res else dtype) and _rel(got, want) < _tol(dtype)

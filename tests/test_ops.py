@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import xtrain.ops as ops
 from xtrain import Var
+from xtrain.autograd import no_grad
 from xtrain.check import cases, run_case
 
 CASES = cases()
@@ -453,3 +454,24 @@ def test_weight_gradient_comes_out_of_the_matmul_in_fp32_on_cuda():
     ref = dy.float().t() @ x0.float()
     assert w.grad.dtype == torch.float32
     assert float((w.grad - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_rows_linear_is_the_composed_ops_and_checks_its_inputs():
+    """The decode path's projection (``ops.rows_linear``) on the CPU: the norm, the SwiGLU and the residual add
+    around the product give what the ops give one by one (fp64); a wrong shape or a taping call is a ValueError
+    naming the op."""
+    g = torch.Generator().manual_seed(0)
+    x, x2, w = torch.randn(3, 8, generator=g).double(), torch.randn(3, 16, generator=g).double(), None
+    w = torch.randn(8, 5, generator=g).double()
+    gw, r = 1 + torch.rand(8, generator=g).double(), torch.randn(3, 5, generator=g).double()
+    with no_grad():
+        normed = ops.rms_norm(Var(x), Var(gw), 1e-6).data
+        glu = ops.swiglu(Var(x2[:, :8]), Var(x2[:, 8:])).data
+        assert torch.allclose(ops.rows_linear(x, w, "norm", gw, 1e-6), normed @ w, rtol=1e-13, atol=0)
+        assert torch.allclose(ops.rows_linear(x2, w, "glu", res=r), r + glu @ w, rtol=1e-13, atol=1e-15)
+        assert torch.allclose(ops.rows_linear(x, w, res=r), r + x @ w, rtol=1e-13, atol=1e-15)
+        for bad in [(x2, w), (x, w, "glu"), (x, w, "norm"), (x, w, None, None, 0.0, r[:, :4]), (x, w, "relu")]:
+            with pytest.raises(ValueError, match=r"rows_linear: .*shapes"):
+                ops.rows_linear(*bad)
+    with pytest.raises(ValueError, match="rows_linear"):
+        ops.rows_linear(x, w)  # the tape is on: inference only

@@ -269,7 +269,8 @@ class Model:
 
     def _decode_weights(self) -> dict:
         """The decode path's weights (module docstring): per layer the matmul weights "qkv", "o", "gate_up", "down",
-        and "head", each a contiguous [in, out] tensor in the compute dtype (x @ W is one GEMM), and "qk_norm" [H +
+        and "head", each an [in, out] tensor in the compute dtype (``ops.rows_linear``'s w: contiguous on the CPU, where
+        x @ W is one GEMM; on CUDA a view of [out, in] memory, read along K by its kernel), and "qk_norm" [H +
         Hkv, D] in the master dtype: q_norm's weight in H rows, then k_norm's in Hkv (``ops.qkv_norm_rope``). Made
         on first use; written again, in place, when a parameter's version or storage changed since."""
         W = self.__dict__.get("_decode_w")
@@ -289,8 +290,9 @@ class Model:
             "head": [stack(self.head_weight.name)],
             "qk_norm": [norms(p) for p in L],
         }
-        if W is None:
-            W = self._decode_w = {k: [t.contiguous() for t in v] for k, v in new.items()}
+        if W is None:  # [in, out] memory on the CPU; on CUDA the [out, in] memory ``rows_linear`` reads along K
+            keep = self.device.type == "cuda"
+            W = self._decode_w = {k: [t if keep else t.contiguous() for t in v] for k, v in new.items()}
         for k, v in new.items():  # in place: a captured decode graph reads the new values
             for old, t in zip(W[k], v):
                 old.copy_(t)
@@ -314,36 +316,37 @@ class Model:
         positions, table = rope
         T = positions.shape[-1]
 
-        if h is None:
-            h = ops.rms_norm(x, P["input_layernorm.weight"], eps, dt)  # [B*T, C], normed straight into dt
         if W is None:  # [B*T, H*D], [B*T, Hkv*D] x2
+            if h is None:
+                h = ops.rms_norm(x, P["input_layernorm.weight"], eps, dt)  # [B*T, C], normed straight into dt
             q, k, v = (self._linear(h, P[f"self_attn.{n}_proj.weight"]) for n in "qkv")
             # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
             # the norm weights straight from their masters (an fp32 master with bf16/fp16 activations is read in fp32)
             q = ops.qk_norm_rope(q, P["self_attn.q_norm.weight"], H, positions, cfg.rope_theta, eps, table)
             k = ops.qk_norm_rope(k, P["self_attn.k_norm.weight"], Hkv, positions, cfg.rope_theta, eps, table)
-        else:  # decode (inference, no tape): one GEMM over the stacked weights; the same norm and RoPE of q and k
-            q, k, v = ops.qkv_norm_rope(h.data @ W["qkv"][i], W["qk_norm"][i], H, Hkv, positions, cfg.rope_theta, eps,
-                                        table)  # fmt: skip
+        else:  # decode (inference, no tape): the input norm and one product over the stacked weights, then the
+            # same norm and RoPE of q and k
+            qkv = ops.rows_linear(x.data, W["qkv"][i], "norm", P["input_layernorm.weight"].data, eps)
+            q, k, v = ops.qkv_norm_rope(qkv, W["qk_norm"][i], H, Hkv, positions, cfg.rope_theta, eps, table)
         if cache is None:
             a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
         else:  # the new keys and values into the cache; attention over the layer's cache
             cache.store(i, k, v, mask)
             a = ops.cached_attention(q, *cache.kv[i], mask)
-        a = self._linear(a, P["self_attn.o_proj.weight"]) if W is None else Var(a.data @ W["o"][i])  # [B*T, C]
+        if W is not None:  # decode: each residual add in its product's pass, each norm and the SwiGLU in the next's
+            x = ops.rows_linear(a.data, W["o"][i], res=x.data)  # [B*T, C]
+            gu = ops.rows_linear(x, W["gate_up"][i], "norm", P["post_attention_layernorm.weight"].data, eps)
+            return Var(ops.rows_linear(gu, W["down"][i], "glu", res=x))  # [B*T, 2F] -> [B*T, C]
+        a = self._linear(a, P["self_attn.o_proj.weight"])  # [B*T, C]
         # the branch promoted to the master dtype in the add, and the sum normed in the same pass: [B*T, C] each
         x, h = ops.add_rms_norm(
             x, self._dropout(a, seed, i, SITE_ATTN, T), P["post_attention_layernorm.weight"], eps, dt
         )
-        if W is None:  # silu(h Wgᵀ) * (h Wuᵀ) as one node                     [B*T, F]
-            wg, wu = P["mlp.gate_proj.weight"], P["mlp.up_proj.weight"]
-            cg, cu = self._compute(wg), self._compute(wu)
-            s = ops.swiglu_linear(h, wg, wu, w_compute=None if cg is None else (cg, cu))
-            y = self._linear(s, P["mlp.down_proj.weight"])  # [B*T, C]
-        else:
-            g, u = (h.data @ W["gate_up"][i]).chunk(2, dim=1)
-            y = Var(ops.swiglu(Var(g), Var(u)).data @ W["down"][i])
-        y = self._dropout(y, seed, i, SITE_MLP, T)
+        # silu(h Wgᵀ) * (h Wuᵀ) as one node                                      [B*T, F]
+        wg, wu = P["mlp.gate_proj.weight"], P["mlp.up_proj.weight"]
+        cg, cu = self._compute(wg), self._compute(wu)
+        s = ops.swiglu_linear(h, wg, wu, w_compute=None if cg is None else (cg, cu))
+        y = self._dropout(self._linear(s, P["mlp.down_proj.weight"]), seed, i, SITE_MLP, T)  # [B*T, C]
         return ops.add_cast(x, y) if next_norm is None else ops.add_rms_norm(x, y, next_norm, eps, dt)
 
     @property
@@ -398,6 +401,8 @@ class Model:
         final_norm, h = self.params["model.norm.weight"], None
         norms = [self._layers[i + 1]["input_layernorm.weight"] for i in range(cfg.n_layer - 1)]
         norms.append(final_norm if not (last and T > 1) else None)  # last: the final norm after the slice
+        if W is not None:  # decode: each norm runs inside the product that reads it
+            norms = [None] * cfg.n_layer
         for i in range(cfg.n_layer):
             if recompute:
                 x = checkpoint(self._block, x, i, mask, rope, seed)
@@ -407,10 +412,10 @@ class Model:
                 x, h = self._block(x, i, mask, rope, seed, cache, W, h, norms[i])
         if last and T > 1:  # [B, C]: each row's last position
             x, T = Var(x.data.view(B, T, -1)[:, -1]), 1
+        if W is not None:  # decode: the final norm inside the head's product
+            return Var(ops.rows_linear(x.data, W["head"][0], "norm", final_norm.data, cfg.norm_eps).view(B, T, -1))
         if recompute or norms[-1] is None:
             h = ops.rms_norm(x, final_norm, cfg.norm_eps, self.compute_dtype)  # [N, C]
-        if W is not None:  # decode: the [in, out] head
-            return Var((h.data @ W["head"][0]).view(B, T, -1))  # [B, T, V]
         if targets is None:
             return ops.reshape(ops.linear(h, self._w(self.head_weight)), (B, T, cfg.vocab_size))  # [B, T, V]
         if not isinstance(targets, torch.Tensor) or targets.shape != ids.shape:

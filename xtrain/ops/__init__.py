@@ -8,7 +8,7 @@ attention: attention (composed), math_attention (one node, hand-written backward
            inference), repeat_kv, causal_mask, doc_mask; flash_attention (fused, xtrain.ops.flash); each takes
            a mask (xtrain.mask)
 fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, qkv_norm_rope (decode),
-       rope_table, swiglu_linear, add_rms_norm (xtrain.ops.fused)
+       rows_linear (decode), rope_table, swiglu_linear, add_rms_norm (xtrain.ops.fused)
 """
 
 from xtrain.ops.attention import (
@@ -77,6 +77,7 @@ __all__ = [
     "rms_norm",
     "rope",
     "rope_table",
+    "rows_linear",
     "scale",
     "silu",
     "softmax",
@@ -101,6 +102,7 @@ def __getattr__(name):
         "qk_norm_rope",
         "qkv_norm_rope",
         "rope_table",
+        "rows_linear",
         "swiglu_linear",
     ):
         from xtrain.ops import fused

@@ -8,6 +8,8 @@ logits exist. The loss is a scalar, so backward only scales the saved gradients 
 qk_norm_rope(x, w, heads, positions) = rope(rms_norm(x per head)) in [B, H, T, D], one node each way, with
 the cos/sin table computed once per model call (``rope_table``) instead of once per layer, op and direction.
 qkv_norm_rope: the same for the q and k columns of the decode path's stacked q/k/v rows (inference).
+rows_linear: the decode path's projections of a few rows, with the norm or the SwiGLU before and the residual add
+after in the same kernel (inference).
 
 swiglu_linear(x, w_gate, w_up) = swiglu(x w_gate^T, x w_up^T): the MLP's input half as one node.
 
@@ -23,6 +25,7 @@ from xtrain.autograd import Var, adds_into, is_grad_enabled
 from xtrain.kernels import linear_cross_entropy as K
 from xtrain.kernels import qk_norm_rope as K_qk
 from xtrain.kernels import rms_norm as K_rms
+from xtrain.kernels import rows_linear as K_rows
 from xtrain.kernels import swiglu as K_swiglu
 from xtrain.kernels._dispatch import prefer_fused, use_triton
 from xtrain.ops.basic import _FLOAT, _check_compute, _check_same, _mm_to, cast_as, check, check_values, linear
@@ -194,6 +197,29 @@ def qkv_norm_rope(qkv: torch.Tensor, w: torch.Tensor, H: int, Hkv: int, position
     qk, v = qkv.split((G * D, Hkv * D), dim=1)  # [N, G*D] (a column slice), [N, Hkv*D]
     q, k = K_qk.qk_norm_rope_fwd_ref(qk, w, G, eps, positions, theta, table)[0].split((H, Hkv), dim=1)
     return Var(q), Var(k), Var(v)
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor, pre: str | None = None, g: torch.Tensor | None = None,
+                eps: float = 0.0, res: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Inference (the decode path: no tape): a few rows x times w [K, N] with the norm ("norm": x [M, K] normed by
+    g [K] into w's dtype) or the SwiGLU ("glu": x [M, 2K], gate then up) before, and the residual res [M, N]
+    (master dtype) added after (``kernels.rows_linear``). On CUDA with at most ``ROWS_MAX`` rows, one kernel;
+    else the composed ops (cuBLAS on CUDA, ``addmm`` for the residual on the CPU)."""
+    op = "rows_linear"
+    M, Kx = x.shape if x.dim() == 2 else (0, 0)
+    K, N = w.shape if w.dim() == 2 else (0, 0)
+    if not (
+        x.dim() == 2 and w.dim() == 2 and pre in K_rows._PRE and Kx == (2 * K if pre == "glu" else K) and K > 0
+        and x.device == w.device and w.dtype in _FLOAT and (x.dtype is w.dtype or pre == "norm")
+        and x.stride(-1) == 1 and (pre != "norm" or (g is not None and tuple(g.shape) == (K,)))
+        and (res is None or (tuple(res.shape) == (M, N) and res.dtype in _FLOAT and res.stride(-1) == 1))
+        and not is_grad_enabled()
+    ):  # fmt: skip
+        check(False, op, f"need x [M, K] ([M, 2K] for glu; in w's dtype unless normed, unit stride), w [K, N], g [K] "
+              f"for norm, res [M, N], one device, under no_grad; pre={pre!r}", x, w, g, res)  # fmt: skip
+    if use_triton(x, w) and M <= K_rows.ROWS_MAX:
+        return K_rows.rows_linear_triton(x, w, pre, g, eps, res)
+    return K_rows.rows_linear_ref(x, w, pre, g, eps, res, fast=x.is_cuda)
 
 
 def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean", *,
