@@ -299,16 +299,16 @@ class Model:
 
     def _block(self, x: Var, i: int, mask: Mask, rope: tuple, seed: tuple | None, cache=None, W=None, h=None,
                next_norm: Var | None = None):  # fmt: skip
-        """One transformer block on the residual stream x [B*T, C] (master dtype; kept 2-D so every linear is
-        one mm without reshapes). ``mask`` (``xtrain.mask``) picks the attention; ``rope`` is (positions, table):
-        the mask's RoPE positions ([T] or [B, T]) and their cos/sin (``ops.rope_table``), shared by every layer.
-        ``seed`` is (seed buffer, row_start, row_stride) taken at forward time (None: no dropout); a recompute in
-        backward reads the same buffer, which holds the same step's seeds until the next ``set_dropout_step``.
-        ``cache`` (inference): the new keys and values go into it and attention reads its rows; ``W``: the
-        decode weights (``_decode_weights``), or None for the parameters themselves (training). ``h``: the block's
-        normed input when the previous block made it (see ``next_norm``), else None. ``next_norm``: the weight of
-        the norm that reads this block's output (the next block's input norm, or the final norm): the last residual
-        add and that norm are then one ``add_rms_norm`` and the block returns (x, normed x), else x alone."""
+        """One transformer block on the residual stream x [B*T, C] (master dtype; kept 2-D so every linear is one mm
+        without reshapes). ``mask`` (``xtrain.mask``) picks the attention; ``rope`` is (positions, table): the mask's
+        RoPE positions ([T] or [B, T]) and their cos/sin (``ops.rope_table``), shared by every layer. ``seed`` is (seed
+        buffer, row_start, row_stride) taken at forward time (None: no dropout); a recompute in backward reads the same
+        buffer, which holds the same step's seeds until the next ``set_dropout_step``. ``cache`` (inference): the new
+        keys and values go into it (``ops.qkv_norm_rope``) and attention reads its rows; ``W``: the decode weights
+        (``_decode_weights``), or None for the parameters themselves (training). ``h``: the block's normed input when
+        the previous block made it (see ``next_norm``), else None. ``next_norm``: the weight of the norm that reads this
+        block's output (the next block's input norm, or the final norm): the last residual add and that norm are then
+        one ``add_rms_norm`` and the block returns (x, normed x), else x alone."""
         cfg, P, dt = self.config, self._layers[i], self.compute_dtype
         H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
         positions, table = rope
@@ -322,13 +322,10 @@ class Model:
             # the norm weights straight from their masters (an fp32 master with bf16/fp16 activations is read in fp32)
             q = ops.qk_norm_rope(q, P["self_attn.q_norm.weight"], H, positions, cfg.rope_theta, eps, table)
             k = ops.qk_norm_rope(k, P["self_attn.k_norm.weight"], Hkv, positions, cfg.rope_theta, eps, table)
-        else:  # decode (inference, no tape): one GEMM over the stacked weights; the same norm and RoPE of q and k
-            q, k, v = ops.qkv_norm_rope(h.data @ W["qkv"][i], W["qk_norm"][i], H, Hkv, positions, cfg.rope_theta, eps,
-                                        table)  # fmt: skip
-        if cache is None:
             a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
-        else:  # the new keys and values into the cache; attention over the layer's cache
-            cache.store(i, k, v, mask)
+        else:  # decode (inference, no tape): one GEMM over the stacked weights; q normed and roped, k (the same) and v
+            # written into the layer's cache; attention over that cache
+            q = ops.qkv_norm_rope(h.data @ W["qkv"][i], W["qk_norm"][i], H, Hkv, mask, table, eps, cache.kv[i])
             a = ops.cached_attention(q, *cache.kv[i], mask)
         a = self._linear(a, P["self_attn.o_proj.weight"]) if W is None else Var(a.data @ W["o"][i])  # [B*T, C]
         # the branch promoted to the master dtype in the add, and the sum normed in the same pass: [B*T, C] each
