@@ -176,8 +176,8 @@ def qkv_norm_rope(qkv: torch.Tensor, w: torch.Tensor, H: int, Hkv: int, mask, ta
     and roped as q) and v written into the layer's cache ``cache_kv = (ck, cv)``, each [R, Hkv, Tmax, D], at the
     mask's rows and positions, where ``cached_attention`` reads them. ``w`` [H + Hkv, D]: q_norm's weight in H rows,
     then k_norm's (``Model._decode_weights`` stacks them); ``table`` the cos/sin of the mask's positions
-    (``mask.rope``). A decode step on CUDA (Tn = 1) is one kernel (``qkv_norm_rope_store_triton``); a longer step on
-    CUDA two ``qk_norm_rope`` kernels and the writes; elsewhere the reference's operations once over the H + Hkv
+    (``mask.rope``). A decode step on CUDA (Tn = 1) is one kernel (``qkv_norm_rope_store_triton``); another step on
+    CUDA two ``qk_norm_rope`` calls and the writes; elsewhere the reference's operations once over the H + Hkv
     heads (a batch-1 decode step on the CPU is bound by the number of ops, not by their size) and the writes, as
     narrowed views for a lone row known on the host (``mask.row``), else indexed writes. Every path gives q and the
     caches the values of two ``qk_norm_rope`` calls and the writes, bit for bit."""
@@ -197,7 +197,8 @@ def qkv_norm_rope(qkv: torch.Tensor, w: torch.Tensor, H: int, Hkv: int, mask, ta
         check(False, op, f"need qkv [B*Tn, (H+2Hkv)*D], w [H+Hkv, D], a Cached mask of B rows of Tn new tokens, its "
               f"table, caches [R, Hkv, Tmax >= keys, D] of qkv's dtype, one device, under no_grad; H={H}, Hkv={Hkv}, "
               f"mask {mask!r}", Var(qkv), Var(w), *(t for t in (ck, cv) if isinstance(t, torch.Tensor)))  # fmt: skip
-    if Tn == 1 and use_triton(qkv, w, ck):  # a decode step: one kernel
+    # a decode step: one kernel (its tiles need D a power of 2; fp64 runs the reference, as qk_norm_rope's)
+    if Tn == 1 and not D & (D - 1) and qkv.dtype is not torch.float64 and use_triton(qkv, w, ck):
         q = K_qk.qkv_norm_rope_store_triton(qkv, w, H, Hkv, eps, table, ck, cv, mask.slots, mask.start)
         return Var(q)
     positions = mask.positions(Tn, qkv.device)  # theta (0.0 below) is unused where a table is given
