@@ -141,6 +141,10 @@ def cases() -> dict[str, Callable[[], None]]:
                 qk_norm_rope.qk_norm_rope_bwd_triton(y, x, w, 4, inv, pos, table)  # dy in the forward's layout
                 dy = r(2, 4, 16, 64, dtype=dt)
                 qk_norm_rope.qk_norm_rope_bwd_triton(dy, x, w, 4, inv, pos, table)  # and contiguous
+            for B, H, Hkv, D in ((1, 12, 4, 64), (2, 16, 8, 128)):  # a decode step: a lone row's table, then B rows'
+                ck, c = r(3, Hkv, 40, D, dtype=dt), r(B, 1, 1, D // 2) if B > 1 else r(1, D // 2)
+                qkv, w, rows = r(B, (H + 2 * Hkv) * D, dtype=dt), r(H + Hkv, D), torch.arange(B)
+                qk_norm_rope.qkv_norm_rope_store_triton(qkv, w, H, Hkv, 1e-6, (c, c), ck, ck, rows, rows)
 
         def swiglu_(dt=dt):
             a, b, dy = r(8, 96, dtype=dt), r(8, 96, dtype=dt), r(8, 96, dtype=dt)
