@@ -22,6 +22,7 @@ def test_every_triton_kernel_compiles_for_sm90():
         "_rms_norm_fwd_kernel",
         "_rms_norm_bwd_kernel",
         "_rope_kernel",
+        "_qkv_norm_rope_store_kernel",
         "_swiglu_bwd_kernel",
         "_dropout_kernel",
         "_cross_entropy_fwd_bwd_kernel",

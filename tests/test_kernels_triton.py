@@ -995,6 +995,55 @@ def test_rows_linear_cpu(pre, res, M, K, N, config):
     assert _rel(K_rows.rows_linear_ref(x, w, pre, gw, 1e-6, r), want) < CPU_TOL
 
 
+def _store_case(B, H, Hkv, D, dtype, device, seed, R=7, Tmax=9, pad=3):
+    """A decode step's inputs: qkv rows as a column slice of wider rows (their stride is not their width; pad 16
+    on the GPU keeps the rows 16-element aligned, as the model's contiguous rows are), w
+    [H + Hkv, D] (a weight per head), stale caches, slots not adjacent at different positions (both ends of the
+    cache), positions and table as a ``Cached`` mask gives them (a lone row: [1] and [1, D/2], else [B, 1] and
+    [B, 1, 1, D/2])."""
+    g = torch.Generator().manual_seed(seed)
+    F = (H + 2 * Hkv) * D
+    qkv = torch.randn(B, F + 2 * pad, generator=g).to(device, dtype)[:, pad : pad + F]
+    w = (1 + 0.1 * torch.randn(H + Hkv, D, generator=g)).to(device)
+    ck, cv = (torch.randn(R, Hkv, Tmax, D, generator=g).to(device, dtype) for _ in range(2))
+    slots, start = torch.tensor([5, 0, 3, 1][:B], device=device), torch.tensor([Tmax - 1, 0, 4, 6][:B], device=device)
+    c, s = K_qk.rope_table(torch.arange(Tmax, device=device), D, 10000.0, torch.float32)
+    if B == 1:
+        pos, table = start, (c[Tmax - 1 :], s[Tmax - 1 :])
+    else:
+        pos, table = start[:, None], (c[start][:, None, None], s[start][:, None, None])
+    return qkv, w, ck, cv, slots, start, pos, table
+
+
+@needs_cpu_interp
+@pytest.mark.parametrize("B,H,Hkv,D", [(3, 6, 2, 64), (1, 4, 4, 128), (2, 24, 8, 128)])
+def test_qkv_norm_rope_store_cpu(B, H, Hkv, D):
+    """The decode step's kernel (q out; k normed and roped, v as it is, into the cache rows) against its reference:
+    GQA and MHA, head dims 64 and 128, more heads than one tile (40 rows of 32 at D = 128), a lone row; every cache
+    position but the new ones keeps its stale value."""
+    qkv, w, ck, cv, slots, start, _, table = _store_case(B, H, Hkv, D, torch.float32, "cpu", B * 10 + H)
+    ckr, cvr, ck0, cv0 = ck.clone(), cv.clone(), ck.clone(), cv.clone()
+    with poisoned():
+        q = K_qk.qkv_norm_rope_store_triton(qkv, w, H, Hkv, 1e-6, table, ck, cv, slots, start)
+    qr = K_qk.qkv_norm_rope_store_ref(qkv, w, H, Hkv, 1e-6, table, ckr, cvr, slots, start)
+    assert q.shape == (B, H, 1, D) and _scaled_err(q, qr) <= CPU_TOL
+    new = torch.zeros(ck.shape[0], ck.shape[2], dtype=torch.bool)
+    new[slots, start] = True  # [R, Tmax]: the positions written
+    (k, kr, k0), (v, vr, v0) = ([c.transpose(1, 2) for c in t] for t in ((ck, ckr, ck0), (cv, cvr, cv0)))
+    assert torch.equal(k[~new], k0[~new]) and torch.equal(v[~new], v0[~new])
+    assert _scaled_err(k[new], kr[new]) <= CPU_TOL and torch.equal(v[new], vr[new])
+    # fp16 storage (the interpreter's bf16 is wrong): the norm's output is rounded before the rotation, as the
+    # reference rounds it. Without that rounding 8-15% of the values of q and of the new keys change by an ulp, which
+    # no tolerance on the values tells from noise; with it they match bit for bit but for a rare tie the two orders
+    # of the sum of squares round apart (hence 99%, not all)
+    qkv, w, ck, cv, slots, start, _, table = _store_case(B, H, Hkv, D, torch.float16, "cpu", B * 10 + H)
+    ckr = ck.clone()
+    q = K_qk.qkv_norm_rope_store_triton(qkv, w, H, Hkv, 1e-6, table, ck, cv.clone(), slots, start)
+    qr = K_qk.qkv_norm_rope_store_ref(qkv, w, H, Hkv, 1e-6, table, ckr, cv.clone(), slots, start)
+    k, kr = ck[slots, :, start], ckr[slots, :, start]  # [B, Hkv, D] the new keys
+    assert (q == qr).double().mean() >= 0.99 and (k == kr).double().mean() >= 0.99
+
+
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pre,res,M,K,N", [("norm", False, 1, 768, 1280), (None, True, 1, 768, 768),
@@ -1006,3 +1055,31 @@ def test_rows_linear_gpu(pre, res, M, K, N, dtype):
     d = lambda t: None if t is None else t.double()  # noqa: E731
     want = K_rows.rows_linear_ref(x.double(), w.double(), pre, gw.double(), 1e-6, d(r))
     assert got.dtype == (torch.float32 if res else dtype) and _rel(got, want) < _tol(dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,Hkv,D", [(1, 12, 4, 64), (3, 16, 8, 128), (4, 32, 8, 128)])
+def test_qkv_norm_rope_store_gpu(B, H, Hkv, D, dtype):
+    """Bit for bit what a decode step computed before the kernel: two ``qk_norm_rope_fwd_triton`` launches (q, then
+    k, each on its columns with its norm's weight) and the cache writes; the op (``ops.qkv_norm_rope`` with the
+    ``Cached`` mask's own table) gives the same."""
+    from xtrain import ops
+    from xtrain.autograd import no_grad
+    from xtrain.mask import Cached
+
+    qkv, w, ck, cv, slots, start, pos, table = _store_case(B, H, Hkv, D, dtype, "cuda", 7, R=6, Tmax=520, pad=16)
+    w[1:H], w[H + 1 :] = w[0], w[H]  # q_norm's weight on every q head, k_norm's on every k head (the model's)
+    want_k, want_v, op_k, op_v = ck.clone(), cv.clone(), ck.clone(), cv.clone()
+    with poisoned():
+        q = K_qk.qkv_norm_rope_store_triton(qkv, w, H, Hkv, 1e-6, table, ck, cv, slots, start)
+        qr = K_qk.qk_norm_rope_fwd_triton(qkv[:, : H * D], w[0], H, 1e-6, pos, table)[0]
+        kr = K_qk.qk_norm_rope_fwd_triton(qkv[:, H * D : (H + Hkv) * D], w[H], Hkv, 1e-6, pos, table)[0]
+    want_k[slots, :, start] = kr[:, :, 0]
+    want_v[slots, :, start] = qkv[:, (H + Hkv) * D :].reshape(B, Hkv, D)
+    assert torch.equal(q, qr) and torch.equal(ck, want_k) and torch.equal(cv, want_v)
+    mask = Cached(slots, start, 1, 520, (5, 519) if B == 1 else None)
+    with no_grad():
+        qo = ops.qkv_norm_rope(qkv, w, H, Hkv, mask, mask.rope(K_qk.rope_table(torch.arange(520, device="cuda"), D,
+                               10000.0, torch.float32), 1)[1], 1e-6, (op_k, op_v))  # fmt: skip
+    assert torch.equal(qo.data, qr) and torch.equal(op_k, want_k) and torch.equal(op_v, want_v)

@@ -475,3 +475,74 @@ def test_rows_linear_is_the_composed_ops_and_checks_its_inputs():
                 ops.rows_linear(*bad)
     with pytest.raises(ValueError, match="rows_linear"):
         ops.rows_linear(x, w)  # the tape is on: inference only
+
+
+# --- qkv_norm_rope: the decode path's q, and k and v into the KV cache ----------------------------------------
+
+
+def _qkv_case(B, Tn, row, dtype, H=6, Hkv=2, D=16, R=5, Tmax=12):
+    """Stacked q/k/v rows of Tn new tokens of B cache rows (non-adjacent slots, different positions, both ends of
+    the cache), the stacked norm weights (fp32 masters, per head as ``Model._decode_weights`` stacks them), stale
+    caches, the ``Cached`` mask (a host row or not) and its positions' RoPE rows."""
+    from xtrain.mask import Cached
+
+    g = torch.Generator().manual_seed(B * 100 + Tn * 10 + row)
+    qkv = torch.randn(B * Tn, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    wq, wk = (1 + 0.1 * torch.randn(D, generator=g) for _ in range(2))
+    w = torch.cat([wq.expand(H, -1), wk.expand(Hkv, -1)])  # [H + Hkv, D]
+    ck, cv = (torch.randn(R, Hkv, Tmax, D, generator=g).to(dtype) for _ in range(2))
+    slots, start = torch.tensor([3, 0, 1][:B]), torch.tensor([Tmax - Tn, 0, 5][:B])
+    mask = Cached(slots, start, Tn, Tmax, (3, Tmax - Tn) if row else None)
+    pos, table = mask.rope(ops.rope_table(torch.arange(Tmax), D, 10000.0), Tn)
+    return qkv, w, wq, wk, ck, cv, mask, pos, table
+
+
+@pytest.mark.parametrize("B,Tn,row", [(1, 1, True), (1, 3, True), (1, 1, False), (3, 1, False), (2, 4, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_norm_rope_writes_the_cache_as_two_qk_norm_rope_calls(B, Tn, row, dtype):
+    """The CPU path (the reference's operations once over the q and k heads; the writes as narrowed views of a
+    host row, else indexed writes): q and the caches hold, bit for bit, two ``qk_norm_rope`` calls' q and k with v
+    written at the mask's rows and positions; every other cache position keeps its stale value."""
+    from xtrain.autograd import no_grad
+
+    H, Hkv, D = 6, 2, 16
+    qkv, w, wq, wk, ck, cv, mask, pos, table = _qkv_case(B, Tn, row, dtype)
+    want_k, want_v = ck.clone(), cv.clone()
+    with no_grad():
+        q = ops.qkv_norm_rope(qkv, w, H, Hkv, mask, table, 1e-6, (ck, cv))
+        qr = ops.qk_norm_rope(Var(qkv[:, : H * D]), Var(wq), H, pos, 10000.0, 1e-6, table).data
+        kr = ops.qk_norm_rope(Var(qkv[:, H * D : (H + Hkv) * D]), Var(wk), Hkv, pos, 10000.0, 1e-6, table).data
+    vr = qkv[:, (H + Hkv) * D :].reshape(B, Tn, Hkv, D)
+    for b in range(B):
+        for t in range(Tn):
+            s, p = int(mask.slots[b]), int(mask.start[b]) + t
+            want_k[s, :, p], want_v[s, :, p] = kr[b, :, t], vr[b, t]
+    assert q.shape == (B, H, Tn, D) and torch.equal(q.data, qr)
+    assert torch.equal(ck, want_k) and torch.equal(cv, want_v)
+
+
+def test_qkv_norm_rope_bad_inputs():
+    """Each bad input is a ValueError naming the op and the shapes (under no_grad, where the good call runs)."""
+    from xtrain.autograd import no_grad
+    from xtrain.mask import CAUSAL
+
+    qkv, w, _, _, ck, cv, mask, _, table = _qkv_case(3, 1, False, torch.float32)
+    good = dict(qkv=qkv, w=w, H=6, Hkv=2, mask=mask, table=table, eps=1e-6, cache_kv=(ck, cv))
+    bad = [
+        dict(mask=CAUSAL),  # not a Cached mask
+        dict(qkv=qkv[:2]),  # 2 rows for a mask of 3 rows of 1 token
+        dict(H=5),  # the columns are not (H + 2 Hkv) D
+        dict(w=w[:7]),  # w not [H + Hkv, D]
+        dict(cache_kv=(ck[:, :1], cv[:, :1])),  # 1 kv head in the cache for Hkv = 2
+        dict(cache_kv=(ck, cv.double())),  # caches of two dtypes
+        dict(cache_kv=(ck[:, :, :4], cv[:, :, :4])),  # fewer positions than the mask's keys
+        dict(cache_kv=ck),  # not a (ck, cv) pair
+        dict(table=ops.rope_table(torch.arange(2), 16, 10000.0)),  # two positions' table for one new token
+    ]
+    with no_grad():
+        ops.qkv_norm_rope(**good)
+        for change in bad:
+            with pytest.raises(ValueError, match=r"^qkv_norm_rope: .*\(shapes: "):
+                ops.qkv_norm_rope(**{**good, **change})
+    with pytest.raises(ValueError, match=r"^qkv_norm_rope: .*no_grad"):  # the tape records nothing: inference only
+        ops.qkv_norm_rope(**good)

@@ -301,42 +301,37 @@ class Model:
 
     def _block(self, x: Var, i: int, mask: Mask, rope: tuple, seed: tuple | None, cache=None, W=None, h=None,
                next_norm: Var | None = None):  # fmt: skip
-        """One transformer block on the residual stream x [B*T, C] (master dtype; kept 2-D so every linear is
-        one mm without reshapes). ``mask`` (``xtrain.mask``) picks the attention; ``rope`` is (positions, table):
-        the mask's RoPE positions ([T] or [B, T]) and their cos/sin (``ops.rope_table``), shared by every layer.
-        ``seed`` is (seed buffer, row_start, row_stride) taken at forward time (None: no dropout); a recompute in
-        backward reads the same buffer, which holds the same step's seeds until the next ``set_dropout_step``.
-        ``cache`` (inference): the new keys and values go into it and attention reads its rows; ``W``: the
-        decode weights (``_decode_weights``), or None for the parameters themselves (training). ``h``: the block's
-        normed input when the previous block made it (see ``next_norm``), else None. ``next_norm``: the weight of
-        the norm that reads this block's output (the next block's input norm, or the final norm): the last residual
-        add and that norm are then one ``add_rms_norm`` and the block returns (x, normed x), else x alone."""
+        """One transformer block on the residual stream x [B*T, C] (master dtype; kept 2-D so every linear is one mm
+        without reshapes). ``mask`` (``xtrain.mask``) picks the attention; ``rope`` is (positions, table): the mask's
+        RoPE positions ([T] or [B, T]) and their cos/sin (``ops.rope_table``), shared by every layer. ``seed`` is (seed
+        buffer, row_start, row_stride) taken at forward time (None: no dropout); a recompute in backward reads the same
+        buffer, which holds the same step's seeds until the next ``set_dropout_step``. ``cache`` (inference): the new
+        keys and values go into it (``ops.qkv_norm_rope``) and attention reads its rows; ``W``: the decode weights
+        (``_decode_weights``), or None for the parameters themselves (training). ``h``: the block's normed input when
+        the previous block made it (see ``next_norm``), else None. ``next_norm``: the weight of the norm that reads this
+        block's output (the next block's input norm, or the final norm): the last residual add and that norm are then
+        one ``add_rms_norm`` and the block returns (x, normed x), else x alone."""
         cfg, P, dt = self.config, self._layers[i], self.compute_dtype
         H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
         positions, table = rope
         T = positions.shape[-1]
 
-        if W is None:  # [B*T, H*D], [B*T, Hkv*D] x2
-            if h is None:
-                h = ops.rms_norm(x, P["input_layernorm.weight"], eps, dt)  # [B*T, C], normed straight into dt
-            q, k, v = (self._linear(h, P[f"self_attn.{n}_proj.weight"]) for n in "qkv")
-            # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
-            # the norm weights straight from their masters (an fp32 master with bf16/fp16 activations is read in fp32)
-            q = ops.qk_norm_rope(q, P["self_attn.q_norm.weight"], H, positions, cfg.rope_theta, eps, table)
-            k = ops.qk_norm_rope(k, P["self_attn.k_norm.weight"], Hkv, positions, cfg.rope_theta, eps, table)
-        else:  # decode (inference, no tape): the input norm and one product over the stacked weights, then the
-            # same norm and RoPE of q and k
+        if W is not None:  # decode (inference, no tape): the input norm and one product over the stacked weights; q
+            # normed and roped, k (the same) and v written into the layer's cache; attention over that cache; each
+            # residual add in its product's pass, the next norm and the SwiGLU in the next product's
             qkv = ops.rows_linear(x.data, W["qkv"][i], "norm", P["input_layernorm.weight"].data, eps)
-            q, k, v = ops.qkv_norm_rope(qkv, W["qk_norm"][i], H, Hkv, positions, cfg.rope_theta, eps, table)
-        if cache is None:
-            a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
-        else:  # the new keys and values into the cache; attention over the layer's cache
-            cache.store(i, k, v, mask)
-            a = ops.cached_attention(q, *cache.kv[i], mask)
-        if W is not None:  # decode: each residual add in its product's pass, each norm and the SwiGLU in the next's
-            x = ops.rows_linear(a.data, W["o"][i], res=x.data)  # [B*T, C]
+            q = ops.qkv_norm_rope(qkv, W["qk_norm"][i], H, Hkv, mask, table, eps, cache.kv[i])
+            x = ops.rows_linear(ops.cached_attention(q, *cache.kv[i], mask).data, W["o"][i], res=x.data)  # [B*T, C]
             gu = ops.rows_linear(x, W["gate_up"][i], "norm", P["post_attention_layernorm.weight"].data, eps)
             return Var(ops.rows_linear(gu, W["down"][i], "glu", res=x))  # [B*T, 2F] -> [B*T, C]
+        if h is None:
+            h = ops.rms_norm(x, P["input_layernorm.weight"], eps, dt)  # [B*T, C], normed straight into dt
+        q, k, v = (self._linear(h, P[f"self_attn.{n}_proj.weight"]) for n in "qkv")  # [B*T, H*D], [B*T, Hkv*D] x2
+        # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
+        # the norm weights straight from their masters (an fp32 master with bf16/fp16 activations is read in fp32)
+        q = ops.qk_norm_rope(q, P["self_attn.q_norm.weight"], H, positions, cfg.rope_theta, eps, table)
+        k = ops.qk_norm_rope(k, P["self_attn.k_norm.weight"], Hkv, positions, cfg.rope_theta, eps, table)
+        a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
         a = self._linear(a, P["self_attn.o_proj.weight"])  # [B*T, C]
         # the branch promoted to the master dtype in the add, and the sum normed in the same pass: [B*T, C] each
         x, h = ops.add_rms_norm(

@@ -107,6 +107,7 @@ def cases() -> dict[str, Callable[[], None]]:
         qk_norm_rope,
         rms_norm,
         rope,
+        rows_linear,
         swiglu,
     )
     from xtrain.kernels.attention import decode
@@ -141,6 +142,10 @@ def cases() -> dict[str, Callable[[], None]]:
                 qk_norm_rope.qk_norm_rope_bwd_triton(y, x, w, 4, inv, pos, table)  # dy in the forward's layout
                 dy = r(2, 4, 16, 64, dtype=dt)
                 qk_norm_rope.qk_norm_rope_bwd_triton(dy, x, w, 4, inv, pos, table)  # and contiguous
+            for B, H, Hkv, D in ((1, 12, 4, 64), (2, 16, 8, 128)):  # a decode step: a lone row's table, then B rows'
+                ck, c = r(3, Hkv, 40, D, dtype=dt), r(B, 1, 1, D // 2) if B > 1 else r(1, D // 2)
+                qkv, w, rows = r(B, (H + 2 * Hkv) * D, dtype=dt), r(H + Hkv, D), torch.arange(B)
+                qk_norm_rope.qkv_norm_rope_store_triton(qkv, w, H, Hkv, 1e-6, (c, c), ck, ck, rows, rows)
 
         def swiglu_(dt=dt):
             a, b, dy = r(8, 96, dtype=dt), r(8, 96, dtype=dt), r(8, 96, dtype=dt)
@@ -187,8 +192,15 @@ def cases() -> dict[str, Callable[[], None]]:
                     r(2, H, D, dtype=dt), ck, ck, torch.tensor([1, 0]), torch.tensor([3, 40]), 0.1
                 )
 
+        def rows(dt=dt):  # the decode projections: plain, normed (an fp32 residual stream in), SwiGLU + residual
+            w = r(64, 48, dtype=dt).t()
+            rows_linear.rows_linear_triton(r(2, 48, dtype=dt), w)
+            rows_linear.rows_linear_triton(r(2, 48), w, "norm", r(48), 1e-6)
+            rows_linear.rows_linear_triton(r(2, 96, dtype=dt), w, "glu", res=r(2, 64))
+
         for name, fn in (
             ("decode_attention", decode_attn),
+            ("rows_linear", rows),
             ("rms_norm", norm),
             ("rope", rope_),
             ("qk_norm_rope", qk_),

@@ -9,6 +9,9 @@ Contract: qk_norm_rope_fwd(x, w, G, eps, positions, theta, table) -> (y [B, G, T
 ``table`` is ``rope_table(positions, D, theta, acc)``: the half-width cos/sin [T, D/2] (or [B, 1, T, D/2]
 for positions [B, T]), computed once per model call and shared by every layer's q and k, each way. The reference
 forward also takes w [G, D], one weight per head (the decode path's q and k heads together, inference only).
+A decode step (inference, one token a row): qkv_norm_rope_store(qkv [B, (H + 2 Hkv) D], w [H + Hkv, D], H, Hkv,
+eps, table, ck, cv, slots, start) -> q [B, H, 1, D], the k heads normed and roped and the v heads as they are
+written into the KV caches ck, cv [R, Hkv, Tmax, D] at row slots[b], position start[b].
 
 The reference performs exactly the operations of ``rms_norm_fwd_ref`` then ``rope_fwd_ref`` (and their
 backwards in reverse), with the cos/sin taken from the table instead of recomputed per call, so the model
@@ -26,6 +29,10 @@ token; D a power of two, else the reference runs):
                                dtype, as the reference rounds it) and the norm's backward in registers, dx
                                written in x's layout; dw's share of each program in one partial row, the rows
                                summed in a fixed order (deterministic).
+    _qkv_norm_rope_store_kernel  a decode step's q, k and v heads of a row in one program (the forward kernel's
+                               tile and maths, ``_norm_rope``: q and k bit for bit as it gives them), k and v
+                               stored straight into their cache rows: one launch a layer for the two forward
+                               launches, the copies of q's and k's columns and the cache writes.
 One pass each way instead of three (rms_norm, a layout copy, rope) forward and four backward.
 """
 
@@ -120,31 +127,77 @@ def qk_norm_rope_bwd_ref(dy, x, w, G: int, inv_rms, positions, theta: float, tab
 
 
 @_jit
+def _norm_rope(x1, x2, w1, w2, c, s, eps, HALF: tl.constexpr):
+    """Rows of halves x1, x2 [ROWS, HALF] (storage dtype) -> the rotated halves (fp32) and inv_rms [ROWS]: the norm
+    with statistics in fp32, its output rounded to x's dtype (as the unfused path rounds it), then the rotation by
+    c, s (fp32, broadcast over the rows). Both forward kernels inline it: the same operations, bit for bit."""
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    r = 1.0 / tl.sqrt((tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / (2 * HALF) + eps)
+    n1 = (a1 * r[:, None] * w1).to(x1.dtype).to(tl.float32)
+    n2 = (a2 * r[:, None] * w2).to(x1.dtype).to(tl.float32)
+    return n1 * c - n2 * s, n2 * c + n1 * s, r
+
+
+@_jit
 def _qk_norm_rope_fwd_kernel(
     X, W, C, S, Y, INV_RMS, R, G, T, c_sb, c_st, eps, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Rows r of BLOCK_R (r = (b T + t) G + g: one head of one token, D = 2 HALF wide), read once as the two
-    halves; the norm's output rounded to X's dtype (as the unfused path does) and rotated in registers; y written
-    at the row's own offset, which is the [B, T, G, D] memory the caller views as [B, G, T, D]."""
+    halves, normed and rotated in registers (``_norm_rope``); y written at the row's own offset, which is the
+    [B, T, G, D] memory the caller views as [B, G, T, D]."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     h = tl.arange(0, HALF)
     rm = rows < R
     m = rm[:, None]
     o1 = rows[:, None] * (2 * HALF) + h[None, :]
-    x1 = tl.load(X + o1, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(X + o1 + HALF, mask=m, other=0.0).to(tl.float32)
-    w1 = tl.load(W + h).to(tl.float32)
-    w2 = tl.load(W + HALF + h).to(tl.float32)
-    r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-    tl.store(INV_RMS + rows, r, mask=rm)
-    n1 = (x1 * r[:, None] * w1[None, :]).to(Y.dtype.element_ty).to(tl.float32)
-    n2 = (x2 * r[:, None] * w2[None, :]).to(Y.dtype.element_ty).to(tl.float32)
+    x1 = tl.load(X + o1, mask=m, other=0.0)
+    x2 = tl.load(X + o1 + HALF, mask=m, other=0.0)
+    w1 = tl.load(W + h).to(tl.float32)[None, :]
+    w2 = tl.load(W + HALF + h).to(tl.float32)[None, :]
     bt = rows // G
     oc = ((bt // T) * c_sb + (bt % T) * c_st)[:, None] + h[None, :]  # the table row of (b, t)
     c = tl.load(C + oc, mask=m, other=0.0)
     s = tl.load(S + oc, mask=m, other=0.0)
-    tl.store(Y + o1, (n1 * c - n2 * s).to(Y.dtype.element_ty), mask=m)
-    tl.store(Y + o1 + HALF, (n2 * c + n1 * s).to(Y.dtype.element_ty), mask=m)
+    y1, y2, r = _norm_rope(x1, x2, w1, w2, c, s, eps, HALF)
+    tl.store(INV_RMS + rows, r, mask=rm)
+    tl.store(Y + o1, y1.to(Y.dtype.element_ty), mask=m)
+    tl.store(Y + o1 + HALF, y2.to(Y.dtype.element_ty), mask=m)
+
+
+@_jit
+def _qkv_norm_rope_store_kernel(
+    QKV, W, C, S, Q, CK, CV, SLOTS, START, s_qkv, c_sb, s_row, s_head, s_pos, eps, H: tl.constexpr,
+    HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """Program (b, tile j): heads g = j BLOCK_R .. of token b's q/k/v row, as rows of the forward kernel's tile
+    shape (the same layout, so the norm's sums run in the same order: q and k bit for bit as that kernel gives
+    them). q heads (g < H) -> Q [B, H, D]; k heads -> CK[slots[b], g - H, start[b]]; v heads (no norm, no
+    rotation) -> CV[slots[b], g - H - HKV, start[b]]."""
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.arange(0, HALF)
+    is_q, is_k = (g < H)[:, None], ((g >= H) & (g < H + HKV))[:, None]
+    is_v = ((g >= H + HKV) & (g < H + 2 * HKV))[:, None]
+    o1 = b * s_qkv + g[:, None] * (2 * HALF) + h[None, :]
+    x1 = tl.load(QKV + o1, mask=is_q | is_k | is_v, other=0.0)
+    x2 = tl.load(QKV + o1 + HALF, mask=is_q | is_k | is_v, other=0.0)
+    ow = g[:, None] * (2 * HALF) + h[None, :]  # w's row g (q_norm's or k_norm's); none for v
+    w1 = tl.load(W + ow, mask=is_q | is_k, other=0.0).to(tl.float32)
+    w2 = tl.load(W + ow + HALF, mask=is_q | is_k, other=0.0).to(tl.float32)
+    c = tl.load(C + b * c_sb + h)[None, :]  # the table row of position start[b]
+    s = tl.load(S + b * c_sb + h)[None, :]
+    y1, y2, r = _norm_rope(x1, x2, w1, w2, c, s, eps, HALF)
+    oq = (b * H + g)[:, None] * (2 * HALF) + h[None, :]
+    tl.store(Q + oq, y1.to(Q.dtype.element_ty), mask=is_q)
+    tl.store(Q + oq + HALF, y2.to(Q.dtype.element_ty), mask=is_q)
+    at = tl.load(SLOTS + b) * s_row + tl.load(START + b) * s_pos  # the row's new position in the cache
+    ok = at + (g - H).to(tl.int64)[:, None] * s_head + h[None, :]
+    tl.store(CK + ok, y1.to(CK.dtype.element_ty), mask=is_k)
+    tl.store(CK + ok + HALF, y2.to(CK.dtype.element_ty), mask=is_k)
+    ov = ok - HKV * s_head
+    tl.store(CV + ov, x1, mask=is_v)
+    tl.store(CV + ov + HALF, x2, mask=is_v)
 
 
 @_jit
@@ -227,6 +280,39 @@ def qk_norm_rope_fwd_triton(x, w, G: int, eps: float, positions, table):
             num_warps=4,
         )  # fmt: skip
     return y.transpose(1, 2), inv_rms
+
+
+def qkv_norm_rope_store_ref(qkv, w, H: int, Hkv: int, eps: float, table, ck, cv, slots, start):
+    """A decode step's contract in plain torch: ``qk_norm_rope_fwd_ref`` over the H + Hkv q and k heads of each
+    row of qkv, then indexed writes of k and v at (slots[b], start[b]) of the caches -> q [B, H, 1, D]."""
+    B, (G, D) = qkv.shape[0], w.shape
+    qk, v = qkv.split((G * D, Hkv * D), dim=1)  # [B, G*D] (a column slice), [B, Hkv*D]
+    q, k = qk_norm_rope_fwd_ref(qk, w, G, eps, start[:, None], 0.0, table)[0].split((H, Hkv), dim=1)  # [B, *, 1, D]
+    ck[slots, :, start] = k[:, :, 0]  # the advanced indices first: the target is [B, Hkv, D]
+    cv[slots, :, start] = v.reshape(B, Hkv, D)
+    return q
+
+
+def qkv_norm_rope_store_triton(qkv, w, H: int, Hkv: int, eps: float, table, ck, cv, slots, start):
+    """One kernel for a decode step (one token a row): qkv [B, (H + 2 Hkv) D] (rows read through their stride),
+    w [H + Hkv, D], table the (cos, sin) of the rows' positions ([1, D/2] for a lone row, or [B, 1, 1, D/2]),
+    ck, cv [R, Hkv, Tmax, D], slots and start int64 [B] on the device -> q [B, H, 1, D]; k and v written into
+    the caches at (slots[b], start[b])."""
+    B, (G, D) = qkv.shape[0], w.shape
+    c, s = table
+    if not (qkv.stride(-1) == 1 and ck.stride() == cv.stride() and ck.stride(-1) == 1 and D >= 2 and not D & (D - 1)
+            and c.stride() == s.stride() and c.stride(-1) == 1 and c.dtype == torch.float32 and c.shape[-2] == 1
+            and c.dim() in (2, 4) and c.numel() == (B if c.dim() == 4 else 1) * (D // 2)):  # fmt: skip
+        raise ValueError(f"qkv_norm_rope_store: needs unit last strides, caches of one layout, D a power of 2 and an "
+                         f"fp32 table of one position a row; got qkv {tuple(qkv.shape)} strides {qkv.stride()}, "
+                         f"ck {tuple(ck.shape)}, table {tuple(c.shape)} {c.dtype}")  # fmt: skip
+    q = torch.empty((B, H, 1, D), dtype=qkv.dtype, device=qkv.device)
+    BLOCK_R = _block_rows(D // 2)  # the forward kernel's tile: see _qkv_norm_rope_store_kernel
+    _qkv_norm_rope_store_kernel[(B, triton.cdiv(G + Hkv, BLOCK_R))](
+        qkv, w.contiguous(), c, s, q, ck, cv, slots, start, qkv.stride(0), c.stride(0) if c.dim() == 4 else 0,
+        ck.stride(0), ck.stride(1), ck.stride(2), eps, H=H, HKV=Hkv, HALF=D // 2, BLOCK_R=BLOCK_R, num_warps=4,
+    )  # fmt: skip
+    return q
 
 
 def qk_norm_rope_bwd_triton(dy, x, w, G: int, inv_rms, positions, table):

@@ -94,7 +94,7 @@ def rows_linear_triton(x, w, pre=None, g=None, eps=0.0, res=None, config: tuple[
     K, N = w.shape
     M = x.shape[0]
     out = torch.empty((M, N), dtype=w.dtype if res is None else res.dtype, device=x.device)
-    bn, bk = config or rows_linear_config(M, K, N, sm_count(x.device))
+    bn, bk = config or rows_linear_config(M, K, N, sm_count(x.device) if x.is_cuda else 4)
     r = out if res is None else res
     _rows_linear_kernel[(triton.cdiv(N, bn), M)](
         x, w, x if g is None else g, r, out, K, N, x.stride(0), w.stride(0), w.stride(1), r.stride(0),

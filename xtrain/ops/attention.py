@@ -138,7 +138,7 @@ def auto_attention(q: Var, k: Var, v: Var, mask: Mask | bool = True, scale: floa
 
 def cached_attention(q: Var, ck: torch.Tensor, cv: torch.Tensor, mask, scale: float | None = None) -> Var:
     """Attention of Tn new queries over their KV-cache rows (inference: no backward): q [B, H, Tn, D]; ck and cv
-    one layer's whole cache [R, Hkv, Tmax, D], the new keys and values already in it (``SlotCache.store``);
+    one layer's whole cache [R, Hkv, Tmax, D], the new keys and values already in it (``qkv_norm_rope``);
     ``mask`` a ``Cached`` (the rows ``mask.slots``, their positions, the ``mask.keys`` positions read) -> rows
     [B*Tn, H*D]. A decode step (Tn = 1) on CUDA runs the decode kernel (``kernels.attention.decode``: each row's
     keys read in place, no gather). Otherwise the rows' first ``mask.keys`` positions (slices for a lone row known

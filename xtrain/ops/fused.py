@@ -7,7 +7,8 @@ logits exist. The loss is a scalar, so backward only scales the saved gradients 
 
 qk_norm_rope(x, w, heads, positions) = rope(rms_norm(x per head)) in [B, H, T, D], one node each way, with
 the cos/sin table computed once per model call (``rope_table``) instead of once per layer, op and direction.
-qkv_norm_rope: the same for the q and k columns of the decode path's stacked q/k/v rows (inference).
+qkv_norm_rope: the same for the q and k columns of the decode path's stacked q/k/v rows (inference), which also
+writes k and v into the KV cache (on CUDA one kernel a decode step).
 rows_linear: the decode path's projections of a few rows, with the norm or the SwiGLU before and the residual add
 after in the same kernel (inference).
 
@@ -171,32 +172,55 @@ def qk_norm_rope(
     return Var.from_op(y, (x, w), backward, op)
 
 
-def qkv_norm_rope(qkv: torch.Tensor, w: torch.Tensor, H: int, Hkv: int, positions: torch.Tensor, theta: float,
-                  eps: float, table) -> tuple[Var, Var, Var]:  # fmt: skip
-    """Inference (the decode path: no tape): the rows of the stacked q/k/v projection qkv [B*T, (H + 2 Hkv) D]
-    -> (q [B, H, T, D], k [B, Hkv, T, D]) as ``qk_norm_rope`` gives them, and v's rows [B*T, Hkv*D] (views of
-    qkv). ``w`` [H + Hkv, D]: q_norm's weight in H rows, then k_norm's in Hkv (``Model._decode_weights`` stacks
-    them); ``table`` as ``qk_norm_rope``'s. The same values as two ``qk_norm_rope`` calls bit for bit: on CUDA
-    those two calls (their fused kernels), elsewhere the reference's operations once over the H + Hkv heads
-    together (a batch-1 decode step on the CPU is bound by the number of ops, not by their size)."""
+def qkv_norm_rope(qkv: torch.Tensor, w: torch.Tensor, H: int, Hkv: int, mask, table, eps: float,
+                  cache_kv: tuple) -> Var:  # fmt: skip
+    """Inference (the decode path: no tape): the rows of the stacked q/k/v projection qkv [B*Tn, (H + 2 Hkv) D] of
+    the Tn new tokens of a ``Cached`` mask's B rows -> q [B, H, Tn, D] as ``qk_norm_rope`` gives it, with k (normed
+    and roped as q) and v written into the layer's cache ``cache_kv = (ck, cv)``, each [R, Hkv, Tmax, D], at the
+    mask's rows and positions, where ``cached_attention`` reads them. ``w`` [H + Hkv, D]: q_norm's weight in H rows,
+    then k_norm's (``Model._decode_weights`` stacks them); ``table`` the cos/sin of the mask's positions
+    (``mask.rope``). A decode step on CUDA (Tn = 1) is one kernel (``qkv_norm_rope_store_triton``); another step on
+    CUDA two ``qk_norm_rope`` calls and the writes; elsewhere the reference's operations once over the H + Hkv
+    heads (a batch-1 decode step on the CPU is bound by the number of ops, not by their size) and the writes, as
+    narrowed views for a lone row known on the host (``mask.row``), else indexed writes. Every path gives q and the
+    caches the values of two ``qk_norm_rope`` calls and the writes, bit for bit."""
     op = "qkv_norm_rope"
     N, G = qkv.shape[0] if qkv.dim() == 2 else 0, H + Hkv
     D = w.shape[-1] if w.dim() == 2 else 0
+    ck, cv = cache_kv if isinstance(cache_kv, tuple) and len(cache_kv) == 2 else (None, None)
+    B, Tn = (mask.slots.shape[0], mask.new) if getattr(mask, "kind", None) == "cached" else (0, 0)
     if not (
         qkv.dim() == 2 and w.dim() == 2 and H > 0 and Hkv > 0 and tuple(w.shape) == (G, D) and D % 2 == 0
-        and qkv.shape[1] == (G + Hkv) * D and qkv.dtype in _FLOAT and qkv.device == w.device == positions.device
-        and positions.dim() in (1, 2) and N % positions.shape[-1] == 0 and not is_grad_enabled()
+        and N == B * Tn and N > 0 and qkv.shape[1] == (G + Hkv) * D and qkv.dtype in _FLOAT
+        and qkv.device == w.device == mask.slots.device and isinstance(ck, torch.Tensor)
+        and isinstance(cv, torch.Tensor) and ck.dim() == 4 and ck.shape == cv.shape and ck.shape[1] == Hkv
+        and ck.shape[3] == D and ck.dtype is cv.dtype is qkv.dtype and ck.device == cv.device == qkv.device
+        and mask.keys <= ck.shape[2] and table[0].shape[-2] == Tn and not is_grad_enabled()
     ):  # fmt: skip
-        check(False, op, f"need qkv [N, (H+2Hkv)*D], w [H+Hkv, D], positions [T] or [B, T] on one device, under "
-              f"no_grad; H={H}, Hkv={Hkv}", Var(qkv), Var(w), positions)  # fmt: skip
+        check(False, op, f"need qkv [B*Tn, (H+2Hkv)*D], w [H+Hkv, D], a Cached mask of B rows of Tn new tokens, its "
+              f"table, caches [R, Hkv, Tmax >= keys, D] of qkv's dtype, one device, under no_grad; H={H}, Hkv={Hkv}, "
+              f"mask {mask!r}", Var(qkv), Var(w), *(t for t in (ck, cv) if isinstance(t, torch.Tensor)))  # fmt: skip
+    # a decode step: one kernel (its tiles need D a power of 2; fp64 runs the reference, as qk_norm_rope's)
+    if Tn == 1 and not D & (D - 1) and qkv.dtype is not torch.float64 and use_triton(qkv, w, ck):
+        q = K_qk.qkv_norm_rope_store_triton(qkv, w, H, Hkv, eps, table, ck, cv, mask.slots, mask.start)
+        return Var(q)
+    positions = mask.positions(Tn, qkv.device)  # theta (0.0 below) is unused where a table is given
     if use_triton(qkv, w):
         q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=1)  # column slices
-        q = K_qk.qk_norm_rope_fwd(q, w[0], H, eps, positions, theta, table)[0]
-        k = K_qk.qk_norm_rope_fwd(k, w[H], Hkv, eps, positions, theta, table)[0]
-        return Var(q), Var(k), Var(v)
-    qk, v = qkv.split((G * D, Hkv * D), dim=1)  # [N, G*D] (a column slice), [N, Hkv*D]
-    q, k = K_qk.qk_norm_rope_fwd_ref(qk, w, G, eps, positions, theta, table)[0].split((H, Hkv), dim=1)
-    return Var(q), Var(k), Var(v)
+        q = K_qk.qk_norm_rope_fwd(q, w[0], H, eps, positions, 0.0, table)[0]
+        k = K_qk.qk_norm_rope_fwd(k, w[H], Hkv, eps, positions, 0.0, table)[0]
+    else:
+        qk, v = qkv.split((G * D, Hkv * D), dim=1)  # [N, G*D] (a column slice), [N, Hkv*D]
+        q, k = K_qk.qk_norm_rope_fwd_ref(qk, w, G, eps, positions, 0.0, table)[0].split((H, Hkv), dim=1)
+    if mask.row is not None:  # one row known on the host: narrowed views (no gather, no indexing parse)
+        s, p = mask.row
+        ck.narrow(0, s, 1).narrow(2, p, Tn).copy_(k)
+        cv.narrow(0, s, 1).narrow(2, p, Tn).copy_(v.view(1, Tn, Hkv, D).transpose(1, 2))
+    else:
+        rows = mask.slots[:, None]  # [B, 1] with positions [B, Tn]
+        ck[rows, :, positions] = k.transpose(1, 2)  # the advanced indices first: the target is [B, Tn, Hkv, D]
+        cv[rows, :, positions] = v.reshape(B, Tn, Hkv, D)
+    return Var(q)
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor, pre: str | None = None, g: torch.Tensor | None = None,

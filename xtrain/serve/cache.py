@@ -4,8 +4,8 @@
     cached positions of each row
 
 ``mask(slots, new)`` is the ``Cached`` mask (``xtrain.mask``) of a step that appends ``new`` tokens to each of
-the rows ``slots``: the model's forward takes it with the cache, and each block calls ``store``, which writes
-the new keys and values at the row's next positions, then ``ops.cached_attention`` over its layer's cache.
+the rows ``slots``: the model's forward takes it with the cache; each block's ``ops.qkv_norm_rope`` writes the new
+keys and values at the rows' next positions of its layer's ``kv[i]``, and ``ops.cached_attention`` reads them there.
 Sequences of different lengths share a step: each row reads its own positions, the mask hides the rest.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from xtrain.autograd import Var
 from xtrain.mask import Cached
 
 
@@ -44,18 +43,3 @@ class SlotCache:
             raise ValueError(f"SlotCache: rows {slots.tolist()} at {start.tolist()} + {new} new tokens do not fit "
                              f"{self.max_len} positions (keys {keys})")  # fmt: skip
         return Cached(slots.to(self.device), start.to(self.device), new, need if keys is None else keys, row)
-
-    def store(self, layer: int, k: Var, v: Var, mask: Cached) -> None:
-        """Write layer ``layer``'s new keys k [B, Hkv, Tn, D] and values v [B*Tn, Hkv*D] (the v projection's
-        rows) at the mask's positions of its rows; attention then reads them from ``kv[layer]``
-        (``ops.cached_attention``). Device ops only (a decode graph captures them)."""
-        ck, cv = self.kv[layer]
-        B, Hkv, Tn, D = k.shape
-        if mask.row is not None:  # one row known on the host: narrowed views (no gather, no indexing parse)
-            s, p = mask.row
-            ck.narrow(0, s, 1).narrow(2, p, Tn).copy_(k.data)
-            cv.narrow(0, s, 1).narrow(2, p, Tn).copy_(v.data.view(1, Tn, Hkv, D).transpose(1, 2))
-            return
-        rows, pos = mask.slots[:, None], mask.positions(Tn, k.device)  # [B, 1], [B, Tn]
-        ck[rows, :, pos] = k.data.transpose(1, 2)  # the advanced indices first: the target is [B, Tn, Hkv, D]
-        cv[rows, :, pos] = v.data.reshape(B, Tn, Hkv, D)
