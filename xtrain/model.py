@@ -49,8 +49,9 @@ the RoPE positions, whose cos/sin rows it takes from ``rope_table`` (every posit
 
 Training, prefill and decode are this one forward (DESIGN.md, "One model"). With ``cache`` (such as
 ``serve.cache.SlotCache``) and its ``Cached`` mask, each block writes its new keys and values into the cache and
-attends over the cache rows: inference only (under ``no_grad``; never drops out), reading the stacked, transposed
-decode weights (``_decode_weights``). Without a cache the forward is the training forward, every op as the tape
+attends over the cache rows: inference only (under ``no_grad``; never drops out), each projection an
+``ops.rows_linear`` over the stacked decode weights (``_decode_weights``) with the norm before it and the residual
+add after it inside. Without a cache the forward is the training forward, every op as the tape
 records it.
 
 Activation recompute (``config.recompute``): each block runs under ``xtrain.autograd.checkpoint``: only

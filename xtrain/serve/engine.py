@@ -46,9 +46,10 @@ class DecodeGraphs:
     def s_bucket(self, S: int, max_len: int) -> int:
         return min(max_len, -(-S // self.bucket) * self.bucket)
 
-    def run(self, cache: SlotCache, slots: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor, S: int):
-        """-> (logits [B, V], greedy ids [B]): the graph's own output buffers, valid until its next replay. The
-        step's slots, tokens and positions travel in one copy from a pinned buffer."""
+    def run(self, cache: SlotCache, slots, tokens, start, S: int):
+        """slots, tokens, start: int64 numpy arrays [B] -> (logits [B, V], greedy ids [B]): the graph's own output
+        buffers, valid until its next replay. The step's slots, tokens and positions travel in one copy from a
+        pinned buffer."""
         eng = self.engine
         key = (id(cache), slots.shape[0], S)
         g = self.graphs.get(key)
@@ -90,8 +91,8 @@ class DecodeGraphs:
     def _fill(g, slots, tokens, start) -> None:
         _, idx, host, _, _, done = g
         done.synchronize()  # the last step's copy has left the pinned buffer
-        for row, t in zip(host, (slots, tokens, start)):
-            row.copy_(t)
+        h = host.numpy()  # its memory
+        h[0], h[1], h[2] = slots, tokens, start
         idx.copy_(host, non_blocking=True)
         done.record()
 
@@ -132,13 +133,17 @@ class Engine:
         back only the ids), else the step's logits and None."""
         if self.graphs is None:
             out = self._decode(cache, cache.mask(slots, 1), tokens.to(self.device)), None
-        else:
-            start = cache.lengths[slots]  # [B] (CPU)
-            S = int(start.max()) + 1  # the longest row after this step
-            if S > cache.max_len:
-                raise ValueError(f"Engine.decode: rows {slots.tolist()} are full ({cache.max_len} positions)")
-            out = self.graphs.run(cache, slots, tokens, start, self.graphs.s_bucket(S, cache.max_len))
-        cache.lengths[slots] += 1
+            cache.lengths[slots] += 1
+            return out
+        # the host's part of a replayed step is on the path of every token: numpy views of the CPU tensors (each
+        # torch call on a CPU tensor costs a few microseconds, a numpy one a fraction)
+        lengths, sl = cache.lengths.numpy(), slots.numpy()
+        start = lengths[sl]  # [B]
+        S = int(start.max()) + 1  # the longest row after this step
+        if S > cache.max_len:
+            raise ValueError(f"Engine.decode: rows {slots.tolist()} are full ({cache.max_len} positions)")
+        out = self.graphs.run(cache, sl, tokens.cpu().numpy(), start, self.graphs.s_bucket(S, cache.max_len))
+        lengths[sl] += 1  # the slots are distinct
         return out
 
     def _decode(self, cache: SlotCache, mask: Cached, tokens_d: torch.Tensor) -> torch.Tensor:
@@ -396,11 +401,10 @@ class Batcher:
         eng, lengths = self.engine, self.cache.lengths
         slots = torch.tensor([s.slot for s in running], dtype=torch.long)
         tokens = torch.tensor([s.last for s in running], dtype=torch.long)
-        pos = lengths[slots].clone()
         try:
             return eng.step(self.cache, slots, tokens)
-        except Exception as e:
-            failed = e
+        except Exception as e:  # a failed step moved no row's length
+            failed, pos = e, lengths[slots].clone()
         rows = []
         for b, s in enumerate(running):
             lengths[slots[b]] = pos[b]
