@@ -17,7 +17,7 @@ and batch-1 decode against transformers' ``generate`` on the exported model.
    interleaved, median of ``--reps``. tokens/s = new tokens / time of the whole call (prefill included on
    both sides). The two must produce the same tokens (printed).
 
-    xtrain bench serve [--preset tiny] [--clients 16] [--tokens 64] [--threads N]
+    xtrain bench serve [--preset tiny] [--clients 16] [--tokens 64] [--threads N] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -232,10 +232,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--skip", choices=["serving", "batch1"], default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's compute dtype")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = Model(preset(args.preset), device=args.device, seed=0).eval()
+    model = Model(preset(args.preset, compute_dtype=args.dtype), device=args.device, seed=0).eval()
     load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
     print(
         f"bench serve: preset {args.preset} ({model.num_params() / 1e6:.1f}M params), device {args.device}, "

@@ -33,9 +33,11 @@ for stage in ${STAGES:-tests serve}; do
     echo "tests rc $? ($(grep -c ' PASSED ' "$OUT/pytest_gpu.txt") passed)"; grep -E "passed|failed|error" "$OUT/pytest_gpu.txt" | tail -1
     grep -E " (FAILED|ERROR) " "$OUT/pytest_gpu.txt" | sed 's/^.*\(FAILED\|ERROR\) /\1 /' | sort -u | head -20 ;;
   serve)
-    timeout "${SERVE_S:-100}" python3 -m xtrain.cli bench serve --preset seed --skip serving --tokens 128 \
-      --prompt-len 16 --reps 5 > "$OUT/serve_seed.txt" 2>&1
-    echo "serve rc $?"; tail -8 "$OUT/serve_seed.txt" ;;
+    for dt in ${SERVE_DTYPES:-float32}; do
+      timeout "${SERVE_S:-100}" python3 -m xtrain.cli bench serve --preset seed --skip serving --tokens 128 \
+        --prompt-len 16 --reps 5 --dtype $dt > "$OUT/serve_seed_$dt.txt" 2>&1
+      echo "serve $dt rc $?"; tail -6 "$OUT/serve_seed_$dt.txt"
+    done ;;
   finetune)
     timeout "${FT_S:-240}" python3 -m xtrain.cli bench finetune --device cuda ${FT_ARGS:-} > "$OUT/finetune.txt" 2>&1
     echo "finetune rc $?"; grep -vE "^\s*$" "$OUT/finetune.txt" | tail -9 ;;
