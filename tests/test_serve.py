@@ -371,3 +371,50 @@ def test_training_beside_the_batcher_records_its_tape_and_both_work():
     finally:
         b.close()
     assert is_grad_enabled()
+
+
+def _batch_run(e: Engine, jobs, ahead: bool, slots: int = 3):
+    """Run (ids, n, sampling, eos) jobs through a batcher on this thread -> ([(tokens, finish)], steps reported,
+    steps launched)."""
+    from xtrain.serve.engine import Collect
+
+    b = Batcher(e, EngineConfig(slots=slots, max_queue=8, run_ahead=ahead))
+    outs, launched, step = [Collect() for _ in jobs], [0], e.step
+
+    def counted(*a):
+        launched[0] += 1
+        return step(*a)
+
+    b.submit([(ids, n, smp, eos, c) for (ids, n, smp, eos), c in zip(jobs, outs)])
+    e.step = counted
+    try:
+        b.run()
+        again = [Collect() for _ in jobs]  # the same batcher once more: nothing of the first run is left in it
+        b.submit([(ids, n, smp, eos, c) for (ids, n, smp, eos), c in zip(jobs, again)])
+        b.run()
+    finally:
+        del e.step
+    assert [(c.tokens, c.finish) for c in again] == [(c.tokens, c.finish) for c in outs]
+    return [(c.tokens, c.finish) for c in outs], b.steps // 2, launched[0] // 2
+
+
+def test_steps_launched_ahead_give_the_tokens_of_steps_launched_after():
+    """Greedy steps launched one ahead (the next step's tokens read where the last step left them, before the host
+    reports it): the same tokens and finishes as without, through rows that end early at eos or their budget while
+    others go on, a queue that refills a freed slot, and a sampled row beside (which turns it off for its steps)."""
+    m = small()
+    e = Engine(m)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 9, 6, 3)]
+    full = greedy_full_window(m, prompts[0], 12)
+    eos = full[4]  # the first row stops at its fifth token
+    greedy = Sampling(temperature=0)
+    jobs = [(prompts[0], 12, greedy, eos), (prompts[1], 15, greedy, None), (prompts[2], 3, greedy, None),
+            (prompts[3], 10, greedy, None), (prompts[1], 8, Sampling(temperature=0.8, seed=3), None)]  # fmt: skip
+    want, steps, launched = _batch_run(e, jobs, False)
+    got, steps_ahead, launched_ahead = _batch_run(e, jobs, True)
+    assert got == want and steps_ahead == steps == launched
+    assert launched_ahead > steps  # steps did run ahead: some for rows that had ended
+    assert _batch_run(e, jobs[:4], True)[0] == want[:4]  # greedy to the end: the last step ahead is for no one
+    assert want[0] == (full[: full.index(eos)], "stop") and want[1][0] == greedy_full_window(m, prompts[1], 15)
+    assert [f for _, f in want] == ["stop", "length", "length", "length", "length"]

@@ -47,9 +47,9 @@ class DecodeGraphs:
         return min(max_len, -(-S // self.bucket) * self.bucket)
 
     def run(self, cache: SlotCache, slots, tokens, start, S: int):
-        """slots, tokens, start: int64 numpy arrays [B] -> (logits [B, V], greedy ids [B]): the graph's own output
-        buffers, valid until its next replay. The step's slots, tokens and positions travel in one copy from a
-        pinned buffer."""
+        """slots, start: int64 numpy arrays [B], tokens too or an int64 CUDA tensor [B] -> (logits [B, V], greedy
+        ids [B]): the graph's own output buffers, valid until its next replay. The step's slots, tokens and
+        positions travel in one copy from a pinned buffer (tokens on the device in a copy of their own)."""
         eng = self.engine
         key = (id(cache), slots.shape[0], S)
         g = self.graphs.get(key)
@@ -92,9 +92,12 @@ class DecodeGraphs:
         _, idx, host, _, _, done = g
         done.synchronize()  # the last step's copy has left the pinned buffer
         h = host.numpy()  # its memory
-        h[0], h[1], h[2] = slots, tokens, start
+        on_device = isinstance(tokens, torch.Tensor)
+        h[0], h[1], h[2] = slots, 0 if on_device else tokens, start
         idx.copy_(host, non_blocking=True)
         done.record()
+        if on_device:
+            idx[1].copy_(tokens)
 
 
 class Engine:
@@ -127,14 +130,15 @@ class Engine:
         logits, _ = self.step(cache, slots, tokens)
         return logits if self.graphs is None else logits.clone()
 
-    def step(self, cache: SlotCache, slots: torch.Tensor, tokens: torch.Tensor):
+    def step(self, cache: SlotCache, slots: torch.Tensor, tokens: torch.Tensor, greedy: bool = False):
         """``decode`` for the batcher -> (logits [B, V], greedy ids [B] or None). With CUDA graphs the two are the
         graph's buffers (valid until the next step; the greedy pick made inside the graph, so a greedy step reads
-        back only the ids), else the step's logits and None."""
+        back only the ids), else the step's logits and their greedy ids when ``greedy``, else None. ``tokens``
+        may be on the device (a step launched before the host has read the ids it continues)."""
         if self.graphs is None:
-            out = self._decode(cache, cache.mask(slots, 1), tokens.to(self.device)), None
+            logits = self._decode(cache, cache.mask(slots, 1), tokens.to(self.device))
             cache.lengths[slots] += 1
-            return out
+            return logits, (greedy_ids(logits) if greedy else None)
         # the host's part of a replayed step is on the path of every token: numpy views of the CPU tensors (each
         # torch call on a CPU tensor costs a few microseconds, a numpy one a fraction)
         lengths, sl = cache.lengths.numpy(), slots.numpy()
@@ -142,7 +146,8 @@ class Engine:
         S = int(start.max()) + 1  # the longest row after this step
         if S > cache.max_len:
             raise ValueError(f"Engine.decode: rows {slots.tolist()} are full ({cache.max_len} positions)")
-        out = self.graphs.run(cache, sl, tokens.cpu().numpy(), start, self.graphs.s_bucket(S, cache.max_len))
+        tokens = tokens if tokens.is_cuda else tokens.numpy()
+        out = self.graphs.run(cache, sl, tokens, start, self.graphs.s_bucket(S, cache.max_len))
         lengths[sl] += 1  # the slots are distinct
         return out
 
@@ -182,6 +187,7 @@ class EngineConfig:
     slots: int = 16
     max_queue: int = 64
     max_len: int | None = None  # positions per cache row (default: the model's max_seq_len)
+    run_ahead: bool | None = None  # greedy steps launched one ahead (``Batcher._run_step``); None: on for CUDA
 
     def validate(self) -> EngineConfig:
         if self.slots < 1 or self.max_queue < 0 or (self.max_len is not None and self.max_len < 2):
@@ -248,6 +254,10 @@ class Batcher:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.draining = False  # ``drain()``: no new requests, the running ones go on
+        ahead = config.run_ahead
+        self.run_ahead = engine.device.type == "cuda" if ahead is None else ahead
+        self._ahead = None  # (rows, logits, ids) of a step launched one ahead, not yet reported
+        self._ids_host = None  # where a step's greedy ids come back to (pinned on CUDA)
         self.steps = 0  # decode steps run (a test hook: did requests share steps?)
         self.max_batch = 0  # the largest decode batch so far
 
@@ -386,12 +396,24 @@ class Batcher:
         self._retire()
         fresh = set(map(id, newcomers + full))
         running = [s for s in self.active if s.last is not None and not s.cancelled and id(s) not in fresh]
-        if running:
+        if not running:
+            return
+        if self._ahead is not None:  # launched by the last step for its rows, of which ``running`` is a subset
+            running, logits, ids = self._ahead
+            self._ahead = None
+        else:
             logits, ids = self._decode(running)
-            self.steps += 1
-            self.max_batch = max(self.max_batch, len(running))
-            self._emit(running, logits, ids)
-            self._retire()
+        self.steps += 1
+        self.max_batch = max(self.max_batch, len(running))
+        if (
+            ids is not None
+            and self.run_ahead
+            and not fresh
+            and all(self._plain_greedy(s) and not s.done for s in running)
+        ):
+            ids = self._launch_ahead(running, ids)
+        self._emit(running, logits, ids)
+        self._retire()
 
     def _decode(self, running: list[Sequence]):
         """(logits [B, V], greedy ids [B] or None) of one decode step for ``running`` (``Engine.step``). When the
@@ -401,8 +423,9 @@ class Batcher:
         eng, lengths = self.engine, self.cache.lengths
         slots = torch.tensor([s.slot for s in running], dtype=torch.long)
         tokens = torch.tensor([s.last for s in running], dtype=torch.long)
+        greedy = self.run_ahead and all(self._plain_greedy(s) for s in running)
         try:
-            return eng.step(self.cache, slots, tokens)
+            return eng.step(self.cache, slots, tokens, greedy)
         except Exception as e:  # a failed step moved no row's length
             failed, pos = e, lengths[slots].clone()
         rows = []
@@ -418,6 +441,32 @@ class Batcher:
                 rows.append(torch.full((eng.config.vocab_size,), float("nan"), device=eng.device))
         return torch.stack(rows), None
 
+    @staticmethod
+    def _plain_greedy(s: Sequence) -> bool:
+        return s.sampling.greedy and not s.sampling.logprobs and not s.slide and not s.cancelled
+
+    def _launch_ahead(self, rows: list[Sequence], ids: torch.Tensor) -> torch.Tensor:
+        """Every row greedy: copy this step's ids [B] to the host, then launch the next step for the same rows with
+        those ids as its tokens, read on the device, so the GPU runs it while the host reports this one (DESIGN.md,
+        "Decode graphs"). A row this step finishes (eos, its budget, a cancel) wastes its share of that step: its
+        row of the cache is freed, and its next owner's prefill overwrites it. -> this step's ids (host)."""
+        B = ids.shape[0]
+        if self._ids_host is None or self._ids_host.shape[0] != B:
+            self._ids_host = torch.empty(B, dtype=torch.int64, pin_memory=ids.is_cuda)
+        host = self._ids_host
+        host.copy_(ids, non_blocking=True)
+        ready = torch.cuda.Event() if ids.is_cuda else None
+        if ready is not None:
+            ready.record()
+        try:
+            slots = torch.tensor([s.slot for s in rows], dtype=torch.long)
+            self._ahead = (rows, *self.engine.step(self.cache, slots, ids, True))
+        except Exception:  # (a row full, say) it moved no length: the next step runs as usual and reports it
+            self._ahead = None
+        if ready is not None:
+            ready.synchronize()
+        return host
+
     def _emit(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> None:
         """Sample one token for each live sequence from its row of logits [B, V] (on the device: only the ids
         come back) and report it; ``greedy``: the rows' greedy ids when the step made them (taken when every row
@@ -426,13 +475,13 @@ class Batcher:
         live = [b for b, s in enumerate(seqs) if not s.done]
         if not live:
             return
-        rows = logits if len(live) == len(seqs) else logits[live]
         try:
-            if greedy is not None and len(live) == len(seqs) and all(s.sampling.greedy for s in seqs):
-                picked = greedy.tolist()  # what sample_rows gives for greedy rows (greedy_ids), made in the graph
+            if greedy is not None and all(seqs[b].sampling.greedy for b in live):
+                ids = greedy.tolist()  # what sample_rows gives for greedy rows (greedy_ids), made with the step
+                picked = [ids[b] for b in live]
             else:
                 smp, gen = [seqs[b].sampling for b in live], [seqs[b].generator for b in live]
-                picked = sample_rows(rows, smp, gen).tolist()
+                picked = sample_rows(logits if len(live) == len(seqs) else logits[live], smp, gen).tolist()
         except Exception as e:
             for b in live:
                 self._finish(seqs[b], _error(e))
@@ -484,3 +533,5 @@ class Batcher:
             else:
                 keep.append(s)
         self.active = keep
+        if not keep:  # a step launched ahead for rows that all ended: nothing reads it
+            self._ahead = None
