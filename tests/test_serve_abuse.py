@@ -88,12 +88,12 @@ class FaultyEngine(Engine):
             self.poisoned.discard(slot)
         return super().prefill(cache, slot, ids)
 
-    def step(self, cache, slots, tokens):
+    def step(self, cache, slots, tokens, greedy=False):
         hit = [b for b, s in enumerate(slots.tolist()) if s in self.poisoned]
         if hit and self.mode == "raise":
             self.raised += 1
             raise RuntimeError("planted decode failure")
-        logits, greedy = super().step(cache, slots, tokens)
+        logits, greedy = super().step(cache, slots, tokens, greedy)
         if hit and self.mode == "nan":
             logits, greedy = logits.clone(), None  # (a graph's greedy ids were picked before the nan)
             logits[hit] = float("nan")

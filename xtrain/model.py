@@ -270,8 +270,8 @@ class Model:
 
     def _decode_weights(self) -> dict:
         """The decode path's weights (module docstring): per layer the matmul weights "qkv", "o", "gate_up", "down",
-        and "head", each an [in, out] tensor in the compute dtype (``ops.rows_linear``'s w: contiguous on the CPU, where
-        x @ W is one GEMM; on CUDA a view of [out, in] memory, read along K by its kernel), and "qk_norm" [H +
+        and "head", each an [in, out] tensor in the compute dtype (``ops.rows_linear``'s w, laid out by
+        ``ops.rows_linear_weight``), and "qk_norm" [H +
         Hkv, D] in the master dtype: q_norm's weight in H rows, then k_norm's in Hkv (``ops.qkv_norm_rope``). Made
         on first use; written again, in place, when a parameter's version or storage changed since."""
         W = self.__dict__.get("_decode_w")
@@ -291,9 +291,8 @@ class Model:
             "head": [stack(self.head_weight.name)],
             "qk_norm": [norms(p) for p in L],
         }
-        if W is None:  # [in, out] memory on the CPU; on CUDA the [out, in] memory ``rows_linear`` reads along K
-            keep = self.device.type == "cuda"
-            W = self._decode_w = {k: [t if keep else t.contiguous() for t in v] for k, v in new.items()}
+        if W is None:  # each stored as ``rows_linear`` reads it fastest on this device
+            W = self._decode_w = {k: [ops.rows_linear_weight(t) for t in v] for k, v in new.items()}
         for k, v in new.items():  # in place: a captured decode graph reads the new values
             for old, t in zip(W[k], v):
                 old.copy_(t)

@@ -8,7 +8,8 @@ attention: attention (composed), math_attention (one node, hand-written backward
            inference), repeat_kv, causal_mask, doc_mask; flash_attention (fused, xtrain.ops.flash); each takes
            a mask (xtrain.mask)
 fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, qkv_norm_rope (decode),
-       rows_linear (decode), rope_table, swiglu_linear, add_rms_norm (xtrain.ops.fused)
+       rows_linear and rows_linear_weight (decode),
+       rope_table, swiglu_linear, add_rms_norm (xtrain.ops.fused)
 """
 
 from xtrain.ops.attention import (
@@ -78,6 +79,7 @@ __all__ = [
     "rope",
     "rope_table",
     "rows_linear",
+    "rows_linear_weight",
     "scale",
     "silu",
     "softmax",
@@ -103,6 +105,7 @@ def __getattr__(name):
         "qkv_norm_rope",
         "rope_table",
         "rows_linear",
+        "rows_linear_weight",
         "swiglu_linear",
     ):
         from xtrain.ops import fused

@@ -246,6 +246,13 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, pre: str | None = None, g: tor
     return K_rows.rows_linear_ref(x, w, pre, g, eps, res, fast=x.is_cuda)
 
 
+def rows_linear_weight(w: torch.Tensor) -> torch.Tensor:
+    """A weight w [K, N] (any layout) as ``rows_linear`` reads it fastest: on CUDA as it is (the decode path's
+    stacked weights are views of [N, K] memory, which its kernel reads along K), else contiguous [K, N] (x @ W on the
+    CPU reads the rows it needs in order)."""
+    return w if use_triton(w) else w.contiguous()
+
+
 def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean", *,
                  w_compute: torch.Tensor | None = None) -> Var:  # fmt: skip
     """cross_entropy(x @ w^T, targets) in the form the device rule picks (``kernels._dispatch.prefer_fused``):
