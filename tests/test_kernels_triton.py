@@ -214,9 +214,6 @@ def test_cross_entropy_cpu(N, V, reduction):
     # denom as a Python number (the older contract) gives the same gradient on both paths
     assert torch.equal(K_ce.cross_entropy_bwd_triton(dloss, logits, t, lse0, -100, denom0.item()), g)
     assert torch.equal(K_ce.cross_entropy_bwd_ref(dloss, logits, t, lse0, -100, denom0.item()), g0)
-    buf = logits.clone()
-    gi = K_ce.cross_entropy_bwd_triton(dloss, buf, t, lse0, -100, denom0, inplace=True)
-    assert gi.data_ptr() == buf.data_ptr() and torch.equal(gi, g)
     a, b = logits.clone(), logits.clone()
     nll, lse1 = K_ce.cross_entropy_fwd_bwd_triton(a, t, -100, 0.25)
     nll0, _ = K_ce.cross_entropy_fwd_bwd_ref(b, t, -100, 0.25)

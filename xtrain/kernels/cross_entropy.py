@@ -10,9 +10,8 @@ Contract:
         reference's are in fp64 for fp64 logits). lse is saved so the backward needs no second reduction;
         denom is a device tensor so the forward never waits on the host (it was a float read back with
         .item(), a synchronisation inside every forward).
-    cross_entropy_bwd(dloss, logits, targets, lse, ignore_index, denom, inplace=False) -> dlogits
-        (logits.dtype; written into ``logits`` itself when inplace=True and the caller no longer needs it;
-        denom: that tensor, or a Python number).
+    cross_entropy_bwd(dloss, logits, targets, lse, ignore_index, denom) -> dlogits (logits.dtype; denom: that
+        tensor, or a Python number).
     cross_entropy_fwd_bwd_{triton,ref}(logits, targets, ignore_index, scale) -> (nll[N] fp32, lse[N] fp32), and
         (scale: a Python number or a 0-dim device tensor)
         logits overwritten in place by scale * (softmax - onehot) (0 on ignored rows): forward and backward in
@@ -21,13 +20,8 @@ A batch where every target is ignored has loss 0 and zero gradient under "mean" 
 all-padding micro-batch cannot poison an accumulated step.
 
 Triton kernels (one program per row, the whole row; fp32 statistics, never an fp32 copy of the logits):
-    _ce_fwd_group_kernel           the forward: an online log-sum-exp over BLOCK_V-column steps, each step a
-                                   [BLOCK_V / GROUP, GROUP] tile with a running max and sum per GROUP-column group
-                                   (the per-step max stays within a thread or two: no shared memory, no barrier),
-                                   the groups merged once at the end; exp2 with log2(e) folded into one FMA:
-                                       m_new = max(m, max_b x);  s = s * 2^((m - m_new) log2 e) + sum_b 2^(..);
-                                       lse = m + log(s)
-                                   The next step's block is loaded before the current one is reduced.
+    _ce_fwd_group_kernel           the forward: an online log-sum-exp over BLOCK_V-column steps, a running max
+                                   and sum per GROUP-column group, the groups merged once at the end (its docstring)
     _ce_loss_kernel                the epilogue in one program: loss = sum(nll) / denom and denom as device
                                    scalars (no host read)
     _cross_entropy_bwd_kernel      one read + one write: (exp(x - lse) - [v == t]) * dloss / denom
@@ -82,7 +76,6 @@ def cross_entropy_bwd_ref(
     lse: torch.Tensor,
     ignore_index: int = -100,
     denom=1.0,
-    inplace: bool = False,
 ) -> torch.Tensor:
     acc = _acc(logits)
     valid = targets != ignore_index
@@ -93,9 +86,6 @@ def cross_entropy_bwd_ref(
     safe_t = torch.where(valid, targets, torch.zeros_like(targets))
     probs.scatter_add_(1, safe_t[:, None], -torch.ones_like(probs[:, :1]))
     probs.mul_((valid.to(acc) * scale)[:, None])
-    if inplace:
-        logits.copy_(probs)
-        return logits
     return probs.to(logits.dtype)
 
 
@@ -156,18 +146,16 @@ def _ce_fwd_group_kernel(
     logit."""
     row = tl.program_id(0).to(tl.int64)
     ROW = LOGITS + row * stride
-    c0 = 0
-    c1 = V
     NG: tl.constexpr = BLOCK_V // GROUP
     offs = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP] columns
-    x = tl.load(ROW + c0 + offs, mask=c0 + offs < c1, other=-float("inf")).to(tl.float32)
-    nxt = tl.load(ROW + c0 + BLOCK_V + offs, mask=c0 + BLOCK_V + offs < c1, other=-float("inf"))
+    x = tl.load(ROW + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+    nxt = tl.load(ROW + BLOCK_V + offs, mask=BLOCK_V + offs < V, other=-float("inf"))
     m = tl.max(x, axis=1)  # [NG]; -inf for a group with no column yet
     ml = tl.where(m == -float("inf"), 0.0, m * _LOG2E)  # a safe shift: exp2(-inf - 0) = 0, never nan
     s = tl.sum(tl.exp2(x * _LOG2E - ml[:, None]), axis=1)
-    for start in range(c0 + BLOCK_V, c1, BLOCK_V):
+    for start in range(BLOCK_V, V, BLOCK_V):
         x = nxt.to(tl.float32)
-        nxt = tl.load(ROW + start + BLOCK_V + offs, mask=start + BLOCK_V + offs < c1, other=-float("inf"))
+        nxt = tl.load(ROW + start + BLOCK_V + offs, mask=start + BLOCK_V + offs < V, other=-float("inf"))
         m_new = tl.maximum(m, tl.max(x, axis=1))
         ml_new = tl.where(m_new == -float("inf"), 0.0, m_new * _LOG2E)
         s = s * tl.exp2(ml - ml_new) + tl.sum(tl.exp2(x * _LOG2E - ml_new[:, None]), axis=1)
@@ -316,14 +304,12 @@ def cross_entropy_fwd_triton(
 
 def cross_entropy_bwd_triton(
     dloss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ignore_index: int = -100,
-    denom=1.0, inplace: bool = False, config: CrossEntropyConfig | None = None,
+    denom=1.0, config: CrossEntropyConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     _check("cross_entropy_bwd", logits, targets)
-    if inplace and logits.stride(1) != 1:
-        raise ValueError(f"cross_entropy_bwd: inplace needs rows of contiguous logits, got strides {logits.stride()}")
     src = _rows(logits)
     N, V = src.shape
-    out = src if inplace else torch.empty_like(src)
+    out = torch.empty_like(src)
     dloss = torch.as_tensor(dloss, dtype=torch.float32, device=logits.device).reshape(())
     if N > 0:
         cfg = config or cross_entropy_config(V, N)
@@ -375,8 +361,7 @@ def cross_entropy_bwd(
     lse: torch.Tensor,
     ignore_index: int = -100,
     denom=1.0,
-    inplace: bool = False,
 ) -> torch.Tensor:
     if _fast(logits, targets, lse):
-        return cross_entropy_bwd_triton(dloss, logits, targets, lse, ignore_index, denom, inplace)
-    return cross_entropy_bwd_ref(dloss, logits, targets, lse, ignore_index, denom, inplace)
+        return cross_entropy_bwd_triton(dloss, logits, targets, lse, ignore_index, denom)
+    return cross_entropy_bwd_ref(dloss, logits, targets, lse, ignore_index, denom)

@@ -2,7 +2,7 @@
 
 Contract:
     embedding_fwd(ids[...], table[V, C]) -> out[..., C] (table.dtype)
-    embedding_bwd(dout[..., C], ids, V, plan=None, config=None) -> dtable[V, C] (dout.dtype): the dout rows added
+    embedding_bwd(dout[..., C], ids, V, plan=None) -> dtable[V, C] (dout.dtype): the dout rows added
         into the rows their ids name, in fp32, rounded once; no [N, V] one-hot and no floating-point atomics, so the
         bits are the same run to run. ``plan``: the ids-only part of the "tiers" form made ahead (None elsewhere).
 
@@ -887,14 +887,9 @@ def embedding_bwd_triton(
     return dtable
 
 
-def embedding_bwd(
-    dout: torch.Tensor,
-    ids: torch.Tensor,
-    V: int,
-    plan: EmbeddingBwdPlan | None = None,
-    config: EmbeddingBwdConfig | None = None,
-) -> torch.Tensor:
-    """dtable from dout: Triton on CUDA (fp16 / bf16 / fp32), the reference elsewhere."""
+def embedding_bwd(dout: torch.Tensor, ids: torch.Tensor, V: int, plan: EmbeddingBwdPlan | None = None) -> torch.Tensor:
+    """dtable from dout: Triton on CUDA (fp16 / bf16 / fp32, the form ``embedding_bwd_config`` ships), the reference
+    elsewhere."""
     if dout.dtype != torch.float64 and use_triton(dout, ids):
-        return embedding_bwd_triton(dout, ids, V, plan, config)
+        return embedding_bwd_triton(dout, ids, V, plan)
     return embedding_bwd_ref(dout, ids, V)
