@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import pathlib
+import shutil
 import threading
 
 import pytest
@@ -164,3 +165,20 @@ def test_server_equals_sample_equals_transformers(run_dir, tmp_path, capsys):
             assert r.choices[0].text == tok.decode(w) and r.usage.completion_tokens == len(w)
     finally:
         stop()
+
+
+def test_a_run_trained_in_bf16_serves_in_fp32_on_the_cpu(run_dir, tmp_path, capsys):
+    """A run trained in bf16 (on a GPU) loaded on the CPU for ``sample``/``serve`` computes in float32 from its fp32
+    masters (said on stderr): its logits are the fp32 run's, which is what the fp32 export gives transformers."""
+    from xtrain.train.sample_cli import load_run
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(run_dir, bf16)
+    cfg = json.loads((bf16 / "config.json").read_text())
+    cfg["model"]["compute_dtype"] = "bfloat16"
+    (bf16 / "config.json").write_text(json.dumps(cfg))
+    (m32, _), (m16, _) = load_run(run_dir, "cpu", "t"), load_run(bf16, "cpu", "t")
+    assert "computing in float32 on the CPU (the run trained in bfloat16)" in capsys.readouterr().err
+    ids = torch.arange(20)[None] % m32.config.vocab_size
+    with no_grad():
+        assert m16.compute_dtype == torch.float32 and torch.equal(m16.forward(ids).data, m32.forward(ids).data)

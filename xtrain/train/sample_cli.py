@@ -12,6 +12,7 @@ context).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -38,7 +39,9 @@ def load_run_tokenizer(run_dir: Path, vocab_size: int | None = None):
 def load_run(run_dir: Path, device: str | None, prog: str):
     """-> (model in eval mode on ``device`` (None: cuda when available), tokenizer) of a run, for inference
     (``xtrain sample``, ``xtrain serve``); the checkpoint's notes go to stderr after ``prog``. A missing or corrupt
-    tokenizer stops before the weights load, one of another vocabulary right after (ValueError)."""
+    tokenizer stops before the weights load, one of another vocabulary right after (ValueError). On the CPU a run
+    trained in bf16 or fp16 (on a GPU) computes in float32 from its fp32 masters, as training on the CPU does:
+    the CPU's half-precision matmuls are slower than its fp32 ones (said on stderr)."""
     from xtrain.device import resolve_device
     from xtrain.model import Model
     from xtrain.train import checkpoint as ckpt_io
@@ -49,6 +52,10 @@ def load_run(run_dir: Path, device: str | None, prog: str):
     for note in ck.notes:
         print(f"{prog}: {note}", file=sys.stderr)
     tok = load_run_tokenizer(run_dir, ck.model_config.vocab_size)
+    cfg = ck.model_config
+    if device == "cpu" and cfg.compute_dtype in ("bfloat16", "float16"):
+        print(f"{prog}: computing in float32 on the CPU (the run trained in {cfg.compute_dtype})", file=sys.stderr)
+        ck = dataclasses.replace(ck, model_config=dataclasses.replace(cfg, compute_dtype="float32"))
     model = Model(ck.model_config, device=device).eval()
     ckpt_io.restore(ck, model)
     return model, tok
