@@ -270,10 +270,9 @@ class Model:
 
     def _decode_weights(self) -> dict:
         """The decode path's weights (module docstring): per layer the matmul weights "qkv", "o", "gate_up", "down",
-        and "head", each an [in, out] tensor in the compute dtype (``ops.rows_linear``'s w, laid out by
-        ``ops.rows_linear_weight``), and "qk_norm" [H +
-        Hkv, D] in the master dtype: q_norm's weight in H rows, then k_norm's in Hkv (``ops.qkv_norm_rope``). Made
-        on first use; written again, in place, when a parameter's version or storage changed since."""
+        and "head", each [in, out] in the compute dtype (``ops.rows_linear``'s w, laid out by ``rows_linear_weight``),
+        and "qk_norm" [H + Hkv, D] in the master dtype: q_norm's weight in H rows, then k_norm's in Hkv
+        (``ops.qkv_norm_rope``). Made on first use; written again, in place, when a parameter changed since."""
         W = self.__dict__.get("_decode_w")
         key = [(id(p.data), p.data._version) for p in self._decode_params]
         if W is not None and W["key"] == key:
@@ -316,9 +315,8 @@ class Model:
         positions, table = rope
         T = positions.shape[-1]
 
-        if W is not None:  # decode (inference, no tape): the input norm and one product over the stacked weights; q
-            # normed and roped, k (the same) and v written into the layer's cache; attention over that cache; each
-            # residual add in its product's pass, the next norm and the SwiGLU in the next product's
+        if W is not None:  # decode (no tape): each norm, SwiGLU and residual add inside a product (``rows_linear``);
+            # q normed and roped, k (the same) and v written into the layer's cache; attention over that cache
             qkv = ops.rows_linear(x.data, W["qkv"][i], "norm", P["input_layernorm.weight"].data, eps)
             q = ops.qkv_norm_rope(qkv, W["qk_norm"][i], H, Hkv, mask, table, eps, cache.kv[i])
             x = ops.rows_linear(ops.cached_attention(q, *cache.kv[i], mask).data, W["o"][i], res=x.data)  # [B*T, C]

@@ -139,9 +139,7 @@ class Engine:
             logits = self._decode(cache, cache.mask(slots, 1), tokens.to(self.device))
             cache.lengths[slots] += 1
             return logits, (greedy_ids(logits) if greedy else None)
-        # the host's part of a replayed step is on the path of every token: numpy views of the CPU tensors (each
-        # torch call on a CPU tensor costs a few microseconds, a numpy one a fraction)
-        lengths, sl = cache.lengths.numpy(), slots.numpy()
+        lengths, sl = cache.lengths.numpy(), slots.numpy()  # numpy: a fraction of a CPU-tensor torch call's cost
         start = lengths[sl]  # [B]
         S = int(start.max()) + 1  # the longest row after this step
         if S > cache.max_len:
@@ -254,8 +252,7 @@ class Batcher:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.draining = False  # ``drain()``: no new requests, the running ones go on
-        ahead = config.run_ahead
-        self.run_ahead = engine.device.type == "cuda" if ahead is None else ahead
+        self.run_ahead = engine.device.type == "cuda" if config.run_ahead is None else config.run_ahead
         self._ahead = None  # (rows, logits, ids) of a step launched one ahead, not yet reported
         self._ids_host = None  # where a step's greedy ids come back to (pinned on CUDA)
         self.steps = 0  # decode steps run (a test hook: did requests share steps?)
@@ -423,9 +420,8 @@ class Batcher:
         eng, lengths = self.engine, self.cache.lengths
         slots = torch.tensor([s.slot for s in running], dtype=torch.long)
         tokens = torch.tensor([s.last for s in running], dtype=torch.long)
-        greedy = self.run_ahead and all(self._plain_greedy(s) for s in running)
-        try:
-            return eng.step(self.cache, slots, tokens, greedy)
+        try:  # the greedy ids of an eager step too, when a step may be launched ahead of them
+            return eng.step(self.cache, slots, tokens, self.run_ahead and all(map(self._plain_greedy, running)))
         except Exception as e:  # a failed step moved no row's length
             failed, pos = e, lengths[slots].clone()
         rows = []
@@ -446,16 +442,11 @@ class Batcher:
         return s.sampling.greedy and not s.sampling.logprobs and not s.slide and not s.cancelled
 
     def _launch_ahead(self, rows: list[Sequence], ids: torch.Tensor) -> torch.Tensor:
-        """Every row greedy: copy this step's ids [B] to the host, then launch the next step for the same rows with
-        those ids as its tokens, read on the device, so the GPU runs it while the host reports this one (DESIGN.md,
-        "Decode graphs"). A row this step finishes (eos, its budget, a cancel) wastes its share of that step: its
-        row of the cache is freed, and its next owner's prefill overwrites it. -> this step's ids (host)."""
-        B = ids.shape[0]
-        if self._ids_host is None or self._ids_host.shape[0] != B:
-            self._ids_host = torch.empty(B, dtype=torch.int64, pin_memory=ids.is_cuda)
-        host = self._ids_host
-        host.copy_(ids, non_blocking=True)
-        ready = torch.cuda.Event() if ids.is_cuda else None
+        """Copy this step's ids [B] to the host, launch the next step for the same rows with those ids as tokens
+        (read on the device), then wait for the copy -> the ids (host). DESIGN.md, "Decode graphs"."""
+        if self._ids_host is None or self._ids_host.shape != ids.shape:
+            self._ids_host = torch.empty(ids.shape, dtype=torch.int64, pin_memory=ids.is_cuda)
+        host, ready = self._ids_host.copy_(ids, non_blocking=True), torch.cuda.Event() if ids.is_cuda else None
         if ready is not None:
             ready.record()
         try:
