@@ -101,11 +101,6 @@ def acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def interpreting() -> bool:
-    """True when Triton kernels run through the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def get_backend() -> str:
     """The calling thread's kernel backend."""
     return _backend.name
