@@ -13,10 +13,10 @@ Contract:
     cross_entropy_bwd(dloss, logits, targets, lse, ignore_index, denom, inplace=False) -> dlogits
         (logits.dtype; written into ``logits`` itself when inplace=True and the caller no longer needs it;
         denom: that tensor, or a Python number).
-    cross_entropy_fwd_bwd(logits, targets, ignore_index, scale) -> (nll[N] fp32, lse[N] fp32), and
+    cross_entropy_fwd_bwd_{triton,ref}(logits, targets, ignore_index, scale) -> (nll[N] fp32, lse[N] fp32), and
         (scale: a Python number or a 0-dim device tensor)
-        logits overwritten in place by scale * (softmax - onehot) (0 on ignored rows): forward and
-        backward in one call for a caller that knows dloss up front (fused linear + cross-entropy).
+        logits overwritten in place by scale * (softmax - onehot) (0 on ignored rows): forward and backward in
+        one call for a caller that knows dloss up front (the fused linear + cross-entropy, which picks the form).
 A batch where every target is ignored has loss 0 and zero gradient under "mean" (not nan), so an
 all-padding micro-batch cannot poison an accumulated step.
 
@@ -380,9 +380,3 @@ def cross_entropy_bwd(
     if _fast(logits, targets, lse):
         return cross_entropy_bwd_triton(dloss, logits, targets, lse, ignore_index, denom, inplace)
     return cross_entropy_bwd_ref(dloss, logits, targets, lse, ignore_index, denom, inplace)
-
-
-def cross_entropy_fwd_bwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, scale: float = 1.0):
-    if _fast(logits, targets):
-        return cross_entropy_fwd_bwd_triton(logits, targets, ignore_index, scale)
-    return cross_entropy_fwd_bwd_ref(logits, targets, ignore_index, scale)
