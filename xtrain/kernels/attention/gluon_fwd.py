@@ -652,32 +652,11 @@ def _launch(q, k, v, o, lse, scale: float, config: GluonFwdConfig, n_prog: int):
     U = B * H * n_m  # work items; programs take them in pairs, so more than ceil(U / 2) would idle
     grid = (max(1, min(n_prog, (U + 1) // 2)),)
     ord_off, ord_items = _schedule_tensors(q.device, B * H, n_m, T, NW, grid[0])
-    args = dict(
-        q_desc=_desc(q2, HALF_M, D),
-        k_desc=_desc(k2, BLOCK_N, D),
-        v_desc=_desc(v2, BLOCK_N, D),
-        o_desc=_desc(o2, HALF_M, D),
-        lse_ptr=lse,
-        qk_scale=scale * LOG2E,
-        H=H,
-        GROUP=H // k.shape[1],
-        T=T,
-        U=U,
-        n_m=n_m,
-        **q_coords,
-        **kv_coords,
-        ord_off=ord_off,
-        ord_items=ord_items,
-    )
-    consts = dict(
-        HEAD_DIM=D,
-        BLOCK_N=BLOCK_N,
-        STAGES=config.stages,
-        NUM_Q=config.num_q,
-        PINGPONG=config.pingpong,
-        NW=NW,
-        HALF_DIAG=config.half_diag,
-    )
+    args = dict(q_desc=_desc(q2, HALF_M, D), k_desc=_desc(k2, BLOCK_N, D), v_desc=_desc(v2, BLOCK_N, D))
+    args.update(o_desc=_desc(o2, HALF_M, D), lse_ptr=lse, qk_scale=scale * LOG2E, H=H, GROUP=H // k.shape[1], T=T)
+    args.update(U=U, n_m=n_m, **q_coords, **kv_coords, ord_off=ord_off, ord_items=ord_items)
+    consts = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N, STAGES=config.stages, NUM_Q=config.num_q, PINGPONG=config.pingpong)
+    consts.update(NW=NW, HALF_DIAG=config.half_diag)
     return _flash_fwd_gluon_pers_kernel, grid, args, consts
 
 

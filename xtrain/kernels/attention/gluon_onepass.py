@@ -364,18 +364,8 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float, cached: bool =
             f"{op}: dq needs a unit last stride and a power-of-two head dim, got {_shapes(dq)} strides {dq.stride()}"
         )
     B, H, T, D = dq.shape
-    args = dict(
-        ACC=acc,
-        DQ=dq,
-        scale=scale,
-        H=H,
-        T=T,
-        stride_b=dq.stride(0),
-        stride_h=dq.stride(1),
-        stride_t=dq.stride(2),
-        HEAD_DIM=D,
-        ROWS=CONVERT_ROWS,
-    )
+    args = dict(ACC=acc, DQ=dq, scale=scale, H=H, T=T, stride_b=dq.stride(0), stride_h=dq.stride(1))
+    args.update(stride_t=dq.stride(2), HEAD_DIM=D, ROWS=CONVERT_ROWS)
     grid = (triton.cdiv(T, CONVERT_ROWS), B * H)
     if cached:
         return launch_cached(_dq_convert_kernel, grid, args, num_warps=4)
@@ -407,15 +397,8 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, cfg: OnepassConfi
     args = tma_args(D, views, coords, q=BLOCK_M, do=BLOCK_M, k=HALF_M, v=HALF_M, dk=HALF_M, dv=HALF_M)
     args.update(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
     args["dq_desc"] = _desc(dq_acc.view(B * H * T, D), BLOCK_M, D)  # the fp32 accumulator
-    consts = dict(
-        HEAD_DIM=D,
-        BLOCK_M=BLOCK_M,
-        STAGES=cfg.stages,
-        SLOTS=cfg.slots,
-        NDS=cfg.nds,
-        KV_REGS=cfg.kv_regs,
-        DQ_REGS=cfg.dq_regs,
-    )
+    consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=cfg.stages, SLOTS=cfg.slots, NDS=cfg.nds)
+    consts.update(KV_REGS=cfg.kv_regs, DQ_REGS=cfg.dq_regs)
     nb = T // RESIDENT
     args["TAIL"] = tail_heads(nb, B * Hkv, grid_sms(q.device))
     return _onepass_kernel, (nb * B * Hkv,), args, consts
