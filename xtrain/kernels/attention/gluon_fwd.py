@@ -300,16 +300,9 @@ if HAVE_GLUON:
             _pp_leave(sched, HALF, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(last), count=1)
-            ph, mh, lh, alpha = _softmax_tile(
-                s,
-                gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
-                gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)),
-                qk_scale,
-                start_m,
-                start_m,
-                h_layout,
-                BLOCK_N=HALF_ROWS,
-            )
+            m_h = gl.convert_layout(m_i, gl.SliceLayout(1, h_layout))
+            l_h = gl.convert_layout(l_i, gl.SliceLayout(1, h_layout))
+            ph, mh, lh, alpha = _softmax_tile(s, m_h, l_h, qk_scale, start_m, start_m, h_layout, BLOCK_N=HALF_ROWS)
             ph16 = gl.convert_layout(ph.to(dtype), p_layout)
             acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
             mbarrier.arrive(v_empty.index(prev), count=1)
