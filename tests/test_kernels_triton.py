@@ -38,6 +38,7 @@ if HAVE_TRITON:
     from xtrain.kernels import rms_norm as K_rms
     from xtrain.kernels import rope as K_rope
     from xtrain.kernels import swiglu as K_sw
+    from xtrain.kernels.attention import decode as K_dec
 
     # the embedding backward's shipped forms, and two small configs that reach their rarer paths in a few hundred
     # tokens: tiers with K2 = 8 and tier B segments of 8 tokens; the chain with chunks of 1 token (long merges)
@@ -926,3 +927,40 @@ def test_embedding_fwd_planned_gpu():
     y.backward(d)
     assert torch.equal(w.grad, ref)
     assert K_emb.embedding_fwd_planned(ids, table.bfloat16())[1] is None  # bf16: the "side" form
+
+
+def _decode_case(B, H, Hkv, D, R, Tmax, dtype, device, seed):
+    """q, caches, slots (distinct, shuffled), lengths (the first 1, the last Tmax: both ends of the key loop)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, D, generator=g)
+    ck, cv = (torch.randn(R, Hkv, Tmax, D, generator=g) for _ in range(2))
+    slots, n = torch.randperm(R, generator=g)[:B], torch.randint(1, Tmax + 1, (B,), generator=g)
+    n[0] = 1
+    if B > 1:
+        n[-1] = Tmax
+    return [t.to(device, dtype) for t in (q, ck, cv)] + [slots.to(device), n.to(device)]
+
+
+@needs_cpu_interp
+@pytest.mark.parametrize("B,H,Hkv,D,R,Tmax", [(3, 12, 4, 16, 5, 70), (2, 6, 6, 32, 3, 40), (1, 4, 2, 8, 1, 1)])
+def test_decode_attention_cpu(B, H, Hkv, D, R, Tmax):
+    """The decode kernel (each row's keys read in place, online softmax) against the gathering reference in
+    fp64: GQA with G = 3 (padded to 4), MHA, one key; lengths 1 and Tmax; rows in shuffled cache slots."""
+    q, ck, cv, slots, n = _decode_case(B, H, Hkv, D, R, Tmax, torch.float32, "cpu", B * 100 + H)
+    scale = D**-0.5
+    with poisoned():
+        got = K_dec.decode_attention_triton(q, ck, cv, slots, n, scale, block_s=16)
+    want = K_dec.decode_attention_ref(q.double(), ck.double(), cv.double(), slots, n, scale)
+    assert got.shape == (B, H * D) and _rel(got, want) < CPU_TOL
+    assert _rel(K_dec.decode_attention_ref(q, ck, cv, slots, n, scale), want) < CPU_TOL
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,Hkv,D", [(1, 12, 4, 64), (4, 16, 8, 128)])
+def test_decode_attention_gpu(B, H, Hkv, D, dtype):
+    q, ck, cv, slots, n = _decode_case(B, H, Hkv, D, 6, 520, dtype, "cuda", 7)
+    with poisoned():
+        got = K_dec.decode_attention_triton(q, ck, cv, slots, n, D**-0.5)
+    want = K_dec.decode_attention_ref(q.double(), ck.double(), cv.double(), slots, n, D**-0.5)
+    assert _rel(got, want) < _tol(dtype)

@@ -236,6 +236,32 @@ def test_parity_bf16_against_fp64_truth():
         assert _rel2(p.grad, rgrads[k]) <= 5e-2, k
 
 
+def test_fused_loss_hands_the_head_gradient_to_a_tied_table_first(monkeypatch):
+    """bf16 on fp32 masters, tied, the fused loss: the loss node takes the head's master weight with its compute copy
+    (``w_compute``), so the head's gradient reaches the table when backward starts and the embedding's backward
+    adds its rows into it (``_add_rows_into``: no [V, C] temporary), with the gradients of the head read through a
+    cast node (the form before) bit for bit."""
+    import xtrain.ops.nn as nn_ops
+
+    c = small_cfg(compute_dtype="bfloat16", tie_embeddings=True, loss="fused")
+    ids, tg = batch(c, B=2, T=13)  # 26 tokens < V = 97
+    calls, real = [], nn_ops._add_rows_into
+    monkeypatch.setattr(nn_ops, "_add_rows_into", lambda *a: calls.append(1) or real(*a))
+    grads = []
+    for through_cast in (False, True):
+        m = Model(c, seed=1)
+        if through_cast:  # the head through a cast node, as before: its gradient arrives last
+            m._fused_loss = lambda h, w, t, w_compute, **kw: ops.linear_cross_entropy(
+                h, ops.cast_as(w, w_compute), t, **kw
+            )
+        calls.clear()
+        m.loss(ids, tg).backward()
+        assert calls == ([] if through_cast else [1]), through_cast
+        grads.append({k: p.grad for k, p in m.params.items()})
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]), k
+
+
 def test_hf_names_and_shapes():
     c = small_cfg()
     m = Model(c)

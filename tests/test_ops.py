@@ -374,7 +374,23 @@ BAD = [
     ("attention", lambda: ops.attention(V(1, 4, 5, 8), V(1, 2, 6, 8), V(1, 2, 6, 8))),
     ("attention", lambda: ops.attention(V(4, 5, 8), V(4, 5, 8), V(4, 5, 8))),
     ("math_attention", lambda: ops.math_attention(V(1, 4, 5, 8), V(1, 3, 5, 8), V(1, 3, 5, 8))),
+    ("cached_attention", lambda: ops.cached_attention(V(1, 4, 8), KV(), KV(), _cached())),  # q not 4-D
+    ("cached_attention", lambda: ops.cached_attention(V(1, 3, 1, 8), KV(), KV(), _cached())),  # Hkv=2 vs H=3
+    ("cached_attention", lambda: ops.cached_attention(V(1, 4, 1, 8), KV(), KV(D=4), _cached())),  # ck != cv
+    ("cached_attention", lambda: ops.cached_attention(V(1, 4, 1, 8), KV(), KV(dtype=torch.float64), _cached())),
+    ("cached_attention", lambda: ops.cached_attention(V(1, 4, 1, 8), KV(), KV(), True)),  # not a Cached mask
+    ("cached_attention", lambda: ops.cached_attention(V(1, 4, 1, 8), KV(), KV(), _cached(keys=7))),  # > Tmax
 ]
+
+
+def KV(D=8, dtype=torch.float32):  # a layer's cache: 2 rows, 2 kv heads, 6 positions
+    return torch.zeros(2, 2, 6, D, dtype=dtype)
+
+
+def _cached(keys=1):
+    from xtrain.mask import Cached
+
+    return Cached(torch.tensor([0]), torch.tensor([0]), 1, keys)
 
 
 @pytest.mark.parametrize("op,call", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])

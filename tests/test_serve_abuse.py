@@ -88,15 +88,16 @@ class FaultyEngine(Engine):
             self.poisoned.discard(slot)
         return super().prefill(cache, slot, ids)
 
-    def decode(self, cache, slots, tokens):
+    def step(self, cache, slots, tokens):
         hit = [b for b, s in enumerate(slots.tolist()) if s in self.poisoned]
         if hit and self.mode == "raise":
             self.raised += 1
             raise RuntimeError("planted decode failure")
-        logits = super().decode(cache, slots, tokens)
+        logits, greedy = super().step(cache, slots, tokens)
         if hit and self.mode == "nan":
+            logits, greedy = logits.clone(), None  # (a graph's greedy ids were picked before the nan)
             logits[hit] = float("nan")
-        return logits
+        return logits, greedy
 
 
 def _together(b: Batcher, jobs):

@@ -276,17 +276,17 @@ def test_full_queue_is_429():
 def test_disconnect_frees_the_slot_within_a_bound():
     """A streaming client that leaves after its first chunk: its sequence is cancelled and its slot freed within
     BOUND seconds, although the request (40 tokens at STEP_S a decode step, >= 4 s) would still be running then;
-    the next request gets the slot. The engine's decode is slowed by a sleep (a wrapper on this service's
+    the next request gets the slot. The engine's decode step is slowed by a sleep (a wrapper on this service's
     engine) so that "still running" does not depend on how fast the machine is."""
     STEP_S, BOUND, N = 0.1, 1.5, 40
     svc = Service(small().eval(), ByteTokenizer(), "m", EngineConfig(slots=1, max_queue=0))
-    decode = svc.batcher.engine.decode
+    step = svc.batcher.engine.step
 
-    def slow_decode(*args):
+    def slow_step(*args):
         threading.Event().wait(STEP_S)
-        return decode(*args)
+        return step(*args)
 
-    svc.batcher.engine.decode = slow_decode
+    svc.batcher.engine.step = slow_step
     seqs, submit = [], svc.batcher.submit
     svc.batcher.submit = lambda reqs: seqs.extend(submit(reqs)) or seqs[-len(reqs) :]
     url, stop = serve_in_thread(svc)

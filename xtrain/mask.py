@@ -116,14 +116,15 @@ class Documents(Mask):
 
 
 class Cached(Mask):
-    """Tn new tokens per row of a KV cache: ``slots`` int64 [B] (the cache rows), ``start`` int64 [B] (the row's
-    cached positions before these tokens: token t of row b sits at start[b] + t), ``keys`` S (host int): the
-    cache positions read, at least max(start) + Tn (a decode graph rounds it up; positions past a row's own are
-    hidden). ``hidden`` bool [B, 1, 1, Tn, S] (over the Hkv and G heads) is True where query t of row b may not
-    see key j: j > start[b] + t (None when a lone row's decode step reads just its own keys: nothing to hide).
-    Built on the device from device tensors (no host read). ``row``: (slot, start) of a lone row as Python ints
-    when the builder has them (not in a captured graph), or None; the positions are then [Tn], the RoPE rows a
-    slice, and the cache writes and reads the row through plain slices."""
+    """Tn new tokens per row of a KV cache: ``slots`` int64 [B] (the cache rows), ``start`` int64 [B] (the row's cached
+    positions before these tokens: token t of row b sits at start[b] + t), ``keys`` S (host int): the cache
+    positions read, at least max(start) + Tn (a decode graph rounds it up; positions past a row's own are hidden);
+    ``ends`` int64 [B] = start + Tn, each row's length after the step. ``hidden`` bool [B, 1, 1, Tn, S] (over the
+    Hkv and G heads) is True where query t of row b may not see key j: j > start[b] + t (None when a lone row's
+    decode step reads just its own keys: nothing to hide). Built on the device from device tensors (no host read).
+    ``row``: (slot, start) of a lone row as Python ints when the builder has them (not in a captured graph), or
+    None; the positions are then [Tn], the RoPE rows a slice, and the cache writes and reads the row through plain
+    slices."""
 
     kind = "cached"
 
@@ -137,6 +138,7 @@ class Cached(Mask):
                 f"B = 1; got slots {_desc(slots)}, start {_desc(start)}, new={new}, keys={keys}, row={row}"
             )
         self.slots, self.start, self.new, self.keys, self.row = slots, start, int(new), int(keys), row
+        self.ends = start + self.new  # [B] each row's length after the step (the keys its last query sees)
         dev = start.device
         if row is not None:  # one row from a position known on the host: positions [Tn]
             p = row[1]

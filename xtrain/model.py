@@ -325,9 +325,11 @@ class Model:
         else:  # decode (inference, no tape): one GEMM over the stacked weights; the same norm and RoPE of q and k
             q, k, v = ops.qkv_norm_rope(h.data @ W["qkv"][i], W["qk_norm"][i], H, Hkv, positions, cfg.rope_theta, eps,
                                         table)  # fmt: skip
-        if cache is not None:  # the new keys and values into the cache; attention over the cache rows
-            k, v = cache.store(i, k, v, mask)
-        a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
+        if cache is None:
+            a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
+        else:  # the new keys and values into the cache; attention over the layer's cache
+            cache.store(i, k, v, mask)
+            a = ops.cached_attention(q, *cache.kv[i], mask)
         a = self._linear(a, P["self_attn.o_proj.weight"]) if W is None else Var(a.data @ W["o"][i])  # [B*T, C]
         # the branch promoted to the master dtype in the add, and the sum normed in the same pass: [B*T, C] each
         x, h = ops.add_rms_norm(
@@ -409,17 +411,20 @@ class Model:
             h = ops.rms_norm(x, final_norm, cfg.norm_eps, self.compute_dtype)  # [N, C]
         if W is not None:  # decode: the [in, out] head
             return Var((h.data @ W["head"][0]).view(B, T, -1))  # [B, T, V]
-        w = self._w(self.head_weight)  # [V, C]
         if targets is None:
-            return ops.reshape(ops.linear(h, w), (B, T, w.shape[0]))  # [B, T, V]
+            return ops.reshape(ops.linear(h, self._w(self.head_weight)), (B, T, cfg.vocab_size))  # [B, T, V]
         if not isinstance(targets, torch.Tensor) or targets.shape != ids.shape:
             raise ValueError(
                 f"Model: targets must be a tensor of the ids' shape {tuple(ids.shape)}, got "
                 f"{tuple(getattr(targets, 'shape', ()))}"
             )
         t = targets.reshape(B * T)  # [N]
-        if self._fused_loss is not None:
-            return self._fused_loss(h, w, t, ignore_index=ignore_index, reduction=reduction)
+        if self._fused_loss is not None:  # the head's gradient delivered by the loss node, in the master dtype
+            wc = self._compute(self.head_weight)
+            return self._fused_loss(
+                h, self.head_weight, t, ignore_index=ignore_index, reduction=reduction, w_compute=wc
+            )
+        w = self._w(self.head_weight)  # [V, C]
         return ops.cross_entropy(ops.linear(h, w), t, ignore_index=ignore_index, reduction=reduction)
 
     __call__ = forward

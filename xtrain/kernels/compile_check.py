@@ -109,6 +109,7 @@ def cases() -> dict[str, Callable[[], None]]:
         rope,
         swiglu,
     )
+    from xtrain.kernels.attention import decode
 
     g = torch.Generator().manual_seed(0)
 
@@ -179,7 +180,15 @@ def cases() -> dict[str, Callable[[], None]]:
                     o, lse = attention.flash_attention_fwd_triton(q, k, k, causal, config=f, doc_starts=ds)
                     attention.flash_attention_bwd_triton(q, q, k, k, o, lse, causal, config=b, doc_starts=ds)
 
+        def decode_attn(dt=dt):  # GQA with G = 3 (seed) and G = 2, D = 128 (Qwen3)
+            for H, Hkv, D in ((12, 4, 64), (16, 8, 128)):
+                ck = r(2, Hkv, 40, D, dtype=dt)
+                decode.decode_attention_triton(
+                    r(2, H, D, dtype=dt), ck, ck, torch.tensor([1, 0]), torch.tensor([3, 40]), 0.1
+                )
+
         for name, fn in (
+            ("decode_attention", decode_attn),
             ("rms_norm", norm),
             ("rope", rope_),
             ("qk_norm_rope", qk_),

@@ -10,7 +10,7 @@ reads key/value head h // (H // Hkv)).
 Every form takes a ``mask`` (``xtrain.mask``: a Mask value, or True / False for CAUSAL / FULL) and picks its
 computation by the mask's kind: causal and full as ever, ``Documents`` (packed documents: query t sees keys
 starts[b, t] .. t) through the same kernels given the starts, and ``Cached`` (new tokens over a KV cache's
-rows, inference only) in ``attention_rows``, whose keys and values are the cache rows.
+rows, inference only) in ``cached_attention``, which reads the keys and values from the cache.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 
 from xtrain.autograd import Var, is_grad_enabled
 from xtrain.kernels import attention as K_attn
-from xtrain.kernels._dispatch import prefer_fused
+from xtrain.kernels._dispatch import prefer_fused, use_triton
+from xtrain.kernels.attention import decode as K_dec
 from xtrain.mask import Mask, as_mask
 from xtrain.ops.basic import _FLOAT, _check_same, check, matmul, transpose
 from xtrain.ops.basic import scale as scale_op
@@ -63,7 +64,7 @@ def repeat_kv(x: Var, groups: int) -> Var:
 def _mask(op: str, mask, q: Var, cached: bool = False) -> Mask:
     """The mask as a Mask that fits q [B, H, T, D] (its kind's shape check); a Cached mask only where ``cached``."""
     m = as_mask(mask)
-    check(cached or m.kind != "cached", op, "a Cached mask runs in attention_rows (keys from the cache)", q)
+    check(cached or m.kind != "cached", op, "a Cached mask runs in cached_attention (keys from the cache)", q)
     if q.ndim == 4:  # else the form's own shape check names the problem
         m.check(op, q.shape[0], q.shape[2], q.device)
     return m
@@ -135,32 +136,43 @@ def auto_attention(q: Var, k: Var, v: Var, mask: Mask | bool = True, scale: floa
     return math_attention(q, k, v, mask, scale)
 
 
-def cached_attention(q: Var, k: Var, v: Var, mask, scale: float | None = None) -> Var:
-    """Attention of Tn new queries over cache rows (inference: no backward): q [B, H, Tn, D], k and v
-    [B, Hkv, S, D] (the rows ``mask.slots`` of a KV cache, keys 0 .. S-1), ``mask`` a ``Cached`` -> rows
-    [B*Tn, H*D]. Math attention's computation (GQA folded into the matmul shapes, scores and softmax in fp32)
-    with the mask's ``hidden`` keys at -inf; every query sees at least its own key."""
+def cached_attention(q: Var, ck: torch.Tensor, cv: torch.Tensor, mask, scale: float | None = None) -> Var:
+    """Attention of Tn new queries over their KV-cache rows (inference: no backward): q [B, H, Tn, D]; ck and cv
+    one layer's whole cache [R, Hkv, Tmax, D], the new keys and values already in it (``SlotCache.store``);
+    ``mask`` a ``Cached`` (the rows ``mask.slots``, their positions, the ``mask.keys`` positions read) -> rows
+    [B*Tn, H*D]. A decode step (Tn = 1) on CUDA runs the decode kernel (``kernels.attention.decode``: each row's
+    keys read in place, no gather). Otherwise the rows' first ``mask.keys`` positions (slices for a lone row known
+    on the host, else a gather) go through math attention's computation (GQA folded into the matmul shapes,
+    scores and softmax in fp32) with the mask's ``hidden`` keys at -inf; every query sees at least its own key."""
     op = "cached_attention"
-    qd, kd, vd = q.data, k.data, v.data
+    qd = q.data
     B, H, Tn, D = qd.shape if qd.dim() == 4 else (0, 0, 0, 0)
-    Hkv, S = (kd.shape[1], kd.shape[2]) if kd.dim() == 4 else (1, 0)
+    Hkv, Tmax = (ck.shape[1], ck.shape[2]) if ck.dim() == 4 else (1, 0)
+    S = getattr(mask, "keys", 0)
     if not (  # one expression for the common case; the checks below name what is wrong
-        qd.dtype is kd.dtype is vd.dtype and qd.dtype in _FLOAT and qd.device == kd.device == vd.device
-        and qd.dim() == 4 and kd.shape == vd.shape and kd.dim() == 4 and kd.shape[0] == B and kd.shape[3] == D
-        and Hkv > 0 and H % Hkv == 0 and getattr(mask, "kind", None) == "cached" and mask.keys == S
+        qd.dtype is ck.dtype is cv.dtype and qd.dtype in _FLOAT and qd.device == ck.device == cv.device
+        and qd.dim() == 4 and ck.shape == cv.shape and ck.dim() == 4 and ck.shape[3] == D and Hkv > 0
+        and H % Hkv == 0 and getattr(mask, "kind", None) == "cached" and S <= Tmax
     ):  # fmt: skip
-        _check_same(op, q, k)
-        _check_same(op, q, v)
-        check(q.ndim == 4 and k.ndim == 4 and k.shape == v.shape, op,
-              "q must be [B, H, Tn, D], k and v [B, Hkv, S, D]", q, k, v)  # fmt: skip
-        check(k.shape[0] == B and k.shape[3] == D and Hkv > 0 and H % Hkv == 0, op,
-              "k/v must be [B, Hkv, S, D], Hkv dividing H", q, k, v)  # fmt: skip
-        check(False, op, f"mask must be a Cached mask of {S} keys", q, k)
+        check(isinstance(ck, torch.Tensor) and isinstance(cv, torch.Tensor) and ck.dtype == cv.dtype == qd.dtype
+              and ck.device == cv.device == qd.device, op, "ck and cv must be tensors of q's dtype and device",
+              q, ck, cv)  # fmt: skip
+        check(q.ndim == 4 and ck.ndim == 4 and ck.shape == cv.shape, op,
+              "q must be [B, H, Tn, D], ck and cv [R, Hkv, Tmax, D]", q, ck, cv)  # fmt: skip
+        check(ck.shape[3] == D and Hkv > 0 and H % Hkv == 0, op, "the caches must be [R, Hkv, Tmax, D], Hkv dividing H",
+              q, ck, cv)  # fmt: skip
+        check(False, op, f"mask must be a Cached mask of at most {Tmax} keys", q, ck)
     mask.check(op, B, Tn, qd.device)
-    check(not (is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)), op,
-          "inference only: run it under no_grad()", q)  # fmt: skip
-    G = H // Hkv
+    check(not (is_grad_enabled() and q.requires_grad), op, "inference only: run it under no_grad()", q)
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if Tn == 1 and use_triton(qd, ck):
+        return Var(K_dec.decode_attention_triton(qd.view(B, H, D), ck, cv, mask.slots, mask.ends, s))
+    if mask.row is not None:
+        r = mask.row[0]
+        kd, vd = ck[r : r + 1, :, :S], cv[r : r + 1, :, :S]  # views
+    else:
+        kd, vd = ck[mask.slots, :, :S], cv[mask.slots, :, :S]  # [B, Hkv, S, D]
+    G = H // Hkv
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     # batched matmuls over the B*Hkv (row, K/V head) pairs, the G query heads of a K/V head stacked as rows
     scores = torch.bmm(qd.reshape(B * Hkv, G * Tn, D), kd.reshape(B * Hkv, S, D).transpose(1, 2))  # [B*Hkv, G*Tn, S]
@@ -182,10 +194,7 @@ def attention_rows(q: Var, k: Var, v: Var, mask: Mask | bool = True, scale: floa
     the CPU below CPU_FLASH_MIN_T), the head transposes of v, of the output and the output's contiguous copy
     happen inside one node (``xtrain.kernels.attention``), the same values as the unfused
     reshape/transpose/attention/transpose/contiguous/reshape chain bit for bit; other forms ("composed",
-    "flash", "auto" on CUDA) run that chain of nodes. A ``Cached`` mask takes ``cached_attention`` whatever
-    ``impl`` says: k and v are then the cache rows [B, Hkv, S, D]."""
-    if isinstance(mask, Mask) and mask.kind == "cached":
-        return cached_attention(q, k, v, mask, scale)
+    "flash", "auto" on CUDA) run that chain of nodes. A ``Cached`` mask goes to ``cached_attention``."""
     check_attention_inputs("attention_rows", q, k, k)
     m = _mask("attention_rows", mask, q)
     B, H, T, D = q.shape

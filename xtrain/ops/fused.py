@@ -25,7 +25,7 @@ from xtrain.kernels import qk_norm_rope as K_qk
 from xtrain.kernels import rms_norm as K_rms
 from xtrain.kernels import swiglu as K_swiglu
 from xtrain.kernels._dispatch import prefer_fused, use_triton
-from xtrain.ops.basic import _FLOAT, _check_compute, _check_same, _mm_to, check, check_values, linear
+from xtrain.ops.basic import _FLOAT, _check_compute, _check_same, _mm_to, cast_as, check, check_values, linear
 from xtrain.ops.nn import cross_entropy
 
 _INT = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -38,14 +38,22 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    *,
+    w_compute: torch.Tensor | None = None,
 ) -> Var:
     """Scalar cross-entropy of logits = x @ w^T: x [N, C] (e.g. the final hidden states), w [V, C] (the
     lm-head weight, Hugging Face layout), targets [N] integer; rows whose target is ``ignore_index``
-    count for nothing and "mean" divides by the number of counted rows.
+    count for nothing and "mean" divides by the number of counted rows. ``w_compute``: w's values in x's dtype
+    (as ``linear``'s), used in w's place; w's gradient is then its gradient in x's dtype cast to w's, the values of
+    ``cast_as(w, w_compute)`` bit for bit, but delivered by this node, the loss, which backward runs first (a tied
+    embedding's backward then finds the head's gradient already on the table).
 
     Memory: dx [N, C] and dw [V, C] are kept from forward to backward instead of the logits."""
     op = "linear_cross_entropy"
-    _check_same(op, x, w)
+    if w_compute is None:
+        _check_same(op, x, w)
+    else:
+        _check_compute(op, w, w_compute, x)
     check(x.ndim == 2 and w.ndim == 2 and x.shape[1] == w.shape[1], op, "expected x [N, C] and w [V, C]", x, w)
     check(
         isinstance(targets, torch.Tensor) and targets.dtype in _INT,
@@ -73,12 +81,14 @@ def linear_cross_entropy(
 
     need_dx = is_grad_enabled() and x.requires_grad
     need_dw = is_grad_enabled() and w.requires_grad
+    wd = w.data if w_compute is None else w_compute
     loss, dx, dw = K.linear_cross_entropy_fwd(
-        x.data, w.data, targets, ignore_index, reduction, need_dx=need_dx, need_dw=need_dw, chunk_size=chunk_size
+        x.data, wd, targets, ignore_index, reduction, need_dx=need_dx, need_dw=need_dw, chunk_size=chunk_size
     )
 
     def backward(dloss):
-        return K.linear_cross_entropy_bwd(dloss, dx, dw)
+        gx, gw = K.linear_cross_entropy_bwd(dloss, dx, dw)
+        return gx, (None if gw is None else gw.to(w.dtype))
 
     return Var.from_op(loss, (x, w), backward, op)
 
@@ -186,11 +196,14 @@ def qkv_norm_rope(qkv: torch.Tensor, w: torch.Tensor, H: int, Hkv: int, position
     return Var(q), Var(k), Var(v)
 
 
-def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean") -> Var:
+def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean", *,
+                 w_compute: torch.Tensor | None = None) -> Var:  # fmt: skip
     """cross_entropy(x @ w^T, targets) in the form the device rule picks (``kernels._dispatch.prefer_fused``):
-    ``linear_cross_entropy`` (no [N, V] logits) on CUDA, the composed linear + cross_entropy elsewhere."""
+    ``linear_cross_entropy`` (no [N, V] logits) on CUDA, the composed linear + cross_entropy elsewhere (over
+    ``cast_as(w, w_compute)`` when ``w_compute`` is given: the same values as the fused form's)."""
     if prefer_fused(x.data):
-        return linear_cross_entropy(x, w, targets, ignore_index=ignore_index, reduction=reduction)
+        return linear_cross_entropy(x, w, targets, ignore_index=ignore_index, reduction=reduction, w_compute=w_compute)
+    w = w if w_compute is None else cast_as(w, w_compute)
     return cross_entropy(linear(x, w), targets, ignore_index=ignore_index, reduction=reduction)
 
 

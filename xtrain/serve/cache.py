@@ -5,7 +5,7 @@
 
 ``mask(slots, new)`` is the ``Cached`` mask (``xtrain.mask``) of a step that appends ``new`` tokens to each of
 the rows ``slots``: the model's forward takes it with the cache, and each block calls ``store``, which writes
-the new keys and values at the row's next positions and hands back the rows' keys and values for attention.
+the new keys and values at the row's next positions, then ``ops.cached_attention`` over its layer's cache.
 Sequences of different lengths share a step: each row reads its own positions, the mask hides the rest.
 """
 
@@ -45,20 +45,17 @@ class SlotCache:
                              f"{self.max_len} positions (keys {keys})")  # fmt: skip
         return Cached(slots.to(self.device), start.to(self.device), new, need if keys is None else keys, row)
 
-    def store(self, layer: int, k: Var, v: Var, mask: Cached) -> tuple[Var, Var]:
+    def store(self, layer: int, k: Var, v: Var, mask: Cached) -> None:
         """Write layer ``layer``'s new keys k [B, Hkv, Tn, D] and values v [B*Tn, Hkv*D] (the v projection's
-        rows) at the mask's positions of its rows -> the rows' keys and values [B, Hkv, S, D] (S = mask.keys),
-        gathered for attention. Device ops only (a decode graph captures them)."""
+        rows) at the mask's positions of its rows; attention then reads them from ``kv[layer]``
+        (``ops.cached_attention``). Device ops only (a decode graph captures them)."""
         ck, cv = self.kv[layer]
         B, Hkv, Tn, D = k.shape
-        S = mask.keys
         if mask.row is not None:  # one row known on the host: narrowed views (no gather, no indexing parse)
             s, p = mask.row
-            rk, rv = ck.narrow(0, s, 1), cv.narrow(0, s, 1)  # [1, Hkv, max_len, D]
-            rk.narrow(2, p, Tn).copy_(k.data)
-            rv.narrow(2, p, Tn).copy_(v.data.view(1, Tn, Hkv, D).transpose(1, 2))
-            return Var(rk.narrow(2, 0, S)), Var(rv.narrow(2, 0, S))
+            ck.narrow(0, s, 1).narrow(2, p, Tn).copy_(k.data)
+            cv.narrow(0, s, 1).narrow(2, p, Tn).copy_(v.data.view(1, Tn, Hkv, D).transpose(1, 2))
+            return
         rows, pos = mask.slots[:, None], mask.positions(Tn, k.device)  # [B, 1], [B, Tn]
         ck[rows, :, pos] = k.data.transpose(1, 2)  # the advanced indices first: the target is [B, Tn, Hkv, D]
         cv[rows, :, pos] = v.data.reshape(B, Tn, Hkv, D)
-        return Var(ck[mask.slots, :, :S]), Var(cv[mask.slots, :, :S])

@@ -26,7 +26,7 @@ import torch
 
 from xtrain.autograd import no_grad
 from xtrain.mask import Cached
-from xtrain.sampling import Sampling, sample_rows
+from xtrain.sampling import Sampling, greedy_ids, sample_rows
 from xtrain.serve.cache import SlotCache
 
 
@@ -47,12 +47,23 @@ class DecodeGraphs:
         return min(max_len, -(-S // self.bucket) * self.bucket)
 
     def run(self, cache: SlotCache, slots: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor, S: int):
+        """-> (logits [B, V], greedy ids [B]): the graph's own output buffers, valid until its next replay. The
+        step's slots, tokens and positions travel in one copy from a pinned buffer."""
         eng = self.engine
         key = (id(cache), slots.shape[0], S)
         g = self.graphs.get(key)
         if g is None:
-            bufs = [t.to(eng.device) for t in (slots, tokens, start)]
-            step = lambda: eng._decode(cache, Cached(bufs[0], bufs[2], 1, S), bufs[1])  # noqa: E731 - the mask inside
+            B = slots.shape[0]
+            host = torch.empty(3, B, dtype=torch.int64, pin_memory=True)  # slots, tokens, positions
+            idx = torch.empty(3, B, dtype=torch.int64, device=eng.device)
+            done = torch.cuda.Event()  # the copy out of ``host`` has run: host may be written again
+            g = (None, idx, host, None, cache, done)
+            self._fill(g, slots, tokens, start)
+
+            def step():
+                logits = eng._decode(cache, Cached(idx[0], idx[2], 1, S), idx[1])  # the mask inside the graph
+                return logits, greedy_ids(logits)
+
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: Triton JIT, cuBLAS handles, allocator, off the graph
@@ -68,13 +79,21 @@ class DecodeGraphs:
                 eng.graphs = None
                 self.say(f"decode CUDA graphs off: capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
                 return step()
-            self.graphs[key] = g = (graph, bufs, out, cache)  # the cache held: its id stays its own
+            self.graphs[key] = g = (graph, idx, host, out, cache, done)  # the cache held: its id stays its own
             self.captures += 1
-        graph, bufs, out, _ = g
-        for b, t in zip(bufs, (slots, tokens, start)):
-            b.copy_(t, non_blocking=True)
-        graph.replay()
-        return out.clone()
+        else:
+            self._fill(g, slots, tokens, start)
+        g[0].replay()
+        return g[3]
+
+    @staticmethod
+    def _fill(g, slots, tokens, start) -> None:
+        _, idx, host, _, _, done = g
+        done.synchronize()  # the last step's copy has left the pinned buffer
+        for row, t in zip(host, (slots, tokens, start)):
+            row.copy_(t)
+        idx.copy_(host, non_blocking=True)
+        done.record()
 
 
 class Engine:
@@ -104,16 +123,23 @@ class Engine:
         """One step for several rows at once: tokens [B] go to cache rows slots [B] (CPU int64) at each row's own
         position (its length) -> fp32 logits [B, V] on the device; each row's length grows by one. With CUDA
         graphs on, the step is a replay over a bucketed key length."""
+        logits, _ = self.step(cache, slots, tokens)
+        return logits if self.graphs is None else logits.clone()
+
+    def step(self, cache: SlotCache, slots: torch.Tensor, tokens: torch.Tensor):
+        """``decode`` for the batcher -> (logits [B, V], greedy ids [B] or None). With CUDA graphs the two are the
+        graph's buffers (valid until the next step; the greedy pick made inside the graph, so a greedy step reads
+        back only the ids), else the step's logits and None."""
         if self.graphs is None:
-            logits = self._decode(cache, cache.mask(slots, 1), tokens.to(self.device))
+            out = self._decode(cache, cache.mask(slots, 1), tokens.to(self.device)), None
         else:
             start = cache.lengths[slots]  # [B] (CPU)
             S = int(start.max()) + 1  # the longest row after this step
             if S > cache.max_len:
                 raise ValueError(f"Engine.decode: rows {slots.tolist()} are full ({cache.max_len} positions)")
-            logits = self.graphs.run(cache, slots, tokens, start, self.graphs.s_bucket(S, cache.max_len))
+            out = self.graphs.run(cache, slots, tokens, start, self.graphs.s_bucket(S, cache.max_len))
         cache.lengths[slots] += 1
-        return logits
+        return out
 
     def _decode(self, cache: SlotCache, mask: Cached, tokens_d: torch.Tensor) -> torch.Tensor:
         """The device work of ``decode`` (what a graph captures): tokens [B] on the device at the mask's rows and
@@ -356,14 +382,15 @@ class Batcher:
         fresh = set(map(id, newcomers + full))
         running = [s for s in self.active if s.last is not None and not s.cancelled and id(s) not in fresh]
         if running:
-            logits = self._decode(running)
+            logits, ids = self._decode(running)
             self.steps += 1
             self.max_batch = max(self.max_batch, len(running))
-            self._emit(running, logits)
+            self._emit(running, logits, ids)
             self._retire()
 
-    def _decode(self, running: list[Sequence]) -> torch.Tensor:
-        """Logits [B, V] of one decode step for ``running``. When the batched step raises, each row is
+    def _decode(self, running: list[Sequence]):
+        """(logits [B, V], greedy ids [B] or None) of one decode step for ``running`` (``Engine.step``). When the
+        batched step raises, each row is
         decoded alone (its cache position put back first): a row that fails alone too ends its sequence (its
         row of logits nan), and the others get their own row's logits."""
         eng, lengths = self.engine, self.cache.lengths
@@ -371,7 +398,7 @@ class Batcher:
         tokens = torch.tensor([s.last for s in running], dtype=torch.long)
         pos = lengths[slots].clone()
         try:
-            return eng.decode(self.cache, slots, tokens)  # [B, V]
+            return eng.step(self.cache, slots, tokens)
         except Exception as e:
             failed = e
         rows = []
@@ -380,23 +407,28 @@ class Batcher:
             try:
                 if len(running) == 1:
                     raise failed
-                rows.append(eng.decode(self.cache, slots[b : b + 1], tokens[b : b + 1])[0])
+                rows.append(eng.decode(self.cache, slots[b : b + 1], tokens[b : b + 1])[0])  # a copy
             except Exception as e:
                 lengths[slots[b]] = pos[b]
                 self._finish(s, _error(e))
                 rows.append(torch.full((eng.config.vocab_size,), float("nan"), device=eng.device))
-        return torch.stack(rows)
+        return torch.stack(rows), None
 
-    def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _emit(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> None:
         """Sample one token for each live sequence from its row of logits [B, V] (on the device: only the ids
-        come back) and report it. A row with nan or inf logits ends its own sequence with an error; the other
-        rows are sampled exactly as they would be alone."""
+        come back) and report it; ``greedy``: the rows' greedy ids when the step made them (taken when every row
+        is greedy). A row with nan or inf logits ends its own sequence with an error; the other rows are sampled
+        exactly as they would be alone."""
         live = [b for b, s in enumerate(seqs) if not s.done]
         if not live:
             return
         rows = logits if len(live) == len(seqs) else logits[live]
         try:
-            picked = sample_rows(rows, [seqs[b].sampling for b in live], [seqs[b].generator for b in live]).tolist()
+            if greedy is not None and len(live) == len(seqs) and all(s.sampling.greedy for s in seqs):
+                picked = greedy.tolist()  # what sample_rows gives for greedy rows (greedy_ids), made in the graph
+            else:
+                smp, gen = [seqs[b].sampling for b in live], [seqs[b].generator for b in live]
+                picked = sample_rows(rows, smp, gen).tolist()
         except Exception as e:
             for b in live:
                 self._finish(seqs[b], _error(e))
