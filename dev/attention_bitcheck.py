@@ -15,14 +15,16 @@ for every tile config the routing ships and for ragged and even T, causal and no
 ``ptx``: hashes of the sm_90 PTX of every shipped instantiation (no GPU; ``compile_check.compile_only``): the
 Triton attention kernels with every config ``choose`` gives (D 32/64/128; fp32, bf16, fp16; ragged and even
 T; causal and not), and every Gluon config of ``attention.shipped_configs()`` through the Gluon entry points
-(causal: bf16 and fp16, contiguous and transposed layouts; bf16 non-causal), with the Triton kernels they
-launch (delta preprocess in its three forms, the one-pass dq convert), and the MHA builds of ``compile_sm90``. The
+(causal: bf16 and fp16, contiguous and transposed layouts; bf16 non-causal where the tree has it), with the
+Triton kernels they launch (delta preprocess in its three forms, the one-pass dq convert), and the MHA builds of
+``compile_sm90``. The
 PTX is hashed without its debug lines (``.loc``, ``.file``, the DWARF sections), which name source lines; every
 instruction is kept. Run with an empty TRITON_CACHE_DIR, outside the interpreter. Nothing in xtrain/ or tests/
 imports this file.
 """
 
 import hashlib
+import inspect
 import os
 import re
 import sys
@@ -157,7 +159,9 @@ def ptx():
             # bf16 non-causal; the backwards launch their Triton preprocess and dq convert too
             T, H, Hkv = 256, 4, 2
             cases = []
-            for causal in (True, False):
+            # (a tree whose Gluon kernels are causal only has no compile_sm90(D, causal, ...))
+            both = "causal" in inspect.signature(gluon_bwd.compile_sm90).parameters
+            for causal in (True, False) if both else (True,):
                 for dt in (torch.bfloat16, torch.float16):
                     for tr in (False, True):
                         if causal or (dt == torch.bfloat16 and not tr):
@@ -187,7 +191,8 @@ def ptx():
             JITFunction.run = inner
     # and the modules' own offline compiles (compile_check's): GQA and MHA (GROUP = 1 compiled in)
     for D, cfg in shipped["bwd"] if not ONLY or "bwd" in ONLY else ():
-        for name, ck in gluon_bwd.compile_sm90(D, True, cfg, mha=True).items():
+        causal = (True,) if "causal" in inspect.signature(gluon_bwd.compile_sm90).parameters else ()
+        for name, ck in gluon_bwd.compile_sm90(D, *causal, cfg, mha=True).items():
             label = f"gluon bwd compile_sm90 hd{D} {cfg} mha {name}"
             print(label, _ptx_hash(label, ck.asm["ptx"]), flush=True)
 

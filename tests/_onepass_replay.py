@@ -17,7 +17,7 @@ KH = OP.HALF_M  # keys per dK/dV warpgroup (resident tile = 2 x KH = 128 keys)
 BLOCK_M = OP.BLOCK_M  # queries per step
 
 
-def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0):
+def replay_math(D=64, T=384, B=2, H=4, Hkv=2, seed=0):
     """The kernel's loops in torch fp64 on the CPU: programs, steps, masks, which warpgroup writes which dSᵀ
     half, the dQ warpgroup's dQ_step = [dS_lo | dS_hi] · [K_lo; K_hi] added into the fp32 accumulator at row
     (b·H + h)·T + start_m, the final · scale. Returns rel errors of dq, dk, dv vs the reference."""
@@ -26,7 +26,7 @@ def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, do = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64) for _ in range(2))
-    o, lse = flash_attention_fwd_ref(q, k, v, causal)
+    o, lse = flash_attention_fwd_ref(q, k, v, True)
     s = D**-0.5
     qk = s * LOG2E
     GROUP = H // Hkv
@@ -40,7 +40,7 @@ def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0):
             off_b, off_kvh = off_bkv // Hkv, off_bkv % Hkv
             start_n = pid_n * 2 * KH
             h0 = off_kvh * GROUP
-            mt0 = start_n // BLOCK_M if causal else 0
+            mt0 = start_n // BLOCK_M
             n_m = T // BLOCK_M - mt0
             khs = [k[off_b, off_kvh, start_n + w * KH : start_n + (w + 1) * KH] for w in range(2)]
             vhs = [v[off_b, off_kvh, start_n + w * KH : start_n + (w + 1) * KH] for w in range(2)]
@@ -53,7 +53,7 @@ def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0):
                 for w in range(2):
                     k_lo = start_n + w * KH
                     pt = torch.exp2((khs[w] @ qt.T) * qk - (lse_f[row : row + BLOCK_M] * LOG2E)[None, :])
-                    if causal and start_m < k_lo + KH:
+                    if start_m < k_lo + KH:
                         keep = (start_m + torch.arange(BLOCK_M))[None, :] >= (k_lo + torch.arange(KH))[:, None]
                         pt = torch.where(keep, pt, 0.0)
                     dst = pt * (vhs[w] @ dot.T - delta[row : row + BLOCK_M][None, :])
@@ -65,7 +65,7 @@ def replay_math(D=64, T=384, B=2, H=4, Hkv=2, causal=True, seed=0):
                 dk[off_b, off_kvh, start_n + w * KH : start_n + (w + 1) * KH] = dks[w] * s
                 dv[off_b, off_kvh, start_n + w * KH : start_n + (w + 1) * KH] = dvs[w]
     dq = (acc * s).view(B, H, T, D)
-    ref = flash_attention_bwd_ref(do, q, k, v, o, lse, causal)
+    ref = flash_attention_bwd_ref(do, q, k, v, o, lse, True)
     return [((x - r).norm() / r.norm()).item() for x, r in zip((dq, dk, dv), ref)]
 
 

@@ -354,7 +354,7 @@ GLUON_FWD = FA.shipped_configs()["fwd"]  # (D, GluonFwdConfig) for every forward
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True])  # the Gluon forward is causal only (non-causal calls run Triton)
 @pytest.mark.parametrize("B,H,Hkv,T,layout,dtype", GLUON_CASES)
 @pytest.mark.parametrize("D,cfg", GLUON_FWD, ids=repr)
 def test_gpu_gluon_forward(D, cfg, B, H, Hkv, T, layout, dtype, causal):
@@ -476,33 +476,42 @@ def test_gluon_forward_schedule_tables():
     plain pair rule gives it, and at the bench's shapes (B·H = 512: up to 4096 items of 1-8 tiles on 132
     programs) the most loaded program has less."""
     G = pytest.importorskip("xtrain.kernels.attention.gluon_fwd")
-    for BH, T, NW, causal, n_prog in (
-        (512, 1024, 2, True, 132),
-        (512, 2048, 2, True, 132),
-        (512, 4096, 3, True, 132),
-        (3, 384, 2, True, 5),
-        (1, 128, 2, False, 1),
-        (7, 1152, 3, True, 4),
-        (2, 640, 2, False, 132),
+    for BH, T, NW, n_prog in (
+        (512, 1024, 2, 132),
+        (512, 2048, 2, 132),
+        (512, 4096, 3, 132),
+        (3, 384, 2, 5),
+        (1, 128, 2, 1),
+        (7, 1152, 3, 4),
+        (2, 640, 2, 132),
     ):
         n_m = -(-T // (NW * 64))
         U = BH * n_m
         Gp = max(1, min(n_prog, (U + 1) // 2))  # the launcher's grid
-        off, codes = G.schedule(BH, n_m, T, NW, causal, Gp)
+        off, codes = G.schedule(BH, n_m, T, NW, Gp)
         assert len(off) == Gp + 1 and off[0] == 0 and off[-1] == U and sorted(codes) == list(range(U))
         per = [codes[off[p] : off[p + 1]] for p in range(Gp)]
         pairs = _pair_rule(BH, n_m, Gp)
         kept = max(0, (U + 1) // 2 // Gp - G.TAIL_ROUNDS)
         assert all(p[: 2 * kept] == r[: 2 * kept] for p, r in zip(per, pairs))
 
-        def load(progs, n_m=n_m, T=T, NW=NW, causal=causal):
-            return max(sum(G.item_tiles(c % n_m, n_m, T, NW, causal) + G.ITEM_COST for c in p) for p in progs)
+        def load(progs, n_m=n_m, T=T, NW=NW):
+            return max(sum(G.item_tiles(c % n_m, n_m, T, NW) + G.ITEM_COST for c in p) for p in progs)
 
         assert load(per) <= load(pairs), (BH, T)
         if (BH, n_prog) == (512, 132):
             assert load(per) < load(pairs), (T, load(per), load(pairs))
-    assert [G.item_tiles(m, 8, 1024, 2, True) for m in range(8)] == list(range(1, 9))
-    assert [G.item_tiles(m, 6, 1024, 3, True) for m in (0, 1, 5)] == [1, 2, 8]  # 192-row items, shifted grid
+    assert [G.item_tiles(m, 8, 1024, 2) for m in range(8)] == list(range(1, 9))
+    assert [G.item_tiles(m, 6, 1024, 3) for m in (0, 1, 5)] == [1, 2, 8]  # 192-row items, shifted grid
+
+
+def test_gluon_forward_refuses_non_causal_cpu():
+    """No GPU needed: the Gluon forward is causal only (the routing sends non-causal calls to the Triton kernel),
+    and says so before looking at anything else."""
+    G = pytest.importorskip("xtrain.kernels.attention.gluon_fwd")
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="flash_attention_fwd_gluon: causal attention only"):
+        G.flash_attention_fwd_gluon(q, q, q, False, config=GLUON_FWD[0][1])
 
 
 _FWD_INSTRS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait")
@@ -511,13 +520,13 @@ _FWD_INSTRS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrie
 @pytest.fixture(scope="module")
 def fwd_compiled():
     """Each shipped Gluon forward config compiled for sm_90 in ONE child process without the Triton interpreter
-    (tests/_child.py says why). Returns {repr([i, causal, bthd]): {instr: present, "sass": the SASS report}}."""
+    (tests/_child.py says why). Returns {repr([i, bthd]): {instr: present, "sass": the SASS report}}."""
     from _child import run_without_interpreter
 
     G = pytest.importorskip("xtrain.kernels.attention.gluon_fwd")
     if not G.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon Hopper module")
-    keys = [[i, causal, bthd] for i in range(len(GLUON_FWD)) for causal, bthd in ((False, False), (True, True))]
+    keys = [[i, bthd] for i in range(len(GLUON_FWD)) for bthd in (False, True)]
     return run_without_interpreter(f"""
 import sys
 sys.path.insert(0, "tests")
@@ -526,9 +535,9 @@ from xtrain.kernels.attention import gluon_fwd as G, shipped_configs
 shipped = shipped_configs()["fwd"]
 out = {{}}
 for key in {keys!r}:
-    i, causal, bthd = key
+    i, bthd = key
     D, cfg = shipped[i]
-    ck = G.compile_sm90(D, causal, cfg, transposed_kv=bthd)
+    ck = G.compile_sm90(D, cfg, transposed_kv=bthd)
     out[repr(key)] = {{x: x in ck.asm["ptx"] for x in {list(_FWD_INSTRS)!r}}}
     out[repr(key)]["sass"] = sass_report(ck)
 """)
@@ -537,15 +546,15 @@ for key in {keys!r}:
 @pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(GLUON_FWD)), ids=[repr(c) for c in GLUON_FWD])
 def test_gluon_forward_compiles_for_sm90(i, fwd_compiled):
-    """No GPU needed: each shipped Gluon forward config compiles for sm_90 with the installed Triton (causal and
-    not, both K/V layouts) and uses what it is built on: wgmma, TMA bulk copies, setmaxnreg of the warp
+    """No GPU needed: each shipped Gluon forward config compiles for sm_90 with the installed Triton (both K/V
+    layouts) and uses what it is built on: wgmma, TMA bulk copies, setmaxnreg of the warp
     specialisation, mbarrier waits. And that ptxas did not serialise the wgmmas (the SASS, read with the cuobjdump
     Triton ships; its absence fails)."""
-    for causal, bthd in ((False, False), (True, True)):
-        got = dict(fwd_compiled[repr([i, causal, bthd])])
+    for bthd in (False, True):
+        got = dict(fwd_compiled[repr([i, bthd])])
         sass = got.pop("sass")
         assert all(got.values()), (GLUON_FWD[i], got)
-        assert "not serialized" in sass, (GLUON_FWD[i], causal, sass)
+        assert "not serialized" in sass, (GLUON_FWD[i], bthd, sass)
 
 
 @pytest.mark.gpu

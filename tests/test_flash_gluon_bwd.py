@@ -2,8 +2,8 @@
 
 GPU (``-m gpu``, an sm_90 GPU): dq, dk, dv against ``flash_attention_bwd_ref`` in fp64, with o and lse from
 the fp64 forward reference cast to the input dtype (so the kernel and the oracle see the same rounded
-inputs); bf16 and fp16, D 64 and 128, causal and not, MHA/GQA/MQA, T = 128 to 16k, the input layouts the
-descriptors take; outputs NaN-poisoned (an unwritten element shows), repeated runs bit-identical (no
+inputs); bf16 and fp16, D 64 and 128, causal (the kernels' only form), MHA/GQA/MQA, T = 128 to 16k, the input
+layouts the descriptors take; outputs NaN-poisoned (an unwritten element shows), repeated runs bit-identical (no
 atomics). Tolerance: relative norm 1e-2, the bf16 gradient bound of tests/test_flash_attention.py (P and
 dS are rounded to the input dtype before their products, as in every flash backward; fp16 rounds at
 2^-11, so the same bound holds with room).
@@ -69,7 +69,7 @@ SHAPES = [  # B, H, Hkv, T: MHA with one tile, GQA, MQA over several tiles and b
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True])
 @pytest.mark.parametrize("B,H,Hkv,T", SHAPES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_gpu_gluon_bwd_matches_reference(layout, B, H, Hkv, T, D, causal, dtype):
@@ -85,11 +85,11 @@ def test_gpu_gluon_bwd_long_16k():
 def test_gpu_gluon_bwd_tail_order():
     """The programs' start order (``_tail_order``) changes no bit: 24 heads of 16 tiles, so with the shipped two
     waves the last 17 heads start tile-major and the first 7 head by head; against every head in turn (0 waves),
-    one wave and all heads tile-major, causal and not, and against the fp64 reference."""
+    one wave and all heads tile-major, and against the fp64 reference."""
     from dataclasses import replace
 
     cfg = shipped(128, torch.bfloat16)
-    for causal in (True, False):
+    for causal in (True,):
         q, k, v, do, o, lse = inputs(2, 12, 12, 2048, 128, torch.bfloat16, causal, seed=11)
         assert 0 < GC.tail_heads(16, 24, TR.grid_sms(q.device)) < 24
         base = GB.flash_attention_bwd_gluon(do, q, k, v, o, lse, causal, config=cfg)
@@ -118,7 +118,7 @@ def test_gluon_bwd_tail_order_is_a_permutation():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True])
 def test_gpu_gluon_bwd_doreg_is_bit_identical(D, causal):
     """``doreg`` (the dQ kernel's dO half as dP's A operand from registers; shipped at hd128, not at hd64) reads
     the same bf16 values as the shared-memory operand it replaces, so every bit stays, GQA."""
@@ -170,12 +170,14 @@ def test_gluon_bwd_rejects_on_cpu():
         GB.flash_attention_bwd_gluon(q, q, q, q, q, lse, config=GluonBwdConfig())
     with pytest.raises(ValueError, match="flash_attention_bwd_gluon"):
         GB.flash_attention_bwd_gluon(q, q, q[:, :, :64], q, q, lse, config=GluonBwdConfig())
+    with pytest.raises(ValueError, match="flash_attention_bwd_gluon: causal attention only"):
+        GB.flash_attention_bwd_gluon(q, q, q, q, q, lse, False, config=GluonBwdConfig())
 
 
 @pytest.mark.slow
 def test_gluon_bwd_compiles_for_sm90():
-    """No GPU needed: both kernels of every shipped config compile for sm_90 with the installed Triton (causal GQA;
-    hd128 non-causal on the transposed layout; the causal MHA builds, where GROUP = 1 is a constant; in a child
+    """No GPU needed: both kernels of every shipped config compile for sm_90 with the installed Triton (GQA;
+    hd128 on the transposed layout; the MHA builds, where GROUP = 1 is a constant; in a child
     process without the Triton interpreter, tests/_child.py) and use what they are built on: wgmma, TMA bulk
     copies, setmaxnreg of the warp specialisation, mbarrier waits; and no atomics (the backward is
     deterministic). And that ptxas did not serialise the wgmmas (a wait after every HGMMA in the SASS: what a wgmma
@@ -193,10 +195,10 @@ from _child import sass_report
 from xtrain.kernels.attention import gluon_bwd as GB, shipped_configs
 out = []
 for i, (D, cfg) in enumerate(shipped_configs()["bwd"]):
-    for causal, transposed, mha in ((True, False, False), (True, False, True), (False, True, False)):
-        if not causal and D != 128:
+    for transposed, mha in ((False, False), (False, True), (True, False)):
+        if transposed and D != 128:
             continue
-        for name, ck in GB.compile_sm90(D, causal, cfg, transposed=transposed, mha=mha).items():
+        for name, ck in GB.compile_sm90(D, cfg, transposed=transposed, mha=mha).items():
             out.append([D, i, name, {{x: x in ck.asm["ptx"] for x in {instrs!r}}}, sass_report(ck)])
 """)
     assert len(got) == 2 * (2 * len(SHIPPED) + sum(D == 128 for D, _ in SHIPPED))

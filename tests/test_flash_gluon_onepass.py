@@ -1,7 +1,7 @@
 """The Gluon one-pass flash-attention backward (xtrain/kernels/attention/gluon_onepass.py, hd64).
 
 GPU (``-m gpu``, an sm_90 GPU): dq, dk, dv against ``flash_attention_bwd_ref`` in fp64 (o and lse from the
-fp64 forward reference cast to the input dtype), bf16 and fp16, causal and not, MHA/GQA/MQA, T = 128 to 16k,
+fp64 forward reference cast to the input dtype), bf16 and fp16, causal (its only form), MHA/GQA/MQA, T = 128 to 16k,
 the input layouts the descriptors take, outputs NaN-poisoned. Tolerance: relative norm 1e-2, the bf16
 gradient bound of tests/test_flash_attention.py. Repeated runs: dk and dv bit-identical (each is summed inside
 one program), dq within ``runs_agree`` (fp32 reduce-adds land in any order). The dispatcher sends causal
@@ -61,7 +61,7 @@ SHAPES = [  # B, H, Hkv, T: one key tile (one step per head), GQA, MQA over seve
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True])
 @pytest.mark.parametrize("B,H,Hkv,T", SHAPES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_gpu_onepass_matches_reference(layout, B, H, Hkv, T, causal, dtype):
@@ -147,13 +147,15 @@ def test_onepass_rejects_on_cpu():
         OP.flash_attention_bwd_gluon_onepass(q, q, q, q, q, lse)
     with pytest.raises(ValueError, match="flash_attention_bwd_gluon_onepass"):
         OP.flash_attention_bwd_gluon_onepass(q, q, q[:, :, :64], q, q, lse)
+    with pytest.raises(ValueError, match="flash_attention_bwd_gluon_onepass: causal attention only"):
+        OP.flash_attention_bwd_gluon_onepass(q, q, q, q, q, lse, False)
     assert FA.bwd_route(q, q, q, q, q, lse, True)[0] == "triton"  # CPU tensors never route to a Gluon kernel
 
 
 @pytest.mark.slow
 def test_onepass_compiles_for_sm90():
-    """No GPU needed: the default config compiles for sm_90 with the installed Triton (causal on the
-    contiguous layout, non-causal on the transposed one; in a child process without the Triton interpreter,
+    """No GPU needed: the default config compiles for sm_90 with the installed Triton (the contiguous and the
+    transposed layout; in a child process without the Triton interpreter,
     tests/_child.py) and uses what it is built on: wgmma, TMA bulk copies and the bulk reduce-add,
     setmaxnreg, mbarrier waits; no per-element atomics."""
     from _child import run_without_interpreter
@@ -173,15 +175,15 @@ def test_onepass_compiles_for_sm90():
 from xtrain.kernels.attention import gluon_onepass as OP
 from xtrain.kernels.attention.reference import flash_attention_bwd_ref
 out = []
-for causal, transposed in ((True, False), (False, True)):
-    ptx = OP.compile_sm90(causal, OP.OnepassConfig(), transposed=transposed).asm["ptx"]
-    out.append([causal, {{i: i in ptx for i in {instrs!r}}}])
+for transposed in (False, True):
+    ptx = OP.compile_sm90(OP.OnepassConfig(), transposed=transposed).asm["ptx"]
+    out.append([transposed, {{i: i in ptx for i in {instrs!r}}}])
 """)
     assert len(got) == 2
-    for causal, has in got:
+    for transposed, has in got:
         for instr in instrs[:5]:
-            assert has[instr], (causal, instr)
-        assert not has["atom.global"] and not has["red.global"], causal
+            assert has[instr], (transposed, instr)
+        assert not has["atom.global"] and not has["red.global"], transposed
 
 
 def test_onepass_module_contract():
@@ -235,8 +237,7 @@ def test_onepass_protocol_replay():
     replay can fail)."""
     import _onepass_replay as R
 
-    for causal in (True, False):
-        assert max(R.replay_math(64, T=256, causal=causal)) < 1e-10
+    assert max(R.replay_math(64, T=256)) < 1e-10
     cfg0 = OP.OnepassConfig()
     stages, slots, nds = cfg0.stages, cfg0.slots, cfg0.nds
     for cfg in ((stages, nds, slots), (2, 2, 1)):

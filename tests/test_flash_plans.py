@@ -204,7 +204,7 @@ needs_gluon = pytest.mark.skipif(not GC.HAVE_GLUON, reason="this Triton has no G
 def test_forward_plan_rebases_every_descriptor_cpu(transposed, D, config):
     q, k = GC.stand_ins(D, 256, 4, 2, transposed)
     lse = torch.empty(1, 4, 256)
-    _, _, args, _ = G._launch(q, k, k, q, lse, True, 0.125, config, 132)
+    _, _, args, _ = G._launch(q, k, k, q, lse, 0.125, config, 132)
     rec = _Recorder(args)
     plan = G._FwdPlan(rec, args, q)
     assert all(t.base is None for t in plan.descs.values())  # the templates hold no tensor
@@ -226,9 +226,7 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed, D, config):
     dq = torch.empty(1, 4, 256, D, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, 256)
     cols = dcols = config.lse_mma
-    (_, _, a1, _), (_, _, a2, _) = GB._launches(
-        q, k, k, dq, k, k, q, lse, lse, 0.125, True, config, GC.new_columns(q, cols)
-    )
+    (_, _, a1, _), (_, _, a2, _) = GB._launches(q, k, k, dq, k, k, q, lse, lse, 0.125, config, GC.new_columns(q, cols))
     pre, r1, r2 = _Recorder(_PRE), _Recorder(a1), _Recorder(a2)
     split = GB._SplitPlan(pre, r1, r2, a1, a2, columns=cols)
     do, q2 = GC.stand_ins(D, 256, 4, 2, transposed)[0], GC.stand_ins(D, 256, 4, 2, transposed)[0]
@@ -262,7 +260,7 @@ def test_backward_plans_rebase_every_descriptor_cpu(transposed, D, config):
 
     q, k = GC.stand_ins(64, 256, 4, 2, transposed)
     acc = torch.empty(1, 4, 256, 64)
-    _, _, args, _ = OP._launch(q, k, k, q, k, k, acc, lse, lse, 0.125, True, OP.OnepassConfig())
+    _, _, args, _ = OP._launch(q, k, k, q, k, k, acc, lse, lse, 0.125, OP.OnepassConfig())
     pre, main = _Recorder(_PRE), _Recorder(args)
     conv = _Recorder({"ACC": acc, "DQ": acc})
     onepass = OP._OnepassPlan(pre, main, conv, args)

@@ -88,22 +88,9 @@ def adamw_step_fused_cpu(
     found_inf = None if ok is None else torch.logical_not(ok).to(torch.float32)  # the kernel reads a float
     for wd in sorted(set(weight_decays)):
         idx = [i for i, w in enumerate(weight_decays) if w == wd]
-        torch._fused_adamw_(
-            [params[i] for i in idx],
-            [grads[i] for i in idx],
-            [exp_avgs[i] for i in idx],
-            [exp_avg_sqs[i] for i in idx],
-            [],
-            [step_t] * len(idx),
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=wd,
-            eps=eps,
-            amsgrad=False,
-            maximize=False,
-            found_inf=found_inf,
-        )
+        ts = [[xs[i] for i in idx] for xs in (params, grads, exp_avgs, exp_avg_sqs)]
+        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+        torch._fused_adamw_(*ts, [], [step_t] * len(idx), **hyper, found_inf=found_inf)
     if copies is not None:
         pairs = [(c, p) for c, p in zip(copies, params) if c is not None]
         if pairs:

@@ -259,13 +259,13 @@ def gluon_cases() -> dict[str, Callable[[], list]]:
     out: dict[str, Callable[[], list]] = {}
     shipped = attention.shipped_configs()
     for D, cfg in shipped["fwd"]:
-        out[f"gluon attention fwd hd{D} {cfg}"] = lambda D=D, cfg=cfg: [gluon_fwd.compile_sm90(D, True, cfg).name]
+        out[f"gluon attention fwd hd{D} {cfg}"] = lambda D=D, cfg=cfg: [gluon_fwd.compile_sm90(D, cfg).name]
     for D, cfg in shipped["bwd"]:
         out[f"gluon attention bwd hd{D} {cfg}"] = lambda D=D, cfg=cfg: [
-            ck.name for ck in gluon_bwd.compile_sm90(D, True, cfg).values()
+            ck.name for ck in gluon_bwd.compile_sm90(D, cfg).values()
         ]
     for D, cfg in shipped["onepass"]:
-        out[f"gluon attention onepass hd{D} {cfg}"] = lambda cfg=cfg: [gluon_onepass.compile_sm90(True, cfg).name]
+        out[f"gluon attention onepass hd{D} {cfg}"] = lambda cfg=cfg: [gluon_onepass.compile_sm90(cfg).name]
     return out
 
 

@@ -2,9 +2,9 @@
 
 Contract: that of ``reference.flash_attention_bwd_ref`` (the oracle) for what ``supported_bwd`` takes:
 bf16/fp16, D in (64, 128), T a multiple of 128, an sm_90 GPU, q/k/v/do (and given dq/dk/dv buffers) each
-contiguous [B, Hx, T, D] or a [B, T, Hx, D] tensor seen through a transpose. Causal and non-causal; no
-atomics: bit-identical run to run. The routing sends the causal 16-bit hd128 backward here from T = 1024,
-and the hd64 one from T = 4096 in deterministic mode (where the one-pass kernel may not run).
+contiguous [B, Hx, T, D] or a [B, T, Hx, D] tensor seen through a transpose. Causal only; no atomics: bit-identical
+run to run. The routing sends the causal 16-bit hd128 backward here from T = 1024, and the hd64 one from T = 4096 in
+deterministic mode (where the one-pass kernel may not run).
 
 Algorithm (FlashAttention-2's backward by recomputation in FlashAttention-3's warp-specialised form): the
 delta preprocess (Triton) writes delta = rowsum(dO ∘ O) and lse·log2(e); then two independent kernels run
@@ -175,7 +175,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _dkdv_consumer(
         args, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, HALF: gl.constexpr, LSE_MMA: gl.constexpr,
+        HALF: gl.constexpr, LSE_MMA: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup: keys [start_n + HALF·64, +64), on [keys, queries] tiles (module docstring). Each group
         head's walk in three parts: the steps wholly above this half's keys skipped (``_dkdv_skip``), the
@@ -198,14 +198,10 @@ if HAVE_GLUON:
         dv = gl.zeros([KH, HEAD_DIM], gl.float32, a_layout)
         start_m = mt0 * BLOCK_M
         mbarrier.wait(kv_bar, 0)
-        # causal: the first steps of each head's walk (start_m from start_n = mt0·BLOCK_M) hold queries before
-        # some key of this half; those entirely before it (the first HALF·KH / BLOCK_M) add nothing
-        if CAUSAL:
-            n_skip: gl.constexpr = (HALF * KH) // BLOCK_M
-            n_diag: gl.constexpr = ((HALF + 1) * KH + BLOCK_M - 1) // BLOCK_M - n_skip
-        else:
-            n_skip: gl.constexpr = 0
-            n_diag: gl.constexpr = 0
+        # the first steps of each head's walk (start_m from start_n = mt0·BLOCK_M) hold queries before some key of
+        # this half; those entirely before it (the first HALF·KH / BLOCK_M) add nothing
+        n_skip: gl.constexpr = (HALF * KH) // BLOCK_M
+        n_diag: gl.constexpr = ((HALF + 1) * KH + BLOCK_M - 1) // BLOCK_M - n_skip
         it = 0
         for _g in range(n_iter // n_m):
             for _i in gl.static_range(n_skip):
@@ -231,8 +227,7 @@ if HAVE_GLUON:
     def _bwd_dkdv_kernel(
         q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, delta_desc, qk_scale, sm_scale, H, GROUP, T,
         q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh,
-        dv_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        LSE_MMA: gl.constexpr,
+        dv_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LSE_MMA: gl.constexpr,
     ):  # fmt: skip
         """Program (key tile, batch·kv head) of a 1-D grid in ``_tail_order`` (key tile 0, the heaviest causal
         one, first); num_warps = 4 (the default partition is consumer warpgroup 0). K/V/dK/dV descriptors have
@@ -247,10 +242,7 @@ if HAVE_GLUON:
         off_kvh = off_bkv % Hkv
         start_n = pid_n * (2 * KH)
         h0 = off_kvh * GROUP  # first query head of the group
-        if CAUSAL:
-            mt0 = start_n // BLOCK_M  # query tiles above the key tile see none of it
-        else:
-            mt0 = 0
+        mt0 = start_n // BLOCK_M  # query tiles above the key tile see none of it
         n_m = T // BLOCK_M - mt0
         n_iter = GROUP * n_m
 
@@ -298,8 +290,8 @@ if HAVE_GLUON:
         )  # fmt: skip
         gl.warp_specialize(
             [
-                (_dkdv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, LSE_MMA)),
-                (_dkdv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, LSE_MMA)),
+                (_dkdv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, 0, LSE_MMA)),
+                (_dkdv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, 1, LSE_MMA)),
                 (_dkdv_producer, (loads, (off_b * H + h0) * (T // BLOCK_M) + mt0, BLOCK_M, STAGES, True, LSE_MMA)),
             ],
             [4, 1],
@@ -344,20 +336,18 @@ if HAVE_GLUON:
         return s, dp
 
     @gluon.jit
-    def _dq_p(s, lse2, q_lo, offs_q, cols, start_n, qk_scale, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    def _dq_p(s, lse2, q_lo, offs_q, cols, start_n, qk_scale, BLOCK_N: gl.constexpr):
         """P of a retired S tile, causal mask applied."""
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-        if CAUSAL:
-            if start_n + BLOCK_N > q_lo + 1:  # some key of the tile follows some query of this half
-                keep = gl.expand_dims(q_lo + offs_q, 1) >= gl.expand_dims(start_n + cols, 0)
-                p = gl.where(keep, p, 0.0)
+        if start_n + BLOCK_N > q_lo + 1:  # some key of the tile follows some query of this half
+            keep = gl.expand_dims(q_lo + offs_q, 1) >= gl.expand_dims(start_n + cols, 0)
+            p = gl.where(keep, p, 0.0)
         return p
 
     @gluon.jit
     def _dq_loop_pipelined(
         q_half, do_half, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta, dq, s_zero, q_lo, offs_q, cols,
         n_tiles, qk_scale, dtype: gl.constexpr, op_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr,
     ):  # fmt: skip
         """The dQ consumer's walk with tile j - 1's dQ wgmma issued behind tile j's S and dP, so it runs while S_j's
         exponentials and dS_j are computed (FlashAttention-3's intra-warpgroup overlap). K_{j-1}'s slot is
@@ -365,7 +355,7 @@ if HAVE_GLUON:
         has 4: 1-3 % faster than 3 on the H200)."""
         s, dp = _dq_issue_sdp(q_half, do_half, k_smem, v_smem, k_bars, v_bars, s_zero, 0, STAGES)
         s = warpgroup_mma_wait(1, deps=(s,))
-        p = _dq_p(s, lse2, q_lo, offs_q, cols, 0, qk_scale, BLOCK_N, CAUSAL)
+        p = _dq_p(s, lse2, q_lo, offs_q, cols, 0, qk_scale, BLOCK_N)
         dp = warpgroup_mma_wait(0, deps=(dp,))
         mbarrier.arrive(v_empty.index(0), count=1)
         ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
@@ -374,7 +364,7 @@ if HAVE_GLUON:
             prev = (j - 1) % STAGES
             dq_tok = warpgroup_mma(ds_op, k_smem.index(prev), dq, is_async=True)
             s = warpgroup_mma_wait(2, deps=(s,))  # S_j retired; dP_j and dQ_{j-1} may run
-            p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N, CAUSAL)
+            p = _dq_p(s, lse2, q_lo, offs_q, cols, j * BLOCK_N, qk_scale, BLOCK_N)
             dp = warpgroup_mma_wait(1, deps=(dp,))
             mbarrier.arrive(v_empty.index(j % STAGES), count=1)
             ds_new = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
@@ -390,10 +380,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _dq_consumer(
         args, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, HALF: gl.constexpr, DOREG: gl.constexpr,
+        HALF: gl.constexpr, DOREG: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup: query rows [start_m + HALF·64, +64), its Q/dO halves resident, walking the K/V ring
-        (``_dq_loop_pipelined``). Causal: the tiles whose keys all follow this half's queries (P = 0) are only
+        (``_dq_loop_pipelined``). The tiles whose keys all follow this half's queries (P = 0) are only
         waited for and released, not computed (with BLOCK_N = 64: warpgroup 0's last tile)."""
         (
             q_smem, do_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_empty, v_empty, dq_desc, lse_ptr, delta_ptr,
@@ -417,12 +407,11 @@ if HAVE_GLUON:
         if DOREG:  # the resident dO half as dP's A operand in registers (32 per thread), read from shared memory once
             do_a = do_half.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         n_all = n_tiles
-        if CAUSAL:
-            # tiles starting at or after this half's last query + 1 (q_lo + QH) add nothing
-            n_tiles = gl.minimum(n_tiles, (q_lo + QH + BLOCK_N - 1) // BLOCK_N)
+        # tiles starting at or after this half's last query + 1 (q_lo + QH) add nothing
+        n_tiles = gl.minimum(n_tiles, (q_lo + QH + BLOCK_N - 1) // BLOCK_N)
         dq = _dq_loop_pipelined(
             q_half, do_a, k_smem, v_smem, k_bars, v_bars, k_empty, v_empty, lse2, delta, dq, s_zero, q_lo, offs_q, cols,
-            n_tiles, qk_scale, dtype=dtype, op_layout=op_layout, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL,
+            n_tiles, qk_scale, dtype=dtype, op_layout=op_layout, BLOCK_N=BLOCK_N, STAGES=STAGES,
         )  # fmt: skip
         for j in range(n_tiles, n_all):  # the tiles past this half's queries, released unread
             slot = j % STAGES
@@ -441,7 +430,7 @@ if HAVE_GLUON:
     def _bwd_dq_kernel(
         q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP, T, q_rb, q_rh, q_ch,
         do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, dq_rb, dq_rh, dq_ch, TAIL, HEAD_DIM: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DOREG: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DOREG: gl.constexpr,
     ):  # fmt: skip
         """Program (query tile, batch·head) of a 1-D grid in ``_tail_order``, heaviest causal tiles first;
         num_warps = 4. Q/dO/dQ descriptors have 64-row tiles (one warpgroup's half), K/V BLOCK_N-row tiles."""
@@ -449,17 +438,13 @@ if HAVE_GLUON:
         QH: gl.constexpr = q_desc.block_type.shape[0]
         gl.static_assert((2 * QH) % BLOCK_N == 0)
         pid_m, off_bh = _tail_order(gl.program_id(0), T // (2 * QH), TAIL)
-        if CAUSAL:
-            pid_m = T // (2 * QH) - 1 - pid_m
+        pid_m = T // (2 * QH) - 1 - pid_m
         off_b = off_bh // H
         off_h = off_bh % H
         off_hk = off_h // GROUP
         start_m = pid_m * (2 * QH)
         lse_row = off_bh.to(gl.int64) * T + start_m
-        if CAUSAL:
-            n_tiles = (start_m + 2 * QH) // BLOCK_N
-        else:
-            n_tiles = T // BLOCK_N
+        n_tiles = (start_m + 2 * QH) // BLOCK_N
 
         q_smem = gl.allocate_shared_memory(dtype, [2, QH, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, QH, HEAD_DIM], do_desc.layout)
@@ -489,8 +474,8 @@ if HAVE_GLUON:
         )  # fmt: skip
         gl.warp_specialize(
             [
-                (_dq_consumer, (dq, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 0, DOREG)),
-                (_dq_consumer, (dq, dtype, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, 1, DOREG)),
+                (_dq_consumer, (dq, dtype, HEAD_DIM, BLOCK_N, STAGES, 0, DOREG)),
+                (_dq_consumer, (dq, dtype, HEAD_DIM, BLOCK_N, STAGES, 1, DOREG)),
                 (_dq_producer, (loads, BLOCK_N, STAGES)),
             ],
             [4, 1],
@@ -501,7 +486,7 @@ if HAVE_GLUON:
 # ---------------------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------------------
-def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg: GluonBwdConfig, cols=None):
+def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, cfg: GluonBwdConfig, cols=None):
     """[(kernel, grid, args, constexprs)] of the dK/dV and the dQ kernel of ``cfg``; CUDA tensors, or CPU tensors
     standing in for shapes and strides (``compile_sm90``). ``cols``: ``lse_mma``'s (lse, delta) column buffers
     (``new_columns``) as the preprocess wrote them (``_prologue(cols=...)``)."""
@@ -521,8 +506,8 @@ def _launches(q, k, v, dq, dk, dv, do, lse, delta, s: float, causal: bool, cfg: 
     dkdv.update(lse_desc=lse_d, delta_desc=delta_d, **common)
     dqa = dict(tma_args(D, views, coords, q=HALF_M, do=HALF_M, k=BLOCK_N2, v=BLOCK_N2, dq=HALF_M))
     dqa.update(lse_ptr=lse, delta_ptr=delta, **common)
-    c1 = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M1, STAGES=STAGES1, CAUSAL=bool(causal), LSE_MMA=cfg.lse_mma)
-    c2 = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N2, STAGES=STAGES2, CAUSAL=bool(causal), DOREG=cfg.doreg)
+    c1 = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M1, STAGES=STAGES1, LSE_MMA=cfg.lse_mma)
+    c2 = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N2, STAGES=STAGES2, DOREG=cfg.doreg)
     nb = T // RESIDENT
     n_sm = grid_sms(q.device)
     dkdv["TAIL"] = tail_heads(nb, B * Hkv, n_sm, cfg.tail_waves)
@@ -592,8 +577,10 @@ def flash_attention_bwd_gluon(
     """Launch the delta preprocess, then the dK/dV and dQ kernels of ``config``. Returns (dq, dk, dv).
     ``dq``/``dk``/``dv``: optional output buffers (contiguous or [B, T, H, D]-transposed). ``checked``: the
     caller has just checked the inputs and ``supported_bwd``. ``plan``: also return a ``_SplitPlan`` that
-    repeats these launches for inputs of the same signature (dq, dk, dv left to this function)."""
+    repeats these launches for inputs of the same signature (dq, dk, dv left to this function). Causal only."""
     op = "flash_attention_bwd_gluon"
+    if not causal:
+        raise ValueError(f"{op}: causal attention only (non-causal calls run the Triton kernels), got causal=False")
     if plan and (dq is not None or dk is not None or dv is not None):
         raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
     if not checked:
@@ -604,7 +591,7 @@ def flash_attention_bwd_gluon(
     do, lse, dq, dk, dv, delta, s, pre = _prologue(
         op, do, q, k, v, o, lse, scale, dq, dk, dv, plan=plan, base2=True, cols=cols
     )
-    launches = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, bool(causal), config, cols)
+    launches = _launches(q, k, v, dq, dk, dv, do, lse, delta, s, config, cols)
     cached = {}  # (the side stream's dQ launch is issued first)
 
     def launcher(i, kern, grid, args, consts):
@@ -618,9 +605,7 @@ def flash_attention_bwd_gluon(
     return dq, dk, dv
 
 
-def compile_sm90(
-    D: int, causal: bool, config: GluonBwdConfig, transposed: bool = False, T: int = 256, mha: bool = False
-):
+def compile_sm90(D: int, config: GluonBwdConfig, transposed: bool = False, T: int = 256, mha: bool = False):
     """Compile both kernels of ``config`` for sm_90 without a GPU (CPU tensors stand in for the descriptors'
     shapes). ``transposed``: q, do, k, v, dk, dv as [B, T, Hx, D] seen through a transpose (dq contiguous). GQA
     (4 query heads on 2 K/V heads) unless ``mha``: then GROUP = 1 is compiled in as a constant, as Triton's
@@ -628,7 +613,7 @@ def compile_sm90(
     q, k = stand_ins(D, T, 4, 4 if mha else 2, transposed)
     dq = torch.empty(1, 4, T, D, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, T)
-    launches = _launches(q, k, k, dq, k, k, q, lse, lse, 0.125, causal, config, new_columns(q, config.lse_mma))
+    launches = _launches(q, k, k, dq, k, k, q, lse, lse, 0.125, config, new_columns(q, config.lse_mma))
     return {
         name: _compile(kern, args, dict(consts, GROUP=1) if mha else consts)
         for name, (kern, _, args, consts) in zip(("dkdv", "dq"), launches)

@@ -97,12 +97,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile_coords(
-        bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-        NW: gl.constexpr,
+        bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N: gl.constexpr, NW: gl.constexpr,
     ):  # fmt: skip
         """Descriptor coordinates of item (query tile pid_m of NW·64 rows, batch·head bh): row b·rb + h·rh + t,
         column h·ch (q and o share a layout; k and v share one). Returns (start_m, q_row, q_col, kv_row0,
-        kv_col, lse_row, n_tiles), n_tiles = the K/V tiles the item reads (causal: up to its diagonal). NW = 3:
+        kv_col, lse_row, n_tiles), n_tiles = the K/V tiles the item reads (up to its diagonal). NW = 3:
         T is a multiple of 128, not of 192, so the item grid starts 0, 64 or 128 rows before the sequence and
         its FIRST item is the partial one (a few rows, one or two K/V tiles), never its heaviest; start_m may
         then be negative and the rows below 0 belong to nobody."""
@@ -120,28 +119,23 @@ if HAVE_GLUON:
         kv_row0 = off_b * kv_rb + off_hk * kv_rh
         kv_col = off_hk * kv_ch
         lse_row = bh.to(gl.int64) * T + start_m
-        if CAUSAL:
-            if _exact(NW):
-                n_tiles = (start_m + ROWS) // BLOCK_N
-            else:
-                n_tiles = (start_m + ROWS + BLOCK_N - 1) // BLOCK_N  # the last item ends at T
+        if _exact(NW):
+            n_tiles = (start_m + ROWS) // BLOCK_N
         else:
-            n_tiles = T // BLOCK_N
+            n_tiles = (start_m + ROWS + BLOCK_N - 1) // BLOCK_N  # the last item ends at T
         return start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles
 
     @gluon.jit
     def _softmax_tile(
         s, m_i, l_i, qk_scale, start_m, start_n, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-        CAUSAL: gl.constexpr,
     ):  # fmt: skip
         """One online-softmax step on the unscaled fp32 scores s = Q K_jᵀ of one warpgroup's 64 query rows (from
         start_m) and BLOCK_N keys (from start_n). Returns (p, m, l, alpha): m in the log2 domain (scores times
         qk_scale), alpha = exp2(m_old - m_new) rescales what was accumulated."""
-        if CAUSAL:
-            if start_n + BLOCK_N > start_m:  # the tile meets the diagonal: mask keys right of the query
-                offs_m = start_m + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, s_layout))
-                offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                s = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), s, float("-inf"))
+        if start_n + BLOCK_N > start_m:  # the tile meets the diagonal: mask keys right of the query
+            offs_m = start_m + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, s_layout))
+            offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
@@ -164,7 +158,7 @@ if HAVE_GLUON:
     def _consumer_loop(
         q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles, qk_scale, start_m,
         s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
         HALF_DIAG: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup's pass over an item's n_tiles K/V tiles, ring tiles t0 .. t0 + n_tiles - 1 (slot
@@ -189,13 +183,13 @@ if HAVE_GLUON:
                 acc, m_i, l_i = _consumer_steps(
                     q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles,
                     qk_scale, start_m, s_layout=s_layout, o_layout=o_layout, dtype=dtype, HEAD_DIM=HEAD_DIM,
-                    BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG, HALF_DIAG=True,
+                    BLOCK_N=BLOCK_N, STAGES=STAGES, HALF=HALF, PINGPONG=PINGPONG, HALF_DIAG=True,
                 )  # fmt: skip
         else:
             acc, m_i, l_i = _consumer_steps(
                 q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles, qk_scale,
                 start_m, s_layout=s_layout, o_layout=o_layout, dtype=dtype, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
-                STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF, PINGPONG=PINGPONG, HALF_DIAG=False,
+                STAGES=STAGES, HALF=HALF, PINGPONG=PINGPONG, HALF_DIAG=False,
             )  # fmt: skip
         return acc, m_i, l_i
 
@@ -225,9 +219,7 @@ if HAVE_GLUON:
         _pp_leave(sched, HALF, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(
-            s, m_i, l_i, qk_scale, start_m, start_m, h_layout, BLOCK_N=HALF_ROWS, CAUSAL=True
-        )
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, start_m, h_layout, BLOCK_N=HALF_ROWS)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.arrive(q_empty, count=1)  # the item's only Q Kᵀ wgmma has retired
         _pp_enter(sched, sc0 + 1, HALF, PINGPONG)
@@ -246,7 +238,7 @@ if HAVE_GLUON:
     def _consumer_steps(
         q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty, sched, t0, sc0, n_tiles, qk_scale, start_m,
         s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr, HEAD_DIM: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr, PINGPONG: gl.constexpr,
         HALF_DIAG: gl.constexpr,
     ):  # fmt: skip
         """``_consumer_loop``'s steps (HALF_DIAG: n_tiles >= 2, the last tile a half-width step)."""
@@ -263,7 +255,7 @@ if HAVE_GLUON:
         _pp_leave(sched, HALF, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, 0, s_layout, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, 0, s_layout, BLOCK_N=BLOCK_N)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
         n_full = n_tiles - 1 if HALF_DIAG else n_tiles  # the full-width tiles
@@ -279,9 +271,7 @@ if HAVE_GLUON:
             _pp_leave(sched, HALF, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(slot), count=1)
-            p, m_i, l_i, alpha = _softmax_tile(
-                s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, s_layout, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL
-            )
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, start_m, j * BLOCK_N, s_layout, BLOCK_N=BLOCK_N)
             p16_next = gl.convert_layout(p.to(dtype), p_layout)
             acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))  # P_{j-1} stays alive until its wgmma retires
             mbarrier.arrive(v_empty.index(prev), count=1)
@@ -310,17 +300,9 @@ if HAVE_GLUON:
             _pp_leave(sched, HALF, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(last), count=1)
-            ph, mh, lh, alpha = _softmax_tile(
-                s,
-                gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
-                gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)),
-                qk_scale,
-                start_m,
-                start_m,
-                h_layout,
-                BLOCK_N=HALF_ROWS,
-                CAUSAL=True,
-            )
+            m_h = gl.convert_layout(m_i, gl.SliceLayout(1, h_layout))
+            l_h = gl.convert_layout(l_i, gl.SliceLayout(1, h_layout))
+            ph, mh, lh, alpha = _softmax_tile(s, m_h, l_h, qk_scale, start_m, start_m, h_layout, BLOCK_N=HALF_ROWS)
             ph16 = gl.convert_layout(ph.to(dtype), p_layout)
             acc, p16 = warpgroup_mma_wait(0, deps=(o_tok, p16))
             mbarrier.arrive(v_empty.index(prev), count=1)
@@ -407,8 +389,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pers_producer(
-        ring, work, q_desc, k_desc, v_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_Q: gl.constexpr, NW: gl.constexpr,
+        ring, work, q_desc, k_desc, v_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_Q: gl.constexpr,
+        NW: gl.constexpr,
     ):  # fmt: skip
         """The TMA warp: per item, its NW Q tiles into Q slot idx % NUM_Q once every consumer released it,
         then the item's K/V tiles into the ring (running counter t, continued across items)."""
@@ -419,7 +401,7 @@ if HAVE_GLUON:
         for idx in range(n_loc):
             bh, pid_m, code = _items_next(ord_items, base, idx, n_loc, code, n_m)
             start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
-                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, NW=NW
+                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N=BLOCK_N, NW=NW
             )
             qs = idx % NUM_Q
             mbarrier.wait(q_empty.index(qs), ((idx // NUM_Q) & 1) ^ 1)  # first use passes on a fresh barrier
@@ -431,11 +413,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pers_consumer(
-        ring, work, out, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, NUM_Q: gl.constexpr,
-        PINGPONG: gl.constexpr, HALF: gl.constexpr, NW: gl.constexpr, HALF_DIAG: gl.constexpr,
+        ring, work, out, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_Q: gl.constexpr, PINGPONG: gl.constexpr,
+        HALF: gl.constexpr, NW: gl.constexpr, HALF_DIAG: gl.constexpr,
     ):  # fmt: skip
         """Consumer warpgroup HALF: query rows 64·HALF .. +64 of every item of the program. NW = 3: its rows
-        may lie before the sequence (a head's first item, ``_tile_coords``) and, causal, its diagonal may come
+        may lie before the sequence (a head's first item, ``_tile_coords``) and its diagonal may come
         before the item's last tile: it computes its own first n_mine tiles and only waits for and releases
         the rest (``_skip_tiles``)."""
         q_smem, o_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, sched = ring
@@ -452,7 +434,7 @@ if HAVE_GLUON:
         for idx in range(n_loc):
             bh, pid_m, code = _items_next(ord_items, base, idx, n_loc, code, n_m)
             start_m, q_row, q_col, kv_row0, kv_col, lse_row, n_tiles = _tile_coords(
-                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, NW=NW
+                bh, pid_m, H, GROUP, T, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, BLOCK_N=BLOCK_N, NW=NW
             )
             qs = idx % NUM_Q
             mbarrier.wait(q_full.index(qs), (idx // NUM_Q) & 1)
@@ -460,24 +442,21 @@ if HAVE_GLUON:
                 acc, m_i, l_i = _consumer_loop(
                     q_smem.index(NW * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_empty.index(qs),
                     sched, t, sc, n_tiles, qk_scale, start_m + HALF * HALF_ROWS, s_layout=s_layout, o_layout=o_layout,
-                    dtype=dtype, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF,
-                    PINGPONG=PINGPONG, HALF_DIAG=CAUSAL and HALF_DIAG and HALF == 0,
+                    dtype=dtype, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES, HALF=HALF, PINGPONG=PINGPONG,
+                    HALF_DIAG=HALF_DIAG and HALF == 0,
                 )  # fmt: skip
                 _store_half(
                     acc, m_i, l_i, o_half, o_desc, q_row, q_col, lse_ptr, lse_row, s_layout, o_layout, dtype, HALF
                 )
             else:
                 row0 = start_m + HALF * HALF_ROWS  # this warpgroup's first query row
-                if CAUSAL:  # tiles up to its own diagonal
-                    n_mine = gl.minimum((row0 + HALF_ROWS + BLOCK_N - 1) // BLOCK_N, n_tiles)
-                else:
-                    n_mine = n_tiles
+                n_mine = gl.minimum((row0 + HALF_ROWS + BLOCK_N - 1) // BLOCK_N, n_tiles)  # up to its own diagonal
                 if row0 >= 0:
                     acc, m_i, l_i = _consumer_loop(
                         q_smem.index(NW * qs + HALF), k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                         q_empty.index(qs), sched, t, sc, n_mine, qk_scale, row0, s_layout=s_layout, o_layout=o_layout,
-                        dtype=dtype, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=CAUSAL, HALF=HALF,
-                        PINGPONG=False, HALF_DIAG=False,
+                        dtype=dtype, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, STAGES=STAGES, HALF=HALF, PINGPONG=False,
+                        HALF_DIAG=False,
                     )  # fmt: skip
                     _skip_tiles(k_full, v_full, k_empty, v_empty, t, n_mine, n_tiles, STAGES)
                     _store_half(
@@ -520,8 +499,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _flash_fwd_gluon_pers_kernel(
         q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, H, GROUP, T, U, n_m, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-        ord_off, ord_items, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        NUM_Q: gl.constexpr, PINGPONG: gl.constexpr, NW: gl.constexpr, HALF_DIAG: gl.constexpr,
+        ord_off, ord_items, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_Q: gl.constexpr,
+        PINGPONG: gl.constexpr, NW: gl.constexpr, HALF_DIAG: gl.constexpr,
     ):  # fmt: skip
         """Persistent program over U = B·H·n_m items of NW·64 query rows (n_m = ceil(T / (NW·64))), grid <=
         ceil(U / 2). num_warps = 4 (default partition = consumer 0; workers: the other NW - 1 consumers (4 warps
@@ -556,10 +535,10 @@ if HAVE_GLUON:
         if NW == 3:
             gl.warp_specialize(
                 [
-                    (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 0, 3, False)),
-                    (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 1, 3, False)),
-                    (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, CAUSAL, NUM_Q, False, 2, 3, False)),
-                    (_pers_producer, (ring, work, q_desc, k_desc, v_desc, BLOCK_N, STAGES, CAUSAL, NUM_Q, 3)),
+                    (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, NUM_Q, False, 0, 3, False)),
+                    (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, NUM_Q, False, 1, 3, False)),
+                    (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, NUM_Q, False, 2, 3, False)),
+                    (_pers_producer, (ring, work, q_desc, k_desc, v_desc, BLOCK_N, STAGES, NUM_Q, 3)),
                 ],
                 [4, 4, 1],
                 [_CONSUMER3_REGS, _CONSUMER3_REGS, _PRODUCER_REGS],
@@ -567,9 +546,9 @@ if HAVE_GLUON:
             return
         gl.warp_specialize(
             [
-                (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 0, 2, HALF_DIAG)),
-                (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, CAUSAL, NUM_Q, PINGPONG, 1, 2, HALF_DIAG)),
-                (_pers_producer, (ring, work, q_desc, k_desc, v_desc, BLOCK_N, STAGES, CAUSAL, NUM_Q, 2)),
+                (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, NUM_Q, PINGPONG, 0, 2, HALF_DIAG)),
+                (_pers_consumer, (ring, work, out, BLOCK_N, STAGES, NUM_Q, PINGPONG, 1, 2, HALF_DIAG)),
+                (_pers_producer, (ring, work, q_desc, k_desc, v_desc, BLOCK_N, STAGES, NUM_Q, 2)),
             ],
             [4, 1],
             [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -582,16 +561,14 @@ if HAVE_GLUON:
 _SCHEDULES = PlanCache()  # (device, shape of the work, grid) -> (ord_off, ord_items) on the device
 
 
-def item_tiles(pid_m: int, n_m: int, T: int, NW: int, causal: bool) -> int:
+def item_tiles(pid_m: int, n_m: int, T: int, NW: int) -> int:
     """The K/V tiles item pid_m of a head reads (``_tile_coords``' n_tiles, on the host)."""
-    if not causal:
-        return T // BLOCK_N
     rows = NW * HALF_M
     start_m = pid_m * rows - (n_m * rows - T)  # (the grid's offset: 0 for NW = 2)
     return -(-(start_m + rows) // BLOCK_N)
 
 
-def schedule(BH: int, n_m: int, T: int, NW: int, causal: bool, G: int) -> tuple[list, list]:
+def schedule(BH: int, n_m: int, T: int, NW: int, G: int) -> tuple[list, list]:
     """(offsets [G + 1], codes) of the persistent grid's work: program p takes the items codes[offsets[p] ..
     offsets[p + 1]) in order, code = bh · n_m + pid_m. Items of a head in the order n_m-1, 0, n_m-2, 1, ...
     (heaviest, lightest), heads in turn; pair k = items 2k, 2k + 1 goes to program k mod G for the first
@@ -606,7 +583,7 @@ def schedule(BH: int, n_m: int, T: int, NW: int, causal: bool, G: int) -> tuple[
         return (u // n_m) * n_m + pid_m
 
     def cost(c: int) -> float:
-        return item_tiles(c % n_m, n_m, T, NW, causal) + ITEM_COST
+        return item_tiles(c % n_m, n_m, T, NW) + ITEM_COST
 
     rounds = max(0, P // G - TAIL_ROUNDS)
     per = [[] for _ in range(G)]
@@ -624,13 +601,13 @@ def schedule(BH: int, n_m: int, T: int, NW: int, causal: bool, G: int) -> tuple[
     return offsets, [c for items in per for c in items]
 
 
-def _schedule_tensors(device, BH: int, n_m: int, T: int, NW: int, causal: bool, G: int):
+def _schedule_tensors(device, BH: int, n_m: int, T: int, NW: int, G: int):
     """``schedule`` as device int32 tensors (the codes padded by one entry: the kernel loads one item ahead),
     cached by everything that decides it."""
-    key = (str(device), BH, n_m, T, NW, bool(causal), G)
+    key = (str(device), BH, n_m, T, NW, G)
     hit = _SCHEDULES.get(key)
     if hit is None:
-        off, codes = schedule(BH, n_m, T, NW, causal, G)
+        off, codes = schedule(BH, n_m, T, NW, G)
         hit = (
             torch.tensor(off, dtype=torch.int32, device=device),
             torch.tensor(codes + [0], dtype=torch.int32, device=device),
@@ -654,7 +631,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return _row_view(q) is not None and _row_view(k) is not None
 
 
-def _launch(q, k, v, o, lse, causal: bool, scale: float, config: GluonFwdConfig, n_prog: int):
+def _launch(q, k, v, o, lse, scale: float, config: GluonFwdConfig, n_prog: int):
     """(kernel, grid, runtime args, constexpr args) of ``config``; q/k/v/o CUDA tensors, or CPU tensors standing
     in for their shapes and strides (``compile_sm90``). n_prog: the persistent grid's cap."""
     B, H, T, D = q.shape
@@ -667,34 +644,12 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, config: GluonFwdConfig,
     n_m = -(-T // (NW * HALF_M))  # items per head (NW = 3: the last may hold fewer than 192 rows)
     U = B * H * n_m  # work items; programs take them in pairs, so more than ceil(U / 2) would idle
     grid = (max(1, min(n_prog, (U + 1) // 2)),)
-    ord_off, ord_items = _schedule_tensors(q.device, B * H, n_m, T, NW, causal, grid[0])
-    args = dict(
-        q_desc=_desc(q2, HALF_M, D),
-        k_desc=_desc(k2, BLOCK_N, D),
-        v_desc=_desc(v2, BLOCK_N, D),
-        o_desc=_desc(o2, HALF_M, D),
-        lse_ptr=lse,
-        qk_scale=scale * LOG2E,
-        H=H,
-        GROUP=H // k.shape[1],
-        T=T,
-        U=U,
-        n_m=n_m,
-        **q_coords,
-        **kv_coords,
-        ord_off=ord_off,
-        ord_items=ord_items,
-    )
-    consts = dict(
-        HEAD_DIM=D,
-        BLOCK_N=BLOCK_N,
-        STAGES=config.stages,
-        CAUSAL=bool(causal),
-        NUM_Q=config.num_q,
-        PINGPONG=config.pingpong,
-        NW=NW,
-        HALF_DIAG=bool(causal and config.half_diag),
-    )
+    ord_off, ord_items = _schedule_tensors(q.device, B * H, n_m, T, NW, grid[0])
+    args = dict(q_desc=_desc(q2, HALF_M, D), k_desc=_desc(k2, BLOCK_N, D), v_desc=_desc(v2, BLOCK_N, D))
+    args.update(o_desc=_desc(o2, HALF_M, D), lse_ptr=lse, qk_scale=scale * LOG2E, H=H, GROUP=H // k.shape[1], T=T)
+    args.update(U=U, n_m=n_m, **q_coords, **kv_coords, ord_off=ord_off, ord_items=ord_items)
+    consts = dict(HEAD_DIM=D, BLOCK_N=BLOCK_N, STAGES=config.stages, NUM_Q=config.num_q, PINGPONG=config.pingpong)
+    consts.update(NW=NW, HALF_DIAG=config.half_diag)
     return _flash_fwd_gluon_pers_kernel, grid, args, consts
 
 
@@ -712,11 +667,14 @@ def flash_attention_fwd_gluon(
     checked: bool = False,
     plan: bool = False,
 ):
-    """Launch the Gluon forward of ``config``. q, k, v must share a dtype; ``o``/``lse``: optional output buffers,
-    o in q's layout, lse contiguous fp32. ``programs``: the persistent grid (None: the device's SM count).
-    ``checked``: the caller has just seen ``supported(q, k, v)`` hold. ``plan``: also return a ``_FwdPlan`` that
-    repeats this launch for inputs of the same signature (o and lse must then be left to this function)."""
+    """Launch the Gluon forward of ``config`` (causal only: the routing never sends a non-causal call here). q, k, v
+    must share a dtype; ``o``/``lse``: optional output buffers, o in q's layout, lse contiguous fp32. ``programs``: the
+    persistent grid (None: the device's SM count). ``checked``: the caller has just seen ``supported(q, k, v)`` hold.
+    ``plan``: also return a ``_FwdPlan`` that repeats this launch for inputs of the same signature (o and lse must then
+    be left to this function)."""
     op = "flash_attention_fwd_gluon"
+    if not causal:
+        raise ValueError(f"{op}: causal attention only (non-causal calls run the Triton kernel), got causal=False")
     if plan and (o is not None or lse is not None):
         raise ValueError(f"{op}: plan=True allocates o and lse itself; got buffers")
     if not checked and not supported(q, k, v):
@@ -742,7 +700,7 @@ def flash_attention_fwd_gluon(
         lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     if lse.shape != (B, H, T) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"{op}: lse must be contiguous fp32 [B, H, T], got {tuple(lse.shape)} {lse.dtype}")
-    kernel, grid, args, consts = _launch(q, k, v, o, lse, causal, s, config, programs or sm_count(q.device))
+    kernel, grid, args, consts = _launch(q, k, v, o, lse, s, config, programs or sm_count(q.device))
     if not plan:
         kernel[grid](**args, **consts, num_warps=4)
         return o, lse
@@ -776,7 +734,7 @@ class _FwdPlan:
         return o, lse
 
 
-def compile_sm90(D: int, causal: bool, config: GluonFwdConfig, transposed_kv: bool = False):
+def compile_sm90(D: int, config: GluonFwdConfig, transposed_kv: bool = False):
     """Compile ``config`` for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes): the CI check
     that a Triton upgrade has not broken it. Returns the compiled kernel (its .asm["ptx"])."""
     B, H, Hkv, T = 1, 4, 2, 256
@@ -787,5 +745,5 @@ def compile_sm90(D: int, causal: bool, config: GluonFwdConfig, transposed_kv: bo
         else torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
     )
     lse = torch.empty(B, H, T)
-    kernel, _, args, consts = _launch(q, kv, kv, q, lse, causal, D**-0.5, config, 132)
+    kernel, _, args, consts = _launch(q, kv, kv, q, lse, D**-0.5, config, 132)
     return _compile(kernel, args, consts)

@@ -8,7 +8,7 @@ how far two runs may differ); dK and dV are summed inside one program each. So t
 
 Algorithm: FlashAttention-3's one-pass backward (5 matrix products per (query, key) tile pair instead of the
 split's 7): one program per 128 keys of a (batch, kv head), K and V resident, walking the 64-row query tiles
-of every head of the GQA group (causal: at or below the diagonal), dK and dV accumulated in registers, dQ
+of every head of the GQA group (causal only: at or below the diagonal), dK and dV accumulated in registers, dQ
 partials added into an fp32 [B·H·T, D] buffer by TMA reduce-adds, then scaled and cast into dq by a small
 Triton kernel (``dq_convert``). Where FA3 splits the dQ product between the two MMA warpgroups (exchanging
 dSᵀ halves every step), a THIRD consumer warpgroup does all of it, so the dK/dV warpgroups never wait on each
@@ -106,7 +106,7 @@ if HAVE_GLUON:
         return gl.load(lse_ptr + row + cols) * _LOG2E, gl.load(delta_ptr + row + cols)
 
     @gluon.jit
-    def _program(H, GROUP, T, TAIL, KH: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    def _program(H, GROUP, T, TAIL, KH: gl.constexpr, BLOCK_M: gl.constexpr):
         """The program's place: key tile of 2·KH keys and (batch, kv head), from the linear program id in the
         split's ``_tail_order`` (key tile 0, the heaviest causal one, first). Returns off_b, off_kvh,
         start_n, h0 (first query head of the group), lse_row0 (int64 row of the [B·H·T] lse / delta), dq_row0
@@ -120,10 +120,7 @@ if HAVE_GLUON:
         h0 = off_kvh * GROUP
         lse_row0 = (off_b * H + h0).to(gl.int64) * T
         dq_row0 = (off_b * H + h0) * T
-        if CAUSAL:
-            mt0 = start_n // BLOCK_M
-        else:
-            mt0 = 0
+        mt0 = start_n // BLOCK_M
         n_m = T // BLOCK_M - mt0
         return off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, GROUP * n_m
 
@@ -131,7 +128,7 @@ if HAVE_GLUON:
     def _kv_step(
         it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta, dv, dk, mt0, n_m,
         k_lo, qk_scale, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, HALF: gl.constexpr, NDS: gl.constexpr,
+        HALF: gl.constexpr, NDS: gl.constexpr,
     ):  # fmt: skip
         """Step ``it`` of dK/dV warpgroup HALF up to the dS hand-off (module docstring). Returns the in-flight
         dv, dk and the register A operand p_op that must stay alive until dV retires. Its first half repeats
@@ -154,12 +151,11 @@ if HAVE_GLUON:
         dpt = warpgroup_mma(v_half, do_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st,))  # retires Sᵀ; dPᵀ may still run
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-        if CAUSAL:
-            if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
-                offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
-                cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-                keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
-                pt = gl.where(keep, pt, 0.0)
+        if start_m < k_lo + KH:  # some query of the tile precedes some key of this half: mask
+            offs_k = k_lo + gl.arange(0, KH, layout=gl.SliceLayout(1, s_layout))
+            cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(start_m + cols, 0) >= gl.expand_dims(offs_k, 1)
+            pt = gl.where(keep, pt, 0.0)
         p_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv = warpgroup_mma(p_op, do_t, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))  # retires dPᵀ; dV may still run
@@ -177,7 +173,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _kv_consumer(
         kv, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, HALF: gl.constexpr, NDS: gl.constexpr,
+        HALF: gl.constexpr, NDS: gl.constexpr,
     ):  # fmt: skip
         """dK/dV warpgroup HALF: keys [start_n + HALF·64, +64). Each step's lse and delta are loaded in the step
         before, ahead of its products. Its only wait on another consumer is ds_empty (the dQ warpgroup NDS steps
@@ -201,8 +197,8 @@ if HAVE_GLUON:
             lse2n, deltan = _lse_delta(lse_ptr, delta_ptr, lse_row0, T, mt0, n_m, nxt, BLOCK_M)
             dv, dk, p_op = _kv_step(
                 it, q_smem, do_smem, k_half, v_half, ds_smem, q_bars, do_bars, ds_empty, ds_full, lse2, delta, dv, dk,
-                mt0, n_m, k_lo, qk_scale, dtype=dtype, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, STAGES=STAGES, CAUSAL=CAUSAL,
-                HALF=HALF, NDS=NDS,
+                mt0, n_m, k_lo, qk_scale, dtype=dtype, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, STAGES=STAGES, HALF=HALF,
+                NDS=NDS,
             )  # fmt: skip
             dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op))
             slot = it % STAGES
@@ -247,7 +243,7 @@ if HAVE_GLUON:
         q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, qk_scale, sm_scale, H, GROUP, T,
         q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, dk_rb, dk_rh, dk_ch, dv_rb, dv_rh,
         dv_ch, TAIL, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SLOTS: gl.constexpr,
-        NDS: gl.constexpr, CAUSAL: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
+        NDS: gl.constexpr, KV_REGS: gl.constexpr, DQ_REGS: gl.constexpr,
     ):  # fmt: skip
         """Program (key tile of 128, batch·kv head); num_warps = 4 (the default partition is dK/dV warpgroup
         0). dq_desc: the fp32 accumulator [B·H·T, D] with [BLOCK_M, D] tiles."""
@@ -255,9 +251,7 @@ if HAVE_GLUON:
         KH: gl.constexpr = k_desc.block_type.shape[0]
         gl.static_assert(BLOCK_M == 64)
         gl.static_assert(dq_desc.block_type.shape[1] == HEAD_DIM)
-        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(
-            H, GROUP, T, TAIL, KH, BLOCK_M, CAUSAL
-        )
+        off_b, off_kvh, start_n, h0, lse_row0, dq_row0, mt0, n_m, n_iter = _program(H, GROUP, T, TAIL, KH, BLOCK_M)
 
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -299,8 +293,8 @@ if HAVE_GLUON:
         )  # fmt: skip
         gl.warp_specialize(
             [
-                (_kv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 0, NDS)),
-                (_kv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, 1, NDS)),
+                (_kv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, 0, NDS)),
+                (_kv_consumer, (kv, dtype, HEAD_DIM, BLOCK_M, STAGES, 1, NDS)),
                 (_dq_consumer, (dq, BLOCK_M, NDS, SLOTS)),
                 # the one-pass walk: no lse / delta statistics (their descriptors and buffers are stand-ins)
                 (_dkdv_producer, (producer, 0, BLOCK_M, STAGES, False, False)),
@@ -370,18 +364,8 @@ def dq_convert(acc: torch.Tensor, dq: torch.Tensor, scale: float, cached: bool =
             f"{op}: dq needs a unit last stride and a power-of-two head dim, got {_shapes(dq)} strides {dq.stride()}"
         )
     B, H, T, D = dq.shape
-    args = dict(
-        ACC=acc,
-        DQ=dq,
-        scale=scale,
-        H=H,
-        T=T,
-        stride_b=dq.stride(0),
-        stride_h=dq.stride(1),
-        stride_t=dq.stride(2),
-        HEAD_DIM=D,
-        ROWS=CONVERT_ROWS,
-    )
+    args = dict(ACC=acc, DQ=dq, scale=scale, H=H, T=T, stride_b=dq.stride(0), stride_h=dq.stride(1))
+    args.update(stride_t=dq.stride(2), HEAD_DIM=D, ROWS=CONVERT_ROWS)
     grid = (triton.cdiv(T, CONVERT_ROWS), B * H)
     if cached:
         return launch_cached(_dq_convert_kernel, grid, args, num_warps=4)
@@ -403,7 +387,7 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
     )
 
 
-def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg: OnepassConfig):
+def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, cfg: OnepassConfig):
     """(kernel, grid, args, constexprs) of the one-pass kernel; CUDA tensors or CPU stand-ins."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
@@ -413,16 +397,8 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s: float, causal: bool, cfg
     args = tma_args(D, views, coords, q=BLOCK_M, do=BLOCK_M, k=HALF_M, v=HALF_M, dk=HALF_M, dv=HALF_M)
     args.update(lse_ptr=lse, delta_ptr=delta, qk_scale=s * LOG2E, sm_scale=s, H=H, GROUP=H // Hkv, T=T)
     args["dq_desc"] = _desc(dq_acc.view(B * H * T, D), BLOCK_M, D)  # the fp32 accumulator
-    consts = dict(
-        HEAD_DIM=D,
-        BLOCK_M=BLOCK_M,
-        STAGES=cfg.stages,
-        SLOTS=cfg.slots,
-        NDS=cfg.nds,
-        CAUSAL=bool(causal),
-        KV_REGS=cfg.kv_regs,
-        DQ_REGS=cfg.dq_regs,
-    )
+    consts = dict(HEAD_DIM=D, BLOCK_M=BLOCK_M, STAGES=cfg.stages, SLOTS=cfg.slots, NDS=cfg.nds)
+    consts.update(KV_REGS=cfg.kv_regs, DQ_REGS=cfg.dq_regs)
     nb = T // RESIDENT
     args["TAIL"] = tail_heads(nb, B * Hkv, grid_sms(q.device))
     return _onepass_kernel, (nb * B * Hkv,), args, consts
@@ -450,8 +426,10 @@ def flash_attention_bwd_gluon_onepass(
     an fp32 dQ accumulator [B, H, T, D] while it runs.
     ``checked``: the caller has just checked the inputs and ``supported_bwd`` (``check_inputs``). ``plan``: also
     return a ``_OnepassPlan`` that repeats these launches for inputs of the same signature (dq, dk, dv left to
-    this function)."""
+    this function). Causal only."""
     op = "flash_attention_bwd_gluon_onepass"
+    if not causal:
+        raise ValueError(f"{op}: causal attention only (non-causal calls run the Triton kernels), got causal=False")
     if plan and (dq is not None or dk is not None or dv is not None):
         raise ValueError(f"{op}: plan=True allocates dq, dk, dv itself; got buffers")
     if not checked:
@@ -459,7 +437,7 @@ def flash_attention_bwd_gluon_onepass(
     do, lse, dq, dk, dv, delta, s, pre = _prologue(op, do, q, k, v, o, lse, scale, dq, dk, dv, plan=plan)
     cfg = config
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kern, grid, args, consts = _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s, causal, cfg)
+    kern, grid, args, consts = _launch(q, k, v, do, dk, dv, dq_acc, lse, delta, s, cfg)
     if not plan:
         kern[grid](**args, **consts, num_warps=4)
         dq_convert(dq_acc, dq, s)
@@ -489,14 +467,12 @@ class _OnepassPlan:
         return dq, dk, dv
 
 
-def compile_sm90(
-    causal: bool = True, config: OnepassConfig = OnepassConfig(), transposed: bool = False, T: int = 256, D: int = 64
-):
+def compile_sm90(config: OnepassConfig = OnepassConfig(), transposed: bool = False, T: int = 256, D: int = 64):
     """Compile the one-pass kernel for sm_90 without a GPU (CPU tensors stand in for the descriptors' shapes).
     ``transposed``: q, do, k, v, dk, dv as [B, T, Hx, D] seen through a transpose. Returns the CompiledKernel."""
     cfg = config
     q, k = stand_ins(D, T, 4, 2, transposed)
     acc = torch.empty(1, 4, T, D)
     lse = torch.empty(1, 4, T)
-    kern, _, args, consts = _launch(q, k, k, q, k, k, acc, lse, lse, 0.125, causal, cfg)
+    kern, _, args, consts = _launch(q, k, k, q, k, k, acc, lse, lse, 0.125, cfg)
     return _compile(kern, args, consts)

@@ -638,17 +638,9 @@ def preprocess_launch(o, do, delta, lse=None, lse2=None, cols=None, inv_scale: f
     """(grid, arguments) of the delta preprocess in the form ``preprocess_buffers`` describes; ``inv_scale`` (with
     ``cols``): 1 / the softmax scale."""
     B, H, T, D = o.shape
-    args = dict(
-        preprocess_buffers(o, do, delta, lse, lse2, cols),
-        INV_SCALE=inv_scale,
-        **_strides(o=o, do=do),
-        H=H,
-        T=T,
-        HEAD_DIM=D,
-        BLOCK_M=PRE_M,
-        SCALE_LSE=lse is not None,
-        COLS=cols[0].shape[-1] if cols is not None else 0,
-    )
+    args = dict(preprocess_buffers(o, do, delta, lse, lse2, cols), INV_SCALE=inv_scale, **_strides(o=o, do=do), H=H)
+    args.update(T=T, HEAD_DIM=D, BLOCK_M=PRE_M, SCALE_LSE=lse is not None)
+    args["COLS"] = cols[0].shape[-1] if cols is not None else 0
     return (triton.cdiv(T, PRE_M), B * H), args
 
 
@@ -694,29 +686,12 @@ def flash_attention_fwd_triton(
     use_tma = _tma_ok(t.tma, even, k, v)
     desc_k, desc_v = (_descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N)) if use_tma else (None, None)
     nb = triton.cdiv(T, BLOCK_M)
-    _flash_fwd_kernel[(nb * B * H,)](
-        Q=q,
-        K=k,
-        V=v,
-        O=o,
-        LSE=lse,
-        DS=None if doc_starts is None else doc_starts.contiguous(),
-        desc_k=desc_k,
-        desc_v=desc_v,
-        **_strides(q=q, k=k, v=v, o=o),
-        H=H,
-        T=T,
-        GROUP=H // Hkv,
-        qk_scale=s * LOG2E,
-        TAIL=tail_heads(nb, B * H, config.plan_sms or grid_sms(q.device), config.tail_waves),
-        CAUSAL=bool(causal),
-        EVEN_T=even,
-        HEAD_DIM=D,
-        DOT_PRECISION=_precision(q.dtype),
-        USE_TMA=use_tma,
-        DOC=doc_starts is not None,
-        **t.launch(),
-    )
+    ds = None if doc_starts is None else doc_starts.contiguous()
+    tail = tail_heads(nb, B * H, config.plan_sms or grid_sms(q.device), config.tail_waves)
+    args = dict(Q=q, K=k, V=v, O=o, LSE=lse, DS=ds, desc_k=desc_k, desc_v=desc_v, **_strides(q=q, k=k, v=v, o=o))
+    args.update(H=H, T=T, GROUP=H // Hkv, qk_scale=s * LOG2E, TAIL=tail, CAUSAL=bool(causal), EVEN_T=even, HEAD_DIM=D)
+    args.update(DOT_PRECISION=_precision(q.dtype), USE_TMA=use_tma, DOC=doc_starts is not None, **t.launch())
+    _flash_fwd_kernel[(nb * B * H,)](**args)
     return o, lse
 
 
@@ -775,27 +750,10 @@ def flash_attention_bwd_triton(
 
     def launch_dkdv():
         nb = triton.cdiv(T, BN1)
-        _flash_bwd_dkdv_kernel[(nb * B * Hkv,)](
-            Q=q,
-            K=k,
-            V=v,
-            DO=do,
-            LSE=lse,
-            DELTA=delta,
-            DK=dk,
-            DV=dv,
-            QB=bounds,
-            desc_q=desc_q,
-            desc_do=desc_do,
-            **_strides(q=q, k=k, v=v, do=do, dk=dk, dv=dv),
-            Hkv=Hkv,
-            TAIL=tail_heads(nb, B * Hkv, config.plan_sms or grid_sms(q.device), config.tail_waves),
-            EVEN_T=even1,
-            DOT_PRECISION=prec,
-            USE_TMA=use_tma1,
-            **common,
-            **c1.launch(),
-        )
+        tail = tail_heads(nb, B * Hkv, config.plan_sms or grid_sms(q.device), config.tail_waves)
+        args = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DK=dk, DV=dv, QB=bounds, desc_q=desc_q, desc_do=desc_do)
+        args.update(_strides(q=q, k=k, v=v, do=do, dk=dk, dv=dv), Hkv=Hkv, TAIL=tail, EVEN_T=even1, DOT_PRECISION=prec)
+        _flash_bwd_dkdv_kernel[(nb * B * Hkv,)](**args, USE_TMA=use_tma1, **common, **c1.launch())
 
     even2 = T % BM2 == 0 and T % BN2 == 0
     use_tma2 = _tma_ok(c2.tma, even2, k, v)
@@ -803,24 +761,10 @@ def flash_attention_bwd_triton(
 
     def launch_dq():
         nb = triton.cdiv(T, BM2)
-        _flash_bwd_dq_kernel[(nb * B * H,)](
-            Q=q,
-            K=k,
-            V=v,
-            DO=do,
-            LSE=lse,
-            DELTA=delta,
-            DQ=dq,
-            desc_k=desc_k,
-            desc_v=desc_v,
-            **_strides(q=q, k=k, v=v, do=do, dq=dq),
-            TAIL=tail_heads(nb, B * H, config.plan_sms or grid_sms(q.device), config.tail_waves),
-            EVEN_T=even2,
-            DOT_PRECISION=prec,
-            USE_TMA=use_tma2,
-            **common,
-            **c2.launch(),
-        )
+        tail = tail_heads(nb, B * H, config.plan_sms or grid_sms(q.device), config.tail_waves)
+        args = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DQ=dq, desc_k=desc_k, desc_v=desc_v)
+        args.update(_strides(q=q, k=k, v=v, do=do, dq=dq), TAIL=tail, EVEN_T=even2, DOT_PRECISION=prec)
+        _flash_bwd_dq_kernel[(nb * B * H,)](**args, USE_TMA=use_tma2, **common, **c2.launch())
 
     if q.is_cuda:
         # the dK/dV and dQ kernels are independent once delta exists: the dQ kernel runs on a side stream so
