@@ -12,29 +12,27 @@ Contract: adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, b
           copies=None) -> None. ``weight_decays`` is one float per parameter. ``copies`` (optional) is a list
           of low-precision compute copies (e.g. bf16) to refresh from the updated masters in the same pass.
 
-Triton: ``_adamw_kernel`` updates every parameter in ONE launch. The work is cut into blocks of BLOCK
-elements; a block table (int64 [n_blocks, 8]: element offsets of the block in p, m, v and the copy, its
-start inside its tensor, its length, the length to copy (0: no copy), its tensor index) says where each block
-lives. Offsets are taken relative to one base tensor per state (the first parameter, the first moment, ...), so a
-block's address is ``base + offset`` in the one flat device address space: no copying into a flat buffer and
-back. The table depends only on the addresses and sizes of the tensors that live across steps (params,
-moments, copies) and is built once and cached. The gradients are new tensors each step, so where each one
-starts (relative to the first) is a second, per-tensor table of n int64 (``_grad_offsets``), cached by the
-gradients' addresses: eager steps that reuse the allocator's blocks hit it; a CUDA graph capture, whose
-gradients come from the graph's own pool, builds it once into pinned host memory that the cache keeps alive,
-and the graph records its copy to the device as one 8n-byte copy node (no pageable host memory, which a
+Triton: ``_adamw_kernel`` updates every parameter in ONE launch. The work is cut into blocks of BLOCK elements; a block
+table (int64 [n_blocks, 8]: element offsets of the block in p, m, v and the copy, its start inside its tensor, its
+length, the length to copy (0: no copy), its tensor index) says where each block lives. Offsets are taken relative to
+one base tensor per state (the first parameter, the first moment, ...), so a block's address is ``base + offset`` in the
+one flat device address space: no copying into a flat buffer and back. The table depends only on the addresses and sizes
+of the tensors that live across steps (params, moments, copies) and is built once and cached. The gradients are new
+tensors each step, so where each one starts (relative to the first) is a second, per-tensor table of n int64
+(``_grad_offsets``), cached by the gradients' addresses: eager steps that reuse the allocator's blocks hit it; a CUDA
+graph capture, whose gradients come from the graph's own pool, builds it once into pinned host memory that the cache
+keeps alive, and the graph records its copy to the device as one 8n-byte copy node (no pageable host memory, which a
 capture refuses). Each element moves once: read p, g, m, v (16 B), write p, m, v and the bf16 copy (14 B).
 
-Full blocks (all but each tensor's last) take an unmasked path: with the length read from the table,
-a mask ``i < n`` has unknown divisibility and Triton emitted one 4-byte access per element (seen in the
-sm_90 PTX); unmasked, the accesses are 16 bytes wide. H200: 2.50 ms for 341M parameters in 217 tensors
-(96% of copy bandwidth; 4.89 ms masked).
+Full blocks (all but each tensor's last) take an unmasked path: with the length read from the table, a mask ``i < n``
+has unknown divisibility and Triton emitted one 4-byte access per element (seen in the sm_90 PTX); unmasked, the
+accesses are 16 bytes wide. H200: 2.50 ms for 341M parameters in 217 tensors (96% of copy bandwidth; 4.89 ms masked).
 
-Device scalars (``adamw_step_triton_device``, the captured training step): the same kernel reads the step size,
-the bias correction, a gradient scale (the clip coefficient, applied as each gradient is read) and a go-ahead
-flag from a 4-element device tensor that a few 0-dim torch ops compute in float64 from the lr, step and clip
-tensors (``device_scalars``), in the order the host computes them, so nothing is read back to the host and the
-result is the host path's bit for bit; with the flag off (a non-finite step) nothing is written.
+Device scalars (``adamw_step_triton_device``, the captured training step): the same kernel reads the step size, the bias
+correction, a gradient scale (the clip coefficient, applied as each gradient is read) and a go-ahead flag from a
+4-element device tensor that a few 0-dim torch ops compute in float64 from the lr, step and clip tensors
+(``device_scalars``), in the order the host computes them, so nothing is read back to the host and the result is the
+host path's bit for bit; with the flag off (a non-finite step) nothing is written.
 
 Bit-exactness: the kernel repeats the rounding steps of the CUDA reference (torch's own kernels), with
 Triton's fp contraction switched off and every fused multiply-add written out where torch has one:

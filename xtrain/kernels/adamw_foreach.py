@@ -1,5 +1,5 @@
-"""AdamW as multi-tensor (``torch._foreach_*``) operations: one dispatch per step of the update for all
-parameters, instead of one per parameter per step.
+"""AdamW as multi-tensor (``torch._foreach_*``) operations: one dispatch per step of the update for all parameters,
+instead of one per parameter per step.
 
 The update, per element, in torch's single-tensor AdamW order (``xtrain.kernels.adamw.adamw_step_ref``):
 
@@ -8,16 +8,15 @@ The update, per element, in torch's single-tensor AdamW order (``xtrain.kernels.
     v <- v * b2 + (1 - b2) * g * g
     p <- p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 
-``adamw_step_device`` is the same update with lr and the step count as 0-dim device tensors and a device
-flag ``ok`` (a 0-dim bool): nothing in it reads a value back to the host, so it can run inside a captured
-CUDA graph. Where ``ok`` is false the update leaves parameters, moments and the step count exactly as they
-were (the non-finite gradient is replaced by zeros before the arithmetic, and the result is selected by a
-lerp of weight 0 or 1, which is exact). Its bias corrections are computed in fp32 on the device, so its
-rounding differs from the float64-scalar path by at most an ulp of the step size. The trainer's step runs it
-only for CUDA tensors under the reference kernel backend.
+``adamw_step_device`` is the same update with lr and the step count as 0-dim device tensors and a device flag ``ok`` (a
+0-dim bool): nothing in it reads a value back to the host, so it can run inside a captured CUDA graph. Where ``ok`` is
+false the update leaves parameters, moments and the step count exactly as they were (the non-finite gradient is replaced
+by zeros before the arithmetic, and the result is selected by a lerp of weight 0 or 1, which is exact). Its bias
+corrections are computed in fp32 on the device, so its rounding differs from the float64-scalar path by at most an ulp
+of the step size. The trainer's step runs it only for CUDA tensors under the reference kernel backend.
 
-``adamw_step_fused_cpu``: the update on the CPU, through torch's fused kernel (the trainer's step and
-``AdamW.step`` alike), with host or device scalars; bit for bit ``torch.optim.AdamW(fused=True)``.
+``adamw_step_fused_cpu``: the update on the CPU, through torch's fused kernel (the trainer's step and ``AdamW.step``
+alike), with host or device scalars; bit for bit ``torch.optim.AdamW(fused=True)``.
 """
 
 from __future__ import annotations

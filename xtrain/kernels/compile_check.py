@@ -1,26 +1,25 @@
 """Compile every Triton kernel the library launches for a GPU target, with no GPU: ``xtrain check --kernels 90``, or
 ``python -m xtrain.kernels.compile_check [--arch 90] [--only NAME]``.
 
-Why: the CPU tests run the kernels through the Triton interpreter, which executes Python, not compiled code, so a
-kernel can pass them and still fail to compile on a GPU (e.g. a store into an argument that is ``None`` in one
-specialisation, under a branch decided at run time: the interpreter never takes it, Triton 3.9 compiles it and
-Triton 3.6 refuses it). This check catches that class of failure on a CPU machine, with whichever Triton is
-installed; to check against another (the GPU image has 3.6), run it in a venv with that Triton.
+Why: the CPU tests run the kernels through the Triton interpreter, which executes Python, not compiled code, so a kernel
+can pass them and still fail to compile on a GPU (e.g. a store into an argument that is ``None`` in one specialisation,
+under a branch decided at run time: the interpreter never takes it, Triton 3.9 compiles it and Triton 3.6 refuses it).
+This check catches that class of failure on a CPU machine, with whichever Triton is installed; to check against another
+(the GPU image has 3.6), run it in a venv with that Triton.
 
-How: Triton's launcher is asked to compile and not launch (``JITFunction.run`` with ``warmup=True``), and its
-driver is replaced by a stand-in that names the target (``cuda``, ``--arch``, warp size 32). Then each op's Triton
-entry point (``*_triton``) is called on small CPU tensors in fp32 and bf16, with the configs that choose other kernel
-specialisations (every shipped form of the embedding backward). The wrappers run as they would on a GPU,
-up to the launch: every specialisation they ask for is compiled down to a cubin with ptxas. Nothing they compute is
-used, and their outputs are never written. Each case reports the kernels it compiled, or the first error.
+How: Triton's launcher is asked to compile and not launch (``JITFunction.run`` with ``warmup=True``), and its driver is
+replaced by a stand-in that names the target (``cuda``, ``--arch``, warp size 32). Then each op's Triton entry point
+(``*_triton``) is called on small CPU tensors in fp32 and bf16, with the configs that choose other kernel
+specialisations (every shipped form of the embedding backward). The wrappers run as they would on a GPU, up to the
+launch: every specialisation they ask for is compiled down to a cubin with ptxas. Nothing they compute is used, and
+their outputs are never written. Each case reports the kernels it compiled, or the first error.
 
-Where a wrapper's choice of specialisation depends on the tensors being on CUDA, the CPU run answers as the
-target would where it can: ``pdl_ok`` (whether a kernel is launched as a programmatic dependent, a compile-time
-flag) says yes for sm_90 and later, and AdamW is built with both divisions (``recip_div``, the one of each device's
-reference). For sm_90 the run also compiles every Gluon attention config the routing ships
-(``xtrain.kernels.attention.shipped_configs``) through the Gluon modules' own ``compile_sm90``. Streams are not
-compiled code: the forms that run two chains side by side on
-CUDA launch the same kernels one after the other here. Run this in a process that has not set TRITON_INTERPRET
+Where a wrapper's choice of specialisation depends on the tensors being on CUDA, the CPU run answers as the target would
+where it can: ``pdl_ok`` (whether a kernel is launched as a programmatic dependent, a compile-time flag) says yes for
+sm_90 and later, and AdamW is built with both divisions (``recip_div``, the one of each device's reference). For sm_90
+the run also compiles every Gluon attention config the routing ships (``xtrain.kernels.attention.shipped_configs``)
+through the Gluon modules' own ``compile_sm90``. Streams are not compiled code: the forms that run two chains side by
+side on CUDA launch the same kernels one after the other here. Run this in a process that has not set TRITON_INTERPRET
 and, on a CPU-only torch, has set XTRAIN_KERNELS=triton (which loads Triton there; ``xtrain check --kernels`` and
 ``tests/_child.py`` run it so).
 """

@@ -1,18 +1,16 @@
 """Inverted dropout whose keep mask is a pure function of (seed, global element index).
 
-No RNG state. The tensor is read as rows ``x[b]`` (the first dim; a batch of sequences), and row b is row
-``row_start + b * row_stride`` of the global batch, so element (b, rest) has the global index
-g = (row_start + b * row_stride) * N + rest, N = numel / rows. The defaults (0, 1) make g the flat index.
-The trainer passes where a micro-batch's rows sit in the step's global batch (data-parallel rank and
-micro-batch index), so a token draws the same mask whether it is trained in one process, in one of k
-micro-batches or on rank r of N, and two tokens never share a mask.
+No RNG state. The tensor is read as rows ``x[b]`` (the first dim; a batch of sequences), and row b is row ``row_start +
+b * row_stride`` of the global batch, so element (b, rest) has the global index g = (row_start + b * row_stride) * N +
+rest, N = numel / rows. The defaults (0, 1) make g the flat index. The trainer passes where a micro-batch's rows sit in
+the step's global batch (data-parallel rank and micro-batch index), so a token draws the same mask whether it is trained
+in one process, in one of k micro-batches or on rank r of N, and two tokens never share a mask.
 
-One 32-bit hash serves a pair of elements: with k = g // 2 and h = hash32(k, seed), element g draws the
-16-bit uniform u = h & 0xFFFF (g even) or h >> 16 (g odd), and is kept when u >= threshold = round(p * 2^16).
-Kept elements are scaled by 1/(1-p). The drop probability is p rounded to a multiple of 2^-16 (p = 0.1
-drops 6554/65536 = 0.100006); the scale is the exact 1/(1-p). The decision is an integer comparison on a
-hash, so the reference, the Triton kernel, fp32, bf16 and fp64 keep exactly the same elements, and a
-recomputed forward or a resumed run draws the same mask.
+One 32-bit hash serves a pair of elements: with k = g // 2 and h = hash32(k, seed), element g draws the 16-bit uniform
+u = h & 0xFFFF (g even) or h >> 16 (g odd), and is kept when u >= threshold = round(p * 2^16). Kept elements are scaled
+by 1/(1-p). The drop probability is p rounded to a multiple of 2^-16 (p = 0.1 drops 6554/65536 = 0.100006); the scale is
+the exact 1/(1-p). The decision is an integer comparison on a hash, so the reference, the Triton kernel, fp32, bf16 and
+fp64 keep exactly the same elements, and a recomputed forward or a resumed run draws the same mask.
 
 hash32 (our own mix of the well-known xorshift-multiply finalizer), all arithmetic mod 2^32:
     mix(h) = h ^ h>>16; h = h * 0x7FEB352D; h ^= h>>15; h = h * 0x2C1B3C6D; h ^= h>>16
@@ -23,19 +21,19 @@ throughput (72% of copy bandwidth on an H200), at one per pair it reaches 95-97%
 breaks the pairing inside a program, so that case (``EVEN=False``) hashes every element.
 
 The seed is read from the device: a one-element int64 tensor on x's device (the 64 bits of the seed, as two's
-complement), which the kernel loads and splits into lo/hi on the device, so a CUDA graph that captured a launch
-draws the mask of whatever seed the tensor holds when it replays (the model keeps all its per-site seeds in one
-persistent buffer and rewrites it each step). The reference splits it with tensor ops, never reading it back to
-the host. A Python int is accepted too (``seed_tensor`` turns it into such a tensor: a host-to-device copy, for
-direct callers and tests, not for a captured step).
+complement), which the kernel loads and splits into lo/hi on the device, so a CUDA graph that captured a launch draws
+the mask of whatever seed the tensor holds when it replays (the model keeps all its per-site seeds in one persistent
+buffer and rewrites it each step). The reference splits it with tensor ops, never reading it back to the host. A Python
+int is accepted too (``seed_tensor`` turns it into such a tensor: a host-to-device copy, for direct callers and tests,
+not for a captured step).
 
-Contract: dropout_fwd(x, p, seed, row_start=0, row_stride=1) -> y;  dropout_bwd(dy, p, seed, ...) -> dx
-(the same mask, regenerated from the seed rather than stored).
+Contract: dropout_fwd(x, p, seed, row_start=0, row_stride=1) -> y; dropout_bwd(dy, p, seed, ...) -> dx (the same mask,
+regenerated from the seed rather than stored).
 
-Triton kernel ``_dropout_kernel``: one program per (row, block of 2*BLOCK elements); each loads the seed (one
-int64), then computes the same hash in uint32 registers, where multiplication wraps mod 2^32 as the reference's
-``& 0xFFFFFFFF`` and ``>>`` is a logical shift, so the mask is bit-for-bit the reference's; the scale is the
-fp32-rounded 1/(1-p) the reference multiplies by. One read, one write.
+Triton kernel ``_dropout_kernel``: one program per (row, block of 2*BLOCK elements); each loads the seed (one int64),
+then computes the same hash in uint32 registers, where multiplication wraps mod 2^32 as the reference's ``& 0xFFFFFFFF``
+and ``>>`` is a logical shift, so the mask is bit-for-bit the reference's; the scale is the fp32-rounded 1/(1-p) the
+reference multiplies by. One read, one write.
 """
 
 from __future__ import annotations

@@ -29,10 +29,8 @@ token; D a power of two, else the reference runs):
                                dtype, as the reference rounds it) and the norm's backward in registers, dx
                                written in x's layout; dw's share of each program in one partial row, the rows
                                summed in a fixed order (deterministic).
-    _qkv_norm_rope_store_kernel  a decode step's q, k and v heads of a row in one program (the forward kernel's
-                               tile and maths, ``_norm_rope``: q and k bit for bit as it gives them), k and v
-                               stored straight into their cache rows: one launch a layer for the two forward
-                               launches, the copies of q's and k's columns and the cache writes.
+    _qkv_norm_rope_store_kernel  a decode step's heads of a row (the forward's tile and ``_norm_rope``: q and k
+                               its bits), k and v stored into their cache rows: one launch a layer for four.
 One pass each way instead of three (rms_norm, a layout copy, rope) forward and four backward.
 """
 

@@ -1,22 +1,15 @@
-"""A few rows times a weight matrix, with what reads and writes those rows in the same pass (the decode step's
-projections: one token per sequence, so every matmul is a matrix-vector product bound by reading the weight).
+"""A few rows times a weight, with what reads and writes those rows in the same pass: the decode step's projections
+(one token a sequence: each matmul a matrix-vector product, bound by reading the weight).
 
-Contract:
-    rows_linear(x, w, pre, g, eps, res) -> y [M, N]
-        w [K, N] (any strides: the decode path keeps [N, K] memory, read along K), x [M, K] or, for pre="glu",
-        [M, 2K] (the gate half, then the up half); a = the product's input, in w's dtype:
-          pre=None    a = x
-          pre="norm"  a = rms_norm(x, g, eps) (x in the master dtype; the ``rms_norm_fwd_ref`` maths)
-          pre="glu"   a = swiglu(gate, up) (``swiglu_fwd_ref``)
-        p = a @ w in w's dtype; y = p, or with res [M, N] (the residual stream, master dtype) y = res + p,
-        p rounded to w's dtype first (``add_cast``'s values).
+Contract: rows_linear(x, w, pre, g, eps, res) -> y [M, N]; w [K, N] (any strides), x [M, K] ([M, 2K] for "glu":
+gate half, up half); the product's input a, in w's dtype, is x (pre=None), rms_norm(x, g, eps) (pre="norm", x in the
+master dtype, ``rms_norm_fwd_ref``'s maths) or swiglu(gate, up) (pre="glu", ``swiglu_fwd_ref``'s); y = a @ w in w's
+dtype, or with res [M, N] (the residual stream, master dtype) res + (a @ w rounded to w's dtype): ``add_cast``'s.
 
-The Triton kernel: program (column block, row) computes the row's prologue in registers (for "norm" the row's
-sum of squares first: K values, read twice from L1/L2), then walks K in BLOCK_K steps over a [BLOCK_N, BLOCK_K]
-tile of w, accumulating products in fp32, and writes y with the residual added. The column blocks are narrow
-enough that a step launches about two programs per SM even for a 768-wide output, so the weight streams in at
-close to the memory bandwidth; the norm, the SwiGLU product and the residual add cost no launch of their own.
-Rows share the weight through L2, so the kernel is for a few rows (``ROWS_MAX``); more go through cuBLAS.
+The Triton kernel: program (column block, row) computes the row's prologue in registers ("norm": the row's sum of
+squares first), walks K in BLOCK_K steps over [BLOCK_N, BLOCK_K] tiles of w accumulating in fp32, and writes y with
+the residual added: the norm, the SwiGLU and the add cost no launch of their own. Column blocks narrow enough for
+about two programs per SM; rows share w through L2, so it is for a few rows (``ROWS_MAX``), more go through cuBLAS.
 """
 
 from __future__ import annotations
@@ -33,15 +26,13 @@ _PRE = {None: 0, "norm": 1, "glu": 2}
 
 
 def rows_linear_ref(x, w, pre=None, g=None, eps=0.0, res=None, fast: bool = False):
-    """The composed form (``fast``: its norm and SwiGLU through their dispatching kernels, for many rows on
-    CUDA)."""
+    """The composed form; ``fast``: the norm and SwiGLU through their dispatching kernels (many rows on CUDA)."""
+    a = x
     if pre == "norm":
         a = (K_rms.rms_norm_fwd if fast else K_rms.rms_norm_fwd_ref)(x, g, eps, w.dtype)[0]
     elif pre == "glu":
         gate, up = x.chunk(2, dim=1)
         a = (K_swiglu.swiglu_fwd if fast else K_swiglu.swiglu_fwd_ref)(gate, up)
-    else:
-        a = x
     if res is None:
         return a @ w
     if res.dtype is w.dtype:
@@ -91,8 +82,7 @@ def rows_linear_config(M: int, K: int, N: int, sms: int) -> tuple[int, int]:
 
 
 def rows_linear_triton(x, w, pre=None, g=None, eps=0.0, res=None, config: tuple[int, int] | None = None):
-    K, N = w.shape
-    M = x.shape[0]
+    (K, N), M = w.shape, x.shape[0]
     out = torch.empty((M, N), dtype=w.dtype if res is None else res.dtype, device=x.device)
     bn, bk = config or rows_linear_config(M, K, N, sm_count(x.device) if x.is_cuda else 4)
     r = out if res is None else res

@@ -1,22 +1,21 @@
 """Flash-attention backward for Hopper (sm_90) in Gluon, one pass, head dim 64: dQ by a third warpgroup.
 
-Contract: that of ``reference.flash_attention_bwd_ref`` (the oracle) for what ``supported_bwd`` takes: those
-of the split backward (``gluon_common.supported_bwd``) with D = 64. NOT bit-identical run to run: dQ is summed
-over key tiles by fp32 TMA reduce-adds from many programs, in whatever order they land (``runs_agree`` states
-how far two runs may differ); dK and dV are summed inside one program each. So the routing sends the causal
-16-bit hd64 backward here from T = 1024 except under ``torch.use_deterministic_algorithms(True)``.
+Contract: that of ``reference.flash_attention_bwd_ref`` (the oracle) for what ``supported_bwd`` takes: those of the
+split backward (``gluon_common.supported_bwd``) with D = 64. NOT bit-identical run to run: dQ is summed over key tiles
+by fp32 TMA reduce-adds from many programs, in whatever order they land (``runs_agree`` states how far two runs may
+differ); dK and dV are summed inside one program each. So the routing sends the causal 16-bit hd64 backward here from
+T = 1024 except under ``torch.use_deterministic_algorithms(True)``.
 
-Algorithm: FlashAttention-3's one-pass backward (5 matrix products per (query, key) tile pair instead of the
-split's 7): one program per 128 keys of a (batch, kv head), K and V resident, walking the 64-row query tiles
-of every head of the GQA group (causal only: at or below the diagonal), dK and dV accumulated in registers, dQ
-partials added into an fp32 [B·H·T, D] buffer by TMA reduce-adds, then scaled and cast into dq by a small
-Triton kernel (``dq_convert``). Where FA3 splits the dQ product between the two MMA warpgroups (exchanging
-dSᵀ halves every step), a THIRD consumer warpgroup does all of it, so the dK/dV warpgroups never wait on each
-other. Four partitions: the split's producer warp (K, V once, then Q and dO per step into a 3-deep ring);
-dK/dV warpgroups 0 and 1 (Sᵀ, dPᵀ, Pᵀ with the next step's lse and delta prefetched, dV += Pᵀ dO, dSᵀ into
-one of two shared dS buffers, dK += dSᵀ Q); the dQ warpgroup (dQ_step = dS K per step, staged in one of two
-fp32 tiles, one [64, D] reduce-add each). Registers (setmaxnreg): dK/dV warpgroup 1 208, dQ warpgroup 72,
-producer 24, warpgroup 0 the rest. H200, bf16 causal, bench shapes: 1.06-1.09x cuDNN at T = 2k-16k (the
+Algorithm: FlashAttention-3's one-pass backward (5 matrix products per (query, key) tile pair instead of the split's 7):
+one program per 128 keys of a (batch, kv head), K and V resident, walking the 64-row query tiles of every head of the
+GQA group (causal only: at or below the diagonal), dK and dV accumulated in registers, dQ partials added into an fp32
+[B·H·T, D] buffer by TMA reduce-adds, then scaled and cast into dq by a small Triton kernel (``dq_convert``). Where FA3
+splits the dQ product between the two MMA warpgroups (exchanging dSᵀ halves every step), a THIRD consumer warpgroup does
+all of it, so the dK/dV warpgroups never wait on each other. Four partitions: the split's producer warp (K, V once, then
+Q and dO per step into a 3-deep ring); dK/dV warpgroups 0 and 1 (Sᵀ, dPᵀ, Pᵀ with the next step's lse and delta
+prefetched, dV += Pᵀ dO, dSᵀ into one of two shared dS buffers, dK += dSᵀ Q); the dQ warpgroup (dQ_step = dS K per step,
+staged in one of two fp32 tiles, one [64, D] reduce-add each). Registers (setmaxnreg): dK/dV warpgroup 1 208, dQ
+warpgroup 72, producer 24, warpgroup 0 the rest. H200, bf16 causal, bench shapes: 1.06-1.09x cuDNN at T = 2k-16k (the
 Triton backward 0.90-1.02x). hd128 does not fit: the two dK/dV warpgroups alone need ~232 registers each.
 """
 

@@ -8,24 +8,23 @@ by ``xtrain.kernels.attention.choose`` and passed in. fp32 uses exact fp32 dots 
 16-bit inputs feed the tensor cores and accumulate in fp32 (P and dS rounded to the input dtype, as in
 FlashAttention).
 
-Algorithm: FlashAttention-2's work split (Dao 2023), in the base-2 domain (log2 e folded into the scale,
-exp2 throughout). Forward: one program per (query tile, head); causal tiles left of the diagonal run a loop
-with no mask code, only the diagonal band pays for the mask. Backward: a dK/dV kernel whose program keeps a
-K/V tile resident and walks the query tiles of every head of its GQA group (no atomics), and a dQ kernel
-whose program keeps a Q tile resident; both deterministic, run concurrently on two CUDA streams. Grids are
-1-D, head by head (programs running together share a head's K/V in L2, heaviest causal tile first), except
-the last ``tail_waves`` waves of heads, which start tile-major so the grid ends on light programs. Tensor
-descriptors (TMA) load the streamed tiles where the config asks and T is a multiple of the tiles.
-On an H200 (bf16, causal) these kernels run at 0.8-1.0x cuDNN; on Hopper the routing sends the shapes where
-the Gluon kernels are faster to them.
+Algorithm: FlashAttention-2's work split (Dao 2023), in the base-2 domain (log2 e folded into the scale, exp2
+throughout). Forward: one program per (query tile, head); causal tiles left of the diagonal run a loop with no mask
+code, only the diagonal band pays for the mask. Backward: a dK/dV kernel whose program keeps a K/V tile resident and
+walks the query tiles of every head of its GQA group (no atomics), and a dQ kernel whose program keeps a Q tile
+resident; both deterministic, run concurrently on two CUDA streams. Grids are 1-D, head by head (programs running
+together share a head's K/V in L2, heaviest causal tile first), except the last ``tail_waves`` waves of heads, which
+start tile-major so the grid ends on light programs. Tensor descriptors (TMA) load the streamed tiles where the config
+asks and T is a multiple of the tiles. On an H200 (bf16, causal) these kernels run at 0.8-1.0x cuDNN; on Hopper the
+routing sends the shapes where the Gluon kernels are faster to them.
 
 Document masks (``doc_starts`` int64 [B, T], packed documents: query t sees key s iff ds[t] <= s <= t; the idea of
-skipping whole blocks is that of FlexAttention's block masks). A query-tile program (forward, dQ) reads its rows'
-starts and splits the keys left of its diagonal in three: tiles before the earliest start are skipped, tiles up
-to the latest start run masked, the rest run the unmasked hot loop; the diagonal band is masked by both rules. A
-dK/dV program reads two per-tile bounds computed on the device (``doc_query_bounds``): query rows after the band
-that see the whole key tile run unmasked, later rows masked up to the last row that sees any key of the tile,
-and no row after it is visited. So for documents shorter than T the work falls with the mean document length.
+skipping whole blocks is that of FlexAttention's block masks). A query-tile program (forward, dQ) reads its rows' starts
+and splits the keys left of its diagonal in three: tiles before the earliest start are skipped, tiles up to the latest
+start run masked, the rest run the unmasked hot loop; the diagonal band is masked by both rules. A dK/dV program reads
+two per-tile bounds computed on the device (``doc_query_bounds``): query rows after the band that see the whole key tile
+run unmasked, later rows masked up to the last row that sees any key of the tile, and no row after it is visited. So for
+documents shorter than T the work falls with the mean document length.
 """
 
 from __future__ import annotations
