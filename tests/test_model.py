@@ -518,6 +518,30 @@ def test_recompute_bit_identical(p):
         assert torch.equal(g0[k], g1[k]), k
 
 
+def test_recompute_replay_skips_the_down_projection():
+    """The replayed forward of a recomputed block leaves out the down projection's product (only the block's output,
+    which nothing reads in a replay, depends on it): the [N, F] x [F, C] products of a step are the forward's alone,
+    one a layer, and the gradients stay those of the plain step (``test_recompute_bit_identical``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    c = dataclasses.replace(small_cfg(n_layer=3), recompute=True)
+    ids, tg = batch(c, B=2, T=8)
+    m = Model(c, seed=1)
+    down = {p.data.data_ptr() for k, p in m.params.items() if k.endswith("down_proj.weight")}
+    seen = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                a, b = args[-2:]  # [N, F] x down's weight [F, C]: the projection's product (not its backward's)
+                seen.append(a.shape[-1] == c.ffn_dim and b.data_ptr() in down)
+            return func(*args, **(kwargs or {}))
+
+    with Products():
+        m.loss(ids, tg).backward()
+    assert sum(seen) == c.n_layer
+
+
 def test_recompute_reduces_retained_memory():
     """Method: bytes of distinct tensor storages the tape holds after the forward (outputs and everything
     the backward closures captured, parameters excluded; xtrain.train.memory.retained_bytes)."""

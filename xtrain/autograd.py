@@ -36,6 +36,7 @@ class _GradMode(threading.local):
     leaves a trainer in another thread recording its tape. Every thread starts with recording on."""
 
     enabled = True
+    replaying = None  # the function ``checkpoint`` is re-running, during backward
 
 
 _grad_mode = _GradMode()
@@ -44,6 +45,13 @@ _grad_mode = _GradMode()
 def is_grad_enabled() -> bool:
     """Whether ops record on the tape in the calling thread."""
     return _grad_mode.enabled
+
+
+def replaying():
+    """The segment function the calling thread is re-running for ``checkpoint``'s backward, or None. The replay's
+    output values are read by nothing (only its nodes are), so that function may skip computing a value that only its
+    output depends on and that no backward reads."""
+    return _grad_mode.replaying
 
 
 @contextlib.contextmanager
@@ -440,7 +448,11 @@ def checkpoint(fn: Callable[..., Var], *inputs):
         fresh = {id(x): entry(x) for x in var_inputs}
         replay = [fresh[id(x)] if isinstance(x, Var) else x for x in inputs]
         with enable_grad():
-            inner = fn(*replay)
+            _grad_mode.replaying, was = fn, _grad_mode.replaying
+            try:
+                inner = fn(*replay)
+            finally:
+                _grad_mode.replaying = was
         if inner.requires_grad:
             run_backward(inner, dout)
         grads = tuple(got.get(id(x), fresh[id(x)].grad) for x in var_inputs)

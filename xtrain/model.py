@@ -55,7 +55,7 @@ add after it inside. Without a cache the forward is the training forward, every 
 records it.
 
 Activation recompute (``config.recompute``): each block runs under ``xtrain.autograd.checkpoint``: only
-its input is kept; its forward is re-run during backward. Same ops in the same order, so loss and
+its input is kept; its forward is re-run during backward (less one product: DESIGN.md, "Recompute"). Loss and
 gradients are bit-identical to the plain path.
 """
 
@@ -67,7 +67,7 @@ from collections import OrderedDict
 import torch
 
 from xtrain import ops
-from xtrain.autograd import Var, checkpoint, is_grad_enabled, no_grad
+from xtrain.autograd import Var, checkpoint, is_grad_enabled, no_grad, replaying
 from xtrain.config import ModelConfig
 from xtrain.mask import CAUSAL, Mask, doc_starts
 
@@ -253,9 +253,9 @@ class Model:
         c = self._compute(p)
         return p if c is None else ops.cast_as(p, c)
 
-    def _linear(self, x: Var, p: Var) -> Var:
+    def _linear(self, x: Var, p: Var, values: bool = True) -> Var:
         """x @ p^T in the compute dtype; p's gradient comes back in its master dtype (the cast folded in)."""
-        return ops.linear(x, p, w_compute=self._compute(p))
+        return ops.linear(x, p, w_compute=self._compute(p), values=values)
 
     def _dropout(self, x: Var, seed: tuple | None, layer: int, site: int, T: int) -> Var:
         """Dropout of x [B*T, C]; the mask is keyed by (row of the batch, position, feature), so it is drawn on
@@ -312,8 +312,7 @@ class Model:
         one ``add_rms_norm`` and the block returns (x, normed x), else x alone."""
         cfg, P, dt = self.config, self._layers[i], self.compute_dtype
         H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
-        positions, table = rope
-        T = positions.shape[-1]
+        (positions, table), T = rope, rope[0].shape[-1]
 
         if W is not None:  # decode (no tape): each norm, SwiGLU and residual add inside a product (``rows_linear``);
             # q normed and roped, k (the same) and v written into the layer's cache; attention over that cache
@@ -339,7 +338,8 @@ class Model:
         wg, wu = P["mlp.gate_proj.weight"], P["mlp.up_proj.weight"]
         cg, cu = self._compute(wg), self._compute(wu)
         s = ops.swiglu_linear(h, wg, wu, w_compute=None if cg is None else (cg, cu))
-        y = self._dropout(self._linear(s, P["mlp.down_proj.weight"]), seed, i, SITE_MLP, T)  # [B*T, C]
+        y = self._linear(s, P["mlp.down_proj.weight"], values=replaying() != self._block)  # (DESIGN.md, "Recompute")
+        y = self._dropout(y, seed, i, SITE_MLP, T)  # [B*T, C]
         return ops.add_cast(x, y) if next_norm is None else ops.add_rms_norm(x, y, next_norm, eps, dt)
 
     @property

@@ -279,13 +279,15 @@ def _check_compute(op: str, w: Var, wc: torch.Tensor, x: Var) -> None:
     )
 
 
-def linear(x: Var, w: Var, b: Var | None = None, *, w_compute: torch.Tensor | None = None) -> Var:
+def linear(x: Var, w: Var, b: Var | None = None, *, w_compute: torch.Tensor | None = None, values: bool = True) -> Var:
     """y[..., out] = x[..., in] @ w[out, in]^T (+ b[out]). On 2-D x (the model's [N, C] activations) no
     reshape is issued either way: the forward is one mm, the backward two.
 
     ``w_compute``: w's values in x's dtype (the bf16 compute copy of an fp32 master weight), used for the
     products; w's gradient still comes back in w's dtype, the cast folded into its matmul on CUDA (``_mm_to``).
-    The same node as ``linear(x, cast(w, x.dtype))`` without the cast node."""
+    The same node as ``linear(x, cast(w, x.dtype))`` without the cast node. ``values=False``: the node without its
+    forward product (y is zeros; its backward reads x and w, never y), for a replayed segment's last product
+    (``autograd.replaying``)."""
     if type(x) is not Var or type(w) is not Var:
         x, w = _binary_prep_mm("linear", x, w)
     xd = x.data
@@ -304,7 +306,7 @@ def linear(x: Var, w: Var, b: Var | None = None, *, w_compute: torch.Tensor | No
         check(b.shape == (w.shape[0],), "linear", "bias must be [out]", x, w, b)
     flat = xd.dim() == 2
     x2 = xd if flat else xd.reshape(-1, xd.shape[-1])  # [N, in]
-    y = torch.mm(x2, wd.t())  # [N, out]
+    y = torch.mm(x2, wd.t()) if values else x2.new_zeros((x2.shape[0], wd.shape[0]))  # [N, out]
     if b is not None:
         y = y + b.data
     if not flat:
