@@ -51,8 +51,7 @@ Training, prefill and decode are this one forward (DESIGN.md, "One model"). With
 ``serve.cache.SlotCache``) and its ``Cached`` mask, each block writes its new keys and values into the cache and
 attends over the cache rows: inference only (under ``no_grad``; never drops out), each projection an
 ``ops.rows_linear`` over the stacked decode weights (``_decode_weights``) with the norm before it and the residual
-add after it inside. Without a cache the forward is the training forward, every op as the tape
-records it.
+add after it inside. Without a cache the forward is the training forward, every op as the tape records it.
 
 Activation recompute (``config.recompute``): each block runs under ``xtrain.autograd.checkpoint``: only
 its input is kept; its forward is re-run during backward (less one product: DESIGN.md, "Recompute"). Loss and
@@ -292,9 +291,10 @@ class Model:
         }
         if W is None:  # each stored as ``rows_linear`` reads it fastest on this device
             W = self._decode_w = {k: [ops.rows_linear_weight(t) for t in v] for k, v in new.items()}
-        for k, v in new.items():  # in place: a captured decode graph reads the new values
-            for old, t in zip(W[k], v):
-                old.copy_(t)
+        else:  # in place: a captured decode graph reads the new values
+            for k, v in new.items():
+                for old, t in zip(W[k], v):
+                    old.copy_(t)
         W["key"] = key
         return W
 
