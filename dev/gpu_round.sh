@@ -11,7 +11,7 @@
 #   pytest:   pytest PYTEST_ARGS (a selection), under PYTEST_S seconds
 #   kp:       the flash/doc-mask `-m gpu` tests of another tree carried in .ab/kp (KP_S seconds), e.g.
 #             `git archive BRANCH xtrain tests bench pyproject.toml | tar -x -C .ab/kp`
-#   profile:  `bench profile_train` of the trainer's step and of torch.compile's at gpt2-small B16
+#   profile:  `bench profile_train` of the steps in PROF_STEPS (default "trainer compile") at gpt2-small B16
 # wheels the image lacks (fastapi, uvicorn and their needs, for the serving tests), carried in .whl when present
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -69,7 +69,7 @@ for stage in ${STAGES:-tests serve}; do
       -rfE tests/test_flash_*.py tests/test_doc_mask_triton.py > "$OUT/pytest_kp.txt" 2>&1)
     echo "kp rc $?"; tail -6 "$OUT/pytest_kp.txt" ;;
   profile)
-    for st in trainer compile; do
+    for st in ${PROF_STEPS:-trainer compile}; do
       timeout "${PROF_S:-120}" python3 -m xtrain.cli bench profile_train --device cuda --dtype bfloat16 \
         --preset gpt2-small --batch-size 16 --step $st --top 45 > "$OUT/profile_$st.txt" 2>&1; echo "profile $st rc $?"
       grep -iE "busy|launches|wall" "$OUT/profile_$st.txt" | head -4
