@@ -142,6 +142,54 @@ def test_swiglu_linear_bit_identical_to_composition_and_torch(dtype):
         ops.swiglu_linear(Var(torch.randn(3, 4)), Var(torch.randn(6, 4)), Var(torch.randn(6, 5)))
 
 
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+        return func(*args, **(kwargs or {}))
+
+
+def _swiglu_linear_run(x0, wg, wu, dy, w_compute=None):
+    """(matmuls issued, y, x's gradient, gate's, up's) of swiglu_linear with x entering through a node."""
+    x, vg, vu = Var(x0.clone(), True), Var(wg, True), Var(wu, True)
+    with CountMatmuls() as count:
+        y = ops.swiglu_linear(ops.reshape(x, x0.shape), vg, vu, w_compute=w_compute)
+        y.backward(dy)
+    return count.n, y.data, x.grad, vg.grad, vu.grad
+
+
+def test_swiglu_linear_stacked_weights_take_one_product_each_way():
+    """gate and up lying one after the other in one buffer (as the optimizer's compute copies do): the forward
+    product and x's gradient are one matmul each over the stacked [2F, C] weight (4 products a call, 6 for
+    weights apart); the values are torch.autograd's (fp64), and in bf16 those of the weights apart."""
+    g = torch.Generator().manual_seed(5)
+    N, C, F = 7, 5, 9
+    x0, dy = torch.randn(N, C, generator=g, dtype=torch.float64), torch.randn(N, F, generator=g, dtype=torch.float64)
+    buf = torch.randn(2 * F, C, generator=g, dtype=torch.float64)
+    n, *got = _swiglu_linear_run(x0, buf[:F], buf[F:], dy)
+    n_apart, *apart = _swiglu_linear_run(x0, buf[:F].clone(), buf[F:].clone(), dy)
+    assert (n, n_apart) == (4, 6)
+    ts = [t.clone().requires_grad_() for t in (x0, buf[:F], buf[F:])]
+    yt = torch.nn.functional.silu(ts[0] @ ts[1].t()) * (ts[0] @ ts[2].t())
+    yt.backward(dy)
+    for a, b, t in zip(got, apart, [yt.detach()] + [t.grad for t in ts]):
+        torch.testing.assert_close(a, t, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(b, t, rtol=1e-12, atol=1e-12)
+    # bf16 compute copies of fp32 masters, stacked as AdamW lays them out, against the same copies apart
+    low, masters = buf.bfloat16(), (buf[:F].float(), buf[F:].float())
+    n, *got = _swiglu_linear_run(x0.bfloat16(), *masters, dy.bfloat16(), w_compute=(low[:F], low[F:]))
+    n_apart, *apart = _swiglu_linear_run(
+        x0.bfloat16(), *masters, dy.bfloat16(), w_compute=(low[:F].clone(), low[F:].clone())
+    )
+    assert (n, n_apart) == (4, 6)
+    for a, b in zip(got, apart):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7 * float(b.abs().max()))
+
+
 def test_model_has_no_device_branch():
     src = inspect.getsource(xtrain.model)
     assert "cuda" not in src and "device.type" not in src

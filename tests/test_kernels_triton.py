@@ -186,6 +186,22 @@ def test_swiglu_cpu(shape):
 
 
 @needs_cpu_interp
+def test_swiglu_on_the_halves_of_one_product_cpu():
+    """g, u the two column halves of one [R, 2F] product and the gradients written into the halves of one
+    [R, 2F] buffer (``swiglu_linear``'s merged gate/up), F not a multiple of the kernels' block."""
+    R, F = 5, 1100
+    gu, dy, dgu = torch.randn(R, 2 * F) * 4, torch.randn(R, F), torch.full((R, 2 * F), float("nan"))
+    g, u = gu[:, :F], gu[:, F:]
+    assert _max_err(K_sw.swiglu_fwd_triton(g, u), K_sw.swiglu_fwd_ref(g, u)) <= CPU_TOL
+    out = K_sw.swiglu_bwd_triton(dy, g, u, out=(dgu[:, :F], dgu[:, F:]))
+    assert out[0].data_ptr() == dgu.data_ptr() and not dgu.isnan().any()
+    for a, b in zip((dgu[:, :F], dgu[:, F:]), K_sw.swiglu_bwd_ref(dy.double(), g.double(), u.double())):
+        assert _scaled_err(a, b) <= CPU_TOL  # against fp64: the values reach 16, where fp32 steps are 2e-6
+    with pytest.raises(ValueError, match="swiglu_bwd"):
+        K_sw.swiglu_bwd_triton(dy, g, u, out=(dgu[:, :F], torch.empty(R, F)))
+
+
+@needs_cpu_interp
 @pytest.mark.parametrize("p,seed", [(0.1, 0), (0.5, 1), (0.3, 2**64 - 1), (0.25, 0xDEADBEEF), (0.9, 2**40 + 7)])
 def test_dropout_cpu_bit_exact(p, seed):
     for shape in ((3, 7, 64), (5, 123), (1,)):  # odd element counts: a last pair with one element

@@ -7,8 +7,10 @@ Contract:
 Backward recomputes the sigmoid from the saved input instead of storing it (one tensor less per layer).
 Maths in fp32 (fp64 for fp64 inputs); outputs in the input dtype.
 
-Triton kernels: flat elementwise passes of BLOCK elements per program, one read of every input and one
-write of every output (swiglu_bwd: read dy, g, u; write dg, du), the sigmoid recomputed in registers.
+Triton kernels: elementwise passes of BLOCK elements per program, one read of every input and one write of every
+output (swiglu_bwd: read dy, g, u; write dg, du), the sigmoid recomputed in registers. silu is flat; swiglu walks
+rows of F elements, so g and u may be the two column halves of one [N, 2F] product (``ops.swiglu_linear``'s merged
+gate/up GEMM) and ``swiglu_bwd``'s ``out`` the halves of one [N, 2F] gradient: any row stride, unit column stride.
 """
 
 from __future__ import annotations
@@ -79,26 +81,24 @@ def _silu_bwd_kernel(DY, X, DX, n, BLOCK: tl.constexpr):
 
 
 @_jit
-def _swiglu_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=mask)
+def _swiglu_fwd_kernel(G, U, Y, F, rs, nb, BLOCK: tl.constexpr):  # y [R, F] contiguous; g, u rows rs apart
+    row, cols = tl.program_id(0) // nb, (tl.program_id(0) % nb).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask, at = cols < F, row.to(tl.int64) * rs + cols
+    g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row.to(tl.int64) * F + cols, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=mask)
 
 
 @_jit
-def _swiglu_bwd_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+def _swiglu_bwd_kernel(DY, G, U, DG, DU, F, rs, rs_out, nb, BLOCK: tl.constexpr):  # dy [R, F] contiguous
+    row, cols = tl.program_id(0) // nb, (tl.program_id(0) % nb).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask, at, out = cols < F, row.to(tl.int64) * rs + cols, row.to(tl.int64) * rs_out + cols
+    g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row.to(tl.int64) * F + cols, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
-    dg = dy * u * s * (1 + g * (1 - s))
-    du = dy * g * s
-    tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + out, (dy * u * s * (1 + g * (1 - s))).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + out, (dy * g * s).to(DU.dtype.element_ty), mask=mask)
 
 
 def _same_shape(name: str, *ts: torch.Tensor):
@@ -125,21 +125,45 @@ def silu_bwd_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return dx
 
 
+def _as_rows(*ts: torch.Tensor) -> list[torch.Tensor] | None:
+    """ts as [R, F] rows for the swiglu kernels: all contiguous -> one flat row each (the widest programs);
+    else 2-D with a unit column stride and one row stride (walked in place); else None."""
+    if all(t.is_contiguous() for t in ts):
+        return [t.view(1, -1) for t in ts]
+    ok = all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == ts[0].stride(0) for t in ts)
+    return list(ts) if ok else None
+
+
+SW_BLOCK = 1024  # a row of F in programs of this many elements (8 a thread at 4 warps)
+
+
 def swiglu_fwd_triton(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     _same_shape("swiglu_fwd", g, u)
-    g, u = g.contiguous(), u.contiguous()
-    y = torch.empty_like(g)
-    _swiglu_fwd_kernel[_grid(g.numel())](g, u, y, g.numel(), BLOCK=BLOCK, num_warps=8)
+    y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    g2, u2 = _as_rows(g, u) or _as_rows(g.contiguous(), u.contiguous())
+    (R, F), nb = g2.shape, triton.cdiv(g2.shape[1], SW_BLOCK)
+    _swiglu_fwd_kernel[(max(1, R * nb),)](g2, u2, y, F, g2.stride(0), nb, BLOCK=SW_BLOCK, num_warps=4)
     return y
 
 
-def swiglu_bwd_triton(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
-    _same_shape("swiglu_bwd", dy, g, u)
-    dy, g, u = dy.contiguous(), g.contiguous(), u.contiguous()
-    dg = torch.empty_like(g)
-    du = torch.empty_like(u)
-    _swiglu_bwd_kernel[_grid(g.numel())](dy, g, u, dg, du, g.numel(), BLOCK=BLOCK, num_warps=8)
-    return dg, du
+def swiglu_bwd_triton(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor, out=None):
+    """-> (dg, du); ``out``: (dg, du) to write, each of g's shape; g, u and out are walked in place when they
+    are rows sharing a row stride (``_as_rows``: the halves of one [R, 2F] product and of one [R, 2F] gradient)."""
+    _same_shape("swiglu_bwd", dy, g, u, *(out or ()))
+    out = out or (
+        torch.empty_like(g, memory_format=torch.contiguous_format),
+        torch.empty_like(u, memory_format=torch.contiguous_format),
+    )
+    rows = _as_rows(g, u, *out) or _as_rows(g.contiguous(), u.contiguous(), *out)
+    if rows is None:
+        raise ValueError(
+            f"swiglu_bwd: out must be contiguous or rows like g's, got strides {[o.stride() for o in out]}"
+        )
+    g2, u2, dg, du = rows
+    (R, F), nb = g2.shape, triton.cdiv(g2.shape[1], SW_BLOCK)
+    _swiglu_bwd_kernel[(max(1, R * nb),)](dy.contiguous(), g2, u2, dg, du, F, g2.stride(0), dg.stride(0), nb,
+                                           BLOCK=SW_BLOCK, num_warps=4)  # fmt: skip
+    return out
 
 
 def _fast(*ts: torch.Tensor) -> bool:
@@ -158,5 +182,9 @@ def swiglu_fwd(g, u):
     return swiglu_fwd_triton(g, u) if _fast(g, u) else swiglu_fwd_ref(g, u)
 
 
-def swiglu_bwd(dy, g, u):
-    return swiglu_bwd_triton(dy, g, u) if _fast(dy, g, u) else swiglu_bwd_ref(dy, g, u)
+def swiglu_bwd(dy, g, u, out=None):
+    """-> (dg, du), written into ``out`` = (dg, du) when given (``swiglu_bwd_triton``'s)."""
+    if _fast(dy, g, u):
+        return swiglu_bwd_triton(dy, g, u, out)
+    dg, du = swiglu_bwd_ref(dy, g, u)
+    return (dg, du) if out is None else (out[0].copy_(dg), out[1].copy_(du))

@@ -264,12 +264,30 @@ def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100
     return cross_entropy(linear(x, w), targets, ignore_index=ignore_index, reduction=reduction)
 
 
+def _stacked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """[a; b] as one view when b starts where a ends in one contiguous storage (the optimizer's compute copies of
+    gate_proj and up_proj lie so, ``AdamW._init_copies``), else None."""
+    if not (a.is_contiguous() and b.is_contiguous() and a.shape == b.shape and a.dtype is b.dtype and a.dim() == 2):
+        return None
+    if b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr():
+        return None
+    if b.storage_offset() != a.storage_offset() + a.numel():
+        return None
+    return a.as_strided((2 * a.shape[0], a.shape[1]), a.stride())
+
+
 def swiglu_linear(x: Var, w_gate: Var, w_up: Var, *, w_compute: tuple[torch.Tensor, torch.Tensor] | None = None) -> Var:
     """swiglu(x @ w_gate^T, x @ w_up^T) as one node (the MLP's input half): x [N, C], w_gate and w_up [F, C]
-    -> [N, F]. Forward: two mm and the swiglu kernel; backward: the swiglu kernel's (dg, du), then
-    dx = dg w_gate + du w_up (the second product added in its matmul's epilogue, as the engine sums the two
-    unfused linears' gradients) and the two weight gradients. The same values as the three unfused ops bit for
-    bit. ``w_compute``: (gate, up) in x's dtype, as ``linear``'s (weight gradients in the weights' dtype)."""
+    -> [N, F]. Forward: the products and the swiglu kernel; backward: the swiglu kernel's (dg, du), then
+    dx = dg w_gate + du w_up and the two weight gradients. ``w_compute``: (gate, up) in x's dtype, as ``linear``'s
+    (weight gradients in the weights' dtype).
+
+    When the two weights (or their compute copies) lie one after the other in memory (``_stacked``), each of the
+    forward product and dx is ONE matmul over the stacked [2F, C] weight: g and u are the two column halves of
+    one [N, 2F] product, dg and du are written into the halves of one [N, 2F] gradient and dx = [dg du] [wg; wu]
+    sums over 2F in one pass; the weight gradients stay two products (each a plain leaf tensor). Else two
+    products each way, dx's second added in its matmul's epilogue (as the engine sums two linears' gradients):
+    the same values as the three unfused ops bit for bit."""
     op = "swiglu_linear"
     if w_compute is None:
         _check_same(op, x, w_gate)
@@ -281,15 +299,26 @@ def swiglu_linear(x: Var, w_gate: Var, w_up: Var, *, w_compute: tuple[torch.Tens
         wg, wu = w_compute
     check(x.ndim == 2 and w_gate.ndim == 2 and w_gate.shape == w_up.shape and w_gate.shape[1] == x.shape[1], op,
           "expected x [N, C] and w_gate, w_up [F, C]", x, w_gate, w_up)  # fmt: skip
-    xd = x.data
-    g = torch.mm(xd, wg.t())  # [N, F]
-    u = torch.mm(xd, wu.t())  # [N, F]
+    xd, F = x.data, wg.shape[0]
+    wgu = _stacked(wg, wu)
+    if wgu is not None:
+        gu = torch.mm(xd, wgu.t())  # [N, 2F]
+        g, u = gu[:, :F], gu[:, F:]
+    else:
+        g = torch.mm(xd, wg.t())  # [N, F]
+        u = torch.mm(xd, wu.t())  # [N, F]
 
     @adds_into
     def backward(dy, acc=(None, None, None)):
-        dg, du = K_swiglu.swiglu_bwd(dy, g, u)
+        if wgu is not None:
+            dgu = torch.empty_like(gu)
+            dg, du = K_swiglu.swiglu_bwd(dy, g, u, out=(dgu[:, :F], dgu[:, F:]))
+        else:
+            dg, du = K_swiglu.swiglu_bwd(dy, g, u)
         dx = None
-        if x.requires_grad:  # (x's gradient so far +) dg w_gate + du w_up: the sums in the matmuls' epilogues
+        if x.requires_grad and wgu is not None:
+            dx = torch.mm(dgu, wgu) if acc[0] is None else torch.addmm(acc[0], dgu, wgu)
+        elif x.requires_grad:  # (x's gradient so far +) dg w_gate + du w_up: the sums in the matmuls' epilogues
             dx = torch.mm(dg, wg) if acc[0] is None else torch.addmm(acc[0], dg, wg)
             dx.addmm_(du, wu)
         return (
