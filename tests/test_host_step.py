@@ -21,6 +21,7 @@ from xtrain.config import ModelConfig, TrainConfig
 from xtrain.kernels.adamw import adamw_step_ref
 from xtrain.kernels.adamw_foreach import adamw_step_device, adamw_step_fused_cpu
 from xtrain.model import Model, mix_seed
+from xtrain.ops.fused import _stacked
 from xtrain.train.optim import AdamW, clip_grads_, grad_norm
 from xtrain.train.trainer import NonFiniteError, Trainer
 
@@ -188,6 +189,12 @@ def test_swiglu_linear_stacked_weights_take_one_product_each_way():
     for a, b in zip(got, apart):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7 * float(b.abs().max()))
+    # the trainer's copies lie so: the model's gate and up copies stack
+    m = Model(ModelConfig(vocab_size=32, n_layer=1, n_embd=16, n_head=2, n_kv_head=1, head_dim=8, ffn_dim=32,
+                          max_seq_len=8, compute_dtype="bfloat16"))  # fmt: skip
+    AdamW.for_model(m)
+    P = m._layers[0]
+    assert _stacked(m._compute(P["mlp.gate_proj.weight"]), m._compute(P["mlp.up_proj.weight"])) is not None
 
 
 def test_model_has_no_device_branch():

@@ -246,6 +246,19 @@ class Model:
         c = self.weight_copy(p) if self.weight_copy is not None else None
         return c if c is not None and c.dtype == dt else p.data.to(dt)
 
+    def _compute_pair(self, a: Var, b: Var) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Two weights' values in the compute dtype (gate and up): the optimizer's copies (which it lays one after
+        the other), else both cast into one stacked buffer, so that ``ops.swiglu_linear`` takes its stacked path
+        either way and a run with copies stays bit for bit a run without (None when the dtypes agree)."""
+        dt = self.compute_dtype
+        if a.dtype == dt:
+            return None
+        ca, cb = (self.weight_copy(p) if self.weight_copy is not None else None for p in (a, b))
+        if ca is not None and cb is not None and ca.dtype == cb.dtype == dt:
+            return ca, cb
+        buf = torch.empty((a.shape[0] + b.shape[0], *a.shape[1:]), dtype=dt, device=a.data.device)
+        return buf[: a.shape[0]].copy_(a.data), buf[a.shape[0] :].copy_(b.data)
+
     def _w(self, p: Var) -> Var:
         """A weight as a Var in the compute dtype (a cast node over ``_compute``'s values; p itself when the dtypes
         agree), for the ops that take no ``w_compute``."""
@@ -336,8 +349,7 @@ class Model:
         )
         # silu(h Wgᵀ) * (h Wuᵀ) as one node                                      [B*T, F]
         wg, wu = P["mlp.gate_proj.weight"], P["mlp.up_proj.weight"]
-        cg, cu = self._compute(wg), self._compute(wu)
-        s = ops.swiglu_linear(h, wg, wu, w_compute=None if cg is None else (cg, cu))
+        s = ops.swiglu_linear(h, wg, wu, w_compute=self._compute_pair(wg, wu))
         y = self._linear(s, P["mlp.down_proj.weight"], values=replaying() != self._block)  # (DESIGN.md, "Recompute")
         y = self._dropout(y, seed, i, SITE_MLP, T)  # [B*T, C]
         return ops.add_cast(x, y) if next_norm is None else ops.add_rms_norm(x, y, next_norm, eps, dt)
