@@ -171,8 +171,6 @@ def _swiglu(shape, dt):
     n, e = shape[0] * shape[1], _esize(dt)
     g, u, dy = _rand(*shape, dtype=dt), _rand(*shape, dtype=dt), _rand(*shape, dtype=dt)
     lbl = f"{shape[0]}x{shape[1]} {_name(dt)}"
-    yield (f"silu fwd {lbl}", 2 * n * e, lambda: K.silu_fwd_triton(g), lambda: K.silu_fwd_ref(g))
-    yield (f"silu bwd {lbl}", 3 * n * e, lambda: K.silu_bwd_triton(dy, g), lambda: K.silu_bwd_ref(dy, g))
     yield (f"swiglu fwd {lbl}", 3 * n * e, lambda: K.swiglu_fwd_triton(g, u), lambda: K.swiglu_fwd_ref(g, u))
     yield (f"swiglu bwd {lbl}", 5 * n * e, lambda: K.swiglu_bwd_triton(dy, g, u), lambda: K.swiglu_bwd_ref(dy, g, u))
 

@@ -7,10 +7,11 @@ Contract:
 Backward recomputes the sigmoid from the saved input instead of storing it (one tensor less per layer).
 Maths in fp32 (fp64 for fp64 inputs); outputs in the input dtype.
 
-Triton kernels: elementwise passes of BLOCK elements per program, one read of every input and one write of every
-output (swiglu_bwd: read dy, g, u; write dg, du), the sigmoid recomputed in registers. silu is flat; swiglu walks
-rows of F elements, so g and u may be the two column halves of one [N, 2F] product (``ops.swiglu_linear``'s merged
-gate/up GEMM) and ``swiglu_bwd``'s ``out`` the halves of one [N, 2F] gradient: any row stride, unit column stride.
+Triton kernels (swiglu only: silu alone is on no default path, so it runs its reference): elementwise passes of
+BLOCK elements per program, one read of every input and one write of every output (swiglu_bwd: read dy, g, u; write
+dg, du), the sigmoid recomputed in registers. They walk rows of F elements, so g and u may be the two column halves
+of one [N, 2F] product (``ops.swiglu_linear``'s stacked gate/up) and ``swiglu_bwd``'s ``out`` the halves of one
+[N, 2F] gradient: any row stride, unit column stride.
 """
 
 from __future__ import annotations
@@ -59,26 +60,6 @@ def swiglu_bwd_ref(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
 
 # ------------------------------------------------------------------------------------------------ Triton
 
-BLOCK = 2048
-
-
-@_jit
-def _silu_fwd_kernel(X, Y, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs, (x * tl.sigmoid(x)).to(Y.dtype.element_ty), mask=mask)
-
-
-@_jit
-def _silu_bwd_kernel(DY, X, DX, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(x)
-    tl.store(DX + offs, (dy * s * (1 + x * (1 - s))).to(DX.dtype.element_ty), mask=mask)
-
 
 @_jit
 def _swiglu_fwd_kernel(G, U, Y, F, rs, nb, BLOCK: tl.constexpr):  # y [R, F] contiguous; g, u rows rs apart
@@ -106,25 +87,6 @@ def _same_shape(name: str, *ts: torch.Tensor):
         raise ValueError(f"{name}: shapes must match, got {[tuple(t.shape) for t in ts]}")
 
 
-def _grid(n: int):
-    return (max(1, triton.cdiv(n, BLOCK)),)
-
-
-def silu_fwd_triton(x: torch.Tensor) -> torch.Tensor:
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    _silu_fwd_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=BLOCK, num_warps=8)
-    return y
-
-
-def silu_bwd_triton(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    _same_shape("silu_bwd", dy, x)
-    x, dy = x.contiguous(), dy.contiguous()
-    dx = torch.empty_like(x)
-    _silu_bwd_kernel[_grid(x.numel())](dy, x, dx, x.numel(), BLOCK=BLOCK, num_warps=8)
-    return dx
-
-
 def _as_rows(*ts: torch.Tensor) -> list[torch.Tensor] | None:
     """ts as [R, F] rows for the swiglu kernels: all contiguous -> one flat row each (the widest programs);
     else 2-D with a unit column stride and one row stride (walked in place); else None."""
@@ -134,15 +96,15 @@ def _as_rows(*ts: torch.Tensor) -> list[torch.Tensor] | None:
     return list(ts) if ok else None
 
 
-SW_BLOCK = 1024  # a row of F in programs of this many elements (8 a thread at 4 warps)
+BLOCK = 1024  # a row of F in programs of this many elements (8 a thread at 4 warps)
 
 
 def swiglu_fwd_triton(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     _same_shape("swiglu_fwd", g, u)
     y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     g2, u2 = _as_rows(g, u) or _as_rows(g.contiguous(), u.contiguous())
-    (R, F), nb = g2.shape, triton.cdiv(g2.shape[1], SW_BLOCK)
-    _swiglu_fwd_kernel[(max(1, R * nb),)](g2, u2, y, F, g2.stride(0), nb, BLOCK=SW_BLOCK, num_warps=4)
+    (R, F), nb = g2.shape, triton.cdiv(g2.shape[1], BLOCK)
+    _swiglu_fwd_kernel[(max(1, R * nb),)](g2, u2, y, F, g2.stride(0), nb, BLOCK=BLOCK, num_warps=4)
     return y
 
 
@@ -160,9 +122,9 @@ def swiglu_bwd_triton(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor, out=No
             f"swiglu_bwd: out must be contiguous or rows like g's, got strides {[o.stride() for o in out]}"
         )
     g2, u2, dg, du = rows
-    (R, F), nb = g2.shape, triton.cdiv(g2.shape[1], SW_BLOCK)
+    (R, F), nb = g2.shape, triton.cdiv(g2.shape[1], BLOCK)
     _swiglu_bwd_kernel[(max(1, R * nb),)](dy.contiguous(), g2, u2, dg, du, F, g2.stride(0), dg.stride(0), nb,
-                                           BLOCK=SW_BLOCK, num_warps=4)  # fmt: skip
+                                           BLOCK=BLOCK, num_warps=4)  # fmt: skip
     return out
 
 
@@ -171,11 +133,11 @@ def _fast(*ts: torch.Tensor) -> bool:
 
 
 def silu_fwd(x):
-    return silu_fwd_triton(x) if _fast(x) else silu_fwd_ref(x)
+    return silu_fwd_ref(x)
 
 
 def silu_bwd(dy, x):
-    return silu_bwd_triton(dy, x) if _fast(dy, x) else silu_bwd_ref(dy, x)
+    return silu_bwd_ref(dy, x)
 
 
 def swiglu_fwd(g, u):
