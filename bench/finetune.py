@@ -13,8 +13,10 @@ clipping at 1.0 and AdamW:
 * transformers: ``Qwen3ForCausalLM`` built from the same config (fp32 parameters, ``torch.autocast`` to bf16, SDPA
   attention), its forward and the loss (``F.cross_entropy`` on the fp32-upcast logits, as its own loss does) under
   ``torch.compile`` in each mode of ``--compile-modes`` (default: default and max-autotune-no-cudagraphs; "eager"
-  for none), ``torch.optim.AdamW(fused=True)`` and ``clip_grad_norm_`` as a skilled user writes it. The fastest mode
-  is the baseline the ratios are against.
+  for none; a mode ending in "/layers", e.g. "max-autotune-no-cudagraphs/layers", compiles each decoder layer and
+  the head + loss apart, PyTorch's regional compilation: one layer graph to compile and autotune instead of 28),
+  ``torch.optim.AdamW(fused=True)`` and ``clip_grad_norm_`` as a skilled user writes it. The fastest mode is the
+  baseline the ratios are against.
 
 Each side is built, warmed up and timed alone (``--steps`` steps after ``--warmup``, wall clock with the device
 synchronised, median), then freed; its peak memory is the most allocated from its build to its last step above
@@ -118,13 +120,24 @@ def transformers_side(c: ModelConfig, dev, B: int, T: int, mode: str):
     resize(B)
     low = c.compute_dtype == "bfloat16"
 
+    mode, regional = mode.removesuffix("/layers"), mode.endswith("/layers")
+    kw = dict(backend="eager") if mode == "eager" else dict(mode=None if mode == "default" else mode)
+
     def loss_fn(x, y):
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=low):
             logits = model(input_ids=x).logits  # [B, T, V]
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
-    if mode != "eager":
-        loss_fn = torch.compile(loss_fn, mode=None if mode == "default" else mode)
+    if regional:  # PyTorch's regional compilation: each decoder layer (one compiled graph for all 28) and the head
+        for layer in model.model.layers:
+            layer.compile(**kw)
+        head = torch.compile(lambda h, y: F.cross_entropy(model.lm_head(h).float().flatten(0, 1), y.flatten()), **kw)
+
+        def loss_fn(x, y):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=low):
+                return head(model.model(input_ids=x).last_hidden_state, y)  # the final norm inside model.model
+    elif mode != "eager":
+        loss_fn = torch.compile(loss_fn, **kw)
 
     def step():
         try:
@@ -253,7 +266,8 @@ def main(argv=None) -> int:
         "--compile-modes",
         nargs="+",
         default=None,
-        help="torch.compile modes for transformers (default: default max-autotune-no-cudagraphs on CUDA, eager on CPU)",
+        help="torch.compile modes for transformers (default: default max-autotune-no-cudagraphs on CUDA, eager on "
+        "CPU); MODE/layers compiles each decoder layer and the head apart",
     )
     ap.add_argument(
         "--xtrain",

@@ -21,7 +21,22 @@ def test_bench_finetune_cpu_smoke(capsys):
     h = finetune.hf_config(c)
     assert (h.head_dim, h.num_key_value_heads, h.vocab_size, h.tie_word_embeddings) == (128, 8, 151936, True)
     assert (
-        finetune.main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--max-batch", "--max-batch-limit", "4"])
+        finetune.main(
+            [
+                "--device",
+                "cpu",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--max-batch",
+                "--max-batch-limit",
+                "4",
+                "--compile-modes",
+                "eager",
+                "eager/layers",
+            ]
+        )  # fmt: skip
         == 0
     )
     out = capsys.readouterr().out
@@ -29,7 +44,8 @@ def test_bench_finetune_cpu_smoke(capsys):
         r[0]: r[1:] for r in (ln.rsplit(maxsplit=5) for ln in out.splitlines()) if len(r) == 6 and r[-1][-1].isdigit()
     }
     fits = dict(re.findall(r"^  (.+): largest batch that fits (\d+)", out, re.M))
-    assert set(rows) == set(fits) == {"xtrain trainer", "xtrain trainer, recompute", "transformers eager"}
+    sides = {"xtrain trainer", "xtrain trainer, recompute", "transformers eager", "transformers eager/layers"}
+    assert set(rows) == set(fits) == sides  # eager/layers: each decoder layer and the head through torch.compile
     # both sides start from xtrain's initial weights: the same first loss (fp32 on the CPU)
     losses = [float(r[-1]) for r in rows.values()]
     assert max(losses) - min(losses) < 1e-3 and fits["xtrain trainer"] == "4"  # CPU: the limit fits
