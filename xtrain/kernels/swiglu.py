@@ -123,8 +123,8 @@ def swiglu_bwd_triton(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor, out=No
         )
     g2, u2, dg, du = rows
     (R, F), nb = g2.shape, triton.cdiv(g2.shape[1], BLOCK)
-    _swiglu_bwd_kernel[(max(1, R * nb),)](dy.contiguous(), g2, u2, dg, du, F, g2.stride(0), dg.stride(0), nb,
-                                           BLOCK=BLOCK, num_warps=4)  # fmt: skip
+    args = (dy.contiguous(), g2, u2, dg, du, F, g2.stride(0), dg.stride(0), nb)
+    _swiglu_bwd_kernel[(max(1, R * nb),)](*args, BLOCK=BLOCK, num_warps=4)
     return out
 
 
