@@ -21,7 +21,7 @@ from xtrain.config import ModelConfig, TrainConfig
 from xtrain.kernels.adamw import adamw_step_ref
 from xtrain.kernels.adamw_foreach import adamw_step_device, adamw_step_fused_cpu
 from xtrain.model import Model, mix_seed
-from xtrain.ops.fused import _stacked
+from xtrain.ops.fused import stacked
 from xtrain.train.optim import AdamW, clip_grads_, grad_norm
 from xtrain.train.trainer import NonFiniteError, Trainer
 
@@ -194,7 +194,7 @@ def test_swiglu_linear_stacked_weights_take_one_product_each_way():
                           max_seq_len=8, compute_dtype="bfloat16"))  # fmt: skip
     AdamW.for_model(m)
     P = m._layers[0]
-    assert _stacked(m._compute(P["mlp.gate_proj.weight"]), m._compute(P["mlp.up_proj.weight"])) is not None
+    assert stacked(m._compute(P["mlp.gate_proj.weight"]), m._compute(P["mlp.up_proj.weight"])) is not None
 
 
 def test_model_has_no_device_branch():

@@ -69,6 +69,7 @@ from xtrain import ops
 from xtrain.autograd import Var, checkpoint, is_grad_enabled, no_grad, replaying
 from xtrain.config import ModelConfig
 from xtrain.mask import CAUSAL, Mask, doc_starts
+from xtrain.ops.fused import stacked
 
 __all__ = ["BLOCK_KEYS", "BLOCK_SHAPES", "Model", "doc_starts", "mix_seed", "param_shapes", "site_seed"]
 
@@ -247,17 +248,20 @@ class Model:
         return c if c is not None and c.dtype == dt else p.data.to(dt)
 
     def _compute_pair(self, a: Var, b: Var) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Two weights' values in the compute dtype (gate and up): the optimizer's copies (which it lays one after
-        the other), else both cast into one stacked buffer, so that ``ops.swiglu_linear`` takes its stacked path
-        either way and a run with copies stays bit for bit a run without (None when the dtypes agree)."""
+        """Two weights' values in the compute dtype (gate and up) stacked in one buffer (``ops.fused.stacked``), so
+        that ``ops.swiglu_linear`` takes its stacked path whether they come from the optimizer's copies (which lie
+        so when their size is a multiple of its alignment) or from casts, and a run with copies stays bit for bit a
+        run without (None when the dtypes agree)."""
         dt = self.compute_dtype
         if a.dtype == dt:
             return None
         ca, cb = (self.weight_copy(p) if self.weight_copy is not None else None for p in (a, b))
-        if ca is not None and cb is not None and ca.dtype == cb.dtype == dt:
+        copies = ca is not None and cb is not None and ca.dtype == cb.dtype == dt
+        if copies and stacked(ca, cb) is not None:
             return ca, cb
+        src = (ca, cb) if copies else (a.data, b.data)
         buf = torch.empty((a.shape[0] + b.shape[0], *a.shape[1:]), dtype=dt, device=a.data.device)
-        return buf[: a.shape[0]].copy_(a.data), buf[a.shape[0] :].copy_(b.data)
+        return buf[: a.shape[0]].copy_(src[0]), buf[a.shape[0] :].copy_(src[1])
 
     def _w(self, p: Var) -> Var:
         """A weight as a Var in the compute dtype (a cast node over ``_compute``'s values; p itself when the dtypes

@@ -264,7 +264,7 @@ def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100
     return cross_entropy(linear(x, w), targets, ignore_index=ignore_index, reduction=reduction)
 
 
-def _stacked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+def stacked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """[a; b] as one view when b starts where a ends in one contiguous storage (the optimizer's compute copies of
     gate_proj and up_proj lie so, ``AdamW._init_copies``), else None."""
     if not (a.is_contiguous() and b.is_contiguous() and a.shape == b.shape and a.dtype is b.dtype and a.dim() == 2):
@@ -282,7 +282,7 @@ def swiglu_linear(x: Var, w_gate: Var, w_up: Var, *, w_compute: tuple[torch.Tens
     dx = dg w_gate + du w_up and the two weight gradients. ``w_compute``: (gate, up) in x's dtype, as ``linear``'s
     (weight gradients in the weights' dtype).
 
-    When the two weights (or their compute copies) lie one after the other in memory (``_stacked``), each of the
+    When the two weights (or their compute copies) lie one after the other in memory (``stacked``), each of the
     forward product and dx is ONE matmul over the stacked [2F, C] weight: g and u are the two column halves of
     one [N, 2F] product, dg and du are written into the halves of one [N, 2F] gradient and dx = [dg du] [wg; wu]
     sums over 2F in one pass; the weight gradients stay two products (each a plain leaf tensor). Else two
@@ -300,7 +300,7 @@ def swiglu_linear(x: Var, w_gate: Var, w_up: Var, *, w_compute: tuple[torch.Tens
     check(x.ndim == 2 and w_gate.ndim == 2 and w_gate.shape == w_up.shape and w_gate.shape[1] == x.shape[1], op,
           "expected x [N, C] and w_gate, w_up [F, C]", x, w_gate, w_up)  # fmt: skip
     xd, F = x.data, wg.shape[0]
-    wgu = _stacked(wg, wu)
+    wgu = stacked(wg, wu)
     if wgu is not None:
         gu = torch.mm(xd, wgu.t())  # [N, 2F]
         g, u = gu[:, :F], gu[:, F:]
