@@ -604,8 +604,8 @@ def test_bf16_training_runs():
     assert hist[-1]["loss"] < 0.8 * hist[0]["loss"]
 
 
-def _bf16_run(steps, use_copies, restore_after=None):
-    c = mcfg(compute_dtype="bfloat16", max_seq_len=16)
+def _bf16_run(steps, use_copies, restore_after=None, ffn_dim=64):
+    c = mcfg(compute_dtype="bfloat16", max_seq_len=16, ffn_dim=ffn_dim)
     batch = Source(4, 16, 61, seed=1).next_batch()
     m = Model(c, seed=0)
     tr = Trainer(m, tcfg(steps=steps, seq_len=16, lr=1e-2, warmup_steps=3), lambda: batch)
@@ -615,11 +615,13 @@ def _bf16_run(steps, use_copies, restore_after=None):
     return m, tr, hist
 
 
-def test_bf16_compute_copies_are_exact_casts():
+@pytest.mark.parametrize("ffn_dim", [64, 20])
+def test_bf16_compute_copies_are_exact_casts(ffn_dim):
     """The optimizer's bf16 copies (written in its update pass, read by the forward through ops.cast_as)
-    give bit-for-bit the training of casting every weight in every forward."""
-    m1, tr1, h1 = _bf16_run(5, True)
-    m2, _, h2 = _bf16_run(5, False)
+    give bit-for-bit the training of casting every weight in every forward; at ffn_dim 20 the gate and up copies
+    do not lie one after the other (the optimizer aligns each copy), and the model stacks them as it stacks casts."""
+    m1, tr1, h1 = _bf16_run(5, True, ffn_dim=ffn_dim)
+    m2, _, h2 = _bf16_run(5, False, ffn_dim=ffn_dim)
     assert any(c is not None for c in tr1.optimizer.copies)
     assert [h["loss"] for h in h1] == [h["loss"] for h in h2]
     for n in m1.params:
