@@ -265,8 +265,9 @@ def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100
 
 
 def stacked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """[a; b] as one view when b starts where a ends in one contiguous storage (the optimizer's compute copies of
-    gate_proj and up_proj lie so, ``AdamW._init_copies``), else None."""
+    """[a; b] as one view when b starts where a ends in one contiguous storage, else None. The model hands gate_proj
+    and up_proj so (``Model._compute_pair``: the optimizer's compute copies, which lie so when aligned, or casts
+    into one buffer)."""
     if not (a.is_contiguous() and b.is_contiguous() and a.shape == b.shape and a.dtype is b.dtype and a.dim() == 2):
         return None
     if b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr():
