@@ -454,6 +454,14 @@ def test_weight_gradient_comes_out_of_the_matmul_in_fp32_on_cuda():
     ref = dy.float().t() @ x0.float()
     assert w.grad.dtype == torch.float32
     assert float((w.grad - ref).norm() / ref.norm()) < 1e-5
+    # a column slice of a wider gradient (the stacked gate/up's and q/k/v's halves) goes in as it lies, and the
+    # product still comes out of the accumulators (a failure here would turn out_dtype off for every later call)
+    from xtrain.ops.basic import _MM_OUT_DTYPE, _mm_to
+
+    wide = torch.randn(512, 3 * 384, generator=g).bfloat16().cuda()
+    part = _mm_to(wide[:, 384:768].t(), x0, torch.float32)
+    ref = wide[:, 384:768].float().t() @ x0.float()
+    assert _MM_OUT_DTYPE[0] and float((part - ref).norm() / ref.norm()) < 1e-5
 
 
 def test_rows_linear_is_the_composed_ops_and_checks_its_inputs():
