@@ -146,9 +146,8 @@ def _qk_norm_rope_fwd_kernel(
     offset, which is the [B, T, G, D] memory the caller views as [B, G, T, D]."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     h = tl.arange(0, HALF)
-    rm = rows < R
+    rm, bt = rows < R, rows // G
     m = rm[:, None]
-    bt = rows // G
     o1 = rows[:, None] * (2 * HALF) + h[None, :]
     ox = (bt * x_rs + (rows % G) * (2 * HALF))[:, None] + h[None, :]
     x1 = tl.load(X + ox, mask=m, other=0.0)
@@ -218,10 +217,8 @@ def _qk_norm_rope_bwd_kernel(
         rows = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         rm = rows < R
         m = rm[:, None]
-        g = rows % G
-        bt = rows // G
-        b = bt // T
-        t = bt % T
+        g, bt = rows % G, rows // G
+        b, t = bt // T, bt % T
         od = (b * dy_sb + g * dy_sg + t * dy_st)[:, None] + h[None, :]
         dy1 = tl.load(DY + od, mask=m, other=0.0).to(tl.float32)
         dy2 = tl.load(DY + od + HALF, mask=m, other=0.0).to(tl.float32)
@@ -315,11 +312,14 @@ def qkv_norm_rope_store_triton(qkv, w, H: int, Hkv: int, eps: float, table, ck, 
     return q
 
 
+def _desc(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} strides {t.stride()}"
+
+
 def _token_rows(x: torch.Tensor, F: int) -> torch.Tensor:
-    """x as [B*T, F] token rows with a unit column stride (read in place: a column slice of the stacked q/k/v
-    product is), else a contiguous copy."""
-    x2 = x.reshape(-1, F) if x.dim() == 3 and x.is_contiguous() else x
-    return x2 if x2.dim() == 2 and x2.stride(1) == 1 else x.contiguous().view(-1, F)
+    """x as [B*T, F] token rows, read in place when the columns are (a column slice of the stacked q/k/v product)."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, F)
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
 def qk_norm_rope_bwd_triton(dy, x, w, G: int, inv_rms, positions, table, out=None):
@@ -330,12 +330,10 @@ def qk_norm_rope_bwd_triton(dy, x, w, G: int, inv_rms, positions, table, out=Non
     D = F // G
     R = B * T * G
     if dy.shape != (B, G, T, D) or dy.stride(-1) != 1:
-        raise ValueError(f"qk_norm_rope_bwd: dy must be [B, G, T, D] = {(B, G, T, D)} with unit last stride, got "
-                         f"{tuple(dy.shape)} strides {dy.stride()}")  # fmt: skip
+        raise ValueError(f"qk_norm_rope_bwd: dy must be [B, G, T, D] = {(B, G, T, D)}, unit last stride: {_desc(dy)}")
     x2 = _token_rows(x, F)
     if out is not None and (out.shape != (B * T, F) or out.stride(1) != 1 or out.dtype != x.dtype):
-        raise ValueError(f"qk_norm_rope_bwd: out must be [B*T, F] = {(B * T, F)} rows in x's dtype, got "
-                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
+        raise ValueError(f"qk_norm_rope_bwd: out must be {(B * T, F)} rows of {x.dtype}, got {_desc(out)}")
     dx = torch.empty((B * T, F), dtype=x.dtype, device=x.device) if out is None else out
     if R == 0:
         return (dx if out is not None else dx.view(x.shape)), torch.zeros_like(w)
@@ -364,8 +362,7 @@ def qk_norm_rope_fwd(x, w, G: int, eps: float, positions, theta: float, table):
 
 
 def qk_norm_rope_bwd(dy, x, w, G: int, inv_rms, positions, theta: float, table, out=None):
-    """-> (dx, dw); ``out``: where dx goes ([B*T, F] token rows, e.g. a column slice of the stacked q/k/v
-    gradient)."""
+    """-> (dx, dw); dx written into ``out`` ([B*T, F] token rows: a column slice of the stacked q/k/v's) if given."""
     if _fused_ok(x, G) and use_triton(dy, x, w):
         return qk_norm_rope_bwd_triton(dy, x, w, G, inv_rms, positions, table, out)
     dx, dw = qk_norm_rope_bwd_ref(dy, x, w, G, inv_rms, positions, theta, table)
