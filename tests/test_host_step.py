@@ -215,8 +215,9 @@ def _qkv_run(x0, ws0, norms0, pos, table, cot, use=(0, 1, 2)):
 @pytest.mark.parametrize("use", [(0, 1, 2), (0, 1), (2,)])
 def test_qkv_norm_rope_linear_stacked_is_one_product_each_way(use):
     """q/k/v weights lying one after the other (as the model hands them): one product forward and one for x's
-    gradient (5 products a call; apart, 9 with every output read), q and k normed and roped from their column slices, and
-    the same values (fp64) as the five ops apart; an output no loss reads gives its weight a zero gradient."""
+    gradient (5 products a call; apart, 9 with every output read), q and k normed and roped from their column
+    slices, and the same values (fp64) as the five ops apart; an output no loss reads gives its weight a zero
+    gradient."""
     g = torch.Generator().manual_seed(7)
     B, T, C, D = 2, 5, 12, 8
     dt = torch.float64

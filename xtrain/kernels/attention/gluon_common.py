@@ -192,12 +192,12 @@ _LAYOUTS: dict = {}
 
 def _row_view(x: torch.Tensor):
     """(2-D view, rb, rh, ch) of x [B, Hx, T, D] for the TMA descriptor, or None when x has neither layout
-    (contiguous [B, Hx, T, D], or a [B, T, Hx, D] tensor seen through a transpose)."""
+    (contiguous, or token rows [B, T, Hx, D] >= Hx D apart seen through a transpose: v sliced from stacked q/k/v)."""
     B, Hx, T, D = x.shape
     if x.is_contiguous():
         return x.view(B * Hx * T, D), Hx * T, T, 0
-    if x.stride() == (T * Hx * D, D, Hx * D, 1):
-        return x.transpose(1, 2).view(B * T, Hx * D), T, 0, D
+    if x.stride() == (T * x.stride(2), D, x.stride(2), 1) and x.stride(2) >= Hx * D:
+        return x.transpose(1, 2).reshape(B * T, Hx * D), T, 0, D
     return None
 
 
