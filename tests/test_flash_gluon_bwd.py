@@ -247,3 +247,6 @@ def test_row_view_takes_token_rows_wider_than_the_heads():
     assert view.data_ptr() == v.data_ptr() and view.stride() == (S, 1) and (rb, rh, ch) == (T, 0, D)
     assert torch.equal(view, rows[:, 4 * D : 4 * D + H * D])
     assert GC._row_view(torch.randn(B, T, D, H).permute(0, 3, 1, 2)) is None
+    # its gradient buffer: dense token rows seen through the same transpose (dv back to rows without a transpose)
+    dv = GC.fresh_grad(v)
+    assert dv.shape == v.shape and dv.stride() == (T * H * D, D, H * D, 1)

@@ -282,11 +282,11 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
 
 
 def fresh_grad(like: torch.Tensor, follow: bool = True) -> torch.Tensor:
-    """An empty gradient buffer for ``like`` [B, Hx, T, D]: in like's layout when ``follow`` and like is a
-    [B, T, Hx, D] tensor seen through a transpose (k and v as the model's projections give them: dk and dv then
-    go back to the projections' token rows without a copy), else contiguous."""
+    """An empty gradient buffer for ``like`` [B, Hx, T, D]: token rows [B, T, Hx, D] seen through a transpose when
+    ``follow`` and like is token rows (k and v as the model's projections give them: dk and dv then go back to the
+    projections' rows without a transposing copy), else contiguous."""
     B, Hx, T, D = like.shape
-    if follow and not like.is_contiguous() and like.stride() == (T * Hx * D, D, Hx * D, 1):
+    if follow and not like.is_contiguous() and _row_view(like) is not None:
         return torch.empty((B, T, Hx, D), dtype=like.dtype, device=like.device).transpose(1, 2)
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
