@@ -186,14 +186,14 @@ def test_rope_positions_restart_per_document(monkeypatch):
     ids, tg, rows = packed_window(T)
     m = Model(cfg("math"), seed=1)
     seen = []
-    real = ops.qk_norm_rope
+    real = ops.qkv_norm_rope_linear
 
-    def spy(x, w, heads, positions, theta, eps, table):
-        y = real(x, w, heads, positions, theta, eps, table)
-        seen.append((positions, table, y.data))
-        return y
+    def spy(x, ws, norms, H, Hkv, rope, eps, **kw):
+        q, k, v = real(x, ws, norms, H, Hkv, rope, eps, **kw)
+        seen.extend([(*rope, q.data), (*rope, k.data)])
+        return q, k, v
 
-    monkeypatch.setattr(ops, "qk_norm_rope", spy)
+    monkeypatch.setattr(ops, "qkv_norm_rope_linear", spy)
     ds = doc_starts(ids, EOT)
     with no_grad():
         m.forward(ids, mask=Documents(ds))

@@ -235,3 +235,18 @@ def test_gpu_dispatch_sends_hd128_backward_to_gluon():
     assert not all(torch.equal(a, b) for a, b in zip(tri, got))  # so the equality above names the kernel
     short = (*(x[..., :512, :] for x in (do, q, k, v, o)), lse[..., :512].contiguous())
     assert FA.bwd_route(*short, True)[0] == "triton"  # T < GLUON_BWD_MIN_T
+
+
+def test_row_view_takes_token_rows_wider_than_the_heads():
+    """v as a column slice of the stacked q/k/v product ([B*T, S] rows, S > Hkv*D) is a layout the descriptors take
+    (the 2-D view is the slice itself, no copy); a layout with neither form is None."""
+    B, T, H, D, S = 2, 5, 3, 8, 7 * 8
+    rows = torch.randn(B * T, S)
+    v = rows[:, 4 * D : 4 * D + H * D].view(B, T, H, D).transpose(1, 2)
+    view, rb, rh, ch = GC._row_view(v)
+    assert view.data_ptr() == v.data_ptr() and view.stride() == (S, 1) and (rb, rh, ch) == (T, 0, D)
+    assert torch.equal(view, rows[:, 4 * D : 4 * D + H * D])
+    assert GC._row_view(torch.randn(B, T, D, H).permute(0, 3, 1, 2)) is None
+    # its gradient buffer: dense token rows seen through the same transpose (dv back to rows without a transpose)
+    dv = GC.fresh_grad(v)
+    assert dv.shape == v.shape and dv.stride() == (T * H * D, D, H * D, 1)

@@ -18,6 +18,7 @@ import xtrain.ops as ops
 from xtrain import Var
 from xtrain.check import cases, run_case
 from xtrain.config import ModelConfig, TrainConfig
+from xtrain.kernels import qk_norm_rope as K_qk
 from xtrain.kernels.adamw import adamw_step_ref
 from xtrain.kernels.adamw_foreach import adamw_step_device, adamw_step_fused_cpu
 from xtrain.model import Model, mix_seed
@@ -195,6 +196,52 @@ def test_swiglu_linear_stacked_weights_take_one_product_each_way():
     AdamW.for_model(m)
     P = m._layers[0]
     assert stacked(m._compute(P["mlp.gate_proj.weight"]), m._compute(P["mlp.up_proj.weight"])) is not None
+
+
+def _qkv_run(x0, ws0, norms0, pos, table, cot, use=(0, 1, 2)):
+    """(matmuls issued, outputs, gradients of x, wq, wk, wv, q_norm, k_norm) of qkv_norm_rope_linear under the
+    loss sum(x) + sum over the used outputs of <output, cot>."""
+    x, ws, norms = Var(x0.clone(), True), [Var(w, True) for w in ws0], [Var(n.clone(), True) for n in norms0]
+    with CountMatmuls() as count:
+        h = ops.reshape(x, x0.shape)  # x enters through a node read twice: its gradient so far goes into the mm
+        outs = ops.qkv_norm_rope_linear(h, tuple(ws), tuple(norms), 3, 1, (pos, table), 1e-6)
+        loss = ops.sum(h)
+        for i in use:
+            loss = ops.add(loss, ops.sum(ops.mul(outs[i], Var(cot[i]))))
+        loss.backward()
+    return count.n, [o.data for o in outs], [v.grad for v in (x, *ws, *norms)]
+
+
+@pytest.mark.parametrize("use", [(0, 1, 2), (0, 1), (2,)])
+def test_qkv_norm_rope_linear_stacked_is_one_product_each_way(use):
+    """q/k/v weights lying one after the other (as the model hands them): one product forward and one for x's
+    gradient (5 products a call; apart, 9 with every output read), q and k normed and roped from their column
+    slices, and the same values (fp64) as the five ops apart; an output no loss reads gives its weight a zero
+    gradient."""
+    g = torch.Generator().manual_seed(7)
+    B, T, C, D = 2, 5, 12, 8
+    dt = torch.float64
+    x0 = torch.randn(B * T, C, generator=g, dtype=dt)
+    buf = torch.randn(5 * D, C, generator=g, dtype=dt)  # wq [3D, C], wk, wv [D, C]
+    ws = (buf[: 3 * D], buf[3 * D : 4 * D], buf[4 * D :])
+    norms = (torch.rand(D, generator=g, dtype=dt) + 0.5, torch.rand(D, generator=g, dtype=dt) + 0.5)
+    pos = torch.arange(T)
+    table = K_qk.rope_table(pos, D, 10000.0, dt)
+    cot = [torch.randn(B, 3, T, D, generator=g, dtype=dt), torch.randn(B, 1, T, D, generator=g, dtype=dt),
+           torch.randn(B * T, D, generator=g, dtype=dt)]  # fmt: skip
+    n, outs, grads = _qkv_run(x0, ws, norms, pos, table, cot, use)
+    n_apart, outs_apart, grads_apart = _qkv_run(x0, tuple(w.clone() for w in ws), norms, pos, table, cot, use)
+    assert (n, n_apart) == (5, 3 + 2 * len(use))  # apart: two products a read output
+    for a, b in zip(outs + grads, outs_apart + grads_apart):
+        if b is None:
+            assert a is None or not a.any()
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    if 2 not in use:
+        assert not grads[3].any()  # wv: v read by nothing
+    with pytest.raises(ValueError, match="qkv_norm_rope_linear"):
+        ops.qkv_norm_rope_linear(Var(x0), tuple(Var(w) for w in ws), tuple(Var(t) for t in norms), 2, 1,
+                                 (pos, table), 1e-6)  # fmt: skip
 
 
 def test_model_has_no_device_branch():

@@ -143,6 +143,19 @@ def test_qk_norm_rope_cpu(B, T, G, D, batched):
     for d in (dy, dy.transpose(1, 2).contiguous().transpose(1, 2)):
         dx, dw = K_qk.qk_norm_rope_bwd_triton(d, x, w, G, r0, pos, table)
         assert dx.shape == x.shape and _scaled_err(dx, dx0) <= CPU_TOL and _scaled_err(dw, dw0) <= CPU_TOL
+    # x a column slice of wider rows (the stacked q/k/v product) and dx written into a slice of a wider gradient:
+    # the same bits as contiguous x and dx, and nothing outside the slices touched
+    wide, dwide = torch.randn(B * T, G * D + 24), torch.full((B * T, G * D + 40), float("nan"))
+    wide[:, 8 : 8 + G * D] = x
+    xs, outs = wide[:, 8 : 8 + G * D], dwide[:, 16 : 16 + G * D]
+    ys, rs = K_qk.qk_norm_rope_fwd_triton(xs, w, G, 1e-6, pos, table)
+    assert torch.equal(ys, y) and torch.equal(rs, r)
+    dxs, dws = K_qk.qk_norm_rope_bwd_triton(dy, xs, w, G, r0, pos, table, out=outs)
+    assert dxs.data_ptr() == outs.data_ptr() and torch.equal(
+        dws, K_qk.qk_norm_rope_bwd_triton(dy, x, w, G, r0, pos, table)[1]
+    )
+    assert torch.equal(outs, K_qk.qk_norm_rope_bwd_triton(dy, x, w, G, r0, pos, table)[0])
+    assert dwide[:, :16].isnan().all() and dwide[:, 16 + G * D :].isnan().all()
     # fp16 storage (the interpreter's bf16 is wrong): the norm's output rounded before the rotation, as the
     # reference does; a bound of 4 fp16 ulps (2^-11 each) of the largest value
     y16, _ = K_qk.qk_norm_rope_fwd_triton(x.half(), w.half(), G, 1e-6, pos, table)

@@ -1,8 +1,9 @@
 """The model's loss, logits and every gradient, bit for bit against values recorded from the code before the
 "one model" redesign (issue 58; recorded at commit 3319483 with ``PYTHONPATH=. python tests/test_model_golden.py
---record``). Re-recorded once since, on purpose: the stacked gate/up of 2026-12-08 (``ops.swiglu_linear`` sums x's
-gradient over both halves in one bf16 matmul) moved the two bf16 cases' gradients by a bf16 rounding (the largest
-change 2e-3 of the tensor's largest value); their losses and logits, and every fp32 and fp64 bit, stayed as recorded.
+--record``). Re-recorded since, on purpose: the stacked gate/up and q/k/v of 2026-12-08 (``ops.swiglu_linear`` and
+``ops.qkv_norm_rope_linear`` sum x's gradient over the stacked weights in one bf16 matmul) moved the two bf16 cases'
+gradients by a bf16 rounding (the largest change 6.5e-3 of the tensor's largest value); their losses and logits, and
+every fp32 and fp64 bit, stayed as recorded.
 
 Each case is a small model and one batch: fp32, bf16 compute (with and without the trainer's compute copies)
 and fp64; the CPU attention forms (math, composed, flash's tiled reference); packed documents; dropout with a

@@ -247,21 +247,25 @@ class Model:
         c = self.weight_copy(p) if self.weight_copy is not None else None
         return c if c is not None and c.dtype == dt else p.data.to(dt)
 
-    def _compute_pair(self, a: Var, b: Var) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Two weights' values in the compute dtype (gate and up) stacked in one buffer (``ops.fused.stacked``), so
-        that ``ops.swiglu_linear`` takes its stacked path whether they come from the optimizer's copies (which lie
-        so when their size is a multiple of its alignment) or from casts, and a run with copies stays bit for bit a
-        run without (None when the dtypes agree)."""
+    def _compute_stack(self, *ps: Var) -> tuple[torch.Tensor, ...] | None:
+        """Weights' values in the compute dtype (gate and up; q, k and v) stacked in one buffer
+        (``ops.fused.stacked``), so that ``ops.swiglu_linear`` and ``ops.qkv_norm_rope_linear`` take their stacked
+        paths whether the values come from the optimizer's copies (which lie so when aligned) or from casts, and a
+        run with copies stays bit for bit a run without (None when the dtypes agree)."""
         dt = self.compute_dtype
-        if a.dtype == dt:
+        if ps[0].dtype == dt:
             return None
-        ca, cb = (self.weight_copy(p) if self.weight_copy is not None else None for p in (a, b))
-        copies = ca is not None and cb is not None and ca.dtype == cb.dtype == dt
-        if copies and stacked(ca, cb) is not None:
-            return ca, cb
-        src = (ca, cb) if copies else (a.data, b.data)
-        buf = torch.empty((a.shape[0] + b.shape[0], *a.shape[1:]), dtype=dt, device=a.data.device)
-        return buf[: a.shape[0]].copy_(src[0]), buf[a.shape[0] :].copy_(src[1])
+        cs = [self.weight_copy(p) if self.weight_copy is not None else None for p in ps]
+        copies = all(c is not None and c.dtype == dt for c in cs)
+        if copies and stacked(*cs) is not None:
+            return tuple(cs)
+        src = cs if copies else [p.data for p in ps]
+        buf = torch.empty((sum(p.shape[0] for p in ps), *ps[0].shape[1:]), dtype=dt, device=ps[0].data.device)
+        out, at = [], 0
+        for t in src:
+            out.append(buf[at : at + t.shape[0]].copy_(t))
+            at += t.shape[0]
+        return tuple(out)
 
     def _w(self, p: Var) -> Var:
         """A weight as a Var in the compute dtype (a cast node over ``_compute``'s values; p itself when the dtypes
@@ -329,7 +333,7 @@ class Model:
         one ``add_rms_norm`` and the block returns (x, normed x), else x alone."""
         cfg, P, dt = self.config, self._layers[i], self.compute_dtype
         H, Hkv, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
-        (positions, table), T = rope, rope[0].shape[-1]
+        table, T = rope[1], rope[0].shape[-1]
 
         if W is not None:  # decode (no tape): each norm, SwiGLU and residual add inside a product (``rows_linear``);
             # q normed and roped, k (the same) and v written into the layer's cache; attention over that cache
@@ -340,11 +344,12 @@ class Model:
             return Var(ops.rows_linear(gu, W["down"][i], "glu", res=x))  # [B*T, 2F] -> [B*T, C]
         if h is None:
             h = ops.rms_norm(x, P["input_layernorm.weight"], eps, dt)  # [B*T, C], normed straight into dt
-        q, k, v = (self._linear(h, P[f"self_attn.{n}_proj.weight"]) for n in "qkv")  # [B*T, H*D], [B*T, Hkv*D] x2
-        # per-head rms_norm (q_norm, k_norm), then RoPE, as one node each: [B, H, T, D], [B, Hkv, T, D]
-        # the norm weights straight from their masters (an fp32 master with bf16/fp16 activations is read in fp32)
-        q = ops.qk_norm_rope(q, P["self_attn.q_norm.weight"], H, positions, cfg.rope_theta, eps, table)
-        k = ops.qk_norm_rope(k, P["self_attn.k_norm.weight"], Hkv, positions, cfg.rope_theta, eps, table)
+        # the q/k/v projections (one product over the stacked weights), q_norm/k_norm and RoPE: q [B, H, T, D],
+        # k [B, Hkv, T, D], v [B*T, Hkv*D]; the norm weights straight from their masters (an fp32 master with
+        # bf16/fp16 activations is read in fp32)
+        ws = tuple(P[f"self_attn.{n}_proj.weight"] for n in "qkv")
+        norms = (P["self_attn.q_norm.weight"], P["self_attn.k_norm.weight"])
+        q, k, v = ops.qkv_norm_rope_linear(h, ws, norms, H, Hkv, rope, eps, w_compute=self._compute_stack(*ws))
         a = ops.attention_rows(q, k, v, mask, impl=self._attention)  # [B*T, H*D]
         a = self._linear(a, P["self_attn.o_proj.weight"])  # [B*T, C]
         # the branch promoted to the master dtype in the add, and the sum normed in the same pass: [B*T, C] each
@@ -353,7 +358,7 @@ class Model:
         )
         # silu(h Wgᵀ) * (h Wuᵀ) as one node                                      [B*T, F]
         wg, wu = P["mlp.gate_proj.weight"], P["mlp.up_proj.weight"]
-        s = ops.swiglu_linear(h, wg, wu, w_compute=self._compute_pair(wg, wu))
+        s = ops.swiglu_linear(h, wg, wu, w_compute=self._compute_stack(wg, wu))
         y = self._linear(s, P["mlp.down_proj.weight"], values=replaying() != self._block)  # (DESIGN.md, "Recompute")
         y = self._dropout(y, seed, i, SITE_MLP, T)  # [B*T, C]
         return ops.add_cast(x, y) if next_norm is None else ops.add_rms_norm(x, y, next_norm, eps, dt)

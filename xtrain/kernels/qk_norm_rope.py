@@ -139,21 +139,21 @@ def _norm_rope(x1, x2, w1, w2, c, s, eps, HALF: tl.constexpr):
 
 @_jit
 def _qk_norm_rope_fwd_kernel(
-    X, W, C, S, Y, INV_RMS, R, G, T, c_sb, c_st, eps, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+    X, W, C, S, Y, INV_RMS, R, G, T, x_rs, c_sb, c_st, eps, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    """Rows r of BLOCK_R (r = (b T + t) G + g: one head of one token, D = 2 HALF wide), read once as the two
-    halves, normed and rotated in registers (``_norm_rope``); y written at the row's own offset, which is the
-    [B, T, G, D] memory the caller views as [B, G, T, D]."""
+    """Rows r of BLOCK_R (r = (b T + t) G + g: one head of one token, D = 2 HALF wide; x's token rows x_rs apart),
+    read once as the two halves, normed and rotated in registers (``_norm_rope``); y written at the row's own
+    offset, which is the [B, T, G, D] memory the caller views as [B, G, T, D]."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     h = tl.arange(0, HALF)
-    rm = rows < R
+    rm, bt = rows < R, rows // G
     m = rm[:, None]
     o1 = rows[:, None] * (2 * HALF) + h[None, :]
-    x1 = tl.load(X + o1, mask=m, other=0.0)
-    x2 = tl.load(X + o1 + HALF, mask=m, other=0.0)
+    ox = (bt * x_rs + (rows % G) * (2 * HALF))[:, None] + h[None, :]
+    x1 = tl.load(X + ox, mask=m, other=0.0)
+    x2 = tl.load(X + ox + HALF, mask=m, other=0.0)
     w1 = tl.load(W + h).to(tl.float32)[None, :]
     w2 = tl.load(W + HALF + h).to(tl.float32)[None, :]
-    bt = rows // G
     oc = ((bt // T) * c_sb + (bt % T) * c_st)[:, None] + h[None, :]  # the table row of (b, t)
     c = tl.load(C + oc, mask=m, other=0.0)
     s = tl.load(S + oc, mask=m, other=0.0)
@@ -200,13 +200,13 @@ def _qkv_norm_rope_store_kernel(
 
 @_jit
 def _qk_norm_rope_bwd_kernel(
-    DY, X, W, C, S, INV_RMS, DX, DW_PARTIAL, R, G, T, dy_sb, dy_sg, dy_st, c_sb, c_st, HALF: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    DY, X, W, C, S, INV_RMS, DX, DW_PARTIAL, R, G, T, dy_sb, dy_sg, dy_st, x_rs, dx_rs, c_sb, c_st,
+    HALF: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Program p: row tiles p, p + P, ...; dy read through its strides (any [B, G, T, D] layout), rotated back
     (dn, rounded to dy's dtype), then the norm's backward: dx = r (g - xhat mean(g xhat)), g = dn w, written at
-    the row's offset in x's layout; dw's share summed in registers into partial row p (a fixed order:
-    deterministic)."""
+    the row's offset in dx's layout (token rows dx_rs apart; x's x_rs); dw's share summed in registers into
+    partial row p (a fixed order: deterministic)."""
     pid = tl.program_id(0)
     h = tl.arange(0, HALF)
     w1 = tl.load(W + h).to(tl.float32)
@@ -217,10 +217,8 @@ def _qk_norm_rope_bwd_kernel(
         rows = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         rm = rows < R
         m = rm[:, None]
-        g = rows % G
-        bt = rows // G
-        b = bt // T
-        t = bt % T
+        g, bt = rows % G, rows // G
+        b, t = bt // T, bt % T
         od = (b * dy_sb + g * dy_sg + t * dy_st)[:, None] + h[None, :]
         dy1 = tl.load(DY + od, mask=m, other=0.0).to(tl.float32)
         dy2 = tl.load(DY + od + HALF, mask=m, other=0.0).to(tl.float32)
@@ -230,10 +228,11 @@ def _qk_norm_rope_bwd_kernel(
         # the inverse rotation, rounded to dy's dtype as the reference (and the unfused rope backward) rounds it
         dn1 = (dy1 * c + dy2 * s).to(DY.dtype.element_ty).to(tl.float32)
         dn2 = (dy2 * c - dy1 * s).to(DY.dtype.element_ty).to(tl.float32)
-        o1 = rows[:, None] * (2 * HALF) + h[None, :]
+        o1 = (bt * x_rs + g * (2 * HALF))[:, None] + h[None, :]
         r = tl.load(INV_RMS + rows, mask=rm, other=0.0)[:, None]
         xh1 = tl.load(X + o1, mask=m, other=0.0).to(tl.float32) * r
         xh2 = tl.load(X + o1 + HALF, mask=m, other=0.0).to(tl.float32) * r
+        o1 += (bt * (dx_rs - x_rs))[:, None]  # dx's row
         g1 = dn1 * w1[None, :]
         g2 = dn2 * w2[None, :]
         dot = (tl.sum(g1 * xh1, axis=1) + tl.sum(g2 * xh2, axis=1))[:, None] / (2 * HALF)
@@ -267,15 +266,15 @@ def qk_norm_rope_fwd_triton(x, w, G: int, eps: float, positions, table):
     if D % 2 or D & (D - 1):
         raise ValueError(f"qk_norm_rope: the Triton kernel needs a power-of-two head dim, got D={D}")
     R = B * T * G
-    x2 = x.contiguous()
+    x2 = _token_rows(x, F)
     y = torch.empty((B, T, G, D), dtype=x.dtype, device=x.device)
     inv_rms = torch.empty(R, dtype=torch.float32, device=x.device)
     if R:
         c_sb, c_st = _table_strides(table, positions)
         BLOCK_R = _block_rows(D // 2)
         _qk_norm_rope_fwd_kernel[(triton.cdiv(R, BLOCK_R),)](
-            x2, w.contiguous(), table[0], table[1], y, inv_rms, R, G, T, c_sb, c_st, eps, HALF=D // 2, BLOCK_R=BLOCK_R,
-            num_warps=4,
+            x2, w.contiguous(), table[0], table[1], y, inv_rms, R, G, T, x2.stride(0), c_sb, c_st, eps, HALF=D // 2,
+            BLOCK_R=BLOCK_R, num_warps=4,
         )  # fmt: skip
     return y.transpose(1, 2), inv_rms
 
@@ -313,19 +312,31 @@ def qkv_norm_rope_store_triton(qkv, w, H: int, Hkv: int, eps: float, table, ck, 
     return q
 
 
-def qk_norm_rope_bwd_triton(dy, x, w, G: int, inv_rms, positions, table):
+def _desc(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} strides {t.stride()}"
+
+
+def _token_rows(x: torch.Tensor, F: int) -> torch.Tensor:
+    """x as [B*T, F] token rows, read in place when the columns are (a column slice of the stacked q/k/v product)."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, F)
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def qk_norm_rope_bwd_triton(dy, x, w, G: int, inv_rms, positions, table, out=None):
     """One row kernel on a persistent grid (dy read through its strides: no copy whatever its layout) and one
-    sum of the dw partial rows. dx in x's shape and dtype, dw [D] in w's dtype."""
+    sum of the dw partial rows. dx in x's shape and dtype (written into ``out``, [B*T, F] token rows with a unit
+    column stride, when given), dw [D] in w's dtype."""
     B, T, F = _bt(x, positions)
     D = F // G
     R = B * T * G
     if dy.shape != (B, G, T, D) or dy.stride(-1) != 1:
-        raise ValueError(f"qk_norm_rope_bwd: dy must be [B, G, T, D] = {(B, G, T, D)} with unit last stride, got "
-                         f"{tuple(dy.shape)} strides {dy.stride()}")  # fmt: skip
-    x2 = x.contiguous()
-    dx = torch.empty_like(x2)
+        raise ValueError(f"qk_norm_rope_bwd: dy must be [B, G, T, D] = {(B, G, T, D)}, unit last stride: {_desc(dy)}")
+    x2 = _token_rows(x, F)
+    if out is not None and (out.shape != (B * T, F) or out.stride(1) != 1 or out.dtype != x.dtype):
+        raise ValueError(f"qk_norm_rope_bwd: out must be {(B * T, F)} rows of {x.dtype}, got {_desc(out)}")
+    dx = torch.empty((B * T, F), dtype=x.dtype, device=x.device) if out is None else out
     if R == 0:
-        return dx, torch.zeros_like(w)
+        return (dx if out is not None else dx.view(x.shape)), torch.zeros_like(w)
     c_sb, c_st = _table_strides(table, positions)
     BLOCK_R = _block_rows(D // 2)
     tiles = triton.cdiv(R, BLOCK_R)
@@ -334,9 +345,9 @@ def qk_norm_rope_bwd_triton(dy, x, w, G: int, inv_rms, positions, table):
     partial = torch.empty(P, D, dtype=torch.float32, device=x.device)
     _qk_norm_rope_bwd_kernel[(P,)](
         dy, x2, w.contiguous(), table[0], table[1], inv_rms, dx, partial, R, G, T, dy.stride(0), dy.stride(1),
-        dy.stride(2), c_sb, c_st, HALF=D // 2, BLOCK_R=BLOCK_R, num_warps=4,
+        dy.stride(2), x2.stride(0), dx.stride(0), c_sb, c_st, HALF=D // 2, BLOCK_R=BLOCK_R, num_warps=4,
     )  # fmt: skip
-    return dx, partial.sum(dim=0).to(w.dtype)
+    return (dx if out is not None else dx.view(x.shape)), partial.sum(dim=0).to(w.dtype)
 
 
 def _fused_ok(x: torch.Tensor, G: int) -> bool:
@@ -350,7 +361,9 @@ def qk_norm_rope_fwd(x, w, G: int, eps: float, positions, theta: float, table):
     return qk_norm_rope_fwd_ref(x, w, G, eps, positions, theta, table)
 
 
-def qk_norm_rope_bwd(dy, x, w, G: int, inv_rms, positions, theta: float, table):
+def qk_norm_rope_bwd(dy, x, w, G: int, inv_rms, positions, theta: float, table, out=None):
+    """-> (dx, dw); dx written into ``out`` ([B*T, F] token rows: a column slice of the stacked q/k/v's) if given."""
     if _fused_ok(x, G) and use_triton(dy, x, w):
-        return qk_norm_rope_bwd_triton(dy, x, w, G, inv_rms, positions, table)
-    return qk_norm_rope_bwd_ref(dy, x, w, G, inv_rms, positions, theta, table)
+        return qk_norm_rope_bwd_triton(dy, x, w, G, inv_rms, positions, table, out)
+    dx, dw = qk_norm_rope_bwd_ref(dy, x, w, G, inv_rms, positions, theta, table)
+    return (dx if out is None else out.copy_(dx.view(out.shape))), dw

@@ -7,8 +7,8 @@ attention: attention (composed), math_attention (one node, hand-written backward
            device rule picks), attention_rows (row layout in and out), cached_attention (over KV cache rows,
            inference), repeat_kv, causal_mask, doc_mask; flash_attention (fused, xtrain.ops.flash); each takes
            a mask (xtrain.mask)
-fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, qkv_norm_rope (decode),
-       rows_linear and rows_linear_weight (decode),
+fused: linear_cross_entropy, lm_head_loss (the form the device rule picks), qk_norm_rope, qkv_norm_rope_linear
+       (training: q/k/v in one product), qkv_norm_rope (decode), rows_linear and rows_linear_weight (decode),
        rope_table, swiglu_linear, add_rms_norm (xtrain.ops.fused)
 """
 
@@ -103,6 +103,7 @@ def __getattr__(name):
         "lm_head_loss",
         "qk_norm_rope",
         "qkv_norm_rope",
+        "qkv_norm_rope_linear",
         "rope_table",
         "rows_linear",
         "rows_linear_weight",

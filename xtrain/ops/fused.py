@@ -264,17 +264,98 @@ def lm_head_loss(x: Var, w: Var, targets: torch.Tensor, ignore_index: int = -100
     return cross_entropy(linear(x, w), targets, ignore_index=ignore_index, reduction=reduction)
 
 
-def stacked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """[a; b] as one view when b starts where a ends in one contiguous storage, else None. The model hands gate_proj
-    and up_proj so (``Model._compute_pair``: the optimizer's compute copies, which lie so when aligned, or casts
-    into one buffer)."""
-    if not (a.is_contiguous() and b.is_contiguous() and a.shape == b.shape and a.dtype is b.dtype and a.dim() == 2):
-        return None
-    if b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr():
-        return None
-    if b.storage_offset() != a.storage_offset() + a.numel():
-        return None
-    return a.as_strided((2 * a.shape[0], a.shape[1]), a.stride())
+def stacked(*ts: torch.Tensor) -> torch.Tensor | None:
+    """The 2-D tensors ts as one [sum of rows, C] view when each starts where the one before ends in one contiguous
+    storage, else None. The model hands gate/up and q/k/v so (``Model._compute_stack``: the optimizer's compute
+    copies, which lie so when aligned, or casts into one buffer)."""
+    a = ts[0]
+    for b in ts:
+        if not (b.dim() == 2 and b.is_contiguous() and b.shape[1:] == a.shape[1:] and b.dtype is a.dtype):
+            return None
+        if b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr():
+            return None
+    at = a.storage_offset()
+    for b in ts:
+        if b.storage_offset() != at:
+            return None
+        at += b.numel()
+    return a.as_strided((sum(b.shape[0] for b in ts), a.shape[1]), a.stride())
+
+
+def qkv_norm_rope_linear(x: Var, ws: tuple[Var, Var, Var], norms: tuple[Var, Var], H: int, Hkv: int, rope: tuple,
+                         eps: float, *, w_compute: tuple | None = None) -> tuple[Var, Var, Var]:  # fmt: skip
+    """The attention's input half in training: (q, k, v) = (qk_norm_rope(x wqᵀ, q_norm), qk_norm_rope(x wkᵀ,
+    k_norm), x wvᵀ): q [B, H, T, D], k [B, Hkv, T, D], v [B*T, Hkv*D] rows. ``ws`` = (wq, wk, wv), ``norms`` =
+    (q_norm, k_norm) weights, ``rope`` = (positions, table) as ``qk_norm_rope`` takes them; ``w_compute``: the
+    three weights in x's dtype (``linear``'s).
+
+    When the three weights lie one after the other in memory (``stacked``) this is ONE product x [wq; wk; wv]ᵀ ->
+    [N, (H + 2 Hkv) D] each way: q and k are normed and roped from their column slices in place, v is its slice;
+    in backward the q/k kernels and v's gradient write into the slices of one [N, (H + 2 Hkv) D] gradient
+    (allocated by the first of them to run, each handing it on as the product's gradient so far), and x's
+    gradient is one product over it (three weight gradients, each a plain leaf tensor). Else the five ops apart
+    (three ``linear``, two ``qk_norm_rope``): the same values bit for bit as the model computed them before."""
+    positions, table = rope
+    wc = (None, None, None) if w_compute is None else w_compute
+    w_all = None if w_compute is None else stacked(*w_compute)
+    if w_all is None and w_compute is None:
+        w_all = stacked(*(w.data for w in ws))
+    if w_all is None or not (x.ndim == 2 and w_all.shape[1] == x.shape[1] and w_all.dtype is x.dtype):
+        q, k, v = (linear(x, w, w_compute=c) for w, c in zip(ws, wc))
+        q = qk_norm_rope(q, norms[0], H, positions, eps=eps, table=table)
+        return q, qk_norm_rope(k, norms[1], Hkv, positions, eps=eps, table=table), v
+    op = "qkv_norm_rope_linear"
+    for w, c in zip(ws, wc):
+        if c is not None:
+            _check_compute(op, w, c, x)
+        else:
+            _check_same(op, x, w)
+    xd, (Dq, Dk), D = x.data, (ws[0].shape[0], ws[1].shape[0]), norms[0].shape[-1]
+    T = positions.shape[-1] if isinstance(positions, torch.Tensor) and positions.dim() in (1, 2) else 0
+    check(norms[0].shape == norms[1].shape == (D,) and Dq == H * D and Dk == Hkv * D and ws[2].shape[0] == Dk
+          and D % 2 == 0 and T > 0 and xd.shape[0] % T == 0, op,
+          f"expected wq [H*D, C], wk and wv [Hkv*D, C], norms [D] (H={H}, Hkv={Hkv}) and positions [T] or [B, T]",
+          x, *ws, *norms)  # fmt: skip
+    cols = ((0, Dq), (Dq, Dq + Dk), (Dq + Dk, Dq + 2 * Dk))
+    qkv = torch.mm(xd, w_all.t())  # [N, Dq + 2 Dk]
+    written: list[int] = []  # which slices of the gradient the three consumers wrote this backward
+
+    def into(acc, i: int):  # the stacked gradient (the first writer allocates it) and slice i of it
+        buf = torch.empty_like(qkv) if acc is None else acc
+        written.append(i)
+        return buf, buf[:, cols[i][0] : cols[i][1]]
+
+    @adds_into
+    def backward(d, acc=(None, None, None, None)):
+        for i in {0, 1, 2} - set(written):  # a slice no consumer's gradient reached counts as zero
+            d[:, cols[i][0] : cols[i][1]] = 0
+        written.clear()
+        dx = None
+        if x.requires_grad:
+            dx = torch.mm(d, w_all) if acc[0] is None else torch.addmm(acc[0], d, w_all)
+        dws = (_mm_to(d[:, a:b].t(), xd, w.dtype) if w.requires_grad else None for (a, b), w in zip(cols, ws))
+        return (dx, *dws)
+
+    J = Var.from_op(qkv, (x, *ws), backward, "qkv_linear")
+    (P, table_), outs = (positions, table), []
+    for i, (G, nw) in enumerate(((H, norms[0]), (Hkv, norms[1]))):
+        xs = qkv[:, cols[i][0] : cols[i][1]]
+        y, inv = K_qk.qk_norm_rope_fwd(xs, nw.data, G, eps, P, 0.0, table_)
+
+        @adds_into
+        def slice_backward(dy, acc=(None, None), i=i, G=G, nw=nw, xs=xs, inv=inv):
+            buf, out = into(acc[0], i)
+            return buf, K_qk.qk_norm_rope_bwd(dy, xs, nw.data, G, inv, P, 0.0, table_, out=out)[1]
+
+        outs.append(Var.from_op(y, (J, nw), slice_backward, "qk_norm_rope"))
+
+    @adds_into
+    def v_backward(dv, acc=(None,)):
+        buf, out = into(acc[0], 2)
+        out.copy_(dv)
+        return (buf,)
+
+    return outs[0], outs[1], Var.from_op(qkv[:, cols[2][0] :], (J,), v_backward, "qkv_v")
 
 
 def swiglu_linear(x: Var, w_gate: Var, w_up: Var, *, w_compute: tuple[torch.Tensor, torch.Tensor] | None = None) -> Var:

@@ -192,12 +192,12 @@ _LAYOUTS: dict = {}
 
 def _row_view(x: torch.Tensor):
     """(2-D view, rb, rh, ch) of x [B, Hx, T, D] for the TMA descriptor, or None when x has neither layout
-    (contiguous [B, Hx, T, D], or a [B, T, Hx, D] tensor seen through a transpose)."""
+    (contiguous, or token rows [B, T, Hx, D] >= Hx D apart seen through a transpose: v sliced from stacked q/k/v)."""
     B, Hx, T, D = x.shape
     if x.is_contiguous():
         return x.view(B * Hx * T, D), Hx * T, T, 0
-    if x.stride() == (T * Hx * D, D, Hx * D, 1):
-        return x.transpose(1, 2).view(B * T, Hx * D), T, 0, D
+    if x.stride() == (T * x.stride(2), D, x.stride(2), 1) and x.stride(2) >= Hx * D:
+        return x.transpose(1, 2).reshape(B * T, Hx * D), T, 0, D
     return None
 
 
@@ -282,11 +282,11 @@ def supported_bwd(do, q, k, v, o, lse, *, dq=None, dk=None, dv=None) -> bool:
 
 
 def fresh_grad(like: torch.Tensor, follow: bool = True) -> torch.Tensor:
-    """An empty gradient buffer for ``like`` [B, Hx, T, D]: in like's layout when ``follow`` and like is a
-    [B, T, Hx, D] tensor seen through a transpose (k and v as the model's projections give them: dk and dv then
-    go back to the projections' token rows without a copy), else contiguous."""
+    """An empty gradient buffer for ``like`` [B, Hx, T, D]: token rows [B, T, Hx, D] seen through a transpose when
+    ``follow`` and like is token rows (k and v as the model's projections give them: dk and dv then go back to the
+    projections' rows without a transposing copy), else contiguous."""
     B, Hx, T, D = like.shape
-    if follow and not like.is_contiguous() and like.stride() == (T * Hx * D, D, Hx * D, 1):
+    if follow and not like.is_contiguous() and _row_view(like) is not None:
         return torch.empty((B, T, Hx, D), dtype=like.dtype, device=like.device).transpose(1, 2)
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
