@@ -250,3 +250,27 @@ def test_row_view_takes_token_rows_wider_than_the_heads():
     # its gradient buffer: dense token rows seen through the same transpose (dv back to rows without a transpose)
     dv = GC.fresh_grad(v)
     assert dv.shape == v.shape and dv.stride() == (T * H * D, D, H * D, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_v_as_a_column_slice_gives_the_bits_of_v_apart_gpu():
+    """Attention at the routes the model takes on an H100/H200 (T = 1024, hd64: the Gluon forward and one-pass
+    backward) with v a column slice of the stacked q/k/v product: o, dk and dv bit for bit those of the same v
+    contiguous (dq sums by atomics: ``runs_agree``)."""
+    from xtrain.kernels.attention import gluon_onepass as OP
+
+    B, T, H, Hkv, D = 2, 1024, 4, 2, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g).bfloat16()  # noqa: E731
+    q, k, do = r(B, H, T, D), r(B, Hkv, T, D), r(B, H, T, D)
+    wide = r(B * T, (H + 2 * Hkv) * D)
+    v_slice = wide[:, (H + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)
+    v_rows = v_slice.transpose(1, 2).contiguous().transpose(1, 2)  # the same values as token rows of their own
+    outs = []
+    for v in (v_slice, v_rows):
+        o, lse = FA.flash_attention_fwd(q, k, v, True)
+        outs.append((o, *FA.flash_attention_bwd(do, q, k, v, o, lse, True)))
+    (o1, dq1, dk1, dv1), (o2, dq2, dk2, dv2) = outs
+    assert torch.equal(o1, o2) and torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
+    assert OP.runs_agree(dq1, dq2)
