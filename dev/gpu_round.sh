@@ -6,7 +6,8 @@
 #   finetune: `bench finetune` at Qwen3-0.6B's shape (FT_ARGS, e.g. "--compile-modes default --max-batch")
 #   train:    `bench train` at PRESETS (e.g. "seed:8 gpt2-small:16") with TRAIN_ARGS
 #   ab:       `bench train --torch-modes none` (the xtrain trainer alone) of an older tree (.ab/old, carried: e.g.
-#             `git archive REV xtrain bench | tar -x -C .ab/old`) and of this one, alternating, at PRESETS
+#             `git archive REV xtrain bench | tar -x -C .ab/old`), of a middle one when .ab/mid exists, and of this
+#             one, alternating, at PRESETS
 #   diag:     the probes named in DIAG (e.g. "dev/addnorm_diag.py"), each under DIAG_S seconds
 #   pytest:   pytest PYTEST_ARGS (a selection), under PYTEST_S seconds
 #   kp:       the flash/doc-mask `-m gpu` tests of another tree carried in .ab/kp (KP_S seconds), e.g.
@@ -51,8 +52,9 @@ for stage in ${STAGES:-tests serve}; do
   ab)
     for spec in ${PRESETS:-seed:8}; do
       set -- ${spec%%:*} ${spec##*:}
-      for round in 1 2; do for side in old new; do
-        root=$PWD; [ $side = old ] && root=$PWD/.ab/old
+      sides="old new"; [ -d .ab/mid ] && sides="old mid new"
+      for round in 1 2; do for side in $sides; do
+        root=$PWD; [ $side != new ] && root=$PWD/.ab/$side
         PYTHONPATH=$root timeout "${AB_S:-60}" python3 -m xtrain.cli bench train --device cuda --dtype bfloat16 \
           --preset $1 --batch-size $2 --steps 30 --warmup 3 --torch-modes none > "$OUT/ab_$1_$side$round.txt" 2>&1
         echo "ab $1 $side round $round rc $?: $(grep -E '^xtrain trainer' "$OUT/ab_$1_$side$round.txt" | head -1)"
