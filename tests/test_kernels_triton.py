@@ -213,6 +213,46 @@ def test_swiglu_on_the_halves_of_one_product_cpu():
 
 
 @needs_cpu_interp
+def test_stacked_ops_through_the_kernels_cpu(monkeypatch):
+    """``ops.qkv_norm_rope_linear`` and ``ops.swiglu_linear`` over stacked weights with their Triton kernels (the
+    route CUDA takes: q/k normed and roped from column slices of one product, dq/dk and dg/du written into the
+    slices of one gradient), through the interpreter, against the same ops on the references: outputs and every
+    gradient to fp32 rounding."""
+    import xtrain.ops as ops
+    from xtrain import Var
+
+    g = torch.Generator().manual_seed(11)
+    N, C, H, Hkv, D, F, T = 8, 16, 2, 1, 16, 24, 4
+    x0 = torch.randn(N, C, generator=g)
+    wqkv, wgu = torch.randn((H + 2 * Hkv) * D, C, generator=g) * 0.3, torch.randn(2 * F, C, generator=g) * 0.3
+    norms0 = (torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5)
+    pos = torch.arange(T)
+    table = K_qk.rope_table(pos, D, 10000.0, torch.float32)
+    cots = [torch.randn(N // T, H, T, D, generator=g), torch.randn(N // T, Hkv, T, D, generator=g),
+            torch.randn(N, Hkv * D, generator=g), torch.randn(N, F, generator=g)]  # fmt: skip
+
+    def run():
+        x, norms = Var(x0.clone(), True), [Var(n.clone(), True) for n in norms0]
+        ws = [Var(w, True) for w in (wqkv[: H * D], wqkv[H * D : (H + Hkv) * D], wqkv[(H + Hkv) * D :])]
+        wg, wu = Var(wgu[:F], True), Var(wgu[F:], True)
+        h = ops.reshape(x, (N, C))
+        outs = [*ops.qkv_norm_rope_linear(h, tuple(ws), tuple(norms), H, Hkv, (pos, table), 1e-6)]
+        outs.append(ops.swiglu_linear(h, wg, wu))
+        loss = ops.sum(ops.mul(outs[0], Var(cots[0])))
+        for o, c in zip(outs[1:], cots[1:]):
+            loss = ops.add(loss, ops.sum(ops.mul(o, Var(c))))
+        loss.backward()
+        return [o.data for o in outs] + [v.grad for v in (x, *ws, *norms, wg, wu)]
+
+    ref = run()
+    for K in (K_qk, K_sw):
+        monkeypatch.setattr(K, "use_triton", lambda *ts: True)  # CPU tensors through the kernels
+    got = run()
+    for a, b in zip(got, ref):
+        assert _scaled_err(a, b) <= CPU_TOL
+
+
+@needs_cpu_interp
 @pytest.mark.parametrize("p,seed", [(0.1, 0), (0.5, 1), (0.3, 2**64 - 1), (0.25, 0xDEADBEEF), (0.9, 2**40 + 7)])
 def test_dropout_cpu_bit_exact(p, seed):
     for shape in ((3, 7, 64), (5, 123), (1,)):  # odd element counts: a last pair with one element
