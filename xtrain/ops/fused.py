@@ -269,14 +269,10 @@ def stacked(*ts: torch.Tensor) -> torch.Tensor | None:
     storage, else None. The model hands gate/up and q/k/v so (``Model._compute_stack``: the optimizer's compute
     copies, which lie so when aligned, or casts into one buffer)."""
     a = ts[0]
+    at, ptr = a.storage_offset(), a.untyped_storage().data_ptr()
     for b in ts:
-        if not (b.dim() == 2 and b.is_contiguous() and b.shape[1:] == a.shape[1:] and b.dtype is a.dtype):
-            return None
-        if b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr():
-            return None
-    at = a.storage_offset()
-    for b in ts:
-        if b.storage_offset() != at:
+        if not (b.dim() == 2 and b.is_contiguous() and b.shape[1:] == a.shape[1:] and b.dtype is a.dtype
+                and b.untyped_storage().data_ptr() == ptr and b.storage_offset() == at):  # fmt: skip
             return None
         at += b.numel()
     return a.as_strided((sum(b.shape[0] for b in ts), a.shape[1]), a.stride())
@@ -297,9 +293,7 @@ def qkv_norm_rope_linear(x: Var, ws: tuple[Var, Var, Var], norms: tuple[Var, Var
     (three ``linear``, two ``qk_norm_rope``): the same values bit for bit as the model computed them before."""
     positions, table = rope
     wc = (None, None, None) if w_compute is None else w_compute
-    w_all = None if w_compute is None else stacked(*w_compute)
-    if w_all is None and w_compute is None:
-        w_all = stacked(*(w.data for w in ws))
+    w_all = stacked(*(tuple(w.data for w in ws) if w_compute is None else w_compute))
     if w_all is None or not (x.ndim == 2 and w_all.shape[1] == x.shape[1] and w_all.dtype is x.dtype):
         q, k, v = (linear(x, w, w_compute=c) for w, c in zip(ws, wc))
         q = qk_norm_rope(q, norms[0], H, positions, eps=eps, table=table)
@@ -337,15 +331,15 @@ def qkv_norm_rope_linear(x: Var, ws: tuple[Var, Var, Var], norms: tuple[Var, Var
         return (dx, *dws)
 
     J = Var.from_op(qkv, (x, *ws), backward, "qkv_linear")
-    (P, table_), outs = (positions, table), []
+    outs = []
     for i, (G, nw) in enumerate(((H, norms[0]), (Hkv, norms[1]))):
         xs = qkv[:, cols[i][0] : cols[i][1]]
-        y, inv = K_qk.qk_norm_rope_fwd(xs, nw.data, G, eps, P, 0.0, table_)
+        y, inv = K_qk.qk_norm_rope_fwd(xs, nw.data, G, eps, positions, 0.0, table)
 
         @adds_into
         def slice_backward(dy, acc=(None, None), i=i, G=G, nw=nw, xs=xs, inv=inv):
             buf, out = into(acc[0], i)
-            return buf, K_qk.qk_norm_rope_bwd(dy, xs, nw.data, G, inv, P, 0.0, table_, out=out)[1]
+            return buf, K_qk.qk_norm_rope_bwd(dy, xs, nw.data, G, inv, positions, 0.0, table, out=out)[1]
 
         outs.append(Var.from_op(y, (J, nw), slice_backward, "qk_norm_rope"))
 
